@@ -1,0 +1,134 @@
+"""Multiaddr parsing and ranking: the one place that decides which address to dial.
+
+The ranking follows what works for volunteers behind NAT: a direct path beats a
+relayed one (relays are cheap public boxes with little bandwidth), and a public
+address beats a private one (a private address of a remote peer is only useful
+if we happen to share its LAN). Loopback comes last, so that a peer advertising
+127.0.0.1 never shadows a real route, but still works in local swarms.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable
+from enum import IntEnum
+
+import multiaddr
+from libp2p.peer.id import ID
+from multiaddr import Multiaddr
+
+from .errors import AddressError
+
+CIRCUIT = "p2p-circuit"
+
+
+class Scope(IntEnum):
+    """How far an address can be reached from; lower is better to dial."""
+
+    PUBLIC = 0
+    PRIVATE = 1
+    LOOPBACK = 2
+    UNKNOWN = 3
+
+
+def parse_multiaddr(text: str | Multiaddr, *, what: str = "address") -> Multiaddr:
+    """Parse ``text`` or raise :class:`AddressError` naming the bad part and the fix."""
+    if isinstance(text, Multiaddr):
+        return text
+    if not isinstance(text, str) or not text.strip():
+        raise AddressError(f"empty {what}: expected a multiaddr like /ip4/1.2.3.4/tcp/4001/p2p/12D3Koo...")
+    text = text.strip()
+    if not text.startswith("/"):
+        raise AddressError(
+            f"{what} {text!r} is not a multiaddr: it must start with '/', "
+            "e.g. /ip4/1.2.3.4/tcp/4001/p2p/12D3Koo..."
+        )
+    try:
+        return Multiaddr(text)
+    except multiaddr.exceptions.Error as e:
+        raise AddressError(f"{what} {text!r} is malformed: {_reason(e)}") from e
+    except Exception as e:  # the multiaddr codecs raise assorted types on garbage
+        raise AddressError(f"{what} {text!r} is malformed: {e}") from e
+
+
+def _reason(e: Exception) -> str:
+    msg = str(e)
+    # multiaddr repeats the input; keep only the informative middle part
+    if "': " in msg:
+        msg = msg.split("': ", 1)[1]
+    return msg.split(" (string:", 1)[0]
+
+
+def peer_id_of(addr: Multiaddr) -> ID | None:
+    """The peer an address leads to: the last ``/p2p/`` component (after a circuit)."""
+    value = None
+    for proto, val in addr.items():
+        if proto.name == "p2p":
+            value = val
+    if value is None:
+        return None
+    try:
+        return ID.from_base58(str(value))
+    except Exception as e:
+        raise AddressError(f"address {addr} has an invalid peer id {value!r}") from e
+
+
+def parse_peer_addr(text: str | Multiaddr, *, what: str = "peer address") -> tuple[Multiaddr, ID]:
+    """Parse an address that must name its peer, as initial peers and dial targets do."""
+    addr = parse_multiaddr(text, what=what)
+    pid = peer_id_of(addr)
+    if pid is None:
+        raise AddressError(
+            f"{what} {addr} has no /p2p/<peer-id> part; without it the peer cannot be "
+            "authenticated. Ask its operator for the full address (`dedloc id` prints it)."
+        )
+    return addr, pid
+
+
+def without_peer_id(addr: Multiaddr) -> Multiaddr:
+    """The transport part of a direct address (what a transport dials)."""
+    if is_relayed(addr):
+        return addr
+    parts = [f"/{p.name}/{v}" if v is not None else f"/{p.name}" for p, v in addr.items() if p.name != "p2p"]
+    return Multiaddr("".join(parts))
+
+
+def with_peer_id(addr: Multiaddr, pid: ID) -> Multiaddr:
+    if peer_id_of(addr) == pid:
+        return addr
+    return addr.encapsulate(Multiaddr(f"/p2p/{pid.to_base58()}"))
+
+
+def is_relayed(addr: Multiaddr) -> bool:
+    return any(p.name == CIRCUIT for p in addr.protocols())
+
+
+def scope_of(addr: Multiaddr) -> Scope:
+    for proto, val in addr.items():
+        if proto.name in ("ip4", "ip6"):
+            ip = ipaddress.ip_address(str(val))
+            if ip.is_loopback:
+                return Scope.LOOPBACK
+            if ip.is_private or ip.is_link_local or ip.is_unspecified:
+                return Scope.PRIVATE
+            return Scope.PUBLIC
+        if proto.name in ("dns", "dns4", "dns6", "dnsaddr"):
+            return Scope.PUBLIC if str(val) != "localhost" else Scope.LOOPBACK
+    return Scope.UNKNOWN
+
+
+def is_dialable_tcp(addr: Multiaddr) -> bool:
+    names = [p.name for p in without_peer_id(addr).protocols()]
+    return len(names) == 2 and names[0] in ("ip4", "ip6", "dns", "dns4", "dns6") and names[1] == "tcp"
+
+
+def dial_rank(addr: Multiaddr) -> tuple[bool, Scope, bool]:
+    """Sort key: direct before relayed, public before private before loopback, IPv4 first."""
+    names = {p.name for p in addr.protocols()}
+    return (is_relayed(addr), scope_of(addr), "ip6" in names)
+
+
+def rank_for_dial(addrs: Iterable[Multiaddr]) -> list[Multiaddr]:
+    """Unique addresses in the order a dialer should try them."""
+    unique = {str(a): a for a in addrs}
+    return sorted(unique.values(), key=dial_rank)

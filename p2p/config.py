@@ -1,0 +1,61 @@
+"""Settings of a node, with defaults that suit a volunteer's home machine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .addresses import parse_multiaddr, parse_peer_addr
+from .errors import ConfigError
+
+
+@dataclass
+class NodeConfig:
+    """Everything :meth:`p2p.Node.open` needs; validated by :meth:`validate`.
+
+    ``identity_path`` None means a throwaway identity (tests, demos); the CLI
+    passes a persistent one so that a peer keeps its id across restarts.
+    """
+
+    identity_path: Path | None = None
+    listen: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0", "/ip6/::/tcp/0"])
+    #: Addresses to advertise instead of the listen addresses (e.g. a relay's public IP).
+    announce: list[str] = field(default_factory=list)
+    initial_peers: list[str] = field(default_factory=list)
+    #: Total time to reach at least one initial peer before :class:`BootstrapError`.
+    bootstrap_timeout: float = 30.0
+    #: First retry delay for an unreachable initial peer; doubles up to ``max_backoff``.
+    initial_backoff: float = 0.5
+    max_backoff: float = 8.0
+    #: Time for one dial of one peer (all its addresses together).
+    dial_timeout: float = 10.0
+    #: Head start each address gets before the next one is tried in parallel.
+    dial_stagger: float = 0.25
+    #: Largest single RPC message, in bytes; larger ones are refused before buffering.
+    max_message_size: int = 4 * 1024 * 1024
+    #: Deadline of RPC calls that set none.
+    rpc_timeout: float = 30.0
+    agent_version: str = "dedloc/0.1.0"
+
+    def validate(self) -> None:
+        if not self.listen:
+            raise ConfigError("no listen address: give at least one, e.g. /ip4/0.0.0.0/tcp/4001")
+        for a in self.listen:
+            addr = parse_multiaddr(a, what="listen address")
+            names = [p.name for p in addr.protocols()]
+            if names[:1] not in (["ip4"], ["ip6"]) or names[1:] != ["tcp"]:
+                raise ConfigError(
+                    f"listen address {addr} is not supported: use /ip4/<ip>/tcp/<port> "
+                    "or /ip6/<ip>/tcp/<port>"
+                )
+        for a in self.announce:
+            parse_multiaddr(a, what="announce address")
+        for a in self.initial_peers:
+            parse_peer_addr(a, what="initial peer")
+        for name in ("bootstrap_timeout", "dial_timeout", "rpc_timeout", "initial_backoff", "max_backoff"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.dial_stagger < 0:
+            raise ConfigError(f"dial_stagger must be >= 0, got {self.dial_stagger}")
+        if self.max_message_size < 1024:
+            raise ConfigError(f"max_message_size must be at least 1024 bytes, got {self.max_message_size}")

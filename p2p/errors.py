@@ -1,0 +1,36 @@
+"""The exceptions a dedloc node raises to its caller.
+
+One hierarchy, so an app embedding the node can catch :class:`DedlocError` at its
+edge and show the message: every message says what went wrong *and* what to do.
+"""
+
+from __future__ import annotations
+
+
+class DedlocError(Exception):
+    """Base class of every error dedloc raises on purpose."""
+
+
+class ConfigError(DedlocError, ValueError):
+    """A setting or argument cannot be used as given."""
+
+
+class AddressError(ConfigError):
+    """A multiaddr is malformed or cannot be used for what it was given for."""
+
+
+class IdentityError(DedlocError):
+    """The identity file is missing, unreadable, insecure or not an Ed25519 key."""
+
+
+class DialError(DedlocError, ConnectionError):
+    """No connection could be opened to a peer; ``attempts`` says why per address."""
+
+    def __init__(self, message: str, attempts: list[tuple[str, str]] | None = None):
+        self.attempts = attempts or []
+        detail = "".join(f"\n  {addr}: {why}" for addr, why in self.attempts)
+        super().__init__(message + detail)
+
+
+class BootstrapError(DialError):
+    """None of the configured initial peers could be reached."""

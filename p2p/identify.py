@@ -1,0 +1,118 @@
+"""Asking a peer who it is (libp2p identify), and checking its answer.
+
+py-libp2p runs identify in the background after each connection and quietly
+drops what does not verify. Callers here (the CLI, interop tests, later AutoNAT)
+need the answer itself and a verdict on it, so this asks explicitly and checks
+that the public key hashes to the peer id and that the signed peer record's
+signature and peer id are valid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import trio
+from libp2p.abc import IHost
+from libp2p.crypto.serialization import deserialize_public_key
+from libp2p.identity.identify.identify import ID as IDENTIFY_PROTOCOL
+from libp2p.identity.identify.pb.identify_pb2 import Identify
+from libp2p.peer.envelope import consume_envelope
+from libp2p.peer.id import ID
+from libp2p.peer.peer_record import PEER_RECORD_ENVELOPE_DOMAIN
+from libp2p.utils.varint import read_length_prefixed_protobuf
+from multiaddr import Multiaddr
+
+from .errors import DedlocError
+
+MAX_IDENTIFY_SIZE = 64 * 1024
+
+
+class IdentifyError(DedlocError):
+    """The peer's identify answer was missing, oversized or undecodable."""
+
+
+@dataclass
+class PeerIdentity:
+    """What a peer said about itself, with verdicts on what it signed."""
+
+    peer_id: ID
+    agent_version: str
+    protocol_version: str
+    protocols: list[str]
+    listen_addrs: list[Multiaddr]
+    observed_addr: Multiaddr | None
+    #: The public key was present and hashes to ``peer_id``.
+    public_key_valid: bool
+    #: A signed peer record was present, its signature verified and it names ``peer_id``.
+    signed_record_valid: bool
+    signed_record_addrs: list[Multiaddr] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+async def identify(host: IHost, peer_id: ID, *, timeout: float = 10.0) -> PeerIdentity:
+    """Open an identify stream to a connected peer and verify its answer."""
+    with trio.fail_after(timeout):
+        stream = await host.new_stream(peer_id, [IDENTIFY_PROTOCOL])
+        try:
+            data = await read_length_prefixed_protobuf(stream, use_varint_format=True, max_length=MAX_IDENTIFY_SIZE)
+        finally:
+            with trio.move_on_after(1):
+                try:
+                    await stream.close()
+                except Exception:
+                    pass
+    msg = Identify()
+    try:
+        msg.ParseFromString(data)
+    except Exception as e:
+        raise IdentifyError(f"identify answer from {peer_id} is garbled: {e}") from e
+    return verify_identify(peer_id, msg)
+
+
+def verify_identify(peer_id: ID, msg: Identify) -> PeerIdentity:
+    """Pure check of an identify message received from ``peer_id`` (no I/O)."""
+    problems: list[str] = []
+    key_ok = False
+    if msg.HasField("public_key"):
+        try:
+            key_ok = ID.from_pubkey(deserialize_public_key(msg.public_key)) == peer_id
+            if not key_ok:
+                problems.append("public key does not hash to the peer id")
+        except Exception as e:
+            problems.append(f"public key undecodable: {e}")
+    else:
+        problems.append("no public key")
+
+    record_ok = False
+    record_addrs: list[Multiaddr] = []
+    if msg.HasField("signedPeerRecord") and msg.signedPeerRecord:
+        try:
+            _, record = consume_envelope(msg.signedPeerRecord, PEER_RECORD_ENVELOPE_DOMAIN)
+            record_ok = record.peer_id == peer_id
+            record_addrs = list(record.addrs)
+            if not record_ok:
+                problems.append(f"signed peer record names another peer ({record.peer_id})")
+        except Exception as e:
+            problems.append(f"signed peer record invalid: {e}")
+    else:
+        problems.append("no signed peer record")
+
+    return PeerIdentity(
+        peer_id=peer_id,
+        agent_version=msg.agent_version,
+        protocol_version=msg.protocol_version,
+        protocols=list(msg.protocols),
+        listen_addrs=[a for a in (_maddr(b) for b in msg.listen_addrs) if a is not None],
+        observed_addr=_maddr(msg.observed_addr) if msg.HasField("observed_addr") else None,
+        public_key_valid=key_ok,
+        signed_record_valid=record_ok,
+        signed_record_addrs=record_addrs,
+        problems=problems,
+    )
+
+
+def _maddr(raw: bytes) -> Multiaddr | None:
+    try:
+        return Multiaddr(raw)
+    except Exception:
+        return None

@@ -1,0 +1,434 @@
+"""The Node: one py-libp2p host that an app opens, uses and closes inside its own trio code.
+
+Everything above (NAT traversal, the DHT, averaging, training) talks to peers
+only through a Node: its dialer, its streams and its RPC. The Node owns its
+tasks in a nursery that lives exactly as long as the ``async with`` block.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+
+import ifaddr
+import trio
+from libp2p import new_host
+from libp2p.abc import IHost, INetConn, INetStream, INetwork, INetworkService, INotifee
+from libp2p.crypto.keys import KeyPair
+from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
+from libp2p.custom_types import TProtocol
+from libp2p.host.ping import ID as PING_PROTOCOL
+from libp2p.network.config import ConnectionConfig, RetryConfig
+from libp2p.peer.id import ID
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from multiaddr import Multiaddr
+
+from . import events as ev
+from .addresses import (
+    is_relayed,
+    parse_multiaddr,
+    parse_peer_addr,
+    rank_for_dial,
+    with_peer_id,
+    without_peer_id,
+)
+from .config import NodeConfig
+from .dialer import backoff_delays, dial, live_connection
+from .errors import BootstrapError, DialError, DedlocError
+from .identify import PeerIdentity, identify
+from .identity import load_or_create_identity, new_identity, peer_id_of
+from .rpc import RPC_PROTOCOL, Rpc
+
+log = logging.getLogger(__name__)
+
+StreamHandler = Callable[[INetStream], Awaitable[None]]
+PING_SIZE = 32
+#: How long addresses learnt from a dial or an initial peer stay in the peer store.
+ADDR_TTL = 3600.0
+EVENT_BUFFER = 1024
+
+
+@dataclass
+class _Subscriber:
+    send: trio.MemorySendChannel[ev.Event]
+    dropped: int = 0
+
+
+class Node:
+    """A running dedloc peer. Create it with :meth:`open`, never directly."""
+
+    def __init__(self, config: NodeConfig, key_pair: KeyPair, host: IHost, nursery: trio.Nursery):
+        self.config = config
+        self.key_pair = key_pair
+        self.host = host
+        self.peer_id: ID = peer_id_of(key_pair)
+        self._nursery = nursery
+        self._subscribers: list[_Subscriber] = []
+        self._announce = [parse_multiaddr(a, what="announce address") for a in config.announce]
+        self.rpc = Rpc(self.new_stream, max_message_size=config.max_message_size, default_timeout=config.rpc_timeout)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, config: NodeConfig | None = None) -> AsyncIterator[Node]:
+        """Start a node, connect it to its initial peers, and close it all on exit.
+
+        Raises :class:`p2p.ConfigError` for unusable settings, :class:`p2p.IdentityError`
+        for a bad identity file and :class:`p2p.BootstrapError` when initial peers were
+        given and none answered within ``config.bootstrap_timeout``.
+        """
+        config = config or NodeConfig()
+        config.validate()
+        if config.identity_path is not None:
+            key_pair, _ = load_or_create_identity(config.identity_path)
+        else:
+            key_pair = new_identity()
+        listen = [parse_multiaddr(a, what="listen address") for a in config.listen]
+
+        holder: list[Node] = []
+        host = new_host(
+            key_pair=key_pair,
+            # Noise only: the other defaults (TLS, SECIO, plaintext) are either
+            # not interoperable or not secure, and each costs a negotiation round.
+            sec_opt={NOISE_PROTOCOL_ID: NoiseTransport(key_pair, noise_privkey=new_x25519_key_pair().private_key)},
+            muxer_preference="YAMUX",
+            listen_addrs=listen,
+            addrs_factory=lambda candidates: holder[0]._advertised(candidates) if holder else candidates,
+            # No background auto-dialing of peer-store entries: who to connect to
+            # is the app's decision (bootstrap, DHT, averaging groups).
+            connection_config=ConnectionConfig(min_connections=0, low_watermark=0, dial_timeout=config.dial_timeout),
+        )
+        network = host.get_network()
+        # The dialer retries at the peer level with its own backoff; the swarm's
+        # extra per-address retries would only delay a clear error.
+        network.retry_config = RetryConfig(max_retries=0)  # type: ignore[attr-defined]
+        bootstrap_error: BootstrapError | None = None
+        try:
+            with _unwrap_single_group():
+                async with host.run(listen), trio.open_nursery() as nursery:
+                    node = cls(config, key_pair, host, nursery)
+                    holder.append(node)
+                    node._install()
+                    node._emit(ev.Listening(peer_id=str(node.peer_id), addrs=[str(a) for a in node.addrs]))
+                    try:
+                        if config.initial_peers:
+                            await node._bootstrap()
+                    except BootstrapError as e:
+                        bootstrap_error = e
+                    else:
+                        try:
+                            yield node
+                        finally:
+                            node._emit(ev.Closed(peer_id=str(node.peer_id)))
+                            for sub in node._subscribers:
+                                sub.send.close()
+                    finally:
+                        nursery.cancel_scope.cancel()
+        except OSError as e:
+            raise DedlocError(f"cannot listen on {', '.join(map(str, listen))}: {e.strerror or e}") from e
+        if bootstrap_error is not None:
+            raise bootstrap_error
+
+    def _install(self) -> None:
+        self.host.get_network().register_notifee(_EventNotifee(self))
+        self.set_stream_handler(RPC_PROTOCOL, self.rpc.handle_stream)
+
+    # ------------------------------------------------------------------ addresses
+
+    @property
+    def addrs(self) -> list[Multiaddr]:
+        """Addresses others can dial this node at, best first, each ending in /p2p/<id>."""
+        return rank_for_dial(self.host.get_addrs())
+
+    @property
+    def listen_addrs(self) -> list[Multiaddr]:
+        """The sockets this node listens on (unspecified IPs not expanded)."""
+        return list(self.host.get_transport_addrs())  # type: ignore[attr-defined]
+
+    def observed_addrs(self) -> list[Multiaddr]:
+        """Our addresses as other peers see them (from identify); unconfirmed ones too."""
+        manager = getattr(self.host, "_observed_addr_manager", None)
+        if manager is None:
+            return []
+        return list(manager.addrs(min_observers=1))
+
+    def _advertised(self, candidates: list[Multiaddr]) -> list[Multiaddr]:
+        if self._announce:
+            return list(self._announce)
+        out: list[Multiaddr] = []
+        for addr in candidates:
+            out.extend(_expand_unspecified(addr))
+        return out
+
+    # ------------------------------------------------------------------ connections
+
+    async def connect(self, target: str | Multiaddr | ID, *, timeout: float | None = None) -> ID:
+        """Make sure a connection to a peer exists; return its peer id.
+
+        ``target`` is a full multiaddr ending in ``/p2p/<id>`` or a peer id whose
+        addresses are in the peer store. Raises :class:`DialError` (with the reason
+        per address) when no address works.
+        """
+        if isinstance(target, ID):
+            peer_id, addrs = target, []
+        else:
+            addr, peer_id = parse_peer_addr(target, what="dial target")
+            addrs = [addr]
+        if peer_id == self.peer_id:
+            raise DialError(f"refusing to dial ourselves ({peer_id})")
+        if live_connection(self.network, peer_id) is not None:
+            return peer_id
+        known = self.host.get_peerstore().addrs(peer_id) if peer_id in self.host.get_peerstore().peer_ids() else []
+        candidates = addrs + [with_peer_id(a, peer_id) for a in known]
+        if not candidates:
+            raise DialError(f"no address known for {peer_id}: give a full multiaddr")
+        started = time.perf_counter()
+        conn, used = await dial(
+            self.network,
+            peer_id,
+            candidates,
+            stagger=self.config.dial_stagger,
+            timeout=timeout or self.config.dial_timeout,
+        )
+        self.host.get_peerstore().add_addrs(peer_id, [without_peer_id(used)], ADDR_TTL)
+        self._emit(ev.PeerConnected(peer_id=str(peer_id), addr=str(used), elapsed=time.perf_counter() - started))
+        return peer_id
+
+    async def disconnect(self, peer_id: ID) -> None:
+        await self.host.disconnect(peer_id)
+
+    def connected_peers(self) -> list[ID]:
+        return [pid for pid, conns in self.network.connections.items() if conns]
+
+    @property
+    def network(self) -> INetworkService:
+        return self.host.get_network()
+
+    async def _bootstrap(self) -> None:
+        """Reach the initial peers; return once one answers, keep trying the rest."""
+        targets = [parse_peer_addr(a, what="initial peer") for a in self.config.initial_peers]
+        reached = trio.Event()
+        last_error: dict[str, str] = {}
+
+        async def keep_trying(addr: Multiaddr, deadline: float) -> None:
+            for delay in backoff_delays(self.config.initial_backoff, self.config.max_backoff):
+                try:
+                    await self.connect(addr, timeout=min(self.config.dial_timeout, max(0.1, deadline - trio.current_time())))
+                    reached.set()
+                    return
+                except DialError as e:
+                    last_error[str(addr)] = "; ".join(why for _, why in e.attempts) or str(e)
+                if trio.current_time() + delay >= deadline:
+                    return
+                await trio.sleep(delay)
+
+        deadline = trio.current_time() + self.config.bootstrap_timeout
+        async with trio.open_nursery() as attempts:
+            for addr, _ in targets:
+                attempts.start_soon(keep_trying, addr, deadline)
+            with trio.move_on_at(deadline):
+                await reached.wait()
+            if reached.is_set():
+                # The others go on in the node's nursery until their own deadline.
+                attempts.cancel_scope.cancel()
+                for addr, pid in targets:
+                    if live_connection(self.network, pid) is None:
+                        self._nursery.start_soon(keep_trying, addr, deadline)
+        if not reached.is_set():
+            raise BootstrapError(
+                f"none of the {len(targets)} initial peers could be reached within "
+                f"{self.config.bootstrap_timeout:g}s; check the addresses and that the peers are up",
+                [(a, last_error.get(a, "no answer")) for a in map(str, (t[0] for t in targets))],
+            )
+
+    # ------------------------------------------------------------------ streams
+
+    async def new_stream(self, peer_id: ID, protocol: str | Sequence[str]) -> INetStream:
+        """Open a stream to a peer (dialing it if needed) speaking ``protocol``."""
+        if live_connection(self.network, peer_id) is None:
+            await self.connect(peer_id)
+        protocols = [protocol] if isinstance(protocol, str) else list(protocol)
+        return await self.host.new_stream(peer_id, [TProtocol(p) for p in protocols])
+
+    def set_stream_handler(self, protocol: str, handler: StreamHandler) -> None:
+        """Serve ``protocol``; a handler that fails resets its stream and nothing else."""
+
+        async def guarded(stream: INetStream) -> None:
+            try:
+                await handler(stream)
+            except Exception as e:
+                log.warning("handler for %s failed: %r", protocol, e)
+                self._emit(ev.Error(message=f"handler for {protocol} failed: {e!r}", peer_id=_remote(stream)))
+                with trio.move_on_after(1):
+                    try:
+                        await stream.reset()
+                    except Exception:
+                        pass
+
+        self.host.set_stream_handler(TProtocol(protocol), guarded)
+
+    # ------------------------------------------------------------------ ping / identify
+
+    async def ping(self, peer_id: ID, *, timeout: float = 10.0) -> float:
+        """Round-trip time to a peer in seconds, over the libp2p ping protocol."""
+        with trio.fail_after(timeout):
+            stream = await self.new_stream(peer_id, PING_PROTOCOL)
+            try:
+                payload = secrets.token_bytes(PING_SIZE)
+                started = time.perf_counter()
+                await stream.write(payload)
+                echo = b""
+                while len(echo) < PING_SIZE:
+                    chunk = await stream.read(PING_SIZE - len(echo))
+                    if not chunk:
+                        raise DialError(f"{peer_id} closed the ping stream")
+                    echo += chunk
+                rtt = time.perf_counter() - started
+            finally:
+                with trio.move_on_after(1):
+                    try:
+                        await stream.close()
+                    except Exception:
+                        pass
+        if echo != payload:
+            raise DedlocError(f"{peer_id} answered ping with other bytes")
+        self._emit(ev.Ping(peer_id=str(peer_id), rtt_ms=rtt * 1e3))
+        return rtt
+
+    async def identify(self, peer_id: ID, *, timeout: float = 10.0) -> PeerIdentity:
+        """Ask a peer who it is; see :class:`p2p.identify.PeerIdentity` for the verdicts."""
+        if live_connection(self.network, peer_id) is None:
+            await self.connect(peer_id)
+        return await identify(self.host, peer_id, timeout=timeout)
+
+    # ------------------------------------------------------------------ events
+
+    @asynccontextmanager
+    async def events(self) -> AsyncIterator[trio.MemoryReceiveChannel[ev.Event]]:
+        """Subscribe to this node's events for the duration of the block.
+
+        A slow subscriber loses events (counted, never blocking the node).
+        """
+        send, receive = trio.open_memory_channel[ev.Event](EVENT_BUFFER)
+        sub = _Subscriber(send)
+        self._subscribers.append(sub)
+        try:
+            async with receive:
+                yield receive
+        finally:
+            self._subscribers.remove(sub)
+            send.close()
+
+    def _emit(self, event: ev.Event) -> None:
+        for sub in self._subscribers:
+            try:
+                sub.send.send_nowait(event)
+            except trio.WouldBlock:
+                sub.dropped += 1
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                pass
+
+
+class _EventNotifee(INotifee):
+    """Turns py-libp2p's network callbacks into node events."""
+
+    def __init__(self, node: Node):
+        self._node = node
+
+    async def connected(self, network: INetwork, conn: INetConn) -> None:
+        addr = _conn_addr(conn)
+        self._node._emit(
+            ev.ConnectionOpened(
+                peer_id=str(conn.muxed_conn.peer_id),
+                addr=str(addr),
+                direction=_direction(conn),
+                kind="relayed" if is_relayed(addr) else "direct",
+            )
+        )
+
+    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
+        addr = _conn_addr(conn)
+        self._node._emit(
+            ev.ConnectionClosed(
+                peer_id=str(conn.muxed_conn.peer_id),
+                addr=str(addr),
+                kind="relayed" if is_relayed(addr) else "direct",
+            )
+        )
+
+    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
+        pass
+
+    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
+        pass
+
+    async def listen(self, network: INetwork, multiaddr: Multiaddr) -> None:
+        pass
+
+    async def listen_close(self, network: INetwork, multiaddr: Multiaddr) -> None:
+        pass
+
+
+@contextmanager
+def _unwrap_single_group() -> Iterator[None]:
+    """Let an error from the ``async with`` body reach the caller as itself.
+
+    trio wraps everything leaving a nursery in an ExceptionGroup, even the
+    caller's own exception from inside the block; a caller of ``Node.open``
+    should be able to write ``except DialError``. Groups of several stay groups.
+    """
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+
+
+def _conn_addr(conn: INetConn) -> Multiaddr:
+    try:
+        addrs = conn.get_transport_addresses()
+        if addrs:
+            return addrs[0]
+    except Exception:
+        pass
+    return Multiaddr("/ip4/0.0.0.0/tcp/0")
+
+
+def _direction(conn: INetConn) -> str:
+    initiator = getattr(conn.muxed_conn, "is_initiator", None)
+    if initiator is None:
+        return "unknown"
+    return "outbound" if initiator else "inbound"
+
+
+def _remote(stream: INetStream) -> str | None:
+    try:
+        return str(stream.muxed_conn.peer_id)
+    except Exception:
+        return None
+
+
+def _expand_unspecified(addr: Multiaddr) -> list[Multiaddr]:
+    """0.0.0.0 / :: listen addresses stand for every local address of that family."""
+    items = list(addr.items())
+    if not items or items[0][0].name not in ("ip4", "ip6") or str(items[0][1]) not in ("0.0.0.0", "::"):
+        return [addr]
+    family6 = items[0][0].name == "ip6"
+    rest = "".join(f"/{p.name}/{v}" if v is not None else f"/{p.name}" for p, v in items[1:])
+    out = []
+    for adapter in ifaddr.get_adapters():
+        for ip in adapter.ips:
+            if family6 and isinstance(ip.ip, tuple):
+                if ip.ip[2]:  # link-local with scope id: not dialable without it
+                    continue
+                out.append(Multiaddr(f"/ip6/{ip.ip[0]}{rest}"))
+            elif not family6 and isinstance(ip.ip, str):
+                out.append(Multiaddr(f"/ip4/{ip.ip}{rest}"))
+    return out or [addr]
