@@ -32,5 +32,13 @@ class DialError(DedlocError, ConnectionError):
         super().__init__(message + detail)
 
 
+class ProtocolNotSupportedError(DedlocError):
+    """The peer answered, but speaks none of the protocols asked for."""
+
+
+class StreamOpenError(DedlocError, ConnectionError):
+    """A stream could not be opened on an existing connection."""
+
+
 class BootstrapError(DialError):
     """None of the configured initial peers could be reached."""

@@ -77,6 +77,15 @@ class Message(Event):
 
 
 @dataclass
+class PeerCount(Event):
+    """Periodic status of a long-running node: who it is connected to now."""
+
+    count: int
+    peers: list[str]
+    event: str = field(init=False, default="peer_count")
+
+
+@dataclass
 class Error(Event):
     message: str
     peer_id: str | None = None

@@ -21,7 +21,9 @@ from libp2p.abc import IHost, INetConn, INetStream, INetwork, INetworkService, I
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
 from libp2p.custom_types import TProtocol
+from libp2p.host.exceptions import StreamFailure
 from libp2p.host.ping import ID as PING_PROTOCOL
+from libp2p.protocol_muxer.exceptions import MultiselectClientError
 from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.peer.id import ID
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
@@ -39,7 +41,7 @@ from .addresses import (
 )
 from .config import NodeConfig
 from .dialer import backoff_delays, dial, live_connection
-from .errors import BootstrapError, DialError, DedlocError
+from .errors import BootstrapError, DedlocError, DialError, ProtocolNotSupportedError, StreamOpenError
 from .identify import PeerIdentity, identify
 from .identity import load_or_create_identity, new_identity, peer_id_of
 from .rpc import RPC_PROTOCOL, Rpc
@@ -76,8 +78,11 @@ class Node:
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, config: NodeConfig | None = None) -> AsyncIterator[Node]:
+    async def open(cls, config: NodeConfig | None = None, *, bootstrap: bool = True) -> AsyncIterator[Node]:
         """Start a node, connect it to its initial peers, and close it all on exit.
+
+        With ``bootstrap=False`` the caller runs :meth:`bootstrap` itself (after
+        subscribing to :meth:`events`, say).
 
         Raises :class:`p2p.ConfigError` for unusable settings, :class:`p2p.IdentityError`
         for a bad identity file and :class:`p2p.BootstrapError` when initial peers were
@@ -100,8 +105,6 @@ class Node:
             muxer_preference="YAMUX",
             listen_addrs=listen,
             addrs_factory=lambda candidates: holder[0]._advertised(candidates) if holder else candidates,
-            # No background auto-dialing of peer-store entries: who to connect to
-            # is the app's decision (bootstrap, DHT, averaging groups).
             connection_config=ConnectionConfig(min_connections=0, low_watermark=0, dial_timeout=config.dial_timeout),
         )
         network = host.get_network()
@@ -112,13 +115,15 @@ class Node:
         try:
             with _unwrap_single_group():
                 async with host.run(listen), trio.open_nursery() as nursery:
+                    # py-libp2p's auto-connector dials peer-store entries to keep
+                    # 150 connections; who to connect to is the app's decision here.
+                    await network.auto_connector.stop()  # type: ignore[attr-defined]
                     node = cls(config, key_pair, host, nursery)
                     holder.append(node)
                     node._install()
-                    node._emit(ev.Listening(peer_id=str(node.peer_id), addrs=[str(a) for a in node.addrs]))
                     try:
-                        if config.initial_peers:
-                            await node._bootstrap()
+                        if bootstrap and config.initial_peers:
+                            await node.bootstrap()
                     except BootstrapError as e:
                         bootstrap_error = e
                     else:
@@ -210,8 +215,12 @@ class Node:
     def network(self) -> INetworkService:
         return self.host.get_network()
 
-    async def _bootstrap(self) -> None:
-        """Reach the initial peers; return once one answers, keep trying the rest."""
+    async def bootstrap(self) -> None:
+        """Reach the initial peers; return once one answers, keep trying the rest.
+
+        Raises :class:`BootstrapError` with the reason per peer when none answers
+        within ``config.bootstrap_timeout``.
+        """
         targets = [parse_peer_addr(a, what="initial peer") for a in self.config.initial_peers]
         reached = trio.Event()
         last_error: dict[str, str] = {}
@@ -254,7 +263,13 @@ class Node:
         if live_connection(self.network, peer_id) is None:
             await self.connect(peer_id)
         protocols = [protocol] if isinstance(protocol, str) else list(protocol)
-        return await self.host.new_stream(peer_id, [TProtocol(p) for p in protocols])
+        try:
+            return await self.host.new_stream(peer_id, [TProtocol(p) for p in protocols])
+        except StreamFailure as e:
+            cause = e.__cause__
+            if isinstance(cause, MultiselectClientError) and "not supported" in str(cause):
+                raise ProtocolNotSupportedError(f"{peer_id} does not speak {' or '.join(protocols)}") from e
+            raise StreamOpenError(f"could not open a {' or '.join(protocols)} stream to {peer_id}: {cause or e}") from e
 
     def set_stream_handler(self, protocol: str, handler: StreamHandler) -> None:
         """Serve ``protocol``; a handler that fails resets its stream and nothing else."""
@@ -386,9 +401,12 @@ def _unwrap_single_group() -> Iterator[None]:
     try:
         yield
     except BaseExceptionGroup as group:
-        if len(group.exceptions) == 1:
-            raise group.exceptions[0] from None
-        raise
+        inner: BaseException = group
+        while isinstance(inner, BaseExceptionGroup) and len(inner.exceptions) == 1:
+            inner = inner.exceptions[0]
+        if inner is group:
+            raise
+        raise inner from None
 
 
 def _conn_addr(conn: INetConn) -> Multiaddr:

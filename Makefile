@@ -1,0 +1,59 @@
+# One entry point for people and CI. `make demo` and `make test` work on a fresh
+# machine: they create the venv, install everything (apt packages as root too).
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+APT_PACKAGES := nftables iproute2
+
+.PHONY: all venv system-deps interop-deps demo test test-fast bench proto typecheck clean
+
+all: test
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first and pinned: the CPU build on local disk; an unpinned one pulls GBs.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev,train]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# Network namespaces and nftables for the NAT testbed; skipped when not root.
+system-deps:
+	@if [ "$$(id -u)" = 0 ]; then \
+	  missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	  if [ -n "$$missing" ]; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
+	      || echo "warning: could not install$$missing; NAT tests will skip"; \
+	  fi; \
+	else echo "not root: skipping apt packages ($(APT_PACKAGES)); NAT tests will skip"; fi
+
+interop-deps:
+	bash interop/setup.sh
+
+## Live local swarm on loopback: a bootstrap node and several peers.
+demo: venv
+	$(VENV)/bin/dedloc demo
+
+## The whole suite, as CI runs it.
+test: venv system-deps interop-deps
+	$(PY) -m pytest -q -p no:cacheprovider
+
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow and not interop"
+
+bench: venv
+	$(PY) bench/throughput.py
+
+## Regenerate protobuf code (checked in) from every .proto file.
+proto: venv
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --mypy_out=. $$(git ls-files '*.proto')
+
+typecheck: venv
+	$(PY) -m mypy p2p nat averaging training
+
+clean:
+	rm -rf $(VENV) interop/node_modules interop/.node .pytest_cache .mypy_cache

@@ -1,0 +1,298 @@
+"""The ``dedloc`` command: run a node from a shell, or follow one from a script.
+
+Every long-running command prints human-readable lines, or with ``--json`` one
+JSON object per line for each event (``docs/CLI.md`` lists them), so monitoring
+can follow a node without parsing prose.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from . import events as ev
+from .addresses import parse_peer_addr
+from .config import NodeConfig
+from .errors import DedlocError
+from .identity import default_identity_path, load_or_create_identity, peer_id_of
+from .node import Node
+from .peer_exchange import PeerExchange
+
+DESCRIPTION = """\
+dedloc: train neural networks together over the internet, peer to peer.
+
+Start with `dedloc demo` to see a small swarm run on this machine. To join a
+real swarm, ask its operator for a bootstrap address and run
+`dedloc peer --initial-peers <address>`. To host one, run `dedloc relay` on a
+machine with a public IP and give people the address it prints.
+"""
+
+RELAY_LISTEN = ["/ip4/0.0.0.0/tcp/4001", "/ip6/::/tcp/4001"]
+PEER_LISTEN = ["/ip4/0.0.0.0/tcp/0", "/ip6/::/tcp/0"]
+
+
+class Output:
+    """Writes events as JSON lines or as short human-readable lines."""
+
+    def __init__(self, json_mode: bool, stream: Any = None):
+        self.json_mode = json_mode
+        self.stream = stream or sys.stdout
+
+    def event(self, event: ev.Event) -> None:
+        if self.json_mode:
+            print(event.to_json(), file=self.stream, flush=True)
+        else:
+            text = human(event)
+            if text:
+                print(text, file=self.stream, flush=True)
+
+    def info(self, text: str, **fields: Any) -> None:
+        """A one-off result (``dedloc id``): prose for people, an object for scripts."""
+        if self.json_mode:
+            print(json.dumps(fields), file=self.stream, flush=True)
+        else:
+            print(text, file=self.stream, flush=True)
+
+
+def human(event: ev.Event) -> str:
+    match event:
+        case ev.Listening(peer_id=pid, addrs=addrs):
+            lines = [f"peer id {pid}", "listening on (give one of these to others):"]
+            lines += [f"  {a}" for a in addrs]
+            return "\n".join(lines)
+        case ev.PeerConnected(peer_id=pid, addr=addr, elapsed=t):
+            return f"connected to {_short(pid)} at {addr} in {t * 1e3:.1f} ms"
+        case ev.ConnectionOpened(peer_id=pid, direction=d, kind=k, addr=addr):
+            return f"+ {d} {k} connection {_short(pid)} {addr}"
+        case ev.ConnectionClosed(peer_id=pid, kind=k):
+            return f"- {k} connection closed {_short(pid)}"
+        case ev.Ping(peer_id=pid, rtt_ms=rtt):
+            return f"ping {_short(pid)}: {rtt:.2f} ms"
+        case ev.Message(peer_id=pid, text=text):
+            return f"message from {_short(pid)}: {text}"
+        case ev.PeerCount(count=n, peers=peers):
+            return f"serving {n} peer{'s' if n != 1 else ''}" + (f": {', '.join(map(_short, peers))}" if peers else "")
+        case ev.Error(message=msg):
+            return f"error: {msg}"
+        case ev.Closed():
+            return "node stopped"
+    return ""
+
+
+def _short(pid: str | None) -> str:
+    return f"…{pid[-8:]}" if pid else "?"
+
+
+# ---------------------------------------------------------------------- commands
+
+
+def _config(args: argparse.Namespace, default_listen: list[str]) -> NodeConfig:
+    identity = None if getattr(args, "ephemeral", False) else args.identity
+    return NodeConfig(
+        identity_path=identity,
+        listen=args.listen or default_listen,
+        announce=args.announce or [],
+        initial_peers=getattr(args, "initial_peers", None) or [],
+        bootstrap_timeout=getattr(args, "bootstrap_timeout", 30.0),
+    )
+
+
+async def cmd_id(args: argparse.Namespace, out: Output) -> int:
+    key_pair, created = load_or_create_identity(args.identity)
+    pid = peer_id_of(key_pair)
+    verb = "created" if created else "loaded"
+    out.info(
+        f"{pid}\n({verb} {args.identity})",
+        peer_id=str(pid),
+        identity_path=str(args.identity),
+        created=created,
+    )
+    return 0
+
+
+async def _follow(node: Node, out: Output, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async with node.events() as events:
+        task_status.started()
+        async for event in events:
+            out.event(event)
+
+
+async def _serve(node: Node, out: Output, duration: float | None, status_every: float) -> None:
+    """Print events and a periodic peer count until ``duration`` (or Ctrl-C)."""
+
+    async def report() -> None:
+        while True:
+            await trio.sleep(status_every)
+            peers = [str(p) for p in node.connected_peers()]
+            node._emit(ev.PeerCount(count=len(peers), peers=peers))
+
+    async def stop_on_sigterm(cancel: trio.CancelScope) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM) as signals:
+            async for _ in signals:
+                cancel.cancel()
+
+    with trio.move_on_after(duration if duration is not None else float("inf")):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stop_on_sigterm, nursery.cancel_scope)
+            if status_every > 0:
+                nursery.start_soon(report)
+            await trio.sleep_forever()
+
+
+async def cmd_relay(args: argparse.Namespace, out: Output) -> int:
+    config = _config(args, RELAY_LISTEN)
+    async with trio.open_nursery() as nursery:
+        async with Node.open(config) as node:
+            await nursery.start(_follow, node, out)
+            out.event(ev.Listening(peer_id=str(node.peer_id), addrs=[str(a) for a in node.addrs]))
+            PeerExchange(node).serve()
+            await _serve(node, out, args.duration, args.status_interval)
+        nursery.cancel_scope.cancel()
+    return 0
+
+
+async def cmd_peer(args: argparse.Namespace, out: Output) -> int:
+    config = _config(args, PEER_LISTEN)
+    async with trio.open_nursery() as nursery:
+        # Follow events from the start, so bootstrap progress is visible.
+        async with Node.open(config, bootstrap=False) as node:
+            await nursery.start(_follow, node, out)
+            out.event(ev.Listening(peer_id=str(node.peer_id), addrs=[str(a) for a in node.addrs]))
+            await node.bootstrap()
+            exchange = PeerExchange(node, greeting=args.message)
+            exchange.serve()
+            nursery.start_soon(exchange.run, args.exchange_interval)
+            await _serve(node, out, args.duration, args.status_interval)
+        nursery.cancel_scope.cancel()
+    return 0
+
+
+async def cmd_ping(args: argparse.Namespace, out: Output) -> int:
+    _, target = parse_peer_addr(args.address, what="address to ping")
+    config = NodeConfig(listen=args.listen or ["/ip4/0.0.0.0/tcp/0"], dial_timeout=args.timeout)
+    async with trio.open_nursery() as nursery:
+        async with Node.open(config) as node:
+            await nursery.start(_follow, node, out)
+            await node.connect(args.address)
+            for i in range(args.count):
+                if i:
+                    await trio.sleep(args.interval)
+                await node.ping(target, timeout=args.timeout)
+            await trio.sleep(0)  # let the last event reach the printer
+        nursery.cancel_scope.cancel()
+    return 0
+
+
+async def cmd_demo(args: argparse.Namespace, out: Output) -> int:
+    from .demo import run_demo
+
+    return await run_demo(peers=args.peers, duration=args.duration, out=out)
+
+
+# ---------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dedloc", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: py-libp2p's too)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def common(p: argparse.ArgumentParser, *, node: bool = True) -> None:
+        p.add_argument("--json", action="store_true", help="print one JSON object per line for each event (see docs/CLI.md)")
+        p.add_argument(
+            "--identity", type=Path, default=default_identity_path(), metavar="PATH",
+            help="identity key file, created on first use with mode 0600 (default: %(default)s)",
+        )
+        if node:
+            p.add_argument("--listen", action="append", metavar="MULTIADDR", help="address to listen on (repeatable)")
+            p.add_argument("--announce", action="append", metavar="MULTIADDR",
+                           help="address to advertise instead of the listen addresses (repeatable), e.g. a public IP")
+            p.add_argument("--duration", type=float, default=None, metavar="SECONDS", help="exit after this long (default: run until Ctrl-C)")
+            p.add_argument("--status-interval", type=float, default=10.0, metavar="SECONDS", help="how often to report the peer count (0: never)")
+            p.add_argument("--ephemeral", action="store_true", help="use a throwaway identity instead of --identity")
+
+    p = sub.add_parser("id", help="show this machine's peer id, creating the identity on first run",
+                       description="Print the peer id of the identity file, creating a new Ed25519 identity if there is none.")
+    common(p, node=False)
+    p.set_defaults(func=cmd_id)
+
+    p = sub.add_parser("relay", help="run a public bootstrap node that others join through",
+                       description="Run a bootstrap node on a machine others can reach. It prints the addresses "
+                       "to give to peers. NAT relay service arrives in a later release.")
+    common(p)
+    p.set_defaults(func=cmd_relay)
+
+    p = sub.add_parser("peer", help="join a swarm through one or more initial peers",
+                       description="Join a swarm: connect to the initial peers, learn the other peers from them and connect to those.")
+    common(p)
+    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MULTIADDR",
+                   help="full addresses of bootstrap nodes, ending in /p2p/<peer-id>")
+    p.add_argument("--bootstrap-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="give up if no initial peer answers within this time (default: %(default)s)")
+    p.add_argument("--exchange-interval", type=float, default=5.0, metavar="SECONDS",
+                   help="how often to ask connected peers for more peers (default: %(default)s)")
+    p.add_argument("--message", default=None, metavar="TEXT", help="send this greeting to every peer met")
+    p.set_defaults(func=cmd_peer)
+
+    p = sub.add_parser("ping", help="measure the round-trip time to a peer",
+                       description="Connect to a peer with a throwaway identity and ping it.")
+    p.add_argument("address", metavar="MULTIADDR", help="the peer's full address, ending in /p2p/<peer-id>")
+    p.add_argument("-c", "--count", type=int, default=4, help="number of pings (default: %(default)s)")
+    p.add_argument("-i", "--interval", type=float, default=1.0, metavar="SECONDS", help="time between pings")
+    p.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS", help="give up on one dial or ping after this long")
+    p.add_argument("--listen", action="append", metavar="MULTIADDR", help=argparse.SUPPRESS)
+    p.add_argument("--json", action="store_true", help="print one JSON object per line for each event")
+    p.set_defaults(func=cmd_ping)
+
+    p = sub.add_parser("demo", help="start a live local swarm on loopback (a bootstrap node and several peers)",
+                       description="Start, on 127.0.0.1 only, a bootstrap node and several peers in their own processes; "
+                       "they find each other, exchange messages, and everything stops after --duration or on Ctrl-C.")
+    p.add_argument("--peers", type=int, default=4, help="number of peers besides the bootstrap node (default: %(default)s)")
+    p.add_argument("--duration", type=float, default=20.0, metavar="SECONDS", help="stop after this long (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the nodes' events as JSON lines")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.verbose)
+    out = Output(getattr(args, "json", False))
+    func: Callable[[argparse.Namespace, Output], Any] = args.func
+    try:
+        return int(trio.run(func, args, out))
+    except KeyboardInterrupt:
+        out.event(ev.Error(message="interrupted"))
+        return 130
+    except DedlocError as e:
+        if out.json_mode:
+            out.event(ev.Error(message=str(e)))
+        else:
+            print(f"dedloc: error: {e}", file=sys.stderr)
+        return 1
+    except BaseExceptionGroup as group:  # several failures at once: show each
+        for exc in group.exceptions:
+            print(f"dedloc: error: {exc!r}", file=sys.stderr)
+        return 1
+
+
+def _setup_logging(verbose: int) -> None:
+    logging.basicConfig(level=logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    # py-libp2p logs every failed dial attempt at ERROR; dedloc reports those itself.
+    logging.getLogger("libp2p").setLevel(logging.CRITICAL if verbose < 2 else logging.DEBUG)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""``dedloc demo``: a live swarm on loopback, one process per node.
+
+It runs the very commands a user would (``dedloc relay`` and ``dedloc peer``,
+each with ``--json``) and follows their event lines, so the demo exercises the
+product, not a special path. Everything binds to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+START_TIMEOUT = 60.0
+
+
+@dataclass
+class _Member:
+    name: str
+    process: trio.Process
+    peer_id: str = ""
+    addrs: list[str] = field(default_factory=list)
+    connected: set[str] = field(default_factory=set)
+    heard_from: set[str] = field(default_factory=set)
+
+
+def _command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "p2p.cli", *args]
+
+
+async def _lines(stream: trio.abc.ReceiveStream) -> AsyncIterator[str]:
+    buffer = b""
+    while True:
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            if buffer:
+                yield buffer.decode(errors="replace")
+            return
+        buffer += chunk
+        *complete, buffer = buffer.split(b"\n")
+        for line in complete:
+            yield line.decode(errors="replace")
+
+
+async def run_demo(*, peers: int, duration: float, out: Any) -> int:
+    """Start a bootstrap node and ``peers`` peers; return 0 once they form a full mesh."""
+    if peers < 1:
+        print("demo: need at least one peer", file=sys.stderr)
+        return 2
+    say = _Say(out.json_mode)
+    members: dict[str, _Member] = {}
+    names: dict[str, str] = {}  # peer id -> name
+    done = trio.Event()
+
+    def complete() -> bool:
+        peer_members = [m for m in members.values() if m.name != "bootstrap"]
+        if len(peer_members) < peers or not all(m.peer_id for m in peer_members):
+            return False
+        everyone = {m.peer_id for m in members.values()}
+        others = {m.peer_id for m in peer_members}
+        return all(
+            (everyone - {m.peer_id}) <= m.connected and (others - {m.peer_id}) <= m.heard_from
+            for m in peer_members
+        )
+
+    async def follow(member: _Member, ready: trio.Event) -> None:
+        assert member.process.stdout is not None
+        async for line in _lines(member.process.stdout):
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            kind = event.get("event")
+            if out.json_mode:
+                print(json.dumps({"node": member.name, **event}), flush=True)
+            if kind == "listening":
+                member.peer_id, member.addrs = event["peer_id"], event["addrs"]
+                names[member.peer_id] = member.name
+                ready.set()
+                say(f"{member.name:>9} up   {member.peer_id}")
+            elif kind == "connection_opened":
+                member.connected.add(event["peer_id"])
+                say(f"{member.name:>9} ⇄    {names.get(event['peer_id'], event['peer_id'][-8:])} ({event['direction']})")
+            elif kind == "connection_closed":
+                member.connected.discard(event["peer_id"])
+            elif kind == "message":
+                member.heard_from.add(event["peer_id"])
+                say(f"{member.name:>9} got  \"{event['text']}\" from {names.get(event['peer_id'], '?')}")
+            elif kind == "error":
+                say(f"{member.name:>9} error: {event['message']}")
+            if complete():
+                done.set()
+
+    async def start(nursery: trio.Nursery, name: str, *args: str) -> _Member:
+        process = await trio.lowlevel.open_process(
+            _command(*args, "--json", "--listen", LOOPBACK, "--ephemeral"),
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+        )
+        member = _Member(name, process)
+        members[name] = member
+        ready = trio.Event()
+        nursery.start_soon(follow, member, ready)
+        with trio.fail_after(START_TIMEOUT):
+            await ready.wait()
+        return member
+
+    say(f"starting a bootstrap node and {peers} peers on 127.0.0.1 (Ctrl-C stops)")
+    ok = False
+    try:
+        async with trio.open_nursery() as nursery:
+            try:
+                boot = await start(nursery, "bootstrap", "relay", "--status-interval", "0")
+                boot_addr = next(a for a in boot.addrs if "/ip4/127.0.0.1/" in a)
+                async with trio.open_nursery() as starters:
+                    for i in range(1, peers + 1):
+                        starters.start_soon(
+                            start, nursery, f"peer-{i}", "peer", "--initial-peers", boot_addr,
+                            "--message", f"hello from peer-{i}", "--exchange-interval", "1", "--status-interval", "0",
+                        )
+                with trio.move_on_after(duration):
+                    await done.wait()
+                ok = done.is_set()
+            finally:
+                for member in members.values():
+                    _stop(member.process)
+                nursery.cancel_scope.cancel()
+    finally:
+        for member in members.values():
+            with trio.CancelScope(shield=True), trio.move_on_after(10):
+                await member.process.wait()
+    if ok:
+        say(f"swarm formed: {peers + 1} nodes, every peer connected to every other and heard every greeting")
+        return 0
+    missing = {m.name: sorted(names.get(p, p) for p in m.connected) for m in members.values()}
+    say(f"swarm did not form within {duration:g}s; connections seen: {missing}")
+    return 1
+
+
+def _stop(process: trio.Process) -> None:
+    if process.returncode is None:
+        try:
+            process.terminate()
+        except ProcessLookupError:
+            pass
+
+
+class _Say:
+    """Progress for people; silent in --json mode (the events speak there)."""
+
+    def __init__(self, json_mode: bool):
+        self.json_mode = json_mode
+
+    def __call__(self, text: str) -> None:
+        if not self.json_mode:
+            print(text, flush=True)

@@ -1,0 +1,114 @@
+"""Peer exchange: learn the swarm's other members from the peers already known.
+
+A newcomer knows only its initial peers. Until the DHT lands, it asks them (and
+then everyone it meets) for the peers they are connected to, and dials those.
+Answers are untrusted input: the counts are capped, unparsable entries are
+skipped, and a peer can only make us dial addresses, never lose state.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import trio
+from libp2p.peer.id import ID
+from multiaddr import Multiaddr
+
+from . import events as ev
+from .addresses import is_relayed, rank_for_dial, with_peer_id
+from .dialer import live_connection
+from .errors import DedlocError
+from .node import Node
+from .proto.peer_exchange_pb2 import Ack, Greeting, PeerRecord, PeersRequest, PeersResponse
+from .rpc import RpcContext, RpcError
+
+log = logging.getLogger(__name__)
+
+PEERS_METHOD = "px.peers"
+GREET_METHOD = "px.greet"
+MAX_PEERS = 64
+MAX_ADDRS_PER_PEER = 8
+MAX_GREETING = 280
+
+
+class PeerExchange:
+    """Serves ``px.peers`` / ``px.greet`` and, with :meth:`run`, keeps meeting peers."""
+
+    def __init__(self, node: Node, *, greeting: str | None = None, max_peers: int = MAX_PEERS):
+        self.node = node
+        self.greeting = greeting
+        self.max_peers = max_peers
+        self._greeted: set[ID] = set()
+
+    def serve(self) -> None:
+        self.node.rpc.add_unary(PEERS_METHOD, PeersRequest, self._handle_peers)
+        self.node.rpc.add_unary(GREET_METHOD, Greeting, self._handle_greet)
+
+    async def _handle_peers(self, request: PeersRequest, ctx: RpcContext) -> PeersResponse:
+        limit = min(request.limit or self.max_peers, self.max_peers)
+        store = self.node.host.get_peerstore()
+        records = []
+        for pid in self.node.connected_peers():
+            if pid == ctx.peer_id:
+                continue
+            addrs = [a for a in store.addrs(pid) if not is_relayed(a)][:MAX_ADDRS_PER_PEER]
+            if addrs:
+                records.append(PeerRecord(peer_id=pid.to_bytes(), addrs=[a.to_bytes() for a in addrs]))
+        random.shuffle(records)
+        return PeersResponse(peers=records[:limit])
+
+    async def _handle_greet(self, request: Greeting, ctx: RpcContext) -> Ack:
+        self.node._emit(ev.Message(peer_id=str(ctx.peer_id), text=request.text[:MAX_GREETING]))
+        return Ack()
+
+    async def ask(self, peer_id: ID, *, timeout: float = 10.0) -> list[tuple[ID, list[Multiaddr]]]:
+        """The peers ``peer_id`` knows, parsed and capped; bad entries are dropped."""
+        response = await self.node.rpc.call(peer_id, PEERS_METHOD, PeersRequest(limit=self.max_peers), PeersResponse, timeout=timeout)
+        found = []
+        for record in response.peers[: self.max_peers]:
+            try:
+                pid = ID(record.peer_id)
+                addrs = [Multiaddr(raw) for raw in record.addrs[:MAX_ADDRS_PER_PEER]]
+            except Exception:
+                log.debug("skipping a malformed peer record from %s", peer_id)
+                continue
+            if pid != self.node.peer_id and addrs:
+                found.append((pid, addrs))
+        return found
+
+    async def greet(self, peer_id: ID, text: str, *, timeout: float = 10.0) -> None:
+        await self.node.rpc.call(peer_id, GREET_METHOD, Greeting(text=text[:MAX_GREETING]), Ack, timeout=timeout)
+
+    async def exchange_once(self) -> int:
+        """Ask every connected peer for more peers, dial the new ones; return how many."""
+        new = 0
+        for peer in self.node.connected_peers():
+            try:
+                found = await self.ask(peer)
+            except (RpcError, DedlocError, trio.TooSlowError) as e:
+                log.debug("peer exchange with %s failed: %s", peer, e)
+                continue
+            for pid, addrs in found:
+                if live_connection(self.node.network, pid) is not None:
+                    continue
+                try:
+                    await self.node.connect(rank_for_dial(with_peer_id(a, pid) for a in addrs)[0])
+                    new += 1
+                except DedlocError as e:
+                    log.debug("could not reach %s learnt from %s: %s", pid, peer, e)
+        if self.greeting is not None:
+            for peer in self.node.connected_peers():
+                if peer not in self._greeted:
+                    self._greeted.add(peer)
+                    try:
+                        await self.greet(peer, self.greeting)
+                    except (RpcError, DedlocError, trio.TooSlowError) as e:
+                        log.debug("greeting %s failed: %s", peer, e)
+        return new
+
+    async def run(self, interval: float) -> None:
+        """Exchange peers forever, every ``interval`` seconds (give it a nursery)."""
+        while True:
+            await self.exchange_once()
+            await trio.sleep(interval)

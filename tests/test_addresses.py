@@ -1,0 +1,71 @@
+import pytest
+from multiaddr import Multiaddr
+
+from p2p import AddressError, ConfigError, NodeConfig
+from p2p.addresses import parse_multiaddr, parse_peer_addr, peer_id_of, rank_for_dial, without_peer_id
+
+PID = "12D3KooWAo3ri4EzVWfJYX8eEzWhSWFS2AVgeDMWHwctyh9NBviu"
+RELAY = "12D3KooWSyYkWiHaigVYnh5V9euFA7LuYUQfHZu3max1DQwxvN1e"
+
+
+@pytest.mark.parametrize(
+    "text, reason",
+    [
+        ("", "empty"),
+        ("127.0.0.1:4001", "must start with '/'"),
+        ("/ip4/999.1.1.1/tcp/1", "not IPv4"),
+        ("/ip4/1.2.3.4/tcp/99999", "range"),
+        ("/garbage/1", "unknown protocol"),
+        (f"/ip4/1.2.3.4/tcp/1/p2p/notapeer", "CID"),
+    ],
+)
+def test_malformed_multiaddrs_get_clear_errors(text, reason):
+    with pytest.raises(AddressError, match=reason):
+        parse_multiaddr(text)
+
+
+def test_peer_address_needs_peer_id():
+    with pytest.raises(AddressError, match="no /p2p/"):
+        parse_peer_addr("/ip4/1.2.3.4/tcp/4001")
+    addr, pid = parse_peer_addr(f"/ip4/1.2.3.4/tcp/4001/p2p/{PID}")
+    assert str(pid) == PID
+    assert str(without_peer_id(addr)) == "/ip4/1.2.3.4/tcp/4001"
+
+
+def test_circuit_address_names_the_target_not_the_relay():
+    addr = Multiaddr(f"/ip4/1.2.3.4/tcp/1/p2p/{RELAY}/p2p-circuit/p2p/{PID}")
+    assert str(peer_id_of(addr)) == PID
+
+
+def test_ranking_direct_before_relayed_public_before_private():
+    addrs = [
+        Multiaddr(f"/ip4/1.2.3.4/tcp/1/p2p/{RELAY}/p2p-circuit/p2p/{PID}"),
+        Multiaddr("/ip4/127.0.0.1/tcp/5"),
+        Multiaddr("/ip4/192.168.1.10/tcp/5"),
+        Multiaddr("/ip6/2606:4700::1111/tcp/5"),
+        Multiaddr("/ip4/8.8.4.4/tcp/5"),
+        Multiaddr("/ip4/10.0.0.1/tcp/5"),
+    ]
+    ranked = [str(a) for a in rank_for_dial(addrs)]
+    assert ranked[0] == "/ip4/8.8.4.4/tcp/5"  # public IPv4 first
+    assert ranked[1] == "/ip6/2606:4700::1111/tcp/5"
+    assert set(ranked[2:4]) == {"/ip4/192.168.1.10/tcp/5", "/ip4/10.0.0.1/tcp/5"}
+    assert ranked[4] == "/ip4/127.0.0.1/tcp/5"
+    assert "p2p-circuit" in ranked[5]
+    assert len(rank_for_dial(addrs + addrs)) == len(addrs)  # duplicates collapse
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"listen": ["/ip4/1.2.3.4/udp/5"]}, "not supported"),
+        ({"listen": []}, "no listen address"),
+        ({"initial_peers": ["/ip4/1.2.3.4/tcp/5"]}, "no /p2p/"),
+        ({"initial_peers": ["nonsense"]}, "not a multiaddr"),
+        ({"dial_timeout": 0}, "positive"),
+        ({"max_message_size": 10}, "at least"),
+    ],
+)
+def test_config_validation(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        NodeConfig(**kwargs).validate()

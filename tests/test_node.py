@@ -1,0 +1,213 @@
+"""The Node against real peers on loopback: connect, bootstrap, streams, bad input."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import trio
+
+from p2p import BootstrapError, DialError, Node
+from p2p.errors import ProtocolNotSupportedError
+from p2p import events as ev
+
+from .conftest import LOOPBACK6, loopback_config, open_nodes
+
+
+async def test_connect_ping_identify(node_pair):
+    a, b = node_pair
+    assert a.peer_id in b.connected_peers()
+    rtt = await b.ping(a.peer_id)
+    assert 0 < rtt < 5
+    info = await b.identify(a.peer_id)
+    assert info.public_key_valid and info.signed_record_valid, info.problems
+    assert "/ipfs/ping/1.0.0" in info.protocols and "/dedloc/rpc/1.0.0" in info.protocols
+    assert any(str(x) in {str(y) for y in info.signed_record_addrs} for x in a.addrs)
+
+
+async def test_addresses_carry_peer_id_and_expand_nothing_on_loopback():
+    async with open_nodes(1) as (a,):
+        assert a.addrs and all(str(x).endswith(f"/p2p/{a.peer_id}") for x in a.addrs)
+        assert all("/ip4/127.0.0.1/tcp/" in str(x) for x in a.addrs)
+
+
+async def test_unspecified_listen_address_is_advertised_as_real_addresses():
+    async with open_nodes(1, listen=["/ip4/0.0.0.0/tcp/0"]) as (a,):
+        assert a.addrs
+        assert not any("/ip4/0.0.0.0/" in str(x) for x in a.addrs)
+        assert any("/ip4/127.0.0.1/" in str(x) for x in a.addrs)
+
+
+async def test_announce_replaces_advertised_addresses():
+    async with open_nodes(1, announce=["/ip4/203.0.113.7/tcp/4001"]) as (a,):
+        assert [str(x) for x in a.addrs] == [f"/ip4/203.0.113.7/tcp/4001/p2p/{a.peer_id}"]
+
+
+async def test_ipv6_loopback():
+    async with open_nodes(2, listen=[LOOPBACK6]) as (a, b):
+        assert "/ip6/::1/" in str(a.addrs[0])
+        await b.connect(a.addrs[0])
+        assert await b.ping(a.peer_id) > 0
+
+
+async def test_identity_file_keeps_peer_id_across_restarts(tmp_path):
+    path = tmp_path / "id.key"
+    async with Node.open(loopback_config(identity_path=path)) as first:
+        pid = first.peer_id
+    async with Node.open(loopback_config(identity_path=path)) as second:
+        assert second.peer_id == pid
+
+
+async def test_wrong_peer_id_is_refused_and_node_keeps_serving():
+    async with open_nodes(3) as (a, b, c):
+        transport = str(a.addrs[0]).split("/p2p/")[0]
+        with pytest.raises(DialError):
+            await b.connect(f"{transport}/p2p/{c.peer_id}")
+        assert c.peer_id not in b.connected_peers()
+        await b.connect(a.addrs[0])
+        assert await b.ping(a.peer_id) > 0
+
+
+async def test_unreachable_peer_gives_clear_error_per_address():
+    with socket.socket() as s:  # a port that nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    async with open_nodes(2) as (a, b):
+        target = f"/ip4/127.0.0.1/tcp/{port}/p2p/{a.peer_id}"
+        with pytest.raises(DialError) as info:
+            await b.connect(target)
+        assert info.value.attempts and info.value.attempts[0][0] == target
+        assert str(port) in str(info.value)
+
+
+async def test_dead_first_address_falls_through_at_once():
+    """A refused address must start the next attempt at once, not after the stagger."""
+    async with open_nodes(1, listen=[LOOPBACK6]) as (a,):
+        async with open_nodes(1, dial_stagger=60.0) as (b,):
+            store = b.host.get_peerstore()
+            live = str(a.addrs[0]).split("/p2p/")[0]
+            from multiaddr import Multiaddr
+
+            store.add_addrs(a.peer_id, [Multiaddr("/ip4/127.0.0.1/tcp/1"), Multiaddr(live)], 60)
+            with trio.fail_after(30):  # 60 s stagger: finishing at all proves the fall-through
+                await b.connect(a.peer_id)
+            assert a.peer_id in b.connected_peers()
+
+
+async def test_success_does_not_wait_for_the_stagger():
+    """py-libp2p 0.8.1's dial_peer waits out its 250 ms stagger even on success."""
+    async with open_nodes(2, dial_stagger=60.0) as (a, b):
+        with trio.fail_after(30):
+            await b.connect(a.addrs[0])
+
+
+async def test_bootstrap_connects_to_initial_peers():
+    async with open_nodes(2) as (a, b):
+        async with Node.open(loopback_config(initial_peers=[str(a.addrs[0]), str(b.addrs[0])])) as c:
+            assert a.peer_id in c.connected_peers() or b.peer_id in c.connected_peers()
+            with trio.fail_after(20):
+                while not {a.peer_id, b.peer_id} <= set(c.connected_peers()):
+                    await trio.sleep(0.05)
+
+
+async def test_bootstrap_fails_clearly_when_no_initial_peer_answers():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dead = f"/ip4/127.0.0.1/tcp/{port}/p2p/12D3KooWAo3ri4EzVWfJYX8eEzWhSWFS2AVgeDMWHwctyh9NBviu"
+    with trio.fail_after(30):
+        with pytest.raises(BootstrapError, match="none of the 1 initial peers") as info:
+            async with Node.open(loopback_config(initial_peers=[dead], bootstrap_timeout=1.5, initial_backoff=0.2)):
+                pass
+    assert dead in str(info.value)
+
+
+async def test_bootstrap_retries_until_a_late_peer_comes_up(tmp_path):
+    """An initial peer that starts after us is reached by the retry with backoff."""
+    key = tmp_path / "late.key"
+    async with Node.open(loopback_config(identity_path=key)) as probe:
+        late_pid = probe.peer_id
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    late_addr = f"/ip4/127.0.0.1/tcp/{port}"
+
+    async with trio.open_nursery() as nursery:
+        async def late_peer(task_status=trio.TASK_STATUS_IGNORED):
+            await trio.sleep(1.0)
+            async with Node.open(loopback_config(identity_path=key, listen=[late_addr])) as node:
+                task_status.started()
+                await trio.sleep_forever()
+
+        nursery.start_soon(late_peer)
+        with trio.fail_after(30):
+            async with Node.open(
+                loopback_config(initial_peers=[f"{late_addr}/p2p/{late_pid}"], bootstrap_timeout=20, initial_backoff=0.2)
+            ) as node:
+                assert late_pid in node.connected_peers()
+        nursery.cancel_scope.cancel()
+
+
+async def test_unknown_protocol_is_a_clear_error(node_pair):
+    a, b = node_pair
+    with pytest.raises(ProtocolNotSupportedError, match="/no/such/1.0.0"):
+        await b.new_stream(a.peer_id, "/no/such/1.0.0")
+    assert await b.ping(a.peer_id) > 0
+
+
+async def test_failing_handler_resets_only_its_stream(node_pair):
+    a, b = node_pair
+
+    async def broken(stream):
+        await stream.read(1)
+        raise RuntimeError("boom")
+
+    a.set_stream_handler("/test/broken/1", broken)
+    stream = await b.new_stream(a.peer_id, "/test/broken/1")
+    await stream.write(b"x")
+    with trio.fail_after(10):
+        with pytest.raises(Exception):
+            while True:
+                if not await stream.read(10):
+                    raise EOFError
+    assert await b.ping(a.peer_id) > 0
+
+
+async def test_garbage_on_the_listen_socket_does_not_hurt_the_node():
+    async with open_nodes(2) as (a, b):
+        host, port = "127.0.0.1", int(str(a.addrs[0]).split("/tcp/")[1].split("/")[0])
+        for junk in (b"\x00" * 10, b"GET / HTTP/1.1\r\n\r\n", bytes(range(256)) * 64):
+            sock = await trio.open_tcp_stream(host, port)
+            await sock.send_all(junk)
+            with trio.move_on_after(2):
+                try:
+                    while await sock.receive_some(4096):
+                        pass
+                except trio.BrokenResourceError:
+                    pass  # the node reset the connection: fine
+            await sock.aclose()
+        await b.connect(a.addrs[0])
+        assert await b.ping(a.peer_id) > 0
+
+
+async def test_events_report_connections():
+    async with open_nodes(2) as (a, b):
+        async with b.events() as events:
+            await b.connect(a.addrs[0])
+            await b.disconnect(a.peer_id)
+            seen = []
+            with trio.move_on_after(10):
+                async for event in events:
+                    seen.append(event)
+                    if isinstance(event, ev.ConnectionClosed):
+                        break
+        kinds = [type(e) for e in seen]
+        assert ev.ConnectionOpened in kinds and ev.PeerConnected in kinds and ev.ConnectionClosed in kinds
+        opened = next(e for e in seen if isinstance(e, ev.ConnectionOpened))
+        assert opened.peer_id == str(a.peer_id) and opened.direction == "outbound" and opened.kind == "direct"
+
+
+async def test_errors_in_the_body_reach_the_caller_unwrapped():
+    with pytest.raises(KeyError):
+        async with open_nodes(1):
+            raise KeyError("mine")
