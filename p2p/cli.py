@@ -25,6 +25,7 @@ from .errors import DedlocError
 from .identity import default_identity_path, load_or_create_identity, peer_id_of
 from .node import Node
 from .peer_exchange import PeerExchange
+from .trio_util import unwrap_single_group
 
 DESCRIPTION = """\
 dedloc: train neural networks together over the internet, peer to peer.
@@ -271,7 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Output(getattr(args, "json", False))
     func: Callable[[argparse.Namespace, Output], Any] = args.func
     try:
-        return int(trio.run(func, args, out))
+        with unwrap_single_group():
+            return int(trio.run(func, args, out))
     except KeyboardInterrupt:
         out.event(ev.Error(message="interrupted"))
         return 130

@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import ifaddr
@@ -45,6 +45,7 @@ from .errors import BootstrapError, DedlocError, DialError, ProtocolNotSupported
 from .identify import PeerIdentity, identify
 from .identity import load_or_create_identity, new_identity, peer_id_of
 from .rpc import RPC_PROTOCOL, Rpc
+from .trio_util import unwrap_single_group
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ class Node:
         network.retry_config = RetryConfig(max_retries=0)  # type: ignore[attr-defined]
         bootstrap_error: BootstrapError | None = None
         try:
-            with _unwrap_single_group():
+            with unwrap_single_group():
                 async with host.run(listen), trio.open_nursery() as nursery:
                     # py-libp2p's auto-connector dials peer-store entries to keep
                     # 150 connections; who to connect to is the app's decision here.
@@ -388,25 +389,6 @@ class _EventNotifee(INotifee):
 
     async def listen_close(self, network: INetwork, multiaddr: Multiaddr) -> None:
         pass
-
-
-@contextmanager
-def _unwrap_single_group() -> Iterator[None]:
-    """Let an error from the ``async with`` body reach the caller as itself.
-
-    trio wraps everything leaving a nursery in an ExceptionGroup, even the
-    caller's own exception from inside the block; a caller of ``Node.open``
-    should be able to write ``except DialError``. Groups of several stay groups.
-    """
-    try:
-        yield
-    except BaseExceptionGroup as group:
-        inner: BaseException = group
-        while isinstance(inner, BaseExceptionGroup) and len(inner.exceptions) == 1:
-            inner = inner.exceptions[0]
-        if inner is group:
-            raise
-        raise inner from None
 
 
 def _conn_addr(conn: INetConn) -> Multiaddr:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import logging
 import random
 
+import multihash
 import trio
 from libp2p.peer.id import ID
+from libp2p.peer.peerstore import PeerStoreError
 from multiaddr import Multiaddr
 
 from . import events as ev
@@ -21,7 +23,7 @@ from .dialer import live_connection
 from .errors import DedlocError
 from .node import Node
 from .proto.peer_exchange_pb2 import Ack, Greeting, PeerRecord, PeersRequest, PeersResponse
-from .rpc import RpcContext, RpcError
+from .rpc import CallContext, RpcError
 
 log = logging.getLogger(__name__)
 
@@ -45,20 +47,24 @@ class PeerExchange:
         self.node.rpc.add_unary(PEERS_METHOD, PeersRequest, self._handle_peers)
         self.node.rpc.add_unary(GREET_METHOD, Greeting, self._handle_greet)
 
-    async def _handle_peers(self, request: PeersRequest, ctx: RpcContext) -> PeersResponse:
+    async def _handle_peers(self, request: PeersRequest, ctx: CallContext) -> PeersResponse:
         limit = min(request.limit or self.max_peers, self.max_peers)
         store = self.node.host.get_peerstore()
         records = []
         for pid in self.node.connected_peers():
             if pid == ctx.peer_id:
                 continue
-            addrs = [a for a in store.addrs(pid) if not is_relayed(a)][:MAX_ADDRS_PER_PEER]
+            try:
+                known = store.addrs(pid)
+            except PeerStoreError:  # connected, but not identified yet
+                continue
+            addrs = [a for a in known if not is_relayed(a)][:MAX_ADDRS_PER_PEER]
             if addrs:
                 records.append(PeerRecord(peer_id=pid.to_bytes(), addrs=[a.to_bytes() for a in addrs]))
         random.shuffle(records)
         return PeersResponse(peers=records[:limit])
 
-    async def _handle_greet(self, request: Greeting, ctx: RpcContext) -> Ack:
+    async def _handle_greet(self, request: Greeting, ctx: CallContext) -> Ack:
         self.node._emit(ev.Message(peer_id=str(ctx.peer_id), text=request.text[:MAX_GREETING]))
         return Ack()
 
@@ -68,8 +74,11 @@ class PeerExchange:
         found = []
         for record in response.peers[: self.max_peers]:
             try:
+                multihash.decode(record.peer_id)  # ID() itself accepts any bytes
                 pid = ID(record.peer_id)
                 addrs = [Multiaddr(raw) for raw in record.addrs[:MAX_ADDRS_PER_PEER]]
+                for addr in addrs:
+                    addr.protocols()  # binary multiaddrs parse lazily; force it
             except Exception:
                 log.debug("skipping a malformed peer record from %s", peer_id)
                 continue

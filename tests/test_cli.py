@@ -1,0 +1,137 @@
+"""The dedloc command as a user runs it: real processes, real sockets on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import trio
+
+from .conftest import open_nodes
+
+DEDLOC = [sys.executable, "-m", "p2p.cli"]
+
+
+def run(*args: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*DEDLOC, *args], capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def test_help_names_every_command():
+    result = run("--help")
+    assert result.returncode == 0
+    for command in ("id", "relay", "peer", "ping", "demo"):
+        assert command in result.stdout
+
+
+def test_id_creates_then_reuses(tmp_path):
+    path = tmp_path / "me.key"
+    first = json.loads(run("id", "--identity", str(path), "--json").stdout)
+    second = json.loads(run("id", "--identity", str(path), "--json").stdout)
+    assert first["created"] and not second["created"]
+    assert first["peer_id"] == second["peer_id"]
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+
+
+def test_id_with_unsafe_permissions_fails_clearly(tmp_path):
+    path = tmp_path / "me.key"
+    run("id", "--identity", str(path))
+    os.chmod(path, 0o644)
+    result = run("id", "--identity", str(path))
+    assert result.returncode == 1
+    assert "chmod 600" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["ping", "not-an-address"], "not a multiaddr"),
+        (["ping", "/ip4/127.0.0.1/tcp/1"], "no /p2p/"),
+        (["peer", "--ephemeral", "--initial-peers", "/ip4/300.0.0.1/tcp/1/p2p/x"], "malformed"),
+    ],
+)
+def test_bad_addresses_fail_with_a_clear_message(args, message):
+    result = run(*args)
+    assert result.returncode == 1, result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_unreachable_initial_peer_reports_json_error():
+    result = run(
+        "peer", "--ephemeral", "--json", "--listen", "/ip4/127.0.0.1/tcp/0", "--bootstrap-timeout", "1",
+        "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWAo3ri4EzVWfJYX8eEzWhSWFS2AVgeDMWHwctyh9NBviu",
+    )
+    assert result.returncode == 1
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert lines[0]["event"] == "listening"
+    assert lines[-1]["event"] == "error" and "initial peers could be reached" in lines[-1]["message"]
+
+
+async def test_ping_a_running_node():
+    async with open_nodes(1) as (node,):
+        result = await trio.run_process(
+            [*DEDLOC, "ping", "--json", "-c", "3", "-i", "0.05", str(node.addrs[0])],
+            capture_stdout=True, capture_stderr=True, check=False,
+        )
+    assert result.returncode == 0, result.stderr
+    events = [json.loads(line) for line in result.stdout.splitlines()]
+    pings = [e for e in events if e["event"] == "ping"]
+    assert len(pings) == 3 and all(e["rtt_ms"] > 0 and e["peer_id"] == str(node.peer_id) for e in pings)
+    assert any(e["event"] == "peer_connected" for e in events)
+
+
+async def test_relay_and_peer_json_events():
+    """A relay and a peer, each in its own process, report each other as JSON lines."""
+    relay = await trio.lowlevel.open_process(
+        [*DEDLOC, "relay", "--json", "--ephemeral", "--listen", "/ip4/127.0.0.1/tcp/0", "--status-interval", "0.2", "--duration", "30"],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        lines = _json_lines(relay.stdout)
+        with trio.fail_after(30):
+            first = await anext(lines)
+        assert first["event"] == "listening" and first["addrs"][0].endswith(first["peer_id"])
+        result = await trio.run_process(
+            [*DEDLOC, "peer", "--json", "--ephemeral", "--listen", "/ip4/127.0.0.1/tcp/0", "--duration", "1",
+             "--initial-peers", first["addrs"][0]],
+            capture_stdout=True, capture_stderr=True, check=False,
+        )
+        assert result.returncode == 0, result.stderr
+        peer_events = [json.loads(line) for line in result.stdout.splitlines()]
+        kinds = [e["event"] for e in peer_events]
+        assert kinds[0] == "listening" and kinds[-1] == "closed"
+        opened = next(e for e in peer_events if e["event"] == "connection_opened")
+        assert opened["peer_id"] == first["peer_id"] and opened["direction"] == "outbound" and opened["kind"] == "direct"
+        seen = set()
+        with trio.fail_after(30):
+            async for event in lines:
+                seen.add(event["event"])
+                if {"connection_opened", "connection_closed", "peer_count"} <= seen:
+                    break
+    finally:
+        relay.terminate()
+        with trio.fail_after(20):
+            await relay.wait()
+    assert relay.returncode == 0  # SIGTERM is a clean stop
+
+
+async def _json_lines(stream):
+    buffer = b""
+    while True:
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            return
+        buffer += chunk
+        *complete, buffer = buffer.split(b"\n")
+        for line in complete:
+            yield json.loads(line)
+
+
+def test_demo_forms_a_swarm_and_exits_by_itself():
+    result = run("demo", "--peers", "3", "--duration", "90", timeout=150)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "swarm formed: 4 nodes" in result.stdout
+    assert "Traceback" not in result.stderr
