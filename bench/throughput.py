@@ -14,6 +14,7 @@ then the receiver answers with the 8-byte count it got.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -85,7 +86,7 @@ async def serve() -> None:
                 return
 
     async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(trio.serve_tcp, on_tcp, 0, host="127.0.0.1")
+        listeners = await nursery.start(functools.partial(trio.serve_tcp, on_tcp, 0, host="127.0.0.1"))
         tcp_port = listeners[0].socket.getsockname()[1]
         async with Node.open(NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"])) as node:
 

@@ -1,0 +1,19 @@
+"""The benchmark must keep running; its numbers are read by people, not asserted."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_throughput_bench_prints_ratios():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "throughput.py"), "--mib", "2", "--streams", "2", "--json"],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    for key in ("tcp_1", "node_1", "tcp_2", "node_2", "ratio_1", "ratio_2"):
+        assert figures[key] > 0
