@@ -35,7 +35,6 @@ class NodeConfig:
     max_message_size: int = 4 * 1024 * 1024
     #: Deadline of RPC calls that set none.
     rpc_timeout: float = 30.0
-    agent_version: str = "dedloc/0.1.0"
 
     def validate(self) -> None:
         if not self.listen:

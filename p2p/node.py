@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Literal
 
 import ifaddr
 import trio
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 StreamHandler = Callable[[INetStream], Awaitable[None]]
 PING_SIZE = 32
 #: How long addresses learnt from a dial or an initial peer stay in the peer store.
-ADDR_TTL = 3600.0
+ADDR_TTL = 3600
 EVENT_BUFFER = 1024
 
 
@@ -155,7 +156,7 @@ class Node:
     @property
     def listen_addrs(self) -> list[Multiaddr]:
         """The sockets this node listens on (unspecified IPs not expanded)."""
-        return list(self.host.get_transport_addrs())  # type: ignore[attr-defined]
+        return list(self.host.get_transport_addrs())
 
     def observed_addrs(self) -> list[Multiaddr]:
         """Our addresses as other peers see them (from identify); unconfirmed ones too."""
@@ -401,7 +402,7 @@ def _conn_addr(conn: INetConn) -> Multiaddr:
     return Multiaddr("/ip4/0.0.0.0/tcp/0")
 
 
-def _direction(conn: INetConn) -> str:
+def _direction(conn: INetConn) -> Literal["inbound", "outbound", "unknown"]:
     initiator = getattr(conn.muxed_conn, "is_initiator", None)
     if initiator is None:
         return "unknown"
