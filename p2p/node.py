@@ -55,6 +55,7 @@ PING_SIZE = 32
 #: How long addresses learnt from a dial or an initial peer stay in the peer store.
 ADDR_TTL = 3600
 EVENT_BUFFER = 1024
+RPC_SWEEP_INTERVAL = 10.0
 
 
 @dataclass
@@ -123,6 +124,7 @@ class Node:
                     node = cls(config, key_pair, host, nursery)
                     holder.append(node)
                     node._install()
+                    nursery.start_soon(node._sweep_idle_rpc_streams)
                     try:
                         if bootstrap and config.initial_peers:
                             await node.bootstrap()
@@ -145,6 +147,12 @@ class Node:
     def _install(self) -> None:
         self.host.get_network().register_notifee(_EventNotifee(self))
         self.set_stream_handler(RPC_PROTOCOL, self.rpc.handle_stream)
+
+    async def _sweep_idle_rpc_streams(self) -> None:
+        """Close pooled RPC streams to peers we stopped calling (they would linger 60 s)."""
+        while True:
+            await trio.sleep(RPC_SWEEP_INTERVAL)
+            await self.rpc.close_idle_streams()
 
     # ------------------------------------------------------------------ addresses
 
@@ -371,6 +379,7 @@ class _EventNotifee(INotifee):
 
     async def disconnected(self, network: INetwork, conn: INetConn) -> None:
         addr = _conn_addr(conn)
+        self._node.rpc.forget_peer(conn.muxed_conn.peer_id)
         self._node._emit(
             ev.ConnectionClosed(
                 peer_id=str(conn.muxed_conn.peer_id),

@@ -1,0 +1,234 @@
+"""RPC frames to bytes and back, with no I/O, so every edge case is testable alone.
+
+A frame on the wire is an unsigned-varint length (the libp2p convention) and
+then a serialized :class:`rpc_pb2.Frame`. Two things keep this fast on large
+messages, which is what averaging sends:
+
+* a message frame is built by hand (tag 2, length, payload): protobuf would
+  copy the payload into the envelope only to copy it out again, and the
+  receiving side has the matching shortcut in :func:`parse_frame`;
+* :class:`FrameDecoder` checks a frame's declared length against the limit as
+  soon as the prefix is read (even half of it), and a large body is filled into
+  a buffer of exactly its size and handed out as a view, without resizing or
+  copying it again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TypeVar, cast
+
+from google.protobuf.message import DecodeError
+from google.protobuf.message import Message as ProtoMessage
+
+from . import rpc_pb2
+from .errors import InvalidMessageError, MessageTooLargeError
+
+#: Field 2 (``message``), wire type 2 (length-delimited).
+MESSAGE_TAG = 0x12
+#: Most bytes a message frame adds to its payload inside the length prefix: tag + varint.
+FRAME_OVERHEAD = 11
+#: Longest error text sent, so that an error frame always fits any sane limit.
+MAX_ERROR_TEXT = 1024
+#: Bodies at least this long are filled into their own buffer instead of the shared one.
+_FILL_THRESHOLD = 64 * 1024
+_MAX_VARINT_SHIFT = 63
+_SMALL_VARINTS = [bytes((i,)) for i in range(0x80)]
+
+
+@dataclass(frozen=True, slots=True)
+class Payload:
+    """A message frame: one serialized request or response, type unknown here."""
+
+    data: bytes | memoryview
+
+
+Decoded = Payload | rpc_pb2.Call | rpc_pb2.Error | rpc_pb2.End
+
+M = TypeVar("M", bound=ProtoMessage)
+
+
+def parse_message(message_type: type[M], data: bytes | bytearray | memoryview, what: str) -> M:
+    """Parse ``data`` as ``message_type``; :class:`InvalidMessageError` names ``what`` if it is not one."""
+    try:
+        # upb parses any buffer without copying it first; the stubs only say bytes.
+        return message_type.FromString(cast(bytes, data))
+    except DecodeError as e:
+        raise InvalidMessageError(f"{what} is not a valid {message_type.__name__}: {e}") from None
+
+
+def encode_varint(value: int) -> bytes:
+    if value < 0:
+        raise ValueError(f"varints are unsigned, got {value}")
+    if value < 0x80:
+        return _SMALL_VARINTS[value]
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def decode_varint(data: bytes | bytearray | memoryview, pos: int = 0) -> tuple[int, int] | None:
+    """Value and the position after it; None when ``data`` ends inside the varint."""
+    value = 0
+    shift = 0
+    end = len(data)
+    while pos < end:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+        if shift > _MAX_VARINT_SHIFT:
+            raise InvalidMessageError("varint longer than 10 bytes")
+    return None
+
+
+def encode_frame(frame: rpc_pb2.Frame) -> bytes:
+    body = frame.SerializeToString()
+    return encode_varint(len(body)) + body
+
+
+def encode_call(method: str, deadline_ms: int) -> bytes:
+    deadline_ms = min(max(deadline_ms, 1), 0xFFFFFFFF)
+    return encode_frame(rpc_pb2.Frame(call=rpc_pb2.Call(method=method, deadline_ms=deadline_ms)))
+
+
+def message_header(size: int) -> bytes:
+    """What goes before a payload of ``size`` bytes to make it a message frame."""
+    inner = encode_varint(size)
+    return encode_varint(1 + len(inner) + size) + _SMALL_VARINTS[MESSAGE_TAG] + inner
+
+
+def encode_message(payload: bytes) -> bytes:
+    return message_header(len(payload)) + payload
+
+
+def encode_error(code: int, message: str) -> bytes:
+    if len(message) > MAX_ERROR_TEXT:
+        message = message[: MAX_ERROR_TEXT - 3] + "..."
+    return encode_frame(rpc_pb2.Frame(error=rpc_pb2.Error(code=code, message=message)))
+
+
+END_FRAME = encode_frame(rpc_pb2.Frame(end=rpc_pb2.End()))
+
+
+def parse_frame(body: bytes | bytearray | memoryview) -> Decoded:
+    """Decode one frame body (without its length prefix).
+
+    A body that holds exactly one ``message`` field is sliced, not parsed: the
+    payload comes out as a view of ``body``, which must therefore not change.
+    """
+    if len(body) >= 2 and body[0] == MESSAGE_TAG:
+        header = decode_varint(body, 1)
+        if header is not None and header[0] + header[1] == len(body):
+            return Payload(memoryview(body)[header[1] :])
+    frame = parse_message(rpc_pb2.Frame, body, "frame")
+    kind = frame.WhichOneof("body")
+    if kind == "message":
+        return Payload(frame.message)
+    if kind == "call":
+        return frame.call
+    if kind == "error":
+        return frame.error
+    if kind == "end":
+        return frame.end
+    raise InvalidMessageError("frame with no body")
+
+
+class FrameDecoder:
+    """Turns a byte stream into frames, incrementally: :meth:`feed`, then :meth:`next` until None.
+
+    Raises :class:`MessageTooLargeError` for a length over the limit (before its
+    body is buffered) and :class:`InvalidMessageError` for bytes that are not a
+    frame; after either, the stream is unusable and the decoder must be dropped.
+    """
+
+    def __init__(self, max_message_size: int):
+        if max_message_size <= 0:
+            raise ValueError(f"max_message_size must be positive, got {max_message_size}")
+        self.max_message_size = max_message_size
+        self._max_frame = max_message_size + FRAME_OVERHEAD
+        self._buf = bytearray()
+        # A large frame being filled, how much of it has arrived, and its prefix's length.
+        self._body: bytearray | None = None
+        self._filled = 0
+        self._prefix = 0
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received that are not yet part of a complete frame."""
+        if self._body is not None:
+            return len(self._buf) + self._prefix + self._filled
+        return len(self._buf)
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        body = self._body
+        if body is not None:
+            room = len(body) - self._filled
+            if len(data) <= room:
+                body[self._filled : self._filled + len(data)] = data
+                self._filled += len(data)
+                return
+            view = memoryview(data)
+            body[self._filled :] = view[:room]
+            self._filled += room
+            data = view[room:]
+        self._buf += data
+
+    def next(self) -> Decoded | None:
+        body = self._body
+        if body is not None:
+            if self._filled < len(body):
+                return None
+            self._body = None
+            self._filled = 0
+            return self._checked(parse_frame(body))
+
+        buf = self._buf
+        end = len(buf)
+        size = 0
+        shift = 0
+        pos = 0
+        while True:
+            if pos == end:
+                return None
+            byte = buf[pos]
+            pos += 1
+            size |= (byte & 0x7F) << shift
+            if size > self._max_frame:
+                raise MessageTooLargeError(
+                    f"frame of {'at least ' if byte >= 0x80 else ''}{size} bytes announced, over the "
+                    f"limit of {self._max_frame} (max_message_size {self.max_message_size} + envelope)"
+                )
+            if byte < 0x80:
+                break
+            shift += 7
+            if shift > _MAX_VARINT_SHIFT:
+                raise InvalidMessageError("frame length prefix longer than 10 bytes")
+        if size == 0:
+            raise InvalidMessageError("empty frame")
+        stop = pos + size
+        if stop <= end:
+            frame = buf[pos:stop]
+            del buf[:stop]  # O(1) from the front of a bytearray
+            return self._checked(parse_frame(frame))
+        if size >= _FILL_THRESHOLD:
+            body = bytearray(size)
+            with memoryview(buf) as view:
+                body[: end - pos] = view[pos:end]
+            self._body = body
+            self._filled = end - pos
+            self._prefix = pos
+            buf.clear()
+        return None
+
+    def _checked(self, decoded: Decoded) -> Decoded:
+        if isinstance(decoded, Payload) and len(decoded.data) > self.max_message_size:
+            raise MessageTooLargeError(
+                f"message of {len(decoded.data)} bytes is over the limit of {self.max_message_size}"
+            )
+        return decoded
