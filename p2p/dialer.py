@@ -21,6 +21,7 @@ from multiaddr import Multiaddr
 
 from .addresses import is_relayed, rank_for_dial, without_peer_id
 from .errors import DialError
+from .trio_util import finish_quietly
 
 
 def live_connection(network: INetworkService, peer_id: ID) -> INetConn | None:
@@ -62,7 +63,7 @@ async def dial(
             failed.set()
             return
         if winner:  # lost a photo finish: keep the first connection only
-            await _close_quietly(conn)
+            await finish_quietly(conn.close, timeout=2)
             return
         winner.append((conn, addr))
         cancel.cancel()
@@ -108,12 +109,4 @@ def _describe(e: BaseException) -> str:
             parts.append(text)
         cur = cur.__cause__ or cur.__context__
     return ": ".join(parts[:3])
-
-
-async def _close_quietly(conn: INetConn) -> None:
-    with trio.move_on_after(2):
-        try:
-            await conn.close()
-        except Exception:
-            pass
 

@@ -23,6 +23,7 @@ from libp2p.utils.varint import read_length_prefixed_protobuf
 from multiaddr import Multiaddr
 
 from .errors import DedlocError
+from .trio_util import finish_quietly
 
 MAX_IDENTIFY_SIZE = 64 * 1024
 
@@ -56,11 +57,7 @@ async def identify(host: IHost, peer_id: ID, *, timeout: float = 10.0) -> PeerId
         try:
             data = await read_length_prefixed_protobuf(stream, use_varint_format=True, max_length=MAX_IDENTIFY_SIZE)
         finally:
-            with trio.move_on_after(1):
-                try:
-                    await stream.close()
-                except Exception:
-                    pass
+            await finish_quietly(stream.close)
     msg = Identify()
     try:
         msg.ParseFromString(data)

@@ -46,7 +46,7 @@ from .errors import BootstrapError, DedlocError, DialError, ProtocolNotSupported
 from .identify import PeerIdentity, identify
 from .identity import load_or_create_identity, new_identity, peer_id_of
 from .rpc import RPC_PROTOCOL, Rpc
-from .trio_util import unwrap_single_group
+from .trio_util import finish_quietly, unwrap_single_group
 
 log = logging.getLogger(__name__)
 
@@ -290,11 +290,7 @@ class Node:
             except Exception as e:
                 log.warning("handler for %s failed: %r", protocol, e)
                 self._emit(ev.Error(message=f"handler for {protocol} failed: {e!r}", peer_id=_remote(stream)))
-                with trio.move_on_after(1):
-                    try:
-                        await stream.reset()
-                    except Exception:
-                        pass
+                await finish_quietly(stream.reset)
 
         self.host.set_stream_handler(TProtocol(protocol), guarded)
 
@@ -316,11 +312,7 @@ class Node:
                     echo += chunk
                 rtt = time.perf_counter() - started
             finally:
-                with trio.move_on_after(1):
-                    try:
-                        await stream.close()
-                    except Exception:
-                        pass
+                await finish_quietly(stream.close)
         if echo != payload:
             raise DedlocError(f"{peer_id} answered ping with other bytes")
         self._emit(ev.Ping(peer_id=str(peer_id), rtt_ms=rtt * 1e3))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
+
+import trio
 
 
 @contextmanager
@@ -24,3 +26,16 @@ def unwrap_single_group() -> Iterator[None]:
         if inner is group:
             raise
         raise inner from None
+
+
+async def finish_quietly(closing: Callable[[], Awaitable[object]], *, timeout: float = 1.0) -> None:
+    """Run a close/reset on a path that is already failing or done.
+
+    Its own failure says nothing new (the peer is gone, the stream already
+    reset), and it must never hang the caller.
+    """
+    with trio.move_on_after(timeout):
+        try:
+            await closing()
+        except Exception:
+            pass
