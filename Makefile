@@ -46,6 +46,7 @@ test-fast: venv
 	$(PY) -m pytest -q -m "not slow and not interop"
 
 bench: venv
+	$(PY) bench/connect_latency.py
 	$(PY) bench/throughput.py
 
 ## Regenerate protobuf code (checked in) from every .proto file.

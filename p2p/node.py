@@ -56,6 +56,8 @@ PING_SIZE = 32
 ADDR_TTL = 3600
 EVENT_BUFFER = 1024
 RPC_SWEEP_INTERVAL = 10.0
+#: Bound on distinct observed addresses kept: peers choose what they report.
+MAX_OBSERVED_ADDRS = 64
 
 
 @dataclass
@@ -74,6 +76,7 @@ class Node:
         self.peer_id: ID = peer_id_of(key_pair)
         self._nursery = nursery
         self._subscribers: list[_Subscriber] = []
+        self._observed: dict[str, set[ID]] = {}
         self._announce = [parse_multiaddr(a, what="announce address") for a in config.announce]
         self.rpc = Rpc(self.new_stream, max_message_size=config.max_message_size, default_timeout=config.rpc_timeout)
 
@@ -166,12 +169,13 @@ class Node:
         """The sockets this node listens on (unspecified IPs not expanded)."""
         return list(self.host.get_transport_addrs())
 
-    def observed_addrs(self) -> list[Multiaddr]:
-        """Our addresses as other peers see them (from identify); unconfirmed ones too."""
-        manager = getattr(self.host, "_observed_addr_manager", None)
-        if manager is None:
-            return []
-        return list(manager.addrs(min_observers=1))
+    def observed_addrs(self, min_observers: int = 1) -> list[Multiaddr]:
+        """Our addresses as peers report seeing them (identify), seen by enough distinct peers.
+
+        Unconfirmed: a NATed node's observed address is not dialable until
+        reachability checks (``nat/``) say so.
+        """
+        return [Multiaddr(a) for a, observers in self._observed.items() if len(observers) >= min_observers]
 
     def _advertised(self, candidates: list[Multiaddr]) -> list[Multiaddr]:
         if self._announce:
@@ -322,7 +326,10 @@ class Node:
         """Ask a peer who it is; see :class:`p2p.identify.PeerIdentity` for the verdicts."""
         if live_connection(self.network, peer_id) is None:
             await self.connect(peer_id)
-        return await identify(self.host, peer_id, timeout=timeout)
+        info = await identify(self.host, peer_id, timeout=timeout)
+        if info.observed_addr is not None and len(self._observed) < MAX_OBSERVED_ADDRS:
+            self._observed.setdefault(str(info.observed_addr), set()).add(peer_id)
+        return info
 
     # ------------------------------------------------------------------ events
 

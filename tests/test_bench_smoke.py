@@ -17,3 +17,13 @@ def test_throughput_bench_prints_ratios():
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     for key in ("tcp_1", "node_1", "tcp_2", "node_2", "ratio_1", "ratio_2"):
         assert figures[key] > 0
+
+
+def test_connect_latency_bench_prints_figures():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "connect_latency.py"), "--rounds", "2", "--json"],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["dedloc_connect_ms"] > 0 and figures["libp2p_connect_ms"] > 0

@@ -25,6 +25,15 @@ async def test_connect_ping_identify(node_pair):
     assert any(str(x) in {str(y) for y in info.signed_record_addrs} for x in a.addrs)
 
 
+async def test_observed_address_is_learnt_from_identify(node_pair):
+    a, b = node_pair
+    assert b.observed_addrs() == []
+    await b.identify(a.peer_id)  # a tells b where it sees b from
+    observed = b.observed_addrs()
+    assert len(observed) == 1 and "/ip4/127.0.0.1/tcp/" in str(observed[0])
+    assert b.observed_addrs(min_observers=2) == []
+
+
 async def test_addresses_carry_peer_id_and_expand_nothing_on_loopback():
     async with open_nodes(1) as (a,):
         assert a.addrs and all(str(x).endswith(f"/p2p/{a.peer_id}") for x in a.addrs)
