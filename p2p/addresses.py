@@ -117,11 +117,6 @@ def scope_of(addr: Multiaddr) -> Scope:
     return Scope.UNKNOWN
 
 
-def is_dialable_tcp(addr: Multiaddr) -> bool:
-    names = [p.name for p in without_peer_id(addr).protocols()]
-    return len(names) == 2 and names[0] in ("ip4", "ip6", "dns", "dns4", "dns6") and names[1] == "tcp"
-
-
 def dial_rank(addr: Multiaddr) -> tuple[bool, Scope, bool]:
     """Sort key: direct before relayed, public before private before loopback, IPv4 first."""
     names = {p.name for p in addr.protocols()}

@@ -133,7 +133,7 @@ async def _serve(node: Node, out: Output, duration: float | None, status_every: 
         while True:
             await trio.sleep(status_every)
             peers = [str(p) for p in node.connected_peers()]
-            node._emit(ev.PeerCount(count=len(peers), peers=peers))
+            node.emit(ev.PeerCount(count=len(peers), peers=peers))
 
     async def stop_on_sigterm(cancel: trio.CancelScope) -> None:
         with trio.open_signal_receiver(signal.SIGTERM) as signals:

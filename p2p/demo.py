@@ -34,7 +34,8 @@ def _command(*args: str) -> list[str]:
     return [sys.executable, "-m", "p2p.cli", *args]
 
 
-async def _lines(stream: trio.abc.ReceiveStream) -> AsyncIterator[str]:
+async def read_lines(stream: trio.abc.ReceiveStream) -> AsyncIterator[str]:
+    """Lines of a child process's output, as they arrive (the last may lack a newline)."""
     buffer = b""
     while True:
         chunk = await stream.receive_some(65536)
@@ -71,7 +72,7 @@ async def run_demo(*, peers: int, duration: float, out: Any) -> int:
 
     async def follow(member: _Member, ready: trio.Event) -> None:
         assert member.process.stdout is not None
-        async for line in _lines(member.process.stdout):
+        async for line in read_lines(member.process.stdout):
             try:
                 event = json.loads(line)
             except ValueError:

@@ -47,7 +47,7 @@ async def dial(
     """
     existing = live_connection(network, peer_id)
     if existing is not None:
-        return existing, _remote_addr(existing)
+        return existing, remote_addr(existing)
     ranked = [a for a in rank_for_dial(addrs) if not is_relayed(a)]
     if not ranked:
         raise DialError(f"no dialable address known for {peer_id}", [(str(a), "relayed (needs a relay client)") for a in addrs])
@@ -91,11 +91,15 @@ def backoff_delays(initial: float, maximum: float) -> Iterator[float]:
         delay = min(maximum, delay * 2)
 
 
-def _remote_addr(conn: INetConn) -> Multiaddr:
+def remote_addr(conn: INetConn) -> Multiaddr:
+    """The remote transport address of a connection (0.0.0.0 when it has none)."""
     try:
-        return conn.get_transport_addresses()[0]
+        addrs = conn.get_transport_addresses()
+        if addrs:
+            return addrs[0]
     except Exception:
-        return Multiaddr("/ip4/0.0.0.0/tcp/0")
+        pass
+    return Multiaddr("/ip4/0.0.0.0/tcp/0")
 
 
 def _describe(e: BaseException) -> str:

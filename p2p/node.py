@@ -27,6 +27,7 @@ from libp2p.host.ping import ID as PING_PROTOCOL
 from libp2p.protocol_muxer.exceptions import MultiselectClientError
 from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.peer.id import ID
+from libp2p.peer.peerstore import PeerStoreError
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from multiaddr import Multiaddr
@@ -41,7 +42,7 @@ from .addresses import (
     without_peer_id,
 )
 from .config import NodeConfig
-from .dialer import backoff_delays, dial, live_connection
+from .dialer import backoff_delays, dial, live_connection, remote_addr
 from .errors import BootstrapError, DedlocError, DialError, ProtocolNotSupportedError, StreamOpenError
 from .identify import PeerIdentity, identify
 from .identity import load_or_create_identity, new_identity, peer_id_of
@@ -137,7 +138,7 @@ class Node:
                         try:
                             yield node
                         finally:
-                            node._emit(ev.Closed(peer_id=str(node.peer_id)))
+                            node.emit(ev.Closed(peer_id=str(node.peer_id)))
                             for sub in node._subscribers:
                                 sub.send.close()
                     finally:
@@ -203,8 +204,7 @@ class Node:
             raise DialError(f"refusing to dial ourselves ({peer_id})")
         if live_connection(self.network, peer_id) is not None:
             return peer_id
-        known = self.host.get_peerstore().addrs(peer_id) if peer_id in self.host.get_peerstore().peer_ids() else []
-        candidates = addrs + [with_peer_id(a, peer_id) for a in known]
+        candidates = addrs + [with_peer_id(a, peer_id) for a in self.known_addrs(peer_id)]
         if not candidates:
             raise DialError(f"no address known for {peer_id}: give a full multiaddr")
         started = time.perf_counter()
@@ -216,8 +216,15 @@ class Node:
             timeout=timeout or self.config.dial_timeout,
         )
         self.host.get_peerstore().add_addrs(peer_id, [without_peer_id(used)], ADDR_TTL)
-        self._emit(ev.PeerConnected(peer_id=str(peer_id), addr=str(used), elapsed=time.perf_counter() - started))
+        self.emit(ev.PeerConnected(peer_id=str(peer_id), addr=str(used), elapsed=time.perf_counter() - started))
         return peer_id
+
+    def known_addrs(self, peer_id: ID) -> list[Multiaddr]:
+        """The peer store's addresses of a peer (none before dial or identify)."""
+        try:
+            return list(self.host.get_peerstore().addrs(peer_id))
+        except PeerStoreError:
+            return []
 
     async def disconnect(self, peer_id: ID) -> None:
         await self.host.disconnect(peer_id)
@@ -293,7 +300,7 @@ class Node:
                 await handler(stream)
             except Exception as e:
                 log.warning("handler for %s failed: %r", protocol, e)
-                self._emit(ev.Error(message=f"handler for {protocol} failed: {e!r}", peer_id=_remote(stream)))
+                self.emit(ev.Error(message=f"handler for {protocol} failed: {e!r}", peer_id=_remote(stream)))
                 await finish_quietly(stream.reset)
 
         self.host.set_stream_handler(TProtocol(protocol), guarded)
@@ -319,7 +326,7 @@ class Node:
                 await finish_quietly(stream.close)
         if echo != payload:
             raise DedlocError(f"{peer_id} answered ping with other bytes")
-        self._emit(ev.Ping(peer_id=str(peer_id), rtt_ms=rtt * 1e3))
+        self.emit(ev.Ping(peer_id=str(peer_id), rtt_ms=rtt * 1e3))
         return rtt
 
     async def identify(self, peer_id: ID, *, timeout: float = 10.0) -> PeerIdentity:
@@ -349,7 +356,8 @@ class Node:
             self._subscribers.remove(sub)
             send.close()
 
-    def _emit(self, event: ev.Event) -> None:
+    def emit(self, event: ev.Event) -> None:
+        """Publish an event to every subscriber (services built on the node use it too)."""
         for sub in self._subscribers:
             try:
                 sub.send.send_nowait(event)
@@ -366,8 +374,8 @@ class _EventNotifee(INotifee):
         self._node = node
 
     async def connected(self, network: INetwork, conn: INetConn) -> None:
-        addr = _conn_addr(conn)
-        self._node._emit(
+        addr = remote_addr(conn)
+        self._node.emit(
             ev.ConnectionOpened(
                 peer_id=str(conn.muxed_conn.peer_id),
                 addr=str(addr),
@@ -377,9 +385,9 @@ class _EventNotifee(INotifee):
         )
 
     async def disconnected(self, network: INetwork, conn: INetConn) -> None:
-        addr = _conn_addr(conn)
+        addr = remote_addr(conn)
         self._node.rpc.forget_peer(conn.muxed_conn.peer_id)
-        self._node._emit(
+        self._node.emit(
             ev.ConnectionClosed(
                 peer_id=str(conn.muxed_conn.peer_id),
                 addr=str(addr),
@@ -398,16 +406,6 @@ class _EventNotifee(INotifee):
 
     async def listen_close(self, network: INetwork, multiaddr: Multiaddr) -> None:
         pass
-
-
-def _conn_addr(conn: INetConn) -> Multiaddr:
-    try:
-        addrs = conn.get_transport_addresses()
-        if addrs:
-            return addrs[0]
-    except Exception:
-        pass
-    return Multiaddr("/ip4/0.0.0.0/tcp/0")
 
 
 def _direction(conn: INetConn) -> Literal["inbound", "outbound", "unknown"]:

@@ -14,7 +14,6 @@ import random
 import multihash
 import trio
 from libp2p.peer.id import ID
-from libp2p.peer.peerstore import PeerStoreError
 from multiaddr import Multiaddr
 
 from . import events as ev
@@ -49,23 +48,18 @@ class PeerExchange:
 
     async def _handle_peers(self, request: PeersRequest, ctx: CallContext) -> PeersResponse:
         limit = min(request.limit or self.max_peers, self.max_peers)
-        store = self.node.host.get_peerstore()
         records = []
         for pid in self.node.connected_peers():
             if pid == ctx.peer_id:
                 continue
-            try:
-                known = store.addrs(pid)
-            except PeerStoreError:  # connected, but not identified yet
-                continue
-            addrs = [a for a in known if not is_relayed(a)][:MAX_ADDRS_PER_PEER]
+            addrs = [a for a in self.node.known_addrs(pid) if not is_relayed(a)][:MAX_ADDRS_PER_PEER]
             if addrs:
                 records.append(PeerRecord(peer_id=pid.to_bytes(), addrs=[a.to_bytes() for a in addrs]))
         random.shuffle(records)
         return PeersResponse(peers=records[:limit])
 
     async def _handle_greet(self, request: Greeting, ctx: CallContext) -> Ack:
-        self.node._emit(ev.Message(peer_id=str(ctx.peer_id), text=request.text[:MAX_GREETING]))
+        self.node.emit(ev.Message(peer_id=str(ctx.peer_id), text=request.text[:MAX_GREETING]))
         return Ack()
 
     async def ask(self, peer_id: ID, *, timeout: float = 10.0) -> list[tuple[ID, list[Multiaddr]]]:

@@ -10,6 +10,8 @@ import sys
 import pytest
 import trio
 
+from p2p.demo import read_lines
+
 from .conftest import open_nodes
 
 DEDLOC = [sys.executable, "-m", "p2p.cli"]
@@ -90,7 +92,7 @@ async def test_relay_and_peer_json_events():
         stdout=subprocess.PIPE,
     )
     try:
-        lines = _json_lines(relay.stdout)
+        lines = (json.loads(line) async for line in read_lines(relay.stdout))
         with trio.fail_after(30):
             first = await anext(lines)
         assert first["event"] == "listening" and first["addrs"][0].endswith(first["peer_id"])
@@ -116,18 +118,6 @@ async def test_relay_and_peer_json_events():
         with trio.fail_after(20):
             await relay.wait()
     assert relay.returncode == 0  # SIGTERM is a clean stop
-
-
-async def _json_lines(stream):
-    buffer = b""
-    while True:
-        chunk = await stream.receive_some(65536)
-        if not chunk:
-            return
-        buffer += chunk
-        *complete, buffer = buffer.split(b"\n")
-        for line in complete:
-            yield json.loads(line)
 
 
 def test_demo_forms_a_swarm_and_exits_by_itself():
