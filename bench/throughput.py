@@ -1,11 +1,19 @@
 """Bulk throughput of Node streams vs a plain trio TCP socket pair, on loopback.
 
-    .venv/bin/python bench/throughput.py [--mib 64] [--streams 4]
+    .venv/bin/python bench/throughput.py [--mib 256] [--streams 4] [--chunk-kib 256]
 
 The receiving end runs in its own process (as a real peer would), the sender
-here; both the Node path (TCP + Noise + Yamux) and the raw TCP baseline are
-measured in the same run, and the ratio is printed. It only reports: the speed
-target belongs to the data-plane work.
+here. Three paths are measured in the same run, each as a ratio to raw TCP:
+
+- raw: a plain trio TCP socket pair (``send_all`` / ``receive_some``);
+- sealed: the same sockets carrying dedloc's Noise record layer alone
+  (:class:`p2p.noise.NoiseCodec`, ChaCha20-Poly1305, no muxer, no libp2p).
+  This is the ceiling for any spec-exact libp2p Noise in this process model:
+  each side must run the cipher over every byte on its one core;
+- node: two Nodes, TCP + Noise + Yamux through py-libp2p's swarm.
+
+Every case writes ``--chunk-kib`` chunks and the raw receiver reads that much
+at a time.
 
 Wire format of one transfer (both paths): 8-byte big-endian length, the bytes,
 then the receiver answers with the 8-byte count it got.
@@ -20,6 +28,7 @@ import logging
 import os
 import struct
 import subprocess
+from collections import deque
 import sys
 import time
 from pathlib import Path
@@ -29,10 +38,14 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from p2p import Node, NodeConfig  # noqa: E402
+from p2p.noise import NoiseCodec  # noqa: E402
 
 PROTOCOL = "/dedloc/bench/sink/1.0.0"
 CHUNK = 256 * 1024
 HEADER = struct.Struct(">Q")
+#: Fixed keys for the sealed case: it measures the record layer, not a handshake.
+KEY_A, KEY_B = bytes(range(32)), bytes(range(32, 64))
+SEALED_READ = 1024 * 1024
 
 
 async def _read_exactly(read, n: int) -> bytes:
@@ -43,6 +56,28 @@ async def _read_exactly(read, n: int) -> bytes:
             raise EOFError(f"peer closed after {len(buf)} of {n} bytes")
         buf += chunk
     return bytes(buf)
+
+
+def _sealed(stream: trio.SocketStream, codec: NoiseCodec):
+    """read/write functions carrying plaintext through ``codec`` over ``stream``."""
+    pending: deque[bytes] = deque()
+
+    async def read(n: int) -> bytes:
+        while not pending:
+            data = await stream.receive_some(SEALED_READ)
+            if not data:
+                return b""
+            pending.extend(codec.feed(data))
+        piece = pending.popleft()
+        if len(piece) > n:
+            pending.appendleft(piece[n:])
+            piece = piece[:n]
+        return piece
+
+    async def write(data: bytes) -> None:
+        await stream.send_all(codec.encrypt(data))
+
+    return read, write
 
 
 async def _sink(read, write) -> None:
@@ -85,9 +120,18 @@ async def serve() -> None:
             except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError, struct.error):
                 return
 
+    async def on_sealed(stream: trio.SocketStream) -> None:
+        read, write = _sealed(stream, NoiseCodec(KEY_B, KEY_A))
+        try:
+            await _sink(read, write)
+        except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError, struct.error):
+            return
+
     async with trio.open_nursery() as nursery:
         listeners = await nursery.start(functools.partial(trio.serve_tcp, on_tcp, 0, host="127.0.0.1"))
         tcp_port = listeners[0].socket.getsockname()[1]
+        listeners = await nursery.start(functools.partial(trio.serve_tcp, on_sealed, 0, host="127.0.0.1"))
+        sealed_port = listeners[0].socket.getsockname()[1]
         async with Node.open(NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"])) as node:
 
             async def on_stream(stream) -> None:
@@ -95,7 +139,7 @@ async def serve() -> None:
                 await stream.close()
 
             node.set_stream_handler(PROTOCOL, on_stream)
-            print(json.dumps({"tcp_port": tcp_port, "node": str(node.addrs[0])}), flush=True)
+            print(json.dumps({"tcp_port": tcp_port, "sealed_port": sealed_port, "node": str(node.addrs[0])}), flush=True)
             await trio.sleep_forever()
 
 
@@ -107,7 +151,7 @@ async def bench(total_mib: int, streams: int) -> dict[str, float]:
     total = total_mib * 1024 * 1024
     results: dict[str, float] = {}
     proc = await trio.lowlevel.open_process(
-        [sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL
+        [sys.executable, __file__, "--serve", "--chunk-kib", str(CHUNK // 1024)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL
     )
     try:
         assert proc.stdout is not None
@@ -125,6 +169,11 @@ async def bench(total_mib: int, streams: int) -> dict[str, float]:
             async with sock:
                 await _source(sock.receive_some, sock.send_all, size)
 
+        async def sealed_tcp(size: int) -> None:
+            sock = await trio.open_tcp_stream("127.0.0.1", info["sealed_port"])
+            async with sock:
+                await _source(*_sealed(sock, NoiseCodec(KEY_A, KEY_B)), size)
+
         async def timed(label: str, run) -> None:
             started = time.perf_counter()
             with trio.fail_after(600):
@@ -139,6 +188,9 @@ async def bench(total_mib: int, streams: int) -> dict[str, float]:
         await raw_tcp(1024 * 1024)  # warm up
         await timed("tcp_1", lambda: raw_tcp(total))
         await timed(f"tcp_{streams}", lambda: parallel(raw_tcp, streams))
+        await sealed_tcp(1024 * 1024)  # warm up
+        await timed("sealed_1", lambda: sealed_tcp(total))
+        await timed(f"sealed_{streams}", lambda: parallel(sealed_tcp, streams))
 
         async with Node.open(NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"])) as node:
             peer = await node.connect(info["node"])
@@ -159,26 +211,34 @@ async def bench(total_mib: int, streams: int) -> dict[str, float]:
 
 
 def main() -> None:
+    global CHUNK
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mib", type=int, default=64, help="MiB per measurement (default: %(default)s)")
+    parser.add_argument("--mib", type=int, default=256, help="MiB per measurement (default: %(default)s)")
     parser.add_argument("--streams", type=int, default=4, help="parallel streams in the multi-stream case")
+    parser.add_argument("--chunk-kib", type=int, default=CHUNK // 1024, help="write size (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    CHUNK = args.chunk_kib * 1024
     if args.serve:
         trio.run(serve)
         return
     r = trio.run(bench, args.mib, args.streams)
     n = args.streams
-    ratios = {"ratio_1": r["node_1"] / r["tcp_1"], f"ratio_{n}": r[f"node_{n}"] / r[f"tcp_{n}"]}
+    for path in ("sealed", "node"):
+        for k in (1, n):
+            r[f"ratio_{path}_{k}"] = r[f"{path}_{k}"] / r[f"tcp_{k}"]
     if args.json:
-        print(json.dumps({**r, **ratios}))
+        print(json.dumps(r))
         return
-    print(f"loopback bulk throughput, {args.mib} MiB per case, receiver in another process")
-    print(f"{'case':<28}{'raw trio TCP':>14}{'Node (Noise+Yamux)':>20}{'ratio':>8}")
-    print(f"{'1 stream':<28}{r['tcp_1']:>10.1f} MB/s{r['node_1']:>15.1f} MB/s{ratios['ratio_1']:>8.3f}")
-    print(f"{f'{n} streams, one connection':<28}{r[f'tcp_{n}']:>10.1f} MB/s{r[f'node_{n}']:>15.1f} MB/s{ratios[f'ratio_{n}']:>8.3f}")
-    print("(raw TCP with several streams uses one socket per stream)")
+    print(f"loopback bulk throughput, {args.mib} MiB per case, {args.chunk_kib} KiB writes, receiver in another process")
+    print(f"{'case':<30}{'raw trio TCP':>13}{'sealed TCP':>20}{'Node':>20}")
+    for k, label in ((1, "1 stream"), (n, f"{n} streams, one connection")):
+        cells = [f"{r[f'tcp_{k}']:>8.0f} MB/s"]
+        cells += [f"{r[f'{p}_{k}']:>8.0f} MB/s ({r[f'ratio_{p}_{k}']:.2f})" for p in ("sealed", "node")]
+        print(f"{label:<30}{cells[0]:>13}{cells[1]:>20}{cells[2]:>20}")
+    print("ratios to raw TCP in parentheses; sealed = Noise record layer alone, the ceiling for Noise here")
+    print("(raw and sealed TCP with several streams use one socket per stream)")
 
 
 if __name__ == "__main__":

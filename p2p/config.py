@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .addresses import parse_multiaddr, parse_peer_addr
 from .errors import ConfigError
+from .yamux import YamuxConfig
 
 
 @dataclass
@@ -35,6 +36,8 @@ class NodeConfig:
     max_message_size: int = 4 * 1024 * 1024
     #: Deadline of RPC calls that set none.
     rpc_timeout: float = 30.0
+    #: Stream multiplexing limits: windows, write timeout, keepalive, stream caps.
+    yamux: YamuxConfig = field(default_factory=YamuxConfig)
 
     def validate(self) -> None:
         if not self.listen:
@@ -56,5 +59,6 @@ class NodeConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.dial_stagger < 0:
             raise ConfigError(f"dial_stagger must be >= 0, got {self.dial_stagger}")
+        self.yamux.validate()
         if self.max_message_size < 1024:
             raise ConfigError(f"max_message_size must be at least 1024 bytes, got {self.max_message_size}")

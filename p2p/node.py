@@ -18,9 +18,8 @@ from typing import Literal
 import ifaddr
 import trio
 from libp2p import new_host
-from libp2p.abc import IHost, INetConn, INetStream, INetwork, INetworkService, INotifee
+from libp2p.abc import IHost, IMuxedConn, INetConn, ISecureConn, INetStream, INetwork, INetworkService, INotifee
 from libp2p.crypto.keys import KeyPair
-from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.host.exceptions import StreamFailure
 from libp2p.host.ping import ID as PING_PROTOCOL
@@ -28,8 +27,7 @@ from libp2p.protocol_muxer.exceptions import MultiselectClientError
 from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerstore import PeerStoreError
-from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
-from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.muxer_multistream import MuxerMultistream
 from multiaddr import Multiaddr
 
 from . import events as ev
@@ -46,8 +44,12 @@ from .dialer import backoff_delays, dial, live_connection, remote_addr
 from .errors import BootstrapError, DedlocError, DialError, ProtocolNotSupportedError, StreamOpenError
 from .identify import PeerIdentity, identify
 from .identity import load_or_create_identity, new_identity, peer_id_of
+from .noise import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from .noise import NoiseTransport
 from .rpc import RPC_PROTOCOL, Rpc
 from .trio_util import finish_quietly, unwrap_single_group
+from .yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from .yamux import YamuxConfig, YamuxConnection
 
 log = logging.getLogger(__name__)
 
@@ -108,13 +110,16 @@ class Node:
             key_pair=key_pair,
             # Noise only: the other defaults (TLS, SECIO, plaintext) are either
             # not interoperable or not secure, and each costs a negotiation round.
-            sec_opt={NOISE_PROTOCOL_ID: NoiseTransport(key_pair, noise_privkey=new_x25519_key_pair().private_key)},
-            muxer_preference="YAMUX",
+            # Both are dedloc's own record layers (py-libp2p's handshake): see p2p/noise.py, p2p/yamux.py.
+            sec_opt={NOISE_PROTOCOL_ID: NoiseTransport(key_pair)},
+            muxer_opt={YAMUX_PROTOCOL_ID: YamuxConnection},
             listen_addrs=listen,
             addrs_factory=lambda candidates: holder[0]._advertised(candidates) if holder else candidates,
             connection_config=ConnectionConfig(min_connections=0, low_watermark=0, dial_timeout=config.dial_timeout),
         )
         network = host.get_network()
+        upgrader = network.upgrader  # type: ignore[attr-defined]
+        upgrader.muxer_multistream = _Muxers(config.yamux, upgrader.muxer_multistream.negotiate_timeout)
         # The dialer retries at the peer level with its own backoff; the swarm's
         # extra per-address retries would only delay a clear error.
         network.retry_config = RetryConfig(max_retries=0)  # type: ignore[attr-defined]
@@ -365,6 +370,22 @@ class Node:
                 sub.dropped += 1
             except (trio.ClosedResourceError, trio.BrokenResourceError):
                 pass
+
+
+class _Muxers(MuxerMultistream):
+    """Muxer negotiation that builds our :class:`YamuxConnection`.
+
+    py-libp2p 0.8.1's ``MuxerMultistream.new_conn`` constructs its own Yamux
+    whenever ``/yamux/1.0.0`` is chosen, ignoring the class it was given.
+    """
+
+    def __init__(self, config: YamuxConfig, negotiate_timeout: int) -> None:
+        super().__init__({YAMUX_PROTOCOL_ID: YamuxConnection}, negotiate_timeout)
+        self._config = config
+
+    async def new_conn(self, conn: ISecureConn, peer_id: ID) -> IMuxedConn:
+        protocol, _ = await self._selector.select(conn, conn.is_initiator, self.negotiate_timeout)
+        return self._annotate_connection(YamuxConnection(conn, peer_id, self._config), conn, protocol)
 
 
 class _EventNotifee(INotifee):
