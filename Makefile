@@ -48,10 +48,12 @@ test-fast: venv
 bench: venv
 	$(PY) bench/connect_latency.py
 	$(PY) bench/throughput.py
+	$(PY) bench/tensor_roundtrip.py
+	$(PY) bench/quic.py
 
 ## Regenerate protobuf code (checked in) from every .proto file.
 proto: venv
-	$(PY) -m grpc_tools.protoc -I. --python_out=. --mypy_out=. $$(git ls-files '*.proto')
+	PATH=$(VENV)/bin:$$PATH $(PY) -m grpc_tools.protoc -I. --python_out=. --mypy_out=. $$(git ls-files '*.proto')
 
 typecheck: venv
 	$(PY) -m mypy p2p nat averaging training

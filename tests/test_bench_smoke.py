@@ -27,3 +27,23 @@ def test_connect_latency_bench_prints_figures():
     assert result.returncode == 0, result.stderr
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert figures["dedloc_connect_ms"] > 0 and figures["libp2p_connect_ms"] > 0
+
+
+def test_tensor_roundtrip_bench_prints_figures():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "tensor_roundtrip.py"), "--mib", "1", "--rounds", "2", "--json"],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["tcp_ms"] > 0 and figures["node_ms"] > 0
+
+
+def test_quic_bench_reports_a_figure_or_a_failure():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "quic.py"), "--mib", "1", "--streams", "2", "--json"],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["tcp_1"] > 0
