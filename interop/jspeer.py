@@ -189,6 +189,38 @@ class JsPeer:
         )
         return str(reply["data"])
 
+    async def bulk(
+        self,
+        peer_id: str,
+        *,
+        send_bytes: int,
+        send_seed: bytes,
+        recv_bytes: int,
+        recv_seed: bytes,
+        mode: str = "concurrent",
+        protocol: str | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """js opens a bulk stream (see ``interop/bulk.py``) to a peer as the client.
+
+        It sends ``send_bytes`` of keystream(send_seed), half-closes, asks for
+        ``recv_bytes`` of keystream(recv_seed) back and reads to EOF; the reply
+        has both sha256s, the byte counts and the server's trailer.
+        """
+        timeout = self.default_timeout if timeout is None else timeout
+        args: dict[str, Any] = {
+            "peer_id": str(peer_id),
+            "send_bytes": send_bytes,
+            "send_seed": send_seed.hex(),
+            "recv_bytes": recv_bytes,
+            "recv_seed": recv_seed.hex(),
+            "mode": mode,
+            "timeout_ms": int(timeout * 1000 * 0.8),
+        }
+        if protocol is not None:
+            args["protocol"] = protocol
+        return await self.request("bulk", timeout=timeout, **args)
+
     async def wait_event(
         self, predicate: Callable[[dict[str, Any]], bool], *, timeout: float | None = None, start: int = 0
     ) -> dict[str, Any]:

@@ -2,12 +2,15 @@
 
 Both sides listen and dial on 127.0.0.1 only. The js peer is ``js/peer.mjs``
 under node 22 (``bash interop/setup.sh``); see ``jspeer.py`` for its protocol.
+The bulk tests move tens of MiB both ways over our Noise and Yamux with sha256
+checks (protocol in ``bulk.py``).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 import trio
@@ -21,8 +24,10 @@ from libp2p.peer.peer_record import PEER_RECORD_ENVELOPE_DOMAIN
 from multiaddr import Multiaddr
 from multiaddr.protocols import P_P2P
 
+import bulk
 from jspeer import JsPeer, JsPeerCommandError
 from p2p import DialError, Node
+from p2p.yamux import INITIAL_WINDOW, YamuxStream
 
 pytestmark = pytest.mark.interop
 
@@ -244,6 +249,207 @@ async def test_streams_both_ways_and_identify_push_from_js(js: JsPeer, node: Nod
     node.set_stream_handler(ECHO, echo_handler)
     text = "from js " * 1000
     assert await js.echo(str(node.peer_id), ECHO, text) == text
+
+
+# --------------------------------------------------------------------------- bulk transfer with checksums
+# interop/bulk.py has the protocol. Every byte either way is keystream(seed), so the
+# sha256 each side expects is computed here independently of both implementations.
+
+BULK = bulk.PROTOCOL
+MiB = bulk.MiB
+#: Bound on one whole bulk test: generous for a 2-core machine, never a timing assertion.
+BULK_STEP = 60.0
+
+
+def seed(label: str) -> bytes:
+    return hashlib.sha256(label.encode()).digest()[:16]
+
+
+def assert_py_client_result(result: bulk.BulkResult, *, sent: int, send_seed: bytes, got: int, recv_seed: bytes) -> None:
+    """What py sent arrived whole at js, and what js sent arrived whole here."""
+    want_sent = bulk.expected_sha256(send_seed, sent)
+    want_got = bulk.expected_sha256(recv_seed, got)
+    assert result.sent_bytes == sent and result.sent_sha256 == want_sent
+    assert result.peer_received_bytes is not None, "no 72-byte trailer from js: the reply was cut short"
+    assert (result.peer_received_bytes, result.peer_received_sha256) == (sent, want_sent), "js received other bytes"
+    assert result.peer_sent_sha256 == want_got, "js says it sent other bytes than keystream(recv_seed)"
+    assert (result.received_bytes, result.received_sha256) == (got, want_got), "py received other bytes"
+
+
+def assert_js_client_reply(reply: dict[str, Any], *, sent: int, send_seed: bytes, got: int, recv_seed: bytes) -> None:
+    """The same, for a transfer js opened (its "bulk" reply; the trailer is py's)."""
+    want_sent = bulk.expected_sha256(send_seed, sent)
+    want_got = bulk.expected_sha256(recv_seed, got)
+    assert reply["protocol"] == BULK
+    assert (reply["sent_bytes"], reply["sent_sha256"]) == (sent, want_sent)
+    trailer = reply["trailer"]
+    assert trailer is not None, f"no 72-byte trailer from py: {reply}"
+    assert (trailer["peer_received_bytes"], trailer["peer_received_sha256"]) == (sent, want_sent), "py received other bytes"
+    assert trailer["peer_sent_sha256"] == want_got, "py says it sent other bytes than keystream(recv_seed)"
+    assert (reply["received_bytes"], reply["received_sha256"]) == (got, want_got), "js received other bytes"
+
+
+async def js_served(js: JsPeer, count: int, *, start: int = 0) -> list[dict[str, Any]]:
+    """The next ``count`` bulk streams js served (from event index ``start``); fails on a bulk:failed."""
+    seen: list[dict[str, Any]] = []
+    index = start
+    while len(seen) < count:
+        event = await js.wait_event(lambda e: e.get("event") in ("bulk:served", "bulk:failed"), start=index)
+        index = js.events.index(event, index) + 1
+        assert event["event"] == "bulk:served", event
+        seen.append(event)
+    return seen
+
+
+def serve_bulk_on(node: Node) -> list[bulk.BulkResult]:
+    """Serve the bulk protocol on our node; the list fills with what each stream saw."""
+    served: list[bulk.BulkResult] = []
+
+    async def handler(stream: INetStream) -> None:
+        await bulk.bulk_server(stream, served)
+
+    node.set_stream_handler(BULK, handler)
+    return served
+
+
+async def test_bulk_py_dials_js_32mib_each_way(js: JsPeer, node: Node) -> None:
+    size = 32 * MiB
+    up, down = seed("py->js 32"), seed("js->py 32")
+    start = len(js.events)
+    with trio.fail_after(BULK_STEP):
+        pid = await node.connect(js.addr)
+        stream = await node.new_stream(pid, BULK)
+        # js replies only after our FIN: first the whole upload, then the download
+        result = await bulk.bulk_client(
+            stream, send_bytes=size, send_seed=up, recv_bytes=size, recv_seed=down, mode=bulk.AFTER_EOF
+        )
+        (served,) = await js_served(js, 1, start=start)
+    assert_py_client_result(result, sent=size, send_seed=up, got=size, recv_seed=down)
+    assert served["mode"] == "after_eof" and served["peer_id"] == str(node.peer_id)
+    assert (served["received_bytes"], served["received_sha256"]) == (size, result.sent_sha256)
+    assert (served["sent_bytes"], served["sent_sha256"]) == (size, result.received_sha256)
+    # the connection is still good for more
+    assert await node.ping(pid, timeout=STEP) > 0
+
+
+async def test_bulk_js_dials_py_32mib_each_way(js: JsPeer, node: Node) -> None:
+    size = 32 * MiB
+    up, down = seed("js->py 32"), seed("py->js 32")
+    served = serve_bulk_on(node)
+    me = str(node.peer_id)
+    dialed = await js.dial(py_addr(node))
+    assert dialed["peer_id"] == me and dialed["direction"] == "outbound"
+    # js opens the stream and sends while we send back (concurrent mode)
+    reply = await js.bulk(me, send_bytes=size, send_seed=up, recv_bytes=size, recv_seed=down, timeout=BULK_STEP)
+    assert_js_client_reply(reply, sent=size, send_seed=up, got=size, recv_seed=down)
+    (ours,) = served
+    assert ours.mode == bulk.CONCURRENT
+    assert (ours.received_bytes, ours.received_sha256) == (size, reply["sent_sha256"])
+    assert (ours.sent_bytes, ours.sent_sha256) == (size, reply["received_sha256"])
+    assert await node.ping(ID.from_base58(js.peer_id), timeout=STEP) > 0
+
+
+async def test_bulk_four_concurrent_streams_8mib_each_way(js: JsPeer, node: Node) -> None:
+    """Four streams on one connection, all sending and receiving at once: flow-control
+    windows and frame interleaving in both muxers, both directions."""
+    size = 8 * MiB
+    start = len(js.events)
+    results: dict[int, bulk.BulkResult] = {}
+    streams: list[INetStream] = []
+
+    async def one(i: int) -> None:
+        stream = await node.new_stream(pid, BULK)
+        streams.append(stream)
+        # different write sizes per stream, so that frames of different sizes interleave
+        sizes = bulk.WRITE_SIZES[i:] + bulk.WRITE_SIZES[:i]
+        results[i] = await bulk.bulk_client(
+            stream, send_bytes=size, send_seed=seed(f"up {i}"), recv_bytes=size, recv_seed=seed(f"down {i}"), sizes=sizes
+        )
+
+    with trio.fail_after(BULK_STEP):
+        pid = await node.connect(js.addr)
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(one, i)
+        served = await js_served(js, 4, start=start)
+
+    assert len({id(s.muxed_conn) for s in streams}) == 1, "the four streams should share one connection"
+    for i in range(4):
+        assert_py_client_result(results[i], sent=size, send_seed=seed(f"up {i}"), got=size, recv_seed=seed(f"down {i}"))
+    assert sorted(e["received_sha256"] for e in served) == sorted(r.sent_sha256 for r in results.values())
+    assert all(e["mode"] == "concurrent" for e in served)
+    conns = [c for c in await js.peers() if c["peer_id"] == str(node.peer_id)]
+    assert len(conns) == 1, conns
+
+
+async def test_bulk_streams_opened_by_both_sides_at_once(js: JsPeer, node: Node) -> None:
+    """Two streams py opens and two js opens, on one connection, all moving 8 MiB each way at once."""
+    size = 8 * MiB
+    served_here = serve_bulk_on(node)
+    me = str(node.peer_id)
+    start = len(js.events)
+    py_results: dict[int, bulk.BulkResult] = {}
+    js_replies: dict[int, dict[str, Any]] = {}
+
+    async def from_py(i: int) -> None:
+        stream = await node.new_stream(pid, BULK)
+        py_results[i] = await bulk.bulk_client(
+            stream, send_bytes=size, send_seed=seed(f"py up {i}"), recv_bytes=size, recv_seed=seed(f"py down {i}")
+        )
+
+    async def from_js(i: int) -> None:
+        js_replies[i] = await js.bulk(
+            me, send_bytes=size, send_seed=seed(f"js up {i}"), recv_bytes=size, recv_seed=seed(f"js down {i}"),
+            timeout=BULK_STEP,
+        )
+
+    with trio.fail_after(BULK_STEP):
+        pid = await node.connect(js.addr)
+        async with trio.open_nursery() as nursery:
+            for i in range(2):
+                nursery.start_soon(from_py, i)
+                nursery.start_soon(from_js, i)
+        await js_served(js, 2, start=start)
+
+    for i in range(2):
+        assert_py_client_result(
+            py_results[i], sent=size, send_seed=seed(f"py up {i}"), got=size, recv_seed=seed(f"py down {i}")
+        )
+        assert_js_client_reply(
+            js_replies[i], sent=size, send_seed=seed(f"js up {i}"), got=size, recv_seed=seed(f"js down {i}")
+        )
+    assert len(served_here) == 2
+    conns = [c for c in await js.peers() if c["peer_id"] == me]
+    assert len(conns) == 1 and conns[0]["direction"] == "inbound", conns
+
+
+async def test_bulk_js_stops_at_our_receive_window_until_we_read(js: JsPeer, node: Node) -> None:
+    """js fills exactly the 256 KiB initial window (spec) of a stream we do not read,
+    then waits; our window updates as we read let the rest through."""
+    size = 4 * MiB
+    down = seed("window")
+    with trio.fail_after(BULK_STEP):
+        pid = await node.connect(js.addr)
+        stream = await node.new_stream(pid, BULK)
+        assert isinstance(stream, NetStream)
+        muxed = stream.muxed_stream
+        assert isinstance(muxed, YamuxStream), type(muxed)
+        await stream.write(bulk.HEADER.pack(bulk.CONCURRENT, size, down))
+        await bulk.half_close(stream)
+        # We have read only multistream-select's reply (under half the window, so no
+        # window update went out): js may send the initial window and not a byte more.
+        # (Our reader would fail the connection with a protocol error on a byte more.)
+        await wait_until(lambda: muxed._recv_window == 0, "js to fill our receive window")
+        await trio.sleep(0.3)  # room for a violation to show; no timing is asserted
+        assert muxed._recv_window == 0 and muxed.muxed_conn.error is None
+        assert muxed._buffered + muxed._unacked == INITIAL_WINDOW
+        received = bytearray()
+        await bulk.read_to_eof(stream, received.extend)
+    payload, trailer = bytes(received[: -bulk.TRAILER.size]), bytes(received[-bulk.TRAILER.size :])
+    assert len(payload) == size and hashlib.sha256(payload).hexdigest() == bulk.expected_sha256(down, size)
+    count, got_sha, sent_sha = bulk.TRAILER.unpack(trailer)
+    assert (count, got_sha) == (0, hashlib.sha256(b"").digest())
+    assert sent_sha.hex() == bulk.expected_sha256(down, size)
 
 
 # --------------------------------------------------------------------------- py-libp2p 0.8.1 quirks, pinned

@@ -27,7 +27,28 @@
 //   {"cmd":"echo","peer_id":...,"protocol":...,"data":"text"}
 //       -> open a stream, send data, close the write side, read until EOF:
 //          {"event":"echo","ok":true,"data":"what came back"}
+//   {"cmd":"bulk","peer_id":...,"send_bytes":N,"send_seed":"<32 hex>","recv_bytes":M,
+//    "recv_seed":"<32 hex>"[,"mode":"concurrent"|"after_eof"][,"protocol":...][,"timeout_ms":60000]}
+//       -> js opens a bulk stream (below) to the peer as the client: sends the request
+//          header, then N bytes of keystream(send_seed) in odd-sized chunks, half-closes,
+//          and reads the reply to EOF:
+//          {"event":"bulk","ok":true,"protocol":...,"sent_bytes":N,"sent_sha256":hex,
+//           "received_bytes":<payload bytes>,"received_sha256":hex,
+//           "trailer":{"peer_received_bytes":...,"peer_received_sha256":hex,
+//                      "peer_sent_sha256":hex}|null,"stream_id":...,"elapsed_ms":...}
 //   {"cmd":"quit"}    -> {"event":"quit","ok":true}, then the process exits 0.
+//
+// Bulk transfer protocol /dedloc/interop/bulk/1.0.0, which js serves from the start:
+//   client -> server: a 25-byte header: mode (u8: 0 = the server sends after the
+//     client's EOF, 1 = at once, while still receiving), M (u64 BE: bytes wanted
+//     back), seed (16 bytes); then any number of payload bytes; then EOF (FIN).
+//   server -> client: M bytes of keystream(seed); then a 72-byte trailer: payload
+//     bytes it received (u64 BE), their sha256 (32), sha256 of the M bytes it
+//     sent (32); then EOF.
+//   keystream(seed) = AES-128-CTR with key = seed and a zero 16-byte IV, applied
+//   to zeros: deterministic pseudo-random bytes both languages produce at GB/s.
+//   Every bulk stream js served emits {"event":"bulk:served",...} (or
+//   "bulk:failed") with the same numbers.
 //
 // Unsolicited events (no "id"): peer:connect, peer:disconnect, peer:identify
 // (every identify that completed, the automatic one on connect included),
@@ -37,6 +58,7 @@
 
 import { createInterface } from 'node:readline'
 import { performance } from 'node:perf_hooks'
+import { createCipheriv, createHash } from 'node:crypto'
 import { createLibp2p } from 'libp2p'
 import { tcp } from '@libp2p/tcp'
 import { noise } from '@chainsafe/libp2p-noise'
@@ -224,6 +246,206 @@ async function openConnection (peerId, timeoutMs) {
   return await node.dial(peerId, { signal: AbortSignal.timeout(timeoutMs) })
 }
 
+// ---------------------------------------------------------------- bulk transfer
+
+const BULK_PROTOCOL = '/dedloc/interop/bulk/1.0.0'
+const BULK_HEADER = 25
+const BULK_TRAILER = 72
+const BULK_MODES = { after_eof: 0, concurrent: 1 }
+// sizes the sender cycles through: frame/message boundaries fall everywhere
+const BULK_CHUNKS = [65536, 1048576 + 7, 3, 262144, 99991, 65535 + 1]
+
+function keystream (seed) {
+  if (seed.length !== 16) throw new Error('a keystream seed is 16 bytes')
+  const cipher = createCipheriv('aes-128-ctr', seed, Buffer.alloc(16))
+  const zeros = Buffer.alloc(BULK_CHUNKS.reduce((a, b) => Math.max(a, b)))
+  return (n) => cipher.update(zeros.subarray(0, n))
+}
+
+function parseSeed (hex, what) {
+  if (typeof hex !== 'string' || !/^[0-9a-fA-F]{32}$/.test(hex)) throw new Error(`${what} must be 32 hex digits`)
+  return Buffer.from(hex, 'hex')
+}
+
+function parseCount (n, what) {
+  if (!Number.isSafeInteger(n) || n < 0) throw new Error(`${what} must be a non-negative integer`)
+  return n
+}
+
+// The pieces of whatever a stream yields (Uint8Array or Uint8ArrayList).
+function * piecesOf (buf) {
+  if (buf instanceof Uint8Array) yield buf
+  else yield * buf
+}
+
+function rejectOnAbort (signal) {
+  return new Promise((_resolve, reject) => {
+    if (signal.aborted) reject(signal.reason)
+    signal.addEventListener('abort', () => reject(signal.reason), { once: true })
+  })
+}
+
+// Send n bytes of keystream(seed) in odd-sized chunks, honouring backpressure.
+async function sendKeystream (stream, seed, n, signal) {
+  const next = keystream(seed)
+  const hash = createHash('sha256')
+  let left = n
+  let i = 0
+  while (left > 0) {
+    const size = Math.min(left, BULK_CHUNKS[i++ % BULK_CHUNKS.length])
+    const chunk = next(size)
+    hash.update(chunk)
+    left -= size
+    if (!stream.send(chunk)) await stream.onDrain({ signal })
+  }
+  return hash.digest()
+}
+
+async function sendAll (stream, data, signal) {
+  if (!stream.send(data)) await stream.onDrain({ signal })
+}
+
+function bulkHeader (mode, wanted, seed) {
+  const header = Buffer.alloc(BULK_HEADER)
+  header.writeUInt8(mode, 0)
+  header.writeBigUInt64BE(BigInt(wanted), 1)
+  seed.copy(header, 9)
+  return header
+}
+
+// Server side: read the header, then the payload to EOF (hashing it), send
+// the wanted bytes (at once or after EOF), then the trailer, then close.
+async function serveBulk (stream, connection) {
+  const start = performance.now()
+  const signal = AbortSignal.timeout(120000)
+  const received = createHash('sha256')
+  let receivedBytes = 0
+  let header = Buffer.alloc(0)
+  let mode = null
+  let wanted = 0
+  let seed = null
+  let sending = null
+  const startSending = () => {
+    sending = sendKeystream(stream, seed, wanted, signal)
+    sending.catch(() => {}) // awaited below; avoid an unhandled rejection meanwhile
+  }
+  try {
+    const reading = (async () => {
+      for await (const buf of stream) {
+        for (let piece of piecesOf(buf)) {
+          if (mode === null) {
+            const need = BULK_HEADER - header.length
+            header = Buffer.concat([header, piece.subarray(0, need)])
+            piece = piece.subarray(need)
+            if (header.length < BULK_HEADER) continue
+            mode = header.readUInt8(0)
+            if (mode !== 0 && mode !== 1) throw new Error(`unknown bulk mode ${mode}`)
+            wanted = Number(header.readBigUInt64BE(1))
+            seed = header.subarray(9, 25)
+            if (mode === 1) startSending()
+          }
+          if (piece.length > 0) {
+            received.update(piece)
+            receivedBytes += piece.length
+          }
+        }
+      }
+    })()
+    await Promise.race([reading, rejectOnAbort(signal)])
+    if (mode === null) throw new Error(`bulk stream ended inside its header (${header.length} bytes)`)
+    if (sending === null) startSending()
+    const sentHash = await Promise.race([sending, rejectOnAbort(signal)])
+    const receivedHash = received.digest()
+    const trailer = Buffer.alloc(BULK_TRAILER)
+    trailer.writeBigUInt64BE(BigInt(receivedBytes), 0)
+    receivedHash.copy(trailer, 8)
+    sentHash.copy(trailer, 40)
+    await sendAll(stream, trailer, signal)
+    await stream.close({ signal })
+    emit({
+      event: 'bulk:served',
+      peer_id: connection.remotePeer.toString(),
+      stream_id: stream.id,
+      mode: mode === 1 ? 'concurrent' : 'after_eof',
+      received_bytes: receivedBytes,
+      received_sha256: receivedHash.toString('hex'),
+      sent_bytes: wanted,
+      sent_sha256: sentHash.toString('hex'),
+      elapsed_ms: performance.now() - start
+    })
+  } catch (err) {
+    emit({
+      event: 'bulk:failed',
+      peer_id: connection.remotePeer.toString(),
+      stream_id: stream.id,
+      received_bytes: receivedBytes,
+      ...errorInfo(err)
+    })
+    stream.abort(err)
+  }
+}
+
+// Client side, for the "bulk" command.
+async function bulkClient (cmd) {
+  const peerId = parsePeerId(cmd.peer_id)
+  const protocol = cmd.protocol ?? BULK_PROTOCOL
+  const sendBytes = parseCount(cmd.send_bytes, 'send_bytes')
+  const recvBytes = parseCount(cmd.recv_bytes, 'recv_bytes')
+  const sendSeed = parseSeed(cmd.send_seed, 'send_seed')
+  const recvSeed = parseSeed(cmd.recv_seed, 'recv_seed')
+  const mode = BULK_MODES[cmd.mode ?? 'concurrent']
+  if (mode == null) throw new Error(`mode must be one of ${Object.keys(BULK_MODES)}`)
+  const signal = AbortSignal.timeout(cmd.timeout_ms ?? 60000)
+  const start = performance.now()
+  const stream = await node.dialProtocol(peerId, protocol, { signal })
+  const received = createHash('sha256')
+  let receivedBytes = 0
+  // the last BULK_TRAILER bytes seen are held back: they are the trailer at EOF
+  let tail = Buffer.alloc(0)
+  const reading = (async () => {
+    for await (const buf of stream) {
+      for (const piece of piecesOf(buf)) {
+        const joined = tail.length > 0 ? Buffer.concat([tail, piece]) : Buffer.from(piece.buffer, piece.byteOffset, piece.byteLength)
+        const cut = Math.max(0, joined.length - BULK_TRAILER)
+        if (cut > 0) {
+          received.update(joined.subarray(0, cut))
+          receivedBytes += cut
+        }
+        tail = Buffer.from(joined.subarray(cut)) // a copy: the stream may reuse its buffers
+      }
+    }
+  })()
+  reading.catch(() => {})
+  let sentHash
+  try {
+    await sendAll(stream, bulkHeader(mode, recvBytes, recvSeed), signal)
+    sentHash = await sendKeystream(stream, sendSeed, sendBytes, signal)
+    await stream.close({ signal })
+    await Promise.race([reading, rejectOnAbort(signal)])
+  } catch (err) {
+    stream.abort(err)
+    throw err
+  }
+  const trailer = tail.length === BULK_TRAILER
+    ? {
+        peer_received_bytes: Number(tail.readBigUInt64BE(0)),
+        peer_received_sha256: tail.subarray(8, 40).toString('hex'),
+        peer_sent_sha256: tail.subarray(40, 72).toString('hex')
+      }
+    : null
+  return {
+    protocol: stream.protocol,
+    stream_id: stream.id,
+    sent_bytes: sendBytes,
+    sent_sha256: sentHash.toString('hex'),
+    // with no trailer, everything that came is counted as payload
+    received_bytes: trailer == null ? receivedBytes + tail.length : receivedBytes,
+    received_sha256: trailer == null ? received.update(tail).digest('hex') : received.digest('hex'),
+    trailer,
+    elapsed_ms: performance.now() - start
+  }
+}
+
 const handlers = {
   async dial (cmd) {
     const timeoutMs = cmd.timeout_ms ?? 10000
@@ -341,6 +563,10 @@ const handlers = {
     return { protocol: stream.protocol, data: Buffer.concat(chunks).toString('utf8') }
   },
 
+  async bulk (cmd) {
+    return await bulkClient(cmd)
+  },
+
   async quit () {
     return {}
   }
@@ -396,6 +622,10 @@ process.stdout.on('error', () => { shutdown(0) })
 
 try {
   await node.start()
+  await node.handle(BULK_PROTOCOL, (stream, connection) => serveBulk(stream, connection), {
+    maxInboundStreams: 64,
+    maxOutboundStreams: 64
+  })
 } catch (err) {
   emit({ event: 'fatal', ...errorInfo(err) })
   process.exit(1)
