@@ -111,7 +111,8 @@ class NoiseCodec:
         if total == 0:
             return bytearray()
         count = -(-total // MAX_PLAINTEXT)
-        if self._send_nonce + count >= _NONCE_LIMIT:
+        # Nonces send_nonce .. send_nonce + count - 1 must all stay below the reserved 2^64-1.
+        if self._send_nonce + count > _NONCE_LIMIT:
             raise NoiseError("Noise send nonce exhausted: the connection must be re-established")
         out = bytearray(total + count * (_LENGTH.size + TAG_SIZE))
         window = memoryview(out)

@@ -235,11 +235,12 @@ class YamuxStream(IMuxedStream):
         self._recv_window = INITIAL_WINDOW
         self._window_size = INITIAL_WINDOW
         self._unacked = 0
-        self._last_grant = trio.current_time()
         self._send_window = INITIAL_WINDOW
         self._recv_closed = False
         self._send_closed = False
         self._error: StreamAbortedError | None = None
+        #: The connection ended after the peer's FIN: what it sent stays readable, then EOF.
+        self._fin_kept = False
         self._forgotten = False
 
     def __repr__(self) -> str:
@@ -251,14 +252,14 @@ class YamuxStream(IMuxedStream):
         if n == 0:
             return b""
         while not self._buffered:
-            if self._error is not None:
+            if self._error is not None and not self._fin_kept:
                 raise self._error
             if self._recv_closed:
                 raise MuxedStreamEOF(f"stream {self.stream_id}: the peer closed its side")
             if self._readable.is_set():
                 self._readable = trio.Event()
             await self._readable.wait()
-        if self._error is not None:
+        if self._error is not None and not self._fin_kept:
             raise self._error
         buffer = self._buffer
         if n is None or n < 0 or n >= self._buffered:
@@ -280,20 +281,24 @@ class YamuxStream(IMuxedStream):
         return data
 
     def _consumed(self, size: int) -> None:
-        """Re-grant window for bytes the application took, growing it for fast readers."""
+        """Re-grant window for bytes the application took, doubling it each time.
+
+        Growth happens only as the application reads, so a stream nobody reads
+        never grows; one that is read grows to ``max_stream_window`` within a
+        few grants, bounded together with its siblings by the connection's
+        budget. (go-yamux also requires the grants to come within 4 RTTs; with
+        explicit bounds that only slows fast links down, measured here.)
+        """
         self._unacked += size
         if self._recv_closed or self._error is not None or self._unacked < self._window_size // 2:
             return
         conn = self.muxed_conn
-        now = trio.current_time()
         delta = self._unacked
-        if True or now - self._last_grant < 4 * conn.rtt:
-            grow = min(self._window_size, conn.config.max_stream_window - self._window_size, conn.window_budget)
-            if grow > 0:
-                conn.window_budget -= grow
-                self._window_size += grow
-                delta += grow
-        self._last_grant = now
+        grow = min(self._window_size, conn.config.max_stream_window - self._window_size, conn.window_budget)
+        if grow > 0:
+            conn.window_budget -= grow
+            self._window_size += grow
+            delta += grow
         self._unacked = 0
         self._recv_window += delta
         conn.queue_control(frame(TYPE_WINDOW_UPDATE, 0, self.stream_id, delta))
@@ -309,9 +314,15 @@ class YamuxStream(IMuxedStream):
                 if not self._send_window:
                     await self._wait_for_window()
                     continue
+                # Frame writes are shielded; cancellation takes effect between frames.
+                await trio.lowlevel.checkpoint_if_cancelled()
                 take = min(len(view), self._send_window, conn.config.max_frame)
                 self._send_window -= take
-                await conn.send(frame(TYPE_DATA, 0, self.stream_id, take), view[:take])
+                try:
+                    await conn.send(frame(TYPE_DATA, 0, self.stream_id, take), view[:take])
+                except YamuxError as e:
+                    # The stream's own error type, so py-libp2p's NetStream reports a reset.
+                    raise StreamAbortedError(f"stream {self.stream_id}: {e}") from e
                 view = view[take:]
 
     def _check_writable(self) -> None:
@@ -377,12 +388,15 @@ class YamuxStream(IMuxedStream):
     def on_reset(self) -> None:
         self._abort(StreamAbortedError(f"stream {self.stream_id} was reset by {self.muxed_conn.peer_id}"), send_rst=False)
 
-    def _abort(self, error: StreamAbortedError, *, send_rst: bool) -> None:
+    def _abort(self, error: StreamAbortedError, *, send_rst: bool, keep_received: bool = False) -> None:
         if self._error is not None or (self._send_closed and self._recv_closed):
             return
         self._error = error
-        self._buffer.clear()
-        self._buffered = 0
+        if keep_received and self._recv_closed:
+            self._fin_kept = True
+        else:
+            self._buffer.clear()
+            self._buffered = 0
         self._readable.set()
         self._writable.set()
         if send_rst:
@@ -523,18 +537,23 @@ class YamuxConnection(IMuxedConn):
         try:
             return await self._accept_receive.receive()
         except (trio.EndOfChannel, trio.ClosedResourceError):
-            raise MuxedConnUnavailable(f"connection to {self.peer_id} closed: {self._error}") from None
+            why = self._error or (f"{self.peer_id} is going away" if self._remote_go_away is not None else "closed")
+            raise MuxedConnUnavailable(f"connection to {self.peer_id} accepts no more streams: {why}") from None
 
     async def close(self) -> None:
         """Say GoAway, close the secured connection, end every stream."""
         if self.event_closed.is_set():
             return
         if self._error is None:
+            # Best effort within 1 s: ``send`` shields its write for write_timeout, so a
+            # peer that stopped reading would hold up closing that long.
             with trio.move_on_after(1):
-                try:
-                    await self.send(frame(TYPE_GO_AWAY, 0, 0, GO_AWAY_NORMAL))
-                except YamuxError:
-                    pass
+                async with self._write_lock:
+                    if self._error is None:
+                        try:
+                            await self._write((frame(TYPE_GO_AWAY, 0, 0, GO_AWAY_NORMAL),))
+                        except Exception:
+                            pass
             self._fail(YamuxError(f"connection to {self.peer_id} closed locally"))
         if self._nursery is None:
             await self._finish()
@@ -721,13 +740,16 @@ class YamuxConnection(IMuxedConn):
     # ---------------------------------------------------------------- ending
 
     def _fail(self, error: YamuxError) -> None:
-        """End the connection for ``error``: every stream fails with it, tasks stop."""
+        """End the connection for ``error``: every stream fails with it, tasks stop.
+
+        Data of a stream the peer had already finished (FIN) stays readable, then EOF.
+        """
         if self._error is not None:
             return
         self._error = error
         aborted = StreamAbortedError(f"connection ended: {error}")
         for stream in list(self.streams.values()):
-            stream._abort(aborted, send_rst=False)
+            stream._abort(aborted, send_rst=False, keep_received=True)
         self._accept_send.close()
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()

@@ -1,0 +1,477 @@
+"""The Noise transport phase: NoiseCodec with no I/O, NoiseSession over in-memory pipes,
+NoiseTransport's handshake hand-over. Wire format checked against ``cryptography`` directly."""
+
+from __future__ import annotations
+
+import random
+import struct
+
+import pytest
+import trio
+import trio.testing
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from libp2p.connection_types import ConnectionType
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.io.exceptions import ConnectionClosedError
+from libp2p.peer.id import ID
+
+from p2p.noise import MAX_MESSAGE, MAX_PLAINTEXT, NoiseCodec, NoiseError, NoiseSession, NoiseTransport
+
+KEY_A = bytes(range(32))
+KEY_B = bytes(range(100, 132))
+TAG = 16
+#: An incomplete message is at most its 2-byte prefix and all but one byte of a full body.
+MAX_BUFFERED = 2 + MAX_MESSAGE - 1
+
+
+def codec_pair(**nonces: int) -> tuple[NoiseCodec, NoiseCodec]:
+    """Two ends of one channel: what ``a`` seals ``b`` opens, and back."""
+    a = NoiseCodec(KEY_A, KEY_B, send_nonce=nonces.get("a", 0), recv_nonce=nonces.get("b", 0))
+    b = NoiseCodec(KEY_B, KEY_A, send_nonce=nonces.get("b", 0), recv_nonce=nonces.get("a", 0))
+    return a, b
+
+
+def spec_messages(wire: bytes | bytearray) -> list[bytes]:
+    """Split wire bytes into message bodies by the spec's 2-byte big-endian prefix."""
+    out, pos = [], 0
+    while pos < len(wire):
+        (length,) = struct.unpack_from(">H", wire, pos)
+        out.append(bytes(wire[pos + 2 : pos + 2 + length]))
+        pos += 2 + length
+    assert pos == len(wire), "wire bytes end in the middle of a message"
+    return out
+
+
+def spec_nonce(n: int) -> bytes:
+    return b"\x00" * 4 + n.to_bytes(8, "little")
+
+
+def opened(codec: NoiseCodec, wire: bytes | bytearray | memoryview) -> bytes:
+    return b"".join(codec.feed(wire))
+
+
+# ---------------------------------------------------------------------------- NoiseCodec, no I/O
+
+
+@pytest.mark.parametrize(
+    "size", [0, 1, MAX_PLAINTEXT - 1, MAX_PLAINTEXT, MAX_PLAINTEXT + 1, 2 * MAX_PLAINTEXT, 3 * 1024 * 1024 + 7]
+)
+def test_round_trip_sizes(size):
+    a, b = codec_pair()
+    plain = random.Random(size).randbytes(size)
+    wire = a.encrypt(plain)
+    messages = spec_messages(wire)
+    assert len(messages) == -(-size // MAX_PLAINTEXT)
+    assert len(wire) == size + len(messages) * (2 + TAG)
+    assert all(len(m) <= MAX_MESSAGE for m in messages)
+    assert opened(b, wire) == plain
+    assert b.buffered == 0
+
+
+def test_exactly_max_plaintext_is_one_full_message():
+    a, b = codec_pair()
+    wire = a.encrypt(b"\x01" * MAX_PLAINTEXT)
+    assert wire[:2] == b"\xff\xff" and len(wire) == 2 + MAX_MESSAGE
+    assert b.feed(wire) == [b"\x01" * MAX_PLAINTEXT]
+    wire = a.encrypt(b"\x02" * (MAX_PLAINTEXT + 1))
+    assert [len(m) for m in spec_messages(wire)] == [MAX_MESSAGE, 1 + TAG]
+    assert b.feed(wire) == [b"\x02" * MAX_PLAINTEXT, b"\x02"]
+
+
+def test_empty_input_makes_no_message_and_uses_no_nonce():
+    a, b = codec_pair()
+    assert a.encrypt() == b"" and a.encrypt(b"", bytearray(), memoryview(b"")) == b""
+    assert b.feed(b"") == []
+    # The first real message still carries nonce 0.
+    wire = a.encrypt(b"x")
+    assert ChaCha20Poly1305(KEY_A).decrypt(spec_nonce(0), spec_messages(wire)[0], None) == b"x"
+
+
+def test_parts_of_every_buffer_type_are_sealed_back_to_back():
+    rng = random.Random(1)
+    raw = rng.randbytes(5 * 1024 * 1024 + 3)
+    # Cut at sizes that straddle message boundaries every which way.
+    cuts = [0, 1, 2, MAX_PLAINTEXT - 1, MAX_PLAINTEXT + 5, 3 * MAX_PLAINTEXT, 3 * MAX_PLAINTEXT + 1, 2 * 1024 * 1024, len(raw)]
+    kinds = [bytes, bytearray, memoryview]
+    parts = [kinds[i % 3](raw[lo:hi]) for i, (lo, hi) in enumerate(zip(cuts, cuts[1:]))]
+    a, b = codec_pair()
+    wire = a.encrypt(*parts)
+    # Message boundaries depend only on the total, not on how it was cut.
+    assert [len(m) for m in spec_messages(wire)] == [len(m) for m in spec_messages(codec_pair()[0].encrypt(raw))]
+    assert opened(b, wire) == raw
+
+
+def test_non_byte_memoryview_is_read_as_its_bytes():
+    import array
+
+    values = array.array("I", range(1000))
+    a, b = codec_pair()
+    assert opened(b, a.encrypt(memoryview(values))) == values.tobytes()
+
+
+def test_one_byte_at_a_time_and_random_splits_give_the_same_plaintext():
+    rng = random.Random(7)
+    plain = rng.randbytes(3 * MAX_PLAINTEXT + 1234)
+    a = codec_pair()[0]
+    wire = bytes(a.encrypt(plain[:100], plain[100:]))
+
+    _, b = codec_pair()
+    got = bytearray()
+    for i in range(len(wire)):
+        got += opened(b, wire[i : i + 1])
+        assert b.buffered <= MAX_BUFFERED
+    assert got == plain and b.buffered == 0
+
+    for trial in range(20):
+        _, b = codec_pair()
+        got = bytearray()
+        pos = 0
+        while pos < len(wire):
+            step = rng.choice([1, 2, 3, 17, 1000, MAX_MESSAGE, MAX_MESSAGE + 2, rng.randrange(1, 200_000)])
+            chunk = wire[pos : pos + step]
+            got += opened(b, rng.choice([bytes, bytearray, memoryview])(chunk))
+            assert b.buffered <= MAX_BUFFERED
+            pos += step
+        assert got == plain and b.buffered == 0, trial
+
+
+def test_buffered_holds_only_an_incomplete_message():
+    a, b = codec_pair()
+    wire = a.encrypt(b"y" * MAX_PLAINTEXT)  # one 65537-byte message on the wire
+    assert b.feed(wire[:1]) == [] and b.buffered == 1
+    assert b.feed(wire[1:-1]) == [] and b.buffered == len(wire) - 1 == MAX_BUFFERED
+    assert b.feed(wire[-1:]) == [b"y" * MAX_PLAINTEXT] and b.buffered == 0
+    # Ten full messages and the start of an eleventh in one feed: only the start is kept.
+    wire = a.encrypt(b"z" * (10 * MAX_PLAINTEXT + 100))
+    out = b.feed(wire[:-50])
+    assert len(out) == 10 and b.buffered == 2 + 100 + TAG - 50
+
+
+def test_nonces_advance_in_step_and_order_matters():
+    a, b = codec_pair()
+    first, second = a.encrypt(b"same"), a.encrypt(b"same")
+    assert first != second  # a new nonce per message
+    assert opened(b, first) == b"same"
+    assert opened(b, second) == b"same"
+    # Replaying a message (its nonce is spent) fails.
+    with pytest.raises(NoiseError, match="authentication"):
+        b.feed(first)
+
+    a, b = codec_pair()
+    first, second = a.encrypt(b"one"), a.encrypt(b"two")
+    with pytest.raises(NoiseError, match="authentication"):
+        b.feed(second)  # out of order: opened with nonce 0, sealed with nonce 1
+
+
+def test_both_directions_are_independent():
+    a, b = codec_pair()
+    for i in range(5):
+        assert opened(b, a.encrypt(b"ping %d" % i)) == b"ping %d" % i
+        assert opened(a, b.encrypt(b"pong %d" % i)) == b"pong %d" % i
+    assert opened(b, a.encrypt(b"x" * 10) + a.encrypt(b"y" * 10)) == b"x" * 10 + b"y" * 10
+
+
+def test_wire_format_matches_the_libp2p_spec():
+    """2-byte big-endian length, ChaCha20-Poly1305 with nonce = 4 zero bytes + 64-bit LE counter, no AD."""
+    plain = random.Random(3).randbytes(2 * MAX_PLAINTEXT + 10)
+    a, _ = codec_pair(a=41)  # start mid-stream, as after a handshake
+    wire = a.encrypt(plain)
+    reference = ChaCha20Poly1305(KEY_A)
+    pieces = [reference.decrypt(spec_nonce(41 + i), body, None) for i, body in enumerate(spec_messages(wire))]
+    assert b"".join(pieces) == plain
+    assert [len(p) for p in pieces] == [MAX_PLAINTEXT, MAX_PLAINTEXT, 10]
+    # Empty associated data is not the same as none at all in some libraries; the spec means empty.
+    assert reference.decrypt(spec_nonce(41), spec_messages(wire)[0], b"") == pieces[0]
+
+    # And the other way: messages sealed independently are opened by the codec.
+    _, b = codec_pair(a=1000)
+    wire = b""
+    for i, text in enumerate([b"hello", b"", b"world" * 3000]):
+        body = reference.encrypt(spec_nonce(1000 + i), text, None)
+        wire += len(body).to_bytes(2, "big") + body
+    assert b.feed(wire) == [b"hello", b"world" * 3000]  # an empty message carries nothing
+
+
+def test_flipped_ciphertext_bit_fails_authentication_and_the_codec_stays_failed():
+    a, b = codec_pair()
+    assert opened(b, a.encrypt(b"fine")) == b"fine"
+    wire = bytearray(a.encrypt(b"secret data"))
+    wire[2 + 3] ^= 0x10
+    with pytest.raises(NoiseError, match=r"#1 failed authentication"):
+        b.feed(wire)
+    # Nothing more is accepted, not even a genuine next message.
+    for more in (a.encrypt(b"next"), b"", b"\x00"):
+        with pytest.raises(NoiseError, match="authentication"):
+            b.feed(more)
+    assert b.buffered == 0
+
+
+@pytest.mark.parametrize("where", ["ciphertext", "tag"])
+def test_garbling_anywhere_in_a_message_is_caught(where):
+    a, b = codec_pair()
+    wire = bytearray(a.encrypt(b"q" * 1000))
+    wire[-1 if where == "tag" else 2] ^= 0x01
+    with pytest.raises(NoiseError):
+        b.feed(wire)
+
+
+def test_a_garbled_message_after_good_ones_in_the_same_read_fails():
+    a, b = codec_pair()
+    wire = bytearray(a.encrypt(b"ok1") + a.encrypt(b"ok2") + a.encrypt(b"bad"))
+    wire[-5] ^= 0xFF
+    with pytest.raises(NoiseError, match="#2 failed authentication"):
+        b.feed(wire)
+
+
+@pytest.mark.parametrize("length", [0, 1, TAG - 1])
+def test_message_shorter_than_the_tag_is_refused(length):
+    _, b = codec_pair()
+    with pytest.raises(NoiseError, match="shorter than its 16-byte tag"):
+        b.feed(length.to_bytes(2, "big") + b"\x00" * length)
+    with pytest.raises(NoiseError):
+        b.feed(b"")
+
+
+def test_random_garbage_never_yields_plaintext():
+    rng = random.Random(11)
+    for _ in range(50):
+        _, b = codec_pair()
+        junk = rng.randbytes(rng.randrange(18, 5000))
+        junk = (len(junk) - 2).to_bytes(2, "big") + junk[2:]  # a well-formed length, garbage inside
+        with pytest.raises(NoiseError):
+            b.feed(junk)
+
+
+def test_nonce_limit():
+    """Nonce 2^64-1 is reserved: 2^64-2 is the last usable one, in each direction."""
+    last = 2**64 - 2
+    a, b = codec_pair(a=last)
+    assert opened(b, a.encrypt(b"last")) == b"last"
+    with pytest.raises(NoiseError, match="exhausted"):
+        a.encrypt(b"one too many")
+    # A message big enough to need two nonces is refused whole, nothing sent.
+    a, _ = codec_pair(a=last)
+    with pytest.raises(NoiseError, match="exhausted"):
+        a.encrypt(b"x" * (MAX_PLAINTEXT + 1))
+    # The receiving side refuses to go past the limit too.
+    sealed = ChaCha20Poly1305(KEY_A).encrypt(spec_nonce(0), b"wrapped", None)
+    _, c = codec_pair(a=2**64 - 1)
+    with pytest.raises(NoiseError, match="exhausted"):
+        c.feed(len(sealed).to_bytes(2, "big") + sealed)
+
+
+# ---------------------------------------------------------------------------- NoiseSession over a pipe
+
+
+class Pipe:
+    """An ``IRawConnection`` stand-in over one end of an in-memory trio stream pair."""
+
+    def __init__(self, pipe: trio.abc.Stream) -> None:
+        self._pipe = pipe
+        self.closed = False
+
+    async def read(self, n: int | None = None) -> bytes:
+        return await self._pipe.receive_some(n)
+
+    async def write(self, data: bytes) -> None:
+        await self._pipe.send_all(data)
+
+    async def close(self) -> None:
+        self.closed = True
+        await self._pipe.aclose()
+
+    def get_remote_address(self) -> tuple[str, int] | None:
+        return ("memory", 0)
+
+    def get_transport_addresses(self) -> list:
+        return []
+
+    def get_connection_type(self) -> ConnectionType:
+        return ConnectionType.DIRECT
+
+
+def session(raw: Pipe, codec: NoiseCodec, *, is_initiator: bool) -> NoiseSession:
+    local, remote = create_new_key_pair(), create_new_key_pair()
+    return NoiseSession(
+        raw,
+        codec,
+        local_peer=ID.from_pubkey(local.public_key),
+        local_key_pair=local,
+        remote_peer=ID.from_pubkey(remote.public_key),
+        is_initiator=is_initiator,
+        remote_public_key=remote.public_key,
+    )
+
+
+def session_and_wire(**codec_nonces: int) -> tuple[NoiseSession, trio.abc.Stream, NoiseCodec]:
+    """A NoiseSession, the other end of its pipe, and the codec that talks to it from there."""
+    ours, theirs = trio.testing.memory_stream_pair()
+    a, b = codec_pair(**codec_nonces)
+    return session(Pipe(ours), a, is_initiator=True), theirs, b
+
+
+async def test_session_round_trip_both_ways():
+    left, right = trio.testing.memory_stream_pair()
+    a_codec, b_codec = codec_pair()
+    a = session(Pipe(left), a_codec, is_initiator=True)
+    b = session(Pipe(right), b_codec, is_initiator=False)
+    payload = random.Random(5).randbytes(2 * 1024 * 1024 + 1)
+
+    async def drain(s: NoiseSession, n: int) -> bytes:
+        got = bytearray()
+        while len(got) < n:
+            got += await s.read(min(100_000, n - len(got)))
+        return bytes(got)
+
+    results: dict[str, bytes] = {}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(a.write_parts, payload[:10], bytearray(payload[10:500_000]), memoryview(payload)[500_000:])
+        nursery.start_soon(b.write, payload[::-1])
+
+        async def collect(name: str, s: NoiseSession) -> None:
+            results[name] = await drain(s, len(payload))
+
+        nursery.start_soon(collect, "b", b)
+        nursery.start_soon(collect, "a", a)
+    assert results["b"] == payload and results["a"] == payload[::-1]
+
+
+async def test_session_read_n_never_returns_more_than_asked():
+    s, wire, codec = session_and_wire()
+    await wire.send_all(codec.encrypt(b"abcdefghij") + codec.encrypt(b"klmnop"))
+    assert await s.read(3) == b"abc"
+    assert await s.read(4) == b"defg"
+    # What is left of both messages, joined, and no more than asked.
+    assert await s.read(100) == b"hijklmnop"
+    await wire.send_all(codec.encrypt(b"qrstuvwxyz"))
+    assert await s.read(5) == b"qrstu"
+    assert await s.read() == b"vwxyz"
+
+
+async def test_session_read_messages_returns_what_one_read_completes():
+    s, wire, codec = session_and_wire()
+    await wire.send_all(codec.encrypt(b"one") + codec.encrypt(b"two") + codec.encrypt(b"thr"))
+    assert await s.read_messages() == [b"one", b"two", b"thr"]
+    await wire.send_all(codec.encrypt(b"four"))
+    assert await s.read_messages() == [b"four"]
+
+
+async def test_session_clean_eof():
+    s, wire, codec = session_and_wire()
+    await wire.send_all(codec.encrypt(b"last words"))
+    await wire.aclose()
+    assert await s.read() == b"last words"
+    assert await s.read_messages() == []
+    with pytest.raises(ConnectionClosedError):
+        await s.read(10)
+
+
+async def test_session_eof_in_the_middle_of_a_message_is_an_error():
+    s, wire, codec = session_and_wire()
+    sealed = codec.encrypt(b"cut short")
+    await wire.send_all(sealed[:-3])
+    await wire.aclose()
+    with pytest.raises(NoiseError, match="middle of a Noise message"):
+        await s.read_messages()
+
+
+async def test_session_garbled_ciphertext_breaks_the_session_for_good():
+    s, wire, codec = session_and_wire()
+    good = codec.encrypt(b"good")
+    bad = bytearray(codec.encrypt(b"bad!"))
+    bad[4] ^= 0x80
+    await wire.send_all(good)
+    assert await s.read() == b"good"
+    await wire.send_all(bad + codec.encrypt(b"after"))
+    with pytest.raises(NoiseError, match="failed authentication"):
+        await s.read()
+    with pytest.raises(NoiseError, match="already broken"):
+        await s.read()
+    with pytest.raises(NoiseError, match="already broken"):
+        await s.write(b"anything")
+    # A broken session is a closed connection to py-libp2p code above.
+    assert issubclass(NoiseError, ConnectionClosedError)
+
+
+async def test_session_write_to_a_closed_pipe_raises_noise_error_and_breaks():
+    s, wire, _ = session_and_wire()
+    await wire.aclose()
+    with pytest.raises(NoiseError, match="connection lost"):
+        await s.write(b"x" * 100)
+    with pytest.raises(NoiseError, match="already broken"):
+        await s.write(b"y")
+
+
+async def test_session_concurrent_writers_keep_nonce_order():
+    """Writes are serialised before sealing: the receiver opens every message in order.
+
+    A lockstep pipe makes every write wait for the reader, so writers really overlap."""
+    ours, wire = trio.testing.lockstep_stream_pair()
+    mine, codec = codec_pair()
+    s = session(Pipe(ours), mine, is_initiator=True)
+    chunks = {i: bytes([i]) * (MAX_PLAINTEXT * 3 + i) for i in range(8)}
+    got = bytearray()
+
+    async def receive() -> None:
+        total = sum(map(len, chunks.values()))
+        while len(got) < total:
+            data = await wire.receive_some(100_000)
+            got.extend(b"".join(codec.feed(data)))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(receive)
+        for i, chunk in chunks.items():
+            nursery.start_soon(s.write, chunk)
+    # Each write arrives whole (not interleaved with another's messages).
+    pos = 0
+    seen = set()
+    while pos < len(got):
+        i = got[pos]
+        assert got[pos : pos + len(chunks[i])] == chunks[i]
+        seen.add(i)
+        pos += len(chunks[i])
+    assert seen == set(chunks)
+
+
+async def test_session_close_closes_the_raw_connection():
+    s, wire, _ = session_and_wire()
+    await s.close()
+    assert s.raw.closed
+    assert await wire.receive_some(10) == b""
+
+
+# ---------------------------------------------------------------------------- NoiseTransport hand-over
+
+
+async def test_transport_handshake_then_our_record_layer():
+    """py-libp2p's XX handshake over a pipe; the keys and nonces it leaves work in our codec."""
+    left, right = trio.testing.memory_stream_pair()
+    key_i, key_r = create_new_key_pair(), create_new_key_pair()
+    initiator, responder = NoiseTransport(key_i), NoiseTransport(key_r)
+    result: dict[str, NoiseSession] = {}
+
+    async def outbound() -> None:
+        result["i"] = await initiator.secure_outbound(Pipe(left), ID.from_pubkey(key_r.public_key))  # type: ignore[arg-type]
+
+    async def inbound() -> None:
+        result["r"] = await responder.secure_inbound(Pipe(right))  # type: ignore[arg-type]
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(outbound)
+            nursery.start_soon(inbound)
+    i, r = result["i"], result["r"]
+    assert isinstance(i, NoiseSession) and isinstance(r, NoiseSession)
+    assert i.is_initiator and not r.is_initiator
+    assert i.get_remote_peer() == ID.from_pubkey(key_r.public_key)
+    assert r.get_remote_peer() == ID.from_pubkey(key_i.public_key)
+    await i.write(b"hello responder")
+    assert await r.read() == b"hello responder"
+    await r.write_parts(b"hello ", b"initiator")
+    assert await i.read() == b"hello initiator"
+    big = random.Random(9).randbytes(300_000)
+    await i.write(big)
+    got = bytearray()
+    while len(got) < len(big):
+        got += await r.read()
+    assert got == big
