@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
-APT_PACKAGES := nftables iproute2
+APT_PACKAGES := nftables iproute2 miniupnpd-nftables
 
 .PHONY: all venv system-deps interop-deps demo test test-fast bench proto typecheck clean
 

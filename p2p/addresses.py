@@ -103,18 +103,46 @@ def is_relayed(addr: Multiaddr) -> bool:
     return any(p.name == CIRCUIT for p in addr.protocols())
 
 
+def split_circuit(addr: Multiaddr) -> tuple[Multiaddr, ID]:
+    """``<relay addr>/p2p/<relay>/p2p-circuit[/p2p/<target>]`` → (relay address, relay id).
+
+    The relay address may be just ``/p2p/<relay>`` (dial the relay by id).
+    """
+    items = list(addr.items())
+    cut = next((i for i, (p, _) in enumerate(items) if p.name == CIRCUIT), None)
+    if cut is None:
+        raise AddressError(f"{addr} is not a relayed (/p2p-circuit) address")
+    relay_part = Multiaddr("".join(f"/{p.name}/{v}" if v is not None else f"/{p.name}" for p, v in items[:cut]))
+    relay = peer_id_of(relay_part) if items[:cut] else None
+    if relay is None:
+        raise AddressError(f"relayed address {addr} does not name its relay (/p2p/<relay> before /p2p-circuit)")
+    return relay_part, relay
+
+
 def scope_of(addr: Multiaddr) -> Scope:
     for proto, val in addr.items():
         if proto.name in ("ip4", "ip6"):
             ip = ipaddress.ip_address(str(val))
             if ip.is_loopback:
                 return Scope.LOOPBACK
-            if ip.is_private or ip.is_link_local or ip.is_unspecified:
+            if ip.is_private or ip.is_link_local or ip.is_unspecified or not ip.is_global:  # incl. CGNAT 100.64/10
                 return Scope.PRIVATE
             return Scope.PUBLIC
         if proto.name in ("dns", "dns4", "dns6", "dnsaddr"):
             return Scope.PUBLIC if str(val) != "localhost" else Scope.LOOPBACK
     return Scope.UNKNOWN
+
+
+def reachable_tcp(addr: Multiaddr, *, allow_private: bool = False) -> bool:
+    """A direct TCP address (``/ip4|ip6/…/tcp/…``, no circuit) in public scope, or any scope if allowed.
+
+    What AutoNAT may dial back and hole punching may aim at: private addresses
+    only make sense inside one LAN (and cost a 10 s timeout elsewhere).
+    """
+    names = [p.name for p in addr.protocols()]
+    if is_relayed(addr) or len(names) < 2 or names[0] not in ("ip4", "ip6") or names[1] != "tcp":
+        return False
+    return allow_private or scope_of(addr) == Scope.PUBLIC
 
 
 def dial_rank(addr: Multiaddr) -> tuple[bool, Scope, bool]:

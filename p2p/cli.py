@@ -37,6 +37,9 @@ machine with a public IP and give people the address it prints.
 """
 
 RELAY_LISTEN = ["/ip4/0.0.0.0/tcp/4001", "/ip6/::/tcp/4001"]
+STATUS_METHOD = "node.status"
+#: RemoteError code for a status request from another machine.
+STATUS_REFUSED = 100
 PEER_LISTEN = ["/ip4/0.0.0.0/tcp/0", "/ip6/::/tcp/0"]
 
 
@@ -126,7 +129,9 @@ async def _follow(node: Node, out: Output, task_status: Any = trio.TASK_STATUS_I
             out.event(event)
 
 
-async def _serve(node: Node, out: Output, duration: float | None, status_every: float) -> None:
+async def _serve(
+    node: Node, out: Output, duration: float | None, status_every: float, extra_status: Callable[[], None] | None = None
+) -> None:
     """Print events and a periodic peer count until ``duration`` (or Ctrl-C)."""
 
     async def report() -> None:
@@ -134,6 +139,8 @@ async def _serve(node: Node, out: Output, duration: float | None, status_every: 
             await trio.sleep(status_every)
             peers = [str(p) for p in node.connected_peers()]
             node.emit(ev.PeerCount(count=len(peers), peers=peers))
+            if extra_status is not None:
+                extra_status()
 
     async def stop_on_sigterm(cancel: trio.CancelScope) -> None:
         with trio.open_signal_receiver(signal.SIGTERM) as signals:
@@ -148,31 +155,94 @@ async def _serve(node: Node, out: Output, duration: float | None, status_every: 
             await trio.sleep_forever()
 
 
-async def cmd_relay(args: argparse.Namespace, out: Output) -> int:
-    config = _config(args, RELAY_LISTEN)
-    async with trio.open_nursery() as nursery:
-        async with Node.open(config) as node:
-            await nursery.start(_follow, node, out)
-            out.event(ev.Listening(peer_id=str(node.peer_id), addrs=[str(a) for a in node.addrs]))
-            PeerExchange(node).serve()
-            await _serve(node, out, args.duration, args.status_interval)
-        nursery.cancel_scope.cancel()
-    return 0
+def _nat_config(args: argparse.Namespace, *, relay: bool) -> Any:
+    # The NAT layer sits above p2p: the CLI is the one place here that imports it (lazily).
+    from nat.relay import RelayConfig
+    from nat.traversal import NatConfig
+
+    limits = RelayConfig(
+        max_reservations=args.max_reservations,
+        max_circuits=args.max_circuits,
+        circuit_duration=args.circuit_duration,
+        circuit_data=args.circuit_data_mib * 1024 * 1024,
+        circuit_bandwidth=args.circuit_bandwidth_kib * 1024,
+    )
+    return NatConfig(
+        relay_service=relay or args.serve_relay,
+        relay=limits,
+        autorelay=not relay,
+        port_mapping=not args.no_port_mapping,
+        allow_private=args.allow_private,
+    )
 
 
-async def cmd_peer(args: argparse.Namespace, out: Output) -> int:
-    config = _config(args, PEER_LISTEN)
+def _serve_status(node: Node, nat: Any) -> None:
+    """Answer ``dedloc status``: the funnel, to callers on this machine only."""
+    from google.protobuf.empty_pb2 import Empty
+    from google.protobuf.struct_pb2 import Struct
+
+    from .addresses import Scope, scope_of
+    from .dialer import remote_addr
+    from .rpc import RemoteError
+
+    async def status(_: Empty, ctx: Any) -> Struct:
+        conns = node.network.get_connections(ctx.peer_id)
+        if not conns or any(scope_of(remote_addr(c)) != Scope.LOOPBACK for c in conns):
+            raise RemoteError("status is only served to this machine", code=STATUS_REFUSED)
+        reply = Struct()
+        reply.update({"peer_id": str(node.peer_id), "peers": len(node.connected_peers()), **nat.metrics()})
+        return reply
+
+    node.rpc.add_unary(STATUS_METHOD, Empty, status)
+
+
+async def _run_node(args: argparse.Namespace, out: Output, *, relay: bool) -> int:
+    from nat.events import NatStatus
+    from nat.traversal import NatService
+
+    config = _config(args, RELAY_LISTEN if relay else PEER_LISTEN)
     async with trio.open_nursery() as nursery:
         # Follow events from the start, so bootstrap progress is visible.
         async with Node.open(config, bootstrap=False) as node:
             await nursery.start(_follow, node, out)
-            out.event(ev.Listening(peer_id=str(node.peer_id), addrs=[str(a) for a in node.addrs]))
-            await node.bootstrap()
-            exchange = PeerExchange(node, greeting=args.message)
-            exchange.serve()
-            nursery.start_soon(exchange.run, args.exchange_interval)
-            await _serve(node, out, args.duration, args.status_interval)
+            async with NatService.attach(node, _nat_config(args, relay=relay)) as nat:
+                out.event(ev.Listening(peer_id=str(node.peer_id), addrs=[str(a) for a in node.addrs]))
+                _serve_status(node, nat)
+                if config.initial_peers:
+                    await node.bootstrap()
+                exchange = PeerExchange(node, greeting=getattr(args, "message", None))
+                exchange.serve()
+                if not relay:
+                    nursery.start_soon(exchange.run, args.exchange_interval)
+                await _serve(node, out, args.duration, args.status_interval, lambda: node.emit(NatStatus(metrics=nat.metrics())))
         nursery.cancel_scope.cancel()
+    return 0
+
+
+async def cmd_relay(args: argparse.Namespace, out: Output) -> int:
+    return await _run_node(args, out, relay=True)
+
+
+async def cmd_peer(args: argparse.Namespace, out: Output) -> int:
+    return await _run_node(args, out, relay=False)
+
+
+async def cmd_status(args: argparse.Namespace, out: Output) -> int:
+    from google.protobuf.empty_pb2 import Empty
+    from google.protobuf.json_format import MessageToDict
+    from google.protobuf.struct_pb2 import Struct
+
+    config = NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], dial_timeout=args.timeout)
+    async with Node.open(config) as node:
+        _, target = parse_peer_addr(args.address, what="node address")
+        await node.connect(args.address)
+        reply = await node.rpc.call(target, STATUS_METHOD, Empty(), Struct, timeout=args.timeout)
+    metrics = MessageToDict(reply)
+    if out.json_mode:
+        print(json.dumps(metrics), flush=True)
+    else:
+        for key, value in metrics.items():
+            print(f"{key:<22} {value}")
     return 0
 
 
@@ -227,10 +297,24 @@ def build_parser() -> argparse.ArgumentParser:
     common(p, node=False)
     p.set_defaults(func=cmd_id)
 
-    p = sub.add_parser("relay", help="run a public bootstrap node that others join through",
-                       description="Run a bootstrap node on a machine others can reach. It prints the addresses "
-                       "to give to peers. NAT relay service arrives in a later release.")
+    def nat_options(p: argparse.ArgumentParser) -> None:
+        g = p.add_argument_group("NAT traversal")
+        g.add_argument("--no-port-mapping", action="store_true", help="do not ask the router to forward our port (UPnP / NAT-PMP)")
+        g.add_argument("--allow-private", action="store_true",
+                       help="treat private addresses as reachable (a swarm inside one LAN)")
+        g.add_argument("--serve-relay", action="store_true", help="also relay for NATed peers when publicly reachable")
+        g.add_argument("--max-reservations", type=int, default=256, metavar="N", help="relay: peers holding a slot at once")
+        g.add_argument("--max-circuits", type=int, default=128, metavar="N", help="relay: relayed connections at once")
+        g.add_argument("--circuit-duration", type=int, default=3600, metavar="SECONDS", help="relay: longest relayed connection (0: no limit)")
+        g.add_argument("--circuit-data-mib", type=int, default=4096, metavar="MIB", help="relay: bytes per relayed connection and direction (0: no limit)")
+        g.add_argument("--circuit-bandwidth-kib", type=int, default=0, metavar="KIB/S", help="relay: bandwidth per relayed connection and direction (0: no limit)")
+
+    p = sub.add_parser("relay", help="run a public relay and bootstrap node that others join through",
+                       description="Run a bootstrap node, circuit relay v2 and AutoNAT server on a machine others can reach. "
+                       "It prints the addresses to give to peers; peers behind NAT reserve slots on it.")
     common(p)
+    nat_options(p)
+    p.add_argument("--initial-peers", nargs="*", default=[], metavar="MULTIADDR", help="other bootstrap nodes to join")
     p.set_defaults(func=cmd_relay)
 
     p = sub.add_parser("peer", help="join a swarm through one or more initial peers",
@@ -243,7 +327,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exchange-interval", type=float, default=5.0, metavar="SECONDS",
                    help="how often to ask connected peers for more peers (default: %(default)s)")
     p.add_argument("--message", default=None, metavar="TEXT", help="send this greeting to every peer met")
+    nat_options(p)
     p.set_defaults(func=cmd_peer)
+
+    p = sub.add_parser("status", help="print the NAT funnel and reachability of a node running on this machine",
+                       description="Ask a `dedloc peer` or `dedloc relay` on this machine (give its 127.0.0.1 address) "
+                       "for its reachability, relays, hole-punch results and bytes by path.")
+    p.add_argument("address", metavar="MULTIADDR", help="the node's loopback address, ending in /p2p/<peer-id>")
+    p.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS")
+    p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
+    p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("ping", help="measure the round-trip time to a peer",
                        description="Connect to a peer with a throwaway identity and ping it.")

@@ -12,7 +12,7 @@ which has no such stall. ``tests/test_dialer.py`` pins the behaviour.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import trio
 from libp2p.abc import INetConn, INetworkService
@@ -22,6 +22,10 @@ from multiaddr import Multiaddr
 from .addresses import is_relayed, rank_for_dial, without_peer_id
 from .errors import DialError
 from .trio_util import finish_quietly
+
+
+#: Dials one ``/p2p-circuit`` address (``…/p2p/<relay>/p2p-circuit/p2p/<peer>``): the NAT layer's relay client.
+CircuitDialer = Callable[[Multiaddr, ID], Awaitable[INetConn]]
 
 
 def live_connection(network: INetworkService, peer_id: ID) -> INetConn | None:
@@ -38,17 +42,22 @@ async def dial(
     *,
     stagger: float = 0.25,
     timeout: float = 10.0,
+    circuit: CircuitDialer | None = None,
+    source: Callable[[Multiaddr], tuple[str, int] | None] | None = None,
 ) -> tuple[INetConn, Multiaddr]:
     """Connect to ``peer_id`` trying ``addrs`` best-first; the first success wins.
 
     Each address gets ``stagger`` seconds of head start before the next one is
     started in parallel, and a failure starts the next one at once. Losing
-    attempts are cancelled. Raises :class:`DialError` listing every failure.
+    attempts are cancelled. Relayed addresses rank last and go to ``circuit``
+    (skipped without one). ``source`` picks the local (ip, port) to dial from
+    (our listen port, so that the peer observes our NAT's mapping of it).
+    Raises :class:`DialError` listing every failure.
     """
     existing = live_connection(network, peer_id)
     if existing is not None:
         return existing, remote_addr(existing)
-    ranked = [a for a in rank_for_dial(addrs) if not is_relayed(a)]
+    ranked = [a for a in rank_for_dial(addrs) if circuit is not None or not is_relayed(a)]
     if not ranked:
         raise DialError(f"no dialable address known for {peer_id}", [(str(a), "relayed (needs a relay client)") for a in addrs])
 
@@ -57,7 +66,11 @@ async def dial(
 
     async def attempt(addr: Multiaddr, failed: trio.Event, cancel: trio.CancelScope) -> None:
         try:
-            conn = await network.dial_addr(without_peer_id(addr), peer_id)
+            if is_relayed(addr) and circuit is not None:
+                conn = await circuit(addr, peer_id)
+            else:
+                bind = source(addr) if source is not None else None
+                conn = await network.dial_addr(without_peer_id(addr), peer_id, source=bind)
         except Exception as e:  # every failure is reported, none is fatal alone
             failures.append((str(addr), _describe(e)))
             failed.set()

@@ -24,6 +24,8 @@ from libp2p.custom_types import TProtocol
 from libp2p.host.exceptions import StreamFailure
 from libp2p.host.ping import ID as PING_PROTOCOL
 from libp2p.protocol_muxer.exceptions import MultiselectClientError
+from libp2p.protocol_muxer.multiselect_client import MultiselectClient
+from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
 from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerstore import PeerStoreError
@@ -40,7 +42,7 @@ from .addresses import (
     without_peer_id,
 )
 from .config import NodeConfig
-from .dialer import backoff_delays, dial, live_connection, remote_addr
+from .dialer import CircuitDialer, backoff_delays, dial, live_connection, remote_addr
 from .errors import BootstrapError, DedlocError, DialError, ProtocolNotSupportedError, StreamOpenError
 from .identify import PeerIdentity, identify
 from .identity import load_or_create_identity, new_identity, peer_id_of
@@ -59,6 +61,8 @@ PING_SIZE = 32
 ADDR_TTL = 3600
 EVENT_BUFFER = 1024
 RPC_SWEEP_INTERVAL = 10.0
+#: Most of a peer's self-reported listen addresses kept: it chooses how many it sends.
+MAX_LISTEN_ADDRS = 32
 #: Bound on distinct observed addresses kept: peers choose what they report.
 MAX_OBSERVED_ADDRS = 64
 
@@ -81,6 +85,8 @@ class Node:
         self._subscribers: list[_Subscriber] = []
         self._observed: dict[str, set[ID]] = {}
         self._announce = [parse_multiaddr(a, what="announce address") for a in config.announce]
+        self._circuit_dialer: CircuitDialer | None = None
+        self._address_policy: Callable[[list[Multiaddr]], list[Multiaddr]] | None = None
         self.rpc = Rpc(self.new_stream, max_message_size=config.max_message_size, default_timeout=config.rpc_timeout)
 
     # ------------------------------------------------------------------ lifecycle
@@ -132,6 +138,7 @@ class Node:
                     await network.auto_connector.stop()  # type: ignore[attr-defined]
                     node = cls(config, key_pair, host, nursery)
                     holder.append(node)
+                    host.get_addrs = node._host_addrs  # type: ignore[method-assign]
                     node._install()
                     nursery.start_soon(node._sweep_idle_rpc_streams)
                     try:
@@ -168,12 +175,38 @@ class Node:
     @property
     def addrs(self) -> list[Multiaddr]:
         """Addresses others can dial this node at, best first, each ending in /p2p/<id>."""
-        return rank_for_dial(self.host.get_addrs())
+        return rank_for_dial(self._host_addrs())
+
+    def _host_addrs(self) -> list[Multiaddr]:
+        """What identify advertises: our advertised addresses with our /p2p suffix.
+
+        Replaces py-libp2p's ``get_addrs``, which cuts ``/p2p-circuit`` addresses at
+        the relay's ``/p2p`` component (it strips from the *first* ``/p2p``) and
+        adds identify's unconfirmed observed addresses.
+        """
+        out: list[Multiaddr] = []
+        for addr in self._advertised(list(self.host.get_transport_addrs())):
+            full = with_peer_id(without_peer_id(addr), self.peer_id)
+            if full not in out:
+                out.append(full)
+        return out
 
     @property
     def listen_addrs(self) -> list[Multiaddr]:
         """The sockets this node listens on (unspecified IPs not expanded)."""
         return list(self.host.get_transport_addrs())
+
+    def listen_source(self, addr: Multiaddr) -> tuple[str, int] | None:
+        """Our TCP listen socket (ip, port) of ``addr``'s family, to dial from."""
+        items = list(addr.items())
+        if not items:
+            return None
+        family = items[0][0].name
+        for listen in self.listen_addrs:
+            parts = list(listen.items())
+            if len(parts) >= 2 and parts[0][0].name == family and parts[1][0].name == "tcp":
+                return str(parts[0][1]), int(str(parts[1][1]))
+        return None
 
     def observed_addrs(self, min_observers: int = 1) -> list[Multiaddr]:
         """Our addresses as peers report seeing them (identify), seen by enough distinct peers.
@@ -189,16 +222,33 @@ class Node:
         out: list[Multiaddr] = []
         for addr in candidates:
             out.extend(_expand_unspecified(addr))
+        if self._address_policy is not None:
+            out = self._address_policy(out)
         return out
+
+    def set_address_policy(self, policy: Callable[[list[Multiaddr]], list[Multiaddr]] | None) -> None:
+        """Let a layer above decide what we advertise: it gets our interface addresses
+        and returns the list to advertise (e.g. confirmed public and relayed addresses).
+        ``--announce`` addresses override it."""
+        self._address_policy = policy
+
+    def set_circuit_dialer(self, dialer: CircuitDialer | None) -> None:
+        """Let a relay client dial ``/p2p-circuit`` addresses (the NAT layer installs one)."""
+        self._circuit_dialer = dialer
 
     # ------------------------------------------------------------------ connections
 
-    async def connect(self, target: str | Multiaddr | ID, *, timeout: float | None = None) -> ID:
+    async def connect(self, target: str | Multiaddr | ID, *, timeout: float | None = None, from_listen_port: bool = False) -> ID:
         """Make sure a connection to a peer exists; return its peer id.
 
         ``target`` is a full multiaddr ending in ``/p2p/<id>`` or a peer id whose
         addresses are in the peer store. Raises :class:`DialError` (with the reason
         per address) when no address works.
+
+        ``from_listen_port`` dials from our listen port (SO_REUSEPORT), so the peer
+        sees our NAT's mapping of the port others must reach us on. Used for
+        relays and bootstrap nodes, which do not dial us back at the same moment
+        (two peers dialing each other this way would collide in a simultaneous open).
         """
         if isinstance(target, ID):
             peer_id, addrs = target, []
@@ -219,6 +269,8 @@ class Node:
             candidates,
             stagger=self.config.dial_stagger,
             timeout=timeout or self.config.dial_timeout,
+            circuit=self._circuit_dialer,
+            source=self.listen_source if from_listen_port else None,
         )
         self.host.get_peerstore().add_addrs(peer_id, [without_peer_id(used)], ADDR_TTL)
         self.emit(ev.PeerConnected(peer_id=str(peer_id), addr=str(used), elapsed=time.perf_counter() - started))
@@ -254,7 +306,11 @@ class Node:
         async def keep_trying(addr: Multiaddr, deadline: float) -> None:
             for delay in backoff_delays(self.config.initial_backoff, self.config.max_backoff):
                 try:
-                    await self.connect(addr, timeout=min(self.config.dial_timeout, max(0.1, deadline - trio.current_time())))
+                    await self.connect(
+                        addr,
+                        timeout=min(self.config.dial_timeout, max(0.1, deadline - trio.current_time())),
+                        from_listen_port=True,
+                    )
                     reached.set()
                     return
                 except DialError as e:
@@ -296,6 +352,21 @@ class Node:
             if isinstance(cause, MultiselectClientError) and "not supported" in str(cause):
                 raise ProtocolNotSupportedError(f"{peer_id} does not speak {' or '.join(protocols)}") from e
             raise StreamOpenError(f"could not open a {' or '.join(protocols)} stream to {peer_id}: {cause or e}") from e
+
+    async def new_stream_on(self, conn: INetConn, protocol: str, *, timeout: float = 10.0) -> INetStream:
+        """Open a ``protocol`` stream on one particular connection (a dial-back, a punched path).
+
+        ``new_stream`` lets the swarm pick among a peer's connections; protocols that
+        test a path need theirs.
+        """
+        stream = await conn.new_stream()
+        try:
+            await MultiselectClient().select_one_of([TProtocol(protocol)], MultiselectCommunicator(stream), int(max(1, timeout)))
+        except Exception as e:
+            await finish_quietly(stream.reset)
+            raise StreamOpenError(f"could not open a {protocol} stream on {remote_addr(conn)}: {e}") from e
+        stream.set_protocol(TProtocol(protocol))
+        return stream
 
     def set_stream_handler(self, protocol: str, handler: StreamHandler) -> None:
         """Serve ``protocol``; a handler that fails resets its stream and nothing else."""
@@ -341,6 +412,9 @@ class Node:
         info = await identify(self.host, peer_id, timeout=timeout)
         if info.observed_addr is not None and len(self._observed) < MAX_OBSERVED_ADDRS:
             self._observed.setdefault(str(info.observed_addr), set()).add(peer_id)
+        if info.public_key_valid and info.listen_addrs:
+            # What it says it listens on (relayed addresses included): how to reach it again.
+            self.host.get_peerstore().add_addrs(peer_id, [without_peer_id(a) for a in info.listen_addrs[:MAX_LISTEN_ADDRS]], ADDR_TTL)
         return info
 
     # ------------------------------------------------------------------ events

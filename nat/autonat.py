@@ -1,0 +1,272 @@
+"""AutoNAT v2: is this address of mine reachable from the internet? (libp2p/specs autonat/autonat-v2.md)
+
+Why not py-libp2p's AutoNAT: it "dials back" over the connection it already
+has, so a firewalled peer is told it is public. Here the server dials the one
+address it picked on a *new* connection and proves it by sending the client's
+random nonce over it; the client believes only a dial-back that carries its
+nonce. A server can therefore lie about failures, not about successes, which
+is why one verified success confirms an address and several failures are
+needed to call it unreachable (:mod:`nat.reachability`).
+
+Amplification guard: a server will only dial an IP other than the one the
+request came from after the client has paid for it with ``dial_data`` bytes
+(30 KB by default, the spec asks for 30-100 KB), so it cannot be used to
+point handshakes at a third party for free.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections import defaultdict
+from dataclasses import dataclass
+
+import trio
+from libp2p.abc import INetStream
+from libp2p.peer.id import ID
+from multiaddr import Multiaddr
+
+from p2p import Node
+from p2p.addresses import reachable_tcp, without_peer_id
+from p2p.errors import ConfigError, DedlocError
+from p2p.trio_util import finish_quietly
+
+from .proto import autonat_v2_pb2 as pb
+from .wire import ProtocolViolation, parse_addrs, read_message, write_message
+
+log = logging.getLogger(__name__)
+
+DIAL_REQUEST = "/libp2p/autonat/2/dial-request"
+DIAL_BACK = "/libp2p/autonat/2/dial-back"
+#: Spec: dial data travels in chunks of at most 4096 bytes.
+DATA_CHUNK = 4096
+
+
+@dataclass
+class AutoNATConfig:
+    #: Dial private and loopback addresses too (LAN swarms, tests); public ones only otherwise.
+    allow_private: bool = False
+    #: Bytes a client must send before we dial an IP other than its own.
+    dial_data: int = 30_000
+    #: Most bytes we agree to send when a server asks.
+    max_dial_data: int = 100_000
+    #: Dial-backs this server runs at once; more requests are rejected.
+    max_concurrent: int = 8
+    #: Requests one peer may make per minute.
+    per_peer_per_minute: int = 12
+    #: Time for one dial-back (connect, handshake, nonce) and for a whole request.
+    dial_timeout: float = 10.0
+    request_timeout: float = 30.0
+
+    def validate(self) -> None:
+        if self.dial_data < 0 or self.max_dial_data < 0:
+            raise ConfigError("dial data sizes must not be negative")
+        if self.max_concurrent < 1 or self.per_peer_per_minute < 1:
+            raise ConfigError("AutoNAT rate limits must be at least 1")
+        if self.dial_timeout <= 0 or self.request_timeout <= 0:
+            raise ConfigError("AutoNAT timeouts must be positive")
+
+
+@dataclass(frozen=True)
+class DialResult:
+    """One server's verdict on one of our addresses (``reachable`` None: no verdict)."""
+
+    server: ID
+    addr: Multiaddr | None
+    reachable: bool | None
+    detail: str
+
+
+class AutoNATError(DedlocError):
+    """A reachability check could not be made (the server refused, broke the protocol, timed out)."""
+
+
+def _ip(addr: Multiaddr) -> str:
+    return str(list(addr.items())[0][1])
+
+
+class AutoNATServer:
+    """Answers dial-requests: dial the first acceptable address on a fresh connection, prove it with the nonce."""
+
+    def __init__(self, node: Node, config: AutoNATConfig | None = None) -> None:
+        self._node = node
+        self.config = config or AutoNATConfig()
+        self.config.validate()
+        self._slots = trio.Semaphore(self.config.max_concurrent)
+        self._recent: dict[ID, list[float]] = defaultdict(list)
+        self.metrics = {"requests": 0, "rejected": 0, "refused": 0, "dial_backs": 0, "dial_back_ok": 0, "dial_data_asked": 0}
+
+    def install(self) -> None:
+        self._node.set_stream_handler(DIAL_REQUEST, self._on_request)
+
+    def _rate_limited(self, peer: ID) -> bool:
+        now = trio.current_time()
+        recent = [t for t in self._recent[peer] if now - t < 60]
+        if len(self._recent) > 4096:
+            self._recent.clear()
+        self._recent[peer] = recent
+        if len(recent) >= self.config.per_peer_per_minute:
+            return True
+        recent.append(now)
+        return False
+
+    async def _on_request(self, stream: INetStream) -> None:
+        peer = stream.muxed_conn.peer_id
+        self.metrics["requests"] += 1
+        with trio.move_on_after(self.config.request_timeout):
+            try:
+                await self._serve(stream, peer)
+            except ProtocolViolation as e:
+                log.info("bad AutoNAT request from %s: %s", peer, e)
+                await finish_quietly(stream.reset)
+                return
+            except Exception as e:  # the client went away mid-request: nothing to answer
+                log.debug("AutoNAT request from %s ended early: %r", peer, e)
+                await finish_quietly(stream.reset)
+                return
+        await finish_quietly(stream.close)
+
+    async def _respond(self, stream: INetStream, status: int, index: int = 0, dial: int = 0) -> None:
+        response = pb.DialResponse(status=status, addrIdx=index, dialStatus=dial)  # type: ignore[arg-type]
+        await write_message(stream, pb.Message(dialResponse=response))
+
+    async def _serve(self, stream: INetStream, peer: ID) -> None:
+        msg = await read_message(stream, pb.Message)
+        if msg.WhichOneof("msg") != "dialRequest":
+            raise ProtocolViolation("the first AutoNAT message is not a DialRequest")
+        request = msg.dialRequest
+        if self._rate_limited(peer) or self._slots.value == 0:
+            self.metrics["rejected"] += 1
+            await self._respond(stream, pb.DialResponse.E_REQUEST_REJECTED)
+            return
+        addrs = parse_addrs(request.addrs)
+        index = next((i for i, a in enumerate(addrs) if reachable_tcp(a, allow_private=self.config.allow_private)), None)
+        if index is None:
+            self.metrics["refused"] += 1
+            await self._respond(stream, pb.DialResponse.E_DIAL_REFUSED)
+            return
+        target = without_peer_id(addrs[index])
+        observed = stream.muxed_conn.get_remote_address()  # type: ignore[attr-defined]
+        if observed is None or _ip(target) != str(observed[0]):
+            # Another IP than the requester's: make it pay before we dial anyone for it.
+            self.metrics["dial_data_asked"] += 1
+            await write_message(stream, pb.Message(dialDataRequest=pb.DialDataRequest(addrIdx=index, numBytes=self.config.dial_data)))
+            received = 0
+            while received < self.config.dial_data:
+                chunk = await read_message(stream, pb.Message, max_size=DATA_CHUNK + 64)
+                if chunk.WhichOneof("msg") != "dialDataResponse":
+                    raise ProtocolViolation("expected DialDataResponse")
+                received += len(chunk.dialDataResponse.data)
+        async with self._slots:
+            status = await self._dial_back(peer, target, request.nonce)
+        await self._respond(stream, pb.DialResponse.OK, index, status)
+
+    async def _dial_back(self, peer: ID, target: Multiaddr, nonce: int) -> int:
+        """Dial ``target`` on a new connection and hand over the nonce there."""
+        self.metrics["dial_backs"] += 1
+        conn = None
+        with trio.move_on_after(self.config.dial_timeout):
+            try:
+                conn = await self._node.network.dial_addr(target, peer)
+            except Exception as e:
+                log.debug("dial-back to %s at %s failed: %s", peer, target, e)
+        if conn is None:
+            return pb.E_DIAL_ERROR
+        try:
+            with trio.fail_after(self.config.dial_timeout):
+                back = await self._node.new_stream_on(conn, DIAL_BACK)
+                await write_message(back, pb.DialBack(nonce=nonce))
+                await read_message(back, pb.DialBackResponse)
+                await finish_quietly(back.close)
+        except Exception as e:
+            log.debug("dial-back to %s connected but the nonce did not get through: %s", peer, e)
+            return pb.E_DIAL_BACK_ERROR
+        finally:
+            await finish_quietly(conn.close)
+        self.metrics["dial_back_ok"] += 1
+        return pb.OK
+
+
+class AutoNATClient:
+    """Asks servers to dial our addresses and believes only dial-backs carrying our nonce."""
+
+    def __init__(self, node: Node, config: AutoNATConfig | None = None) -> None:
+        self._node = node
+        self.config = config or AutoNATConfig()
+        self._waiting: dict[int, trio.Event] = {}
+
+    def install(self) -> None:
+        self._node.set_stream_handler(DIAL_BACK, self._on_dial_back)
+
+    async def _on_dial_back(self, stream: INetStream) -> None:
+        try:
+            msg = await read_message(stream, pb.DialBack)
+        except ProtocolViolation:
+            await finish_quietly(stream.reset)
+            return
+        event = self._waiting.get(msg.nonce)
+        if event is not None:
+            event.set()
+        await write_message(stream, pb.DialBackResponse(status=pb.DialBackResponse.OK))
+        await finish_quietly(stream.close)
+
+    async def check(self, server: ID, addrs: list[Multiaddr]) -> DialResult:
+        """Ask ``server`` to dial one of ``addrs`` (best first); raises :class:`AutoNATError` when it gives no verdict."""
+        if not addrs:
+            raise AutoNATError("no address to check")
+        nonce = secrets.randbits(64)
+        arrived = trio.Event()
+        self._waiting[nonce] = arrived
+        try:
+            return await self._check(server, addrs, nonce, arrived)
+        finally:
+            del self._waiting[nonce]
+
+    async def _check(self, server: ID, addrs: list[Multiaddr], nonce: int, arrived: trio.Event) -> DialResult:
+        try:
+            stream = await self._node.new_stream(server, DIAL_REQUEST)
+        except DedlocError as e:
+            raise AutoNATError(f"{server} does not serve AutoNAT v2: {e}") from e
+        try:
+            with trio.fail_after(self.config.request_timeout):
+                request = pb.DialRequest(addrs=[without_peer_id(a).to_bytes() for a in addrs], nonce=nonce)
+                await write_message(stream, pb.Message(dialRequest=request))
+                while True:
+                    msg = await read_message(stream, pb.Message, timeout=self.config.request_timeout)
+                    kind = msg.WhichOneof("msg")
+                    if kind == "dialDataRequest":
+                        await self._pay(stream, msg.dialDataRequest.numBytes)
+                    elif kind == "dialResponse":
+                        break
+                    else:
+                        raise ProtocolViolation(f"unexpected AutoNAT message {kind}")
+        except (ProtocolViolation, trio.TooSlowError) as e:
+            await finish_quietly(stream.reset)
+            raise AutoNATError(f"AutoNAT check with {server} failed: {e}") from e
+        except Exception as e:
+            await finish_quietly(stream.reset)
+            raise AutoNATError(f"AutoNAT check with {server} broke: {e!r}") from e
+        await finish_quietly(stream.close)
+        response = msg.dialResponse
+        if response.status != pb.DialResponse.OK:
+            name = pb.DialResponse.ResponseStatus.Name(response.status) if response.status in pb.DialResponse.ResponseStatus.values() else str(response.status)
+            raise AutoNATError(f"{server} gave no verdict: {name}")
+        if response.addrIdx >= len(addrs):
+            raise AutoNATError(f"{server} answered for address #{response.addrIdx} of {len(addrs)}")
+        addr = addrs[response.addrIdx]
+        if response.dialStatus == pb.OK:
+            if arrived.is_set():
+                return DialResult(server, addr, True, "dial-back with our nonce arrived")
+            return DialResult(server, addr, None, "server claims a dial-back that never arrived: ignored")
+        if response.dialStatus == pb.E_DIAL_ERROR:
+            return DialResult(server, addr, False, "server could not connect")
+        return DialResult(server, addr, None, "server connected but could not deliver the nonce")
+
+    async def _pay(self, stream: INetStream, size: int) -> None:
+        if size > self.config.max_dial_data:
+            raise ProtocolViolation(f"server asks {size} bytes of dial data, over our {self.config.max_dial_data}")
+        chunk = pb.Message(dialDataResponse=pb.DialDataResponse(data=bytes(DATA_CHUNK)))
+        sent = 0
+        while sent < size:
+            await write_message(stream, chunk)
+            sent += DATA_CHUNK

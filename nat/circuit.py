@@ -1,0 +1,279 @@
+"""Circuit relay v2, client side: reservations, accepting relayed connections, dialing through relays.
+
+Why not py-libp2p's: its ``host.connect`` refuses ``/p2p-circuit`` addresses,
+its receiving side labels circuits with the wrong relay id, and its read path
+retries with sleeps. The protocol itself is small (libp2p/specs
+relay/circuit-v2.md): a HOP stream to the relay carries RESERVE or CONNECT;
+the relay opens a STOP stream to the target; after one STATUS:OK each way,
+both streams *are* the connection, which we upgrade (Noise + Yamux) like TCP.
+
+A relayed connection is just another connection in py-libp2p's swarm, so
+streams, identify and RPC work over it unchanged, and the Node's dialer uses
+:meth:`RelayClient.dial` for any ``/p2p-circuit`` address.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import trio
+from libp2p.abc import INetConn, INetStream, IRawConnection
+from libp2p.connection_types import ConnectionType
+from libp2p.peer.envelope import make_unsigned, unmarshal_envelope
+from libp2p.peer.id import ID
+from multiaddr import Multiaddr
+
+from p2p import Node
+from p2p.addresses import Scope, is_relayed, peer_id_of, scope_of, split_circuit, with_peer_id, without_peer_id
+from p2p.errors import DedlocError, DialError
+from p2p.trio_util import finish_quietly
+
+from .proto import circuit_pb2 as pb
+from .wire import ProtocolViolation, parse_addrs, parse_peer_id, read_message, write_message
+
+log = logging.getLogger(__name__)
+
+HOP_PROTOCOL = "/libp2p/circuit/relay/0.2.0/hop"
+STOP_PROTOCOL = "/libp2p/circuit/relay/0.2.0/stop"
+VOUCHER_DOMAIN = "libp2p-relay-rsvp"
+VOUCHER_PAYLOAD_TYPE = b"\x03\x02"
+
+STATUS_NAMES = {v: k for k, v in pb.Status.items()}
+
+
+class RelayError(DedlocError):
+    """A relay refused or failed a request; ``status`` is the spec's code (0 when none came)."""
+
+    def __init__(self, message: str, status: int = 0):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Limit:
+    """What a relay allows one relayed connection: seconds and bytes per direction (0: no limit)."""
+
+    duration: int = 0
+    data: int = 0
+
+    @classmethod
+    def from_pb(cls, limit: pb.Limit) -> Limit:
+        return cls(duration=limit.duration, data=limit.data)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A slot on a relay: others reach us at ``<relay addr>/p2p-circuit/p2p/<us>`` until ``expire``."""
+
+    relay: ID
+    expire: float
+    addrs: list[Multiaddr]
+    limit: Limit
+    voucher_ok: bool = False
+    reserved_at: float = field(default_factory=time.time)
+
+    @property
+    def circuit_addrs(self) -> list[Multiaddr]:
+        """Our addresses through this relay, without our own /p2p suffix (the host adds it)."""
+        return [Multiaddr(f"{with_peer_id(without_peer_id(a), self.relay)}/p2p-circuit") for a in self.addrs]
+
+
+class CircuitConnection(IRawConnection):
+    """A relayed stream seen as a raw connection, ready for Noise + Yamux on top.
+
+    ``read`` returns ``b""`` at the end, as a socket would; the address is the
+    circuit address, so everything above knows the connection is relayed.
+    """
+
+    def __init__(self, stream: INetStream, *, initiator: bool, relay_addr: Multiaddr) -> None:
+        self.stream = stream
+        self.is_initiator = initiator
+        self._addr = relay_addr
+
+    async def read(self, n: int | None = None) -> bytes:
+        try:
+            return await self.stream.read(n)
+        except EOFError:
+            return b""
+
+    async def write(self, data: bytes) -> None:
+        await self.stream.write(data)
+
+    async def close(self) -> None:
+        try:
+            await self.stream.close()
+        except Exception:
+            await self.stream.reset()
+
+    def get_remote_address(self) -> tuple[str, int] | None:
+        return None
+
+    def get_transport_addresses(self) -> list[Multiaddr]:
+        return [self._addr]
+
+    def get_connection_type(self) -> ConnectionType:
+        return ConnectionType.RELAYED
+
+
+def is_relayed_conn(conn: INetConn) -> bool:
+    try:
+        return any(is_relayed(a) for a in conn.get_transport_addresses())
+    except Exception:
+        return False
+
+
+class RelayClient:
+    """Reserve slots on relays, accept connections they relay to us, dial peers through them."""
+
+    def __init__(self, node: Node, *, accept_unreserved: bool = False, timeout: float = 10.0) -> None:
+        self._node = node
+        self._timeout = timeout
+        self._accept_unreserved = accept_unreserved
+        #: Current reservations by relay.
+        self.reservations: dict[ID, Reservation] = {}
+        self.metrics = {"reservations": 0, "reservation_failures": 0, "relayed_in": 0, "relayed_out": 0}
+
+    def install(self) -> None:
+        self._node.set_stream_handler(STOP_PROTOCOL, self._on_stop)
+        self._node.set_circuit_dialer(self.dial)
+
+    # ---------------------------------------------------------------- reservations
+
+    async def reserve(self, relay: ID) -> Reservation:
+        """Reserve (or refresh) a slot on ``relay``, which we must be able to reach."""
+        try:
+            stream = await self._node.new_stream(relay, HOP_PROTOCOL)
+        except DedlocError as e:
+            self.metrics["reservation_failures"] += 1
+            raise RelayError(f"{relay} offers no relay service: {e}") from e
+        try:
+            with trio.fail_after(self._timeout):
+                await write_message(stream, pb.HopMessage(type=pb.HopMessage.RESERVE))
+                reply = await read_message(stream, pb.HopMessage, timeout=self._timeout)
+        except (ProtocolViolation, trio.TooSlowError, Exception) as e:
+            self.metrics["reservation_failures"] += 1
+            await finish_quietly(stream.reset)
+            raise RelayError(f"reservation on {relay} failed: {e}") from e
+        await finish_quietly(stream.close)
+        if reply.type != pb.HopMessage.STATUS or reply.status != pb.OK:
+            self.metrics["reservation_failures"] += 1
+            name = STATUS_NAMES.get(reply.status, str(reply.status))
+            raise RelayError(f"{relay} refused the reservation: {name}", reply.status)
+        rsvp = reply.reservation
+        expire = float(rsvp.expire)
+        if expire <= time.time():
+            raise RelayError(f"{relay} granted a reservation that has already expired")
+        reached = self._connected_addrs(relay)
+        addrs = [a for a in parse_addrs(rsvp.addrs) if peer_id_of(a) in (None, relay) and not is_relayed(a)]
+        if not any(scope_of(a) == Scope.LOOPBACK for a in reached):
+            addrs = [a for a in addrs if scope_of(a) != Scope.LOOPBACK]  # useless to anyone else
+        if not addrs:  # a relay that lists no usable address: use how we reached it
+            addrs = [with_peer_id(a, relay) for a in reached]
+        reservation = Reservation(
+            relay=relay,
+            expire=expire,
+            addrs=addrs,
+            limit=Limit.from_pb(reply.limit) if reply.HasField("limit") else Limit(),
+            voucher_ok=_voucher_ok(rsvp.voucher, relay, self._node.peer_id, rsvp.expire) if rsvp.voucher else False,
+        )
+        self.reservations[relay] = reservation
+        self.metrics["reservations"] += 1
+        return reservation
+
+    def drop(self, relay: ID) -> None:
+        self.reservations.pop(relay, None)
+
+    def _connected_addrs(self, relay: ID) -> list[Multiaddr]:
+        out: list[Multiaddr] = []
+        for conn in self._node.network.get_connections(relay):
+            out.extend(a for a in conn.get_transport_addresses() if not is_relayed(a))
+        return out
+
+    # ---------------------------------------------------------------- inbound circuits
+
+    async def _on_stop(self, stream: INetStream) -> None:
+        relay = stream.muxed_conn.peer_id
+        try:
+            msg = await read_message(stream, pb.StopMessage, timeout=self._timeout)
+            if msg.type != pb.StopMessage.CONNECT or not msg.HasField("peer"):
+                await write_message(stream, pb.StopMessage(type=pb.StopMessage.STATUS, status=pb.UNEXPECTED_MESSAGE))
+                raise ProtocolViolation(f"{relay} sent a STOP message that is not CONNECT")
+            source = parse_peer_id(msg.peer.id, "STOP CONNECT peer")
+        except ProtocolViolation as e:
+            log.info("bad STOP request from %s: %s", relay, e)
+            await finish_quietly(stream.reset)
+            return
+        if relay not in self.reservations and not self._accept_unreserved:
+            await write_message(stream, pb.StopMessage(type=pb.StopMessage.STATUS, status=pb.PERMISSION_DENIED))
+            await finish_quietly(stream.close)
+            return
+        await write_message(stream, pb.StopMessage(type=pb.StopMessage.STATUS, status=pb.OK))
+        circuit = Multiaddr(f"/p2p/{relay}/p2p-circuit/p2p/{source}")
+        raw = CircuitConnection(stream, initiator=False, relay_addr=Multiaddr(f"/p2p/{relay}/p2p-circuit"))
+        try:
+            with trio.fail_after(self._timeout):
+                muxed = await self._node.host.upgrade_inbound_connection(raw, circuit)
+        except Exception as e:
+            log.info("relayed connection from %s via %s failed to upgrade: %s", source, relay, e)
+            await finish_quietly(stream.reset)
+            return
+        if muxed.peer_id != source:
+            log.info("relayed connection via %s claimed to be from %s but is from %s", relay, source, muxed.peer_id)
+            await muxed.close()
+            return
+        self.metrics["relayed_in"] += 1
+
+    # ---------------------------------------------------------------- outbound circuits
+
+    async def dial(self, addr: Multiaddr, target: ID) -> INetConn:
+        """Connect to ``target`` through the relay named in ``addr`` (``…/p2p/R/p2p-circuit``)."""
+        relay_addr, relay = split_circuit(addr)
+        if relay == self._node.peer_id:
+            raise RelayError("will not relay through ourselves")
+        if relay == target:
+            raise RelayError(f"{addr} relays a peer through itself")
+        try:
+            if without_peer_id(relay_addr).protocols():
+                await self._node.connect(relay_addr)
+            else:
+                await self._node.connect(relay)
+        except DialError as e:
+            raise RelayError(f"cannot reach relay {relay}: {e}") from e
+        stream = await self._node.new_stream(relay, HOP_PROTOCOL)
+        try:
+            with trio.fail_after(self._timeout):
+                await write_message(stream, pb.HopMessage(type=pb.HopMessage.CONNECT, peer=pb.Peer(id=target.to_bytes())))
+                reply = await read_message(stream, pb.HopMessage, timeout=self._timeout)
+        except Exception as e:
+            await finish_quietly(stream.reset)
+            raise RelayError(f"relay {relay} did not answer a CONNECT to {target}: {e}") from e
+        if reply.type != pb.HopMessage.STATUS or reply.status != pb.OK:
+            await finish_quietly(stream.reset)
+            name = STATUS_NAMES.get(reply.status, str(reply.status))
+            raise RelayError(f"relay {relay} could not connect us to {target}: {name}", reply.status)
+        raw = CircuitConnection(stream, initiator=True, relay_addr=Multiaddr(f"/p2p/{relay}/p2p-circuit"))
+        try:
+            with trio.fail_after(self._timeout):
+                conn = await self._node.host.upgrade_outbound_connection(raw, target)
+        except Exception as e:
+            await finish_quietly(stream.reset)
+            raise RelayError(f"relayed connection to {target} via {relay} failed to upgrade: {e}") from e
+        self.metrics["relayed_out"] += 1
+        return conn
+
+
+def _voucher_ok(data: bytes, relay: ID, peer: ID, expire: int) -> bool:
+    """Whether a reservation voucher is signed by the relay and says what the reservation says."""
+    try:
+        envelope = unmarshal_envelope(bytes(data))
+        if envelope.payload_type != VOUCHER_PAYLOAD_TYPE:
+            return False
+        unsigned = make_unsigned(VOUCHER_DOMAIN, envelope.payload_type, envelope.raw_payload)
+        if ID.from_pubkey(envelope.public_key) != relay or not envelope.public_key.verify(unsigned, envelope.signature):
+            return False
+        voucher = pb.Voucher.FromString(envelope.raw_payload)
+        return voucher.relay == relay.to_bytes() and voucher.peer == peer.to_bytes() and voucher.expiration == expire
+    except Exception:
+        return False

@@ -1,0 +1,224 @@
+"""Direct connection upgrade through relay (DCUtR, libp2p/specs relay/DCUtR.md): hole punching.
+
+Two peers that reached each other through a relay try to open a direct TCP
+connection by dialing each other at the same moment from their listen ports
+(TCP simultaneous open), which endpoint-independent NATs let through. The
+peer that received the relayed connection (B) leads: it first tries a plain
+direct dial when the other side advertises public addresses (connection
+reversal), then runs up to ``attempts`` rounds of CONNECT (exchange
+addresses, measure the relay RTT) and SYNC (A dials at once, B after RTT/2).
+Per the spec, A is the Noise initiator on the punched connection and B the
+responder, whoever's SYN won.
+
+Why not py-libp2p's DCUtR: it first spends 10 s dialing the peer's private
+LAN address. Only public addresses are exchanged and dialed here (private
+ones too when ``allow_private`` is set, for LAN swarms and tests).
+
+Once the direct connection answers a ping, the relayed one is closed after a
+short grace period, so traffic moves to the direct path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import trio
+from libp2p.abc import INetConn, INetStream
+from libp2p.peer.id import ID
+from multiaddr import Multiaddr
+
+from p2p import Node
+from p2p.addresses import reachable_tcp, without_peer_id
+from p2p.dialer import remote_addr
+from p2p.errors import ConfigError
+from p2p.trio_util import finish_quietly
+
+from .circuit import is_relayed_conn
+from .proto import holepunch_pb2 as pb
+from .wire import ProtocolViolation, parse_addrs, read_message, write_message
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = "/libp2p/dcutr"
+
+
+@dataclass
+class HolePunchConfig:
+    attempts: int = 3
+    #: Time for one dial of one address while punching.
+    dial_timeout: float = 5.0
+    #: Time the relayed connection stays open after the direct one works.
+    grace: float = 2.0
+    allow_private: bool = False
+
+    def validate(self) -> None:
+        if self.attempts < 1:
+            raise ConfigError("hole punch attempts must be at least 1")
+        if self.dial_timeout <= 0 or self.grace < 0:
+            raise ConfigError("hole punch timeouts must be positive")
+
+
+@dataclass
+class HolePunchMetrics:
+    attempts: int = 0
+    successes: int = 0
+    first_try_successes: int = 0
+    reversals: int = 0
+    failures: int = 0
+    #: Seconds from the relayed connection's start to a working direct one, per success.
+    time_to_direct: list[float] = field(default_factory=list)
+
+
+class HolePuncher:
+    """Both sides of DCUtR for one Node; ``our_addrs`` says what to offer the peer."""
+
+    def __init__(self, node: Node, our_addrs: Callable[[], list[Multiaddr]], config: HolePunchConfig | None = None) -> None:
+        self._node = node
+        self._our_addrs = our_addrs
+        self.config = config or HolePunchConfig()
+        self.config.validate()
+        self.metrics = HolePunchMetrics()
+        self._busy: set[ID] = set()
+
+    def install(self) -> None:
+        self._node.set_stream_handler(PROTOCOL, self._on_stream)
+
+    def _offer(self) -> list[bytes]:
+        return [without_peer_id(a).to_bytes() for a in self._our_addrs() if reachable_tcp(a, allow_private=self.config.allow_private)][:16]
+
+    # ---------------------------------------------------------------- the inbound side (B) leads
+
+    async def upgrade(self, peer: ID, relayed: INetConn, started: float | None = None) -> INetConn | None:
+        """Get a direct connection to ``peer``, which reached us through a relay; None when it cannot be had."""
+        if peer in self._busy:
+            return None
+        self._busy.add(peer)
+        started = time.monotonic() if started is None else started
+        try:
+            direct = await self._reverse(peer)
+            if direct is not None:
+                self.metrics.reversals += 1
+            else:
+                for attempt in range(self.config.attempts):
+                    self.metrics.attempts += 1
+                    try:
+                        direct = await self._punch_round(peer, relayed)
+                    except (ProtocolViolation, trio.TooSlowError, Exception) as e:
+                        log.info("hole punch round %d with %s failed: %s", attempt + 1, peer, e)
+                        direct = None
+                    if direct is not None:
+                        if attempt == 0:
+                            self.metrics.first_try_successes += 1
+                        break
+            if direct is None:
+                self.metrics.failures += 1
+                return None
+            self.metrics.successes += 1
+            self.metrics.time_to_direct.append(time.monotonic() - started)
+            self._node._nursery.start_soon(self._retire, relayed)
+            return direct
+        finally:
+            self._busy.discard(peer)
+
+    async def _reverse(self, peer: ID) -> INetConn | None:
+        """Dial the peer's public addresses directly (it may be public or port-mapped)."""
+        targets = [a for a in self._node.known_addrs(peer) if reachable_tcp(a, allow_private=self.config.allow_private)]
+        for addr in targets:
+            with trio.move_on_after(self.config.dial_timeout):
+                try:
+                    return await self._node.network.dial_addr(without_peer_id(addr), peer)
+                except Exception:
+                    continue
+        return None
+
+    async def _punch_round(self, peer: ID, relayed: INetConn) -> INetConn | None:
+        stream = await self._node.new_stream_on(relayed, PROTOCOL)
+        try:
+            with trio.fail_after(self.config.dial_timeout * 2):
+                sent = trio.current_time()
+                await write_message(stream, pb.HolePunch(type=pb.HolePunch.CONNECT, ObsAddrs=self._offer()))
+                reply = await read_message(stream, pb.HolePunch)
+                rtt = trio.current_time() - sent
+                if reply.type != pb.HolePunch.CONNECT:
+                    raise ProtocolViolation("expected CONNECT")
+                theirs = [a for a in parse_addrs(reply.ObsAddrs, limit=16) if reachable_tcp(a, allow_private=self.config.allow_private)]
+                await write_message(stream, pb.HolePunch(type=pb.HolePunch.SYNC))
+        finally:
+            await finish_quietly(stream.close)
+        if not theirs:
+            raise ProtocolViolation(f"{peer} offered no public address to punch to")
+        await trio.sleep(rtt / 2)
+        return await self._dial_any(peer, theirs, responder=True)
+
+    # ---------------------------------------------------------------- the outbound side (A) answers
+
+    async def _on_stream(self, stream: INetStream) -> None:
+        peer = stream.muxed_conn.peer_id
+        try:
+            first = await read_message(stream, pb.HolePunch)
+            if first.type != pb.HolePunch.CONNECT:
+                raise ProtocolViolation("expected CONNECT")
+            theirs = [a for a in parse_addrs(first.ObsAddrs, limit=16) if reachable_tcp(a, allow_private=self.config.allow_private)]
+            await write_message(stream, pb.HolePunch(type=pb.HolePunch.CONNECT, ObsAddrs=self._offer()))
+            sync = await read_message(stream, pb.HolePunch)
+            if sync.type != pb.HolePunch.SYNC:
+                raise ProtocolViolation("expected SYNC")
+        except ProtocolViolation as e:
+            log.info("bad DCUtR exchange with %s: %s", peer, e)
+            await finish_quietly(stream.reset)
+            return
+        await finish_quietly(stream.close)
+        if theirs:
+            await self._dial_any(peer, theirs, responder=False)
+
+    # ---------------------------------------------------------------- dialing
+
+    async def _dial_any(self, peer: ID, addrs: list[Multiaddr], *, responder: bool) -> INetConn | None:
+        """Dial every address at once from our listen port; the first connection that works wins."""
+        network = self._node.network
+        won: list[INetConn] = []
+
+        async def one(addr: Multiaddr) -> None:
+            source = self._node.listen_source(addr)
+            try:
+                if responder:
+                    conn = await network.dial_addr_as_responder(without_peer_id(addr), peer, source=source)
+                else:
+                    conn = await network.dial_addr(without_peer_id(addr), peer, source=source)
+            except Exception as e:
+                log.debug("punch dial to %s failed: %s", addr, e)
+                return
+            if won or is_relayed_conn(conn):
+                return
+            won.append(conn)
+            nursery.cancel_scope.cancel()
+
+        with trio.move_on_after(self.config.dial_timeout):
+            async with trio.open_nursery() as nursery:
+                for addr in addrs:
+                    nursery.start_soon(one, addr)
+        if not won:
+            return None
+        conn = won[0]
+        # Prove the path: a ping on the direct connection itself.
+        try:
+            with trio.fail_after(self.config.dial_timeout):
+                stream = await self._node.new_stream_on(conn, "/ipfs/ping/1.0.0")
+                payload = bytes(32)
+                await stream.write(payload)
+                echoed = b""
+                while len(echoed) < len(payload):
+                    echoed += await stream.read(len(payload) - len(echoed))
+                await finish_quietly(stream.close)
+        except Exception as e:
+            log.info("punched connection to %s at %s does not carry traffic: %s", peer, remote_addr(conn), e)
+            await finish_quietly(conn.close)
+            return None
+        return conn
+
+    async def _retire(self, relayed: INetConn) -> None:
+        await trio.sleep(self.config.grace)
+        await finish_quietly(relayed.close)

@@ -1,0 +1,176 @@
+"""A dedloc peer driven by JSON lines on stdin, for tests that run peers inside network namespaces.
+
+    python -m tests.nat_agent --listen /ip4/0.0.0.0/tcp/4001 --relay <relay multiaddr>
+
+It runs a real Node with the NAT layer at its defaults (what `dedloc peer`
+runs), bootstraps through the relay, and serves a checksum sink. Each
+command line gets one JSON answer line; events are not printed. Commands:
+
+    {"cmd": "state"}                       mode, reachability, mapping, addrs
+    {"cmd": "wait_mode", "timeout": s}     until the NAT layer decided (public, relayed or client)
+    {"cmd": "connect", "addrs": [...]}     dial a peer (by its advertised addresses)
+    {"cmd": "wait_direct", "peer": id, "timeout": s}   until a direct connection exists
+    {"cmd": "send", "peer": id, "mib": n}  push n MiB through a stream, checked by sha256
+    {"cmd": "metrics"}                     the funnel
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import trio
+from libp2p.peer.id import ID
+from multiaddr import Multiaddr
+
+from nat.circuit import is_relayed_conn
+from nat.traversal import NatConfig, NatService
+from p2p import Node, NodeConfig
+from p2p.dialer import live_connection
+
+SINK = "/dedloc/test/sink/1.0.0"
+
+
+async def _sink(stream: Any) -> None:
+    digest = hashlib.sha256()
+    size = 0
+    while True:
+        try:
+            data = await stream.read(1 << 20)
+        except EOFError:
+            break
+        if not data:
+            break
+        digest.update(data)
+        size += len(data)
+    await stream.write(json.dumps({"size": size, "sha256": digest.hexdigest()}).encode())
+    await stream.close()
+
+
+def _direct(node: Node, peer: ID) -> bool:
+    return any(not is_relayed_conn(c) for c in node.network.get_connections(peer))
+
+
+async def _handle(node: Node, nat: NatService, request: dict[str, Any]) -> dict[str, Any]:
+    cmd = request["cmd"]
+    if cmd == "state":
+        return {"mode": nat.mode, "reachability": nat.reachability, "mapping": nat.mapping, "addrs": [str(a) for a in node.addrs]}
+    if cmd == "wait_mode":
+        with trio.move_on_after(request.get("timeout", 30)):
+            while nat.mode == "starting" or not node.addrs:
+                await trio.sleep(0.1)
+        return {"mode": nat.mode, "reachability": nat.reachability, "mapping": nat.mapping, "addrs": [str(a) for a in node.addrs]}
+    if cmd == "connect":
+        addrs = [Multiaddr(a) for a in request["addrs"]]
+        started = time.monotonic()
+        peer = None
+        for addr in addrs:  # all name the same peer: put them in the peer store, then dial by id
+            peer = ID.from_base58(str(addr).rsplit("/p2p/", 1)[1])
+            node.host.get_peerstore().add_addrs(peer, [Multiaddr(str(addr).rsplit("/p2p/", 1)[0]) if "p2p-circuit" not in str(addr) else addr], 3600)
+        assert peer is not None
+        await node.connect(peer, timeout=request.get("timeout", 20))
+        conn = live_connection(node.network, peer)
+        kind = "relayed" if conn is not None and is_relayed_conn(conn) else "direct"
+        return {"peer": str(peer), "kind": kind, "elapsed": time.monotonic() - started}
+    if cmd == "wait_direct":
+        peer = ID.from_base58(request["peer"])
+        started = time.monotonic()
+        with trio.move_on_after(request.get("timeout", 20)):
+            while not _direct(node, peer):
+                await trio.sleep(0.05)
+        return {"direct": _direct(node, peer), "elapsed": time.monotonic() - started}
+    if cmd == "send":
+        peer = ID.from_base58(request["peer"])
+        payload = os.urandom(request.get("mib", 1) * 1024 * 1024)
+        with trio.fail_after(request.get("timeout", 60)):
+            stream = await node.new_stream(peer, SINK)
+            path = "relayed" if any(a for a in stream.muxed_conn.get_transport_addresses() if "p2p-circuit" in str(a)) else "direct"
+            for start in range(0, len(payload), 256 * 1024):
+                await stream.write(payload[start : start + 256 * 1024])
+            await stream.close()
+            answer = b""
+            while True:
+                try:
+                    chunk = await stream.read(4096)
+                except EOFError:
+                    break
+                if not chunk:
+                    break
+                answer += chunk
+        got = json.loads(answer)
+        return {"ok": got == {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}, "path": path}
+    if cmd == "metrics":
+        return nat.metrics()
+    raise ValueError(f"unknown command {cmd!r}")
+
+
+async def _dump_tasks_on_signal() -> None:
+    """Debugging aid: SIGUSR1 logs where every trio task is waiting."""
+    import signal
+
+    with trio.open_signal_receiver(signal.SIGUSR1) as signals:
+        async for _ in signals:
+            def walk(task: Any, depth: int) -> None:
+                frame = task.coro.cr_frame
+                where = []
+                coro = task.coro
+                while coro is not None and hasattr(coro, "cr_frame") and coro.cr_frame is not None:
+                    where.append(f"{coro.cr_frame.f_code.co_name}:{coro.cr_frame.f_lineno}")
+                    coro = coro.cr_await
+                logging.getLogger("agent").debug("%s%s %s", "  " * depth, task.name, " > ".join(where))
+                for nursery in task.child_nurseries:
+                    for child in nursery.child_tasks:
+                        walk(child, depth + 1)
+            walk(trio.lowlevel.current_root_task(), 0)
+            import time as _t
+            runner = trio._core._run.GLOBAL_RUN_CONTEXT.runner
+            logging.getLogger("agent").debug("clock %s now %s perf %s deadlines %s", trio.lowlevel.current_clock(), trio.current_time(), _t.perf_counter(), sorted(runner.deadlines._heap)[:5] if hasattr(runner.deadlines, "_heap") else runner.deadlines)
+
+
+async def main(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(relativeCreated)8.0f %(name)s %(levelname)s %(message)s")
+    logging.getLogger("libp2p").setLevel(logging.CRITICAL)
+    config = NodeConfig(listen=[args.listen], initial_peers=[args.relay] if args.relay else [], dial_timeout=10, bootstrap_timeout=30)
+    async with Node.open(config, bootstrap=False) as node:
+        node.set_stream_handler(SINK, _sink)
+        async with NatService.attach(node, NatConfig(relay_service=args.serve_relay, recheck_interval=30)) as nat:
+            if config.initial_peers:
+                await node.bootstrap()
+            if args.verbose:
+                node._nursery.start_soon(_dump_tasks_on_signal)
+            print(json.dumps({"ready": True, "peer_id": str(node.peer_id)}), flush=True)
+            stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
+            buffer = b""
+            while True:
+                chunk = await stdin.receive_some(65536)
+                if not chunk:
+                    return
+                buffer += chunk
+                while b"\n" in buffer:
+                    line, buffer = buffer.split(b"\n", 1)
+                    request = json.loads(line)
+                    if request["cmd"] == "quit":
+                        return
+                    logging.getLogger("agent").debug("command %s", request)
+                    try:
+                        reply = await _handle(node, nat, request)
+                    except Exception as e:
+                        reply = {"error": f"{type(e).__name__}: {e}"}
+                    logging.getLogger("agent").debug("reply %s", str(reply)[:200])
+                    print(json.dumps(reply), flush=True)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--listen", default="/ip4/0.0.0.0/tcp/4001")
+    parser.add_argument("--relay", default=None)
+    parser.add_argument("--serve-relay", action="store_true")
+    parser.add_argument("--verbose", action="store_true", help="log dedloc's debug messages to stderr")
+    trio.run(main, parser.parse_args())

@@ -1,0 +1,219 @@
+"""The NAT traversal matrix: every pair of NAT kinds, real dedloc processes in network namespaces.
+
+A public relay runs ``dedloc relay`` (the product's command); two peers run
+the NAT layer at its defaults (``tests/nat_agent.py``, what ``dedloc peer``
+runs) behind routers of each kind from ``tests/netlab.py``. For each pair, B
+dials A by the addresses A advertises, and the test asserts:
+
+* they connect at all, always (directly, or through the relay);
+* the connection becomes direct where the NATs allow it: at least one side
+  public, or both endpoint-independent (TCP simultaneous open); relay-only
+  when an endpoint-dependent (symmetric) NAT meets any non-public peer;
+* 4 MiB then really flow, checked by sha256, on the path expected.
+
+It prints the matrix with time to direct per cell. Slow (minutes): marked
+``slow`` and run in CI as root.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from tests.netlab import ALL_KINDS, Host, Lab, NatKind, requires_root_netns
+
+pytestmark = [pytest.mark.slow, requires_root_netns]
+
+ROOT = Path(__file__).resolve().parent.parent
+#: Looks globally routed, so the code under test treats it as public; it never leaves the namespaces.
+PUBLIC_NET = "11.0.0.0/15"
+PORT = 4001
+CELL_TIMEOUT = 120
+PARALLEL_CELLS = 4
+
+
+def expect_direct(a: NatKind, b: NatKind) -> bool:
+    if NatKind.PUBLIC in (a, b):
+        return True
+    return NatKind.SYMMETRIC not in (a, b)
+
+
+class Agent:
+    """One tests/nat_agent.py process: JSON commands in, JSON answers out."""
+
+    def __init__(self, proc: trio.Process) -> None:
+        self.proc = proc
+        self._buffer = b""
+        self.peer_id = ""
+
+    async def line(self, timeout: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        with trio.fail_after(timeout):
+            while b"\n" not in self._buffer:
+                chunk = await self.proc.stdout.receive_some(65536)
+                if not chunk:
+                    raise RuntimeError("agent exited")
+                self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return dict(json.loads(line))
+
+    async def ask(self, cmd: str, timeout: float = 60, **fields: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        await self.proc.stdin.send_all(json.dumps({"cmd": cmd, "timeout": timeout, **fields}).encode() + b"\n")
+        reply = await self.line(timeout + 10)
+        if "error" in reply:
+            raise RuntimeError(f"{cmd}: {reply['error']}")
+        return reply
+
+
+async def start_agent(host: Host, relay_addr: str) -> Agent:
+    # DEDLOC_AGENT_LOGS=dir keeps each agent's debug log there.
+    logs = os.environ.get("DEDLOC_AGENT_LOGS")
+    proc = await host.spawn(
+        [sys.executable, "-m", "tests.nat_agent", "--listen", f"/ip4/0.0.0.0/tcp/{PORT}", "--relay", relay_addr]
+        + (["--verbose"] if logs else []),
+        stderr=open(os.path.join(logs, f"{host.ns}.log"), "wb") if logs else None,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        cwd=str(ROOT),
+    )
+    agent = Agent(proc)
+    ready = await agent.line(60)
+    agent.peer_id = ready["peer_id"]
+    return agent
+
+
+async def start_relay(lab: Lab) -> tuple[Host, str]:
+    relay = await lab.public_host("relay", delay_ms=25)
+    proc = await relay.spawn(
+        [sys.executable, "-m", "p2p.cli", "relay", "--ephemeral", "--json", "--listen", f"/ip4/0.0.0.0/tcp/{PORT}",
+         "--status-interval", "0", "--no-port-mapping"],
+        stdout=subprocess.PIPE,
+        cwd=str(ROOT),
+    )
+    assert proc.stdout is not None
+    buffer = b""
+    with trio.fail_after(60):
+        while True:
+            while b"\n" not in buffer:
+                chunk = await proc.stdout.receive_some(65536)
+                assert chunk, "relay exited"
+                buffer += chunk
+            line, buffer = buffer.split(b"\n", 1)
+            event = json.loads(line)
+            if event.get("event") == "listening":
+                return relay, f"/ip4/{relay.ip}/tcp/{PORT}/p2p/{event['peer_id']}"
+
+
+@dataclass
+class Cell:
+    a: NatKind
+    b: NatKind
+    connected: bool = False
+    first_path: str = "-"
+    direct: bool = False
+    time_to_direct: float | None = None
+    sent_ok: bool = False
+    path: str = "-"
+    detail: str = ""
+
+
+async def run_cell(lab: Lab, relay_addr: str, index: int, cell: Cell) -> None:
+    host_a = await lab.peer(f"a{index}", cell.a, listen_port=PORT, delay_ms=50)
+    host_b = await lab.peer(f"b{index}", cell.b, listen_port=PORT, delay_ms=50)
+    a = await start_agent(host_a, relay_addr)
+    b = await start_agent(host_b, relay_addr)
+    try:
+        with trio.fail_after(CELL_TIMEOUT):
+            state_a = await a.ask("wait_mode", timeout=40)
+            await b.ask("wait_mode", timeout=40)
+            if not state_a["addrs"]:
+                cell.detail = f"A advertises nothing (mode {state_a['mode']})"
+                return
+            connect = await b.ask("connect", addrs=state_a["addrs"], timeout=30)
+            cell.connected = True
+            cell.first_path = connect["kind"]
+            if connect["kind"] == "direct":
+                cell.direct, cell.time_to_direct = True, connect["elapsed"]
+            else:
+                waited = await b.ask("wait_direct", peer=a.peer_id, timeout=25 if expect_direct(cell.a, cell.b) else 8)
+                cell.direct = waited["direct"]
+                if cell.direct:
+                    cell.time_to_direct = connect["elapsed"] + waited["elapsed"]
+                    await trio.sleep(3)  # the relayed connection is retired after a grace period
+            sent = await b.ask("send", peer=a.peer_id, mib=4, timeout=60)
+            cell.sent_ok, cell.path = sent["ok"], sent["path"]
+            metrics = await a.ask("metrics")
+            cell.detail = f"A: {metrics['mode']}, punch {metrics['punch_successes']}/{metrics['punch_attempts']}"
+    except Exception as e:  # the cell reports; the assertions below judge
+        cell.detail += f" {type(e).__name__}: {e}"
+    finally:
+        for agent in (a, b):
+            with trio.move_on_after(2):
+                try:
+                    await agent.ask("quit", timeout=1)
+                except Exception:
+                    pass
+            agent.proc.kill()
+
+
+def render(cells: list[Cell]) -> str:
+    kinds = [k for k in ALL_KINDS]
+    by_pair = {(c.a, c.b): c for c in cells}
+    width = 16
+    lines = ["NAT matrix (row = dialed peer A, column = dialer B): time to direct, or 'relay' / 'FAIL'"]
+    lines.append(" " * width + "".join(k.name[:14].ljust(width) for k in kinds))
+    for ka in kinds:
+        row = ka.name[:14].ljust(width)
+        for kb in kinds:
+            c = by_pair.get((ka, kb)) or by_pair.get((kb, ka))
+            if c is None:
+                text = ""
+            elif not (c.connected and c.sent_ok):
+                text = "FAIL"
+            elif c.direct and c.time_to_direct is not None:
+                text = f"direct {c.time_to_direct:.1f}s"
+            else:
+                text = "relay"
+            row += text.ljust(width)
+        lines.append(row)
+    return "\n".join(lines)
+
+
+async def test_nat_traversal_matrix() -> None:
+    pairs = list(itertools.combinations_with_replacement(ALL_KINDS, 2))
+    cells = [Cell(a, b) for a, b in pairs]
+    async with Lab(prefix="dmx", public_net=PUBLIC_NET) as lab:
+        _, relay_addr = await start_relay(lab)
+        limiter = trio.CapacityLimiter(PARALLEL_CELLS)
+
+        async def guarded(i: int, cell: Cell) -> None:
+            async with limiter:
+                await run_cell(lab, relay_addr, i, cell)
+
+        async with trio.open_nursery() as nursery:
+            for i, cell in enumerate(cells):
+                nursery.start_soon(guarded, i, cell)
+    print("\n" + render(cells))
+    for c in cells:
+        print(f"{c.a.name:>15} <- {c.b.name:<15} connected={c.connected} first={c.first_path} direct={c.direct} "
+              f"ttd={c.time_to_direct} sent={c.sent_ok} path={c.path} {c.detail}")
+    problems = []
+    for c in cells:
+        want_direct = expect_direct(c.a, c.b)
+        if not c.connected or not c.sent_ok:
+            problems.append(f"{c.a.name}<-{c.b.name}: not connected or data lost ({c.detail})")
+        elif want_direct and not (c.direct and c.path == "direct"):
+            problems.append(f"{c.a.name}<-{c.b.name}: expected a direct path, got {c.path} ({c.detail})")
+        elif not want_direct and c.direct:
+            problems.append(f"{c.a.name}<-{c.b.name}: direct through a symmetric NAT is unexpected ({c.detail})")
+    assert not problems, "\n".join(problems)
