@@ -10,7 +10,9 @@ here. Three paths are measured in the same run, each as a ratio to raw TCP:
   (:class:`p2p.noise.NoiseCodec`, ChaCha20-Poly1305, no muxer, no libp2p).
   This is the ceiling for any spec-exact libp2p Noise in this process model:
   each side must run the cipher over every byte on its one core;
-- node: two Nodes, TCP + Noise + Yamux through py-libp2p's swarm.
+- node: two Nodes, TCP + Noise + Yamux through py-libp2p's swarm;
+- relayed (one stream): the same Nodes through a circuit relay v2 hop, with
+  the relay being ``dedloc relay`` in a third process (``--no-relay`` skips it).
 
 Every case writes ``--chunk-kib`` chunks and the raw receiver reads that much
 at a time.
@@ -38,6 +40,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from p2p import Node, NodeConfig  # noqa: E402
+from nat.circuit import RelayClient  # noqa: E402
 from p2p.noise import NoiseCodec  # noqa: E402
 
 PROTOCOL = "/dedloc/bench/sink/1.0.0"
@@ -107,7 +110,7 @@ async def _source(read, write, total: int) -> None:
 # ---------------------------------------------------------------- receiver process
 
 
-async def serve() -> None:
+async def serve(relay: str | None) -> None:
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
 
     async def on_tcp(stream: trio.SocketStream) -> None:
@@ -139,30 +142,56 @@ async def serve() -> None:
                 await stream.close()
 
             node.set_stream_handler(PROTOCOL, on_stream)
-            print(json.dumps({"tcp_port": tcp_port, "sealed_port": sealed_port, "node": str(node.addrs[0])}), flush=True)
+            circuit = None
+            if relay:
+                client = RelayClient(node)
+                client.install()
+                relay_id = await node.connect(relay)
+                reservation = await client.reserve(relay_id)
+                circuit = f"{reservation.circuit_addrs[0]}/p2p/{node.peer_id}"
+            print(
+                json.dumps({"tcp_port": tcp_port, "sealed_port": sealed_port, "node": str(node.addrs[0]), "circuit": circuit}),
+                flush=True,
+            )
             await trio.sleep_forever()
 
 
 # ---------------------------------------------------------------- sender
 
 
-async def bench(total_mib: int, streams: int) -> dict[str, float]:
+async def _first_line(proc: trio.Process, what: str) -> dict:
+    assert proc.stdout is not None
+    with trio.fail_after(60):
+        line = b""
+        while not line.endswith(b"\n"):
+            chunk = await proc.stdout.receive_some(4096)
+            if not chunk:
+                raise RuntimeError(f"{what} process died")
+            line += chunk
+    return json.loads(line.splitlines()[0])
+
+
+async def bench(total_mib: int, streams: int, relayed: bool) -> dict[str, float]:
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     total = total_mib * 1024 * 1024
     results: dict[str, float] = {}
+    relay_args: list[str] = []
+    relay_proc = None
+    if relayed:
+        # The relay is a third process: `dedloc relay`, as people run it.
+        relay_proc = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "p2p.cli", "relay", "--ephemeral", "--json", "--listen", "/ip4/127.0.0.1/tcp/0",
+             "--status-interval", "0", "--no-port-mapping", "--allow-private"],
+            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, cwd=str(Path(__file__).resolve().parent.parent),
+        )
+        listening = await _first_line(relay_proc, "relay")
+        relay_args = ["--relay", listening["addrs"][0]]
     proc = await trio.lowlevel.open_process(
-        [sys.executable, __file__, "--serve", "--chunk-kib", str(CHUNK // 1024)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL
+        [sys.executable, __file__, "--serve", "--chunk-kib", str(CHUNK // 1024), *relay_args],
+        stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
     )
     try:
-        assert proc.stdout is not None
-        with trio.fail_after(60):
-            line = b""
-            while not line.endswith(b"\n"):
-                chunk = await proc.stdout.receive_some(4096)
-                if not chunk:
-                    raise RuntimeError("receiver process died")
-                line += chunk
-        info = json.loads(line)
+        info = await _first_line(proc, "receiver")
 
         async def raw_tcp(size: int) -> None:
             sock = await trio.open_tcp_stream("127.0.0.1", info["tcp_port"])
@@ -203,10 +232,25 @@ async def bench(total_mib: int, streams: int) -> dict[str, float]:
             await node_stream(1024 * 1024)  # warm up
             await timed("node_1", lambda: node_stream(total))
             await timed(f"node_{streams}", lambda: parallel(node_stream, streams))
+
+        if info["circuit"]:
+            async with Node.open(NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"])) as node:
+                RelayClient(node).install()
+                peer = await node.connect(info["circuit"])
+
+                async def relayed_stream(size: int) -> None:
+                    stream = await node.new_stream(peer, PROTOCOL)
+                    await _source(stream.read, stream.write, size)
+                    await stream.close()
+
+                await relayed_stream(1024 * 1024)  # warm up
+                await timed("relayed_1", lambda: relayed_stream(total))
     finally:
-        proc.terminate()
-        with trio.move_on_after(5):
-            await proc.wait()
+        for p in (proc, relay_proc):
+            if p is not None:
+                p.terminate()
+                with trio.move_on_after(5):
+                    await p.wait()
     return results
 
 
@@ -217,17 +261,21 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=4, help="parallel streams in the multi-stream case")
     parser.add_argument("--chunk-kib", type=int, default=CHUNK // 1024, help="write size (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    parser.add_argument("--no-relay", action="store_true", help="skip the relayed case")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--relay", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     CHUNK = args.chunk_kib * 1024
     if args.serve:
-        trio.run(serve)
+        trio.run(serve, args.relay)
         return
-    r = trio.run(bench, args.mib, args.streams)
+    r = trio.run(bench, args.mib, args.streams, not args.no_relay)
     n = args.streams
     for path in ("sealed", "node"):
         for k in (1, n):
             r[f"ratio_{path}_{k}"] = r[f"{path}_{k}"] / r[f"tcp_{k}"]
+    if "relayed_1" in r:
+        r["ratio_relayed_1"] = r["relayed_1"] / r["tcp_1"]
     if args.json:
         print(json.dumps(r))
         return
@@ -237,7 +285,11 @@ def main() -> None:
         cells = [f"{r[f'tcp_{k}']:>8.0f} MB/s"]
         cells += [f"{r[f'{p}_{k}']:>8.0f} MB/s ({r[f'ratio_{p}_{k}']:.2f})" for p in ("sealed", "node")]
         print(f"{label:<30}{cells[0]:>13}{cells[1]:>20}{cells[2]:>20}")
+    if "relayed_1" in r:
+        cell = f"{r['relayed_1']:>8.0f} MB/s ({r['ratio_relayed_1']:.2f})"
+        print(f"{'1 stream through a relay':<30}{'':>13}{'':>20}{cell:>20}")
     print("ratios to raw TCP in parentheses; sealed = Noise record layer alone, the ceiling for Noise here")
+    print("(the relay is `dedloc relay` in a third process: each byte is decrypted and re-encrypted there)")
     print("(raw and sealed TCP with several streams use one socket per stream)")
 
 

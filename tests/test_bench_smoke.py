@@ -15,7 +15,7 @@ def test_throughput_bench_prints_ratios():
     )
     assert result.returncode == 0, result.stderr
     figures = json.loads(result.stdout.strip().splitlines()[-1])
-    for key in ("tcp_1", "sealed_1", "node_1", "tcp_2", "node_2", "ratio_node_1", "ratio_sealed_2", "ratio_node_2"):
+    for key in ("tcp_1", "sealed_1", "node_1", "tcp_2", "node_2", "ratio_node_1", "ratio_sealed_2", "ratio_node_2", "relayed_1"):
         assert figures[key] > 0
 
 
