@@ -334,7 +334,7 @@ class NatService:
         while True:
             if self.config.autorelay and self.reachability != PUBLIC:
                 await self._keep_reservations()
-            self._update_mode()
+            self._update_mode(relays_tried=self.reachability == PRIVATE)
             with trio.move_on_after(5.0):
                 await self._changed.wait()
 
@@ -366,12 +366,13 @@ class NatService:
             self.node.emit(nev.RelayReserved(relay=str(relay), expire=rsvp.expire, addrs=[str(a) for a in rsvp.circuit_addrs]))
         return rsvp
 
-    def _update_mode(self) -> None:
+    def _update_mode(self, *, relays_tried: bool = False) -> None:
+        """Public, relayed, or client; client only once a pass of the relay loop found no slot."""
         if self.reachability == PUBLIC:
             mode, why = "public", "reachable at " + ", ".join(map(str, self.confirmed))
         elif self.relay_client.reservations:
             mode, why = "relayed", "reachable through " + ", ".join(map(str, self.relay_client.reservations))
-        elif self.reachability == PRIVATE:
+        elif self.reachability == PRIVATE and relays_tried:
             mode, why = "client", "not reachable and no relay accepted us: dialing out only"
         else:
             return
