@@ -22,7 +22,7 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +125,7 @@ class Cell:
     sent_ok: bool = False
     path: str = "-"
     detail: str = ""
+    funnel: dict[str, float] = field(default_factory=dict)
 
 
 async def run_cell(lab: Lab, relay_addr: str, index: int, cell: Cell) -> None:
@@ -153,7 +154,10 @@ async def run_cell(lab: Lab, relay_addr: str, index: int, cell: Cell) -> None:
             sent = await b.ask("send", peer=a.peer_id, mib=4, timeout=60)
             cell.sent_ok, cell.path = sent["ok"], sent["path"]
             metrics = await a.ask("metrics")
+            other = await b.ask("metrics")
             cell.detail = f"A: {metrics['mode']}, punch {metrics['punch_successes']}/{metrics['punch_attempts']}"
+            for key in FUNNEL:
+                cell.funnel[key] = sum(float(m[key]) for m in (metrics, other))
     except Exception as e:  # the cell reports; the assertions below judge
         cell.detail += f" {type(e).__name__}: {e}"
     finally:
@@ -164,6 +168,20 @@ async def run_cell(lab: Lab, relay_addr: str, index: int, cell: Cell) -> None:
                 except Exception:
                     pass
             agent.proc.kill()
+
+
+FUNNEL = ("reservations_made", "dial_backs", "punch_attempts", "punch_successes", "punch_first_try", "reversals",
+          "punch_failures", "bytes_direct", "bytes_relayed")
+
+
+def funnel_summary(cells: list[Cell]) -> str:
+    """The NAT funnel summed over every cell (both peers of each pair)."""
+    totals = {key: sum(c.funnel.get(key, 0) for c in cells) for key in FUNNEL}
+    ttd = sorted(c.time_to_direct for c in cells if c.time_to_direct is not None and c.first_path == "relayed")
+    lines = ["funnel over all cells: " + ", ".join(f"{k}={int(v)}" for k, v in totals.items())]
+    if ttd:
+        lines.append(f"time to direct after a relayed start: median {ttd[len(ttd) // 2]:.2f} s, max {ttd[-1]:.2f} s over {len(ttd)} pairs")
+    return "\n".join(lines)
 
 
 def render(cells: list[Cell]) -> str:
@@ -204,6 +222,7 @@ async def test_nat_traversal_matrix() -> None:
             for i, cell in enumerate(cells):
                 nursery.start_soon(guarded, i, cell)
     print("\n" + render(cells))
+    print(funnel_summary(cells))
     for c in cells:
         print(f"{c.a.name:>15} <- {c.b.name:<15} connected={c.connected} first={c.first_path} direct={c.direct} "
               f"ttd={c.time_to_direct} sent={c.sent_ok} path={c.path} {c.detail}")
