@@ -73,7 +73,7 @@ else
 fi
 
 # a smoke check: the packages load under node 22
-node --input-type=module -e "await import('libp2p'); await import('@libp2p/tcp');" \
+node --input-type=module -e "await import('libp2p'); await import('@libp2p/tcp'); await import('@libp2p/circuit-relay-v2');" \
     || { log "error: js-libp2p does not load under node 22"; exit 1; }
 
 log "ready"

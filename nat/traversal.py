@@ -114,7 +114,9 @@ class NatService:
         self._protocols: dict[ID, set[str]] = {}
         self._identified: dict[ID, float] = {}
         self._mapped: list[Multiaddr] = []
+        # One wake-up event per loop: each loop replaces its own, so neither waits on a stale one.
         self._changed = trio.Event()
+        self._relay_changed = trio.Event()
         self._dial_backs = 0
 
     # ---------------------------------------------------------------- lifecycle
@@ -135,6 +137,10 @@ class NatService:
             finally:
                 nursery.cancel_scope.cancel()
                 node.set_address_policy(None)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._relay_changed.set()
 
     def _install(self) -> None:
         self.relay_client.install()
@@ -206,18 +212,25 @@ class NatService:
         if time.monotonic() - self._identified.get(peer, -1e9) < 60:
             return
         self._identified[peer] = time.monotonic()
-        try:
-            info = await self.node.identify(peer, timeout=10)
-        except Exception as e:
-            log.debug("identify %s failed: %s", peer, e)
-            return
+        # py-libp2p identifies every new connection by itself, and js-libp2p resets a
+        # second identify stream on a connection while one is open: retry, briefly.
+        for attempt in range(3):
+            try:
+                info = await self.node.identify(peer, timeout=10)
+                break
+            except Exception as e:
+                log.debug("identify %s failed (attempt %d): %s", peer, attempt + 1, e)
+                if attempt == 2 or live_connection(self.node.network, peer) is None:
+                    self._identified.pop(peer, None)  # the next pass retries, not in a minute
+                    return
+                await trio.sleep(0.5 * (attempt + 1))
         self._protocols[peer] = set(info.protocols)
         if info.observed_addr is not None and not is_relayed(info.observed_addr):
             conns = self.node.network.get_connections(peer)
             if conns and not is_relayed_conn(conns[0]):
                 self._listen_views[peer] = info.observed_addr
                 self._classify()
-        self._changed.set()
+        self._notify()
 
     def _classify(self) -> None:
         views = {str(v) for v in self._listen_views.values() if self._public(v)}
@@ -254,7 +267,7 @@ class NatService:
                         if peer in self.relay_client.reservations:
                             self.relay_client.drop(peer)
                             self.node.emit(nev.RelayLost(relay=str(peer), reason="disconnected"))
-                            self._changed.set()
+                            self._notify()
 
     async def _upgrade(self, peer: ID) -> None:
         relayed = next((c for c in self.node.network.get_connections(peer) if is_relayed_conn(c)), None)
@@ -306,6 +319,7 @@ class NatService:
             self.reachability = PRIVATE
         if self.reachability != before:
             self.node.emit(nev.ReachabilityChanged(self.reachability, self.mapping, [str(a) for a in self.confirmed]))
+            self._relay_changed.set()  # the relay loop decides on relays (and client mode) from it
         self._update_mode()
 
     async def _ask(self, server: ID, candidates: list[Multiaddr]) -> None:
@@ -332,11 +346,12 @@ class NatService:
 
     async def _relay_loop(self) -> None:
         while True:
+            self._relay_changed = trio.Event()
             if self.config.autorelay and self.reachability != PUBLIC:
                 await self._keep_reservations()
             self._update_mode(relays_tried=self.reachability == PRIVATE)
             with trio.move_on_after(5.0):
-                await self._changed.wait()
+                await self._relay_changed.wait()
 
     async def _keep_reservations(self) -> None:
         client = self.relay_client
@@ -393,7 +408,7 @@ class NatService:
         try:
             async with map_port(port) as mapping:
                 self._mapped = [Multiaddr(f"/ip4/{mapping.external_ip}/tcp/{mapping.external_port}")]
-                self._changed.set()
+                self._notify()
                 await trio.sleep_forever()
         except (PortMappingUnavailable, DedlocError, OSError) as e:
             log.info("no port mapping: %s", e)
