@@ -27,12 +27,12 @@ from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
 from p2p import Node
-from p2p.addresses import reachable_tcp, without_peer_id
+from p2p.addresses import is_relayed, reachable_tcp, without_peer_id
 from p2p.errors import ConfigError, DedlocError
 from p2p.trio_util import finish_quietly
 
 from .proto import autonat_v2_pb2 as pb
-from .wire import ProtocolViolation, parse_addrs, read_message, write_message
+from .wire import MAX_ADDRS, ProtocolViolation, parse_addrs, read_message, write_message
 
 log = logging.getLogger(__name__)
 
@@ -139,13 +139,14 @@ class AutoNATServer:
             self.metrics["rejected"] += 1
             await self._respond(stream, pb.DialResponse.E_REQUEST_REJECTED)
             return
-        addrs = parse_addrs(request.addrs)
-        index = next((i for i, a in enumerate(addrs) if reachable_tcp(a, allow_private=self.config.allow_private)), None)
-        if index is None:
+        # addrIdx is the place in the request (garbage entries count), among the first MAX_ADDRS.
+        parsed = ((i, parse_addrs([raw])) for i, raw in enumerate(list(request.addrs)[:MAX_ADDRS]))
+        found = next(((i, a[0]) for i, a in parsed if a and reachable_tcp(a[0], allow_private=self.config.allow_private)), None)
+        if found is None:
             self.metrics["refused"] += 1
             await self._respond(stream, pb.DialResponse.E_DIAL_REFUSED)
             return
-        target = without_peer_id(addrs[index])
+        index, target = found[0], without_peer_id(found[1])
         observed = stream.muxed_conn.get_remote_address()  # type: ignore[attr-defined]
         if observed is None or _ip(target) != str(observed[0]):
             # Another IP than the requester's: make it pay before we dial anyone for it.
@@ -204,8 +205,11 @@ class AutoNATClient:
         except ProtocolViolation:
             await finish_quietly(stream.reset)
             return
+        # Proof only on a connection the server opened to us, directly: not one we dialed, not a relayed one.
+        conn = stream.muxed_conn
+        fresh = getattr(conn, "is_initiator", True) is False and not any(is_relayed(a) for a in conn.get_transport_addresses())
         event = self._waiting.get(msg.nonce)
-        if event is not None:
+        if event is not None and fresh:
             event.set()
         await write_message(stream, pb.DialBackResponse(status=pb.DialBackResponse.OK))
         await finish_quietly(stream.close)
@@ -231,10 +235,14 @@ class AutoNATClient:
             with trio.fail_after(self.config.request_timeout):
                 request = pb.DialRequest(addrs=[without_peer_id(a).to_bytes() for a in addrs], nonce=nonce)
                 await write_message(stream, pb.Message(dialRequest=request))
+                asked = False
                 while True:
                     msg = await read_message(stream, pb.Message, timeout=self.config.request_timeout)
                     kind = msg.WhichOneof("msg")
                     if kind == "dialDataRequest":
+                        if asked:  # one DialDataRequest per request (spec); more would drain us
+                            raise ProtocolViolation("server asks for dial data again")
+                        asked = True
                         await self._pay(stream, msg.dialDataRequest.numBytes)
                     elif kind == "dialResponse":
                         break

@@ -43,6 +43,8 @@ from .wire import ProtocolViolation, parse_addrs, read_message, write_message
 log = logging.getLogger(__name__)
 
 PROTOCOL = "/libp2p/dcutr"
+#: Most addresses offered, taken from an offer, or dialed for a reversal: a peer chooses how many it advertises.
+MAX_PUNCH_ADDRS = 16
 
 
 @dataclass
@@ -87,7 +89,7 @@ class HolePuncher:
         self._node.set_stream_handler(PROTOCOL, self._on_stream)
 
     def _offer(self) -> list[bytes]:
-        return [without_peer_id(a).to_bytes() for a in self._our_addrs() if reachable_tcp(a, allow_private=self.config.allow_private)][:16]
+        return [without_peer_id(a).to_bytes() for a in self._our_addrs() if reachable_tcp(a, allow_private=self.config.allow_private)][:MAX_PUNCH_ADDRS]
 
     # ---------------------------------------------------------------- the inbound side (B) leads
 
@@ -126,6 +128,7 @@ class HolePuncher:
     async def _reverse(self, peer: ID) -> INetConn | None:
         """Dial the peer's public addresses directly (it may be public or port-mapped)."""
         targets = [a for a in self._node.known_addrs(peer) if reachable_tcp(a, allow_private=self.config.allow_private)]
+        targets = targets[:MAX_PUNCH_ADDRS]  # identify stores up to 1000: we would dial them all, one by one
         for addr in targets:
             with trio.move_on_after(self.config.dial_timeout):
                 try:
@@ -144,7 +147,7 @@ class HolePuncher:
                 rtt = trio.current_time() - sent
                 if reply.type != pb.HolePunch.CONNECT:
                     raise ProtocolViolation("expected CONNECT")
-                theirs = [a for a in parse_addrs(reply.ObsAddrs, limit=16) if reachable_tcp(a, allow_private=self.config.allow_private)]
+                theirs = [a for a in parse_addrs(reply.ObsAddrs, limit=MAX_PUNCH_ADDRS) if reachable_tcp(a, allow_private=self.config.allow_private)]
                 await write_message(stream, pb.HolePunch(type=pb.HolePunch.SYNC))
         finally:
             await finish_quietly(stream.close)
@@ -161,7 +164,7 @@ class HolePuncher:
             first = await read_message(stream, pb.HolePunch)
             if first.type != pb.HolePunch.CONNECT:
                 raise ProtocolViolation("expected CONNECT")
-            theirs = [a for a in parse_addrs(first.ObsAddrs, limit=16) if reachable_tcp(a, allow_private=self.config.allow_private)]
+            theirs = [a for a in parse_addrs(first.ObsAddrs, limit=MAX_PUNCH_ADDRS) if reachable_tcp(a, allow_private=self.config.allow_private)]
             await write_message(stream, pb.HolePunch(type=pb.HolePunch.CONNECT, ObsAddrs=self._offer()))
             sync = await read_message(stream, pb.HolePunch)
             if sync.type != pb.HolePunch.SYNC:

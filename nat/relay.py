@@ -86,6 +86,8 @@ class RelayStats:
     circuits_total: int = 0
     bytes_relayed: int = 0
     refused: Counter[str] = field(default_factory=Counter)
+    #: Circuits reset for exceeding a limit, by limit ("data", "duration").
+    limits_hit: Counter[str] = field(default_factory=Counter)
 
 
 class _LimitReached(Exception):
@@ -115,6 +117,7 @@ class RelayService:
             "circuits_total": s.circuits_total,
             "bytes_relayed": s.bytes_relayed,
             "refused": dict(s.refused),
+            "limits_hit": dict(s.limits_hit),
         }
 
     @property
@@ -274,6 +277,7 @@ class RelayService:
                     if budget is not None:
                         budget -= len(data)
                         if budget < 0:
+                            self.stats.limits_hit["data"] += 1
                             raise _LimitReached("data limit")
                     await dst.write(data)
                     sent += len(data)
@@ -291,6 +295,8 @@ class RelayService:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(pump, a, b)
                 nursery.start_soon(pump, b, a)
+        if scope.cancelled_caught:
+            self.stats.limits_hit["duration"] += 1
         if failed or scope.cancelled_caught:
             await finish_quietly(a.reset)
             await finish_quietly(b.reset)

@@ -70,9 +70,12 @@ async def read_message(
     if scope.cancelled_caught:
         raise ProtocolViolation(f"no complete {what} within {timeout:g} s")
     try:
-        return message_type.FromString(bytes(body))
+        message = message_type.FromString(bytes(body))
     except DecodeError as e:
         raise ProtocolViolation(f"garbled {what}: {e}") from None
+    if not message.IsInitialized():  # proto2 required fields (DCUtR's type): upb parses without them
+        raise ProtocolViolation(f"{what} lacks a required field")
+    return message
 
 
 async def _read_some(stream: Stream, n: int, what: str) -> bytes:

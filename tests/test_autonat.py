@@ -1,0 +1,405 @@
+"""AutoNAT v2 on loopback: dial-backs, the nonce, the amplification guard, rate limits, bad input."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+from libp2p.abc import INetStream
+from multiaddr import Multiaddr
+
+from nat.autonat import DIAL_BACK, DIAL_REQUEST, AutoNATClient, AutoNATConfig, AutoNATError, AutoNATServer
+from nat.proto import autonat_v2_pb2 as pb
+from nat.wire import MAX_ADDRS, read_message, write_message
+from p2p import Node
+from p2p.addresses import without_peer_id
+from p2p.rpc.framing import encode_varint
+
+from .conftest import open_nodes
+
+OTHER_IP = "127.0.0.2"  # loopback too, but not the IP the client's requests come from
+
+
+@asynccontextmanager
+async def autonat_pair(
+    server_config: AutoNATConfig | None = None, client_config: AutoNATConfig | None = None
+) -> AsyncIterator[tuple[Node, AutoNATServer, Node, AutoNATClient]]:
+    async with open_nodes(2) as (s, c):
+        server = AutoNATServer(s, server_config or AutoNATConfig(allow_private=True))
+        server.install()
+        client = AutoNATClient(c, client_config or AutoNATConfig())
+        client.install()
+        await c.connect(s.addrs[0])
+        yield s, server, c, client
+
+
+@asynccontextmanager
+async def tcp_counter(host: str = OTHER_IP) -> AsyncIterator[tuple[int, list[object]]]:
+    """A bare TCP port (a 'third party') that counts the connections it gets and closes them at once."""
+    (listener,) = await trio.open_tcp_listeners(0, host=host)
+    port = listener.socket.getsockname()[1]
+    accepted: list[object] = []
+
+    async def serve() -> None:
+        async with listener:
+            while True:
+                conn = await listener.accept()
+                accepted.append(conn)
+                await conn.aclose()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve)
+        yield port, accepted
+        nursery.cancel_scope.cancel()
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def listen_addr(node: Node) -> Multiaddr:
+    return without_peer_id(node.addrs[0])
+
+
+async def raw_request(client: Node, server: Node, raw: bytes, *, close: bool = False) -> pb.Message | None:
+    """Write raw bytes on a dial-request stream; the server's first answer, or None when it reset the stream."""
+    stream = await client.new_stream(server.peer_id, DIAL_REQUEST)
+    await stream.write(raw)
+    if close:
+        await stream.close()
+    with trio.fail_after(15):
+        try:
+            return await read_message(stream, pb.Message)
+        except Exception:
+            return None
+        finally:
+            await stream.reset()
+
+
+def _frame(message: pb.Message) -> bytes:
+    body = message.SerializeToString()
+    return encode_varint(len(body)) + body
+
+
+def request(addrs: list[bytes], nonce: int = 1234) -> bytes:
+    return _frame(pb.Message(dialRequest=pb.DialRequest(addrs=addrs, nonce=nonce)))
+
+
+# ---------------------------------------------------------------------- verdicts
+
+
+async def test_dial_back_confirms_a_listening_address():
+    async with autonat_pair() as (s, server, c, client):
+        result = await client.check(s.peer_id, [listen_addr(c)])
+        assert result.reachable is True and result.addr == listen_addr(c) and result.server == s.peer_id
+        assert server.metrics["dial_backs"] == 1 and server.metrics["dial_back_ok"] == 1
+        assert server.metrics["dial_data_asked"] == 0  # the client's own IP costs nothing
+        assert client._waiting == {}
+
+
+async def test_closed_port_is_reported_unreachable():
+    async with autonat_pair() as (s, server, c, client):
+        port = closed_port()
+        result = await client.check(s.peer_id, [Multiaddr(f"/ip4/127.0.0.1/tcp/{port}")])
+        assert result.reachable is False and str(port) in str(result.addr)
+        assert server.metrics["dial_backs"] == 1 and server.metrics["dial_back_ok"] == 0
+
+
+async def test_server_dials_the_first_acceptable_address_and_says_which():
+    async with autonat_pair() as (s, server, c, client):
+        addrs = [Multiaddr("/ip4/127.0.0.1/udp/4001/quic-v1"), Multiaddr(f"/ip4/127.0.0.1/tcp/{closed_port()}"), listen_addr(c)]
+        result = await client.check(s.peer_id, addrs)
+        assert result.addr == addrs[1] and result.reachable is False
+
+
+# ---------------------------------------------------------------------- a lying server
+
+
+FakeServer = Callable[[Node, INetStream, pb.DialRequest], Awaitable[None]]
+
+
+@asynccontextmanager
+async def fake_server(behaviour: FakeServer, client_config: AutoNATConfig | None = None) -> AsyncIterator[tuple[Node, Node, AutoNATClient]]:
+    async with open_nodes(2) as (f, c):
+
+        async def handler(stream: INetStream) -> None:
+            msg = await read_message(stream, pb.Message)
+            await behaviour(f, stream, msg.dialRequest)
+
+        f.set_stream_handler(DIAL_REQUEST, handler)
+        client = AutoNATClient(c, client_config)
+        client.install()
+        await c.connect(f.addrs[0])
+        yield f, c, client
+
+
+async def respond(stream: INetStream, status: int = pb.DialResponse.OK, index: int = 0, dial: int = pb.OK) -> None:
+    await write_message(stream, pb.Message(dialResponse=pb.DialResponse(status=status, addrIdx=index, dialStatus=dial)))  # type: ignore[arg-type]
+    await stream.close()
+
+
+async def deliver(server: Node, conn, nonce: int) -> None:  # type: ignore[no-untyped-def]
+    back = await server.new_stream_on(conn, DIAL_BACK)
+    await write_message(back, pb.DialBack(nonce=nonce))
+    await read_message(back, pb.DialBackResponse)
+    await back.close()
+
+
+@pytest.mark.parametrize(("offset", "reachable"), [(0, True), (1, None)], ids=["right-nonce", "wrong-nonce"])
+async def test_only_a_dial_back_with_our_nonce_counts(offset, reachable):
+    async def behaviour(f: Node, stream: INetStream, req: pb.DialRequest) -> None:
+        peer = stream.muxed_conn.peer_id
+        conn = await f.network.dial_addr(Multiaddr(req.addrs[0]), peer)  # a fresh connection, like a real server
+        try:
+            await deliver(f, conn, (req.nonce + offset) % 2**64)
+        finally:
+            await conn.close()
+        await respond(stream)  # and claims success either way
+
+    async with fake_server(behaviour) as (f, c, client):
+        result = await client.check(f.peer_id, [listen_addr(c)])
+        assert result.reachable is reachable, result.detail
+
+
+async def test_claimed_success_without_dial_back_is_ignored():
+    async def behaviour(f: Node, stream: INetStream, req: pb.DialRequest) -> None:
+        await respond(stream)
+
+    async with fake_server(behaviour) as (f, c, client):
+        result = await client.check(f.peer_id, [listen_addr(c)])
+        assert result.reachable is None and "never arrived" in result.detail
+
+
+async def test_nonce_over_the_connection_we_dialed_proves_nothing():
+    """The nonce is no proof of a dial-back when it comes over the connection the client itself opened."""
+
+    async def behaviour(f: Node, stream: INetStream, req: pb.DialRequest) -> None:
+        peer = stream.muxed_conn.peer_id
+        (existing,) = f.network.get_connections(peer)
+        await deliver(f, existing, req.nonce)
+        await respond(stream)
+
+    async with fake_server(behaviour) as (f, c, client):
+        result = await client.check(f.peer_id, [listen_addr(c)])
+        assert result.reachable is None, result.detail
+
+
+@pytest.mark.parametrize(
+    ("answer", "words"),
+    [
+        (pb.DialResponse(status=pb.DialResponse.OK, addrIdx=5, dialStatus=pb.OK), "address #5"),
+        (pb.DialResponse(status=pb.DialResponse.E_REQUEST_REJECTED), "E_REQUEST_REJECTED"),
+        (pb.DialResponse(status=pb.DialResponse.E_DIAL_REFUSED), "E_DIAL_REFUSED"),
+        (pb.DialResponse(status=pb.DialResponse.E_INTERNAL_ERROR), "E_INTERNAL_ERROR"),
+        (pb.DialResponse(status=77), "77"),  # type: ignore[arg-type]
+    ],
+    ids=["index-out-of-range", "rejected", "refused", "internal", "unknown-status"],
+)
+async def test_forged_or_negative_responses_give_no_verdict(answer, words):
+    async def behaviour(f: Node, stream: INetStream, req: pb.DialRequest) -> None:
+        await write_message(stream, pb.Message(dialResponse=answer))
+        await stream.close()
+
+    async with fake_server(behaviour) as (f, c, client):
+        with pytest.raises(AutoNATError, match=words):
+            await client.check(f.peer_id, [listen_addr(c)])
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        encode_varint(5000) + bytes(100),
+        b"\x03\xff\xff\xff",
+        b"",
+        encode_varint(len(pb.Message(dialDataResponse=pb.DialDataResponse(data=b"x")).SerializeToString()))
+        + pb.Message(dialDataResponse=pb.DialDataResponse(data=b"x")).SerializeToString(),
+    ],
+    ids=["oversized", "garbled", "silent", "unexpected-message"],
+)
+async def test_broken_server_answers_give_a_clear_error(raw):
+    async def behaviour(f: Node, stream: INetStream, req: pb.DialRequest) -> None:
+        await stream.write(raw)
+        await stream.close()
+
+    async with fake_server(behaviour) as (f, c, client):
+        with pytest.raises(AutoNATError, match="failed"):
+            await client.check(f.peer_id, [listen_addr(c)])
+        assert client._waiting == {}
+        assert await c.ping(f.peer_id) > 0
+
+
+# ---------------------------------------------------------------------- the amplification guard
+
+
+async def test_client_pays_dial_data_at_most_once_and_within_its_limit():
+    """A server that keeps asking for dial data gets at most ``max_dial_data`` bytes in all."""
+    received = []
+
+    async def behaviour(f: Node, stream: INetStream, req: pb.DialRequest) -> None:
+        for _ in range(5):
+            await write_message(stream, pb.Message(dialDataRequest=pb.DialDataRequest(addrIdx=0, numBytes=30_000)))
+            got = 0
+            while got < 30_000:
+                msg = await read_message(stream, pb.Message, max_size=8192)
+                got += len(msg.dialDataResponse.data)
+                received.append(len(msg.dialDataResponse.data))
+        await respond(stream)
+
+    async with fake_server(behaviour, AutoNATConfig(max_dial_data=50_000)) as (f, c, client):
+        with pytest.raises(AutoNATError, match="dial data"):
+            await client.check(f.peer_id, [listen_addr(c)])
+        assert 30_000 <= sum(received) <= 50_000
+
+
+async def test_client_refusing_to_pay_gets_no_dial():
+    async with tcp_counter() as (port, accepted):
+        async with autonat_pair(client_config=AutoNATConfig(max_dial_data=1000)) as (s, server, c, client):
+            target = Multiaddr(f"/ip4/{OTHER_IP}/tcp/{port}")
+            with pytest.raises(AutoNATError, match="dial data"):
+                await client.check(s.peer_id, [target])
+            assert server.metrics["dial_data_asked"] == 1
+            assert server.metrics["dial_backs"] == 0
+            # The server keeps working for requests it need not be paid for.
+            assert (await client.check(s.peer_id, [listen_addr(c)])).reachable is True
+            assert server.metrics["dial_backs"] == 1
+        assert accepted == []
+
+
+async def test_third_party_is_dialed_only_after_payment():
+    async with tcp_counter() as (port, accepted):
+        async with autonat_pair(AutoNATConfig(allow_private=True, dial_data=20_000)) as (s, server, c, client):
+            paid: list[tuple[int, int]] = []
+            pay = client._pay
+
+            async def recording_pay(stream: INetStream, size: int) -> None:
+                paid.append((size, len(accepted)))
+                await pay(stream, size)
+
+            client._pay = recording_pay  # type: ignore[method-assign]
+            target = Multiaddr(f"/ip4/{OTHER_IP}/tcp/{port}")
+            result = await client.check(s.peer_id, [target])
+            # Asked first, with nobody dialed yet; the dial came after the bytes.
+            assert paid == [(20_000, 0)]
+            assert len(accepted) == 1
+            assert result.reachable is False  # it is no libp2p peer, let alone the client
+            assert server.metrics["dial_data_asked"] == 1 and server.metrics["dial_backs"] == 1
+
+
+async def test_server_rejects_dial_data_that_is_not_dial_data():
+    async with tcp_counter() as (port, accepted):
+        async with autonat_pair() as (s, server, c, client):
+            stream = await c.new_stream(s.peer_id, DIAL_REQUEST)
+            target = Multiaddr(f"/ip4/{OTHER_IP}/tcp/{port}")
+            await write_message(stream, pb.Message(dialRequest=pb.DialRequest(addrs=[target.to_bytes()], nonce=1)))
+            with trio.fail_after(15):
+                asked = await read_message(stream, pb.Message)
+                assert asked.WhichOneof("msg") == "dialDataRequest" and asked.dialDataRequest.numBytes == 30_000
+                # "Pay" with another dial request (then with real bytes, too late), or with a chunk over the spec's 4096 bytes.
+                await write_message(stream, pb.Message(dialRequest=pb.DialRequest(addrs=[target.to_bytes()], nonce=1)))
+                try:
+                    for _ in range(8):
+                        await write_message(stream, pb.Message(dialDataResponse=pb.DialDataResponse(data=bytes(4096))))
+                except Exception:
+                    pass  # the server reset the stream already
+                with pytest.raises(Exception):
+                    await read_message(stream, pb.Message)
+            stream = await c.new_stream(s.peer_id, DIAL_REQUEST)
+            await write_message(stream, pb.Message(dialRequest=pb.DialRequest(addrs=[target.to_bytes()], nonce=2)))
+            with trio.fail_after(15):
+                await read_message(stream, pb.Message)
+                try:
+                    await write_message(stream, pb.Message(dialDataResponse=pb.DialDataResponse(data=bytes(40_000))))
+                except Exception:
+                    pass
+                with pytest.raises(Exception):
+                    await read_message(stream, pb.Message)
+            assert server.metrics["dial_backs"] == 0
+            assert (await client.check(s.peer_id, [listen_addr(c)])).reachable is True
+        assert accepted == []
+
+
+# ---------------------------------------------------------------------- server limits
+
+
+async def test_requests_per_peer_are_rate_limited():
+    async with autonat_pair(AutoNATConfig(allow_private=True, per_peer_per_minute=2)) as (s, server, c, client):
+        dead = Multiaddr(f"/ip4/127.0.0.1/tcp/{closed_port()}")
+        for _ in range(2):
+            await client.check(s.peer_id, [dead])
+        with pytest.raises(AutoNATError, match="E_REQUEST_REJECTED"):
+            await client.check(s.peer_id, [listen_addr(c)])
+        assert server.metrics["rejected"] == 1 and server.metrics["dial_backs"] == 2
+        # Another peer is not affected.
+        async with open_nodes(1) as (d,):
+            other = AutoNATClient(d)
+            other.install()
+            await d.connect(s.addrs[0])
+            assert (await other.check(s.peer_id, [listen_addr(d)])).reachable is True
+
+
+async def test_private_addresses_are_refused_unless_allowed():
+    async with autonat_pair(AutoNATConfig()) as (s, server, c, client):
+        with pytest.raises(AutoNATError, match="E_DIAL_REFUSED"):
+            await client.check(s.peer_id, [listen_addr(c), Multiaddr("/ip4/10.0.0.1/tcp/4001"), Multiaddr("/ip4/192.168.1.1/tcp/4001")])
+        assert server.metrics["refused"] == 1 and server.metrics["dial_backs"] == 0
+
+
+async def test_client_rejects_an_empty_check():
+    async with autonat_pair() as (s, server, c, client):
+        with pytest.raises(AutoNATError, match="no address"):
+            await client.check(s.peer_id, [])
+        assert server.metrics["requests"] == 0
+
+
+# ---------------------------------------------------------------------- bad requests
+
+
+@pytest.mark.parametrize(
+    ("raw", "close"),
+    [
+        (encode_varint(5000) + bytes(300), False),
+        (b"\xff" * 12, False),
+        (b"\x05\xff\xff\xff\xff\xff", False),
+        (encode_varint(200) + bytes(20), True),
+        (_frame(pb.Message(dialDataResponse=pb.DialDataResponse(data=b"1234"))), False),
+        (request([b"\x00\x01" * 8] * 500), False),  # hundreds of addresses, over the 4 KiB cap
+    ],
+    ids=["oversized", "endless-varint", "garbled", "truncated", "not-a-dial-request", "500-addresses"],
+)
+async def test_bad_requests_are_reset_and_server_keeps_working(raw, close):
+    async with autonat_pair() as (s, server, c, client):
+        assert await raw_request(c, s, raw, close=close) is None
+        assert server.metrics["dial_backs"] == 0
+        assert (await client.check(s.peer_id, [listen_addr(c)])).reachable is True
+
+
+async def test_hundreds_of_bogus_addresses_only_the_first_ones_are_parsed():
+    async with autonat_pair() as (s, server, c, client):
+        mine = listen_addr(c).to_bytes()
+        junk = [bytes([i % 256, 0xFF]) for i in range(300)]
+        # The real address after MAX_ADDRS entries of junk is never looked at.
+        answer = await raw_request(c, s, request(junk[:MAX_ADDRS] + [mine] + junk))
+        assert answer is not None and answer.dialResponse.status == pb.DialResponse.E_DIAL_REFUSED
+        assert server.metrics["dial_backs"] == 0
+        # Within the first MAX_ADDRS it is found, and its index is its place in the request.
+        answer = await raw_request(c, s, request(junk[: MAX_ADDRS - 1] + [mine] + junk))
+        assert answer is not None and answer.dialResponse.status == pb.DialResponse.OK
+        assert answer.dialResponse.dialStatus == pb.OK
+        assert answer.dialResponse.addrIdx == MAX_ADDRS - 1
+        assert server.metrics["dial_backs"] == 1
+
+
+async def test_dial_back_stream_with_garbage_is_reset_and_client_keeps_working():
+    async with autonat_pair() as (s, server, c, client):
+        conn = await s.network.dial_addr(listen_addr(c), c.peer_id)
+        back = await s.new_stream_on(conn, DIAL_BACK)
+        await back.write(encode_varint(5000))
+        with trio.fail_after(15), pytest.raises(Exception):
+            await read_message(back, pb.DialBackResponse)
+        await conn.close()
+        assert (await client.check(s.peer_id, [listen_addr(c)])).reachable is True

@@ -1,0 +1,317 @@
+"""DCUtR on loopback: the upgrade of a relayed connection, the CONNECT/SYNC exchange, bad input.
+
+A real hole punch (TCP simultaneous open) cannot be had deterministically on
+loopback: both sides dial each other's *listening* sockets from their own
+listen ports, so whichever SYN goes first simply lands on the other's listener
+and the second connect finds the 4-tuple taken. That path is covered end to
+end through NATs by ``tests/test_nat_matrix.py``. Here, the upgrade runs end to
+end through connection reversal, and each side of the exchange is driven
+message by message, with the final dial recorded instead of made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import pytest
+import trio
+from libp2p.abc import INetConn, INetStream
+from libp2p.network.stream.exceptions import StreamReset
+from libp2p.peer.id import ID
+from multiaddr import Multiaddr
+
+from nat.circuit import RelayClient, is_relayed_conn
+from nat.holepunch import MAX_PUNCH_ADDRS, PROTOCOL, HolePunchConfig, HolePuncher
+from nat.proto import holepunch_pb2 as pb
+from nat.relay import RelayService
+from nat.wire import read_message
+from p2p import Node
+from p2p.addresses import without_peer_id
+from p2p.rpc.framing import encode_varint
+
+from .conftest import open_nodes
+
+PUBLIC = [Multiaddr(f"/ip4/1.2.{i // 200}.{i % 200 + 1}/tcp/{4001 + i}") for i in range(40)]
+
+
+@dataclass
+class Side:
+    node: Node
+    puncher: HolePuncher
+    offer: list[Multiaddr] = field(default_factory=list)
+    #: What the puncher would have dialed: (addresses, as responder?).
+    dials: list[tuple[list[Multiaddr], bool]] = field(default_factory=list)
+    relayed: INetConn | None = None
+
+    def record_dials(self) -> None:
+        async def record(peer: ID, addrs: list[Multiaddr], *, responder: bool) -> INetConn | None:
+            self.dials.append((list(addrs), responder))
+            return None
+
+        self.puncher._dial_any = record  # type: ignore[method-assign]
+
+
+@asynccontextmanager
+async def relayed_pair(*, allow_private: bool = False, install_a: bool = True) -> AsyncIterator[tuple[Side, Side]]:
+    """A dialed B through a relay: B got the relayed connection inbound, so B leads DCUtR."""
+    async with open_nodes(3) as (relay, a, b):
+        RelayService(relay).install()
+        config = HolePunchConfig(allow_private=allow_private, grace=0.05, attempts=2, dial_timeout=5)
+        side_a, side_b = (Side(node, HolePuncher(node, lambda: [], config)) for node in (a, b))
+        clients = []
+        for side in (side_a, side_b):
+            side.puncher._our_addrs = lambda side=side: side.offer  # type: ignore[misc]
+            client = RelayClient(side.node)
+            client.install()
+            clients.append(client)
+            await side.node.connect(relay.addrs[0])
+        if install_a:
+            side_a.puncher.install()
+        side_b.puncher.install()
+        await clients[1].reserve(relay.peer_id)
+        side_a.relayed = await clients[0].dial(Multiaddr(f"{relay.addrs[0]}/p2p-circuit"), b.peer_id)
+        with trio.fail_after(10):
+            while not b.network.get_connections(a.peer_id):
+                await trio.sleep(0.01)
+        (side_b.relayed,) = b.network.get_connections(a.peer_id)
+        assert is_relayed_conn(side_a.relayed) and is_relayed_conn(side_b.relayed)
+        yield side_a, side_b
+
+
+def frame(message: pb.HolePunch) -> bytes:
+    body = message.SerializeToString()
+    return encode_varint(len(body)) + body
+
+
+def connect(addrs: list[Multiaddr | bytes]) -> pb.HolePunch:
+    return pb.HolePunch(type=pb.HolePunch.CONNECT, ObsAddrs=[a if isinstance(a, bytes) else a.to_bytes() for a in addrs])
+
+
+SYNC = pb.HolePunch(type=pb.HolePunch.SYNC)
+
+
+async def wait_until(predicate, timeout: float = 15.0) -> None:  # type: ignore[no-untyped-def]
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.01)
+
+
+# ---------------------------------------------------------------------- end to end
+
+
+async def test_upgrade_gives_a_direct_connection_and_retires_the_relayed_one():
+    async with relayed_pair(allow_private=True) as (a, b):
+        await b.node.identify(a.node.peer_id)  # over the relayed connection: b learns a's listen address
+        assert b.node.known_addrs(a.node.peer_id)
+        direct = await b.puncher.upgrade(a.node.peer_id, b.relayed)
+        assert direct is not None and not is_relayed_conn(direct)
+        assert b.puncher.metrics.successes == 1 and b.puncher.metrics.reversals == 1
+        assert b.puncher.metrics.failures == 0 and len(b.puncher.metrics.time_to_direct) == 1
+        # After the grace period the relayed connection is closed on both sides; the direct one carries on.
+        await wait_until(lambda: b.relayed.is_closed and a.relayed.is_closed)
+        await wait_until(
+            lambda: [is_relayed_conn(c) for c in a.node.network.get_connections(b.node.peer_id)] == [False]
+            and [is_relayed_conn(c) for c in b.node.network.get_connections(a.node.peer_id)] == [False]
+        )
+        assert await a.node.ping(b.node.peer_id) > 0
+
+
+async def test_private_addresses_are_not_dialed_without_allow_private():
+    async with relayed_pair(allow_private=False) as (a, b):
+        await b.node.identify(a.node.peer_id)  # b knows a's loopback address, which it must not use
+        a.offer = [without_peer_id(x) for x in a.node.addrs]
+        a.record_dials()
+        b.record_dials()
+        assert await b.puncher.upgrade(a.node.peer_id, b.relayed) is None
+        assert b.puncher.metrics.reversals == 0 and b.puncher.metrics.failures == 1
+        assert b.puncher.metrics.attempts == 2  # both rounds ran, and failed: a offered nothing public
+        assert b.dials == [] and a.dials == []
+        assert not b.relayed.is_closed  # a failed upgrade keeps the relayed connection
+
+
+# ---------------------------------------------------------------------- the leader's side (B)
+
+
+async def test_leader_dials_what_the_peer_offers_filtered_and_capped():
+    async with relayed_pair(allow_private=False) as (a, b):
+        a.offer = [Multiaddr("/ip4/10.0.0.1/tcp/4001"), Multiaddr("/ip4/127.0.0.1/tcp/4001")] + PUBLIC
+        b.offer = [Multiaddr("/ip4/192.168.1.2/tcp/4001"), PUBLIC[39]]
+        b.record_dials()
+        a.record_dials()
+        assert await b.puncher.upgrade(a.node.peer_id, b.relayed) is None  # (the recorded dials "fail")
+        # a offers its first 16 public addresses (private ones never leave); b dials them as responder.
+        assert b.dials == [(PUBLIC[:16], True)] * 2
+        # a got b's public address only, and dialed it as initiator.
+        await wait_until(lambda: len(a.dials) == 2)
+        assert a.dials == [([PUBLIC[39]], False)] * 2
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        frame(SYNC),
+        frame(pb.HolePunch(type=pb.HolePunch.SYNC, ObsAddrs=[PUBLIC[0].to_bytes()])),
+        encode_varint(5000) + bytes(100),
+        b"\x04\xff\xff\xff\xff",
+        b"\x02\x08\x64",  # CONNECT, truncated
+        frame(connect([b"junk", b"\xff\xff", Multiaddr("/ip4/10.1.1.1/tcp/1").to_bytes()])),
+    ],
+    ids=["sync-instead-of-connect", "sync-with-addrs", "oversized", "garbled", "truncated", "nothing-usable"],
+)
+async def test_leader_survives_a_peer_that_answers_badly(answer):
+    async with relayed_pair(install_a=False) as (a, b):
+        exchanges = 0
+
+        async def bad_peer(stream: INetStream) -> None:
+            nonlocal exchanges
+            exchanges += 1
+            await read_message(stream, pb.HolePunch)
+            await stream.write(answer)
+            await stream.close()
+
+        a.node.set_stream_handler(PROTOCOL, bad_peer)
+        b.record_dials()
+        assert await b.puncher.upgrade(a.node.peer_id, b.relayed) is None
+        assert b.dials == []
+        assert exchanges == 2 and b.puncher.metrics.attempts == 2 and b.puncher.metrics.failures == 1
+        assert not b.relayed.is_closed
+        assert await b.node.ping(a.node.peer_id) > 0
+
+
+async def test_one_upgrade_per_peer_at_a_time():
+    async with relayed_pair(allow_private=True) as (a, b):
+        a.offer = [PUBLIC[0]]
+        release = trio.Event()
+        calls = []
+
+        async def slow_dial(peer: ID, addrs: list[Multiaddr], *, responder: bool) -> INetConn | None:
+            calls.append(addrs)
+            await release.wait()
+            return None
+
+        b.puncher._dial_any = slow_dial  # type: ignore[method-assign]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(b.puncher.upgrade, a.node.peer_id, b.relayed)
+            await wait_until(lambda: calls)
+            assert await b.puncher.upgrade(a.node.peer_id, b.relayed) is None
+            assert len(calls) == 1 and b.puncher.metrics.attempts == 1
+            release.set()
+        assert b.puncher.metrics.failures == 1
+
+
+# ---------------------------------------------------------------------- the answering side (A)
+
+
+async def exchange(b: Side, a: Side, first: bytes, second: bytes | None = None) -> tuple[pb.HolePunch | None, str]:
+    """Send ``first`` on a DCUtR stream to ``a``, read its answer, send ``second``.
+
+    Returns the answer and how the stream ended: "reset", or "closed" (a clean end after the exchange).
+    """
+    assert b.relayed is not None
+    stream = await b.node.new_stream_on(b.relayed, PROTOCOL)
+    with trio.fail_after(15):
+        await stream.write(first)
+        try:
+            reply = await read_message(stream, pb.HolePunch)
+        except StreamReset:
+            return None, "reset"
+        if second is not None:
+            try:
+                await stream.write(second)
+            except StreamReset:
+                return reply, "reset"
+        try:
+            rest = await stream.read(100)
+        except StreamReset:
+            return reply, "reset"
+        except EOFError:
+            rest = b""
+        assert rest == b""
+        await stream.close()
+        return reply, "closed"
+
+
+async def test_answer_filters_truncates_and_skips_garbage():
+    async with relayed_pair(allow_private=False) as (a, b):
+        a.offer = [Multiaddr("/ip4/127.0.0.1/tcp/4001"), Multiaddr("/ip4/10.0.0.1/tcp/4001")] + PUBLIC
+        a.record_dials()
+        garbage = [b"\xff\xfe", b"", b"\x04\x01\x02"]
+        offered = (
+            garbage
+            + [Multiaddr("/ip4/192.168.0.9/tcp/4001"), Multiaddr("/ip4/127.0.0.1/tcp/4001"), Multiaddr("/ip4/1.1.1.1/udp/4001/quic-v1")]
+            + [Multiaddr(f"/ip4/1.1.1.1/tcp/1/p2p/{a.node.peer_id}/p2p-circuit")]
+            + PUBLIC
+        )
+        reply, end = await exchange(b, a, frame(connect(offered)), frame(SYNC))
+        assert end == "closed" and reply is not None and reply.type == pb.HolePunch.CONNECT
+        # What a offers: public addresses only, at most 16.
+        assert [Multiaddr(x) for x in reply.ObsAddrs] == PUBLIC[:16]
+        # What a dials: among the first 16 entries, the valid public TCP ones.
+        await wait_until(lambda: a.dials)
+        assert a.dials == [(PUBLIC[: 16 - 7], False)]
+
+
+async def test_answer_with_allow_private_keeps_private_addresses():
+    async with relayed_pair(allow_private=True) as (a, b):
+        a.offer = [Multiaddr("/ip4/127.0.0.1/tcp/4001"), Multiaddr("/ip4/10.0.0.1/tcp/4001")]
+        a.record_dials()
+        offered = [Multiaddr("/ip4/192.168.0.9/tcp/4001"), Multiaddr("/ip4/127.0.0.1/tcp/4002")]
+        reply, end = await exchange(b, a, frame(connect(offered)), frame(SYNC))
+        assert end == "closed" and reply is not None
+        assert [Multiaddr(x) for x in reply.ObsAddrs] == a.offer
+        await wait_until(lambda: a.dials)
+        assert a.dials == [(offered, False)]
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        (frame(SYNC), None),
+        (frame(pb.HolePunch(type=pb.HolePunch.SYNC, ObsAddrs=[PUBLIC[0].to_bytes()])), None),
+        (encode_varint(4097) + bytes(4097), None),
+        (b"\xff" * 11, None),
+        (b"\x03\x08\xff\xff", None),
+        (b"\x00", None),  # an empty message: its required type is missing
+        (frame(connect([PUBLIC[0]])), frame(connect([PUBLIC[0]]))),
+        (frame(connect([PUBLIC[0]])), encode_varint(9000) + bytes(50)),
+        (frame(connect([PUBLIC[0]])), b"\x05\xff\xff\xff\xff\xff"),
+    ],
+    ids=["sync-first", "sync-with-addrs-first", "oversized", "endless-varint", "garbled", "no-type", "connect-twice", "oversized-sync", "garbled-sync"],
+)
+async def test_forged_messages_reset_the_stream_and_nothing_is_dialed(first, second):
+    async with relayed_pair(allow_private=False) as (a, b):
+        a.offer = [PUBLIC[1]]
+        a.record_dials()
+        reply, end = await exchange(b, a, first, second)
+        assert end == "reset"
+        if second is None:
+            assert reply is None  # no answer to anything but a CONNECT
+        else:
+            assert reply is not None and reply.type == pb.HolePunch.CONNECT
+        assert a.dials == []
+        # a keeps working: the relayed connection, and a proper exchange right after.
+        assert not a.relayed.is_closed and await b.node.ping(a.node.peer_id) > 0
+        reply, end = await exchange(b, a, frame(connect([PUBLIC[2]])), frame(SYNC))
+        assert end == "closed"
+        await wait_until(lambda: a.dials)
+        assert a.dials == [([PUBLIC[2]], False)]
+
+
+async def test_reversal_dials_few_of_hundreds_of_advertised_addresses():
+    """A peer that advertises hundreds of addresses must not get us to dial them all (third parties, for one)."""
+    async with relayed_pair(allow_private=False) as (a, b):
+        bogus = [Multiaddr(f"/ip4/198.{51 + i // 250}.{i % 250}.7/tcp/{1000 + i}") for i in range(300)]
+        b.node.host.get_peerstore().add_addrs(a.node.peer_id, bogus, 600)  # what identify would have stored
+        dialed: list[Multiaddr] = []
+
+        async def refuse(addr: Multiaddr, peer: ID, **kwargs: object) -> INetConn:
+            dialed.append(addr)
+            raise OSError("refused (test)")
+
+        b.node.network.dial_addr = refuse  # type: ignore[method-assign]
+        b.record_dials()
+        assert await b.puncher.upgrade(a.node.peer_id, b.relayed) is None
+        assert 1 <= len(dialed) <= MAX_PUNCH_ADDRS
+        assert set(dialed) <= set(bogus)
