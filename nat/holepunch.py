@@ -154,7 +154,15 @@ class HolePuncher:
         if not theirs:
             raise ProtocolViolation(f"{peer} offered no public address to punch to")
         await trio.sleep(rtt / 2)
-        return await self._dial_any(peer, theirs, responder=True)
+        direct = await self._dial_any(peer, theirs, responder=True)
+        if direct is None:
+            # The peer's SYN may have reached our listener first (a NAT that filters by
+            # mapping only, a mapped port): then the punched connection came in, and our
+            # own connect found the address pair taken.
+            inbound = next((c for c in self._node.network.get_connections(peer) if not is_relayed_conn(c)), None)
+            if inbound is not None:
+                direct = await self._proven(peer, inbound)
+        return direct
 
     # ---------------------------------------------------------------- the outbound side (A) answers
 
@@ -205,8 +213,10 @@ class HolePuncher:
                     nursery.start_soon(one, addr)
         if not won:
             return None
-        conn = won[0]
-        # Prove the path: a ping on the direct connection itself.
+        return await self._proven(peer, won[0])
+
+    async def _proven(self, peer: ID, conn: INetConn) -> INetConn | None:
+        """``conn`` if a ping goes through on the direct connection itself; closed otherwise."""
         try:
             with trio.fail_after(self.config.dial_timeout):
                 stream = await self._node.new_stream_on(conn, "/ipfs/ping/1.0.0")

@@ -110,6 +110,8 @@ def verify_identify(peer_id: ID, msg: Identify) -> PeerIdentity:
 
 def _maddr(raw: bytes) -> Multiaddr | None:
     try:
-        return Multiaddr(raw)
+        addr = Multiaddr(raw)
+        str(addr)  # py-multiaddr parses bytes lazily: force it, so garbage is dropped here
+        return addr
     except Exception:
         return None

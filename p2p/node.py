@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import ifaddr
 import trio
@@ -139,6 +139,7 @@ class Node:
                     node = cls(config, key_pair, host, nursery)
                     holder.append(node)
                     host.get_addrs = node._host_addrs  # type: ignore[method-assign]
+                    _cap_peer_addrs(host.get_peerstore())
                     node._install()
                     nursery.start_soon(node._sweep_idle_rpc_streams)
                     try:
@@ -444,6 +445,28 @@ class Node:
                 sub.dropped += 1
             except (trio.ClosedResourceError, trio.BrokenResourceError):
                 pass
+
+
+def _cap_peer_addrs(peerstore: Any) -> None:
+    """Keep at most MAX_LISTEN_ADDRS + a few addresses per peer in this host's peer store.
+
+    py-libp2p's automatic identify (on every new connection) stores up to 1000
+    self-reported addresses per peer; a hostile peer could make us hold, and
+    dial, a thousand addresses of its choosing. Wraps this one instance's
+    ``add_addrs``; nothing global changes.
+    """
+    original = peerstore.add_addrs
+
+    def add_addrs(peer_id: ID, addrs: Sequence[Multiaddr], ttl: int = 0) -> None:
+        try:
+            known = set(map(str, peerstore.addrs(peer_id)))
+        except PeerStoreError:
+            known = set()
+        room = max(0, MAX_LISTEN_ADDRS + 8 - len(known))
+        fresh = [a for a in addrs if str(a) not in known][:room]
+        original(peer_id, [a for a in addrs if str(a) in known] + fresh, ttl)
+
+    peerstore.add_addrs = add_addrs
 
 
 class _Muxers(MuxerMultistream):
