@@ -120,7 +120,7 @@ class HolePuncher:
                 return None
             self.metrics.successes += 1
             self.metrics.time_to_direct.append(time.monotonic() - started)
-            self._node._nursery.start_soon(self._retire, relayed)
+            self._node.spawn(self._retire, relayed)
             return direct
         finally:
             self._busy.discard(peer)

@@ -252,14 +252,14 @@ class NatService:
     async def _watch_connections(self) -> None:
         async with self.node.events() as events:
             for peer in self.node.connected_peers():
-                self.node._nursery.start_soon(self._learn, peer)
+                self.node.spawn(self._learn, peer)
             async for event in events:
                 if isinstance(event, ev.ConnectionOpened):
                     peer = ID.from_base58(event.peer_id)
                     if event.kind == "relayed" and event.direction == "inbound" and self.config.hole_punch.attempts:
-                        self.node._nursery.start_soon(self._upgrade, peer)
+                        self.node.spawn(self._upgrade, peer)
                     elif event.kind == "direct":
-                        self.node._nursery.start_soon(self._learn, peer)
+                        self.node.spawn(self._learn, peer)
                 elif isinstance(event, ev.ConnectionClosed) and event.kind == "direct":
                     peer = ID.from_base58(event.peer_id)
                     if live_connection(self.node.network, peer) is None:

@@ -233,6 +233,14 @@ class Node:
         ``--announce`` addresses override it."""
         self._address_policy = policy
 
+    def spawn(self, async_fn: Callable[..., Awaitable[object]], *args: object) -> None:
+        """Run a background task that lives at most as long as the node (its nursery owns it).
+
+        For work a protocol starts from an event and must not wait for, such as
+        retiring a relayed connection after a grace period.
+        """
+        self._nursery.start_soon(async_fn, *args)
+
     def set_circuit_dialer(self, dialer: CircuitDialer | None) -> None:
         """Let a relay client dial ``/p2p-circuit`` addresses (the NAT layer installs one)."""
         self._circuit_dialer = dialer

@@ -144,7 +144,7 @@ async def main(args: argparse.Namespace) -> None:
             if config.initial_peers:
                 await node.bootstrap()
             if args.verbose:
-                node._nursery.start_soon(_dump_tasks_on_signal)
+                node.spawn(_dump_tasks_on_signal)
             print(json.dumps({"ready": True, "peer_id": str(node.peer_id)}), flush=True)
             stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
             buffer = b""
