@@ -220,17 +220,27 @@ class NatService:
                 break
             except Exception as e:
                 log.debug("identify %s failed (attempt %d): %s", peer, attempt + 1, e)
-                if attempt == 2 or live_connection(self.node.network, peer) is None:
-                    self._identified.pop(peer, None)  # the next pass retries, not in a minute
+                if live_connection(self.node.network, peer) is None:
+                    self._identified.pop(peer, None)
+                    return
+                if attempt == 2:
+                    self._identified.pop(peer, None)
+                    self.node.spawn(self._learn_later, peer)  # soon, not at the next recheck
                     return
                 await trio.sleep(0.5 * (attempt + 1))
         self._protocols[peer] = set(info.protocols)
         if info.observed_addr is not None and not is_relayed(info.observed_addr):
-            conns = self.node.network.get_connections(peer)
-            if conns and not is_relayed_conn(conns[0]):
+            # Only a connection that left from our listen port shows how our NAT maps
+            # that port; an ephemeral-port dial would look like endpoint dependence.
+            if self.node.on_listen_port(peer):
                 self._listen_views[peer] = info.observed_addr
                 self._classify()
         self._notify()
+
+    async def _learn_later(self, peer: ID) -> None:
+        await trio.sleep(5.0)
+        if live_connection(self.node.network, peer) is not None:
+            await self._learn(peer)
 
     def _classify(self) -> None:
         views = {str(v) for v in self._listen_views.values() if self._public(v)}

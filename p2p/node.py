@@ -47,7 +47,7 @@ from .errors import BootstrapError, DedlocError, DialError, ProtocolNotSupported
 from .identify import PeerIdentity, identify
 from .identity import load_or_create_identity, new_identity, peer_id_of
 from .noise import PROTOCOL_ID as NOISE_PROTOCOL_ID
-from .noise import NoiseTransport
+from .noise import NoiseSession, NoiseTransport
 from .rpc import RPC_PROTOCOL, Rpc
 from .trio_util import finish_quietly, unwrap_single_group
 from .yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
@@ -196,6 +196,21 @@ class Node:
     def listen_addrs(self) -> list[Multiaddr]:
         """The sockets this node listens on (unspecified IPs not expanded)."""
         return list(self.host.get_transport_addrs())
+
+    def on_listen_port(self, peer_id: ID) -> bool:
+        """Whether a live direct connection to ``peer_id`` uses our listen port on our side.
+
+        Then what that peer observes of us is our NAT's mapping of the port others
+        must reach (we dialed from it, or it came in through it); a connection from
+        an ephemeral port shows only that port's mapping.
+        """
+        ports = {p for a in self.listen_addrs if (p := _tcp_port(a)) is not None}
+        for conn in self.network.get_connections(peer_id):
+            session = getattr(conn.muxed_conn, "secured_conn", None)
+            local = session.local_address() if isinstance(session, NoiseSession) else None
+            if local is not None and local[1] in ports:
+                return True
+        return False
 
     def listen_source(self, addr: Multiaddr) -> tuple[str, int] | None:
         """Our TCP listen socket (ip, port) of ``addr``'s family, to dial from."""
@@ -546,6 +561,13 @@ def _remote(stream: INetStream) -> str | None:
         return str(stream.muxed_conn.peer_id)
     except Exception:
         return None
+
+
+def _tcp_port(addr: Multiaddr) -> int | None:
+    items = list(addr.items())
+    if len(items) > 1 and items[1][0].name == "tcp":
+        return int(str(items[1][1]))
+    return None
 
 
 def _expand_unspecified(addr: Multiaddr) -> list[Multiaddr]:

@@ -333,6 +333,16 @@ class NoiseSession(BaseSession):
     def get_remote_address(self) -> tuple[str, int] | None:
         return self.raw.get_remote_address()
 
+    def local_address(self) -> tuple[str, int] | None:
+        """Our end of the TCP connection (None for other transports, e.g. relayed)."""
+        if self._socket is None:
+            return None
+        try:
+            name = self._socket.socket.getsockname()
+            return str(name[0]), int(name[1])
+        except OSError:
+            return None
+
     def get_transport_addresses(self) -> list[Multiaddr]:
         return self.raw.get_transport_addresses()
 

@@ -12,6 +12,7 @@ command line gets one JSON answer line; events are not printed. Commands:
     {"cmd": "wait_direct", "peer": id, "timeout": s}   until a direct connection exists
     {"cmd": "send", "peer": id, "mib": n}  push n MiB through a stream, checked by sha256
     {"cmd": "metrics"}                     the funnel
+    {"cmd": "wait_mapping", "timeout": s}  until the NAT's mapping is classified
 """
 
 from __future__ import annotations
@@ -107,6 +108,13 @@ async def _handle(node: Node, nat: NatService, request: dict[str, Any]) -> dict[
         return {"ok": got == {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}, "path": path}
     if cmd == "metrics":
         return nat.metrics()
+    if cmd == "wait_mapping":  # until two observers of our listen port classified our NAT
+        with trio.move_on_after(request.get("timeout", 20)):
+            while nat.mapping == "unknown":
+                await trio.sleep(0.1)
+        return {"mapping": nat.mapping}
+    if cmd == "views":  # debugging: how each observer saw our listen port
+        return {str(p): str(a) for p, a in nat._listen_views.items()} | {"on_listen_port": {str(p): node.on_listen_port(p) for p in node.connected_peers()}}
     raise ValueError(f"unknown command {cmd!r}")
 
 
@@ -137,7 +145,7 @@ async def main(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(relativeCreated)8.0f %(name)s %(levelname)s %(message)s")
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
-    config = NodeConfig(listen=[args.listen], initial_peers=[args.relay] if args.relay else [], dial_timeout=10, bootstrap_timeout=30)
+    config = NodeConfig(listen=[args.listen], initial_peers=list(args.relay), dial_timeout=10, bootstrap_timeout=30)
     async with Node.open(config, bootstrap=False) as node:
         node.set_stream_handler(SINK, _sink)
         async with NatService.attach(node, NatConfig(relay_service=args.serve_relay, recheck_interval=30)) as nat:
@@ -170,7 +178,7 @@ async def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--listen", default="/ip4/0.0.0.0/tcp/4001")
-    parser.add_argument("--relay", default=None)
+    parser.add_argument("--relay", action="append", default=[], help="a relay/bootstrap node (repeatable)")
     parser.add_argument("--serve-relay", action="store_true")
     parser.add_argument("--verbose", action="store_true", help="log dedloc's debug messages to stderr")
     trio.run(main, parser.parse_args())

@@ -41,6 +41,18 @@ CELL_TIMEOUT = 120
 PARALLEL_CELLS = 4
 
 
+#: What a peer should conclude about its NAT from two observers of its listen port.
+EXPECTED_MAPPING = {
+    NatKind.PUBLIC: "none",
+    NatKind.FIREWALL: "none",
+    NatKind.EIM_PRESERVING: "endpoint-independent, port preserved",
+    NatKind.DOUBLE: "endpoint-independent, port preserved",
+    NatKind.UDP_BLOCKED: "endpoint-independent, port preserved",
+    NatKind.EIM_CHANGING: "endpoint-independent, port changed",
+    NatKind.SYMMETRIC: "endpoint-dependent",
+}
+
+
 def expect_direct(a: NatKind, b: NatKind) -> bool:
     if NatKind.PUBLIC in (a, b):
         return True
@@ -75,11 +87,12 @@ class Agent:
         return reply
 
 
-async def start_agent(host: Host, relay_addr: str) -> Agent:
+async def start_agent(host: Host, relay_addr: str | list[str]) -> Agent:
     # DEDLOC_AGENT_LOGS=dir keeps each agent's debug log there.
     logs = os.environ.get("DEDLOC_AGENT_LOGS")
     proc = await host.spawn(
-        [sys.executable, "-m", "tests.nat_agent", "--listen", f"/ip4/0.0.0.0/tcp/{PORT}", "--relay", relay_addr]
+        [sys.executable, "-m", "tests.nat_agent", "--listen", f"/ip4/0.0.0.0/tcp/{PORT}"]
+        + [arg for addr in ([relay_addr] if isinstance(relay_addr, str) else relay_addr) for arg in ("--relay", addr)]
         + (["--verbose"] if logs else []),
         stderr=open(os.path.join(logs, f"{host.ns}.log"), "wb") if logs else None,
         stdin=subprocess.PIPE,
@@ -92,8 +105,8 @@ async def start_agent(host: Host, relay_addr: str) -> Agent:
     return agent
 
 
-async def start_relay(lab: Lab) -> tuple[Host, str]:
-    relay = await lab.public_host("relay", delay_ms=25)
+async def start_relay(lab: Lab, name: str = "relay") -> tuple[Host, str]:
+    relay = await lab.public_host(name, delay_ms=25)
     proc = await relay.spawn(
         [sys.executable, "-m", "p2p.cli", "relay", "--ephemeral", "--json", "--listen", f"/ip4/0.0.0.0/tcp/{PORT}",
          "--status-interval", "0", "--no-port-mapping"],
@@ -126,9 +139,12 @@ class Cell:
     path: str = "-"
     detail: str = ""
     funnel: dict[str, float] = field(default_factory=dict)
+    #: How each peer classified its NAT's mapping (needs two observers: two relays).
+    mapping_a: str = "-"
+    mapping_b: str = "-"
 
 
-async def run_cell(lab: Lab, relay_addr: str, index: int, cell: Cell) -> None:
+async def run_cell(lab: Lab, relay_addr: str | list[str], index: int, cell: Cell) -> None:
     host_a = await lab.peer(f"a{index}", cell.a, listen_port=PORT, delay_ms=50)
     host_b = await lab.peer(f"b{index}", cell.b, listen_port=PORT, delay_ms=50)
     a = await start_agent(host_a, relay_addr)
@@ -155,6 +171,8 @@ async def run_cell(lab: Lab, relay_addr: str, index: int, cell: Cell) -> None:
             cell.sent_ok, cell.path = sent["ok"], sent["path"]
             metrics = await a.ask("metrics")
             other = await b.ask("metrics")
+            cell.mapping_a = (await a.ask("wait_mapping", timeout=20))["mapping"]
+            cell.mapping_b = (await b.ask("wait_mapping", timeout=20))["mapping"]
             cell.detail = f"A: {metrics['mode']}, punch {metrics['punch_successes']}/{metrics['punch_attempts']}"
             for key in FUNNEL:
                 cell.funnel[key] = sum(float(m[key]) for m in (metrics, other))
@@ -211,12 +229,15 @@ async def test_nat_traversal_matrix() -> None:
     pairs = list(itertools.combinations_with_replacement(ALL_KINDS, 2))
     cells = [Cell(a, b) for a, b in pairs]
     async with Lab(prefix="dmx", public_net=PUBLIC_NET) as lab:
+        # Two relays: each peer is then observed from its listen port by two servers,
+        # enough to classify its NAT's mapping.
         _, relay_addr = await start_relay(lab)
+        _, relay2_addr = await start_relay(lab, "relay2")
         limiter = trio.CapacityLimiter(PARALLEL_CELLS)
 
         async def guarded(i: int, cell: Cell) -> None:
             async with limiter:
-                await run_cell(lab, relay_addr, i, cell)
+                await run_cell(lab, [relay_addr, relay2_addr], i, cell)
 
         async with trio.open_nursery() as nursery:
             for i, cell in enumerate(cells):
@@ -224,7 +245,7 @@ async def test_nat_traversal_matrix() -> None:
     print("\n" + render(cells))
     print(funnel_summary(cells))
     for c in cells:
-        print(f"{c.a.name:>15} <- {c.b.name:<15} connected={c.connected} first={c.first_path} direct={c.direct} "
+        print(f"{c.a.name:>15} <- {c.b.name:<15} mapping={c.mapping_a}/{c.mapping_b} connected={c.connected} first={c.first_path} direct={c.direct} "
               f"ttd={c.time_to_direct} sent={c.sent_ok} path={c.path} {c.detail}")
     problems = []
     for c in cells:
@@ -235,4 +256,14 @@ async def test_nat_traversal_matrix() -> None:
             problems.append(f"{c.a.name}<-{c.b.name}: expected a direct path, got {c.path} ({c.detail})")
         elif not want_direct and c.direct:
             problems.append(f"{c.a.name}<-{c.b.name}: direct through a symmetric NAT is unexpected ({c.detail})")
+        for kind, seen in ((c.a, c.mapping_a), (c.b, c.mapping_b)):
+            if seen not in (EXPECTED_MAPPING[kind], "unknown"):
+                problems.append(f"{kind.name} classified its mapping as {seen!r}, expected {EXPECTED_MAPPING[kind]!r}")
+    # A classification is never wrong; "unknown" (an observer's identify still pending
+    # when the cell ends) is allowed, but must stay rare.
+    seen = [(k, m) for c in cells for k, m in ((c.a, c.mapping_a), (c.b, c.mapping_b))]
+    right = sum(1 for k, m in seen if m == EXPECTED_MAPPING[k])
+    print(f"NAT mapping classified correctly by {right} of {len(seen)} peers, the rest unknown")
+    if right < 0.8 * len(seen):
+        problems.append(f"NAT mapping classified by only {right} of {len(seen)} peers")
     assert not problems, "\n".join(problems)
