@@ -88,7 +88,15 @@ def human(event: ev.Event) -> str:
             return f"error: {msg}"
         case ev.Closed():
             return "node stopped"
-    return ""
+    # Events of the layers above (the NAT layer's, for one): a generic line.
+    fields = {k: v for k, v in event.to_dict().items() if k not in ("event", "ts")}
+    if event.event == "nat_status":
+        m = fields.get("metrics", {})
+        return (
+            f"nat: {m.get('mode')}, reachability {m.get('reachability')}, mapping {m.get('mapping')}, "
+            f"{m.get('reservations')} relay slot(s), punches {m.get('punch_successes')}/{m.get('punch_attempts')}"
+        )
+    return f"{event.event.replace('_', ' ')}: " + ", ".join(f"{k}={v}" for k, v in fields.items() if v not in (None, []))
 
 
 def _short(pid: str | None) -> str:
