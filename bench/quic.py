@@ -97,6 +97,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import multiaddr
@@ -108,53 +109,25 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.transport.quic.config import QUICTransportConfig
 
-PROTOCOL = TProtocol("/dedloc/bench/sink/1.0.0")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from transfer import PROTOCOL as SINK_PROTOCOL  # noqa: E402
+from transfer import Read, Write, sink, source  # noqa: E402
+
+PROTOCOL = TProtocol(SINK_PROTOCOL)
 CHUNK = 256 * 1024
-HEADER = struct.Struct(">Q")
 LISTEN = "/ip4/127.0.0.1/udp/0/quic-v1"
 CASE_TIMEOUT = 120.0  # seconds per measured case
 SETUP_TIMEOUT = 60.0  # receiver start, dial, warm-up
 
-Read = Callable[[int], Awaitable[bytes]]
-Write = Callable[[bytes], Awaitable[Any]]
 
-# The transfer helpers duplicate bench/throughput.py's (same wire format) rather
-# than importing them: that module imports p2p.Node at import time, and this
-# benchmark must not depend on the state of our own data plane.
-
-
-async def _read_exactly(read: Read, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = await read(n - len(buf))
-        if not chunk:
-            raise EOFError(f"peer closed after {len(buf)} of {n} bytes")
-        buf += chunk
-    return bytes(buf)
 
 
 async def _sink(read: Read, write: Write) -> None:
-    (total,) = HEADER.unpack(await _read_exactly(read, HEADER.size))
-    got = 0
-    while got < total:
-        chunk = await read(min(CHUNK, total - got))
-        if not chunk:
-            break
-        got += len(chunk)
-    await write(HEADER.pack(got))
+    await sink(read, write, CHUNK)
 
 
 async def _source(read: Read, write: Write, total: int) -> None:
-    payload = os.urandom(CHUNK)
-    await write(HEADER.pack(total))
-    sent = 0
-    while sent < total:
-        n = min(CHUNK, total - sent)
-        await write(payload if n == CHUNK else payload[:n])
-        sent += n
-    (got,) = HEADER.unpack(await _read_exactly(read, HEADER.size))
-    if got != total:
-        raise RuntimeError(f"receiver got {got} of {total} bytes")
+    await source(read, write, total, CHUNK)
 
 
 def _describe(error: BaseException) -> str:

@@ -27,9 +27,11 @@ import torch
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from averaging.tensor_stream import receive_tensor, send_tensor  # noqa: E402
 from p2p import Node, NodeConfig  # noqa: E402
+from transfer import first_json_line  # noqa: E402
 
 PROTOCOL = "/dedloc/bench/echo-tensor/1.0.0"
 MAX_BYTES = 1 << 30
@@ -102,15 +104,7 @@ async def bench(mib: int, rounds: int) -> dict[str, float]:
         [sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL
     )
     try:
-        assert proc.stdout is not None
-        with trio.fail_after(60):
-            line = b""
-            while not line.endswith(b"\n"):
-                chunk = await proc.stdout.receive_some(4096)
-                if not chunk:
-                    raise RuntimeError("echo process died")
-                line += chunk
-        info = json.loads(line)
+        info = await first_json_line(proc, "echo")
         sock = await trio.open_tcp_stream("127.0.0.1", info["tcp_port"])
         async with sock:
             tcp = await _rounds(_TcpStream(sock), tensor, rounds)

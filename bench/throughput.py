@@ -38,27 +38,25 @@ from pathlib import Path
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from p2p import Node, NodeConfig  # noqa: E402
 from nat.circuit import RelayClient  # noqa: E402
 from p2p.noise import NoiseCodec  # noqa: E402
+from transfer import PROTOCOL, first_json_line, sink, source  # noqa: E402
 
-PROTOCOL = "/dedloc/bench/sink/1.0.0"
+
+async def _sink(read, write) -> None:
+    await sink(read, write, CHUNK)
+
+
+async def _source(read, write, total: int) -> None:
+    await source(read, write, total, CHUNK)
+
 CHUNK = 256 * 1024
-HEADER = struct.Struct(">Q")
 #: Fixed keys for the sealed case: it measures the record layer, not a handshake.
 KEY_A, KEY_B = bytes(range(32)), bytes(range(32, 64))
 SEALED_READ = 1024 * 1024
-
-
-async def _read_exactly(read, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = await read(n - len(buf))
-        if not chunk:
-            raise EOFError(f"peer closed after {len(buf)} of {n} bytes")
-        buf += chunk
-    return bytes(buf)
 
 
 def _sealed(stream: trio.SocketStream, codec: NoiseCodec):
@@ -81,30 +79,6 @@ def _sealed(stream: trio.SocketStream, codec: NoiseCodec):
         await stream.send_all(codec.encrypt(data))
 
     return read, write
-
-
-async def _sink(read, write) -> None:
-    (total,) = HEADER.unpack(await _read_exactly(read, HEADER.size))
-    got = 0
-    while got < total:
-        chunk = await read(min(CHUNK, total - got))
-        if not chunk:
-            break
-        got += len(chunk)
-    await write(HEADER.pack(got))
-
-
-async def _source(read, write, total: int) -> None:
-    payload = os.urandom(CHUNK)
-    await write(HEADER.pack(total))
-    sent = 0
-    while sent < total:
-        n = min(CHUNK, total - sent)
-        await write(payload if n == CHUNK else payload[:n])
-        sent += n
-    (got,) = HEADER.unpack(await _read_exactly(read, HEADER.size))
-    if got != total:
-        raise RuntimeError(f"receiver got {got} of {total} bytes")
 
 
 # ---------------------------------------------------------------- receiver process
@@ -159,18 +133,6 @@ async def serve(relay: str | None) -> None:
 # ---------------------------------------------------------------- sender
 
 
-async def _first_line(proc: trio.Process, what: str) -> dict:
-    assert proc.stdout is not None
-    with trio.fail_after(60):
-        line = b""
-        while not line.endswith(b"\n"):
-            chunk = await proc.stdout.receive_some(4096)
-            if not chunk:
-                raise RuntimeError(f"{what} process died")
-            line += chunk
-    return json.loads(line.splitlines()[0])
-
-
 async def bench(total_mib: int, streams: int, relayed: bool) -> dict[str, float]:
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     total = total_mib * 1024 * 1024
@@ -184,14 +146,14 @@ async def bench(total_mib: int, streams: int, relayed: bool) -> dict[str, float]
              "--status-interval", "0", "--no-port-mapping", "--allow-private"],
             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, cwd=str(Path(__file__).resolve().parent.parent),
         )
-        listening = await _first_line(relay_proc, "relay")
+        listening = await first_json_line(relay_proc, "relay")
         relay_args = ["--relay", listening["addrs"][0]]
     proc = await trio.lowlevel.open_process(
         [sys.executable, __file__, "--serve", "--chunk-kib", str(CHUNK // 1024), *relay_args],
         stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
     )
     try:
-        info = await _first_line(proc, "receiver")
+        info = await first_json_line(proc, "receiver")
 
         async def raw_tcp(size: int) -> None:
             sock = await trio.open_tcp_stream("127.0.0.1", info["tcp_port"])
