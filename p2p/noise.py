@@ -25,6 +25,7 @@ from __future__ import annotations
 import struct
 from collections import deque
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, cast
 
 import trio
@@ -255,17 +256,11 @@ class NoiseSession(BaseSession):
                 raise NoiseError(f"secure channel already broken: {self._broken}")
             if self._eof:
                 return []
-            try:
+            with self._breaks_on_failure():
                 if self._socket is not None:
                     data = await self._socket.receive_some(READ_SIZE)
                 else:
                     data = await self.raw.read(READ_SIZE)
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
-                self._broken = e
-                raise NoiseError(f"connection lost: {e}") from e
-            except BaseException as e:
-                self._broken = e
-                raise
             if not data:
                 self._eof = True
                 if self._codec.buffered:
@@ -313,17 +308,23 @@ class NoiseSession(BaseSession):
             sealed = self._codec.encrypt(*parts)
             if not sealed:
                 return
-            try:
+            with self._breaks_on_failure():
                 if self._socket is not None:
                     await self._socket.send_all(memoryview(sealed))
                 else:
                     await self.raw.write(cast(bytes, sealed))
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
-                self._broken = e
-                raise NoiseError(f"connection lost: {e}") from e
-            except BaseException as e:
-                self._broken = e
-                raise
+
+    @contextmanager
+    def _breaks_on_failure(self) -> Iterator[None]:
+        """Socket I/O that fails or is cancelled midway leaves the channel out of step: mark it broken."""
+        try:
+            yield
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
+            self._broken = e
+            raise NoiseError(f"connection lost: {e}") from e
+        except BaseException as e:
+            self._broken = e
+            raise
 
     async def close(self) -> None:
         await self.raw.close()
