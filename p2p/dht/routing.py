@@ -1,0 +1,463 @@
+"""Kademlia routing, sans-I/O: ids and distances, the k-bucket table, and the lookup state machine.
+
+Nothing here touches sockets, trio or clocks: callers pass ``now`` and feed
+replies in, so the logic is tested deterministically and the I/O layer (RPC
+handlers, pings, refresh timers) stays a thin shell around it.
+
+The table is meant for DHT *servers* only: the I/O layer adds a peer after it
+answered a DHT request over a connection we could also have dialled, never a
+peer that is merely a client (behind NAT, relayed), so that nobody routes
+lookups at peers that cannot be reached.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import heapq
+import ipaddress
+import random
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from libp2p.peer.id import ID
+from multiaddr import Multiaddr
+
+ID_BITS = 256
+
+
+class DHTID(int):
+    """A point of the 256-bit Kademlia key space; peers and keys live in the same space.
+
+    Why sha256 and 256 bits: libp2p peer ids of Ed25519 keys are *identity*
+    multihashes (a fixed prefix followed by the public key), so their raw bits
+    are far from uniform; hashing makes positions uniform and not choosable
+    (an attacker must grind keys to land next to a target). sha256 over the
+    peer id bytes is also what the libp2p Kademlia spec uses, and 256 bits
+    costs nothing over 160 with Python ints.
+    """
+
+    @classmethod
+    def from_key(cls, key: bytes) -> DHTID:
+        return cls(_sha256_int(bytes(key)))
+
+    @classmethod
+    def from_peer(cls, peer_id: ID) -> DHTID:
+        return cls(_sha256_int(peer_id.to_bytes()))
+
+    def xor_distance(self, other: int) -> int:
+        return int(self) ^ int(other)
+
+    def bucket_index(self, other: int) -> int:
+        """Index of the bucket ``other`` falls into as seen from ``self``: 255 is the far half.
+
+        ``floor(log2(distance))``; -1 for ``other == self`` (it belongs in no bucket).
+        """
+        return (int(self) ^ int(other)).bit_length() - 1
+
+    def __repr__(self) -> str:
+        return f"DHTID({int(self):064x})"
+
+
+@lru_cache(maxsize=65536)
+def _sha256_int(data: bytes) -> int:
+    # Cached because the same peers are hashed again and again (every reply lists them).
+    return int.from_bytes(hashlib.sha256(data).digest(), "big")
+
+
+def ip_group(addr: Multiaddr | str | ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
+    """The diversity group of an address: its /24 (IPv4) or /48 (IPv6), or None when exempt.
+
+    Groups bound how much of the table one operator (one subnet) can take over
+    cheaply. Pass the *observed* remote address of the connection, not what the
+    peer claims. Non-global addresses (loopback, private, link-local, CGNAT)
+    return None and are not limited, so LAN and single-host test clusters work;
+    so do DNS names and relayed addresses, which cannot be grouped without I/O.
+    """
+    ip: ipaddress.IPv4Address | ipaddress.IPv6Address | None = None
+    if isinstance(addr, (ipaddress.IPv4Address, ipaddress.IPv6Address)):
+        ip = addr
+    elif isinstance(addr, str) and not addr.startswith("/"):
+        ip = ipaddress.ip_address(addr)
+    else:
+        ma = Multiaddr(addr) if isinstance(addr, str) else addr
+        for proto, value in ma.items():
+            if proto.name == "p2p-circuit":
+                return None
+            if proto.name in ("ip4", "ip6"):
+                ip = ipaddress.ip_address(str(value))
+                break
+    if ip is None:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if not ip.is_global:
+        return None
+    prefix = 24 if ip.version == 4 else 48
+    return str(ipaddress.ip_network(f"{ip}/{prefix}", strict=False))
+
+
+@dataclass(frozen=True, slots=True)
+class PeerInfo:
+    """A peer as lookups see it. ``dht_id`` is always derived from ``peer_id``, never taken on trust."""
+
+    peer_id: ID
+    addrs: tuple[Multiaddr, ...] = ()
+    dht_id: DHTID = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dht_id", DHTID.from_peer(self.peer_id))
+
+
+@dataclass(slots=True)
+class Contact:
+    """A routing-table entry: the peer plus what the table needs to manage it."""
+
+    peer_id: ID
+    dht_id: DHTID
+    addrs: tuple[Multiaddr, ...]
+    ip_group: str | None
+    last_seen: float
+    failures: int = 0
+
+    @property
+    def info(self) -> PeerInfo:
+        return PeerInfo(self.peer_id, self.addrs)
+
+
+class AddStatus(enum.Enum):
+    ADDED = "added"
+    UPDATED = "updated"
+    CACHED = "replacement-cached"
+    REJECTED = "rejected"
+
+
+@dataclass(frozen=True, slots=True)
+class AddResult:
+    """What ``add`` did. On CACHED, ``ping_candidate`` is the bucket's least-recently-seen
+    contact: the I/O layer pings it and calls ``mark_failed`` if it is dead, which (after
+    enough failures) evicts it and promotes the newcomer from the replacement cache."""
+
+    status: AddStatus
+    reason: str | None = None
+    ping_candidate: Contact | None = None
+
+
+@dataclass(slots=True)
+class _Bucket:
+    contacts: OrderedDict[ID, Contact] = field(default_factory=OrderedDict)  # least recently seen first
+    replacements: OrderedDict[ID, Contact] = field(default_factory=OrderedDict)  # most recent last
+    groups: Counter[str] = field(default_factory=Counter)
+    last_touched: float | None = None
+
+
+class RoutingTable:
+    """Kademlia k-buckets as a flat array of 256, indexed by ``floor(log2(xor distance))``.
+
+    Why flat rather than split-on-own-bucket: the buckets are the same ranges of
+    the key space except close to our own id, where the split tree keeps one
+    big bucket that a flat array splits further; those near buckets are almost
+    always under-full anyway, so the flat array holds at least as many close
+    contacts, needs no tree, and bucket lookup is one ``bit_length``.
+
+    Full buckets follow Kademlia's rule of preferring old live contacts (long
+    uptime predicts more uptime, and flooding newcomers cannot push them out):
+    newcomers wait in a bounded replacement cache. Diversity: at most
+    ``max_per_ip_group`` contacts of one IP group per bucket and
+    ``max_per_ip_group_total`` in the whole table.
+    """
+
+    def __init__(
+        self,
+        local: DHTID,
+        *,
+        k: int = 20,
+        max_per_ip_group: int = 2,
+        max_per_ip_group_total: int = 10,
+        replacement_cache_size: int | None = None,
+        max_failures: int = 3,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.local = local
+        self.k = k
+        self.max_per_ip_group = max_per_ip_group
+        self.max_per_ip_group_total = max_per_ip_group_total
+        self.replacement_cache_size = k if replacement_cache_size is None else replacement_cache_size
+        self.max_failures = max_failures
+        self._rng = rng or random.Random()
+        self._buckets = [_Bucket() for _ in range(ID_BITS)]
+        self._where: dict[ID, int] = {}  # peer -> bucket index, for contacts only
+        self._groups: Counter[str] = Counter()
+
+    def bucket_of(self, dht_id: int) -> int:
+        return self.local.bucket_index(dht_id)
+
+    def add(
+        self,
+        peer_id: ID,
+        dht_id: DHTID | None = None,
+        addrs: Iterable[Multiaddr] = (),
+        ip_group: str | None = None,
+        *,
+        now: float,
+    ) -> AddResult:
+        """Insert or refresh a contact seen alive at ``now``. A given ``dht_id`` is checked, not trusted."""
+        derived = DHTID.from_peer(peer_id)
+        if dht_id is not None and dht_id != derived:
+            return AddResult(AddStatus.REJECTED, "dht id does not match peer id")
+        if derived == self.local:
+            return AddResult(AddStatus.REJECTED, "local id")
+        index = self.bucket_of(derived)
+        bucket = self._buckets[index]
+        bucket.last_touched = now
+        existing = bucket.contacts.get(peer_id)
+        if existing is not None:  # keeps the group it was admitted under
+            existing.addrs = tuple(addrs) or existing.addrs
+            existing.last_seen, existing.failures = now, 0
+            bucket.contacts.move_to_end(peer_id)
+            return AddResult(AddStatus.UPDATED)
+        if ip_group is not None:
+            if bucket.groups[ip_group] >= self.max_per_ip_group:
+                return AddResult(AddStatus.REJECTED, f"ip group {ip_group} limit reached in bucket {index}")
+            if self._groups[ip_group] >= self.max_per_ip_group_total:
+                return AddResult(AddStatus.REJECTED, f"ip group {ip_group} limit reached in table")
+        contact = Contact(peer_id, derived, tuple(addrs), ip_group, now)
+        if len(bucket.contacts) < self.k:
+            self._insert(index, contact)
+            return AddResult(AddStatus.ADDED)
+        if self.replacement_cache_size <= 0:
+            return AddResult(AddStatus.REJECTED, "bucket full")
+        bucket.replacements.pop(peer_id, None)
+        bucket.replacements[peer_id] = contact
+        while len(bucket.replacements) > self.replacement_cache_size:
+            bucket.replacements.popitem(last=False)
+        return AddResult(AddStatus.CACHED, "bucket full", next(iter(bucket.contacts.values())))
+
+    def _insert(self, index: int, contact: Contact) -> None:
+        bucket = self._buckets[index]
+        bucket.replacements.pop(contact.peer_id, None)
+        bucket.contacts[contact.peer_id] = contact
+        self._where[contact.peer_id] = index
+        if contact.ip_group is not None:
+            bucket.groups[contact.ip_group] += 1
+            self._groups[contact.ip_group] += 1
+
+    def remove(self, peer_id: ID) -> Contact | None:
+        """Drop a contact (or cached replacement); returns the replacement promoted in its place, if any.
+
+        The most recently seen replacement that still fits the diversity limits is promoted.
+        """
+        index = self._where.pop(peer_id, None)
+        if index is None:
+            bucket = self._buckets[self.bucket_of(DHTID.from_peer(peer_id))]
+            bucket.replacements.pop(peer_id, None)
+            return None
+        bucket = self._buckets[index]
+        gone = bucket.contacts.pop(peer_id)
+        if gone.ip_group is not None:
+            bucket.groups[gone.ip_group] -= 1
+            self._groups[gone.ip_group] -= 1
+        for candidate in reversed(list(bucket.replacements.values())):
+            group = candidate.ip_group
+            if group is None or (
+                bucket.groups[group] < self.max_per_ip_group and self._groups[group] < self.max_per_ip_group_total
+            ):
+                del bucket.replacements[candidate.peer_id]
+                self._insert(index, candidate)
+                return candidate
+        return None
+
+    def mark_seen(self, peer_id: ID, now: float) -> None:
+        """The peer answered: it becomes the most recently seen of its bucket."""
+        index = self._where.get(peer_id)
+        if index is None:
+            return
+        bucket = self._buckets[index]
+        contact = bucket.contacts[peer_id]
+        contact.last_seen, contact.failures = now, 0
+        bucket.contacts.move_to_end(peer_id)
+        bucket.last_touched = now
+
+    def mark_failed(self, peer_id: ID) -> bool:
+        """The peer did not answer; after ``max_failures`` in a row it is evicted. Returns whether it was."""
+        index = self._where.get(peer_id)
+        if index is None:
+            return False
+        contact = self._buckets[index].contacts[peer_id]
+        contact.failures += 1
+        if contact.failures < self.max_failures:
+            return False
+        self.remove(peer_id)
+        return True
+
+    def touch(self, target: int, now: float) -> None:
+        """A lookup for ``target`` was done: its bucket counts as refreshed."""
+        index = self.bucket_of(target)
+        if index >= 0:
+            self._buckets[index].last_touched = now
+
+    def nearest(self, target: int, count: int | None = None, exclude: Iterable[ID] = ()) -> list[Contact]:
+        """The ``count`` (default k) contacts closest to ``target`` by XOR distance, closest first."""
+        skip = set(exclude)
+        t = int(target)
+        return heapq.nsmallest(
+            self.k if count is None else count,
+            (c for c in self if c.peer_id not in skip),
+            key=lambda c: int(c.dht_id) ^ t,
+        )
+
+    def stale_buckets(self, now: float, refresh_interval: float) -> list[DHTID]:
+        """One random id inside each bucket not touched for ``refresh_interval``: look them up.
+
+        Only buckets from the far end down to one below the closest non-empty bucket
+        are considered: closer ones are expected empty (they hold a 2^-(256-i) share
+        of the network), and looking up an id there is the same as a self-lookup.
+        An empty table returns nothing: that is bootstrap's job, not refresh's.
+        """
+        if not self._where:
+            return []
+        lowest = max(0, min(self._where.values()) - 1)
+        out: list[DHTID] = []
+        for i in range(lowest, ID_BITS):
+            touched = self._buckets[i].last_touched
+            if touched is None or now - touched >= refresh_interval:
+                out.append(self.random_id_in_bucket(i))
+        return out
+
+    def random_id_in_bucket(self, index: int) -> DHTID:
+        return DHTID(int(self.local) ^ ((1 << index) | self._rng.getrandbits(index)))
+
+    def bucket(self, index: int) -> list[Contact]:
+        return list(self._buckets[index].contacts.values())
+
+    def replacements(self, index: int) -> list[Contact]:
+        return list(self._buckets[index].replacements.values())
+
+    def get(self, peer_id: ID) -> Contact | None:
+        index = self._where.get(peer_id)
+        return None if index is None else self._buckets[index].contacts[peer_id]
+
+    def __contains__(self, peer_id: object) -> bool:
+        return peer_id in self._where
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __iter__(self) -> Iterator[Contact]:
+        for bucket in self._buckets:
+            yield from bucket.contacts.values()
+
+
+class _State(enum.Enum):
+    NEW = 0
+    IN_FLIGHT = 1
+    RESPONDED = 2
+    FAILED = 3
+
+
+class Lookup:
+    """An iterative parallel Kademlia lookup, sans-I/O.
+
+    Drive it with ``next_queries()`` (send FIND_NODE to each peer it returns),
+    ``on_response`` / ``on_failure`` (feed back replies or timeouts), until ``done``.
+    Queries go to the closest not-yet-queried candidates among the k closest
+    non-failed ones, at most ``alpha`` in flight; it ends when those k closest
+    have all answered (or there is no one left to ask). ``result()`` is the k
+    closest that answered.
+
+    Defences against lying peers: no peer is ever queried twice; a reply may add
+    at most ``k`` new candidates (later entries are dropped), and its references to
+    the replying peer itself, to us, and to excluded peers are ignored; replies
+    from peers we did not ask are ignored; ids are derived from peer ids
+    (``PeerInfo``), so a liar cannot place fake contacts near the target
+    without grinding keys. Fake far-away contacts only cost queries that fail,
+    and can never displace the honest closer peers once those are known.
+    """
+
+    def __init__(
+        self,
+        target: int,
+        k: int,
+        alpha: int,
+        seeds: Iterable[PeerInfo],
+        *,
+        local: int | None = None,
+        exclude: Iterable[ID] = (),
+    ) -> None:
+        self.target = DHTID(target)
+        self.k, self.alpha = k, alpha
+        self._local = local
+        self._excluded = set(exclude)
+        self._peers: dict[ID, PeerInfo] = {}
+        self._state: dict[ID, _State] = {}
+        self._stopped = False
+        self.queries = 0
+        self._add_candidates(seeds, limit=None)
+
+    def _add_candidates(self, peers: Iterable[PeerInfo], limit: int | None, sender: ID | None = None) -> int:
+        added = 0
+        for peer in peers:
+            if limit is not None and added >= limit:
+                break
+            pid = peer.peer_id
+            if pid == sender or pid in self._excluded or pid in self._peers or peer.dht_id == self._local:
+                continue
+            self._peers[pid] = peer
+            self._state[pid] = _State.NEW
+            added += 1
+        return added
+
+    def _closest_live(self) -> list[ID]:
+        t = int(self.target)
+        live = (pid for pid, s in self._state.items() if s is not _State.FAILED)
+        return heapq.nsmallest(self.k, live, key=lambda pid: int(self._peers[pid].dht_id) ^ t)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(1 for s in self._state.values() if s is _State.IN_FLIGHT)
+
+    def next_queries(self) -> list[PeerInfo]:
+        """Peers to query now (marked in flight); empty when alpha are already in flight or done."""
+        if self._stopped:
+            return []
+        budget = self.alpha - self.in_flight
+        out: list[PeerInfo] = []
+        for pid in self._closest_live():
+            if budget <= 0:
+                break
+            if self._state[pid] is _State.NEW:
+                self._state[pid] = _State.IN_FLIGHT
+                out.append(self._peers[pid])
+                budget -= 1
+        self.queries += len(out)
+        return out
+
+    def on_response(self, peer: ID, closer_peers: Iterable[PeerInfo]) -> int:
+        """``peer`` answered with ``closer_peers``; returns how many new candidates were taken."""
+        if self._stopped or self._state.get(peer) is not _State.IN_FLIGHT:
+            return 0  # unsolicited, a late duplicate, or after stop()
+        self._state[peer] = _State.RESPONDED
+        return self._add_candidates(closer_peers, limit=self.k, sender=peer)
+
+    def on_failure(self, peer: ID) -> None:
+        """``peer`` timed out or errored; it is dropped from the result and never retried."""
+        if self._state.get(peer) is _State.IN_FLIGHT:
+            self._state[peer] = _State.FAILED
+
+    def stop(self) -> None:
+        """End early (e.g. a value lookup found its value); in-flight replies are then ignored."""
+        self._stopped = True
+
+    @property
+    def done(self) -> bool:
+        if self._stopped:
+            return True
+        return all(self._state[pid] is _State.RESPONDED for pid in self._closest_live())
+
+    def result(self) -> list[PeerInfo]:
+        """The (up to) k closest peers that answered, closest first."""
+        t = int(self.target)
+        ok = (pid for pid, s in self._state.items() if s is _State.RESPONDED)
+        return [self._peers[pid] for pid in heapq.nsmallest(self.k, ok, key=lambda p: int(self._peers[p].dht_id) ^ t)]

@@ -1,0 +1,238 @@
+"""DHT records and the local store: pure, deterministic (time is passed in)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from p2p.dht.proto.records_pb2 import DHTRecord as DHTRecordPB
+from p2p.dht.records import (
+    DHTError,
+    DHTKey,
+    DHTRecord,
+    ExpirationTooFar,
+    InvalidKey,
+    InvalidSignature,
+    LocalStore,
+    MalformedRecord,
+    RecordTooLarge,
+    Schema,
+    SchemaViolation,
+    StoreFull,
+    StoreQuotaExceeded,
+    owned,
+    sign_record,
+    verify_record,
+)
+from p2p.errors import DedlocError
+from p2p.identity import new_identity, peer_id_of
+
+NOW = 1_000_000.0
+
+
+def rec(key: object, value: bytes, exp: float, subkey: object = None) -> DHTRecord:
+    return DHTRecord.make(key, value, exp, subkey)  # type: ignore[arg-type]
+
+
+def test_key_encoding_round_trips_and_is_tagged() -> None:
+    for k in ["run", "", "ü", b"run", b"", 0, 7, -12, 10**30]:
+        assert DHTKey.decode(DHTKey.encode(k)) == k
+        assert type(DHTKey.decode(DHTKey.encode(k))) is type(k)
+    assert len({DHTKey.encode("1"), DHTKey.encode(b"1"), DHTKey.encode(1)}) == 3
+
+
+@pytest.mark.parametrize("bad", [1.5, None, True, ["a"], ("a",), {"a": 1}])
+def test_wrong_key_types_rejected_clearly(bad: object) -> None:
+    with pytest.raises(InvalidKey, match="must be str, bytes or int"):
+        DHTKey.encode(bad)
+    assert issubclass(InvalidKey, TypeError) and issubclass(InvalidKey, DedlocError)
+    with pytest.raises(InvalidKey):
+        LocalStore().store(rec(bad, b"v", NOW + 1), NOW)
+
+
+def test_record_wire_round_trip() -> None:
+    for r in [rec("k", b"v", NOW + 5), rec(3, b"", NOW + 5, subkey=b""),
+              sign_record(new_identity().private_key, "x", b"v", NOW + 1)]:
+        assert DHTRecord.from_bytes(r.to_bytes()) == r
+
+
+@pytest.mark.parametrize("garbage", [b"\xff\xff\xff", b"\x0a\x05ab", DHTRecordPB(key=b"zq").SerializeToString()])
+def test_garbled_protobuf_rejected(garbage: bytes) -> None:
+    with pytest.raises(DHTError):
+        DHTRecord.from_bytes(garbage)
+    with pytest.raises(DHTError):
+        LocalStore().store(garbage, NOW)
+    with pytest.raises(MalformedRecord, match="does not parse"):
+        DHTRecord.from_bytes(b"\xff\xff\xff")
+
+
+def test_plain_value_newer_expiration_wins() -> None:
+    s = LocalStore()
+    assert s.store(rec("k", b"a", NOW + 10), NOW)
+    assert s.get("k", NOW) == b"a"
+    assert not s.store(rec("k", b"b", NOW + 10), NOW)  # equal loses
+    assert not s.store(rec("k", b"b", NOW + 5), NOW)  # older loses
+    assert s.get("k", NOW) == b"a"
+    assert s.store(rec("k", b"c", NOW + 20), NOW)
+    assert s.get("k", NOW) == b"c"
+    assert s.get("other", NOW) is None
+
+
+def test_subkeys_merge_and_each_follows_newer_wins() -> None:
+    s = LocalStore()
+    assert s.store(rec("run", b"p1", NOW + 10, subkey="peer1"), NOW)
+    assert s.store(rec("run", b"p2", NOW + 5, subkey="peer2"), NOW)
+    assert not s.store(rec("run", b"old", NOW + 10, subkey="peer1"), NOW)
+    assert s.store(rec("run", b"p2new", NOW + 6, subkey="peer2"), NOW)
+    got = s.get("run", NOW)
+    assert got == {"peer1": (b"p1", NOW + 10), "peer2": (b"p2new", NOW + 6)}
+    # a plain value only replaces a dictionary if newer than all its subkeys
+    assert not s.store(rec("run", b"plain", NOW + 8), NOW)
+    assert s.store(rec("run", b"plain", NOW + 11), NOW)
+    assert s.get("run", NOW) == b"plain"
+    assert not s.store(rec("run", b"x", NOW + 11, subkey=1), NOW)
+    assert s.store(rec("run", b"x", NOW + 12, subkey=1), NOW)
+    assert s.get("run", NOW) == {1: (b"x", NOW + 12)}
+
+
+def test_expired_values_vanish() -> None:
+    s = LocalStore()
+    assert not s.store(rec("gone", b"v", NOW), NOW)  # already expired: nothing to keep
+    s.store(rec("k", b"v", NOW + 5), NOW)
+    s.store(rec("d", b"1", NOW + 5, subkey="a"), NOW)
+    s.store(rec("d", b"2", NOW + 50, subkey="b"), NOW)
+    assert s.get("k", NOW + 5) is None
+    assert s.get("d", NOW + 5) == {"b": (b"2", NOW + 50)}
+    used = s.bytes_used
+    s.expire(NOW + 5)
+    assert len(s) == 1 and s.bytes_used < used
+    s.expire(NOW + 50)
+    assert len(s) == 0 and s.bytes_used == 0
+    # after expiry an older expiration than the vanished one is accepted again
+    assert s.store(rec("k", b"w", NOW + 60), NOW + 51)
+
+
+def test_owned_record_valid_signature_accepted() -> None:
+    kp = new_identity()
+    pid = peer_id_of(kp)
+    s = LocalStore()
+    key = owned("profile", pid)
+    r = sign_record(kp.private_key, key, b"me", NOW + 10)
+    assert verify_record(r) == pid
+    assert s.store(r.to_bytes(), NOW)
+    assert s.get(key, NOW) == b"me"
+    sub = owned("peer", pid)
+    r2 = sign_record(kp.private_key, "run", b"42%", NOW + 10, subkey=sub)
+    assert s.store(r2, NOW)
+    assert s.get("run", NOW) == {sub: (b"42%", NOW + 10)}
+    assert s.get_records("run", NOW) == [r2]  # served with the signature intact
+
+
+def test_owned_record_forgeries_rejected() -> None:
+    kp, other = new_identity(), new_identity()
+    sub = owned("peer", peer_id_of(kp))
+    good = sign_record(kp.private_key, "run", b"v", NOW + 10, subkey=sub)
+    s = LocalStore()
+    forged = [
+        dataclasses.replace(good, value=b"evil"),
+        dataclasses.replace(good, expiration=NOW + 11),
+        dataclasses.replace(good, key=DHTKey.encode("run2")),
+        dataclasses.replace(good, subkey=DHTKey.encode(owned("peer2", peer_id_of(kp)))),
+        dataclasses.replace(good, signature=bytes(64)),
+        dataclasses.replace(good, signature=b"short"),
+        dataclasses.replace(good, owner_public_key=b"junk"),
+        # signed by another peer, with that peer's key
+        sign_record(other.private_key, "run", b"v", NOW + 10, subkey=sub),
+        # the owner's key, but another peer's signature
+        dataclasses.replace(good, signature=sign_record(other.private_key, "run", b"v", NOW + 10, subkey=sub).signature),
+        # marker without signature
+        rec("run", b"v", NOW + 10, subkey=sub),
+        # malformed marker
+        rec("run", b"v", NOW + 10, subkey="peer[owner:0OIl]"),
+        # signature on an unowned record
+        dataclasses.replace(good, subkey=DHTKey.encode("peer")),
+    ]
+    for bad in forged:
+        with pytest.raises(InvalidSignature):
+            s.store(bad, NOW)
+    assert s.get("run", NOW) is None
+    assert s.store(good, NOW)  # the honest record still goes in
+
+
+def test_value_over_max_size_rejected() -> None:
+    s = LocalStore(max_value_size=100)
+    assert s.store(rec("k", b"x" * 100, NOW + 1), NOW)
+    with pytest.raises(RecordTooLarge, match="exceeds the limit"):
+        s.store(rec("k", b"x" * 101, NOW + 2), NOW)
+    with pytest.raises(RecordTooLarge):
+        s.store(rec("k" * 2000, b"", NOW + 2), NOW)
+
+
+def test_expiration_too_far_rejected() -> None:
+    s = LocalStore(max_expiration_ahead=3600)
+    assert s.store(rec("k", b"v", NOW + 3600), NOW)
+    for exp in [NOW + 3601, float("inf"), float("nan")]:
+        with pytest.raises(ExpirationTooFar):
+            s.store(rec("k", b"v", exp), NOW)
+
+
+def test_flood_from_one_origin_bounded_other_origin_still_stores() -> None:
+    s = LocalStore(max_stores_per_origin=10, origin_window=60)
+    attacker, honest = peer_id_of(new_identity()), peer_id_of(new_identity())
+    for i in range(10):
+        s.store(rec(f"junk{i}", b"v", NOW + 100), NOW, origin=attacker)
+    with pytest.raises(StoreQuotaExceeded):
+        s.store(rec("junk-more", b"v", NOW + 100), NOW, origin=attacker)
+    assert s.store(rec("honest", b"v", NOW + 100), NOW, origin=honest)
+    assert s.store(rec("again", b"v", NOW + 100), NOW + 61, origin=attacker)  # new window
+
+
+def test_max_bytes_and_max_keys_bounds_hold() -> None:
+    s = LocalStore(max_bytes=2000, max_keys=10)
+    for i in range(100):
+        try:
+            s.store(rec(f"k{i}", b"x" * 150, NOW + 100 + i), NOW)
+        except StoreFull:
+            pass
+        assert s.bytes_used <= 2000 and len(s) <= 10
+    # the soonest-expiring were evicted, the longest-lived kept
+    assert s.get("k99", NOW) is not None and s.get("k0", NOW) is None
+    # a newcomer never displaces longer-lived values
+    with pytest.raises(StoreFull):
+        s.store(rec("short", b"x" * 150, NOW + 1), NOW)
+    assert s.get("k99", NOW) is not None
+
+
+def test_max_subkeys_per_key_bound() -> None:
+    s = LocalStore(max_subkeys_per_key=3)
+    for i in range(3):
+        s.store(rec("run", b"v", NOW + 10 + i, subkey=i), NOW)
+    with pytest.raises(StoreFull):
+        s.store(rec("run", b"v", NOW + 5, subkey=9), NOW)
+    assert s.store(rec("run", b"v", NOW + 50, subkey=9), NOW)  # evicts subkey 0
+    got = s.get("run", NOW)
+    assert isinstance(got, dict) and set(got) == {1, 2, 9}
+
+
+def test_schema_violation_rejected_conforming_accepted() -> None:
+    schema = Schema()
+    schema.declare("progress", message=DHTRecordPB, subkeys=True, max_size=200)
+
+    def even_length(r: DHTRecord) -> None:
+        if len(r.value) % 2:
+            raise SchemaViolation("odd length")
+
+    schema.declare(b"even", check=even_length)
+    s = LocalStore(schema=schema)
+    ok = DHTRecordPB(key=b"x").SerializeToString()
+    assert s.store(rec("progress/run1", ok, NOW + 10, subkey="p1"), NOW)
+    for bad in [rec("progress/run1", b"\xff\xff", NOW + 10, subkey="p2"),  # not the message
+                rec("progress/run1", ok, NOW + 10),  # subkey required
+                rec("progress/run1", b"\x0a" + bytes([200]) + b"a" * 200, NOW + 10, subkey="p3")]:
+        with pytest.raises(SchemaViolation):
+            s.store(bad, NOW)
+    assert s.store(rec(b"even-1", b"ab", NOW + 1), NOW)
+    with pytest.raises(SchemaViolation, match="odd"):
+        s.store(rec(b"even-2", b"abc", NOW + 1), NOW)
+    assert s.store(rec("unconstrained", b"\xff", NOW + 1), NOW)

@@ -1,0 +1,290 @@
+"""The sans-I/O Kademlia routing: ids, k-buckets, diversity, refresh, and iterative lookups (incl. liars)."""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import math
+import random
+
+import pytest
+from libp2p.peer.id import ID
+from multiaddr import Multiaddr
+
+from p2p.dht.routing import AddStatus, DHTID, Lookup, PeerInfo, RoutingTable, ip_group
+
+
+def make_ids(n: int, seed: int) -> list[ID]:
+    rng = random.Random(seed)
+    return [ID(b"\x00\x24" + rng.randbytes(36)) for _ in range(n)]
+
+
+def peers_in_bucket(local: DHTID, index: int, n: int, seed: int) -> list[ID]:
+    """Random peer ids whose DHTID falls in bucket ``index`` of ``local`` (index >= 250 keeps this cheap)."""
+    out: list[ID] = []
+    for pid in make_ids(100_000, seed):
+        if local.bucket_index(DHTID.from_peer(pid)) == index:
+            out.append(pid)
+            if len(out) == n:
+                return out
+    raise AssertionError("not enough ids")
+
+
+def test_ids_and_distances() -> None:
+    pid = make_ids(1, 0)[0]
+    assert DHTID.from_peer(pid) == int.from_bytes(hashlib.sha256(pid.to_bytes()).digest(), "big")
+    assert DHTID.from_key(pid.to_bytes()) == DHTID.from_peer(pid)  # one space for keys and peers
+    a = DHTID(0b1011)
+    assert a.xor_distance(0b0010) == 0b1001
+    assert a.bucket_index(a) == -1
+    assert a.bucket_index(0b1010) == 0
+    assert a.bucket_index(0b0011) == 3
+    assert DHTID(0).bucket_index(1 << 255) == 255
+    assert PeerInfo(pid).dht_id == DHTID.from_peer(pid)
+
+
+def test_ip_group() -> None:
+    assert ip_group("8.8.8.8") == "8.8.8.0/24"
+    assert ip_group(Multiaddr("/ip4/8.8.4.9/tcp/4001")) == "8.8.4.0/24"
+    assert ip_group("/ip6/2001:4860:4860::8888/tcp/1") == "2001:4860:4860::/48"
+    assert ip_group(ipaddress.ip_address("::ffff:8.8.8.8")) == "8.8.8.0/24"
+    assert ip_group("127.0.0.1") is None and ip_group("/ip4/192.168.1.2/tcp/1") is None
+    assert ip_group("/dns4/example.com/tcp/1") is None
+
+
+def test_full_bucket_caches_replacement_and_remove_promotes() -> None:
+    local = DHTID.from_peer(make_ids(1, 1)[0])
+    table = RoutingTable(local, k=4, replacement_cache_size=2)
+    ids = peers_in_bucket(local, 255, 8, seed=2)
+    for t, pid in enumerate(ids[:4]):
+        assert table.add(pid, now=t).status is AddStatus.ADDED
+    assert table.add(ids[0], now=10).status is AddStatus.UPDATED  # ids[1] is now least recently seen
+    res = table.add(ids[4], now=11)
+    assert res.status is AddStatus.CACHED and res.ping_candidate is not None
+    assert res.ping_candidate.peer_id == ids[1]
+    table.add(ids[5], now=12)
+    table.add(ids[6], now=13)  # cache is bounded: ids[4] falls out
+    assert [c.peer_id for c in table.replacements(255)] == [ids[5], ids[6]]
+    assert len(table) == 4 and ids[4] not in table
+    # The ping candidate is dead: three failures evict it, and the newest replacement takes its place.
+    assert not table.mark_failed(ids[1]) and not table.mark_failed(ids[1])
+    assert table.mark_failed(ids[1])
+    assert ids[1] not in table and ids[6] in table and len(table) == 4
+    promoted = table.remove(ids[2])
+    assert promoted is not None and promoted.peer_id == ids[5]
+    assert table.remove(ids[3]) is None and len(table) == 3
+    # mark_seen resets failures; a given dht id must match; the local id is refused.
+    table.mark_failed(ids[0])
+    table.mark_seen(ids[0], now=20)
+    c = table.get(ids[0])
+    assert c is not None and c.failures == 0 and c.last_seen == 20
+    assert table.add(ids[7], DHTID(1), now=0).status is AddStatus.REJECTED
+    assert table.add(make_ids(1, 1)[0], now=0).reason == "local id"
+
+
+def test_ip_group_limits_per_bucket_and_table() -> None:
+    local = DHTID.from_peer(make_ids(1, 3)[0])
+    table = RoutingTable(local, k=20, max_per_ip_group=2, max_per_ip_group_total=3)
+    far = peers_in_bucket(local, 255, 3, seed=4)
+    near = peers_in_bucket(local, 254, 2, seed=5)
+    g = ip_group("1.2.3.4")
+    assert table.add(far[0], ip_group=g, now=0).status is AddStatus.ADDED
+    assert table.add(far[1], ip_group=g, now=0).status is AddStatus.ADDED
+    res = table.add(far[2], ip_group=g, now=0)
+    assert res.status is AddStatus.REJECTED and "bucket" in (res.reason or "")
+    assert table.add(far[2], ip_group=ip_group("1.2.4.4"), now=0).status is AddStatus.ADDED
+    assert table.add(near[0], ip_group=g, now=0).status is AddStatus.ADDED
+    res = table.add(near[1], ip_group=g, now=0)
+    assert res.status is AddStatus.REJECTED and "table" in (res.reason or "")
+    table.remove(far[0])  # frees a slot of the group
+    assert table.add(near[1], ip_group=g, now=0).status is AddStatus.ADDED
+    assert table.add(near[1], ip_group=g, now=1).status is AddStatus.UPDATED  # refreshing is not re-counted
+    for pid in peers_in_bucket(local, 253, 5, seed=6):  # exempt (None) groups are unlimited
+        assert table.add(pid, ip_group=None, now=0).status is AddStatus.ADDED
+
+
+def test_nearest_is_exact() -> None:
+    ids = make_ids(1001, 7)
+    table = RoutingTable(DHTID.from_peer(ids[0]), k=1000)
+    for pid in ids[1:]:
+        table.add(pid, now=0)
+    assert len(table) == 1000 and len(list(table)) == 1000
+    rng = random.Random(8)
+    for _ in range(20):
+        target = DHTID(rng.getrandbits(256))
+        want = sorted(ids[1:], key=lambda p: DHTID.from_peer(p) ^ target)
+        assert [c.peer_id for c in table.nearest(target, 20)] == want[:20]
+        assert [c.peer_id for c in table.nearest(target, 5, exclude=want[:3])] == want[3:8]
+
+
+def test_refresh_ids_fall_into_stale_buckets() -> None:
+    local = DHTID.from_peer(make_ids(1, 9)[0])
+    table = RoutingTable(local, rng=random.Random(10))
+    assert table.stale_buckets(now=0, refresh_interval=60) == []
+    for pid in peers_in_bucket(local, 255, 2, seed=11) + peers_in_bucket(local, 252, 1, seed=12):
+        table.add(pid, now=100)
+    stale = table.stale_buckets(now=130, refresh_interval=60)
+    assert sorted(local.bucket_index(t) for t in stale) == [251, 253, 254]  # never touched; 252, 255 fresh
+    table.touch(stale[0], now=130)
+    assert len(table.stale_buckets(now=130, refresh_interval=60)) == 2
+    later = table.stale_buckets(now=200, refresh_interval=60)
+    assert sorted(local.bucket_index(t) for t in later) == [251, 252, 253, 254, 255]
+    for i in (0, 1, 17, 255):
+        assert local.bucket_index(table.random_id_in_bucket(i)) == i
+
+
+class Network:
+    """500 simulated DHT servers; each answers FIND_NODE from its own routing table."""
+
+    def __init__(self, n: int, seed: int, k: int = 20) -> None:
+        rng = random.Random(seed)
+        self.ids = make_ids(n, seed)
+        self.info = {pid: PeerInfo(pid) for pid in self.ids}
+        self.tables: dict[ID, RoutingTable] = {}
+        for pid in self.ids:
+            table = RoutingTable(self.info[pid].dht_id, k=k, replacement_cache_size=0)
+            for other in rng.sample(self.ids, len(self.ids)):
+                if other != pid:
+                    table.add(other, self.info[other].dht_id, now=0)
+            self.tables[pid] = table
+        self.dead: set[ID] = set()
+        self.liars: dict[ID, list[PeerInfo]] = {}
+        self.pruned = False  # whether live peers have already evicted the dead from their tables
+
+    def answer(self, pid: ID, target: DHTID, k: int) -> list[PeerInfo] | None:
+        if pid in self.dead or pid not in self.tables:  # sybils do not exist
+            return None
+        if pid in self.liars:
+            return self.liars[pid]
+        exclude = self.dead if self.pruned else ()
+        return [c.info for c in self.tables[pid].nearest(target, k, exclude=exclude)]
+
+    def run(self, lookup: Lookup, rng: random.Random) -> tuple[int, set[ID]]:
+        asked: set[ID] = set()
+        pending: list[PeerInfo] = []
+        while True:
+            for peer in lookup.next_queries():
+                assert peer.peer_id not in asked, "queried twice"
+                asked.add(peer.peer_id)
+                pending.append(peer)
+            assert len(pending) <= lookup.alpha
+            if not pending:
+                break
+            peer = pending.pop(rng.randrange(len(pending)))  # replies arrive in any order
+            reply = self.answer(peer.peer_id, lookup.target, lookup.k)
+            if reply is None:
+                lookup.on_failure(peer.peer_id)
+            else:
+                lookup.on_response(peer.peer_id, reply)
+        assert lookup.done and lookup.in_flight == 0
+        return lookup.queries, asked
+
+    def true_closest(self, target: DHTID, k: int, skip: set[ID] = set()) -> list[ID]:
+        alive = [p for p in self.ids if p not in self.dead and p not in skip]
+        return sorted(alive, key=lambda p: self.info[p].dht_id ^ target)[:k]
+
+
+@pytest.fixture(scope="module")
+def network() -> Network:
+    return Network(500, seed=13)
+
+
+def lookup_from(net: Network, origin: ID, target: DHTID, k: int = 20, alpha: int = 3) -> Lookup:
+    seeds = [c.info for c in net.tables[origin].nearest(target, k)]
+    return Lookup(target, k, alpha, seeds, local=net.info[origin].dht_id, exclude=[origin])
+
+
+def test_lookup_finds_true_closest_within_bounded_queries(network: Network) -> None:
+    rng = random.Random(14)
+    bound = 3 * 3 * math.log2(500)
+    for _ in range(30):
+        origin = rng.choice(network.ids)
+        target = DHTID(rng.getrandbits(256))
+        lookup = lookup_from(network, origin, target)
+        queries, _ = network.run(lookup, rng)
+        assert [p.peer_id for p in lookup.result()] == network.true_closest(target, 20, skip={origin})
+        assert queries <= bound
+
+
+def test_lookup_from_one_far_seed(network: Network) -> None:
+    rng = random.Random(15)
+    target = DHTID(rng.getrandbits(256))
+    far = max(network.ids, key=lambda p: network.info[p].dht_id ^ target)
+    lookup = Lookup(target, 20, 3, [network.info[far]])
+    network.run(lookup, rng)
+    assert [p.peer_id for p in lookup.result()] == network.true_closest(target, 20)
+
+
+def test_lying_peers_cannot_derail_lookup(network: Network) -> None:
+    rng = random.Random(16)
+    sybils = [PeerInfo(pid) for pid in make_ids(100, 17)]  # exist nowhere: queries to them fail
+    liars = rng.sample(network.ids, 100)
+    try:
+        for i, liar in enumerate(liars):
+            # half point at themselves (many times), half flood the same 100 sybils plus themselves
+            self_ref = [network.info[liar]] * 50
+            network.liars[liar] = self_ref if i % 2 else sybils + self_ref
+        for _ in range(20):
+            target = DHTID(rng.getrandbits(256))
+            origin = rng.choice([p for p in network.ids if p not in network.liars])
+            # the worst case: liars among the seeds, and a single honest one
+            honest = rng.choice([p for p in network.ids if p not in network.liars and p != origin])
+            seeds = [network.info[p] for p in liars[:3]] + [network.info[honest]]
+            lookup = Lookup(target, 20, 3, seeds, local=network.info[origin].dht_id, exclude=[origin])
+            _, asked = network.run(lookup, rng)  # asserts nobody is queried twice
+            assert [p.peer_id for p in lookup.result()] == network.true_closest(target, 20, skip={origin})
+            # each sybil costs at most one failed query (never retried); the honest work stays bounded
+            assert lookup.queries - sum(1 for s in sybils if s.peer_id in asked) <= 3 * 3 * math.log2(500)
+    finally:
+        network.liars.clear()
+
+
+def test_response_hygiene() -> None:
+    ids = make_ids(60, 18)
+    target = DHTID(0)
+    lookup = Lookup(target, 5, 2, [PeerInfo(ids[0])], local=DHTID.from_peer(ids[1]), exclude=[ids[2]])
+    assert lookup.on_response(ids[0], [PeerInfo(ids[3])]) == 0  # not asked yet: unsolicited
+    (first,) = lookup.next_queries()
+    assert first.peer_id == ids[0] and lookup.next_queries() == []
+    flood = [PeerInfo(ids[0]), PeerInfo(ids[1]), PeerInfo(ids[2])] + [PeerInfo(p) for p in ids[3:]]
+    assert lookup.on_response(ids[0], flood) == 5  # self, local and excluded ignored; capped at k
+    assert lookup.on_response(ids[0], [PeerInfo(ids[50])]) == 0  # a second reply is ignored
+    assert len(lookup.next_queries()) == 2
+    lookup.stop()
+    assert lookup.done and lookup.next_queries() == []
+
+
+def test_failures_are_routed_around(network: Network) -> None:
+    rng = random.Random(19)
+    network.dead = set(rng.sample(network.ids, 50))
+    try:
+        # Fresh deaths: every table still lists the dead, and replies carry only k contacts, so
+        # dead entries can push the last few true closest out of every reply the lookup gets (plain
+        # Kademlia under churn; table maintenance, not the lookup, cures it). The lookup must still
+        # skip the dead, return only live peers, and get the head of the true set exactly.
+        for _ in range(15):
+            target = DHTID(rng.getrandbits(256))
+            origin = rng.choice([p for p in network.ids if p not in network.dead])
+            lookup = lookup_from(network, origin, target)
+            network.run(lookup, rng)
+            got = [p.peer_id for p in lookup.result()]
+            want = network.true_closest(target, 20, skip={origin})
+            assert not set(got) & network.dead and got[:10] == want[:10]
+            assert len(set(got) & set(want)) >= 17
+        # Live peers have evicted the dead, but our own seeds are stale: exact again.
+        network.pruned = True
+        for _ in range(15):
+            target = DHTID(rng.getrandbits(256))
+            origin = rng.choice([p for p in network.ids if p not in network.dead])
+            stale = sorted(network.dead, key=lambda p: network.info[p].dht_id ^ target)[:10]
+            seeds = [network.info[p] for p in stale] + [c.info for c in network.tables[origin].nearest(target, 3)]
+            lookup = Lookup(target, 20, 3, seeds, local=network.info[origin].dht_id, exclude=[origin])
+            network.run(lookup, rng)
+            assert [p.peer_id for p in lookup.result()] == network.true_closest(target, 20, skip={origin})
+        # Everyone we know is dead: the lookup ends with an empty result instead of hanging.
+        everyone = Lookup(DHTID(5), 20, 3, [network.info[p] for p in network.dead][:10])
+        network.run(everyone, rng)
+        assert everyone.result() == [] and everyone.queries == 10
+    finally:
+        network.dead = set()
+        network.pruned = False
