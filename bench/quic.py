@@ -92,7 +92,6 @@ import functools
 import json
 import logging
 import os
-import struct
 import subprocess
 import sys
 import time
@@ -111,7 +110,7 @@ from libp2p.transport.quic.config import QUICTransportConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from transfer import PROTOCOL as SINK_PROTOCOL  # noqa: E402
-from transfer import Read, Write, sink, source  # noqa: E402
+from transfer import Read, Write, sink, source, tcp_sink  # noqa: E402
 
 PROTOCOL = TProtocol(SINK_PROTOCOL)
 CHUNK = 256 * 1024
@@ -179,14 +178,7 @@ async def serve(args: argparse.Namespace) -> None:
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
 
     async def on_tcp(stream: trio.SocketStream) -> None:
-        async def read(n: int) -> bytes:
-            return await stream.receive_some(n)
-
-        while True:
-            try:
-                await _sink(read, stream.send_all)
-            except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError, struct.error):
-                return
+        await tcp_sink(stream, CHUNK)
 
     async with trio.open_nursery() as nursery:
         listeners = await nursery.start(functools.partial(trio.serve_tcp, on_tcp, 0, host="127.0.0.1"))

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from p2p import Node, NodeConfig  # noqa: E402
 from nat.circuit import RelayClient  # noqa: E402
 from p2p.noise import NoiseCodec  # noqa: E402
-from transfer import PROTOCOL, first_json_line, sink, source  # noqa: E402
+from transfer import PROTOCOL, first_json_line, sink, source, tcp_sink  # noqa: E402
 
 
 async def _sink(read, write) -> None:
@@ -88,14 +88,7 @@ async def serve(relay: str | None) -> None:
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
 
     async def on_tcp(stream: trio.SocketStream) -> None:
-        async def read(n: int) -> bytes:
-            return await stream.receive_some(n)
-
-        while True:
-            try:
-                await _sink(read, stream.send_all)
-            except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError, struct.error):
-                return
+        await tcp_sink(stream, CHUNK)
 
     async def on_sealed(stream: trio.SocketStream) -> None:
         read, write = _sealed(stream, NoiseCodec(KEY_B, KEY_A))

@@ -60,6 +60,19 @@ async def source(read: Read, write: Write, total: int, chunk: int) -> None:
         raise RuntimeError(f"receiver got {got} of {total} bytes")
 
 
+async def tcp_sink(stream: trio.SocketStream, chunk: int) -> None:
+    """A raw TCP peer for ``trio.serve_tcp``: answer transfers until the sender hangs up."""
+
+    async def read(n: int) -> bytes:
+        return await stream.receive_some(n)
+
+    while True:
+        try:
+            await sink(read, stream.send_all, chunk)
+        except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError, struct.error):
+            return
+
+
 async def first_json_line(proc: trio.Process, what: str, timeout: float = 60.0) -> dict[str, Any]:
     """The first line a child process prints, parsed: how benchmark helpers say they are ready."""
     assert proc.stdout is not None

@@ -45,7 +45,6 @@ they skip with the reason otherwise (fail with DEDLOC_INTEROP_REQUIRED=1).
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import os
@@ -64,14 +63,15 @@ from jspeer import INTEROP_DIR, NODE_MODULES, js_unavailable_reason, node_path
 from nat.circuit import RelayClient, is_relayed_conn
 from p2p import Node, NodeConfig
 from tests.netlab import ALL_KINDS, Lab, requires_root_netns
+from tests.nat_agent import SINK, push_checked, sink
 from tests.test_nat_matrix import (
     CELL_TIMEOUT,
     PARALLEL_CELLS,
     PORT,
     PUBLIC_NET,
     Cell,
-    expect_direct,
     funnel_summary,
+    path_problems,
     render,
     run_cell,
 )
@@ -86,7 +86,7 @@ STDERR_KEEP = 16 * 1024
 
 
 def js_relay_unavailable_reason() -> str | None:
-    reason = js_unavailable_reason()
+    reason: str | None = js_unavailable_reason()
     if reason is None and not (NODE_MODULES / RELAY_PACKAGE / "package.json").is_file():
         reason = f"js package {RELAY_PACKAGE} missing from {NODE_MODULES}: run `bash interop/setup.sh`"
     return reason
@@ -216,21 +216,6 @@ async def open_js_relay(
 # ------------------------------------------------------------------ loopback, no namespaces
 
 
-async def _sink(stream: Any) -> None:
-    digest, size = hashlib.sha256(), 0
-    while True:
-        try:
-            data = await stream.read(1 << 20)
-        except EOFError:
-            break
-        if not data:
-            break
-        digest.update(data)
-        size += len(data)
-    await stream.write(json.dumps({"size": size, "sha256": digest.hexdigest()}).encode())
-    await stream.close()
-
-
 async def test_js_relay_loopback(js_relay_available: None) -> None:
     """Reserve on the js relay, read what it granted, and move 4 MiB through it, all on 127.0.0.1."""
     async with open_js_relay(trio.lowlevel.open_process, ["--listen", "/ip4/127.0.0.1/tcp/0"]) as relay:
@@ -243,7 +228,7 @@ async def test_js_relay_loopback(js_relay_available: None) -> None:
             client_a, client_b = RelayClient(a), RelayClient(b)
             client_a.install()
             client_b.install()
-            a.set_stream_handler("/dedloc/test/sink/1.0.0", _sink)
+            a.set_stream_handler(SINK, sink)
             with trio.fail_after(30):
                 await a.connect(relay_addr)
                 rsvp = await client_a.reserve(relay_id)
@@ -262,21 +247,9 @@ async def test_js_relay_loopback(js_relay_available: None) -> None:
                 conn = await client_b.dial(circuit, a.peer_id)
                 assert is_relayed_conn(conn)
                 payload = os.urandom(4 << 20)
-                stream = await b.new_stream(a.peer_id, "/dedloc/test/sink/1.0.0")
+                stream = await b.new_stream(a.peer_id, SINK)
                 assert any("p2p-circuit" in str(x) for x in stream.muxed_conn.get_transport_addresses())
-                for start in range(0, len(payload), 256 * 1024):
-                    await stream.write(payload[start : start + 256 * 1024])
-                await stream.close()
-                answer = b""
-                while True:
-                    try:
-                        chunk = await stream.read(4096)
-                    except EOFError:
-                        break
-                    if not chunk:
-                        break
-                    answer += chunk
-            assert json.loads(answer) == {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+                assert await push_checked(stream, payload)
             assert client_a.metrics["relayed_in"] == 1 and client_b.metrics["relayed_out"] == 1
             stats = await relay.stats()
             assert str(a.peer_id) in {r["peer_id"] for r in stats["reservations"]}
@@ -315,15 +288,7 @@ async def test_nat_matrix_js_relay(js_relay_available: None) -> None:
     for c in cells:
         print(f"{c.a.name:>15} <- {c.b.name:<15} connected={c.connected} first={c.first_path} direct={c.direct} "
               f"ttd={c.time_to_direct} sent={c.sent_ok} path={c.path} {c.detail}")
-    problems = []
-    for c in cells:
-        want_direct = expect_direct(c.a, c.b)
-        if not c.connected or not c.sent_ok:
-            problems.append(f"{c.a.name}<-{c.b.name}: not connected or data lost ({c.detail})")
-        elif want_direct and not (c.direct and c.path == "direct"):
-            problems.append(f"{c.a.name}<-{c.b.name}: expected a direct path, got {c.path} ({c.detail})")
-        elif not want_direct and c.direct:
-            problems.append(f"{c.a.name}<-{c.b.name}: direct through a symmetric NAT is unexpected ({c.detail})")
+    problems = path_problems(cells)
     # Every cell that started relayed went through the js relay (the only one), which only
     # connects to a peer that reserved on it: so our peers did reserve there.
     relayed_first = sum(c.first_path == "relayed" for c in cells)

@@ -38,7 +38,8 @@ from p2p.dialer import live_connection
 SINK = "/dedloc/test/sink/1.0.0"
 
 
-async def _sink(stream: Any) -> None:
+async def sink(stream: Any) -> None:
+    """Read a stream to its end, answer its size and sha256 as JSON, close."""
     digest = hashlib.sha256()
     size = 0
     while True:
@@ -52,6 +53,23 @@ async def _sink(stream: Any) -> None:
         size += len(data)
     await stream.write(json.dumps({"size": size, "sha256": digest.hexdigest()}).encode())
     await stream.close()
+
+
+async def push_checked(stream: Any, payload: bytes) -> bool:
+    """Send ``payload`` to a :func:`sink` stream and whether its answer matches size and sha256."""
+    for start in range(0, len(payload), 256 * 1024):
+        await stream.write(payload[start : start + 256 * 1024])
+    await stream.close()
+    answer = b""
+    while True:
+        try:
+            chunk = await stream.read(4096)
+        except EOFError:
+            break
+        if not chunk:
+            break
+        answer += chunk
+    return bool(json.loads(answer) == {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()})
 
 
 def _direct(node: Node, peer: ID) -> bool:
@@ -92,20 +110,8 @@ async def _handle(node: Node, nat: NatService, request: dict[str, Any]) -> dict[
         with trio.fail_after(request.get("timeout", 60)):
             stream = await node.new_stream(peer, SINK)
             path = "relayed" if any(a for a in stream.muxed_conn.get_transport_addresses() if "p2p-circuit" in str(a)) else "direct"
-            for start in range(0, len(payload), 256 * 1024):
-                await stream.write(payload[start : start + 256 * 1024])
-            await stream.close()
-            answer = b""
-            while True:
-                try:
-                    chunk = await stream.read(4096)
-                except EOFError:
-                    break
-                if not chunk:
-                    break
-                answer += chunk
-        got = json.loads(answer)
-        return {"ok": got == {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}, "path": path}
+            ok = await push_checked(stream, payload)
+        return {"ok": ok, "path": path}
     if cmd == "metrics":
         return nat.metrics()
     if cmd == "wait_mapping":  # until two observers of our listen port classified our NAT
@@ -125,7 +131,6 @@ async def _dump_tasks_on_signal() -> None:
     with trio.open_signal_receiver(signal.SIGUSR1) as signals:
         async for _ in signals:
             def walk(task: Any, depth: int) -> None:
-                frame = task.coro.cr_frame
                 where = []
                 coro = task.coro
                 while coro is not None and hasattr(coro, "cr_frame") and coro.cr_frame is not None:
@@ -136,9 +141,6 @@ async def _dump_tasks_on_signal() -> None:
                     for child in nursery.child_tasks:
                         walk(child, depth + 1)
             walk(trio.lowlevel.current_root_task(), 0)
-            import time as _t
-            runner = trio._core._run.GLOBAL_RUN_CONTEXT.runner
-            logging.getLogger("agent").debug("clock %s now %s perf %s deadlines %s", trio.lowlevel.current_clock(), trio.current_time(), _t.perf_counter(), sorted(runner.deadlines._heap)[:5] if hasattr(runner.deadlines, "_heap") else runner.deadlines)
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -147,7 +149,7 @@ async def main(args: argparse.Namespace) -> None:
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     config = NodeConfig(listen=[args.listen], initial_peers=list(args.relay), dial_timeout=10, bootstrap_timeout=30)
     async with Node.open(config, bootstrap=False) as node:
-        node.set_stream_handler(SINK, _sink)
+        node.set_stream_handler(SINK, sink)
         async with NatService.attach(node, NatConfig(relay_service=args.serve_relay, recheck_interval=30)) as nat:
             if config.initial_peers:
                 await node.bootstrap()

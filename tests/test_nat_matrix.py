@@ -203,6 +203,20 @@ def funnel_summary(cells: list[Cell]) -> str:
     return "\n".join(lines)
 
 
+def path_problems(cells: list[Cell]) -> list[str]:
+    """What went against expectations: no connection, lost data, or the wrong path."""
+    problems = []
+    for c in cells:
+        want_direct = expect_direct(c.a, c.b)
+        if not c.connected or not c.sent_ok:
+            problems.append(f"{c.a.name}<-{c.b.name}: not connected or data lost ({c.detail})")
+        elif want_direct and not (c.direct and c.path == "direct"):
+            problems.append(f"{c.a.name}<-{c.b.name}: expected a direct path, got {c.path} ({c.detail})")
+        elif not want_direct and c.direct:
+            problems.append(f"{c.a.name}<-{c.b.name}: direct through a symmetric NAT is unexpected ({c.detail})")
+    return problems
+
+
 def render(cells: list[Cell]) -> str:
     kinds = [k for k in ALL_KINDS]
     by_pair = {(c.a, c.b): c for c in cells}
@@ -248,15 +262,8 @@ async def test_nat_traversal_matrix() -> None:
     for c in cells:
         print(f"{c.a.name:>15} <- {c.b.name:<15} mapping={c.mapping_a}/{c.mapping_b} connected={c.connected} first={c.first_path} direct={c.direct} "
               f"ttd={c.time_to_direct} sent={c.sent_ok} path={c.path} {c.detail}")
-    problems = []
+    problems = path_problems(cells)
     for c in cells:
-        want_direct = expect_direct(c.a, c.b)
-        if not c.connected or not c.sent_ok:
-            problems.append(f"{c.a.name}<-{c.b.name}: not connected or data lost ({c.detail})")
-        elif want_direct and not (c.direct and c.path == "direct"):
-            problems.append(f"{c.a.name}<-{c.b.name}: expected a direct path, got {c.path} ({c.detail})")
-        elif not want_direct and c.direct:
-            problems.append(f"{c.a.name}<-{c.b.name}: direct through a symmetric NAT is unexpected ({c.detail})")
         for kind, seen in ((c.a, c.mapping_a), (c.b, c.mapping_b)):
             if seen == "-":
                 problems.append(f"{kind.name}: no mapping classification asked")
@@ -264,9 +271,9 @@ async def test_nat_traversal_matrix() -> None:
                 problems.append(f"{kind.name} classified its mapping as {seen!r}, expected {EXPECTED_MAPPING[kind]!r}")
     # A classification is never wrong; "unknown" (an observer's identify still pending
     # when the cell ends) is allowed, but must stay rare.
-    seen = [(k, m) for c in cells for k, m in ((c.a, c.mapping_a), (c.b, c.mapping_b))]
-    right = sum(1 for k, m in seen if m == EXPECTED_MAPPING[k])
-    print(f"NAT mapping classified correctly by {right} of {len(seen)} peers, the rest unknown")
-    if right < 0.8 * len(seen):
-        problems.append(f"NAT mapping classified by only {right} of {len(seen)} peers")
+    verdicts = [(k, m) for c in cells for k, m in ((c.a, c.mapping_a), (c.b, c.mapping_b))]
+    right = sum(1 for k, m in verdicts if m == EXPECTED_MAPPING[k])
+    print(f"NAT mapping classified correctly by {right} of {len(verdicts)} peers, the rest unknown")
+    if right < 0.8 * len(verdicts):
+        problems.append(f"NAT mapping classified by only {right} of {len(verdicts)} peers")
     assert not problems, "\n".join(problems)
