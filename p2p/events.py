@@ -96,3 +96,30 @@ class Error(Event):
 class Closed(Event):
     peer_id: str
     event: str = field(init=False, default="closed")
+
+
+@dataclass
+class DHTJoined(Event):
+    """The DHT finished bootstrapping: ``peers`` servers are in its routing table."""
+
+    mode: str
+    peers: int
+    elapsed: float
+    event: str = field(init=False, default="dht_joined")
+
+
+@dataclass
+class DHTModeChanged(Event):
+    """The DHT now serves others (``server``) or only queries them (``client``), and why."""
+
+    mode: str
+    reason: str
+    event: str = field(init=False, default="dht_mode")
+
+
+@dataclass
+class DHTIsolated(Event):
+    """The routing table ran empty; the DHT re-bootstraps from its initial peers."""
+
+    initial_peers: int
+    event: str = field(init=False, default="dht_isolated")

@@ -307,6 +307,14 @@ class Node:
         except PeerStoreError:
             return []
 
+    def add_addrs(self, peer_id: ID, addrs: Sequence[Multiaddr], ttl: int = ADDR_TTL) -> None:
+        """Remember how to dial a peer learnt from a protocol (a DHT reply, a peer exchange).
+
+        At most ``MAX_LISTEN_ADDRS`` + 8 are kept per peer, whatever the source sends.
+        """
+        if peer_id != self.peer_id and addrs:
+            self.host.get_peerstore().add_addrs(peer_id, [without_peer_id(a) for a in addrs], ttl)
+
     async def disconnect(self, peer_id: ID) -> None:
         await self.host.disconnect(peer_id)
 

@@ -1,1 +1,47 @@
-"""The DHT: Kademlia over the Node's RPC, with expiring values, subkeys and owned records."""
+"""The DHT: Kademlia over the Node's RPC, with expiring values, subkeys and owned records.
+
+See :class:`DHT` for the API and ``docs/ARCHITECTURE.md`` for where it sits.
+"""
+
+from .dht import DHT, DHTBootstrapError, DHTConfig, Reachability
+from .records import (
+    DHTError,
+    DHTKey,
+    DHTRecord,
+    ExpirationTooFar,
+    InvalidKey,
+    InvalidSignature,
+    MalformedRecord,
+    RecordTooLarge,
+    Schema,
+    SchemaViolation,
+    StoreFull,
+    StoreQuotaExceeded,
+    StoreRejected,
+    ValueWithExpiration,
+    owned,
+    sign_record,
+)
+
+__all__ = [
+    "DHT",
+    "DHTBootstrapError",
+    "DHTConfig",
+    "DHTError",
+    "DHTKey",
+    "DHTRecord",
+    "ExpirationTooFar",
+    "InvalidKey",
+    "InvalidSignature",
+    "MalformedRecord",
+    "Reachability",
+    "RecordTooLarge",
+    "Schema",
+    "SchemaViolation",
+    "StoreFull",
+    "StoreQuotaExceeded",
+    "StoreRejected",
+    "ValueWithExpiration",
+    "owned",
+    "sign_record",
+]

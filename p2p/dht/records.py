@@ -194,12 +194,15 @@ class DHTRecord:
         return cls(DHTKey.encode(key), bytes(value), float(expiration),
                    None if subkey is None else DHTKey.encode(subkey))
 
-    def to_bytes(self) -> bytes:
+    def to_pb(self) -> DHTRecordPB:
         pb = DHTRecordPB(key=self.key, value=self.value, expiration=self.expiration,
                          owner_public_key=self.owner_public_key, signature=self.signature)
         if self.subkey is not None:
             pb.subkey = self.subkey
-        return pb.SerializeToString()
+        return pb
+
+    def to_bytes(self) -> bytes:
+        return self.to_pb().SerializeToString()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> DHTRecord:
@@ -209,6 +212,11 @@ class DHTRecord:
             pb.ParseFromString(data)
         except (DecodeError, ValueError) as e:
             raise MalformedRecord(f"DHT record does not parse: {e}") from None
+        return cls.from_pb(pb)
+
+    @classmethod
+    def from_pb(cls, pb: DHTRecordPB) -> DHTRecord:
+        """From a parsed message (e.g. inside an RPC); a garbled key raises :class:`InvalidKey`."""
         rec = cls(pb.key, pb.value, pb.expiration,
                   pb.subkey if pb.HasField("subkey") else None,
                   pb.owner_public_key, pb.signature)
@@ -315,7 +323,9 @@ class Schema:
 # ---------------------------------------------------------------- local store
 
 class ValueWithExpiration(NamedTuple):
-    value: bytes
+    """A value as reads return it: bytes, or for a dictionary key its live subkeys."""
+
+    value: bytes | dict[KeyLike, ValueWithExpiration]
     expiration: float
 
 
@@ -437,8 +447,27 @@ class LocalStore:
 
     def get_records(self, key: KeyLike, now: float) -> list[DHTRecord]:
         """Live records under a key, signatures intact, for serving to other peers."""
-        entry = self._data.get(DHTKey.encode(key), {})
+        return self.records_at(DHTKey.encode(key), now)
+
+    def records_at(self, raw_key: bytes, now: float) -> list[DHTRecord]:
+        """Like :meth:`get_records`, by canonical key bytes (what RPCs carry)."""
+        entry = self._data.get(raw_key, {})
         return [r for r in entry.values() if r.expiration > now]
+
+    def keys(self) -> list[bytes]:
+        """Canonical bytes of every key held (expired ones may linger until :meth:`expire`)."""
+        return list(self._data)
+
+    def found(self, raw_key: bytes, now: float) -> ValueWithExpiration | None:
+        """The value under a key as reads return it, with the key's latest expiration."""
+        recs = self.records_at(raw_key, now)
+        if not recs:
+            return None
+        if recs[0].subkey is None:
+            return ValueWithExpiration(recs[0].value, recs[0].expiration)
+        subs: dict[KeyLike, ValueWithExpiration] = {
+            DHTKey.decode(r.subkey): ValueWithExpiration(r.value, r.expiration) for r in recs if r.subkey is not None}
+        return ValueWithExpiration(subs, max(r.expiration for r in recs))
 
     def expire(self, now: float) -> None:
         """Drop every expired record and stale per-origin counters."""

@@ -1,0 +1,700 @@
+"""The DHT: the swarm's shared dictionary, as Kademlia over the Node's RPC.
+
+This is the I/O shell around the sans-I/O core (:mod:`.routing` decides whom to
+ask and whom to keep, :mod:`.records` decides what a value is and whether to
+keep it). What lives here is what needs the network or a clock:
+
+* **Traversal.** Every read and write is an iterative lookup. Lookups of many
+  keys (``get_many``, ``store_many``) share their RPCs: each round, the peers
+  that several lookups want to ask get one ``dht.find`` carrying all their
+  queries.
+* **Replication.** A value goes to the ``replicas`` servers closest to its key
+  (Kademlia's k plays two roles; like hivemind we keep routing width ``k`` and
+  replication ``replicas`` apart, because every extra replica is an extra RPC on
+  every store). Replicas hand their records to a newcomer that becomes one of
+  the closest, the writer re-publishes its records, and replicas re-publish
+  what they hold, so values outlive churn until they expire.
+* **Caching.** A found value is kept locally and stored at the closest peer
+  the lookup asked that lacked it, so popular keys get cheaper to read.
+* **NAT awareness.** Only servers (publicly reachable peers) are put into
+  routing tables; a peer behind NAT (or reachable only through a relay) is a
+  client: it reads and writes through servers and serves nobody. In ``auto``
+  mode the DHT follows the NAT layer's reachability.
+* **Joining.** With initial peers, opening fails unless some DHT server
+  answered, so a misconfigured peer never silently starts a DHT of its own;
+  an emptied routing table re-bootstraps from the initial peers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Iterable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import trio
+from libp2p.peer.id import ID
+from multiaddr import Multiaddr
+
+from .. import events as ev
+from ..addresses import is_relayed, parse_peer_addr
+from ..dialer import live_connection, remote_addr
+from ..errors import ConfigError, DedlocError
+from ..node import Node
+from ..trio_util import unwrap_single_group
+from ..rpc import CallContext, RpcError
+from . import protocol as wire
+from .proto import dht_pb2 as pb
+from .records import (
+    DHTError,
+    DHTKey,
+    DHTRecord,
+    KeyLike,
+    LocalStore,
+    Schema,
+    StoreRejected,
+    ValueWithExpiration,
+    owner_of,
+    sign_record,
+)
+from .routing import AddStatus, DHTID, Lookup, PeerInfo, RoutingTable, ip_group
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["auto", "server", "client"]
+
+
+class DHTBootstrapError(DHTError):
+    """Initial peers were given but no DHT server among them (or reachable through them) answered."""
+
+
+class Reachability(Protocol):
+    """What ``auto`` mode follows: :class:`nat.NatService` is one (``public`` / ``private`` / ``unknown``)."""
+
+    @property
+    def reachability(self) -> str: ...
+
+
+@dataclass
+class DHTConfig:
+    """Settings of one peer's DHT; the defaults suit a swarm of tens to thousands of peers."""
+
+    #: Bucket size and lookup width.
+    k: int = 20
+    #: Parallel RPCs per lookup.
+    alpha: int = 3
+    #: Servers each value is stored at.
+    replicas: int = 5
+    #: ``server`` serves others; ``client`` only queries; ``auto`` serves while reachable.
+    mode: Mode = "auto"
+    #: Time for one RPC (a dead peer costs at most this once: it is then skipped).
+    rpc_timeout: float = 3.0
+    #: Default time limit of one store/get (of any batch).
+    op_timeout: float = 30.0
+    #: Time to find a DHT server through the initial peers when opening.
+    bootstrap_timeout: float = 30.0
+    #: How often maintenance runs: expiry, bucket refresh, republishing, re-bootstrap.
+    maintenance_interval: float = 30.0
+    #: Buckets not used by a lookup for this long are refreshed with a random lookup.
+    refresh_interval: float = 600.0
+    #: Records are re-published this often by their writer and by their replicas.
+    republish_interval: float = 600.0
+    #: Keep found values locally and at the closest queried peer that lacked them.
+    cache: bool = True
+    #: Limits of the local store (see :class:`LocalStore`).
+    max_value_size: int = 64 * 1024
+    max_expiration_ahead: float = 24 * 3600.0
+    max_stores_per_origin: int = 1000
+    max_bytes: int = 256 * 1024 * 1024
+    schema: Schema = field(default_factory=Schema)
+
+    def validate(self) -> None:
+        for name in ("k", "alpha", "replicas"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"DHT {name} must be at least 1, got {getattr(self, name)}")
+        if self.replicas > self.k:
+            raise ConfigError(f"DHT replicas ({self.replicas}) cannot exceed k ({self.k})")
+        if self.mode not in ("auto", "server", "client"):
+            raise ConfigError(f"DHT mode must be auto, server or client, got {self.mode!r}")
+        for name in ("rpc_timeout", "op_timeout", "bootstrap_timeout", "maintenance_interval",
+                     "refresh_interval", "republish_interval", "max_expiration_ahead"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"DHT {name} must be positive, got {getattr(self, name)}")
+
+    def local_store(self) -> LocalStore:
+        return LocalStore(max_value_size=self.max_value_size, max_expiration_ahead=self.max_expiration_ahead,
+                          max_stores_per_origin=self.max_stores_per_origin, max_bytes=self.max_bytes,
+                          schema=self.schema)
+
+
+@dataclass
+class _Search:
+    """One key's (or target's) part of a traversal."""
+
+    lookup: Lookup
+    key: bytes | None = None
+    #: Stop as soon as any valid record was found (reads that accept any copy).
+    first_found: bool = False
+    #: Valid records merged with the store's own rules (newest expiration wins, per subkey).
+    found: LocalStore | None = None
+    holders: set[ID] = field(default_factory=set)
+    lacking: list[PeerInfo] = field(default_factory=list)
+
+
+class DHT:
+    """One peer's DHT. Open it on a running :class:`p2p.Node`::
+
+        async with Node.open(NodeConfig(initial_peers=[...])) as node:
+            async with DHT.open(node) as dht:
+                await dht.store("run:progress", b"...", time.time() + 60, subkey=str(node.peer_id))
+                found = await dht.get("run:progress", latest=True)
+
+    Values are bytes (callers serialise); keys and subkeys are str, bytes or int.
+    """
+
+    def __init__(self, node: Node, config: DHTConfig, reachability: Reachability | None,
+                 nursery: trio.Nursery) -> None:
+        self.node = node
+        self.config = config
+        self._reachability = reachability
+        self._nursery = nursery
+        self.local_id = DHTID.from_peer(node.peer_id)
+        self.table = RoutingTable(self.local_id, k=config.k)
+        self.storage = config.local_store()
+        #: Values this peer found, for its own reads (a client's only store).
+        self.cache = LocalStore(max_value_size=config.max_value_size, max_keys=10_000,
+                                max_bytes=min(config.max_bytes, 32 * 1024 * 1024),
+                                max_expiration_ahead=config.max_expiration_ahead)
+        self._mine: dict[tuple[bytes, bytes | None], DHTRecord] = {}
+        self._last_republish = time.time()
+        self._pinging: set[ID] = set()
+        self.server = self._wants_server()
+        self._initial = self._initial_peers()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, node: Node, config: DHTConfig | None = None, *,
+                   reachability: Reachability | None = None) -> AsyncIterator[DHT]:
+        """Serve and join the DHT for the duration of the block.
+
+        Raises :class:`DHTBootstrapError` when the node has initial peers but no
+        DHT server answered within ``bootstrap_timeout``.
+        """
+        config = config or DHTConfig()
+        config.validate()
+        with unwrap_single_group():
+            async with trio.open_nursery() as nursery:
+                dht = cls(node, config, reachability, nursery)
+                node.rpc.register_error(wire.BadDHTRequest)
+                node.rpc.add_unary(wire.FIND, pb.FindRequest, dht._on_find)
+                node.rpc.add_unary(wire.STORE, pb.StoreRequest, dht._on_store)
+                try:
+                    await dht.bootstrap()
+                    nursery.start_soon(dht._maintain)
+                    if config.mode == "auto" and reachability is not None:
+                        nursery.start_soon(dht._follow_reachability)
+                    yield dht
+                finally:
+                    node.rpc.remove(wire.FIND)
+                    node.rpc.remove(wire.STORE)
+                    nursery.cancel_scope.cancel()
+
+    def _initial_peers(self) -> list[ID]:
+        out = []
+        for a in self.node.config.initial_peers:
+            _, peer_id = parse_peer_addr(a, what="initial peer")
+            if peer_id != self.node.peer_id:
+                out.append(peer_id)
+        return out
+
+    def _wants_server(self) -> bool:
+        if self.config.mode != "auto":
+            return self.config.mode == "server"
+        return self._reachability is None or self._reachability.reachability == "public"
+
+    def set_mode(self, server: bool, reason: str) -> None:
+        """Serve (or stop serving) others; peers learn it from our next calls."""
+        if server != self.server:
+            self.server = server
+            self.node.emit(ev.DHTModeChanged(mode="server" if server else "client", reason=reason))
+
+    async def _follow_reachability(self) -> None:
+        assert self._reachability is not None
+        async with self.node.events() as events:
+            self.set_mode(self._wants_server(), f"reachability is {self._reachability.reachability}")
+            async for event in events:
+                if event.event == "reachability":
+                    self.set_mode(self._wants_server(), f"reachability is {self._reachability.reachability}")
+
+    async def bootstrap(self) -> None:
+        """Join through the initial peers (and whoever we are connected to): ping, then look ourselves up.
+
+        Retries until ``bootstrap_timeout``: initial peers may be starting their DHT
+        right now. A node with no initial peers starts a new DHT, and says so.
+        """
+        started = time.perf_counter()
+        deadline = trio.current_time() + self.config.bootstrap_timeout
+        delay = 0.2
+        while True:
+            seeds = list(dict.fromkeys(self._initial + self.node.connected_peers()))
+            async with trio.open_nursery() as nursery:
+                for peer in seeds:
+                    nursery.start_soon(self._ping, peer)
+            if len(self.table) > 0 or not self._initial:
+                break
+            if trio.current_time() + delay > deadline:
+                raise DHTBootstrapError(
+                    f"none of the {len(self._initial)} initial peers (nor the {len(seeds)} peers we are connected to) "
+                    f"answered as a DHT server within {self.config.bootstrap_timeout:g}s; refusing to start a "
+                    "separate DHT: check that the initial peers run the DHT and are publicly reachable")
+            await trio.sleep(delay)
+            delay = min(2 * delay, 2.0)
+        if len(self.table):
+            await self._refresh(self.local_id, *[self.table.random_id_in_bucket(i) for i in (255, 254, 253)])
+        else:
+            log.info("DHT: no initial peers, starting a new DHT")
+        self.node.emit(ev.DHTJoined(mode="server" if self.server else "client", peers=len(self.table),
+                                    elapsed=time.perf_counter() - started))
+
+    # ------------------------------------------------------------------ public API
+
+    async def store(self, key: KeyLike, value: bytes, expiration: float, subkey: KeyLike | None = None,
+                    *, timeout: float | None = None) -> bool:
+        """Store ``value`` under ``key`` (or its ``subkey``) until ``expiration`` (unix seconds).
+
+        Keys made with :func:`owned` for this peer are signed with its key.
+        Returns whether some replica took it: False when none was reachable, or
+        when they hold a copy as new or newer (the newer expiration wins). Raises :class:`StoreRejected` when the
+        record breaks a rule every node applies, or when every replica that
+        answered refused it (the replicas' reasons are in the message).
+        """
+        rec = self.make_record(key, value, expiration, subkey)
+        return (await self.store_many([rec], timeout=timeout))[0]
+
+    def make_record(self, key: KeyLike, value: bytes, expiration: float,
+                    subkey: KeyLike | None = None) -> DHTRecord:
+        """A record ready to store: signed when its key or subkey is owned by this peer."""
+        rec = DHTRecord.make(key, value, expiration, subkey)
+        owners = {owner_of(rec.key), None if rec.subkey is None else owner_of(rec.subkey)} - {None}
+        if owners == {self.node.peer_id}:
+            rec = sign_record(self.node.key_pair.private_key, key, value, expiration, subkey)
+        return rec
+
+    async def store_many(self, records: Sequence[DHTRecord], *, timeout: float | None = None) -> list[bool]:
+        """Store many records, sharing lookups and RPCs; one bool per record as in :meth:`store`."""
+        now = time.time()
+        for rec in records:
+            self.storage.validate(rec, now)  # the rules every replica applies: fail here, clearly
+        for rec in records:
+            self._mine[(rec.key, rec.subkey)] = rec
+        with trio.move_on_after(timeout or self.config.op_timeout):
+            return await self._replicate(records, now)
+        return [False] * len(records)
+
+    async def get(self, key: KeyLike, latest: bool = False, *,
+                  timeout: float | None = None) -> ValueWithExpiration | None:
+        """The value under ``key``, or None if no live one was found.
+
+        ``latest=False`` returns the first copy found (a local one, if any);
+        ``latest=True`` asks every replica and merges: the newest expiration of
+        the plain value, or of each subkey of a dictionary. A dictionary comes
+        back as ``{subkey: ValueWithExpiration}``.
+        """
+        return (await self.get_many([key], latest=latest, timeout=timeout))[key]
+
+    async def get_many(self, keys: Iterable[KeyLike], latest: bool = False, *,
+                       timeout: float | None = None) -> dict[KeyLike, ValueWithExpiration | None]:
+        """Many gets in one traversal (shared RPCs). For Learning@home's expert lookup,
+        store each prefix of an expert uid as a dictionary key whose subkeys are the
+        next coordinate, then ``get_many`` every prefix of a layer at once."""
+        wanted = {key: DHTKey.encode(key) for key in keys}
+        now = time.time()
+        result: dict[KeyLike, ValueWithExpiration | None] = {}
+        searches: dict[KeyLike, _Search] = {}
+        for key, raw in wanted.items():
+            if not latest:
+                local = self._local_value(raw, now)
+                if local is not None:
+                    result[key] = local
+                    continue
+            parallel = max(self.config.alpha, self.config.replicas) if latest else None
+            search = _Search(self._lookup(DHTID.from_key(raw), self.config.replicas, parallel=parallel), raw,
+                             first_found=not latest, found=LocalStore(max_value_size=self.config.max_value_size,
+                                                                      max_expiration_ahead=self.config.max_expiration_ahead))
+            if self.server and search.found is not None:
+                for rec in self.storage.records_at(raw, now):
+                    search.found.store(rec, now)
+            searches[key] = search
+        with trio.move_on_after(timeout or self.config.op_timeout):
+            await self._traverse(list(searches.values()))
+        now = time.time()
+        for key, search in searches.items():
+            assert search.found is not None and search.key is not None
+            value = search.found.found(search.key, now)
+            result[key] = value
+            if value is not None and self.config.cache:
+                self._cache(search, now)
+        return {key: result.get(key) for key in wanted}
+
+    async def find_peers(self, target: int | ID, count: int | None = None) -> list[PeerInfo]:
+        """The servers closest to ``target`` (an id in the key space, or a peer's id)."""
+        t = DHTID.from_peer(target) if isinstance(target, ID) else DHTID(target)
+        search = _Search(self._lookup(t, count or self.config.k))
+        await self._traverse([search])
+        return search.lookup.result()
+
+    # ------------------------------------------------------------------ serving
+
+    def _sender(self) -> pb.Sender:
+        if not self.server:
+            return pb.Sender(server=False)
+        return pb.Sender(server=True, addrs=wire.encode_addrs(a for a in self.node.addrs if not is_relayed(a)))
+
+    async def _on_find(self, request: pb.FindRequest, ctx: CallContext) -> pb.FindResponse:
+        try:
+            wire.check_batch(len(request.queries), "queries")
+            targets = [wire.query_target(q) for q in request.queries]
+            for q in request.queries:
+                if q.key:
+                    DHTKey.decode(q.key)
+        except (wire.ProtocolViolation, DHTError) as e:
+            raise wire.BadDHTRequest(str(e)) from None
+        self._admit(ctx.peer_id, request.sender)
+        now = time.time()
+        budget = self.node.config.max_message_size // 2
+        response = pb.FindResponse(server=self.server)
+        for query, target in zip(request.queries, targets):
+            result = response.results.add()
+            result.closer.extend(wire.peer_entry(c) for c in self.table.nearest(target, exclude=[ctx.peer_id]))
+            if query.key and self.server:
+                for rec in self.storage.records_at(query.key, now):
+                    if rec.size > budget:
+                        result.truncated = True
+                        continue
+                    budget -= rec.size
+                    result.records.append(rec.to_pb())
+        return response
+
+    async def _on_store(self, request: pb.StoreRequest, ctx: CallContext) -> pb.StoreResponse:
+        try:
+            wire.check_batch(len(request.records), "records")
+        except wire.ProtocolViolation as e:
+            raise wire.BadDHTRequest(str(e)) from None
+        self._admit(ctx.peer_id, request.sender)
+        now = time.time()
+        response = pb.StoreResponse(server=self.server)
+        for raw in request.records:
+            result = response.results.add()
+            if not self.server:
+                result.status, result.error = pb.StoreResult.REJECTED, "this peer is a DHT client and stores nothing"
+                continue
+            try:
+                stored = self.storage.store(DHTRecord.from_pb(raw), now, origin=ctx.peer_id)
+            except DHTError as e:
+                result.status, result.error = pb.StoreResult.REJECTED, str(e)
+            else:
+                result.status = pb.StoreResult.STORED if stored else pb.StoreResult.STALE
+        return response
+
+    def _admit(self, peer_id: ID, sender: pb.Sender) -> None:
+        """Route to a caller only if it says it serves and came over a direct connection from where it claims to listen."""
+        if not sender.server:
+            return
+        conn = live_connection(self.node.network, peer_id)
+        if conn is None:
+            return
+        observed = remote_addr(conn)
+        if is_relayed(observed):
+            return
+        addrs = wire.same_host(wire.decode_addrs(sender.addrs, direct_only=True), observed)
+        if addrs:
+            self._add_contact(peer_id, addrs, ip_group(observed))
+
+    def _add_contact(self, peer_id: ID, addrs: Sequence[Multiaddr], group: str | None) -> None:
+        result = self.table.add(peer_id, addrs=addrs, ip_group=group, now=time.time())
+        if result.status is AddStatus.ADDED:
+            self.node.add_addrs(peer_id, addrs)
+            if self.server and len(self.storage):
+                self._nursery.start_soon(self._hand_over, [peer_id])
+        elif result.status is AddStatus.CACHED and result.ping_candidate is not None:
+            oldest = result.ping_candidate.peer_id
+            if oldest not in self._pinging:
+                self._pinging.add(oldest)
+                self._nursery.start_soon(self._check_oldest, oldest)
+
+    async def _check_oldest(self, peer_id: ID) -> None:
+        """Kademlia's rule for a full bucket: the oldest contact stays if it still answers."""
+        try:
+            if not await self._ping(peer_id):
+                self.table.remove(peer_id)  # promotes the newest replacement
+        finally:
+            self._pinging.discard(peer_id)
+
+    # ------------------------------------------------------------------ calling
+
+    async def _ping(self, peer_id: ID) -> bool:
+        """A find of our own id: proves the peer is alive, tells us whether it serves, and learns its table."""
+        response = await self._find(PeerInfo(peer_id), [wire.target_query(self.local_id)])
+        return response is not None
+
+    async def _find(self, peer: PeerInfo, queries: list[pb.Query]) -> pb.FindResponse | None:
+        if peer.addrs:
+            self.node.add_addrs(peer.peer_id, peer.addrs)
+        request = pb.FindRequest(sender=self._sender(), queries=queries)
+        try:
+            response = await self.node.rpc.call(peer.peer_id, wire.FIND, request, pb.FindResponse,
+                                                timeout=self.config.rpc_timeout)
+        except (RpcError, DedlocError) as e:
+            log.debug("DHT find on %s failed: %s", peer.peer_id, e)
+            self.table.mark_failed(peer.peer_id)
+            return None
+        if len(response.results) != len(queries):
+            log.debug("DHT find on %s: %d results for %d queries", peer.peer_id, len(response.results), len(queries))
+            self.table.mark_failed(peer.peer_id)
+            return None
+        self._answered(peer.peer_id, response.server)
+        return response
+
+    def _answered(self, peer_id: ID, server: bool) -> None:
+        if not server:
+            self.table.remove(peer_id)
+            return
+        if peer_id in self.table:
+            self.table.mark_seen(peer_id, time.time())
+            return
+        conn = live_connection(self.node.network, peer_id)
+        if conn is None or is_relayed(remote_addr(conn)):
+            return  # reached through a relay: not a server anyone could dial
+        addrs = [a for a in self.node.known_addrs(peer_id) if not is_relayed(a)][: wire.MAX_ADDRS]
+        if addrs:
+            self._add_contact(peer_id, addrs, ip_group(remote_addr(conn)))
+
+    async def _store_at(self, peer_id: ID, records: Sequence[DHTRecord]) -> list[pb.StoreResult] | None:
+        out: list[pb.StoreResult] = []
+        for start in range(0, len(records), wire.MAX_BATCH):
+            chunk = records[start:start + wire.MAX_BATCH]
+            request = pb.StoreRequest(sender=self._sender(), records=[r.to_pb() for r in chunk])
+            try:
+                response = await self.node.rpc.call(peer_id, wire.STORE, request, pb.StoreResponse,
+                                                    timeout=self.config.rpc_timeout)
+            except (RpcError, DedlocError) as e:
+                log.debug("DHT store on %s failed: %s", peer_id, e)
+                self.table.mark_failed(peer_id)
+                return None
+            if len(response.results) != len(chunk):
+                self.table.mark_failed(peer_id)
+                return None
+            self._answered(peer_id, response.server)
+            out.extend(response.results)
+        return out
+
+    # ------------------------------------------------------------------ traversal
+
+    def _lookup(self, target: DHTID, width: int, *, parallel: int | None = None) -> Lookup:
+        seeds = [c.info for c in self.table.nearest(target, self.config.k)]
+        self.table.touch(target, time.time())
+        return Lookup(target, width, parallel or self.config.alpha, seeds, local=self.local_id)
+
+    async def _traverse(self, searches: list[_Search]) -> None:
+        """Drive several lookups at once; one RPC per peer per round carries every query for it."""
+        send, receive = trio.open_memory_channel[tuple[PeerInfo, list[_Search], pb.FindResponse | None]](math.inf)
+        in_flight = 0
+
+        async def ask(peer: PeerInfo, batch: list[_Search]) -> None:
+            queries = [pb.Query(key=s.key) if s.key is not None else wire.target_query(s.lookup.target) for s in batch]
+            await send.send((peer, batch, await self._find(peer, queries)))
+
+        def launch(nursery: trio.Nursery) -> int:
+            wanted: dict[ID, tuple[PeerInfo, list[_Search]]] = {}
+            for s in searches:
+                for peer in s.lookup.next_queries():
+                    wanted.setdefault(peer.peer_id, (peer, []))[1].append(s)
+            launched = 0
+            for peer, batch in wanted.values():
+                for start in range(0, len(batch), wire.MAX_BATCH):
+                    nursery.start_soon(ask, peer, batch[start:start + wire.MAX_BATCH])
+                    launched += 1
+            return launched
+
+        async with trio.open_nursery() as nursery:
+            in_flight += launch(nursery)
+            while in_flight:
+                peer, batch, response = await receive.receive()
+                in_flight -= 1
+                for i, search in enumerate(batch):
+                    if response is None:
+                        search.lookup.on_failure(peer.peer_id)
+                    else:
+                        self._take(search, peer, response.results[i])
+                in_flight += launch(nursery)
+            nursery.cancel_scope.cancel()
+
+    def _take(self, search: _Search, peer: PeerInfo, result: pb.FindResult) -> None:
+        search.lookup.on_response(peer.peer_id, wire.decode_peers(result.closer, self.config.k))
+        if search.key is None or search.found is None:
+            return
+        now = time.time()
+        held = False
+        for raw in result.records[: self.storage.max_subkeys_per_key]:
+            try:
+                rec = DHTRecord.from_pb(raw)
+                if rec.key != search.key:
+                    continue  # an answer to a question we did not ask
+                search.found.store(rec, now)  # every rule a store applies, signatures included
+                held = True
+            except DHTError as e:
+                log.debug("DHT: dropped a bad record from %s: %s", peer.peer_id, e)
+        if held:
+            search.holders.add(peer.peer_id)
+            if search.first_found:
+                search.lookup.stop()
+        else:
+            search.lacking.append(peer)
+
+    async def _refresh(self, *targets: DHTID) -> None:
+        """Node lookups that fill and refresh the table (ourselves: our neighbourhood)."""
+        await self._traverse([_Search(self._lookup(t, self.config.k)) for t in targets])
+
+    # ------------------------------------------------------------------ replication
+
+    def _local_value(self, raw: bytes, now: float) -> ValueWithExpiration | None:
+        if self.server:
+            value = self.storage.found(raw, now)
+            if value is not None:
+                return value
+        return self.cache.found(raw, now)
+
+    async def _replicate(self, records: Sequence[DHTRecord], now: float) -> list[bool]:
+        by_key: dict[bytes, list[int]] = defaultdict(list)
+        for i, rec in enumerate(records):
+            by_key[rec.key].append(i)
+        # All `replicas` closest must answer anyway: ask that many at once (one round when the table knows them).
+        parallel = max(self.config.alpha, self.config.replicas)
+        searches = {key: _Search(self._lookup(DHTID.from_key(key), self.config.replicas, parallel=parallel))
+                    for key in by_key}
+        await self._traverse(list(searches.values()))
+        stored = [False] * len(records)
+        stale = [False] * len(records)
+        errors: dict[int, list[str]] = defaultdict(list)
+        plan: dict[ID, list[int]] = defaultdict(list)
+        for key, search in searches.items():
+            replicas = search.lookup.result()[: self.config.replicas]
+            for peer in replicas:
+                plan[peer.peer_id].extend(by_key[key])
+            if self.server and self._among_closest(DHTID.from_key(key), replicas):
+                for i in by_key[key]:
+                    try:
+                        if self.storage.store(records[i], now):
+                            stored[i] = True
+                        else:
+                            stale[i] = True
+                    except StoreRejected as e:
+                        errors[i].append(f"{self.node.peer_id} (local): {e}")
+
+        async def one(peer_id: ID, indexes: list[int]) -> None:
+            results = await self._store_at(peer_id, [records[i] for i in indexes])
+            for i, result in zip(indexes, results or []):
+                if result.status == pb.StoreResult.REJECTED:
+                    errors[i].append(f"{peer_id}: {result.error}")
+                elif result.status == pb.StoreResult.STORED:
+                    stored[i] = True
+                else:
+                    stale[i] = True  # it already holds this or a newer copy
+
+        async with trio.open_nursery() as nursery:
+            for peer_id, indexes in plan.items():
+                nursery.start_soon(one, peer_id, indexes)
+        for i, ok in enumerate(stored):
+            if not ok and not stale[i] and errors[i]:
+                raise StoreRejected(f"every replica refused the record: {'; '.join(errors[i][:3])}")
+        return stored
+
+    def _among_closest(self, target: DHTID, replicas: Sequence[PeerInfo]) -> bool:
+        if len(replicas) < self.config.replicas:
+            return True
+        return int(self.local_id) ^ int(target) < int(replicas[-1].dht_id) ^ int(target)
+
+    def _cache(self, search: _Search, now: float) -> None:
+        assert search.found is not None and search.key is not None
+        records = search.found.records_at(search.key, now)
+        for rec in records:
+            try:
+                self.cache.store(rec, now)
+            except DHTError:
+                pass
+        if search.lacking and search.holders:
+            nearest = min(search.lacking, key=lambda p: int(p.dht_id) ^ int(search.lookup.target))
+            self._nursery.start_soon(self._store_at, nearest.peer_id, records)
+
+    async def _hand_over(self, peers: Sequence[ID], *, only_new: bool = True) -> None:
+        """Send our records to those of ``peers`` now among their keys' closest servers.
+
+        Runs when a server joins (it may be closer to our keys than some
+        replicas) and on republish; duplicates are harmless (the newer expiration wins).
+        """
+        now = time.time()
+        plan: dict[ID, list[DHTRecord]] = defaultdict(list)
+        wanted = set(peers)
+        for key in self.storage.keys()[:50_000]:
+            target = int(DHTID.from_key(key))
+            others = self.table.nearest(target, self.config.replicas)
+            mine = int(self.local_id) ^ target
+            closer = [c for c in others if int(c.dht_id) ^ target < mine]
+            if len(closer) >= self.config.replicas:
+                continue  # we are no longer a replica: not ours to spread
+            records = self.storage.records_at(key, now)
+            for contact in others[: self.config.replicas - 1]:
+                if contact.peer_id in wanted:
+                    plan[contact.peer_id].extend(records)
+        async with trio.open_nursery() as nursery:
+            for peer_id, records in plan.items():
+                nursery.start_soon(self._store_at, peer_id, records)
+
+    # ------------------------------------------------------------------ maintenance
+
+    async def _maintain(self) -> None:
+        while True:
+            await trio.sleep(self.config.maintenance_interval)
+            now = time.time()
+            self.storage.expire(now)
+            self.cache.expire(now)
+            self._mine = {k: r for k, r in self._mine.items() if r.expiration > now}
+            if not len(self.table) and self._initial:
+                self.node.emit(ev.DHTIsolated(initial_peers=len(self._initial)))
+                for peer in self._initial:
+                    with trio.move_on_after(self.config.rpc_timeout * 2):
+                        try:
+                            await self.node.connect(peer)
+                        except DedlocError:
+                            continue
+                    await self._ping(peer)
+            stale = self.table.stale_buckets(now, self.config.refresh_interval)[:8]
+            if stale:
+                await self._refresh(*stale)
+            if now - self._last_republish >= self.config.republish_interval:
+                self._last_republish = now
+                if self._mine:
+                    with trio.move_on_after(self.config.op_timeout):
+                        await self._replicate(list(self._mine.values()), now)
+                if self.server:
+                    await self._hand_over([c.peer_id for c in self.table])
+
+    # ------------------------------------------------------------------ introspection
+
+    def stats(self) -> dict[str, object]:
+        """What ``dedloc status`` and tests look at."""
+        return {
+            "mode": "server" if self.server else "client",
+            "routing_table": len(self.table),
+            "keys": len(self.storage),
+            "bytes": self.storage.bytes_used,
+            "cached_keys": len(self.cache),
+            "own_records": len(self._mine),
+        }
+
