@@ -41,7 +41,7 @@ from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
 from .. import events as ev
-from ..addresses import is_relayed, parse_peer_addr
+from ..addresses import is_relayed, parse_peer_addr, without_peer_id
 from ..dialer import live_connection, remote_addr
 from ..errors import ConfigError, DedlocError
 from ..node import Node
@@ -66,6 +66,8 @@ from .routing import AddStatus, DHTID, Lookup, PeerInfo, RoutingTable, ip_group
 log = logging.getLogger(__name__)
 
 Mode = Literal["auto", "server", "client"]
+#: Seconds our own listen addresses, as sent with each call, are reused before being recomputed.
+SENDER_TTL = 5.0
 
 
 class DHTBootstrapError(DHTError):
@@ -172,6 +174,7 @@ class DHT:
         self._mine: dict[tuple[bytes, bytes | None], DHTRecord] = {}
         self._last_republish = time.time()
         self._pinging: set[ID] = set()
+        self._sender_cache: tuple[float, pb.Sender] | None = None
         self.server = self._wants_server()
         self._initial = self._initial_peers()
 
@@ -354,7 +357,12 @@ class DHT:
     def _sender(self) -> pb.Sender:
         if not self.server:
             return pb.Sender(server=False)
-        return pb.Sender(server=True, addrs=wire.encode_addrs(a for a in self.node.addrs if not is_relayed(a)))
+        now = time.monotonic()
+        if self._sender_cache is None or now - self._sender_cache[0] > SENDER_TTL:
+            # Cached: computing the node's addresses cost a tenth of a lookup's CPU.
+            addrs = wire.encode_addrs(without_peer_id(a) for a in self.node.addrs if not is_relayed(a))
+            self._sender_cache = (now, pb.Sender(server=True, addrs=addrs))
+        return self._sender_cache[1]
 
     async def _on_find(self, request: pb.FindRequest, ctx: CallContext) -> pb.FindResponse:
         try:
@@ -371,7 +379,6 @@ class DHT:
         response = pb.FindResponse(server=self.server)
         for query, target in zip(request.queries, targets):
             result = response.results.add()
-            result.closer.extend(wire.peer_entry(c) for c in self.table.nearest(target, exclude=[ctx.peer_id]))
             if query.key and self.server:
                 for rec in self.storage.records_at(query.key, now):
                     if rec.size > budget:
@@ -379,6 +386,8 @@ class DHT:
                         continue
                     budget -= rec.size
                     result.records.append(rec.to_pb())
+            if not (query.first_copy and result.records):
+                result.closer.extend(wire.peer_entry(c) for c in self.table.nearest(target, exclude=[ctx.peer_id]))
         return response
 
     async def _on_store(self, request: pb.StoreRequest, ctx: CallContext) -> pb.StoreResponse:
@@ -405,6 +414,9 @@ class DHT:
     def _admit(self, peer_id: ID, sender: pb.Sender) -> None:
         """Route to a caller only if it says it serves and came over a direct connection from where it claims to listen."""
         if not sender.server:
+            return
+        if peer_id in self.table:
+            self.table.mark_seen(peer_id, time.time())
             return
         conn = live_connection(self.node.network, peer_id)
         if conn is None:
@@ -444,7 +456,7 @@ class DHT:
         return response is not None
 
     async def _find(self, peer: PeerInfo, queries: list[pb.Query]) -> pb.FindResponse | None:
-        if peer.addrs:
+        if peer.addrs and live_connection(self.node.network, peer.peer_id) is None:
             self.node.add_addrs(peer.peer_id, peer.addrs)
         request = pb.FindRequest(sender=self._sender(), queries=queries)
         try:
@@ -502,15 +514,25 @@ class DHT:
         return Lookup(target, width, parallel or self.config.alpha, seeds, local=self.local_id)
 
     async def _traverse(self, searches: list[_Search]) -> None:
-        """Drive several lookups at once; one RPC per peer per round carries every query for it."""
+        """Drive several lookups at once; one RPC per peer per round carries every query for it.
+
+        Returns as soon as every lookup is done. Calls still under way then (a
+        reader stopped at the first copy) finish in the background instead of
+        being cancelled: cancelling resets their streams, and the next calls to
+        those peers would pay for opening new ones.
+        """
         send, receive = trio.open_memory_channel[tuple[PeerInfo, list[_Search], pb.FindResponse | None]](math.inf)
-        in_flight = 0
 
         async def ask(peer: PeerInfo, batch: list[_Search]) -> None:
-            queries = [pb.Query(key=s.key) if s.key is not None else wire.target_query(s.lookup.target) for s in batch]
-            await send.send((peer, batch, await self._find(peer, queries)))
+            queries = [pb.Query(key=s.key, first_copy=s.first_found) if s.key is not None
+                       else wire.target_query(s.lookup.target) for s in batch]
+            response = await self._find(peer, queries)
+            try:
+                send.send_nowait((peer, batch, response))
+            except trio.ClosedResourceError:
+                pass  # the traversal is over
 
-        def launch(nursery: trio.Nursery) -> int:
+        def launch() -> int:
             wanted: dict[ID, tuple[PeerInfo, list[_Search]]] = {}
             for s in searches:
                 for peer in s.lookup.next_queries():
@@ -518,13 +540,13 @@ class DHT:
             launched = 0
             for peer, batch in wanted.values():
                 for start in range(0, len(batch), wire.MAX_BATCH):
-                    nursery.start_soon(ask, peer, batch[start:start + wire.MAX_BATCH])
+                    self._nursery.start_soon(ask, peer, batch[start:start + wire.MAX_BATCH])
                     launched += 1
             return launched
 
-        async with trio.open_nursery() as nursery:
-            in_flight += launch(nursery)
-            while in_flight:
+        with receive:
+            in_flight = launch()
+            while in_flight and not all(s.lookup.done for s in searches):
                 peer, batch, response = await receive.receive()
                 in_flight -= 1
                 for i, search in enumerate(batch):
@@ -532,29 +554,31 @@ class DHT:
                         search.lookup.on_failure(peer.peer_id)
                     else:
                         self._take(search, peer, response.results[i])
-                in_flight += launch(nursery)
-            nursery.cancel_scope.cancel()
+                in_flight += launch()
+            send.close()
 
     def _take(self, search: _Search, peer: PeerInfo, result: pb.FindResult) -> None:
-        search.lookup.on_response(peer.peer_id, wire.decode_peers(result.closer, self.config.k))
-        if search.key is None or search.found is None:
-            return
-        now = time.time()
         held = False
-        for raw in result.records[: self.storage.max_subkeys_per_key]:
-            try:
-                rec = DHTRecord.from_pb(raw)
-                if rec.key != search.key:
-                    continue  # an answer to a question we did not ask
-                search.found.store(rec, now)  # every rule a store applies, signatures included
-                held = True
-            except DHTError as e:
-                log.debug("DHT: dropped a bad record from %s: %s", peer.peer_id, e)
+        if search.key is not None and search.found is not None:
+            now = time.time()
+            for raw in result.records[: self.storage.max_subkeys_per_key]:
+                try:
+                    rec = DHTRecord.from_pb(raw)
+                    if rec.key != search.key:
+                        continue  # an answer to a question we did not ask
+                    search.found.store(rec, now)  # every rule a store applies, signatures included
+                    held = True
+                except DHTError as e:
+                    log.debug("DHT: dropped a bad record from %s: %s", peer.peer_id, e)
+        if held and search.first_found:
+            search.holders.add(peer.peer_id)
+            search.lookup.on_response(peer.peer_id, ())
+            search.lookup.stop()
+            return
+        search.lookup.on_response(peer.peer_id, wire.decode_peers(result.closer, self.config.k))
         if held:
             search.holders.add(peer.peer_id)
-            if search.first_found:
-                search.lookup.stop()
-        else:
+        elif search.key is not None:
             search.lacking.append(peer)
 
     async def _refresh(self, *targets: DHTID) -> None:

@@ -13,6 +13,7 @@ Regenerate the checked-in code after editing the schema with ``make proto``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from functools import lru_cache
 
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
@@ -52,15 +53,35 @@ def decode_addrs(raw: Sequence[bytes], *, direct_only: bool = False) -> tuple[Mu
     """Parse at most ``MAX_ADDRS`` addresses; unparseable ones are dropped, not fatal."""
     out: list[Multiaddr] = []
     for b in raw[:MAX_ADDRS]:
-        try:
-            addr = Multiaddr(bytes(b))
-            str(addr)  # py-multiaddr parses lazily: force it
-        except Exception:
-            continue
-        if direct_only and is_relayed(addr):
+        addr = _addr(bytes(b))
+        if addr is None or (direct_only and is_relayed(addr)):
             continue
         out.append(addr)
     return tuple(out)
+
+
+@lru_cache(maxsize=16384)
+def _addr(raw: bytes) -> Multiaddr | None:
+    # Cached: every reply repeats the same few hundred addresses, and py-multiaddr
+    # parsing (base58 of embedded peer ids included) dominated a lookup's CPU.
+    try:
+        addr = Multiaddr(raw)
+        str(addr)  # py-multiaddr parses lazily: force it
+    except Exception:
+        return None
+    return addr
+
+
+@lru_cache(maxsize=16384)
+def _peer_id(raw: bytes) -> ID | None:
+    if not 0 < len(raw) <= MAX_PEER_ID:
+        return None
+    try:
+        peer_id = ID(raw)
+        peer_id.to_base58()
+    except Exception:
+        return None
+    return peer_id
 
 
 def peer_entry(contact: Contact) -> pb.PeerEntry:
@@ -71,14 +92,9 @@ def decode_peers(entries: Sequence[pb.PeerEntry], limit: int) -> list[PeerInfo]:
     """The first ``limit`` well-formed entries of a reply as :class:`PeerInfo` (ids re-derived)."""
     out: list[PeerInfo] = []
     for entry in entries[:limit]:
-        if not 0 < len(entry.peer_id) <= MAX_PEER_ID:
-            continue
-        try:
-            peer_id = ID(bytes(entry.peer_id))
-            peer_id.to_base58()
-        except Exception:
-            continue
-        out.append(PeerInfo(peer_id, decode_addrs(entry.addrs, direct_only=True)))
+        peer_id = _peer_id(bytes(entry.peer_id))
+        if peer_id is not None:
+            out.append(PeerInfo(peer_id, decode_addrs(entry.addrs, direct_only=True)))
     return out
 
 

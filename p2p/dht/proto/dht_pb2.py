@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from p2p.dht.proto import records_pb2 as p2p_dot_dht_dot_proto_dot_records__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17p2p/dht/proto/dht.proto\x12\ndedloc.dht\x1a\x1bp2p/dht/proto/records.proto\"+\n\tPeerEntry\x12\x0f\n\x07peer_id\x18\x01 \x01(\x0c\x12\r\n\x05\x61\x64\x64rs\x18\x02 \x03(\x0c\"\'\n\x06Sender\x12\x0e\n\x06server\x18\x01 \x01(\x08\x12\r\n\x05\x61\x64\x64rs\x18\x02 \x03(\x0c\"$\n\x05Query\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06target\x18\x02 \x01(\x0c\"U\n\x0b\x46indRequest\x12\"\n\x06sender\x18\x01 \x01(\x0b\x32\x12.dedloc.dht.Sender\x12\"\n\x07queries\x18\x02 \x03(\x0b\x32\x11.dedloc.dht.Query\"n\n\nFindResult\x12&\n\x07records\x18\x01 \x03(\x0b\x32\x15.dedloc.dht.DHTRecord\x12%\n\x06\x63loser\x18\x02 \x03(\x0b\x32\x15.dedloc.dht.PeerEntry\x12\x11\n\ttruncated\x18\x03 \x01(\x08\"G\n\x0c\x46indResponse\x12\'\n\x07results\x18\x01 \x03(\x0b\x32\x16.dedloc.dht.FindResult\x12\x0e\n\x06server\x18\x02 \x01(\x08\"Z\n\x0cStoreRequest\x12\"\n\x06sender\x18\x01 \x01(\x0b\x32\x12.dedloc.dht.Sender\x12&\n\x07records\x18\x02 \x03(\x0b\x32\x15.dedloc.dht.DHTRecord\"{\n\x0bStoreResult\x12.\n\x06status\x18\x01 \x01(\x0e\x32\x1e.dedloc.dht.StoreResult.Status\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"-\n\x06Status\x12\n\n\x06STORED\x10\x00\x12\t\n\x05STALE\x10\x01\x12\x0c\n\x08REJECTED\x10\x02\"I\n\rStoreResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.dedloc.dht.StoreResult\x12\x0e\n\x06server\x18\x02 \x01(\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17p2p/dht/proto/dht.proto\x12\ndedloc.dht\x1a\x1bp2p/dht/proto/records.proto\"+\n\tPeerEntry\x12\x0f\n\x07peer_id\x18\x01 \x01(\x0c\x12\r\n\x05\x61\x64\x64rs\x18\x02 \x03(\x0c\"\'\n\x06Sender\x12\x0e\n\x06server\x18\x01 \x01(\x08\x12\r\n\x05\x61\x64\x64rs\x18\x02 \x03(\x0c\"8\n\x05Query\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06target\x18\x02 \x01(\x0c\x12\x12\n\nfirst_copy\x18\x03 \x01(\x08\"U\n\x0b\x46indRequest\x12\"\n\x06sender\x18\x01 \x01(\x0b\x32\x12.dedloc.dht.Sender\x12\"\n\x07queries\x18\x02 \x03(\x0b\x32\x11.dedloc.dht.Query\"n\n\nFindResult\x12&\n\x07records\x18\x01 \x03(\x0b\x32\x15.dedloc.dht.DHTRecord\x12%\n\x06\x63loser\x18\x02 \x03(\x0b\x32\x15.dedloc.dht.PeerEntry\x12\x11\n\ttruncated\x18\x03 \x01(\x08\"G\n\x0c\x46indResponse\x12\'\n\x07results\x18\x01 \x03(\x0b\x32\x16.dedloc.dht.FindResult\x12\x0e\n\x06server\x18\x02 \x01(\x08\"Z\n\x0cStoreRequest\x12\"\n\x06sender\x18\x01 \x01(\x0b\x32\x12.dedloc.dht.Sender\x12&\n\x07records\x18\x02 \x03(\x0b\x32\x15.dedloc.dht.DHTRecord\"{\n\x0bStoreResult\x12.\n\x06status\x18\x01 \x01(\x0e\x32\x1e.dedloc.dht.StoreResult.Status\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"-\n\x06Status\x12\n\n\x06STORED\x10\x00\x12\t\n\x05STALE\x10\x01\x12\x0c\n\x08REJECTED\x10\x02\"I\n\rStoreResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.dedloc.dht.StoreResult\x12\x0e\n\x06server\x18\x02 \x01(\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,19 +37,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SENDER']._serialized_start=113
   _globals['_SENDER']._serialized_end=152
   _globals['_QUERY']._serialized_start=154
-  _globals['_QUERY']._serialized_end=190
-  _globals['_FINDREQUEST']._serialized_start=192
-  _globals['_FINDREQUEST']._serialized_end=277
-  _globals['_FINDRESULT']._serialized_start=279
-  _globals['_FINDRESULT']._serialized_end=389
-  _globals['_FINDRESPONSE']._serialized_start=391
-  _globals['_FINDRESPONSE']._serialized_end=462
-  _globals['_STOREREQUEST']._serialized_start=464
-  _globals['_STOREREQUEST']._serialized_end=554
-  _globals['_STORERESULT']._serialized_start=556
-  _globals['_STORERESULT']._serialized_end=679
-  _globals['_STORERESULT_STATUS']._serialized_start=634
-  _globals['_STORERESULT_STATUS']._serialized_end=679
-  _globals['_STORERESPONSE']._serialized_start=681
-  _globals['_STORERESPONSE']._serialized_end=754
+  _globals['_QUERY']._serialized_end=210
+  _globals['_FINDREQUEST']._serialized_start=212
+  _globals['_FINDREQUEST']._serialized_end=297
+  _globals['_FINDRESULT']._serialized_start=299
+  _globals['_FINDRESULT']._serialized_end=409
+  _globals['_FINDRESPONSE']._serialized_start=411
+  _globals['_FINDRESPONSE']._serialized_end=482
+  _globals['_STOREREQUEST']._serialized_start=484
+  _globals['_STOREREQUEST']._serialized_end=574
+  _globals['_STORERESULT']._serialized_start=576
+  _globals['_STORERESULT']._serialized_end=699
+  _globals['_STORERESULT_STATUS']._serialized_start=654
+  _globals['_STORERESULT_STATUS']._serialized_end=699
+  _globals['_STORERESPONSE']._serialized_start=701
+  _globals['_STORERESPONSE']._serialized_end=774
 # @@protoc_insertion_point(module_scope)

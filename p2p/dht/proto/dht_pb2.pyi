@@ -85,21 +85,27 @@ class Query(_message.Message):
 
     KEY_FIELD_NUMBER: _builtins.int
     TARGET_FIELD_NUMBER: _builtins.int
+    FIRST_COPY_FIELD_NUMBER: _builtins.int
     key: _builtins.bytes
     """Canonical key bytes: the answer carries the key's records and the nodes
     closest to sha256(key)...
     """
     target: _builtins.bytes
     """...or, when key is empty, a 32-byte target id: closest nodes only."""
+    first_copy: _builtins.bool
+    """A reader that takes the first copy it finds: when records are returned,
+    closer peers are left out (they would only be parsed and dropped).
+    """
     def __init__(
         self,
         *,
         key: _builtins.bytes = ...,
         target: _builtins.bytes = ...,
+        first_copy: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "target", b"target"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_copy", b"first_copy", "key", b"key", "target", b"target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
