@@ -12,6 +12,7 @@ import json
 import logging
 import signal
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import trio
 from . import events as ev
 from .addresses import parse_peer_addr
 from .config import NodeConfig
+from .dht import DHT, DHTConfig
 from .errors import DedlocError
 from .identity import default_identity_path, load_or_create_identity, peer_id_of
 from .node import Node
@@ -184,7 +186,7 @@ def _nat_config(args: argparse.Namespace, *, relay: bool) -> Any:
     )
 
 
-def _serve_status(node: Node, nat: Any) -> None:
+def _serve_status(node: Node, nat: Any, dht: DHT | None = None) -> None:
     """Answer ``dedloc status``: the funnel, to callers on this machine only."""
     from google.protobuf.empty_pb2 import Empty
     from google.protobuf.struct_pb2 import Struct
@@ -199,6 +201,8 @@ def _serve_status(node: Node, nat: Any) -> None:
             raise RemoteError("status is only served to this machine", code=STATUS_REFUSED)
         reply = Struct()
         reply.update({"peer_id": str(node.peer_id), "peers": len(node.connected_peers()), **nat.metrics()})
+        if dht is not None:
+            reply.update({f"dht_{k}": v for k, v in dht.stats().items()})
         return reply
 
     node.rpc.add_unary(STATUS_METHOD, Empty, status)
@@ -215,14 +219,20 @@ async def _run_node(args: argparse.Namespace, out: Output, *, relay: bool) -> in
             await nursery.start(_follow, node, out)
             async with NatService.attach(node, _nat_config(args, relay=relay)) as nat:
                 out.event(ev.Listening(peer_id=str(node.peer_id), addrs=[str(a) for a in node.addrs]))
-                _serve_status(node, nat)
                 if config.initial_peers:
                     await node.bootstrap()
                 exchange = PeerExchange(node, greeting=getattr(args, "message", None))
                 exchange.serve()
                 if not relay:
                     nursery.start_soon(exchange.run, args.exchange_interval)
-                await _serve(node, out, args.duration, args.status_interval, lambda: node.emit(NatStatus(metrics=nat.metrics())))
+                # A relay is the swarm's bootstrap: it serves the DHT from the start. A peer
+                # serves once AutoNAT confirmed it reachable, and is a client until then.
+                dht_config = DHTConfig(mode="server" if relay else args.dht_mode,
+                                       bootstrap_timeout=config.bootstrap_timeout)
+                async with DHT.open(node, dht_config, reachability=nat) as dht:
+                    _serve_status(node, nat, dht)
+                    await _serve(node, out, args.duration, args.status_interval,
+                                 lambda: node.emit(NatStatus(metrics=nat.metrics())))
         nursery.cancel_scope.cancel()
     return 0
 
@@ -252,6 +262,47 @@ async def cmd_status(args: argparse.Namespace, out: Output) -> int:
         for key, value in metrics.items():
             print(f"{key:<22} {value}")
     return 0
+
+
+async def cmd_dht(args: argparse.Namespace, out: Output) -> int:
+    """One store or get against a running swarm, as a short-lived DHT client."""
+    config = NodeConfig(listen=args.listen or ["/ip4/0.0.0.0/tcp/0"], initial_peers=args.initial_peers,
+                        dial_timeout=args.timeout, bootstrap_timeout=args.timeout)
+    async with Node.open(config) as node:
+        async with DHT.open(node, DHTConfig(mode="client", bootstrap_timeout=args.timeout)) as dht:
+            if args.dht_command == "store":
+                expiration = time.time() + args.ttl
+                ok = await dht.store(args.key, args.value.encode(), expiration, subkey=args.subkey, timeout=args.timeout)
+                out.info(f"stored {args.key!r} until {_when(expiration)}" if ok else
+                         f"not stored: no replica took {args.key!r} (unreachable, or it holds a newer value)",
+                         key=args.key, stored=ok, expiration=expiration)
+                return 0 if ok else 1
+            found = await dht.get(args.key, latest=args.latest, timeout=args.timeout)
+    if found is None:
+        out.info(f"{args.key!r}: not found", key=args.key, found=False)
+        return 1
+    if isinstance(found.value, bytes):
+        out.info(f"{_text(found.value)}  (expires {_when(found.expiration)})", key=args.key, found=True,
+                 value=_text(found.value), expiration=found.expiration)
+    else:
+        entries = {_text(sub) if isinstance(sub, bytes) else str(sub):
+                   {"value": _text(v.value) if isinstance(v.value, bytes) else None, "expiration": v.expiration}
+                   for sub, v in found.value.items()}
+        lines = [f"{sub}: {e['value']}  (expires {_when(float(e['expiration'] or 0))})" for sub, e in entries.items()]
+        out.info("\n".join(lines) or "(no subkeys)", key=args.key, found=True, subkeys=entries)
+    return 0
+
+
+def _text(value: bytes) -> str:
+    """Values are bytes: show them as text when they are UTF-8, else as hex."""
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        return "0x" + value.hex()
+
+
+def _when(expiration: float) -> str:
+    return f"{time.strftime('%H:%M:%S', time.localtime(expiration))}, in {expiration - time.time():.0f}s"
 
 
 async def cmd_ping(args: argparse.Namespace, out: Output) -> int:
@@ -335,8 +386,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exchange-interval", type=float, default=5.0, metavar="SECONDS",
                    help="how often to ask connected peers for more peers (default: %(default)s)")
     p.add_argument("--message", default=None, metavar="TEXT", help="send this greeting to every peer met")
+    p.add_argument("--dht-mode", choices=["auto", "server", "client"], default="auto",
+                   help="serve the DHT (server), only use it (client), or serve once reachable (auto, the default)")
     nat_options(p)
     p.set_defaults(func=cmd_peer)
+
+    p = sub.add_parser("dht", help="store or read a value in a running swarm's DHT (for debugging)",
+                       description="Join the swarm as a short-lived DHT client, do one store or get, and leave.")
+    dht_sub = p.add_subparsers(dest="dht_command", required=True, metavar="ACTION")
+
+    def dht_common(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--initial-peers", nargs="+", required=True, metavar="MULTIADDR",
+                       help="full addresses of swarm members (e.g. the relay), ending in /p2p/<peer-id>")
+        q.add_argument("--timeout", type=float, default=15.0, metavar="SECONDS", help="give up after this long")
+        q.add_argument("--listen", action="append", metavar="MULTIADDR", help=argparse.SUPPRESS)
+        q.add_argument("--json", action="store_true", help="print the result as one JSON object")
+        q.set_defaults(func=cmd_dht)
+
+    q = dht_sub.add_parser("get", help="print the value under KEY (exit 1 if none)")
+    q.add_argument("key", metavar="KEY")
+    q.add_argument("--latest", action="store_true", help="ask every replica and merge, instead of taking the first copy")
+    dht_common(q)
+    q = dht_sub.add_parser("store", help="store VALUE (text) under KEY for --ttl seconds")
+    q.add_argument("key", metavar="KEY")
+    q.add_argument("value", metavar="VALUE")
+    q.add_argument("--ttl", type=float, default=300.0, metavar="SECONDS", help="lifetime of the value (default: %(default)s)")
+    q.add_argument("--subkey", default=None, metavar="SUBKEY", help="store under this subkey of a dictionary key")
+    dht_common(q)
 
     p = sub.add_parser("status", help="print the NAT funnel and reachability of a node running on this machine",
                        description="Ask a `dedloc peer` or `dedloc relay` on this machine (give its 127.0.0.1 address) "

@@ -97,6 +97,10 @@ async def run_demo(*, peers: int, duration: float, out: Any) -> int:
                 say(f"{member.name:>9} slot on relay {names.get(event['relay'], event['relay'][-8:])}: reachable at {event['addrs'][0]}/p2p/…")
             elif kind == "nat_mode":
                 say(f"{member.name:>9} mode {event['mode']}: {event['reason']}")
+            elif kind == "dht_joined":
+                say(f"{member.name:>9} DHT  joined as {event['mode']}, {event['peers']} servers known")
+            elif kind == "dht_mode":
+                say(f"{member.name:>9} DHT  now a {event['mode']}: {event['reason']}")
             elif kind == "error":
                 say(f"{member.name:>9} error: {event['message']}")
             if complete():
@@ -132,7 +136,8 @@ async def run_demo(*, peers: int, duration: float, out: Any) -> int:
                         )
                 with trio.move_on_after(duration):
                     await done.wait()
-                ok = done.is_set()
+                    say(f"swarm formed: {peers + 1} nodes, every peer connected to every other and heard every greeting")
+                    ok = await _dht_round_trip(say, boot_addr)
             finally:
                 for member in members.values():
                     _stop(member.process)
@@ -142,11 +147,22 @@ async def run_demo(*, peers: int, duration: float, out: Any) -> int:
             with trio.CancelScope(shield=True), trio.move_on_after(10):
                 await member.process.wait()
     if ok:
-        say(f"swarm formed: {peers + 1} nodes, every peer connected to every other and heard every greeting")
         return 0
     missing = {m.name: sorted(names.get(p, p) for p in m.connected) for m in members.values()}
     say(f"swarm did not form within {duration:g}s; connections seen: {missing}")
     return 1
+
+
+async def _dht_round_trip(say: _Say, boot_addr: str) -> bool:
+    """Store a value with ``dedloc dht store`` and read it back with ``dedloc dht get``, as a user would."""
+    boot = ["--initial-peers", boot_addr, "--listen", LOOPBACK]
+    stored = await trio.run_process(_command("dht", "store", "demo:greeting", "hello, DHT", "--ttl", "60", *boot),
+                                    capture_stdout=True, capture_stderr=True, check=False)
+    say(f"      dht store demo:greeting → {stored.stdout.decode().strip() or stored.stderr.decode().strip()}")
+    got = await trio.run_process(_command("dht", "get", "demo:greeting", *boot),
+                                 capture_stdout=True, capture_stderr=True, check=False)
+    say(f"      dht get demo:greeting   → {got.stdout.decode().strip() or got.stderr.decode().strip()}")
+    return stored.returncode == 0 and got.returncode == 0 and got.stdout.startswith(b"hello, DHT")
 
 
 def _stop(process: trio.Process) -> None:

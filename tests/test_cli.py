@@ -120,6 +120,36 @@ async def test_relay_and_peer_json_events():
     assert relay.returncode == 0  # SIGTERM is a clean stop
 
 
+async def test_dht_store_and_get_against_a_running_relay():
+    relay = await trio.lowlevel.open_process(
+        [*DEDLOC, "relay", "--json", "--ephemeral", "--listen", "/ip4/127.0.0.1/tcp/0", "--duration", "60"],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        lines = (json.loads(line) async for line in read_lines(relay.stdout))
+        with trio.fail_after(30):
+            first = await anext(lines)
+        boot = ["--initial-peers", first["addrs"][0], "--listen", "/ip4/127.0.0.1/tcp/0"]
+
+        async def dedloc(*args: str) -> subprocess.CompletedProcess[bytes]:
+            with trio.fail_after(60):
+                return await trio.run_process([*DEDLOC, *args, *boot], capture_stdout=True, capture_stderr=True, check=False)
+
+        stored = await dedloc("dht", "store", "greeting", "hello swarm", "--ttl", "60")
+        assert stored.returncode == 0 and b"stored 'greeting'" in stored.stdout, stored.stdout + stored.stderr
+        got = await dedloc("dht", "get", "greeting")
+        assert got.returncode == 0 and got.stdout.startswith(b"hello swarm  (expires "), got.stdout + got.stderr
+        await dedloc("dht", "store", "roster", "here", "--subkey", "alice")
+        got = await dedloc("dht", "get", "roster", "--latest", "--json")
+        assert json.loads(got.stdout)["subkeys"]["alice"]["value"] == "here"
+        missing = await dedloc("dht", "get", "nobody-stored-this", "--json")
+        assert missing.returncode == 1 and json.loads(missing.stdout) == {"key": "nobody-stored-this", "found": False}
+    finally:
+        relay.terminate()
+        with trio.fail_after(20):
+            await relay.wait()
+
+
 def test_demo_forms_a_swarm_and_exits_by_itself():
     result = run("demo", "--peers", "3", "--duration", "90", timeout=150)
     assert result.returncode == 0, result.stdout + result.stderr

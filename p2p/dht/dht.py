@@ -711,7 +711,7 @@ class DHT:
 
     # ------------------------------------------------------------------ introspection
 
-    def stats(self) -> dict[str, object]:
+    def stats(self) -> dict[str, int | str]:
         """What ``dedloc status`` and tests look at."""
         return {
             "mode": "server" if self.server else "client",
