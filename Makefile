@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 APT_PACKAGES := nftables iproute2 miniupnpd-nftables
 
-.PHONY: all venv system-deps interop-deps demo test test-fast bench proto typecheck clean
+.PHONY: all venv system-deps interop-deps demo test test-fast bench bench-dht proto typecheck clean
 
 all: test
 
@@ -50,6 +50,11 @@ bench: venv
 	$(PY) bench/throughput.py
 	$(PY) bench/tensor_roundtrip.py
 	$(PY) bench/quic.py
+
+## DHT latency and reliability, dedloc vs hivemind in one run (hivemind goes into .venv-hivemind).
+bench-dht: venv
+	bash bench/setup_hivemind.sh
+	$(PY) bench/dht.py
 
 ## Regenerate protobuf code (checked in) from every .proto file.
 proto: venv
