@@ -363,3 +363,36 @@ async def test_dead_replicas_cost_one_timeout_and_reads_still_succeed() -> None:
 def test_signed_payload_is_domain_separated() -> None:
     # Why: a DHT signature must never be valid for anything else the key signs.
     assert signed_payload(b"sk", None, b"v", 1.0).startswith(b"dedloc-dht-record")
+
+
+async def test_refresh_fills_a_thin_routing_table() -> None:
+    async with swarm(8, maintenance_interval=0.2, refresh_interval=0.3) as dhts:
+        thin = dhts[5]
+        keep = next(iter(thin.table))
+        for contact in list(thin.table):
+            if contact.peer_id != keep.peer_id:
+                thin.table.remove(contact.peer_id)
+        assert len(thin.table) == 1
+        with trio.fail_after(15):
+            while len(thin.table) < 5:
+                await trio.sleep(0.05)
+
+
+async def test_writers_republish_to_the_servers_now_closest() -> None:
+    """Both replicas of a value die; the writer's republish puts it on the servers now closest."""
+    async with swarm(7, replicas=2, maintenance_interval=0.2, republish_interval=0.5, rpc_timeout=1.0) as dhts:
+        writer = dhts[0]
+        assert await writer.store("survivor", b"v", later())
+        raw = DHTKey.encode("survivor")
+        replicas = [d for d in dhts[1:] if d.storage.records_at(raw, time.time())]
+        assert replicas
+        for dead in replicas:
+            await dead.node.host.close()
+        others = [d for d in dhts[1:] if d not in replicas]
+        with trio.fail_after(20):
+            while not any(d.storage.records_at(raw, time.time()) for d in others):
+                await trio.sleep(0.05)
+        reader = others[-1]
+        reader.cache.expire(later(10_000))
+        found = await reader.get("survivor", latest=True, timeout=10)
+        assert found is not None and found.value == b"v"

@@ -700,14 +700,16 @@ class DHT:
                     await self._ping(peer)
             stale = self.table.stale_buckets(now, self.config.refresh_interval)[:8]
             if stale:
-                await self._refresh(*stale)
+                with trio.move_on_after(self.config.op_timeout):
+                    await self._refresh(*stale)
             if now - self._last_republish >= self.config.republish_interval:
                 self._last_republish = now
                 if self._mine:
                     with trio.move_on_after(self.config.op_timeout):
                         await self._replicate(list(self._mine.values()), now)
                 if self.server:
-                    await self._hand_over([c.peer_id for c in self.table])
+                    with trio.move_on_after(self.config.op_timeout):
+                        await self._hand_over([c.peer_id for c in self.table])
 
     # ------------------------------------------------------------------ introspection
 
