@@ -1,7 +1,7 @@
 """DHT benchmark on loopback: store/get latency and success, serially and under churn.
 
     .venv/bin/python bench/dht.py [--systems dedloc,hivemind] [--peers 32] [--keys 64]
-        [--churn-keys 256] [--concurrency 8] [--kill-fraction 0.25] [--seed 0] [--json OUT]
+        [--churn-keys 256] [--concurrency 8] [--kill-fraction 0.25] [--seed 0] [--latest] [--json OUT]
 
 Each system runs as one worker process per peer that speaks JSON lines
 (see bench/dht_hivemind_peer.py for the protocol):
@@ -103,6 +103,7 @@ class Op:
     peer: int
     key: str
     value: str  # stored value; for a get, the value it must return
+    latest: bool = False  # gets: ask every replica and merge, instead of taking the first copy
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,8 @@ class Workload:
     churn_gets: list[Op]
 
 
-def make_workload(peers: int, keys: int, churn_keys: int, kill_fraction: float, seed: int) -> Workload:
+def make_workload(peers: int, keys: int, churn_keys: int, kill_fraction: float, seed: int,
+                  latest: bool = False) -> Workload:
     rng = random.Random(seed)
 
     def stores(prefix: str, n: int) -> list[Op]:
@@ -127,7 +129,7 @@ def make_workload(peers: int, keys: int, churn_keys: int, kill_fraction: float, 
         out = []
         for s in order:
             others = [p for p in alive if p != s.peer] or alive
-            out.append(Op("get", rng.choice(others), s.key, s.value))
+            out.append(Op("get", rng.choice(others), s.key, s.value, latest))
         return out
 
     serial_stores = stores("k", keys)
@@ -290,7 +292,7 @@ async def run_op(worker: Worker, op: Op) -> Outcome:
         reply = await worker.request({"op": "store", "key": op.key, "value": op.value, "ttl": TTL_S})
         ok = bool(reply.get("ok"))
     else:
-        reply = await worker.request({"op": "get", "key": op.key, "latest": False})
+        reply = await worker.request({"op": "get", "key": op.key, "latest": op.latest})
         ok = bool(reply.get("ok")) and reply.get("value") == op.value
     error = reply.get("error")
     if not ok and error is None:
@@ -447,7 +449,7 @@ async def run_all(args: argparse.Namespace, systems: list[System]) -> dict[str, 
 
 
 async def run_systems(args: argparse.Namespace, systems: list[System]) -> dict[str, dict[str, Any]]:
-    workload = make_workload(args.peers, args.keys, args.churn_keys, args.kill_fraction, args.seed)
+    workload = make_workload(args.peers, args.keys, args.churn_keys, args.kill_fraction, args.seed, args.latest)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="dht-bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"worker logs in {log_dir}", file=sys.stderr)
@@ -476,6 +478,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--kill-fraction", type=float, default=0.25)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--latest", action="store_true",
+                        help="gets ask every replica and merge (get(key, latest=True)) instead of taking the first copy")
     parser.add_argument("--json", metavar="OUT", help="write all numbers here")
     parser.add_argument("--log-dir", help="worker stderr logs (default: a new temp dir)")
     args = parser.parse_args()
@@ -499,7 +503,7 @@ def main() -> None:
         sys.exit(130)
     print_report(results)
     if args.json:
-        config = {k: getattr(args, k) for k in ("peers", "keys", "churn_keys", "concurrency", "kill_fraction", "seed")}
+        config = {k: getattr(args, k) for k in ("peers", "keys", "churn_keys", "concurrency", "kill_fraction", "seed", "latest")}
         Path(args.json).write_text(json.dumps({"config": config, "results": results}, indent=2) + "\n")
         print(f"\nwrote {args.json}")
 

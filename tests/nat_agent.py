@@ -13,6 +13,16 @@ command line gets one JSON answer line; events are not printed. Commands:
     {"cmd": "send", "peer": id, "mib": n}  push n MiB through a stream, checked by sha256
     {"cmd": "metrics"}                     the funnel
     {"cmd": "wait_mapping", "timeout": s}  until the NAT's mapping is classified
+
+The DHT (off unless asked for; ``--dht MODE`` opens it at start, in the background):
+
+    {"cmd": "dht_open", "mode": "auto", "peers": [[addr, ...], ...], "timeout": s}
+                                           connect to each peer (one address list per peer), then open
+                                           ``DHT.open(node, DHTConfig(mode=...), reachability=nat)``; answers
+                                           once it joined (or the error that opening raised)
+    {"cmd": "dht_store", "key": k, "value": text, "ttl": s}   -> {"stored": bool}
+    {"cmd": "dht_get", "key": k, "latest": bool}              -> {"found": bool, "value": text or {subkey: text}}
+    {"cmd": "dht_info"}                    -> {"server": bool, "table": [peer ids], "stats": {...}, "reachability"}
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from multiaddr import Multiaddr
 from nat.circuit import is_relayed_conn
 from nat.traversal import NatConfig, NatService
 from p2p import Node, NodeConfig
+from p2p.dht import DHT, DHTConfig
 from p2p.dialer import live_connection
 
 SINK = "/dedloc/test/sink/1.0.0"
@@ -72,8 +83,91 @@ async def push_checked(stream: Any, payload: bytes) -> bool:
     return bool(json.loads(answer) == {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()})
 
 
+class DHTHolder:
+    """The agent's DHT, kept open by a background task for the rest of the agent's life."""
+
+    def __init__(self) -> None:
+        self.dht: DHT | None = None
+        self.error: str | None = None
+        self.started = False
+        self.done = trio.Event()  # set once opened, or once opening failed
+
+    async def run(self, node: Node, nat: NatService, mode: str) -> None:
+        try:
+            config = DHTConfig(mode=mode)  # type: ignore[arg-type]  # checked by DHTConfig.validate
+            async with DHT.open(node, config, reachability=nat) as dht:
+                self.dht = dht
+                self.done.set()
+                await trio.sleep_forever()
+        except Exception as e:
+            logging.getLogger("agent").debug("DHT failed: %r", e)
+            self.error = f"{type(e).__name__}: {e}"
+        finally:
+            self.dht = None
+            self.done.set()
+
+    def start(self, node: Node, nat: NatService, mode: str, nursery: trio.Nursery) -> None:
+        if self.started:
+            raise RuntimeError("the DHT was already opened")
+        self.started = True
+        nursery.start_soon(self.run, node, nat, mode)
+
+    def get(self) -> DHT:
+        if self.dht is None:
+            raise RuntimeError(self.error or "the DHT is not open (dht_open first)")
+        return self.dht
+
+
+def _dht_info(dht: DHT, nat: NatService) -> dict[str, Any]:
+    return {"server": dht.server, "table": [str(c.peer_id) for c in dht.table], "stats": dht.stats(),
+            "reachability": nat.reachability, "mode": nat.mode}
+
+
+def _text(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return {str(_text(k) if isinstance(k, bytes) else k): _text(v.value) for k, v in value.items()}
+
+
+async def _connect(node: Node, addrs: list[Multiaddr], timeout: float) -> ID:
+    """Dial a peer by its advertised addresses (all of the same peer): put them in the peer store, then dial by id."""
+    peer = None
+    for addr in addrs:
+        peer = ID.from_base58(str(addr).rsplit("/p2p/", 1)[1])
+        node.host.get_peerstore().add_addrs(peer, [Multiaddr(str(addr).rsplit("/p2p/", 1)[0]) if "p2p-circuit" not in str(addr) else addr], 3600)
+    assert peer is not None
+    await node.connect(peer, timeout=timeout)
+    return peer
+
+
 def _direct(node: Node, peer: ID) -> bool:
     return any(not is_relayed_conn(c) for c in node.network.get_connections(peer))
+
+
+async def _handle_dht(node: Node, nat: NatService, holder: DHTHolder, nursery: trio.Nursery,
+                      request: dict[str, Any]) -> dict[str, Any]:
+    cmd = request["cmd"]
+    timeout = float(request.get("timeout", 30))
+    if cmd == "dht_open":
+        with trio.fail_after(timeout):
+            for addrs in request.get("peers", []):
+                await _connect(node, [Multiaddr(a) for a in addrs], timeout)
+            holder.start(node, nat, request.get("mode", "auto"), nursery)
+            await holder.done.wait()
+        return _dht_info(holder.get(), nat)
+    dht = holder.get()
+    if cmd == "dht_info":
+        return _dht_info(dht, nat)
+    if cmd == "dht_store":
+        stored = await dht.store(request["key"], request["value"].encode(), time.time() + float(request.get("ttl", 600)),
+                                 subkey=request.get("subkey"), timeout=timeout)
+        return {"stored": stored}
+    if cmd == "dht_get":
+        found = await dht.get(request["key"], latest=bool(request.get("latest", False)), timeout=timeout)
+        if found is None:
+            return {"found": False, "value": None}
+        return {"found": True, "value": _text(found.value), "expiration": found.expiration}
+    raise ValueError(f"unknown command {cmd!r}")
 
 
 async def _handle(node: Node, nat: NatService, request: dict[str, Any]) -> dict[str, Any]:
@@ -86,14 +180,8 @@ async def _handle(node: Node, nat: NatService, request: dict[str, Any]) -> dict[
                 await trio.sleep(0.1)
         return {"mode": nat.mode, "reachability": nat.reachability, "mapping": nat.mapping, "addrs": [str(a) for a in node.addrs]}
     if cmd == "connect":
-        addrs = [Multiaddr(a) for a in request["addrs"]]
         started = time.monotonic()
-        peer = None
-        for addr in addrs:  # all name the same peer: put them in the peer store, then dial by id
-            peer = ID.from_base58(str(addr).rsplit("/p2p/", 1)[1])
-            node.host.get_peerstore().add_addrs(peer, [Multiaddr(str(addr).rsplit("/p2p/", 1)[0]) if "p2p-circuit" not in str(addr) else addr], 3600)
-        assert peer is not None
-        await node.connect(peer, timeout=request.get("timeout", 20))
+        peer = await _connect(node, [Multiaddr(a) for a in request["addrs"]], request.get("timeout", 20))
         conn = live_connection(node.network, peer)
         kind = "relayed" if conn is not None and is_relayed_conn(conn) else "direct"
         return {"peer": str(peer), "kind": kind, "elapsed": time.monotonic() - started}
@@ -155,26 +243,38 @@ async def main(args: argparse.Namespace) -> None:
                 await node.bootstrap()
             if args.verbose:
                 node.spawn(_dump_tasks_on_signal)
-            print(json.dumps({"ready": True, "peer_id": str(node.peer_id)}), flush=True)
-            stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
-            buffer = b""
-            while True:
-                chunk = await stdin.receive_some(65536)
-                if not chunk:
-                    return
-                buffer += chunk
-                while b"\n" in buffer:
-                    line, buffer = buffer.split(b"\n", 1)
-                    request = json.loads(line)
-                    if request["cmd"] == "quit":
-                        return
-                    logging.getLogger("agent").debug("command %s", request)
-                    try:
-                        reply = await _handle(node, nat, request)
-                    except Exception as e:
-                        reply = {"error": f"{type(e).__name__}: {e}"}
-                    logging.getLogger("agent").debug("reply %s", str(reply)[:200])
-                    print(json.dumps(reply), flush=True)
+            holder = DHTHolder()
+            async with trio.open_nursery() as nursery:
+                if args.dht:
+                    holder.start(node, nat, args.dht, nursery)
+                print(json.dumps({"ready": True, "peer_id": str(node.peer_id)}), flush=True)
+                await _serve_commands(node, nat, holder, nursery)
+                nursery.cancel_scope.cancel()
+
+
+async def _serve_commands(node: Node, nat: NatService, holder: DHTHolder, nursery: trio.Nursery) -> None:
+    stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
+    buffer = b""
+    while True:
+        chunk = await stdin.receive_some(65536)
+        if not chunk:
+            return
+        buffer += chunk
+        while b"\n" in buffer:
+            line, buffer = buffer.split(b"\n", 1)
+            request = json.loads(line)
+            if request["cmd"] == "quit":
+                return
+            logging.getLogger("agent").debug("command %s", request)
+            try:
+                if request["cmd"].startswith("dht_"):
+                    reply = await _handle_dht(node, nat, holder, nursery, request)
+                else:
+                    reply = await _handle(node, nat, request)
+            except Exception as e:
+                reply = {"error": f"{type(e).__name__}: {e}"}
+            logging.getLogger("agent").debug("reply %s", str(reply)[:200])
+            print(json.dumps(reply), flush=True)
 
 
 if __name__ == "__main__":
@@ -182,5 +282,7 @@ if __name__ == "__main__":
     parser.add_argument("--listen", default="/ip4/0.0.0.0/tcp/4001")
     parser.add_argument("--relay", action="append", default=[], help="a relay/bootstrap node (repeatable)")
     parser.add_argument("--serve-relay", action="store_true")
+    parser.add_argument("--dht", choices=["auto", "server", "client"], default=None,
+                        help="open the DHT at start in this mode (else only on dht_open)")
     parser.add_argument("--verbose", action="store_true", help="log dedloc's debug messages to stderr")
     trio.run(main, parser.parse_args())
