@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections import Counter
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -26,8 +27,13 @@ class _Member:
     process: trio.Process
     peer_id: str = ""
     addrs: list[str] = field(default_factory=list)
-    connected: set[str] = field(default_factory=set)
+    #: Open connections per peer: a peer often has two (a dial-back, a relayed one being upgraded).
+    connections: Counter[str] = field(default_factory=Counter)
     heard_from: set[str] = field(default_factory=set)
+
+    @property
+    def connected(self) -> set[str]:
+        return {peer for peer, n in self.connections.items() if n > 0}
 
 
 def _command(*args: str) -> list[str]:
@@ -86,10 +92,10 @@ async def run_demo(*, peers: int, duration: float, out: Any) -> int:
                 ready.set()
                 say(f"{member.name:>9} up   {member.peer_id}")
             elif kind == "connection_opened":
-                member.connected.add(event["peer_id"])
+                member.connections[event["peer_id"]] += 1
                 say(f"{member.name:>9} ⇄    {names.get(event['peer_id'], event['peer_id'][-8:])} ({event['direction']})")
             elif kind == "connection_closed":
-                member.connected.discard(event["peer_id"])
+                member.connections[event["peer_id"]] -= 1
             elif kind == "message":
                 member.heard_from.add(event["peer_id"])
                 say(f"{member.name:>9} got  \"{event['text']}\" from {names.get(event['peer_id'], '?')}")
@@ -125,7 +131,8 @@ async def run_demo(*, peers: int, duration: float, out: Any) -> int:
     try:
         async with trio.open_nursery() as nursery:
             try:
-                # Everything is on loopback: the relay counts its 127.0.0.1 address as reachable.
+                # Everything is on loopback: with --allow-private, 127.0.0.1 counts as reachable, so
+                # the peers serve the DHT once AutoNAT has confirmed them (they are DHT clients until then).
                 boot = await start(nursery, "bootstrap", "relay", "--status-interval", "0", "--allow-private")
                 boot_addr = next(a for a in boot.addrs if "/ip4/127.0.0.1/" in a)
                 async with trio.open_nursery() as starters:
@@ -133,6 +140,7 @@ async def run_demo(*, peers: int, duration: float, out: Any) -> int:
                         starters.start_soon(
                             start, nursery, f"peer-{i}", "peer", "--initial-peers", boot_addr,
                             "--message", f"hello from peer-{i}", "--exchange-interval", "1", "--status-interval", "0",
+                            "--allow-private",
                         )
                 with trio.move_on_after(duration):
                     await done.wait()
