@@ -175,6 +175,8 @@ class DHT:
         self._last_republish = time.time()
         self._pinging: set[ID] = set()
         self._sender_cache: tuple[float, pb.Sender] | None = None
+        #: Why the last call to a peer failed (for bootstrap's error); bounded, oldest first out.
+        self._why: dict[ID, str] = {}
         self.server = self._wants_server()
         self._initial = self._initial_peers()
 
@@ -252,10 +254,11 @@ class DHT:
             if len(self.table) > 0 or not self._initial:
                 break
             if trio.current_time() + delay > deadline:
+                reasons = "; ".join(f"{peer}: {self._why.get(peer, 'no answer')}" for peer in seeds[:4])
                 raise DHTBootstrapError(
                     f"none of the {len(self._initial)} initial peers (nor the {len(seeds)} peers we are connected to) "
                     f"answered as a DHT server within {self.config.bootstrap_timeout:g}s; refusing to start a "
-                    "separate DHT: check that the initial peers run the DHT and are publicly reachable")
+                    f"separate DHT: check that the initial peers run the DHT and are publicly reachable ({reasons})")
             await trio.sleep(delay)
             delay = min(2 * delay, 2.0)
         if len(self.table):
@@ -464,6 +467,9 @@ class DHT:
                                                 timeout=self.config.rpc_timeout)
         except (RpcError, DedlocError) as e:
             log.debug("DHT find on %s failed: %s", peer.peer_id, e)
+            self._why[peer.peer_id] = str(e)
+            if len(self._why) > 256:
+                del self._why[next(iter(self._why))]
             self.table.mark_failed(peer.peer_id)
             return None
         if len(response.results) != len(queries):
@@ -475,6 +481,7 @@ class DHT:
 
     def _answered(self, peer_id: ID, server: bool) -> None:
         if not server:
+            self._why[peer_id] = "it answered as a DHT client"
             self.table.remove(peer_id)
             return
         if peer_id in self.table:
