@@ -207,7 +207,7 @@ async def test_bad_values_fail_with_clear_errors_and_store_nothing() -> None:
         with pytest.raises(InvalidKey):
             await dhts[0].store(3.5, b"v", later())  # type: ignore[arg-type]
         with pytest.raises(InvalidKey):
-            await dhts[0].get(True)  # type: ignore[arg-type]
+            await dhts[0].get(True)
         with pytest.raises(SchemaViolation):
             await dhts[0].store("num:a", b"twelve", later())
         assert await dhts[0].store("num:a", b"12", later())

@@ -352,7 +352,8 @@ class DHT:
         """The servers closest to ``target`` (an id in the key space, or a peer's id)."""
         t = DHTID.from_peer(target) if isinstance(target, ID) else DHTID(target)
         search = _Search(self._lookup(t, count or self.config.k))
-        await self._traverse([search])
+        with trio.move_on_after(self.config.op_timeout):
+            await self._traverse([search])
         return search.lookup.result()
 
     # ------------------------------------------------------------------ serving
