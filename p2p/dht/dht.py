@@ -537,8 +537,8 @@ class DHT:
             response = await self._find(peer, queries)
             try:
                 send.send_nowait((peer, batch, response))
-            except trio.ClosedResourceError:
-                pass  # the traversal is over
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                pass  # the traversal is over (done, timed out or cancelled)
 
         def launch() -> int:
             wanted: dict[ID, tuple[PeerInfo, list[_Search]]] = {}
@@ -552,7 +552,7 @@ class DHT:
                     launched += 1
             return launched
 
-        with receive:
+        with send, receive:
             in_flight = launch()
             while in_flight and not all(s.lookup.done for s in searches):
                 peer, batch, response = await receive.receive()
@@ -563,7 +563,6 @@ class DHT:
                     else:
                         self._take(search, peer, response.results[i])
                 in_flight += launch()
-            send.close()
 
     def _take(self, search: _Search, peer: PeerInfo, result: pb.FindResult) -> None:
         held = False
@@ -706,6 +705,9 @@ class DHT:
                         except DedlocError:
                             continue
                     await self._ping(peer)
+                if len(self.table):  # as when joining: our neighbourhood, through whoever answered
+                    with trio.move_on_after(self.config.op_timeout):
+                        await self._refresh(self.local_id)
             stale = self.table.stale_buckets(now, self.config.refresh_interval)[:8]
             if stale:
                 with trio.move_on_after(self.config.op_timeout):
