@@ -338,14 +338,15 @@ class Node:
         async def keep_trying(addr: Multiaddr, deadline: float) -> None:
             for attempt, delay in enumerate(backoff_delays(self.config.initial_backoff, self.config.max_backoff)):
                 try:
-                    # From the listen port, so the peer observes our NAT mapping; every
-                    # other attempt from a fresh port, because one 4-tuple can be refused
-                    # for good (the peer still holds it in TIME_WAIT from an earlier
-                    # process that had our port).
+                    # From the listen port, so the peer observes our NAT mapping (the NAT
+                    # layer classifies it from such observations). After three failures,
+                    # every other attempt from a fresh port: one 4-tuple can be refused for
+                    # good (the peer still holds it in TIME_WAIT from an earlier process
+                    # that had our port).
                     await self.connect(
                         addr,
                         timeout=min(self.config.dial_timeout, max(0.1, deadline - trio.current_time())),
-                        from_listen_port=attempt % 2 == 0,
+                        from_listen_port=attempt < 3 or attempt % 2 == 1,
                     )
                     reached.set()
                     return
