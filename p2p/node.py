@@ -296,7 +296,7 @@ class Node:
             circuit=self._circuit_dialer,
             source=self.listen_source if from_listen_port else None,
         )
-        self.host.get_peerstore().add_addrs(peer_id, [without_peer_id(used)], ADDR_TTL)
+        self.add_addrs(peer_id, [used])
         self.emit(ev.PeerConnected(peer_id=str(peer_id), addr=str(used), elapsed=time.perf_counter() - started))
         return peer_id
 
@@ -451,7 +451,7 @@ class Node:
             self._observed.setdefault(str(info.observed_addr), set()).add(peer_id)
         if info.public_key_valid and info.listen_addrs:
             # What it says it listens on (relayed addresses included): how to reach it again.
-            self.host.get_peerstore().add_addrs(peer_id, [without_peer_id(a) for a in info.listen_addrs[:MAX_LISTEN_ADDRS]], ADDR_TTL)
+            self.add_addrs(peer_id, info.listen_addrs[:MAX_LISTEN_ADDRS])
         return info
 
     # ------------------------------------------------------------------ events

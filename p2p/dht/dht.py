@@ -422,11 +422,8 @@ class DHT:
         if peer_id in self.table:
             self.table.mark_seen(peer_id, time.time())
             return
-        conn = live_connection(self.node.network, peer_id)
-        if conn is None:
-            return
-        observed = remote_addr(conn)
-        if is_relayed(observed):
+        observed = self._direct_remote(peer_id)
+        if observed is None:
             return
         addrs = wire.same_host(wire.decode_addrs(sender.addrs, direct_only=True), observed)
         if addrs:
@@ -488,12 +485,20 @@ class DHT:
         if peer_id in self.table:
             self.table.mark_seen(peer_id, time.time())
             return
-        conn = live_connection(self.node.network, peer_id)
-        if conn is None or is_relayed(remote_addr(conn)):
+        observed = self._direct_remote(peer_id)
+        if observed is None:
             return  # reached through a relay: not a server anyone could dial
         addrs = [a for a in self.node.known_addrs(peer_id) if not is_relayed(a)][: wire.MAX_ADDRS]
         if addrs:
-            self._add_contact(peer_id, addrs, ip_group(remote_addr(conn)))
+            self._add_contact(peer_id, addrs, ip_group(observed))
+
+    def _direct_remote(self, peer_id: ID) -> Multiaddr | None:
+        """Where our live direct connection to ``peer_id`` comes from; None if none (or only relayed)."""
+        conn = live_connection(self.node.network, peer_id)
+        if conn is None:
+            return None
+        observed = remote_addr(conn)
+        return None if is_relayed(observed) else observed
 
     async def _store_at(self, peer_id: ID, records: Sequence[DHTRecord]) -> list[pb.StoreResult] | None:
         out: list[pb.StoreResult] = []
@@ -618,7 +623,7 @@ class DHT:
             replicas = search.lookup.result()[: self.config.replicas]
             for peer in replicas:
                 plan[peer.peer_id].extend(by_key[key])
-            if self.server and self._among_closest(DHTID.from_key(key), replicas):
+            if self.server and self._among_closest(DHTID.from_key(key), [p.dht_id for p in replicas]):
                 for i in by_key[key]:
                     try:
                         if self.storage.store(records[i], now):
@@ -646,10 +651,11 @@ class DHT:
                 raise StoreRejected(f"every replica refused the record: {'; '.join(errors[i][:3])}")
         return stored
 
-    def _among_closest(self, target: DHTID, replicas: Sequence[PeerInfo]) -> bool:
-        if len(replicas) < self.config.replicas:
+    def _among_closest(self, target: int, closest: Sequence[DHTID]) -> bool:
+        """Whether we are one of a key's replicas, given the closest other servers we know (closest first)."""
+        if len(closest) < self.config.replicas:
             return True
-        return int(self.local_id) ^ int(target) < int(replicas[-1].dht_id) ^ int(target)
+        return int(self.local_id) ^ int(target) < int(closest[self.config.replicas - 1]) ^ int(target)
 
     def _cache(self, search: _Search, now: float) -> None:
         assert search.found is not None and search.key is not None
@@ -675,9 +681,7 @@ class DHT:
         for key in self.storage.keys()[:50_000]:
             target = int(DHTID.from_key(key))
             others = self.table.nearest(target, self.config.replicas)
-            mine = int(self.local_id) ^ target
-            closer = [c for c in others if int(c.dht_id) ^ target < mine]
-            if len(closer) >= self.config.replicas:
+            if not self._among_closest(target, [c.dht_id for c in others]):
                 continue  # we are no longer a replica: not ours to spread
             records = self.storage.records_at(key, now)
             for contact in others[: self.config.replicas - 1]:
