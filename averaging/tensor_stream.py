@@ -37,7 +37,7 @@ from typing import Protocol, cast
 import torch
 from google.protobuf.message import DecodeError
 
-from p2p.errors import DedlocError
+from p2p.errors import DedlocError, RemoteProtocolError
 from p2p.rpc.framing import encode_varint
 
 from .proto import tensor_pb2
@@ -77,19 +77,19 @@ class UnsupportedTensorError(TensorStreamError, ValueError):
     """A tensor given to send, or as ``out``, is one this module cannot handle."""
 
 
-class InvalidTensorHeaderError(TensorStreamError):
+class InvalidTensorHeaderError(TensorStreamError, RemoteProtocolError):
     """The peer's header is garbled or contradicts itself (dtype, shape, byte count)."""
 
 
-class TensorLimitError(TensorStreamError):
+class TensorLimitError(TensorStreamError, RemoteProtocolError):
     """The peer announced more than ``max_bytes`` or ``max_tensors`` allow."""
 
 
-class TensorMismatchError(TensorStreamError):
+class TensorMismatchError(TensorStreamError, RemoteProtocolError):
     """The peer sent other tensors than the receiver expected (see ``out``)."""
 
 
-class InvalidTensorDataError(TensorStreamError):
+class InvalidTensorDataError(TensorStreamError, RemoteProtocolError):
     """The peer's tensor bytes hold values the receiver refuses."""
 
 
@@ -97,7 +97,7 @@ class NonFiniteTensorError(InvalidTensorDataError):
     """A floating-point tensor holds NaN or Inf, and the receiver allows none."""
 
 
-class TruncatedTensorStreamError(TensorStreamError):
+class TruncatedTensorStreamError(TensorStreamError, RemoteProtocolError):
     """The stream ended before the whole message arrived; the message says how far it got."""
 
 

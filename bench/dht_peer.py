@@ -95,7 +95,7 @@ async def _serve(args: argparse.Namespace) -> None:
                         scopes[int(cmd["node"])].cancel()
                         result["ok"] = True
                     elif cmd["op"] == "stats":
-                        result["ok"], result["value"] = True, [d.stats() for d in dhts]
+                        result["ok"], result["value"] = True, [d.metrics() for d in dhts]
                     else:
                         result["error"] = f"unknown op {cmd['op']!r}"
             except trio.TooSlowError:

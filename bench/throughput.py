@@ -135,7 +135,7 @@ async def bench(total_mib: int, streams: int, relayed: bool) -> dict[str, float]
     if relayed:
         # The relay is a third process: `dedloc relay`, as people run it.
         relay_proc = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "p2p.cli", "relay", "--ephemeral", "--json", "--listen", "/ip4/127.0.0.1/tcp/0",
+            [sys.executable, "-m", "nat.cli", "relay", "--ephemeral", "--json", "--listen", "/ip4/127.0.0.1/tcp/0",
              "--status-interval", "0", "--no-port-mapping", "--allow-private"],
             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, cwd=str(Path(__file__).resolve().parent.parent),
         )

@@ -1,4 +1,13 @@
-"""NAT traversal for dedloc nodes: reachability, circuit relay v2, autorelay, DCUtR, port mapping.
+"""NAT traversal, and the composed network object: :class:`Peer`.
 
-Built on :mod:`p2p` (and only on it); arrives with the NAT traversal issue.
+``async with Peer.open(PeerConfig.peer([...])) as peer`` runs a Node with AutoNAT
+v2, circuit relay v2 (client, and service on relays), autorelay, DCUtR hole
+punching, port mapping, peer exchange and the DHT, in the right order. Built on
+:mod:`p2p` (and only on it).
 """
+
+from .peer import Peer, PeerConfig
+from .reachability import MappingKind, NatMode
+from .traversal import NatConfig, NatService
+
+__all__ = ["MappingKind", "NatConfig", "NatMode", "NatService", "Peer", "PeerConfig"]

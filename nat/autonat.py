@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 import trio
@@ -28,11 +28,13 @@ from multiaddr import Multiaddr
 
 from p2p import Node
 from p2p.addresses import is_relayed, reachable_tcp, without_peer_id
-from p2p.errors import ConfigError, DedlocError
+from p2p.errors import ConfigError, DedlocError, RemoteProtocolError
+from p2p.hooks import Metrics, Registration
 from p2p.trio_util import finish_quietly
+from p2p.untrusted import decode_addr
 
 from .proto import autonat_v2_pb2 as pb
-from .wire import MAX_ADDRS, ProtocolViolation, parse_addrs, read_message, write_message
+from .wire import MAX_ADDRS, read_message, write_message
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +96,13 @@ class AutoNATServer:
         self.config.validate()
         self._slots = trio.Semaphore(self.config.max_concurrent)
         self._recent: dict[ID, list[float]] = defaultdict(list)
-        self.metrics = {"requests": 0, "rejected": 0, "refused": 0, "dial_backs": 0, "dial_back_ok": 0, "dial_data_asked": 0}
+        self.counts: Counter[str] = Counter({"requests": 0, "rejected": 0, "refused": 0, "dial_backs": 0, "dial_back_ok": 0, "dial_data_asked": 0})
 
-    def install(self) -> None:
-        self._node.set_stream_handler(DIAL_REQUEST, self._on_request)
+    def install(self) -> Registration:
+        return self._node.set_stream_handler(DIAL_REQUEST, self._on_request)
+
+    def metrics(self) -> Metrics:
+        return dict(self.counts)
 
     def _rate_limited(self, peer: ID) -> bool:
         now = trio.current_time()
@@ -112,11 +117,11 @@ class AutoNATServer:
 
     async def _on_request(self, stream: INetStream) -> None:
         peer = stream.muxed_conn.peer_id
-        self.metrics["requests"] += 1
+        self.counts["requests"] += 1
         with trio.move_on_after(self.config.request_timeout):
             try:
                 await self._serve(stream, peer)
-            except ProtocolViolation as e:
+            except RemoteProtocolError as e:
                 log.info("bad AutoNAT request from %s: %s", peer, e)
                 await finish_quietly(stream.reset)
                 return
@@ -133,30 +138,30 @@ class AutoNATServer:
     async def _serve(self, stream: INetStream, peer: ID) -> None:
         msg = await read_message(stream, pb.Message)
         if msg.WhichOneof("msg") != "dialRequest":
-            raise ProtocolViolation("the first AutoNAT message is not a DialRequest")
+            raise RemoteProtocolError("the first AutoNAT message is not a DialRequest")
         request = msg.dialRequest
         if self._rate_limited(peer) or self._slots.value == 0:
-            self.metrics["rejected"] += 1
+            self.counts["rejected"] += 1
             await self._respond(stream, pb.DialResponse.E_REQUEST_REJECTED)
             return
         # addrIdx is the place in the request (garbage entries count), among the first MAX_ADDRS.
-        parsed = ((i, parse_addrs([raw])) for i, raw in enumerate(list(request.addrs)[:MAX_ADDRS]))
-        found = next(((i, a[0]) for i, a in parsed if a and reachable_tcp(a[0], allow_private=self.config.allow_private)), None)
+        parsed = ((i, decode_addr(bytes(raw))) for i, raw in enumerate(list(request.addrs)[:MAX_ADDRS]))
+        found = next(((i, a) for i, a in parsed if a is not None and reachable_tcp(a, allow_private=self.config.allow_private)), None)
         if found is None:
-            self.metrics["refused"] += 1
+            self.counts["refused"] += 1
             await self._respond(stream, pb.DialResponse.E_DIAL_REFUSED)
             return
         index, target = found[0], without_peer_id(found[1])
         observed = stream.muxed_conn.get_remote_address()  # type: ignore[attr-defined]
         if observed is None or _ip(target) != str(observed[0]):
             # Another IP than the requester's: make it pay before we dial anyone for it.
-            self.metrics["dial_data_asked"] += 1
+            self.counts["dial_data_asked"] += 1
             await write_message(stream, pb.Message(dialDataRequest=pb.DialDataRequest(addrIdx=index, numBytes=self.config.dial_data)))
             received = 0
             while received < self.config.dial_data:
                 chunk = await read_message(stream, pb.Message, max_size=DATA_CHUNK + 64)
                 if chunk.WhichOneof("msg") != "dialDataResponse":
-                    raise ProtocolViolation("expected DialDataResponse")
+                    raise RemoteProtocolError("expected DialDataResponse")
                 received += len(chunk.dialDataResponse.data)
         async with self._slots:
             status = await self._dial_back(peer, target, request.nonce)
@@ -164,7 +169,7 @@ class AutoNATServer:
 
     async def _dial_back(self, peer: ID, target: Multiaddr, nonce: int) -> int:
         """Dial ``target`` on a new connection and hand over the nonce there."""
-        self.metrics["dial_backs"] += 1
+        self.counts["dial_backs"] += 1
         conn = None
         with trio.move_on_after(self.config.dial_timeout):
             try:
@@ -184,7 +189,7 @@ class AutoNATServer:
             return pb.E_DIAL_BACK_ERROR
         finally:
             await finish_quietly(conn.close)
-        self.metrics["dial_back_ok"] += 1
+        self.counts["dial_back_ok"] += 1
         return pb.OK
 
 
@@ -196,13 +201,13 @@ class AutoNATClient:
         self.config = config or AutoNATConfig()
         self._waiting: dict[int, trio.Event] = {}
 
-    def install(self) -> None:
-        self._node.set_stream_handler(DIAL_BACK, self._on_dial_back)
+    def install(self) -> Registration:
+        return self._node.set_stream_handler(DIAL_BACK, self._on_dial_back)
 
     async def _on_dial_back(self, stream: INetStream) -> None:
         try:
             msg = await read_message(stream, pb.DialBack)
-        except ProtocolViolation:
+        except RemoteProtocolError:
             await finish_quietly(stream.reset)
             return
         # Proof only on a connection the server opened to us, directly: not one we dialed, not a relayed one.
@@ -241,14 +246,14 @@ class AutoNATClient:
                     kind = msg.WhichOneof("msg")
                     if kind == "dialDataRequest":
                         if asked:  # one DialDataRequest per request (spec); more would drain us
-                            raise ProtocolViolation("server asks for dial data again")
+                            raise RemoteProtocolError("server asks for dial data again")
                         asked = True
                         await self._pay(stream, msg.dialDataRequest.numBytes)
                     elif kind == "dialResponse":
                         break
                     else:
-                        raise ProtocolViolation(f"unexpected AutoNAT message {kind}")
-        except (ProtocolViolation, trio.TooSlowError) as e:
+                        raise RemoteProtocolError(f"unexpected AutoNAT message {kind}")
+        except (RemoteProtocolError, trio.TooSlowError) as e:
             await finish_quietly(stream.reset)
             raise AutoNATError(f"AutoNAT check with {server} failed: {e}") from e
         except Exception as e:
@@ -272,7 +277,7 @@ class AutoNATClient:
 
     async def _pay(self, stream: INetStream, size: int) -> None:
         if size > self.config.max_dial_data:
-            raise ProtocolViolation(f"server asks {size} bytes of dial data, over our {self.config.max_dial_data}")
+            raise RemoteProtocolError(f"server asks {size} bytes of dial data, over our {self.config.max_dial_data}")
         chunk = pb.Message(dialDataResponse=pb.DialDataResponse(data=bytes(DATA_CHUNK)))
         sent = 0
         while sent < size:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import trio
@@ -27,11 +28,13 @@ from multiaddr import Multiaddr
 
 from p2p import Node
 from p2p.addresses import Scope, is_relayed, peer_id_of, scope_of, split_circuit, with_peer_id, without_peer_id
-from p2p.errors import DedlocError, DialError
+from p2p.errors import ConfigError, DedlocError, DialError, RemoteProtocolError
+from p2p.hooks import Metrics, Registration
 from p2p.trio_util import finish_quietly
+from p2p.untrusted import decode_addrs, require_peer_id
 
 from .proto import circuit_pb2 as pb
-from .wire import ProtocolViolation, parse_addrs, parse_peer_id, read_message, write_message
+from .wire import MAX_ADDRS, read_message, write_message
 
 log = logging.getLogger(__name__)
 
@@ -124,20 +127,44 @@ def is_relayed_conn(conn: INetConn) -> bool:
         return False
 
 
+@dataclass
+class RelayClientConfig:
+    #: Time for one relay exchange (RESERVE, CONNECT, STOP) and for upgrading the circuit.
+    timeout: float = 10.0
+    #: Accept relayed connections from relays we hold no slot on (tests; the spec lets a client refuse them).
+    accept_unreserved: bool = False
+
+    def validate(self) -> None:
+        if self.timeout <= 0:
+            raise ConfigError("relay client timeout must be positive")
+
+
 class RelayClient:
     """Reserve slots on relays, accept connections they relay to us, dial peers through them."""
 
-    def __init__(self, node: Node, *, accept_unreserved: bool = False, timeout: float = 10.0) -> None:
+    def __init__(self, node: Node, config: RelayClientConfig | None = None) -> None:
         self._node = node
-        self._timeout = timeout
-        self._accept_unreserved = accept_unreserved
+        self.config = config or RelayClientConfig()
+        self.config.validate()
+        self._timeout = self.config.timeout
+        self._accept_unreserved = self.config.accept_unreserved
         #: Current reservations by relay.
         self.reservations: dict[ID, Reservation] = {}
-        self.metrics = {"reservations": 0, "reservation_failures": 0, "relayed_in": 0, "relayed_out": 0}
+        self.counts: Counter[str] = Counter({"reservations": 0, "reservation_failures": 0, "relayed_in": 0, "relayed_out": 0})
 
-    def install(self) -> None:
-        self._node.set_stream_handler(STOP_PROTOCOL, self._on_stop)
-        self._node.set_circuit_dialer(self.dial)
+    def install(self) -> Registration:
+        """Accept relayed connections and dial ``/p2p-circuit`` addresses, until the handle is removed."""
+        handler = self._node.set_stream_handler(STOP_PROTOCOL, self._on_stop)
+        dialer = self._node.set_circuit_dialer(self.dial)
+
+        def undo() -> None:
+            handler.remove()
+            dialer.remove()
+
+        return Registration(undo)
+
+    def metrics(self) -> Metrics:
+        return dict(self.counts)
 
     # ---------------------------------------------------------------- reservations
 
@@ -146,19 +173,19 @@ class RelayClient:
         try:
             stream = await self._node.new_stream(relay, HOP_PROTOCOL)
         except DedlocError as e:
-            self.metrics["reservation_failures"] += 1
+            self.counts["reservation_failures"] += 1
             raise RelayError(f"{relay} offers no relay service: {e}") from e
         try:
             with trio.fail_after(self._timeout):
                 await write_message(stream, pb.HopMessage(type=pb.HopMessage.RESERVE))
                 reply = await read_message(stream, pb.HopMessage, timeout=self._timeout)
-        except (ProtocolViolation, trio.TooSlowError, Exception) as e:
-            self.metrics["reservation_failures"] += 1
+        except (RemoteProtocolError, trio.TooSlowError, Exception) as e:
+            self.counts["reservation_failures"] += 1
             await finish_quietly(stream.reset)
             raise RelayError(f"reservation on {relay} failed: {e}") from e
         await finish_quietly(stream.close)
         if reply.type != pb.HopMessage.STATUS or reply.status != pb.OK:
-            self.metrics["reservation_failures"] += 1
+            self.counts["reservation_failures"] += 1
             name = STATUS_NAMES.get(reply.status, str(reply.status))
             raise RelayError(f"{relay} refused the reservation: {name}", reply.status)
         rsvp = reply.reservation
@@ -166,7 +193,7 @@ class RelayClient:
         if expire <= time.time():
             raise RelayError(f"{relay} granted a reservation that has already expired")
         reached = self._connected_addrs(relay)
-        addrs = [a for a in parse_addrs(rsvp.addrs) if peer_id_of(a) in (None, relay) and not is_relayed(a)]
+        addrs = [a for a in decode_addrs(rsvp.addrs, limit=MAX_ADDRS) if peer_id_of(a) in (None, relay) and not is_relayed(a)]
         if not any(scope_of(a) == Scope.LOOPBACK for a in reached):
             addrs = [a for a in addrs if scope_of(a) != Scope.LOOPBACK]  # useless to anyone else
         if not addrs:  # a relay that lists no usable address: use how we reached it
@@ -179,7 +206,7 @@ class RelayClient:
             voucher_ok=_voucher_ok(rsvp.voucher, relay, self._node.peer_id, rsvp.expire) if rsvp.voucher else False,
         )
         self.reservations[relay] = reservation
-        self.metrics["reservations"] += 1
+        self.counts["reservations"] += 1
         return reservation
 
     def drop(self, relay: ID) -> None:
@@ -199,9 +226,9 @@ class RelayClient:
             msg = await read_message(stream, pb.StopMessage, timeout=self._timeout)
             if msg.type != pb.StopMessage.CONNECT or not msg.HasField("peer"):
                 await write_message(stream, pb.StopMessage(type=pb.StopMessage.STATUS, status=pb.UNEXPECTED_MESSAGE))
-                raise ProtocolViolation(f"{relay} sent a STOP message that is not CONNECT")
-            source = parse_peer_id(msg.peer.id, "STOP CONNECT peer")
-        except ProtocolViolation as e:
+                raise RemoteProtocolError(f"{relay} sent a STOP message that is not CONNECT")
+            source = require_peer_id(msg.peer.id, "STOP CONNECT peer")
+        except RemoteProtocolError as e:
             log.info("bad STOP request from %s: %s", relay, e)
             await finish_quietly(stream.reset)
             return
@@ -223,7 +250,7 @@ class RelayClient:
             log.info("relayed connection via %s claimed to be from %s but is from %s", relay, source, muxed.peer_id)
             await muxed.close()
             return
-        self.metrics["relayed_in"] += 1
+        self.counts["relayed_in"] += 1
 
     # ---------------------------------------------------------------- outbound circuits
 
@@ -260,7 +287,7 @@ class RelayClient:
         except Exception as e:
             await finish_quietly(stream.reset)
             raise RelayError(f"relayed connection to {target} via {relay} failed to upgrade: {e}") from e
-        self.metrics["relayed_out"] += 1
+        self.counts["relayed_out"] += 1
         return conn
 
 

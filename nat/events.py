@@ -3,24 +3,31 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+from libp2p.peer.id import ID
 
 from p2p.events import Event
+from p2p.hooks import Metrics, Reachability
+
+if TYPE_CHECKING:
+    from .holepunch import PunchMethod
+    from .reachability import MappingKind, NatMode
 
 
 @dataclass
 class ReachabilityChanged(Event):
     """What AutoNAT concluded: ``public`` (some address confirmed), ``private`` or ``unknown``."""
 
-    reachability: str
-    mapping: str
+    reachability: Reachability
+    mapping: MappingKind
     confirmed: list[str]
     event: str = field(init=False, default="reachability")
 
 
 @dataclass
 class RelayReserved(Event):
-    relay: str
+    relay: ID
     expire: float
     addrs: list[str]
     event: str = field(init=False, default="relay_reserved")
@@ -28,7 +35,7 @@ class RelayReserved(Event):
 
 @dataclass
 class RelayLost(Event):
-    relay: str
+    relay: ID
     reason: str
     event: str = field(init=False, default="relay_lost")
 
@@ -37,9 +44,9 @@ class RelayLost(Event):
 class HolePunched(Event):
     """The outcome of upgrading a relayed connection: ``method`` is reversal, punch or none."""
 
-    peer_id: str
+    peer_id: ID
     success: bool
-    method: str
+    method: PunchMethod
     attempts: int
     elapsed: float
     addr: str | None = None
@@ -50,7 +57,7 @@ class HolePunched(Event):
 class ModeChanged(Event):
     """``public``, ``relayed`` (reachable through relays) or ``client`` (dials out only)."""
 
-    mode: str
+    mode: NatMode
     reason: str
     event: str = field(init=False, default="nat_mode")
 
@@ -59,5 +66,5 @@ class ModeChanged(Event):
 class NatStatus(Event):
     """The funnel: reservations, dial-backs, punch attempts and successes, bytes by path."""
 
-    metrics: dict[str, Any]
+    metrics: Metrics
     event: str = field(init=False, default="nat_status")

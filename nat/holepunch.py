@@ -21,9 +21,9 @@ short grace period, so traffic moves to the direct path.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import trio
 from libp2p.abc import INetConn, INetStream
@@ -33,12 +33,14 @@ from multiaddr import Multiaddr
 from p2p import Node
 from p2p.addresses import reachable_tcp, without_peer_id
 from p2p.dialer import remote_addr
-from p2p.errors import ConfigError
+from p2p.errors import ConfigError, RemoteProtocolError
+from p2p.hooks import Metrics, Registration
 from p2p.trio_util import finish_quietly
+from p2p.untrusted import decode_addrs
 
 from .circuit import is_relayed_conn
 from .proto import holepunch_pb2 as pb
-from .wire import ProtocolViolation, parse_addrs, read_message, write_message
+from .wire import read_message, write_message
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +65,26 @@ class HolePunchConfig:
             raise ConfigError("hole punch timeouts must be positive")
 
 
+class PunchMethod(StrEnum):
+    """How a relayed connection became direct: a plain dial back (reversal), a simultaneous open, or not at all."""
+
+    REVERSAL = "reversal"
+    PUNCH = "punch"
+    NONE = "none"
+
+
+@dataclass(frozen=True)
+class PunchResult:
+    """One upgrade's outcome: the direct connection (None: stays relayed), how, after how many rounds."""
+
+    conn: INetConn | None
+    method: PunchMethod
+    attempts: int
+    elapsed: float
+
+
 @dataclass
-class HolePunchMetrics:
+class HolePunchStats:
     attempts: int = 0
     successes: int = 0
     first_try_successes: int = 0
@@ -82,46 +102,61 @@ class HolePuncher:
         self._our_addrs = our_addrs
         self.config = config or HolePunchConfig()
         self.config.validate()
-        self.metrics = HolePunchMetrics()
+        self.stats = HolePunchStats()
         self._busy: set[ID] = set()
+        self._nursery: trio.Nursery | None = None
 
-    def install(self) -> None:
-        self._node.set_stream_handler(PROTOCOL, self._on_stream)
+    def install(self, nursery: trio.Nursery) -> Registration:
+        """Answer DCUtR; retiring relayed connections runs in ``nursery`` (the owning service's)."""
+        self._nursery = nursery
+        return self._node.set_stream_handler(PROTOCOL, self._on_stream)
+
+    def metrics(self) -> Metrics:
+        s = self.stats
+        return {"punch_attempts": s.attempts, "punch_successes": s.successes, "punch_first_try": s.first_try_successes,
+                "reversals": s.reversals, "punch_failures": s.failures, "time_to_direct": list(s.time_to_direct)}
 
     def _offer(self) -> list[bytes]:
         return [without_peer_id(a).to_bytes() for a in self._our_addrs() if reachable_tcp(a, allow_private=self.config.allow_private)][:MAX_PUNCH_ADDRS]
 
     # ---------------------------------------------------------------- the inbound side (B) leads
 
-    async def upgrade(self, peer: ID, relayed: INetConn, started: float | None = None) -> INetConn | None:
-        """Get a direct connection to ``peer``, which reached us through a relay; None when it cannot be had."""
+    async def upgrade(self, peer: ID, relayed: INetConn, started: float | None = None) -> PunchResult:
+        """Get a direct connection to ``peer``, which reached us through a relay (``conn`` None when it cannot be had).
+
+        ``started`` (trio time) is when the relayed connection opened: ``time_to_direct`` counts from there.
+        """
+        started = trio.current_time() if started is None else started
         if peer in self._busy:
-            return None
+            return PunchResult(None, PunchMethod.NONE, 0, trio.current_time() - started)
         self._busy.add(peer)
-        started = time.monotonic() if started is None else started
+        stats = self.stats
+        rounds = 0
         try:
             direct = await self._reverse(peer)
             if direct is not None:
-                self.metrics.reversals += 1
+                stats.reversals += 1
             else:
-                for attempt in range(self.config.attempts):
-                    self.metrics.attempts += 1
+                for rounds in range(1, self.config.attempts + 1):
+                    stats.attempts += 1
                     try:
                         direct = await self._punch_round(peer, relayed)
-                    except (ProtocolViolation, trio.TooSlowError, Exception) as e:
-                        log.info("hole punch round %d with %s failed: %s", attempt + 1, peer, e)
+                    except (RemoteProtocolError, trio.TooSlowError, Exception) as e:
+                        log.info("hole punch round %d with %s failed: %s", rounds, peer, e)
                         direct = None
                     if direct is not None:
-                        if attempt == 0:
-                            self.metrics.first_try_successes += 1
+                        if rounds == 1:
+                            stats.first_try_successes += 1
                         break
+            elapsed = trio.current_time() - started
             if direct is None:
-                self.metrics.failures += 1
-                return None
-            self.metrics.successes += 1
-            self.metrics.time_to_direct.append(time.monotonic() - started)
-            self._node.spawn(self._retire, relayed)
-            return direct
+                stats.failures += 1
+                return PunchResult(None, PunchMethod.NONE, rounds, elapsed)
+            stats.successes += 1
+            stats.time_to_direct.append(elapsed)
+            if self._nursery is not None:
+                self._nursery.start_soon(self._retire, relayed)
+            return PunchResult(direct, PunchMethod.PUNCH if rounds else PunchMethod.REVERSAL, rounds, elapsed)
         finally:
             self._busy.discard(peer)
 
@@ -146,13 +181,13 @@ class HolePuncher:
                 reply = await read_message(stream, pb.HolePunch)
                 rtt = trio.current_time() - sent
                 if reply.type != pb.HolePunch.CONNECT:
-                    raise ProtocolViolation("expected CONNECT")
-                theirs = [a for a in parse_addrs(reply.ObsAddrs, limit=MAX_PUNCH_ADDRS) if reachable_tcp(a, allow_private=self.config.allow_private)]
+                    raise RemoteProtocolError("expected CONNECT")
+                theirs = [a for a in decode_addrs(reply.ObsAddrs, limit=MAX_PUNCH_ADDRS) if reachable_tcp(a, allow_private=self.config.allow_private)]
                 await write_message(stream, pb.HolePunch(type=pb.HolePunch.SYNC))
         finally:
             await finish_quietly(stream.close)
         if not theirs:
-            raise ProtocolViolation(f"{peer} offered no public address to punch to")
+            raise RemoteProtocolError(f"{peer} offered no public address to punch to")
         await trio.sleep(rtt / 2)
         direct = await self._dial_any(peer, theirs, responder=True)
         if direct is None:
@@ -171,13 +206,13 @@ class HolePuncher:
         try:
             first = await read_message(stream, pb.HolePunch)
             if first.type != pb.HolePunch.CONNECT:
-                raise ProtocolViolation("expected CONNECT")
-            theirs = [a for a in parse_addrs(first.ObsAddrs, limit=MAX_PUNCH_ADDRS) if reachable_tcp(a, allow_private=self.config.allow_private)]
+                raise RemoteProtocolError("expected CONNECT")
+            theirs = [a for a in decode_addrs(first.ObsAddrs, limit=MAX_PUNCH_ADDRS) if reachable_tcp(a, allow_private=self.config.allow_private)]
             await write_message(stream, pb.HolePunch(type=pb.HolePunch.CONNECT, ObsAddrs=self._offer()))
             sync = await read_message(stream, pb.HolePunch)
             if sync.type != pb.HolePunch.SYNC:
-                raise ProtocolViolation("expected SYNC")
-        except ProtocolViolation as e:
+                raise RemoteProtocolError("expected SYNC")
+        except RemoteProtocolError as e:
             log.info("bad DCUtR exchange with %s: %s", peer, e)
             await finish_quietly(stream.reset)
             return

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -28,12 +29,14 @@ from libp2p.peer.id import ID
 from p2p import Node
 from p2p.addresses import is_relayed, with_peer_id, without_peer_id
 from p2p.dialer import live_connection
-from p2p.errors import ConfigError
+from p2p.errors import ConfigError, RemoteProtocolError
+from p2p.hooks import Registration
 from p2p.trio_util import finish_quietly
+from p2p.untrusted import require_peer_id
 
 from .circuit import HOP_PROTOCOL, STOP_PROTOCOL, VOUCHER_DOMAIN, VOUCHER_PAYLOAD_TYPE, is_relayed_conn
 from .proto import circuit_pb2 as pb
-from .wire import ProtocolViolation, parse_peer_id, read_message, write_message
+from .wire import read_message, write_message
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +80,62 @@ class _Slot:
     expire: float
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """Why a request was refused: the spec's status code and a reason for the counters."""
+
+    status: int
+    reason: str
+
+
+class RelayAdmission:
+    """Who may hold a slot and open a circuit: the relay's limits, sans I/O (time and liveness passed in)."""
+
+    def __init__(self, config: RelayConfig) -> None:
+        self.config = config
+        self.slots: dict[ID, _Slot] = {}
+        self.circuits: Counter[ID] = Counter()
+
+    def sweep(self, now: float, connected: Callable[[ID], bool]) -> None:
+        """Forget reservations that expired or whose peer disconnected."""
+        for peer, slot in list(self.slots.items()):
+            if slot.expire <= now or not connected(peer):
+                del self.slots[peer]
+
+    def reserve(self, peer: ID, ip: str, now: float) -> Refusal | int:
+        """A slot (new or refreshed) until the returned expiry (unix seconds), or the refusal."""
+        if peer not in self.slots:
+            if len(self.slots) >= self.config.max_reservations:
+                return Refusal(pb.RESERVATION_REFUSED, "too many reservations")
+            if sum(1 for s in self.slots.values() if s.ip == ip) >= self.config.max_reservations_per_ip:
+                return Refusal(pb.RESERVATION_REFUSED, "too many reservations from one IP")
+        expire = int(now) + self.config.reservation_ttl
+        self.slots[peer] = _Slot(peer, ip, expire)
+        return expire
+
+    def open_circuit(self, source: ID, target: ID) -> Refusal | None:
+        """Count a circuit from ``source`` to ``target``, or say why not; :meth:`close_circuit` undoes it."""
+        if target not in self.slots:
+            return Refusal(pb.NO_RESERVATION, "no reservation")
+        if self.circuit_count >= self.config.max_circuits:
+            return Refusal(pb.RESOURCE_LIMIT_EXCEEDED, "too many circuits")
+        limit = self.config.max_circuits_per_peer
+        if self.circuits[source] >= limit or self.circuits[target] >= limit:
+            return Refusal(pb.RESOURCE_LIMIT_EXCEEDED, "too many circuits for a peer")
+        self.circuits[source] += 1
+        self.circuits[target] += 1
+        return None
+
+    def close_circuit(self, source: ID, target: ID) -> None:
+        self.circuits[source] -= 1
+        self.circuits[target] -= 1
+        self.circuits += Counter()  # drop zero counts
+
+    @property
+    def circuit_count(self) -> int:
+        return sum(self.circuits.values()) // 2
+
+
 @dataclass
 class RelayStats:
     """What a relay has served; ``dedloc relay`` reports it."""
@@ -101,24 +160,25 @@ class RelayService:
         self._node = node
         self.config = config or RelayConfig()
         self.config.validate()
-        self._slots: dict[ID, _Slot] = {}
-        self._circuits: Counter[ID] = Counter()
+        self.admission = RelayAdmission(self.config)
         self.stats = RelayStats()
 
-    def install(self) -> None:
-        self._node.set_stream_handler(HOP_PROTOCOL, self._on_hop)
+    def install(self) -> Registration:
+        return self._node.set_stream_handler(HOP_PROTOCOL, self._on_hop)
 
-    def snapshot(self) -> dict[str, object]:
+    def metrics(self) -> dict[str, int | float | str]:
+        """Flat name -> value (refusals and limits hit by reason), as every service's ``metrics()``."""
         self._sweep()
         s = self.stats
-        return {
-            "reservations": len(self._slots),
-            "circuits": sum(self._circuits.values()) // 2,
+        out: dict[str, int | float | str] = {
+            "reservations": len(self.admission.slots),
+            "circuits": self.admission.circuit_count,
             "circuits_total": s.circuits_total,
             "bytes_relayed": s.bytes_relayed,
-            "refused": dict(s.refused),
-            "limits_hit": dict(s.limits_hit),
         }
+        out.update({f"refused.{reason}": n for reason, n in s.refused.items()})
+        out.update({f"limits_hit.{limit}": n for limit, n in s.limits_hit.items()})
+        return out
 
     @property
     def limit(self) -> pb.Limit:
@@ -130,7 +190,7 @@ class RelayService:
         peer = stream.muxed_conn.peer_id
         try:
             msg = await read_message(stream, pb.HopMessage)
-        except ProtocolViolation as e:
+        except RemoteProtocolError as e:
             log.info("bad HOP request from %s: %s", peer, e)
             await self._status(stream, pb.MALFORMED_MESSAGE, "malformed")
             return
@@ -156,16 +216,10 @@ class RelayService:
 
     async def _reserve(self, stream: INetStream, peer: ID) -> None:
         self._sweep()
-        ip = _remote_ip(stream)
-        if peer not in self._slots:
-            if len(self._slots) >= self.config.max_reservations:
-                await self._status(stream, pb.RESERVATION_REFUSED, "too many reservations")
-                return
-            if sum(1 for s in self._slots.values() if s.ip == ip) >= self.config.max_reservations_per_ip:
-                await self._status(stream, pb.RESERVATION_REFUSED, "too many reservations from one IP")
-                return
-        expire = int(time.time()) + self.config.reservation_ttl
-        self._slots[peer] = _Slot(peer, ip, expire)
+        expire = self.admission.reserve(peer, _remote_ip(stream), time.time())
+        if isinstance(expire, Refusal):
+            await self._status(stream, expire.status, expire.reason)
+            return
         me = self._node.peer_id
         addrs = [with_peer_id(without_peer_id(a), me).to_bytes() for a in self._node.addrs if not is_relayed(a)]
         reply = pb.HopMessage(
@@ -189,34 +243,22 @@ class RelayService:
         return Envelope(key.get_public_key(), VOUCHER_PAYLOAD_TYPE, payload, signature).marshal_envelope()
 
     def _sweep(self) -> None:
-        """Forget reservations that expired or whose peer disconnected."""
-        now = time.time()
         network = self._node.network
-        for peer, slot in list(self._slots.items()):
-            if slot.expire <= now or live_connection(network, peer) is None:
-                del self._slots[peer]
+        self.admission.sweep(time.time(), lambda peer: live_connection(network, peer) is not None)
 
     async def _connect(self, stream: INetStream, source: ID, msg: pb.HopMessage) -> None:
         try:
             if not msg.HasField("peer"):
-                raise ProtocolViolation("CONNECT without a peer")
-            target = parse_peer_id(msg.peer.id, "CONNECT peer")
-        except ProtocolViolation:
+                raise RemoteProtocolError("CONNECT without a peer")
+            target = require_peer_id(msg.peer.id, "CONNECT peer")
+        except RemoteProtocolError:
             await self._status(stream, pb.MALFORMED_MESSAGE, "malformed")
             return
         self._sweep()
-        if target not in self._slots:
-            await self._status(stream, pb.NO_RESERVATION, "no reservation")
+        refusal = self.admission.open_circuit(source, target)
+        if refusal is not None:
+            await self._status(stream, refusal.status, refusal.reason)
             return
-        cfg = self.config
-        if sum(self._circuits.values()) // 2 >= cfg.max_circuits:
-            await self._status(stream, pb.RESOURCE_LIMIT_EXCEEDED, "too many circuits")
-            return
-        if self._circuits[source] >= cfg.max_circuits_per_peer or self._circuits[target] >= cfg.max_circuits_per_peer:
-            await self._status(stream, pb.RESOURCE_LIMIT_EXCEEDED, "too many circuits for a peer")
-            return
-        self._circuits[source] += 1
-        self._circuits[target] += 1
         try:
             stop = await self._open_stop(source, target)
             if stop is None:
@@ -231,9 +273,7 @@ class RelayService:
             self.stats.circuits_total += 1
             await self._bridge(stream, stop)
         finally:
-            self._circuits[source] -= 1
-            self._circuits[target] -= 1
-            self._circuits += Counter()  # drop zero counts
+            self.admission.close_circuit(source, target)
 
     async def _open_stop(self, source: ID, target: ID) -> INetStream | None:
         stop: INetStream | None = None

@@ -4,21 +4,18 @@ Relay, DCUtR and AutoNAT all send uvarint-length-prefixed protobuf messages
 and then, for relay, hand the very same stream over as a connection. So a
 message is read exactly (the prefix a byte at a time, then the body): nothing
 past it may be consumed. Every read has a size cap and a deadline; every
-address a peer sends is parsed and capped before anyone uses it.
+address a peer sends is parsed and capped (:mod:`p2p.untrusted`) before anyone uses it.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, TypeVar, cast
+from typing import Protocol, TypeVar
 
-import multihash
 import trio
 from google.protobuf.message import DecodeError
 from google.protobuf.message import Message as ProtoMessage
-from libp2p.peer.id import ID
-from multiaddr import Multiaddr
 
-from p2p.errors import DedlocError
+from p2p.errors import RemoteProtocolError
 from p2p.rpc.framing import encode_varint
 
 M = TypeVar("M", bound=ProtoMessage)
@@ -29,10 +26,6 @@ MAX_MESSAGE = 4096
 MAX_ADDRS = 32
 #: Time allowed for one control message to arrive.
 MESSAGE_TIMEOUT = 10.0
-
-
-class ProtocolViolation(DedlocError):
-    """A peer sent a message that is oversized, garbled, unexpected or late."""
 
 
 class Stream(Protocol):
@@ -51,7 +44,7 @@ async def write_message(stream: Stream, message: ProtoMessage) -> None:
 async def read_message(
     stream: Stream, message_type: type[M], *, max_size: int = MAX_MESSAGE, timeout: float = MESSAGE_TIMEOUT
 ) -> M:
-    """Read one message and not a byte more; :class:`ProtocolViolation` on anything wrong."""
+    """Read one message and not a byte more; :class:`RemoteProtocolError` on anything wrong."""
     what = message_type.__name__
     with trio.move_on_after(timeout) as scope:
         size = 0
@@ -59,22 +52,22 @@ async def read_message(
             byte = await _read_some(stream, 1, what)
             size |= (byte[0] & 0x7F) << shift
             if size > max_size:
-                raise ProtocolViolation(f"{what} of at least {size} bytes announced, over the {max_size}-byte limit")
+                raise RemoteProtocolError(f"{what} of at least {size} bytes announced, over the {max_size}-byte limit")
             if byte[0] < 0x80:
                 break
         else:
-            raise ProtocolViolation(f"{what} length prefix is too long")
+            raise RemoteProtocolError(f"{what} length prefix is too long")
         body = bytearray()
         while len(body) < size:
             body += await _read_some(stream, size - len(body), what)
     if scope.cancelled_caught:
-        raise ProtocolViolation(f"no complete {what} within {timeout:g} s")
+        raise RemoteProtocolError(f"no complete {what} within {timeout:g} s")
     try:
         message = message_type.FromString(bytes(body))
     except DecodeError as e:
-        raise ProtocolViolation(f"garbled {what}: {e}") from None
+        raise RemoteProtocolError(f"garbled {what}: {e}") from None
     if not message.IsInitialized():  # proto2 required fields (DCUtR's type): upb parses without them
-        raise ProtocolViolation(f"{what} lacks a required field")
+        raise RemoteProtocolError(f"{what} lacks a required field")
     return message
 
 
@@ -84,27 +77,5 @@ async def _read_some(stream: Stream, n: int, what: str) -> bytes:
     except EOFError:
         data = b""
     if not data:
-        raise ProtocolViolation(f"the stream ended before the {what} was complete")
+        raise RemoteProtocolError(f"the stream ended before the {what} was complete")
     return data
-
-
-def parse_addrs(raw: list[bytes] | object, *, limit: int = MAX_ADDRS) -> list[Multiaddr]:
-    """The valid multiaddrs among the first ``limit`` binary ones; garbage is dropped."""
-    out: list[Multiaddr] = []
-    for item in list(cast(list[bytes], raw))[:limit]:
-        try:
-            addr = Multiaddr(bytes(item))
-            str(addr)  # py-multiaddr parses lazily: force it, so garbage fails here
-        except Exception:
-            continue
-        out.append(addr)
-    return out
-
-
-def parse_peer_id(raw: bytes, what: str) -> ID:
-    try:
-        multihash.decode(bytes(raw))  # ID() itself accepts any bytes
-        peer_id = ID(bytes(raw))
-    except Exception:
-        raise ProtocolViolation(f"{what} is not a valid peer id") from None
-    return peer_id

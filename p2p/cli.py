@@ -1,4 +1,9 @@
-"""The ``dedloc`` command: run a node from a shell, or follow one from a script.
+"""The ``dedloc`` command's machinery, and the commands that need only this layer (``id``, ``dht``).
+
+The entry point lives in the highest layer that has commands (``nat/cli.py``
+today, which adds ``relay``, ``peer``, ``status``, ``ping`` and ``demo``): each
+command sits in the highest layer it imports, so this module imports nothing
+above ``p2p``.
 
 Every long-running command prints human-readable lines, or with ``--json`` one
 JSON object per line for each event (``docs/CLI.md`` lists them), so monitoring
@@ -10,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -20,13 +24,11 @@ from typing import Any
 import trio
 
 from . import events as ev
-from .addresses import parse_peer_addr
 from .config import NodeConfig
 from .dht import DHT, DHTConfig
 from .errors import DedlocError
 from .identity import default_identity_path, load_or_create_identity, peer_id_of
 from .node import Node
-from .peer_exchange import PeerExchange
 from .trio_util import unwrap_single_group
 
 DESCRIPTION = """\
@@ -38,11 +40,6 @@ real swarm, ask its operator for a bootstrap address and run
 machine with a public IP and give people the address it prints.
 """
 
-RELAY_LISTEN = ["/ip4/0.0.0.0/tcp/4001", "/ip6/::/tcp/4001"]
-STATUS_METHOD = "node.status"
-#: RemoteError code for a status request from another machine.
-STATUS_REFUSED = 100
-PEER_LISTEN = ["/ip4/0.0.0.0/tcp/0", "/ip6/::/tcp/0"]
 
 
 class Output:
@@ -101,22 +98,11 @@ def human(event: ev.Event) -> str:
     return f"{event.event.replace('_', ' ')}: " + ", ".join(f"{k}={v}" for k, v in fields.items() if v not in (None, []))
 
 
-def _short(pid: str | None) -> str:
-    return f"…{pid[-8:]}" if pid else "?"
+def _short(pid: object) -> str:
+    return f"…{str(pid)[-8:]}" if pid else "?"
 
 
 # ---------------------------------------------------------------------- commands
-
-
-def _config(args: argparse.Namespace, default_listen: list[str]) -> NodeConfig:
-    identity = None if getattr(args, "ephemeral", False) else args.identity
-    return NodeConfig(
-        identity_path=identity,
-        listen=args.listen or default_listen,
-        announce=args.announce or [],
-        initial_peers=getattr(args, "initial_peers", None) or [],
-        bootstrap_timeout=getattr(args, "bootstrap_timeout", 30.0),
-    )
 
 
 async def cmd_id(args: argparse.Namespace, out: Output) -> int:
@@ -129,138 +115,6 @@ async def cmd_id(args: argparse.Namespace, out: Output) -> int:
         identity_path=str(args.identity),
         created=created,
     )
-    return 0
-
-
-async def _follow(node: Node, out: Output, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-    async with node.events() as events:
-        task_status.started()
-        async for event in events:
-            out.event(event)
-
-
-async def _serve(
-    node: Node, out: Output, duration: float | None, status_every: float, extra_status: Callable[[], None] | None = None
-) -> None:
-    """Print events and a periodic peer count until ``duration`` (or Ctrl-C)."""
-
-    async def report() -> None:
-        while True:
-            await trio.sleep(status_every)
-            peers = [str(p) for p in node.connected_peers()]
-            node.emit(ev.PeerCount(count=len(peers), peers=peers))
-            if extra_status is not None:
-                extra_status()
-
-    async def stop_on_sigterm(cancel: trio.CancelScope) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM) as signals:
-            async for _ in signals:
-                cancel.cancel()
-
-    with trio.move_on_after(duration if duration is not None else float("inf")):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(stop_on_sigterm, nursery.cancel_scope)
-            if status_every > 0:
-                nursery.start_soon(report)
-            await trio.sleep_forever()
-
-
-def _nat_config(args: argparse.Namespace, *, relay: bool) -> Any:
-    # The NAT layer sits above p2p: the CLI is the one place here that imports it (lazily).
-    from nat.relay import RelayConfig
-    from nat.traversal import NatConfig
-
-    limits = RelayConfig(
-        max_reservations=args.max_reservations,
-        max_circuits=args.max_circuits,
-        circuit_duration=args.circuit_duration,
-        circuit_data=args.circuit_data_mib * 1024 * 1024,
-        circuit_bandwidth=args.circuit_bandwidth_kib * 1024,
-    )
-    return NatConfig(
-        relay_service=relay or args.serve_relay,
-        relay=limits,
-        autorelay=not relay,
-        port_mapping=not args.no_port_mapping,
-        allow_private=args.allow_private,
-    )
-
-
-def _serve_status(node: Node, nat: Any, dht: DHT | None = None) -> None:
-    """Answer ``dedloc status``: the funnel, to callers on this machine only."""
-    from google.protobuf.empty_pb2 import Empty
-    from google.protobuf.struct_pb2 import Struct
-
-    from .addresses import Scope, scope_of
-    from .dialer import remote_addr
-    from .rpc import RemoteError
-
-    async def status(_: Empty, ctx: Any) -> Struct:
-        conns = node.network.get_connections(ctx.peer_id)
-        if not conns or any(scope_of(remote_addr(c)) != Scope.LOOPBACK for c in conns):
-            raise RemoteError("status is only served to this machine", code=STATUS_REFUSED)
-        reply = Struct()
-        reply.update({"peer_id": str(node.peer_id), "peers": len(node.connected_peers()), **nat.metrics()})
-        if dht is not None:
-            reply.update({f"dht_{k}": v for k, v in dht.stats().items()})
-        return reply
-
-    node.rpc.add_unary(STATUS_METHOD, Empty, status)
-
-
-async def _run_node(args: argparse.Namespace, out: Output, *, relay: bool) -> int:
-    from nat.events import NatStatus
-    from nat.traversal import NatService
-
-    config = _config(args, RELAY_LISTEN if relay else PEER_LISTEN)
-    async with trio.open_nursery() as nursery:
-        # Follow events from the start, so bootstrap progress is visible.
-        async with Node.open(config, bootstrap=False) as node:
-            await nursery.start(_follow, node, out)
-            async with NatService.attach(node, _nat_config(args, relay=relay)) as nat:
-                out.event(ev.Listening(peer_id=str(node.peer_id), addrs=[str(a) for a in node.addrs]))
-                if config.initial_peers:
-                    await node.bootstrap()
-                exchange = PeerExchange(node, greeting=getattr(args, "message", None))
-                exchange.serve()
-                if not relay:
-                    nursery.start_soon(exchange.run, args.exchange_interval)
-                # A relay is the swarm's bootstrap: it serves the DHT from the start. A peer
-                # serves once AutoNAT confirmed it reachable, and is a client until then.
-                dht_config = DHTConfig(mode="server" if relay else args.dht_mode,
-                                       bootstrap_timeout=config.bootstrap_timeout)
-                async with DHT.open(node, dht_config, reachability=nat) as dht:
-                    _serve_status(node, nat, dht)
-                    await _serve(node, out, args.duration, args.status_interval,
-                                 lambda: node.emit(NatStatus(metrics=nat.metrics())))
-        nursery.cancel_scope.cancel()
-    return 0
-
-
-async def cmd_relay(args: argparse.Namespace, out: Output) -> int:
-    return await _run_node(args, out, relay=True)
-
-
-async def cmd_peer(args: argparse.Namespace, out: Output) -> int:
-    return await _run_node(args, out, relay=False)
-
-
-async def cmd_status(args: argparse.Namespace, out: Output) -> int:
-    from google.protobuf.empty_pb2 import Empty
-    from google.protobuf.json_format import MessageToDict
-    from google.protobuf.struct_pb2 import Struct
-
-    config = NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], dial_timeout=args.timeout)
-    async with Node.open(config) as node:
-        _, target = parse_peer_addr(args.address, what="node address")
-        await node.connect(args.address)
-        reply = await node.rpc.call(target, STATUS_METHOD, Empty(), Struct, timeout=args.timeout)
-    metrics = MessageToDict(reply)
-    if out.json_mode:
-        print(json.dumps(metrics), flush=True)
-    else:
-        for key, value in metrics.items():
-            print(f"{key:<22} {value}")
     return 0
 
 
@@ -305,91 +159,48 @@ def _when(expiration: float) -> str:
     return f"{time.strftime('%H:%M:%S', time.localtime(expiration))}, in {expiration - time.time():.0f}s"
 
 
-async def cmd_ping(args: argparse.Namespace, out: Output) -> int:
-    _, target = parse_peer_addr(args.address, what="address to ping")
-    config = NodeConfig(listen=args.listen or ["/ip4/0.0.0.0/tcp/0"], dial_timeout=args.timeout)
-    async with trio.open_nursery() as nursery:
-        async with Node.open(config) as node:
-            await nursery.start(_follow, node, out)
-            await node.connect(args.address)
-            for i in range(args.count):
-                if i:
-                    await trio.sleep(args.interval)
-                await node.ping(target, timeout=args.timeout)
-            await trio.sleep(0)  # let the last event reach the printer
-        nursery.cancel_scope.cancel()
-    return 0
-
-
-async def cmd_demo(args: argparse.Namespace, out: Output) -> int:
-    from .demo import run_demo
-
-    return await run_demo(peers=args.peers, duration=args.duration, out=out)
-
-
 # ---------------------------------------------------------------------- parser
 
 
-def build_parser() -> argparse.ArgumentParser:
+def common_options(p: argparse.ArgumentParser, *, node: bool = True) -> None:
+    """Options every command shares (``node``: those of a command that runs a node)."""
+    p.add_argument("--json", action="store_true", help="print one JSON object per line for each event (see docs/CLI.md)")
+    p.add_argument(
+        "--identity", type=Path, default=default_identity_path(), metavar="PATH",
+        help="identity key file, created on first use with mode 0600 (default: %(default)s)",
+    )
+    if node:
+        p.add_argument("--listen", action="append", metavar="MULTIADDR", help="address to listen on (repeatable)")
+        p.add_argument("--announce", action="append", metavar="MULTIADDR",
+                       help="address to advertise instead of the listen addresses (repeatable), e.g. a public IP")
+        p.add_argument("--duration", type=float, default=None, metavar="SECONDS", help="exit after this long (default: run until Ctrl-C)")
+        p.add_argument("--status-interval", type=float, default=10.0, metavar="SECONDS", help="how often to report the peer count (0: never)")
+        p.add_argument("--ephemeral", action="store_true", help="use a throwaway identity instead of --identity")
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a duration that must be more than zero (a TTL of -5 s is refused, not sent)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
+    return value
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:  # type: ignore[type-arg]
+    """The commands of this layer (``id``, ``dht``); upper layers add theirs to the returned subparsers."""
     parser = argparse.ArgumentParser(
         prog="dedloc", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: py-libp2p's too)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def common(p: argparse.ArgumentParser, *, node: bool = True) -> None:
-        p.add_argument("--json", action="store_true", help="print one JSON object per line for each event (see docs/CLI.md)")
-        p.add_argument(
-            "--identity", type=Path, default=default_identity_path(), metavar="PATH",
-            help="identity key file, created on first use with mode 0600 (default: %(default)s)",
-        )
-        if node:
-            p.add_argument("--listen", action="append", metavar="MULTIADDR", help="address to listen on (repeatable)")
-            p.add_argument("--announce", action="append", metavar="MULTIADDR",
-                           help="address to advertise instead of the listen addresses (repeatable), e.g. a public IP")
-            p.add_argument("--duration", type=float, default=None, metavar="SECONDS", help="exit after this long (default: run until Ctrl-C)")
-            p.add_argument("--status-interval", type=float, default=10.0, metavar="SECONDS", help="how often to report the peer count (0: never)")
-            p.add_argument("--ephemeral", action="store_true", help="use a throwaway identity instead of --identity")
-
     p = sub.add_parser("id", help="show this machine's peer id, creating the identity on first run",
                        description="Print the peer id of the identity file, creating a new Ed25519 identity if there is none.")
-    common(p, node=False)
+    common_options(p, node=False)
     p.set_defaults(func=cmd_id)
-
-    def nat_options(p: argparse.ArgumentParser) -> None:
-        g = p.add_argument_group("NAT traversal")
-        g.add_argument("--no-port-mapping", action="store_true", help="do not ask the router to forward our port (UPnP / NAT-PMP)")
-        g.add_argument("--allow-private", action="store_true",
-                       help="treat private addresses as reachable (a swarm inside one LAN)")
-        g.add_argument("--serve-relay", action="store_true", help="also relay for NATed peers when publicly reachable")
-        g.add_argument("--max-reservations", type=int, default=256, metavar="N", help="relay: peers holding a slot at once")
-        g.add_argument("--max-circuits", type=int, default=128, metavar="N", help="relay: relayed connections at once")
-        g.add_argument("--circuit-duration", type=int, default=3600, metavar="SECONDS", help="relay: longest relayed connection (0: no limit)")
-        g.add_argument("--circuit-data-mib", type=int, default=4096, metavar="MIB", help="relay: bytes per relayed connection and direction (0: no limit)")
-        g.add_argument("--circuit-bandwidth-kib", type=int, default=0, metavar="KIB/S", help="relay: bandwidth per relayed connection and direction (0: no limit)")
-
-    p = sub.add_parser("relay", help="run a public relay and bootstrap node that others join through",
-                       description="Run a bootstrap node, circuit relay v2 and AutoNAT server on a machine others can reach. "
-                       "It prints the addresses to give to peers; peers behind NAT reserve slots on it.")
-    common(p)
-    nat_options(p)
-    p.add_argument("--initial-peers", nargs="*", default=[], metavar="MULTIADDR", help="other bootstrap nodes to join")
-    p.set_defaults(func=cmd_relay)
-
-    p = sub.add_parser("peer", help="join a swarm through one or more initial peers",
-                       description="Join a swarm: connect to the initial peers, learn the other peers from them and connect to those.")
-    common(p)
-    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MULTIADDR",
-                   help="full addresses of bootstrap nodes, ending in /p2p/<peer-id>")
-    p.add_argument("--bootstrap-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="give up if no initial peer answers within this time (default: %(default)s)")
-    p.add_argument("--exchange-interval", type=float, default=5.0, metavar="SECONDS",
-                   help="how often to ask connected peers for more peers (default: %(default)s)")
-    p.add_argument("--message", default=None, metavar="TEXT", help="send this greeting to every peer met")
-    p.add_argument("--dht-mode", choices=["auto", "server", "client"], default="auto",
-                   help="serve the DHT (server), only use it (client), or serve once reachable (auto, the default)")
-    nat_options(p)
-    p.set_defaults(func=cmd_peer)
 
     p = sub.add_parser("dht", help="store or read a value in a running swarm's DHT (for debugging)",
                        description="Join the swarm as a short-lived DHT client, do one store or get, and leave.")
@@ -410,40 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
     q = dht_sub.add_parser("store", help="store VALUE (text) under KEY for --ttl seconds")
     q.add_argument("key", metavar="KEY")
     q.add_argument("value", metavar="VALUE")
-    q.add_argument("--ttl", type=float, default=300.0, metavar="SECONDS", help="lifetime of the value (default: %(default)s)")
+    q.add_argument("--ttl", type=positive_seconds, default=300.0, metavar="SECONDS", help="lifetime of the value (default: %(default)s)")
     q.add_argument("--subkey", default=None, metavar="SUBKEY", help="store under this subkey of a dictionary key")
     dht_common(q)
 
-    p = sub.add_parser("status", help="print the NAT funnel and reachability of a node running on this machine",
-                       description="Ask a `dedloc peer` or `dedloc relay` on this machine (give its 127.0.0.1 address) "
-                       "for its reachability, relays, hole-punch results and bytes by path.")
-    p.add_argument("address", metavar="MULTIADDR", help="the node's loopback address, ending in /p2p/<peer-id>")
-    p.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS")
-    p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
-    p.set_defaults(func=cmd_status)
-
-    p = sub.add_parser("ping", help="measure the round-trip time to a peer",
-                       description="Connect to a peer with a throwaway identity and ping it.")
-    p.add_argument("address", metavar="MULTIADDR", help="the peer's full address, ending in /p2p/<peer-id>")
-    p.add_argument("-c", "--count", type=int, default=4, help="number of pings (default: %(default)s)")
-    p.add_argument("-i", "--interval", type=float, default=1.0, metavar="SECONDS", help="time between pings")
-    p.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS", help="give up on one dial or ping after this long")
-    p.add_argument("--listen", action="append", metavar="MULTIADDR", help=argparse.SUPPRESS)
-    p.add_argument("--json", action="store_true", help="print one JSON object per line for each event")
-    p.set_defaults(func=cmd_ping)
-
-    p = sub.add_parser("demo", help="start a live local swarm on loopback (a bootstrap node and several peers)",
-                       description="Start, on 127.0.0.1 only, a bootstrap node and several peers in their own processes; "
-                       "they find each other, exchange messages, and everything stops after --duration or on Ctrl-C.")
-    p.add_argument("--peers", type=int, default=4, help="number of peers besides the bootstrap node (default: %(default)s)")
-    p.add_argument("--duration", type=float, default=20.0, metavar="SECONDS", help="stop after this long (default: %(default)s)")
-    p.add_argument("--json", action="store_true", help="print the nodes' events as JSON lines")
-    p.set_defaults(func=cmd_demo)
-    return parser
+    return parser, sub
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+def run(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen command under trio; errors become one clear line and exit 1."""
     args = parser.parse_args(argv)
     _setup_logging(args.verbose)
     out = Output(getattr(args, "json", False))
@@ -472,6 +258,3 @@ def _setup_logging(verbose: int) -> None:
     # py-libp2p logs every failed dial attempt at ERROR; dedloc reports those itself.
     logging.getLogger("libp2p").setLevel(logging.CRITICAL if verbose < 2 else logging.DEBUG)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -42,3 +42,12 @@ class StreamOpenError(DedlocError, ConnectionError):
 
 class BootstrapError(DialError):
     """None of the configured initial peers could be reached."""
+
+
+class RemoteProtocolError(DedlocError):
+    """A peer broke a protocol: its message was oversized, garbled, unexpected or late.
+
+    The one base of every peer fault (h11's ``RemoteProtocolError`` idea), so
+    that callers can tell a faulty or hostile peer (leave it out, try another)
+    from a broken local setup (a :class:`ConfigError`, a missing route).
+    """

@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from typing import Any
+
+from libp2p.peer.id import ID
+
+from .hooks import Direction, PathKind
 
 
 @dataclass
@@ -20,33 +25,46 @@ class Event:
     ts: float = field(init=False, default_factory=time.time)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Plain JSON values: peer ids as base58 text, enums as their value."""
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=False)
 
 
+def _plain(value: Any) -> Any:
+    if isinstance(value, ID):
+        return value.to_base58()
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {str(_plain(k)): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
 @dataclass
 class Listening(Event):
-    peer_id: str
+    peer_id: ID
     addrs: list[str]
     event: str = field(init=False, default="listening")
 
 
 @dataclass
 class ConnectionOpened(Event):
-    peer_id: str
+    peer_id: ID
     addr: str
-    direction: Literal["inbound", "outbound", "unknown"]
-    kind: Literal["direct", "relayed"]
+    direction: Direction
+    kind: PathKind
     event: str = field(init=False, default="connection_opened")
 
 
 @dataclass
 class ConnectionClosed(Event):
-    peer_id: str
+    peer_id: ID
     addr: str
-    kind: Literal["direct", "relayed"]
+    kind: PathKind
     event: str = field(init=False, default="connection_closed")
 
 
@@ -54,7 +72,7 @@ class ConnectionClosed(Event):
 class PeerConnected(Event):
     """An initial peer (or a dial target) was reached; ``elapsed`` is dial time in s."""
 
-    peer_id: str
+    peer_id: ID
     addr: str
     elapsed: float
     event: str = field(init=False, default="peer_connected")
@@ -62,7 +80,7 @@ class PeerConnected(Event):
 
 @dataclass
 class Ping(Event):
-    peer_id: str
+    peer_id: ID
     rtt_ms: float
     event: str = field(init=False, default="ping")
 
@@ -71,7 +89,7 @@ class Ping(Event):
 class Message(Event):
     """An application-level message (the demo's chatter, for instance)."""
 
-    peer_id: str
+    peer_id: ID
     text: str
     event: str = field(init=False, default="message")
 
@@ -81,45 +99,18 @@ class PeerCount(Event):
     """Periodic status of a long-running node: who it is connected to now."""
 
     count: int
-    peers: list[str]
+    peers: list[ID]
     event: str = field(init=False, default="peer_count")
 
 
 @dataclass
 class Error(Event):
     message: str
-    peer_id: str | None = None
+    peer_id: ID | None = None
     event: str = field(init=False, default="error")
 
 
 @dataclass
 class Closed(Event):
-    peer_id: str
+    peer_id: ID
     event: str = field(init=False, default="closed")
-
-
-@dataclass
-class DHTJoined(Event):
-    """The DHT finished bootstrapping: ``peers`` servers are in its routing table."""
-
-    mode: str
-    peers: int
-    elapsed: float
-    event: str = field(init=False, default="dht_joined")
-
-
-@dataclass
-class DHTModeChanged(Event):
-    """The DHT now serves others (``server``) or only queries them (``client``), and why."""
-
-    mode: str
-    reason: str
-    event: str = field(init=False, default="dht_mode")
-
-
-@dataclass
-class DHTIsolated(Event):
-    """The routing table ran empty; the DHT re-bootstraps from its initial peers."""
-
-    initial_peers: int
-    event: str = field(init=False, default="dht_isolated")

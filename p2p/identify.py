@@ -22,13 +22,16 @@ from libp2p.peer.peer_record import PEER_RECORD_ENVELOPE_DOMAIN
 from libp2p.utils.varint import read_length_prefixed_protobuf
 from multiaddr import Multiaddr
 
-from .errors import DedlocError
+from .errors import RemoteProtocolError
 from .trio_util import finish_quietly
+from .untrusted import decode_addr, decode_addrs
 
 MAX_IDENTIFY_SIZE = 64 * 1024
+#: Most self-reported listen addresses taken from one answer: the peer chooses how many it sends.
+MAX_LISTEN_ADDRS = 32
 
 
-class IdentifyError(DedlocError):
+class IdentifyError(RemoteProtocolError):
     """The peer's identify answer was missing, oversized or undecodable."""
 
 
@@ -99,19 +102,11 @@ def verify_identify(peer_id: ID, msg: Identify) -> PeerIdentity:
         agent_version=msg.agent_version,
         protocol_version=msg.protocol_version,
         protocols=list(msg.protocols),
-        listen_addrs=[a for a in (_maddr(b) for b in msg.listen_addrs) if a is not None],
-        observed_addr=_maddr(msg.observed_addr) if msg.HasField("observed_addr") else None,
+        # All parsed (the answer's 64 KiB cap bounds them); whoever stores them keeps MAX_LISTEN_ADDRS.
+        listen_addrs=decode_addrs(msg.listen_addrs, limit=len(msg.listen_addrs)),
+        observed_addr=decode_addr(bytes(msg.observed_addr)) if msg.HasField("observed_addr") else None,
         public_key_valid=key_ok,
         signed_record_valid=record_ok,
         signed_record_addrs=record_addrs,
         problems=problems,
     )
-
-
-def _maddr(raw: bytes) -> Multiaddr | None:
-    try:
-        addr = Multiaddr(raw)
-        str(addr)  # py-multiaddr parses bytes lazily: force it, so garbage is dropped here
-        return addr
-    except Exception:
-        return None

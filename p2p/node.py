@@ -12,46 +12,34 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, replace
 
 import ifaddr
 import trio
-from libp2p import new_host
-from libp2p.abc import IHost, IMuxedConn, INetConn, ISecureConn, INetStream, INetwork, INetworkService, INotifee
+from libp2p.abc import IHost, INetConn, INetStream, INetworkService
 from libp2p.crypto.keys import KeyPair
 from libp2p.custom_types import TProtocol
 from libp2p.host.exceptions import StreamFailure
 from libp2p.host.ping import ID as PING_PROTOCOL
+from libp2p.peer.id import ID
+from libp2p.peer.peerstore import PeerStoreError
 from libp2p.protocol_muxer.exceptions import MultiselectClientError
 from libp2p.protocol_muxer.multiselect_client import MultiselectClient
 from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
-from libp2p.network.config import ConnectionConfig, RetryConfig
-from libp2p.peer.id import ID
-from libp2p.peer.peerstore import PeerStoreError
-from libp2p.stream_muxer.muxer_multistream import MuxerMultistream
 from multiaddr import Multiaddr
 
 from . import events as ev
-from .addresses import (
-    is_relayed,
-    parse_multiaddr,
-    parse_peer_addr,
-    rank_for_dial,
-    with_peer_id,
-    without_peer_id,
-)
+from .addresses import is_relayed, parse_multiaddr, parse_peer_addr, rank_for_dial, with_peer_id, without_peer_id
 from .config import NodeConfig
 from .dialer import CircuitDialer, backoff_delays, dial, live_connection, remote_addr
 from .errors import BootstrapError, DedlocError, DialError, ProtocolNotSupportedError, StreamOpenError
-from .identify import PeerIdentity, identify
+from .hooks import ConnectionInfo, Direction, ExternalAddresses, PathKind, Reachability, Registration, SwarmObserver
+from .identify import MAX_LISTEN_ADDRS, PeerIdentity, identify
 from .identity import load_or_create_identity, new_identity, peer_id_of
-from .noise import PROTOCOL_ID as NOISE_PROTOCOL_ID
-from .noise import NoiseSession, NoiseTransport
+from .libp2p_host import build_host, started
+from .noise import NoiseSession
 from .rpc import RPC_PROTOCOL, Rpc
 from .trio_util import finish_quietly, unwrap_single_group
-from .yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
-from .yamux import YamuxConfig, YamuxConnection
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +49,6 @@ PING_SIZE = 32
 ADDR_TTL = 3600
 EVENT_BUFFER = 1024
 RPC_SWEEP_INTERVAL = 10.0
-#: Most of a peer's self-reported listen addresses kept: it chooses how many it sends.
-MAX_LISTEN_ADDRS = 32
 #: Bound on distinct observed addresses kept: peers choose what they report.
 MAX_OBSERVED_ADDRS = 64
 
@@ -83,10 +69,11 @@ class Node:
         self.peer_id: ID = peer_id_of(key_pair)
         self._nursery = nursery
         self._subscribers: list[_Subscriber] = []
+        self._observers: list[SwarmObserver] = []
         self._observed: dict[str, set[ID]] = {}
         self._announce = [parse_multiaddr(a, what="announce address") for a in config.announce]
         self._circuit_dialer: CircuitDialer | None = None
-        self._address_policy: Callable[[list[Multiaddr]], list[Multiaddr]] | None = None
+        self._external = ExternalAddresses()
         self.rpc = Rpc(self.new_stream, max_message_size=config.max_message_size, default_timeout=config.rpc_timeout)
 
     # ------------------------------------------------------------------ lifecycle
@@ -97,11 +84,12 @@ class Node:
         """Start a node, connect it to its initial peers, and close it all on exit.
 
         With ``bootstrap=False`` the caller runs :meth:`bootstrap` itself (after
-        subscribing to :meth:`events`, say).
+        installing services that must see the first connections, say).
 
         Raises :class:`p2p.ConfigError` for unusable settings, :class:`p2p.IdentityError`
-        for a bad identity file and :class:`p2p.BootstrapError` when initial peers were
-        given and none answered within ``config.bootstrap_timeout``.
+        for a bad identity file, :class:`p2p.DedlocError` when a listen address cannot
+        be bound, and :class:`p2p.BootstrapError` when initial peers were given and
+        none answered within ``config.bootstrap_timeout``.
         """
         config = config or NodeConfig()
         config.validate()
@@ -112,35 +100,21 @@ class Node:
         listen = [parse_multiaddr(a, what="listen address") for a in config.listen]
 
         holder: list[Node] = []
-        host = new_host(
-            key_pair=key_pair,
-            # Noise only: the other defaults (TLS, SECIO, plaintext) are either
-            # not interoperable or not secure, and each costs a negotiation round.
-            # Both are dedloc's own record layers (py-libp2p's handshake): see p2p/noise.py, p2p/yamux.py.
-            sec_opt={NOISE_PROTOCOL_ID: NoiseTransport(key_pair)},
-            muxer_opt={YAMUX_PROTOCOL_ID: YamuxConnection},
-            listen_addrs=listen,
-            addrs_factory=lambda candidates: holder[0]._advertised(candidates) if holder else candidates,
-            connection_config=ConnectionConfig(min_connections=0, low_watermark=0, dial_timeout=config.dial_timeout),
+        host = build_host(
+            key_pair, listen, yamux=config.yamux, dial_timeout=config.dial_timeout,
+            advertised=lambda candidates: holder[0]._advertised(candidates) if holder else candidates,
+            max_addrs=MAX_LISTEN_ADDRS + 8,
         )
-        network = host.get_network()
-        upgrader = network.upgrader  # type: ignore[attr-defined]
-        upgrader.muxer_multistream = _Muxers(config.yamux, upgrader.muxer_multistream.negotiate_timeout)
-        # The dialer retries at the peer level with its own backoff; the swarm's
-        # extra per-address retries would only delay a clear error.
-        network.retry_config = RetryConfig(max_retries=0)  # type: ignore[attr-defined]
         bootstrap_error: BootstrapError | None = None
+        listening = False
         try:
             with unwrap_single_group():
                 async with host.run(listen), trio.open_nursery() as nursery:
-                    # py-libp2p's auto-connector dials peer-store entries to keep
-                    # 150 connections; who to connect to is the app's decision here.
-                    await network.auto_connector.stop()  # type: ignore[attr-defined]
+                    listening = True
                     node = cls(config, key_pair, host, nursery)
                     holder.append(node)
-                    host.get_addrs = node._host_addrs  # type: ignore[method-assign]
-                    _cap_peer_addrs(host.get_peerstore())
-                    node._install()
+                    await started(host, node._host_addrs, node._connected, node._disconnected)
+                    node.set_stream_handler(RPC_PROTOCOL, node.rpc.handle_stream)
                     nursery.start_soon(node._sweep_idle_rpc_streams)
                     try:
                         if bootstrap and config.initial_peers:
@@ -151,19 +125,17 @@ class Node:
                         try:
                             yield node
                         finally:
-                            node.emit(ev.Closed(peer_id=str(node.peer_id)))
+                            node.emit(ev.Closed(peer_id=node.peer_id))
                             for sub in node._subscribers:
                                 sub.send.close()
                     finally:
                         nursery.cancel_scope.cancel()
         except OSError as e:
+            if listening:  # a failure inside the block (a DialError is an OSError too): not ours to rename
+                raise
             raise DedlocError(f"cannot listen on {', '.join(map(str, listen))}: {e.strerror or e}") from e
         if bootstrap_error is not None:
             raise bootstrap_error
-
-    def _install(self) -> None:
-        self.host.get_network().register_notifee(_EventNotifee(self))
-        self.set_stream_handler(RPC_PROTOCOL, self.rpc.handle_stream)
 
     async def _sweep_idle_rpc_streams(self) -> None:
         """Close pooled RPC streams to peers we stopped calling (they would linger 60 s)."""
@@ -179,12 +151,7 @@ class Node:
         return rank_for_dial(self._host_addrs())
 
     def _host_addrs(self) -> list[Multiaddr]:
-        """What identify advertises: our advertised addresses with our /p2p suffix.
-
-        Replaces py-libp2p's ``get_addrs``, which cuts ``/p2p-circuit`` addresses at
-        the relay's ``/p2p`` component (it strips from the *first* ``/p2p``) and
-        adds identify's unconfirmed observed addresses.
-        """
+        """What identify advertises: our advertised addresses with our /p2p suffix."""
         out: list[Multiaddr] = []
         for addr in self._advertised(list(self.host.get_transport_addrs())):
             full = with_peer_id(without_peer_id(addr), self.peer_id)
@@ -204,7 +171,7 @@ class Node:
         must reach (we dialed from it, or it came in through it); a connection from
         an ephemeral port shows only that port's mapping.
         """
-        ports = {p for a in self.listen_addrs if (p := _tcp_port(a)) is not None}
+        ports = {p for a in self.listen_addrs if (p := tcp_port(a)) is not None}
         for conn in self.network.get_connections(peer_id):
             session = getattr(conn.muxed_conn, "secured_conn", None)
             local = session.local_address() if isinstance(session, NoiseSession) else None
@@ -233,41 +200,85 @@ class Node:
         return [Multiaddr(a) for a, observers in self._observed.items() if len(observers) >= min_observers]
 
     def _advertised(self, candidates: list[Multiaddr]) -> list[Multiaddr]:
+        """What we tell peers: ``--announce`` if given; else our interface addresses unless a
+        dial-back refuted them (a public relay is reachable before anyone could confirm it),
+        the addresses a dial-back confirmed (a NAT's external address, a port mapping), and
+        our relayed addresses while we are not public."""
         if self._announce:
             return list(self._announce)
-        out: list[Multiaddr] = []
-        for addr in candidates:
-            out.extend(_expand_unspecified(addr))
-        if self._address_policy is not None:
-            out = self._address_policy(out)
+        external = self._external
+        refuted = set(external.refuted)
+        out = [a for c in candidates for a in _expand_unspecified(c) if without_peer_id(a) not in refuted]
+        out += [a for a in external.confirmed if a not in out]
+        if external.reachability != Reachability.PUBLIC:
+            out += [a for a in external.relayed if a not in out]
         return out
 
-    def set_address_policy(self, policy: Callable[[list[Multiaddr]], list[Multiaddr]] | None) -> None:
-        """Let a layer above decide what we advertise: it gets our interface addresses
-        and returns the list to advertise (e.g. confirmed public and relayed addresses).
-        ``--announce`` addresses override it."""
-        self._address_policy = policy
+    # ------------------------------------------------------------------ what services hook into
 
-    def spawn(self, async_fn: Callable[..., Awaitable[object]], *args: object) -> None:
-        """Run a background task that lives at most as long as the node (its nursery owns it).
+    @property
+    def external(self) -> ExternalAddresses:
+        """Reachability and external addresses, as the NAT layer last judged them."""
+        return self._external
 
-        For work a protocol starts from an event and must not wait for, such as
-        retiring a relayed connection after a grace period.
+    @property
+    def reachability(self) -> Reachability:
+        return self._external.reachability
+
+    def set_external(self, external: ExternalAddresses) -> None:
+        """The NAT layer's verdicts (it owns judging them; the Node owns the result).
+
+        Every observer hears of a change once; an identical verdict is no change.
         """
-        self._nursery.start_soon(async_fn, *args)
+        external = replace(external, confirmed=tuple(dict.fromkeys(map(without_peer_id, external.confirmed))),
+                           refuted=tuple(dict.fromkeys(map(without_peer_id, external.refuted))),
+                           relayed=tuple(dict.fromkeys(external.relayed)))
+        if external != self._external:
+            self._external = external
+            for observer in list(self._observers):
+                observer.external_changed(external)
 
-    def set_circuit_dialer(self, dialer: CircuitDialer | None) -> None:
+    def observe(self, observer: SwarmObserver) -> Registration:
+        """Tell ``observer`` about every connection and external change until the handle is removed.
+
+        Lossless and typed, unlike :meth:`events` (which is for monitoring and may drop).
+        """
+        self._observers.append(observer)
+        return Registration(lambda: self._observers.remove(observer))
+
+    def set_circuit_dialer(self, dialer: CircuitDialer) -> Registration:
         """Let a relay client dial ``/p2p-circuit`` addresses (the NAT layer installs one)."""
         self._circuit_dialer = dialer
 
+        def undo() -> None:
+            if self._circuit_dialer is dialer:
+                self._circuit_dialer = None
+
+        return Registration(undo)
+
+    async def _connected(self, conn: INetConn) -> None:
+        info = _connection_info(conn)
+        for observer in list(self._observers):
+            observer.connection_opened(info)
+        self.emit(ev.ConnectionOpened(peer_id=info.peer_id, addr=str(info.addr), direction=info.direction, kind=info.kind))
+
+    async def _disconnected(self, conn: INetConn) -> None:
+        info = _connection_info(conn)
+        self.rpc.forget_peer(info.peer_id)
+        for observer in list(self._observers):
+            observer.connection_closed(info)
+        self.emit(ev.ConnectionClosed(peer_id=info.peer_id, addr=str(info.addr), kind=info.kind))
+
     # ------------------------------------------------------------------ connections
 
-    async def connect(self, target: str | Multiaddr | ID, *, timeout: float | None = None, from_listen_port: bool = False) -> ID:
+    async def connect(self, target: str | Multiaddr | ID | Sequence[str | Multiaddr], *, timeout: float | None = None,
+                      from_listen_port: bool = False) -> ID:
         """Make sure a connection to a peer exists; return its peer id.
 
-        ``target`` is a full multiaddr ending in ``/p2p/<id>`` or a peer id whose
-        addresses are in the peer store. Raises :class:`DialError` (with the reason
-        per address) when no address works.
+        ``target`` is a full multiaddr ending in ``/p2p/<id>``, several of one peer
+        (they race, best first: what a peer advertises, relayed ones included), or
+        a peer id whose addresses are in the peer store. Raises :class:`DialError`
+        (with the reason per address) when no address works.
 
         ``from_listen_port`` dials from our listen port (SO_REUSEPORT), so the peer
         sees our NAT's mapping of the port others must reach us on. Used for
@@ -277,8 +288,10 @@ class Node:
         if isinstance(target, ID):
             peer_id, addrs = target, []
         else:
-            addr, peer_id = parse_peer_addr(target, what="dial target")
-            addrs = [addr]
+            parsed = [parse_peer_addr(t, what="dial target") for t in ([target] if isinstance(target, (str, Multiaddr)) else target)]
+            if not parsed or len({pid for _, pid in parsed}) != 1:
+                raise DialError(f"give one or more addresses of one peer, not {[str(a) for a, _ in parsed]}")
+            addrs, peer_id = [a for a, _ in parsed], parsed[0][1]
         if peer_id == self.peer_id:
             raise DialError(f"refusing to dial ourselves ({peer_id})")
         if live_connection(self.network, peer_id) is not None:
@@ -405,8 +418,8 @@ class Node:
         stream.set_protocol(TProtocol(protocol))
         return stream
 
-    def set_stream_handler(self, protocol: str, handler: StreamHandler) -> None:
-        """Serve ``protocol``; a handler that fails resets its stream and nothing else."""
+    def set_stream_handler(self, protocol: str, handler: StreamHandler) -> Registration:
+        """Serve ``protocol`` until the handle is removed; a handler that fails resets its stream and nothing else."""
 
         async def guarded(stream: INetStream) -> None:
             try:
@@ -417,6 +430,13 @@ class Node:
                 await finish_quietly(stream.reset)
 
         self.host.set_stream_handler(TProtocol(protocol), guarded)
+
+        def undo() -> None:
+            handlers = self.host.get_mux().handlers  # remove ours only, not a later replacement
+            if handlers.get(TProtocol(protocol)) is guarded:
+                self.host.remove_stream_handler(TProtocol(protocol))
+
+        return Registration(undo)
 
     # ------------------------------------------------------------------ ping / identify
 
@@ -483,100 +503,23 @@ class Node:
                 pass
 
 
-def _cap_peer_addrs(peerstore: Any) -> None:
-    """Keep at most MAX_LISTEN_ADDRS + a few addresses per peer in this host's peer store.
-
-    py-libp2p's automatic identify (on every new connection) stores up to 1000
-    self-reported addresses per peer; a hostile peer could make us hold, and
-    dial, a thousand addresses of its choosing. Wraps this one instance's
-    ``add_addrs``; nothing global changes.
-    """
-    original = peerstore.add_addrs
-
-    def add_addrs(peer_id: ID, addrs: Sequence[Multiaddr], ttl: int = 0) -> None:
-        try:
-            known = set(map(str, peerstore.addrs(peer_id)))
-        except PeerStoreError:
-            known = set()
-        room = max(0, MAX_LISTEN_ADDRS + 8 - len(known))
-        fresh = [a for a in addrs if str(a) not in known][:room]
-        original(peer_id, [a for a in addrs if str(a) in known] + fresh, ttl)
-
-    peerstore.add_addrs = add_addrs
-
-
-class _Muxers(MuxerMultistream):
-    """Muxer negotiation that builds our :class:`YamuxConnection`.
-
-    py-libp2p 0.8.1's ``MuxerMultistream.new_conn`` constructs its own Yamux
-    whenever ``/yamux/1.0.0`` is chosen, ignoring the class it was given.
-    """
-
-    def __init__(self, config: YamuxConfig, negotiate_timeout: int) -> None:
-        super().__init__({YAMUX_PROTOCOL_ID: YamuxConnection}, negotiate_timeout)
-        self._config = config
-
-    async def new_conn(self, conn: ISecureConn, peer_id: ID) -> IMuxedConn:
-        protocol, _ = await self._selector.select(conn, conn.is_initiator, self.negotiate_timeout)
-        return self._annotate_connection(YamuxConnection(conn, peer_id, self._config), conn, protocol)
-
-
-class _EventNotifee(INotifee):
-    """Turns py-libp2p's network callbacks into node events."""
-
-    def __init__(self, node: Node):
-        self._node = node
-
-    async def connected(self, network: INetwork, conn: INetConn) -> None:
-        addr = remote_addr(conn)
-        self._node.emit(
-            ev.ConnectionOpened(
-                peer_id=str(conn.muxed_conn.peer_id),
-                addr=str(addr),
-                direction=_direction(conn),
-                kind="relayed" if is_relayed(addr) else "direct",
-            )
-        )
-
-    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
-        addr = remote_addr(conn)
-        self._node.rpc.forget_peer(conn.muxed_conn.peer_id)
-        self._node.emit(
-            ev.ConnectionClosed(
-                peer_id=str(conn.muxed_conn.peer_id),
-                addr=str(addr),
-                kind="relayed" if is_relayed(addr) else "direct",
-            )
-        )
-
-    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
-        pass
-
-    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
-        pass
-
-    async def listen(self, network: INetwork, multiaddr: Multiaddr) -> None:
-        pass
-
-    async def listen_close(self, network: INetwork, multiaddr: Multiaddr) -> None:
-        pass
-
-
-def _direction(conn: INetConn) -> Literal["inbound", "outbound", "unknown"]:
+def _connection_info(conn: INetConn) -> ConnectionInfo:
+    addr = remote_addr(conn)
     initiator = getattr(conn.muxed_conn, "is_initiator", None)
-    if initiator is None:
-        return "unknown"
-    return "outbound" if initiator else "inbound"
+    direction = Direction.UNKNOWN if initiator is None else Direction.OUTBOUND if initiator else Direction.INBOUND
+    return ConnectionInfo(peer_id=conn.muxed_conn.peer_id, addr=addr, direction=direction,
+                          kind=PathKind.RELAYED if is_relayed(addr) else PathKind.DIRECT, conn=conn)
 
 
-def _remote(stream: INetStream) -> str | None:
+def _remote(stream: INetStream) -> ID | None:
     try:
-        return str(stream.muxed_conn.peer_id)
+        return stream.muxed_conn.peer_id
     except Exception:
         return None
 
 
-def _tcp_port(addr: Multiaddr) -> int | None:
+def tcp_port(addr: Multiaddr) -> int | None:
+    """The TCP port of an ``/ip4|ip6/…/tcp/<port>`` address, else None."""
     items = list(addr.items())
     if len(items) > 1 and items[1][0].name == "tcp":
         return int(str(items[1][1]))

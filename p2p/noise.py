@@ -42,7 +42,7 @@ from libp2p.security.noise.transport import PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as HandshakeTransport
 from multiaddr import Multiaddr
 
-from .errors import DedlocError
+from .errors import RemoteProtocolError
 from .trio_util import Mutex
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ _NONCE = struct.Struct("<4xQ")
 _NONCE_LIMIT = 2**64 - 1
 
 
-class NoiseError(DedlocError, ConnectionClosedError):
+class NoiseError(RemoteProtocolError, ConnectionClosedError):
     """The secure channel broke: a forged or garbled message, a truncated stream,
     or nonce exhaustion. The connection is unusable afterwards.
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
-import multihash
 import trio
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
@@ -20,9 +21,11 @@ from . import events as ev
 from .addresses import is_relayed, rank_for_dial, with_peer_id
 from .dialer import live_connection
 from .errors import DedlocError
+from .hooks import Registration
 from .node import Node
 from .proto.peer_exchange_pb2 import Ack, Greeting, PeerRecord, PeersRequest, PeersResponse
 from .rpc import CallContext, RpcError
+from .untrusted import decode_addrs, decode_peer_id
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +45,34 @@ class PeerExchange:
         self.max_peers = max_peers
         self._greeted: set[ID] = set()
 
-    def serve(self) -> None:
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, node: Node, *, greeting: str | None = None, interval: float | None = None,
+                   max_peers: int = MAX_PEERS) -> AsyncIterator[PeerExchange]:
+        """Serve peer exchange for the block; with ``interval``, also meet peers every ``interval`` seconds.
+
+        The loop runs in the block's own nursery and the RPC methods are removed on exit.
+        """
+        exchange = cls(node, greeting=greeting, max_peers=max_peers)
+        with exchange.serve():
+            async with trio.open_nursery() as nursery:
+                if interval is not None:
+                    nursery.start_soon(exchange.run, interval)
+                try:
+                    yield exchange
+                finally:
+                    nursery.cancel_scope.cancel()
+
+    def serve(self) -> Registration:
+        """Answer ``px.peers`` and ``px.greet`` until the handle is removed."""
         self.node.rpc.add_unary(PEERS_METHOD, PeersRequest, self._handle_peers)
         self.node.rpc.add_unary(GREET_METHOD, Greeting, self._handle_greet)
+
+        def undo() -> None:
+            self.node.rpc.remove(PEERS_METHOD)
+            self.node.rpc.remove(GREET_METHOD)
+
+        return Registration(undo)
 
     async def _handle_peers(self, request: PeersRequest, ctx: CallContext) -> PeersResponse:
         limit = min(request.limit or self.max_peers, self.max_peers)
@@ -59,7 +87,7 @@ class PeerExchange:
         return PeersResponse(peers=records[:limit])
 
     async def _handle_greet(self, request: Greeting, ctx: CallContext) -> Ack:
-        self.node.emit(ev.Message(peer_id=str(ctx.peer_id), text=request.text[:MAX_GREETING]))
+        self.node.emit(ev.Message(peer_id=ctx.peer_id, text=request.text[:MAX_GREETING]))
         return Ack()
 
     async def ask(self, peer_id: ID, *, timeout: float = 10.0) -> list[tuple[ID, list[Multiaddr]]]:
@@ -67,13 +95,9 @@ class PeerExchange:
         response = await self.node.rpc.call(peer_id, PEERS_METHOD, PeersRequest(limit=self.max_peers), PeersResponse, timeout=timeout)
         found = []
         for record in response.peers[: self.max_peers]:
-            try:
-                multihash.decode(record.peer_id)  # ID() itself accepts any bytes
-                pid = ID(record.peer_id)
-                addrs = [Multiaddr(raw) for raw in record.addrs[:MAX_ADDRS_PER_PEER]]
-                for addr in addrs:
-                    addr.protocols()  # binary multiaddrs parse lazily; force it
-            except Exception:
+            pid = decode_peer_id(bytes(record.peer_id))
+            addrs = decode_addrs(record.addrs, limit=MAX_ADDRS_PER_PEER)
+            if pid is None or len(addrs) < min(len(record.addrs), MAX_ADDRS_PER_PEER):
                 log.debug("skipping a malformed peer record from %s", peer_id)
                 continue
             if pid != self.node.peer_id and addrs:

@@ -49,7 +49,7 @@ from libp2p.stream_muxer.exceptions import (
 )
 from multiaddr import Multiaddr
 
-from .errors import ConfigError, DedlocError
+from .errors import ConfigError, DedlocError, RemoteProtocolError
 from .noise import NoiseSession
 from .trio_util import Mutex
 
@@ -94,7 +94,7 @@ class YamuxError(DedlocError, MuxedConnError):
     """The connection ended or failed; the message says why."""
 
 
-class YamuxProtocolError(YamuxError):
+class YamuxProtocolError(YamuxError, RemoteProtocolError):
     """The peer broke the yamux protocol; we answer with GoAway(protocol error) and close."""
 
 

@@ -2,7 +2,7 @@
 
     python -m tests.nat_agent --listen /ip4/0.0.0.0/tcp/4001 --relay <relay multiaddr>
 
-It runs a real Node with the NAT layer at its defaults (what `dedloc peer`
+It runs a :class:`nat.Peer` with the NAT layer at its defaults (what `dedloc peer`
 runs), bootstraps through the relay, and serves a checksum sink. Each
 command line gets one JSON answer line; events are not printed. Commands:
 
@@ -18,7 +18,7 @@ The DHT (off unless asked for; ``--dht MODE`` opens it at start, in the backgrou
 
     {"cmd": "dht_open", "mode": "auto", "peers": [[addr, ...], ...], "timeout": s}
                                            connect to each peer (one address list per peer), then open
-                                           ``DHT.open(node, DHTConfig(mode=...), reachability=nat)``; answers
+                                           ``DHT.open(node, DHTConfig(mode=...))``; answers
                                            once it joined (or the error that opening raised)
     {"cmd": "dht_store", "key": k, "value": text, "ttl": s}   -> {"stored": bool}
     {"cmd": "dht_get", "key": k, "latest": bool}              -> {"found": bool, "value": text or {subkey: text}}
@@ -41,6 +41,7 @@ from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
 from nat.circuit import is_relayed_conn
+from nat.peer import Peer, PeerConfig
 from nat.traversal import NatConfig, NatService
 from p2p import Node, NodeConfig
 from p2p.dht import DHT, DHTConfig
@@ -95,7 +96,7 @@ class DHTHolder:
     async def run(self, node: Node, nat: NatService, mode: str) -> None:
         try:
             config = DHTConfig(mode=mode)  # type: ignore[arg-type]  # checked by DHTConfig.validate
-            async with DHT.open(node, config, reachability=nat) as dht:
+            async with DHT.open(node, config) as dht:  # auto mode follows the NAT layer's verdict through the Node
                 self.dht = dht
                 self.done.set()
                 await trio.sleep_forever()
@@ -119,7 +120,7 @@ class DHTHolder:
 
 
 def _dht_info(dht: DHT, nat: NatService) -> dict[str, Any]:
-    return {"server": dht.server, "table": [str(c.peer_id) for c in dht.table], "stats": dht.stats(),
+    return {"server": dht.server, "table": [str(c.peer_id) for c in dht.table], "stats": dht.metrics(),
             "reachability": nat.reachability, "mode": nat.mode}
 
 
@@ -235,21 +236,24 @@ async def main(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(relativeCreated)8.0f %(name)s %(levelname)s %(message)s")
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
-    config = NodeConfig(listen=[args.listen], initial_peers=list(args.relay), dial_timeout=10, bootstrap_timeout=30)
-    async with Node.open(config, bootstrap=False) as node:
-        node.set_stream_handler(SINK, sink)
-        async with NatService.attach(node, NatConfig(relay_service=args.serve_relay, recheck_interval=30)) as nat:
-            if config.initial_peers:
-                await node.bootstrap()
+    # What `dedloc peer` runs (the composed object), with the DHT opened on request instead of at start.
+    config = PeerConfig(
+        node=NodeConfig(listen=[args.listen], initial_peers=list(args.relay), dial_timeout=10, bootstrap_timeout=30),
+        nat=NatConfig(relay_service=args.serve_relay, recheck_interval=30),
+        dht=None,
+        exchange_interval=None,
+    )
+    async with Peer.open(config, on_listening=lambda node: node.set_stream_handler(SINK, sink)) as peer:
+        node, nat = peer.node, peer.nat
+        holder = DHTHolder()
+        async with trio.open_nursery() as nursery:
             if args.verbose:
-                node.spawn(_dump_tasks_on_signal)
-            holder = DHTHolder()
-            async with trio.open_nursery() as nursery:
-                if args.dht:
-                    holder.start(node, nat, args.dht, nursery)
-                print(json.dumps({"ready": True, "peer_id": str(node.peer_id)}), flush=True)
-                await _serve_commands(node, nat, holder, nursery)
-                nursery.cancel_scope.cancel()
+                nursery.start_soon(_dump_tasks_on_signal)
+            if args.dht:
+                holder.start(node, nat, args.dht, nursery)
+            print(json.dumps({"ready": True, "peer_id": str(node.peer_id)}), flush=True)
+            await _serve_commands(node, nat, holder, nursery)
+            nursery.cancel_scope.cancel()
 
 
 async def _serve_commands(node: Node, nat: NatService, holder: DHTHolder, nursery: trio.Nursery) -> None:

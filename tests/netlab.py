@@ -10,7 +10,7 @@ Usage::
     async with Lab(prefix="dlab") as lab:
         relay = await lab.public_host("relay", delay_ms=25)
         a = await lab.peer("a", NatKind.SYMMETRIC, listen_port=4001, delay_ms=50)
-        proc = await relay.spawn([sys.executable, "-m", "p2p.cli", ...])
+        proc = await relay.spawn([sys.executable, "-m", "nat.cli", ...])
         rc, out, err = await a.run(["ping", "-c1", relay.ip], timeout=5)
 
 Each ``Host`` has ``ns`` (its namespace), ``ip`` (its own address), ``public_ip``

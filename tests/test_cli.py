@@ -10,11 +10,11 @@ import sys
 import pytest
 import trio
 
-from p2p.demo import read_lines
+from nat.demo import read_lines
 
 from .conftest import open_nodes
 
-DEDLOC = [sys.executable, "-m", "p2p.cli"]
+DEDLOC = [sys.executable, "-m", "nat.cli"]
 
 
 def run(*args: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess[str]:

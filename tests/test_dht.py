@@ -15,6 +15,7 @@ import pytest
 import trio
 from libp2p.peer.id import ID
 
+from p2p.hooks import ExternalAddresses, Reachability
 from p2p import Node
 from p2p.dht import (
     DHT,
@@ -303,24 +304,23 @@ async def test_clients_use_the_dht_but_stay_out_of_routing_tables() -> None:
 
 
 async def test_auto_mode_follows_reachability() -> None:
-    class Nat:
-        reachability = "unknown"
-
-    nat = Nat()
     async with swarm(2) as (a, b):
+        async with Node.open(loopback_config(initial_peers=[addr_of(a.node)])) as n:
+            n.set_external(ExternalAddresses(reachability=Reachability.UNKNOWN, judged=True))  # as the NAT layer does
+            async with DHT.open(n, DHTConfig(mode="auto")) as dht:
+                assert not dht.server
+                await dht.get("anything")
+                assert n.peer_id not in a.table
+                n.set_external(ExternalAddresses(reachability=Reachability.PUBLIC, judged=True))
+                with trio.fail_after(5):
+                    while not dht.server:
+                        await trio.sleep(0.01)
+                await dht.get("anything-else")
+                assert n.peer_id in a.table
+        # A node nothing judges (no NAT layer) is taken at its word: auto serves.
         async with Node.open(loopback_config(initial_peers=[addr_of(a.node)])) as n, \
-                DHT.open(n, DHTConfig(mode="auto"), reachability=nat) as dht:
-            assert not dht.server
-            await dht.get("anything")
-            assert n.peer_id not in a.table
-            nat.reachability = "public"
-            from nat.events import ReachabilityChanged
-            n.emit(ReachabilityChanged("public", "none", [addr_of(n)]))
-            with trio.fail_after(5):
-                while not dht.server:
-                    await trio.sleep(0.01)
-            await dht.get("anything-else")
-            assert n.peer_id in a.table
+                DHT.open(n, DHTConfig(mode="auto")) as dht:
+            assert dht.server
 
 
 async def test_opening_fails_instead_of_starting_a_separate_dht() -> None:

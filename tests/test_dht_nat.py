@@ -4,7 +4,7 @@ One public relay (``dedloc relay``), two PUBLIC peers and two NATed peers (one
 behind a SYMMETRIC NAT, reachable only through the relay, one behind an
 EIM_PRESERVING NAT), each a ``tests/nat_agent.py`` process in its own network
 namespace running the NAT layer at its defaults and the DHT in ``auto`` mode
-(``DHT.open(node, DHTConfig(mode="auto"), reachability=nat)``). The test asserts:
+(``DHT.open(node, DHTConfig(mode="auto"))``, following the NAT layer's verdict through the Node). The test asserts:
 
 * the public peers become public through AutoNAT and then serve the DHT, and
   each has the other in its routing table;
@@ -76,11 +76,11 @@ def non_local(addrs: list[str]) -> list[str]:
 async def relay_table_size(relay: Host, relay_addr: str) -> int | None:
     """The relay's DHT routing-table size from ``dedloc status`` (None if the relay does not serve the DHT)."""
     local = f"/ip4/127.0.0.1/tcp/{PORT}/p2p/{relay_addr.rsplit('/p2p/', 1)[1]}"
-    res = await relay.run([sys.executable, "-m", "p2p.cli", "status", local, "--json", "--timeout", "5"], timeout=20)
+    res = await relay.run([sys.executable, "-m", "nat.cli", "status", local, "--json", "--timeout", "5"], timeout=20)
     if res.rc != 0:
         raise AssertionError(f"dedloc status on the relay failed: {res.stderr!r}")
     status = json.loads(res.stdout)
-    size = status.get("dht_routing_table")
+    size = status.get("dht.routing_table")
     return None if size is None else int(size)
 
 

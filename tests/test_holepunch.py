@@ -32,6 +32,7 @@ from p2p.addresses import without_peer_id
 from p2p.rpc.framing import encode_varint
 
 from .conftest import open_nodes
+from .kit import wait_until
 
 PUBLIC = [Multiaddr(f"/ip4/1.2.{i // 200}.{i % 200 + 1}/tcp/{4001 + i}") for i in range(40)]
 
@@ -56,7 +57,7 @@ class Side:
 @asynccontextmanager
 async def relayed_pair(*, allow_private: bool = False, install_a: bool = True) -> AsyncIterator[tuple[Side, Side]]:
     """A dialed B through a relay: B got the relayed connection inbound, so B leads DCUtR."""
-    async with open_nodes(3) as (relay, a, b):
+    async with open_nodes(3) as (relay, a, b), trio.open_nursery() as nursery:
         RelayService(relay).install()
         config = HolePunchConfig(allow_private=allow_private, grace=0.05, attempts=2, dial_timeout=5)
         side_a, side_b = (Side(node, HolePuncher(node, lambda: [], config)) for node in (a, b))
@@ -68,8 +69,8 @@ async def relayed_pair(*, allow_private: bool = False, install_a: bool = True) -
             clients.append(client)
             await side.node.connect(relay.addrs[0])
         if install_a:
-            side_a.puncher.install()
-        side_b.puncher.install()
+            side_a.puncher.install(nursery)
+        side_b.puncher.install(nursery)
         await clients[1].reserve(relay.peer_id)
         side_a.relayed = await clients[0].dial(Multiaddr(f"{relay.addrs[0]}/p2p-circuit"), b.peer_id)
         with trio.fail_after(10):
@@ -78,6 +79,7 @@ async def relayed_pair(*, allow_private: bool = False, install_a: bool = True) -
         (side_b.relayed,) = b.network.get_connections(a.peer_id)
         assert is_relayed_conn(side_a.relayed) and is_relayed_conn(side_b.relayed)
         yield side_a, side_b
+        nursery.cancel_scope.cancel()
 
 
 def frame(message: pb.HolePunch) -> bytes:
@@ -92,12 +94,6 @@ def connect(addrs: list[Multiaddr | bytes]) -> pb.HolePunch:
 SYNC = pb.HolePunch(type=pb.HolePunch.SYNC)
 
 
-async def wait_until(predicate, timeout: float = 15.0) -> None:  # type: ignore[no-untyped-def]
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.01)
-
-
 # ---------------------------------------------------------------------- end to end
 
 
@@ -105,10 +101,10 @@ async def test_upgrade_gives_a_direct_connection_and_retires_the_relayed_one():
     async with relayed_pair(allow_private=True) as (a, b):
         await b.node.identify(a.node.peer_id)  # over the relayed connection: b learns a's listen address
         assert b.node.known_addrs(a.node.peer_id)
-        direct = await b.puncher.upgrade(a.node.peer_id, b.relayed)
+        direct = (await b.puncher.upgrade(a.node.peer_id, b.relayed)).conn
         assert direct is not None and not is_relayed_conn(direct)
-        assert b.puncher.metrics.successes == 1 and b.puncher.metrics.reversals == 1
-        assert b.puncher.metrics.failures == 0 and len(b.puncher.metrics.time_to_direct) == 1
+        assert b.puncher.stats.successes == 1 and b.puncher.stats.reversals == 1
+        assert b.puncher.stats.failures == 0 and len(b.puncher.stats.time_to_direct) == 1
         # After the grace period the relayed connection is closed on both sides; the direct one carries on.
         await wait_until(lambda: b.relayed.is_closed and a.relayed.is_closed)
         await wait_until(
@@ -124,9 +120,9 @@ async def test_private_addresses_are_not_dialed_without_allow_private():
         a.offer = [without_peer_id(x) for x in a.node.addrs]
         a.record_dials()
         b.record_dials()
-        assert await b.puncher.upgrade(a.node.peer_id, b.relayed) is None
-        assert b.puncher.metrics.reversals == 0 and b.puncher.metrics.failures == 1
-        assert b.puncher.metrics.attempts == 2  # both rounds ran, and failed: a offered nothing public
+        assert (await b.puncher.upgrade(a.node.peer_id, b.relayed)).conn is None
+        assert b.puncher.stats.reversals == 0 and b.puncher.stats.failures == 1
+        assert b.puncher.stats.attempts == 2  # both rounds ran, and failed: a offered nothing public
         assert b.dials == [] and a.dials == []
         assert not b.relayed.is_closed  # a failed upgrade keeps the relayed connection
 
@@ -140,7 +136,7 @@ async def test_leader_dials_what_the_peer_offers_filtered_and_capped():
         b.offer = [Multiaddr("/ip4/192.168.1.2/tcp/4001"), PUBLIC[39]]
         b.record_dials()
         a.record_dials()
-        assert await b.puncher.upgrade(a.node.peer_id, b.relayed) is None  # (the recorded dials "fail")
+        assert (await b.puncher.upgrade(a.node.peer_id, b.relayed)).conn is None  # (the recorded dials "fail")
         # a offers its first 16 public addresses (private ones never leave); b dials them as responder.
         assert b.dials == [(PUBLIC[:16], True)] * 2
         # a got b's public address only, and dialed it as initiator.
@@ -173,9 +169,9 @@ async def test_leader_survives_a_peer_that_answers_badly(answer):
 
         a.node.set_stream_handler(PROTOCOL, bad_peer)
         b.record_dials()
-        assert await b.puncher.upgrade(a.node.peer_id, b.relayed) is None
+        assert (await b.puncher.upgrade(a.node.peer_id, b.relayed)).conn is None
         assert b.dials == []
-        assert exchanges == 2 and b.puncher.metrics.attempts == 2 and b.puncher.metrics.failures == 1
+        assert exchanges == 2 and b.puncher.stats.attempts == 2 and b.puncher.stats.failures == 1
         assert not b.relayed.is_closed
         assert await b.node.ping(a.node.peer_id) > 0
 
@@ -195,10 +191,10 @@ async def test_one_upgrade_per_peer_at_a_time():
         async with trio.open_nursery() as nursery:
             nursery.start_soon(b.puncher.upgrade, a.node.peer_id, b.relayed)
             await wait_until(lambda: calls)
-            assert await b.puncher.upgrade(a.node.peer_id, b.relayed) is None
-            assert len(calls) == 1 and b.puncher.metrics.attempts == 1
+            assert (await b.puncher.upgrade(a.node.peer_id, b.relayed)).conn is None
+            assert len(calls) == 1 and b.puncher.stats.attempts == 1
             release.set()
-        assert b.puncher.metrics.failures == 1
+        assert b.puncher.stats.failures == 1
 
 
 # ---------------------------------------------------------------------- the answering side (A)
@@ -312,6 +308,6 @@ async def test_reversal_dials_few_of_hundreds_of_advertised_addresses():
 
         b.node.network.dial_addr = refuse  # type: ignore[method-assign]
         b.record_dials()
-        assert await b.puncher.upgrade(a.node.peer_id, b.relayed) is None
+        assert (await b.puncher.upgrade(a.node.peer_id, b.relayed)).conn is None
         assert 1 <= len(dialed) <= MAX_PUNCH_ADDRS
         assert set(dialed) <= set(bogus)

@@ -108,7 +108,7 @@ async def start_agent(host: Host, relay_addr: str | list[str]) -> Agent:
 async def start_relay(lab: Lab, name: str = "relay") -> tuple[Host, str]:
     relay = await lab.public_host(name, delay_ms=25)
     proc = await relay.spawn(
-        [sys.executable, "-m", "p2p.cli", "relay", "--ephemeral", "--json", "--listen", f"/ip4/0.0.0.0/tcp/{PORT}",
+        [sys.executable, "-m", "nat.cli", "relay", "--ephemeral", "--json", "--listen", f"/ip4/0.0.0.0/tcp/{PORT}",
          "--status-interval", "0", "--no-port-mapping"],
         stdout=subprocess.PIPE,
         cwd=str(ROOT),

@@ -6,12 +6,7 @@ from p2p.peer_exchange import PeerExchange
 from p2p.proto.peer_exchange_pb2 import PeerRecord, PeersRequest, PeersResponse
 
 from .conftest import open_nodes
-
-
-async def wait_until(predicate, timeout=20.0):
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.05)
+from .kit import wait_until
 
 
 async def test_newcomer_meets_the_swarm_through_one_peer():

@@ -22,6 +22,7 @@ from nat.circuit import (
     VOUCHER_DOMAIN,
     VOUCHER_PAYLOAD_TYPE,
     RelayClient,
+    RelayClientConfig,
     RelayError,
     _voucher_ok,
     is_relayed_conn,
@@ -34,6 +35,7 @@ from p2p.dialer import live_connection
 from p2p.rpc.framing import encode_varint
 
 from .conftest import open_nodes
+from .kit import read_to_end, wait_until
 
 SINK = "/dedloc/test/checksum/1.0.0"
 #: A well-formed peer id (an identity multihash of 36 bytes) of nobody here.
@@ -74,19 +76,6 @@ async def relay_net(n: int = 2, config: RelayConfig | None = None) -> AsyncItera
         yield Net(relay, service, peers)
 
 
-async def _read_all(stream: INetStream) -> bytes:
-    data = bytearray()
-    while True:
-        try:
-            chunk = await stream.read(1 << 16)
-        except EOFError:
-            break
-        if not chunk:
-            break
-        data += chunk
-    return bytes(data)
-
-
 async def _read_exactly(stream: INetStream, n: int) -> bytes:
     data = bytearray()
     while len(data) < n:
@@ -100,7 +89,7 @@ async def _read_exactly(stream: INetStream, n: int) -> bytes:
 async def _checksum_sink(stream: INetStream) -> None:
     """Read everything, answer its sha256, then send a payload of the requested size with its sha256."""
     size = int.from_bytes(await _read_exactly(stream, 8), "big")
-    received = await _read_all(stream)
+    received = await read_to_end(stream)
     payload = os.urandom(size)
     await stream.write(hashlib.sha256(received).digest() + hashlib.sha256(payload).digest() + payload)
     await stream.close()
@@ -121,7 +110,7 @@ async def transfer(conn: INetConn, node: Node, up: int, down: int) -> None:
         nursery.start_soon(send)
         echoed = await _read_exactly(stream, 32)
         digest = await _read_exactly(stream, 32)
-        payload = await _read_all(stream)
+        payload = await read_to_end(stream)
     assert echoed == hashlib.sha256(sent).digest(), "data sent through the circuit arrived altered"
     assert len(payload) == down and hashlib.sha256(payload).digest() == digest, "data received through the circuit is altered"
 
@@ -138,12 +127,6 @@ def frame(message: pb.HopMessage | pb.StopMessage) -> bytes:
     return encode_varint(len(body)) + body
 
 
-async def wait_until(predicate, timeout: float = 15.0) -> None:  # type: ignore[no-untyped-def]
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.02)
-
-
 # ---------------------------------------------------------------------- reservations
 
 
@@ -157,7 +140,7 @@ async def test_reservation_round_trip_and_voucher():
         assert rsvp.voucher_ok
         assert all(str(a).endswith(f"/p2p/{net.relay.peer_id}/p2p-circuit") for a in rsvp.circuit_addrs)
         assert b.client.reservations[net.relay.peer_id] is rsvp
-        assert net.service.snapshot()["reservations"] == 1
+        assert net.service.metrics()["reservations"] == 1
 
         # The voucher itself: signed by the relay, naming the relay, the peer and the expiry.
         expire = int(rsvp.expire)
@@ -201,8 +184,8 @@ async def test_relayed_connection_carries_checksummed_data_both_ways():
         inbound = [c for c in b.node.network.get_connections(a.node.peer_id) if is_relayed_conn(c)]
         assert inbound
         assert f"/p2p/{net.relay.peer_id}/p2p-circuit" in str(inbound[0].get_transport_addresses()[0])
-        assert a.client.metrics["relayed_out"] == 1 and b.client.metrics["relayed_in"] == 1
-        stats = net.service.snapshot()
+        assert a.client.metrics()["relayed_out"] == 1 and b.client.metrics()["relayed_in"] == 1
+        stats = net.service.metrics()
         assert stats["circuits"] == 1 and stats["circuits_total"] == 1
         assert stats["bytes_relayed"] >= 2 << 20
 
@@ -226,11 +209,11 @@ async def test_reservation_refused_when_relay_is_full():
             await c.client.reserve(net.relay.peer_id)
         assert info.value.status == pb.RESERVATION_REFUSED and "RESERVATION_REFUSED" in str(info.value)
         assert net.relay.peer_id not in c.client.reservations
-        assert c.client.metrics["reservation_failures"] == 1
+        assert c.client.metrics()["reservation_failures"] == 1
         assert net.service.stats.refused == {"too many reservations": 1}
         # A peer that holds a slot may refresh it while the relay is full.
         await a.client.reserve(net.relay.peer_id)
-        assert net.service.snapshot()["reservations"] == 2
+        assert net.service.metrics()["reservations"] == 2
 
 
 async def test_reservations_per_ip_are_limited():
@@ -259,7 +242,7 @@ async def test_circuits_per_peer_are_limited():
         assert not first.is_closed
         # Once the first circuit is gone, the slot is free again.
         await first.close()
-        await wait_until(lambda: net.service.snapshot()["circuits"] == 0)
+        await wait_until(lambda: net.service.metrics()["circuits"] == 0)
         conn = await c.client.dial(net.circuit, b.node.peer_id)
         with trio.fail_after(30):
             await transfer(conn, c.node, 1000, 1000)
@@ -288,16 +271,16 @@ async def test_data_limit_resets_the_circuit_and_relay_keeps_serving():
         assert not isinstance(info.value, (AssertionError, trio.TooSlowError)), info.value
         # The relay cut it: both ends lose the relayed connection, the slot is released.
         await wait_until(lambda: not [x for x in a.node.network.get_connections(b.node.peer_id) if not x.is_closed])
-        await wait_until(lambda: net.service.snapshot()["circuits"] == 0)
-        stats = net.service.snapshot()
+        await wait_until(lambda: net.service.metrics()["circuits"] == 0)
+        stats = net.service.metrics()
         assert stats["circuits_total"] == 1
-        assert stats["limits_hit"] == {"data": 1}
+        assert {k: v for k, v in stats.items() if k.startswith("limits_hit.")} == {"limits_hit.data": 1}
         assert stats["bytes_relayed"] <= 2 * limit
         # b's reservation survives, and the relay serves new circuits (within the limit).
         conn = await c.client.dial(net.circuit, b.node.peer_id)
         with trio.fail_after(30):
             await transfer(conn, c.node, 4000, 4000)
-        assert net.service.snapshot()["circuits_total"] == 2
+        assert net.service.metrics()["circuits_total"] == 2
 
 
 async def test_duration_limit_resets_an_idle_circuit():
@@ -307,8 +290,8 @@ async def test_duration_limit_resets_an_idle_circuit():
         conn = await a.client.dial(net.circuit, b.node.peer_id)
         assert not conn.is_closed
         # Nobody closes it: only the relay's 1 s limit can end it.
-        await wait_until(lambda: conn.is_closed and net.service.snapshot()["circuits"] == 0)
-        assert net.service.snapshot()["limits_hit"] == {"duration": 1}
+        await wait_until(lambda: conn.is_closed and net.service.metrics()["circuits"] == 0)
+        assert {k: v for k, v in net.service.metrics().items() if k.startswith("limits_hit.")} == {"limits_hit.duration": 1}
         await wait_until(lambda: not [x for x in b.node.network.get_connections(a.node.peer_id) if not x.is_closed])
         # The relay still works for others: a fresh reservation and a fresh circuit.
         await c.client.reserve(net.relay.peer_id)
@@ -320,13 +303,13 @@ async def test_reservation_ends_when_the_peer_disconnects():
     async with relay_net(2) as net:
         a, b = net.peers
         await b.client.reserve(net.relay.peer_id)
-        assert net.service.snapshot()["reservations"] == 1
+        assert net.service.metrics()["reservations"] == 1
         await b.node.disconnect(net.relay.peer_id)
         await wait_until(lambda: live_connection(net.relay.network, b.node.peer_id) is None)
         with pytest.raises(RelayError) as info:
             await a.client.dial(net.circuit, b.node.peer_id)
         assert info.value.status == pb.NO_RESERVATION
-        assert net.service.snapshot()["reservations"] == 0
+        assert net.service.metrics()["reservations"] == 0
 
 
 async def test_target_that_refuses_stop_gives_connection_failed():
@@ -338,7 +321,7 @@ async def test_target_that_refuses_stop_gives_connection_failed():
             await a.client.dial(net.circuit, b.node.peer_id)
         assert info.value.status == pb.CONNECTION_FAILED
         assert b.node.peer_id not in a.node.connected_peers()
-        assert b.client.metrics["relayed_in"] == 0
+        assert b.client.metrics()["relayed_in"] == 0
 
 
 # ---------------------------------------------------------------------- what peers may not do
@@ -371,8 +354,8 @@ async def test_stop_from_a_relay_without_reservation_is_refused():
         with trio.fail_after(15):
             reply = await read_message(stream, pb.StopMessage)
             assert reply.type == pb.StopMessage.STATUS and reply.status == pb.PERMISSION_DENIED
-            assert await _read_all(stream) == b""
-        assert b.client.metrics["relayed_in"] == 0
+            assert await read_to_end(stream) == b""
+        assert b.client.metrics()["relayed_in"] == 0
         assert [c for c in b.node.network.get_connections(a.node.peer_id) if is_relayed_conn(c)] == []
 
 
@@ -400,7 +383,7 @@ async def test_forged_stop_messages_are_refused(raw):
             except Exception:
                 reply = None
         assert reply is None or reply.status != pb.OK
-        assert b.client.metrics["relayed_in"] == 0
+        assert b.client.metrics()["relayed_in"] == 0
         assert [c for c in b.node.network.get_connections(net.relay.peer_id) if is_relayed_conn(c)] == []
         # b still accepts a genuine circuit.
         conn = await a.client.dial(net.circuit, b.node.peer_id)
@@ -434,8 +417,8 @@ async def test_forged_hop_messages_are_refused_and_relay_keeps_serving(raw, stat
         with trio.fail_after(15):  # (the relay's own deadline is 10 s)
             reply = await read_message(stream, pb.HopMessage)
             assert reply.type == pb.HopMessage.STATUS and reply.status == status
-            assert await _read_all(stream) == b""  # and the stream ends there
-        assert net.service.snapshot()["reservations"] == 0
+            assert await read_to_end(stream) == b""  # and the stream ends there
+        assert net.service.metrics()["reservations"] == 0
         assert sum(net.service.stats.refused.values()) == 1
         # The relay serves normal requests afterwards, to the same peer and to others.
         await a.client.reserve(net.relay.peer_id)
@@ -487,7 +470,7 @@ def _fake_relay(node: Node, answer: bytes | None) -> list[bytes]:
 async def test_client_facing_a_relay_that_refuses_or_drops(answer, status, words):
     async with open_nodes(2) as (relay, b):
         seen = _fake_relay(relay, answer)
-        client = RelayClient(b, timeout=5)
+        client = RelayClient(b, RelayClientConfig(timeout=5))
         client.install()
         await b.connect(relay.addrs[0])
         with pytest.raises(RelayError) as info:

@@ -3,7 +3,8 @@
 See :class:`DHT` for the API and ``docs/ARCHITECTURE.md`` for where it sits.
 """
 
-from .dht import DHT, DHTBootstrapError, DHTConfig, Reachability
+from .dht import DHT, DHTBootstrapError, DHTConfig
+from .events import DHTMode
 from .records import (
     DHTError,
     DHTKey,
@@ -28,13 +29,13 @@ __all__ = [
     "DHTBootstrapError",
     "DHTConfig",
     "DHTError",
+    "DHTMode",
     "DHTKey",
     "DHTRecord",
     "ExpirationTooFar",
     "InvalidKey",
     "InvalidSignature",
     "MalformedRecord",
-    "Reachability",
     "RecordTooLarge",
     "Schema",
     "SchemaViolation",

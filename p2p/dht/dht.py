@@ -31,23 +31,23 @@ import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
 
 import trio
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
-from .. import events as ev
 from ..addresses import is_relayed, parse_peer_addr, without_peer_id
 from ..dialer import live_connection, remote_addr
-from ..errors import ConfigError, DedlocError
+from ..errors import ConfigError, DedlocError, RemoteProtocolError
+from ..hooks import ExternalAddresses, Reachability, SwarmObserver
 from ..node import Node
 from ..trio_util import unwrap_single_group
 from ..rpc import CallContext, RpcError
 from . import protocol as wire
+from .events import DHTIsolated, DHTJoined, DHTMode, DHTModeChanged
 from .proto import dht_pb2 as pb
 from .records import (
     DHTError,
@@ -65,20 +65,12 @@ from .routing import AddStatus, DHTID, Lookup, PeerInfo, RoutingTable, ip_group
 
 log = logging.getLogger(__name__)
 
-Mode = Literal["auto", "server", "client"]
 #: Seconds our own listen addresses, as sent with each call, are reused before being recomputed.
 SENDER_TTL = 5.0
 
 
 class DHTBootstrapError(DHTError):
     """Initial peers were given but no DHT server among them (or reachable through them) answered."""
-
-
-class Reachability(Protocol):
-    """What ``auto`` mode follows: :class:`nat.NatService` is one (``public`` / ``private`` / ``unknown``)."""
-
-    @property
-    def reachability(self) -> str: ...
 
 
 @dataclass
@@ -92,7 +84,7 @@ class DHTConfig:
     #: Servers each value is stored at.
     replicas: int = 5
     #: ``server`` serves others; ``client`` only queries; ``auto`` serves while reachable.
-    mode: Mode = "auto"
+    mode: DHTMode = DHTMode.AUTO
     #: Time for one RPC (a dead peer costs at most this once: it is then skipped).
     rpc_timeout: float = 3.0
     #: Default time limit of one store/get (of any batch).
@@ -120,7 +112,7 @@ class DHTConfig:
                 raise ConfigError(f"DHT {name} must be at least 1, got {getattr(self, name)}")
         if self.replicas > self.k:
             raise ConfigError(f"DHT replicas ({self.replicas}) cannot exceed k ({self.k})")
-        if self.mode not in ("auto", "server", "client"):
+        if self.mode not in tuple(DHTMode):
             raise ConfigError(f"DHT mode must be auto, server or client, got {self.mode!r}")
         for name in ("rpc_timeout", "op_timeout", "bootstrap_timeout", "maintenance_interval",
                      "refresh_interval", "republish_interval", "max_expiration_ahead"):
@@ -158,12 +150,13 @@ class DHT:
     Values are bytes (callers serialise); keys and subkeys are str, bytes or int.
     """
 
-    def __init__(self, node: Node, config: DHTConfig, reachability: Reachability | None,
-                 nursery: trio.Nursery) -> None:
+    def __init__(self, node: Node, config: DHTConfig, nursery: trio.Nursery,
+                 clock: Callable[[], float] = time.time) -> None:
         self.node = node
         self.config = config
-        self._reachability = reachability
         self._nursery = nursery
+        #: Wall time, for expirations (they travel on the wire); intervals use trio's clock.
+        self._clock = clock
         self.local_id = DHTID.from_peer(node.peer_id)
         self.table = RoutingTable(self.local_id, k=config.k)
         self.storage = config.local_store()
@@ -172,7 +165,7 @@ class DHT:
                                 max_bytes=min(config.max_bytes, 32 * 1024 * 1024),
                                 max_expiration_ahead=config.max_expiration_ahead)
         self._mine: dict[tuple[bytes, bytes | None], DHTRecord] = {}
-        self._last_republish = time.time()
+        self._last_republish = trio.current_time()
         self._pinging: set[ID] = set()
         self._sender_cache: tuple[float, pb.Sender] | None = None
         #: Why the last call to a peer failed (for bootstrap's error); bounded, oldest first out.
@@ -185,8 +178,13 @@ class DHT:
     @classmethod
     @asynccontextmanager
     async def open(cls, node: Node, config: DHTConfig | None = None, *,
-                   reachability: Reachability | None = None) -> AsyncIterator[DHT]:
+                   clock: Callable[[], float] = time.time) -> AsyncIterator[DHT]:
         """Serve and join the DHT for the duration of the block.
+
+        In ``auto`` mode it serves while the node is publicly reachable (as the
+        NAT layer judges it; a node without one is taken at its word and serves).
+        ``clock`` is the wall clock that expirations are compared with (tests
+        pass a fake one to expire records without waiting).
 
         Raises :class:`DHTBootstrapError` when the node has initial peers but no
         DHT server answered within ``bootstrap_timeout``.
@@ -195,16 +193,15 @@ class DHT:
         config.validate()
         with unwrap_single_group():
             async with trio.open_nursery() as nursery:
-                dht = cls(node, config, reachability, nursery)
+                dht = cls(node, config, nursery, clock)
                 node.rpc.register_error(wire.BadDHTRequest)
                 node.rpc.add_unary(wire.FIND, pb.FindRequest, dht._on_find)
                 node.rpc.add_unary(wire.STORE, pb.StoreRequest, dht._on_store)
                 try:
-                    await dht.bootstrap()
-                    nursery.start_soon(dht._maintain)
-                    if config.mode == "auto" and reachability is not None:
-                        nursery.start_soon(dht._follow_reachability)
-                    yield dht
+                    with node.observe(_FollowReachability(dht)):
+                        await dht.bootstrap()
+                        nursery.start_soon(dht._maintain)
+                        yield dht
                 finally:
                     node.rpc.remove(wire.FIND)
                     node.rpc.remove(wire.STORE)
@@ -219,23 +216,16 @@ class DHT:
         return out
 
     def _wants_server(self) -> bool:
-        if self.config.mode != "auto":
-            return self.config.mode == "server"
-        return self._reachability is None or self._reachability.reachability == "public"
+        if self.config.mode != DHTMode.AUTO:
+            return self.config.mode == DHTMode.SERVER
+        external = self.node.external
+        return not external.judged or external.reachability == Reachability.PUBLIC
 
     def set_mode(self, server: bool, reason: str) -> None:
         """Serve (or stop serving) others; peers learn it from our next calls."""
         if server != self.server:
             self.server = server
-            self.node.emit(ev.DHTModeChanged(mode="server" if server else "client", reason=reason))
-
-    async def _follow_reachability(self) -> None:
-        assert self._reachability is not None
-        async with self.node.events() as events:
-            self.set_mode(self._wants_server(), f"reachability is {self._reachability.reachability}")
-            async for event in events:
-                if event.event == "reachability":
-                    self.set_mode(self._wants_server(), f"reachability is {self._reachability.reachability}")
+            self.node.emit(DHTModeChanged(mode=DHTMode.SERVER if server else DHTMode.CLIENT, reason=reason))
 
     async def bootstrap(self) -> None:
         """Join through the initial peers (and whoever we are connected to): ping, then look ourselves up.
@@ -265,7 +255,7 @@ class DHT:
             await self._refresh(self.local_id, *[self.table.random_id_in_bucket(i) for i in (255, 254, 253)])
         else:
             log.info("DHT: no initial peers, starting a new DHT")
-        self.node.emit(ev.DHTJoined(mode="server" if self.server else "client", peers=len(self.table),
+        self.node.emit(DHTJoined(mode=DHTMode.SERVER if self.server else DHTMode.CLIENT, peers=len(self.table),
                                     elapsed=time.perf_counter() - started))
 
     # ------------------------------------------------------------------ public API
@@ -294,7 +284,7 @@ class DHT:
 
     async def store_many(self, records: Sequence[DHTRecord], *, timeout: float | None = None) -> list[bool]:
         """Store many records, sharing lookups and RPCs; one bool per record as in :meth:`store`."""
-        now = time.time()
+        now = self._clock()
         for rec in records:
             self.storage.validate(rec, now)  # the rules every replica applies: fail here, clearly
         for rec in records:
@@ -320,7 +310,7 @@ class DHT:
         store each prefix of an expert uid as a dictionary key whose subkeys are the
         next coordinate, then ``get_many`` every prefix of a layer at once."""
         wanted = {key: DHTKey.encode(key) for key in keys}
-        now = time.time()
+        now = self._clock()
         result: dict[KeyLike, ValueWithExpiration | None] = {}
         searches: dict[KeyLike, _Search] = {}
         for key, raw in wanted.items():
@@ -339,7 +329,7 @@ class DHT:
             searches[key] = search
         with trio.move_on_after(timeout or self.config.op_timeout):
             await self._traverse(list(searches.values()))
-        now = time.time()
+        now = self._clock()
         for key, search in searches.items():
             assert search.found is not None and search.key is not None
             value = search.found.found(search.key, now)
@@ -361,7 +351,7 @@ class DHT:
     def _sender(self) -> pb.Sender:
         if not self.server:
             return pb.Sender(server=False)
-        now = time.monotonic()
+        now = trio.current_time()
         if self._sender_cache is None or now - self._sender_cache[0] > SENDER_TTL:
             # Cached: computing the node's addresses cost a tenth of a lookup's CPU.
             addrs = wire.encode_addrs(without_peer_id(a) for a in self.node.addrs if not is_relayed(a))
@@ -375,10 +365,10 @@ class DHT:
             for q in request.queries:
                 if q.key:
                     DHTKey.decode(q.key)
-        except (wire.ProtocolViolation, DHTError) as e:
+        except (RemoteProtocolError, DHTError) as e:
             raise wire.BadDHTRequest(str(e)) from None
         self._admit(ctx.peer_id, request.sender)
-        now = time.time()
+        now = self._clock()
         budget = self.node.config.max_message_size // 2
         response = pb.FindResponse(server=self.server)
         for query, target in zip(request.queries, targets):
@@ -397,10 +387,10 @@ class DHT:
     async def _on_store(self, request: pb.StoreRequest, ctx: CallContext) -> pb.StoreResponse:
         try:
             wire.check_batch(len(request.records), "records")
-        except wire.ProtocolViolation as e:
+        except RemoteProtocolError as e:
             raise wire.BadDHTRequest(str(e)) from None
         self._admit(ctx.peer_id, request.sender)
-        now = time.time()
+        now = self._clock()
         response = pb.StoreResponse(server=self.server)
         for raw in request.records:
             result = response.results.add()
@@ -420,7 +410,7 @@ class DHT:
         if not sender.server:
             return
         if peer_id in self.table:
-            self.table.mark_seen(peer_id, time.time())
+            self.table.mark_seen(peer_id, trio.current_time())
             return
         observed = self._direct_remote(peer_id)
         if observed is None:
@@ -430,7 +420,7 @@ class DHT:
             self._add_contact(peer_id, addrs, ip_group(observed))
 
     def _add_contact(self, peer_id: ID, addrs: Sequence[Multiaddr], group: str | None) -> None:
-        result = self.table.add(peer_id, addrs=addrs, ip_group=group, now=time.time())
+        result = self.table.add(peer_id, addrs=addrs, ip_group=group, now=trio.current_time())
         if result.status is AddStatus.ADDED:
             self.node.add_addrs(peer_id, addrs)
             if self.server and len(self.storage):
@@ -483,7 +473,7 @@ class DHT:
             self.table.remove(peer_id)
             return
         if peer_id in self.table:
-            self.table.mark_seen(peer_id, time.time())
+            self.table.mark_seen(peer_id, trio.current_time())
             return
         observed = self._direct_remote(peer_id)
         if observed is None:
@@ -523,7 +513,7 @@ class DHT:
 
     def _lookup(self, target: DHTID, width: int, *, parallel: int | None = None) -> Lookup:
         seeds = [c.info for c in self.table.nearest(target, self.config.k)]
-        self.table.touch(target, time.time())
+        self.table.touch(target, trio.current_time())
         return Lookup(target, width, parallel or self.config.alpha, seeds, local=self.local_id)
 
     async def _traverse(self, searches: list[_Search]) -> None:
@@ -572,7 +562,7 @@ class DHT:
     def _take(self, search: _Search, peer: PeerInfo, result: pb.FindResult) -> None:
         held = False
         if search.key is not None and search.found is not None:
-            now = time.time()
+            now = self._clock()
             for raw in result.records[: self.storage.max_subkeys_per_key]:
                 try:
                     rec = DHTRecord.from_pb(raw)
@@ -675,7 +665,7 @@ class DHT:
         Runs when a server joins (it may be closer to our keys than some
         replicas) and on republish; duplicates are harmless (the newer expiration wins).
         """
-        now = time.time()
+        now = self._clock()
         plan: dict[ID, list[DHTRecord]] = defaultdict(list)
         wanted = set(peers)
         for key in self.storage.keys()[:50_000]:
@@ -696,12 +686,12 @@ class DHT:
     async def _maintain(self) -> None:
         while True:
             await trio.sleep(self.config.maintenance_interval)
-            now = time.time()
+            now = self._clock()
             self.storage.expire(now)
             self.cache.expire(now)
             self._mine = {k: r for k, r in self._mine.items() if r.expiration > now}
             if not len(self.table) and self._initial:
-                self.node.emit(ev.DHTIsolated(initial_peers=len(self._initial)))
+                self.node.emit(DHTIsolated(initial_peers=len(self._initial)))
                 for peer in self._initial:
                     with trio.move_on_after(self.config.rpc_timeout * 2):
                         try:
@@ -712,12 +702,12 @@ class DHT:
                 if len(self.table):  # as when joining: our neighbourhood, through whoever answered
                     with trio.move_on_after(self.config.op_timeout):
                         await self._refresh(self.local_id)
-            stale = self.table.stale_buckets(now, self.config.refresh_interval)[:8]
+            stale = self.table.stale_buckets(trio.current_time(), self.config.refresh_interval)[:8]
             if stale:
                 with trio.move_on_after(self.config.op_timeout):
                     await self._refresh(*stale)
-            if now - self._last_republish >= self.config.republish_interval:
-                self._last_republish = now
+            if trio.current_time() - self._last_republish >= self.config.republish_interval:
+                self._last_republish = trio.current_time()
                 if self._mine:
                     with trio.move_on_after(self.config.op_timeout):
                         await self._replicate(list(self._mine.values()), now)
@@ -727,10 +717,10 @@ class DHT:
 
     # ------------------------------------------------------------------ introspection
 
-    def stats(self) -> dict[str, int | str]:
-        """What ``dedloc status`` and tests look at."""
+    def metrics(self) -> dict[str, int | float | str]:
+        """What ``dedloc status`` shows: flat name -> value, as every service's ``metrics()``."""
         return {
-            "mode": "server" if self.server else "client",
+            "mode": DHTMode.SERVER if self.server else DHTMode.CLIENT,
             "routing_table": len(self.table),
             "keys": len(self.storage),
             "bytes": self.storage.bytes_used,
@@ -738,3 +728,12 @@ class DHT:
             "own_records": len(self._mine),
         }
 
+
+class _FollowReachability(SwarmObserver):
+    """``auto`` mode: serve while the node is publicly reachable, switch when the NAT layer's verdict changes."""
+
+    def __init__(self, dht: DHT) -> None:
+        self._dht = dht
+
+    def external_changed(self, external: ExternalAddresses) -> None:
+        self._dht.set_mode(self._dht._wants_server(), f"reachability is {external.reachability}")

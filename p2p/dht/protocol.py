@@ -13,13 +13,13 @@ Regenerate the checked-in code after editing the schema with ``make proto``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from functools import lru_cache
 
-from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
-from ..addresses import is_relayed
+from ..errors import RemoteProtocolError
 from ..rpc import FIRST_APPLICATION_CODE, RemoteError
+from ..untrusted import decode_addrs as _decode_addrs
+from ..untrusted import decode_peer_id
 from .proto import dht_pb2 as pb
 from .routing import ID_BITS, DHTID, Contact, PeerInfo
 
@@ -30,13 +30,7 @@ STORE = "dht.store"
 MAX_BATCH = 64
 #: Most addresses kept per peer from a reply or a sender: enough for ip4, ip6 and a few interfaces.
 MAX_ADDRS = 8
-#: Longest peer id accepted (an identity multihash of an Ed25519 key is 38 bytes; sha256 ones 34).
-MAX_PEER_ID = 64
 TARGET_BYTES = ID_BITS // 8
-
-
-class ProtocolViolation(ValueError):
-    """A peer's message breaks the DHT protocol; the message says how."""
 
 
 class BadDHTRequest(RemoteError):
@@ -50,38 +44,8 @@ def encode_addrs(addrs: Iterable[Multiaddr]) -> list[bytes]:
 
 
 def decode_addrs(raw: Sequence[bytes], *, direct_only: bool = False) -> tuple[Multiaddr, ...]:
-    """Parse at most ``MAX_ADDRS`` addresses; unparseable ones are dropped, not fatal."""
-    out: list[Multiaddr] = []
-    for b in raw[:MAX_ADDRS]:
-        addr = _addr(bytes(b))
-        if addr is None or (direct_only and is_relayed(addr)):
-            continue
-        out.append(addr)
-    return tuple(out)
-
-
-@lru_cache(maxsize=16384)
-def _addr(raw: bytes) -> Multiaddr | None:
-    # Cached: every reply repeats the same few hundred addresses, and py-multiaddr
-    # parsing (base58 of embedded peer ids included) dominated a lookup's CPU.
-    try:
-        addr = Multiaddr(raw)
-        str(addr)  # py-multiaddr parses lazily: force it
-    except Exception:
-        return None
-    return addr
-
-
-@lru_cache(maxsize=16384)
-def _peer_id(raw: bytes) -> ID | None:
-    if not 0 < len(raw) <= MAX_PEER_ID:
-        return None
-    try:
-        peer_id = ID(raw)
-        peer_id.to_base58()
-    except Exception:
-        return None
-    return peer_id
+    """At most ``MAX_ADDRS`` addresses (:func:`p2p.untrusted.decode_addrs`: garbage dropped, not fatal)."""
+    return tuple(_decode_addrs(raw, limit=MAX_ADDRS, direct_only=direct_only))
 
 
 def peer_entry(contact: Contact) -> pb.PeerEntry:
@@ -92,7 +56,7 @@ def decode_peers(entries: Sequence[pb.PeerEntry], limit: int) -> list[PeerInfo]:
     """The first ``limit`` well-formed entries of a reply as :class:`PeerInfo` (ids re-derived)."""
     out: list[PeerInfo] = []
     for entry in entries[:limit]:
-        peer_id = _peer_id(bytes(entry.peer_id))
+        peer_id = decode_peer_id(bytes(entry.peer_id))
         if peer_id is not None:
             out.append(PeerInfo(peer_id, decode_addrs(entry.addrs, direct_only=True)))
     return out
@@ -103,7 +67,7 @@ def query_target(query: pb.Query) -> DHTID:
     if query.key:
         return DHTID.from_key(query.key)
     if len(query.target) != TARGET_BYTES:
-        raise ProtocolViolation(f"a query needs a key or a {TARGET_BYTES}-byte target, got {len(query.target)} bytes")
+        raise RemoteProtocolError(f"a query needs a key or a {TARGET_BYTES}-byte target, got {len(query.target)} bytes")
     return DHTID(int.from_bytes(query.target, "big"))
 
 
@@ -113,7 +77,7 @@ def target_query(target: int) -> pb.Query:
 
 def check_batch(n: int, what: str) -> None:
     if n > MAX_BATCH:
-        raise ProtocolViolation(f"{n} {what} in one call; the limit is {MAX_BATCH}")
+        raise RemoteProtocolError(f"{n} {what} in one call; the limit is {MAX_BATCH}")
 
 
 def same_host(addrs: Iterable[Multiaddr], observed: Multiaddr) -> list[Multiaddr]:

@@ -37,7 +37,7 @@ class _Member:
 
 
 def _command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "p2p.cli", *args]
+    return [sys.executable, "-m", "nat.cli", *args]
 
 
 async def read_lines(stream: trio.abc.ReceiveStream) -> AsyncIterator[str]:

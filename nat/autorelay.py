@@ -1,0 +1,104 @@
+"""Autorelay: hold slots on relays while we are not publicly reachable.
+
+Among the peers we are connected to, those that offer the HOP protocol are
+relays; we keep up to ``max_relays`` reservations, refresh each before it
+expires, and replace relays that vanish or refuse. The loop wakes on any
+change (a new connection, a verdict, a lost relay) and otherwise every few
+seconds; the composing service decides when slots are wanted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import trio
+from libp2p.peer.id import ID
+
+from p2p import Node
+from p2p.dialer import live_connection
+from p2p.errors import ConfigError
+
+from . import events as nev
+from .circuit import RelayClient, RelayError, Reservation
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AutoRelayConfig:
+    #: Reserve relay slots when not publicly reachable.
+    enabled: bool = True
+    max_relays: int = 2
+    #: Refresh a reservation when less than this (or a quarter of its life) is left, in seconds.
+    refresh_before: float = 300.0
+    #: Longest sleep between passes when nothing changes, in seconds.
+    poll_interval: float = 5.0
+
+    def validate(self) -> None:
+        if self.max_relays < 1:
+            raise ConfigError("autorelay max_relays must be at least 1")
+        if self.refresh_before <= 0 or self.poll_interval <= 0:
+            raise ConfigError("autorelay refresh_before and poll_interval must be positive")
+
+
+class AutoRelay:
+    """Keeps reservations on relays for one Node (run :meth:`run` in the owning service's nursery)."""
+
+    def __init__(self, node: Node, client: RelayClient, config: AutoRelayConfig,
+                 is_relay: Callable[[ID], bool], changed: Callable[[], None]) -> None:
+        self._node = node
+        self._client = client
+        self.config = config
+        self._is_relay = is_relay
+        self._changed = changed
+        self._wake = trio.Event()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def lost(self, relay: ID, reason: str) -> None:
+        """A relay holding our slot went away: withdraw its addresses at once."""
+        if relay in self._client.reservations:
+            self._client.drop(relay)
+            self._node.emit(nev.RelayLost(relay=relay, reason=reason))
+            self._changed()
+
+    async def run(self, wanted: Callable[[], bool], after_pass: Callable[[], None]) -> None:
+        """Forever: while ``wanted()``, keep reservations; call ``after_pass`` after each pass."""
+        while True:
+            self._wake = trio.Event()
+            if self.config.enabled and wanted():
+                await self._keep()
+            after_pass()
+            with trio.move_on_after(self.config.poll_interval):
+                await self._wake.wait()
+
+    async def _keep(self) -> None:
+        client = self._client
+        now = time.time()  # reservation expiries are wall-clock times from the relay
+        for relay, rsvp in list(client.reservations.items()):
+            if live_connection(self._node.network, relay) is None:
+                self.lost(relay, "disconnected")
+            elif rsvp.expire - now < min(self.config.refresh_before, (rsvp.expire - rsvp.reserved_at) / 4):
+                await self._reserve(relay, refresh=True)
+        for relay in self._node.connected_peers():
+            if len(client.reservations) >= self.config.max_relays:
+                break
+            if relay != self._node.peer_id and relay not in client.reservations and self._is_relay(relay):
+                await self._reserve(relay, refresh=False)
+
+    async def _reserve(self, relay: ID, *, refresh: bool) -> Reservation | None:
+        try:
+            rsvp = await self._client.reserve(relay)
+        except RelayError as e:
+            log.info("reservation on %s failed: %s", relay, e)
+            if refresh:
+                self.lost(relay, str(e))
+            return None
+        if not refresh:
+            self._node.emit(nev.RelayReserved(relay=relay, expire=rsvp.expire, addrs=[str(a) for a in rsvp.circuit_addrs]))
+            self._changed()
+        return rsvp

@@ -1,0 +1,259 @@
+"""The ``dedloc`` entry point, with the commands that run the network layer: relay, peer, status, ping, demo.
+
+Each command lives in the highest layer it imports: ``id`` and ``dht`` need
+only ``p2p`` and stay there (``p2p/cli.py``, which also holds the shared
+machinery); these run a :class:`nat.Peer`. When a layer above adds commands,
+the entry point moves up to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import trio
+from google.protobuf.empty_pb2 import Empty
+from google.protobuf.json_format import MessageToDict
+from google.protobuf.struct_pb2 import Struct
+
+from p2p import events as ev
+from p2p.addresses import Scope, parse_peer_addr, scope_of
+from p2p.cli import Output, build_parser as p2p_parser, common_options, run
+from p2p.config import NodeConfig
+from p2p.dht.events import DHTMode
+from p2p.dialer import remote_addr
+from p2p.node import Node
+from p2p.rpc import CallContext, RemoteError
+
+from .autorelay import AutoRelayConfig
+from .events import NatStatus
+from .peer import PEER_LISTEN, RELAY_LISTEN, Peer, PeerConfig
+from .port_mapping import PortMappingConfig
+from .relay import RelayConfig
+
+STATUS_METHOD = "node.status"
+#: RemoteError code for a status request from another machine.
+STATUS_REFUSED = 100
+
+
+async def _follow(node: Node, out: Output, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async with node.events() as events:
+        task_status.started()
+        async for event in events:
+            out.event(event)
+
+
+async def _serve(duration: float | None, status_every: float, report: Callable[[], None]) -> None:
+    """Call ``report`` every ``status_every`` seconds until ``duration`` (or Ctrl-C, or SIGTERM)."""
+
+    async def reporting() -> None:
+        while True:
+            await trio.sleep(status_every)
+            report()
+
+    async def stop_on_sigterm(cancel: trio.CancelScope) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM) as signals:
+            async for _ in signals:
+                cancel.cancel()
+
+    with trio.move_on_after(duration if duration is not None else float("inf")):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stop_on_sigterm, nursery.cancel_scope)
+            if status_every > 0:
+                nursery.start_soon(reporting)
+            await trio.sleep_forever()
+
+
+def peer_config(args: argparse.Namespace, *, relay: bool) -> PeerConfig:
+    """The composed object's config from the command line (the presets, then the flags)."""
+    identity = None if args.ephemeral else args.identity
+    limits = RelayConfig(
+        max_reservations=args.max_reservations,
+        max_circuits=args.max_circuits,
+        circuit_duration=args.circuit_duration,
+        circuit_data=args.circuit_data_mib * 1024 * 1024,
+        circuit_bandwidth=args.circuit_bandwidth_kib * 1024,
+    )
+    if relay:
+        config = PeerConfig.relay(identity_path=identity, listen=args.listen or RELAY_LISTEN,
+                                  initial_peers=args.initial_peers, limits=limits)
+    else:
+        config = PeerConfig.peer(args.initial_peers, identity_path=identity, listen=args.listen or PEER_LISTEN,
+                                 bootstrap_timeout=args.bootstrap_timeout)
+        config.nat.relay_service, config.nat.relay = args.serve_relay, limits
+        assert config.dht is not None
+        config.dht.mode = DHTMode(args.dht_mode)
+        config.exchange_interval = args.exchange_interval
+        config.greeting = args.message
+    config.node.announce = args.announce or []
+    config.nat.allow_private = args.allow_private
+    if args.no_port_mapping:
+        config.nat.port_mapping = PortMappingConfig(enabled=False)
+    if relay:
+        config.nat.autorelay = AutoRelayConfig(enabled=False)
+    return config
+
+
+def _serve_status(peer: Peer) -> None:
+    """Answer ``dedloc status``: every layer's metrics, to callers on this machine only."""
+
+    async def status(_: Empty, ctx: CallContext) -> Struct:
+        conns = peer.node.network.get_connections(ctx.peer_id)
+        if not conns or any(scope_of(remote_addr(c)) != Scope.LOOPBACK for c in conns):
+            raise RemoteError("status is only served to this machine", code=STATUS_REFUSED)
+        reply = Struct()
+        reply.update(peer.metrics())
+        return reply
+
+    peer.node.rpc.add_unary(STATUS_METHOD, Empty, status)
+
+
+async def _run_peer(args: argparse.Namespace, out: Output, *, relay: bool) -> int:
+    config = peer_config(args, relay=relay)
+    async with trio.open_nursery() as nursery:
+        async with Peer.open(config, on_listening=lambda node: _print_listening(node, out, nursery)) as peer:
+            _serve_status(peer)
+
+            def report() -> None:
+                peers = peer.node.connected_peers()
+                peer.node.emit(ev.PeerCount(count=len(peers), peers=peers))
+                peer.node.emit(NatStatus(metrics=peer.nat.metrics()))
+
+            await _serve(args.duration, args.status_interval, report)
+        nursery.cancel_scope.cancel()
+    return 0
+
+
+def _print_listening(node: Node, out: Output, nursery: trio.Nursery) -> None:
+    """Print the node's events from its first moment (bootstrap progress included)."""
+    nursery.start_soon(_follow, node, out)
+    out.event(ev.Listening(peer_id=node.peer_id, addrs=[str(a) for a in node.addrs]))
+
+
+async def cmd_relay(args: argparse.Namespace, out: Output) -> int:
+    return await _run_peer(args, out, relay=True)
+
+
+async def cmd_peer(args: argparse.Namespace, out: Output) -> int:
+    return await _run_peer(args, out, relay=False)
+
+
+async def cmd_status(args: argparse.Namespace, out: Output) -> int:
+    config = NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], dial_timeout=args.timeout)
+    _, target = parse_peer_addr(args.address, what="node address")
+    async with Node.open(config) as node:
+        await node.connect(args.address)
+        reply = await node.rpc.call(target, STATUS_METHOD, Empty(), Struct, timeout=args.timeout)
+    metrics = MessageToDict(reply)
+    if out.json_mode:
+        print(json.dumps(metrics), flush=True)
+    else:
+        for key, value in metrics.items():
+            print(f"{key:<26} {value}")
+    return 0
+
+
+async def cmd_ping(args: argparse.Namespace, out: Output) -> int:
+    """Ping any peer: a direct address, or ``<relay>/p2p-circuit/p2p/<peer>`` for one behind NAT (as a client)."""
+    _, target = parse_peer_addr(args.address, what="address to ping")
+    config = PeerConfig.client([], timeout=args.timeout)
+    config.dht = None
+    config.node.listen = args.listen or config.node.listen
+    async with trio.open_nursery() as nursery:
+        async with Peer.open(config, on_listening=lambda node: nursery.start_soon(_follow, node, out)) as peer:
+            await peer.node.connect(args.address)
+            for i in range(args.count):
+                if i:
+                    await trio.sleep(args.interval)
+                await peer.node.ping(target, timeout=args.timeout)
+            await trio.sleep(0)  # let the last event reach the printer
+        nursery.cancel_scope.cancel()
+    return 0
+
+
+async def cmd_demo(args: argparse.Namespace, out: Output) -> int:
+    from .demo import run_demo
+
+    return await run_demo(peers=args.peers, duration=args.duration, out=out)
+
+
+def nat_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("NAT traversal")
+    g.add_argument("--no-port-mapping", action="store_true", help="do not ask the router to forward our port (UPnP / NAT-PMP / PCP)")
+    g.add_argument("--allow-private", action="store_true",
+                   help="treat private addresses as reachable (a swarm inside one LAN)")
+    g.add_argument("--serve-relay", action="store_true", help="also relay for NATed peers when publicly reachable")
+    g.add_argument("--max-reservations", type=int, default=256, metavar="N", help="relay: peers holding a slot at once")
+    g.add_argument("--max-circuits", type=int, default=128, metavar="N", help="relay: relayed connections at once")
+    g.add_argument("--circuit-duration", type=int, default=3600, metavar="SECONDS", help="relay: longest relayed connection (0: no limit)")
+    g.add_argument("--circuit-data-mib", type=int, default=4096, metavar="MIB", help="relay: bytes per relayed connection and direction (0: no limit)")
+    g.add_argument("--circuit-bandwidth-kib", type=int, default=0, metavar="KIB/S", help="relay: bandwidth per relayed connection and direction (0: no limit)")
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:  # type: ignore[type-arg]
+    parser, sub = p2p_parser()
+
+    p = sub.add_parser("relay", help="run a public relay and bootstrap node that others join through",
+                       description="Run a bootstrap node, circuit relay v2 and AutoNAT server on a machine others can reach. "
+                       "It prints the addresses to give to peers; peers behind NAT reserve slots on it.")
+    common_options(p)
+    nat_options(p)
+    p.add_argument("--initial-peers", nargs="*", default=[], metavar="MULTIADDR", help="other bootstrap nodes to join")
+    p.set_defaults(func=cmd_relay)
+
+    p = sub.add_parser("peer", help="join a swarm through one or more initial peers",
+                       description="Join a swarm: connect to the initial peers, learn the other peers from them and connect to those.")
+    common_options(p)
+    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MULTIADDR",
+                   help="full addresses of bootstrap nodes, ending in /p2p/<peer-id>")
+    p.add_argument("--bootstrap-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="give up if no initial peer answers within this time (default: %(default)s)")
+    p.add_argument("--exchange-interval", type=float, default=5.0, metavar="SECONDS",
+                   help="how often to ask connected peers for more peers (default: %(default)s)")
+    p.add_argument("--message", default=None, metavar="TEXT", help="send this greeting to every peer met")
+    p.add_argument("--dht-mode", choices=[m.value for m in DHTMode], default="auto",
+                   help="serve the DHT (server), only use it (client), or serve once reachable (auto, the default)")
+    nat_options(p)
+    p.set_defaults(func=cmd_peer)
+
+    p = sub.add_parser("status", help="print the NAT funnel, reachability and DHT of a node running on this machine",
+                       description="Ask a `dedloc peer` or `dedloc relay` on this machine (give its 127.0.0.1 address) "
+                       "for its reachability, relays, hole-punch results, bytes by path and DHT.")
+    p.add_argument("address", metavar="MULTIADDR", help="the node's loopback address, ending in /p2p/<peer-id>")
+    p.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS")
+    p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("ping", help="measure the round-trip time to a peer, direct or behind NAT",
+                       description="Connect to a peer as an outbound-only client with a throwaway identity and ping it. "
+                       "A peer behind NAT is reached at <relay address>/p2p-circuit/p2p/<peer id>; the connection "
+                       "starts relayed and turns direct when hole punching works.")
+    p.add_argument("address", metavar="MULTIADDR", help="the peer's full address, ending in /p2p/<peer-id>")
+    p.add_argument("-c", "--count", type=int, default=4, help="number of pings (default: %(default)s)")
+    p.add_argument("-i", "--interval", type=float, default=1.0, metavar="SECONDS", help="time between pings")
+    p.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS", help="give up on one dial or ping after this long")
+    p.add_argument("--listen", action="append", metavar="MULTIADDR", help=argparse.SUPPRESS)
+    p.add_argument("--json", action="store_true", help="print one JSON object per line for each event")
+    p.set_defaults(func=cmd_ping)
+
+    p = sub.add_parser("demo", help="start a live local swarm on loopback (a bootstrap node and several peers)",
+                       description="Start, on 127.0.0.1 only, a bootstrap node and several peers in their own processes; "
+                       "they find each other, exchange messages, and everything stops after --duration or on Ctrl-C.")
+    p.add_argument("--peers", type=int, default=4, help="number of peers besides the bootstrap node (default: %(default)s)")
+    p.add_argument("--duration", type=float, default=20.0, metavar="SECONDS", help="stop after this long (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the nodes' events as JSON lines")
+    p.set_defaults(func=cmd_demo)
+    return parser, sub
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser, _ = build_parser()
+    return run(parser, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""One object for the whole network layer: ``async with Peer.open(config) as peer``.
+
+A volunteer's machine, a public relay and an app that embeds dedloc all need
+the same start-up order, and getting it wrong is silent (a DHT opened before
+the NAT layer sees no reachability; a bootstrap before the NAT layer loses the
+observations of our mapping). :class:`Peer` does it once:
+
+1. the :class:`p2p.Node` (listening, not yet dialing);
+2. :class:`nat.traversal.NatService` (AutoNAT, relay client and service,
+   autorelay, hole punching, port mapping), so it sees the first connections;
+3. bootstrap to the initial peers, from the listen port;
+4. peer exchange (serving, and meeting peers when asked to);
+5. the DHT, which serves once the NAT layer judged us reachable (``auto``).
+
+and closes them in reverse. Layers above (the averager, the collaborative
+optimizer) take a :class:`Peer` as their argument, as hivemind's take its DHT.
+Presets cover the roles people run: :meth:`PeerConfig.relay`,
+:meth:`PeerConfig.peer` and :meth:`PeerConfig.client`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from libp2p.peer.id import ID
+from multiaddr import Multiaddr
+
+from p2p import Node, NodeConfig
+from p2p.dht import DHT, DHTConfig
+from p2p.dht.events import DHTMode
+from p2p.errors import ConfigError
+from p2p.hooks import Metrics
+from p2p.peer_exchange import PeerExchange
+
+from .autorelay import AutoRelayConfig
+from .port_mapping import PortMappingConfig
+from .relay import RelayConfig
+from .traversal import NatConfig, NatService
+
+#: Where a public relay listens: the port people write into their configs.
+RELAY_LISTEN = ["/ip4/0.0.0.0/tcp/4001", "/ip6/::/tcp/4001"]
+#: Where a volunteer listens: any port (the NAT layer finds out how others reach it).
+PEER_LISTEN = ["/ip4/0.0.0.0/tcp/0", "/ip6/::/tcp/0"]
+#: An outbound-only client listens only so that the swarm's machinery has a socket; nobody dials it.
+CLIENT_LISTEN = ["/ip4/0.0.0.0/tcp/0"]
+
+
+@dataclass
+class PeerConfig:
+    """Every layer's settings in one object; the defaults are a volunteer's (``dedloc peer``)."""
+
+    node: NodeConfig = field(default_factory=lambda: NodeConfig(listen=list(PEER_LISTEN)))
+    nat: NatConfig = field(default_factory=NatConfig)
+    #: None: no DHT (a bare relay for a private swarm, say).
+    dht: DHTConfig | None = field(default_factory=DHTConfig)
+    #: Meet the peers our peers know every this many seconds (None: only answer others).
+    exchange_interval: float | None = 5.0
+    #: Sent to every peer met (the demo's chatter).
+    greeting: str | None = None
+
+    def validate(self) -> None:
+        self.node.validate()
+        self.nat.validate()
+        if self.dht is not None:
+            self.dht.validate()
+        if self.exchange_interval is not None and self.exchange_interval <= 0:
+            raise ConfigError(f"exchange_interval must be positive, got {self.exchange_interval}")
+
+    @classmethod
+    def peer(cls, initial_peers: Sequence[str], *, identity_path: Path | None = None,
+             listen: Sequence[str] = PEER_LISTEN, bootstrap_timeout: float = 30.0) -> PeerConfig:
+        """A volunteer: joins through ``initial_peers``, finds out its reachability, reserves relay
+        slots and punches holes when behind NAT, serves the DHT once reachable."""
+        return cls(
+            node=NodeConfig(identity_path=identity_path, listen=list(listen), initial_peers=list(initial_peers),
+                            bootstrap_timeout=bootstrap_timeout),
+            dht=DHTConfig(mode=DHTMode.AUTO, bootstrap_timeout=bootstrap_timeout),
+        )
+
+    @classmethod
+    def relay(cls, *, identity_path: Path | None = None, listen: Sequence[str] = RELAY_LISTEN,
+              announce: Sequence[str] = (), initial_peers: Sequence[str] = (),
+              limits: RelayConfig | None = None) -> PeerConfig:
+        """A public relay and bootstrap node: circuit relay v2 with ``limits``, AutoNAT server, DHT server
+        from the start, no relay slots of its own."""
+        return cls(
+            node=NodeConfig(identity_path=identity_path, listen=list(listen), announce=list(announce),
+                            initial_peers=list(initial_peers)),
+            nat=NatConfig(relay_service=True, relay=limits or RelayConfig(),
+                          autorelay=AutoRelayConfig(enabled=False)),
+            dht=DHTConfig(mode=DHTMode.SERVER),
+            exchange_interval=None,
+        )
+
+    @classmethod
+    def client(cls, initial_peers: Sequence[str], *, timeout: float = 30.0) -> PeerConfig:
+        """Outbound only (a script, a monitor, a peer behind a firewall it cannot change): no relay slots,
+        no port mapping, no AutoNAT service, a DHT client; it can still dial peers through relays."""
+        return cls(
+            node=NodeConfig(listen=list(CLIENT_LISTEN), initial_peers=list(initial_peers),
+                            bootstrap_timeout=timeout, dial_timeout=min(10.0, timeout)),
+            nat=NatConfig(autonat_server=False, autorelay=AutoRelayConfig(enabled=False),
+                          port_mapping=PortMappingConfig(enabled=False)),
+            dht=DHTConfig(mode=DHTMode.CLIENT, bootstrap_timeout=timeout),
+            exchange_interval=None,
+        )
+
+
+class Peer:
+    """A running member of the swarm: its Node, NAT layer, peer exchange and DHT. Open it with :meth:`open`."""
+
+    def __init__(self, node: Node, nat: NatService, exchange: PeerExchange, dht: DHT | None) -> None:
+        self.node = node
+        self.nat = nat
+        self.exchange = exchange
+        self._dht = dht
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, config: PeerConfig | None = None, *,
+                   on_listening: Callable[[Node], None] | None = None) -> AsyncIterator[Peer]:
+        """Start every layer in order, and stop them all, in reverse, when the block ends.
+
+        ``on_listening`` is called with the Node once it listens, before anything
+        dials: subscribe to its events there to follow start-up (the CLI does).
+
+        Raises :class:`p2p.ConfigError` for unusable settings, :class:`p2p.BootstrapError`
+        when no initial peer answered, and :class:`p2p.dht.DHTBootstrapError` when none
+        of them runs a DHT server.
+        """
+        config = config or PeerConfig()
+        config.validate()
+        async with AsyncExitStack() as stack:
+            node = await stack.enter_async_context(Node.open(config.node, bootstrap=False))
+            if on_listening is not None:
+                on_listening(node)
+            nat = await stack.enter_async_context(NatService.attach(node, config.nat))
+            if config.node.initial_peers:
+                await node.bootstrap()
+            exchange = await stack.enter_async_context(
+                PeerExchange.open(node, greeting=config.greeting, interval=config.exchange_interval))
+            dht = None if config.dht is None else await stack.enter_async_context(DHT.open(node, config.dht))
+            yield cls(node, nat, exchange, dht)
+
+    @property
+    def dht(self) -> DHT:
+        """The DHT (:class:`p2p.ConfigError` if this peer was opened without one)."""
+        if self._dht is None:
+            raise ConfigError("this peer runs no DHT (PeerConfig.dht is None)")
+        return self._dht
+
+    @property
+    def peer_id(self) -> ID:
+        return self.node.peer_id
+
+    @property
+    def addrs(self) -> list[Multiaddr]:
+        """Where others reach us, best first: confirmed direct addresses, then relayed ones."""
+        return self.node.addrs
+
+    def metrics(self) -> Metrics:
+        """Every layer's metrics in the one flat shape: the NAT funnel, then the DHT's under ``dht.``."""
+        out: Metrics = {"peer_id": str(self.node.peer_id), "peers": len(self.node.connected_peers()), **self.nat.metrics()}
+        if self._dht is not None:
+            out.update({f"dht.{k}": v for k, v in self._dht.metrics().items()})
+        return out
+
+
+__all__ = ["CLIENT_LISTEN", "PEER_LISTEN", "Peer", "PeerConfig", "RELAY_LISTEN"]

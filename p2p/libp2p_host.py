@@ -1,0 +1,147 @@
+"""The py-libp2p 0.8.1 host, built and corrected in one place: the surgery the pin exists for.
+
+dedloc runs on py-libp2p's swarm (connection bookkeeping, multistream-select,
+the Noise handshake, identify, peer store) and replaces what it gets wrong for
+us. Every correction of that release lives here, each with its reason, so a
+new release is checked against one module before the pin in ``pyproject.toml``
+moves (``tests/test_node.py`` and ``interop/`` pin the behaviour):
+
+* **Security and muxer.** Noise only (its defaults also offer TLS, SECIO and
+  plaintext: not interoperable or not secure, and each costs a negotiation
+  round); our record layer after its handshake (``p2p/noise.py``); our Yamux
+  (``p2p/yamux.py``), which needs :class:`_Muxers` because its
+  ``MuxerMultistream.new_conn`` builds its own Yamux whatever class it was given.
+* **Retries and auto-connect.** The swarm's per-address retries are off (retry
+  policy lives in ``Node.bootstrap``'s backoff) and its auto-connector, which
+  dials peer-store entries to keep 150 connections, is stopped: whom to connect
+  to is the app's decision.
+* **Advertised addresses.** ``get_addrs`` is replaced: py-libp2p's cuts
+  ``/p2p-circuit`` addresses at the relay's ``/p2p`` and adds identify's
+  unconfirmed observed addresses.
+* **Peer store cap.** Its automatic identify stores up to 1000 self-reported
+  addresses per peer; :func:`_cap_peer_addrs` keeps ``max_addrs``.
+* **Dialing** is not here: ``p2p/dialer.py`` replaces ``Swarm.dial_peer`` (a
+  250 ms stall on every successful connect) and is a module of its own.
+
+Nothing global is mutated: every setting goes through constructors or one
+host instance's attributes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from libp2p import new_host
+from libp2p.abc import IHost, IMuxedConn, INetConn, INetStream, INetwork, INotifee, ISecureConn
+from libp2p.crypto.keys import KeyPair
+from libp2p.network.config import ConnectionConfig, RetryConfig
+from libp2p.peer.id import ID
+from libp2p.peer.peerstore import PeerStoreError
+from libp2p.stream_muxer.muxer_multistream import MuxerMultistream
+from multiaddr import Multiaddr
+
+from .noise import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from .noise import NoiseTransport
+from .yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from .yamux import YamuxConfig, YamuxConnection
+
+ConnectionCallback = Callable[[INetConn], Awaitable[None]]
+
+
+def build_host(
+    key_pair: KeyPair,
+    listen: list[Multiaddr],
+    *,
+    yamux: YamuxConfig,
+    dial_timeout: float,
+    advertised: Callable[[list[Multiaddr]], list[Multiaddr]],
+    max_addrs: int,
+) -> IHost:
+    """A py-libp2p host with dedloc's data plane and every correction above applied.
+
+    ``advertised`` maps the transport's listen addresses to what identify
+    and ``get_addrs`` report (the Node's address policy). Call
+    :func:`started` once the host runs.
+    """
+    host = new_host(
+        key_pair=key_pair,
+        sec_opt={NOISE_PROTOCOL_ID: NoiseTransport(key_pair)},
+        muxer_opt={YAMUX_PROTOCOL_ID: YamuxConnection},
+        listen_addrs=listen,
+        addrs_factory=advertised,
+        connection_config=ConnectionConfig(min_connections=0, low_watermark=0, dial_timeout=dial_timeout),
+    )
+    network = host.get_network()
+    upgrader = network.upgrader  # type: ignore[attr-defined]
+    upgrader.muxer_multistream = _Muxers(yamux, upgrader.muxer_multistream.negotiate_timeout)
+    network.retry_config = RetryConfig(max_retries=0)  # type: ignore[attr-defined]
+    _cap_peer_addrs(host.get_peerstore(), max_addrs)
+    return host
+
+
+async def started(host: IHost, get_addrs: Callable[[], list[Multiaddr]],
+                  connected: ConnectionCallback, disconnected: ConnectionCallback) -> None:
+    """What can only be corrected on a running host: the auto-connector, ``get_addrs``, our notifee."""
+    network = host.get_network()
+    await network.auto_connector.stop()  # type: ignore[attr-defined]
+    host.get_addrs = get_addrs  # type: ignore[method-assign]
+    network.register_notifee(_Notifee(connected, disconnected))
+
+
+def _cap_peer_addrs(peerstore: Any, max_addrs: int) -> None:
+    """Keep at most ``max_addrs`` addresses per peer in this host's peer store.
+
+    A hostile peer could otherwise make us hold, and dial, a thousand addresses
+    of its choosing. Wraps this one instance's ``add_addrs``.
+    """
+    original = peerstore.add_addrs
+
+    def add_addrs(peer_id: ID, addrs: Sequence[Multiaddr], ttl: int = 0) -> None:
+        try:
+            known = set(map(str, peerstore.addrs(peer_id)))
+        except PeerStoreError:
+            known = set()
+        room = max(0, max_addrs - len(known))
+        fresh = [a for a in addrs if str(a) not in known][:room]
+        original(peer_id, [a for a in addrs if str(a) in known] + fresh, ttl)
+
+    peerstore.add_addrs = add_addrs
+
+
+class _Muxers(MuxerMultistream):
+    """Muxer negotiation that builds our :class:`YamuxConnection` with our config."""
+
+    def __init__(self, config: YamuxConfig, negotiate_timeout: int) -> None:
+        super().__init__({YAMUX_PROTOCOL_ID: YamuxConnection}, negotiate_timeout)
+        self._config = config
+
+    async def new_conn(self, conn: ISecureConn, peer_id: ID) -> IMuxedConn:
+        protocol, _ = await self._selector.select(conn, conn.is_initiator, self.negotiate_timeout)
+        return self._annotate_connection(YamuxConnection(conn, peer_id, self._config), conn, protocol)
+
+
+class _Notifee(INotifee):
+    """py-libp2p's network callbacks, forwarded (it runs each in a task of its own, for every connection)."""
+
+    def __init__(self, connected: ConnectionCallback, disconnected: ConnectionCallback) -> None:
+        self._connected = connected
+        self._disconnected = disconnected
+
+    async def connected(self, network: INetwork, conn: INetConn) -> None:
+        await self._connected(conn)
+
+    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
+        await self._disconnected(conn)
+
+    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
+        pass
+
+    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
+        pass
+
+    async def listen(self, network: INetwork, multiaddr: Multiaddr) -> None:
+        pass
+
+    async def listen_close(self, network: INetwork, multiaddr: Multiaddr) -> None:
+        pass

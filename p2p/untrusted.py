@@ -1,0 +1,78 @@
+"""What peers send us about addresses and identities, parsed by one rule each.
+
+Multiaddrs and peer ids arrive from identify, peer exchange, the DHT, relay,
+DCUtR and AutoNAT messages. Each is parsed here, once, by one cached function
+with one rule, so that the same garbage is refused the same way everywhere and
+a flood of repeated addresses costs one parse (py-multiaddr's parsing and
+base58 once took a third of a DHT lookup's CPU).
+
+Nothing here raises for bad input: a bad item is dropped (``None``), and the
+caller decides whether that is a protocol violation (:func:`require_peer_id`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from functools import lru_cache
+
+import multihash
+from libp2p.peer.id import ID
+from multiaddr import Multiaddr
+
+from .addresses import is_relayed
+from .errors import RemoteProtocolError
+
+#: Longest peer id accepted: an identity multihash of an Ed25519 key is 38 bytes, sha256 ones 34.
+MAX_PEER_ID = 64
+#: Longest binary multiaddr accepted (a circuit address with two peer ids is ~120 bytes).
+MAX_ADDR = 512
+
+
+@lru_cache(maxsize=16384)
+def decode_addr(raw: bytes) -> Multiaddr | None:
+    """A binary multiaddr from a peer, or None when it does not parse."""
+    if not 0 < len(raw) <= MAX_ADDR:
+        return None
+    try:
+        addr = Multiaddr(raw)
+        str(addr)  # py-multiaddr parses bytes lazily: force it, so garbage fails here
+    except Exception:
+        return None
+    return addr
+
+
+def decode_addrs(raw: Iterable[bytes], *, limit: int, direct_only: bool = False) -> list[Multiaddr]:
+    """The valid multiaddrs among the first ``limit`` binary ones; garbage (and circuits, if asked) dropped."""
+    out: list[Multiaddr] = []
+    for index, item in enumerate(raw):
+        if index >= limit:
+            break
+        addr = decode_addr(bytes(item))
+        if addr is not None and not (direct_only and is_relayed(addr)) and addr not in out:
+            out.append(addr)
+    return out
+
+
+@lru_cache(maxsize=16384)
+def decode_peer_id(raw: bytes) -> ID | None:
+    """A binary peer id from a peer, or None: it must be a well-formed multihash of at most 64 bytes.
+
+    ``ID()`` itself accepts any bytes, so the multihash is checked first.
+    """
+    if not 0 < len(raw) <= MAX_PEER_ID:
+        return None
+    try:
+        multihash.decode(raw)
+        peer_id = ID(raw)
+        peer_id.to_base58()
+    except Exception:
+        return None
+    return peer_id
+
+
+def require_peer_id(raw: bytes, what: str) -> ID:
+    """:func:`decode_peer_id`, for a field the protocol requires: :class:`RemoteProtocolError` when invalid."""
+    peer_id = decode_peer_id(bytes(raw))
+    if peer_id is None:
+        raise RemoteProtocolError(f"{what} is not a valid peer id")
+    return peer_id

@@ -1,0 +1,75 @@
+"""The test kit: what several test files need, once (waiting, reading, pipes, composed peers).
+
+Real parts only: the peers are real :class:`nat.Peer` objects on loopback, the
+pipes trio's in-memory streams.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any, Protocol
+
+import trio
+import trio.testing
+
+from nat import Peer, PeerConfig
+from nat.autorelay import AutoRelayConfig
+from nat.port_mapping import PortMappingConfig
+from nat.traversal import NatConfig
+from p2p.dht import DHTConfig
+from p2p.dht.events import DHTMode
+
+from .conftest import loopback_config
+
+
+async def wait_until(predicate: Callable[[], object], timeout: float = 20.0, *, interval: float = 0.02) -> None:
+    """Poll ``predicate`` until it holds; :class:`trio.TooSlowError` after ``timeout`` seconds."""
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(interval)
+
+
+class Readable(Protocol):
+    async def read(self, n: int | None = None) -> bytes: ...
+
+
+async def read_to_end(stream: Readable, chunk: int = 1 << 16) -> bytes:
+    """Everything a libp2p stream delivers until its end (EOF or an empty read)."""
+    data = bytearray()
+    while True:
+        try:
+            part = await stream.read(chunk)
+        except EOFError:
+            break
+        if not part:
+            break
+        data += part
+    return bytes(data)
+
+
+def pipe() -> tuple[trio.testing.MemoryStapledStream, trio.testing.MemoryStapledStream]:  # type: ignore[name-defined]
+    """Two ends of an in-memory byte stream (for sans-I/O cores driven through trio streams)."""
+    return trio.testing.memory_stream_pair()
+
+
+def loopback_peer_config(*, relay: bool = False, initial_peers: list[str] | None = None, **nat: Any) -> PeerConfig:
+    """A :class:`PeerConfig` for loopback tests: 127.0.0.1 counts as reachable, no router is asked."""
+    nat_config = NatConfig(allow_private=True, port_mapping=PortMappingConfig(enabled=False), relay_service=relay,
+                           autorelay=AutoRelayConfig(enabled=not relay), **nat)
+    return PeerConfig(
+        node=loopback_config(initial_peers=initial_peers or []),
+        nat=nat_config,
+        dht=DHTConfig(mode=DHTMode.SERVER if relay else DHTMode.AUTO, bootstrap_timeout=10.0),
+        exchange_interval=None if relay else 1.0,
+    )
+
+
+@asynccontextmanager
+async def open_peers(n: int) -> AsyncIterator[list[Peer]]:
+    """A relay/bootstrap :class:`Peer` and ``n`` peers that joined through it, all on loopback."""
+    async with AsyncExitStack() as stack:
+        relay = await stack.enter_async_context(Peer.open(loopback_peer_config(relay=True)))
+        boot = [str(relay.addrs[0])]
+        peers = [await stack.enter_async_context(Peer.open(loopback_peer_config(initial_peers=boot))) for _ in range(n)]
+        yield [relay, *peers]

@@ -1,0 +1,92 @@
+"""The NAT layer's decisions, without a node: reachability, mapping class, mode, relay admission."""
+
+from __future__ import annotations
+
+from libp2p.peer.id import ID
+from multiaddr import Multiaddr
+
+from nat.proto import circuit_pb2 as pb
+from nat.reachability import AddressVerdicts, MappingKind, NatMode, classify_mapping, judge_reachability, select_mode
+from nat.relay import RelayAdmission, RelayConfig, Refusal
+from p2p.addresses import reachable_tcp
+from p2p.hooks import Reachability
+from p2p.identity import new_identity, peer_id_of
+
+A = Multiaddr("/ip4/93.184.216.34/tcp/4001")  # data only: no packet is sent (TEST-NET ranges do not count as public)
+B = Multiaddr("/ip4/93.184.216.34/tcp/5555")
+
+
+def peers(n: int) -> list[ID]:
+    return [peer_id_of(new_identity()) for _ in range(n)]
+
+
+def public(addr: Multiaddr) -> bool:
+    return reachable_tcp(addr)
+
+
+def test_one_confirmation_makes_us_public_and_refutation_needs_enough_servers() -> None:
+    s1, s2, s3 = peers(3)
+    v = AddressVerdicts()
+    v.record(A, s1, False)
+    assert judge_reachability(Reachability.UNKNOWN, v, [A], servers=3, min_failures=3) == Reachability.UNKNOWN
+    assert v.refuted(3) == []
+    v.record(A, s2, False)
+    v.record(A, s3, None)  # could not tell: counts for neither side
+    assert judge_reachability(Reachability.UNKNOWN, v, [A], servers=3, min_failures=3) == Reachability.UNKNOWN
+    # With only two servers, two failures are all we can have: private.
+    assert judge_reachability(Reachability.UNKNOWN, v, [A], servers=2, min_failures=3) == Reachability.PRIVATE
+    v.record(B, s1, True)
+    assert v.confirmed() == [B]
+    assert judge_reachability(Reachability.PRIVATE, v, [A, B], servers=3, min_failures=3) == Reachability.PUBLIC
+    assert v.asked(A, s1) and v.asked(B, s1) and not v.asked(B, s2)
+
+
+def test_no_servers_changes_nothing_and_no_candidates_means_private() -> None:
+    v = AddressVerdicts()
+    assert judge_reachability(Reachability.UNKNOWN, v, [A], servers=0, min_failures=3) == Reachability.UNKNOWN
+    assert judge_reachability(Reachability.UNKNOWN, v, [], servers=2, min_failures=3) == Reachability.PRIVATE
+
+
+def test_mapping_classification() -> None:
+    p1, p2 = peers(2)
+    own = [Multiaddr("/ip4/192.168.1.2/tcp/4001")]
+    assert classify_mapping({}, own, {4001}, public) is None
+    assert classify_mapping({p1: A}, own, {4001}, public) == MappingKind.UNKNOWN  # one observer says little
+    assert classify_mapping({p1: A, p2: A}, own, {4001}, public) == MappingKind.INDEPENDENT_PRESERVED
+    assert classify_mapping({p1: B, p2: B}, own, {4001}, public) == MappingKind.INDEPENDENT_CHANGED
+    assert classify_mapping({p1: A, p2: B}, own, {4001}, public) == MappingKind.DEPENDENT
+    assert classify_mapping({p1: A}, [A], {4001}, public) == MappingKind.NONE
+    private_view = Multiaddr("/ip4/10.0.0.9/tcp/4001")
+    assert classify_mapping({p1: private_view}, own, {4001}, public) is None
+
+
+def test_mode_selection() -> None:
+    (relay,) = peers(1)
+    assert select_mode(Reachability.UNKNOWN, [], [], relays_tried=True) is None
+    assert select_mode(Reachability.PUBLIC, [A], [relay], relays_tried=False) == (NatMode.PUBLIC, f"reachable at {A}")
+    assert select_mode(Reachability.PRIVATE, [], [relay], relays_tried=True)[0] == NatMode.RELAYED  # type: ignore[index]
+    assert select_mode(Reachability.PRIVATE, [], [], relays_tried=False) is None  # not before a relay pass
+    assert select_mode(Reachability.PRIVATE, [], [], relays_tried=True)[0] == NatMode.CLIENT  # type: ignore[index]
+
+
+def test_relay_admission_limits_and_expiry() -> None:
+    a, b, c, d = peers(4)
+    admission = RelayAdmission(RelayConfig(max_reservations=3, max_reservations_per_ip=2, reservation_ttl=60,
+                                           max_circuits=2, max_circuits_per_peer=1))
+    assert admission.reserve(a, "198.51.100.1", now=1000.0) == 1060
+    assert admission.reserve(b, "198.51.100.1", now=1000.0) == 1060
+    assert admission.reserve(c, "198.51.100.1", now=1000.0) == Refusal(pb.RESERVATION_REFUSED, "too many reservations from one IP")
+    assert admission.reserve(a, "198.51.100.1", now=1010.0) == 1070  # a refresh is never refused
+    assert admission.reserve(c, "198.51.100.2", now=1010.0) == 1070
+    assert admission.reserve(d, "198.51.100.3", now=1010.0) == Refusal(pb.RESERVATION_REFUSED, "too many reservations")
+    assert admission.open_circuit(d, a) is None
+    assert admission.open_circuit(c, a) == Refusal(pb.RESOURCE_LIMIT_EXCEEDED, "too many circuits for a peer")
+    assert admission.open_circuit(d, d) == Refusal(pb.NO_RESERVATION, "no reservation")
+    assert admission.open_circuit(c, b) is None
+    assert admission.open_circuit(b, c) == Refusal(pb.RESOURCE_LIMIT_EXCEEDED, "too many circuits")
+    admission.close_circuit(d, a)
+    admission.close_circuit(c, b)
+    assert admission.circuit_count == 0 and not admission.circuits
+    # Expired slots and slots of disconnected peers go at the next sweep.
+    admission.sweep(1065.0, connected=lambda p: p != c)
+    assert set(admission.slots) == {a}
