@@ -155,3 +155,19 @@ def test_demo_forms_a_swarm_and_exits_by_itself():
     assert result.returncode == 0, result.stdout + result.stderr
     assert "swarm formed: 4 nodes" in result.stdout
     assert "Traceback" not in result.stderr
+
+
+DOWN = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWD7w9XoYTBGTFwXAiNNnuxDAU68CEkFQQRQYd88ecAFCb"
+
+
+def test_ping_to_a_peer_that_is_down_says_the_dial_failed():
+    result = run("ping", DOWN, "-c", "1", "--timeout", "3")
+    assert result.returncode == 1
+    assert "could not connect to 12D3KooWD7w9" in result.stderr and "127.0.0.1:9" in result.stderr
+    assert "cannot listen" not in result.stderr  # the listen worked; the dial did not
+
+
+def test_dht_store_refuses_a_ttl_that_is_not_positive():
+    for ttl in ("-5", "0", "nan"):
+        result = run("dht", "store", "k", "v", "--ttl", ttl, "--initial-peers", DOWN)
+        assert result.returncode == 2 and "--ttl: must be a positive number of seconds" in result.stderr

@@ -48,10 +48,23 @@ def addr_of(node: Node) -> str:
     return str(node.addrs[0])
 
 
+class WallClock:
+    """A wall clock that tests move forward (the swarm's expirations are compared with it): no sleeping."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.time() + self.offset
+
+    def advance(self, seconds: float) -> None:
+        self.offset += seconds
+
+
 @asynccontextmanager
 async def swarm(n: int, *, first: DHT | None = None, modes: list[str] | None = None,
-                **config: Any) -> AsyncIterator[list[DHT]]:
-    """``n`` DHT peers, each joining through the first (or through ``first``)."""
+                clock: WallClock | None = None, **config: Any) -> AsyncIterator[list[DHT]]:
+    """``n`` DHT peers, each joining through the first (or through ``first``), sharing ``clock`` if given."""
     async with AsyncExitStack() as stack:
         dhts: list[DHT] = []
         for i in range(n):
@@ -60,7 +73,7 @@ async def swarm(n: int, *, first: DHT | None = None, modes: list[str] | None = N
             node = await stack.enter_async_context(Node.open(node_config))
             mode = modes[i] if modes else "server"
             dht_config = DHTConfig(mode=mode, **config)  # type: ignore[arg-type]
-            dhts.append(await stack.enter_async_context(DHT.open(node, dht_config)))
+            dhts.append(await stack.enter_async_context(DHT.open(node, dht_config, clock=clock or time.time)))
         yield dhts
 
 
@@ -93,7 +106,8 @@ async def test_values_live_on_the_replicas_closest_to_their_key() -> None:
 
 
 async def test_newer_expiration_wins_and_expired_values_vanish() -> None:
-    async with swarm(5) as dhts:
+    clock = WallClock()
+    async with swarm(5, clock=clock) as dhts:
         assert await dhts[0].store("k", b"long", later(100))
         assert not await dhts[1].store("k", b"older", later(50))  # not newer: refused everywhere
         found = await dhts[2].get("k", latest=True)
@@ -102,8 +116,9 @@ async def test_newer_expiration_wins_and_expired_values_vanish() -> None:
         found = await dhts[4].get("k", latest=True)
         assert found is not None and found.value == b"newest"
 
-        assert await dhts[0].store("short", b"v", time.time() + 1.0)
-        await trio.sleep(1.2)
+        assert await dhts[0].store("short", b"v", clock() + 1.0)
+        assert (await dhts[1].get("short", latest=True)) is not None
+        clock.advance(1.2)  # every peer's wall clock, at once: no sleeping
         for dht in dhts:
             assert await dht.get("short", latest=True) is None
 
