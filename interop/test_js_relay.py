@@ -250,7 +250,7 @@ async def test_js_relay_loopback(js_relay_available: None) -> None:
                 stream = await b.new_stream(a.peer_id, SINK)
                 assert any("p2p-circuit" in str(x) for x in stream.muxed_conn.get_transport_addresses())
                 assert await push_checked(stream, payload)
-            assert client_a.metrics["relayed_in"] == 1 and client_b.metrics["relayed_out"] == 1
+            assert client_a.metrics()["relayed_in"] == 1 and client_b.metrics()["relayed_out"] == 1
             stats = await relay.stats()
             assert str(a.peer_id) in {r["peer_id"] for r in stats["reservations"]}
 
