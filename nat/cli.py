@@ -29,7 +29,6 @@ from p2p.dialer import remote_addr
 from p2p.node import Node
 from p2p.rpc import CallContext, RemoteError
 
-from .autorelay import AutoRelayConfig
 from .events import NatStatus
 from .peer import PEER_LISTEN, RELAY_LISTEN, Peer, PeerConfig
 from .port_mapping import PortMappingConfig
@@ -93,8 +92,6 @@ def peer_config(args: argparse.Namespace, *, relay: bool) -> PeerConfig:
     config.nat.allow_private = args.allow_private
     if args.no_port_mapping:
         config.nat.port_mapping = PortMappingConfig(enabled=False)
-    if relay:
-        config.nat.autorelay = AutoRelayConfig(enabled=False)
     return config
 
 
