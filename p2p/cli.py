@@ -25,7 +25,7 @@ import trio
 
 from . import events as ev
 from .config import NodeConfig
-from .dht import DHT, DHTConfig
+from .dht import DHT, DHTConfig, DHTMode
 from .errors import DedlocError
 from .identity import default_identity_path, load_or_create_identity, peer_id_of
 from .node import Node
@@ -123,7 +123,7 @@ async def cmd_dht(args: argparse.Namespace, out: Output) -> int:
     config = NodeConfig(listen=args.listen or ["/ip4/0.0.0.0/tcp/0"], initial_peers=args.initial_peers,
                         dial_timeout=args.timeout, bootstrap_timeout=args.timeout)
     async with Node.open(config) as node:
-        async with DHT.open(node, DHTConfig(mode="client", bootstrap_timeout=args.timeout)) as dht:
+        async with DHT.open(node, DHTConfig(mode=DHTMode.CLIENT, bootstrap_timeout=args.timeout)) as dht:
             if args.dht_command == "store":
                 expiration = time.time() + args.ttl
                 ok = await dht.store(args.key, args.value.encode(), expiration, subkey=args.subkey, timeout=args.timeout)

@@ -310,7 +310,7 @@ class Node:
             source=self.listen_source if from_listen_port else None,
         )
         self.add_addrs(peer_id, [used])
-        self.emit(ev.PeerConnected(peer_id=str(peer_id), addr=str(used), elapsed=time.perf_counter() - started))
+        self.emit(ev.PeerConnected(peer_id=peer_id, addr=str(used), elapsed=time.perf_counter() - started))
         return peer_id
 
     def known_addrs(self, peer_id: ID) -> list[Multiaddr]:
@@ -459,7 +459,7 @@ class Node:
                 await finish_quietly(stream.close)
         if echo != payload:
             raise DedlocError(f"{peer_id} answered ping with other bytes")
-        self.emit(ev.Ping(peer_id=str(peer_id), rtt_ms=rtt * 1e3))
+        self.emit(ev.Ping(peer_id=peer_id, rtt_ms=rtt * 1e3))
         return rtt
 
     async def identify(self, peer_id: ID, *, timeout: float = 10.0) -> PeerIdentity:

@@ -1,0 +1,25 @@
+"""The four packages pass ``mypy --strict`` (configured in pyproject.toml).
+
+The published API is typed (``py.typed``); a test keeps it so, since CI runs
+the test suite and nothing else.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_packages_pass_mypy_strict(tmp_path: Path) -> None:
+    pytest.importorskip("mypy")
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "cache"),
+         "p2p", "nat", "averaging", "training"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
