@@ -1,0 +1,394 @@
+"""One butterfly all-reduce round over a formed group, streamed and pipelined.
+
+The flat vector is cut into one part per member (:mod:`averaging.partition`,
+fractions from :mod:`averaging.load_balancing`). Each sender opens one
+stream per other reducer with a non-empty part (``PROTOCOL``) and, on it,
+writes its chunks of that part while it reads the averaged chunks back: the
+two directions run at once, so a reducer averages chunk k while chunk k+1
+arrives and chunk k-1 goes back, and every link runs full duplex. A reducer
+returns a chunk's average as soon as every expected sender delivered it
+(:class:`averaging.reduction.PartReduction`), with the set of members whose
+values are in it. Streams always go from the sender to the reducer, so a
+member that cannot be dialled (client mode) only ever sends.
+
+Faults cost only what the faulty member held:
+
+* a sender that fails, stalls for ``stall_timeout`` or breaks the protocol is
+  dropped by the reducer: the chunks it had not delivered are averaged
+  without it (weights renormalised), and each of them says so;
+* a reducer that fails or stalls: its part's remaining chunks keep this
+  peer's own values, and the report names them;
+* nothing waits past the round's ``timeout``.
+
+:class:`RoundReport` tells all of it. ``complete`` is true only if every
+chunk of every part came back averaged over every sender in the group.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import trio
+from libp2p.abc import INetStream
+from libp2p.peer.id import ID
+
+from p2p.node import Node
+from p2p.trio_util import finish_quietly
+
+from .compression import Compression, Region, codec_regions, decode, encode, payload_size
+from .errors import AllreduceProtocolError
+from .group import Group, contributors_bits, contributors_from_bits
+from .partition import Schema, chunk_spans, part_bounds
+from .proto import averaging_pb2 as pb
+from .reduction import ChunkRejected, FinalChunk, PartReduction
+from .wire import FrameReader, frame
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = "/dedloc/allreduce/1.0.0"
+
+
+@dataclass(frozen=True)
+class AllreduceConfig:
+    """How a round moves bytes.
+
+    ``chunk_elements``: values per chunk (128 Ki float32 = 512 KiB), the unit of
+    pipelining. ``compression`` applies to tensors of at least
+    ``min_compress_elements`` values; smaller ones go as float32.
+    ``stall_timeout``: how long a stream may go without progress before its
+    peer is given up on. ``timeout``: the whole round.
+    """
+
+    chunk_elements: int = 128 * 1024
+    compression: Compression = Compression.NONE
+    min_compress_elements: int = 16 * 1024
+    stall_timeout: float = 15.0
+    timeout: float = 120.0
+
+    def validate(self) -> None:
+        if self.chunk_elements <= 0 or self.chunk_elements > (1 << 24):
+            raise ValueError("chunk_elements must be in 1 .. 16 Mi")
+        if not (self.stall_timeout > 0 and self.timeout > 0):
+            raise ValueError("timeouts must be positive")
+
+
+@dataclass
+class PartOutcome:
+    """One part as this peer saw it: who reduced it, what moved, what was left out."""
+
+    part: int
+    reducer: ID
+    elements: int
+    chunks: int
+    averaged_chunks: int = 0
+    #: chunks whose average left out some sender, with the members left out
+    partial_chunks: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    left_out: dict[str, str] = field(default_factory=dict)
+    #: why some chunks kept this peer's own values (empty when all came back)
+    not_averaged: str = ""
+
+    @property
+    def complete(self) -> bool:
+        return self.averaged_chunks == self.chunks and self.partial_chunks == 0
+
+
+@dataclass
+class RoundReport:
+    """What one round did: the group, each part, who was left out, and the time."""
+
+    group_id: bytes
+    members: list[ID]
+    my_index: int
+    fractions: tuple[float, ...]
+    parts: list[PartOutcome]
+    elapsed: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return all(p.complete for p in self.parts)
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(p.bytes_sent for p in self.parts)
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(p.bytes_received for p in self.parts)
+
+    @property
+    def left_out(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for p in self.parts:
+            out.update(p.left_out)
+        return out
+
+    def summary(self) -> str:
+        if self.complete:
+            return f"group of {len(self.members)}: every part averaged over every sender"
+        bad = [f"part {p.part} ({p.reducer}): " + (p.not_averaged or
+               f"{p.partial_chunks} chunks without {', '.join(p.left_out) or 'some senders'}")
+               for p in self.parts if not p.complete]
+        return f"group of {len(self.members)}: partial average: " + "; ".join(bad)
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """The cut every member computes from the group, the schema and the fractions."""
+
+    bounds: tuple[int, ...]
+    spans: tuple[tuple[Region, ...], ...]
+    chunk_elements: int
+
+    @classmethod
+    def make(cls, schema: Schema, fractions: Sequence[float], config: AllreduceConfig) -> RoundPlan:
+        regions = codec_regions(schema.sizes(), config.compression, config.min_compress_elements)
+        bounds = tuple(part_bounds(schema.numel, fractions))
+        spans = tuple(tuple(chunk_spans(bounds[j], bounds[j + 1], config.chunk_elements, regions))
+                      for j in range(len(fractions)))
+        return cls(bounds, spans, config.chunk_elements)
+
+
+class AllreduceRound:
+    """This peer's side of one round: its sends, its reduction, its result."""
+
+    def __init__(self, node: Node, group: Group, plan: RoundPlan, values: torch.Tensor | None,
+                 weight: float, config: AllreduceConfig, fractions: tuple[float, ...]) -> None:
+        self.node = node
+        self.group = group
+        self.plan = plan
+        self.config = config
+        self.me = group.my_index
+        sends = group.me.role.sends
+        if sends and values is None:
+            raise ValueError("a sending member needs values")
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ValueError(f"weight must be finite and >= 0, not {weight}")
+        self.weight = weight
+        self.values = values
+        self.output = values.clone() if values is not None else None
+        self.report = RoundReport(group.group_id, [m.peer_id for m in group.members], self.me, fractions, [])
+        self.outcomes: dict[int, PartOutcome] = {}
+        for j, member in enumerate(group.members):
+            spans = plan.spans[j]
+            if spans and (sends or j == self.me):
+                self.outcomes[j] = PartOutcome(j, member.peer_id, plan.bounds[j + 1] - plan.bounds[j], len(spans))
+        self.reduction: PartReduction | None = None
+        self._channels: dict[int, trio.MemorySendChannel[tuple[bytes, bytes] | None]] = {}
+        self._receivers: dict[int, trio.MemoryReceiveChannel[tuple[bytes, bytes] | None]] = {}
+        self._served: set[int] = set()
+        mine = plan.spans[self.me]
+        if mine and group.me.role.reduces:
+            senders = [i for i in group.senders()]
+            self.reduction = PartReduction(mine, senders)
+            for s in senders:
+                if s != self.me:
+                    send, receive = trio.open_memory_channel[tuple[bytes, bytes] | None](len(mine) + 1)
+                    self._channels[s] = send
+                    self._receivers[s] = receive
+        self._reduced = trio.Event()
+        if self.reduction is None or not self.reduction.expected:
+            self._reduced.set()
+
+    # ------------------------------------------------------------------ running
+
+    async def run(self) -> RoundReport:
+        """Send, reduce and collect until done or the round's timeout; never raises for a peer's fault."""
+        started = time.perf_counter()
+        with trio.move_on_after(self.config.timeout) as scope:
+            async with trio.open_nursery() as nursery:
+                if self.reduction is not None and self.me in self.reduction.expected:
+                    self._add_own()
+                for j in self.outcomes:
+                    if j != self.me:
+                        nursery.start_soon(self._exchange, j)
+                await self._reduced.wait()
+        if scope.cancelled_caught:
+            self.report.notes.append(f"round timed out after {self.config.timeout:.0f} s")
+            if self.reduction is not None and not self.reduction.done:
+                self._finish_reduction_on_timeout()
+        for j, outcome in self.outcomes.items():
+            if outcome.averaged_chunks < outcome.chunks and not outcome.not_averaged:
+                outcome.not_averaged = f"{outcome.chunks - outcome.averaged_chunks} chunks not returned in time"
+        for channel in self._channels.values():
+            channel.close()
+        self.report.parts = [self.outcomes[j] for j in sorted(self.outcomes)]
+        self.report.elapsed = time.perf_counter() - started
+        return self.report
+
+    def _finish_reduction_on_timeout(self) -> None:
+        assert self.reduction is not None
+        for s in sorted(self.reduction.expected):
+            self._dispatch(self.reduction.drop(s, "no chunks before the round's timeout"))
+
+    def _add_own(self) -> None:
+        assert self.reduction is not None and self.values is not None
+        self.reduction.set_weight(self.me, self.weight)
+        for k, span in enumerate(self.plan.spans[self.me]):
+            # The reducer's own values go through the codec too, so every
+            # sender's contribution is rounded alike.
+            values = decode(encode(self.values[span.start:span.end], span.codec), span.codec, span.end - span.start)
+            self._dispatch(self.reduction.add(self.me, k, values))
+
+    # ------------------------------------------------------------------ reducer side
+
+    def _dispatch(self, finals: list[FinalChunk]) -> None:
+        assert self.reduction is not None
+        size = self.group.size
+        spans = self.plan.spans[self.me]
+        for final in finals:
+            span = spans[final.index]
+            payload = b"" if final.values is None else encode(final.values, span.codec)
+            head = frame(pb.ChunkHeader(index=final.index, codec=span.codec, nbytes=len(payload),
+                                        contributors=contributors_bits(final.contributors, size),
+                                        note="; ".join(final.notes)[:1000]))
+            for s, channel in self._channels.items():
+                if s in self.reduction.expected or s in self.reduction.weights and s not in self.reduction.dropped:
+                    try:
+                        channel.send_nowait((head, payload))
+                    except (trio.WouldBlock, trio.ClosedResourceError):
+                        pass
+            if self.me in self.outcomes:
+                self._take(self.me, final.index, final.values, final.contributors, final.notes)
+        if self.reduction.done:
+            self._reduced.set()
+            for channel in self._channels.values():
+                try:
+                    channel.send_nowait(None)
+                except (trio.WouldBlock, trio.ClosedResourceError):
+                    pass
+
+    async def serve(self, stream: INetStream, reader: FrameReader, sender: int, header: pb.PartHeader) -> None:
+        """A sender's stream to this reducer, its header already read and matched to this round."""
+        reduction = self.reduction
+        if reduction is None or sender not in self._channels or sender in self._served:
+            raise AllreduceProtocolError(f"member {sender} may not send part {self.me} here (or sent it twice)")
+        self._served.add(sender)
+        mine = self.plan.spans[self.me]
+        try:
+            if (header.part != self.me or header.start != self.plan.bounds[self.me]
+                    or header.end != self.plan.bounds[self.me + 1] or header.chunk_elements != self.plan.chunk_elements):
+                raise AllreduceProtocolError(
+                    f"member {sender} cut the vector otherwise: part {header.part} [{header.start}, {header.end}) "
+                    f"in chunks of {header.chunk_elements}; here part {self.me} is "
+                    f"[{self.plan.bounds[self.me]}, {self.plan.bounds[self.me + 1]}) in chunks of {self.plan.chunk_elements}")
+            reduction.set_weight(sender, header.weight)
+        except AllreduceProtocolError as e:
+            self._dispatch(reduction.drop(sender, str(e)))
+            raise
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._write_back, stream, sender)
+            try:
+                for k, span in enumerate(mine):
+                    with trio.fail_after(self.config.stall_timeout):
+                        chunk = await reader.message(pb.ChunkHeader, f"chunk header from member {sender}")
+                        expected = payload_size(span.codec, span.end - span.start)
+                        if chunk.index != k or chunk.codec != span.codec or chunk.nbytes != expected:
+                            raise ChunkRejected(f"member {sender} sent chunk {chunk.index} ({chunk.nbytes} bytes, "
+                                                f"codec {chunk.codec}); expected chunk {k} ({expected} bytes, "
+                                                f"codec {span.codec})")
+                        payload = await reader.exactly(expected)
+                    values = decode(payload, span.codec, span.end - span.start)
+                    self._dispatch(reduction.add(sender, k, values))
+            except trio.TooSlowError:
+                self._dispatch(reduction.drop(sender, f"stalled for {self.config.stall_timeout:.0f} s"))
+                nursery.cancel_scope.cancel()
+                await finish_quietly(stream.reset)
+            except Exception as e:
+                self._dispatch(reduction.drop(sender, f"{type(e).__name__}: {e}"))
+                nursery.cancel_scope.cancel()
+                await finish_quietly(stream.reset)
+                if not isinstance(e, (AllreduceProtocolError, OSError, EOFError)):
+                    log.info("stream from member %d failed: %r", sender, e)
+
+    async def _write_back(self, stream: INetStream, sender: int) -> None:
+        receive = self._receivers[sender]
+        async for item in receive:
+            if item is None:
+                break
+            head, payload = item
+            await stream.write(head + payload if len(payload) < 65536 else head)
+            if len(payload) >= 65536:
+                await stream.write(payload)
+        await finish_quietly(stream.close, timeout=self.config.stall_timeout)
+
+    # ------------------------------------------------------------------ sender side
+
+    def _take(self, part: int, index: int, values: torch.Tensor | None, contributors: frozenset[int],
+              notes: Sequence[str]) -> None:
+        outcome = self.outcomes[part]
+        span = self.plan.spans[part][index]
+        if values is not None and self.output is not None:
+            self.output[span.start:span.end] = values
+        if values is not None:
+            outcome.averaged_chunks += 1
+        missing = [i for i in self.group.senders() if i not in contributors]
+        if missing:
+            outcome.partial_chunks += 1
+            for i in missing:
+                reason = next((n for n in notes if n.startswith(f"member {i}")), "left out")
+                outcome.left_out.setdefault(self.group.members[i].peer_id.to_base58(), reason)
+
+    async def _exchange(self, part: int) -> None:
+        """Send part ``part`` to its reducer and read its average back, both at once."""
+        outcome = self.outcomes[part]
+        reducer = self.group.members[part]
+        spans = self.plan.spans[part]
+        got = 0
+        try:
+            with trio.fail_after(self.config.stall_timeout):
+                self.node.add_addrs(reducer.peer_id, list(reducer.addrs))
+                stream = await self.node.new_stream(reducer.peer_id, PROTOCOL)
+        except Exception as e:
+            outcome.not_averaged = f"could not reach the reducer: {type(e).__name__}: {e}"
+            return
+        reader = FrameReader(stream)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._send_chunks, stream, part, outcome)
+                for k, span in enumerate(spans):
+                    with trio.fail_after(self.config.stall_timeout):
+                        head = await reader.message(pb.ChunkHeader, "averaged chunk header")
+                        contributors = contributors_from_bits(bytes(head.contributors), self.group.size)
+                        expected = payload_size(span.codec, span.end - span.start) if contributors else 0
+                        if head.index != k or head.nbytes != expected or head.codec != span.codec:
+                            raise AllreduceProtocolError(
+                                f"the reducer returned chunk {head.index} ({head.nbytes} bytes); "
+                                f"expected chunk {k} ({expected} bytes)")
+                        payload = await reader.exactly(expected)
+                    values = decode(payload, span.codec, span.end - span.start) if contributors else None
+                    notes = [head.note] if head.note else []
+                    if values is not None and not bool(torch.isfinite(values).all()):
+                        raise AllreduceProtocolError("the reducer returned non-finite values")
+                    self._take(part, k, values, contributors, notes[0].split("; ") if notes else [])
+                    got += 1
+        except trio.TooSlowError:
+            outcome.not_averaged = (f"chunks {got}..{len(spans) - 1} kept own values: the reducer stalled for "
+                                    f"{self.config.stall_timeout:.0f} s")
+            await finish_quietly(stream.reset)
+        except Exception as e:
+            outcome.not_averaged = f"chunks {got}..{len(spans) - 1} kept own values: {type(e).__name__}: {e}"
+            await finish_quietly(stream.reset)
+        else:
+            await finish_quietly(stream.close)
+        outcome.bytes_received = reader.bytes_read
+
+    async def _send_chunks(self, stream: INetStream, part: int, outcome: PartOutcome) -> None:
+        assert self.values is not None
+        bounds = self.plan.bounds
+        await stream.write(frame(pb.PartHeader(group_id=self.group.group_id, part=part, start=bounds[part],
+                                               end=bounds[part + 1], weight=self.weight,
+                                               chunk_elements=self.plan.chunk_elements)))
+        for k, span in enumerate(self.plan.spans[part]):
+            payload = encode(self.values[span.start:span.end], span.codec)
+            head = frame(pb.ChunkHeader(index=k, codec=span.codec, nbytes=len(payload)))
+            await stream.write(head)
+            await stream.write(payload)
+            outcome.bytes_sent += len(head) + len(payload)

@@ -1,0 +1,233 @@
+"""The averager: ``await averager.step(tensors, weight)`` averages them with a group of peers.
+
+It takes the composed network object (:class:`nat.Peer`), as hivemind's
+averager takes its DHT::
+
+    async with Peer.open(PeerConfig.peer(initial_peers)) as peer:
+        async with Averager.open(peer, AveragerConfig(prefix="my-run")) as averager:
+            report = await averager.step([grad_a, grad_b], weight=samples)
+
+One step: matchmaking (:mod:`averaging.matchmaking`) gives a group; every
+member solves the same load-balancing LP over the members' declared
+capacities (or splits equally); the butterfly round
+(:mod:`averaging.allreduce`) averages; the result is written back into the
+caller's tensors, and the :class:`~averaging.allreduce.RoundReport` says
+whether every part of it came back whole. With ``strict=True`` (the
+default) a partial round raises :class:`PartialAverageError` and leaves the
+tensors as they were; with ``strict=False`` the partly averaged values are
+written and the report says which parts kept the caller's own values.
+
+The role comes from the network layer: a publicly reachable peer sends and
+reduces; a peer reachable only through a relay, or not at all (client mode),
+sends but never reduces (unless ``relayed_reduces``); an auxiliary peer
+(``auxiliary=True``) has no tensors and only reduces.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import torch
+import trio
+from libp2p.abc import INetStream
+
+from nat import Peer
+from p2p.hooks import Reachability
+from p2p.trio_util import finish_quietly
+
+from .allreduce import PROTOCOL, AllreduceConfig, AllreduceRound, RoundPlan, RoundReport
+from .errors import AllreduceProtocolError, AveragingError, PartialAverageError
+from .group import Group, Member, Role
+from .load_balancing import Balance, balance, equal_fractions
+from .matchmaking import Matchmaker, MatchmakingConfig
+from .partition import Schema, flatten, unflatten_into
+from .proto import averaging_pb2 as pb
+from .wire import FrameReader
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AveragerConfig:
+    """One run's averaging settings; every peer of the run must use the same ``allreduce`` ones.
+
+    ``upload``/``download`` (bytes/s) and ``compute`` (samples/s) are what this
+    peer declares for load balancing; 0 means unknown. ``adaptive``: solve
+    DeDLOC's LP for the split (else equal parts among reducers).
+    """
+
+    prefix: str = "dedloc"
+    matchmaking: MatchmakingConfig = field(default_factory=MatchmakingConfig)
+    allreduce: AllreduceConfig = field(default_factory=AllreduceConfig)
+    auxiliary: bool = False
+    relayed_reduces: bool = False
+    adaptive: bool = True
+    upload: float = 0.0
+    download: float = 0.0
+    compute: float = 0.0
+    #: how long a reducer waits for its own copy of a group a sender already streams into
+    join_wait: float = 10.0
+
+    def validate(self) -> None:
+        if not self.prefix or len(self.prefix) > 128:
+            raise ValueError("prefix must be 1..128 characters")
+        self.matchmaking.validate()
+        self.allreduce.validate()
+        for name in ("upload", "download", "compute"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be finite and >= 0")
+
+
+class Averager:
+    """Group all-reduce for one run prefix on one :class:`nat.Peer`. Open it with :meth:`open`."""
+
+    def __init__(self, peer: Peer, config: AveragerConfig) -> None:
+        self.peer = peer
+        self.config = config
+        self.matchmaker = Matchmaker(peer, config.prefix, config.matchmaking)
+        self._rounds: dict[bytes, AllreduceRound] = {}
+        self._round_started: dict[bytes, trio.Event] = {}
+        self.last_balance: Balance | None = None
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, peer: Peer, config: AveragerConfig | None = None) -> AsyncIterator[Averager]:
+        config = config or AveragerConfig()
+        config.validate()
+        averager = cls(peer, config)
+        undo = averager.matchmaker.install()
+        registration = peer.node.set_stream_handler(PROTOCOL, averager._on_stream)
+        try:
+            yield averager
+        finally:
+            registration.remove()
+            undo()
+
+    # ------------------------------------------------------------------ role
+
+    def role(self) -> tuple[Role, bool]:
+        """This peer's role now, and whether it accepts joins (others can dial it)."""
+        node = self.peer.node
+        external = node.external
+        if self.config.auxiliary:
+            role = Role.AUXILIARY
+        elif not external.judged or external.reachability is Reachability.PUBLIC:
+            role = Role.FULL
+        elif external.relayed and self.config.relayed_reduces:
+            role = Role.FULL
+        else:
+            role = Role.SENDER
+        reachable = (not external.judged or external.reachability is Reachability.PUBLIC
+                     or bool(external.relayed))
+        if role is Role.AUXILIARY and not reachable:
+            raise AveragingError("an auxiliary peer must be reachable (public or relayed) to reduce")
+        return role, reachable and bool(node.addrs)
+
+    # ------------------------------------------------------------------ one step
+
+    async def step(self, tensors: Sequence[torch.Tensor], weight: float = 1.0, *,
+                   strict: bool = True) -> RoundReport:
+        """Average ``tensors`` in place with a group; the report of the round.
+
+        Raises :class:`~averaging.errors.MatchmakingError` when no group formed
+        in time and :class:`PartialAverageError` (``strict``) when the round
+        was partial; in both cases ``tensors`` are untouched. Non-finite
+        values in ``tensors`` raise ValueError before anything is sent.
+        """
+        schema = Schema.of(tensors)
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ValueError(f"weight must be finite and >= 0, not {weight}")
+        role, accepts_joins = self.role()
+        flat = None
+        if role.sends:
+            flat = flatten(tensors)
+            if not bool(torch.isfinite(flat).all()):
+                raise ValueError("the tensors hold NaN or Inf; refusing to average them")
+        me = Member(self.peer.peer_id, tuple(self.peer.addrs), role, self._match_key(schema),
+                    self.config.upload, self.config.download, self.config.compute, accepts_joins)
+        group = await self.matchmaker.form_group(me)
+        report, output = await self._run(group, schema, flat, weight)
+        if output is not None and (report.complete or not strict):
+            unflatten_into(output, tensors)
+        if not report.complete:
+            log.warning("averaging round %s: %s", report.group_id.hex()[:8], report.summary())
+            if strict:
+                raise PartialAverageError(report.summary(), report)
+        return report
+
+    async def _run(self, group: Group, schema: Schema, flat: torch.Tensor | None,
+                   weight: float) -> tuple[RoundReport, torch.Tensor | None]:
+        fractions = self.fractions(group, schema)
+        plan = RoundPlan.make(schema, fractions, self.config.allreduce)
+        round_ = AllreduceRound(self.peer.node, group, plan, flat, weight, self.config.allreduce, fractions)
+        self._rounds[group.group_id] = round_
+        self._round_started.setdefault(group.group_id, trio.Event()).set()
+        try:
+            report = await round_.run()
+        finally:
+            self._rounds.pop(group.group_id, None)
+            self._round_started.pop(group.group_id, None)
+        if self.last_balance is not None:
+            report.notes.append(f"load balancing solved in {self.last_balance.solve_seconds * 1e3:.1f} ms")
+        return report, round_.output
+
+    def fractions(self, group: Group, schema: Schema) -> tuple[float, ...]:
+        """The split of the vector among the members: the LP's, or equal among reducers."""
+        capacities = [m.capacity for m in group.members]
+        if not self.config.adaptive:
+            self.last_balance = None
+            return equal_fractions(capacities)
+        started = time.perf_counter()
+        try:
+            self.last_balance = balance(capacities, schema.numel * 4)
+        except ValueError as e:
+            log.warning("load balancing failed (%s); splitting equally", e)
+            self.last_balance = None
+            return equal_fractions(capacities)
+        log.debug("LP solved in %.1f ms", (time.perf_counter() - started) * 1e3)
+        return self.last_balance.fractions
+
+    def _match_key(self, schema: Schema) -> bytes:
+        """Peers match only with the same tensors and the same round settings."""
+        c = self.config.allreduce
+        settings = f"{c.chunk_elements}/{c.compression}/{c.min_compress_elements}/{self.config.adaptive}".encode()
+        return hashlib.sha256(schema.fingerprint() + settings).digest()[:16]
+
+    # ------------------------------------------------------------------ reducer side
+
+    async def _on_stream(self, stream: INetStream) -> None:
+        reader = FrameReader(stream)
+        sender_id = stream.muxed_conn.peer_id
+        try:
+            with trio.fail_after(self.config.join_wait):
+                header = await reader.message(pb.PartHeader, "part header")
+                group_id = bytes(header.group_id)
+                if group_id not in self._rounds:
+                    started = self._round_started.setdefault(group_id, trio.Event())
+                    try:
+                        await started.wait()
+                    finally:
+                        if not started.is_set():
+                            self._round_started.pop(group_id, None)
+        except (trio.TooSlowError, AllreduceProtocolError, OSError, EOFError) as e:
+            log.info("refused an all-reduce stream from %s: %s", sender_id, e)
+            await finish_quietly(stream.reset)
+            return
+        round_ = self._rounds.get(group_id)
+        sender = None if round_ is None else round_.group.index_of(sender_id)
+        if round_ is None or sender is None:
+            log.warning("refused an all-reduce stream from %s: not a member of group %s", sender_id, group_id.hex()[:8])
+            await finish_quietly(stream.reset)
+            return
+        try:
+            await round_.serve(stream, reader, sender, header)
+        except AllreduceProtocolError as e:
+            log.warning("member %s broke the all-reduce protocol: %s", sender_id, e)
+            await finish_quietly(stream.reset)

@@ -1,0 +1,119 @@
+"""Chunk codecs for the all-reduce: float32, float16, 8-bit blockwise quantization.
+
+Each chunk on the wire says its codec, and its payload size follows from the
+codec and the chunk's element count alone, so a receiver knows exactly how
+many bytes to expect before reading any (and refuses anything else).
+
+The codec is chosen per tensor (:func:`codec_regions`): tensors smaller than
+``min_elements`` stay float32, since their bytes do not matter and their
+precision (biases, norms) often does. Chunks never straddle two regions.
+
+8-bit blockwise: per block of ``UINT8_BLOCK`` values a float32 offset and
+scale, then one byte per value: ``code = round((x - lo) / scale)``, so the
+error of any value is at most ``scale / 2 = (hi - lo) / 510`` of its block.
+float16 saturates at +-65504 rather than turning large values into inf.
+
+PowerSGD (low-rank gradients with error feedback) is not a chunk codec: it
+changes what is averaged, and lives beside the averager.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+
+from .proto import averaging_pb2 as pb
+
+UINT8_BLOCK = 1024
+FLOAT16_MAX = 65504.0
+
+
+class Compression(StrEnum):
+    NONE = "none"
+    FLOAT16 = "float16"
+    UINT8 = "uint8"
+
+
+_WIRE = {Compression.NONE: pb.CODEC_FLOAT32, Compression.FLOAT16: pb.CODEC_FLOAT16,
+         Compression.UINT8: pb.CODEC_UINT8}
+WIRE_CODECS = frozenset(_WIRE.values())
+
+
+def wire_codec(compression: Compression) -> pb.Codec.ValueType:
+    return _WIRE[compression]
+
+
+def payload_size(codec: pb.Codec.ValueType, elements: int) -> int:
+    """Bytes of a chunk of ``elements`` values under ``codec``."""
+    if codec == pb.CODEC_FLOAT32:
+        return 4 * elements
+    if codec == pb.CODEC_FLOAT16:
+        return 2 * elements
+    if codec == pb.CODEC_UINT8:
+        return elements + 8 * -(-elements // UINT8_BLOCK)
+    raise ValueError(f"unknown codec {codec}")
+
+
+def encode(values: torch.Tensor, codec: pb.Codec.ValueType) -> bytes:
+    """The payload of a chunk: ``values`` is a 1-D float32 CPU tensor."""
+    if codec == pb.CODEC_FLOAT32:
+        return values.contiguous().numpy().tobytes()
+    if codec == pb.CODEC_FLOAT16:
+        return values.clamp(-FLOAT16_MAX, FLOAT16_MAX).to(torch.float16).numpy().tobytes()
+    if codec == pb.CODEC_UINT8:
+        n = values.numel()
+        blocks = -(-n // UINT8_BLOCK)
+        padded = torch.nn.functional.pad(values, (0, blocks * UINT8_BLOCK - n)).view(blocks, UINT8_BLOCK)
+        if blocks * UINT8_BLOCK != n:  # padding must not widen the last block's range
+            last = values[(blocks - 1) * UINT8_BLOCK:]
+            padded[-1, n - (blocks - 1) * UINT8_BLOCK:] = last[0]
+        lo = padded.min(dim=1).values
+        scale = (padded.max(dim=1).values - lo) / 255.0
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = ((padded - lo[:, None]) / scale[:, None]).round_().clamp_(0, 255).to(torch.uint8)
+        head = torch.stack([lo, scale], dim=1).contiguous().numpy().tobytes()
+        return head + codes.reshape(-1)[:n].numpy().tobytes()
+    raise ValueError(f"unknown codec {codec}")
+
+
+def decode(payload: bytes | bytearray | memoryview, codec: pb.Codec.ValueType, elements: int) -> torch.Tensor:
+    """float32 values of a chunk; ``payload`` must be :func:`payload_size` bytes."""
+    if len(payload) != payload_size(codec, elements):
+        raise ValueError(f"payload of {len(payload)} bytes for {elements} values of codec {codec}")
+    if codec == pb.CODEC_FLOAT32:
+        return torch.frombuffer(bytearray(payload), dtype=torch.float32)
+    if codec == pb.CODEC_FLOAT16:
+        return torch.frombuffer(bytearray(payload), dtype=torch.float16).to(torch.float32)
+    if codec == pb.CODEC_UINT8:
+        blocks = -(-elements // UINT8_BLOCK)
+        head = torch.frombuffer(bytearray(payload[:8 * blocks]), dtype=torch.float32).view(blocks, 2)
+        codes = torch.frombuffer(bytearray(payload[8 * blocks:]), dtype=torch.uint8).to(torch.float32)
+        padded = torch.nn.functional.pad(codes, (0, blocks * UINT8_BLOCK - elements)).view(blocks, UINT8_BLOCK)
+        return (padded * head[:, 1:2] + head[:, 0:1]).reshape(-1)[:elements]
+    raise ValueError(f"unknown codec {codec}")
+
+
+@dataclass(frozen=True)
+class Region:
+    """Elements ``[start, end)`` of the flat vector, sent with ``codec``."""
+
+    start: int
+    end: int
+    codec: pb.Codec.ValueType
+
+
+def codec_regions(sizes: Sequence[int], compression: Compression, min_elements: int) -> list[Region]:
+    """Per-tensor codecs over the flat vector, neighbours with one codec merged."""
+    regions: list[Region] = []
+    offset = 0
+    for n in sizes:
+        codec = wire_codec(compression if n >= min_elements else Compression.NONE)
+        if regions and regions[-1].codec == codec:
+            regions[-1] = Region(regions[-1].start, offset + n, codec)
+        elif n:
+            regions.append(Region(offset, offset + n, codec))
+        offset += n
+    return regions

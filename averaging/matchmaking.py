@@ -1,0 +1,277 @@
+"""Group formation over the DHT: declare, pick the leader everyone picks, join it.
+
+Every peer that wants to average under a run prefix stores a
+:class:`~averaging.group.Member` declaration in the DHT under
+``<prefix>.matchmaking``, in a subkey only it may write (signed), expiring
+with its matchmaking deadline. Then, until the deadline:
+
+1. it reads all live declarations with its own match key (tensor schema and
+   round settings); peers that declared something else are never matched;
+2. it picks the leader: among the declared peers that accept joins (others
+   can dial them), the one with the lowest (tier, peer id), public peers
+   before relayed ones, skipping those that turned it away this time;
+3. if that is itself, it leads: it accepts joins (the ``avg.join`` RPC) until
+   the group has ``target_size`` members, or has ``min_size`` and
+   ``gather_time`` passed; then it fixes the group (members sorted by peer id,
+   a random group id) and answers every waiting join with it;
+4. otherwise it asks the leader to join and waits for the group (or a
+   redirect to another leader, or a refusal, after which it looks again).
+
+A group needs at least one member that may reduce; a leader waits for one.
+
+Peers that see the same declarations pick the same leader; when views differ
+for a moment, a leader that learns of a better one hands its followers over
+(REDIRECT). Only the members in the group take part in the round: a reducer
+refuses streams from anyone else. A client-mode peer never leads; if nobody
+that accepts joins is there, matchmaking ends with a clear error at the
+deadline. The caller's tensors are never touched here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import trio
+from libp2p.peer.id import ID
+
+from nat import Peer
+from p2p.dht import owned
+from p2p.errors import DedlocError
+from p2p.rpc import CallContext
+
+from .errors import AllreduceProtocolError, MatchmakingError
+from .group import Group, Member
+from .proto import averaging_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+JOIN_METHOD = "avg.join"
+
+
+@dataclass(frozen=True)
+class MatchmakingConfig:
+    """``target_size``: members wanted; ``min_size``: fewest to start with;
+    ``gather_time``: how long a leader waits for more once ``min_size`` joined;
+    ``timeout``: the matchmaking deadline; ``poll_interval``: how often the
+    DHT is read again while looking for a leader."""
+
+    target_size: int = 16
+    min_size: int = 2
+    gather_time: float = 3.0
+    timeout: float = 30.0
+    poll_interval: float = 0.5
+
+    def validate(self) -> None:
+        if not 1 <= self.min_size <= self.target_size:
+            raise ValueError("need 1 <= min_size <= target_size")
+        if not (self.timeout > 0 and self.gather_time >= 0 and self.poll_interval > 0):
+            raise ValueError("matchmaking times must be positive")
+
+
+def leader_rank(member: Member) -> tuple[int, bytes]:
+    """Lower leads: directly reachable peers before relayed ones, then by peer id."""
+    relayed_only = all("p2p-circuit" in str(a) for a in member.addrs)
+    return (1 if relayed_only else 0, member.peer_id.to_bytes())
+
+
+class _Lead:
+    """What this peer holds while it leads: the followers waiting in ``avg.join``."""
+
+    def __init__(self) -> None:
+        self.followers: dict[ID, Member] = {}
+        self.changed = trio.Event()
+        self.closed = trio.Event()
+        self.group: Group | None = None
+        self.redirect: ID | None = None
+
+    def poke(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+
+class Matchmaker:
+    """Forms groups for one run prefix on one peer; registered on the Peer's RPC while open."""
+
+    def __init__(self, peer: Peer, prefix: str, config: MatchmakingConfig,
+                 clock: Callable[[], float] = time.time) -> None:
+        config.validate()
+        self.peer = peer
+        self.prefix = prefix
+        self.config = config
+        self.clock = clock
+        self.key = f"{prefix}.matchmaking"
+        self._me: Member | None = None
+        self._lead: _Lead | None = None
+        self._following: ID | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def install(self) -> Callable[[], None]:
+        """Serve ``avg.join``; returns the undo."""
+        rpc = self.peer.node.rpc
+        rpc.add_unary(f"{JOIN_METHOD}.{self.prefix}", pb.JoinRequest, self._on_join)
+        return lambda: rpc.remove(f"{JOIN_METHOD}.{self.prefix}")
+
+    # ------------------------------------------------------------------ looking for a group
+
+    async def form_group(self, me: Member) -> Group:
+        """A group containing ``me``, or :class:`MatchmakingError` at the deadline."""
+        deadline = trio.current_time() + self.config.timeout
+        declared = Member(me.peer_id, me.addrs, me.role, me.schema, me.upload, me.download, me.compute,
+                          me.accepts_joins, self.clock() + self.config.timeout + 5.0)
+        self._me = declared
+        dht = self.peer.dht
+        await dht.store(self.key, declared.to_wire().SerializeToString(), declared.expiration,
+                        subkey=owned("member", me.peer_id), timeout=min(10.0, self.config.timeout))
+        refused: set[ID] = set()
+        last_seen = 0
+        try:
+            while trio.current_time() < deadline:
+                candidates = await self._candidates(deadline)
+                last_seen = len(candidates)
+                leaders = sorted((m for m in candidates
+                                  if m.accepts_joins and (m.peer_id not in refused or m.peer_id == me.peer_id)),
+                                 key=leader_rank)
+                if not leaders:
+                    await trio.sleep(self.config.poll_interval)
+                    continue
+                leader = leaders[0]
+                if leader.peer_id == me.peer_id:
+                    group = await self._lead_until(deadline, candidates)
+                    if group is not None:
+                        return group
+                    continue
+                outcome = await self._join(leader.peer_id, deadline)
+                if isinstance(outcome, Group):
+                    return outcome
+                if outcome is not None:
+                    refused.add(leader.peer_id)
+                    if outcome != leader.peer_id:
+                        refused.discard(outcome)
+                else:
+                    refused.add(leader.peer_id)
+                    await trio.sleep(self.config.poll_interval)
+        finally:
+            self._me = None
+            self._following = None
+        raise MatchmakingError(
+            f"no group of at least {self.config.min_size} formed under {self.prefix!r} within "
+            f"{self.config.timeout:.0f} s ({last_seen} matching peers declared"
+            + ("" if me.accepts_joins or last_seen > 1 else "; this peer cannot lead and no other can") + ")")
+
+    async def _candidates(self, deadline: float) -> list[Member]:
+        """Live declarations with our match key, ourselves included."""
+        assert self._me is not None
+        found = await self.peer.dht.get(self.key, latest=True,
+                                        timeout=max(0.5, min(5.0, deadline - trio.current_time())))
+        now = self.clock()
+        members: dict[ID, Member] = {self._me.peer_id: self._me}
+        if found is not None and isinstance(found.value, dict):
+            for entry in found.value.values():
+                if not isinstance(entry.value, bytes):
+                    continue
+                try:
+                    msg = pb.Declaration()
+                    msg.ParseFromString(entry.value)
+                    member = Member.from_wire(msg)
+                except Exception as e:  # a peer's garbage costs it only its entry
+                    log.debug("skipping a malformed declaration: %r", e)
+                    continue
+                if member.schema == self._me.schema and member.expiration > now:
+                    members.setdefault(member.peer_id, member)
+        return list(members.values())
+
+    async def _join(self, leader: ID, deadline: float) -> Group | ID | None:
+        """Ask ``leader``; a Group, the ID of the leader it redirects to, or None when refused/unreachable."""
+        assert self._me is not None
+        self._following = leader
+        try:
+            response = await self.peer.node.rpc.call(
+                leader, f"{JOIN_METHOD}.{self.prefix}",
+                pb.JoinRequest(prefix=self.prefix, declaration=self._me.to_wire()), pb.JoinResponse,
+                timeout=max(0.5, deadline - trio.current_time()))
+        except DedlocError as e:
+            log.debug("join %s failed: %s", leader, e)
+            return None
+        finally:
+            self._following = None
+        if response.status == pb.JoinResponse.ACCEPTED:
+            try:
+                return Group.from_wire(response.group, self._me.peer_id)
+            except AllreduceProtocolError as e:
+                log.warning("leader %s sent an unusable group: %s", leader, e)
+                return None
+        if response.status == pb.JoinResponse.REDIRECT:
+            try:
+                return ID(bytes(response.leader))
+            except Exception:
+                return None
+        return None
+
+    # ------------------------------------------------------------------ leading
+
+    async def _lead_until(self, deadline: float, candidates: list[Member]) -> Group | None:
+        """Lead until the group is set (returned), or a better leader shows up (None)."""
+        assert self._me is not None
+        lead = self._lead = _Lead()
+        started = trio.current_time()
+        try:
+            while trio.current_time() < deadline:
+                size = 1 + len(lead.followers)
+                reducer = self._me.role.reduces or any(m.role.reduces for m in lead.followers.values())
+                ready = reducer and (size >= self.config.target_size or (
+                    size >= self.config.min_size and trio.current_time() - started >= self.config.gather_time))
+                if ready:
+                    return self._fix_group(lead)
+                with trio.move_on_after(min(self.config.poll_interval, max(0.0, deadline - trio.current_time()))):
+                    await lead.changed.wait()
+                if lead.followers:
+                    continue
+                # Nobody joined yet: is there a better leader now?
+                others = sorted((m for m in await self._candidates(deadline) if m.accepts_joins), key=leader_rank)
+                if others and others[0].peer_id != self._me.peer_id:
+                    return None
+            if 1 + len(lead.followers) >= self.config.min_size and (
+                    self._me.role.reduces or any(m.role.reduces for m in lead.followers.values())):
+                return self._fix_group(lead)
+            return None
+        finally:
+            lead.closed.set()
+            self._lead = None
+
+    def _fix_group(self, lead: _Lead) -> Group:
+        assert self._me is not None
+        members = sorted([self._me, *list(lead.followers.values())[: self.config.target_size - 1]],
+                         key=lambda m: m.peer_id.to_bytes())
+        group = Group(os.urandom(16), tuple(members), [m.peer_id for m in members].index(self._me.peer_id))
+        lead.group = group
+        return group
+
+    async def _on_join(self, request: pb.JoinRequest, ctx: CallContext) -> pb.JoinResponse:
+        try:
+            member = Member.from_wire(request.declaration)
+        except AllreduceProtocolError as e:
+            return pb.JoinResponse(status=pb.JoinResponse.REJECTED, reason=str(e))
+        if member.peer_id != ctx.peer_id:
+            return pb.JoinResponse(status=pb.JoinResponse.REJECTED, reason="a declaration of another peer")
+        me, lead = self._me, self._lead
+        if me is None or member.schema != me.schema:
+            return pb.JoinResponse(status=pb.JoinResponse.REJECTED, reason="not matching now")
+        if lead is None:
+            if self._following is not None:
+                return pb.JoinResponse(status=pb.JoinResponse.REDIRECT, leader=self._following.to_bytes())
+            return pb.JoinResponse(status=pb.JoinResponse.REJECTED, reason="not leading")
+        if lead.group is not None or 1 + len(lead.followers) >= self.config.target_size:
+            return pb.JoinResponse(status=pb.JoinResponse.REJECTED, reason="group full")
+        lead.followers[member.peer_id] = member
+        lead.poke()
+        await lead.closed.wait()
+        group = lead.group
+        if group is not None and group.index_of(member.peer_id) is not None:
+            return pb.JoinResponse(status=pb.JoinResponse.ACCEPTED, group=group.to_wire())
+        lead.followers.pop(member.peer_id, None)
+        return pb.JoinResponse(status=pb.JoinResponse.REJECTED, reason="the group formed without you")

@@ -1,0 +1,90 @@
+"""Framing of the all-reduce data streams: ``uvarint(len) protobuf`` headers, then raw payloads.
+
+A reader buffers what the stream returns and hands out exact byte counts; it
+never reads more than a frame asks for past what the stream already gave.
+Header lengths are checked before the header is read.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, TypeVar
+
+from google.protobuf.message import DecodeError, Message
+
+from p2p.rpc.framing import decode_varint, encode_varint
+
+from .errors import AllreduceProtocolError
+
+M = TypeVar("M", bound=Message)
+
+READ_SIZE = 1 << 20
+MAX_HEADER = 4096
+
+
+class ByteStream(Protocol):
+    async def read(self, n: int) -> bytes: ...
+
+    async def write(self, data: bytes) -> None: ...
+
+
+class TruncatedStreamError(AllreduceProtocolError, EOFError):
+    """The stream ended in the middle of a frame."""
+
+
+class FrameReader:
+    def __init__(self, stream: ByteStream) -> None:
+        self.stream = stream
+        self._buf = bytearray()
+        self.bytes_read = 0
+
+    async def _more(self) -> None:
+        try:
+            data = await self.stream.read(READ_SIZE)
+        except EOFError:
+            data = b""
+        if not data:
+            raise TruncatedStreamError("the peer closed the stream mid-frame")
+        self.bytes_read += len(data)
+        self._buf += data
+
+    async def at_eof(self) -> bool:
+        """True if the stream ended cleanly here (between frames)."""
+        if self._buf:
+            return False
+        try:
+            await self._more()
+        except TruncatedStreamError:
+            return True
+        return False
+
+    async def exactly(self, n: int) -> bytes:
+        while len(self._buf) < n:
+            await self._more()
+        out = bytes(self._buf[:n])
+        del self._buf[:n]
+        return out
+
+    async def message(self, kind: type[M], what: str) -> M:
+        while True:
+            decoded = decode_varint(self._buf)
+            if decoded is not None:
+                break
+            if len(self._buf) > 10:
+                raise AllreduceProtocolError(f"{what}: malformed length prefix")
+            await self._more()
+        length, pos = decoded
+        if length > MAX_HEADER:
+            raise AllreduceProtocolError(f"{what} of {length} bytes, more than {MAX_HEADER}")
+        del self._buf[:pos]
+        raw = await self.exactly(length)
+        msg = kind()
+        try:
+            msg.ParseFromString(raw)
+        except DecodeError as e:
+            raise AllreduceProtocolError(f"{what} does not parse: {e}") from e
+        return msg
+
+
+def frame(header: Message) -> bytes:
+    raw = header.SerializeToString()
+    return encode_varint(len(raw)) + raw
