@@ -53,6 +53,13 @@ log = logging.getLogger(__name__)
 PROTOCOL = "/dedloc/allreduce/1.0.0"
 
 
+def _describe(error: BaseException) -> str:
+    """The first real error inside nested exception groups, named."""
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:
+        error = error.exceptions[0]
+    return f"{type(error).__name__}: {error}"
+
+
 @dataclass(frozen=True)
 class AllreduceConfig:
     """How a round moves bytes.
@@ -209,7 +216,11 @@ class AllreduceRound:
                 for j in self.outcomes:
                     if j != self.me:
                         nursery.start_soon(self._exchange, j)
-                await self._reduced.wait()
+                async with trio.open_nursery() as watch:
+                    if self.reduction is not None:
+                        watch.start_soon(self._drop_absent_senders)
+                    await self._reduced.wait()
+                    watch.cancel_scope.cancel()
         if scope.cancelled_caught:
             self.report.notes.append(f"round timed out after {self.config.timeout:.0f} s")
             if self.reduction is not None and not self.reduction.done:
@@ -222,6 +233,13 @@ class AllreduceRound:
         self.report.parts = [self.outcomes[j] for j in sorted(self.outcomes)]
         self.report.elapsed = time.perf_counter() - started
         return self.report
+
+    async def _drop_absent_senders(self) -> None:
+        """A sender that has not opened its stream within ``stall_timeout`` is given up on."""
+        assert self.reduction is not None
+        await trio.sleep(self.config.stall_timeout)
+        for s in sorted(self.reduction.expected - self._served - {self.me}):
+            self._dispatch(self.reduction.drop(s, f"did not open its stream within {self.config.stall_timeout:.0f} s"))
 
     def _finish_reduction_on_timeout(self) -> None:
         assert self.reduction is not None
@@ -302,7 +320,7 @@ class AllreduceRound:
                 nursery.cancel_scope.cancel()
                 await finish_quietly(stream.reset)
             except Exception as e:
-                self._dispatch(reduction.drop(sender, f"{type(e).__name__}: {e}"))
+                self._dispatch(reduction.drop(sender, _describe(e)))
                 nursery.cancel_scope.cancel()
                 await finish_quietly(stream.reset)
                 if not isinstance(e, (AllreduceProtocolError, OSError, EOFError)):
@@ -354,7 +372,9 @@ class AllreduceRound:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._send_chunks, stream, part, outcome)
                 for k, span in enumerate(spans):
-                    with trio.fail_after(self.config.stall_timeout):
+                    # The reducer itself may wait stall_timeout for another sender
+                    # before it gives up on it: be more patient than that.
+                    with trio.fail_after(2 * self.config.stall_timeout):
                         head = await reader.message(pb.ChunkHeader, "averaged chunk header")
                         contributors = contributors_from_bits(bytes(head.contributors), self.group.size)
                         expected = payload_size(span.codec, span.end - span.start) if contributors else 0
@@ -371,10 +391,10 @@ class AllreduceRound:
                     got += 1
         except trio.TooSlowError:
             outcome.not_averaged = (f"chunks {got}..{len(spans) - 1} kept own values: the reducer stalled for "
-                                    f"{self.config.stall_timeout:.0f} s")
+                                    f"{2 * self.config.stall_timeout:.0f} s")
             await finish_quietly(stream.reset)
         except Exception as e:
-            outcome.not_averaged = f"chunks {got}..{len(spans) - 1} kept own values: {type(e).__name__}: {e}"
+            outcome.not_averaged = f"chunks {got}..{len(spans) - 1} kept own values: {_describe(e)}"
             await finish_quietly(stream.reset)
         else:
             await finish_quietly(stream.close)

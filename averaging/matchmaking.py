@@ -127,14 +127,17 @@ class Matchmaker:
         dht = self.peer.dht
         await dht.store(self.key, declared.to_wire().SerializeToString(), declared.expiration,
                         subkey=owned("member", me.peer_id), timeout=min(10.0, self.config.timeout))
-        refused: set[ID] = set()
+        # Leaders that turned us away, and until when we skip them: a peer that
+        # was not leading a moment ago may lead now, so refusals expire.
+        refused: dict[ID, float] = {}
         last_seen = 0
         try:
             while trio.current_time() < deadline:
                 candidates = await self._candidates(deadline)
                 last_seen = len(candidates)
-                leaders = sorted((m for m in candidates
-                                  if m.accepts_joins and (m.peer_id not in refused or m.peer_id == me.peer_id)),
+                now = trio.current_time()
+                leaders = sorted((m for m in candidates if m.accepts_joins
+                                  and (refused.get(m.peer_id, 0.0) <= now or m.peer_id == me.peer_id)),
                                  key=leader_rank)
                 if not leaders:
                     await trio.sleep(self.config.poll_interval)
@@ -148,13 +151,11 @@ class Matchmaker:
                 outcome = await self._join(leader.peer_id, deadline)
                 if isinstance(outcome, Group):
                     return outcome
+                refused[leader.peer_id] = trio.current_time() + 2 * self.config.poll_interval
                 if outcome is not None:
-                    refused.add(leader.peer_id)
-                    if outcome != leader.peer_id:
-                        refused.discard(outcome)
+                    refused.pop(outcome, None)
                 else:
-                    refused.add(leader.peer_id)
-                    await trio.sleep(self.config.poll_interval)
+                    await trio.sleep(self.config.poll_interval / 2)
         finally:
             self._me = None
             self._following = None
@@ -199,6 +200,7 @@ class Matchmaker:
             return None
         finally:
             self._following = None
+        log.debug("join %s: %s %s", leader, pb.JoinResponse.Status.Name(response.status), response.reason)
         if response.status == pb.JoinResponse.ACCEPTED:
             try:
                 return Group.from_wire(response.group, self._me.peer_id)
@@ -229,11 +231,13 @@ class Matchmaker:
                     return self._fix_group(lead)
                 with trio.move_on_after(min(self.config.poll_interval, max(0.0, deadline - trio.current_time()))):
                     await lead.changed.wait()
-                if lead.followers:
+                if 1 + len(lead.followers) >= self.config.target_size:
                     continue
-                # Nobody joined yet: is there a better leader now?
+                # Is there a better leader now (one we did not see before)?
+                # Then hand the followers over to it rather than split the swarm.
                 others = sorted((m for m in await self._candidates(deadline) if m.accepts_joins), key=leader_rank)
                 if others and others[0].peer_id != self._me.peer_id:
+                    lead.redirect = others[0].peer_id
                     return None
             if 1 + len(lead.followers) >= self.config.min_size and (
                     self._me.role.reduces or any(m.role.reduces for m in lead.followers.values())):
@@ -274,4 +278,6 @@ class Matchmaker:
         if group is not None and group.index_of(member.peer_id) is not None:
             return pb.JoinResponse(status=pb.JoinResponse.ACCEPTED, group=group.to_wire())
         lead.followers.pop(member.peer_id, None)
+        if group is None and lead.redirect is not None:
+            return pb.JoinResponse(status=pb.JoinResponse.REDIRECT, leader=lead.redirect.to_bytes())
         return pb.JoinResponse(status=pb.JoinResponse.REJECTED, reason="the group formed without you")

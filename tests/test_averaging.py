@@ -1,0 +1,233 @@
+"""Group all-reduce between real peers on loopback: matchmaking, exact averages, roles, faults."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import pytest
+import torch
+import trio
+
+from averaging import allreduce
+from averaging.allreduce import AllreduceConfig, RoundReport
+from averaging.averager import Averager, AveragerConfig
+from averaging.compression import Compression
+from averaging.errors import MatchmakingError, PartialAverageError
+from averaging.group import Role
+from averaging.matchmaking import MatchmakingConfig
+from nat import Peer, PeerConfig
+from p2p.hooks import Reachability
+
+from .kit import loopback_peer_config, open_peers, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def config(n: int, **overrides: object) -> AveragerConfig:
+    settings: dict[str, object] = {
+        "prefix": "test-run",
+        "matchmaking": MatchmakingConfig(target_size=n, min_size=n, timeout=20.0, gather_time=0.5),
+        "allreduce": AllreduceConfig(chunk_elements=64 * 1024, stall_timeout=5.0, timeout=30.0),
+    }
+    settings.update(overrides)
+    return AveragerConfig(**settings)  # type: ignore[arg-type]
+
+
+async def public(peers: Sequence[Peer]) -> None:
+    await wait_until(lambda: all(p.node.reachability is Reachability.PUBLIC for p in peers), 30)
+
+
+def weighted_mean(data: Sequence[Sequence[torch.Tensor]], weights: Sequence[float], k: int) -> torch.Tensor:
+    return sum(w * d[k].double() for w, d in zip(weights, data)) / sum(weights)  # type: ignore[return-value]
+
+
+async def step_all(averagers: Sequence[Averager], data: Sequence[list[torch.Tensor]], weights: Sequence[float],
+                   **kwargs: object) -> list[RoundReport | BaseException]:
+    results: list[RoundReport | BaseException] = [RuntimeError("not run")] * len(averagers)
+
+    async def one(i: int) -> None:
+        try:
+            results[i] = await averagers[i].step(data[i], weights[i], **kwargs)  # type: ignore[arg-type]
+        except Exception as e:  # collected and asserted on by the test
+            results[i] = e
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(averagers)):
+            nursery.start_soon(one, i)
+    return results
+
+
+async def test_a_group_averages_exactly_with_weights() -> None:
+    async with open_peers(4) as everyone:
+        peers = everyone[1:]
+        await public(peers)
+        torch.manual_seed(1)
+        data = [[torch.randn(300, 700), torch.randn(17), torch.randn(5, 5, dtype=torch.float64)] for _ in peers]
+        weights = [1.0, 2.0, 3.0, 0.5]
+        exact = [weighted_mean(data, weights, k) for k in range(3)]
+        async with Averager.open(peers[0], config(4)) as a0, Averager.open(peers[1], config(4)) as a1, \
+                Averager.open(peers[2], config(4)) as a2, Averager.open(peers[3], config(4)) as a3:
+            reports = await step_all([a0, a1, a2, a3], data, weights)
+        for report in reports:
+            assert isinstance(report, RoundReport), report
+            assert report.complete, report.summary()
+            assert report.members == reports[0].members and report.group_id == reports[0].group_id  # type: ignore[union-attr]
+            assert sum(report.fractions) == pytest.approx(1.0)
+        assert sorted(m.to_bytes() for m in reports[0].members) == [m.to_bytes() for m in reports[0].members]  # type: ignore[union-attr]
+        for tensors in data:
+            for k, t in enumerate(tensors):
+                assert torch.allclose(t.double(), exact[k], atol=1e-5), k
+        assert data[0][2].dtype == torch.float64
+
+
+async def test_compressed_round_moves_fewer_bytes_within_the_codec_error() -> None:
+    async with open_peers(3) as everyone:
+        peers = everyone[1:]
+        await public(peers)
+        data = [[torch.randn(200_000), torch.randn(10)] for _ in peers]
+        originals = [[t.clone() for t in d] for d in data]
+        exact = [weighted_mean(data, [1.0] * 3, k) for k in range(2)]
+        cfg = config(3, allreduce=AllreduceConfig(chunk_elements=32 * 1024, compression=Compression.UINT8,
+                                                  min_compress_elements=1000))
+        async with Averager.open(peers[0], cfg) as a0, Averager.open(peers[1], cfg) as a1, \
+                Averager.open(peers[2], cfg) as a2:
+            reports = await step_all([a0, a1, a2], data, [1.0] * 3)
+        for report in reports:
+            assert isinstance(report, RoundReport) and report.complete
+            raw = 2 * (1 - report.fractions[report.my_index]) * 200_010 * 4
+            assert report.bytes_sent + report.bytes_received < 0.4 * raw
+        spread = max((t.max() - t.min()).item() for d in originals for t in d[:1])
+        for d in data:
+            assert (d[0].double() - exact[0]).abs().max().item() <= 2 * spread / 255
+            assert torch.allclose(d[1].double(), exact[1], atol=1e-6)  # small tensors stay float32
+
+
+async def test_no_group_in_time_is_a_clear_error_and_leaves_tensors_alone() -> None:
+    async with open_peers(1) as (_, peer):
+        await public([peer])
+        tensors = [torch.randn(10)]
+        before = tensors[0].clone()
+        cfg = config(2, matchmaking=MatchmakingConfig(target_size=2, min_size=2, timeout=2.0))
+        async with Averager.open(peer, cfg) as averager:
+            with pytest.raises(MatchmakingError, match="no group of at least 2"):
+                await averager.step(tensors)
+        assert torch.equal(tensors[0], before)
+
+
+async def test_peers_with_other_tensors_never_match() -> None:
+    async with open_peers(2) as everyone:
+        peers = everyone[1:]
+        await public(peers)
+        data = [[torch.randn(10)], [torch.randn(11)]]
+        cfg = config(2, matchmaking=MatchmakingConfig(target_size=2, min_size=2, timeout=3.0))
+        async with Averager.open(peers[0], cfg) as a0, Averager.open(peers[1], cfg) as a1:
+            results = await step_all([a0, a1], data, [1.0, 1.0])
+        assert all(isinstance(r, MatchmakingError) for r in results), results
+
+
+async def test_nan_is_refused_before_anything_is_sent() -> None:
+    async with open_peers(1) as (_, peer):
+        async with Averager.open(peer, config(2)) as averager:
+            with pytest.raises(ValueError, match="NaN or Inf"):
+                await averager.step([torch.tensor([1.0, math.nan])])
+            with pytest.raises(ValueError, match="weight"):
+                await averager.step([torch.ones(2)], weight=-1.0)
+
+
+async def test_a_client_mode_peer_sends_but_never_reduces() -> None:
+    async with open_peers(2) as everyone:
+        relay, peers = everyone[0], everyone[1:]
+        await public(peers)
+        client_config = PeerConfig.client([str(relay.addrs[0])], timeout=10.0)
+        async with Peer.open(client_config) as client:
+            data = [[torch.randn(50_000)] for _ in range(3)]
+            exact = weighted_mean(data, [1.0] * 3, 0)
+            async with Averager.open(peers[0], config(3)) as a0, Averager.open(peers[1], config(3)) as a1, \
+                    Averager.open(client, config(3)) as ac:
+                assert ac.role() == (Role.SENDER, False)
+                reports = await step_all([a0, a1, ac], data, [1.0] * 3)
+        for report in reports:
+            assert isinstance(report, RoundReport) and report.complete, report
+        client_index = reports[2].members.index(client.peer_id)  # type: ignore[union-attr]
+        assert reports[2].fractions[client_index] == 0.0  # type: ignore[union-attr]
+        for d in data:
+            assert torch.allclose(d[0].double(), exact, atol=1e-5)
+
+
+async def test_a_peer_dying_mid_round_is_reported_never_silent() -> None:
+    """Three survivors and one peer whose whole stack goes away while the round runs."""
+    async with open_peers(3) as everyone:
+        peers = everyone[1:]
+        await public(peers)
+        size = 3_000_000
+        data = [[torch.full((size,), float(i + 1))] for i in range(4)]
+        full = sum(range(1, 5)) / 4
+        survivors_only = sum(range(1, 4)) / 3
+        cfg = config(4, allreduce=AllreduceConfig(chunk_elements=16 * 1024, stall_timeout=3.0, timeout=30.0))
+        results: list[RoundReport | BaseException] = [RuntimeError("not run")] * 3
+
+        async def doomed(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            with trio.CancelScope() as scope:
+                async with Peer.open(loopback_peer_config(initial_peers=[str(everyone[0].addrs[0])])) as peer:
+                    await public([peer])
+                    async with Averager.open(peer, cfg) as averager:
+                        task_status.started()
+
+                        async def kill_soon() -> None:
+                            await wait_until(lambda: averager._rounds, 30)  # the round started
+                            await trio.sleep(0.05)
+                            scope.cancel()
+
+                        async with trio.open_nursery() as inner:
+                            inner.start_soon(kill_soon)
+                            await averager.step(data[3])
+
+        async with Averager.open(peers[0], cfg) as a0, Averager.open(peers[1], cfg) as a1, \
+                Averager.open(peers[2], cfg) as a2:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(doomed)
+
+                async def one(i: int, averager: Averager) -> None:
+                    try:
+                        results[i] = await averager.step(data[i], strict=False)
+                    except Exception as e:
+                        results[i] = e
+
+                for i, averager in enumerate((a0, a1, a2)):
+                    nursery.start_soon(one, i, averager)
+        for i, report in enumerate(results):
+            assert isinstance(report, RoundReport), report
+            values = data[i][0]
+            own = float(i + 1)
+            is_full = torch.isclose(values, torch.tensor(full))
+            is_partial = torch.isclose(values, torch.tensor(survivors_only))
+            is_own = values == own
+            assert bool((is_full | is_partial | is_own).all()), "values that are no average of anyone"
+            if report.complete:
+                assert bool(is_full.all()), "a complete report over values that are not the full average"
+            else:
+                assert not bool(is_full.all())
+                assert report.left_out or any(p.not_averaged for p in report.parts), report.summary()
+            if not bool(is_full.all()):
+                assert not report.complete, "a silent partial average"
+
+
+async def test_strict_rounds_raise_on_partial_and_keep_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reducer that cannot be reached: strict step raises PartialAverageError, tensors untouched."""
+    async with open_peers(2) as everyone:
+        peers = everyone[1:]
+        await public(peers)
+        data = [[torch.randn(100_000)] for _ in peers]
+        before = [d[0].clone() for d in data]
+        async with Averager.open(peers[0], config(2)) as a0, Averager.open(peers[1], config(2)) as a1:
+            a1_registration_protocol = allreduce.PROTOCOL
+            # peer 1 stops serving the data protocol: its part cannot be averaged by anyone
+            peers[1].node.host.remove_stream_handler(a1_registration_protocol)  # type: ignore[attr-defined]
+            results = await step_all([a0, a1], data, [1.0, 1.0])
+        errors = [r for r in results if isinstance(r, PartialAverageError)]
+        assert errors, results
+        for r, d, b in zip(results, data, before):
+            if isinstance(r, PartialAverageError):
+                assert torch.equal(d[0], b)
+                assert not r.report.complete  # type: ignore[attr-defined]
