@@ -1,9 +1,40 @@
-"""Decentralized averaging: DHT group formation, butterfly all-reduce, load balancing.
+"""Decentralized averaging: DHT group formation, streamed butterfly all-reduce, load balancing.
 
-May import :mod:`p2p` and :mod:`nat`; arrives with its own issue. Available so far:
+May import :mod:`p2p` and :mod:`nat`. The entry point is :class:`Averager`,
+which takes the composed network object (:class:`nat.Peer`)::
 
-* :mod:`averaging.tensor_stream`: send and receive torch tensors over any byte
-  stream (a libp2p stream from ``Node.new_stream``), chunk by chunk without
-  extra copies, with dtype and shape in a protobuf header
-  (averaging/proto/tensor.proto) and limits a peer cannot exceed.
+    async with Averager.open(peer, AveragerConfig(prefix="my-run")) as averager:
+        report = await averager.step(tensors, weight=samples)
+
+docs/ARCHITECTURE.md has the data flow of one round. Also here:
+:mod:`averaging.tensor_stream` sends and receives whole torch tensors over any
+byte stream with limits a peer cannot exceed.
 """
+
+from .allreduce import AllreduceConfig, PartOutcome, RoundReport
+from .averager import Averager, AveragerConfig
+from .compression import Compression
+from .errors import AllreduceProtocolError, AveragingError, MatchmakingError, PartialAverageError
+from .group import Group, Member, Role
+from .load_balancing import Balance, Capacity, balance
+from .matchmaking import MatchmakingConfig
+
+__all__ = [
+    "AllreduceConfig",
+    "AllreduceProtocolError",
+    "Averager",
+    "AveragerConfig",
+    "AveragingError",
+    "Balance",
+    "Capacity",
+    "Compression",
+    "Group",
+    "MatchmakingConfig",
+    "MatchmakingError",
+    "Member",
+    "PartOutcome",
+    "PartialAverageError",
+    "RoundReport",
+    "Role",
+    "balance",
+]
