@@ -268,7 +268,7 @@ class AllreduceRound:
                                         contributors=contributors_bits(final.contributors, size),
                                         note="; ".join(final.notes)[:1000]))
             for s, channel in self._channels.items():
-                if s in self.reduction.expected or s in self.reduction.weights and s not in self.reduction.dropped:
+                if s not in self.reduction.dropped:  # dropped senders get nothing more
                     try:
                         channel.send_nowait((head, payload))
                     except (trio.WouldBlock, trio.ClosedResourceError):
