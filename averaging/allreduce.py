@@ -46,11 +46,35 @@ from .group import Group, contributors_bits, contributors_from_bits
 from .partition import Schema, chunk_spans, part_bounds
 from .proto import averaging_pb2 as pb
 from .reduction import ChunkRejected, FinalChunk, PartReduction
+from .tensor_stream import JOIN_LIMIT
 from .wire import FrameReader, frame
 
 log = logging.getLogger(__name__)
 
 PROTOCOL = "/dedloc/allreduce/1.0.0"
+
+
+async def _write_chunk(stream: INetStream, head: bytes, payload: bytes) -> None:
+    """A chunk header and its payload: one write when the payload is small, else two (no big copy)."""
+    if len(payload) < JOIN_LIMIT:
+        await stream.write(head + payload)
+    else:
+        await stream.write(head)
+        await stream.write(payload)
+
+
+async def _read_chunk(reader: FrameReader, index: int, span: Region, who: str, *,
+                      empty_ok: bool = False) -> tuple[pb.ChunkHeader, bytes]:
+    """Chunk ``index`` of ``span`` from ``who``: header checked (index, codec, exact size), then its payload.
+
+    ``empty_ok``: a reducer returns an empty payload for a chunk nobody's values reached.
+    """
+    head = await reader.message(pb.ChunkHeader, f"chunk header from {who}")
+    expected = payload_size(span.codec, span.end - span.start)
+    if head.index != index or head.codec != span.codec or head.nbytes not in (expected, 0 if empty_ok else expected):
+        raise ChunkRejected(f"{who} sent chunk {head.index} ({head.nbytes} bytes, codec {head.codec}); "
+                            f"expected chunk {index} ({expected} bytes, codec {span.codec})")
+    return head, await reader.exactly(head.nbytes)
 
 
 def _describe(error: BaseException) -> str:
@@ -193,7 +217,7 @@ class AllreduceRound:
         self._served: set[int] = set()
         mine = plan.spans[self.me]
         if mine and group.me.role.reduces:
-            senders = [i for i in group.senders()]
+            senders = group.senders()
             self.reduction = PartReduction(mine, senders)
             for s in senders:
                 if s != self.me:
@@ -306,13 +330,7 @@ class AllreduceRound:
             try:
                 for k, span in enumerate(mine):
                     with trio.fail_after(self.config.stall_timeout):
-                        chunk = await reader.message(pb.ChunkHeader, f"chunk header from member {sender}")
-                        expected = payload_size(span.codec, span.end - span.start)
-                        if chunk.index != k or chunk.codec != span.codec or chunk.nbytes != expected:
-                            raise ChunkRejected(f"member {sender} sent chunk {chunk.index} ({chunk.nbytes} bytes, "
-                                                f"codec {chunk.codec}); expected chunk {k} ({expected} bytes, "
-                                                f"codec {span.codec})")
-                        payload = await reader.exactly(expected)
+                        _, payload = await _read_chunk(reader, k, span, f"member {sender}")
                     values = decode(payload, span.codec, span.end - span.start)
                     self._dispatch(reduction.add(sender, k, values))
             except trio.TooSlowError:
@@ -331,10 +349,7 @@ class AllreduceRound:
         async for item in receive:
             if item is None:
                 break
-            head, payload = item
-            await stream.write(head + payload if len(payload) < 65536 else head)
-            if len(payload) >= 65536:
-                await stream.write(payload)
+            await _write_chunk(stream, *item)
         await finish_quietly(stream.close, timeout=self.config.stall_timeout)
 
     # ------------------------------------------------------------------ sender side
@@ -375,19 +390,15 @@ class AllreduceRound:
                     # The reducer itself may wait stall_timeout for another sender
                     # before it gives up on it: be more patient than that.
                     with trio.fail_after(2 * self.config.stall_timeout):
-                        head = await reader.message(pb.ChunkHeader, "averaged chunk header")
-                        contributors = contributors_from_bits(bytes(head.contributors), self.group.size)
-                        expected = payload_size(span.codec, span.end - span.start) if contributors else 0
-                        if head.index != k or head.nbytes != expected or head.codec != span.codec:
-                            raise AllreduceProtocolError(
-                                f"the reducer returned chunk {head.index} ({head.nbytes} bytes); "
-                                f"expected chunk {k} ({expected} bytes)")
-                        payload = await reader.exactly(expected)
+                        head, payload = await _read_chunk(reader, k, span, "the reducer", empty_ok=True)
+                    contributors = contributors_from_bits(bytes(head.contributors), self.group.size)
+                    if bool(contributors) != bool(payload):
+                        raise AllreduceProtocolError(f"the reducer returned chunk {k} with {len(payload)} bytes "
+                                                     f"and {len(contributors)} contributors")
                     values = decode(payload, span.codec, span.end - span.start) if contributors else None
-                    notes = [head.note] if head.note else []
                     if values is not None and not bool(torch.isfinite(values).all()):
                         raise AllreduceProtocolError("the reducer returned non-finite values")
-                    self._take(part, k, values, contributors, notes[0].split("; ") if notes else [])
+                    self._take(part, k, values, contributors, head.note.split("; ") if head.note else [])
                     got += 1
         except trio.TooSlowError:
             outcome.not_averaged = (f"chunks {got}..{len(spans) - 1} kept own values: the reducer stalled for "
@@ -409,6 +420,5 @@ class AllreduceRound:
         for k, span in enumerate(self.plan.spans[part]):
             payload = encode(self.values[span.start:span.end], span.codec)
             head = frame(pb.ChunkHeader(index=k, codec=span.codec, nbytes=len(payload)))
-            await stream.write(head)
-            await stream.write(payload)
+            await _write_chunk(stream, head, payload)
             outcome.bytes_sent += len(head) + len(payload)

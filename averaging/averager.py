@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -184,14 +183,12 @@ class Averager:
         if not self.config.adaptive:
             self.last_balance = None
             return equal_fractions(capacities)
-        started = time.perf_counter()
         try:
             self.last_balance = balance(capacities, schema.numel * 4)
         except ValueError as e:
             log.warning("load balancing failed (%s); splitting equally", e)
             self.last_balance = None
             return equal_fractions(capacities)
-        log.debug("LP solved in %.1f ms", (time.perf_counter() - started) * 1e3)
         return self.last_balance.fractions
 
     def _match_key(self, schema: Schema) -> bytes:

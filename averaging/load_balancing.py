@@ -126,8 +126,8 @@ def balance(capacities: Sequence[Capacity], vector_bytes: int, *,
     xi = 2 * n * n + 2 * n
     nvar = xi + 1
     rows: list[tuple[dict[int, float], float]] = []
-    receivers = [i for i in range(n) if capacities[i].sends]
-    senders = receivers
+    # Members with tensors both send them and need the average back.
+    receivers = senders = [i for i in range(n) if capacities[i].sends]
     if use_compute:
         assert batch_size is not None
         rows.append(({xi: 1.0, **{c(i): -capacities[i].compute / batch_size for i in range(n)}}, 0.0))
@@ -150,7 +150,6 @@ def balance(capacities: Sequence[Capacity], vector_bytes: int, *,
                     rows.append(({a(i, j): 1.0, g(i, j): 1.0}, t))
 
     bounds: list[tuple[float, float | None]] = [(0.0, None)] * nvar
-    bounds = list(bounds)
     for i in range(n):
         for j in range(n):
             if not capacities[j].reduces or not capacities[i].sends:

@@ -144,7 +144,7 @@ class Matchmaker:
                     continue
                 leader = leaders[0]
                 if leader.peer_id == me.peer_id:
-                    group = await self._lead_until(deadline, candidates)
+                    group = await self._lead_until(deadline)
                     if group is not None:
                         return group
                     continue
@@ -216,7 +216,7 @@ class Matchmaker:
 
     # ------------------------------------------------------------------ leading
 
-    async def _lead_until(self, deadline: float, candidates: list[Member]) -> Group | None:
+    async def _lead_until(self, deadline: float) -> Group | None:
         """Lead until the group is set (returned), or a better leader shows up (None)."""
         assert self._me is not None
         lead = self._lead = _Lead()
