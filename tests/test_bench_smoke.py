@@ -47,3 +47,11 @@ def test_quic_bench_reports_a_figure_or_a_failure():
     assert result.returncode == 0, result.stderr
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert figures["tcp_1"] > 0
+
+
+def test_no_bench_script_shadows_an_import_package():
+    """A script's folder comes first on sys.path: bench/averaging.py once hid the averaging package."""
+    packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
+    scripts = {p.stem for p in (ROOT / "bench").glob("*.py")}
+    assert packages, "no import packages found at the repository root"
+    assert not scripts & packages, f"bench scripts named like packages: {sorted(scripts & packages)}"
