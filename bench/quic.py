@@ -96,7 +96,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import multiaddr
@@ -108,7 +107,6 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.transport.quic.config import QUICTransportConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from transfer import PROTOCOL as SINK_PROTOCOL  # noqa: E402
 from transfer import Read, Write, sink, source, tcp_sink  # noqa: E402
 

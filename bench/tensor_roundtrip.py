@@ -27,7 +27,6 @@ import torch
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from averaging.tensor_stream import receive_tensor, send_tensor  # noqa: E402
 from p2p import Node, NodeConfig  # noqa: E402

@@ -38,7 +38,6 @@ from pathlib import Path
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from p2p import Node, NodeConfig  # noqa: E402
 from nat.circuit import RelayClient  # noqa: E402

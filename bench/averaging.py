@@ -1,6 +1,6 @@
 """Group all-reduce benchmark, unshaped loopback (the CPU-bound reference), dedloc only so far.
 
-    .venv/bin/python bench/allreduce.py [--peers 4] [--mbytes 40] [--rounds 5] [--json OUT]
+    .venv/bin/python bench/averaging.py [--peers 4] [--mbytes 40] [--rounds 5] [--json OUT]
 
 Starts a relay/bootstrap Peer and ``--peers`` Peers on 127.0.0.1, all in this
 one process (one trio thread: every peer shares one core, which makes this
