@@ -90,6 +90,16 @@ deterministic. netem ``limit`` is raised to 100000 packets so bulk transfers ove
 a delayed link are not capped by netem's 1000-packet queue. Kernels without
 sch_netem (CONFIG_NET_SCH_NETEM unset, e.g. some CI/VM kernels) build the lab
 without delay unless ``Lab(netem=True)``; ``lab.netem`` says which.
+
+Bandwidth (tc tbf)
+------------------
+``shape=Shape(up_mbit, down_mbit)`` on ``public_host``/``peer`` limits the host's
+access link with a token bucket on each direction: the far end's egress (the
+host's upload) and the core end's egress (its download), so the link is full
+duplex like a home line. ``burst_kb`` is the bucket (at least rate/HZ so the
+rate is reached; 64 KB default) and ``latency_ms`` bounds the queue (50 ms).
+tbf is classful, so netem delay, where the kernel has it, goes below it
+(``parent 1:1``) on the same interface.
 """
 
 from __future__ import annotations
@@ -121,6 +131,7 @@ __all__ = [
     "NetlabError",
     "NetlabTimeout",
     "RunResult",
+    "Shape",
     "cleanup_stale",
     "netem_unavailable_reason",
     "netns_unavailable_reason",
@@ -174,6 +185,23 @@ class NatKind(enum.Enum):
 
 
 ALL_KINDS: tuple[NatKind, ...] = tuple(NatKind)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A full-duplex access link: ``up_mbit`` from the host, ``down_mbit`` to it (tc tbf)."""
+
+    up_mbit: float
+    down_mbit: float
+    burst_kb: float = 64.0
+    latency_ms: float = 50.0
+
+    def __post_init__(self) -> None:
+        if not (self.up_mbit > 0 and self.down_mbit > 0 and self.burst_kb > 0 and self.latency_ms > 0):
+            raise ValueError(f"every figure of a Shape must be positive: {self}")
+
+    def tbf(self, mbit: float) -> list[str]:
+        return ["tbf", "rate", f"{mbit:g}mbit", "burst", f"{self.burst_kb:g}kb", "latency", f"{self.latency_ms:g}ms"]
 
 
 class RunResult(NamedTuple):
@@ -303,6 +331,7 @@ class Host:
     listen_port: int | None = None
     delay_ms: float = 0.0
     routers: tuple[str, ...] = ()  # router namespaces, innermost first
+    shape: Shape | None = None
 
     @property
     def public_port(self) -> int | None:
@@ -476,9 +505,11 @@ class Lab:
 
     # -- building ----------------------------------------------------------------
 
-    async def public_host(self, name: str, *, delay_ms: float = 25.0, loss_pct: float | None = None) -> Host:
+    async def public_host(
+        self, name: str, *, delay_ms: float = 25.0, loss_pct: float | None = None, shape: Shape | None = None
+    ) -> Host:
         """A host with a public address straight on the core (a relay, a bootstrap node)."""
-        return await self._direct(name, NatKind.PUBLIC, None, delay_ms, loss_pct)
+        return await self._direct(name, NatKind.PUBLIC, None, delay_ms, loss_pct, shape)
 
     async def peer(
         self,
@@ -488,24 +519,25 @@ class Lab:
         listen_port: int = 4001,
         delay_ms: float = 50.0,
         loss_pct: float | None = None,
+        shape: Shape | None = None,
     ) -> Host:
-        """A peer behind a router of ``kind`` (PUBLIC: no router)."""
+        """A peer behind a router of ``kind`` (PUBLIC: no router); ``shape`` limits its access link."""
         if not 1 <= listen_port <= 65535 - PORT_SHIFT:
             raise ValueError(f"listen_port out of range: {listen_port}")
         if kind is NatKind.PUBLIC:
-            return await self._direct(name, kind, listen_port, delay_ms, loss_pct)
+            return await self._direct(name, kind, listen_port, delay_ms, loss_pct, shape)
         self._check_name(name)
         loss = self.loss_pct if loss_pct is None else loss_pct
         host_ns = await self._new_ns(name, forward=False)
         router = await self._new_ns(f"{name}-r", forward=True)
         if kind is NatKind.FIREWALL:
-            link = await self._core_link(router, "wan", delay_ms, loss)
+            link = await self._core_link(router, "wan", delay_ms, loss, shape)
             routed = _nth24(self._routed_net, link.index)
             gw, ip = str(routed[1]), str(routed[2])
             await self._ip(self.core, "route", "add", str(routed), "via", link.far_ip)
             await self._lan(router, gw, host_ns, ip, 24)
             await self._nft(router, router_ruleset(kind))
-            return self._add(Host(self, name, kind, host_ns, ip, ip, listen_port, delay_ms, (router,)))
+            return self._add(Host(self, name, kind, host_ns, ip, ip, listen_port, delay_ms, (router,), shape))
         self._lans += 1
         n = self._lans
         if n > 254:
@@ -513,7 +545,7 @@ class Lab:
         gw, ip = f"10.{n}.0.1", f"10.{n}.0.2"
         if kind is NatKind.DOUBLE:
             cgnat = await self._new_ns(f"{name}-cg", forward=True)
-            link = await self._core_link(cgnat, "wan", delay_ms, loss)
+            link = await self._core_link(cgnat, "wan", delay_ms, loss, shape)
             carrier_gw, home_wan = f"100.64.{n}.1", f"100.64.{n}.2"
             await self._veth(cgnat, "lan", router, "wan")
             await self._addr(cgnat, "lan", f"{carrier_gw}/24")
@@ -524,11 +556,11 @@ class Lab:
             await self._nft(router, router_ruleset(NatKind.EIM_PRESERVING))
             routers: tuple[str, ...] = (router, cgnat)
         else:
-            link = await self._core_link(router, "wan", delay_ms, loss)
+            link = await self._core_link(router, "wan", delay_ms, loss, shape)
             await self._lan(router, gw, host_ns, ip, 24)
             await self._nft(router, router_ruleset(kind, inside_ip=ip, wan_ip=link.far_ip, listen_port=listen_port))
             routers = (router,)
-        return self._add(Host(self, name, kind, host_ns, ip, link.far_ip, listen_port, delay_ms, routers))
+        return self._add(Host(self, name, kind, host_ns, ip, link.far_ip, listen_port, delay_ms, routers, shape))
 
     async def spawn_in(self, ns: str, argv: Sequence[str], **kwargs: Any) -> trio.Process:
         """Start ``argv`` in lab namespace ``ns`` (a host's or a router's)."""
@@ -565,13 +597,19 @@ class Lab:
         return host
 
     async def _direct(
-        self, name: str, kind: NatKind, listen_port: int | None, delay_ms: float, loss_pct: float | None
+        self,
+        name: str,
+        kind: NatKind,
+        listen_port: int | None,
+        delay_ms: float,
+        loss_pct: float | None,
+        shape: Shape | None,
     ) -> Host:
         self._check_name(name)
         ns = await self._new_ns(name, forward=False)
         loss = self.loss_pct if loss_pct is None else loss_pct
-        link = await self._core_link(ns, "eth0", delay_ms, loss)
-        return self._add(Host(self, name, kind, ns, link.far_ip, link.far_ip, listen_port, delay_ms))
+        link = await self._core_link(ns, "eth0", delay_ms, loss, shape)
+        return self._add(Host(self, name, kind, ns, link.far_ip, link.far_ip, listen_port, delay_ms, (), shape))
 
     async def _x(self, argv: Sequence[str], input: bytes | None = None) -> RunResult:
         return await _run(argv, timeout=self.command_timeout, input=input)
@@ -608,7 +646,9 @@ class Lab:
         await self._addr(host_ns, "eth0", f"{ip}/{plen}")
         await self._ip(host_ns, "route", "add", "default", "via", gw)
 
-    async def _core_link(self, ns: str, ifname: str, delay_ms: float, loss_pct: float) -> _Link:
+    async def _core_link(
+        self, ns: str, ifname: str, delay_ms: float, loss_pct: float, shape: Shape | None = None
+    ) -> _Link:
         self._links += 1
         i = self._links
         net = _nth24(self._link_net, i)
@@ -618,14 +658,21 @@ class Lab:
         await self._addr(self.core, core_if, f"{link.core_ip}/24")
         await self._addr(ns, ifname, f"{link.far_ip}/24")
         await self._ip(ns, "route", "add", "default", "via", link.core_ip)
-        await self._netem(self.core, core_if, delay_ms, loss_pct)
-        await self._netem(ns, ifname, delay_ms, loss_pct)
+        await self._qdiscs(self.core, core_if, delay_ms, loss_pct, shape and shape.tbf(shape.down_mbit))
+        await self._qdiscs(ns, ifname, delay_ms, loss_pct, shape and shape.tbf(shape.up_mbit))
         return link
 
-    async def _netem(self, ns: str, ifname: str, delay_ms: float, loss_pct: float) -> None:
+    async def _qdiscs(
+        self, ns: str, ifname: str, delay_ms: float, loss_pct: float, tbf: list[str] | None
+    ) -> None:
+        """tbf (the rate) at the root when shaped, netem (delay, loss) under it or at the root."""
+        parent = ["root"]
+        if tbf is not None:
+            await self._x(["tc", "-n", ns, "qdisc", "add", "dev", ifname, "root", "handle", "1:", *tbf])
+            parent = ["parent", "1:1"]
         if not self.netem or (delay_ms <= 0 and loss_pct <= 0):
             return
-        args = ["tc", "-n", ns, "qdisc", "add", "dev", ifname, "root", "netem", "limit", "100000"]
+        args = ["tc", "-n", ns, "qdisc", "add", "dev", ifname, *parent, "netem", "limit", "100000"]
         if delay_ms > 0:
             args += ["delay", f"{delay_ms:g}ms"]
         if loss_pct > 0:

@@ -24,6 +24,7 @@ from .netlab import (
     Lab,
     NatKind,
     NetlabTimeout,
+    Shape,
     cleanup_stale,
     netem_unavailable_reason,
     requires_root_netns,
@@ -139,6 +140,34 @@ def simopen(bind, host, port, deadline, name):
             time.sleep(0.2)
     out(ok=False, error=last, attempts=attempts)
 
+def sink(port):
+    # One TCP connection, read to EOF: bytes and seconds from first to last byte.
+    srv = socket.socket()
+    reuse(srv)
+    srv.bind(("0.0.0.0", port))
+    srv.listen(1)
+    c, _ = srv.accept()
+    c.settimeout(30)
+    total, first = 0, None
+    while True:
+        data = c.recv(1 << 16)
+        if not data:
+            break
+        if first is None:
+            first = time.monotonic()
+        total += len(data)
+    out(ok=True, bytes=total, seconds=time.monotonic() - first)
+
+def blast(host, port, size):
+    s = socket.create_connection((host, port), timeout=30)
+    block = b"x" * (1 << 16)
+    left = size
+    while left > 0:
+        s.sendall(block[:left])
+        left -= len(block)
+    s.close()
+    out(ok=True)
+
 mode, args = sys.argv[1], sys.argv[2:]
 if mode == "serve":
     serve([int(p) for p in args])
@@ -146,6 +175,10 @@ elif mode == "connect":
     connect(args[0], int(args[1]), int(args[2]), float(args[3]))
 elif mode == "udp":
     udp(args[0], int(args[1]), int(args[2]), int(args[3]), float(args[4]))
+elif mode == "sink":
+    sink(int(args[0]))
+elif mode == "blast":
+    blast(args[0], int(args[1]), int(args[2]))
 elif mode == "simopen":
     simopen(int(args[0]), args[1], int(args[2]), float(args[3]), args[4])
 """
@@ -356,6 +389,33 @@ async def test_netem_delay_is_applied(lab: Lab) -> None:
 async def _netns_names() -> set[str]:
     res = await trio.run_process(["ip", "netns", "list"], capture_stdout=True)
     return {line.split()[0] for line in res.stdout.decode().splitlines() if line.strip()}
+
+
+async def _goodput_mbit(src: Host, dst: Host, size: int, port: int) -> float:
+    results: dict[str, Any] = {}
+
+    async def receive() -> None:
+        results["sink"] = await tool(dst, "sink", port, timeout=STEP * 2)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(receive)
+        await dst.wait_listening(port)
+        await tool(src, "blast", dst.ip, port, size, timeout=STEP * 2)
+    assert results["sink"]["bytes"] == size
+    return float(size * 8 / results["sink"]["seconds"] / 1e6)
+
+
+async def test_shaped_links_run_at_their_rate_in_each_direction() -> None:
+    """tc tbf on both ends of an access link: upload and download limited apart (full duplex)."""
+    async with Lab(prefix=PREFIX, netem=False) as lab:
+        slow = await lab.public_host("slow", delay_ms=0, shape=Shape(up_mbit=20, down_mbit=80))
+        fast = await lab.public_host("fast", delay_ms=0)
+        up = await _goodput_mbit(slow, fast, 2_500_000, 7101)  # ~1 s at 20 Mbit
+        down = await _goodput_mbit(fast, slow, 10_000_000, 7102)  # ~1 s at 80 Mbit
+        assert 20 * 0.75 < up < 20 * 1.08, f"upload {up:.1f} Mbit/s, shaped to 20"
+        assert 80 * 0.75 < down < 80 * 1.08, f"download {down:.1f} Mbit/s, shaped to 80"
+        with pytest.raises(ValueError):
+            Shape(up_mbit=0, down_mbit=10)
 
 
 class Boom(Exception):
