@@ -40,6 +40,7 @@ from libp2p.peer.id import ID
 from p2p.node import Node
 from p2p.trio_util import finish_quietly
 
+from .bandwidth import TransferClock
 from .compression import Compression, Region, codec_regions, decode, encode, payload_size
 from .errors import AllreduceProtocolError
 from .group import Group, contributors_bits, contributors_from_bits
@@ -224,6 +225,9 @@ class AllreduceRound:
                     send, receive = trio.open_memory_channel[tuple[bytes, bytes] | None](len(mine) + 1)
                     self._channels[s] = send
                     self._receivers[s] = receive
+        #: per stream, the payloads this peer wrote and read in the round, for its bandwidth estimate
+        self.upload: list[TransferClock] = []
+        self.download: list[TransferClock] = []
         self._reduced = trio.Event()
         if self.reduction is None or not self.reduction.expected:
             self._reduced.set()
@@ -257,6 +261,12 @@ class AllreduceRound:
         self.report.parts = [self.outcomes[j] for j in sorted(self.outcomes)]
         self.report.elapsed = time.perf_counter() - started
         return self.report
+
+    @staticmethod
+    def _clock(clocks: list[TransferClock]) -> TransferClock:
+        clock = TransferClock()
+        clocks.append(clock)
+        return clock
 
     async def _drop_absent_senders(self) -> None:
         """A sender that has not opened its stream within ``stall_timeout`` is given up on."""
@@ -314,6 +324,7 @@ class AllreduceRound:
             raise AllreduceProtocolError(f"member {sender} may not send part {self.me} here (or sent it twice)")
         self._served.add(sender)
         mine = self.plan.spans[self.me]
+        clock = self._clock(self.download)
         try:
             if (header.part != self.me or header.start != self.plan.bounds[self.me]
                     or header.end != self.plan.bounds[self.me + 1] or header.chunk_elements != self.plan.chunk_elements):
@@ -331,6 +342,7 @@ class AllreduceRound:
                 for k, span in enumerate(mine):
                     with trio.fail_after(self.config.stall_timeout):
                         _, payload = await _read_chunk(reader, k, span, f"member {sender}")
+                    clock.add(len(payload), time.perf_counter())
                     values = decode(payload, span.codec, span.end - span.start)
                     self._dispatch(reduction.add(sender, k, values))
             except trio.TooSlowError:
@@ -346,10 +358,12 @@ class AllreduceRound:
 
     async def _write_back(self, stream: INetStream, sender: int) -> None:
         receive = self._receivers[sender]
+        clock = self._clock(self.upload)
         async for item in receive:
             if item is None:
                 break
             await _write_chunk(stream, *item)
+            clock.add(len(item[1]), time.perf_counter())
         await finish_quietly(stream.close, timeout=self.config.stall_timeout)
 
     # ------------------------------------------------------------------ sender side
@@ -383,6 +397,7 @@ class AllreduceRound:
             outcome.not_averaged = f"could not reach the reducer: {type(e).__name__}: {e}"
             return
         reader = FrameReader(stream)
+        clock = self._clock(self.download)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._send_chunks, stream, part, outcome)
@@ -391,6 +406,7 @@ class AllreduceRound:
                     # before it gives up on it: be more patient than that.
                     with trio.fail_after(2 * self.config.stall_timeout):
                         head, payload = await _read_chunk(reader, k, span, "the reducer", empty_ok=True)
+                    clock.add(len(payload), time.perf_counter())
                     contributors = contributors_from_bits(bytes(head.contributors), self.group.size)
                     if bool(contributors) != bool(payload):
                         raise AllreduceProtocolError(f"the reducer returned chunk {k} with {len(payload)} bytes "
@@ -414,6 +430,7 @@ class AllreduceRound:
     async def _send_chunks(self, stream: INetStream, part: int, outcome: PartOutcome) -> None:
         assert self.values is not None
         bounds = self.plan.bounds
+        clock = self._clock(self.upload)
         await stream.write(frame(pb.PartHeader(group_id=self.group.group_id, part=part, start=bounds[part],
                                                end=bounds[part + 1], weight=self.weight,
                                                chunk_elements=self.plan.chunk_elements)))
@@ -421,4 +438,5 @@ class AllreduceRound:
             payload = encode(self.values[span.start:span.end], span.codec)
             head = frame(pb.ChunkHeader(index=k, codec=span.codec, nbytes=len(payload)))
             await _write_chunk(stream, head, payload)
+            clock.add(len(payload), time.perf_counter())
             outcome.bytes_sent += len(head) + len(payload)

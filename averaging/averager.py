@@ -41,35 +41,46 @@ from p2p.hooks import Reachability
 from p2p.trio_util import finish_quietly
 
 from .allreduce import PROTOCOL, AllreduceConfig, AllreduceRound, RoundPlan, RoundReport
-from .errors import AllreduceProtocolError, AveragingError, PartialAverageError
+from .bandwidth import BandwidthConfig, BandwidthEstimator
+from .errors import AllreduceProtocolError, AveragingError, MatchmakingError, PartialAverageError
 from .group import Group, Member, Role
-from .load_balancing import Balance, balance, equal_fractions
+from .load_balancing import Balance, balance, equal_fractions, split_seconds
 from .matchmaking import Matchmaker, MatchmakingConfig
+from .moshpit import FailureRate, GridPosition, MoshpitConfig
 from .partition import Schema, flatten, unflatten_into
 from .proto import averaging_pb2 as pb
 from .wire import FrameReader
 
 log = logging.getLogger(__name__)
 
+#: the LP's split replaces the equal one only when its round is predicted this much shorter (or better)
+ADAPTIVE_GAIN = 0.8
+
 
 @dataclass(frozen=True)
 class AveragerConfig:
     """One run's averaging settings; every peer of the run must use the same ``allreduce`` ones.
 
-    ``upload``/``download`` (bytes/s) and ``compute`` (samples/s) are what this
-    peer declares for load balancing; 0 means unknown. ``adaptive``: solve
-    DeDLOC's LP for the split (else equal parts among reducers).
+    ``bandwidth``: this peer's upload and download are measured from its
+    earlier rounds (:mod:`averaging.bandwidth`) unless given there (bytes/s);
+    ``compute`` (samples/s, 0: unknown) is declared. Both go into its
+    matchmaking record for load balancing. ``adaptive``: solve DeDLOC's LP for
+    the split (else equal parts among reducers).
     """
 
     prefix: str = "dedloc"
     matchmaking: MatchmakingConfig = field(default_factory=MatchmakingConfig)
     allreduce: AllreduceConfig = field(default_factory=AllreduceConfig)
     auxiliary: bool = False
+    #: False: this peer never reduces a part (DeDLOC's a_i = 0) even when reachable, e.g. to keep its
+    #: upload for its own parts; one reducer and every other peer at False is a parameter server.
+    reduces: bool = True
     relayed_reduces: bool = False
     adaptive: bool = True
-    upload: float = 0.0
-    download: float = 0.0
+    bandwidth: BandwidthConfig = field(default_factory=BandwidthConfig)
     compute: float = 0.0
+    #: average in Moshpit groups of ``moshpit.group_size`` that change every round (None: one group)
+    moshpit: MoshpitConfig | None = None
     #: how long a reducer waits for its own copy of a group a sender already streams into
     join_wait: float = 10.0
 
@@ -78,10 +89,16 @@ class AveragerConfig:
             raise ValueError("prefix must be 1..128 characters")
         self.matchmaking.validate()
         self.allreduce.validate()
-        for name in ("upload", "download", "compute"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be finite and >= 0")
+        if self.auxiliary and not self.reduces:
+            raise ValueError("an auxiliary peer only reduces: reduces=False leaves it nothing to do")
+        self.bandwidth.validate()
+        if self.moshpit is not None:
+            self.moshpit.validate()
+            if self.matchmaking.target_size != self.moshpit.group_size:
+                raise ValueError(f"with Moshpit groups of {self.moshpit.group_size}, matchmaking.target_size must be "
+                                 f"the same (it is {self.matchmaking.target_size})")
+        if not (math.isfinite(self.compute) and self.compute >= 0):
+            raise ValueError("compute must be finite and >= 0")
 
 
 class Averager:
@@ -94,6 +111,14 @@ class Averager:
         self._rounds: dict[bytes, AllreduceRound] = {}
         self._round_started: dict[bytes, trio.Event] = {}
         self.last_balance: Balance | None = None
+        self.bandwidth = BandwidthEstimator(config.bandwidth)
+        #: members that failed recent rounds (left out, or no round): for choosing Moshpit's group size
+        self.failure_rate = FailureRate()
+        mp = config.moshpit
+        self.grid: GridPosition | None = None
+        if mp is not None:
+            self.grid = (GridPosition(mp.group_size, mp.initial) if mp.initial is not None
+                         else GridPosition.initial(mp.group_size, mp.dims, peer.peer_id.to_bytes()))
 
     @classmethod
     @asynccontextmanager
@@ -117,6 +142,8 @@ class Averager:
         external = node.external
         if self.config.auxiliary:
             role = Role.AUXILIARY
+        elif not self.config.reduces:
+            role = Role.SENDER
         elif not external.judged or external.reachability is Reachability.PUBLIC:
             role = Role.FULL
         elif external.relayed and self.config.relayed_reduces:
@@ -150,9 +177,20 @@ class Averager:
             if not bool(torch.isfinite(flat).all()):
                 raise ValueError("the tensors hold NaN or Inf; refusing to average them")
         me = Member(self.peer.peer_id, tuple(self.peer.addrs), role, self._match_key(schema),
-                    self.config.upload, self.config.download, self.config.compute, accepts_joins)
-        group = await self.matchmaker.form_group(me)
-        report, output = await self._run(group, schema, flat, weight)
+                    self.bandwidth.upload, self.bandwidth.download, self.config.compute, accepts_joins)
+        cell = self.grid.key if self.grid is not None else ""
+        try:
+            group = await self.matchmaker.form_group(me, cell)
+        except MatchmakingError:
+            self.failure_rate.observe(1, 1)
+            raise
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.matchmaker.withdraw)  # beside the round: it costs the round nothing
+            report, output = await self._run(group, schema, flat, weight)
+        self.failure_rate.observe(group.size, len(report.left_out))
+        if self.grid is not None:
+            self.grid.advance(group.my_index)
+            report.notes.append(f"moshpit: next group key {self.grid.key!r}")
         if output is not None and (report.complete or not strict):
             unflatten_into(output, tensors)
         if not report.complete:
@@ -170,6 +208,7 @@ class Averager:
         self._round_started.setdefault(group.group_id, trio.Event()).set()
         try:
             report = await round_.run()
+            self.bandwidth.observe(round_.upload, round_.download)
         finally:
             self._rounds.pop(group.group_id, None)
             self._round_started.pop(group.group_id, None)
@@ -189,12 +228,21 @@ class Averager:
             log.warning("load balancing failed (%s); splitting equally", e)
             self.last_balance = None
             return equal_fractions(capacities)
+        # Measured figures are noisy (a CPU-bound round measures the CPU): leave
+        # the equal split only for a clear gain, or the noise picks the split.
+        equal = equal_fractions(capacities)
+        size = schema.numel * 4
+        if split_seconds(capacities, self.last_balance.fractions, size) > ADAPTIVE_GAIN * split_seconds(
+                capacities, equal, size):
+            return equal
         return self.last_balance.fractions
 
     def _match_key(self, schema: Schema) -> bytes:
         """Peers match only with the same tensors and the same round settings."""
         c = self.config.allreduce
-        settings = f"{c.chunk_elements}/{c.compression}/{c.min_compress_elements}/{self.config.adaptive}".encode()
+        mp = self.config.moshpit
+        grid = f"/moshpit{mp.group_size}x{mp.dims}:{self.grid.key if self.grid else ''}" if mp else ""
+        settings = f"{c.chunk_elements}/{c.compression}/{c.min_compress_elements}/{self.config.adaptive}{grid}".encode()
         return hashlib.sha256(schema.fingerprint() + settings).digest()[:16]
 
     # ------------------------------------------------------------------ reducer side

@@ -81,6 +81,24 @@ def equal_fractions(capacities: Sequence[Capacity]) -> tuple[float, ...]:
     return tuple((1.0 / reducers) if c.reduces else 0.0 for c in capacities)
 
 
+def split_seconds(capacities: Sequence[Capacity], fractions: Sequence[float], vector_bytes: int) -> float:
+    """The round time a split would take on full-duplex links: the busiest link's bytes over its rate.
+
+    Member i moves (1 - f_i) S each way as a sender (when it has tensors) and
+    f_i S times the other senders each way as a reducer. Used to compare
+    splits on the same figures (the LP's against the equal one), not to
+    predict a round: latency, pair limits and compute are left out.
+    """
+    up = _filled([c.upload for c in capacities])
+    down = _filled([c.download for c in capacities])
+    senders = sum(1 for c in capacities if c.sends)
+    worst = 0.0
+    for c, f, u, d in zip(capacities, fractions, up, down):
+        load = vector_bytes * ((1.0 - f if c.sends else 0.0) + f * (senders - (1 if c.sends else 0)))
+        worst = max(worst, load / u, load / d)
+    return worst
+
+
 def _filled(values: list[float]) -> list[float]:
     known = [v for v in values if v > 0 and math.isfinite(v)]
     fallback = max(known) if known else DEFAULT_BANDWIDTH

@@ -104,6 +104,8 @@ class Matchmaker:
         self.config = config
         self.clock = clock
         self.key = f"{prefix}.matchmaking"
+        self._key = self.key  # the key of the formation under way (a Moshpit cell's, or the run's)
+        self._declared: tuple[str, float] | None = None  # the key and expiration of our last declaration
         self._me: Member | None = None
         self._lead: _Lead | None = None
         self._following: ID | None = None
@@ -118,14 +120,20 @@ class Matchmaker:
 
     # ------------------------------------------------------------------ looking for a group
 
-    async def form_group(self, me: Member) -> Group:
-        """A group containing ``me``, or :class:`MatchmakingError` at the deadline."""
+    async def form_group(self, me: Member, cell: str = "") -> Group:
+        """A group containing ``me``, or :class:`MatchmakingError` at the deadline.
+
+        ``cell``: meet only peers declared under the same one (a Moshpit group
+        key, :mod:`averaging.moshpit`); '' is the whole run.
+        """
         deadline = trio.current_time() + self.config.timeout
+        key = self._key = f"{self.key}.{cell}" if cell else self.key
         declared = Member(me.peer_id, me.addrs, me.role, me.schema, me.upload, me.download, me.compute,
                           me.accepts_joins, self.clock() + self.config.timeout + 5.0)
         self._me = declared
+        self._declared = (key, declared.expiration)
         dht = self.peer.dht
-        await dht.store(self.key, declared.to_wire().SerializeToString(), declared.expiration,
+        await dht.store(key, declared.to_wire().SerializeToString(), declared.expiration,
                         subkey=owned("member", me.peer_id), timeout=min(10.0, self.config.timeout))
         # Leaders that turned us away, and until when we skip them: a peer that
         # was not leading a moment ago may lead now, so refusals expire.
@@ -160,21 +168,39 @@ class Matchmaker:
             self._me = None
             self._following = None
         raise MatchmakingError(
-            f"no group of at least {self.config.min_size} formed under {self.prefix!r} within "
+            f"no group of at least {self.config.min_size} formed under {key!r} within "
             f"{self.config.timeout:.0f} s ({last_seen} matching peers declared"
             + ("" if me.accepts_joins or last_seen > 1 else "; this peer cannot lead and no other can") + ")")
 
+    async def withdraw(self, timeout: float = 5.0) -> None:
+        """Replace our last declaration with an empty one, so nobody tries to join a peer that has its group.
+
+        A DHT entry cannot be shortened (the newer expiration wins), so the
+        empty value goes in with an expiration just after the declaration's;
+        readers skip it. Best effort: a failure only leaves a stale entry that
+        expires by itself.
+        """
+        if self._declared is None:
+            return
+        key, expiration = self._declared
+        self._declared = None
+        try:
+            await self.peer.dht.store(key, b"", expiration + 0.001, subkey=owned("member", self.peer.peer_id),
+                                      timeout=timeout)
+        except (DedlocError, trio.TooSlowError) as e:
+            log.debug("could not withdraw the declaration under %s: %s", key, e)
+
     async def _candidates(self, deadline: float) -> list[Member]:
-        """Live declarations with our match key, ourselves included."""
+        """Live declarations under this formation's key with our match key, ourselves included."""
         assert self._me is not None
-        found = await self.peer.dht.get(self.key, latest=True,
+        found = await self.peer.dht.get(self._key, latest=True,
                                         timeout=max(0.5, min(5.0, deadline - trio.current_time())))
         now = self.clock()
         members: dict[ID, Member] = {self._me.peer_id: self._me}
         if found is not None and isinstance(found.value, dict):
             for entry in found.value.values():
-                if not isinstance(entry.value, bytes):
-                    continue
+                if not isinstance(entry.value, bytes) or not entry.value:
+                    continue  # not ours to read, or withdrawn
                 try:
                     msg = pb.Declaration()
                     msg.ParseFromString(entry.value)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextlib import AsyncExitStack
 
 import pytest
 import torch
@@ -12,10 +13,12 @@ import trio
 from averaging import allreduce
 from averaging.allreduce import AllreduceConfig, RoundReport
 from averaging.averager import Averager, AveragerConfig
+from averaging.bandwidth import BandwidthConfig
 from averaging.compression import Compression
 from averaging.errors import MatchmakingError, PartialAverageError
 from averaging.group import Role
 from averaging.matchmaking import MatchmakingConfig
+from averaging.moshpit import MoshpitConfig
 from nat import Peer, PeerConfig
 from p2p.hooks import Reachability
 
@@ -153,6 +156,66 @@ async def test_a_client_mode_peer_sends_but_never_reduces() -> None:
         assert reports[2].fractions[client_index] == 0.0  # type: ignore[union-attr]
         for d in data:
             assert torch.allclose(d[0].double(), exact, atol=1e-5)
+
+
+async def test_reduces_false_makes_a_parameter_server_layout() -> None:
+    """One reducer and every other peer with reduces=False: the reducer averages the whole vector."""
+    async with open_peers(3) as everyone:
+        peers = everyone[1:]
+        await public(peers)
+        data = [[torch.randn(400_000)] for _ in peers]
+        exact = weighted_mean(data, [1.0, 2.0, 1.0], 0)
+        measure = BandwidthConfig(min_bytes=100_000, min_seconds=1e-3)
+        configs = [config(3, bandwidth=measure), config(3, reduces=False, bandwidth=measure),
+                   config(3, reduces=False, bandwidth=measure)]
+        async with Averager.open(peers[0], configs[0]) as server, Averager.open(peers[1], configs[1]) as s1, \
+                Averager.open(peers[2], configs[2]) as s2:
+            assert s1.role() == (Role.SENDER, True)  # reachable, so it may lead matchmaking
+            assert not server.bandwidth.measured
+            reports = await step_all([server, s1, s2], data, [1.0, 2.0, 1.0])
+            # every member now declares the rates it measured in that round
+            for a in (server, s1, s2):
+                assert a.bandwidth.measured and a.bandwidth.upload > 1e6 and a.bandwidth.download > 1e6
+        for report in reports:
+            assert isinstance(report, RoundReport) and report.complete, report
+            server_index = report.members.index(peers[0].peer_id)
+            assert report.fractions[server_index] == 1.0
+            assert [p.reducer for p in report.parts] == [peers[0].peer_id]
+        for d in data:
+            assert torch.allclose(d[0].double(), exact, atol=1e-5)
+    with pytest.raises(ValueError, match="auxiliary"):
+        config(3, auxiliary=True, reduces=False).validate()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_sixteen_peers_in_moshpit_groups_of_four_reach_the_exact_average_in_two_rounds() -> None:
+    n, m = 16, 4
+    async with open_peers(n) as everyone:
+        peers = everyone[1:]
+        await public(peers)
+        torch.manual_seed(7)
+        data = [[torch.randn(1000)] for _ in peers]
+        exact = weighted_mean(data, [1.0] * n, 0)
+        async with AsyncExitStack() as stack:
+            averagers = [await stack.enter_async_context(Averager.open(p, config(
+                m, moshpit=MoshpitConfig(group_size=m, dims=2, initial=(i // m,)),
+                matchmaking=MatchmakingConfig(target_size=m, min_size=m, timeout=60.0, gather_time=1.0))))
+                for i, p in enumerate(peers)]
+            first = await step_all(averagers, data, [1.0] * n)
+            assert all(isinstance(r, RoundReport) and r.complete and len(r.members) == m for r in first), first
+            groups = {tuple(sorted(str(x) for x in r.members)) for r in first}  # type: ignore[union-attr]
+            assert len(groups) == n // m  # four disjoint groups of four
+            assert not all(torch.allclose(d[0].double(), exact, atol=1e-5) for d in data)
+            second = await step_all(averagers, data, [1.0] * n)
+            assert all(isinstance(r, RoundReport) and r.complete and len(r.members) == m for r in second), second
+            for r in second:  # each second-round group holds one member of every first-round group
+                mine = {str(x) for x in r.members}  # type: ignore[union-attr]
+                assert all(len(mine & set(g)) == 1 for g in groups)
+        for d in data:
+            assert torch.allclose(d[0].double(), exact, atol=1e-5)
+    with pytest.raises(ValueError, match="target_size"):
+        AveragerConfig(moshpit=MoshpitConfig(group_size=m)).validate()  # default target_size is not 4
 
 
 async def test_a_peer_dying_mid_round_is_reported_never_silent() -> None:

@@ -8,7 +8,16 @@ import sys
 import pytest
 import torch
 
+from averaging.bandwidth import BandwidthConfig, BandwidthEstimator, TransferClock, link_rate, quantize
 from averaging.compression import Compression, codec_regions, decode, encode, payload_size, wire_codec
+from averaging.moshpit import (
+    FailureRate,
+    GridPosition,
+    MoshpitConfig,
+    expected_rounds,
+    optimal_group_size,
+    rounds_to_average,
+)
 from averaging.load_balancing import Capacity, balance, equal_fractions
 from averaging.partition import Schema, SchemaMismatchError, chunk_spans, flatten, part_bounds, unflatten_into
 from averaging.proto import averaging_pb2 as pb
@@ -214,3 +223,117 @@ def test_a_chunk_nobody_contributed_to_is_not_averaged() -> None:
     red.set_weight(0, 1.0)
     (final,) = red.drop(0, "gone")
     assert final.values is None and final.contributors == frozenset() and red.done
+
+
+def _clock(nbytes: int, seconds: float, start: float = 100.0, pieces: int = 11) -> list[TransferClock]:
+    """One stream moving ``nbytes`` (after its first piece) in ``seconds``."""
+    clock = TransferClock()
+    clock.add(nbytes // (pieces - 1), start)  # the first piece only starts the clock
+    for i in range(1, pieces):
+        clock.add(nbytes // (pieces - 1), start + seconds * i / (pieces - 1))
+    return [clock]
+
+
+def test_bandwidth_is_the_best_recent_round_and_the_user_wins() -> None:
+    est = BandwidthEstimator(BandwidthConfig(window=2))
+    assert (est.upload, est.download, est.measured) == (0.0, 0.0, False)
+    est.observe(_clock(8_000_000, 1.0), _clock(8_000_000, 2.0))  # 8 MB/s up, 4 MB/s down
+    assert est.upload == pytest.approx(8e6, rel=0.1) and est.download == pytest.approx(4e6, rel=0.1)
+    assert est.measured
+    est.observe(_clock(8_000_000, 4.0), _clock(8_000_000, 1.0))  # a round slowed by the group: not the link
+    assert est.upload == pytest.approx(8e6, rel=0.1) and est.download == pytest.approx(8e6, rel=0.1)
+    est.observe(_clock(8_000_000, 4.0), _clock(8_000_000, 4.0))
+    est.observe(_clock(8_000_000, 4.0), _clock(8_000_000, 4.0))  # the window forgets old bests
+    assert est.upload == pytest.approx(2e6, rel=0.1) and est.download == pytest.approx(2e6, rel=0.1)
+    est.observe(_clock(1000, 1.0), _clock(8_000_000, 0.01))  # too little moved, too short: ignored
+    assert est.upload == pytest.approx(2e6, rel=0.1) and est.download == pytest.approx(2e6, rel=0.1)
+    user = BandwidthEstimator(BandwidthConfig(upload=1e6))
+    user.observe(_clock(8_000_000, 1.0), _clock(8_000_000, 1.0))
+    assert user.upload == 1e6 and user.download == pytest.approx(8e6, rel=0.1)
+    with pytest.raises(ValueError):
+        BandwidthConfig(upload=-1).validate()
+
+
+def test_link_rate_adds_concurrent_streams_and_skips_the_first_wait() -> None:
+    # a fast peer sending to one fast and two slow reducers: each stream is held back by its far end
+    fast, slow1, slow2 = _clock(20_000_000, 1.0)[0], _clock(1_500_000, 1.0)[0], _clock(1_500_000, 1.0)[0]
+    assert link_rate([fast, slow1, slow2], 1 << 20, 0.05) == pytest.approx(23e6, rel=0.01)
+    # the wait before the first payload does not count
+    late = TransferClock()
+    late.add(1_000_000, 10.0)  # after a 10 s wait for the group
+    late.add(1_000_000, 10.5)
+    late.add(1_000_000, 11.0)
+    assert late.rate(0.05) == pytest.approx(2e6)
+    # alike links declare alike figures
+    assert quantize(100e6) == quantize(103e6) and quantize(100e6) < quantize(130e6) and quantize(0) == 0
+
+
+def _moshpit_rounds(values: dict[int, float], grid: dict[int, GridPosition], rounds: int,
+                    fail: dict[int, set[int]] | None = None) -> dict[int, float]:
+    """Simulate Moshpit rounds: peers meet by group key, a group sorted by id averages, then advance."""
+    for r in range(rounds):
+        cells: dict[str, list[int]] = {}
+        for peer in sorted(values):
+            cells.setdefault(grid[peer].key, []).append(peer)
+        for members in cells.values():
+            alive = [p for p in members if p not in (fail or {}).get(r, set())]
+            mean = sum(values[p] for p in alive) / len(alive) if alive else 0.0
+            for index, p in enumerate(members):
+                if p in alive:
+                    values[p] = mean
+                grid[p].advance(index)
+    return values
+
+
+def test_moshpit_grid_reaches_the_exact_average_in_log_m_rounds() -> None:
+    assert rounds_to_average(16, 4) == 2 and rounds_to_average(17, 4) == 3 and rounds_to_average(8, 2) == 3
+    values = {i: float(i * i) for i in range(16)}
+    exact = sum(values.values()) / 16
+    grid = {i: GridPosition(4, (i // 4,)) for i in range(16)}  # four cells of four
+    after_one = _moshpit_rounds(dict(values), {i: GridPosition(4, (i // 4,)) for i in range(16)}, 1)
+    assert len(set(after_one.values())) == 4  # one round: each group has its own mean
+    result = _moshpit_rounds(values, grid, 2)
+    assert all(v == pytest.approx(exact) for v in result.values())
+    # three dimensions of two: eight peers, three rounds
+    values8 = {i: float(i) for i in range(8)}
+    grid8 = {i: GridPosition(2, (i % 2, i // 2 % 2)) for i in range(8)}
+    assert all(v == pytest.approx(3.5) for v in _moshpit_rounds(values8, grid8, 3).values())
+
+
+def test_moshpit_with_failures_converges_and_a_failure_stays_in_its_group() -> None:
+    values = {i: float(i) for i in range(16)}
+    exact = sum(values.values()) / 16
+    grid = {i: GridPosition(4, (i // 4,)) for i in range(16)}
+    # peer 5 misses round 0: only its group (4..7) is affected that round
+    after = _moshpit_rounds(dict(values), {i: GridPosition(4, (i // 4,)) for i in range(16)}, 1, {0: {5}})
+    assert after[0] == pytest.approx(1.5) and after[12] == pytest.approx(13.5) and after[5] == 5.0
+    result = _moshpit_rounds(values, grid, 8, {0: {5}, 3: {9}})
+    spread = max(result.values()) - min(result.values())
+    assert spread < 0.05 * (15 - 0) and abs(sum(result.values()) / 16 - exact) < 0.5
+
+
+def test_moshpit_group_size_minimises_expected_rounds() -> None:
+    # no failures: one group of everyone is best (as in all of DeDLOC's experiments)
+    assert optimal_group_size(16, 0.0) == 16 and expected_rounds(16, 16, 0.0) == 1.0
+    assert expected_rounds(16, 4, 0.0) == 2.0
+    # failures make big groups fail often: a large swarm prefers small groups
+    assert optimal_group_size(1000, 0.05) < 100
+    assert expected_rounds(1000, 1000, 0.05) > expected_rounds(1000, optimal_group_size(1000, 0.05), 0.05)
+    assert optimal_group_size(1000, 0.05, max_size=8) <= 8
+    config = MoshpitConfig.for_swarm(1000, 0.05)
+    assert config.group_size ** config.dims >= 1000
+    config.validate()
+    with pytest.raises(ValueError):
+        MoshpitConfig(group_size=4, dims=2, initial=(4,)).validate()
+    with pytest.raises(ValueError):
+        expected_rounds(10, 2, 1.0)
+    # failure rate: share of members that failed
+    rate = FailureRate(window=2)
+    rate.observe(4, 1)
+    rate.observe(4, 0)
+    assert rate.value == pytest.approx(1 / 8)
+    rate.observe(4, 0)
+    assert rate.value == 0.0
+    # positions from the peer id are stable and in range
+    a, b = GridPosition.initial(4, 3, b"peer-a"), GridPosition.initial(4, 3, b"peer-a")
+    assert a == b and len(a.digits) == 2 and all(0 <= x < 4 for x in a.digits)

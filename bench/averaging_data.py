@@ -1,0 +1,58 @@
+"""The tensors and weights of the averaging benchmark, shared by the dedloc and hivemind workers.
+
+A peer's tensor and weight in a round follow from the round's seed and the
+peer's id (its base58 text), so any member can rebuild any other member's
+contribution from a member list and check its own result against the exact
+weighted average, computed in float64. Needs only torch (the hivemind venv
+imports it too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import zlib
+
+import torch
+
+
+def tensor_of(peer_id: str, seed: int, elements: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(peer_id.encode()))
+    return torch.randn(elements, generator=g)
+
+
+def weight_of(peer_id: str, seed: int) -> float:
+    """1, 2 or 3: uneven weights, so an unweighted mean would show as an error."""
+    return float(1 + (zlib.crc32(peer_id.encode()) + seed) % 3)
+
+
+def max_error(result: torch.Tensor, contributors: list[str], seed: int) -> float:
+    """Largest absolute difference between ``result`` and the exact weighted average of ``contributors``."""
+    if not contributors:
+        return float("inf")
+    weights = {pid: weight_of(pid, seed) for pid in contributors}
+    total = sum(weights.values())
+    exact = torch.zeros(result.numel(), dtype=torch.float64)
+    for pid, w in weights.items():
+        exact += tensor_of(pid, seed, result.numel()).double() * (w / total)
+    err = float((result.double().flatten() - exact).abs().max().item())
+    return err if err == err else float("inf")  # NaN counts as wrong
+
+
+def worker_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The command line both workers take (the driver starts either with the same arguments)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0")
+    parser.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR")
+    parser.add_argument("--boot", action="store_true", help="relay/bootstrap (DHT) node only")
+    parser.add_argument("--peers", type=int, default=4, help="group target size")
+    parser.add_argument("--min-size", type=int, default=0, help="group minimum size (default: --peers)")
+    parser.add_argument("--elements", type=int, default=10_000_000)
+    parser.add_argument("--up", type=float, default=0.0, help="upload, Mbit/s (0: measure; hivemind: unused)")
+    parser.add_argument("--down", type=float, default=0.0, help="download, Mbit/s (0: measure; hivemind: bandwidth=)")
+    parser.add_argument("--compute", type=float, default=0.0, help="samples/s (0: unknown; hivemind: unused)")
+    parser.add_argument("--role", choices=("full", "sender", "aux"), default="full")
+    parser.add_argument("--split", choices=("adaptive", "equal"), default="adaptive")
+    parser.add_argument("--gather-time", type=float, default=1.0)
+    parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--stall-timeout", type=float, default=15.0)
+    return parser
