@@ -68,7 +68,7 @@ def one_round(averager: Any, me: str, cmd: dict[str, Any], args: argparse.Namesp
     deadline = time.monotonic() + args.timeout
     while control.stage != AveragingStage.AWAITING_TRIGGER and not control.done() and time.monotonic() < deadline:
         time.sleep(0.005)
-    send(out, {"id": cmd["id"], "stage": "grouped"})
+    send(out, {"id": cmd["id"], "stage": "grouped", "hivemind_stage": str(control.stage)})
     go = next(inbox, None)
     if go is None or go.get("op") != "go":
         control.cancel()

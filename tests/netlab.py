@@ -96,8 +96,10 @@ Bandwidth (tc tbf)
 ``shape=Shape(up_mbit, down_mbit)`` on ``public_host``/``peer`` limits the host's
 access link with a token bucket on each direction: the far end's egress (the
 host's upload) and the core end's egress (its download), so the link is full
-duplex like a home line. ``burst_kb`` is the bucket (at least rate/HZ so the
-rate is reached; 64 KB default) and ``latency_ms`` bounds the queue (50 ms).
+duplex like a home line. ``burst_kb`` is the bucket (256 KB default: it must
+hold the largest GSO/GRO packet a veth passes, ~64 KB plus headers; with a 64 KB
+bucket tbf dropped those outright and Go's TCP in hivemind's daemon stalled)
+and ``latency_ms`` bounds the queue (50 ms).
 tbf is classful, so netem delay, where the kernel has it, goes below it
 (``parent 1:1``) on the same interface.
 """
@@ -193,7 +195,7 @@ class Shape:
 
     up_mbit: float
     down_mbit: float
-    burst_kb: float = 64.0
+    burst_kb: float = 256.0
     latency_ms: float = 50.0
 
     def __post_init__(self) -> None:
