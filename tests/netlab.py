@@ -660,8 +660,8 @@ class Lab:
         await self._addr(self.core, core_if, f"{link.core_ip}/24")
         await self._addr(ns, ifname, f"{link.far_ip}/24")
         await self._ip(ns, "route", "add", "default", "via", link.core_ip)
-        await self._qdiscs(self.core, core_if, delay_ms, loss_pct, shape and shape.tbf(shape.down_mbit))
-        await self._qdiscs(ns, ifname, delay_ms, loss_pct, shape and shape.tbf(shape.up_mbit))
+        await self._qdiscs(self.core, core_if, delay_ms, loss_pct, shape.tbf(shape.down_mbit) if shape else None)
+        await self._qdiscs(ns, ifname, delay_ms, loss_pct, shape.tbf(shape.up_mbit) if shape else None)
         return link
 
     async def _qdiscs(
