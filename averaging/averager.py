@@ -37,7 +37,7 @@ import trio
 from libp2p.abc import INetStream
 
 from nat import Peer
-from p2p.hooks import Reachability
+from p2p.hooks import ExternalAddresses, Reachability, SwarmObserver
 from p2p.trio_util import finish_quietly
 
 from .allreduce import PROTOCOL, AllreduceConfig, AllreduceRound, RoundPlan, RoundReport
@@ -83,6 +83,10 @@ class AveragerConfig:
     moshpit: MoshpitConfig | None = None
     #: how long a reducer waits for its own copy of a group a sender already streams into
     join_wait: float = 10.0
+    #: how long a step waits for the NAT layer's first verdict on reachability (the role follows
+    #: from it); a peer that starts averaging at once would otherwise declare itself a sender while
+    #: AutoNAT is still asking, and a group of such peers has no reducer
+    reachability_wait: float = 15.0
 
     def validate(self) -> None:
         if not self.prefix or len(self.prefix) > 128:
@@ -99,6 +103,22 @@ class AveragerConfig:
                                  f"the same (it is {self.matchmaking.target_size})")
         if not (math.isfinite(self.compute) and self.compute >= 0):
             raise ValueError("compute must be finite and >= 0")
+        if not (self.join_wait > 0 and self.reachability_wait >= 0):
+            raise ValueError("join_wait must be > 0 and reachability_wait >= 0")
+
+
+class _ExternalWatch(SwarmObserver):
+    """Wakes whoever waits for a change of our reachability or external addresses."""
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+
+    def external_changed(self, external: ExternalAddresses) -> None:
+        self._event.set()
+        self._event = trio.Event()
+
+    async def changed(self) -> None:
+        await self._event.wait()
 
 
 class Averager:
@@ -111,6 +131,7 @@ class Averager:
         self._rounds: dict[bytes, AllreduceRound] = {}
         self._round_started: dict[bytes, trio.Event] = {}
         self.last_balance: Balance | None = None
+        self._external = _ExternalWatch()
         self.bandwidth = BandwidthEstimator(config.bandwidth)
         #: members that failed recent rounds (left out, or no round): for choosing Moshpit's group size
         self.failure_rate = FailureRate()
@@ -128,13 +149,22 @@ class Averager:
         averager = cls(peer, config)
         undo = averager.matchmaker.install()
         registration = peer.node.set_stream_handler(PROTOCOL, averager._on_stream)
+        watching = peer.node.observe(averager._external)
         try:
             yield averager
         finally:
+            watching.remove()
             registration.remove()
             undo()
 
     # ------------------------------------------------------------------ role
+
+    async def settled(self) -> None:
+        """Wait (up to ``reachability_wait``) until the NAT layer has judged our reachability."""
+        node = self.peer.node
+        with trio.move_on_after(self.config.reachability_wait):
+            while node.external.judged and node.external.reachability is Reachability.UNKNOWN:
+                await self._external.changed()
 
     def role(self) -> tuple[Role, bool]:
         """This peer's role now, and whether it accepts joins (others can dial it)."""
@@ -170,6 +200,7 @@ class Averager:
         schema = Schema.of(tensors)
         if not (math.isfinite(weight) and weight >= 0):
             raise ValueError(f"weight must be finite and >= 0, not {weight}")
+        await self.settled()
         role, accepts_joins = self.role()
         flat = None
         if role.sends:

@@ -138,11 +138,12 @@ class Matchmaker:
         # Leaders that turned us away, and until when we skip them: a peer that
         # was not leading a moment ago may lead now, so refusals expire.
         refused: dict[ID, float] = {}
-        last_seen = 0
+        last_seen, reducers_seen = 0, False
         try:
             while trio.current_time() < deadline:
                 candidates = await self._candidates(deadline)
                 last_seen = len(candidates)
+                reducers_seen = reducers_seen or any(m.role.reduces for m in candidates)
                 now = trio.current_time()
                 leaders = sorted((m for m in candidates if m.accepts_joins
                                   and (refused.get(m.peer_id, 0.0) <= now or m.peer_id == me.peer_id)),
@@ -170,7 +171,9 @@ class Matchmaker:
         raise MatchmakingError(
             f"no group of at least {self.config.min_size} formed under {key!r} within "
             f"{self.config.timeout:.0f} s ({last_seen} matching peers declared"
-            + ("" if me.accepts_joins or last_seen > 1 else "; this peer cannot lead and no other can") + ")")
+            + ("" if me.accepts_joins or last_seen > 1 else "; this peer cannot lead and no other can")
+            + ("" if reducers_seen or last_seen == 0 else "; none of them may reduce a part (all senders: client "
+               "mode, relayed, or reduces=False)") + ")")
 
     async def withdraw(self, timeout: float = 5.0) -> None:
         """Replace our last declaration with an empty one, so nobody tries to join a peer that has its group.

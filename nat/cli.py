@@ -1,9 +1,10 @@
-"""The ``dedloc`` entry point, with the commands that run the network layer: relay, peer, status, ping, demo.
+"""The commands that run the network layer: relay, peer, status, ping.
 
 Each command lives in the highest layer it imports: ``id`` and ``dht`` need
 only ``p2p`` and stay there (``p2p/cli.py``, which also holds the shared
-machinery); these run a :class:`nat.Peer`. When a layer above adds commands,
-the entry point moves up to it.
+machinery); these run a :class:`nat.Peer`. The ``dedloc`` entry point sits in
+the highest layer with commands (``averaging/cli.py``), whose parser extends
+this one.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import argparse
 import json
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any
 
 import trio
@@ -109,8 +111,12 @@ def _serve_status(peer: Peer) -> None:
     peer.node.rpc.add_unary(STATUS_METHOD, Empty, status)
 
 
-async def _run_peer(args: argparse.Namespace, out: Output, *, relay: bool) -> int:
-    config = peer_config(args, relay=relay)
+async def run_peer(args: argparse.Namespace, out: Output, *, relay: bool = False, config: PeerConfig | None = None,
+                   work: Callable[[Peer], Awaitable[None]] | None = None) -> int:
+    """Run a peer (``config``, else one from ``args``) printing its events until ``--duration``, Ctrl-C
+    or SIGTERM; ``work`` (what a layer above does with the peer) runs beside it, and the peer stops
+    when it returns."""
+    config = config or peer_config(args, relay=relay)
     async with trio.open_nursery() as nursery:
         async with Peer.open(config, on_listening=lambda node: _print_listening(node, out, nursery)) as peer:
             _serve_status(peer)
@@ -120,7 +126,16 @@ async def _run_peer(args: argparse.Namespace, out: Output, *, relay: bool) -> in
                 peer.node.emit(ev.PeerCount(count=len(peers), peers=peers))
                 peer.node.emit(NatStatus(metrics=peer.nat.metrics()))
 
-            await _serve(args.duration, args.status_interval, report)
+            async with trio.open_nursery() as inner:
+
+                async def then_stop(job: Callable[[], Awaitable[None]]) -> None:  # whichever ends first stops both
+                    await job()
+                    inner.cancel_scope.cancel()
+
+                if work is not None:
+                    inner.start_soon(then_stop, partial(work, peer))
+                inner.start_soon(then_stop, partial(_serve, args.duration, args.status_interval, report))
+            await trio.sleep(0)  # let the last event reach the printer
         nursery.cancel_scope.cancel()
     return 0
 
@@ -132,11 +147,11 @@ def _print_listening(node: Node, out: Output, nursery: trio.Nursery) -> None:
 
 
 async def cmd_relay(args: argparse.Namespace, out: Output) -> int:
-    return await _run_peer(args, out, relay=True)
+    return await run_peer(args, out, relay=True)
 
 
 async def cmd_peer(args: argparse.Namespace, out: Output) -> int:
-    return await _run_peer(args, out, relay=False)
+    return await run_peer(args, out, relay=False)
 
 
 async def cmd_status(args: argparse.Namespace, out: Output) -> int:
@@ -172,12 +187,6 @@ async def cmd_ping(args: argparse.Namespace, out: Output) -> int:
     return 0
 
 
-async def cmd_demo(args: argparse.Namespace, out: Output) -> int:
-    from .demo import run_demo
-
-    return await run_demo(peers=args.peers, duration=args.duration, out=out)
-
-
 def nat_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("NAT traversal")
     g.add_argument("--no-port-mapping", action="store_true", help="do not ask the router to forward our port (UPnP / NAT-PMP / PCP)")
@@ -189,6 +198,21 @@ def nat_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--circuit-duration", type=int, default=3600, metavar="SECONDS", help="relay: longest relayed connection (0: no limit)")
     g.add_argument("--circuit-data-mib", type=int, default=4096, metavar="MIB", help="relay: bytes per relayed connection and direction (0: no limit)")
     g.add_argument("--circuit-bandwidth-kib", type=int, default=0, metavar="KIB/S", help="relay: bandwidth per relayed connection and direction (0: no limit)")
+
+
+def peer_options(p: argparse.ArgumentParser) -> None:
+    """The options of a command that runs a swarm peer (``peer`` here, ``average`` a layer up)."""
+    common_options(p)
+    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MULTIADDR",
+                   help="full addresses of bootstrap nodes, ending in /p2p/<peer-id>")
+    p.add_argument("--bootstrap-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="give up if no initial peer answers within this time (default: %(default)s)")
+    p.add_argument("--exchange-interval", type=float, default=5.0, metavar="SECONDS",
+                   help="how often to ask connected peers for more peers (default: %(default)s)")
+    p.add_argument("--message", default=None, metavar="TEXT", help="send this greeting to every peer met")
+    p.add_argument("--dht-mode", choices=[m.value for m in DHTMode], default="auto",
+                   help="serve the DHT (server), only use it (client), or serve once reachable (auto, the default)")
+    nat_options(p)
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:  # type: ignore[type-arg]
@@ -204,17 +228,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
 
     p = sub.add_parser("peer", help="join a swarm through one or more initial peers",
                        description="Join a swarm: connect to the initial peers, learn the other peers from them and connect to those.")
-    common_options(p)
-    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MULTIADDR",
-                   help="full addresses of bootstrap nodes, ending in /p2p/<peer-id>")
-    p.add_argument("--bootstrap-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="give up if no initial peer answers within this time (default: %(default)s)")
-    p.add_argument("--exchange-interval", type=float, default=5.0, metavar="SECONDS",
-                   help="how often to ask connected peers for more peers (default: %(default)s)")
-    p.add_argument("--message", default=None, metavar="TEXT", help="send this greeting to every peer met")
-    p.add_argument("--dht-mode", choices=[m.value for m in DHTMode], default="auto",
-                   help="serve the DHT (server), only use it (client), or serve once reachable (auto, the default)")
-    nat_options(p)
+    peer_options(p)
     p.set_defaults(func=cmd_peer)
 
     p = sub.add_parser("status", help="print the NAT funnel, reachability and DHT of a node running on this machine",
@@ -237,13 +251,6 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     p.add_argument("--json", action="store_true", help="print one JSON object per line for each event")
     p.set_defaults(func=cmd_ping)
 
-    p = sub.add_parser("demo", help="start a live local swarm on loopback (a bootstrap node and several peers)",
-                       description="Start, on 127.0.0.1 only, a bootstrap node and several peers in their own processes; "
-                       "they find each other, exchange messages, and everything stops after --duration or on Ctrl-C.")
-    p.add_argument("--peers", type=int, default=4, help="number of peers besides the bootstrap node (default: %(default)s)")
-    p.add_argument("--duration", type=float, default=20.0, metavar="SECONDS", help="stop after this long (default: %(default)s)")
-    p.add_argument("--json", action="store_true", help="print the nodes' events as JSON lines")
-    p.set_defaults(func=cmd_demo)
     return parser, sub
 
 

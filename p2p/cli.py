@@ -87,7 +87,10 @@ def human(event: ev.Event) -> str:
             return f"error: {msg}"
         case ev.Closed():
             return "node stopped"
-    # Events of the layers above (the NAT layer's, for one): a generic line.
+    # Events of the layers above: their own line, else a generic one.
+    own = event.human()
+    if own is not None:
+        return own
     fields = {k: v for k, v in event.to_dict().items() if k not in ("event", "ts")}
     if event.event == "nat_status":
         m = fields.get("metrics", {})

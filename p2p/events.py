@@ -31,6 +31,10 @@ class Event:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=False)
 
+    def human(self) -> str | None:
+        """One line for people, for a layer above to give its events (None: the printer's default)."""
+        return None
+
 
 def _plain(value: Any) -> Any:
     if isinstance(value, ID):

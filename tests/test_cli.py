@@ -10,11 +10,11 @@ import sys
 import pytest
 import trio
 
-from nat.demo import read_lines
+from averaging.demo import read_lines
 
 from .conftest import open_nodes
 
-DEDLOC = [sys.executable, "-m", "nat.cli"]
+DEDLOC = [sys.executable, "-m", "averaging.cli"]  # the entry point's module
 
 
 def run(*args: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess[str]:
@@ -24,7 +24,7 @@ def run(*args: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProces
 def test_help_names_every_command():
     result = run("--help")
     assert result.returncode == 0
-    for command in ("id", "relay", "peer", "ping", "demo"):
+    for command in ("id", "relay", "peer", "ping", "average", "demo"):
         assert command in result.stdout
 
 
@@ -150,11 +150,23 @@ async def test_dht_store_and_get_against_a_running_relay():
             await relay.wait()
 
 
-def test_demo_forms_a_swarm_and_exits_by_itself():
-    result = run("demo", "--peers", "3", "--duration", "90", timeout=150)
+def test_demo_forms_a_swarm_uses_the_dht_and_averages_exactly():
+    result = run("demo", "--peers", "3", "--duration", "100", timeout=160)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "swarm formed: 4 nodes" in result.stdout
+    assert "swarm formed: 3 peers and the bootstrap node" in result.stdout
+    assert "dht get demo:greeting   → hello, DHT" in result.stdout
+    assert "every peer averaged" in result.stdout
+    # the outbound-only peer took part as a sender, and every checked round matched the exact mean
+    assert "peer-3 avg" in result.stdout and "as sender" in result.stdout
+    assert "= exact mean 2.0000" in result.stdout and "WRONG" not in result.stdout
     assert "Traceback" not in result.stderr
+
+
+def test_average_refuses_bad_options_before_starting_a_peer():
+    result = run("average", "--initial-peers", DOWN, "--min-size", "5", "--group-size", "2", "--ephemeral")
+    assert result.returncode == 1 and "min_size <= target_size" in result.stderr
+    result = run("average", "--initial-peers", DOWN, "--size", "0", "--ephemeral")
+    assert result.returncode == 1 and "--size must be positive" in result.stderr
 
 
 DOWN = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWD7w9XoYTBGTFwXAiNNnuxDAU68CEkFQQRQYd88ecAFCb"

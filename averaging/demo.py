@@ -1,8 +1,13 @@
 """``dedloc demo``: a live swarm on loopback, one process per node.
 
-It runs the very commands a user would (``dedloc relay`` and ``dedloc peer``,
-each with ``--json``) and follows their event lines, so the demo exercises the
-product, not a special path. Everything binds to 127.0.0.1.
+It runs the very commands a user would (``dedloc relay``, ``dedloc average``
+and ``dedloc dht``, each with ``--json``) and follows their event lines, so
+the demo exercises the product, not a special path. Everything binds to
+127.0.0.1. The swarm forms (every regular peer meets every other; the last
+peer is outbound-only, as behind a firewall, and only dials), the DHT stores
+and returns a value, and the peers average tensors: peer *i* holds the value
+*i* every round, so the demo checks each round's result against the exact
+mean of the group's values.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ class _Member:
 
 
 def _command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "nat.cli", *args]
+    return [sys.executable, "-m", "averaging.cli", *args]
 
 
 async def read_lines(stream: trio.abc.ReceiveStream) -> AsyncIterator[str]:
@@ -55,26 +60,63 @@ async def read_lines(stream: trio.abc.ReceiveStream) -> AsyncIterator[str]:
             yield line.decode(errors="replace")
 
 
+#: rounds each peer must average correctly, one of them with the whole swarm, for the demo to succeed
+ROUNDS_WANTED = 2
+#: float32 values averaged each round (4 MB)
+TENSOR_SIZE = 1_000_000
+
+
 async def run_demo(*, peers: int, duration: float, out: Any) -> int:
-    """Start a bootstrap node and ``peers`` peers; return 0 once they form a full mesh."""
-    if peers < 1:
-        print("demo: need at least one peer", file=sys.stderr)
+    """Start a bootstrap node and ``peers`` peers; 0 once they formed a swarm, used the DHT and averaged."""
+    if peers < 2:
+        print("demo: need at least two peers (averaging takes two)", file=sys.stderr)
         return 2
     say = _Say(out.json_mode)
     members: dict[str, _Member] = {}
     names: dict[str, str] = {}  # peer id -> name
-    done = trio.Event()
+    values: dict[str, float] = {}  # peer id -> the value it averages
+    client = f"peer-{peers}"  # outbound only: dials, never dialed, never reduces
+    rounds_ok: Counter[str] = Counter()
+    whole_swarm: set[str] = set()
+    wrong: list[str] = []
+    meshed, averaged = trio.Event(), trio.Event()
 
-    def complete() -> bool:
-        peer_members = [m for m in members.values() if m.name != "bootstrap"]
-        if len(peer_members) < peers or not all(m.peer_id for m in peer_members):
+    def mesh_complete() -> bool:
+        regular = [m for m in members.values() if m.name not in ("bootstrap", client)]
+        if len(regular) < peers - 1 or not all(m.peer_id for m in regular):
             return False
-        everyone = {m.peer_id for m in members.values()}
-        others = {m.peer_id for m in peer_members}
+        everyone = {m.peer_id for m in members.values() if m.name != client}
+        others = {m.peer_id for m in regular}
         return all(
             (everyone - {m.peer_id}) <= m.connected and (others - {m.peer_id}) <= m.heard_from
-            for m in peer_members
+            for m in regular
         )
+
+    def on_averaged(member: _Member, event: dict[str, Any]) -> None:
+        group = [names.get(p, p[-8:]) for p in event["members"]]
+        known = [values[p] for p in event["members"] if p in values]
+        exact = sum(known) / len(known) if len(known) == len(group) else None
+        line = (f"{member.name:>9} avg  round {event['round']}: group {'+'.join(sorted(group))} as {event['role']} "
+                f"(share {event['fraction']:.0%}), {event['bytes_sent'] / 1e6:.1f} MB out in {event['elapsed']:.2f} s: "
+                f"{event['value']:g} -> {event['mean']:.4f}")
+        if not event["complete"]:
+            say(line + f"  PARTIAL, reported: {event['summary']}")
+            return
+        if exact is None:
+            say(line)
+            return
+        if abs(event["mean"] - exact) > 1e-4:
+            wrong.append(f"{member.name} round {event['round']}: {event['mean']} != {exact}")
+            say(line + f"  WRONG, exact mean {exact:.4f}")
+            return
+        say(line + f"  = exact mean {exact:.4f}")
+        rounds_ok[member.name] += 1
+        if len(group) == peers:
+            whole_swarm.add(member.name)
+        peer_names = [m.name for m in members.values() if m.name != "bootstrap"]
+        if len(peer_names) == peers and all(rounds_ok[n] >= ROUNDS_WANTED for n in peer_names) and \
+                whole_swarm >= set(peer_names):
+            averaged.set()
 
     async def follow(member: _Member, ready: trio.Event) -> None:
         assert member.process.stdout is not None
@@ -89,6 +131,8 @@ async def run_demo(*, peers: int, duration: float, out: Any) -> int:
             if kind == "listening":
                 member.peer_id, member.addrs = event["peer_id"], event["addrs"]
                 names[member.peer_id] = member.name
+                if member.name.startswith("peer-"):
+                    values[member.peer_id] = float(member.name.removeprefix("peer-"))
                 ready.set()
                 say(f"{member.name:>9} up   {member.peer_id}")
             elif kind == "connection_opened":
@@ -107,10 +151,14 @@ async def run_demo(*, peers: int, duration: float, out: Any) -> int:
                 say(f"{member.name:>9} DHT  joined as {event['mode']}, {event['peers']} servers known")
             elif kind == "dht_mode":
                 say(f"{member.name:>9} DHT  now a {event['mode']}: {event['reason']}")
+            elif kind == "averaged":
+                on_averaged(member, event)
+            elif kind == "average_failed" and meshed.is_set():
+                say(f"{member.name:>9} avg  round {event['round']}: no average: {event['reason']}")
             elif kind == "error":
                 say(f"{member.name:>9} error: {event['message']}")
-            if complete():
-                done.set()
+            if mesh_complete():
+                meshed.set()
 
     async def start(nursery: trio.Nursery, name: str, *args: str) -> _Member:
         process = await trio.lowlevel.open_process(
@@ -126,7 +174,7 @@ async def run_demo(*, peers: int, duration: float, out: Any) -> int:
             await ready.wait()
         return member
 
-    say(f"starting a bootstrap node and {peers} peers on 127.0.0.1 (Ctrl-C stops)")
+    say(f"starting a bootstrap node and {peers} peers on 127.0.0.1 ({client} outbound-only); Ctrl-C stops")
     ok = False
     try:
         async with trio.open_nursery() as nursery:
@@ -135,17 +183,24 @@ async def run_demo(*, peers: int, duration: float, out: Any) -> int:
                 # the peers serve the DHT once AutoNAT has confirmed them (they are DHT clients until then).
                 boot = await start(nursery, "bootstrap", "relay", "--status-interval", "0", "--allow-private")
                 boot_addr = next(a for a in boot.addrs if "/ip4/127.0.0.1/" in a)
+                averaging = ["--prefix", "demo", "--size", str(TENSOR_SIZE), "--group-size", str(peers),
+                             "--min-size", "2", "--gather-time", "1.5", "--interval", "1", "--status-interval", "0"]
                 async with trio.open_nursery() as starters:
                     for i in range(1, peers + 1):
-                        starters.start_soon(
-                            start, nursery, f"peer-{i}", "peer", "--initial-peers", boot_addr,
-                            "--message", f"hello from peer-{i}", "--exchange-interval", "1", "--status-interval", "0",
-                            "--allow-private",
-                        )
+                        name = f"peer-{i}"
+                        role = (["--client"] if name == client else
+                                ["--message", f"hello from {name}", "--exchange-interval", "1", "--allow-private"])
+                        starters.start_soon(start, nursery, name, "average", "--initial-peers", boot_addr,
+                                            "--value", str(i), *averaging, *role)
                 with trio.move_on_after(duration):
-                    await done.wait()
-                    say(f"swarm formed: {peers + 1} nodes, every peer connected to every other and heard every greeting")
-                    ok = await _dht_round_trip(say, boot_addr)
+                    await meshed.wait()
+                    say(f"swarm formed: {peers} peers and the bootstrap node; the regular peers all connected "
+                        "and heard every greeting")
+                    if await _dht_round_trip(say, boot_addr):
+                        await averaged.wait()
+                        say(f"averaging: every peer averaged {ROUNDS_WANTED}+ rounds exactly, each in a group "
+                            f"of all {peers} at least once ({client} as a sender only)")
+                        ok = not wrong
             finally:
                 for member in members.values():
                     _stop(member.process)
@@ -156,8 +211,14 @@ async def run_demo(*, peers: int, duration: float, out: Any) -> int:
                 await member.process.wait()
     if ok:
         return 0
-    missing = {m.name: sorted(names.get(p, p) for p in m.connected) for m in members.values()}
-    say(f"swarm did not form within {duration:g}s; connections seen: {missing}")
+    if wrong:
+        say(f"wrong averages: {wrong}")
+    elif not meshed.is_set():
+        missing = {m.name: sorted(names.get(p, p) for p in m.connected) for m in members.values()}
+        say(f"swarm did not form within {duration:g}s; connections seen: {missing}")
+    else:
+        say(f"averaging did not finish within {duration:g}s: exact rounds per peer {dict(rounds_ok)}, "
+            f"in a group of all {peers}: {sorted(whole_swarm)}")
     return 1
 
 
