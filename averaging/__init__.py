@@ -18,6 +18,7 @@ from .errors import AllreduceProtocolError, AveragingError, MatchmakingError, Pa
 from .group import Group, Member, Role
 from .load_balancing import Balance, Capacity, balance
 from .matchmaking import MatchmakingConfig
+from .powersgd import PowerSGD, PowerSGDConfig, PowerSGDReport
 
 __all__ = [
     "AllreduceConfig",
@@ -34,6 +35,9 @@ __all__ = [
     "Member",
     "PartOutcome",
     "PartialAverageError",
+    "PowerSGD",
+    "PowerSGDConfig",
+    "PowerSGDReport",
     "RoundReport",
     "Role",
     "balance",

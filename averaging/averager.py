@@ -107,6 +107,16 @@ class AveragerConfig:
             raise ValueError("join_wait must be > 0 and reachability_wait >= 0")
 
 
+def _check_weight(weight: float) -> None:
+    if not (math.isfinite(weight) and weight >= 0):
+        raise ValueError(f"weight must be finite and >= 0, not {weight}")
+
+
+def _check_finite(tensors: Sequence[torch.Tensor]) -> None:
+    if not all(bool(torch.isfinite(t).all()) for t in tensors):
+        raise ValueError("the tensors hold NaN or Inf; refusing to average them")
+
+
 class _ExternalWatch(SwarmObserver):
     """Wakes whoever waits for a change of our reachability or external addresses."""
 
@@ -132,6 +142,7 @@ class Averager:
         self._round_started: dict[bytes, trio.Event] = {}
         self.last_balance: Balance | None = None
         self._external = _ExternalWatch()
+        self._pending_withdraw = False
         self.bandwidth = BandwidthEstimator(config.bandwidth)
         #: members that failed recent rounds (left out, or no round): for choosing Moshpit's group size
         self.failure_rate = FailureRate()
@@ -197,17 +208,28 @@ class Averager:
         was partial; in both cases ``tensors`` are untouched. Non-finite
         values in ``tensors`` raise ValueError before anything is sent.
         """
+        group = await self.matchmake(tensors, weight)
+        report = await self.average_in(group, tensors, weight, strict=strict)
+        if self.grid is not None:
+            self.grid.advance(group.my_index)
+            report.notes.append(f"moshpit: next group key {self.grid.key!r}")
+        return report
+
+    async def matchmake(self, tensors: Sequence[torch.Tensor], weight: float = 1.0, *, purpose: str = "") -> Group:
+        """Form a group to average tensors like ``tensors`` (same shapes and dtypes) with.
+
+        :meth:`step` is this and one :meth:`average_in`; a caller that averages
+        several times with one group (PowerSGD's two phases) calls them apart.
+        ``purpose`` keeps such callers' groups apart from plain steps' (it
+        goes into the match key). Checks ``tensors`` and ``weight`` first.
+        """
         schema = Schema.of(tensors)
-        if not (math.isfinite(weight) and weight >= 0):
-            raise ValueError(f"weight must be finite and >= 0, not {weight}")
+        _check_weight(weight)
         await self.settled()
         role, accepts_joins = self.role()
-        flat = None
         if role.sends:
-            flat = flatten(tensors)
-            if not bool(torch.isfinite(flat).all()):
-                raise ValueError("the tensors hold NaN or Inf; refusing to average them")
-        me = Member(self.peer.peer_id, tuple(self.peer.addrs), role, self._match_key(schema),
+            _check_finite(tensors)
+        me = Member(self.peer.peer_id, tuple(self.peer.addrs), role, self._match_key(schema, purpose),
                     self.bandwidth.upload, self.bandwidth.download, self.config.compute, accepts_joins)
         cell = self.grid.key if self.grid is not None else ""
         try:
@@ -215,13 +237,32 @@ class Averager:
         except MatchmakingError:
             self.failure_rate.observe(1, 1)
             raise
+        # Withdraw the declaration beside the round: it costs the round nothing.
+        self._pending_withdraw = True
+        return group
+
+    async def average_in(self, group: Group, tensors: Sequence[torch.Tensor], weight: float = 1.0, *,
+                         strict: bool = True, phase: int = 0) -> RoundReport:
+        """One all-reduce of ``tensors`` (in place) within ``group``, from :meth:`matchmake`.
+
+        Every member must call it with tensors of one schema and the same
+        ``phase``; the phase gives the round its own id, so a group can
+        average several times (phases 0, 1, ...). Partial rounds raise
+        :class:`PartialAverageError` when ``strict`` (tensors untouched).
+        """
+        schema = Schema.of(tensors)
+        _check_weight(weight)
+        flat = None
+        if group.me.role.sends:
+            flat = flatten(tensors)
+            _check_finite([flat])
+        round_group = group if phase == 0 else group.for_phase(phase)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self.matchmaker.withdraw)  # beside the round: it costs the round nothing
-            report, output = await self._run(group, schema, flat, weight)
+            if self._pending_withdraw:
+                self._pending_withdraw = False
+                nursery.start_soon(self.matchmaker.withdraw)
+            report, output = await self._run(round_group, schema, flat, weight)
         self.failure_rate.observe(group.size, len(report.left_out))
-        if self.grid is not None:
-            self.grid.advance(group.my_index)
-            report.notes.append(f"moshpit: next group key {self.grid.key!r}")
         if output is not None and (report.complete or not strict):
             unflatten_into(output, tensors)
         if not report.complete:
@@ -268,12 +309,13 @@ class Averager:
             return equal
         return self.last_balance.fractions
 
-    def _match_key(self, schema: Schema) -> bytes:
-        """Peers match only with the same tensors and the same round settings."""
+    def _match_key(self, schema: Schema, purpose: str = "") -> bytes:
+        """Peers match only with the same tensors, the same round settings and the same purpose."""
         c = self.config.allreduce
         mp = self.config.moshpit
         grid = f"/moshpit{mp.group_size}x{mp.dims}:{self.grid.key if self.grid else ''}" if mp else ""
-        settings = f"{c.chunk_elements}/{c.compression}/{c.min_compress_elements}/{self.config.adaptive}{grid}".encode()
+        settings = (f"{c.chunk_elements}/{c.compression}/{c.min_compress_elements}/{self.config.adaptive}{grid}"
+                    f"/{purpose}").encode()
         return hashlib.sha256(schema.fingerprint() + settings).digest()[:16]
 
     # ------------------------------------------------------------------ reducer side

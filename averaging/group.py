@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from libp2p.peer.id import ID
@@ -113,6 +114,12 @@ class Group:
 
     def senders(self) -> list[int]:
         return [i for i, m in enumerate(self.members) if m.role.sends]
+
+    def for_phase(self, phase: int) -> Group:
+        """The same members under another round id: a group that averages more than once (PowerSGD's
+        phases) runs each round apart, and a stream names the round it belongs to."""
+        group_id = hashlib.sha256(self.group_id + b"/phase/" + str(phase).encode()).digest()[:16]
+        return replace(self, group_id=group_id)
 
     def to_wire(self) -> pb.Group:
         return pb.Group(group_id=self.group_id, members=[m.to_wire() for m in self.members])
