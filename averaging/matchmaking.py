@@ -152,6 +152,8 @@ class Matchmaker:
                     await trio.sleep(self.config.poll_interval)
                     continue
                 leader = leaders[0]
+                log.debug("%d declared, %d may lead; leader %s%s", len(candidates), len(leaders), leader.peer_id,
+                          " (me)" if leader.peer_id == me.peer_id else "")
                 if leader.peer_id == me.peer_id:
                     group = await self._lead_until(deadline)
                     if group is not None:
@@ -266,6 +268,7 @@ class Matchmaker:
                 # Then hand the followers over to it rather than split the swarm.
                 others = sorted((m for m in await self._candidates(deadline) if m.accepts_joins), key=leader_rank)
                 if others and others[0].peer_id != self._me.peer_id:
+                    log.debug("handing %d followers over to %s", len(lead.followers), others[0].peer_id)
                     lead.redirect = others[0].peer_id
                     return None
             if 1 + len(lead.followers) >= self.config.min_size and (

@@ -182,7 +182,13 @@ class Swarm:
         return good[0] if "/p2p/" in good[0] else f"{good[0]}/p2p/{self.boot.peer_id}"
 
     def worker_args(self, spec: PeerSpec) -> list[str]:
-        return ["--initial-peers", self.boot_addr(), "--peers", str(self.group), "--elements", str(self.elements),
+        initial = [self.boot_addr()]
+        if self.system.name == "hivemind":
+            # hivemind's Go daemon finds a peer's address only through its own DHT, which did not
+            # answer in the lab ("routing: not found": no group ever formed with 4 peers); given
+            # every earlier peer's address, each daemon connects to the others at start.
+            initial += [w.addrs[0] for w in self.workers if w.addrs]
+        return ["--initial-peers", *initial, "--peers", str(self.group), "--elements", str(self.elements),
                 "--up", f"{spec.up:g}", "--down", f"{spec.down:g}", "--role", spec.role, "--split", spec.split,
                 *self.common]
 

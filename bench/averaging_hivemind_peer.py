@@ -63,24 +63,30 @@ def one_round(averager: Any, me: str, cmd: dict[str, Any], args: argparse.Namesp
     started = time.perf_counter()
     with averager.get_tensors() as tensors:
         tensors[0].copy_(tensor_of(me, seed, args.elements) if sends else 0)
+    # No require_trigger: with it, 4 peers in the namespace lab never formed a group (the leader stayed
+    # LOOKING_FOR_GROUP while its followers waited for the trigger). The all-reduce is timed from the
+    # moment the step's stage turns RUNNING_ALLREDUCE, polled every millisecond.
     control = averager.step(weight=weight_of(me, seed) if sends else None, timeout=args.timeout,
-                            allow_retries=False, require_trigger=True, wait=False)
-    deadline = time.monotonic() + args.timeout
-    while control.stage != AveragingStage.AWAITING_TRIGGER and not control.done() and time.monotonic() < deadline:
-        time.sleep(0.005)
-    send(out, {"id": cmd["id"], "stage": "grouped", "hivemind_stage": str(control.stage)})
+                            allow_retries=False, wait=False)
+    send(out, {"id": cmd["id"], "stage": "grouped"})  # the driver's protocol: it answers "go"
     go = next(inbox, None)
     if go is None or go.get("op") != "go":
         control.cancel()
         reply["error"] = f"expected go, got {go}"
         return reply
-    t0 = time.perf_counter()
-    control.allow_allreduce()
+    deadline = time.monotonic() + 2 * args.timeout
+    t0 = None
+    while not control.done() and time.monotonic() < deadline:
+        if t0 is None and control.stage == AveragingStage.RUNNING_ALLREDUCE:
+            t0 = time.perf_counter()
+        time.sleep(0.001)
     try:
         gathered = control.result(timeout=args.timeout)
     except Exception as exc:  # hivemind raises several kinds; report them all
         reply.update(error=f"{type(exc).__name__}: {exc}", step_s=time.perf_counter() - started)
         return reply
+    if t0 is None:
+        t0 = started  # finished between two polls: count the whole step
     done = time.perf_counter()
     reply.update(step_s=done - started, allreduce_s=done - t0)
     if gathered is None:
@@ -120,7 +126,8 @@ def main() -> None:
         averager = DecentralizedAverager(
             [torch.zeros(args.elements)], dht, start=True, prefix="bench", target_group_size=args.peers,
             min_group_size=args.min_size or args.peers, min_matchmaking_time=args.gather_time,
-            request_timeout=3.0, allreduce_timeout=args.timeout, sender_timeout=args.stall_timeout,
+            request_timeout=min(3.0, args.gather_time / 2),  # hivemind: below min_matchmaking_time, or deadlocks
+            allreduce_timeout=args.timeout, sender_timeout=args.stall_timeout,
             reducer_timeout=args.stall_timeout * 2, bandwidth=bandwidth, auxiliary=args.role == "aux",
             client_mode=args.role == "sender",
         )

@@ -155,6 +155,7 @@ if __name__ == "__main__":
     # fight over them (a 512 KiB isfinite took 19 ms). One peer per machine,
     # as in real use, has no such contention. The hivemind worker does the same.
     torch.set_num_threads(1)
-    logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("averaging.matchmaking").setLevel(logging.DEBUG)  # the log file tells why a group did not form
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     trio.run(main, args)
