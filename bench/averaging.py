@@ -18,8 +18,10 @@ Setups (issue "Group all-reduce that adapts to the swarm"):
                  tests/netlab.py), --mbytes float32: time / the bandwidth
                  bound 2(n-1)/n * S/B.
   heterogeneous  200/200/40/40 Mbit: equal split and adaptive (dedloc: its
-                 LP from the declared rates; hivemind: bandwidth=), against
-                 the ideal max(2(n-1)S/sum(B), S/B_min).
+                 LP from the declared rates; hivemind: bandwidth=), and for
+                 dedloc measured (nothing declared: the LP on the rates its
+                 peers measured in two warm-up rounds), against the ideal
+                 max(2(n-1)S/sum(B), S/B_min).
   unshaped       4 peers on 127.0.0.1: the CPU-bound reference.
   table1         DeDLOC Table 1 scaled to this machine (--table1-mbytes,
                  rates below): A 8 fast peers, B 16 slow peers, C = A + B,
@@ -280,9 +282,13 @@ async def timed_rounds(system: System, specs: list[PeerSpec], args: argparse.Nam
         stack.push_async_callback(swarm.close)
         await swarm.start_boot()
         with trio.fail_after(READY_TIMEOUT_S):
-            async with trio.open_nursery() as nursery:
+            if system.name == "hivemind":  # one by one: each gets the earlier ones' addresses (worker_args)
                 for i, spec in enumerate(specs):
-                    nursery.start_soon(swarm.add, f"p{i}", spec)
+                    await swarm.add(f"p{i}", spec)
+            else:
+                async with trio.open_nursery() as nursery:
+                    for i, spec in enumerate(specs):
+                        nursery.start_soon(swarm.add, f"p{i}", spec)
         aux_ids = [w.peer_id for w, s in zip(swarm.workers, sorted_specs(swarm, specs)) if s.role == "aux"]
         for r in range(args.rounds + args.warmup):
             replies = await run_round(swarm, swarm.workers, r, 1000 + r, aux_ids, args.timeout)
@@ -357,12 +363,15 @@ async def heterogeneous(args: argparse.Namespace) -> dict[str, Any]:
     print(f"heterogeneous: {'/'.join(f'{r:g}' for r in rates)} Mbit, {args.mbytes:g} MB; ideal {ideal:.2f} s",
           flush=True)
     for system in systems_of(args):
-        for mode in ("equal", "adaptive"):
-            res = await timed_rounds(system, [PeerSpec(r, r, split=mode) for r in rates], args, args.mbytes,
+        # measured (dedloc only; hivemind takes declared figures): nothing declared, the LP runs on
+        # the rates measured in the warm-up rounds (at least two: the first has no figures yet)
+        for mode in ("equal", "adaptive", "measured") if system.name == "dedloc" else ("equal", "adaptive"):
+            run_args = argparse.Namespace(**{**vars(args), "warmup": max(args.warmup, 2)}) if mode == "measured" else args
+            res = await timed_rounds(system, [PeerSpec(r, r, split=mode) for r in rates], run_args, args.mbytes,
                                      f"heterogeneous/{mode}", True)
             out[f"{system.name}_{mode}"] = res
             if "median_s" in res:
-                key = "equal_split" if mode == "equal" else "adaptive"
+                key = {"equal": "equal_split", "adaptive": "adaptive", "measured": "measured"}[mode]
                 out[f"{system.name}_{key}_s"] = res["median_s"]
                 out[f"{system.name}_{key}_ratio_to_ideal"] = res["median_s"] / ideal
             print(f"heterogeneous {system.name} {mode}: {fmt(res)}", flush=True)

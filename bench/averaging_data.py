@@ -51,7 +51,9 @@ def worker_parser(doc: str | None) -> argparse.ArgumentParser:
     parser.add_argument("--down", type=float, default=0.0, help="download, Mbit/s (0: measure; hivemind: bandwidth=)")
     parser.add_argument("--compute", type=float, default=0.0, help="samples/s (0: unknown; hivemind: unused)")
     parser.add_argument("--role", choices=("full", "sender", "aux"), default="full")
-    parser.add_argument("--split", choices=("adaptive", "equal"), default="adaptive")
+    parser.add_argument("--split", choices=("adaptive", "equal", "measured"), default="adaptive",
+                        help="adaptive: the LP on the declared --up/--down; measured: the LP on the rates measured "
+                             "in earlier rounds (nothing declared); equal: equal parts")
     parser.add_argument("--gather-time", type=float, default=1.0)
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--stall-timeout", type=float, default=15.0)

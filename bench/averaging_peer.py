@@ -135,8 +135,9 @@ async def main(args: argparse.Namespace) -> None:
             matchmaking=MatchmakingConfig(target_size=args.peers, min_size=args.min_size or args.peers,
                                           timeout=args.timeout, gather_time=args.gather_time),
             allreduce=AllreduceConfig(timeout=args.timeout, stall_timeout=args.stall_timeout),
-            auxiliary=args.role == "aux", reduces=args.role != "sender", adaptive=args.split == "adaptive",
-            bandwidth=BandwidthConfig(upload=args.up * MBIT, download=args.down * MBIT), compute=args.compute,
+            auxiliary=args.role == "aux", reduces=args.role != "sender", adaptive=args.split != "equal",
+            bandwidth=(BandwidthConfig() if args.split == "measured"
+                       else BandwidthConfig(upload=args.up * MBIT, download=args.down * MBIT)), compute=args.compute,
         )
         async with Averager.open(peer, config) as averager:
             lines.send({"ready": True, "addrs": [str(a) for a in peer.addrs], "peer_id": me,
