@@ -142,7 +142,7 @@ class Averager:
         self._round_started: dict[bytes, trio.Event] = {}
         self.last_balance: Balance | None = None
         self._external = _ExternalWatch()
-        self._pending_withdraw = False
+        self._background: trio.Nursery | None = None
         self.bandwidth = BandwidthEstimator(config.bandwidth)
         #: members that failed recent rounds (left out, or no round): for choosing Moshpit's group size
         self.failure_rate = FailureRate()
@@ -162,8 +162,14 @@ class Averager:
         registration = peer.node.set_stream_handler(PROTOCOL, averager._on_stream)
         watching = peer.node.observe(averager._external)
         try:
-            yield averager
+            # Background work (withdrawing declarations) lives here, not in a step: a DHT store
+            # that waits on a dead node must not hold up the step's return.
+            async with trio.open_nursery() as nursery:
+                averager._background = nursery
+                yield averager
+                nursery.cancel_scope.cancel()
         finally:
+            averager._background = None
             watching.remove()
             registration.remove()
             undo()
@@ -237,8 +243,9 @@ class Averager:
         except MatchmakingError:
             self.failure_rate.observe(1, 1)
             raise
-        # Withdraw the declaration beside the round: it costs the round nothing.
-        self._pending_withdraw = True
+        # Withdraw the declaration in the background: it costs the round nothing.
+        if self._background is not None:
+            self._background.start_soon(self.matchmaker.withdraw, self.matchmaker.take_declaration())
         return group
 
     async def average_in(self, group: Group, tensors: Sequence[torch.Tensor], weight: float = 1.0, *,
@@ -257,11 +264,7 @@ class Averager:
             flat = flatten(tensors)
             _check_finite([flat])
         round_group = group if phase == 0 else group.for_phase(phase)
-        async with trio.open_nursery() as nursery:
-            if self._pending_withdraw:
-                self._pending_withdraw = False
-                nursery.start_soon(self.matchmaker.withdraw)
-            report, output = await self._run(round_group, schema, flat, weight)
+        report, output = await self._run(round_group, schema, flat, weight)
         self.failure_rate.observe(group.size, len(report.left_out))
         if output is not None and (report.complete or not strict):
             unflatten_into(output, tensors)

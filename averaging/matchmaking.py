@@ -177,18 +177,22 @@ class Matchmaker:
             + ("" if reducers_seen or last_seen == 0 else "; none of them may reduce a part (all senders: client "
                "mode, relayed, or reduces=False)") + ")")
 
-    async def withdraw(self, timeout: float = 5.0) -> None:
-        """Replace our last declaration with an empty one, so nobody tries to join a peer that has its group.
+    def take_declaration(self) -> tuple[str, float] | None:
+        """The key and expiration of our last declaration, once (then None): what :meth:`withdraw` takes."""
+        declared, self._declared = self._declared, None
+        return declared
+
+    async def withdraw(self, declared: tuple[str, float] | None, timeout: float = 5.0) -> None:
+        """Replace the declaration ``declared`` with an empty one, so nobody tries to join a peer that has its group.
 
         A DHT entry cannot be shortened (the newer expiration wins), so the
         empty value goes in with an expiration just after the declaration's;
-        readers skip it. Best effort: a failure only leaves a stale entry that
-        expires by itself.
+        readers skip it, and a newer declaration (a later round) outlives it.
+        Best effort: a failure only leaves a stale entry that expires by itself.
         """
-        if self._declared is None:
+        if declared is None:
             return
-        key, expiration = self._declared
-        self._declared = None
+        key, expiration = declared
         try:
             await self.peer.dht.store(key, b"", expiration + 0.001, subkey=owned("member", self.peer.peer_id),
                                       timeout=timeout)
