@@ -214,8 +214,8 @@ class Averager:
         was partial; in both cases ``tensors`` are untouched. Non-finite
         values in ``tensors`` raise ValueError before anything is sent.
         """
-        group = await self.matchmake(tensors, weight)
-        report = await self.average_in(group, tensors, weight, strict=strict)
+        group = await self.matchmake(tensors, weight)  # checks weight and values
+        report = await self._average(group, tensors, weight, strict=strict, phase=0, checked=True)
         if self.grid is not None:
             self.grid.advance(group.my_index)
             report.notes.append(f"moshpit: next group key {self.grid.key!r}")
@@ -257,12 +257,19 @@ class Averager:
         average several times (phases 0, 1, ...). Partial rounds raise
         :class:`PartialAverageError` when ``strict`` (tensors untouched).
         """
+        return await self._average(group, tensors, weight, strict=strict, phase=phase, checked=False)
+
+    async def _average(self, group: Group, tensors: Sequence[torch.Tensor], weight: float, *,
+                       strict: bool, phase: int, checked: bool) -> RoundReport:
+        """:meth:`average_in`; ``checked``: :meth:`matchmake` already checked ``weight`` and the values."""
         schema = Schema.of(tensors)
-        _check_weight(weight)
+        if not checked:
+            _check_weight(weight)
         flat = None
         if group.me.role.sends:
             flat = flatten(tensors)
-            _check_finite([flat])
+            if not checked:
+                _check_finite([flat])
         round_group = group if phase == 0 else group.for_phase(phase)
         report, output = await self._run(round_group, schema, flat, weight)
         self.failure_rate.observe(group.size, len(report.left_out))

@@ -96,12 +96,13 @@ class PowerSGD:
         if len(shape) < 2:
             return False
         n, m = _matrix_shape(shape)
-        r = min(self.config.rank, n, m)
-        return r * (n + m) <= self.config.max_ratio * n * m
+        return self._rank(shape) * (n + m) <= self.config.max_ratio * n * m
+
+    def _rank(self, shape: torch.Size) -> int:
+        return min(self.config.rank, *_matrix_shape(shape))
 
     def rank_of(self, i: int) -> int:
-        n, m = _matrix_shape(self.shapes[i])
-        return min(self.config.rank, n, m)
+        return self._rank(self.shapes[i])
 
     async def step(self, grads: Sequence[torch.Tensor], weight: float = 1.0) -> PowerSGDReport:
         if [g.shape for g in grads] != self.shapes:
@@ -117,7 +118,7 @@ class PowerSGD:
         for i in packed:
             error = self.errors[i]
             assert error is not None
-            ms[i] = grads[i].detach().reshape(error.shape).to(torch.float32) + error
+            ms[i] = grads[i].detach().reshape(error.shape) + error  # float32: checked above
         # Phase 0 needs Q, and Q needs the group: matchmake on the shapes of phase 0 first.
         ps = {i: torch.zeros(ms[i].shape[0], self.rank_of(i)) for i in packed}
         first = [ps[i] for i in packed] + [grads[i].detach().clone() for i in plain]
