@@ -290,6 +290,8 @@ async def timed_rounds(system: System, specs: list[PeerSpec], args: argparse.Nam
                     for i, spec in enumerate(specs):
                         nursery.start_soon(swarm.add, f"p{i}", spec)
         aux_ids = [w.peer_id for w, s in zip(swarm.workers, sorted_specs(swarm, specs)) if s.role == "aux"]
+        if lab is not None and args.link_trace:
+            await start_link_trace(lab, args.log_dir / f"{system.name}-{label}-links.txt")
         for r in range(args.rounds + args.warmup):
             replies = await run_round(swarm, swarm.workers, r, 1000 + r, aux_ids, args.timeout)
             t = round_time(replies)
@@ -304,16 +306,47 @@ async def timed_rounds(system: System, specs: list[PeerSpec], args: argparse.Nam
                   f"step {max(x['step_s'] for x in replies):.2f} s, max error {max(errs, default=0):.1e}, "
                   f"split {'/'.join(f'{f:.2f}' for f in replies[0].get('fractions', []))}"
                   + (f", start skew {max(x['wall_start'] for x in replies) - min(x['wall_start'] for x in replies):.2f} s"
-                     if all('wall_start' in x for x in replies) else ""), flush=True)
+                     if all('wall_start' in x for x in replies) else "")
+                  + (', cpu ' + '/'.join(f"{x['cpu_s']:.1f}" for x in replies) + ' s' if all('cpu_s' in x for x in replies) else ''),
+                  flush=True)
             if r >= args.warmup:
                 times.append(t)
                 steps.append(max(float(x["step_s"]) for x in replies))
                 errors.extend(errs)
+        if lab is not None and args.link_trace:
+            await dump_link_stats(lab, args.log_dir / f"{system.name}-{label}-stats.txt")
     out: dict[str, Any] = {"rounds": len(times), "failures": failures}
     if times:
         out.update(min_s=min(times), median_s=statistics.median(times), step_median_s=statistics.median(steps),
                    max_error=max(errors, default=0.0))
     return out
+
+
+async def start_link_trace(lab: Lab, path: Path) -> None:
+    """Sample every core-side link's byte counters (~10/s) into ``path`` for bench/link_trace.py.
+
+    The core end of a host's link sees the host's upload as rx and its
+    download as tx. Bounded (20,000 samples) and killed with the lab.
+    """
+    addrs = await lab.run_in(lab.core, ["ip", "-o", "-4", "addr", "show"])
+    hosts = " ".join(f"{name}={host.ip}" for name, host in lab.hosts.items())
+    with open(path, "w") as out:
+        out.write(f"H {hosts}\n")
+        for line in addrs.stdout.splitlines():
+            out.write(f"A {line}\n")
+    script = ("for i in $(seq 20000); do echo T $(date +%s.%N); for f in /sys/class/net/l*; do "
+              "echo S ${f##*/} $(cat $f/statistics/rx_bytes) $(cat $f/statistics/tx_bytes); done; sleep 0.05; done")
+    with open(path, "ab") as out:
+        await lab.spawn_in(lab.core, ["sh", "-c", script], stdout=out)
+
+
+async def dump_link_stats(lab: Lab, path: Path) -> None:
+    """Each namespace's qdisc counters (drops) and TCP counters (retransmits, timeouts) into ``path``."""
+    with open(path, "w") as out:
+        for name, ns in [*((n, h.ns) for n, h in lab.hosts.items()), ("core", lab.core)]:
+            for argv in (["tc", "-s", "qdisc", "show"], ["nstat", "-az"]):
+                result = await lab.run_in(ns, argv)
+                out.write(f"== {name}: {' '.join(argv)}\n{result.stdout}\n")
 
 
 def sorted_specs(swarm: Swarm, specs: list[PeerSpec]) -> list[PeerSpec]:
@@ -564,6 +597,9 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/dedloc-bench-averaging"))
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--link-trace", action="store_true",
+                        help="shaped setups: sample every link's bytes into --log-dir (read with bench/link_trace.py) "
+                             "and dump qdisc and TCP counters after the rounds")
     args = parser.parse_args()
     results = trio.run(main, args)
     summary(results)
