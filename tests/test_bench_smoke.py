@@ -60,3 +60,22 @@ def test_every_bench_script_imports_the_project_packages():
     for script in scripts:
         result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, f"{script.name}: {result.stderr[-2000:]}"
+
+
+def test_link_trace_reads_rates_per_host(tmp_path: Path) -> None:
+    """bench/link_trace.py turns the core's byte counters into each host's up/down Mbit/s."""
+    trace = tmp_path / "links.txt"
+    lines = ["H p0=198.18.2.2 p1=198.18.3.2",
+             "A 5: l1    inet 198.18.2.1/24 scope global l1",
+             "A 6: l2    inet 198.18.3.1/24 scope global l2"]
+    for i, (t, rx1, tx1, rx2, tx2) in enumerate([(0.0, 0, 0, 0, 0), (0.1, 1_250_000, 625_000, 0, 1_250_000),
+                                                 (0.2, 1_250_000, 625_000, 0, 1_250_000)]):
+        lines += [f"T {100 + t}", f"S l1 {rx1 * i} {tx1 * i}", f"S l2 {rx2 * i} {tx2 * i}"]
+    trace.write_text("\n".join(lines) + "\n")
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "link_trace.py"), str(trace)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    header, *rows = result.stdout.strip().splitlines()
+    assert header.split()[2:4] == ["p0", "p1"]
+    assert len(rows) == 2
+    assert rows[0].split()[1:] == ["100/50", "0/100"]  # p0: 100 Mbit up, 50 down; p1: 100 down
