@@ -110,7 +110,7 @@ class AllreduceConfig:
     ``chunk_elements``: values per chunk (128 Ki float32 = 512 KiB), the unit of
     pipelining. ``compression`` applies to tensors of at least
     ``min_compress_elements`` values; smaller ones go as float32.
-    ``stall_timeout``: how long a stream may go without progress before its
+    ``stall_timeout``: how long a stream may go without a byte before its
     peer is given up on. ``timeout``: the whole round. ``max_chunks_ahead``:
     how many chunks a sender may send to a reducer before their averages come
     back. Without it a sender's stream to one reducer races ahead (TCP shares a
@@ -385,7 +385,8 @@ class AllreduceRound:
             nursery.start_soon(self._write_back, stream, sender)
             try:
                 for k, span in enumerate(mine):
-                    with trio.fail_after(self.config.stall_timeout):
+                    with trio.fail_after(self.config.stall_timeout) as watchdog:
+                        reader.watch(watchdog, self.config.stall_timeout)
                         _, payload = await _read_chunk(reader, k, span, f"member {sender}")
                     clock.add(len(payload), time.perf_counter())
                     values = decode(payload, span.codec, span.end - span.start)
@@ -450,7 +451,8 @@ class AllreduceRound:
                 for k, span in enumerate(spans):
                     # The reducer itself may wait stall_timeout for another sender
                     # before it gives up on it: be more patient than that.
-                    with trio.fail_after(2 * self.config.stall_timeout):
+                    with trio.fail_after(2 * self.config.stall_timeout) as watchdog:
+                        reader.watch(watchdog, 2 * self.config.stall_timeout)
                         head, payload = await _read_chunk(reader, k, span, "the reducer", empty_ok=True)
                     clock.add(len(payload), time.perf_counter())
                     contributors = contributors_from_bits(bytes(head.contributors), self.group.size)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol, TypeVar
 
+import trio
 from google.protobuf.message import DecodeError, Message
 
 from p2p.rpc.framing import decode_varint, encode_varint
@@ -36,6 +37,17 @@ class FrameReader:
         self.stream = stream
         self._buf = bytearray()
         self.bytes_read = 0
+        self._watchdog: trio.CancelScope | None = None
+        self._patience = 0.0
+
+    def watch(self, scope: trio.CancelScope, patience: float) -> None:
+        """Push ``scope``'s deadline ``patience`` s past every read that brings bytes.
+
+        A stall is a peer that sends nothing, not one that sends slowly: with
+        15 senders sharing a 20 Mbit link, a 512 KiB chunk can take longer than
+        the stall timeout while its bytes keep coming.
+        """
+        self._watchdog, self._patience = scope, patience
 
     async def _more(self) -> None:
         try:
@@ -46,6 +58,8 @@ class FrameReader:
             raise TruncatedStreamError("the peer closed the stream mid-frame")
         self.bytes_read += len(data)
         self._buf += data
+        if self._watchdog is not None:
+            self._watchdog.deadline = trio.current_time() + self._patience
 
     async def at_eof(self) -> bool:
         """True if the stream ended cleanly here (between frames)."""

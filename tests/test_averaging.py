@@ -371,3 +371,30 @@ async def test_senders_stay_at_most_max_chunks_ahead_and_lockstep_still_averages
     assert len(leads) >= 6 * 8 and max(leads) == 0  # every chunk sent with nothing outstanding
     for d in data:
         assert torch.allclose(d[0].double(), exact, atol=1e-6)
+
+
+async def test_a_slow_but_steady_sender_is_not_taken_for_a_stalled_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stall timeout counts time without a byte, not time per chunk (many senders on one slow link)."""
+
+    async def trickle(stream: object, head: bytes, payload: bytes) -> None:
+        await stream.write(head)  # type: ignore[attr-defined]
+        step = max(1, len(payload) // 6)
+        for i in range(0, len(payload), step):
+            await trio.sleep(0.25)
+            await stream.write(payload[i:i + step])  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(allreduce, "_write_chunk", trickle)
+    async with open_peers(3) as everyone:
+        peers = everyone[1:]
+        await public(peers)
+        data = [[torch.randn(30_000)] for _ in peers]
+        exact = weighted_mean(data, [1.0] * 3, 0)
+        # each chunk takes ~1.5 s to arrive, the stall timeout is 1 s
+        cfg = config(3, allreduce=AllreduceConfig(chunk_elements=16 * 1024, stall_timeout=1.0, timeout=30.0))
+        async with Averager.open(peers[0], cfg) as a0, Averager.open(peers[1], cfg) as a1, \
+                Averager.open(peers[2], cfg) as a2:
+            reports = await step_all([a0, a1, a2], data, [1.0] * 3)
+    for r in reports:
+        assert isinstance(r, RoundReport) and r.complete, r if not isinstance(r, RoundReport) else r.summary()
+    for d in data:
+        assert torch.allclose(d[0].double(), exact, atol=1e-6)
