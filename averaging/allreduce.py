@@ -52,7 +52,6 @@ from .wire import FrameReader, frame
 
 log = logging.getLogger(__name__)
 
-
 PROTOCOL = "/dedloc/allreduce/1.0.0"
 
 
