@@ -78,6 +78,12 @@ async def _read_chunk(reader: FrameReader, index: int, span: Region, who: str, *
     return head, await reader.exactly(head.nbytes)
 
 
+def check_weight(weight: float) -> None:
+    """A member's weight (its samples) must be finite and >= 0."""
+    if not (math.isfinite(weight) and weight >= 0):
+        raise ValueError(f"weight must be finite and >= 0, not {weight}")
+
+
 class _Counter:
     """Chunks returned on one stream so far; the sender waits on it to stay at most so many ahead."""
 
@@ -228,8 +234,7 @@ class AllreduceRound:
         sends = group.me.role.sends
         if sends and values is None:
             raise ValueError("a sending member needs values")
-        if not (math.isfinite(weight) and weight >= 0):
-            raise ValueError(f"weight must be finite and >= 0, not {weight}")
+        check_weight(weight)
         self.weight = weight
         self.values = values
         self.output = values.clone() if values is not None else None

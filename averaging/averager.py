@@ -40,7 +40,7 @@ from nat import Peer
 from p2p.hooks import ExternalAddresses, Reachability, SwarmObserver
 from p2p.trio_util import finish_quietly
 
-from .allreduce import PROTOCOL, AllreduceConfig, AllreduceRound, RoundPlan, RoundReport
+from .allreduce import PROTOCOL, AllreduceConfig, AllreduceRound, RoundPlan, RoundReport, check_weight
 from .bandwidth import BandwidthConfig, BandwidthEstimator
 from .errors import AllreduceProtocolError, AveragingError, MatchmakingError, PartialAverageError
 from .group import Group, Member, Role
@@ -105,11 +105,6 @@ class AveragerConfig:
             raise ValueError("compute must be finite and >= 0")
         if not (self.join_wait > 0 and self.reachability_wait >= 0):
             raise ValueError("join_wait must be > 0 and reachability_wait >= 0")
-
-
-def _check_weight(weight: float) -> None:
-    if not (math.isfinite(weight) and weight >= 0):
-        raise ValueError(f"weight must be finite and >= 0, not {weight}")
 
 
 def _check_finite(tensors: Sequence[torch.Tensor]) -> None:
@@ -230,7 +225,7 @@ class Averager:
         goes into the match key). Checks ``tensors`` and ``weight`` first.
         """
         schema = Schema.of(tensors)
-        _check_weight(weight)
+        check_weight(weight)
         await self.settled()
         role, accepts_joins = self.role()
         if role.sends:
@@ -264,7 +259,7 @@ class Averager:
         """:meth:`average_in`; ``checked``: :meth:`matchmake` already checked ``weight`` and the values."""
         schema = Schema.of(tensors)
         if not checked:
-            _check_weight(weight)
+            check_weight(weight)
         flat = None
         if group.me.role.sends:
             flat = flatten(tensors)
