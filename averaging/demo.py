@@ -4,10 +4,12 @@ It runs the very commands a user would (``dedloc relay``, ``dedloc average``
 and ``dedloc dht``, each with ``--json``) and follows their event lines, so
 the demo exercises the product, not a special path. Everything binds to
 127.0.0.1. The swarm forms (every regular peer meets every other; the last
-peer is outbound-only, as behind a firewall, and only dials), the DHT stores
-and returns a value, and the peers average tensors: peer *i* holds the value
-*i* every round, so the demo checks each round's result against the exact
-mean of the group's values.
+peer is outbound-only, as behind a firewall, and only dials; with three or more
+peers the one before it listens nowhere, as behind a NAT that maps nothing, and
+others reach it only through its slot on the relay), the DHT stores and returns
+a value, and the peers average tensors: peer *i* holds the value *i* every
+round, so the demo checks each round's result against the exact mean of the
+group's values.
 """
 
 from __future__ import annotations
@@ -76,6 +78,8 @@ async def run_demo(*, peers: int, duration: float, out: Any) -> int:
     names: dict[str, str] = {}  # peer id -> name
     values: dict[str, float] = {}  # peer id -> the value it averages
     client = f"peer-{peers}"  # outbound only: dials, never dialed, never reduces
+    # reachable only through the relay (no listen socket): sends, never reduces (relay limits make it slow)
+    relayed = f"peer-{peers - 1}" if peers >= 3 else None
     rounds_ok: Counter[str] = Counter()
     whole_swarm: set[str] = set()
     wrong: list[str] = []
@@ -137,7 +141,8 @@ async def run_demo(*, peers: int, duration: float, out: Any) -> int:
                 say(f"{member.name:>9} up   {member.peer_id}")
             elif kind == "connection_opened":
                 member.connections[event["peer_id"]] += 1
-                say(f"{member.name:>9} ⇄    {names.get(event['peer_id'], event['peer_id'][-8:])} ({event['direction']})")
+                path = "" if event.get("kind", "direct") == "direct" else f", {event['kind']}"
+                say(f"{member.name:>9} ⇄    {names.get(event['peer_id'], event['peer_id'][-8:])} ({event['direction']}{path})")
             elif kind == "connection_closed":
                 member.connections[event["peer_id"]] -= 1
             elif kind == "message":
@@ -161,8 +166,9 @@ async def run_demo(*, peers: int, duration: float, out: Any) -> int:
                 meshed.set()
 
     async def start(nursery: trio.Nursery, name: str, *args: str) -> _Member:
+        listen = () if "--no-listen" in args else ("--listen", LOOPBACK)
         process = await trio.lowlevel.open_process(
-            _command(*args, "--json", "--listen", LOOPBACK, "--ephemeral"),
+            _command(*args, "--json", *listen, "--ephemeral"),
             stdout=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
         )
@@ -174,7 +180,8 @@ async def run_demo(*, peers: int, duration: float, out: Any) -> int:
             await ready.wait()
         return member
 
-    say(f"starting a bootstrap node and {peers} peers on 127.0.0.1 ({client} outbound-only); Ctrl-C stops")
+    behind = f"{client} outbound-only" + (f", {relayed} reachable only through the relay" if relayed else "")
+    say(f"starting a bootstrap node and {peers} peers on 127.0.0.1 ({behind}); Ctrl-C stops")
     ok = False
     try:
         async with trio.open_nursery() as nursery:
@@ -188,8 +195,11 @@ async def run_demo(*, peers: int, duration: float, out: Any) -> int:
                 async with trio.open_nursery() as starters:
                     for i in range(1, peers + 1):
                         name = f"peer-{i}"
-                        role = (["--client"] if name == client else
-                                ["--message", f"hello from {name}", "--exchange-interval", "1", "--allow-private"])
+                        greet = ["--message", f"hello from {name}", "--exchange-interval", "1"]
+                        # --no-listen without --allow-private: 127.0.0.1 is no public address to it, so
+                        # AutoNAT finds it private and it reserves a slot on the relay, as behind a NAT.
+                        role = (["--client"] if name == client else [*greet, "--no-listen"] if name == relayed
+                                else [*greet, "--allow-private"])
                         starters.start_soon(start, nursery, name, "average", "--initial-peers", boot_addr,
                                             "--value", str(i), *averaging, *role)
                 with trio.move_on_after(duration):
@@ -199,7 +209,7 @@ async def run_demo(*, peers: int, duration: float, out: Any) -> int:
                     if await _dht_round_trip(say, boot_addr):
                         await averaged.wait()
                         say(f"averaging: every peer averaged {ROUNDS_WANTED}+ rounds exactly, each in a group "
-                            f"of all {peers} at least once ({client} as a sender only)")
+                            f"of all {peers} at least once ({behind}: senders only)")
                         ok = not wrong
             finally:
                 for member in members.values():

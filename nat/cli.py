@@ -26,6 +26,7 @@ from p2p import events as ev
 from p2p.addresses import Scope, parse_peer_addr, scope_of
 from p2p.cli import Output, build_parser as p2p_parser, common_options, run
 from p2p.config import NodeConfig
+from p2p.errors import ConfigError
 from p2p.dht.events import DHTMode
 from p2p.dialer import remote_addr
 from p2p.node import Node
@@ -83,7 +84,10 @@ def peer_config(args: argparse.Namespace, *, relay: bool) -> PeerConfig:
         config = PeerConfig.relay(identity_path=identity, listen=args.listen or RELAY_LISTEN,
                                   initial_peers=args.initial_peers, limits=limits)
     else:
-        config = PeerConfig.peer(args.initial_peers, identity_path=identity, listen=args.listen or PEER_LISTEN,
+        if args.no_listen and args.listen:
+            raise ConfigError("--no-listen and --listen contradict each other: give one")
+        listen = [] if args.no_listen else args.listen or PEER_LISTEN
+        config = PeerConfig.peer(args.initial_peers, identity_path=identity, listen=listen,
                                  bootstrap_timeout=args.bootstrap_timeout)
         config.nat.relay_service, config.nat.relay = args.serve_relay, limits
         assert config.dht is not None
@@ -210,6 +214,9 @@ def peer_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exchange-interval", type=float, default=5.0, metavar="SECONDS",
                    help="how often to ask connected peers for more peers (default: %(default)s)")
     p.add_argument("--message", default=None, metavar="TEXT", help="send this greeting to every peer met")
+    p.add_argument("--no-listen", action="store_true",
+                   help="accept no direct connection: dial out, and be reachable only through a relay slot "
+                   "(as behind a NAT that maps nothing, or a firewall that drops every inbound packet)")
     p.add_argument("--dht-mode", choices=[m.value for m in DHTMode], default="auto",
                    help="serve the DHT (server), only use it (client), or serve once reachable (auto, the default)")
     nat_options(p)

@@ -68,6 +68,8 @@ class Output:
 def human(event: ev.Event) -> str:
     match event:
         case ev.Listening(peer_id=pid, addrs=addrs):
+            if not addrs:
+                return f"peer id {pid}\nno direct address (not listening): others reach this node through a relay slot"
             lines = [f"peer id {pid}", "listening on (give one of these to others):"]
             lines += [f"  {a}" for a in addrs]
             return "\n".join(lines)

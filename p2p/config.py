@@ -19,6 +19,9 @@ class NodeConfig:
     """
 
     identity_path: Path | None = None
+    #: Empty: no direct inbound connection at all. The node still dials out, and the NAT layer
+    #: makes it reachable through relays, like a peer behind a NAT that maps nothing (go-libp2p's
+    #: ``NoListenAddrs``; ``dedloc peer --no-listen``).
     listen: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0", "/ip6/::/tcp/0"])
     #: Addresses to advertise instead of the listen addresses (e.g. a relay's public IP).
     announce: list[str] = field(default_factory=list)
@@ -40,8 +43,8 @@ class NodeConfig:
     yamux: YamuxConfig = field(default_factory=YamuxConfig)
 
     def validate(self) -> None:
-        if not self.listen:
-            raise ConfigError("no listen address: give at least one, e.g. /ip4/0.0.0.0/tcp/4001")
+        if not self.listen and self.announce:
+            raise ConfigError("announce given but no listen address: nothing would answer at the announced address")
         for a in self.listen:
             addr = parse_multiaddr(a, what="listen address")
             names = [p.name for p in addr.protocols()]

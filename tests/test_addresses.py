@@ -59,7 +59,7 @@ def test_ranking_direct_before_relayed_public_before_private():
     "kwargs, match",
     [
         ({"listen": ["/ip4/1.2.3.4/udp/5"]}, "not supported"),
-        ({"listen": []}, "no listen address"),
+        ({"listen": [], "announce": ["/ip4/1.2.3.4/tcp/5"]}, "no listen address"),
         ({"initial_peers": ["/ip4/1.2.3.4/tcp/5"]}, "no /p2p/"),
         ({"initial_peers": ["nonsense"]}, "not a multiaddr"),
         ({"dial_timeout": 0}, "positive"),

@@ -156,8 +156,10 @@ def test_demo_forms_a_swarm_uses_the_dht_and_averages_exactly():
     assert "swarm formed: 3 peers and the bootstrap node" in result.stdout
     assert "dht get demo:greeting   → hello, DHT" in result.stdout
     assert "every peer averaged" in result.stdout
-    # the outbound-only peer took part as a sender, and every checked round matched the exact mean
-    assert "peer-3 avg" in result.stdout and "as sender" in result.stdout
+    # the outbound-only peer and the one reachable only through the relay took part as senders,
+    # and every checked round matched the exact mean
+    assert "peer-2 slot on relay bootstrap" in result.stdout and "peer-2 mode relayed" in result.stdout
+    assert "peer-2 avg" in result.stdout and "peer-3 avg" in result.stdout and "as sender" in result.stdout
     assert "= exact mean 2.0000" in result.stdout and "WRONG" not in result.stdout
     assert "Traceback" not in result.stderr
 

@@ -56,9 +56,10 @@ def nat_config(**overrides: Any) -> NatConfig:
 
 
 @asynccontextmanager
-async def nat_node(config: NatConfig | None = None) -> AsyncIterator[tuple[Node, NatService, list[ev.Event]]]:
+async def nat_node(config: NatConfig | None = None, *,
+                   listen: list[str] | None = None) -> AsyncIterator[tuple[Node, NatService, list[ev.Event]]]:
     """A node with the NAT layer, and the events it emitted (recorded from the start)."""
-    async with Node.open(loopback_config()) as node:
+    async with Node.open(loopback_config() if listen is None else loopback_config(listen=listen)) as node:
         seen: list[ev.Event] = []
         async with node.events() as events, trio.open_nursery() as nursery:
 
@@ -114,6 +115,25 @@ async def test_peer_behind_a_relay_reserves_advertises_and_is_reachable_by_id():
         assert is_relayed_conn(c.network.get_connections(b.peer_id)[0])
         assert await c.ping(b.peer_id) > 0
         assert b_nat.metrics()["bytes_relayed"] > 0
+
+
+async def test_a_node_that_listens_nowhere_is_reachable_only_through_its_relay_slot():
+    """``listen=[]`` (``dedloc peer --no-listen``): behind a NAT that maps nothing. It dials out, AutoNAT finds
+    no address to confirm, it reserves a slot, advertises only the circuit, and others reach it there."""
+    async with AsyncExitStack() as stack:
+        relay, _, _ = await stack.enter_async_context(nat_node(nat_config(relay_service=True, allow_private=True)))
+        b, b_nat, _ = await stack.enter_async_context(nat_node(listen=[]))
+        assert b.listen_addrs == [] and b.addrs == []
+        await b.connect(relay.addrs[0])
+        await wait_until(lambda: b.addrs)
+        assert all(is_relayed(a) for a in b.addrs) and b_nat.mode == "relayed"
+        await wait_until(lambda: b_nat.reachability == "private")  # the AutoNAT server had nothing to dial back
+        c, _, _ = await stack.enter_async_context(nat_node(nat_config(allow_private=True)))
+        await c.connect(b.addrs)
+        (conn,) = c.network.get_connections(b.peer_id)
+        assert is_relayed_conn(conn)
+        assert await c.ping(b.peer_id) > 0
+        assert not is_relayed_conn(b.network.get_connections(relay.peer_id)[0])  # it dialed out directly
 
 
 async def test_relay_loss_is_reported_and_its_address_withdrawn():
