@@ -118,6 +118,7 @@ class Matchmaker:
         self._me: Member | None = None
         self._lead: _Lead | None = None
         self._following: ID | None = None
+        self._moved = trio.Event()  # set (and replaced) whenever we start or stop leading or following
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -179,6 +180,7 @@ class Matchmaker:
         finally:
             self._me = None
             self._following = None
+            self._move()
         raise MatchmakingError(
             f"no group of at least {self.config.min_size} formed under {key!r} within "
             f"{self.config.timeout:.0f} s ({last_seen} matching peers declared"
@@ -208,6 +210,10 @@ class Matchmaker:
         except (DedlocError, trio.TooSlowError) as e:
             log.debug("could not withdraw the declaration under %s: %s", key, e)
 
+    def _move(self) -> None:
+        self._moved.set()
+        self._moved = trio.Event()
+
     async def _candidates(self, deadline: float) -> list[Member]:
         """Live declarations under this formation's key with our match key, ourselves included."""
         assert self._me is not None
@@ -234,6 +240,7 @@ class Matchmaker:
         """Ask ``leader``; a Group, the ID of the leader it redirects to, or None when refused/unreachable."""
         assert self._me is not None
         self._following = leader
+        self._move()
         try:
             response = await self.peer.node.rpc.call(
                 leader, f"{JOIN_METHOD}.{self.prefix}",
@@ -264,6 +271,7 @@ class Matchmaker:
         """Lead until the group is set (returned), or a better leader shows up (None)."""
         assert self._me is not None
         lead = self._lead = _Lead()
+        self._move()
         started = trio.current_time()
         try:
             while trio.current_time() < deadline:
@@ -291,6 +299,7 @@ class Matchmaker:
         finally:
             lead.closed.set()
             self._lead = None
+            self._move()
 
     async def _fix_group(self, lead: _Lead) -> Group:
         """Fix the group and answer the followers before the leader goes on.
@@ -321,6 +330,13 @@ class Matchmaker:
             return pb.JoinResponse(status=pb.JoinResponse.REJECTED, reason=str(e))
         if member.peer_id != ctx.peer_id:
             return pb.JoinResponse(status=pb.JoinResponse.REJECTED, reason="a declaration of another peer")
+        if self._me is not None and self._lead is None and self._following is None:
+            # We are looking too, between two reads of the declarations: we pick a leader within
+            # moments (often ourselves: the joiner picked us). Answering "not leading" now made the
+            # joiner skip us for a while, and it missed the group we formed a moment later.
+            with trio.move_on_after(self.config.poll_interval):
+                while self._me is not None and self._lead is None and self._following is None:
+                    await self._moved.wait()
         me, lead = self._me, self._lead
         if me is None or member.schema != me.schema:
             return pb.JoinResponse(status=pb.JoinResponse.REJECTED, reason="not matching now")

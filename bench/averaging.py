@@ -29,10 +29,11 @@ Setups (issue "Group all-reduce that adapts to the swarm"):
                  (equal split), parameter server (one reducer, every other
                  peer reduces=False; in D the auxiliary) and ours (the LP).
   reliability    --reliability-peers peers on 127.0.0.1, small tensors,
-                 --reliability-rounds rounds; before some rounds a random
+                 --reliability-rounds rounds; during some rounds a random
                  peer is SIGKILLed (and restarted a few rounds later): the
                  count of complete, partial (reported) and silently wrong
-                 rounds (complete, but off the exact average).
+                 rounds (complete, but off the exact average), and of live
+                 peers whose step raised (peer_errors: reported, no average).
 
 A round's time is the all-reduce alone, the slowest member's: dedloc's
 RoundReport.elapsed; for hivemind, from a common "go" after its group formed
@@ -472,7 +473,9 @@ async def reliability(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for system in systems_of(args):
         counts = {"rounds": 0, "complete": 0, "partial_reported": 0, "silently_wrong": 0, "failed": 0,
-                  "kills": 0, "worst_complete_error": 0.0}
+                  "kills": 0, "peer_errors": 0, "worst_complete_error": 0.0}
+        steps: list[float] = []  # a peer's whole step (matchmaking + all-reduce), per reply
+        allreduces: list[float] = []
         started = time.monotonic()
         async with AsyncExitStack() as stack:
             swarm = Swarm(system, None, args.log_dir, elements, n,
@@ -487,10 +490,12 @@ async def reliability(args: argparse.Namespace) -> dict[str, Any]:
                 if time.monotonic() - started > args.reliability_max_s:
                     print(f"  reliability {system.name}: stopping at the time limit after {r} rounds", flush=True)
                     break
+                round_started = time.monotonic()
                 for i, at in list(dead.items()):
                     if r >= at:
                         del dead[i]
                         swarm.workers[i] = await swarm.spawn(f"p{i}", PeerSpec(), swarm.worker_args(PeerSpec()))
+                restarted = time.monotonic() - round_started
                 live = [i for i in range(n) if i not in dead]
                 victim = None
                 if len(live) > 2 and rng.random() < args.kill_rate:
@@ -502,6 +507,9 @@ async def reliability(args: argparse.Namespace) -> dict[str, Any]:
                     dead[victim] = r + rng.randint(1, 4)
                 counts["rounds"] += 1
                 ok = [x for x in replies if x.get("ok")]
+                counts["peer_errors"] += len(replies) - len(ok)  # a live peer's step raised (reported, not silent)
+                steps.extend(float(x["step_s"]) for x in ok)
+                allreduces.extend(float(x["allreduce_s"]) for x in ok)
                 if not ok:
                     counts["failed"] += 1
                 for x in ok:
@@ -515,9 +523,17 @@ async def reliability(args: argparse.Namespace) -> dict[str, Any]:
                                                          max(float(x.get("max_err", 0.0)) for x in ok))
                 elif ok:
                     counts["partial_reported"] += 1
-                if r % 50 == 0:
-                    print(f"  reliability {system.name} round {r}: {counts}", flush=True)
+                took = time.monotonic() - round_started
+                if r % 50 == 0 or took > 3.0:
+                    print(f"  reliability {system.name} round {r} ({took:.1f} s, {restarted:.1f} s of it restarting "
+                          f"peers{', one killed' if victim is not None else ''}): {counts}", flush=True)
+                    for x in replies:
+                        if not x.get("ok"):
+                            print(f"    a peer failed: {x.get('error')}", flush=True)
         counts["seconds"] = time.monotonic() - started
+        if steps:
+            counts["step_s_median"] = statistics.median(steps)
+            counts["allreduce_s_median"] = statistics.median(allreduces)
         out[system.name] = counts
         print(f"reliability {system.name}: {counts}", flush=True)
     return out

@@ -96,7 +96,9 @@ async def one_round(averager: Averager, cmd: dict[str, Any], args: argparse.Name
     started = time.perf_counter()
     cpu0 = time.process_time()
     try:
-        with trio.fail_after(args.timeout):
+        # A little longer than the matchmaking deadline, so that the averager's own error
+        # (no group, a stalled round) is what gets reported, not this guard's.
+        with trio.fail_after(args.timeout + 8):
             report = await averager.step(tensors, weight=weight, strict=False)
     except (AveragingError, trio.TooSlowError, ValueError) as exc:
         traceback.print_exc(file=sys.stderr)  # the worker's log has the whole story
