@@ -129,6 +129,49 @@ async def test_peers_with_other_tensors_never_match() -> None:
         assert all(isinstance(r, MatchmakingError) for r in results), results
 
 
+async def test_a_join_that_arrives_while_the_leader_reads_declarations_is_accepted() -> None:
+    """The peer everyone picks as leader may still be reading the DHT when the first join arrives.
+    It must answer once it leads, not "not leading": the joiner then skipped it for a second and was
+    left out of the group it formed a moment later (a lone 20 s wait in the reliability bench)."""
+    async with open_peers(2) as everyone:
+        peers = sorted(everyone[1:], key=lambda p: p.peer_id.to_bytes())  # peers[0] ranks first: the leader
+        await public(peers)
+        cfg = config(2, matchmaking=MatchmakingConfig(target_size=2, min_size=2, timeout=10.0, gather_time=0.2))
+        async with Averager.open(peers[0], cfg) as leader, Averager.open(peers[1], cfg) as joiner:
+            read = leader.matchmaker._candidates
+            first = [True]
+
+            async def slow_first_read(deadline: float) -> list:  # type: ignore[type-arg]
+                found = await read(deadline)
+                if first[0]:
+                    first[0] = False
+                    await trio.sleep(0.4)  # the joiner's call lands here
+                return found
+
+            join = joiner.matchmaker._join
+            outcomes: list[object] = []
+
+            async def recorded_join(leader_id: object, deadline: float) -> object:
+                outcomes.append(await join(leader_id, deadline))  # type: ignore[arg-type]
+                return outcomes[-1]
+
+            leader.matchmaker._candidates = slow_first_read  # type: ignore[method-assign]
+            joiner.matchmaker._join = recorded_join  # type: ignore[method-assign,assignment]
+            # the joiner starts once the leader has declared, so its first read finds the leader
+            async with trio.open_nursery() as nursery:
+                results: list[object] = []
+
+                async def run(a: Averager, delay: float) -> None:
+                    await trio.sleep(delay)
+                    results.append(await a.step([torch.ones(10)]))
+
+                nursery.start_soon(run, leader, 0.0)
+                nursery.start_soon(run, joiner, 0.2)
+        assert not first[0], "the leader's first read never ran"
+        assert len(outcomes) == 1 and not isinstance(outcomes[0], (type(None), type(peers[0].peer_id))), outcomes
+        assert all(isinstance(r, RoundReport) and r.complete for r in results), results
+
+
 async def test_nan_is_refused_before_anything_is_sent() -> None:
     async with open_peers(1) as (_, peer):
         async with Averager.open(peer, config(2)) as averager:
