@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 import trio
 
-from nat import Peer, PeerConfig
+from nat import Peer
 from nat.cli import build_parser as nat_parser, peer_config, peer_options, run_peer
 from p2p.cli import Output, run
 from p2p.errors import ConfigError
@@ -76,13 +76,7 @@ async def cmd_average(args: argparse.Namespace, out: Output) -> int:
         raise ConfigError(str(e)) from None
     if args.size <= 0:
         raise ConfigError("--size must be positive")
-    if args.client:
-        config = PeerConfig.client(args.initial_peers, timeout=args.bootstrap_timeout)
-        config.node.listen = args.listen or config.node.listen
-        config.greeting = args.message
-    else:
-        config = peer_config(args, relay=False)
-    return await run_peer(args, out, config=config, work=lambda peer: average_rounds(peer, args))
+    return await run_peer(args, out, config=peer_config(args, relay=False), work=lambda peer: average_rounds(peer, args))
 
 
 async def cmd_demo(args: argparse.Namespace, out: Output) -> int:
@@ -116,8 +110,6 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     g.add_argument("--rounds", type=int, default=0, metavar="N", help="stop after N rounds (0: run until --duration)")
     g.add_argument("--interval", type=float, default=2.0, metavar="SECONDS", help="pause between rounds")
     g.add_argument("--compression", choices=[c.value for c in Compression], default="none")
-    g.add_argument("--client", action="store_true",
-                   help="outbound only (behind a firewall): send and receive, never reduce a part")
     g.add_argument("--auxiliary", action="store_true",
                    help="no tensor of its own (weight 0): lend bandwidth by reducing parts for the others")
     g.add_argument("--no-reduce", action="store_true", help="never reduce a part, even when reachable")

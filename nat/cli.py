@@ -83,6 +83,12 @@ def peer_config(args: argparse.Namespace, *, relay: bool) -> PeerConfig:
     if relay:
         config = PeerConfig.relay(identity_path=identity, listen=args.listen or RELAY_LISTEN,
                                   initial_peers=args.initial_peers, limits=limits)
+    elif args.client:
+        if args.no_listen or args.serve_relay:
+            raise ConfigError("--client contradicts --no-listen and --serve-relay: a client dials out only")
+        config = PeerConfig.client(args.initial_peers, timeout=args.bootstrap_timeout)
+        config.node.listen = args.listen or config.node.listen
+        config.greeting = args.message
     else:
         if args.no_listen and args.listen:
             raise ConfigError("--no-listen and --listen contradict each other: give one")
@@ -214,6 +220,9 @@ def peer_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exchange-interval", type=float, default=5.0, metavar="SECONDS",
                    help="how often to ask connected peers for more peers (default: %(default)s)")
     p.add_argument("--message", default=None, metavar="TEXT", help="send this greeting to every peer met")
+    p.add_argument("--client", action="store_true",
+                   help="outbound only (a script, or behind a firewall): no relay slots, no AutoNAT service, "
+                   "a DHT client; averaging: send and receive, never reduce a part")
     p.add_argument("--no-listen", action="store_true",
                    help="accept no direct connection: dial out, and be reachable only through a relay slot "
                    "(as behind a NAT that maps nothing, or a firewall that drops every inbound packet)")

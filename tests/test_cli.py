@@ -169,6 +169,10 @@ def test_average_refuses_bad_options_before_starting_a_peer():
     assert result.returncode == 1 and "min_size <= target_size" in result.stderr
     result = run("average", "--initial-peers", DOWN, "--size", "0", "--ephemeral")
     assert result.returncode == 1 and "--size must be positive" in result.stderr
+    result = run("peer", "--initial-peers", DOWN, "--client", "--no-listen", "--ephemeral")
+    assert result.returncode == 1 and "--client contradicts --no-listen" in result.stderr
+    result = run("peer", "--initial-peers", DOWN, "--no-listen", "--listen", "/ip4/127.0.0.1/tcp/0", "--ephemeral")
+    assert result.returncode == 1 and "contradict each other" in result.stderr
 
 
 DOWN = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWD7w9XoYTBGTFwXAiNNnuxDAU68CEkFQQRQYd88ecAFCb"
