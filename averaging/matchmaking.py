@@ -41,7 +41,7 @@ from libp2p.peer.id import ID
 from nat import Peer
 from p2p.dht import owned
 from p2p.errors import DedlocError
-from p2p.rpc import CallContext
+from p2p.rpc import CallContext, PeerDisconnectedError
 
 from .errors import AllreduceProtocolError, MatchmakingError
 from .group import Group, Member
@@ -119,6 +119,10 @@ class Matchmaker:
         self._lead: _Lead | None = None
         self._following: ID | None = None
         self._moved = trio.Event()  # set (and replaced) whenever we start or stop leading or following
+        #: peers we could not reach, with the expiration of the declaration they had then: skipped until
+        #: they declare anew. A killed leader's declaration outlives it; retried every second, it drew
+        #: its would-be followers (and leaders handing theirs over) back to it until the deadline.
+        self._unreachable: dict[ID, float] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -169,7 +173,7 @@ class Matchmaker:
                     if group is not None:
                         return group
                     continue
-                outcome = await self._join(leader.peer_id, deadline)
+                outcome = await self._join(leader, deadline)
                 if isinstance(outcome, Group):
                     return outcome
                 refused[leader.peer_id] = trio.current_time() + 2 * self.config.poll_interval
@@ -220,6 +224,9 @@ class Matchmaker:
         found = await self.peer.dht.get(self._key, latest=True,
                                         timeout=max(0.5, min(5.0, deadline - trio.current_time())))
         now = self.clock()
+        for peer, expiration in list(self._unreachable.items()):
+            if expiration <= now:
+                del self._unreachable[peer]
         members: dict[ID, Member] = {self._me.peer_id: self._me}
         if found is not None and isinstance(found.value, dict):
             for entry in found.value.values():
@@ -232,13 +239,16 @@ class Matchmaker:
                 except Exception as e:  # a peer's garbage costs it only its entry
                     log.debug("skipping a malformed declaration: %r", e)
                     continue
-                if member.schema == self._me.schema and member.expiration > now:
+                if (member.schema == self._me.schema and member.expiration > now
+                        and self._unreachable.get(member.peer_id) != member.expiration):
                     members.setdefault(member.peer_id, member)
         return list(members.values())
 
-    async def _join(self, leader: ID, deadline: float) -> Group | ID | None:
-        """Ask ``leader``; a Group, the ID of the leader it redirects to, or None when refused/unreachable."""
+    async def _join(self, declared: Member, deadline: float) -> Group | ID | None:
+        """Ask the leader ``declared``; a Group, the ID of the leader it redirects to, or None when
+        refused or unreachable (then skipped while that declaration lives)."""
         assert self._me is not None
+        leader = declared.peer_id
         self._following = leader
         self._move()
         try:
@@ -248,6 +258,8 @@ class Matchmaker:
                 timeout=max(0.5, deadline - trio.current_time()))
         except DedlocError as e:
             log.debug("join %s failed: %s", leader, e)
+            if isinstance(e, (PeerDisconnectedError, ConnectionError)):  # gone, or never reached
+                self._unreachable[leader] = declared.expiration
             return None
         finally:
             self._following = None

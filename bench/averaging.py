@@ -279,7 +279,7 @@ async def timed_rounds(system: System, specs: list[PeerSpec], args: argparse.Nam
         if lab_needed:
             lab = await stack.enter_async_context(Lab(prefix=PREFIX, netem=False))
         swarm = Swarm(system, lab, args.log_dir, elements, len(specs),
-                      common=["--gather-time", str(args.gather_time), "--timeout", str(args.timeout)])
+                      common=["--gather-time", str(args.gather_time), "--timeout", str(args.timeout), *tuning(args)])
         stack.push_async_callback(swarm.close)
         await swarm.start_boot()
         with trio.fail_after(READY_TIMEOUT_S):
@@ -466,6 +466,15 @@ async def table1(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def tuning(args: argparse.Namespace) -> list[str]:
+    """dedloc's all-reduce settings given to this driver, passed on to every worker."""
+    out: list[str] = []
+    for name in ("chunk_elements", "max_chunks_ahead"):
+        if getattr(args, name) is not None:
+            out += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    return out
+
+
 async def reliability(args: argparse.Namespace) -> dict[str, Any]:
     """Rounds of small tensors with peers killed and restarted at random: partial vs silently wrong."""
     rng = random.Random(args.seed)
@@ -610,6 +619,8 @@ if __name__ == "__main__":
     parser.add_argument("--reliability-max-s", type=float, default=3600.0)
     parser.add_argument("--kill-rate", type=float, default=0.1)
     parser.add_argument("--tolerance", type=float, default=1e-4)
+    parser.add_argument("--chunk-elements", type=int, default=None, help="dedloc's AllreduceConfig.chunk_elements")
+    parser.add_argument("--max-chunks-ahead", type=int, default=None, help="dedloc's AllreduceConfig.max_chunks_ahead")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/dedloc-bench-averaging"))
     parser.add_argument("--json", type=Path)

@@ -57,4 +57,6 @@ def worker_parser(doc: str | None) -> argparse.ArgumentParser:
     parser.add_argument("--gather-time", type=float, default=1.0)
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--stall-timeout", type=float, default=15.0)
+    parser.add_argument("--chunk-elements", type=int, default=None, help="dedloc: AllreduceConfig.chunk_elements")
+    parser.add_argument("--max-chunks-ahead", type=int, default=None, help="dedloc: AllreduceConfig.max_chunks_ahead")
     return parser

@@ -122,6 +122,11 @@ async def one_round(averager: Averager, cmd: dict[str, Any], args: argparse.Name
     return reply
 
 
+def tuning(args: argparse.Namespace) -> dict[str, int]:
+    """The AllreduceConfig settings given on the command line (the rest keep their defaults)."""
+    return {k: v for k in ("chunk_elements", "max_chunks_ahead") if (v := getattr(args, k)) is not None}
+
+
 async def main(args: argparse.Namespace) -> None:
     lines = Lines(sys.stdout)
     async with Peer.open(peer_config(args.listen, args.initial_peers, args.boot)) as peer:
@@ -140,7 +145,7 @@ async def main(args: argparse.Namespace) -> None:
             prefix="bench",
             matchmaking=MatchmakingConfig(target_size=args.peers, min_size=args.min_size or args.peers,
                                           timeout=args.timeout, gather_time=args.gather_time),
-            allreduce=AllreduceConfig(timeout=args.timeout, stall_timeout=args.stall_timeout),
+            allreduce=AllreduceConfig(timeout=args.timeout, stall_timeout=args.stall_timeout, **tuning(args)),
             auxiliary=args.role == "aux", reduces=args.role != "sender", adaptive=args.split != "equal",
             bandwidth=(BandwidthConfig() if args.split == "measured"
                        else BandwidthConfig(upload=args.up * MBIT, download=args.down * MBIT)), compute=args.compute,

@@ -151,8 +151,8 @@ async def test_a_join_that_arrives_while_the_leader_reads_declarations_is_accept
             join = joiner.matchmaker._join
             outcomes: list[object] = []
 
-            async def recorded_join(leader_id: object, deadline: float) -> object:
-                outcomes.append(await join(leader_id, deadline))  # type: ignore[arg-type]
+            async def recorded_join(leader_declared: object, deadline: float) -> object:
+                outcomes.append(await join(leader_declared, deadline))  # type: ignore[arg-type]
                 return outcomes[-1]
 
             leader.matchmaker._candidates = slow_first_read  # type: ignore[method-assign]
@@ -170,6 +170,55 @@ async def test_a_join_that_arrives_while_the_leader_reads_declarations_is_accept
         assert not first[0], "the leader's first read never ran"
         assert len(outcomes) == 1 and not isinstance(outcomes[0], (type(None), type(peers[0].peer_id))), outcomes
         assert all(isinstance(r, RoundReport) and r.complete for r in results), results
+
+
+async def test_a_leader_that_died_after_declaring_does_not_hold_the_others_until_the_deadline() -> None:
+    """A killed peer's declaration outlives it. Everyone ranks it first as leader; once the join to it
+    failed, it is skipped while that declaration lives (it used to be retried every second, and a
+    leader that saw it handed its followers over to it, until the deadline)."""
+    async with open_peers(0) as (relay,), trio.open_nursery() as nursery:
+        boot = [str(relay.addrs[0])]
+        stops = [trio.Event() for _ in range(3)]
+
+        async def hold(stop: trio.Event, *, task_status: trio.TaskStatus[Peer]) -> None:
+            async with Peer.open(loopback_peer_config(initial_peers=boot)) as peer:
+                task_status.started(peer)
+                await stop.wait()
+
+        held = [await nursery.start(hold, stop) for stop in stops]
+        order = sorted(range(3), key=lambda i: held[i].peer_id.to_bytes())
+        doomed, peers = held[order[0]], [held[i] for i in order[1:]]
+        await public(held)
+        cfg = config(3, matchmaking=MatchmakingConfig(target_size=3, min_size=2, timeout=15.0, gather_time=1.0))
+        doomed_scope = trio.CancelScope()
+
+        async def doomed_step() -> None:
+            with doomed_scope:
+                async with Averager.open(doomed, cfg) as a:
+                    await a.step([torch.ones(10)])  # leads, alone, until cancelled
+
+        nursery.start_soon(doomed_step)
+
+        async def declared() -> bool:
+            found = await peers[0].dht.get("test-run.matchmaking", latest=True, timeout=2.0)
+            return found is not None and isinstance(found.value, dict) and len(found.value) >= 1
+
+        with trio.fail_after(10):
+            while not await declared():
+                await trio.sleep(0.1)
+        doomed_scope.cancel()
+        stops[order[0]].set()  # the doomed peer's node closes: its declaration stays in the DHT
+        await wait_until(lambda: all(doomed.peer_id not in p.node.connected_peers() for p in peers), 10)
+        data = [[torch.full((10,), 1.0)], [torch.full((10,), 3.0)]]
+        started = trio.current_time()
+        async with Averager.open(peers[0], cfg) as a0, Averager.open(peers[1], cfg) as a1:
+            reports = await step_all([a0, a1], data, [1.0, 1.0])
+        took = trio.current_time() - started
+        for s in stops:
+            s.set()
+    assert all(isinstance(r, RoundReport) and r.complete for r in reports), reports
+    assert all(torch.allclose(d[0], torch.full((10,), 2.0)) for d in data)
+    assert took < 8.0, f"the group of the two live peers took {took:.1f} s (deadline 15 s)"
 
 
 async def test_nan_is_refused_before_anything_is_sent() -> None:
