@@ -169,9 +169,13 @@ class Matchmaker:
                 log.debug("%d declared, %d may lead; leader %s%s", len(candidates), len(leaders), leader.peer_id,
                           " (me)" if leader.peer_id == me.peer_id else "")
                 if leader.peer_id == me.peer_id:
-                    group = await self._lead_until(deadline)
-                    if group is not None:
-                        return group
+                    led = await self._lead_until(deadline)
+                    if isinstance(led, Group):
+                        return led
+                    if led is not None:
+                        # We handed our followers over to a better leader: follow them there,
+                        # even if it turned us away a moment ago (else we lead alone till the deadline).
+                        refused.pop(led, None)
                     continue
                 outcome = await self._join(leader, deadline)
                 if isinstance(outcome, Group):
@@ -279,8 +283,9 @@ class Matchmaker:
 
     # ------------------------------------------------------------------ leading
 
-    async def _lead_until(self, deadline: float) -> Group | None:
-        """Lead until the group is set (returned), or a better leader shows up (None)."""
+    async def _lead_until(self, deadline: float) -> Group | ID | None:
+        """Lead until the group is set (returned), or a better leader shows up (its ID: our followers
+        went there), or the deadline (None)."""
         assert self._me is not None
         lead = self._lead = _Lead()
         self._move()
@@ -303,7 +308,7 @@ class Matchmaker:
                 if others and others[0].peer_id != self._me.peer_id:
                     log.debug("handing %d followers over to %s", len(lead.followers), others[0].peer_id)
                     lead.redirect = others[0].peer_id
-                    return None
+                    return lead.redirect
             if 1 + len(lead.followers) >= self.config.min_size and (
                     self._me.role.reduces or any(m.role.reduces for m in lead.followers.values())):
                 return await self._fix_group(lead)
