@@ -222,10 +222,18 @@ class DHT:
         return not external.judged or external.reachability == Reachability.PUBLIC
 
     def set_mode(self, server: bool, reason: str) -> None:
-        """Serve (or stop serving) others; peers learn it from our next calls."""
+        """Serve (or stop serving) others; peers learn it from our next calls, and a new server
+        makes one at once (a lookup of itself): a peer that only answered as a client until
+        AutoNAT judged it public stayed in no one's table, and every record went to the relay."""
         if server != self.server:
             self.server = server
             self.node.emit(DHTModeChanged(mode=DHTMode.SERVER if server else DHTMode.CLIENT, reason=reason))
+            if server and len(self.table):
+                self._nursery.start_soon(self._announce)
+
+    async def _announce(self) -> None:
+        with trio.move_on_after(self.config.op_timeout):
+            await self._refresh(self.local_id)
 
     async def bootstrap(self) -> None:
         """Join through the initial peers (and whoever we are connected to): ping, then look ourselves up.
