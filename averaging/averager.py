@@ -201,28 +201,32 @@ class Averager:
     # ------------------------------------------------------------------ one step
 
     async def step(self, tensors: Sequence[torch.Tensor], weight: float = 1.0, *,
-                   strict: bool = True) -> RoundReport:
+                   strict: bool = True, purpose: str = "", expected: int | None = None) -> RoundReport:
         """Average ``tensors`` in place with a group; the report of the round.
 
-        Raises :class:`~averaging.errors.MatchmakingError` when no group formed
+        ``purpose`` and ``expected`` are :meth:`matchmake`'s. Raises :class:`~averaging.errors.MatchmakingError` when no group formed
         in time and :class:`PartialAverageError` (``strict``) when the round
         was partial; in both cases ``tensors`` are untouched. Non-finite
         values in ``tensors`` raise ValueError before anything is sent.
         """
-        group = await self.matchmake(tensors, weight)  # checks weight and values
+        group = await self.matchmake(tensors, weight, purpose=purpose, expected=expected)  # checks weight, values
         report = await self._average(group, tensors, weight, strict=strict, phase=0, checked=True)
         if self.grid is not None:
             self.grid.advance(group.my_index)
             report.notes.append(f"moshpit: next group key {self.grid.key!r}")
         return report
 
-    async def matchmake(self, tensors: Sequence[torch.Tensor], weight: float = 1.0, *, purpose: str = "") -> Group:
+    async def matchmake(self, tensors: Sequence[torch.Tensor], weight: float = 1.0, *, purpose: str = "",
+                        expected: int | None = None) -> Group:
         """Form a group to average tensors like ``tensors`` (same shapes and dtypes) with.
 
         :meth:`step` is this and one :meth:`average_in`; a caller that averages
         several times with one group (PowerSGD's two phases) calls them apart.
         ``purpose`` keeps such callers' groups apart from plain steps' (it
-        goes into the match key). Checks ``tensors`` and ``weight`` first.
+        goes into the match key: a training step's number keeps peers at
+        different steps apart). ``expected``: the group size the caller knows
+        of; a leader fixes a group that size at once instead of waiting out
+        ``gather_time``. Checks ``tensors`` and ``weight`` first.
         """
         schema = Schema.of(tensors)
         check_weight(weight)
@@ -234,7 +238,7 @@ class Averager:
                     self.bandwidth.upload, self.bandwidth.download, self.config.compute, accepts_joins)
         cell = self.grid.key if self.grid is not None else ""
         try:
-            group = await self.matchmaker.form_group(me, cell)
+            group = await self.matchmaker.form_group(me, cell, expected=expected)
         except MatchmakingError:
             self.failure_rate.observe(1, 1)
             raise

@@ -119,6 +119,7 @@ class Matchmaker:
         self._lead: _Lead | None = None
         self._following: ID | None = None
         self._moved = trio.Event()  # set (and replaced) whenever we start or stop leading or following
+        self._target = config.target_size  # this formation's target (form_group may lower it)
         #: peers we could not reach, with the expiration of the declaration they had then: skipped until
         #: they declare anew. A killed leader's declaration outlives it; retried every second, it drew
         #: its would-be followers (and leaders handing theirs over) back to it until the deadline.
@@ -134,12 +135,17 @@ class Matchmaker:
 
     # ------------------------------------------------------------------ looking for a group
 
-    async def form_group(self, me: Member, cell: str = "") -> Group:
+    async def form_group(self, me: Member, cell: str = "", *, expected: int | None = None) -> Group:
         """A group containing ``me``, or :class:`MatchmakingError` at the deadline.
 
         ``cell``: meet only peers declared under the same one (a Moshpit group
-        key, :mod:`averaging.moshpit`); '' is the whole run.
+        key, :mod:`averaging.moshpit`); '' is the whole run. ``expected``: how many
+        peers the caller knows will come (a training step's): a group this size
+        is fixed at once, without waiting out ``gather_time`` (clamped to
+        ``min_size..target_size``).
         """
+        self._target = self.config.target_size if expected is None else \
+            max(self.config.min_size, min(self.config.target_size, expected))
         deadline = trio.current_time() + self.config.timeout
         key = self._key = f"{self.key}.{cell}" if cell else self.key
         declared = Member(me.peer_id, me.addrs, me.role, me.schema, me.upload, me.download, me.compute,
@@ -294,13 +300,13 @@ class Matchmaker:
             while trio.current_time() < deadline:
                 size = 1 + len(lead.followers)
                 reducer = self._me.role.reduces or any(m.role.reduces for m in lead.followers.values())
-                ready = reducer and (size >= self.config.target_size or (
+                ready = reducer and (size >= self._target or (
                     size >= self.config.min_size and trio.current_time() - started >= self.config.gather_time))
                 if ready:
                     return await self._fix_group(lead)
                 with trio.move_on_after(min(self.config.poll_interval, max(0.0, deadline - trio.current_time()))):
                     await lead.changed.wait()
-                if 1 + len(lead.followers) >= self.config.target_size:
+                if 1 + len(lead.followers) >= self._target:
                     continue
                 # Is there a better leader now (one we did not see before)?
                 # Then hand the followers over to it rather than split the swarm.
@@ -326,7 +332,7 @@ class Matchmaker:
         round 50-70 ms after the leader's (4 peers, 40 MB).
         """
         assert self._me is not None
-        members = sorted([self._me, *list(lead.followers.values())[: self.config.target_size - 1]],
+        members = sorted([self._me, *list(lead.followers.values())[: self._target - 1]],
                          key=lambda m: m.peer_id.to_bytes())
         group = Group(os.urandom(16), tuple(members), [m.peer_id for m in members].index(self._me.peer_id))
         lead.group = group
@@ -361,7 +367,7 @@ class Matchmaker:
             if self._following is not None:
                 return pb.JoinResponse(status=pb.JoinResponse.REDIRECT, leader=self._following.to_bytes())
             return pb.JoinResponse(status=pb.JoinResponse.REJECTED, reason="not leading")
-        if lead.group is not None or 1 + len(lead.followers) >= self.config.target_size:
+        if lead.group is not None or 1 + len(lead.followers) >= self._target:
             return pb.JoinResponse(status=pb.JoinResponse.REJECTED, reason="group full")
         lead.followers[member.peer_id] = member
         lead.poke()

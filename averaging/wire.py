@@ -71,6 +71,23 @@ class FrameReader:
             return True
         return False
 
+    async def read(self, n: int) -> bytes:
+        """Up to ``n`` bytes: what is buffered first, then the stream's (``b""`` at its end). A reader
+        is itself a stream, so a raw message after a frame (a tensor message) reads from it, and
+        nothing the frame's read brought in past the frame is lost."""
+        if self._buf:
+            out = bytes(self._buf[:n])
+            del self._buf[: len(out)]
+            return out
+        try:
+            data = await self.stream.read(min(n, READ_SIZE))
+        except EOFError:
+            return b""
+        self.bytes_read += len(data)
+        if data and self._watchdog is not None:
+            self._watchdog.deadline = trio.current_time() + self._patience
+        return data
+
     async def exactly(self, n: int) -> bytes:
         while len(self._buf) < n:
             await self._more()
@@ -78,7 +95,7 @@ class FrameReader:
         del self._buf[:n]
         return out
 
-    async def message(self, kind: type[M], what: str) -> M:
+    async def message(self, kind: type[M], what: str, *, max_size: int = MAX_HEADER) -> M:
         while True:
             decoded = decode_varint(self._buf)
             if decoded is not None:
@@ -87,8 +104,8 @@ class FrameReader:
                 raise AllreduceProtocolError(f"{what}: malformed length prefix")
             await self._more()
         length, pos = decoded
-        if length > MAX_HEADER:
-            raise AllreduceProtocolError(f"{what} of {length} bytes, more than {MAX_HEADER}")
+        if length > max_size:
+            raise AllreduceProtocolError(f"{what} of {length} bytes, more than {max_size}")
         del self._buf[:pos]
         raw = await self.exactly(length)
         msg = kind()

@@ -1,0 +1,227 @@
+"""Collaborative training between real peers on loopback: it equals large-batch training."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import trio
+
+from averaging import AllreduceConfig
+from training import CollaborativeOptimizer, StepReport, TrainingConfig
+
+from nat import Peer
+
+from .kit import open_peers, wait_until
+from .test_averaging import public
+
+pytestmark = pytest.mark.timeout(180)
+
+
+async def formed(peers: list[Peer]) -> None:
+    """Reachable, serving the DHT and knowing every other server (the relay included): a swarm that
+    formed, as a run's is after its first minutes; right after start, a peer's first reads of the
+    DHT can miss the others' records."""
+    await public(peers)
+    await wait_until(lambda: all(p.dht.server and len(p.dht.table) >= len(peers) for p in peers), 30)
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def batches(peer: int, size: int):  # type: ignore[no-untyped-def]
+    """An endless stream of (x, y) batches, different on every peer (and of a different size)."""
+    g = torch.Generator().manual_seed(100 + peer)
+    while True:
+        x = torch.randn(size, 8, generator=g)
+        yield x, x.sum(dim=1, keepdim=True).sin()
+
+
+def optimizer_of(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["synchronous", "delayed-updates"])
+async def test_four_peers_equal_one_process_accumulating_the_global_batch(delayed: bool) -> None:
+    """DeDLOC I.6: the same global batches and data as one process that accumulates gradients over
+    them give the same parameters (no compression: within float32 rounding). With delayed updates,
+    the reference applies each step's average when the next step's gradients are in (one step stale)."""
+    steps, target, sizes = 3, 48, [3, 5, 7, 4]
+    initial = make_model()
+    models = [copy.deepcopy(initial) for _ in sizes]
+    used: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # step -> every batch it was computed at
+    reports: list[list[StepReport]] = [[] for _ in sizes]
+    config = TrainingConfig(run_id="equivalence", target_batch_size=target, delay_updates=delayed)
+    done = [False] * len(sizes)
+    async with open_peers(len(sizes)) as everyone:
+        peers = everyone[1:]
+        await formed(peers)
+
+        async def train(i: int) -> None:
+            model, data = models[i], batches(i, sizes[i])
+            async with CollaborativeOptimizer.open(peers[i], optimizer_of(model), config) as opt:
+                while opt.local_step < steps:
+                    x, y = next(data)
+                    used.setdefault(opt.local_step, []).append((x, y))
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+                    report = await opt.step(len(x))
+                    if report is not None:
+                        reports[i].append(report)
+                    await trio.sleep(0.01)  # a batch takes time on a real peer
+                done[i] = True
+                # stay in the run until everyone is done: a peer that left could be waited for
+                with trio.fail_after(60):
+                    while not all(done):
+                        await trio.sleep(0.05)
+                last = await opt.finish()  # with delayed updates, the last step's average goes in now
+                if last is not None:
+                    reports[i].append(last)
+
+        with trio.fail_after(150):
+            async with trio.open_nursery() as nursery:
+                for i in range(len(sizes)):
+                    nursery.start_soon(train, i)
+
+    for i, rs in enumerate(reports):
+        assert [r.step for r in rs] == list(range(steps)), rs
+        for r in rs:
+            assert r.averaged and r.complete and r.group_size == len(sizes), (i, r)
+    for step in range(steps):  # whoever triggered a step saw the target reached
+        assert max(rs[step].samples for rs in reports) >= target
+    # every peer holds the same parameters
+    for model in models[1:]:
+        for p, q in zip(models[0].parameters(), model.parameters()):
+            assert torch.equal(p, q)
+    # ... and they are those of one process accumulating the same global batches
+    reference = copy.deepcopy(initial)
+    opt = optimizer_of(reference)
+    pending: list[torch.Tensor] | None = None
+    for step in range(steps):
+        total = sum(len(x) for x, _ in used[step])
+        accumulated = [torch.zeros_like(p) for p in reference.parameters()]
+        for x, y in used[step]:
+            reference.zero_grad()
+            torch.nn.functional.mse_loss(reference(x), y).backward()
+            for acc, p in zip(accumulated, reference.parameters()):
+                acc += p.grad * len(x)  # type: ignore[operator]
+        mean = [acc / total for acc in accumulated]
+        if delayed:  # apply the previous step's now; this one's waits for the next step
+            mean, pending = pending, mean  # type: ignore[assignment]
+            if mean is None:
+                continue
+        for g, p in zip(mean, reference.parameters()):
+            p.grad = g
+        opt.step()
+    if delayed and pending is not None:
+        for g, p in zip(pending, reference.parameters()):
+            p.grad = g
+        opt.step()
+    for p, q in zip(reference.parameters(), models[0].parameters()):
+        assert torch.allclose(p, q, atol=1e-6, rtol=1e-5), (p - q).abs().max()
+
+
+async def test_a_late_joiner_downloads_the_state_and_then_steps_with_the_others() -> None:
+    target, size = 20, 5
+    initial = make_model()
+    models = [copy.deepcopy(initial) for _ in range(3)]
+    torch.manual_seed(99)
+    for p in models[2].parameters():  # the joiner starts elsewhere: only the download puts it in step
+        p.data.normal_()
+    config = TrainingConfig(run_id="late", target_batch_size=target)
+    reports: list[list[StepReport]] = [[], [], []]
+    downloads = [-1, -1, -1]
+    phase = [trio.Event(), trio.Event()]  # first two peers at step 2; everyone at step 4
+    async with open_peers(3) as everyone:
+        peers = everyone[1:]
+        await formed(peers)
+
+        async def train(i: int, until: int, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            model, data = models[i], batches(i, size)
+            async with CollaborativeOptimizer.open(peers[i], optimizer_of(model), config) as opt:
+                downloads[i] = opt.downloads
+                task_status.started()
+                for goal in ((2, 4) if i < 2 else (4,)):
+                    while opt.local_step < goal:
+                        x, y = next(data)
+                        torch.nn.functional.mse_loss(model(x), y).backward()
+                        report = await opt.step(len(x))
+                        if report is not None:
+                            reports[i].append(report)
+                        await trio.sleep(0.01)
+                    if goal == 2:
+                        await phase[0].wait()  # the others wait here, in the run, for the joiner
+                await phase[1].wait()
+
+        with trio.fail_after(150):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(train, 0, 4)
+                nursery.start_soon(train, 1, 4)
+                while not all(len(r) >= 2 for r in reports[:2]):
+                    await trio.sleep(0.05)
+                await nursery.start(train, 2, 4)  # joins at step 2: downloads the state on open
+                for p, q in zip(models[0].parameters(), models[2].parameters()):
+                    assert torch.equal(p, q)
+                phase[0].set()
+                while not all(len(r) >= (4 if i < 2 else 2) for i, r in enumerate(reports)):
+                    await trio.sleep(0.05)
+                phase[1].set()
+    assert downloads == [0, 0, 1]
+    assert [r.step for r in reports[2]] == [2, 3]
+    for r in reports[0][2:] + reports[2]:
+        assert r.averaged and r.complete and r.group_size == 3, r
+    for model in models[1:]:
+        for p, q in zip(models[0].parameters(), model.parameters()):
+            assert torch.equal(p, q)
+
+
+async def test_a_peer_dying_mid_round_costs_only_its_own_contribution() -> None:
+    """The third peer dies inside the round of step 0 (after its group formed). Whatever it was to
+    do in the round, the two others apply the same step, averaged over their own samples."""
+    target, size = 30, 5
+    initial = make_model()
+    models = [copy.deepcopy(initial) for _ in range(3)]
+    allreduce = AllreduceConfig(stall_timeout=2.0, timeout=20.0)
+    config = TrainingConfig(run_id="death", target_batch_size=target, allreduce=allreduce)
+    reports: list[list[StepReport]] = [[], [], []]
+    async with open_peers(3) as everyone:
+        peers = everyone[1:]
+        await formed(peers)
+        doomed = trio.CancelScope()
+
+        async def train(i: int) -> None:
+            model, data = models[i], batches(i, size)
+            async with CollaborativeOptimizer.open(peers[i], optimizer_of(model), config) as opt:
+                if i == 2:
+                    run = opt.averager._average
+
+                    async def die_in_the_round(*args: object, **kwargs: object) -> object:
+                        doomed.cancel()  # its peer stops: connections close mid-round
+                        return await run(*args, **kwargs)  # type: ignore[arg-type]
+
+                    opt.averager._average = die_in_the_round  # type: ignore[method-assign]
+                while opt.local_step < 1:
+                    x, y = next(data)
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+                    report = await opt.step(len(x))
+                    if report is not None:
+                        reports[i].append(report)
+                    await trio.sleep(0.01)
+
+        async def doomed_peer() -> None:
+            with doomed:
+                await train(2)
+
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(train, 0)
+                nursery.start_soon(train, 1)
+                nursery.start_soon(doomed_peer)
+    assert reports[2] == []
+    for r in reports[:2]:
+        assert len(r) == 1 and r[0].step == 0, r
+        assert r[0].averaged and r[0].group_size == 2, r[0]
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(p, q)

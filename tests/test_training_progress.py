@@ -1,0 +1,68 @@
+"""The rules that fold the peers' progress reports into the run's (pure: no network)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from training.progress import LocalProgress, global_progress
+
+NOW = 1_000_000.0
+
+
+def rep(peer: str, step: int, samples: int, rate: float = 10.0, age: float = 1.0) -> LocalProgress:
+    return LocalProgress(peer, step, samples, rate, NOW - age)
+
+
+def test_samples_at_the_step_add_up_and_the_step_is_ready_at_the_target() -> None:
+    p = global_progress([rep("a", 3, 40), rep("b", 3, 50), rep("c", 3, 0)], target=100, now=NOW)
+    assert (p.step, p.samples, p.peers_at_step, p.peers, p.contributors) == (3, 90, 3, 3, 2)
+    assert not p.ready and p.eta == pytest.approx(10 / 30)
+    p = global_progress([rep("a", 3, 40), rep("b", 3, 60)], target=100, now=NOW)
+    assert p.ready and p.eta == 0.0
+
+
+def test_one_peer_cannot_move_the_step_or_trigger_one_alone() -> None:
+    honest = [rep("a", 7, 10), rep("b", 7, 10), rep("c", 7, 10)]
+    liar_ahead = rep("x", 10**9, 10**12, rate=1e30)
+    p = global_progress([*honest, liar_ahead], target=100, now=NOW)
+    assert p.step == 7 and not p.ready  # the lone claim of step 10**9 moves nobody
+    liar_here = rep("x", 7, 10**12)
+    p = global_progress([*honest[:1], liar_here], target=100, now=NOW)
+    assert p.samples == 110  # capped at the target
+    p = global_progress([rep("a", 7, 0), liar_here], target=100, now=NOW)
+    assert not p.ready and p.contributors == 1  # two peers live: one contributor is not enough
+
+
+def test_a_peer_alone_trains_alone() -> None:
+    p = global_progress([rep("a", 2, 64)], target=64, now=NOW)
+    assert p.quorum == 1 and p.ready and p.step == 2
+
+
+def test_peers_that_moved_on_count_for_the_step_they_passed() -> None:
+    # two peers finished step 4 and report 5; one is still at 4: the swarm is at 5
+    p = global_progress([rep("a", 5, 0), rep("b", 5, 8), rep("c", 4, 30)], target=100, now=NOW)
+    assert p.step == 5 and p.peers_at_step == 2 and p.samples == 8
+
+
+@pytest.mark.parametrize("bad", [
+    rep("x", -1, 5), rep("x", 1, -5), rep("x", 1, 5, rate=math.nan), rep("x", 1, 5, rate=-1.0),
+    rep("x", 1, 5, age=-3600.0),  # from the future
+    rep("x", 1, 5, age=120.0),    # expired
+])
+def test_unbelievable_reports_are_dropped(bad: LocalProgress) -> None:
+    p = global_progress([rep("a", 1, 5), bad], target=100, now=NOW, expiration=60.0)
+    assert p.peers == 1 and p.samples == 5
+
+
+def test_an_empty_swarm_reads_as_our_own_step() -> None:
+    p = global_progress([], target=10, now=NOW, local_step=12)
+    assert p.step == 12 and p.samples == 0 and p.peers == 0 and not p.ready
+
+
+def test_wire_roundtrip_and_garbage() -> None:
+    r = rep("12D3KooWabc", 3, 40)
+    assert LocalProgress.from_wire("12D3KooWabc", r.to_wire()) == r
+    with pytest.raises(ValueError, match="not a progress report"):
+        LocalProgress.from_wire("x", b"\xff\xff\xff")

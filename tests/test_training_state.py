@@ -1,0 +1,91 @@
+"""Training state downloads between real peers on loopback: checked, and another peer tried on refusal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from training.state import (StateDownloadError, StateServer, TrainingState, _join, _split, download_state,
+                            load_state, snapshot_of)
+
+from .kit import open_peers
+from .test_averaging import public
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    torch.manual_seed(3)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.8, 0.99))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    sched.step()
+    return model, opt, sched
+
+
+def test_state_dicts_survive_the_json_and_tensor_split() -> None:
+    _, opt, sched = model_and_optimizer()
+    tensors: list[torch.Tensor] = []
+    meta = _split({"o": opt.state_dict(), "s": sched.state_dict()}, tensors)
+    back = _join(meta, tensors)
+    assert back["o"]["param_groups"] == opt.state_dict()["param_groups"]  # int keys, tuples (betas) kept
+    assert set(back["o"]["state"]) == {0, 1}
+    assert torch.equal(back["o"]["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    for bad in ({"t": 99}, {"x": 1}, {"d": [[1]]}):
+        with pytest.raises(ValueError):
+            _join(bad, tensors)
+
+
+async def test_a_download_refuses_bad_states_and_takes_the_next_peer() -> None:
+    model, opt, sched = model_and_optimizer()
+    params = list(model.parameters())
+    good = snapshot_of(7, params, opt, sched, None)
+    wrong_shape = TrainingState(7, [torch.zeros(5, 4), torch.zeros(3)], None, good.optimizer, good.scheduler)
+    stale = snapshot_of(2, params, opt, sched, None)
+    nan = TrainingState(7, [torch.full((3, 4), float("nan")), torch.zeros(3)], None, good.optimizer, good.scheduler)
+    async with open_peers(5) as everyone:
+        asker, *servers = everyone[1:]
+        await public(everyone[1:])
+        states = [wrong_shape, stale, nan, good]
+        undo = []
+        for server, state in zip(servers, states):
+
+            async def snapshot(state: TrainingState = state) -> TrainingState:
+                return state
+
+            undo.append(StateServer(server, "run", snapshot).install())
+        ids = [s.peer_id for s in servers]
+        fresh, fresh_opt = torch.nn.Linear(4, 3), None
+        fresh_params = list(fresh.parameters())
+        got = await download_state(asker, "run", ids, 5, fresh_params)
+        assert got.step == 7
+        fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.5)
+        fresh_sched = torch.optim.lr_scheduler.StepLR(fresh_opt, step_size=2)
+        load_state(got, fresh_params, fresh_opt, fresh_sched)
+        assert all(torch.equal(a, b) for a, b in zip(fresh_params, params))
+        assert fresh_opt.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+        assert fresh_sched.state_dict() == sched.state_dict()
+        with pytest.raises(StateDownloadError) as caught:
+            await download_state(asker, "run", ids[:3], 5, fresh_params)
+        text = str(caught.value)
+        assert "parameter 0 is torch.float32 (5, 4)" in text and "behind 5" in text and "NaN" in text.replace(
+            "non-finite", "NaN"), text
+        with pytest.raises(StateDownloadError, match="trains run 'run'"):
+            await download_state(asker, "other-run", ids[3:], 0, fresh_params)
+        for u in undo:
+            u()
+
+
+def test_load_state_leaves_everything_as_it_was_when_the_optimizer_refuses() -> None:
+    model, opt, sched = model_and_optimizer()
+    params = list(model.parameters())
+    state = snapshot_of(3, params, opt, sched, None)
+    other = torch.nn.Linear(4, 3)
+    other_opt = torch.optim.Adam(list(other.parameters())[:1], lr=0.1)  # one param group of 1: does not fit
+    before = [p.clone() for p in other.parameters()]
+    with pytest.raises(ValueError, match="refused the state"):
+        load_state(state, list(other.parameters()), other_opt, None)
+    assert all(torch.equal(a, b) for a, b in zip(before, other.parameters()))
+    assert other_opt.param_groups[0]["lr"] == 0.1

@@ -1,0 +1,457 @@
+"""Large-batch training over the swarm: :class:`CollaborativeOptimizer` wraps any torch optimizer.
+
+hivemind's ``Optimizer`` under the same idea, kept thin: the network layer
+(:class:`nat.Peer`) and the averaging layer (:class:`averaging.Averager`) do
+the hard work. One training step of the swarm, seen from one peer:
+
+1. after every local backward pass the caller hands over the batch's sample
+   count; the gradients (means over the batch) are added to an accumulator
+   weighted by it, so the accumulator holds the *sum* of per-sample gradients
+   (a batch with NaN/Inf gradients is dropped, and said so);
+2. the peer's progress (step, samples) goes to the DHT, and the swarm's comes
+   back (:mod:`training.progress`); the step happens once the swarm's samples
+   toward it reach ``target_batch_size``;
+3. every peer at that step averages ``accumulator / samples`` with weight
+   ``samples`` in one group (its match key carries the step number, so peers
+   at different steps never meet; a group of every peer at the step forms at
+   once): the result is the mean gradient over the whole global batch, the
+   gradient of ordinary large-batch training;
+4. every peer applies it with the wrapped optimizer (and scheduler), one
+   identical step, and moves to the next step number.
+
+A peer alone in its run steps on its own gradient. A peer whose group did not
+form steps on its own gradient too, and the report says so (``averaged=False``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import trio
+from libp2p.peer.id import ID
+
+from averaging import (AllreduceConfig, Averager, AveragerConfig, Group, MatchmakingConfig, MatchmakingError,
+                       RoundReport)
+from nat import Peer
+
+from .progress import GlobalProgress, ProgressTracker
+from .state import StateDownloadError, StateServer, TrainingState, download_state, load_state, snapshot_of
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """One run's settings; every peer of the run uses the same ``run_id``, ``target_batch_size``
+    and ``allreduce`` settings."""
+
+    run_id: str
+    #: samples the whole swarm processes per optimizer step (the global batch)
+    target_batch_size: int
+    #: group formation for a step's gradients: a group of every peer at the step forms at once;
+    #: ``gather_time`` is how long a leader waits for peers it has not heard of yet
+    matchmaking: MatchmakingConfig = field(default_factory=lambda: MatchmakingConfig(
+        target_size=256, min_size=2, gather_time=3.0, timeout=30.0))
+    allreduce: AllreduceConfig = field(default_factory=AllreduceConfig)
+    #: the rest of the averager's settings (roles, bandwidth, load balancing); its prefix and
+    #: matchmaking/allreduce are replaced by the ones above
+    averager: AveragerConfig = field(default_factory=AveragerConfig)
+    #: seconds between progress reports (and reads of the swarm's)
+    report_interval: float = 0.5
+    #: a peer's progress outlives its last report by this much
+    progress_expiration: float = 60.0
+    #: clip the averaged gradient to this global norm before the step (None: no clipping)
+    max_grad_norm: float | None = None
+    #: rounds run again when one lost a reducer (its part of the gradient was averaged nowhere)
+    retries: int = 2
+    #: seconds before another state download after one failed
+    download_retry: float = 5.0
+    #: delayed parameter updates (DeDLOC 3.2): a step's round runs in the background while the
+    #: peer computes the next step's gradients, and its average is applied when the next step
+    #: begins, so every gradient is exactly one step stale. The caller must compute in a worker
+    #: thread (``trio.to_thread.run_sync``) for the round to overlap its compute.
+    delay_updates: bool = False
+
+    def validate(self) -> None:
+        if not self.run_id or len(self.run_id) > 100:
+            raise ValueError("run_id must be 1..100 characters")
+        if self.target_batch_size <= 0:
+            raise ValueError("target_batch_size must be positive")
+        if not (self.report_interval > 0 and self.progress_expiration > self.report_interval):
+            raise ValueError("report_interval must be > 0 and below progress_expiration")
+        if self.retries < 0 or self.download_retry <= 0:
+            raise ValueError("retries must be >= 0 and download_retry > 0")
+        if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
+            raise ValueError("max_grad_norm must be a positive number")
+        self.averager_config().validate()
+
+    def averager_config(self) -> AveragerConfig:
+        return replace(self.averager, prefix=f"{self.run_id}.grads", matchmaking=self.matchmaking,
+                       allreduce=self.allreduce)
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One global step as this peer applied it."""
+
+    #: the step applied (the peer now accumulates for ``step + 1``)
+    step: int
+    #: samples of the global batch as this peer's view of the progress showed them (0 when, with
+    #: delayed updates, it joined a round the others had begun), and this peer's part
+    samples: int
+    local_samples: int
+    #: members of the averaging group (1: this peer alone)
+    group_size: int
+    #: False: no group formed, the local gradient alone was applied
+    averaged: bool
+    #: False: some member's gradients are missing from the average (``summary`` says which)
+    complete: bool
+    summary: str
+    #: seconds from the step's trigger to the optimizer step done
+    elapsed: float
+    #: the swarm had left the step when we came to its round: nothing applied, we catch up
+    missed: bool = False
+
+
+class CollaborativeOptimizer:
+    """A torch optimizer whose steps are the swarm's. Open it with :meth:`open`; call :meth:`step`
+    after every backward pass."""
+
+    def __init__(self, peer: Peer, optimizer: torch.optim.Optimizer, config: TrainingConfig, averager: Averager,
+                 scheduler: Any = None) -> None:
+        self.peer = peer
+        self.optimizer = optimizer
+        self.config = config
+        self.averager = averager
+        self.scheduler = scheduler
+        self.params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        self._accumulated = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params]
+        #: the global step this peer accumulates for, and its samples toward it
+        self.local_step = 0
+        self.samples = 0
+        #: batches refused for NaN/Inf gradients
+        self.dropped_batches = 0
+        self.tracker = ProgressTracker(peer, config.run_id, config.target_batch_size,
+                                       expiration=config.progress_expiration,
+                                       client=not averager.role()[1])
+        self._reported_samples = 0  # what the last published report said
+        self._since = time.monotonic()  # when this step's accumulation began
+        self._rate = 0.0
+        self._nursery: trio.Nursery | None = None
+        #: states downloaded, and when the next attempt may be made after a failed one
+        self.downloads = 0
+        self._next_download = 0.0
+        #: a delayed step's round missed the swarm's: the next call takes the swarm's state
+        self._must_catch_up = False
+        #: with delayed updates: the step whose round runs in the background, its gradients (averaged
+        #: in place), the event set when the round ended, and its report once there
+        self._pending: tuple[int, list[torch.Tensor], trio.Event, list[StepReport]] | None = None
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, peer: Peer, optimizer: torch.optim.Optimizer, config: TrainingConfig, *,
+                   scheduler: Any = None) -> AsyncIterator[CollaborativeOptimizer]:
+        """Join the run for the duration of the block (progress reports run in the background)."""
+        config.validate()
+        async with Averager.open(peer, config.averager_config()) as averager, trio.open_nursery() as nursery:
+            opt = cls(peer, optimizer, config, averager, scheduler)
+            opt._nursery = nursery
+            uninstall = StateServer(peer, config.run_id, opt._snapshot).install()
+            try:
+                progress = await opt._sync()
+                if progress.step > opt.local_step:  # a late joiner: start from the swarm's state
+                    await opt._catch_up(progress)
+                nursery.start_soon(opt._report_loop)
+                yield opt
+                await opt.finish()
+            finally:
+                uninstall()
+                nursery.cancel_scope.cancel()
+
+    # ------------------------------------------------------------------ progress
+
+    @property
+    def progress(self) -> GlobalProgress | None:
+        """The swarm's progress as last read (None before the first read)."""
+        return self.tracker.last
+
+    async def _sync(self) -> GlobalProgress:
+        """Publish our progress and read the swarm's, now."""
+        reported = self.samples
+        await self.tracker.report(self.local_step, reported, self._rate)
+        self._reported_samples = reported
+        return await self.tracker.fetch(local_step=self.local_step)
+
+    async def _report_loop(self) -> None:
+        while True:
+            await self._sync()
+            await trio.sleep(self.config.report_interval)
+
+    # ------------------------------------------------------------------ the caller's step
+
+    async def step(self, batch_size: int) -> StepReport | None:
+        """Account one local backward pass of ``batch_size`` samples (its gradients are in the
+        parameters' ``.grad``, means over the batch); returns the report of a global step when one
+        happened (the parameters moved), else None. Gradients are taken and zeroed either way."""
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, not {batch_size}")
+        self._accumulate(batch_size)
+        progress = self.tracker.last
+        if progress is None or progress.step != self.local_step or self._estimate(progress) >= progress.target:
+            progress = await self._sync()
+        if self.config.delay_updates and progress.step == self.local_step + 1 and not self._must_catch_up:
+            # With delayed updates a peer moves on when its round begins: the others just began
+            # ours (they apply it when their next step begins). Join it; catching up would drop
+            # our samples and download a state that lacks this very step.
+            return await self._global_step(progress)
+        if progress.step > self.local_step or self._must_catch_up:
+            await self._catch_up(progress)
+            return None
+        if progress.step == self.local_step and progress.ready:
+            return await self._global_step(progress)
+        return None
+
+    def _estimate(self, progress: GlobalProgress) -> int:
+        """The swarm's samples toward our step, with our latest count instead of our last report's."""
+        return progress.samples - min(self._reported_samples, progress.target) + min(self.samples, progress.target)
+
+    def _accumulate(self, batch_size: int) -> None:
+        grads = [p.grad for p in self.params]
+        if any(g is not None and not bool(torch.isfinite(g).all()) for g in grads):
+            self.dropped_batches += 1
+            log.warning("dropped a batch of %d samples: its gradients hold NaN or Inf (the others are kept)",
+                        batch_size)
+        else:
+            with torch.no_grad():
+                for acc, g in zip(self._accumulated, grads):
+                    if g is not None:
+                        acc.add_(g, alpha=float(batch_size))
+            self.samples += batch_size
+            elapsed = time.monotonic() - self._since
+            self._rate = self.samples / elapsed if elapsed > 0 else 0.0
+        for p in self.params:
+            p.grad = None
+
+    # ------------------------------------------------------------------ the swarm's step
+
+    async def _global_step(self, progress: GlobalProgress) -> StepReport | None:
+        """Step ``self.local_step`` of the swarm: average, then apply (or, with delayed updates,
+        apply the previous step's average and leave this one's round to the background)."""
+        started = time.perf_counter()
+        samples = self.samples
+        with torch.no_grad():
+            grads = [acc / samples if samples else torch.zeros_like(acc) for acc in self._accumulated]
+        step = self.local_step
+        if not self.config.delay_updates:
+            report = await self._average(step, grads, samples, progress)
+            if report.missed:  # the others stepped without us: the next call downloads their state
+                log.warning("step %d: %s", step, report.summary)
+                self._must_catch_up = True
+                return report
+            self._apply(grads)
+            self._next_step()
+            await self._sync()  # tell the swarm at once: we left the step
+            return replace(report, elapsed=time.perf_counter() - started)
+        applied = await self._apply_pending()  # step - 1's, averaged while we computed this one's
+        self._next_step()
+        assert self._nursery is not None
+        done = trio.Event()
+        self._pending = (step, grads, done, [])
+        self._nursery.start_soon(self._average_into, step, grads, samples, progress, started, done)
+        await self._sync()
+        return applied
+
+    def _next_step(self) -> None:
+        self.local_step += 1
+        self.samples = 0
+        self._reported_samples = 0
+        self._since = time.monotonic()
+        for acc in self._accumulated:
+            acc.zero_()
+
+    async def _average(self, step: int, grads: list[torch.Tensor], samples: int,
+                       progress: GlobalProgress) -> StepReport:
+        """Average ``grads`` (in place) with the peers at ``step``; the report (elapsed left 0).
+
+        A round that lost a reducer leaves its part un-averaged on every member (each keeps its own
+        values there), and the members would step apart: they all see it, and average again among
+        themselves (``retries`` times). A sender lost mid-round costs only its own contribution.
+        A peer that comes to a step's round after the others left it (they report the next step)
+        stops looking and says so (``missed``): it must catch up, not step alone.
+        """
+        if progress.peers <= 1:
+            return StepReport(step, progress.samples, samples, 1, False, True, "alone: the local gradient", 0.0)
+        expected = self._expected(step, progress)
+        summary = ""
+        for attempt in range(1 + self.config.retries):
+            work = [g.clone() for g in grads]
+            try:
+                report = await self._round(work, samples, f"grads:{step}:{attempt}", expected, step)
+            except MatchmakingError as e:
+                summary = f"no group: the local gradient of {samples} samples alone ({e})"
+                return StepReport(step, progress.samples, samples, 1, False, True, summary, 0.0)
+            if report is None:
+                return StepReport(step, progress.samples, samples, 0, False, False,
+                                  "missed: the swarm left this step before we found its group", 0.0, missed=True)
+            summary = report.summary()
+            lost = [p for p in report.parts if p.not_averaged]
+            if not lost:
+                for g, w in zip(grads, work):
+                    g.copy_(w)
+                if len(report.members) < progress.peers_at_step:
+                    summary += f" ({progress.peers_at_step} peers were at this step)"
+                return StepReport(step, progress.samples, samples, len(report.members), True, report.complete,
+                                  summary, 0.0)
+            expected = max(1, len(report.members) - len({p.reducer for p in lost}))
+            summary = f"attempt {attempt + 1}: {summary}"
+            log.warning("step %d: %s; averaging again among the rest", step, summary)
+        return StepReport(step, progress.samples, samples, 1, False, False,
+                          f"{summary}; the local gradient alone", 0.0)
+
+    async def _round(self, work: list[torch.Tensor], samples: int, purpose: str, expected: int,
+                     step: int) -> RoundReport | None:
+        """One averaging round, or None if the swarm left ``step`` while we looked for its group.
+
+        Only the search is watched: a round under way always ends by itself (a member that
+        finished first already reports the next step while the others still take its average).
+        """
+        found: list[Group] = []
+        async with trio.open_nursery() as nursery:
+
+            async def search() -> None:
+                found.append(await self.averager.matchmake(work, float(samples), purpose=purpose,
+                                                           expected=expected))
+                nursery.cancel_scope.cancel()
+
+            async def watch() -> None:
+                me = self.peer.peer_id.to_base58()
+                while True:
+                    await trio.sleep(self.config.report_interval)
+                    if self._left_behind(step, me):
+                        nursery.cancel_scope.cancel()
+                        return
+
+            nursery.start_soon(search)
+            nursery.start_soon(watch)
+        if not found:
+            return None
+        return await self.averager.average_in(found[0], work, float(samples), strict=False)
+
+    def _expected(self, step: int, progress: GlobalProgress) -> int:
+        """The group size ``step``'s round waits for (up to the gather time): the peers at the step,
+        those finishing the one before, and with delayed updates those that began this round
+        already (they moved on to the next step when it began)."""
+        lag = 1 if self.config.delay_updates else 0
+        me = self.peer.peer_id.to_base58()
+        others = sum(1 for r in self.tracker.reports if r.peer_id != me and step - 1 <= r.step <= step + lag)
+        return max(progress.expected if progress.step == step else 0, 1 + others)
+
+    def _left_behind(self, step: int, me: str) -> bool:
+        """Whether the others left ``step``'s round: some report a later step, and none but us could
+        still be in that round (at the step; with delayed updates, at the step after it too, since a
+        peer moves on when a round begins and applies it when the next one does)."""
+        lag = 1 if self.config.delay_updates else 0
+        others = [r for r in self.tracker.reports if r.peer_id != me]
+        return (any(r.step > step + lag for r in others)
+                and not any(step <= r.step <= step + lag for r in others))
+
+    async def _average_into(self, step: int, grads: list[torch.Tensor], samples: int, progress: GlobalProgress,
+                            started: float, done: trio.Event) -> None:
+        """The background half of a delayed step: its round; :meth:`_apply_pending` applies it."""
+        assert self._pending is not None
+        try:
+            report = await self._average(step, grads, samples, progress)
+            self._pending[3].append(replace(report, elapsed=time.perf_counter() - started))
+        finally:
+            done.set()
+
+    async def _apply_pending(self) -> StepReport | None:
+        """Wait for the delayed step's round (if any) and apply its average; its report."""
+        if self._pending is None:
+            return None
+        step, grads, done, reports = self._pending
+        await done.wait()
+        self._pending = None
+        if reports and reports[0].missed:
+            # the others applied step `step` without us: our parameters lack it; take theirs
+            log.warning("step %d: %s", step, reports[0].summary)
+            self._must_catch_up = True
+            return reports[0]
+        self._apply(grads)
+        return reports[0] if reports else None
+
+    # ------------------------------------------------------------------ state
+
+    async def _snapshot(self) -> TrainingState:
+        """What we serve: a copy at our step (a delayed step's average travels along, not applied)."""
+        if self._pending is None:
+            return snapshot_of(self.local_step, self.params, self.optimizer, self.scheduler, None)
+        pending = self._pending
+        _, grads, done, _ = pending
+        with trio.move_on_after(60):
+            await done.wait()
+        if self._pending is not pending:  # applied meanwhile (a step began): take the state as it is now
+            return await self._snapshot()
+        if done.is_set():
+            return snapshot_of(self.local_step, self.params, self.optimizer, self.scheduler, grads)
+        # the round never ended: the state is one update short of our step
+        return snapshot_of(self.local_step - 1, self.params, self.optimizer, self.scheduler, None)
+
+    async def _catch_up(self, progress: GlobalProgress) -> bool:
+        """Download the swarm's state (we are behind it, or new); whether we have it now."""
+        now = time.monotonic()
+        if now < self._next_download:
+            return False
+        me = self.peer.peer_id.to_base58()
+        sources = [ID.from_base58(p) for p in progress.sources if p != me]
+        # after a missed round, the state we need is the one past it (with delayed updates our
+        # step already is: the missed round is the one before it)
+        wanted = progress.step
+        if self._must_catch_up:
+            wanted = max(wanted, self.local_step + (0 if self.config.delay_updates else 1))
+        try:
+            state = await download_state(self.peer, self.config.run_id, sources, wanted, self.params)
+            load_state(state, self.params, self.optimizer, self.scheduler)
+        except (StateDownloadError, ValueError) as e:
+            self._next_download = now + self.config.download_retry
+            log.warning("this peer is at step %d and the swarm at %d, and no state could be had: %s",
+                        self.local_step, progress.step, e)
+            return False
+        if state.pending is not None:
+            self._apply(state.pending)  # the delayed step the others apply when their next one begins
+        dropped = self.samples
+        self._pending = None
+        self._must_catch_up = False
+        self.local_step = state.step - 1
+        self._next_step()
+        self.downloads += 1
+        log.info("caught up: downloaded the state at step %d%s", state.step,
+                 f" ({dropped} samples of an old step dropped)" if dropped else "")
+        await self._sync()
+        return True
+
+    async def finish(self) -> StepReport | None:
+        """Apply a delayed step still pending (the block's end does it too, unless it raised)."""
+        return await self._apply_pending()
+
+    def _apply(self, grads: Sequence[torch.Tensor]) -> None:
+        """One optimizer step on ``grads``, the same on every member of the group."""
+        for p, g in zip(self.params, grads):
+            p.grad = g.to(p.dtype)
+        if self.config.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        for p in self.params:
+            p.grad = None
+
+
+__all__ = ["CollaborativeOptimizer", "StepReport", "TrainingConfig"]

@@ -1,0 +1,216 @@
+"""The swarm's training progress, over the DHT: which global step, and how many samples toward it.
+
+Every peer publishes a :class:`LocalProgress` under ``<run id>.progress`` in a
+subkey only it may write (signed), expiring ``expiration`` seconds after the
+report; everyone reads them all and folds them with :func:`global_progress`
+(pure: the rules live there, the DHT I/O in :class:`ProgressTracker`).
+
+The rules keep one peer's word from steering the run (hivemind takes the
+largest epoch any peer reports, so a single peer can move everyone):
+
+* a report from the future, with negative counts or a non-finite rate is
+  dropped; a peer's samples count at most ``target`` (one peer's claim never
+  exceeds a whole global batch);
+* the global step is the highest step that at least ``quorum`` peers report
+  (at least :data:`QUORUM` of them once the swarm has that many, so a lone
+  peer claiming step 10**9 moves nobody; a swarm of one trains alone);
+* the step is ready once the samples toward it reach ``target`` and come from
+  at least ``quorum`` peers: no single peer can trigger a step by itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import trio
+from libp2p.peer.id import ID
+
+from nat import Peer
+from p2p.dht import owned
+from p2p.errors import DedlocError
+
+from .proto import training_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+#: Peers that must agree on a step (or contribute to one) once the swarm has that many.
+QUORUM = 2
+#: Reports this far in the future (clock skew) are still believed.
+MAX_CLOCK_SKEW = 30.0
+
+
+@dataclass(frozen=True)
+class LocalProgress:
+    """One peer's report: the step it accumulates for, and how far it got."""
+
+    peer_id: str
+    step: int
+    samples: int
+    samples_per_second: float
+    time: float
+    client: bool = False
+
+    def to_wire(self) -> bytes:
+        return pb.Progress(step=self.step, samples=self.samples, samples_per_second=self.samples_per_second,
+                           time=self.time, client=self.client).SerializeToString()
+
+    @classmethod
+    def from_wire(cls, peer_id: str, data: bytes) -> LocalProgress:
+        """Parse a peer's report; ValueError when it is not one."""
+        msg = pb.Progress()
+        try:
+            msg.ParseFromString(data)
+        except Exception as e:  # protobuf's DecodeError and friends
+            raise ValueError(f"not a progress report: {e}") from None
+        return cls(peer_id, msg.step, msg.samples, msg.samples_per_second, msg.time, msg.client)
+
+
+@dataclass(frozen=True)
+class GlobalProgress:
+    """The run as the reports show it."""
+
+    #: the global step under way (the highest one a quorum reports)
+    step: int
+    #: samples accumulated toward it, over every peer at that step (each capped at ``target``)
+    samples: int
+    target: int
+    #: peers reporting that step, and all live peers
+    peers_at_step: int
+    peers: int
+    #: the swarm's throughput (sum of the live peers' rates)
+    samples_per_second: float
+    #: contributing peers (samples > 0) at that step
+    contributors: int
+    quorum: int
+    #: when the reports were read (unix seconds)
+    time: float
+    #: peers at the step or past it that can serve their state (not clients), freshest report first
+    sources: tuple[str, ...] = ()
+    #: peers at the step or one behind it (finishing the last one: they will be at it in a moment)
+    peers_near_step: int = 0
+
+    @property
+    def expected(self) -> int:
+        """The group size a step's round should wait for (up to its gather time)."""
+        return max(self.peers_at_step, self.peers_near_step)
+
+    @property
+    def ready(self) -> bool:
+        """Enough samples, from enough peers, for the step to happen."""
+        return self.samples >= self.target and self.contributors >= self.quorum
+
+    @property
+    def eta(self) -> float:
+        """Seconds until ``target`` at the swarm's current rate (inf when nobody computes)."""
+        left = max(0, self.target - self.samples)
+        if left == 0:
+            return 0.0
+        return left / self.samples_per_second if self.samples_per_second > 0 else math.inf
+
+
+def valid(report: LocalProgress, now: float, expiration: float) -> bool:
+    """Whether a report is believable at all (not its counts' size: those are capped)."""
+    return (report.step >= 0 and report.samples >= 0 and math.isfinite(report.samples_per_second)
+            and report.samples_per_second >= 0 and math.isfinite(report.time)
+            and now - expiration <= report.time <= now + MAX_CLOCK_SKEW)
+
+
+def global_progress(reports: Iterable[LocalProgress], target: int, now: float, *, expiration: float = 60.0,
+                    local_step: int | None = None) -> GlobalProgress:
+    """Fold the live reports into the run's progress (the rules are in the module docstring).
+
+    ``local_step``: this peer's own step, counted as one more report when the
+    DHT does not have ours yet.
+    """
+    live = {r.peer_id: r for r in reports if valid(r, now, expiration)}
+    n = len(live)
+    quorum = min(QUORUM, max(n, 1))
+    steps = sorted((r.step for r in live.values()), reverse=True)
+    if local_step is not None and not live:
+        steps = [local_step]
+    # the highest step that at least `quorum` peers report (every peer at a higher step also counts:
+    # it went through this one)
+    step = steps[quorum - 1] if len(steps) >= quorum else (steps[0] if steps else 0)
+    at_step = [r for r in live.values() if r.step == step]
+    samples = sum(min(r.samples, target) for r in at_step)
+    rate = sum(min(r.samples_per_second, 1e12) for r in live.values())
+    contributors = sum(1 for r in at_step if r.samples > 0)
+    sources = tuple(r.peer_id for r in sorted(live.values(), key=lambda r: -r.time)
+                    if r.step >= step and not r.client)
+    near = sum(1 for r in live.values() if step - 1 <= r.step <= step)
+    return GlobalProgress(step, samples, target, len(at_step), n, rate, contributors, quorum, now, sources, near)
+
+
+class ProgressTracker:
+    """Publishes this peer's progress and reads the swarm's, for one run.
+
+    I/O only: what the reports mean is :func:`global_progress`'s.
+    """
+
+    def __init__(self, peer: Peer, run_id: str, target: int, *, expiration: float = 60.0,
+                 clock: Callable[[], float] = time.time, client: bool = False) -> None:
+        if target <= 0:
+            raise ValueError("the target batch size must be positive")
+        self.peer = peer
+        self.key = f"{run_id}.progress"
+        self.target = target
+        self.expiration = expiration
+        self.clock = clock
+        self.client = client
+        self.last: GlobalProgress | None = None
+        #: the live, believable reports of the last read (``last`` is their fold)
+        self.reports: list[LocalProgress] = []
+
+    async def report(self, step: int, samples: int, samples_per_second: float, *, timeout: float = 10.0) -> bool:
+        """Publish our progress (best effort: False when no replica took it)."""
+        now = self.clock()
+        mine = LocalProgress(self.peer.peer_id.to_base58(), step, samples, samples_per_second, now, self.client)
+        try:
+            return await self.peer.dht.store(self.key, mine.to_wire(), now + self.expiration,
+                                             subkey=owned("progress", self.peer.peer_id), timeout=timeout)
+        except (DedlocError, trio.TooSlowError) as e:
+            log.debug("could not publish our progress: %s", e)
+            return False
+
+    async def fetch(self, *, local_step: int | None = None, timeout: float = 10.0) -> GlobalProgress:
+        """Read every live report and fold them (an empty swarm reads as ``local_step`` with nothing done)."""
+        reports: list[LocalProgress] = []
+        try:
+            found = await self.peer.dht.get(self.key, latest=True, timeout=timeout)
+        except (DedlocError, trio.TooSlowError) as e:
+            log.debug("could not read the progress: %s", e)
+            found = None
+        if found is not None and isinstance(found.value, dict):
+            for subkey, entry in found.value.items():
+                owner = _owner(subkey)
+                if owner is None or not isinstance(entry.value, bytes):
+                    continue
+                try:
+                    reports.append(LocalProgress.from_wire(owner, entry.value))
+                except ValueError as e:
+                    log.debug("skipping the progress of %s: %s", owner, e)
+        now = self.clock()
+        self.reports = [r for r in reports if valid(r, now, self.expiration)]
+        self.last = global_progress(reports, self.target, now, expiration=self.expiration, local_step=local_step)
+        return self.last
+
+
+def _owner(subkey: object) -> str | None:
+    """The peer id in an owned subkey ``progress[owner:<id>]`` (only that peer could have written it)."""
+    text = subkey.decode(errors="replace") if isinstance(subkey, bytes) else str(subkey)
+    marker = "[owner:"
+    if marker not in text or not text.endswith("]"):
+        return None
+    peer = text.rsplit(marker, 1)[1][:-1]
+    try:
+        ID.from_base58(peer)
+    except Exception:
+        return None
+    return peer
+
+
+__all__ = ["GlobalProgress", "LocalProgress", "ProgressTracker", "global_progress"]

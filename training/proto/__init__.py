@@ -1,0 +1,1 @@
+"""Protobuf wire formats of the training layer (generated ``*_pb2`` modules, checked in)."""
