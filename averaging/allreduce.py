@@ -112,7 +112,7 @@ def _describe(error: BaseException) -> str:
 class AllreduceConfig:
     """How a round moves bytes.
 
-    ``chunk_elements``: values per chunk (128 Ki float32 = 512 KiB), the unit of
+    ``chunk_elements``: values per chunk (32 Ki float32 = 128 KiB), the unit of
     pipelining. ``compression`` applies to tensors of at least
     ``min_compress_elements`` values; smaller ones go as float32.
     ``stall_timeout``: how long a stream may go without a byte before its
@@ -122,16 +122,22 @@ class AllreduceConfig:
     link unevenly between flows) while that reducer waits on the slowest
     sender anyway: the lead buys nothing, and the bandwidth it took from the
     sender's other streams and returns shows up as a tail at the round's end
-    (4 x 100 Mbit: parts finished 2 s apart). Eight 512 KiB chunks cover the
-    round trip of a chunk on links up to ~100 Mbit x 300 ms.
+    (4 x 100 Mbit: parts finished 2 s apart). The less a stream holds in
+    flight, the tighter the lockstep and the shorter the tail, as long as it
+    still covers a chunk's round trip: ``bench/averaging.py`` (4 x 100 Mbit,
+    40 MB, lab without delay), median of 4 rounds over the bound: 8 x 512 KiB
+    in flight 1.21x, 4 x 512 KiB 1.22x, 16 x 128 KiB 1.18x, 4 x 128 KiB
+    1.10-1.11x, 2 x 128 KiB 1.08x, 4 x 64 KiB 1.09x. Four 128 KiB chunks
+    cover ~35 Mbit x 120 ms per stream (a peer runs one per reducer); raise
+    ``max_chunks_ahead`` for long fat paths.
     """
 
-    chunk_elements: int = 128 * 1024
+    chunk_elements: int = 32 * 1024
     compression: Compression = Compression.NONE
     min_compress_elements: int = 16 * 1024
     stall_timeout: float = 15.0
     timeout: float = 120.0
-    max_chunks_ahead: int = 8
+    max_chunks_ahead: int = 4
 
     def validate(self) -> None:
         if self.max_chunks_ahead < 1:

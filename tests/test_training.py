@@ -225,3 +225,45 @@ async def test_a_peer_dying_mid_round_costs_only_its_own_contribution() -> None:
         assert r[0].averaged and r[0].group_size == 2, r[0]
     for p, q in zip(models[0].parameters(), models[1].parameters()):
         assert torch.equal(p, q)
+
+
+async def test_a_batch_with_nan_gradients_is_dropped_and_the_swarm_steps_on() -> None:
+    target, size = 20, 5
+    initial = make_model()
+    models = [copy.deepcopy(initial) for _ in range(2)]
+    config = TrainingConfig(run_id="nan", target_batch_size=target)
+    reports: list[list[StepReport]] = [[], []]
+    dropped = [0, 0]
+    async with open_peers(2) as everyone:
+        peers = everyone[1:]
+        await formed(peers)
+
+        async def train(i: int) -> None:
+            model, data = models[i], batches(i, size)
+            async with CollaborativeOptimizer.open(peers[i], optimizer_of(model), config) as opt:
+                first = True
+                while opt.local_step < 2:
+                    x, y = next(data)
+                    if i == 1 and first:
+                        x = x.clone()
+                        x[0, 0] = float("nan")  # a poisoned batch: NaN loss and gradients
+                        first = False
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+                    report = await opt.step(len(x))
+                    if report is not None:
+                        reports[i].append(report)
+                    await trio.sleep(0.01)
+                dropped[i] = opt.dropped_batches
+                with trio.fail_after(30):
+                    while not all(len(r) >= 2 for r in reports):
+                        await trio.sleep(0.05)
+
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(train, 0)
+                nursery.start_soon(train, 1)
+    assert dropped == [0, 1]
+    for r in reports[0] + reports[1]:
+        assert r.averaged and r.complete and r.group_size == 2, r
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.isfinite(p).all() and torch.equal(p, q)
