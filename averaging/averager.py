@@ -30,7 +30,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import trio
@@ -41,7 +41,7 @@ from p2p.hooks import ExternalAddresses, Reachability, SwarmObserver
 from p2p.trio_util import finish_quietly
 
 from .allreduce import PROTOCOL, AllreduceConfig, AllreduceRound, RoundPlan, RoundReport, check_weight
-from .bandwidth import BandwidthConfig, BandwidthEstimator
+from .bandwidth import BandwidthConfig, BandwidthEstimator, is_probe
 from .errors import AllreduceProtocolError, AveragingError, MatchmakingError, PartialAverageError
 from .group import Group, Member, Role
 from .load_balancing import Balance, balance, equal_fractions, split_seconds
@@ -284,15 +284,22 @@ class Averager:
                    weight: float) -> tuple[RoundReport, torch.Tensor | None]:
         fractions = self.fractions(group, schema)
         plan = RoundPlan.make(schema, fractions, self.config.allreduce)
-        round_ = AllreduceRound(self.peer.node, group, plan, flat, weight, self.config.allreduce, fractions)
+        # A probe round runs its senders free of lockstep so that its transfers
+        # measure the links, not the slowest member (averaging.bandwidth).
+        probe = self.config.adaptive and is_probe(
+            group.group_id, [(m.upload, m.download) for m in group.members], self.config.bandwidth.probe_every)
+        allreduce = replace(self.config.allreduce, max_chunks_ahead=max([1, *map(len, plan.spans)])) if probe else self.config.allreduce
+        round_ = AllreduceRound(self.peer.node, group, plan, flat, weight, allreduce, fractions)
         self._rounds[group.group_id] = round_
         self._round_started.setdefault(group.group_id, trio.Event()).set()
         try:
             report = await round_.run()
-            self.bandwidth.observe(round_.upload, round_.download)
+            self.bandwidth.observe(round_.upload, round_.download, probe=probe)
         finally:
             self._rounds.pop(group.group_id, None)
             self._round_started.pop(group.group_id, None)
+        if probe:
+            report.notes.append("a probe round: senders ran free of lockstep to measure the links")
         if self.last_balance is not None:
             report.notes.append(f"load balancing solved in {self.last_balance.solve_seconds * 1e3:.1f} ms")
         return report, round_.output

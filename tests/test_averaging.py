@@ -13,7 +13,7 @@ import trio
 from averaging import allreduce
 from averaging.allreduce import AllreduceConfig, RoundReport
 from averaging.averager import Averager, AveragerConfig
-from averaging.bandwidth import BandwidthConfig
+from averaging.bandwidth import BandwidthConfig, is_probe
 from averaging.compression import Compression
 from averaging.errors import MatchmakingError, PartialAverageError
 from averaging.group import Role
@@ -427,9 +427,8 @@ async def test_a_round_returns_only_after_its_averages_went_back(monkeypatch: py
         assert torch.allclose(d[0].double(), exact, atol=1e-6)
 
 
-async def test_senders_stay_at_most_max_chunks_ahead_and_lockstep_still_averages(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """With ``max_chunks_ahead=1`` a sender sends chunk k+1 only once chunk k's average is back."""
+def record_leads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """For every chunk a sender sends: how many chunks it had sent whose averages were not back."""
     leads: list[int] = []
     sent: dict[int, int] = {}
     original_send = allreduce.AllreduceRound._send_chunks
@@ -448,6 +447,13 @@ async def test_senders_stay_at_most_max_chunks_ahead_and_lockstep_still_averages
         await original_send(self, stream, part, outcome, returned)  # type: ignore[arg-type]
 
     monkeypatch.setattr(allreduce.AllreduceRound, "_send_chunks", send_chunks)
+    return leads
+
+
+async def test_senders_stay_at_most_max_chunks_ahead_and_lockstep_still_averages(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``max_chunks_ahead=1`` a sender sends chunk k+1 only once chunk k's average is back."""
+    leads = record_leads(monkeypatch)
     with pytest.raises(ValueError):
         AllreduceConfig(max_chunks_ahead=0).validate()
     async with open_peers(3) as everyone:
@@ -455,7 +461,8 @@ async def test_senders_stay_at_most_max_chunks_ahead_and_lockstep_still_averages
         await public(peers)
         data = [[torch.randn(200_000)] for _ in peers]
         exact = weighted_mean(data, [1.0, 2.0, 3.0], 0)
-        cfg = config(3, allreduce=AllreduceConfig(chunk_elements=8 * 1024, max_chunks_ahead=1, timeout=30.0))
+        cfg = config(3, allreduce=AllreduceConfig(chunk_elements=8 * 1024, max_chunks_ahead=1, timeout=30.0),
+                     bandwidth=BandwidthConfig(probe_every=0))  # no probe round: lockstep always
         async with Averager.open(peers[0], cfg) as a0, Averager.open(peers[1], cfg) as a1, \
                 Averager.open(peers[2], cfg) as a2:
             reports = await step_all([a0, a1, a2], data, [1.0, 2.0, 3.0])
@@ -463,6 +470,39 @@ async def test_senders_stay_at_most_max_chunks_ahead_and_lockstep_still_averages
     assert len(leads) >= 6 * 8 and max(leads) == 0  # every chunk sent with nothing outstanding
     for d in data:
         assert torch.allclose(d[0].double(), exact, atol=1e-6)
+
+
+async def test_a_round_with_unknown_bandwidths_probes_the_links_free_of_lockstep(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lockstep paces every stream by the slowest sender, so a round that measures runs free.
+
+    Nobody knows its rates before the first round: that round is a probe
+    (senders do not wait for averages), every member says so in its report
+    and then declares what it measured. Members with figures probe only in
+    the rounds the group id picks, the same ones for all.
+    """
+    leads = record_leads(monkeypatch)
+    async with open_peers(3) as everyone:
+        peers = everyone[1:]
+        await public(peers)
+        data = [[torch.randn(400_000)] for _ in peers]
+        exact = weighted_mean(data, [1.0, 2.0, 3.0], 0)
+        cfg = config(3, allreduce=AllreduceConfig(chunk_elements=8 * 1024, max_chunks_ahead=1, timeout=30.0),
+                     bandwidth=BandwidthConfig(min_bytes=100_000, min_seconds=1e-3))
+        async with Averager.open(peers[0], cfg) as a0, Averager.open(peers[1], cfg) as a1, \
+                Averager.open(peers[2], cfg) as a2:
+            reports = await step_all([a0, a1, a2], data, [1.0, 2.0, 3.0])
+            assert all(a.bandwidth.measured for a in (a0, a1, a2))
+    assert all(isinstance(r, RoundReport) and r.complete for r in reports), reports
+    assert all(any("probe round" in n for n in r.notes) for r in reports)  # type: ignore[union-attr]
+    assert max(leads) > 1  # senders ran ahead of the averages
+    for d in data:
+        assert torch.allclose(d[0].double(), exact, atol=1e-6)
+    known = [(1e7, 1e7)] * 3
+    picks = [is_probe(bytes([i]) * 16, known, 8) for i in range(256)]
+    assert 10 < sum(picks) < 60  # about one round in eight
+    assert is_probe(b"g" * 16, [(1e7, 1e7), (0.0, 1e7)], 8)  # a member without figures: always
+    assert not is_probe(b"g" * 16, [(0.0, 0.0)], 0)  # never, when asked not to
 
 
 async def test_a_slow_but_steady_sender_is_not_taken_for_a_stalled_one(monkeypatch: pytest.MonkeyPatch) -> None:

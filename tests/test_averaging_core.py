@@ -254,6 +254,20 @@ def test_bandwidth_is_the_best_recent_round_and_the_user_wins() -> None:
         BandwidthConfig(upload=-1).validate()
 
 
+def test_a_probe_is_not_washed_out_by_lockstep_rounds() -> None:
+    """Lockstep rounds measure the group's pace; the best recent probe still stands beside them."""
+    est = BandwidthEstimator(BandwidthConfig(window=2, probe_window=2))
+    est.observe(_clock(20_000_000, 1.0), _clock(20_000_000, 1.0), probe=True)  # the link: 20 MB/s
+    for _ in range(5):
+        est.observe(_clock(4_000_000, 1.0), _clock(4_000_000, 1.0))  # held to the slowest member
+    assert est.upload == pytest.approx(20e6, rel=0.1) and est.download == pytest.approx(20e6, rel=0.1)
+    est.observe(_clock(8_000_000, 1.0), _clock(8_000_000, 1.0), probe=True)
+    est.observe(_clock(8_000_000, 1.0), _clock(8_000_000, 1.0), probe=True)  # the link got slower
+    assert est.upload == pytest.approx(8e6, rel=0.1)
+    with pytest.raises(ValueError):
+        BandwidthConfig(probe_every=-1).validate()
+
+
 def test_link_rate_adds_concurrent_streams_and_skips_the_first_wait() -> None:
     # a fast peer sending to one fast and two slow reducers: each stream is held back by its far end
     fast, slow1, slow2 = _clock(20_000_000, 1.0)[0], _clock(1_500_000, 1.0)[0], _clock(1_500_000, 1.0)[0]
