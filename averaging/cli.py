@@ -1,17 +1,16 @@
-"""The ``dedloc`` entry point, and the commands that average: ``average`` and ``demo``.
+"""The command that averages: ``average``.
 
-This is the highest layer with commands, so the entry point sits here and its
-parser extends the network layer's (``nat/cli.py``: relay, peer, status, ping;
-``p2p/cli.py``: id, dht). ``average`` is ``dedloc peer`` plus an
-:class:`~averaging.Averager` that averages a tensor with the swarm every few
-seconds: the smallest real use of the averaging layer, and what ``make demo``
-runs.
+Its parser extends the network layer's (``nat/cli.py``: relay, peer, status,
+ping; ``p2p/cli.py``: id, dht), and the training layer's extends this one
+(``training/cli.py``, where the ``dedloc`` entry point sits). ``average`` is
+``dedloc peer`` plus an :class:`~averaging.Averager` that averages a tensor
+with the swarm every few seconds: the smallest real use of the averaging
+layer, and what ``make demo`` runs before it trains.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 
 import torch
@@ -19,7 +18,7 @@ import trio
 
 from nat import Peer
 from nat.cli import build_parser as nat_parser, peer_config, peer_options, run_peer
-from p2p.cli import Output, run
+from p2p.cli import Output
 from p2p.errors import ConfigError
 
 from .allreduce import AllreduceConfig
@@ -79,12 +78,6 @@ async def cmd_average(args: argparse.Namespace, out: Output) -> int:
     return await run_peer(args, out, config=peer_config(args, relay=False), work=lambda peer: average_rounds(peer, args))
 
 
-async def cmd_demo(args: argparse.Namespace, out: Output) -> int:
-    from .demo import run_demo
-
-    return await run_demo(peers=args.peers, duration=args.duration, out=out)
-
-
 def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:  # type: ignore[type-arg]
     parser, sub = nat_parser()
 
@@ -115,22 +108,4 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     g.add_argument("--no-reduce", action="store_true", help="never reduce a part, even when reachable")
     p.set_defaults(func=cmd_average)
 
-    p = sub.add_parser("demo", help="start a live local swarm on loopback: relay, peers, DHT, then averaging",
-                       description="Start, on 127.0.0.1 only, a bootstrap node and several peers in their own processes "
-                       "(the last one outbound-only): they find each other, exchange messages, store and read a DHT "
-                       "value, then average tensors in groups, each round checked against the exact average. "
-                       "Everything stops after --duration or on Ctrl-C.")
-    p.add_argument("--peers", type=int, default=4, help="number of peers besides the bootstrap node (default: %(default)s)")
-    p.add_argument("--duration", type=float, default=90.0, metavar="SECONDS", help="stop after this long (default: %(default)s)")
-    p.add_argument("--json", action="store_true", help="print the nodes' events as JSON lines")
-    p.set_defaults(func=cmd_demo)
     return parser, sub
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser, _ = build_parser()
-    return run(parser, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

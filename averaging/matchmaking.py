@@ -261,6 +261,8 @@ class Matchmaker:
         leader = declared.peer_id
         self._following = leader
         self._move()
+        # where to reach it: its declaration says (a relayed leader is known nowhere else)
+        self.peer.node.add_addrs(leader, list(declared.addrs))
         try:
             response = await self.peer.node.rpc.call(
                 leader, f"{JOIN_METHOD}.{self.prefix}",

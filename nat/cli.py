@@ -3,8 +3,8 @@
 Each command lives in the highest layer it imports: ``id`` and ``dht`` need
 only ``p2p`` and stay there (``p2p/cli.py``, which also holds the shared
 machinery); these run a :class:`nat.Peer`. The ``dedloc`` entry point sits in
-the highest layer with commands (``averaging/cli.py``), whose parser extends
-this one.
+the highest layer with commands (``training/cli.py``), whose parser extends
+``averaging/cli.py``'s, which extends this one.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ pipes trio's in-memory streams.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import json
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, Protocol
 
@@ -73,3 +74,18 @@ async def open_peers(n: int) -> AsyncIterator[list[Peer]]:
         boot = [str(relay.addrs[0])]
         peers = [await stack.enter_async_context(Peer.open(loopback_peer_config(initial_peers=boot))) for _ in range(n)]
         yield [relay, *peers]
+
+
+async def collect_events(proc: trio.Process, kinds: Sequence[str], into: list[dict[str, Any]]) -> None:
+    """The JSON event lines of ``kinds`` a child prints, appended to ``into``, until it exits."""
+    from training.demo import read_lines
+
+    assert proc.stdout is not None
+    async for line in read_lines(proc.stdout):
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("event") in kinds:
+            into.append(event)
+    await proc.wait()

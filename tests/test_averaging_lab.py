@@ -11,7 +11,6 @@ root (network namespaces).
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 import pytest
 import trio
 
-from averaging.demo import read_lines
+from tests.kit import collect_events
 from tests.netlab import Lab, NatKind, Shape, requires_root_netns
 from tests.test_nat_matrix import PUBLIC_NET, ROOT, start_relay
 
@@ -41,21 +40,12 @@ async def test_three_peers_on_shaped_links_one_behind_a_symmetric_nat_average_ex
         async def run(name: str) -> None:
             value = name.removeprefix("p")
             proc = await hosts[name].spawn(
-                [sys.executable, "-m", "averaging.cli", "average", "--ephemeral", "--json", "--initial-peers", relay_addr,
+                [sys.executable, "-m", "training.cli", "average", "--ephemeral", "--json", "--initial-peers", relay_addr,
                  "--listen", "/ip4/0.0.0.0/tcp/4001", "--no-port-mapping", "--status-interval", "0",
                  "--value", value, "--size", str(SIZE), "--group-size", "3", "--min-size", "3", "--gather-time", "2",
                  "--rounds", str(ROUNDS), "--interval", "0.5", "--match-timeout", "60", "--duration", "150"],
                 stdout=subprocess.PIPE, cwd=str(ROOT))
-            assert proc.stdout is not None
-            got = events.setdefault(name, [])
-            async for line in read_lines(proc.stdout):
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    continue
-                if event.get("event") in ("averaged", "average_failed", "nat_mode"):
-                    got.append(event)
-            await proc.wait()
+            await collect_events(proc, ("averaged", "average_failed", "nat_mode"), events.setdefault(name, []))
 
         with trio.fail_after(200):
             async with trio.open_nursery() as nursery:

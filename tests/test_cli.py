@@ -6,15 +6,16 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import trio
 
-from averaging.demo import read_lines
+from training.demo import read_lines
 
 from .conftest import open_nodes
 
-DEDLOC = [sys.executable, "-m", "averaging.cli"]  # the entry point's module
+DEDLOC = [sys.executable, "-m", "training.cli"]  # the entry point's module
 
 
 def run(*args: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess[str]:
@@ -24,7 +25,7 @@ def run(*args: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProces
 def test_help_names_every_command():
     result = run("--help")
     assert result.returncode == 0
-    for command in ("id", "relay", "peer", "ping", "average", "demo"):
+    for command in ("id", "relay", "peer", "ping", "average", "train", "backbone", "demo"):
         assert command in result.stdout
 
 
@@ -150,8 +151,8 @@ async def test_dht_store_and_get_against_a_running_relay():
             await relay.wait()
 
 
-def test_demo_forms_a_swarm_uses_the_dht_and_averages_exactly():
-    result = run("demo", "--peers", "3", "--duration", "100", timeout=160)
+def test_demo_forms_a_swarm_uses_the_dht_averages_exactly_and_trains():
+    result = run("demo", "--peers", "3", "--duration", "100", "--train-time", "45", timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "swarm formed: 3 peers and the bootstrap node" in result.stdout
     assert "dht get demo:greeting   → hello, DHT" in result.stdout
@@ -161,7 +162,25 @@ def test_demo_forms_a_swarm_uses_the_dht_and_averages_exactly():
     assert "peer-2 slot on relay bootstrap" in result.stdout and "peer-2 mode relayed" in result.stdout
     assert "peer-2 avg" in result.stdout and "peer-3 avg" in result.stdout and "as sender" in result.stdout
     assert "= exact mean 2.0000" in result.stdout and "WRONG" not in result.stdout
+    # then three train peers (the same roles) train the example model together: every one of them
+    # averaged in global steps, and the swarm's loss fell by a fifth at least
+    assert "every one of the 3 peers averaged in them; the swarm's loss fell" in result.stdout
+    assert "trainer-1 step" in result.stdout and "PARTIAL" not in result.stdout
     assert "Traceback" not in result.stderr
+
+
+def test_train_refuses_bad_options_before_starting_a_peer(tmp_path: Path) -> None:
+    result = run("train", "--initial-peers", DOWN, "--batch-size", "0", "--ephemeral")
+    assert result.returncode == 1 and "--batch-size must be positive" in result.stderr
+    result = run("train", "--initial-peers", DOWN, "--target-batch-size", "0", "--ephemeral")
+    assert result.returncode == 1 and "target_batch_size must be positive" in result.stderr
+    result = run("train", "--initial-peers", DOWN, "--data", str(tmp_path / "missing.txt"), "--ephemeral")
+    assert result.returncode == 1 and "no such file" in result.stderr
+    (tmp_path / "x.csv").write_text("a,b\n")
+    result = run("train", "--initial-peers", DOWN, "--data", str(tmp_path / "x.csv"), "--ephemeral")
+    assert result.returncode == 1 and "unknown shard format" in result.stderr
+    result = run("backbone", "--checkpoint-every", "0", "--ephemeral")
+    assert result.returncode == 1 and "--checkpoint-every must be positive" in result.stderr
 
 
 def test_average_refuses_bad_options_before_starting_a_peer():
@@ -189,3 +208,54 @@ def test_dht_store_refuses_a_ttl_that_is_not_positive():
     for ttl in ("-5", "0", "nan"):
         result = run("dht", "store", "k", "v", "--ttl", ttl, "--initial-peers", DOWN)
         assert result.returncode == 2 and "--ttl: must be a positive number of seconds" in result.stderr
+
+
+@pytest.mark.slow
+def test_two_trainers_and_a_backbone_train_keep_the_curve_and_checkpoint(tmp_path: Path) -> None:
+    """`dedloc backbone` as the run's public node, two `dedloc train` peers through it (--json): they
+    take global steps together with the loss falling, and the backbone keeps the curve, every peer's
+    contributed samples and a checkpoint it could serve."""
+    workdir, checkpoints = tmp_path / "example", tmp_path / "checkpoints"
+    run_args = ["--run-id", "cli-run", "--target-batch-size", "256", "--workdir", str(workdir), "--report-every", "0.5"]
+    backbone = subprocess.Popen(
+        [*DEDLOC, "backbone", "--listen", "/ip4/127.0.0.1/tcp/0", "--allow-private", "--ephemeral", "--json",
+         "--status-interval", "0", "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "4", *run_args],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert backbone.stdout is not None
+        addr = None
+        for line in backbone.stdout:
+            event = json.loads(line)
+            if event.get("event") == "listening":
+                addr = next(a for a in event["addrs"] if "/ip4/127.0.0.1/" in a)
+                break
+        assert addr is not None
+        trainers = [subprocess.Popen(
+            [*DEDLOC, "train", "--initial-peers", addr, "--listen", "/ip4/127.0.0.1/tcp/0", "--allow-private",
+             "--ephemeral", "--json", "--status-interval", "0", "--max-steps", "20", "--data-seed", str(i), *run_args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+        outputs = [t.communicate(timeout=240) for t in trainers]
+    finally:
+        backbone.terminate()
+        backbone.wait(timeout=30)
+    for trainer, (out, err) in zip(trainers, outputs):
+        assert trainer.returncode == 0, err
+        events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        steps = [e for e in events if e["event"] == "global_step"]
+        status = [e for e in events if e["event"] == "training_status"]
+        assert steps and steps[-1]["step"] == 19 and "Traceback" not in err
+        together = [e for e in steps if e["averaged"] and e["group_size"] == 2 and e["complete"]]
+        assert len(together) >= 10, steps
+        assert status and all(0 <= e["swarm_samples"] and e["target"] == 256 for e in status)
+        assert steps[-1]["loss"] < 0.8 * steps[0]["loss"]  # the model learns
+    curve = [json.loads(line) for line in (checkpoints / "curve.jsonl").read_text().splitlines()]
+    assert len(curve) >= 5 and curve[-1]["step"] > curve[0]["step"]
+    assert all(c["loss"] is not None for c in curve[1:])
+    contributions = json.loads((checkpoints / "contributions.json").read_text())
+    assert len(contributions) == 2 and all(n >= 256 for n in contributions.values())
+    saved = sorted(checkpoints.glob("checkpoint-*.pt"))
+    assert saved, "no checkpoint"
+    import torch
+
+    state = torch.load(saved[-1], weights_only=False)
+    assert state["step"] >= 4 and len(state["params"]) > 0 and all(torch.isfinite(p).all() for p in state["params"])

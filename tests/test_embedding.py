@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from averaging.demo import read_lines
+from training.demo import read_lines
 from tests.netlab import Lab, NatKind, requires_root_netns
 from tests.test_nat_matrix import PUBLIC_NET, ROOT, start_relay
 

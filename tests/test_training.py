@@ -8,7 +8,7 @@ import pytest
 import torch
 import trio
 
-from averaging import AllreduceConfig
+from averaging import AllreduceConfig, AveragerConfig, MatchmakingConfig
 from training import CollaborativeOptimizer, StepReport, TrainingConfig
 
 from nat import Peer
@@ -267,3 +267,130 @@ async def test_a_batch_with_nan_gradients_is_dropped_and_the_swarm_steps_on() ->
         assert r.averaged and r.complete and r.group_size == 2, r
     for p, q in zip(models[0].parameters(), models[1].parameters()):
         assert torch.isfinite(p).all() and torch.equal(p, q)
+
+
+async def test_peers_that_stepped_alone_before_they_met_follow_the_one_furthest_ahead() -> None:
+    """Two peers start apart (two swarms, as when the DHT is still forming) and each steps alone:
+    A to step 3, B to step 1. When they meet, the quorum rule puts the run at B's step, where B has
+    the samples but never the quorum: B takes A's state (the most training done) and they step
+    together. Before, both waited for ever."""
+    config = TrainingConfig(run_id="split", target_batch_size=8, rejoin_after=1.0, report_interval=0.2)
+    models = [make_model(), make_model()]
+    joint: list[list[StepReport]] = [[], []]
+    async with open_peers(1) as (_, a), open_peers(1) as (_, b):
+        await public([a, b])
+        async with CollaborativeOptimizer.open(a, optimizer_of(models[0]), config) as opt_a, \
+                CollaborativeOptimizer.open(b, optimizer_of(models[1]), config) as opt_b:
+            opts = [opt_a, opt_b]
+
+            async def train(i: int, until: int | None = None) -> None:
+                data = batches(i, 4)
+                while (opts[i].local_step < until) if until is not None else len(joint[i]) < 2:
+                    x, y = next(data)
+                    torch.nn.functional.mse_loss(models[i](x), y).backward()
+                    report = await opts[i].step(len(x))
+                    if report is not None and until is None:
+                        joint[i].append(report)
+                    await trio.sleep(0.01)
+
+            with trio.fail_after(30):
+                await train(0, until=3)
+                await train(1, until=1)
+            assert (opt_a.local_step, opt_b.local_step) == (3, 1)
+            # the swarms meet
+            b.node.add_addrs(a.peer_id, list(a.addrs))
+            await b.node.connect(a.peer_id, timeout=10)
+            await b.dht.bootstrap()
+            await a.dht.bootstrap()
+            with trio.fail_after(90):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(train, 0)
+                    nursery.start_soon(train, 1)
+            assert (opt_a.downloads, opt_b.downloads) == (0, 1)  # A kept its work, B took it
+    for r in joint[0] + joint[1]:
+        assert r.step >= 3 and r.averaged and r.complete and r.group_size == 2, r
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(p, q)
+
+
+async def test_state_averaging_every_k_steps_pulls_drifted_peers_together() -> None:
+    """Three peers whose parameters drifted apart (as after a partial round) take identical steps,
+    which keep the drift; with ``average_state_every=2`` the second step ends with one state on all:
+    parameters and momentum, the mean of theirs."""
+    config = TrainingConfig(run_id="state-avg", target_batch_size=24, average_state_every=2)
+    models = [make_model() for _ in range(3)]
+    with torch.no_grad():
+        for i, m in enumerate(models):
+            for p in m.parameters():
+                p.add_(0.01 * i)  # drift
+    opts: list[CollaborativeOptimizer] = []
+    snapshots: list[list[list[torch.Tensor]]] = [[], [], []]  # per peer, per step: parameters
+    async with open_peers(3) as everyone:
+        peers = everyone[1:]
+        await formed(peers)
+
+        async def train(i: int) -> None:
+            data = batches(i, 4)
+            async with CollaborativeOptimizer.open(peers[i], optimizer_of(models[i]), config) as opt:
+                opts.append(opt)
+                while opt.local_step < 2:
+                    x, y = next(data)
+                    torch.nn.functional.mse_loss(models[i](x), y).backward()
+                    if await opt.step(len(x)) is not None:
+                        snapshots[i].append([p.detach().clone() for p in models[i].parameters()])
+                    await trio.sleep(0.01)
+                with trio.fail_after(30):
+                    while not all(len(s) >= 2 for s in snapshots):
+                        await trio.sleep(0.05)
+
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(train, i)
+    assert all(opt.state_rounds == 1 for opt in opts)
+    after_first = [s[0] for s in snapshots]
+    assert not torch.equal(after_first[0][0], after_first[1][0])  # step 1: identical steps keep the drift
+    for m in models[1:]:  # step 2 and the state round: one state everywhere
+        for p, q in zip(models[0].parameters(), m.parameters()):
+            assert torch.equal(p, q)
+    momentum = [[s["momentum_buffer"] for s in o.optimizer.state.values()] for o in opts]
+    for other in momentum[1:]:
+        for a, b in zip(momentum[0], other):
+            assert torch.equal(a, b)
+
+
+async def test_a_step_whose_group_cannot_form_is_reported_not_raised() -> None:
+    """Two peers that may not reduce (as two relayed volunteers without a public peer): no group can
+    form. Each step says so: the first to give up steps on its own gradient, the other then finds it
+    ahead and takes its state rather than stepping apart; both go on. Before, the MatchmakingError
+    left the optimizer inside an exception group and ended the training loop."""
+    config = TrainingConfig(run_id="no-reducer", target_batch_size=8, averager=AveragerConfig(reduces=False),
+                            matchmaking=MatchmakingConfig(target_size=2, min_size=2, gather_time=0.5, timeout=2.0))
+    reports: list[list[StepReport]] = [[], []]
+    steps = [0, 0]
+    async with open_peers(2) as everyone:
+        peers = everyone[1:]
+        await formed(peers)
+
+        async def train(i: int) -> None:
+            model, data = make_model(), batches(i, 4)
+            async with CollaborativeOptimizer.open(peers[i], optimizer_of(model), config) as opt:
+                while opt.local_step < 2:
+                    x, y = next(data)
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+                    report = await opt.step(len(x))
+                    if report is not None:
+                        reports[i].append(report)
+                    steps[i] = opt.local_step
+                    await trio.sleep(0.01)
+                with trio.fail_after(60):
+                    while min(steps) < 2:
+                        await trio.sleep(0.05)
+
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(train, 0)
+                nursery.start_soon(train, 1)
+    for r in reports[0] + reports[1]:
+        assert not r.averaged and "may reduce" in r.summary, r
+        assert "no group" in r.summary or r.missed, r

@@ -66,3 +66,22 @@ def test_wire_roundtrip_and_garbage() -> None:
     assert LocalProgress.from_wire("12D3KooWabc", r.to_wire()) == r
     with pytest.raises(ValueError, match="not a progress report"):
         LocalProgress.from_wire("x", b"\xff\xff\xff")
+
+
+def test_reports_carry_loss_and_addresses_and_garbage_in_them_is_dropped() -> None:
+    from multiaddr import Multiaddr
+
+    from training.proto import training_pb2 as pb
+
+    addr = Multiaddr("/ip4/127.0.0.1/tcp/4001")
+    mine = LocalProgress("a", 3, 10, 5.0, NOW, loss=2.5, addrs=(addr,))
+    back = LocalProgress.from_wire("a", mine.to_wire())
+    assert back.loss == 2.5 and back.addrs == (addr,)
+    raw = pb.Progress(step=1, samples=1, time=NOW, loss=float("nan"), addrs=[b"\xff\xfe garbage", addr.to_bytes()])
+    odd = LocalProgress.from_wire("b", raw.SerializeToString())
+    assert odd.loss is None and odd.addrs == (addr,)  # NaN loss unknown, a garbled address dropped
+    assert LocalProgress.from_wire("c", pb.Progress(step=1).SerializeToString()).loss is None  # none given
+    p = global_progress([LocalProgress("a", 3, 10, 1.0, NOW, loss=2.0), LocalProgress("b", 3, 10, 1.0, NOW, loss=4.0),
+                         LocalProgress("c", 3, 10, 1.0, NOW)], target=100, now=NOW)
+    assert p.loss == pytest.approx(3.0)  # the mean of those that report one
+    assert global_progress([rep("a", 3, 10)], target=100, now=NOW).loss is None

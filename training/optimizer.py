@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
@@ -45,6 +46,9 @@ from .progress import GlobalProgress, ProgressTracker
 from .state import StateDownloadError, StateServer, TrainingState, download_state, load_state, snapshot_of
 
 log = logging.getLogger(__name__)
+
+#: batches whose losses make the loss a peer publishes
+LOSS_WINDOW = 32
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,19 @@ class TrainingConfig:
     #: begins, so every gradient is exactly one step stale. The caller must compute in a worker
     #: thread (``trio.to_thread.run_sync``) for the round to overlap its compute.
     delay_updates: bool = False
+    #: peers that stepped alone before they saw each other (they started together; the DHT was
+    #: still forming) end at different steps, and the quorum rule leaves the one behind waiting
+    #: for a quorum that never comes. Once it has the samples but not the quorum for this long,
+    #: it takes the state of the peer furthest ahead (the most training done). Shorter waits are
+    #: the normal moment after a round, when its members reach the next step a little apart. A
+    #: peer that never took a step does not wait.
+    rejoin_after: float = 10.0
+    #: every this many global steps (0: never), right after the step, the peers average their
+    #: parameters and the optimizer's floating-point statistics (momentum, Adam's moments) too:
+    #: identical steps keep them equal in principle, and this pulls back whatever drifted (a
+    #: partial round, a state taken from a peer that then missed a step). hivemind's
+    #: ``average_state_every``.
+    average_state_every: int = 0
 
     def validate(self) -> None:
         if not self.run_id or len(self.run_id) > 100:
@@ -86,8 +103,8 @@ class TrainingConfig:
             raise ValueError("target_batch_size must be positive")
         if not (self.report_interval > 0 and self.progress_expiration > self.report_interval):
             raise ValueError("report_interval must be > 0 and below progress_expiration")
-        if self.retries < 0 or self.download_retry <= 0:
-            raise ValueError("retries must be >= 0 and download_retry > 0")
+        if self.retries < 0 or self.download_retry <= 0 or self.rejoin_after <= 0 or self.average_state_every < 0:
+            raise ValueError("retries and average_state_every must be >= 0, download_retry and rejoin_after > 0")
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
             raise ValueError("max_grad_norm must be a positive number")
         self.averager_config().validate()
@@ -138,18 +155,26 @@ class CollaborativeOptimizer:
         self.samples = 0
         #: batches refused for NaN/Inf gradients
         self.dropped_batches = 0
+        #: rounds that averaged the parameters and optimizer statistics (``average_state_every``)
+        self.state_rounds = 0
         self.tracker = ProgressTracker(peer, config.run_id, config.target_batch_size,
                                        expiration=config.progress_expiration,
                                        client=not averager.role()[1])
         self._reported_samples = 0  # what the last published report said
         self._since = time.monotonic()  # when this step's accumulation began
         self._rate = 0.0
+        #: (loss, samples) of the recent batches whose caller gave a loss
+        self._losses: deque[tuple[float, int]] = deque(maxlen=LOSS_WINDOW)
         self._nursery: trio.Nursery | None = None
         #: states downloaded, and when the next attempt may be made after a failed one
         self.downloads = 0
         self._next_download = 0.0
         #: a delayed step's round missed the swarm's: the next call takes the swarm's state
         self._must_catch_up = False
+        #: since when we have had the samples but not the quorum, while a peer is ahead of us
+        self._stuck_since: float | None = None
+        #: whether this peer took a step or a state yet (a fresh one follows a lone peer at once)
+        self._fresh = True
         #: with delayed updates: the step whose round runs in the background, its gradients (averaged
         #: in place), the event set when the round ended, and its report once there
         self._pending: tuple[int, list[torch.Tensor], trio.Event, list[StepReport]] | None = None
@@ -185,7 +210,8 @@ class CollaborativeOptimizer:
     async def _sync(self) -> GlobalProgress:
         """Publish our progress and read the swarm's, now."""
         reported = self.samples
-        await self.tracker.report(self.local_step, reported, self._rate)
+        self.tracker.client = not self.averager.role()[1]  # reachability is learned after start
+        await self.tracker.report(self.local_step, reported, self._rate, loss=self.loss)
         self._reported_samples = reported
         return await self.tracker.fetch(local_step=self.local_step)
 
@@ -196,12 +222,21 @@ class CollaborativeOptimizer:
 
     # ------------------------------------------------------------------ the caller's step
 
-    async def step(self, batch_size: int) -> StepReport | None:
+    @property
+    def loss(self) -> float | None:
+        """The mean loss of this peer's recent batches (as the caller gave them; None without any)."""
+        n = sum(k for _, k in self._losses)
+        return sum(x * k for x, k in self._losses) / n if n else None
+
+    async def step(self, batch_size: int, loss: float | None = None) -> StepReport | None:
         """Account one local backward pass of ``batch_size`` samples (its gradients are in the
         parameters' ``.grad``, means over the batch); returns the report of a global step when one
-        happened (the parameters moved), else None. Gradients are taken and zeroed either way."""
+        happened (the parameters moved), else None. Gradients are taken and zeroed either way.
+        ``loss``, where given, is published with the progress (the swarm's learning curve)."""
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, not {batch_size}")
+        if loss is not None and math.isfinite(loss):
+            self._losses.append((float(loss), batch_size))
         self._accumulate(batch_size)
         progress = self.tracker.last
         if progress is None or progress.step != self.local_step or self._estimate(progress) >= progress.target:
@@ -214,9 +249,43 @@ class CollaborativeOptimizer:
         if progress.step > self.local_step or self._must_catch_up:
             await self._catch_up(progress)
             return None
+        ahead = self._rejoin(progress)
+        if ahead is not None and time.monotonic() >= self._next_download:
+            log.warning("this peer is at step %d and has no quorum there; %d peer(s) are at step %d "
+                        "(they stepped without us, before we saw each other): taking their state",
+                        self.local_step, len(ahead.sources), ahead.step)
+            await self._catch_up(ahead)
+            return None
         if progress.step == self.local_step and progress.ready:
             return await self._global_step(progress)
         return None
+
+    def _rejoin(self, progress: GlobalProgress) -> GlobalProgress | None:
+        """The furthest step to take a state from when the quorum rule leaves us stuck, else None.
+
+        Stuck: some peer is ahead of our step, and our step (the swarm's by the quorum rule) has
+        the samples but not the quorum, for ``rejoin_after`` (at once for a fresh peer).
+        """
+        me = self.peer.peer_id.to_base58()
+        others = [r for r in self.tracker.reports if r.peer_id != me]
+        furthest = max((r.step for r in others), default=-1)
+        # with delayed updates a peer reports the next step when its round begins: one step
+        # ahead is the usual moment of a round, not a sign that it went on without us
+        lag = 1 if self.config.delay_updates else 0
+        stuck = (progress.step == self.local_step < furthest and self._pending is None
+                 and ((self._fresh and furthest > self.local_step + lag)
+                      or (progress.samples >= progress.target and progress.contributors < progress.quorum)))
+        if not stuck:
+            self._stuck_since = None
+            return None
+        now = time.monotonic()
+        if self._stuck_since is None:
+            self._stuck_since = now
+        if not self._fresh and now - self._stuck_since < self.config.rejoin_after:
+            return None
+        sources = tuple(r.peer_id for r in sorted(others, key=lambda r: -r.time)
+                        if r.step >= furthest and not r.client)
+        return replace(progress, step=furthest, sources=sources)
 
     def _estimate(self, progress: GlobalProgress) -> int:
         """The swarm's samples toward our step, with our latest count instead of our last report's."""
@@ -258,8 +327,12 @@ class CollaborativeOptimizer:
             self._apply(grads)
             self._next_step()
             await self._sync()  # tell the swarm at once: we left the step
+            if report.averaged:
+                await self._average_state(report.group_size)
             return replace(report, elapsed=time.perf_counter() - started)
         applied = await self._apply_pending()  # step - 1's, averaged while we computed this one's
+        if applied is not None and applied.averaged:
+            await self._average_state(applied.group_size, at=step)
         self._next_step()
         assert self._nursery is not None
         done = trio.Event()
@@ -268,7 +341,32 @@ class CollaborativeOptimizer:
         await self._sync()
         return applied
 
+    async def _average_state(self, expected: int, at: int | None = None) -> None:
+        """Every ``average_state_every`` steps: average parameters and optimizer statistics with the
+        peers that took the same step (those of its round: ``expected``). Best effort: a group that
+        does not form leaves the state as it is."""
+        every = self.config.average_state_every
+        step = self.local_step if at is None else at
+        if not every or step % every or expected < 2:
+            return
+        stats = [v for state in self.optimizer.state.values() for v in state.values()
+                 if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0]
+        tensors = [p.data for p in self.params] + stats
+        work = [t.detach().to(torch.float32).clone() for t in tensors]
+        try:
+            report = await self._round(work, 1, f"state:{step}", expected, step)
+        except MatchmakingError as e:
+            log.info("state averaging at step %d: no group (%s); the state stays as it is", step, e)
+            return
+        if report is None:
+            return
+        with torch.no_grad():
+            for t, w in zip(tensors, work):
+                t.copy_(w.to(t.dtype))
+        self.state_rounds += 1
+
     def _next_step(self) -> None:
+        self._fresh = False
         self.local_step += 1
         self.samples = 0
         self._reported_samples = 0
@@ -295,6 +393,13 @@ class CollaborativeOptimizer:
             try:
                 report = await self._round(work, samples, f"grads:{step}:{attempt}", expected, step)
             except MatchmakingError as e:
+                me = self.peer.peer_id.to_base58()
+                if any(r.step > step for r in self.tracker.reports if r.peer_id != me):
+                    # the others took the step in a group we did not find: our own gradient alone
+                    # would set us apart from them for good; take their state instead
+                    return StepReport(step, progress.samples, samples, 0, False, False,
+                                      f"missed: the swarm took this step in a group we did not find ({e})",
+                                      0.0, missed=True)
                 summary = f"no group: the local gradient of {samples} samples alone ({e})"
                 return StepReport(step, progress.samples, samples, 1, False, True, summary, 0.0)
             if report is None:
@@ -323,11 +428,15 @@ class CollaborativeOptimizer:
         finished first already reports the next step while the others still take its average).
         """
         found: list[Group] = []
+        failed: list[MatchmakingError] = []
         async with trio.open_nursery() as nursery:
 
             async def search() -> None:
-                found.append(await self.averager.matchmake(work, float(samples), purpose=purpose,
-                                                           expected=expected))
+                try:
+                    found.append(await self.averager.matchmake(work, float(samples), purpose=purpose,
+                                                               expected=expected))
+                except MatchmakingError as e:  # raised below, not wrapped in the nursery's group
+                    failed.append(e)
                 nursery.cancel_scope.cancel()
 
             async def watch() -> None:
@@ -340,6 +449,8 @@ class CollaborativeOptimizer:
 
             nursery.start_soon(search)
             nursery.start_soon(watch)
+        if failed:
+            raise failed[0]
         if not found:
             return None
         return await self.averager.average_in(found[0], work, float(samples), strict=False)
@@ -411,6 +522,9 @@ class CollaborativeOptimizer:
             return False
         me = self.peer.peer_id.to_base58()
         sources = [ID.from_base58(p) for p in progress.sources if p != me]
+        for report in self.tracker.reports:  # where to reach them: their reports say
+            if report.peer_id in progress.sources and report.addrs:
+                self.peer.node.add_addrs(ID.from_base58(report.peer_id), list(report.addrs))
         # after a missed round, the state we need is the one past it (with delayed updates our
         # step already is: the missed round is the one before it)
         wanted = progress.step
@@ -429,6 +543,8 @@ class CollaborativeOptimizer:
         dropped = self.samples
         self._pending = None
         self._must_catch_up = False
+        self._stuck_since = None
+        self._fresh = False
         self.local_step = state.step - 1
         self._next_step()
         self.downloads += 1

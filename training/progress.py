@@ -28,10 +28,12 @@ from dataclasses import dataclass
 
 import trio
 from libp2p.peer.id import ID
+from multiaddr import Multiaddr
 
 from nat import Peer
 from p2p.dht import owned
 from p2p.errors import DedlocError
+from p2p.untrusted import decode_addrs
 
 from .proto import training_pb2 as pb
 
@@ -39,6 +41,8 @@ log = logging.getLogger(__name__)
 
 #: Peers that must agree on a step (or contribute to one) once the swarm has that many.
 QUORUM = 2
+#: Addresses a report carries at most.
+MAX_ADDRS = 16
 #: Reports this far in the future (clock skew) are still believed.
 MAX_CLOCK_SKEW = 30.0
 
@@ -53,10 +57,15 @@ class LocalProgress:
     samples_per_second: float
     time: float
     client: bool = False
+    #: the mean loss of this peer's recent batches, where its caller gives it
+    loss: float | None = None
+    #: where it can be reached (to download its state)
+    addrs: tuple[Multiaddr, ...] = ()
 
     def to_wire(self) -> bytes:
         return pb.Progress(step=self.step, samples=self.samples, samples_per_second=self.samples_per_second,
-                           time=self.time, client=self.client).SerializeToString()
+                           time=self.time, client=self.client, loss=self.loss,
+                           addrs=[a.to_bytes() for a in self.addrs[:MAX_ADDRS]]).SerializeToString()
 
     @classmethod
     def from_wire(cls, peer_id: str, data: bytes) -> LocalProgress:
@@ -66,7 +75,9 @@ class LocalProgress:
             msg.ParseFromString(data)
         except Exception as e:  # protobuf's DecodeError and friends
             raise ValueError(f"not a progress report: {e}") from None
-        return cls(peer_id, msg.step, msg.samples, msg.samples_per_second, msg.time, msg.client)
+        loss = msg.loss if msg.HasField("loss") and math.isfinite(msg.loss) else None
+        addrs = tuple(decode_addrs(msg.addrs, limit=MAX_ADDRS))
+        return cls(peer_id, msg.step, msg.samples, msg.samples_per_second, msg.time, msg.client, loss, addrs)
 
 
 @dataclass(frozen=True)
@@ -92,6 +103,8 @@ class GlobalProgress:
     sources: tuple[str, ...] = ()
     #: peers at the step or one behind it (finishing the last one: they will be at it in a moment)
     peers_near_step: int = 0
+    #: the mean of the live peers' reported losses (None when none reports one)
+    loss: float | None = None
 
     @property
     def expected(self) -> int:
@@ -142,7 +155,10 @@ def global_progress(reports: Iterable[LocalProgress], target: int, now: float, *
     sources = tuple(r.peer_id for r in sorted(live.values(), key=lambda r: -r.time)
                     if r.step >= step and not r.client)
     near = sum(1 for r in live.values() if step - 1 <= r.step <= step)
-    return GlobalProgress(step, samples, target, len(at_step), n, rate, contributors, quorum, now, sources, near)
+    losses = [r.loss for r in live.values() if r.loss is not None and math.isfinite(r.loss)]
+    loss = sum(losses) / len(losses) if losses else None
+    return GlobalProgress(step, samples, target, len(at_step), n, rate, contributors, quorum, now, sources, near,
+                          loss)
 
 
 class ProgressTracker:
@@ -165,10 +181,14 @@ class ProgressTracker:
         #: the live, believable reports of the last read (``last`` is their fold)
         self.reports: list[LocalProgress] = []
 
-    async def report(self, step: int, samples: int, samples_per_second: float, *, timeout: float = 10.0) -> bool:
+    async def report(self, step: int, samples: int, samples_per_second: float, *, loss: float | None = None,
+                     timeout: float = 10.0) -> bool:
         """Publish our progress (best effort: False when no replica took it)."""
         now = self.clock()
-        mine = LocalProgress(self.peer.peer_id.to_base58(), step, samples, samples_per_second, now, self.client)
+        if loss is not None and not math.isfinite(loss):
+            loss = None
+        mine = LocalProgress(self.peer.peer_id.to_base58(), step, samples, samples_per_second, now, self.client,
+                             loss, tuple(self.peer.node.addrs))
         try:
             return await self.peer.dht.store(self.key, mine.to_wire(), now + self.expiration,
                                              subkey=owned("progress", self.peer.peer_id), timeout=timeout)

@@ -3,8 +3,10 @@
 isort:skip_file
 Collaborative training on the wire: what each peer publishes about its progress."""
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
@@ -31,6 +33,8 @@ class Progress(_message.Message):
     SAMPLES_PER_SECOND_FIELD_NUMBER: _builtins.int
     TIME_FIELD_NUMBER: _builtins.int
     CLIENT_FIELD_NUMBER: _builtins.int
+    LOSS_FIELD_NUMBER: _builtins.int
+    ADDRS_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """the global step this peer accumulates gradients for"""
     samples: _builtins.int
@@ -41,6 +45,12 @@ class Progress(_message.Message):
     """unix seconds of the report"""
     client: _builtins.bool
     """outbound only (cannot serve its state)"""
+    loss: _builtins.float
+    """mean training loss of this peer's recent batches (what the caller passed)"""
+    @_builtins.property
+    def addrs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """where to reach it for its state (binary multiaddrs, relay circuits included)"""
+
     def __init__(
         self,
         *,
@@ -49,12 +59,16 @@ class Progress(_message.Message):
         samples_per_second: _builtins.float = ...,
         time: _builtins.float = ...,
         client: _builtins.bool = ...,
+        loss: _builtins.float | None = ...,
+        addrs: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "loss", b"loss"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "samples", b"samples", "samples_per_second", b"samples_per_second", "step", b"step", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "addrs", b"addrs", "client", b"client", "loss", b"loss", "samples", b"samples", "samples_per_second", b"samples_per_second", "step", b"step", "time", b"time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__loss: _TypeAlias = _typing.Literal["loss"]  # noqa: Y015
+    _WhichOneofArgType__loss: _TypeAlias = _typing.Literal["_loss", b"_loss"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__loss) -> _WhichOneofReturnType__loss | None: ...
 
 Global___Progress: _TypeAlias = Progress  # noqa: Y015
 

@@ -9,15 +9,20 @@ peers the one before it listens nowhere, as behind a NAT that maps nothing, and
 others reach it only through its slot on the relay), the DHT stores and returns
 a value, and the peers average tensors: peer *i* holds the value *i* every
 round, so the demo checks each round's result against the exact mean of the
-group's values.
+group's values. Then the averaging peers stop and as many ``dedloc train``
+peers (the same roles) train the example model (:mod:`training.mlm`) together
+for ``train_time`` seconds; the demo prints the run's progress and succeeds
+when the swarm took global steps together and its loss fell.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
-from collections import Counter
 import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,7 +49,7 @@ class _Member:
 
 
 def _command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "averaging.cli", *args]
+    return [sys.executable, "-m", "training.cli", *args]
 
 
 async def read_lines(stream: trio.abc.ReceiveStream) -> AsyncIterator[str]:
@@ -68,7 +73,16 @@ ROUNDS_WANTED = 2
 TENSOR_SIZE = 1_000_000
 
 
-async def run_demo(*, peers: int, duration: float, out: Any) -> int:
+#: training: the global batch, each peer's local batch
+TRAIN_TARGET = 128
+TRAIN_BATCH = 16
+#: the swarm's loss must end below this share of where it started
+LOSS_FALL = 0.8
+#: global steps the swarm must take
+STEPS_WANTED = 5
+
+
+async def run_demo(*, peers: int, duration: float, out: Any, train_time: float = 0.0) -> int:
     """Start a bootstrap node and ``peers`` peers; 0 once they formed a swarm, used the DHT and averaged."""
     if peers < 2:
         print("demo: need at least two peers (averaging takes two)", file=sys.stderr)
@@ -160,6 +174,8 @@ async def run_demo(*, peers: int, duration: float, out: Any) -> int:
                 on_averaged(member, event)
             elif kind == "average_failed" and meshed.is_set():
                 say(f"{member.name:>9} avg  round {event['round']}: no average: {event['reason']}")
+            elif kind in ("training_status", "global_step", "state_downloaded"):
+                training.on_event(member.name, event, say, peers)
             elif kind == "error":
                 say(f"{member.name:>9} error: {event['message']}")
             if mesh_complete():
@@ -180,6 +196,36 @@ async def run_demo(*, peers: int, duration: float, out: Any) -> int:
             await ready.wait()
         return member
 
+    training = _Training()
+
+    async def training_phase() -> bool:
+        """Stop the averaging peers; train the example model with as many train peers for train_time."""
+        for member in list(members.values()):
+            if member.name.startswith("peer-"):
+                _stop(member.process)
+                with trio.move_on_after(10):
+                    await member.process.wait()
+        workdir = Path(tempfile.mkdtemp(prefix="dedloc-demo-"))
+        from .mlm import prepare
+
+        prepared = await trio.to_thread.run_sync(lambda: prepare(workdir))
+        say(f"training: {peers} peers train a small ALBERT on a generated corpus ({len(prepared.corpus)} shards "
+            f"in {workdir}), {TRAIN_TARGET} samples per global step, for {train_time:g} s")
+        run = ["--run-id", "demo", "--workdir", str(workdir), "--target-batch-size", str(TRAIN_TARGET),
+               "--batch-size", str(TRAIN_BATCH), "--report-every", "3", "--status-interval", "0",
+               "--group-size", str(peers), "--duration", str(train_time + 60)]
+        async with trio.open_nursery() as starters:
+            for i in range(1, peers + 1):
+                name = f"trainer-{i}"
+                role = (["--client"] if i == peers else ["--no-listen"] if peers >= 3 and i == peers - 1
+                        else ["--allow-private"])
+                starters.start_soon(start, nursery_ref[0], name, "train", "--initial-peers", boot_ref[0],
+                                    "--data-seed", str(i), *run, *role)
+        await trio.sleep(train_time)  # train the whole time: the loss goes on falling
+        return training.verdict(say, peers)
+
+    nursery_ref: list[trio.Nursery] = []
+    boot_ref: list[str] = []
     behind = f"{client} outbound-only" + (f", {relayed} reachable only through the relay" if relayed else "")
     say(f"starting a bootstrap node and {peers} peers on 127.0.0.1 ({behind}); Ctrl-C stops")
     ok = False
@@ -190,6 +236,8 @@ async def run_demo(*, peers: int, duration: float, out: Any) -> int:
                 # the peers serve the DHT once AutoNAT has confirmed them (they are DHT clients until then).
                 boot = await start(nursery, "bootstrap", "relay", "--status-interval", "0", "--allow-private")
                 boot_addr = next(a for a in boot.addrs if "/ip4/127.0.0.1/" in a)
+                nursery_ref.append(nursery)
+                boot_ref.append(boot_addr)
                 averaging = ["--prefix", "demo", "--size", str(TENSOR_SIZE), "--group-size", str(peers),
                              "--min-size", "2", "--gather-time", "1.5", "--interval", "1", "--status-interval", "0"]
                 async with trio.open_nursery() as starters:
@@ -211,6 +259,8 @@ async def run_demo(*, peers: int, duration: float, out: Any) -> int:
                         say(f"averaging: every peer averaged {ROUNDS_WANTED}+ rounds exactly, each in a group "
                             f"of all {peers} at least once ({behind}: senders only)")
                         ok = not wrong
+                if ok and train_time > 0:
+                    ok = await training_phase()
             finally:
                 for member in members.values():
                     _stop(member.process)
@@ -226,10 +276,51 @@ async def run_demo(*, peers: int, duration: float, out: Any) -> int:
     elif not meshed.is_set():
         missing = {m.name: sorted(names.get(p, p) for p in m.connected) for m in members.values()}
         say(f"swarm did not form within {duration:g}s; connections seen: {missing}")
-    else:
+    elif not averaged.is_set():
         say(f"averaging did not finish within {duration:g}s: exact rounds per peer {dict(rounds_ok)}, "
             f"in a group of all {peers}: {sorted(whole_swarm)}")
     return 1
+
+
+class _Training:
+    """What the demo watches of the training run: steps, who averaged, the swarm's loss over time."""
+
+    def __init__(self) -> None:
+        self.losses: list[tuple[int, float]] = []  # (step, swarm loss) from trainer-1's status lines
+        self.steps: dict[str, int] = {}  # trainer -> global steps done with others
+
+    def on_event(self, name: str, event: dict[str, Any], say: _Say, peers: int) -> None:
+        kind = event["event"]
+        if kind == "training_status" and name == "trainer-1":
+            if event.get("swarm_loss") is not None:
+                self.losses.append((event["step"], event["swarm_loss"]))
+            loss = "?" if event.get("swarm_loss") is None else f"{event['swarm_loss']:.3f}"
+            done = min(1.0, event["swarm_samples"] / max(1, event["target"]))
+            bar = "#" * round(done * 20) + "." * (20 - round(done * 20))
+            say(f"{'train':>9}      step {event['step']:>3} [{bar}] {event['swarm_samples']:>4}/{event['target']} "
+                f"| {event['swarm_samples_per_second']:.0f} samples/s | loss {loss} | {event['peers']} peers")
+        elif kind == "global_step":
+            if event["averaged"] and not event["missed"]:
+                self.steps[name] = self.steps.get(name, 0) + 1
+            if name == "trainer-1" or not event["complete"] or event["missed"]:
+                state = "missed" if event["missed"] else ("PARTIAL" if not event["complete"] else "done")
+                say(f"{name:>9} step {event['step']:>3} {state}: {event['samples']} samples "
+                    f"({event['local_samples']} its own), group of {event['group_size']} in {event['elapsed']:.2f} s")
+        elif kind == "state_downloaded":
+            say(f"{name:>9} took the swarm's state at step {event['step']}")
+
+    def verdict(self, say: _Say, peers: int) -> bool:
+        """Whether the swarm trained: steps taken together by every peer, the loss fallen."""
+        fell = len(self.losses) >= 2 and self.losses[-1][1] < LOSS_FALL * self.losses[0][1]
+        if fell and len(self.steps) == peers and min(self.steps.values()) >= 2 and \
+                max(self.steps.values()) >= STEPS_WANTED:
+            (s0, l0), (s1, l1) = self.losses[0], self.losses[-1]
+            say(f"training: {max(self.steps.values())} global steps, every one of the {peers} peers averaged in "
+                f"them; the swarm's loss fell {l0:.3f} (step {s0}) -> {l1:.3f} (step {s1})")
+            return True
+        say(f"training did not get far enough: global steps averaged per peer {self.steps}, swarm loss "
+            f"{self.losses[0][1] if self.losses else '?'} -> {self.losses[-1][1] if self.losses else '?'}")
+        return False
 
 
 async def _dht_round_trip(say: _Say, boot_addr: str) -> bool:

@@ -1,0 +1,346 @@
+"""The ``dedloc`` entry point, and the commands that train: ``train``, ``backbone`` and ``demo``.
+
+This is the highest layer with commands, so the entry point sits here and its
+parser extends the averaging layer's (``average``), which extends the network
+layer's (``relay``, ``peer``, ``status``, ``ping``; ``id``, ``dht``).
+
+``train`` is ``dedloc peer`` plus a :class:`~training.CollaborativeOptimizer`
+training the example model (:mod:`training.mlm`, a tiny ALBERT) on shards
+(:mod:`training.data`; by default the example's generated corpus). It prints
+the run's progress every ``--report-every`` seconds and every global step.
+``backbone`` is the run's monitor: it keeps the learning curve and what each
+peer contributed, and saves (and serves) a checkpoint every few steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import trio
+from libp2p.peer.id import ID
+
+from averaging import MatchmakingConfig
+from averaging.cli import build_parser as averaging_parser
+from nat import Peer
+from nat.cli import nat_options, peer_config, peer_options, run_peer
+from p2p.cli import Output, common_options, run
+from p2p.errors import ConfigError
+
+from .data import DataConfig, DataError, ExampleStream, batches, shard_paths
+from .events import Checkpointed, GlobalStepDone, StateDownloaded, TrainingStatus
+from .optimizer import CollaborativeOptimizer, StepReport, TrainingConfig
+from .progress import ProgressTracker
+from .state import StateDownloadError, StateServer, TrainingState, download_state
+
+DEFAULT_WORKDIR = "dedloc-example"
+
+
+# ---------------------------------------------------------------------- the example run's files and model
+
+
+def example_files(args: argparse.Namespace) -> tuple[list[str], Path]:
+    """The shards and the tokenizer: the user's, else the example's (generated under --workdir once)."""
+    from .mlm import prepare
+
+    workdir = Path(args.workdir)
+    tokenizer = Path(args.tokenizer) if args.tokenizer else None
+    data = list(args.data or [])
+    if not data or tokenizer is None:
+        prepared = prepare(workdir)
+        data = data or [str(p) for p in prepared.corpus]
+        tokenizer = tokenizer or prepared.tokenizer
+    if not tokenizer.is_file():
+        raise ConfigError(f"--tokenizer {tokenizer}: no such file")
+    return data, tokenizer
+
+
+def build(args: argparse.Namespace) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer, Any]:
+    """Tokenizer, model (the same initial weights on every peer), optimizer, warm-up scheduler."""
+    from .mlm import build_model, load_tokenizer
+
+    _, tokenizer_path = example_files(args)
+    tokenizer = load_tokenizer(tokenizer_path)
+    model = build_model(tokenizer, seed=args.model_seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    warmup = max(1, args.warmup_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+    return tokenizer, model, optimizer, scheduler
+
+
+def training_config(args: argparse.Namespace) -> TrainingConfig:
+    return TrainingConfig(
+        run_id=args.run_id, target_batch_size=args.target_batch_size,
+        matchmaking=MatchmakingConfig(target_size=args.group_size, min_size=2, gather_time=args.gather_time,
+                                      timeout=args.match_timeout),
+        max_grad_norm=args.max_grad_norm or None, delay_updates=args.delay_updates)
+
+
+# ---------------------------------------------------------------------- dedloc train
+
+
+async def train(peer: Peer, args: argparse.Namespace) -> None:
+    """Train the example model with the swarm until --max-steps global steps (or --duration)."""
+    from .mlm import MaskedBatches
+
+    torch.set_num_threads(max(1, args.threads))
+    files, _ = example_files(args)
+    tokenizer, model, optimizer, scheduler = build(args)
+    stream = ExampleStream(DataConfig(files=tuple(files), text_field=args.text_field,
+                                      shuffle_buffer=args.shuffle_buffer, seed=args.data_seed))
+    texts: Iterator[list[str]] = batches(stream, args.batch_size)
+    masked = MaskedBatches(tokenizer)
+    model.train()
+
+    def forward_backward() -> tuple[int, float]:
+        """One local batch, in the worker thread (the one edge where torch computes)."""
+        batch = masked(next(texts))
+        loss = model(**batch).loss
+        loss.backward()
+        return int(batch["input_ids"].shape[0]), float(loss.detach())
+
+    node = peer.node
+    async with CollaborativeOptimizer.open(peer, optimizer, training_config(args), scheduler=scheduler) as opt:
+        if opt.downloads:
+            node.emit(StateDownloaded(step=opt.local_step))
+
+        async def status_loop() -> None:
+            while True:
+                await trio.sleep(args.report_every)
+                p = opt.progress
+                if p is not None:
+                    node.emit(TrainingStatus(
+                        step=p.step, swarm_samples=p.samples, target=p.target,
+                        swarm_samples_per_second=p.samples_per_second, samples_per_second=opt._rate,
+                        loss=opt.loss, swarm_loss=p.loss, peers=p.peers, eta=p.eta, local_samples=opt.samples))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(status_loop)
+            downloads = opt.downloads
+            while args.max_steps == 0 or opt.local_step < args.max_steps:
+                n, loss = await trio.to_thread.run_sync(forward_backward)
+                report = await opt.step(n, loss=loss)
+                if report is not None:
+                    node.emit(_step_event(report, opt.loss))
+                if opt.downloads > downloads:
+                    downloads = opt.downloads
+                    node.emit(StateDownloaded(step=opt.local_step))
+            nursery.cancel_scope.cancel()
+
+
+def _step_event(report: StepReport, loss: float | None) -> GlobalStepDone:
+    return GlobalStepDone(**dataclasses.asdict(report), loss=loss)
+
+
+async def cmd_train(args: argparse.Namespace, out: Output) -> int:
+    _check_training_args(args)
+    if args.shuffle_buffer < 1:
+        raise ConfigError("--shuffle-buffer must be at least 1")
+    if args.data:
+        try:
+            shard_paths(args.data)  # missing files and unknown formats fail before the peer starts
+        except DataError as e:
+            raise ConfigError(str(e)) from None
+    return await run_peer(args, out, config=peer_config(args, relay=False), work=lambda peer: train(peer, args))
+
+
+def _check_training_args(args: argparse.Namespace) -> None:
+    try:
+        training_config(args).validate()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if args.batch_size <= 0:
+        raise ConfigError("--batch-size must be positive")
+    if args.max_steps < 0:
+        raise ConfigError("--max-steps must be >= 0 (0: until --duration)")
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        raise ConfigError("--lr must be a positive number")
+
+
+# ---------------------------------------------------------------------- dedloc backbone
+
+
+class Monitor:
+    """The run as the backbone keeps it: the learning curve and each peer's contributed samples.
+
+    A peer's contribution to a step is the most samples it reported toward
+    that step (reports are read every few seconds; the last one before the
+    step is what it brought). Written as JSON files that a page or a metrics
+    exporter can read: ``curve.jsonl`` (a line per global step) and
+    ``contributions.json`` (peer id -> samples).
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+        self.per_step: dict[str, dict[int, int]] = defaultdict(dict)
+        self.last_step = -1
+
+    def observe(self, tracker: ProgressTracker) -> None:
+        for r in tracker.reports:
+            steps = self.per_step[r.peer_id]
+            steps[r.step] = max(steps.get(r.step, 0), r.samples)
+        p = tracker.last
+        if p is None or p.step == self.last_step:
+            return
+        self.last_step = p.step
+        line = {"step": p.step, "time": p.time, "loss": p.loss, "samples_per_second": p.samples_per_second,
+                "peers": p.peers}
+        with (self.directory / "curve.jsonl").open("a") as f:
+            f.write(json.dumps(line) + "\n")
+        (self.directory / "contributions.json").write_text(json.dumps(self.contributions(), indent=1))
+
+    def contributions(self) -> dict[str, int]:
+        return {peer: sum(steps.values()) for peer, steps in self.per_step.items()}
+
+
+async def backbone(peer: Peer, args: argparse.Namespace) -> None:
+    """Watch the run: keep its curve and contributions, checkpoint it every --checkpoint-every steps."""
+    _, model, _, _ = build(args)
+    params = [p for p in model.parameters() if p.requires_grad]
+    directory = Path(args.checkpoint_dir)
+    monitor = Monitor(directory)
+    tracker = ProgressTracker(peer, args.run_id, args.target_batch_size, client=False)
+    latest: TrainingState | None = None
+
+    async def snapshot() -> TrainingState:
+        return latest if latest is not None else TrainingState(-1, [], None, {}, None)
+
+    uninstall = StateServer(peer, args.run_id, snapshot).install()
+    saved = -1
+    try:
+        while True:
+            progress = await tracker.fetch()
+            monitor.observe(tracker)
+            if progress.step >= max(1, saved + args.checkpoint_every) and progress.sources:
+                sources = [ID.from_base58(s) for s in progress.sources if s != peer.peer_id.to_base58()]
+                for report in tracker.reports:
+                    if report.peer_id in progress.sources and report.addrs:
+                        peer.node.add_addrs(ID.from_base58(report.peer_id), list(report.addrs))
+                try:
+                    latest = await download_state(peer, args.run_id, sources, progress.step, params, timeout=60)
+                except StateDownloadError as e:
+                    peer.node.emit(Checkpointed(step=-1, path="", source=f"none: {e}"))
+                else:
+                    path = directory / f"checkpoint-{latest.step:06d}.pt"
+                    await trio.to_thread.run_sync(torch.save, {
+                        "step": latest.step, "params": latest.params, "pending": latest.pending,
+                        "optimizer": latest.optimizer, "scheduler": latest.scheduler, "time": time.time()}, path)
+                    saved = latest.step
+                    peer.node.emit(Checkpointed(step=latest.step, path=str(path), source=str(sources[0])))
+            await trio.sleep(args.report_every)
+    finally:
+        uninstall()
+
+
+async def cmd_backbone(args: argparse.Namespace, out: Output) -> int:
+    if args.checkpoint_every <= 0:
+        raise ConfigError("--checkpoint-every must be positive")
+    return await run_peer(args, out, relay=True, work=lambda peer: backbone(peer, args))
+
+
+# ---------------------------------------------------------------------- dedloc demo
+
+
+async def cmd_demo(args: argparse.Namespace, out: Output) -> int:
+    from .demo import run_demo
+
+    return await run_demo(peers=args.peers, duration=args.duration, train_time=args.train_time, out=out)
+
+
+# ---------------------------------------------------------------------- the parser
+
+
+def run_options(p: argparse.ArgumentParser) -> None:
+    """What names a run and its model: the same on every peer of it."""
+    g = p.add_argument_group("the run")
+    g.add_argument("--run-id", default="dedloc-example", help="only peers with the same run id train together")
+    g.add_argument("--target-batch-size", type=int, default=256, metavar="N",
+                   help="samples the swarm accumulates per global step (default: %(default)s)")
+    g.add_argument("--workdir", default=DEFAULT_WORKDIR,
+                   help="where the example's corpus and tokenizer are generated (default: ./%(default)s)")
+    g.add_argument("--tokenizer", default=None, metavar="FILE",
+                   help="a tokenizers JSON file (default: trained from the example corpus under --workdir)")
+    g.add_argument("--model-seed", type=int, default=0, help="seed of the initial weights (the same on every peer)")
+    g.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default: %(default)s)")
+    g.add_argument("--warmup-steps", type=int, default=5, metavar="N", help="linear warm-up, in global steps")
+    g.add_argument("--report-every", type=float, default=2.0, metavar="SECONDS",
+                   help="how often the progress is printed (default: %(default)s)")
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:  # type: ignore[type-arg]
+    parser, sub = averaging_parser()
+
+    p = sub.add_parser("train", help="join a training run: the example model, trained with the swarm",
+                       description="Run a peer (as `dedloc peer`) that trains a small ALBERT masked language model "
+                       "with every peer of --run-id: each computes gradients on its own batches at its own pace, "
+                       "and when the swarm has --target-batch-size samples, every peer averages them (one "
+                       "all-reduce round) and takes the same optimizer step. A peer that joins late downloads the "
+                       "swarm's state first. Shows the run's progress: global step, samples/s, loss, peers.")
+    peer_options(p)
+    run_options(p)
+    g = p.add_argument_group("training")
+    g.add_argument("--data", nargs="+", default=None, metavar="PATH",
+                   help="shard files or directories (.txt lines, .jsonl, .parquet; default: the example corpus)")
+    g.add_argument("--text-field", default="text", help="the field of JSON lines / column of parquet with the text")
+    g.add_argument("--shuffle-buffer", type=int, default=10_000, metavar="N", help="examples mixed before use")
+    g.add_argument("--data-seed", type=int, default=None, help="this peer's data order (default: random)")
+    g.add_argument("--batch-size", type=int, default=16, metavar="N", help="local batch (default: %(default)s)")
+    g.add_argument("--max-steps", type=int, default=0, metavar="N", help="stop after N global steps (0: --duration)")
+    g.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the averaged gradients (0: no clipping)")
+    g.add_argument("--delay-updates", action="store_true",
+                   help="delayed parameter updates: average step t while computing step t+1 (one step stale)")
+    g.add_argument("--group-size", type=int, default=64, metavar="N", help="largest averaging group")
+    g.add_argument("--gather-time", type=float, default=1.0, metavar="SECONDS",
+                   help="how long a round's leader waits for more members (default: %(default)s)")
+    g.add_argument("--match-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="give up on a step's round after this long (default: %(default)s)")
+    g.add_argument("--threads", type=int, default=1, metavar="N", help="torch threads (default: %(default)s)")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("backbone", help="watch a training run: learning curve, contributions, checkpoints",
+                       description="Run a public peer (as `dedloc relay`) that follows --run-id's progress in the "
+                       "DHT, keeps the learning curve (curve.jsonl) and the samples each peer contributed "
+                       "(contributions.json) under --checkpoint-dir, and every --checkpoint-every steps "
+                       "downloads the swarm's state, saves it there and serves it to peers that ask. It is a "
+                       "relay and bootstrap node too (as `dedloc relay`): a run's public machine.")
+    common_options(p)
+    nat_options(p)
+    p.add_argument("--initial-peers", nargs="*", default=[], metavar="MULTIADDR", help="other bootstrap nodes to join")
+    run_options(p)
+    p.add_argument("--checkpoint-dir", default="dedloc-checkpoints", help="where files go (default: %(default)s)")
+    p.add_argument("--checkpoint-every", type=int, default=10, metavar="N", help="global steps between checkpoints")
+    p.set_defaults(func=cmd_backbone, data=None)
+
+    p = sub.add_parser("demo", help="a live local swarm on loopback: relay, peers, DHT, averaging, then training",
+                       description="Start, on 127.0.0.1 only, a bootstrap node and several peers in their own processes "
+                       "(the last one outbound-only, the one before it reachable only through the relay): they find "
+                       "each other, exchange messages, store and read a DHT value, average tensors in groups (each "
+                       "round checked against the exact average), then train the example model together for "
+                       "--train-time seconds, the loss falling. Everything stops on Ctrl-C.")
+    p.add_argument("--peers", type=int, default=4, help="number of peers besides the bootstrap node (default: %(default)s)")
+    p.add_argument("--duration", type=float, default=90.0, metavar="SECONDS",
+                   help="longest the swarm may take to form and average (default: %(default)s)")
+    p.add_argument("--train-time", type=float, default=150.0, metavar="SECONDS",
+                   help="how long the peers train together (0: no training) (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the nodes' events as JSON lines")
+    p.set_defaults(func=cmd_demo)
+    return parser, sub
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser, _ = build_parser()
+    return run(parser, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

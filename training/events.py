@@ -1,0 +1,102 @@
+"""Event records of the training layer, alongside :mod:`p2p.events` (same base, same ``--json`` lines).
+
+``dedloc train`` prints a :class:`TrainingStatus` every few seconds (a
+progress bar toward the next global step, the swarm's and its own samples/s,
+loss, peers, time to the step) and a :class:`GlobalStepDone` for every step
+of the swarm it took part in; ``dedloc backbone`` prints :class:`Checkpointed`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from p2p.events import Event
+
+BAR = 24
+
+
+def bar(done: float, total: float, width: int = BAR) -> str:
+    """``[#######.........]``: the share of ``total`` that is ``done``."""
+    share = 0.0 if total <= 0 else min(1.0, max(0.0, done / total))
+    filled = round(share * width)
+    return "[" + "#" * filled + "." * (width - filled) + "]"
+
+
+def _loss(value: float | None) -> str:
+    return "?" if value is None or not math.isfinite(value) else f"{value:.3f}"
+
+
+@dataclass
+class TrainingStatus(Event):
+    """Where the run stands: the global step under way and how far the swarm got toward it."""
+
+    step: int
+    swarm_samples: int
+    target: int
+    swarm_samples_per_second: float
+    samples_per_second: float
+    loss: float | None
+    swarm_loss: float | None
+    peers: int
+    eta: float
+    local_samples: int
+    event: str = field(init=False, default="training_status")
+
+    def human(self) -> str:
+        eta = "now" if self.eta <= 0 else ("?" if not math.isfinite(self.eta) else f"~{self.eta:.0f} s")
+        return (f"step {self.step} {bar(self.swarm_samples, self.target)} {self.swarm_samples}/{self.target} "
+                f"| swarm {self.swarm_samples_per_second:.0f} samples/s, mine {self.samples_per_second:.0f} "
+                f"| loss {_loss(self.loss)} (swarm {_loss(self.swarm_loss)}) | {self.peers} peer"
+                f"{'s' if self.peers != 1 else ''} | next step {eta}")
+
+
+@dataclass
+class GlobalStepDone(Event):
+    """One global step this peer took part in: its :class:`~training.StepReport` and the loss
+    (``averaged``: with others; ``missed``: it caught up instead)."""
+
+    step: int
+    samples: int
+    local_samples: int
+    group_size: int
+    averaged: bool
+    complete: bool
+    summary: str
+    elapsed: float
+    missed: bool
+    loss: float | None
+    event: str = field(init=False, default="global_step")
+
+    def human(self) -> str:
+        if self.missed:
+            return f"step {self.step}: missed ({self.summary}); taking the swarm's state"
+        how = (f"averaged with {self.group_size - 1} other{'s' if self.group_size != 2 else ''}" if self.averaged
+               else "alone")
+        partial = "" if self.complete else f" PARTIAL ({self.summary})"
+        return (f"step {self.step} done: {self.samples} samples ({self.local_samples} mine), {how} in "
+                f"{self.elapsed:.2f} s, loss {_loss(self.loss)}{partial}")
+
+
+@dataclass
+class StateDownloaded(Event):
+    """This peer joined late or fell behind and took the swarm's state."""
+
+    step: int
+    event: str = field(init=False, default="state_downloaded")
+
+    def human(self) -> str:
+        return f"took the swarm's state at step {self.step}"
+
+
+@dataclass
+class Checkpointed(Event):
+    """The backbone saved the run's state."""
+
+    step: int
+    path: str
+    source: str
+    event: str = field(init=False, default="checkpointed")
+
+    def human(self) -> str:
+        return f"checkpoint of step {self.step} saved to {self.path} (from {self.source[-8:]})"
