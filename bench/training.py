@@ -74,17 +74,17 @@ def run_once(system: str, peers: int, args: argparse.Namespace) -> list[dict[str
             boot = next(a for a in listening["addrs"] if "/ip4/127.0.0.1/" in a)
             workers = [subprocess.Popen([str(DEDLOC_PY), str(ROOT / "bench" / "training_peer.py"),
                                          *worker_args(args, i, peers), "--initial-peers", boot],
-                                        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                                        cwd=ROOT, stdout=subprocess.PIPE, stderr=args.worker_stderr, text=True)
                        for i in range(peers)]
         else:
             first = subprocess.Popen([str(HIVEMIND_PY), str(ROOT / "bench" / "training_hivemind_peer.py"),
                                       *worker_args(args, 0, peers)],
-                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=args.worker_stderr, text=True)
             processes.append(first)
             maddrs = _read_json(first, "maddrs", 120)["maddrs"]
             workers = [first] + [subprocess.Popen(
                 [str(HIVEMIND_PY), str(ROOT / "bench" / "training_hivemind_peer.py"), *worker_args(args, i, peers),
-                 "--initial-peers", maddrs[0]], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                 "--initial-peers", maddrs[0]], cwd=ROOT, stdout=subprocess.PIPE, stderr=args.worker_stderr, text=True)
                 for i in range(1, peers)]
         processes += workers[1:] if system == "hivemind" else workers
         return [_read_json(w, "wall", args.timeout) for w in workers]
@@ -122,7 +122,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--json", default=None, metavar="OUT")
+    p.add_argument("--verbose", action="store_true", help="show the workers' stderr")
     args = p.parse_args()
+    args.worker_stderr = None if args.verbose else subprocess.DEVNULL
     systems = [s for s in args.systems.split(",") if s]
     if "hivemind" in systems and not HIVEMIND_PY.exists():
         sys.exit("hivemind is not installed: run bench/setup_hivemind.sh first (it creates .venv-hivemind)")

@@ -46,8 +46,10 @@ def main() -> None:
         averaging_timeout=args.timeout, average_state_every=10**6, use_local_updates=False,
         delay_optimizer_step=False, delay_grad_averaging=False, delay_state_averaging=False,
         grad_compression=NoCompression(), state_averaging_compression=NoCompression(), verbose=False)
-    measure = Measure()
     deadline = time.monotonic() + 4 * args.timeout
+    while opt.tracker.global_progress.num_peers < args.peers and time.monotonic() < deadline:
+        time.sleep(0.2)  # the whole swarm first: a peer alone steps without averaging
+    measure = Measure()
     while opt.local_epoch < 1 + args.steps and time.monotonic() < deadline:
         x, y = batch(data, args.batch)
         t0 = time.perf_counter()

@@ -17,8 +17,9 @@ import torch
 import trio
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+BENCH = ROOT / "bench"
+# bench/training.py (the driver) would shadow the training package: the project root comes first
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != BENCH] + [str(BENCH)]
 
 from nat import Peer, PeerConfig  # noqa: E402
 from training import CollaborativeOptimizer, TrainingConfig  # noqa: E402
@@ -35,12 +36,14 @@ async def main() -> None:
     config = PeerConfig.peer(args.initial_peers, listen=[args.listen], identity_path=None)
     config.nat.allow_private = True
     training = TrainingConfig(run_id="bench", target_batch_size=args.target,
-                              matchmaking=MatchmakingConfig(target_size=args.peers, min_size=2,
+                              matchmaking=MatchmakingConfig(target_size=max(2, args.peers), min_size=2,
                                                             gather_time=args.matchmaking_time, timeout=args.timeout))
     measure = Measure()
     with trio.fail_after(args.timeout * 4):
         async with Peer.open(config) as peer, CollaborativeOptimizer.open(
                 peer, torch.optim.SGD(net.parameters(), lr=0.01), training) as opt:
+            while opt.progress is None or opt.progress.peers < args.peers:
+                await trio.sleep(0.2)  # the whole swarm first: a peer alone steps without averaging
             while opt.local_step < 1 + args.steps:
                 x, y = batch(data, args.batch)
                 t0 = time.perf_counter()
