@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -179,6 +180,13 @@ def test_train_refuses_bad_options_before_starting_a_peer(tmp_path: Path) -> Non
     (tmp_path / "x.csv").write_text("a,b\n")
     result = run("train", "--initial-peers", DOWN, "--data", str(tmp_path / "x.csv"), "--ephemeral")
     assert result.returncode == 1 and "unknown shard format" in result.stderr
+    import torch
+
+    if not torch.cuda.is_available():
+        result = run("train", "--initial-peers", DOWN, "--device", "cuda", "--ephemeral")
+        assert result.returncode == 1 and "sees no CUDA device" in result.stderr
+    result = run("train", "--initial-peers", DOWN, "--device", "abacus", "--ephemeral")
+    assert result.returncode == 1 and "--device abacus" in result.stderr
     result = run("backbone", "--checkpoint-every", "0", "--ephemeral")
     assert result.returncode == 1 and "--checkpoint-every must be positive" in result.stderr
 
@@ -212,9 +220,10 @@ def test_dht_store_refuses_a_ttl_that_is_not_positive():
 
 @pytest.mark.slow
 def test_two_trainers_and_a_backbone_train_keep_the_curve_and_checkpoint(tmp_path: Path) -> None:
-    """`dedloc backbone` as the run's public node, two `dedloc train` peers through it (--json): they
-    take global steps together with the loss falling, and the backbone keeps the curve, every peer's
-    contributed samples and a checkpoint it could serve."""
+    """`dedloc backbone` as the run's public node, two `dedloc train` peers through it (--json), one
+    in mixed precision (--amp), and an auxiliary peer (--auxiliary) that trains nothing and helps
+    average: they take global steps together, in groups of three, with the loss falling, and the
+    backbone keeps the curve, every trainer's contributed samples and a checkpoint it could serve."""
     workdir, checkpoints = tmp_path / "example", tmp_path / "checkpoints"
     run_args = ["--run-id", "cli-run", "--target-batch-size", "256", "--workdir", str(workdir), "--report-every", "0.5"]
     backbone = subprocess.Popen(
@@ -230,11 +239,22 @@ def test_two_trainers_and_a_backbone_train_keep_the_curve_and_checkpoint(tmp_pat
                 addr = next(a for a in event["addrs"] if "/ip4/127.0.0.1/" in a)
                 break
         assert addr is not None
+        helper = subprocess.Popen(
+            [*DEDLOC, "train", "--auxiliary", "--initial-peers", addr, "--listen", "/ip4/127.0.0.1/tcp/0",
+             "--allow-private", "--ephemeral", "--json", "--status-interval", "0", "--max-steps", "20", *run_args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(3)  # the helper first: it is there from the first step on
         trainers = [subprocess.Popen(
             [*DEDLOC, "train", "--initial-peers", addr, "--listen", "/ip4/127.0.0.1/tcp/0", "--allow-private",
-             "--ephemeral", "--json", "--status-interval", "0", "--max-steps", "20", "--data-seed", str(i), *run_args],
+             "--ephemeral", "--json", "--status-interval", "0", "--max-steps", "20", "--data-seed", str(i),
+             *(["--amp"] if i else []), *run_args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
         outputs = [t.communicate(timeout=240) for t in trainers]
+        try:
+            helped, _ = helper.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            helper.terminate()
+            helped, _ = helper.communicate(timeout=30)
     finally:
         backbone.terminate()
         backbone.wait(timeout=30)
@@ -244,13 +264,15 @@ def test_two_trainers_and_a_backbone_train_keep_the_curve_and_checkpoint(tmp_pat
         steps = [e for e in events if e["event"] == "global_step"]
         status = [e for e in events if e["event"] == "training_status"]
         assert steps and steps[-1]["step"] == 19 and "Traceback" not in err
-        together = [e for e in steps if e["averaged"] and e["group_size"] == 2 and e["complete"]]
+        together = [e for e in steps if e["averaged"] and e["group_size"] == 3 and e["complete"]]
         assert len(together) >= 10, steps
         assert status and all(0 <= e["swarm_samples"] and e["target"] == 256 for e in status)
         assert steps[-1]["loss"] < 0.8 * steps[0]["loss"]  # the model learns
     curve = [json.loads(line) for line in (checkpoints / "curve.jsonl").read_text().splitlines()]
     assert len(curve) >= 5 and curve[-1]["step"] > curve[0]["step"]
     assert all(c["loss"] is not None for c in curve[1:])
+    assisted = [json.loads(line) for line in helped.splitlines() if line.startswith("{")]
+    assert len([e for e in assisted if e["event"] == "global_step" and e["averaged"] and e["local_samples"] == 0]) >= 10
     contributions = json.loads((checkpoints / "contributions.json").read_text())
     assert len(contributions) == 2 and all(n >= 256 for n in contributions.values())
     saved = sorted(checkpoints.glob("checkpoint-*.pt"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -44,6 +45,58 @@ def optimizer_of(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
+Batches = dict[int, list[tuple[torch.Tensor, torch.Tensor]]]  # step -> every batch it was computed at
+
+
+async def train_together(peer: Peer, model: torch.nn.Module, data, config: TrainingConfig,  # type: ignore[no-untyped-def]
+                         steps: int, used: Batches, reports: list[StepReport], done: list[bool], i: int) -> None:
+    """One peer's loop to ``steps`` global steps (its batches go into ``used`` under their step);
+    then it stays in the run until every peer is done (a peer that left could be waited for)."""
+    async with CollaborativeOptimizer.open(peer, optimizer_of(model), config) as opt:
+        while opt.local_step < steps:
+            x, y = next(data)
+            used.setdefault(opt.local_step, []).append((x, y))
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            report = await opt.step(len(x))
+            if report is not None:
+                reports.append(report)
+            await trio.sleep(0.01)  # a batch takes time on a real peer
+        done[i] = True
+        with trio.fail_after(60):
+            while not all(done):
+                await trio.sleep(0.05)
+        last = await opt.finish()  # with delayed updates, the last step's average goes in now
+        if last is not None:
+            reports.append(last)
+
+
+def one_process(initial: torch.nn.Module, used: Batches, steps: int, delayed: bool) -> torch.nn.Module:
+    """The reference: one process accumulating the same global batches (with delayed updates, each
+    step's average applied when the next step's gradients are in: one step stale)."""
+    reference = copy.deepcopy(initial)
+    opt = optimizer_of(reference)
+    means = []
+    for step in range(steps):
+        total = sum(len(x) for x, _ in used[step])
+        accumulated = [torch.zeros_like(p) for p in reference.parameters()]
+        for x, y in used[step]:
+            reference.zero_grad()
+            torch.nn.functional.mse_loss(reference(x), y).backward()
+            for acc, p in zip(accumulated, reference.parameters()):
+                acc += p.grad * len(x)  # type: ignore[operator]
+        means.append([acc / total for acc in accumulated])
+        if delayed and step == 0:
+            continue
+        for g, p in zip(means[step - 1 if delayed else step], reference.parameters()):
+            p.grad = g
+        opt.step()
+    if delayed:
+        for g, p in zip(means[-1], reference.parameters()):
+            p.grad = g
+        opt.step()
+    return reference
+
+
 @pytest.mark.parametrize("delayed", [False, True], ids=["synchronous", "delayed-updates"])
 async def test_four_peers_equal_one_process_accumulating_the_global_batch(delayed: bool) -> None:
     """DeDLOC I.6: the same global batches and data as one process that accumulates gradients over
@@ -52,38 +105,18 @@ async def test_four_peers_equal_one_process_accumulating_the_global_batch(delaye
     steps, target, sizes = 3, 48, [3, 5, 7, 4]
     initial = make_model()
     models = [copy.deepcopy(initial) for _ in sizes]
-    used: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # step -> every batch it was computed at
+    used: Batches = {}
     reports: list[list[StepReport]] = [[] for _ in sizes]
     config = TrainingConfig(run_id="equivalence", target_batch_size=target, delay_updates=delayed)
     done = [False] * len(sizes)
     async with open_peers(len(sizes)) as everyone:
         peers = everyone[1:]
         await formed(peers)
-
-        async def train(i: int) -> None:
-            model, data = models[i], batches(i, sizes[i])
-            async with CollaborativeOptimizer.open(peers[i], optimizer_of(model), config) as opt:
-                while opt.local_step < steps:
-                    x, y = next(data)
-                    used.setdefault(opt.local_step, []).append((x, y))
-                    torch.nn.functional.mse_loss(model(x), y).backward()
-                    report = await opt.step(len(x))
-                    if report is not None:
-                        reports[i].append(report)
-                    await trio.sleep(0.01)  # a batch takes time on a real peer
-                done[i] = True
-                # stay in the run until everyone is done: a peer that left could be waited for
-                with trio.fail_after(60):
-                    while not all(done):
-                        await trio.sleep(0.05)
-                last = await opt.finish()  # with delayed updates, the last step's average goes in now
-                if last is not None:
-                    reports[i].append(last)
-
         with trio.fail_after(150):
             async with trio.open_nursery() as nursery:
                 for i in range(len(sizes)):
-                    nursery.start_soon(train, i)
+                    nursery.start_soon(train_together, peers[i], models[i], batches(i, sizes[i]), config, steps,
+                                       used, reports[i], done, i)
 
     for i, rs in enumerate(reports):
         assert [r.step for r in rs] == list(range(steps)), rs
@@ -96,29 +129,7 @@ async def test_four_peers_equal_one_process_accumulating_the_global_batch(delaye
         for p, q in zip(models[0].parameters(), model.parameters()):
             assert torch.equal(p, q)
     # ... and they are those of one process accumulating the same global batches
-    reference = copy.deepcopy(initial)
-    opt = optimizer_of(reference)
-    pending: list[torch.Tensor] | None = None
-    for step in range(steps):
-        total = sum(len(x) for x, _ in used[step])
-        accumulated = [torch.zeros_like(p) for p in reference.parameters()]
-        for x, y in used[step]:
-            reference.zero_grad()
-            torch.nn.functional.mse_loss(reference(x), y).backward()
-            for acc, p in zip(accumulated, reference.parameters()):
-                acc += p.grad * len(x)  # type: ignore[operator]
-        mean = [acc / total for acc in accumulated]
-        if delayed:  # apply the previous step's now; this one's waits for the next step
-            mean, pending = pending, mean  # type: ignore[assignment]
-            if mean is None:
-                continue
-        for g, p in zip(mean, reference.parameters()):
-            p.grad = g
-        opt.step()
-    if delayed and pending is not None:
-        for g, p in zip(pending, reference.parameters()):
-            p.grad = g
-        opt.step()
+    reference = one_process(initial, used, steps, delayed)
     for p, q in zip(reference.parameters(), models[0].parameters()):
         assert torch.allclose(p, q, atol=1e-6, rtol=1e-5), (p - q).abs().max()
 
@@ -394,3 +405,131 @@ async def test_a_step_whose_group_cannot_form_is_reported_not_raised() -> None:
     for r in reports[0] + reports[1]:
         assert not r.averaged and "may reduce" in r.summary, r
         assert "no group" in r.summary or r.missed, r
+
+
+async def test_lamb_a_scheduler_clipping_and_a_loss_scaler_step_as_in_one_process() -> None:
+    """The usual training features through the swarm: LAMB (pytorch_optimizer's), a warm-up
+    scheduler stepped per global step, clipping of the averaged gradient, and mixed precision on
+    one peer (float16 autocast with a GradScaler whose first scale overflows: those batches are
+    dropped and the scale backs off, as GradScaler.step would) next to a float32 peer. The result
+    is one process doing the same with the same batches (each computed as the peer computed it)."""
+    from pytorch_optimizer import Lamb
+
+    steps, target, sizes = 3, 24, [4, 5]
+    initial = make_model()
+    models = [copy.deepcopy(initial) for _ in sizes]
+    used: dict[int, list[tuple[torch.Tensor, torch.Tensor, float | None]]] = {}  # x, y, loss scale
+    overflows = [0, 0]
+    done = [False] * len(sizes)
+
+    def lamb(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+        opt = Lamb(model.parameters(), lr=0.05, weight_decay=0.01)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 2))
+
+    def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, scale: float | None) -> torch.Tensor:
+        if scale is None:
+            return torch.nn.functional.mse_loss(model(x), y)
+        with torch.autocast("cpu", dtype=torch.float16):
+            return torch.nn.functional.mse_loss(model(x).float(), y)
+
+    config = TrainingConfig(run_id="features", target_batch_size=target, max_grad_norm=0.5)
+    async with open_peers(len(sizes)) as everyone:
+        peers = everyone[1:]
+        await formed(peers)
+
+        async def train(i: int) -> None:
+            model, data = models[i], batches(i, sizes[i])
+            optimizer, scheduler = lamb(model)
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=2) if i == 0 else None
+            async with CollaborativeOptimizer.open(peers[i], optimizer, config, scheduler=scheduler,
+                                                   scaler=scaler) as opt:
+                while opt.local_step < steps:
+                    x, y = next(data)
+                    scale = scaler.get_scale() if scaler is not None else None
+                    loss = loss_of(model, x, y, scale)
+                    (scaler.scale(loss) if scaler is not None else loss).backward()
+                    step, dropped = opt.local_step, opt.dropped_batches
+                    await opt.step(len(x))
+                    if opt.dropped_batches == dropped:
+                        used.setdefault(step, []).append((x, y, scale))
+                    await trio.sleep(0.01)
+                overflows[i] = opt.overflows
+                done[i] = True
+                with trio.fail_after(60):
+                    while not all(done):
+                        await trio.sleep(0.05)
+
+        with trio.fail_after(150):
+            async with trio.open_nursery() as nursery:
+                for i in range(len(sizes)):
+                    nursery.start_soon(train, i)
+
+    assert overflows[0] >= 1 and overflows[1] == 0, overflows
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(p, q)
+    reference = copy.deepcopy(initial)
+    optimizer, scheduler = lamb(reference)
+    for step in range(steps):
+        total = sum(len(x) for x, _, _ in used[step])
+        accumulated = [torch.zeros_like(p) for p in reference.parameters()]
+        for x, y, scale in used[step]:
+            reference.zero_grad()
+            (loss_of(reference, x, y, scale) * (scale or 1.0)).backward()
+            for acc, p in zip(accumulated, reference.parameters()):
+                acc += p.grad * len(x) / (scale or 1.0)  # type: ignore[operator]
+        for acc, p in zip(accumulated, reference.parameters()):
+            p.grad = acc / total
+        torch.nn.utils.clip_grad_norm_(list(reference.parameters()), 0.5)
+        optimizer.step()
+        scheduler.step()
+    for p, q in zip(reference.parameters(), models[0].parameters()):
+        assert torch.allclose(p, q, atol=1e-6, rtol=1e-5), (p - q).abs().max()
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["synchronous", "delayed-updates"])
+async def test_an_auxiliary_peer_reduces_for_trainers_that_cannot(delayed: bool) -> None:
+    """Two trainers that may not reduce (as two volunteers behind NAT) and one auxiliary peer (no
+    GPU: it trains nothing and has no vote on the step): every step is averaged through the
+    auxiliary, in groups of three, and the trainers end as one process accumulating their batches
+    would. Without it no group could form (see the test above)."""
+    steps, target, sizes = 3, 24, [4, 5]
+    initial = make_model()
+    models = [copy.deepcopy(initial) for _ in sizes]
+    used: Batches = {}
+    reports: list[list[StepReport]] = [[] for _ in sizes]
+    helped: list[StepReport] = []
+    senders = TrainingConfig(run_id="auxiliary", target_batch_size=target, delay_updates=delayed,
+                             averager=AveragerConfig(reduces=False))
+    helper = replace(senders, averager=AveragerConfig(auxiliary=True))
+    done = [False] * len(sizes)
+    async with open_peers(len(sizes) + 1) as everyone:
+        peers = everyone[1:]
+        await formed(peers)
+
+        async def assist() -> None:
+            model = make_model()
+            async with CollaborativeOptimizer.open(peers[-1], optimizer_of(model), helper) as opt:
+                with pytest.raises(RuntimeError, match="auxiliary"):
+                    await opt.step(1)
+                while not all(done):
+                    report = await opt.assist()
+                    if report is not None:
+                        helped.append(report)
+
+        with trio.fail_after(150):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(assist)
+                for i in range(len(sizes)):
+                    nursery.start_soon(train_together, peers[i], models[i], batches(i, sizes[i]), senders, steps,
+                                       used, reports[i], done, i)
+
+    for i, rs in enumerate(reports):
+        assert [r.step for r in rs] == list(range(steps)), rs
+        for r in rs:
+            assert r.averaged and r.complete and r.group_size == 3, (i, r)
+    assert [r.step for r in helped if r.averaged] == list(range(steps)), helped
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(p, q)
+    reference = one_process(initial, used, steps, delayed)
+    for p, q in zip(reference.parameters(), models[0].parameters()):
+        assert torch.allclose(p, q, atol=1e-6, rtol=1e-5), (p - q).abs().max()

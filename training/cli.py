@@ -29,7 +29,7 @@ import torch
 import trio
 from libp2p.peer.id import ID
 
-from averaging import MatchmakingConfig
+from averaging import AveragerConfig, MatchmakingConfig
 from averaging.cli import build_parser as averaging_parser
 from nat import Peer
 from nat.cli import nat_options, peer_config, peer_options, run_peer
@@ -70,8 +70,14 @@ def build(args: argparse.Namespace) -> tuple[Any, torch.nn.Module, torch.optim.O
 
     _, tokenizer_path = example_files(args)
     tokenizer = load_tokenizer(tokenizer_path)
-    model = build_model(tokenizer, seed=args.model_seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    model = build_model(tokenizer, seed=args.model_seed).to(getattr(args, "device", "cpu"))
+    optimizer: torch.optim.Optimizer
+    if args.optimizer == "lamb":  # DeDLOC's choice for ALBERT; pytorch_optimizer's, a maintained package
+        from pytorch_optimizer import Lamb
+
+        optimizer = Lamb(model.parameters(), lr=args.lr, weight_decay=0.01)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     warmup = max(1, args.warmup_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
     return tokenizer, model, optimizer, scheduler
@@ -82,7 +88,8 @@ def training_config(args: argparse.Namespace) -> TrainingConfig:
         run_id=args.run_id, target_batch_size=args.target_batch_size,
         matchmaking=MatchmakingConfig(target_size=args.group_size, min_size=2, gather_time=args.gather_time,
                                       timeout=args.match_timeout),
-        max_grad_norm=args.max_grad_norm or None, delay_updates=args.delay_updates)
+        max_grad_norm=args.max_grad_norm or None, delay_updates=args.delay_updates,
+        averager=AveragerConfig(auxiliary=getattr(args, "auxiliary", False)))
 
 
 # ---------------------------------------------------------------------- dedloc train
@@ -93,6 +100,8 @@ async def train(peer: Peer, args: argparse.Namespace) -> None:
     from .mlm import MaskedBatches
 
     torch.set_num_threads(max(1, args.threads))
+    if args.auxiliary:
+        return await assist(peer, args)
     files, _ = example_files(args)
     tokenizer, model, optimizer, scheduler = build(args)
     stream = ExampleStream(DataConfig(files=tuple(files), text_field=args.text_field,
@@ -101,15 +110,22 @@ async def train(peer: Peer, args: argparse.Namespace) -> None:
     masked = MaskedBatches(tokenizer)
     model.train()
 
+    device = torch.device(args.device)
+    # mixed precision: float16 with a loss scaler on a GPU, bfloat16 (no scaler needed) on a CPU
+    amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    scaler = torch.amp.GradScaler(device.type) if args.amp and amp_dtype is torch.float16 else None
+
     def forward_backward() -> tuple[int, float]:
         """One local batch, in the worker thread (the one edge where torch computes)."""
-        batch = masked(next(texts))
-        loss = model(**batch).loss
-        loss.backward()
+        batch = {k: v.to(device) for k, v in masked(next(texts)).items()}
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=args.amp):
+            loss = model(**batch).loss
+        (scaler.scale(loss) if scaler is not None else loss).backward()
         return int(batch["input_ids"].shape[0]), float(loss.detach())
 
     node = peer.node
-    async with CollaborativeOptimizer.open(peer, optimizer, training_config(args), scheduler=scheduler) as opt:
+    async with CollaborativeOptimizer.open(peer, optimizer, training_config(args), scheduler=scheduler,
+                                           scaler=scaler) as opt:
         if opt.downloads:
             node.emit(StateDownloaded(step=opt.local_step))
 
@@ -135,6 +151,17 @@ async def train(peer: Peer, args: argparse.Namespace) -> None:
                     downloads = opt.downloads
                     node.emit(StateDownloaded(step=opt.local_step))
             nursery.cancel_scope.cancel()
+
+
+async def assist(peer: Peer, args: argparse.Namespace) -> None:
+    """An auxiliary peer of the run (``--auxiliary``): no batches; it joins every step's round with
+    weight 0 and reduces a part of the gradients (the model is built only for its shapes)."""
+    _, model, optimizer, _ = build(args)
+    async with CollaborativeOptimizer.open(peer, optimizer, training_config(args)) as opt:
+        while args.max_steps == 0 or opt.local_step < args.max_steps:
+            report = await opt.assist()
+            if report is not None:
+                peer.node.emit(_step_event(report, None))
 
 
 def _step_event(report: StepReport, loss: float | None) -> GlobalStepDone:
@@ -164,6 +191,13 @@ def _check_training_args(args: argparse.Namespace) -> None:
         raise ConfigError("--max-steps must be >= 0 (0: until --duration)")
     if not (args.lr > 0 and math.isfinite(args.lr)):
         raise ConfigError("--lr must be a positive number")
+    device = getattr(args, "device", "cpu")
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as e:
+        raise ConfigError(f"--device {device}: {e}") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: this torch sees no CUDA device")
 
 
 # ---------------------------------------------------------------------- dedloc backbone
@@ -187,6 +221,8 @@ class Monitor:
 
     def observe(self, tracker: ProgressTracker) -> None:
         for r in tracker.reports:
+            if r.auxiliary:  # it brings no samples (its part of the reduction is not counted yet)
+                continue
             steps = self.per_step[r.peer_id]
             steps[r.step] = max(steps.get(r.step, 0), r.samples)
         p = tracker.last
@@ -271,7 +307,9 @@ def run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None, metavar="FILE",
                    help="a tokenizers JSON file (default: trained from the example corpus under --workdir)")
     g.add_argument("--model-seed", type=int, default=0, help="seed of the initial weights (the same on every peer)")
-    g.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default: %(default)s)")
+    g.add_argument("--optimizer", choices=("adamw", "lamb"), default="adamw",
+                   help="torch's AdamW, or LAMB (pytorch_optimizer's; DeDLOC's for ALBERT) (default: %(default)s)")
+    g.add_argument("--lr", type=float, default=3e-3, help="learning rate (default: %(default)s)")
     g.add_argument("--warmup-steps", type=int, default=5, metavar="N", help="linear warm-up, in global steps")
     g.add_argument("--report-every", type=float, default=2.0, metavar="SECONDS",
                    help="how often the progress is printed (default: %(default)s)")
@@ -305,6 +343,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     g.add_argument("--match-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="give up on a step's round after this long (default: %(default)s)")
     g.add_argument("--threads", type=int, default=1, metavar="N", help="torch threads (default: %(default)s)")
+    g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the model computes (default here: %(default)s)")
+    g.add_argument("--amp", action="store_true",
+                   help="mixed precision: float16 with a loss scaler on a GPU, bfloat16 on a CPU")
+    g.add_argument("--auxiliary", action="store_true",
+                   help="help the run average without training (a CPU-only machine): join every step's "
+                   "round with weight 0 and reduce a part of the gradients; the peer must be reachable")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("backbone", help="watch a training run: learning curve, contributions, checkpoints",

@@ -19,8 +19,22 @@ the hard work. One training step of the swarm, seen from one peer:
 4. every peer applies it with the wrapped optimizer (and scheduler), one
    identical step, and moves to the next step number.
 
+Mixed precision: the caller keeps ``torch.amp.autocast`` and a
+``torch.amp.GradScaler`` for its backward pass (``scaler.scale(loss).backward()``)
+and hands the scaler to :meth:`CollaborativeOptimizer.open`. The optimizer
+unscales each batch's gradients as it accumulates them, drops a batch that
+overflowed and backs the scale off (growing it after ``growth_interval``
+clean batches), as ``GradScaler.step``/``update`` would: only unscaled float32
+gradients are averaged, so peers with different scales (or none) step alike.
+
 A peer alone in its run steps on its own gradient. A peer whose group did not
 form steps on its own gradient too, and the report says so (``averaged=False``).
+
+An auxiliary peer (``AveragerConfig(auxiliary=True)``: a machine without a GPU,
+or a well-connected one) trains nothing: it calls :meth:`CollaborativeOptimizer.assist`
+in a loop, follows the swarm's step and joins each step's round with weight 0,
+reducing a part of the gradients (DeDLOC's c_i = 0). Its parameters are not
+kept current; it serves no state.
 """
 
 from __future__ import annotations
@@ -142,12 +156,17 @@ class CollaborativeOptimizer:
     after every backward pass."""
 
     def __init__(self, peer: Peer, optimizer: torch.optim.Optimizer, config: TrainingConfig, averager: Averager,
-                 scheduler: Any = None) -> None:
+                 scheduler: Any = None, scaler: torch.amp.GradScaler | None = None) -> None:
         self.peer = peer
         self.optimizer = optimizer
         self.config = config
         self.averager = averager
         self.scheduler = scheduler
+        #: the caller's loss scaler (mixed precision), whose scale we unscale by, back off and grow
+        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        self._clean_batches = 0  # since the scale last changed
+        #: batches dropped because their scaled gradients overflowed (the scale backed off)
+        self.overflows = 0
         self.params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         self._accumulated = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params]
         #: the global step this peer accumulates for, and its samples toward it
@@ -157,9 +176,12 @@ class CollaborativeOptimizer:
         self.dropped_batches = 0
         #: rounds that averaged the parameters and optimizer statistics (``average_state_every``)
         self.state_rounds = 0
+        self.auxiliary = config.averager.auxiliary
         self.tracker = ProgressTracker(peer, config.run_id, config.target_batch_size,
                                        expiration=config.progress_expiration,
-                                       client=not averager.role()[1])
+                                       client=not averager.role()[1], auxiliary=self.auxiliary)
+        #: the last step an auxiliary peer helped average (or tried to)
+        self._assisted = -1
         self._reported_samples = 0  # what the last published report said
         self._since = time.monotonic()  # when this step's accumulation began
         self._rate = 0.0
@@ -182,16 +204,24 @@ class CollaborativeOptimizer:
     @classmethod
     @asynccontextmanager
     async def open(cls, peer: Peer, optimizer: torch.optim.Optimizer, config: TrainingConfig, *,
-                   scheduler: Any = None) -> AsyncIterator[CollaborativeOptimizer]:
-        """Join the run for the duration of the block (progress reports run in the background)."""
+                   scheduler: Any = None, scaler: torch.amp.GradScaler | None = None
+                   ) -> AsyncIterator[CollaborativeOptimizer]:
+        """Join the run for the duration of the block (progress reports run in the background).
+
+        ``scheduler`` is stepped once per global step; ``scaler``: the ``torch.amp.GradScaler``
+        the caller scales its losses with (see the module docstring)."""
         config.validate()
         async with Averager.open(peer, config.averager_config()) as averager, trio.open_nursery() as nursery:
-            opt = cls(peer, optimizer, config, averager, scheduler)
+            opt = cls(peer, optimizer, config, averager, scheduler, scaler)
             opt._nursery = nursery
-            uninstall = StateServer(peer, config.run_id, opt._snapshot).install()
+            # an auxiliary peer's parameters are not current: it serves no state and needs none
+            uninstall = (StateServer(peer, config.run_id, opt._snapshot).install() if not opt.auxiliary
+                         else (lambda: None))
             try:
                 progress = await opt._sync()
-                if progress.step > opt.local_step:  # a late joiner: start from the swarm's state
+                if opt.auxiliary:  # it helps from the next round on, not with rounds gone by
+                    opt.local_step, opt._assisted = progress.step, progress.step - 1
+                elif progress.step > opt.local_step:  # a late joiner: start from the swarm's state
                     await opt._catch_up(progress)
                 nursery.start_soon(opt._report_loop)
                 yield opt
@@ -233,6 +263,8 @@ class CollaborativeOptimizer:
         parameters' ``.grad``, means over the batch); returns the report of a global step when one
         happened (the parameters moved), else None. Gradients are taken and zeroed either way.
         ``loss``, where given, is published with the progress (the swarm's learning curve)."""
+        if self.auxiliary:
+            raise RuntimeError("an auxiliary peer trains nothing: call assist(), not step()")
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, not {batch_size}")
         if loss is not None and math.isfinite(loss):
@@ -241,7 +273,8 @@ class CollaborativeOptimizer:
         progress = self.tracker.last
         if progress is None or progress.step != self.local_step or self._estimate(progress) >= progress.target:
             progress = await self._sync()
-        if self.config.delay_updates and progress.step == self.local_step + 1 and not self._must_catch_up:
+        if self.config.delay_updates and not self._must_catch_up and (
+                progress.step == self.local_step + 1 or self._round_began(progress)):
             # With delayed updates a peer moves on when its round begins: the others just began
             # ours (they apply it when their next step begins). Join it; catching up would drop
             # our samples and download a state that lacks this very step.
@@ -260,6 +293,16 @@ class CollaborativeOptimizer:
             return await self._global_step(progress)
         return None
 
+    def _round_began(self, progress: GlobalProgress) -> bool:
+        """With delayed updates: a peer that saw our step ready moved on to the next one as it began
+        the step's round, and its samples left our step's count with it: seen from here the step is
+        no longer ready (the quorum still reads our step when the swarm is two peers). Its report of
+        the next step is the sign to join."""
+        me = self.peer.peer_id.to_base58()
+        return (progress.step == self.local_step and self.samples > 0 and self._pending is None
+                and any(r.step == self.local_step + 1 for r in self.tracker.reports
+                        if r.peer_id != me and not r.auxiliary))
+
     def _rejoin(self, progress: GlobalProgress) -> GlobalProgress | None:
         """The furthest step to take a state from when the quorum rule leaves us stuck, else None.
 
@@ -267,7 +310,7 @@ class CollaborativeOptimizer:
         the samples but not the quorum, for ``rejoin_after`` (at once for a fresh peer).
         """
         me = self.peer.peer_id.to_base58()
-        others = [r for r in self.tracker.reports if r.peer_id != me]
+        others = [r for r in self.tracker.reports if r.peer_id != me and not r.auxiliary]
         furthest = max((r.step for r in others), default=-1)
         # with delayed updates a peer reports the next step when its round begins: one step
         # ahead is the usual moment of a round, not a sign that it went on without us
@@ -284,7 +327,7 @@ class CollaborativeOptimizer:
         if not self._fresh and now - self._stuck_since < self.config.rejoin_after:
             return None
         sources = tuple(r.peer_id for r in sorted(others, key=lambda r: -r.time)
-                        if r.step >= furthest and not r.client)
+                        if r.step >= furthest and not r.client and not r.auxiliary)
         return replace(progress, step=furthest, sources=sources)
 
     def _estimate(self, progress: GlobalProgress) -> int:
@@ -293,20 +336,80 @@ class CollaborativeOptimizer:
 
     def _accumulate(self, batch_size: int) -> None:
         grads = [p.grad for p in self.params]
+        scale = self.scaler.get_scale() if self.scaler is not None else 1.0
         if any(g is not None and not bool(torch.isfinite(g).all()) for g in grads):
             self.dropped_batches += 1
-            log.warning("dropped a batch of %d samples: its gradients hold NaN or Inf (the others are kept)",
-                        batch_size)
+            if self.scaler is not None:
+                self._rescale(overflowed=True)
+                log.info("dropped a batch of %d samples: its gradients overflowed at loss scale %g "
+                         "(the scale backs off to %g)", batch_size, scale, self.scaler.get_scale())
+            else:
+                log.warning("dropped a batch of %d samples: its gradients hold NaN or Inf (the others are kept)",
+                            batch_size)
         else:
             with torch.no_grad():
                 for acc, g in zip(self._accumulated, grads):
                     if g is not None:
-                        acc.add_(g, alpha=float(batch_size))
+                        acc.add_(g.to(acc.dtype), alpha=float(batch_size) / scale)
             self.samples += batch_size
             elapsed = time.monotonic() - self._since
             self._rate = self.samples / elapsed if elapsed > 0 else 0.0
+            if self.scaler is not None:
+                self._rescale(overflowed=False)
         for p in self.params:
             p.grad = None
+
+    def _rescale(self, *, overflowed: bool) -> None:
+        """GradScaler's dynamic loss scale, kept here since its own ``step`` never runs: back off
+        on an overflow, grow after ``growth_interval`` clean batches in a row."""
+        assert self.scaler is not None
+        if self.scaler._scale is None:  # GradScaler's own check is an AssertionError
+            raise ValueError("the GradScaler given to the optimizer never scaled a loss: "
+                             "use scaler.scale(loss).backward()")
+        if overflowed:
+            self.overflows += 1
+            self._clean_batches = 0
+            self.scaler.update(self.scaler.get_scale() * self.scaler.get_backoff_factor())
+            return
+        self._clean_batches += 1
+        if self._clean_batches >= self.scaler.get_growth_interval():
+            self._clean_batches = 0
+            grown = self.scaler.get_scale() * self.scaler.get_growth_factor()
+            if math.isfinite(grown) and grown < torch.finfo(torch.float32).max:
+                self.scaler.update(grown)
+
+    # ------------------------------------------------------------------ an auxiliary peer's turn
+
+    async def assist(self) -> StepReport | None:
+        """An auxiliary peer's loop body: follow the swarm's step, and when one is due, join its
+        round with weight 0 (it reduces a part; its own zeros count for nothing); the report of
+        that round, else None after one progress interval. Call it in a loop."""
+        if not self.auxiliary:
+            raise RuntimeError("assist() is for an auxiliary peer (AveragerConfig(auxiliary=True))")
+        progress = await self._sync()
+        step = progress.step
+        # due: with delayed updates, the step the trainers just moved past (its round began as they
+        # did; they compute the next one meanwhile, and may have its samples before that round ends);
+        # else the step once it is ready
+        due = step - 1 if self.config.delay_updates and step - 1 > self._assisted else \
+            step if progress.ready else -1
+        self.local_step = step
+        if due < 0 or due <= self._assisted or progress.peers < 2:
+            await trio.sleep(self.config.report_interval)
+            return None
+        self._assisted = due
+        started = time.perf_counter()
+        work = [torch.zeros(p.shape, dtype=torch.float32) for p in self.params]
+        try:
+            report = await self._round(work, 0, f"grads:{due}:0", max(2, self._expected(due, progress)), due)
+        except MatchmakingError as e:
+            return StepReport(due, progress.samples, 0, 1, False, True, f"no group to help ({e})",
+                              time.perf_counter() - started)
+        if report is None:
+            return StepReport(due, progress.samples, 0, 0, False, True, "the swarm left the step before we found "
+                              "its group", time.perf_counter() - started, missed=True)
+        return StepReport(due, progress.samples, 0, len(report.members), True, report.complete, report.summary(),
+                          time.perf_counter() - started)
 
     # ------------------------------------------------------------------ the swarm's step
 
@@ -316,7 +419,8 @@ class CollaborativeOptimizer:
         started = time.perf_counter()
         samples = self.samples
         with torch.no_grad():
-            grads = [acc / samples if samples else torch.zeros_like(acc) for acc in self._accumulated]
+            # averaged from host memory (an accumulator on a GPU stays there, where it is added to)
+            grads = [(acc / samples if samples else torch.zeros_like(acc)).cpu() for acc in self._accumulated]
         step = self.local_step
         if not self.config.delay_updates:
             report = await self._average(step, grads, samples, progress)
@@ -352,7 +456,7 @@ class CollaborativeOptimizer:
         stats = [v for state in self.optimizer.state.values() for v in state.values()
                  if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0]
         tensors = [p.data for p in self.params] + stats
-        work = [t.detach().to(torch.float32).clone() for t in tensors]
+        work = [t.detach().to(device="cpu", dtype=torch.float32, copy=True) for t in tensors]
         try:
             report = await self._round(work, 1, f"state:{step}", expected, step)
         except MatchmakingError as e:
@@ -469,7 +573,7 @@ class CollaborativeOptimizer:
         still be in that round (at the step; with delayed updates, at the step after it too, since a
         peer moves on when a round begins and applies it when the next one does)."""
         lag = 1 if self.config.delay_updates else 0
-        others = [r for r in self.tracker.reports if r.peer_id != me]
+        others = [r for r in self.tracker.reports if r.peer_id != me and not r.auxiliary]
         return (any(r.step > step + lag for r in others)
                 and not any(step <= r.step <= step + lag for r in others))
 
@@ -560,7 +664,7 @@ class CollaborativeOptimizer:
     def _apply(self, grads: Sequence[torch.Tensor]) -> None:
         """One optimizer step on ``grads``, the same on every member of the group."""
         for p, g in zip(self.params, grads):
-            p.grad = g.to(p.dtype)
+            p.grad = g.to(device=p.device, dtype=p.dtype)
         if self.config.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
         self.optimizer.step()

@@ -15,7 +15,10 @@ largest epoch any peer reports, so a single peer can move everyone):
   (at least :data:`QUORUM` of them once the swarm has that many, so a lone
   peer claiming step 10**9 moves nobody; a swarm of one trains alone);
 * the step is ready once the samples toward it reach ``target`` and come from
-  at least ``quorum`` peers: no single peer can trigger a step by itself.
+  at least ``quorum`` peers: no single peer can trigger a step by itself;
+* an auxiliary peer (no samples of its own; it only helps average) follows
+  the step and has no vote in it: it counts only in the group size a round
+  waits for.
 """
 
 from __future__ import annotations
@@ -61,11 +64,14 @@ class LocalProgress:
     loss: float | None = None
     #: where it can be reached (to download its state)
     addrs: tuple[Multiaddr, ...] = ()
+    #: it only helps average: no samples, no vote on the step, no state to serve
+    auxiliary: bool = False
 
     def to_wire(self) -> bytes:
         return pb.Progress(step=self.step, samples=self.samples, samples_per_second=self.samples_per_second,
                            time=self.time, client=self.client, loss=self.loss,
-                           addrs=[a.to_bytes() for a in self.addrs[:MAX_ADDRS]]).SerializeToString()
+                           addrs=[a.to_bytes() for a in self.addrs[:MAX_ADDRS]],
+                           auxiliary=self.auxiliary).SerializeToString()
 
     @classmethod
     def from_wire(cls, peer_id: str, data: bytes) -> LocalProgress:
@@ -77,7 +83,8 @@ class LocalProgress:
             raise ValueError(f"not a progress report: {e}") from None
         loss = msg.loss if msg.HasField("loss") and math.isfinite(msg.loss) else None
         addrs = tuple(decode_addrs(msg.addrs, limit=MAX_ADDRS))
-        return cls(peer_id, msg.step, msg.samples, msg.samples_per_second, msg.time, msg.client, loss, addrs)
+        return cls(peer_id, msg.step, msg.samples, msg.samples_per_second, msg.time, msg.client, loss, addrs,
+                   msg.auxiliary)
 
 
 @dataclass(frozen=True)
@@ -105,11 +112,13 @@ class GlobalProgress:
     peers_near_step: int = 0
     #: the mean of the live peers' reported losses (None when none reports one)
     loss: float | None = None
+    #: auxiliary peers following the step (not among ``peers``): they join its round
+    auxiliaries: int = 0
 
     @property
     def expected(self) -> int:
         """The group size a step's round should wait for (up to its gather time)."""
-        return max(self.peers_at_step, self.peers_near_step)
+        return max(self.peers_at_step, self.peers_near_step) + self.auxiliaries
 
     @property
     def ready(self) -> bool:
@@ -139,7 +148,8 @@ def global_progress(reports: Iterable[LocalProgress], target: int, now: float, *
     ``local_step``: this peer's own step, counted as one more report when the
     DHT does not have ours yet.
     """
-    live = {r.peer_id: r for r in reports if valid(r, now, expiration)}
+    everyone = {r.peer_id: r for r in reports if valid(r, now, expiration)}
+    live = {k: r for k, r in everyone.items() if not r.auxiliary}  # the peers that train (and vote)
     n = len(live)
     quorum = min(QUORUM, max(n, 1))
     steps = sorted((r.step for r in live.values()), reverse=True)
@@ -157,8 +167,9 @@ def global_progress(reports: Iterable[LocalProgress], target: int, now: float, *
     near = sum(1 for r in live.values() if step - 1 <= r.step <= step)
     losses = [r.loss for r in live.values() if r.loss is not None and math.isfinite(r.loss)]
     loss = sum(losses) / len(losses) if losses else None
+    auxiliaries = sum(1 for r in everyone.values() if r.auxiliary and step - 1 <= r.step <= step)
     return GlobalProgress(step, samples, target, len(at_step), n, rate, contributors, quorum, now, sources, near,
-                          loss)
+                          loss, auxiliaries)
 
 
 class ProgressTracker:
@@ -168,7 +179,7 @@ class ProgressTracker:
     """
 
     def __init__(self, peer: Peer, run_id: str, target: int, *, expiration: float = 60.0,
-                 clock: Callable[[], float] = time.time, client: bool = False) -> None:
+                 clock: Callable[[], float] = time.time, client: bool = False, auxiliary: bool = False) -> None:
         if target <= 0:
             raise ValueError("the target batch size must be positive")
         self.peer = peer
@@ -177,6 +188,7 @@ class ProgressTracker:
         self.expiration = expiration
         self.clock = clock
         self.client = client
+        self.auxiliary = auxiliary
         self.last: GlobalProgress | None = None
         #: the live, believable reports of the last read (``last`` is their fold)
         self.reports: list[LocalProgress] = []
@@ -188,7 +200,7 @@ class ProgressTracker:
         if loss is not None and not math.isfinite(loss):
             loss = None
         mine = LocalProgress(self.peer.peer_id.to_base58(), step, samples, samples_per_second, now, self.client,
-                             loss, tuple(self.peer.node.addrs))
+                             loss, tuple(self.peer.node.addrs), self.auxiliary)
         try:
             return await self.peer.dht.store(self.key, mine.to_wire(), now + self.expiration,
                                              subkey=owned("progress", self.peer.peer_id), timeout=timeout)
