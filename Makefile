@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 APT_PACKAGES := nftables iproute2 miniupnpd-nftables
 
-.PHONY: all venv system-deps interop-deps demo test test-fast bench bench-dht proto typecheck clean
+.PHONY: all venv system-deps interop-deps demo test test-fast bench bench-dht bench-training proto typecheck clean
 
 all: test
 
@@ -55,6 +55,11 @@ bench: venv
 bench-dht: venv
 	bash bench/setup_hivemind.sh
 	$(PY) bench/dht.py
+
+## Collaborative training, dedloc vs hivemind.Optimizer in one run: samples/s of 1 vs 4 peers, overhead per step.
+bench-training: venv
+	bash bench/setup_hivemind.sh
+	$(PY) bench/training.py
 
 ## Regenerate protobuf code (checked in) from every .proto file.
 proto: venv

@@ -47,8 +47,12 @@ def main() -> None:
         delay_optimizer_step=False, delay_grad_averaging=False, delay_state_averaging=False,
         grad_compression=NoCompression(), state_averaging_compression=NoCompression(), verbose=False)
     deadline = time.monotonic() + 4 * args.timeout
-    while opt.tracker.global_progress.num_peers < args.peers and time.monotonic() < deadline:
-        time.sleep(0.2)  # the whole swarm first: a peer alone steps without averaging
+    # the whole swarm first (a peer alone steps without averaging); hivemind publishes a peer's
+    # progress only once it reported samples, so report one to be seen, and take it back after
+    while args.peers > 1 and opt.tracker.global_progress.num_peers < args.peers and time.monotonic() < deadline:
+        opt.tracker.report_local_progress(opt.local_epoch, 1, update_global_samples=False)
+        time.sleep(0.2)
+    opt.tracker.report_local_progress(opt.local_epoch, 0, update_global_samples=False)
     measure = Measure()
     while opt.local_epoch < 1 + args.steps and time.monotonic() < deadline:
         x, y = batch(data, args.batch)

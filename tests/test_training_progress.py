@@ -85,3 +85,16 @@ def test_reports_carry_loss_and_addresses_and_garbage_in_them_is_dropped() -> No
                          LocalProgress("c", 3, 10, 1.0, NOW)], target=100, now=NOW)
     assert p.loss == pytest.approx(3.0)  # the mean of those that report one
     assert global_progress([rep("a", 3, 10)], target=100, now=NOW).loss is None
+
+
+def test_our_own_report_counts_when_the_dht_did_not_give_it_back() -> None:
+    # a peer alone whose report no replica returned (it stored nowhere yet) still reaches its target;
+    # before, it read an empty swarm with nothing done and never stepped
+    mine = rep("me", 1, 64)
+    p = global_progress([], target=64, now=NOW, local_step=1, own=mine)
+    assert p.step == 1 and p.samples == 64 and p.peers == 1 and p.ready
+    # with the others' reports: ours is added once, not twice
+    p = global_progress([rep("a", 1, 10), mine], target=100, now=NOW, own=mine)
+    assert p.peers == 2 and p.samples == 74
+    p = global_progress([rep("a", 1, 10)], target=100, now=NOW, own=mine)
+    assert p.peers == 2 and p.samples == 74 and p.contributors == 2

@@ -142,13 +142,17 @@ def valid(report: LocalProgress, now: float, expiration: float) -> bool:
 
 
 def global_progress(reports: Iterable[LocalProgress], target: int, now: float, *, expiration: float = 60.0,
-                    local_step: int | None = None) -> GlobalProgress:
+                    local_step: int | None = None, own: LocalProgress | None = None) -> GlobalProgress:
     """Fold the live reports into the run's progress (the rules are in the module docstring).
 
-    ``local_step``: this peer's own step, counted as one more report when the
-    DHT does not have ours yet.
+    ``own``: this peer's latest report, counted when the DHT did not give it back
+    (not stored yet, or no replica answered): a peer never reads a swarm without
+    itself, and a peer alone still reaches its target. ``local_step``: our step,
+    when we have not reported yet (an empty swarm reads as that step, nothing done).
     """
     everyone = {r.peer_id: r for r in reports if valid(r, now, expiration)}
+    if own is not None and own.peer_id not in everyone and valid(own, now, expiration):
+        everyone[own.peer_id] = own
     live = {k: r for k, r in everyone.items() if not r.auxiliary}  # the peers that train (and vote)
     n = len(live)
     quorum = min(QUORUM, max(n, 1))
@@ -189,6 +193,8 @@ class ProgressTracker:
         self.clock = clock
         self.client = client
         self.auxiliary = auxiliary
+        #: our latest report, as we published it (or tried to)
+        self.own: LocalProgress | None = None
         self.last: GlobalProgress | None = None
         #: the live, believable reports of the last read (``last`` is their fold)
         self.reports: list[LocalProgress] = []
@@ -201,6 +207,7 @@ class ProgressTracker:
             loss = None
         mine = LocalProgress(self.peer.peer_id.to_base58(), step, samples, samples_per_second, now, self.client,
                              loss, tuple(self.peer.node.addrs), self.auxiliary)
+        self.own = mine
         try:
             return await self.peer.dht.store(self.key, mine.to_wire(), now + self.expiration,
                                              subkey=owned("progress", self.peer.peer_id), timeout=timeout)
@@ -227,7 +234,8 @@ class ProgressTracker:
                     log.debug("skipping the progress of %s: %s", owner, e)
         now = self.clock()
         self.reports = [r for r in reports if valid(r, now, self.expiration)]
-        self.last = global_progress(reports, self.target, now, expiration=self.expiration, local_step=local_step)
+        self.last = global_progress(reports, self.target, now, expiration=self.expiration, local_step=local_step,
+                                    own=self.own)
         return self.last
 
 
