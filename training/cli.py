@@ -103,7 +103,7 @@ async def train(peer: Peer, args: argparse.Namespace) -> None:
     if args.auxiliary:
         return await assist(peer, args)
     files, _ = example_files(args)
-    tokenizer, model, optimizer, scheduler = build(args)
+    tokenizer, model, optimizer, scheduler = await trio.to_thread.run_sync(build, args)  # off the event loop
     stream = ExampleStream(DataConfig(files=tuple(files), text_field=args.text_field,
                                       shuffle_buffer=args.shuffle_buffer, seed=args.data_seed))
     texts: Iterator[list[str]] = batches(stream, args.batch_size)
@@ -156,7 +156,7 @@ async def train(peer: Peer, args: argparse.Namespace) -> None:
 async def assist(peer: Peer, args: argparse.Namespace) -> None:
     """An auxiliary peer of the run (``--auxiliary``): no batches; it joins every step's round with
     weight 0 and reduces a part of the gradients (the model is built only for its shapes)."""
-    _, model, optimizer, _ = build(args)
+    _, model, optimizer, _ = await trio.to_thread.run_sync(build, args)  # off the event loop
     async with CollaborativeOptimizer.open(peer, optimizer, training_config(args)) as opt:
         while args.max_steps == 0 or opt.local_step < args.max_steps:
             report = await opt.assist()
@@ -241,7 +241,7 @@ class Monitor:
 
 async def backbone(peer: Peer, args: argparse.Namespace) -> None:
     """Watch the run: keep its curve and contributions, checkpoint it every --checkpoint-every steps."""
-    _, model, _, _ = build(args)
+    _, model, _, _ = await trio.to_thread.run_sync(build, args)  # off the event loop
     params = [p for p in model.parameters() if p.requires_grad]
     directory = Path(args.checkpoint_dir)
     monitor = Monitor(directory)

@@ -17,6 +17,7 @@ writes both once; the demo prepares them and hands every peer the files.
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +59,7 @@ def generate_corpus(directory: Path, *, shards: int = 4, lines: int = 5000, seed
     paths = []
     for s in range(shards):
         path = directory / f"shard-{s:03d}.txt"
-        path.write_text("".join(sentence(rng) + "\n" for _ in range(lines)))
+        _write_atomically(path, "".join(sentence(rng) + "\n" for _ in range(lines)))
         paths.append(path)
     return paths
 
@@ -99,8 +100,17 @@ def prepare(directory: Path, *, shards: int = 4, lines: int = 5000, seed: int = 
         corpus = generate_corpus(corpus_dir, shards=shards, lines=lines, seed=seed)
     tokenizer = directory / "tokenizer.json"
     if not tokenizer.exists():
-        train_tokenizer(corpus).save(str(tokenizer))
+        _write_atomically(tokenizer, train_tokenizer(corpus).to_str())
     return Prepared(corpus, tokenizer)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Peers started together on one machine prepare the same directory at once: a file appears
+    whole or not at all (a peer that read half a corpus trained another vocabulary, hence a model
+    of other shapes, whose rounds never matched the others'). Every writer writes the same text."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def albert_config(vocab_size: int, *, hidden: int = 128, layers: int = 2, max_length: int = 32) -> Any:

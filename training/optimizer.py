@@ -299,7 +299,7 @@ class CollaborativeOptimizer:
         no longer ready (the quorum still reads our step when the swarm is two peers). Its report of
         the next step is the sign to join."""
         me = self.peer.peer_id.to_base58()
-        return (progress.step == self.local_step and self.samples > 0 and self._pending is None
+        return (progress.step == self.local_step and self.samples > 0
                 and any(r.step == self.local_step + 1 for r in self.tracker.reports
                         if r.peer_id != me and not r.auxiliary))
 
