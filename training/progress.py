@@ -16,6 +16,8 @@ largest epoch any peer reports, so a single peer can move everyone):
   peer claiming step 10**9 moves nobody; a swarm of one trains alone);
 * the step is ready once the samples toward it reach ``target`` and come from
   at least ``quorum`` peers: no single peer can trigger a step by itself;
+* our own latest report counts even when the DHT did not return it (a peer
+  never reads a swarm without itself; a peer alone still reaches its target);
 * an auxiliary peer (no samples of its own; it only helps average) follows
   the step and has no vote in it: it counts only in the group size a round
   waits for.
