@@ -67,7 +67,10 @@ async def test_low_rank_gradients_average_exactly_and_small_ones_stay_whole() ->
             reports = await step_all(compressors, grads, weights)
         for report, g in zip(reports, grads):
             assert report.complete and report.compressed == 1
-            assert torch.allclose(g[0].double(), exact[0], atol=1e-4)
+            # exact up to float32 rounding in the orthogonalisation: relative, not absolute
+            # (the error scales with the conditioning of the random start: ~1e-6 here, >1e-4 absolute in one CI run)
+            error = ((g[0].double() - exact[0]).norm() / exact[0].norm()).item()
+            assert error < 1e-4, error
             assert torch.allclose(g[1].double(), exact[1], atol=1e-6)  # the bias went whole
             # the factors and the bias, not the matrix: about r(n+m)+m of n*m+m values
             assert report.bytes_sent + report.bytes_received < 0.3 * 2 * report.plain_bytes
