@@ -15,7 +15,7 @@ its own result against the exact weighted average in float64).
 Setups (issue "Group all-reduce that adapts to the swarm"):
 
   homogeneous    4 peers, each on a full-duplex 100/100 Mbit link (tc tbf,
-                 tests/netlab.py), --mbytes float32: time / the bandwidth
+                 nat/lab.py), --mbytes float32: time / the bandwidth
                  bound 2(n-1)/n * S/B.
   heterogeneous  200/200/40/40 Mbit: equal split and adaptive (dedloc: its
                  LP from the declared rates; hivemind: bandwidth=), and for
@@ -66,7 +66,7 @@ import trio
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.netlab import Lab, Shape, cleanup_stale  # noqa: E402
+from nat.lab import Lab, Shape, cleanup_stale  # noqa: E402
 
 HIVEMIND_PY = REPO / ".venv-hivemind" / "bin" / "python"
 READY_TIMEOUT_S = 120.0

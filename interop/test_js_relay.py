@@ -10,7 +10,7 @@ connection), run in the lab's public namespace, and the peers are the same
 relay, answering js's STOP) and DCUtR over a js-relayed connection are checked
 against another implementation, cell by cell.
 
-Covered: all 28 pairs of ``tests.netlab.ALL_KINDS`` (row A = dialed peer, column
+Covered: all 28 pairs of ``nat.lab.ALL_KINDS`` (row A = dialed peer, column
 B = dialer), ``PARALLEL_CELLS`` at a time, with the same assertions as the
 dedloc-relay matrix: always connected; direct where ``expect_direct`` (a public
 side, or both endpoint-independent); relay-only when a symmetric NAT meets a
@@ -62,7 +62,8 @@ from multiaddr import Multiaddr
 from jspeer import INTEROP_DIR, NODE_MODULES, js_unavailable_reason, node_path
 from nat.circuit import RelayClient, is_relayed_conn
 from p2p import Node, NodeConfig
-from tests.netlab import ALL_KINDS, Lab, requires_root_netns
+from nat.lab import ALL_KINDS, Lab
+from tests.kit import requires_root_netns
 from tests.nat_agent import SINK, push_checked, sink
 from tests.test_nat_matrix import (
     CELL_TIMEOUT,

@@ -18,7 +18,7 @@ from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
 from . import events as ev
-from .addresses import is_relayed, rank_for_dial, with_peer_id
+from .addresses import rank_for_dial, with_peer_id
 from .dialer import live_connection
 from .errors import DedlocError
 from .hooks import Registration
@@ -33,6 +33,8 @@ PEERS_METHOD = "px.peers"
 GREET_METHOD = "px.greet"
 MAX_PEERS = 64
 MAX_ADDRS_PER_PEER = 8
+#: one dial of a peer learnt through the exchange (all its addresses racing)
+DIAL_TIMEOUT = 15.0
 MAX_GREETING = 280
 
 
@@ -80,7 +82,9 @@ class PeerExchange:
         for pid in self.node.connected_peers():
             if pid == ctx.peer_id:
                 continue
-            addrs = [a for a in self.node.known_addrs(pid) if not is_relayed(a)][:MAX_ADDRS_PER_PEER]
+            # direct addresses first, then relayed ones: a peer behind a NAT that maps nothing is
+            # reachable only through its relay slot, and without that address two such peers never meet
+            addrs = rank_for_dial(self.node.known_addrs(pid))[:MAX_ADDRS_PER_PEER]
             if addrs:
                 records.append(PeerRecord(peer_id=pid.to_bytes(), addrs=[a.to_bytes() for a in addrs]))
         random.shuffle(records)
@@ -119,8 +123,8 @@ class PeerExchange:
             for pid, addrs in found:
                 if live_connection(self.node.network, pid) is not None:
                     continue
-                try:
-                    await self.node.connect(rank_for_dial(with_peer_id(a, pid) for a in addrs)[0])
+                try:  # every address it gave, best first (they race: direct ones, then relayed)
+                    await self.node.connect(rank_for_dial(with_peer_id(a, pid) for a in addrs), timeout=DIAL_TIMEOUT)
                     new += 1
                 except DedlocError as e:
                     log.debug("could not reach %s learnt from %s: %s", pid, peer, e)

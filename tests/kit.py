@@ -7,15 +7,18 @@ pipes trio's in-memory streams.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, Protocol
 
+import pytest
 import trio
 import trio.testing
 
 from nat import Peer, PeerConfig
 from nat.autorelay import AutoRelayConfig
+from nat.lab import netns_unavailable_reason
 from nat.port_mapping import PortMappingConfig
 from nat.traversal import NatConfig
 from p2p.dht import DHTConfig
@@ -89,3 +92,13 @@ async def collect_events(proc: trio.Process, kinds: Sequence[str], into: list[di
         if isinstance(event, dict) and event.get("event") in kinds:
             into.append(event)
     await proc.wait()
+
+
+#: set to 1 (CI does) to fail the namespace tests where the lab is unusable, instead of skipping them
+NETLAB_REQUIRED_ENV = "DEDLOC_NETLAB_REQUIRED"
+
+requires_root_netns: pytest.MarkDecorator = pytest.mark.skipif(
+    netns_unavailable_reason() is not None and os.environ.get(NETLAB_REQUIRED_ENV, "") in ("", "0"),
+    reason=f"netlab: {netns_unavailable_reason()}",
+)
+"""Skip (with the reason) where namespaces/nftables are unusable; fail instead when DEDLOC_NETLAB_REQUIRED=1."""

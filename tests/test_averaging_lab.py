@@ -19,7 +19,8 @@ import pytest
 import trio
 
 from tests.kit import collect_events
-from tests.netlab import Lab, NatKind, Shape, requires_root_netns
+from nat.lab import Lab, NatKind, Shape
+from tests.kit import requires_root_netns
 from tests.test_nat_matrix import PUBLIC_NET, ROOT, start_relay
 
 pytestmark = [pytest.mark.slow, requires_root_netns, pytest.mark.timeout(240)]

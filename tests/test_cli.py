@@ -15,6 +15,7 @@ import trio
 from training.demo import read_lines
 
 from .conftest import open_nodes
+from .kit import requires_root_netns
 
 DEDLOC = [sys.executable, "-m", "training.cli"]  # the entry point's module
 
@@ -153,7 +154,8 @@ async def test_dht_store_and_get_against_a_running_relay():
 
 
 def test_demo_forms_a_swarm_uses_the_dht_averages_exactly_and_trains():
-    result = run("demo", "--peers", "3", "--duration", "100", "--train-time", "45", timeout=240)
+    result = run("demo", "--network", "loopback", "--peers", "3", "--duration", "100", "--train-time", "45",
+                 timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "swarm formed: 3 peers and the bootstrap node" in result.stdout
     assert "dht get demo:greeting   → hello, DHT" in result.stdout
@@ -167,6 +169,26 @@ def test_demo_forms_a_swarm_uses_the_dht_averages_exactly_and_trains():
     # averaged in global steps, and the swarm's loss fell by a fifth at least
     assert "every one of the 3 peers averaged in them; the swarm's loss fell" in result.stdout
     assert "trainer-1 step" in result.stdout and "PARTIAL" not in result.stdout
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+@requires_root_netns
+def test_demo_as_root_runs_the_swarm_behind_namespace_nats():
+    """`make demo` as root: every node in its own namespace, peers behind four kinds of NAT."""
+    result = run("demo", "--peers", "4", "--duration", "120", "--train-time", "60", timeout=330)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "network: namespaces" in out and "in network namespaces (peer-1 public" in out
+    assert "swarm formed: 4 peers and the bootstrap node" in out
+    assert "dht get demo:greeting   → hello, DHT" in out
+    # AutoNAT found the NATs: the symmetric one is reachable only through its relay slot and averages
+    # as a sender; the two cone-NATed ones went direct by a hole punch
+    assert "peer-4 slot on relay bootstrap" in out and "peer-4 mode relayed" in out
+    assert "peer-2 NAT  private" in out and "peer-4 NAT  private" in out
+    assert "punch" in out and ": direct at /ip4/" in out
+    assert "every peer averaged" in out and "senders only: peer-4" in out and "WRONG" not in out
+    assert "every one of the 4 peers averaged in them; the swarm's loss fell" in out
     assert "Traceback" not in result.stderr
 
 
@@ -274,7 +296,10 @@ def test_two_trainers_and_a_backbone_train_keep_the_curve_and_checkpoint(tmp_pat
     assisted = [json.loads(line) for line in helped.splitlines() if line.startswith("{")]
     assert len([e for e in assisted if e["event"] == "global_step" and e["averaged"] and e["local_samples"] == 0]) >= 10
     contributions = json.loads((checkpoints / "contributions.json").read_text())
-    assert len(contributions) == 2 and all(n >= 256 for n in contributions.values())
+    trainers = {p: c for p, c in contributions.items() if c["samples"] > 0}
+    assert len(trainers) == 2 and all(c["samples"] >= 256 and c["auxiliary_steps"] == 0 for c in trainers.values())
+    auxiliaries = {p: c for p, c in contributions.items() if c["auxiliary_steps"] > 0}
+    assert len(auxiliaries) == 1 and all(c["samples"] == 0 and c["auxiliary_steps"] >= 5 for c in auxiliaries.values())
     saved = sorted(checkpoints.glob("checkpoint-*.pt"))
     assert saved, "no checkpoint"
     import torch

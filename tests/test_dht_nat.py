@@ -32,7 +32,8 @@ from typing import Any
 import pytest
 import trio
 
-from tests.netlab import Host, Lab, NatKind, requires_root_netns
+from nat.lab import Host, Lab, NatKind
+from tests.kit import requires_root_netns
 from tests.test_nat_matrix import PORT, PUBLIC_NET, Agent, start_agent, start_relay
 
 pytestmark = [pytest.mark.slow, requires_root_netns, pytest.mark.timeout(150)]

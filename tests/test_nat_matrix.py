@@ -2,7 +2,7 @@
 
 A public relay runs ``dedloc relay`` (the product's command); two peers run
 the NAT layer at its defaults (``tests/nat_agent.py``, what ``dedloc peer``
-runs) behind routers of each kind from ``tests/netlab.py``. For each pair, B
+runs) behind routers of each kind from ``nat/lab.py``. For each pair, B
 dials A by the addresses A advertises, and the test asserts:
 
 * they connect at all, always (directly, or through the relay);
@@ -29,7 +29,8 @@ from typing import Any
 import pytest
 import trio
 
-from tests.netlab import ALL_KINDS, Host, Lab, NatKind, requires_root_netns
+from nat.lab import ALL_KINDS, Host, Lab, NatKind
+from tests.kit import requires_root_netns
 
 pytestmark = [pytest.mark.slow, requires_root_netns]
 

@@ -1,4 +1,4 @@
-"""Self-tests of the NAT testbed (tests/netlab.py): the network physics NAT traversal relies on.
+"""Self-tests of the NAT testbed (nat/lab.py): the network physics NAT traversal relies on.
 
 Plain Python sockets inside the namespaces, no dedloc code. One lab for the
 module (built once, in a sync fixture: pytest-trio runs each test in its own
@@ -19,16 +19,9 @@ from typing import Any
 import pytest
 import trio
 
-from .netlab import (
-    Host,
-    Lab,
-    NatKind,
-    NetlabTimeout,
-    Shape,
-    cleanup_stale,
-    netem_unavailable_reason,
-    requires_root_netns,
-)
+from nat.lab import Host, Lab, NatKind, NetlabTimeout, Shape, cleanup_stale, netem_unavailable_reason
+
+from .kit import requires_root_netns
 
 pytestmark = requires_root_netns
 

@@ -1,5 +1,6 @@
 import pytest
 import trio
+from multiaddr import Multiaddr
 
 from p2p import events as ev
 from p2p.peer_exchange import PeerExchange
@@ -51,3 +52,19 @@ async def test_lying_peer_cannot_break_the_asker():
         assert await PeerExchange(asker).ask(liar.peer_id) == []
         assert await PeerExchange(asker).exchange_once() == 0
         assert await asker.ping(liar.peer_id) > 0
+
+
+async def test_a_peer_reachable_only_through_its_relay_is_shared_with_its_relayed_address():
+    """Two peers behind NATs that map nothing meet only through a relay slot: the exchange must
+    pass that address on (after the direct ones), or they never connect (seen in the NAT lab demo)."""
+    async with open_nodes(3) as (hub, a, newcomer):
+        PeerExchange(hub).serve()
+        await a.connect(hub.addrs[0])
+        await newcomer.connect(hub.addrs[0])
+        await wait_until(lambda: bool(hub.known_addrs(a.peer_id)))
+        circuit = Multiaddr(f"/ip4/127.0.0.1/tcp/1/p2p/{hub.peer_id}/p2p-circuit")
+        hub.add_addrs(a.peer_id, [circuit])
+        found = dict(await PeerExchange(newcomer).ask(hub.peer_id))
+        addrs = [str(x) for x in found[a.peer_id]]
+        assert str(circuit) in addrs and addrs[-1] == str(circuit), addrs  # relayed last
+        assert any("p2p-circuit" not in x for x in addrs)

@@ -24,7 +24,8 @@ import trio
 
 from training.mlm import prepare
 from tests.kit import collect_events
-from tests.netlab import Lab, NatKind, requires_root_netns
+from nat.lab import Lab, NatKind
+from tests.kit import requires_root_netns
 from tests.test_nat_matrix import PUBLIC_NET, ROOT, start_relay
 
 pytestmark = [pytest.mark.slow, requires_root_netns, pytest.mark.timeout(300)]

@@ -204,24 +204,28 @@ def _check_training_args(args: argparse.Namespace) -> None:
 
 
 class Monitor:
-    """The run as the backbone keeps it: the learning curve and each peer's contributed samples.
+    """The run as the backbone keeps it: the learning curve and each peer's contributions.
 
-    A peer's contribution to a step is the most samples it reported toward
+    A trainer's contribution to a step is the most samples it reported toward
     that step (reports are read every few seconds; the last one before the
-    step is what it brought). Written as JSON files that a page or a metrics
-    exporter can read: ``curve.jsonl`` (a line per global step) and
-    ``contributions.json`` (peer id -> samples).
+    step is what it brought). An auxiliary peer brings no samples: what it gives
+    is its share of the reduction, credited as the steps it reported itself
+    present at. Written as JSON files that a page or a metrics exporter can
+    read: ``curve.jsonl`` (a line per global step) and ``contributions.json``
+    (peer id -> ``{"samples": n, "auxiliary_steps": k}``).
     """
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
         self.per_step: dict[str, dict[int, int]] = defaultdict(dict)
+        self.assisted: dict[str, set[int]] = defaultdict(set)
         self.last_step = -1
 
     def observe(self, tracker: ProgressTracker) -> None:
         for r in tracker.reports:
-            if r.auxiliary:  # it brings no samples (its part of the reduction is not counted yet)
+            if r.auxiliary:
+                self.assisted[r.peer_id].add(r.step)
                 continue
             steps = self.per_step[r.peer_id]
             steps[r.step] = max(steps.get(r.step, 0), r.samples)
@@ -235,8 +239,10 @@ class Monitor:
             f.write(json.dumps(line) + "\n")
         (self.directory / "contributions.json").write_text(json.dumps(self.contributions(), indent=1))
 
-    def contributions(self) -> dict[str, int]:
-        return {peer: sum(steps.values()) for peer, steps in self.per_step.items()}
+    def contributions(self) -> dict[str, dict[str, int]]:
+        peers = set(self.per_step) | set(self.assisted)
+        return {peer: {"samples": sum(self.per_step[peer].values()) if peer in self.per_step else 0,
+                       "auxiliary_steps": len(self.assisted.get(peer, ()))} for peer in sorted(peers)}
 
 
 async def backbone(peer: Peer, args: argparse.Namespace) -> None:
@@ -288,9 +294,17 @@ async def cmd_backbone(args: argparse.Namespace, out: Output) -> int:
 
 
 async def cmd_demo(args: argparse.Namespace, out: Output) -> int:
-    from .demo import run_demo
+    from .demo import choose_network, run_demo
 
-    return await run_demo(peers=args.peers, duration=args.duration, train_time=args.train_time, out=out)
+    try:
+        network, why = choose_network(args.network)
+    except ValueError as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return 2
+    if not out.json_mode:
+        print(f"network: {network} ({why})", flush=True)
+    return await run_demo(peers=args.peers, duration=args.duration, train_time=args.train_time, out=out,
+                          network=network)
 
 
 # ---------------------------------------------------------------------- the parser
@@ -366,12 +380,18 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     p.add_argument("--checkpoint-every", type=int, default=10, metavar="N", help="global steps between checkpoints")
     p.set_defaults(func=cmd_backbone, data=None)
 
-    p = sub.add_parser("demo", help="a live local swarm on loopback: relay, peers, DHT, averaging, then training",
-                       description="Start, on 127.0.0.1 only, a bootstrap node and several peers in their own processes "
-                       "(the last one outbound-only, the one before it reachable only through the relay): they find "
+    p = sub.add_parser("demo", help="a live local swarm behind NATs (as root) or on loopback: relay, peers, DHT, "
+                       "averaging, then training",
+                       description="Start a bootstrap node and several peers in their own processes. As root, each "
+                       "runs in its own network namespace, the peers behind NATs of different kinds (public, cone, "
+                       "port-changing, symmetric, ...; nothing leaves the machine); otherwise on 127.0.0.1 only, the "
+                       "last peer outbound-only and the one before it reachable only through the relay. They find "
                        "each other, exchange messages, store and read a DHT value, average tensors in groups (each "
                        "round checked against the exact average), then train the example model together for "
                        "--train-time seconds, the loss falling. Everything stops on Ctrl-C.")
+    p.add_argument("--network", choices=("auto", "namespaces", "loopback"), default="auto",
+                   help="namespaces: the NAT lab (needs root); auto: namespaces where they work, else loopback "
+                   "(default: %(default)s)")
     p.add_argument("--peers", type=int, default=4, help="number of peers besides the bootstrap node (default: %(default)s)")
     p.add_argument("--duration", type=float, default=90.0, metavar="SECONDS",
                    help="longest the swarm may take to form and average (default: %(default)s)")

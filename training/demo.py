@@ -1,12 +1,21 @@
-"""``dedloc demo``: a live swarm on loopback, one process per node.
+"""``dedloc demo``: a live swarm, one process per node, behind real NATs or on loopback.
 
 It runs the very commands a user would (``dedloc relay``, ``dedloc average``
 and ``dedloc dht``, each with ``--json``) and follows their event lines, so
-the demo exercises the product, not a special path. Everything binds to
-127.0.0.1. The swarm forms (every regular peer meets every other; the last
-peer is outbound-only, as behind a firewall, and only dials; with three or more
-peers the one before it listens nowhere, as behind a NAT that maps nothing, and
-others reach it only through its slot on the relay), the DHT stores and returns
+the demo exercises the product, not a special path.
+
+Two networks (``network=``): as root, where network namespaces work, every node
+gets its own namespace of the NAT lab (:mod:`nat.lab`): the bootstrap node on a
+public address, peer 1 public, the others behind NATs of different kinds (an
+endpoint-independent one, one that changes the port, a symmetric one that no hole
+punch gets through, then the rest of the lab's kinds), so what the demo shows is
+AutoNAT finding each peer's NAT, relay slots, hole punches and relayed peers taking
+part as senders. Elsewhere everything binds to 127.0.0.1 and two roles stand in for
+the NATs: the last peer is outbound-only, as behind a firewall, and only dials; with
+three or more peers the one before it listens nowhere, as behind a NAT that maps
+nothing, and others reach it only through its slot on the relay.
+
+The swarm forms (every regular peer meets every other), the DHT stores and returns
 a value, and the peers average tensors: peer *i* holds the value *i* every
 round, so the demo checks each round's result against the exact mean of the
 group's values. Then the averaging peers stop and as many ``dedloc train``
@@ -18,19 +27,31 @@ when the swarm took global steps together and its loss fell.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
 from collections import Counter
-from pathlib import Path
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from pathlib import Path
+from typing import Any, Protocol
 
 import trio
 
+from nat.lab import Host, Lab, NatKind, netem_unavailable_reason, netns_unavailable_reason
+
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 START_TIMEOUT = 60.0
+#: the lab's public addresses: they look globally routed, so the nodes treat them as public; no
+#: packet can leave the namespaces
+LAB_PUBLIC_NET = "11.0.0.0/15"
+LAB_PORT = 4001
+#: the NATs peers 1, 2, ... sit behind in the lab (then round again)
+LAB_KINDS = (NatKind.PUBLIC, NatKind.EIM_PRESERVING, NatKind.EIM_CHANGING, NatKind.SYMMETRIC,
+             NatKind.DOUBLE, NatKind.FIREWALL, NatKind.UDP_BLOCKED)
 
 
 @dataclass
@@ -67,6 +88,151 @@ async def read_lines(stream: trio.abc.ReceiveStream) -> AsyncIterator[str]:
             yield line.decode(errors="replace")
 
 
+class _Network(Protocol):
+    """Where the demo's nodes run: what differs between loopback and the NAT lab."""
+
+    #: the peer that only dials (None: none), the one reachable only through the relay
+    client: str | None
+    relayed: str | None
+
+    def describe(self, peers: int) -> str: ...
+
+    async def spawn(self, name: str, argv: Sequence[str]) -> trio.Process: ...
+
+    def options(self, name: str, index: int) -> list[str]:
+        """Listen and role options of node ``name`` (``index``: 1, 2, ... for peers, 0 otherwise)."""
+        ...
+
+    def boot_addr(self, boot: _Member) -> str: ...
+
+    async def run_tool(self, argv: Sequence[str]) -> tuple[int, str, str]:
+        """Run a short command (``dedloc dht ...``) as a user on the network would, to completion."""
+        ...
+
+
+class _Loopback:
+    """Every node on 127.0.0.1; two roles stand in for NATs (see the module docstring)."""
+
+    def __init__(self, peers: int) -> None:
+        self.peers = peers
+        self.client: str | None = f"peer-{peers}"  # outbound only: dials, never dialed, never reduces
+        # reachable only through the relay (no listen socket): sends, never reduces (relay limits make it slow)
+        self.relayed: str | None = f"peer-{peers - 1}" if peers >= 3 else None
+
+    def describe(self, peers: int) -> str:
+        behind = f"{self.client} outbound-only" + (f", {self.relayed} reachable only through the relay"
+                                                   if self.relayed else "")
+        return f"on 127.0.0.1 ({behind})"
+
+    async def spawn(self, name: str, argv: Sequence[str]) -> trio.Process:
+        return await trio.lowlevel.open_process(list(argv), stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+
+    def options(self, name: str, index: int) -> list[str]:
+        if index and index == self.peers:
+            return ["--client", "--listen", LOOPBACK]
+        if index and self.relayed is not None and index == self.peers - 1:
+            # no --allow-private: 127.0.0.1 is no public address to it, so AutoNAT finds it
+            # private and it reserves a slot on the relay, as behind a NAT
+            return ["--no-listen"]
+        # with --allow-private 127.0.0.1 counts as reachable: the peers serve the DHT once AutoNAT
+        # has confirmed them (they are DHT clients until then)
+        return ["--allow-private", "--listen", LOOPBACK]
+
+    def boot_addr(self, boot: _Member) -> str:
+        return next(a for a in boot.addrs if "/ip4/127.0.0.1/" in a)
+
+    async def run_tool(self, argv: Sequence[str]) -> tuple[int, str, str]:
+        done = await trio.run_process([*argv, "--listen", LOOPBACK], capture_stdout=True,
+                                      capture_stderr=True, check=False)
+        return done.returncode, done.stdout.decode(), done.stderr.decode()
+
+
+class _Namespaces:
+    """Every node in its own namespace of the NAT lab: peer i behind ``LAB_KINDS[i - 1]``."""
+
+    def __init__(self, lab: Lab, peers: int) -> None:
+        self.lab = lab
+        self.kinds = {i: LAB_KINDS[(i - 1) % len(LAB_KINDS)] for i in range(1, peers + 1)}
+        self.client: str | None = None  # the NATs decide who is reachable how
+        symmetric = [i for i, kind in self.kinds.items() if kind is NatKind.SYMMETRIC]
+        self.relayed: str | None = f"peer-{symmetric[0]}" if symmetric else None
+        self.hosts: dict[str, Host] = {}
+        self._building = trio.Lock()  # the lab's address plan is built one host at a time
+
+    def describe(self, peers: int) -> str:
+        kinds = ", ".join(f"peer-{i} {_KIND_WORDS[kind]}" for i, kind in self.kinds.items())
+        delay = "50 ms one-way on each peer's line, 25 ms on the bootstrap node's (tc netem)" if self.lab.netem \
+            else f"no link delay: {netem_unavailable_reason()}"
+        return f"in network namespaces ({kinds}; {delay})"
+
+    async def host(self, name: str, index: int) -> Host:
+        async with self._building:
+            if name not in self.hosts:
+                short = "boot" if name == "bootstrap" else name[0] + str(index) if index else name[:12]
+                if index:
+                    self.hosts[name] = await self.lab.peer(short, self.kinds[index])
+                else:
+                    self.hosts[name] = await self.lab.public_host(short)
+            return self.hosts[name]
+
+    async def spawn(self, name: str, argv: Sequence[str]) -> trio.Process:
+        index = int(name.rsplit("-", 1)[1]) if name[-1].isdigit() else 0
+        host = await self.host(name, index)
+        return await host.spawn(list(argv), stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+
+    def options(self, name: str, index: int) -> list[str]:
+        # a lab router maps no ports on request: skip the UPnP/NAT-PMP/PCP probes
+        return ["--listen", f"/ip4/0.0.0.0/tcp/{LAB_PORT}", "--no-port-mapping"]
+
+    def boot_addr(self, boot: _Member) -> str:
+        return f"/ip4/{self.hosts['bootstrap'].ip}/tcp/{LAB_PORT}/p2p/{boot.peer_id}"
+
+    async def run_tool(self, argv: Sequence[str]) -> tuple[int, str, str]:
+        user = await self._user()
+        done = await user.run([*argv, "--listen", "/ip4/0.0.0.0/tcp/0"], timeout=60)
+        return done.rc, done.stdout, done.stderr
+
+    async def _user(self) -> Host:
+        async with self._building:
+            if "user" not in self.hosts:  # a user's machine behind a home NAT
+                self.hosts["user"] = await self.lab.peer("user", NatKind.EIM_PRESERVING)
+            return self.hosts["user"]
+
+
+_KIND_WORDS = {
+    NatKind.PUBLIC: "public",
+    NatKind.EIM_PRESERVING: "behind a port-preserving cone NAT",
+    NatKind.EIM_CHANGING: "behind a port-changing cone NAT",
+    NatKind.SYMMETRIC: "behind a symmetric NAT",
+    NatKind.DOUBLE: "behind two NATs (home router and CGNAT)",
+    NatKind.FIREWALL: "behind a firewall",
+    NatKind.UDP_BLOCKED: "behind a NAT that blocks UDP",
+}
+
+
+def choose_network(asked: str) -> tuple[str, str]:
+    """``(network, why)``: "namespaces" as root where the lab works, otherwise "loopback"."""
+    if asked == "loopback":
+        return "loopback", "as asked"
+    reason = "not root" if os.geteuid() != 0 else netns_unavailable_reason()
+    if reason is None:
+        return "namespaces", "root, and network namespaces work here"
+    if asked == "namespaces":
+        raise ValueError(f"--network namespaces: the NAT lab is unusable here: {reason}")
+    return "loopback", f"no NAT lab ({reason})"
+
+
+@asynccontextmanager
+async def _network(kind: str, peers: int) -> AsyncIterator[_Network]:
+    if kind == "loopback":
+        yield _Loopback(peers)
+        return
+    # without netem the lab runs at zero delay, and the demo says so (no warning from the lab)
+    async with Lab(prefix="ddemo", public_net=LAB_PUBLIC_NET,
+                   netem=None if netem_unavailable_reason() is None else False) as lab:
+        yield _Namespaces(lab, peers)
+
+
 #: rounds each peer must average correctly, one of them with the whole swarm, for the demo to succeed
 ROUNDS_WANTED = 2
 #: float32 values averaged each round (4 MB)
@@ -82,18 +248,23 @@ LOSS_FALL = 0.8
 STEPS_WANTED = 5
 
 
-async def run_demo(*, peers: int, duration: float, out: Any, train_time: float = 0.0) -> int:
-    """Start a bootstrap node and ``peers`` peers; 0 once they formed a swarm, used the DHT and averaged."""
+async def run_demo(*, peers: int, duration: float, out: Any, train_time: float = 0.0,
+                   network: str = "loopback") -> int:
+    """Start a bootstrap node and ``peers`` peers; 0 once they formed a swarm, used the DHT, averaged
+    (and trained, with ``train_time``). ``network``: "loopback" or "namespaces" (the NAT lab, as root)."""
     if peers < 2:
         print("demo: need at least two peers (averaging takes two)", file=sys.stderr)
         return 2
+    async with _network(network, peers) as where:
+        return await _run_demo(where, peers=peers, duration=duration, out=out, train_time=train_time)
+
+
+async def _run_demo(where: _Network, *, peers: int, duration: float, out: Any, train_time: float) -> int:
     say = _Say(out.json_mode)
     members: dict[str, _Member] = {}
     names: dict[str, str] = {}  # peer id -> name
     values: dict[str, float] = {}  # peer id -> the value it averages
-    client = f"peer-{peers}"  # outbound only: dials, never dialed, never reduces
-    # reachable only through the relay (no listen socket): sends, never reduces (relay limits make it slow)
-    relayed = f"peer-{peers - 1}" if peers >= 3 else None
+    client, relayed = where.client, where.relayed
     rounds_ok: Counter[str] = Counter()
     whole_swarm: set[str] = set()
     wrong: list[str] = []
@@ -164,6 +335,13 @@ async def run_demo(*, peers: int, duration: float, out: Any, train_time: float =
                 say(f"{member.name:>9} got  \"{event['text']}\" from {names.get(event['peer_id'], '?')}")
             elif kind == "relay_reserved":
                 say(f"{member.name:>9} slot on relay {names.get(event['relay'], event['relay'][-8:])}: reachable at {event['addrs'][0]}/p2p/…")
+            elif kind == "reachability" and event["reachability"] != "unknown":
+                say(f"{member.name:>9} NAT  {event['reachability']}, mapping {event['mapping']}")
+            elif kind == "hole_punch":
+                other = names.get(event["peer_id"], event["peer_id"][-8:])
+                outcome = f"direct at {event['addr']}" if event["success"] else "stays relayed"
+                say(f"{member.name:>9} punch {other}: {outcome} ({event['method']}, {event['attempts']} attempt(s), "
+                    f"{event['elapsed']:.2f} s)")
             elif kind == "nat_mode":
                 say(f"{member.name:>9} mode {event['mode']}: {event['reason']}")
             elif kind == "dht_joined":
@@ -181,13 +359,8 @@ async def run_demo(*, peers: int, duration: float, out: Any, train_time: float =
             if mesh_complete():
                 meshed.set()
 
-    async def start(nursery: trio.Nursery, name: str, *args: str) -> _Member:
-        listen = () if "--no-listen" in args else ("--listen", LOOPBACK)
-        process = await trio.lowlevel.open_process(
-            _command(*args, "--json", *listen, "--ephemeral"),
-            stdout=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-        )
+    async def start(nursery: trio.Nursery, name: str, *args: str, index: int = 0) -> _Member:
+        process = await where.spawn(name, _command(*args, "--json", *where.options(name, index), "--ephemeral"))
         member = _Member(name, process)
         members[name] = member
         ready = trio.Event()
@@ -216,26 +389,21 @@ async def run_demo(*, peers: int, duration: float, out: Any, train_time: float =
                "--group-size", str(peers), "--duration", str(train_time + 60)]
         async with trio.open_nursery() as starters:
             for i in range(1, peers + 1):
-                name = f"trainer-{i}"
-                role = (["--client"] if i == peers else ["--no-listen"] if peers >= 3 and i == peers - 1
-                        else ["--allow-private"])
-                starters.start_soon(start, nursery_ref[0], name, "train", "--initial-peers", boot_ref[0],
-                                    "--data-seed", str(i), *run, *role)
+                starters.start_soon(partial(start, nursery_ref[0], f"trainer-{i}", "train", "--initial-peers",
+                                            boot_ref[0], "--data-seed", str(i), *run, index=i))
         await trio.sleep(train_time)  # train the whole time: the loss goes on falling
         return training.verdict(say, peers)
 
     nursery_ref: list[trio.Nursery] = []
     boot_ref: list[str] = []
-    behind = f"{client} outbound-only" + (f", {relayed} reachable only through the relay" if relayed else "")
-    say(f"starting a bootstrap node and {peers} peers on 127.0.0.1 ({behind}); Ctrl-C stops")
+    say(f"starting a bootstrap node and {peers} peers {where.describe(peers)}; Ctrl-C stops")
+    senders = ", ".join(n for n in (client, relayed) if n) or "none"
     ok = False
     try:
         async with trio.open_nursery() as nursery:
             try:
-                # Everything is on loopback: with --allow-private, 127.0.0.1 counts as reachable, so
-                # the peers serve the DHT once AutoNAT has confirmed them (they are DHT clients until then).
-                boot = await start(nursery, "bootstrap", "relay", "--status-interval", "0", "--allow-private")
-                boot_addr = next(a for a in boot.addrs if "/ip4/127.0.0.1/" in a)
+                boot = await start(nursery, "bootstrap", "relay", "--status-interval", "0")
+                boot_addr = where.boot_addr(boot)
                 nursery_ref.append(nursery)
                 boot_ref.append(boot_addr)
                 averaging = ["--prefix", "demo", "--size", str(TENSOR_SIZE), "--group-size", str(peers),
@@ -243,21 +411,19 @@ async def run_demo(*, peers: int, duration: float, out: Any, train_time: float =
                 async with trio.open_nursery() as starters:
                     for i in range(1, peers + 1):
                         name = f"peer-{i}"
-                        greet = ["--message", f"hello from {name}", "--exchange-interval", "1"]
-                        # --no-listen without --allow-private: 127.0.0.1 is no public address to it, so
-                        # AutoNAT finds it private and it reserves a slot on the relay, as behind a NAT.
-                        role = (["--client"] if name == client else [*greet, "--no-listen"] if name == relayed
-                                else [*greet, "--allow-private"])
-                        starters.start_soon(start, nursery, name, "average", "--initial-peers", boot_addr,
-                                            "--value", str(i), *averaging, *role)
+                        # the outbound-only peer has no greeting: nobody could open a stream to it
+                        greet = [] if name == client else ["--message", f"hello from {name}",
+                                                           "--exchange-interval", "1"]
+                        starters.start_soon(partial(start, nursery, name, "average", "--initial-peers", boot_addr,
+                                                    "--value", str(i), *averaging, *greet, index=i))
                 with trio.move_on_after(duration):
                     await meshed.wait()
                     say(f"swarm formed: {peers} peers and the bootstrap node; the regular peers all connected "
                         "and heard every greeting")
-                    if await _dht_round_trip(say, boot_addr):
+                    if await _dht_round_trip(say, where, boot_addr):
                         await averaged.wait()
                         say(f"averaging: every peer averaged {ROUNDS_WANTED}+ rounds exactly, each in a group "
-                            f"of all {peers} at least once ({behind}: senders only)")
+                            f"of all {peers} at least once (senders only: {senders})")
                         ok = not wrong
                 if ok and train_time > 0:
                     ok = await training_phase()
@@ -323,16 +489,14 @@ class _Training:
         return False
 
 
-async def _dht_round_trip(say: _Say, boot_addr: str) -> bool:
+async def _dht_round_trip(say: _Say, where: _Network, boot_addr: str) -> bool:
     """Store a value with ``dedloc dht store`` and read it back with ``dedloc dht get``, as a user would."""
-    boot = ["--initial-peers", boot_addr, "--listen", LOOPBACK]
-    stored = await trio.run_process(_command("dht", "store", "demo:greeting", "hello, DHT", "--ttl", "60", *boot),
-                                    capture_stdout=True, capture_stderr=True, check=False)
-    say(f"      dht store demo:greeting → {stored.stdout.decode().strip() or stored.stderr.decode().strip()}")
-    got = await trio.run_process(_command("dht", "get", "demo:greeting", *boot),
-                                 capture_stdout=True, capture_stderr=True, check=False)
-    say(f"      dht get demo:greeting   → {got.stdout.decode().strip() or got.stderr.decode().strip()}")
-    return stored.returncode == 0 and got.returncode == 0 and got.stdout.startswith(b"hello, DHT")
+    boot = ["--initial-peers", boot_addr]
+    rc1, out1, err1 = await where.run_tool(_command("dht", "store", "demo:greeting", "hello, DHT", "--ttl", "60", *boot))
+    say(f"      dht store demo:greeting → {out1.strip() or err1.strip()}")
+    rc2, out2, err2 = await where.run_tool(_command("dht", "get", "demo:greeting", *boot))
+    say(f"      dht get demo:greeting   → {out2.strip() or err2.strip()}")
+    return rc1 == 0 and rc2 == 0 and out2.startswith("hello, DHT")
 
 
 def _stop(process: trio.Process) -> None:

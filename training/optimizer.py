@@ -179,7 +179,8 @@ class CollaborativeOptimizer:
         self.auxiliary = config.averager.auxiliary
         self.tracker = ProgressTracker(peer, config.run_id, config.target_batch_size,
                                        expiration=config.progress_expiration,
-                                       client=not averager.role()[1], auxiliary=self.auxiliary)
+                                       client=not averager.role()[1], auxiliary=self.auxiliary,
+                                       sender=not averager.role()[0].reduces)
         #: the last step an auxiliary peer helped average (or tried to)
         self._assisted = -1
         self._reported_samples = 0  # what the last published report said
@@ -240,7 +241,8 @@ class CollaborativeOptimizer:
     async def _sync(self) -> GlobalProgress:
         """Publish our progress and read the swarm's, now."""
         reported = self.samples
-        self.tracker.client = not self.averager.role()[1]  # reachability is learned after start
+        role, reachable = self.averager.role()  # reachability is learned after start
+        self.tracker.client, self.tracker.sender = not reachable, not role.reduces
         await self.tracker.report(self.local_step, reported, self._rate, loss=self.loss)
         self._reported_samples = reported
         return await self.tracker.fetch(local_step=self.local_step)
@@ -571,11 +573,21 @@ class CollaborativeOptimizer:
     def _left_behind(self, step: int, me: str) -> bool:
         """Whether the others left ``step``'s round: some report a later step, and none but us could
         still be in that round (at the step; with delayed updates, at the step after it too, since a
-        peer moves on when a round begins and applies it when the next one does)."""
+        peer moves on when a round begins and applies it when the next one does).
+
+        Peers still at the step count only if a group of them could form: when neither we nor any of
+        them may reduce a part (client mode, relayed), no group ever will. Two late peers behind NATs
+        once waited out the whole matchmaking timeout for each other while the swarm went on.
+        """
         lag = 1 if self.config.delay_updates else 0
-        others = [r for r in self.tracker.reports if r.peer_id != me and not r.auxiliary]
-        return (any(r.step > step + lag for r in others)
-                and not any(step <= r.step <= step + lag for r in others))
+        reports = [r for r in self.tracker.reports if r.peer_id != me]
+        others = [r for r in reports if not r.auxiliary]
+        if not any(r.step > step + lag for r in others):
+            return False
+        still = [r for r in reports if step <= r.step <= step + lag]
+        if not any(not r.auxiliary for r in still):
+            return True
+        return not self.averager.role()[0].reduces and all(r.sender for r in still)
 
     async def _average_into(self, step: int, grads: list[torch.Tensor], samples: int, progress: GlobalProgress,
                             started: float, done: trio.Event) -> None:

@@ -68,12 +68,14 @@ class LocalProgress:
     addrs: tuple[Multiaddr, ...] = ()
     #: it only helps average: no samples, no vote on the step, no state to serve
     auxiliary: bool = False
+    #: it never reduces a part (client mode, relayed): peers that all are cannot form a group
+    sender: bool = False
 
     def to_wire(self) -> bytes:
         return pb.Progress(step=self.step, samples=self.samples, samples_per_second=self.samples_per_second,
                            time=self.time, client=self.client, loss=self.loss,
                            addrs=[a.to_bytes() for a in self.addrs[:MAX_ADDRS]],
-                           auxiliary=self.auxiliary).SerializeToString()
+                           auxiliary=self.auxiliary, sender=self.sender).SerializeToString()
 
     @classmethod
     def from_wire(cls, peer_id: str, data: bytes) -> LocalProgress:
@@ -86,7 +88,7 @@ class LocalProgress:
         loss = msg.loss if msg.HasField("loss") and math.isfinite(msg.loss) else None
         addrs = tuple(decode_addrs(msg.addrs, limit=MAX_ADDRS))
         return cls(peer_id, msg.step, msg.samples, msg.samples_per_second, msg.time, msg.client, loss, addrs,
-                   msg.auxiliary)
+                   msg.auxiliary, msg.sender)
 
 
 @dataclass(frozen=True)
@@ -185,7 +187,8 @@ class ProgressTracker:
     """
 
     def __init__(self, peer: Peer, run_id: str, target: int, *, expiration: float = 60.0,
-                 clock: Callable[[], float] = time.time, client: bool = False, auxiliary: bool = False) -> None:
+                 clock: Callable[[], float] = time.time, client: bool = False, auxiliary: bool = False,
+                 sender: bool = False) -> None:
         if target <= 0:
             raise ValueError("the target batch size must be positive")
         self.peer = peer
@@ -195,6 +198,7 @@ class ProgressTracker:
         self.clock = clock
         self.client = client
         self.auxiliary = auxiliary
+        self.sender = sender
         #: our latest report, as we published it (or tried to)
         self.own: LocalProgress | None = None
         self.last: GlobalProgress | None = None
@@ -208,7 +212,7 @@ class ProgressTracker:
         if loss is not None and not math.isfinite(loss):
             loss = None
         mine = LocalProgress(self.peer.peer_id.to_base58(), step, samples, samples_per_second, now, self.client,
-                             loss, tuple(self.peer.node.addrs), self.auxiliary)
+                             loss, tuple(self.peer.node.addrs), self.auxiliary, self.sender)
         self.own = mine
         try:
             return await self.peer.dht.store(self.key, mine.to_wire(), now + self.expiration,

@@ -36,6 +36,7 @@ class Progress(_message.Message):
     LOSS_FIELD_NUMBER: _builtins.int
     ADDRS_FIELD_NUMBER: _builtins.int
     AUXILIARY_FIELD_NUMBER: _builtins.int
+    SENDER_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """the global step this peer accumulates gradients for"""
     samples: _builtins.int
@@ -50,6 +51,8 @@ class Progress(_message.Message):
     """mean training loss of this peer's recent batches (what the caller passed)"""
     auxiliary: _builtins.bool
     """only helps average (no samples, no vote on the step, no state to serve)"""
+    sender: _builtins.bool
+    """never reduces a part (client mode, relayed): a group of senders cannot form"""
     @_builtins.property
     def addrs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """where to reach it for its state (binary multiaddrs, relay circuits included)"""
@@ -65,10 +68,11 @@ class Progress(_message.Message):
         loss: _builtins.float | None = ...,
         addrs: _abc.Iterable[_builtins.bytes] | None = ...,
         auxiliary: _builtins.bool = ...,
+        sender: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "loss", b"loss"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "addrs", b"addrs", "auxiliary", b"auxiliary", "client", b"client", "loss", b"loss", "samples", b"samples", "samples_per_second", b"samples_per_second", "step", b"step", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "addrs", b"addrs", "auxiliary", b"auxiliary", "client", b"client", "loss", b"loss", "samples", b"samples", "samples_per_second", b"samples_per_second", "sender", b"sender", "step", b"step", "time", b"time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__loss: _TypeAlias = _typing.Literal["loss"]  # noqa: Y015
     _WhichOneofArgType__loss: _TypeAlias = _typing.Literal["_loss", b"_loss"]  # noqa: Y015

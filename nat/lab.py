@@ -122,7 +122,6 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, NamedTuple
 
-import pytest
 import trio
 
 __all__ = [
@@ -146,7 +145,6 @@ CLEANUP_TIMEOUT = 30.0  # the whole teardown of one lab
 TERMINATE_GRACE = 1.0  # SIGTERM → SIGKILL for spawned processes
 PORT_SHIFT = 1000  # EIM_CHANGING maps listen port P to P + PORT_SHIFT
 BOGONS = ("10.0.0.0/8", "100.64.0.0/10")
-REQUIRED_ENV = "DEDLOC_NETLAB_REQUIRED"  # set to 1 in CI to fail instead of skip
 
 _NAME = re.compile(r"^[a-z][a-z0-9]{0,11}$")
 
@@ -726,7 +724,7 @@ def cleanup_stale(prefix: str = "dlab", *, force: bool = False) -> list[str]:
     """Delete namespaces ``<prefix>-<pid>-...`` whose creating process is gone (all of them with ``force``).
 
     Kills what still runs inside them first. Synchronous, so it also works from a
-    sync fixture or a shell (``python -m tests.netlab --cleanup PREFIX``). Returns
+    sync fixture or a shell (``python -m nat.lab --cleanup PREFIX``). Returns
     the deleted names.
     """
     if not _NAME.match(prefix):
@@ -801,18 +799,7 @@ def netem_unavailable_reason() -> str | None:
     return None
 
 
-def _required() -> bool:
-    return os.environ.get(REQUIRED_ENV, "") not in ("", "0")
-
-
-requires_root_netns: pytest.MarkDecorator = pytest.mark.skipif(
-    netns_unavailable_reason() is not None and not _required(),
-    reason=f"netlab: {netns_unavailable_reason()}",
-)
-"""Skip (with the reason) where namespaces/nftables are unusable; fail instead when DEDLOC_NETLAB_REQUIRED=1."""
-
-
-if __name__ == "__main__":  # python -m tests.netlab --cleanup [PREFIX]
+if __name__ == "__main__":  # python -m nat.lab --cleanup [PREFIX]
     import sys
 
     if len(sys.argv) >= 2 and sys.argv[1] == "--cleanup":
