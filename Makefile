@@ -34,13 +34,13 @@ system-deps:
 interop-deps:
 	bash interop/setup.sh
 
-## Live local swarm on loopback: a bootstrap node and several peers.
+## The live local swarm: a bootstrap node and peers (as root behind namespace NATs, else on loopback), DHT, averaging, training.
 demo: venv
 	$(VENV)/bin/dedloc demo
 
 ## The whole suite, as CI runs it.
 test: venv system-deps interop-deps
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=20
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow and not interop"

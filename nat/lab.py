@@ -1,4 +1,4 @@
-"""A NAT testbed built from network namespaces, veth pairs, nftables and tc netem.
+"""A NAT testbed built from network namespaces, veth pairs, nftables, and tc netem or a userspace wire.
 
 Everything lives in namespaces this module creates: no packet can leave the
 machine, and the root namespace is never touched (every veth is created with both
@@ -88,8 +88,13 @@ sees a 150 ms RTT to the relay and 200 ms to another peer. Links inside a home
 per host) is netem loss on the same qdiscs, per direction; default 0 so tests are
 deterministic. netem ``limit`` is raised to 100000 packets so bulk transfers over
 a delayed link are not capped by netem's 1000-packet queue. Kernels without
-sch_netem (CONFIG_NET_SCH_NETEM unset, e.g. some CI/VM kernels) build the lab
-without delay unless ``Lab(netem=True)``; ``lab.netem`` says which.
+sch_netem (CONFIG_NET_SCH_NETEM unset, e.g. CI's and this one) get the same
+delay and loss from a userspace wire instead (:mod:`nat.delay_line`): a link with
+a delay or a loss is then a pair of TUN devices, named as the veth ends would
+be, and one process per lab moves the packets between them, holding each for
+the one-way delay. ``lab.mechanism`` says which one the lab uses ("netem" or
+"wire"); ``Lab(netem=True)`` insists on netem, ``Lab(netem=False)`` on the wire.
+A link asked for no delay and no loss is a plain veth pair either way.
 
 Bandwidth (tc tbf)
 ------------------
@@ -109,6 +114,7 @@ from __future__ import annotations
 import enum
 import functools
 import ipaddress
+import json
 import os
 import re
 import secrets
@@ -116,7 +122,7 @@ import shlex
 import shutil
 import signal
 import subprocess
-import warnings
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -384,8 +390,8 @@ class _Link:
 class Lab:
     """A set of namespaces around one internet core; use as ``async with Lab() as lab``.
 
-    ``netem``: None = add delay/loss when the kernel has sch_netem (warn otherwise),
-    True = require it, False = never add qdiscs.
+    ``netem``: None = delay/loss by netem where the kernel has sch_netem, else by the
+    userspace wire; True = require netem; False = always the wire.
     """
 
     prefix: str = "dlab"
@@ -403,6 +409,12 @@ class Lab:
     _lans: int = field(init=False, default=0)
     _started: bool = field(init=False, default=False)
     _closed: bool = field(init=False, default=False)
+    #: the userspace wire's process (started with the first delayed link that needs it)
+    _wire: trio.Process | None = field(init=False, default=None)
+    _wire_lock: trio.Lock = field(init=False, default_factory=trio.Lock)
+    _wire_out: bytes = field(init=False, default=b"")
+    #: links built as a userspace wire
+    wired_links: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.prefix):
@@ -415,7 +427,12 @@ class Lab:
         self.id = f"{self.prefix}-{os.getpid()}-{secrets.token_hex(2)}"
 
     def __repr__(self) -> str:
-        return f"Lab({self.id!r}, hosts={list(self.hosts)}, netem={self.netem})"
+        return f"Lab({self.id!r}, hosts={list(self.hosts)}, delay by {self.mechanism})"
+
+    @property
+    def mechanism(self) -> str:
+        """What gives links their delay and loss: "netem" (the kernel's qdisc) or "wire" (userspace)."""
+        return "netem" if self.netem else "wire"
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -442,8 +459,7 @@ class Lab:
             if reason is not None:
                 if self.netem:
                     raise NetlabError(f"netem required but unavailable: {reason}")
-                warnings.warn(f"netlab: no delay/loss emulation: {reason}", stacklevel=2)
-                self.netem = False
+                self.netem = False  # delayed or lossy links get the userspace wire
             else:
                 self.netem = True
         try:
@@ -654,13 +670,43 @@ class Lab:
         net = _nth24(self._link_net, i)
         link = _Link(i, str(net[1]), str(net[2]))
         core_if = f"l{i}"
-        await self._veth(self.core, core_if, ns, ifname)
+        if not self.netem and (delay_ms > 0 or loss_pct > 0):
+            await self._wire_link(self.core, core_if, ns, ifname, delay_ms, loss_pct, seed=i)
+        else:
+            await self._veth(self.core, core_if, ns, ifname)
         await self._addr(self.core, core_if, f"{link.core_ip}/24")
         await self._addr(ns, ifname, f"{link.far_ip}/24")
         await self._ip(ns, "route", "add", "default", "via", link.core_ip)
         await self._qdiscs(self.core, core_if, delay_ms, loss_pct, shape.tbf(shape.down_mbit) if shape else None)
         await self._qdiscs(ns, ifname, delay_ms, loss_pct, shape.tbf(shape.up_mbit) if shape else None)
         return link
+
+    async def _wire_link(self, ns_a: str, if_a: str, ns_b: str, if_b: str, delay_ms: float, loss_pct: float,
+                         *, seed: int) -> None:
+        """Link ``ns_a``/``if_a`` and ``ns_b``/``if_b`` through the userspace wire (two TUN devices)."""
+        command = {"a_ns": ns_a, "a_dev": if_a, "b_ns": ns_b, "b_dev": if_b, "delay_ms": delay_ms,
+                   "loss_pct": loss_pct, "seed": seed}
+        async with self._wire_lock:
+            if self._wire is None:
+                self._wire = await trio.lowlevel.open_process(
+                    [sys.executable, "-m", "nat.delay_line"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                self._procs.append(self._wire)
+            assert self._wire.stdin is not None and self._wire.stdout is not None
+            with trio.move_on_after(self.command_timeout):
+                await self._wire.stdin.send_all(json.dumps(command).encode() + b"\n")
+                while b"\n" not in self._wire_out:
+                    chunk = await self._wire.stdout.receive_some(65536)
+                    if not chunk:
+                        raise NetlabError(f"the delay wire exited (rc {self._wire.returncode})")
+                    self._wire_out += chunk
+                line, self._wire_out = self._wire_out.split(b"\n", 1)
+                answer = json.loads(line)
+                if not answer.get("ok"):
+                    raise NetlabError(f"the delay wire could not link {ns_a}/{if_a} and {ns_b}/{if_b}: "
+                                      f"{answer.get('error')}")
+                self.wired_links += 1
+                return
+            raise NetlabTimeout(f"the delay wire did not answer within {self.command_timeout:g} s")
 
     async def _qdiscs(
         self, ns: str, ifname: str, delay_ms: float, loss_pct: float, tbf: list[str] | None
@@ -807,4 +853,5 @@ if __name__ == "__main__":  # python -m nat.lab --cleanup [PREFIX]
             print("deleted", gone)
     else:
         print(netns_unavailable_reason() or "netlab: namespaces, veth and nftables usable")
-        print(netem_unavailable_reason() or "netlab: tc netem usable")
+        netem = netem_unavailable_reason()
+        print(f"{netem}; delay and loss go through the userspace wire (nat/delay_line.py)" if netem else "netlab: tc netem usable")

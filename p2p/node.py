@@ -21,6 +21,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.custom_types import TProtocol
 from libp2p.host.exceptions import StreamFailure
 from libp2p.host.ping import ID as PING_PROTOCOL
+from libp2p.network.exceptions import SwarmException
 from libp2p.peer.id import ID
 from libp2p.peer.peerstore import PeerStoreError
 from libp2p.protocol_muxer.exceptions import MultiselectClientError
@@ -392,9 +393,21 @@ class Node:
 
     async def new_stream(self, peer_id: ID, protocol: str | Sequence[str]) -> INetStream:
         """Open a stream to a peer (dialing it if needed) speaking ``protocol``."""
-        if live_connection(self.network, peer_id) is None:
-            await self.connect(peer_id)
         protocols = [protocol] if isinstance(protocol, str) else list(protocol)
+        for attempt in range(2):
+            if live_connection(self.network, peer_id) is None:
+                await self.connect(peer_id)
+            try:
+                return await self._open_stream(peer_id, protocols)
+            except SwarmException as e:
+                # The connection closed between our look and the swarm's (a peer
+                # dropping a duplicate after a hole punch, a relay expiring): dial
+                # again once, through our own dialer, rather than fail the caller.
+                if attempt == 1:
+                    raise StreamOpenError(f"could not open a {' or '.join(protocols)} stream to {peer_id}: {e}") from e
+        raise AssertionError("unreachable")
+
+    async def _open_stream(self, peer_id: ID, protocols: list[str]) -> INetStream:
         try:
             return await self.host.new_stream(peer_id, [TProtocol(p) for p in protocols])
         except StreamFailure as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -17,6 +18,24 @@ LOOPBACK6 = "/ip6/::1/tcp/0"
 # py-libp2p logs each failed dial at ERROR; tests that provoke failures on purpose
 # would drown the report in them.
 logging.getLogger("libp2p").setLevel(logging.CRITICAL)
+
+
+#: Name prefixes of the namespace labs the suite builds (nat/lab.py names each ``<prefix>-<pid>-...``).
+LAB_PREFIXES = ("dlab", "ddemo", "dmx", "djr", "dltest", "dav", "dtr", "demb", "dlavg", "ddht", "dwire")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Delete the labs of earlier runs that were killed (a timeout, a lost machine).
+
+    Labs whose creating process still lives are kept. Hundreds of stale
+    namespaces once made a CI run's NAT matrix fail, so this runs before anything.
+    """
+    if os.geteuid() != 0:
+        return
+    from nat.lab import cleanup_stale
+
+    for prefix in LAB_PREFIXES:
+        cleanup_stale(prefix)
 
 
 def loopback_config(**overrides: Any) -> NodeConfig:

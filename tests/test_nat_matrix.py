@@ -32,7 +32,7 @@ import trio
 from nat.lab import ALL_KINDS, Host, Lab, NatKind
 from tests.kit import requires_root_netns
 
-pytestmark = [pytest.mark.slow, requires_root_netns]
+pytestmark = [pytest.mark.slow, requires_root_netns, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Looks globally routed, so the code under test treats it as public; it never leaves the namespaces.

@@ -364,9 +364,11 @@ async def test_udp_passes_except_where_blocked(lab: Lab) -> None:
     assert tcp["ok"], tcp
 
 
-@pytest.mark.skipif(netem_unavailable_reason() is not None, reason=f"netlab: {netem_unavailable_reason()}")
-async def test_netem_delay_is_applied(lab: Lab) -> None:
-    assert lab.netem
+async def test_links_have_their_delay_by_netem_or_the_userspace_wire(lab: Lab) -> None:
+    """delay_ms means what it says on every kernel: netem where it exists, the wire elsewhere."""
+    assert lab.mechanism == ("netem" if netem_unavailable_reason() is None else "wire")
+    if lab.mechanism == "wire":
+        assert lab.wired_links == 2 + len(PEERS)  # every access link: all have a delay
     relay = lab.hosts["relay"]
     rtt = 2 * (PEER_DELAY_MS + RELAY_DELAY_MS) / 1000  # one-way delay on each of the two access links
     for name in ("pub", "dbl"):
@@ -374,6 +376,40 @@ async def test_netem_delay_is_applied(lab: Lab) -> None:
         assert res["ok"], res
         # The handshake takes one RTT; only a generous lower bound, never an upper one.
         assert res["connect_s"] >= 0.8 * rtt, (name, res, rtt)
+
+
+UDP_COUNT = """
+import socket, sys, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.settimeout(0.5)
+got = 0
+for i in range(int(sys.argv[3])):
+    s.sendto(b"?", (sys.argv[1], int(sys.argv[2])))
+    time.sleep(0.002)
+try:
+    while True:
+        s.recvfrom(2048)
+        got += 1
+except OSError:
+    pass
+print(got)
+"""
+
+
+async def test_a_lossy_wire_drops_its_share_each_way() -> None:
+    """20% loss on one access link, each direction: about 0.8 * 0.8 of the echoes come back."""
+    async with Lab(prefix=PREFIX, netem=False) as lab:
+        assert lab.mechanism == "wire"
+        lossy = await lab.public_host("lossy", delay_ms=5, loss_pct=20)
+        echo = await lab.public_host("echo", delay_ms=0)
+        assert lab.wired_links == 1  # the link without delay or loss stays a plain veth
+        await echo.spawn(helper("serve", *ECHO_PORTS), stdout=subprocess.DEVNULL)
+        await echo.wait_listening(ECHO_PORTS[1], udp=True)
+        rc, out, err = await lossy.run([sys.executable, "-c", UDP_COUNT, echo.ip, str(ECHO_PORTS[1]), "400"],
+                                       timeout=STEP)
+        assert rc == 0, err
+        share = int(out.strip()) / 400
+        assert 0.5 < share < 0.78, share  # 0.64 expected
 
 
 # -- cleanup ----------------------------------------------------------------------

@@ -164,6 +164,33 @@ async def test_unknown_protocol_is_a_clear_error(node_pair):
     assert await b.ping(a.peer_id) > 0
 
 
+async def test_a_connection_closing_under_a_new_stream_is_redialed_or_a_clear_error(node_pair, monkeypatch):
+    """The swarm raises its own SwarmException when the connection we saw closes before it
+    opens the stream (a duplicate dropped after a hole punch); that once crashed a whole
+    peer from inside AutoNAT. Now: one redial, then a StreamOpenError."""
+    from libp2p.network.exceptions import SwarmException
+
+    from p2p.errors import StreamOpenError
+
+    a, b = node_pair
+    a.set_stream_handler("/test/echo/1", lambda stream: stream.close())
+    real = b.host.new_stream
+    failures = {"left": 1}
+
+    async def flaky(peer_id, protocols):
+        if failures["left"]:
+            failures["left"] -= 1
+            raise SwarmException(f"No valid connections available for peer {peer_id}")
+        return await real(peer_id, protocols)
+
+    monkeypatch.setattr(b.host, "new_stream", flaky)
+    stream = await b.new_stream(a.peer_id, "/test/echo/1")
+    await stream.close()
+    failures["left"] = 2
+    with pytest.raises(StreamOpenError, match="No valid connections"):
+        await b.new_stream(a.peer_id, "/test/echo/1")
+
+
 async def test_failing_handler_resets_only_its_stream(node_pair):
     a, b = node_pair
 
