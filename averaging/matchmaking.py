@@ -8,8 +8,9 @@ with its matchmaking deadline. Then, until the deadline:
 1. it reads all live declarations with its own match key (tensor schema and
    round settings); peers that declared something else are never matched;
 2. it picks the leader: among the declared peers that accept joins (others
-   can dial them), the one with the lowest (tier, peer id), public peers
-   before relayed ones, skipping those that turned it away this time;
+   can dial them), the one with the lowest (tier, peer id): reducers before
+   senders before peers with relayed addresses only (:func:`leader_rank`),
+   skipping those that turned it away this time;
 3. if that is itself, it leads: it accepts joins (the ``avg.join`` RPC) until
    the group has ``target_size`` members, or has ``min_size`` and
    ``gather_time`` passed; then it fixes the group (members sorted by peer id,
@@ -73,9 +74,16 @@ class MatchmakingConfig:
 
 
 def leader_rank(member: Member) -> tuple[int, bytes]:
-    """Lower leads: directly reachable peers before relayed ones, then by peer id."""
+    """Lower leads: peers that reduce and are directly reachable, then the other directly
+    reachable ones, then relayed ones; then by peer id.
+
+    A peer's role says what its addresses cannot: a peer behind a NAT also lists its LAN
+    address, so "not only relayed addresses" let a symmetric-NAT peer (a sender, reached only
+    through a relay) lead whenever its id sorted first, and every join went through the relay.
+    """
     relayed_only = all("p2p-circuit" in str(a) for a in member.addrs)
-    return (1 if relayed_only else 0, member.peer_id.to_bytes())
+    tier = 2 if relayed_only else 0 if member.role.reduces else 1
+    return (tier, member.peer_id.to_bytes())
 
 
 #: How long a leader that fixed its group waits for its followers' join calls to be answered.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import trio
@@ -25,6 +25,7 @@ from multiaddr import Multiaddr
 from multiaddr.protocols import P_P2P
 
 import bulk
+from tests.kit import read_to_end, wait_until
 from jspeer import JsPeer, JsPeerCommandError
 from p2p import DialError, Node
 from p2p.yamux import INITIAL_WINDOW, YamuxStream
@@ -34,7 +35,6 @@ pytestmark = pytest.mark.interop
 PING = "/ipfs/ping/1.0.0"
 IDENTIFY = "/ipfs/id/1.0.0"
 ECHO = "/dedloc-interop/echo/1.0.0"
-T = TypeVar("T")
 #: Every wait in these tests is bounded by this (the js side has its own deadlines too).
 STEP = 15.0
 
@@ -54,18 +54,6 @@ def random_peer_id() -> ID:
     return ID.from_pubkey(create_new_key_pair().public_key)
 
 
-async def wait_until(predicate: Callable[[], T | None], what: str, timeout: float = STEP) -> T:
-    """Poll ``predicate`` until it returns something truthy; fail with ``what`` past ``timeout``."""
-    with trio.move_on_after(timeout):
-        while True:
-            value = predicate()
-            if value:
-                return value
-            await trio.sleep(0.02)
-    pytest.fail(f"timed out after {timeout:g}s waiting for {what}")
-    raise AssertionError("unreachable")
-
-
 def stored_record(node: Node, peer_id: ID) -> Envelope | None:
     envelope: Envelope | None = node.host.get_peerstore().get_peer_record(peer_id)
     return envelope
@@ -79,16 +67,7 @@ async def py_echo(node: Node, peer_id: ID, protocol: str, data: bytes) -> bytes:
         # py-libp2p's INetStream interface does not
         assert isinstance(stream, NetStream), type(stream)
         await stream.close_write()
-        received = b""
-        while True:
-            try:
-                chunk = await stream.read(65536)
-            except StreamEOF:
-                break
-            if not chunk:
-                break
-            received += chunk
-        return received
+        return await read_to_end(stream)
 
 
 # --------------------------------------------------------------------------- py dials js
@@ -118,7 +97,7 @@ async def test_py_dials_js_then_ping_and_identify(js: JsPeer, node: Node) -> Non
     # the signed peer record (certified addr book), which it verified on the way in
     store = node.host.get_peerstore()
     assert ID.from_pubkey(store.pubkey(pid)) == pid
-    envelope = await wait_until(lambda: stored_record(node, pid), "js's signed peer record in our peer store")
+    envelope = await wait_until(lambda: stored_record(node, pid), STEP, what="js's signed peer record in our peer store")
     envelope.validate(PEER_RECORD_ENVELOPE_DOMAIN)  # raises if the signature is bad
     record = envelope.record()
     assert record.peer_id == pid
@@ -172,7 +151,7 @@ async def test_js_dials_py_then_ping_and_identify(js: JsPeer, node: Node) -> Non
     assert {"addr": transport_addr(addr), "certified": True} in store["addrs"]
 
     # our side sees js as connected and can ping back over the same connection
-    await wait_until(lambda: ID.from_base58(js.peer_id) in node.connected_peers(), "js in our connected peers")
+    await wait_until(lambda: ID.from_base58(js.peer_id) in node.connected_peers(), STEP, what="js in our connected peers")
     assert await node.ping(ID.from_base58(js.peer_id), timeout=STEP) > 0
 
 
@@ -224,12 +203,12 @@ async def test_streams_both_ways_and_identify_push_from_js(js: JsPeer, node: Nod
     with trio.fail_after(STEP):
         pid = await node.connect(js.addr)
     store = node.host.get_peerstore()
-    await wait_until(lambda: IDENTIFY in store.get_protocols(pid), "js's protocols from identify")
+    await wait_until(lambda: IDENTIFY in store.get_protocols(pid), STEP, what="js's protocols from identify")
     assert ECHO not in store.get_protocols(pid)
 
     # a protocol js starts serving after the connection is up reaches us by identify/push
     await js.handle_echo(ECHO)
-    await wait_until(lambda: ECHO in store.get_protocols(pid), f"{ECHO} from js's identify/push")
+    await wait_until(lambda: ECHO in store.get_protocols(pid), STEP, what=f"{ECHO} from js's identify/push")
 
     payload = b"dedloc " * 5000  # several yamux frames
     assert await py_echo(node, pid, ECHO, payload) == payload
@@ -439,7 +418,7 @@ async def test_bulk_js_stops_at_our_receive_window_until_we_read(js: JsPeer, nod
         # We have read only multistream-select's reply (under half the window, so no
         # window update went out): js may send the initial window and not a byte more.
         # (Our reader would fail the connection with a protocol error on a byte more.)
-        await wait_until(lambda: muxed._recv_window == 0, "js to fill our receive window")
+        await wait_until(lambda: muxed._recv_window == 0, STEP, what="js to fill our receive window")
         await trio.sleep(0.3)  # room for a violation to show; no timing is asserted
         assert muxed._recv_window == 0 and muxed.muxed_conn.error is None
         assert muxed._buffered + muxed._unacked == INITIAL_WINDOW

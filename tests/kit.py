@@ -10,7 +10,7 @@ import json
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import pytest
 import trio
@@ -27,19 +27,29 @@ from p2p.dht.events import DHTMode
 from .conftest import loopback_config
 
 
-async def wait_until(predicate: Callable[[], object], timeout: float = 20.0, *, interval: float = 0.02) -> None:
-    """Poll ``predicate`` until it holds; :class:`trio.TooSlowError` after ``timeout`` seconds."""
-    with trio.fail_after(timeout):
-        while not predicate():
+T = TypeVar("T")
+
+
+async def wait_until(predicate: Callable[[], T], timeout: float = 20.0, *, interval: float = 0.02,
+                     what: str = "") -> T:
+    """Poll ``predicate`` until it returns something truthy, and return that;
+    :class:`trio.TooSlowError`, naming ``what``, after ``timeout`` seconds."""
+    with trio.move_on_after(timeout):
+        while True:
+            value = predicate()
+            if value:
+                return value
             await trio.sleep(interval)
+    raise trio.TooSlowError(f"timed out after {timeout:g} s waiting for {what or 'the condition'}")
 
 
 class Readable(Protocol):
     async def read(self, n: int | None = None) -> bytes: ...
 
 
-async def read_to_end(stream: Readable, chunk: int = 1 << 16) -> bytes:
-    """Everything a libp2p stream delivers until its end (EOF or an empty read)."""
+async def read_to_end(stream: Readable, chunk: int = 1 << 16, *, check: Callable[[], None] | None = None) -> bytes:
+    """Everything a stream (libp2p's or a Yamux one) delivers until its end (EOF or an empty
+    read); ``check``, where given, runs after every read (an invariant that must hold throughout)."""
     data = bytearray()
     while True:
         try:
@@ -49,6 +59,8 @@ async def read_to_end(stream: Readable, chunk: int = 1 << 16) -> bytes:
         if not part:
             break
         data += part
+        if check is not None:
+            check()
     return bytes(data)
 
 

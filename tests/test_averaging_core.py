@@ -351,3 +351,25 @@ def test_moshpit_group_size_minimises_expected_rounds() -> None:
     # positions from the peer id are stable and in range
     a, b = GridPosition.initial(4, 3, b"peer-a"), GridPosition.initial(4, 3, b"peer-a")
     assert a == b and len(a.digits) == 2 and all(0 <= x < 4 for x in a.digits)
+
+
+# ---------------------------------------------------------------- matchmaking
+
+def test_the_leader_is_a_reachable_reducer_before_a_sender_behind_a_nat() -> None:
+    """A symmetric-NAT peer lists its LAN address too; its role, not its addresses, keeps it from
+    leading (every join would cross the relay)."""
+    from libp2p.peer.id import ID
+    from multiaddr import Multiaddr
+
+    from averaging.group import Member, Role
+    from averaging.matchmaking import leader_rank
+
+    relay = "/ip4/11.0.1.2/tcp/4001/p2p/12D3KooWFSzsWFHfEVcD7T9fEWyayVQpcmkjNKbNTyyRntvjGfju/p2p-circuit"
+    low, mid, high = (ID(bytes([0, 36, 8, 1, 18, 32]) + bytes([k]) * 32) for k in (1, 2, 3))
+    behind_nat = Member(low, (Multiaddr("/ip4/192.168.1.2/tcp/4001"), Multiaddr(relay)), Role.SENDER, b"s",
+                        accepts_joins=True)
+    relayed_only = Member(low, (Multiaddr(relay),), Role.FULL, b"s", accepts_joins=True)
+    public = Member(high, (Multiaddr("/ip4/11.0.2.2/tcp/4001"),), Role.FULL, b"s", accepts_joins=True)
+    other_public = Member(mid, (Multiaddr("/ip4/11.0.3.2/tcp/4001"),), Role.FULL, b"s", accepts_joins=True)
+    ranked = sorted([behind_nat, relayed_only, public, other_public], key=leader_rank)
+    assert ranked == [other_public, public, behind_nat, relayed_only]

@@ -173,6 +173,7 @@ def test_demo_forms_a_swarm_uses_the_dht_averages_exactly_and_trains():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)
 @requires_root_netns
 def test_demo_as_root_runs_the_swarm_behind_namespace_nats():
     """`make demo` as root: every node in its own namespace, peers behind four kinds of NAT."""

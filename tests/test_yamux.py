@@ -49,6 +49,7 @@ from p2p.yamux import (
 )
 
 from .conftest import open_nodes
+from .kit import read_to_end
 
 MiB = 1024 * 1024
 KEY_A = bytes(range(32))
@@ -384,17 +385,6 @@ async def open_pair(a: YamuxConnection, b: YamuxConnection) -> tuple[YamuxStream
     theirs = await b.accept_stream()
     assert theirs.stream_id == mine.stream_id
     return mine, theirs
-
-
-async def read_all(stream: YamuxStream, check: Callable[[], None] | None = None) -> bytes:
-    got = bytearray()
-    while True:
-        try:
-            got += await stream.read(256 * 1024)
-        except MuxedStreamEOF:
-            return bytes(got)
-        if check is not None:
-            check()
 
 
 async def read_exactly(stream: YamuxStream, n: int) -> bytes:
@@ -1040,7 +1030,7 @@ async def test_receive_window_grows_for_a_fast_reader_but_not_past_max_stream_wi
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(send)
-            got = await read_all(t, check)
+            got = await read_to_end(t, 256 * 1024, check=check)
         assert got == payload
         assert INITIAL_WINDOW < peak["window"] == t._window_size == config.max_stream_window
         assert b.window_budget == config.max_connection_window - (config.max_stream_window - INITIAL_WINDOW)
@@ -1077,7 +1067,7 @@ async def test_window_growth_is_bounded_per_connection():
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(send)
-                got[i] = await read_all(t, check)
+                got[i] = await read_to_end(t, 256 * 1024, check=check)
             await t.close()
 
         async with trio.open_nursery() as nursery:
@@ -1120,7 +1110,7 @@ async def test_bidirectional_bulk_on_many_streams_over_a_lockstep_pipe(noise):
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(send)
-                got[side, i] = hashlib.sha256(await read_all(stream)).hexdigest()
+                got[side, i] = hashlib.sha256(await read_to_end(stream, 256 * 1024)).hexdigest()
 
         with trio.fail_after(60):  # a hang guard only
             async with trio.open_nursery() as nursery:
@@ -1180,18 +1170,6 @@ async def test_noise_stream_cut_in_the_middle_of_a_message():
 BULK_PROTOCOL = "/test/bulk/1.0.0"
 
 
-async def net_read_all(stream: Any) -> bytes:
-    got = bytearray()
-    while True:
-        try:
-            chunk = await stream.read(256 * 1024)
-        except StreamEOF:
-            return bytes(got)
-        if not chunk:
-            return bytes(got)
-        got += chunk
-
-
 async def net_read_exactly(stream: Any, n: int) -> bytes:
     got = bytearray()
     while len(got) < n:
@@ -1235,7 +1213,7 @@ async def test_bidirectional_bulk_between_nodes_on_parallel_streams(node_pair):
         i = (await net_read_exactly(stream, 1))[0]
         async with trio.open_nursery() as nursery:
             nursery.start_soon(push, stream, payload["a", i])
-            digest_at_a[i] = hashlib.sha256(await net_read_all(stream)).hexdigest()
+            digest_at_a[i] = hashlib.sha256(await read_to_end(stream, 256 * 1024)).hexdigest()
         if len(digest_at_a) == 4:
             served.set()
 
@@ -1247,7 +1225,7 @@ async def test_bidirectional_bulk_between_nodes_on_parallel_streams(node_pair):
         await stream.write(bytes([i]))
         async with trio.open_nursery() as nursery:
             nursery.start_soon(push, stream, payload["b", i])
-            digest_at_b[i] = hashlib.sha256(await net_read_all(stream)).hexdigest()
+            digest_at_b[i] = hashlib.sha256(await read_to_end(stream, 256 * 1024)).hexdigest()
 
     with trio.fail_after(60):  # a hang guard only
         async with trio.open_nursery() as nursery:
@@ -1277,7 +1255,7 @@ async def test_garbled_ciphertext_between_nodes_closes_only_that_connection():
         b_swarm_conn = b.network.get_connections(a.peer_id)[0]
 
         async def hold(stream: Any) -> None:
-            await net_read_all(stream)
+            await read_to_end(stream, 256 * 1024)
 
         a.set_stream_handler(BULK_PROTOCOL, hold)
         open_stream = await b.new_stream(a.peer_id, BULK_PROTOCOL)

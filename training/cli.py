@@ -127,7 +127,7 @@ async def train(peer: Peer, args: argparse.Namespace) -> None:
     async with CollaborativeOptimizer.open(peer, optimizer, training_config(args), scheduler=scheduler,
                                            scaler=scaler) as opt:
         if opt.downloads:
-            node.emit(StateDownloaded(step=opt.local_step))
+            node.emit(_downloaded(opt))
 
         async def status_loop() -> None:
             while True:
@@ -149,8 +149,13 @@ async def train(peer: Peer, args: argparse.Namespace) -> None:
                     node.emit(_step_event(report, opt.loss))
                 if opt.downloads > downloads:
                     downloads = opt.downloads
-                    node.emit(StateDownloaded(step=opt.local_step))
+                    node.emit(_downloaded(opt))
             nursery.cancel_scope.cancel()
+
+
+def _downloaded(opt: CollaborativeOptimizer) -> StateDownloaded:
+    seconds, source = opt.last_download or (0.0, "")
+    return StateDownloaded(step=opt.local_step, seconds=seconds, source=source)
 
 
 async def assist(peer: Peer, args: argparse.Namespace) -> None:
@@ -352,8 +357,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     g.add_argument("--delay-updates", action="store_true",
                    help="delayed parameter updates: average step t while computing step t+1 (one step stale)")
     g.add_argument("--group-size", type=int, default=64, metavar="N", help="largest averaging group")
-    g.add_argument("--gather-time", type=float, default=1.0, metavar="SECONDS",
-                   help="how long a round's leader waits for more members (default: %(default)s)")
+    g.add_argument("--gather-time", type=float, default=3.0, metavar="SECONDS",
+                   help="how long a round's leader waits for peers known to be at the step that have not "
+                        "joined yet (one that fell behind takes the state first: ~2 s across a continent); "
+                        "a round with all of them starts at once (default: %(default)s)")
     g.add_argument("--match-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="give up on a step's round after this long (default: %(default)s)")
     g.add_argument("--threads", type=int, default=1, metavar="N", help="torch threads (default: %(default)s)")

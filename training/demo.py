@@ -41,7 +41,7 @@ from typing import Any, Protocol
 
 import trio
 
-from nat.lab import Host, Lab, NatKind, netem_unavailable_reason, netns_unavailable_reason
+from nat.lab import Host, Lab, NatKind, netns_unavailable_reason
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 START_TIMEOUT = 60.0
@@ -147,6 +147,12 @@ class _Loopback:
         return done.returncode, done.stdout.decode(), done.stderr.decode()
 
 
+#: one-way delay on each lab peer's access line and on the bootstrap node's: a swarm within one
+#: continent (80 ms between two peers, 60 ms to the bootstrap node)
+PEER_DELAY_MS = 20.0
+BOOT_DELAY_MS = 10.0
+
+
 class _Namespaces:
     """Every node in its own namespace of the NAT lab: peer i behind ``LAB_KINDS[i - 1]``."""
 
@@ -161,8 +167,9 @@ class _Namespaces:
 
     def describe(self, peers: int) -> str:
         kinds = ", ".join(f"peer-{i} {_KIND_WORDS[kind]}" for i, kind in self.kinds.items())
-        delay = "50 ms one-way on each peer's line, 25 ms on the bootstrap node's (tc netem)" if self.lab.netem \
-            else f"no link delay: {netem_unavailable_reason()}"
+        how = "tc netem" if self.lab.netem else "a userspace delay wire: this kernel has no netem"
+        delay = (f"{PEER_DELAY_MS:g} ms one-way on each peer's line, {BOOT_DELAY_MS:g} ms on the bootstrap "
+                 f"node's, by {how}")
         return f"in network namespaces ({kinds}; {delay})"
 
     async def host(self, name: str, index: int) -> Host:
@@ -170,9 +177,9 @@ class _Namespaces:
             if name not in self.hosts:
                 short = "boot" if name == "bootstrap" else name[0] + str(index) if index else name[:12]
                 if index:
-                    self.hosts[name] = await self.lab.peer(short, self.kinds[index])
+                    self.hosts[name] = await self.lab.peer(short, self.kinds[index], delay_ms=PEER_DELAY_MS)
                 else:
-                    self.hosts[name] = await self.lab.public_host(short)
+                    self.hosts[name] = await self.lab.public_host(short, delay_ms=BOOT_DELAY_MS)
             return self.hosts[name]
 
     async def spawn(self, name: str, argv: Sequence[str]) -> trio.Process:
@@ -227,9 +234,8 @@ async def _network(kind: str, peers: int) -> AsyncIterator[_Network]:
     if kind == "loopback":
         yield _Loopback(peers)
         return
-    # without netem the lab runs at zero delay, and the demo says so (no warning from the lab)
-    async with Lab(prefix="ddemo", public_net=LAB_PUBLIC_NET,
-                   netem=None if netem_unavailable_reason() is None else False) as lab:
+    # links get their delay from netem, or from the lab's userspace wire where the kernel has none
+    async with Lab(prefix="ddemo", public_net=LAB_PUBLIC_NET) as lab:
         yield _Namespaces(lab, peers)
 
 
@@ -369,7 +375,7 @@ async def _run_demo(where: _Network, *, peers: int, duration: float, out: Any, t
             await ready.wait()
         return member
 
-    training = _Training()
+    training = _Training(names)
 
     async def training_phase() -> bool:
         """Stop the averaging peers; train the example model with as many train peers for train_time."""
@@ -451,7 +457,8 @@ async def _run_demo(where: _Network, *, peers: int, duration: float, out: Any, t
 class _Training:
     """What the demo watches of the training run: steps, who averaged, the swarm's loss over time."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: dict[str, str]) -> None:
+        self.names = names  # peer id -> name
         self.losses: list[tuple[int, float]] = []  # (step, swarm loss) from trainer-1's status lines
         self.steps: dict[str, int] = {}  # trainer -> global steps done with others
 
@@ -473,7 +480,8 @@ class _Training:
                 say(f"{name:>9} step {event['step']:>3} {state}: {event['samples']} samples "
                     f"({event['local_samples']} its own), group of {event['group_size']} in {event['elapsed']:.2f} s")
         elif kind == "state_downloaded":
-            say(f"{name:>9} took the swarm's state at step {event['step']}")
+            source = self.names.get(event.get("source", ""), "a peer")
+            say(f"{name:>9} took the swarm's state at step {event['step']} from {source} in {event.get('seconds', 0):.2f} s")
 
     def verdict(self, say: _Say, peers: int) -> bool:
         """Whether the swarm trained: steps taken together by every peer, the loss fallen."""

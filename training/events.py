@@ -83,10 +83,13 @@ class StateDownloaded(Event):
     """This peer joined late or fell behind and took the swarm's state."""
 
     step: int
+    #: seconds the download took, and the peer that served it
+    seconds: float = 0.0
+    source: str = ""
     event: str = field(init=False, default="state_downloaded")
 
     def human(self) -> str:
-        return f"took the swarm's state at step {self.step}"
+        return f"took the swarm's state at step {self.step} from {self.source[-8:]} in {self.seconds:.2f} s"
 
 
 @dataclass

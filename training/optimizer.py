@@ -191,6 +191,8 @@ class CollaborativeOptimizer:
         self._nursery: trio.Nursery | None = None
         #: states downloaded, and when the next attempt may be made after a failed one
         self.downloads = 0
+        #: seconds the last state download took, and from which peer
+        self.last_download: tuple[float, str] | None = None
         self._next_download = 0.0
         #: a delayed step's round missed the swarm's: the next call takes the swarm's state
         self._must_catch_up = False
@@ -282,8 +284,7 @@ class CollaborativeOptimizer:
             # our samples and download a state that lacks this very step.
             return await self._global_step(progress)
         if progress.step > self.local_step or self._must_catch_up:
-            await self._catch_up(progress)
-            return None
+            return await self._catch_up_and_join(progress)
         ahead = self._rejoin(progress)
         if ahead is not None and time.monotonic() >= self._next_download:
             log.warning("this peer is at step %d and has no quorum there; %d peer(s) are at step %d "
@@ -292,7 +293,27 @@ class CollaborativeOptimizer:
             await self._catch_up(ahead)
             return None
         if progress.step == self.local_step and progress.ready:
-            return await self._global_step(progress)
+            report = await self._global_step(progress)
+            if report is not None and report.missed and not self.config.delay_updates:
+                # take the swarm's state now: a batch computed first would be dropped with the
+                # step, and would make us later still for the next round
+                return await self._catch_up_and_join(await self._sync()) or report
+            return report
+        return None
+
+    async def _catch_up_and_join(self, progress: GlobalProgress) -> StepReport | None:
+        """Take the swarm's state; if the round of the step it brings us to is already gathering,
+        join it at once, with none of our samples, and take that step with the swarm.
+
+        A peer that fell behind once stayed behind: it took the state, computed a batch, and came
+        to the round as the others left it, step after step (on a slow link each download takes
+        about as long as a round gathers), taking a state every step and averaging in none.
+        """
+        if not await self._catch_up(progress) or self.config.delay_updates:
+            return None
+        now = self.tracker.last  # _catch_up read the swarm's progress again
+        if now is not None and now.step == self.local_step and now.ready:
+            return await self._global_step(now)
         return None
 
     def _round_began(self, progress: GlobalProgress) -> bool:
@@ -426,6 +447,9 @@ class CollaborativeOptimizer:
         step = self.local_step
         if not self.config.delay_updates:
             report = await self._average(step, grads, samples, progress)
+            if not samples and not report.averaged and not report.missed:
+                # nothing of ours to apply alone: zeros would move the parameters apart from the swarm's
+                report = replace(report, missed=True, summary=f"no samples of ours and no group ({report.summary})")
             if report.missed:  # the others stepped without us: the next call downloads their state
                 log.warning("step %d: %s", step, report.summary)
                 self._must_catch_up = True
@@ -646,6 +670,7 @@ class CollaborativeOptimizer:
         wanted = progress.step
         if self._must_catch_up:
             wanted = max(wanted, self.local_step + (0 if self.config.delay_updates else 1))
+        began = time.perf_counter()
         try:
             state = await download_state(self.peer, self.config.run_id, sources, wanted, self.params)
             load_state(state, self.params, self.optimizer, self.scheduler)
@@ -664,6 +689,7 @@ class CollaborativeOptimizer:
         self.local_step = state.step - 1
         self._next_step()
         self.downloads += 1
+        self.last_download = (time.perf_counter() - began, state.source)
         log.info("caught up: downloaded the state at step %d%s", state.step,
                  f" ({dropped} samples of an old step dropped)" if dropped else "")
         await self._sync()

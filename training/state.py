@@ -59,6 +59,8 @@ class TrainingState:
     pending: list[torch.Tensor] | None
     optimizer: dict[str, Any]
     scheduler: dict[str, Any] | None
+    #: the peer it came from (empty for a local one)
+    source: str = ""
 
 
 # ---------------------------------------------------------------------- state dicts <-> JSON + tensors
@@ -228,7 +230,7 @@ async def _download_from(peer: Peer, run_id: str, source: ID, min_step: int,
         raise ValueError(f"unusable metadata: {e}") from None
     if not isinstance(optimizer, dict) or not (scheduler is None or isinstance(scheduler, dict)):
         raise ValueError("the optimizer or scheduler state is not a dictionary")
-    return TrainingState(header.step, list(body[:n]), pending, optimizer, scheduler)
+    return TrainingState(header.step, list(body[:n]), pending, optimizer, scheduler, source=source.to_base58())
 
 
 def load_state(state: TrainingState, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer,
