@@ -21,7 +21,7 @@ import itertools
 import json
 import os
 import subprocess
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ import trio
 
 INTEROP_DIR = Path(__file__).resolve().parent
 PEER_SCRIPT = INTEROP_DIR / "js" / "peer.mjs"
+RELAY_SCRIPT = INTEROP_DIR / "js" / "relay.mjs"
 NODE_MODULES = INTEROP_DIR / "node_modules"
 #: Where setup.sh puts node 22; DEDLOC_NODE22 overrides it.
 DEFAULT_NODE = INTEROP_DIR / ".node" / "bin" / "node"
@@ -159,6 +160,10 @@ class JsPeer:
     ) -> dict[str, Any]:
         target = {"addr": str(addr)} if addr is not None else {"peer_id": str(peer_id)}
         return await self.request("ping", timeout=timeout, **target)
+
+    async def hangup(self, peer_id: str, *, timeout: float | None = None) -> dict[str, Any]:
+        """Close every connection js has to ``peer_id``."""
+        return await self.request("hangup", peer_id=str(peer_id), timeout=timeout)
 
     async def identify(self, peer_id: str, *, fresh: bool = True, timeout: float | None = None) -> dict[str, Any]:
         """What js knows of a peer from identify; see peer.mjs for the fields."""
@@ -330,14 +335,19 @@ async def open_js_peer(
     default_timeout: float = 15.0,
     exit_timeout: float = 5.0,
     env: dict[str, str] | None = None,
+    spawn: Callable[..., Awaitable[trio.Process]] = trio.lowlevel.open_process,
 ) -> AsyncIterator[JsPeer]:
-    """Start ``peer.mjs`` under node 22, wait for its listening line, stop it on exit."""
+    """Start ``peer.mjs`` under node 22, wait for its listening line, stop it on exit.
+
+    ``spawn``: how to start it (a lab ``Host.spawn`` runs it in that host's namespace,
+    where it listens on the namespace's own loopback and dials the lab's addresses).
+    """
     reason = js_unavailable_reason()
     if reason is not None:
         raise JsPeerError(reason)
     child_env = {**os.environ, **(env or {})}
     child_env.pop("NODE_OPTIONS", None)
-    process = await trio.lowlevel.open_process(
+    process = await spawn(
         [str(node_path()), str(PEER_SCRIPT)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -378,3 +388,119 @@ async def _stop(process: trio.Process, exit_timeout: float) -> None:
         process.kill()
         with trio.move_on_after(max(1.0, min(exit_timeout, 5.0))):
             await process.wait()
+
+
+# ---------------------------------------------------------------------- relay.mjs
+
+STDERR_KEEP = 16 * 1024
+
+
+class JsRelay:
+    """A running ``relay.mjs``: its listening line, its later events, a ``stats`` command."""
+
+    def __init__(self, process: trio.Process) -> None:
+        self.process = process
+        self.listening: dict[str, Any] = {}
+        self.events: list[dict[str, Any]] = []
+        self.stderr = bytearray()
+        self._changed = trio.Event()
+
+    @property
+    def peer_id(self) -> str:
+        return str(self.listening["peer_id"])
+
+    async def _read_stdout(self) -> None:
+        assert self.process.stdout is not None
+        buffer = b""
+        while True:  # always drained: node writes to a pipe synchronously and would stall on a full one
+            chunk = await self.process.stdout.receive_some(65536)
+            if not chunk:
+                break
+            buffer += chunk
+            while b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                event = dict(json.loads(line))
+                if event.get("event") == "listening":
+                    self.listening = event
+                self.events.append(event)
+                self._changed.set()
+        self._changed.set()
+
+    async def _read_stderr(self) -> None:
+        if self.process.stderr is None:
+            return
+        while chunk := await self.process.stderr.receive_some(65536):
+            self.stderr += chunk
+            del self.stderr[:-STDERR_KEEP]
+
+    async def wait_event(self, name: str, timeout: float) -> dict[str, Any]:
+        seen = len(self.events)
+        with trio.fail_after(timeout):
+            while True:
+                for event in self.events[seen:]:
+                    if event.get("event") in (name, "fatal"):
+                        if event["event"] == "fatal":
+                            raise RuntimeError(f"js relay failed: {event} {self.stderr[-2000:].decode(errors='replace')}")
+                        return event
+                seen = len(self.events)
+                if self.process.returncode is not None or self.process.poll() is not None:
+                    raise RuntimeError(f"js relay exited ({self.process.returncode}): "
+                                       f"{self.stderr[-2000:].decode(errors='replace')}")
+                self._changed = trio.Event()
+                with trio.move_on_after(0.5):
+                    await self._changed.wait()
+
+    async def stats(self, timeout: float = 10) -> dict[str, Any]:
+        assert self.process.stdin is not None
+        waiter = trio.Event()
+        result: dict[str, Any] = {}
+
+        async def wait() -> None:
+            result.update(await self.wait_event("stats", timeout))
+            waiter.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait)
+            await trio.sleep(0)
+            await self.process.stdin.send_all(b'{"cmd":"stats"}\n')
+        return result
+
+
+@asynccontextmanager
+async def open_js_relay(
+    spawn: Callable[..., Awaitable[trio.Process]], argv: list[str], *, start_timeout: float = 60
+) -> AsyncIterator[JsRelay]:
+    """Start relay.mjs with ``spawn`` (``trio.lowlevel.open_process`` or ``Host.spawn``); stop it on exit."""
+    env = dict(os.environ)
+    env.pop("NODE_OPTIONS", None)
+    process = await spawn(
+        [str(node_path()), str(RELAY_SCRIPT), *argv],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=str(INTEROP_DIR),
+        env=env,
+    )
+    relay = JsRelay(process)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(relay._read_stdout)
+            nursery.start_soon(relay._read_stderr)
+            try:
+                await relay.wait_event("listening", start_timeout)
+                yield relay
+            finally:
+                with trio.CancelScope(shield=True):
+                    assert process.stdin is not None
+                    try:
+                        await process.stdin.aclose()  # relay.mjs exits on EOF
+                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                        pass
+                    with trio.move_on_after(5):
+                        await process.wait()
+                nursery.cancel_scope.cancel()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            with trio.CancelScope(shield=True), trio.move_on_after(5):
+                await process.wait()

@@ -409,7 +409,7 @@ async def test_bulk_js_stops_at_our_receive_window_until_we_read(js: JsPeer, nod
     down = seed("window")
     with trio.fail_after(BULK_STEP):
         pid = await node.connect(js.addr)
-        stream = await node.new_stream(pid, BULK)
+        stream = await node.new_stream(pid, BULK, lazy=False)  # the reply read: only js's bytes come after
         assert isinstance(stream, NetStream)
         muxed = stream.muxed_stream
         assert isinstance(muxed, YamuxStream), type(muxed)

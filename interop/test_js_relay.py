@@ -48,18 +48,13 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import subprocess
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
-from typing import Any
 
 import pytest
 import trio
 from libp2p.peer.id import ID
-from multiaddr import Multiaddr
 
-from jspeer import INTEROP_DIR, NODE_MODULES, js_unavailable_reason, node_path
+from jspeer import NODE_MODULES, js_unavailable_reason, open_js_relay
 from nat.circuit import RelayClient, is_relayed_conn
 from p2p import Node, NodeConfig
 from nat.lab import ALL_KINDS, Lab
@@ -79,11 +74,9 @@ from tests.test_nat_matrix import (
 
 pytestmark = pytest.mark.interop
 
-RELAY_SCRIPT = INTEROP_DIR / "js" / "relay.mjs"
 RELAY_PACKAGE = "@libp2p/circuit-relay-v2"
 #: relay.mjs's per-connection data limit (DATA_LIMIT there).
 JS_DATA_LIMIT = 1 << 30
-STDERR_KEEP = 16 * 1024
 
 
 def js_relay_unavailable_reason() -> str | None:
@@ -101,117 +94,6 @@ def js_relay_available() -> None:
         if os.environ.get("DEDLOC_INTEROP_REQUIRED") == "1":
             pytest.fail(f"DEDLOC_INTEROP_REQUIRED=1 but {reason}")
         pytest.skip(reason)
-
-
-class JsRelay:
-    """A running ``relay.mjs``: its listening line, its later events, a ``stats`` command."""
-
-    def __init__(self, process: trio.Process) -> None:
-        self.process = process
-        self.listening: dict[str, Any] = {}
-        self.events: list[dict[str, Any]] = []
-        self.stderr = bytearray()
-        self._changed = trio.Event()
-
-    @property
-    def peer_id(self) -> str:
-        return str(self.listening["peer_id"])
-
-    async def _read_stdout(self) -> None:
-        assert self.process.stdout is not None
-        buffer = b""
-        while True:  # always drained: node writes to a pipe synchronously and would stall on a full one
-            chunk = await self.process.stdout.receive_some(65536)
-            if not chunk:
-                break
-            buffer += chunk
-            while b"\n" in buffer:
-                line, buffer = buffer.split(b"\n", 1)
-                event = dict(json.loads(line))
-                if event.get("event") == "listening":
-                    self.listening = event
-                self.events.append(event)
-                self._changed.set()
-        self._changed.set()
-
-    async def _read_stderr(self) -> None:
-        if self.process.stderr is None:
-            return
-        while chunk := await self.process.stderr.receive_some(65536):
-            self.stderr += chunk
-            del self.stderr[:-STDERR_KEEP]
-
-    async def wait_event(self, name: str, timeout: float) -> dict[str, Any]:
-        seen = len(self.events)
-        with trio.fail_after(timeout):
-            while True:
-                for event in self.events[seen:]:
-                    if event.get("event") in (name, "fatal"):
-                        if event["event"] == "fatal":
-                            raise RuntimeError(f"js relay failed: {event} {self.stderr[-2000:].decode(errors='replace')}")
-                        return event
-                seen = len(self.events)
-                if self.process.returncode is not None or self.process.poll() is not None:
-                    raise RuntimeError(f"js relay exited ({self.process.returncode}): "
-                                       f"{self.stderr[-2000:].decode(errors='replace')}")
-                self._changed = trio.Event()
-                with trio.move_on_after(0.5):
-                    await self._changed.wait()
-
-    async def stats(self, timeout: float = 10) -> dict[str, Any]:
-        assert self.process.stdin is not None
-        waiter = trio.Event()
-        result: dict[str, Any] = {}
-
-        async def wait() -> None:
-            result.update(await self.wait_event("stats", timeout))
-            waiter.set()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(wait)
-            await trio.sleep(0)
-            await self.process.stdin.send_all(b'{"cmd":"stats"}\n')
-        return result
-
-
-@asynccontextmanager
-async def open_js_relay(
-    spawn: Callable[..., Awaitable[trio.Process]], argv: list[str], *, start_timeout: float = 60
-) -> AsyncIterator[JsRelay]:
-    """Start relay.mjs with ``spawn`` (``trio.lowlevel.open_process`` or ``Host.spawn``); stop it on exit."""
-    env = dict(os.environ)
-    env.pop("NODE_OPTIONS", None)
-    process = await spawn(
-        [str(node_path()), str(RELAY_SCRIPT), *argv],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        cwd=str(INTEROP_DIR),
-        env=env,
-    )
-    relay = JsRelay(process)
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(relay._read_stdout)
-            nursery.start_soon(relay._read_stderr)
-            try:
-                await relay.wait_event("listening", start_timeout)
-                yield relay
-            finally:
-                with trio.CancelScope(shield=True):
-                    assert process.stdin is not None
-                    try:
-                        await process.stdin.aclose()  # relay.mjs exits on EOF
-                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                        pass
-                    with trio.move_on_after(5):
-                        await process.wait()
-                nursery.cancel_scope.cancel()
-    finally:
-        if process.returncode is None:
-            process.kill()
-            with trio.CancelScope(shield=True), trio.move_on_after(5):
-                await process.wait()
 
 
 # ------------------------------------------------------------------ loopback, no namespaces

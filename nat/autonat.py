@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import trio
 from libp2p.abc import INetStream
+from libp2p.network.stream.exceptions import StreamError
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
@@ -207,7 +208,8 @@ class AutoNATClient:
     async def _on_dial_back(self, stream: INetStream) -> None:
         try:
             msg = await read_message(stream, pb.DialBack)
-        except RemoteProtocolError:
+        except (StreamError, DedlocError, OSError, EOFError) as e:  # RemoteProtocolError is a DedlocError
+            log.debug("a dial-back stream from %s ended before its nonce: %r", stream.muxed_conn.peer_id, e)
             await finish_quietly(stream.reset)
             return
         # Proof only on a connection the server opened to us, directly: not one we dialed, not a relayed one.
@@ -216,7 +218,13 @@ class AutoNATClient:
         event = self._waiting.get(msg.nonce)
         if event is not None and fresh:
             event.set()
-        await write_message(stream, pb.DialBackResponse(status=pb.DialBackResponse.OK))
+        try:
+            await write_message(stream, pb.DialBackResponse(status=pb.DialBackResponse.OK))
+        except (StreamError, DedlocError, OSError) as e:
+            # the nonce is what proves the path; a server that hangs up first changes nothing
+            log.debug("dial-back from %s: the answer did not get through: %r", conn.peer_id, e)
+            await finish_quietly(stream.reset)
+            return
         await finish_quietly(stream.close)
 
     async def check(self, server: ID, addrs: list[Multiaddr]) -> DialResult:

@@ -173,7 +173,8 @@ class HolePuncher:
         return None
 
     async def _punch_round(self, peer: ID, relayed: INetConn) -> INetConn | None:
-        stream = await self._node.new_stream_on(relayed, PROTOCOL)
+        # lazily: CONNECT rides with the protocol proposal (a relayed round trip saved)
+        stream = await self._node.new_stream_on(relayed, PROTOCOL, lazy=True)
         try:
             with trio.fail_after(self.config.dial_timeout * 2):
                 sent = trio.current_time()

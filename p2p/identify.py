@@ -9,10 +9,11 @@ signature and peer id are valid.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import trio
-from libp2p.abc import IHost
+from libp2p.abc import INetStream
 from libp2p.crypto.serialization import deserialize_public_key
 from libp2p.identity.identify.identify import ID as IDENTIFY_PROTOCOL
 from libp2p.identity.identify.pb.identify_pb2 import Identify
@@ -53,10 +54,12 @@ class PeerIdentity:
     problems: list[str] = field(default_factory=list)
 
 
-async def identify(host: IHost, peer_id: ID, *, timeout: float = 10.0) -> PeerIdentity:
-    """Open an identify stream to a connected peer and verify its answer."""
+async def identify(open_stream: Callable[[ID, str], Awaitable[INetStream]], peer_id: ID, *,
+                   timeout: float = 10.0) -> PeerIdentity:
+    """Open an identify stream to a connected peer (``open_stream``: the Node's, which proposes
+    the protocol lazily: the answer comes one round trip after the proposal) and verify it."""
     with trio.fail_after(timeout):
-        stream = await host.new_stream(peer_id, [IDENTIFY_PROTOCOL])
+        stream = await open_stream(peer_id, IDENTIFY_PROTOCOL)
         try:
             data = await read_length_prefixed_protobuf(stream, use_varint_format=True, max_length=MAX_IDENTIFY_SIZE)
         finally:

@@ -11,6 +11,15 @@ moves (``tests/test_node.py`` and ``interop/`` pin the behaviour):
   round); our record layer after its handshake (``p2p/noise.py``); our Yamux
   (``p2p/yamux.py``), which needs :class:`_Muxers` because its
   ``MuxerMultistream.new_conn`` builds its own Yamux whatever class it was given.
+* **Round trips of the upgrade.** Its dialer spends two round trips on each
+  multistream negotiation. :class:`_Security` proposes ``/noise`` lazily (the
+  proposal rides with the first handshake message); the muxer is agreed inside
+  the Noise handshake where the peer lists its muxers (``p2p/noise.py``'s
+  ``_XX``), else :class:`_Muxers` sends its proposal right after the last
+  handshake message without waiting for the answer (checked in front of the
+  listener's first frames): a dial is connected after 2 round trips, not 6
+  (``p2p/multistream.py``). Their listener sides are py-libp2p's, which read one
+  exact message at a time.
 * **Retries and auto-connect.** The swarm's per-address retries are off (retry
   policy lives in ``Node.bootstrap``'s backoff) and its auto-connector, which
   dials peer-store entries to keep 150 connections, is stopped: whom to connect
@@ -30,19 +39,24 @@ host instance's attributes.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from libp2p import new_host
-from libp2p.abc import IHost, IMuxedConn, INetConn, INetStream, INetwork, INotifee, ISecureConn
+from libp2p.abc import IHost, IMuxedConn, INetConn, INetStream, INetwork, INotifee, IRawConnection, ISecureConn
 from libp2p.crypto.keys import KeyPair
+from libp2p.custom_types import TProtocol
 from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerstore import PeerStoreError
+from libp2p.protocol_muxer.exceptions import MultiselectClientError
+from libp2p.security.security_multistream import SecurityMultistream
 from libp2p.stream_muxer.muxer_multistream import MuxerMultistream
+import trio
 from multiaddr import Multiaddr
 
+from . import multistream
 from .noise import PROTOCOL_ID as NOISE_PROTOCOL_ID
-from .noise import NoiseTransport
+from .noise import NoiseSession, NoiseTransport
 from .yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from .yamux import YamuxConfig, YamuxConnection
 
@@ -64,9 +78,10 @@ def build_host(
     and ``get_addrs`` report (the Node's address policy). Call
     :func:`started` once the host runs.
     """
+    noise = NoiseTransport(key_pair, muxers=(YAMUX_PROTOCOL_ID,))
     host = new_host(
         key_pair=key_pair,
-        sec_opt={NOISE_PROTOCOL_ID: NoiseTransport(key_pair)},
+        sec_opt={NOISE_PROTOCOL_ID: noise},
         muxer_opt={YAMUX_PROTOCOL_ID: YamuxConnection},
         listen_addrs=listen,
         addrs_factory=advertised,
@@ -74,6 +89,7 @@ def build_host(
     )
     network = host.get_network()
     upgrader = network.upgrader  # type: ignore[attr-defined]
+    upgrader.security_multistream = _Security(noise)
     upgrader.muxer_multistream = _Muxers(yamux, upgrader.muxer_multistream.negotiate_timeout)
     network.retry_config = RetryConfig(max_retries=0)  # type: ignore[attr-defined]
     _cap_peer_addrs(host.get_peerstore(), max_addrs)
@@ -109,15 +125,50 @@ def _cap_peer_addrs(peerstore: Any, max_addrs: int) -> None:
     peerstore.add_addrs = add_addrs
 
 
+class _Security(SecurityMultistream):
+    """``/noise``, proposed lazily by the dialer: header, proposal and the first handshake
+    message in one write; the answer is read before the second (a refusal fails the dial)."""
+
+    def __init__(self, noise: NoiseTransport) -> None:
+        super().__init__({TProtocol(NOISE_PROTOCOL_ID): noise})
+        self._noise = noise
+
+    async def secure_outbound(self, conn: IRawConnection, peer_id: ID) -> ISecureConn:
+        lazy = multistream.LazySelect(conn, NOISE_PROTOCOL_ID)
+        try:
+            secure = await self._noise.secure_outbound(conn, peer_id, handshake_over=cast(IRawConnection, lazy))
+        except (multistream.MultistreamError, multistream.ProtocolRefused) as e:
+            raise MultiselectClientError(f"security negotiation: {e}") from e
+        setattr(secure, "negotiated_security_protocol", NOISE_PROTOCOL_ID)
+        return secure
+
+
 class _Muxers(MuxerMultistream):
-    """Muxer negotiation that builds our :class:`YamuxConnection` with our config."""
+    """Muxer negotiation that builds our :class:`YamuxConnection` with our config; the dialer
+    proposes without waiting (over another secure channel than ours: optimistically, header
+    and proposal in one write)."""
 
     def __init__(self, config: YamuxConfig, negotiate_timeout: int) -> None:
         super().__init__({YAMUX_PROTOCOL_ID: YamuxConnection}, negotiate_timeout)
         self._config = config
 
     async def new_conn(self, conn: ISecureConn, peer_id: ID) -> IMuxedConn:
-        protocol, _ = await self._selector.select(conn, conn.is_initiator, self.negotiate_timeout)
+        if isinstance(conn, NoiseSession) and conn.early_muxer == YAMUX_PROTOCOL_ID:
+            protocol = TProtocol(YAMUX_PROTOCOL_ID)  # agreed inside the handshake: no negotiation
+        elif conn.is_initiator and isinstance(conn, NoiseSession):
+            # proposed with the Noise handshake's last flight; the answer is checked in front of
+            # the first frames the listener sends (a refusal fails the connection there)
+            await conn.write(multistream.encode(multistream.HEADER, YAMUX_PROTOCOL_ID))
+            conn.expect_preface(multistream.Reply(YAMUX_PROTOCOL_ID))
+            protocol = TProtocol(YAMUX_PROTOCOL_ID)
+        elif conn.is_initiator:
+            try:
+                with trio.fail_after(self.negotiate_timeout):
+                    protocol = TProtocol(await multistream.select(conn, [YAMUX_PROTOCOL_ID]))
+            except (multistream.MultistreamError, multistream.ProtocolRefused, trio.TooSlowError) as e:
+                raise MultiselectClientError(f"muxer negotiation: {e or 'timed out'}") from e
+        else:
+            protocol, _ = await self._selector.select(conn, False, self.negotiate_timeout)
         return self._annotate_connection(YamuxConnection(conn, peer_id, self._config), conn, protocol)
 
 

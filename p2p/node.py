@@ -19,17 +19,15 @@ import trio
 from libp2p.abc import IHost, INetConn, INetStream, INetworkService
 from libp2p.crypto.keys import KeyPair
 from libp2p.custom_types import TProtocol
-from libp2p.host.exceptions import StreamFailure
 from libp2p.host.ping import ID as PING_PROTOCOL
 from libp2p.network.exceptions import SwarmException
 from libp2p.peer.id import ID
 from libp2p.peer.peerstore import PeerStoreError
-from libp2p.protocol_muxer.exceptions import MultiselectClientError
-from libp2p.protocol_muxer.multiselect_client import MultiselectClient
-from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
+from libp2p.network.stream.exceptions import StreamError
 from multiaddr import Multiaddr
 
 from . import events as ev
+from . import multistream
 from .addresses import is_relayed, parse_multiaddr, parse_peer_addr, rank_for_dial, with_peer_id, without_peer_id
 from .config import NodeConfig
 from .dialer import CircuitDialer, backoff_delays, dial, live_connection, remote_addr
@@ -46,6 +44,8 @@ log = logging.getLogger(__name__)
 
 StreamHandler = Callable[[INetStream], Awaitable[None]]
 PING_SIZE = 32
+#: how long a peer may take to answer a stream's protocol proposal (when it is awaited)
+NEGOTIATE_TIMEOUT = 10.0
 #: How long addresses learnt from a dial or an initial peer stay in the peer store.
 ADDR_TTL = 3600
 EVENT_BUFFER = 1024
@@ -391,14 +391,24 @@ class Node:
 
     # ------------------------------------------------------------------ streams
 
-    async def new_stream(self, peer_id: ID, protocol: str | Sequence[str]) -> INetStream:
-        """Open a stream to a peer (dialing it if needed) speaking ``protocol``."""
+    async def new_stream(self, peer_id: ID, protocol: str | Sequence[str], *, lazy: bool = True) -> INetStream:
+        """Open a stream to a peer (dialing it if needed) speaking ``protocol``.
+
+        One protocol is proposed lazily unless ``lazy`` is False: the proposal goes
+        with the first bytes written and the stream is returned at once, so a
+        request costs one round trip, not three; a peer that does not speak it
+        makes the first read raise :class:`ProtocolNotSupportedError`. Several
+        protocols (or ``lazy=False``) are negotiated before the stream is returned,
+        in one round trip when the peer takes the first.
+        """
         protocols = [protocol] if isinstance(protocol, str) else list(protocol)
+        if not protocols:
+            raise ValueError("new_stream needs at least one protocol")
         for attempt in range(2):
             if live_connection(self.network, peer_id) is None:
                 await self.connect(peer_id)
             try:
-                return await self._open_stream(peer_id, protocols)
+                return await self._open_stream(peer_id, protocols, lazy=lazy and len(protocols) == 1)
             except SwarmException as e:
                 # The connection closed between our look and the swarm's (a peer
                 # dropping a duplicate after a hole punch, a relay expiring): dial
@@ -407,24 +417,44 @@ class Node:
                     raise StreamOpenError(f"could not open a {' or '.join(protocols)} stream to {peer_id}: {e}") from e
         raise AssertionError("unreachable")
 
-    async def _open_stream(self, peer_id: ID, protocols: list[str]) -> INetStream:
+    async def _open_stream(self, peer_id: ID, protocols: list[str], *, lazy: bool) -> INetStream:
+        """A stream on the swarm's connection to ``peer_id``, its protocol proposed by
+        ``p2p/multistream.py`` (py-libp2p's client spends two round trips on it)."""
+        stream = await self.network.new_stream(peer_id)  # SwarmException: new_stream dials again
+        if lazy:
+            # NetStream reads and writes through its muxed stream: the proposal goes in front of it
+            setattr(stream, "muxed_stream", multistream.LazySelect(getattr(stream, "muxed_stream"), protocols[0]))
+            stream.set_protocol(TProtocol(protocols[0]))
+            return stream
         try:
-            return await self.host.new_stream(peer_id, [TProtocol(p) for p in protocols])
-        except StreamFailure as e:
-            cause = e.__cause__
-            if isinstance(cause, MultiselectClientError) and "not supported" in str(cause):
-                raise ProtocolNotSupportedError(f"{peer_id} does not speak {' or '.join(protocols)}") from e
-            raise StreamOpenError(f"could not open a {' or '.join(protocols)} stream to {peer_id}: {cause or e}") from e
+            with trio.fail_after(NEGOTIATE_TIMEOUT):
+                chosen = await multistream.select(stream, protocols)
+        except multistream.ProtocolRefused as e:
+            await finish_quietly(stream.reset)
+            raise ProtocolNotSupportedError(f"{peer_id} does not speak {' or '.join(protocols)}") from e
+        except (trio.TooSlowError, DedlocError, OSError, EOFError, StreamError) as e:
+            await finish_quietly(stream.reset)
+            reason = f"no answer within {NEGOTIATE_TIMEOUT:g} s" if isinstance(e, trio.TooSlowError) else str(e) or type(e).__name__
+            raise StreamOpenError(f"could not open a {' or '.join(protocols)} stream to {peer_id}: {reason}") from e
+        stream.set_protocol(TProtocol(chosen))
+        return stream
 
-    async def new_stream_on(self, conn: INetConn, protocol: str, *, timeout: float = 10.0) -> INetStream:
+    async def new_stream_on(self, conn: INetConn, protocol: str, *, timeout: float = 10.0,
+                            lazy: bool = False) -> INetStream:
         """Open a ``protocol`` stream on one particular connection (a dial-back, a punched path).
 
         ``new_stream`` lets the swarm pick among a peer's connections; protocols that
-        test a path need theirs.
+        test a path need theirs. ``lazy``: as in :meth:`new_stream` (by default the
+        protocol is confirmed before the stream is returned).
         """
         stream = await conn.new_stream()
+        if lazy:
+            setattr(stream, "muxed_stream", multistream.LazySelect(getattr(stream, "muxed_stream"), protocol))
+            stream.set_protocol(TProtocol(protocol))
+            return stream
         try:
-            await MultiselectClient().select_one_of([TProtocol(protocol)], MultiselectCommunicator(stream), int(max(1, timeout)))
+            with trio.fail_after(timeout):
+                await multistream.select(stream, [protocol])
         except Exception as e:
             await finish_quietly(stream.reset)
             raise StreamOpenError(f"could not open a {protocol} stream on {remote_addr(conn)}: {e}") from e
@@ -479,7 +509,7 @@ class Node:
         """Ask a peer who it is; see :class:`p2p.identify.PeerIdentity` for the verdicts."""
         if live_connection(self.network, peer_id) is None:
             await self.connect(peer_id)
-        info = await identify(self.host, peer_id, timeout=timeout)
+        info = await identify(self.new_stream, peer_id, timeout=timeout)
         if info.observed_addr is not None and len(self._observed) < MAX_OBSERVED_ADDRS:
             self._observed.setdefault(str(info.observed_addr), set()).add(peer_id)
         if info.public_key_valid and info.listen_addrs:

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import struct
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import trio
 from cryptography.exceptions import InvalidTag
@@ -38,8 +38,19 @@ from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
 from libp2p.io.exceptions import ConnectionClosedError
 from libp2p.peer.id import ID
 from libp2p.security.base_session import BaseSession
+from libp2p.crypto.keys import PublicKey
+from libp2p.security.noise.exceptions import (
+    HandshakeHasNotFinished,
+    InvalidSignature,
+    NoiseStateError,
+    PeerIDMismatchesPubkey,
+)
+from libp2p.security.noise.io import NoiseHandshakeReadWriter, NoiseTransportReadWriter
+from libp2p.security.noise.messages import NoiseExtensions, NoiseHandshakePayload, verify_handshake_payload_sig
+from libp2p.security.noise.patterns import PatternXX
 from libp2p.security.noise.transport import PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as HandshakeTransport
+from libp2p.security.secure_session import SecureSession
 from multiaddr import Multiaddr
 
 from .errors import RemoteProtocolError
@@ -65,6 +76,8 @@ TAG_SIZE = 16
 MAX_PLAINTEXT = MAX_MESSAGE - TAG_SIZE
 #: Bytes asked of the socket per read: several messages, so one wake-up opens many.
 READ_SIZE = 1024 * 1024
+#: stream muxers read from a peer's handshake payload, at most
+MAX_MUXERS = 16
 
 _LENGTH = struct.Struct(">H")
 _NONCE = struct.Struct("<4xQ")
@@ -239,14 +252,60 @@ class NoiseSession(BaseSession):
         self._send_lock = Mutex()
         self._broken: BaseException | None = None
         self._eof = False
+        self._preface: Preface | None = None
+        self._partial = bytearray()  # a preface message cut between two reads
+        #: the stream muxer agreed on inside the handshake (None: negotiate it)
+        self.early_muxer: str | None = None
 
     # ---------------------------------------------------------------- reading
+
+    def expect_preface(self, preface: Preface) -> None:
+        """Give ``preface`` the first bytes the peer sends, before any reader sees them.
+
+        The dialer proposes the muxer without waiting for the answer (one round trip
+        less); the answer arrives in front of the muxer's first frames, and a wrong
+        one fails the first read.
+        """
+        self._preface = preface
 
     async def read_messages(self) -> list[bytes]:
         """Every plaintext piece available, waiting for at least one; ``[]`` at a clean end.
 
         The muxer's read path: one call per socket read, no re-buffering.
         """
+        while True:
+            pieces = await self._read_pieces()
+            if self._preface is None or not pieces:
+                return pieces
+            pieces = self._strip_preface(pieces)
+            if pieces:
+                return pieces
+
+    def _strip_preface(self, pieces: list[bytes]) -> list[bytes]:
+        """Feed the expected preface exactly its bytes from the front of ``pieces``; the rest."""
+        preface = self._preface
+        assert preface is not None
+        rest: list[bytes] = []
+        for i, piece in enumerate(pieces):
+            view = piece
+            while view and not preface.done:
+                wanted = preface.wanted
+                self._partial += view[:wanted]
+                view = view[wanted:]
+                if len(self._partial) == wanted:
+                    chunk, self._partial = bytes(self._partial), bytearray()
+                    try:
+                        preface.feed(chunk)
+                    except Exception as e:
+                        self._broken = e
+                        raise
+            if preface.done:
+                self._preface = None
+                rest = ([view] if view else []) + pieces[i + 1:]
+                break
+        return rest
+
+    async def _read_pieces(self) -> list[bytes]:
         if self._plain:
             pieces = list(self._plain)
             self._plain.clear()
@@ -351,6 +410,19 @@ class NoiseSession(BaseSession):
         return self.raw.get_connection_type()
 
 
+class Preface(Protocol):
+    """Bytes the peer sends first, checked before any reader sees the rest
+    (:class:`p2p.multistream.Reply`): ``wanted`` next, ``feed`` them, ``done``."""
+
+    @property
+    def done(self) -> bool: ...
+
+    @property
+    def wanted(self) -> int: ...
+
+    def feed(self, data: bytes) -> None: ...
+
+
 def _tcp_socket_of(raw: IRawConnection) -> trio.SocketStream | None:
     """The trio socket under py-libp2p's TCP connection, if that is what ``raw`` is.
 
@@ -362,20 +434,103 @@ def _tcp_socket_of(raw: IRawConnection) -> trio.SocketStream | None:
     return stream if isinstance(stream, trio.SocketStream) else None
 
 
-class NoiseTransport(ISecureTransport):
-    """``/noise`` for py-libp2p's upgrader: its handshake, then a :class:`NoiseSession`."""
+class _XX(PatternXX):
+    """py-libp2p's XX handshake, with the libp2p spec's inlined muxer negotiation
+    (connections/inlined-muxer-negotiation.md): each side lists the stream muxers it
+    speaks in its handshake payload's extensions, and the muxer is the first of the
+    initiator's list that the responder speaks, with no multistream round after the
+    handshake. A peer that lists none (py-libp2p, older releases) gets multistream.
 
-    def __init__(self, key_pair: KeyPair) -> None:
+    The two handshake methods are py-libp2p 0.8.1's, less its debug logging, plus
+    keeping the peer's payload: its methods drop it.
+    """
+
+    def __init__(self, transport: HandshakeTransport, muxers: Sequence[str]) -> None:
+        super().__init__(transport.local_peer, transport.libp2p_privkey, transport.noise_privkey)
+        self.muxers = list(muxers)
+        self.peer_muxers: list[str] = []
+
+    def make_handshake_payload(self, extensions: NoiseExtensions | None = None) -> NoiseHandshakePayload:
+        return super().make_handshake_payload(NoiseExtensions(stream_muxers=self.muxers) if self.muxers else None)
+
+    def agreed_muxer(self, initiator: bool) -> str | None:
+        """The muxer both sides listed, the initiator's preference first; None: negotiate it."""
+        first, second = (self.muxers, self.peer_muxers) if initiator else (self.peer_muxers, self.muxers)
+        return next((m for m in first if m in second), None)
+
+    def _take_payload(self, msg: bytes, handshake_state: Any) -> tuple[NoiseHandshakePayload, PublicKey]:
+        """The peer's payload, verified; its muxers kept. (``handshake_state``: the untyped
+        ``noise`` package's, taken before the handshake ends: the last message removes it.)"""
+        payload = NoiseHandshakePayload.deserialize(msg)
+        if handshake_state is None or handshake_state.rs is None:
+            raise NoiseStateError("the peer's static key is missing after its payload")
+        remote_pubkey = self._get_pubkey_from_noise_keypair(handshake_state.rs)
+        if not verify_handshake_payload_sig(payload, remote_pubkey):
+            raise InvalidSignature
+        if payload.extensions is not None:
+            self.peer_muxers = [str(m) for m in payload.extensions.stream_muxers][:MAX_MUXERS]
+        return payload, remote_pubkey
+
+    async def handshake_inbound(self, conn: IRawConnection) -> ISecureConn:
+        noise_state = self.create_noise_state(prologue=self.prologue)
+        noise_state.set_as_responder()
+        noise_state.start_handshake()
+        handshake_state = noise_state.noise_protocol.handshake_state
+        read_writer = NoiseHandshakeReadWriter(conn, noise_state)
+        await read_writer.read_msg()  # msg 1
+        await read_writer.write_msg(self.make_handshake_payload().serialize())  # msg 2
+        payload, remote_pubkey = self._take_payload(await read_writer.read_msg(), handshake_state)  # msg 3
+        if not noise_state.handshake_finished:
+            raise HandshakeHasNotFinished("handshake is done but it is not marked as finished in `noise_state`")
+        return SecureSession(local_peer=self.local_peer, local_private_key=self.libp2p_privkey,
+                             remote_peer=ID.from_pubkey(payload.id_pubkey), remote_permanent_pubkey=remote_pubkey,
+                             is_initiator=False, conn=NoiseTransportReadWriter(conn, noise_state))
+
+    async def handshake_outbound(self, conn: IRawConnection, remote_peer: ID | None) -> ISecureConn:
+        noise_state = self.create_noise_state(prologue=self.prologue)
+        read_writer = NoiseHandshakeReadWriter(conn, noise_state)
+        noise_state.set_as_initiator()
+        noise_state.start_handshake()
+        handshake_state = noise_state.noise_protocol.handshake_state
+        await read_writer.write_msg(b"")  # msg 1
+        payload, remote_pubkey = self._take_payload(await read_writer.read_msg(), handshake_state)  # msg 2
+        remote = ID.from_pubkey(payload.id_pubkey)
+        if remote_peer is not None and remote != remote_peer:
+            raise PeerIDMismatchesPubkey(f"peer id does not correspond to the received pubkey: "
+                                         f"remote_peer={remote_peer}, remote_peer_id_from_pubkey={remote}")
+        await read_writer.write_msg(self.make_handshake_payload().serialize())  # msg 3
+        if not noise_state.handshake_finished:
+            raise HandshakeHasNotFinished("handshake is done but it is not marked as finished in `noise_state`")
+        return SecureSession(local_peer=self.local_peer, local_private_key=self.libp2p_privkey, remote_peer=remote,
+                             remote_permanent_pubkey=remote_pubkey, is_initiator=True,
+                             conn=NoiseTransportReadWriter(conn, noise_state))
+
+
+class NoiseTransport(ISecureTransport):
+    """``/noise`` for py-libp2p's upgrader: the XX handshake (:class:`_XX`), then a :class:`NoiseSession`.
+
+    ``muxers``: the stream muxers offered inside the handshake; the one agreed on is the
+    session's ``early_muxer`` (None: negotiate one with multistream).
+    """
+
+    def __init__(self, key_pair: KeyPair, muxers: Sequence[str] = ()) -> None:
         self._key_pair = key_pair
         self._handshake = HandshakeTransport(key_pair, noise_privkey=new_x25519_key_pair().private_key)
+        self._muxers = tuple(muxers)
 
     async def secure_inbound(self, conn: IRawConnection) -> ISecureConn:
-        return self._take_over(await self._handshake.secure_inbound(conn), conn)
+        pattern = _XX(self._handshake, self._muxers)
+        return self._take_over(await pattern.handshake_inbound(conn), conn, pattern.agreed_muxer(False))
 
-    async def secure_outbound(self, conn: IRawConnection, peer_id: ID) -> ISecureConn:
-        return self._take_over(await self._handshake.secure_outbound(conn, peer_id), conn)
+    async def secure_outbound(self, conn: IRawConnection, peer_id: ID, *,
+                              handshake_over: IRawConnection | None = None) -> ISecureConn:
+        """``handshake_over``: what the handshake reads and writes, where it is not ``conn``
+        itself (a lazy multistream proposal riding on the first message)."""
+        pattern = _XX(self._handshake, self._muxers)
+        handshaken = await pattern.handshake_outbound(handshake_over or conn, peer_id)
+        return self._take_over(handshaken, conn, pattern.agreed_muxer(True))
 
-    def _take_over(self, handshaken: ISecureConn, raw: IRawConnection) -> NoiseSession:
+    def _take_over(self, handshaken: ISecureConn, raw: IRawConnection, early_muxer: str | None) -> NoiseSession:
         """Move the transport keys out of py-libp2p's session into ours.
 
         Its reader reads exact lengths, so nothing past the handshake is
@@ -384,7 +539,7 @@ class NoiseTransport(ISecureTransport):
         state = handshaken.conn.noise_state.noise_protocol  # type: ignore[attr-defined]
         send, recv = state.cipher_state_encrypt, state.cipher_state_decrypt
         codec = NoiseCodec(bytes(send.k), bytes(recv.k), send_nonce=send.n, recv_nonce=recv.n)
-        return NoiseSession(
+        session = NoiseSession(
             raw,
             codec,
             local_peer=handshaken.get_local_peer(),
@@ -393,3 +548,5 @@ class NoiseTransport(ISecureTransport):
             is_initiator=handshaken.is_initiator,
             remote_public_key=handshaken.get_remote_public_key(),
         )
+        session.early_muxer = early_muxer
+        return session

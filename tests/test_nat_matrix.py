@@ -106,8 +106,8 @@ async def start_agent(host: Host, relay_addr: str | list[str]) -> Agent:
     return agent
 
 
-async def start_relay(lab: Lab, name: str = "relay") -> tuple[Host, str]:
-    relay = await lab.public_host(name, delay_ms=25)
+async def start_relay(lab: Lab, name: str = "relay", *, loss_pct: float | None = None) -> tuple[Host, str]:
+    relay = await lab.public_host(name, delay_ms=25, loss_pct=loss_pct)
     proc = await relay.spawn(
         [sys.executable, "-m", "nat.cli", "relay", "--ephemeral", "--json", "--listen", f"/ip4/0.0.0.0/tcp/{PORT}",
          "--status-interval", "0", "--no-port-mapping"],
@@ -145,9 +145,10 @@ class Cell:
     mapping_b: str = "-"
 
 
-async def run_cell(lab: Lab, relay_addr: str | list[str], index: int, cell: Cell) -> None:
-    host_a = await lab.peer(f"a{index}", cell.a, listen_port=PORT, delay_ms=50)
-    host_b = await lab.peer(f"b{index}", cell.b, listen_port=PORT, delay_ms=50)
+async def run_cell(lab: Lab, relay_addr: str | list[str], index: int, cell: Cell, *,
+                   loss_pct: float | None = None) -> None:
+    host_a = await lab.peer(f"a{index}", cell.a, listen_port=PORT, delay_ms=50, loss_pct=loss_pct)
+    host_b = await lab.peer(f"b{index}", cell.b, listen_port=PORT, delay_ms=50, loss_pct=loss_pct)
     agents: list[Agent] = []
     try:
         a = await start_agent(host_a, relay_addr)
@@ -244,20 +245,23 @@ def render(cells: list[Cell]) -> str:
     return "\n".join(lines)
 
 
-async def test_nat_traversal_matrix() -> None:
+@pytest.mark.parametrize("loss_pct", [None, 1.0], ids=["delay", "delay-and-1pct-loss"])
+async def test_nat_traversal_matrix(loss_pct: float | None) -> None:
+    """Every pair of NAT kinds at the lab's delays (peers 50 ms, relays 25 ms one-way: 200 ms
+    between two peers), and once more with 1% loss per direction on every access link."""
     pairs = list(itertools.combinations_with_replacement(ALL_KINDS, 2))
     cells = [Cell(a, b) for a, b in pairs]
     async with Lab(prefix="dmx", public_net=PUBLIC_NET) as lab:
         # Two relays: each peer is then observed from its listen port by two servers,
         # enough to classify its NAT's mapping.
-        _, relay_addr = await start_relay(lab)
-        _, relay2_addr = await start_relay(lab, "relay2")
+        _, relay_addr = await start_relay(lab, loss_pct=loss_pct)
+        _, relay2_addr = await start_relay(lab, "relay2", loss_pct=loss_pct)
         limiter = trio.CapacityLimiter(PARALLEL_CELLS)
 
         async def guarded(i: int, cell: Cell) -> None:
             async with limiter:
                 try:
-                    await run_cell(lab, [relay_addr, relay2_addr], i, cell)
+                    await run_cell(lab, [relay_addr, relay2_addr], i, cell, loss_pct=loss_pct)
                 except Exception as e:  # a cell that could not even start (a slow CI runner) reports too
                     cell.detail += f" setup failed: {type(e).__name__}: {e}"
 

@@ -158,9 +158,13 @@ async def test_bootstrap_retries_until_a_late_peer_comes_up(tmp_path):
 
 
 async def test_unknown_protocol_is_a_clear_error(node_pair):
+    """Negotiated before it returns (lazy=False, or several protocols); a lazy stream raises
+    the same error from its first read (tests/test_multistream.py)."""
     a, b = node_pair
     with pytest.raises(ProtocolNotSupportedError, match="/no/such/1.0.0"):
-        await b.new_stream(a.peer_id, "/no/such/1.0.0")
+        await b.new_stream(a.peer_id, "/no/such/1.0.0", lazy=False)
+    with pytest.raises(ProtocolNotSupportedError, match="/no/such/1.0.0"):
+        await b.new_stream(a.peer_id, ["/no/such/1.0.0", "/no/such/2.0.0"])
     assert await b.ping(a.peer_id) > 0
 
 
@@ -174,16 +178,16 @@ async def test_a_connection_closing_under_a_new_stream_is_redialed_or_a_clear_er
 
     a, b = node_pair
     a.set_stream_handler("/test/echo/1", lambda stream: stream.close())
-    real = b.host.new_stream
+    real = b.network.new_stream
     failures = {"left": 1}
 
-    async def flaky(peer_id, protocols):
+    async def flaky(peer_id):
         if failures["left"]:
             failures["left"] -= 1
             raise SwarmException(f"No valid connections available for peer {peer_id}")
-        return await real(peer_id, protocols)
+        return await real(peer_id)
 
-    monkeypatch.setattr(b.host, "new_stream", flaky)
+    monkeypatch.setattr(b.network, "new_stream", flaky)
     stream = await b.new_stream(a.peer_id, "/test/echo/1")
     await stream.close()
     failures["left"] = 2

@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 import struct
 
+from typing import Any
+
 import pytest
 import trio
 import trio.testing
@@ -445,22 +447,8 @@ async def test_session_close_closes_the_raw_connection():
 
 async def test_transport_handshake_then_our_record_layer():
     """py-libp2p's XX handshake over a pipe; the keys and nonces it leaves work in our codec."""
-    left, right = trio.testing.memory_stream_pair()
     key_i, key_r = create_new_key_pair(), create_new_key_pair()
-    initiator, responder = NoiseTransport(key_i), NoiseTransport(key_r)
-    result: dict[str, NoiseSession] = {}
-
-    async def outbound() -> None:
-        result["i"] = await initiator.secure_outbound(Pipe(left), ID.from_pubkey(key_r.public_key))  # type: ignore[arg-type]
-
-    async def inbound() -> None:
-        result["r"] = await responder.secure_inbound(Pipe(right))  # type: ignore[arg-type]
-
-    with trio.fail_after(30):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(outbound)
-            nursery.start_soon(inbound)
-    i, r = result["i"], result["r"]
+    i, r = await handshake(NoiseTransport(key_i), NoiseTransport(key_r), key_r)
     assert isinstance(i, NoiseSession) and isinstance(r, NoiseSession)
     assert i.is_initiator and not r.is_initiator
     assert i.get_remote_peer() == ID.from_pubkey(key_r.public_key)
@@ -475,3 +463,37 @@ async def test_transport_handshake_then_our_record_layer():
     while len(got) < len(big):
         got += await r.read()
     assert got == big
+
+
+@pytest.mark.parametrize("ours, theirs, agreed", [
+    (["/yamux/1.0.0"], ["/yamux/1.0.0"], "/yamux/1.0.0"),
+    (["/mplex/6.7.0", "/yamux/1.0.0"], ["/yamux/1.0.0", "/mplex/6.7.0"], "/mplex/6.7.0"),  # the initiator's order
+    (["/yamux/1.0.0"], [], None),  # a peer that lists none: multistream afterwards
+    (["/yamux/1.0.0"], ["/mplex/6.7.0"], None),  # nothing in common: multistream says so
+])
+async def test_the_muxer_is_agreed_inside_the_handshake(ours: list[str], theirs: list[str], agreed: str | None) -> None:
+    """The inlined muxer negotiation: both sides come out of the handshake with the same muxer
+    (or none, and negotiate one with multistream), the initiator's preference first."""
+    key_i, key_r = create_new_key_pair(), create_new_key_pair()
+    i, r = await handshake(NoiseTransport(key_i, muxers=ours), NoiseTransport(key_r, muxers=theirs), key_r)
+    assert i.early_muxer == r.early_muxer == agreed
+    await i.write(b"after the handshake")
+    assert await r.read() == b"after the handshake"
+
+
+async def handshake(initiator: NoiseTransport, responder: NoiseTransport, key_r: Any) -> tuple[NoiseSession, NoiseSession]:
+    """Both sides of one handshake over an in-memory pipe: (initiator's session, responder's)."""
+    left, right = trio.testing.memory_stream_pair()
+    result: dict[str, NoiseSession] = {}
+
+    async def outbound() -> None:
+        result["i"] = await initiator.secure_outbound(Pipe(left), ID.from_pubkey(key_r.public_key))  # type: ignore[arg-type, assignment]
+
+    async def inbound() -> None:
+        result["r"] = await responder.secure_inbound(Pipe(right))  # type: ignore[arg-type, assignment]
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(outbound)
+            nursery.start_soon(inbound)
+    return result["i"], result["r"]

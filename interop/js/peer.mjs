@@ -9,7 +9,7 @@
 // command name and "ok": true, or "event": "error" with "cmd", "error", "name".
 //
 //   {"cmd":"dial","addr":"/ip4/127.0.0.1/tcp/N/p2p/<id>"}
-//       -> {"event":"dial","ok":true,"peer_id":...,"remote_addr":...}
+//       -> {"event":"dial","ok":true,"peer_id":...,"remote_addr":...,"elapsed_ms":<float>}
 //   {"cmd":"ping","addr":...} | {"cmd":"ping","peer_id":...}
 //       -> {"event":"ping","ok":true,"peer_id":...,"rtt_ms":<int from js-libp2p>,"elapsed_ms":<float>}
 //   {"cmd":"identify","peer_id":...[,"fresh":true][,"timeout_ms":5000]}
@@ -21,6 +21,7 @@
 //       "peer_store" is what the peer store holds now, with the stored
 //       signed peer record envelope re-verified here.
 //   {"cmd":"peers"}   -> {"event":"peers","ok":true,"connections":[...]}
+//   {"cmd":"hangup","peer_id":...} -> close every connection to it: {"event":"hangup","ok":true}
 //   {"cmd":"handle","protocol":"/x/1.0.0"}
 //       -> serve an echo protocol (echo bytes until the remote closes, then close);
 //          js-libp2p then sends identify/push to connected peers
@@ -54,7 +55,8 @@
 // (every identify that completed, the automatic one on connect included),
 // identify:error, warning; and "fatal" if the node cannot start (then exit 1).
 // The process exits when stdin closes.  It listens on JSPEER_LISTEN (default
-// /ip4/127.0.0.1/tcp/0; loopback only) and dials loopback addresses only.
+// /ip4/127.0.0.1/tcp/0; loopback only) and dials loopback addresses only (and,
+// in a lab namespace, JSPEER_LAB_PREFIX's).
 
 import { createInterface } from 'node:readline'
 import { performance } from 'node:perf_hooks'
@@ -182,8 +184,13 @@ function parsePeerId (s) {
   return peerIdFromString(s)
 }
 
+// JSPEER_LAB_PREFIX (e.g. "/ip4/198.18."): also dial addresses under it. Only
+// bench/wan.py sets it, for a peer it runs inside a namespace of its own NAT lab,
+// where that prefix is the lab's internet and nothing else is reachable.
+const labPrefix = process.env.JSPEER_LAB_PREFIX ?? null
+
 function isLoopback (s) {
-  return s.startsWith('/ip4/127.') || s.startsWith('/ip6/::1/')
+  return s.startsWith('/ip4/127.') || s.startsWith('/ip6/::1/') || (labPrefix != null && s.startsWith(labPrefix))
 }
 
 function parseTarget (cmd) {
@@ -449,11 +456,13 @@ async function bulkClient (cmd) {
 const handlers = {
   async dial (cmd) {
     const timeoutMs = cmd.timeout_ms ?? 10000
+    const start = performance.now()
     const conn = await node.dial(parseTarget(cmd), { signal: AbortSignal.timeout(timeoutMs) })
     return {
       peer_id: conn.remotePeer.toString(),
       remote_addr: conn.remoteAddr.toString(),
-      direction: conn.direction
+      direction: conn.direction,
+      elapsed_ms: performance.now() - start
     }
   },
 
@@ -469,6 +478,11 @@ const handlers = {
       peerId = p2p?.value ?? null
     }
     return { peer_id: peerId, rtt_ms: rtt, elapsed_ms: elapsed }
+  },
+
+  async hangup (cmd) {
+    await node.hangUp(parseTarget(cmd))
+    return {}
   },
 
   async identify (cmd) {

@@ -1,0 +1,163 @@
+"""Connection set-up on a delayed path: dedloc and js-libp2p, both ways, in one run.
+
+    sudo .venv/bin/python bench/wan.py [--rounds 5] [--delay-ms 50] [--loss-pct 0] [--json OUT]
+
+Two public hosts of the NAT lab (nat/lab.py), each behind an access link of
+--delay-ms one-way (netem where the kernel has it, else the lab's userspace
+wire), so a round trip between them is 4 x delay (200 ms at the lab's
+default). Host A listens with a dedloc node (bench/wan_peer.py) and a
+js-libp2p node (interop/js/relay.mjs: TCP, Noise, Yamux, identify, ping);
+host B dials each of them, --rounds times, from a dedloc node and from a
+js-libp2p node (interop/js/peer.mjs): dedloc->dedloc, dedloc->js, js->dedloc
+and js->js. Every round is a fresh connection (the last one is closed first)
+and measures, from the dial's start:
+
+* connected: the dialer holds a connection it can open streams on;
+* first pong: a ping stream opened on it has its echo back.
+
+Both are printed in seconds and in round trips of the path (the nominal
+4 x delay; the warm ping RTT is printed beside it), min / median over the
+rounds. js's times come from its own clock around each command (peer.mjs's
+elapsed_ms), so the driver's pipes are not counted.
+
+Needs root (namespaces), node 22 and interop/node_modules (``make interop-deps``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import trio
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "interop"))
+
+from jspeer import JsPeer, js_unavailable_reason, open_js_peer, open_js_relay  # noqa: E402
+from nat.lab import Host, Lab  # noqa: E402
+
+PREFIX = "dwan"
+PY = sys.executable
+WORKER = str(REPO / "bench" / "wan_peer.py")
+DEDLOC_PORT, JS_PORT = 4001, 4002
+
+
+async def dedloc_listener(host: Host) -> tuple[trio.Process, str]:
+    process = await host.spawn([PY, WORKER, "listen", str(DEDLOC_PORT)], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE)
+    assert process.stdout is not None
+    line = b""
+    with trio.fail_after(30):
+        while b"\n" not in line:
+            chunk = await process.stdout.receive_some(4096)
+            if not chunk:
+                raise RuntimeError("the dedloc listener exited")
+            line += chunk
+    return process, json.loads(line)["peer_id"]
+
+
+async def dedloc_dials(host: Host, addr: str, rounds: int) -> list[dict[str, float]]:
+    result = await host.run([PY, WORKER, "dial", addr, str(rounds)], timeout=60 + 20 * rounds)
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    if len(rows) != rounds:
+        raise RuntimeError(f"dedloc dialer: {len(rows)} of {rounds} rounds; stderr: {result.stderr[-2000:]}")
+    return rows
+
+
+async def js_dials(js: JsPeer, addr: str, peer_id: str, rounds: int) -> list[dict[str, float]]:
+    rows = []
+    for _ in range(rounds):
+        dial = await js.dial(addr, timeout=30)
+        ping = await js.ping(peer_id=peer_id, timeout=30)  # a stream on the connection just made
+        connected = dial["elapsed_ms"] / 1e3
+        rows.append({"connected_s": connected, "first_pong_s": connected + ping["elapsed_ms"] / 1e3})
+        await js.hangup(peer_id, timeout=30)
+        await trio.sleep(0.5)  # js-libp2p rate-limits inbound connections per address (5/s)
+    return rows
+
+
+def lab_prefix(lab: Lab) -> str:
+    """The multiaddr prefix of the lab's internet (its /15 public net: the first two octets)."""
+    first, second = lab.public_net.split("/")[0].split(".")[:2]
+    return f"/ip4/{first}.{second}."
+
+
+def summary(rows: list[dict[str, float]], key: str, rtt: float) -> dict[str, float]:
+    values = [r[key] for r in rows]
+    return {"min_s": min(values), "median_s": statistics.median(values),
+            "min_rtt": min(values) / rtt, "median_rtt": statistics.median(values) / rtt}
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    reason = js_unavailable_reason()
+    if reason is not None:
+        raise SystemExit(f"bench/wan.py needs js-libp2p: {reason}")
+    rtt = 4 * args.delay_ms / 1e3
+    results: dict[str, Any] = {"delay_ms": args.delay_ms, "loss_pct": args.loss_pct, "nominal_rtt_s": rtt}
+    async with Lab(prefix=PREFIX) as lab:
+        loss = args.loss_pct or None
+        a = await lab.public_host("a", delay_ms=args.delay_ms, loss_pct=loss)
+        b = await lab.public_host("b", delay_ms=args.delay_ms, loss_pct=loss)
+        results["mechanism"] = lab.mechanism
+        listener, dedloc_id = await dedloc_listener(a)
+        dedloc_addr = f"/ip4/{a.ip}/tcp/{DEDLOC_PORT}/p2p/{dedloc_id}"
+        try:
+            async with open_js_relay(a.spawn, ["--port", str(JS_PORT)]) as js_listener, \
+                    open_js_peer(spawn=b.spawn, env={"JSPEER_LAB_PREFIX": lab_prefix(lab)}) as js_dialer:
+                js_id = js_listener.peer_id
+                js_addr = f"/ip4/{a.ip}/tcp/{JS_PORT}/p2p/{js_id}"
+                pairs = {
+                    "dedloc->dedloc": lambda: dedloc_dials(b, dedloc_addr, args.rounds),
+                    "dedloc->js": lambda: dedloc_dials(b, js_addr, args.rounds),
+                    "js->dedloc": lambda: js_dials(js_dialer, dedloc_addr, dedloc_id, args.rounds),
+                    "js->js": lambda: js_dials(js_dialer, js_addr, js_id, args.rounds),
+                }
+                for name, measure in pairs.items():
+                    rows = await measure()
+                    results[name] = {"connected": summary(rows, "connected_s", rtt),
+                                     "first_pong": summary(rows, "first_pong_s", rtt), "rounds": rows}
+                    print(f"  {name:16} connected {results[name]['connected']['median_rtt']:.1f} RTT, "
+                          f"first pong {results[name]['first_pong']['median_rtt']:.1f} RTT", flush=True)
+        finally:
+            assert listener.stdin is not None
+            await listener.stdin.aclose()
+    return results
+
+
+def table(results: dict[str, Any]) -> str:
+    rtt = results["nominal_rtt_s"]
+    lines = [f"path: {results['delay_ms']:g} ms one-way per access link ({rtt * 1e3:.0f} ms RTT, "
+             f"{results['loss_pct']:g}% loss, by {results['mechanism']}); min / median of "
+             f"{len(results['dedloc->dedloc']['rounds'])} rounds",
+             "| dialer -> listener | connected (s) | connected (RTT) | first pong (s) | first pong (RTT) |",
+             "|---|---|---|---|---|"]
+    for name in ("dedloc->dedloc", "dedloc->js", "js->dedloc", "js->js"):
+        c, p = results[name]["connected"], results[name]["first_pong"]
+        lines.append(f"| {name} | {c['min_s']:.3f} / {c['median_s']:.3f} | {c['min_rtt']:.1f} / {c['median_rtt']:.1f} "
+                     f"| {p['min_s']:.3f} / {p['median_s']:.3f} | {p['min_rtt']:.1f} / {p['median_rtt']:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--delay-ms", type=float, default=50.0, help="one-way delay of each access link")
+    parser.add_argument("--loss-pct", type=float, default=0.0, help="loss per direction on each access link")
+    parser.add_argument("--json", type=Path, help="write every figure here")
+    args = parser.parse_args()
+    if not 1 <= args.rounds <= 100:
+        parser.error("--rounds must be 1..100")
+    results = trio.run(run, args)
+    print(table(results))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

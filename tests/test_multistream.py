@@ -1,0 +1,202 @@
+"""multistream-select in one flight: the pure answer check, optimistic and lazy selection against
+py-libp2p's listener (the one every dedloc peer runs), and what a connection and a stream cost."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+from libp2p.custom_types import TProtocol
+from libp2p.protocol_muxer.multiselect import Multiselect
+from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
+
+from p2p import Node
+from p2p.errors import ProtocolNotSupportedError, RemoteProtocolError
+from p2p.multistream import (
+    HEADER,
+    NA,
+    LazySelect,
+    MultistreamError,
+    ProtocolRefused,
+    Reply,
+    encode,
+    select,
+)
+
+from .kit import read_to_end
+
+ECHO = "/test/echo/1.0.0"
+
+
+def answer(reply: Reply, data: bytes) -> bytes:
+    """Feed ``reply`` exactly what it asks for from ``data``; what is left of ``data``."""
+    while not reply.done and data:
+        n = reply.wanted
+        chunk, data = data[:n], data[n:]
+        reply.feed(chunk)
+    return data
+
+
+# ---------------------------------------------------------------- the pure part
+
+def test_encode_is_uvarint_length_message_newline() -> None:
+    assert encode(HEADER) == bytes([19]) + b"/multistream/1.0.0\n"
+    long = "/" + "x" * 200
+    assert encode(long)[:2] == bytes([0xCA, 0x01]) and encode(long)[2:] == long.encode() + b"\n"
+    assert encode(HEADER, "/noise") == encode(HEADER) + encode("/noise")
+
+
+def test_reply_takes_exactly_its_bytes_and_leaves_what_follows() -> None:
+    reply = Reply("/noise")
+    rest = answer(reply, encode(HEADER, "/noise") + b"first noise message")
+    assert reply.done and rest == b"first noise message"
+
+
+@pytest.mark.parametrize("bad, error", [
+    (encode("/multistream/2.0.0"), MultistreamError),  # another version
+    (encode(HEADER, NA), ProtocolRefused),  # refused
+    (encode(HEADER, "/tls/1.0.0"), MultistreamError),  # an answer to something else
+    (bytes([5]) + b"abcde", MultistreamError),  # no newline
+    (bytes([0]), MultistreamError),  # empty message
+    (bytes([0x80, 0x80, 0x80, 0x01]), MultistreamError),  # a length past 3 varint bytes
+    (bytes([0x81, 0x08]), MultistreamError),  # 1025 bytes: over the cap, refused before reading them
+])
+def test_a_bad_answer_is_a_clear_error(bad: bytes, error: type[Exception]) -> None:
+    with pytest.raises(error):
+        answer(Reply("/noise"), bad)
+    assert issubclass(MultistreamError, RemoteProtocolError) and issubclass(ProtocolRefused, ProtocolNotSupportedError)
+
+
+# ---------------------------------------------------------------- against py-libp2p's listener
+
+class Pipe:
+    """One end of an in-memory byte pipe with libp2p's read/write, counting writes."""
+
+    def __init__(self, stream: trio.testing.MemoryStapledStream) -> None:  # type: ignore[name-defined]
+        self.stream = stream
+        self.writes: list[bytes] = []
+
+    async def read(self, n: int | None = None) -> bytes:
+        return bytes(await self.stream.receive_some(n or 65536))
+
+    async def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+        await self.stream.send_all(data)
+
+    async def close(self) -> None:
+        await self.stream.aclose()
+
+
+async def listener(end: Pipe, protocols: list[str], then: bytes | None = None) -> tuple[str, bytes]:
+    """py-libp2p's listener on ``end``; what it chose, and what the dialer sent after (``then``: its answer)."""
+    mux = Multiselect()
+    for p in protocols:
+        mux.add_handler(TProtocol(p), None)
+    chosen, _ = await mux.negotiate(MultiselectCommunicator(end), 5)
+    data = b""
+    with trio.move_on_after(0.2):
+        data = await end.read()
+    if then is not None:
+        await end.write(then)
+    return str(chosen), data
+
+
+async def test_optimistic_select_proposes_with_the_header_and_falls_back_on_na() -> None:
+    a, b = trio.testing.memory_stream_pair()
+    dialer, other = Pipe(a), Pipe(b)
+    async with trio.open_nursery() as nursery:
+        result: list[tuple[str, bytes]] = []
+        nursery.start_soon(lambda: _collect(result, listener(other, ["/yamux/1.0.0"])))
+        with trio.fail_after(5):
+            assert await select(dialer, ["/mplex/6.7.0", "/yamux/1.0.0"]) == "/yamux/1.0.0"
+    assert result[0][0] == "/yamux/1.0.0"
+    # header and the first proposal went in one write; the second proposal after the na
+    assert dialer.writes == [encode(HEADER, "/mplex/6.7.0"), encode("/yamux/1.0.0")]
+
+
+async def test_lazy_select_sends_proposal_and_data_in_one_write_and_checks_the_answer_on_read() -> None:
+    a, b = trio.testing.memory_stream_pair()
+    dialer, other = Pipe(a), Pipe(b)
+    lazy = LazySelect(dialer, ECHO)
+    async with trio.open_nursery() as nursery:
+        result: list[tuple[str, bytes]] = []
+        nursery.start_soon(lambda: _collect(result, listener(other, [ECHO], then=b"pong")))
+        with trio.fail_after(5):
+            await lazy.write(b"ping")
+            assert not lazy.negotiated
+            assert await lazy.read(4) == b"pong"
+            assert lazy.negotiated
+    assert result[0] == (ECHO, b"ping")
+    assert dialer.writes == [encode(HEADER, ECHO) + b"ping"]
+
+
+async def test_lazy_select_refused_raises_on_the_first_read() -> None:
+    a, b = trio.testing.memory_stream_pair()
+    dialer, other = Pipe(a), Pipe(b)
+    lazy = LazySelect(dialer, "/not/spoken/1.0.0")
+    await lazy.write(b"request")
+    await other.write(encode(HEADER, NA))
+    with trio.fail_after(5), pytest.raises(ProtocolRefused, match="/not/spoken/1.0.0"):
+        await lazy.read()
+
+
+async def test_a_reader_first_sends_the_proposal_alone_and_keeps_the_order() -> None:
+    """A protocol where the listener speaks first (identify): the first read proposes; a write
+    racing it never overtakes the proposal."""
+    a, b = trio.testing.memory_stream_pair()
+    dialer, other = Pipe(a), Pipe(b)
+    lazy = LazySelect(dialer, ECHO)
+    async with trio.open_nursery() as nursery:
+        got: list[bytes] = []
+
+        async def reader() -> None:
+            got.append(await lazy.read(5))
+
+        nursery.start_soon(reader)
+        nursery.start_soon(lazy.write, b"later")
+        with trio.fail_after(5):
+            received = b""
+            while len(received) < len(encode(HEADER, ECHO)) + 5:
+                received += await other.read()
+            await other.write(encode(HEADER, ECHO) + b"hello")
+    assert received == encode(HEADER, ECHO) + b"later" and got == [b"hello"]
+
+
+async def _collect(into: list[tuple[str, bytes]], coro: object) -> None:
+    into.append(await coro)  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------- on real connections
+
+async def test_a_lazy_stream_to_a_node_that_lacks_the_protocol_fails_on_first_read(node_pair: tuple[Node, Node]) -> None:
+    a, b = node_pair
+    stream = await b.new_stream(a.peer_id, "/no/such/1.0.0")  # returned at once: nothing awaited yet
+    await stream.write(b"hello?")
+    with trio.fail_after(10), pytest.raises(ProtocolNotSupportedError, match="/no/such/1.0.0"):
+        await stream.read()
+    assert await b.ping(a.peer_id) > 0  # the connection is fine
+
+
+async def test_streams_carry_data_both_ways_lazily_and_eagerly(node_pair: tuple[Node, Node]) -> None:
+    a, b = node_pair
+
+    async def echo(stream: object) -> None:
+        data = await read_to_end(stream)  # type: ignore[arg-type]
+        await stream.write(data[::-1])  # type: ignore[attr-defined]
+        await stream.close()  # type: ignore[attr-defined]
+
+    registration = a.set_stream_handler(ECHO, echo)
+    try:
+        for lazy in (True, False):
+            with trio.fail_after(10):
+                stream = await b.new_stream(a.peer_id, ECHO, lazy=lazy)
+                assert stream.get_protocol() == ECHO
+                await stream.write(b"abc" * 1000)
+                await stream.close_write()  # type: ignore[attr-defined]
+                assert await read_to_end(stream) == (b"abc" * 1000)[::-1]
+        with trio.fail_after(10):  # several protocols: the first the peer speaks
+            stream = await b.new_stream(a.peer_id, ["/no/such/1.0.0", ECHO])
+            assert stream.get_protocol() == ECHO
+            await stream.reset()
+    finally:
+        registration.remove()
