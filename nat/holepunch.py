@@ -57,12 +57,22 @@ class HolePunchConfig:
     #: Time the relayed connection stays open after the direct one works.
     grace: float = 2.0
     allow_private: bool = False
+    #: An upgrade that failed is tried again, at most ``retries`` times, when the addresses
+    #: change that it depends on (ours, or the peer's in the peer store): a peer often learns
+    #: its public address after the relayed connection opened (its AutoNAT confirms it later,
+    #: identify push tells us). At least ``retry_backoff`` seconds after the last try, doubling;
+    #: the addresses are looked at every ``retry_poll`` seconds.
+    retries: int = 4
+    retry_backoff: float = 2.0
+    retry_poll: float = 1.0
 
     def validate(self) -> None:
         if self.attempts < 1:
             raise ConfigError("hole punch attempts must be at least 1")
         if self.dial_timeout <= 0 or self.grace < 0:
             raise ConfigError("hole punch timeouts must be positive")
+        if self.retries < 0 or self.retry_backoff < 0 or self.retry_poll <= 0:
+            raise ConfigError("hole punch retries must not be negative and retry_poll must be positive")
 
 
 class PunchMethod(StrEnum):
@@ -90,6 +100,8 @@ class HolePunchStats:
     first_try_successes: int = 0
     reversals: int = 0
     failures: int = 0
+    #: Upgrades tried again after an address changed (each also counts in attempts/successes/failures).
+    retries: int = 0
     #: Seconds from the relayed connection's start to a working direct one, per success.
     time_to_direct: list[float] = field(default_factory=list)
 
@@ -114,12 +126,57 @@ class HolePuncher:
     def metrics(self) -> Metrics:
         s = self.stats
         return {"punch_attempts": s.attempts, "punch_successes": s.successes, "punch_first_try": s.first_try_successes,
-                "reversals": s.reversals, "punch_failures": s.failures, "time_to_direct": list(s.time_to_direct)}
+                "reversals": s.reversals, "punch_failures": s.failures, "punch_retries": s.retries,
+                "time_to_direct": list(s.time_to_direct)}
 
     def _offer(self) -> list[bytes]:
         return [without_peer_id(a).to_bytes() for a in self._our_addrs() if reachable_tcp(a, allow_private=self.config.allow_private)][:MAX_PUNCH_ADDRS]
 
     # ---------------------------------------------------------------- the inbound side (B) leads
+
+    async def keep_upgrading(self, peer: ID, started: float, report: Callable[[PunchResult], None]) -> None:
+        """:meth:`upgrade` the relayed connection to ``peer``; while it stays relayed, again
+        (``config.retries`` times at most, backing off) whenever the addresses it depends on
+        change: ours, or the peer's public ones in the peer store. ``report`` hears every outcome."""
+        relayed = self._relayed_only(peer)
+        if relayed is None:
+            return
+        seen = self._addresses(peer)
+        result = await self.upgrade(peer, relayed, started)
+        report(result)
+        delay = self.config.retry_backoff
+        for _ in range(self.config.retries):
+            if result.conn is not None:
+                return
+            earliest = trio.current_time() + delay
+            while True:
+                await trio.sleep(self.config.retry_poll)
+                relayed = self._relayed_only(peer)
+                if relayed is None:
+                    return  # closed, or direct by other means
+                now = self._addresses(peer)
+                if now != seen and trio.current_time() >= earliest:
+                    break
+            seen = now
+            delay *= 2
+            self.stats.retries += 1
+            log.info("retrying the upgrade of the relayed connection to %s: addresses changed", peer)
+            result = await self.upgrade(peer, relayed, started)
+            report(result)
+
+    def _relayed_only(self, peer: ID) -> INetConn | None:
+        """The relayed connection to ``peer`` if that is all there is."""
+        conns = self._node.network.get_connections(peer)
+        if any(not is_relayed_conn(c) for c in conns):
+            return None
+        return next((c for c in conns if is_relayed_conn(c)), None)
+
+    def _addresses(self, peer: ID) -> tuple[frozenset[str], frozenset[str]]:
+        """What an upgrade depends on: the addresses we offer, the peer's we know."""
+        ours = frozenset(str(a) for a in self._our_addrs() if reachable_tcp(a, allow_private=self.config.allow_private))
+        theirs = frozenset(str(a) for a in self._node.known_addrs(peer)
+                           if reachable_tcp(a, allow_private=self.config.allow_private))
+        return ours, theirs
 
     async def upgrade(self, peer: ID, relayed: INetConn, started: float | None = None) -> PunchResult:
         """Get a direct connection to ``peer``, which reached us through a relay (``conn`` None when it cannot be had).

@@ -56,7 +56,7 @@ from . import events as nev
 from .autonat import DIAL_REQUEST, AutoNATClient, AutoNATConfig, AutoNATError, AutoNATServer
 from .autorelay import AutoRelay, AutoRelayConfig
 from .circuit import HOP_PROTOCOL, RelayClient, RelayClientConfig, is_relayed_conn
-from .holepunch import HolePunchConfig, HolePuncher
+from .holepunch import HolePunchConfig, HolePuncher, PunchResult
 from .port_mapping import PortMappingConfig, PortMappingUnavailable, map_port
 from .reachability import AddressVerdicts, MappingKind, NatMode, classify_mapping, judge_reachability, select_mode
 from .relay import RelayConfig, RelayService
@@ -273,18 +273,17 @@ class NatService(SwarmObserver):
             await self._learn(peer)
 
     async def _upgrade(self, peer: ID, opened: float) -> None:
-        relayed = next((c for c in self.node.network.get_connections(peer) if is_relayed_conn(c)), None)
-        if relayed is None:
-            return
-        result = await self.puncher.upgrade(peer, relayed, opened)
-        self.node.emit(nev.HolePunched(
-            peer_id=peer,
-            success=result.conn is not None,
-            method=result.method,
-            attempts=result.attempts,
-            elapsed=result.elapsed,
-            addr=None if result.conn is None else str(result.conn.get_transport_addresses()[0]),
-        ))
+        def report(result: PunchResult) -> None:
+            self.node.emit(nev.HolePunched(
+                peer_id=peer,
+                success=result.conn is not None,
+                method=result.method,
+                attempts=result.attempts,
+                elapsed=result.elapsed,
+                addr=None if result.conn is None else str(result.conn.get_transport_addresses()[0]),
+            ))
+
+        await self.puncher.keep_upgrading(peer, opened, report)
 
     # ---------------------------------------------------------------- reachability
 

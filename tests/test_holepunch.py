@@ -23,12 +23,12 @@ from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
 from nat.circuit import RelayClient, is_relayed_conn
-from nat.holepunch import MAX_PUNCH_ADDRS, PROTOCOL, HolePunchConfig, HolePuncher
+from nat.holepunch import MAX_PUNCH_ADDRS, PROTOCOL, HolePunchConfig, HolePuncher, PunchResult
 from nat.proto import holepunch_pb2 as pb
 from nat.relay import RelayService
 from nat.wire import read_message
 from p2p import Node
-from p2p.addresses import without_peer_id
+from p2p.addresses import reachable_tcp, without_peer_id
 from p2p.rpc.framing import encode_varint
 
 from .conftest import open_nodes
@@ -311,3 +311,37 @@ async def test_reversal_dials_few_of_hundreds_of_advertised_addresses():
         assert (await b.puncher.upgrade(a.node.peer_id, b.relayed)).conn is None
         assert 1 <= len(dialed) <= MAX_PUNCH_ADDRS
         assert set(dialed) <= set(bogus)
+
+
+async def test_an_upgrade_without_addresses_is_tried_again_when_they_arrive():
+    """The peer's addresses arrive after the relayed connection opened (here py-libp2p's own
+    identify of the new connection; js-libp2p announces its address only once its AutoNAT
+    confirmed it, then pushes identify): the first upgrade has nothing to dial and fails; the
+    change in the peer store brings a retry, which goes direct. Retries are counted."""
+    async with relayed_pair(allow_private=True) as (a, b):
+        b.puncher.config.retry_backoff, b.puncher.config.retry_poll = 0.2, 0.05
+        peer = a.node.peer_id
+        # a offers nothing in DCUtR (it does not know its address yet) and b knows none of a's:
+        # the first try can dial nothing; no checkpoint between this look and that try
+        assert not a.offer and not [x for x in b.node.known_addrs(peer) if reachable_tcp(x, allow_private=True)]
+        results: list[PunchResult] = []
+        with trio.fail_after(30):
+            await b.puncher.keep_upgrading(peer, trio.current_time(), results.append)
+        assert [r.conn is None for r in results] == [True, False]  # nothing to dial at first; then direct
+        assert not is_relayed_conn(results[1].conn)  # type: ignore[arg-type]
+        assert b.puncher.stats.retries == 1 and b.puncher.metrics()["punch_retries"] == 1
+
+
+async def test_an_upgrade_is_not_tried_again_while_nothing_changes():
+    """No address of ours or the peer's changes (loopback ones do not count without
+    allow_private): one upgrade, no retry, however long the relayed connection lasts."""
+    async with relayed_pair(allow_private=False) as (a, b):
+        b.puncher.config.retry_backoff, b.puncher.config.retry_poll = 0.05, 0.02
+        results: list[PunchResult] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(b.puncher.keep_upgrading, a.node.peer_id, trio.current_time(), results.append)
+            await wait_until(lambda: len(results) == 1, 30)
+            await b.node.identify(a.node.peer_id)
+            await trio.sleep(1.0)
+            nursery.cancel_scope.cancel()
+        assert len(results) == 1 and results[0].conn is None and b.puncher.stats.retries == 0
