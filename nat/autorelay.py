@@ -4,22 +4,27 @@ Among the peers we are connected to, those that offer the HOP protocol are
 relays; we keep up to ``max_relays`` reservations, refresh each before it
 expires, and replace relays that vanish or refuse. The loop wakes on any
 change (a new connection, a verdict, a lost relay) and otherwise every few
-seconds; the composing service decides when slots are wanted.
+seconds; the composing service decides when slots are wanted. When connected
+peers offer too few relays, a *peer source* (go-libp2p's name; the composed
+:class:`nat.Peer` plugs in the DHT's relay records, ``nat/relay_discovery.py``)
+names more, which are dialed and asked for a slot.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import trio
 from libp2p.peer.id import ID
+from multiaddr import Multiaddr
 
 from p2p import Node
+from p2p.addresses import with_peer_id
 from p2p.dialer import live_connection
-from p2p.errors import ConfigError
+from p2p.errors import ConfigError, DedlocError
 
 from . import events as nev
 from .circuit import RelayClient, RelayError, Reservation
@@ -36,12 +41,22 @@ class AutoRelayConfig:
     refresh_before: float = 300.0
     #: Longest sleep between passes when nothing changes, in seconds.
     poll_interval: float = 5.0
+    #: Ask the peer source (the DHT) for relays at most this often, in seconds.
+    peer_source_interval: float = 30.0
+    #: Seconds to reach one relay the peer source named.
+    dial_timeout: float = 10.0
 
     def validate(self) -> None:
         if self.max_relays < 1:
             raise ConfigError("autorelay max_relays must be at least 1")
-        if self.refresh_before <= 0 or self.poll_interval <= 0:
-            raise ConfigError("autorelay refresh_before and poll_interval must be positive")
+        if self.refresh_before <= 0 or self.poll_interval <= 0 or self.peer_source_interval <= 0 \
+                or self.dial_timeout <= 0:
+            raise ConfigError("autorelay refresh_before, poll_interval, peer_source_interval and dial_timeout "
+                              "must be positive")
+
+
+#: Candidate relays beyond our connections: given the ids to leave out, (id, addresses) pairs.
+PeerSource = Callable[[set[ID]], Awaitable[list[tuple[ID, list[Multiaddr]]]]]
 
 
 class AutoRelay:
@@ -55,6 +70,16 @@ class AutoRelay:
         self._is_relay = is_relay
         self._changed = changed
         self._wake = trio.Event()
+        self._peer_source: PeerSource | None = None
+        self._source_asked = -float("inf")
+        #: Relays reached through the peer source (the funnel's ``relays_discovered``).
+        self.discovered = 0
+
+    def use_peer_source(self, source: PeerSource | None) -> None:
+        """Where to find relays when our connections offer too few (None: nowhere else)."""
+        self._peer_source = source
+        self._source_asked = -float("inf")
+        self.wake()
 
     def wake(self) -> None:
         self._wake.set()
@@ -89,6 +114,36 @@ class AutoRelay:
                 break
             if relay != self._node.peer_id and relay not in client.reservations and self._is_relay(relay):
                 await self._reserve(relay, refresh=False)
+        if len(client.reservations) < self.config.max_relays:
+            await self._from_peer_source()
+
+    async def _from_peer_source(self) -> None:
+        """Dial relays the peer source names that we are not connected to, and reserve on them."""
+        now = trio.current_time()
+        if self._peer_source is None or now - self._source_asked < self.config.peer_source_interval:
+            return
+        self._source_asked = now
+        client = self._client
+        exclude = {self._node.peer_id, *client.reservations, *self._node.connected_peers()}
+        try:
+            candidates = await self._peer_source(exclude)
+        except Exception as e:  # the DHT not ready, no replica answered: next time
+            log.info("no relays from the peer source: %s", e)
+            return
+        for relay, addrs in candidates:
+            if len(client.reservations) >= self.config.max_relays:
+                return
+            if relay in exclude or live_connection(self._node.network, relay) is not None:
+                continue
+            try:
+                # from the listen port: a relay is also an observer of our NAT's mapping
+                await self._node.connect([with_peer_id(a, relay) for a in addrs], timeout=self.config.dial_timeout,
+                                         from_listen_port=True)
+            except DedlocError as e:
+                log.info("relay %s from the peer source unreachable: %s", relay, e)
+                continue
+            if await self._reserve(relay, refresh=False) is not None:
+                self.discovered += 1
 
     async def _reserve(self, relay: ID, *, refresh: bool) -> Reservation | None:
         try:

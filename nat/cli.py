@@ -27,12 +27,13 @@ from p2p.addresses import Scope, parse_peer_addr, scope_of
 from p2p.cli import Output, build_parser as p2p_parser, common_options, run
 from p2p.config import NodeConfig
 from p2p.errors import ConfigError
+from p2p.hooks import PathKind
 from p2p.dht.events import DHTMode
 from p2p.dialer import remote_addr
 from p2p.node import Node
 from p2p.rpc import CallContext, RemoteError
 
-from .events import NatStatus
+from .events import HolePunched, NatStatus, PingSummary
 from .peer import PEER_LISTEN, RELAY_LISTEN, Peer, PeerConfig
 from .port_mapping import PortMappingConfig
 from .relay import RelayConfig
@@ -179,21 +180,56 @@ async def cmd_status(args: argparse.Namespace, out: Output) -> int:
     return 0
 
 
+#: What ``dedloc ping`` prints: the path as it changes and the pings, not the client's own NAT verdicts.
+PING_EVENTS = (ev.ConnectionOpened, ev.ConnectionClosed, ev.PeerConnected, ev.Ping, ev.Error, HolePunched)
+
+
 async def cmd_ping(args: argparse.Namespace, out: Output) -> int:
-    """Ping any peer: a direct address, or ``<relay>/p2p-circuit/p2p/<peer>`` for one behind NAT (as a client)."""
+    """Ping any peer: a direct address, or ``<relay>/p2p-circuit/p2p/<peer>`` for one behind NAT.
+
+    It runs as an outbound-only client with the relay client and hole punching, so a
+    connection through a relay turns direct where the NATs allow it; the path is
+    reported as it changes (``connection_opened`` with its ``kind``, ``hole_punch``
+    with the time to direct) and with every ping. The last line sums it up.
+    """
     _, target = parse_peer_addr(args.address, what="address to ping")
     config = PeerConfig.client([], timeout=args.timeout)
     config.dht = None
     config.node.listen = args.listen or config.node.listen
+    rtts: list[float] = []
+    punched: list[HolePunched] = []
+    #: When the first relayed and the first direct connection to the target opened (Unix time).
+    opened: dict[str, float] = {}
+
+    async def follow(node: Node, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        async with node.events() as events:
+            task_status.started()
+            async for event in events:
+                if isinstance(event, PING_EVENTS):
+                    out.event(event)
+                if isinstance(event, HolePunched) and event.peer_id == target:
+                    punched.append(event)
+                if isinstance(event, ev.ConnectionOpened) and event.peer_id == target:
+                    opened.setdefault(event.kind, event.ts)
+
     async with trio.open_nursery() as nursery:
-        async with Peer.open(config, on_listening=lambda node: nursery.start_soon(_follow, node, out)) as peer:
+        async with Peer.open(config, on_listening=lambda node: nursery.start_soon(follow, node)) as peer:
             await peer.node.connect(args.address)
             for i in range(args.count):
                 if i:
                     await trio.sleep(args.interval)
-                await peer.node.ping(target, timeout=args.timeout)
+                rtts.append(await peer.node.ping(target, timeout=args.timeout))
             await trio.sleep(0)  # let the last event reach the printer
         nursery.cancel_scope.cancel()
+    ordered = sorted(rtts)
+    # Either side may have led the upgrade (the one the relayed connection reached does):
+    # the connections opened tell the time to direct from both.
+    relayed_at, direct_at = opened.get(PathKind.RELAYED), opened.get(PathKind.DIRECT)
+    to_direct = direct_at - relayed_at if relayed_at is not None and direct_at is not None and direct_at >= relayed_at else None
+    out.event(PingSummary(peer_id=target, pings=len(rtts),
+                          rtt_ms_min=ordered[0] * 1e3 if ordered else None,
+                          rtt_ms_median=ordered[len(ordered) // 2] * 1e3 if ordered else None,
+                          punch_attempts=len(punched), time_to_direct=to_direct))
     return 0
 
 

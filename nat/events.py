@@ -52,6 +52,38 @@ class HolePunched(Event):
     addr: str | None = None
     event: str = field(init=False, default="hole_punch")
 
+    def human(self) -> str:
+        who = f"…{str(self.peer_id)[-8:]}"
+        if self.success:
+            how = "dialed back" if self.method == "reversal" else f"hole punch, {self.attempts} round{'s' if self.attempts != 1 else ''}"
+            return f"direct connection to {who} at {self.addr}, {self.elapsed:.2f} s after the relayed one opened ({how})"
+        return (f"no direct connection to {who} after {self.attempts} hole-punch round{'s' if self.attempts != 1 else ''} "
+                f"({self.elapsed:.2f} s): staying relayed")
+
+
+@dataclass
+class PingSummary(Event):
+    """``dedloc ping``'s last line: the round trips, and whether (and when) the path went direct."""
+
+    peer_id: ID
+    pings: int
+    rtt_ms_min: float | None
+    rtt_ms_median: float | None
+    #: Upgrades of the relayed connection this side led (the side it reached leads; a ping client is usually the other).
+    punch_attempts: int
+    #: Seconds from the relayed connection's start to the direct one (None: it never went direct).
+    time_to_direct: float | None
+    event: str = field(init=False, default="ping_summary")
+
+    def human(self) -> str:
+        line = (f"{self.pings} pings, rtt min {self.rtt_ms_min:.2f} ms, median {self.rtt_ms_median:.2f} ms"
+                if self.rtt_ms_min is not None and self.rtt_ms_median is not None else "no pings")
+        if self.time_to_direct is not None:
+            return line + f"; relayed at first, direct after {self.time_to_direct:.2f} s"
+        if self.punch_attempts:
+            return line + f"; relayed: {self.punch_attempts} upgrade attempt(s) found no direct path"
+        return line
+
 
 @dataclass
 class ModeChanged(Event):

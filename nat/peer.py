@@ -10,7 +10,9 @@ observations of our mapping). :class:`Peer` does it once:
    autorelay, hole punching, port mapping), so it sees the first connections;
 3. bootstrap to the initial peers, from the listen port;
 4. peer exchange (serving, and meeting peers when asked to);
-5. the DHT, which serves once the NAT layer judged us reachable (``auto``).
+5. the DHT, which serves once the NAT layer judged us reachable (``auto``);
+6. relay discovery over the DHT (``nat/relay_discovery.py``): a relay advertises
+   itself there, and autorelay looks there when its connections offer too few.
 
 and closes them in reverse. Layers above (the averager, the collaborative
 optimizer) take a :class:`Peer` as their argument, as hivemind's take its DHT.
@@ -20,25 +22,31 @@ Presets cover the roles people run: :meth:`PeerConfig.relay`,
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import trio
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
 from p2p import Node, NodeConfig
+from p2p.addresses import is_relayed
 from p2p.dht import DHT, DHTConfig
 from p2p.dht.events import DHTMode
-from p2p.errors import ConfigError
-from p2p.hooks import Metrics
+from p2p.errors import ConfigError, DedlocError
+from p2p.hooks import Metrics, Reachability
 from p2p.peer_exchange import PeerExchange
 
 from .autorelay import AutoRelayConfig
 from .port_mapping import PortMappingConfig
 from .relay import RelayConfig
+from .relay_discovery import advertise_once, find_relays
 from .traversal import NatConfig, NatService
+
+log = logging.getLogger(__name__)
 
 #: Where a public relay listens: the port people write into their configs.
 RELAY_LISTEN = ["/ip4/0.0.0.0/tcp/4001", "/ip6/::/tcp/4001"]
@@ -143,7 +151,29 @@ class Peer:
             exchange = await stack.enter_async_context(
                 PeerExchange.open(node, greeting=config.greeting, interval=config.exchange_interval))
             dht = None if config.dht is None else await stack.enter_async_context(DHT.open(node, config.dht))
-            yield cls(node, nat, exchange, dht)
+            peer = cls(node, nat, exchange, dht)
+            discovery = config.nat.relay_discovery
+            if dht is not None:
+                nursery = await stack.enter_async_context(trio.open_nursery())
+                stack.callback(nursery.cancel_scope.cancel)  # runs first on the way out
+                if discovery.lookup and nat.config.autorelay.enabled:
+                    nat.autorelay.use_peer_source(lambda exclude: find_relays(dht, exclude=exclude))
+                    stack.callback(nat.autorelay.use_peer_source, None)
+                if discovery.advertise and nat.relay_service is not None:
+                    nursery.start_soon(peer._advertise_relay, discovery.ttl)
+            yield peer
+
+    async def _advertise_relay(self, ttl: float) -> None:
+        """Keep our relay record in the DHT while we have a direct address AutoNAT did not refute."""
+        while True:
+            addrs = [a for a in self.node.addrs if not is_relayed(a)]
+            stored = False
+            if addrs and self.nat.reachability != Reachability.PRIVATE:
+                try:
+                    stored = await advertise_once(self.dht, addrs, ttl)
+                except DedlocError as e:
+                    log.info("relay advertisement not stored: %s", e)
+            await trio.sleep(ttl / 3 if stored else min(5.0, ttl / 3))
 
     @property
     def dht(self) -> DHT:

@@ -60,6 +60,7 @@ from .holepunch import HolePunchConfig, HolePuncher, PunchResult
 from .port_mapping import PortMappingConfig, PortMappingUnavailable, map_port
 from .reachability import AddressVerdicts, MappingKind, NatMode, classify_mapping, judge_reachability, select_mode
 from .relay import RelayConfig, RelayService
+from .relay_discovery import RelayDiscoveryConfig
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,8 @@ class NatConfig:
     autonat: AutoNATConfig = field(default_factory=AutoNATConfig)
     hole_punch: HolePunchConfig = field(default_factory=HolePunchConfig)
     autorelay: AutoRelayConfig = field(default_factory=AutoRelayConfig)
+    #: Relays advertised in and looked up from the DHT (the composed :class:`nat.Peer` runs both).
+    relay_discovery: RelayDiscoveryConfig = field(default_factory=RelayDiscoveryConfig)
     port_mapping: PortMappingConfig = field(default_factory=PortMappingConfig)
     #: Re-check reachability this often (seconds), and sooner when the network changes.
     recheck_interval: float = 300.0
@@ -96,6 +99,7 @@ class NatConfig:
         self.autonat.validate()
         self.hole_punch.validate()
         self.autorelay.validate()
+        self.relay_discovery.validate()
         self.port_mapping.validate()
         if self.min_failures < 1 or self.servers_per_check < 1:
             raise ConfigError("min_failures and servers_per_check must be at least 1")
@@ -387,6 +391,7 @@ class NatService(SwarmObserver):
             "reservations": len(self.relay_client.reservations),
             "reservations_made": client["reservations"],
             "reservation_failures": client["reservation_failures"],
+            "relays_discovered": self.autorelay.discovered,
             "dial_backs": self._dial_backs,
             **self.puncher.metrics(),
             "bytes_direct": direct,

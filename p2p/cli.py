@@ -79,8 +79,8 @@ def human(event: ev.Event) -> str:
             return f"+ {d} {k} connection {_short(pid)} {addr}"
         case ev.ConnectionClosed(peer_id=pid, kind=k):
             return f"- {k} connection closed {_short(pid)}"
-        case ev.Ping(peer_id=pid, rtt_ms=rtt):
-            return f"ping {_short(pid)}: {rtt:.2f} ms"
+        case ev.Ping(peer_id=pid, rtt_ms=rtt, kind=kind):
+            return f"ping {_short(pid)}: {rtt:.2f} ms" + (f" ({kind})" if kind else "")
         case ev.Message(peer_id=pid, text=text):
             return f"message from {_short(pid)}: {text}"
         case ev.PeerCount(count=n, peers=peers):

@@ -86,6 +86,8 @@ class PeerConnected(Event):
 class Ping(Event):
     peer_id: ID
     rtt_ms: float
+    #: The path the ping took: ``direct``, or ``relayed`` through a circuit relay (None: unknown).
+    kind: PathKind | None = None
     event: str = field(init=False, default="ping")
 
 

@@ -498,12 +498,22 @@ class Node:
                         raise DialError(f"{peer_id} closed the ping stream")
                     echo += chunk
                 rtt = time.perf_counter() - started
+                kind = self._path_of(stream)
             finally:
                 await finish_quietly(stream.close)
         if echo != payload:
             raise DedlocError(f"{peer_id} answered ping with other bytes")
-        self.emit(ev.Ping(peer_id=peer_id, rtt_ms=rtt * 1e3))
+        self.emit(ev.Ping(peer_id=peer_id, rtt_ms=rtt * 1e3, kind=kind))
         return rtt
+
+    def _path_of(self, stream: INetStream) -> PathKind | None:
+        """Whether a stream runs on a direct or a relayed connection (None: its connection is gone)."""
+        muxed = getattr(stream, "muxed_conn", None)
+        peer = _remote(stream)
+        if muxed is None or peer is None:
+            return None
+        conn = next((c for c in self.network.get_connections(peer) if getattr(c, "muxed_conn", None) is muxed), None)
+        return None if conn is None else _connection_info(conn).kind
 
     async def identify(self, peer_id: ID, *, timeout: float = 10.0) -> PeerIdentity:
         """Ask a peer who it is; see :class:`p2p.identify.PeerIdentity` for the verdicts."""

@@ -88,6 +88,34 @@ async def test_ping_a_running_node():
     assert any(e["event"] == "peer_connected" for e in events)
 
 
+async def test_ping_through_a_relay_reports_the_path():
+    """``dedloc ping <relay>/p2p-circuit/p2p/<peer>`` reaches a peer that listens nowhere (behind
+    a NAT that maps nothing): through the circuit, each ping saying it went relayed, and a summary."""
+    from tests.test_traversal import circuit_addrs, nat_config, nat_node
+
+    async with nat_node(nat_config(relay_service=True, allow_private=True)) as (relay, _, _), \
+            nat_node(listen=[]) as (hidden, _, _):
+        await hidden.connect(relay.addrs[0])
+        with trio.fail_after(20):
+            while not circuit_addrs(hidden):
+                await trio.sleep(0.05)
+        (circuit,) = circuit_addrs(hidden)
+        result = await trio.run_process(
+            [*DEDLOC, "ping", "--json", "-c", "3", "-i", "0.05", str(circuit)],
+            capture_stdout=True, capture_stderr=True, check=False,
+        )
+        assert result.returncode == 0, result.stderr
+    events = [json.loads(line) for line in result.stdout.splitlines()]
+    opened = [(e["peer_id"], e["kind"]) for e in events if e["event"] == "connection_opened"]
+    assert opened == [(str(relay.peer_id), "direct"), (str(hidden.peer_id), "relayed")]
+    pings = [e for e in events if e["event"] == "ping"]
+    assert [p["kind"] for p in pings] == ["relayed"] * 3 and all(p["peer_id"] == str(hidden.peer_id) for p in pings)
+    (summary,) = [e for e in events if e["event"] == "ping_summary"]
+    assert summary["pings"] == 3 and 0 < summary["rtt_ms_min"] <= summary["rtt_ms_median"]
+    assert summary["time_to_direct"] is None
+    assert not [e for e in events if e["event"] in ("reachability", "nat_mode")]  # the client's own verdicts: noise here
+
+
 async def test_relay_and_peer_json_events():
     """A relay and a peer, each in its own process, report each other as JSON lines."""
     relay = await trio.lowlevel.open_process(

@@ -30,6 +30,7 @@ import pytest
 import trio
 
 from nat.lab import ALL_KINDS, Host, Lab, NatKind
+from training.demo import read_lines
 from tests.kit import requires_root_netns
 
 pytestmark = [pytest.mark.slow, requires_root_netns, pytest.mark.timeout(900)]
@@ -288,3 +289,41 @@ async def test_nat_traversal_matrix(loss_pct: float | None) -> None:
     if right < 0.8 * len(verdicts):
         problems.append(f"NAT mapping classified by only {right} of {len(verdicts)} peers")
     assert not problems, "\n".join(problems)
+
+
+async def test_ping_from_behind_a_nat_goes_direct_and_says_so() -> None:
+    """What a volunteer runs to check their setup: ``dedloc peer`` behind one home NAT, and
+    ``dedloc ping <relay>/p2p-circuit/p2p/<peer>`` from behind another (both endpoint-independent),
+    at the lab's delays. The ping starts relayed, the hole punch turns it direct, and the output
+    says so: a relayed connection, a ``hole_punch`` with the time to direct, later pings ``direct``."""
+    async with Lab(prefix="dpg", public_net=PUBLIC_NET) as lab:
+        _, relay_addr = await start_relay(lab)
+        host_a = await lab.peer("a", NatKind.EIM_PRESERVING, listen_port=PORT, delay_ms=50)
+        host_b = await lab.peer("b", NatKind.EIM_CHANGING, listen_port=PORT, delay_ms=50)
+        peer = await host_a.spawn(
+            [sys.executable, "-m", "nat.cli", "peer", "--ephemeral", "--json", "--listen", f"/ip4/0.0.0.0/tcp/{PORT}",
+             "--initial-peers", relay_addr, "--status-interval", "0", "--no-port-mapping"],
+            stdout=subprocess.PIPE, cwd=str(ROOT))
+        assert peer.stdout is not None
+        circuit = peer_id = ""
+        with trio.fail_after(60):
+            async for line in read_lines(peer.stdout):
+                event = json.loads(line)
+                peer_id = event["peer_id"] if event["event"] == "listening" else peer_id
+                if event["event"] == "relay_reserved":
+                    circuit = f"{event['addrs'][0]}/p2p/{peer_id}"
+                    break
+        assert circuit, "the peer exited before it held a relay slot"
+        result = await host_b.run(
+            [sys.executable, "-m", "nat.cli", "ping", "--json", "-c", "8", "-i", "0.5", circuit], timeout=90)
+        peer.kill()
+    assert result.rc == 0, result.stderr
+    events = [json.loads(line) for line in result.stdout.splitlines()]
+    opened = [e["kind"] for e in events if e["event"] == "connection_opened" and e["peer_id"] == peer_id]
+    assert opened[:1] == ["relayed"] and "direct" in opened, events
+    (punch,) = [e for e in events if e["event"] == "hole_punch" and e["success"]]
+    pings = [e["kind"] for e in events if e["event"] == "ping"]
+    assert pings[0] == "relayed" and pings[-1] == "direct", pings
+    (summary,) = [e for e in events if e["event"] == "ping_summary"]
+    assert summary["time_to_direct"] is not None and 0 < summary["time_to_direct"] < 10
+    print(f"\nping from behind an EIM NAT: direct after {summary['time_to_direct']:.2f} s, pings {pings}")
