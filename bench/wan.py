@@ -15,6 +15,13 @@ and measures, from the dial's start:
 * connected: the dialer holds a connection it can open streams on;
 * first pong: a ping stream opened on it has its echo back.
 
+Then the NAT path, dedloc only (the js peer here runs no DCUtR): a relay
+(``dedloc relay``, --delay-ms / 2 one-way, as the NAT matrix's) and two peers
+behind endpoint-independent NATs running the whole network layer; B dials A's
+circuit address, --rounds times, each round a fresh process, identity and port
+(bench/wan_peer.py nat-dial), and measures the relayed connection, its first
+pong, and the time until the hole punch made it direct.
+
 Both are printed in seconds and in round trips of the path (the nominal
 4 x delay; the warm ping RTT is printed beside it), min / median over the
 rounds. js's times come from its own clock around each command (peer.mjs's
@@ -40,7 +47,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "interop"))
 
 from jspeer import JsPeer, js_unavailable_reason, open_js_peer, open_js_relay  # noqa: E402
-from nat.lab import Host, Lab  # noqa: E402
+from nat.lab import Host, Lab, NatKind  # noqa: E402
+from p2p.trio_util import read_lines  # noqa: E402
 
 PREFIX = "dwan"
 PY = sys.executable
@@ -48,18 +56,56 @@ WORKER = str(REPO / "bench" / "wan_peer.py")
 DEDLOC_PORT, JS_PORT = 4001, 4002
 
 
-async def dedloc_listener(host: Host) -> tuple[trio.Process, str]:
-    process = await host.spawn([PY, WORKER, "listen", str(DEDLOC_PORT)], stdin=subprocess.PIPE,
+async def dedloc_listener(host: Host, *args: str) -> tuple[trio.Process, dict[str, str]]:
+    """A wan_peer.py listener (``listen PORT`` unless told) and the JSON line it announces itself with."""
+    process = await host.spawn([PY, WORKER, *(args or ("listen", str(DEDLOC_PORT)))], stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE)
     assert process.stdout is not None
     line = b""
-    with trio.fail_after(30):
+    with trio.fail_after(60):
         while b"\n" not in line:
             chunk = await process.stdout.receive_some(4096)
             if not chunk:
                 raise RuntimeError("the dedloc listener exited")
             line += chunk
-    return process, json.loads(line)["peer_id"]
+    return process, dict(json.loads(line))
+
+
+async def relay_on(host: Host) -> tuple[trio.Process, str]:
+    """``dedloc relay`` on a lab host, and its address."""
+    process = await host.spawn([PY, "-m", "nat.cli", "relay", "--ephemeral", "--json", "--listen",
+                                f"/ip4/0.0.0.0/tcp/{DEDLOC_PORT}", "--status-interval", "0", "--no-port-mapping"],
+                               stdout=subprocess.PIPE, cwd=str(REPO))
+    assert process.stdout is not None
+    with trio.fail_after(60):
+        async for line in read_lines(process.stdout):
+            event = json.loads(line)
+            if event.get("event") == "listening":
+                return process, f"/ip4/{host.ip}/tcp/{DEDLOC_PORT}/p2p/{event['peer_id']}"
+    raise RuntimeError("the relay exited")
+
+
+async def nat_rounds(lab: Lab, args: argparse.Namespace) -> list[dict[str, float]]:
+    """Relayed connection, first pong and time to direct between two peers behind EIM NATs."""
+    loss = args.loss_pct or None
+    relay_host = await lab.public_host("relay", delay_ms=args.delay_ms / 2, loss_pct=loss)
+    a = await lab.peer("na", NatKind.EIM_PRESERVING, listen_port=DEDLOC_PORT, delay_ms=args.delay_ms, loss_pct=loss)
+    b = await lab.peer("nb", NatKind.EIM_PRESERVING, listen_port=DEDLOC_PORT, delay_ms=args.delay_ms, loss_pct=loss)
+    _, relay = await relay_on(relay_host)
+    listener, announced = await dedloc_listener(a, "nat-listen", relay, str(DEDLOC_PORT))
+    rows = []
+    try:
+        for i in range(args.rounds):
+            result = await b.run([PY, WORKER, "nat-dial", relay, announced["circuit"], str(DEDLOC_PORT + 10 + i)],
+                                 timeout=120)
+            found = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+            if not found:
+                raise RuntimeError(f"nat-dial round {i}: no result; stderr: {result.stderr[-2000:]}")
+            rows.append(found[0])
+    finally:
+        assert listener.stdin is not None
+        await listener.stdin.aclose()
+    return rows
 
 
 async def dedloc_dials(host: Host, addr: str, rounds: int) -> list[dict[str, float]]:
@@ -105,7 +151,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         a = await lab.public_host("a", delay_ms=args.delay_ms, loss_pct=loss)
         b = await lab.public_host("b", delay_ms=args.delay_ms, loss_pct=loss)
         results["mechanism"] = lab.mechanism
-        listener, dedloc_id = await dedloc_listener(a)
+        listener, announced = await dedloc_listener(a)
+        dedloc_id = announced["peer_id"]
         dedloc_addr = f"/ip4/{a.ip}/tcp/{DEDLOC_PORT}/p2p/{dedloc_id}"
         try:
             async with open_js_relay(a.spawn, ["--port", str(JS_PORT)]) as js_listener, \
@@ -127,6 +174,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             assert listener.stdin is not None
             await listener.stdin.aclose()
+        rows = await nat_rounds(lab, args)
+        results["nat"] = {key: summary(rows, f"{key}_s", rtt) for key in ("relayed", "first_pong", "direct")}
+        results["nat"]["rounds"] = rows
+        print(f"  behind NATs      relayed {results['nat']['relayed']['median_s']:.2f} s, "
+              f"direct {results['nat']['direct']['median_s']:.2f} s", flush=True)
     return results
 
 
@@ -141,6 +193,14 @@ def table(results: dict[str, Any]) -> str:
         c, p = results[name]["connected"], results[name]["first_pong"]
         lines.append(f"| {name} | {c['min_s']:.3f} / {c['median_s']:.3f} | {c['min_rtt']:.1f} / {c['median_rtt']:.1f} "
                      f"| {p['min_s']:.3f} / {p['median_s']:.3f} | {p['min_rtt']:.1f} / {p['median_rtt']:.1f} |")
+    nat = results["nat"]
+    lines += ["", f"dedloc behind two endpoint-independent NATs, through a relay ({results['delay_ms'] / 2:g} ms one-way "
+              f"to the core), min / median of {len(nat['rounds'])} rounds",
+              "| from the dial's start | seconds | RTT (peer to peer) |", "|---|---|---|"]
+    for key, label in (("relayed", "relayed connection"), ("first_pong", "first pong (relayed)"),
+                       ("direct", "direct (hole punch done)")):
+        lines.append(f"| {label} | {nat[key]['min_s']:.3f} / {nat[key]['median_s']:.3f} "
+                     f"| {nat[key]['min_rtt']:.1f} / {nat[key]['median_rtt']:.1f} |")
     return "\n".join(lines)
 
 

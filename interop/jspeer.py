@@ -21,7 +21,7 @@ import itertools
 import json
 import os
 import subprocess
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ import trio
 INTEROP_DIR = Path(__file__).resolve().parent
 PEER_SCRIPT = INTEROP_DIR / "js" / "peer.mjs"
 RELAY_SCRIPT = INTEROP_DIR / "js" / "relay.mjs"
+NATPEER_SCRIPT = INTEROP_DIR / "js" / "natpeer.mjs"
 NODE_MODULES = INTEROP_DIR / "node_modules"
 #: Where setup.sh puts node 22; DEDLOC_NODE22 overrides it.
 DEFAULT_NODE = INTEROP_DIR / ".node" / "bin" / "node"
@@ -336,11 +337,14 @@ async def open_js_peer(
     exit_timeout: float = 5.0,
     env: dict[str, str] | None = None,
     spawn: Callable[..., Awaitable[trio.Process]] = trio.lowlevel.open_process,
+    script: Path | None = None,
+    argv: Sequence[str] = (),
 ) -> AsyncIterator[JsPeer]:
     """Start ``peer.mjs`` under node 22, wait for its listening line, stop it on exit.
 
     ``spawn``: how to start it (a lab ``Host.spawn`` runs it in that host's namespace,
     where it listens on the namespace's own loopback and dials the lab's addresses).
+    ``script`` and ``argv``: another script that speaks the same lines (``natpeer.mjs``).
     """
     reason = js_unavailable_reason()
     if reason is not None:
@@ -348,7 +352,7 @@ async def open_js_peer(
     child_env = {**os.environ, **(env or {})}
     child_env.pop("NODE_OPTIONS", None)
     process = await spawn(
-        [str(node_path()), str(PEER_SCRIPT)],
+        [str(node_path()), str(script or PEER_SCRIPT), *argv],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -32,7 +32,7 @@ from multiaddr import Multiaddr
 
 from p2p import Node
 from p2p.addresses import reachable_tcp, without_peer_id
-from p2p.dialer import remote_addr
+from p2p.dialer import dial_simultaneous, remote_addr
 from p2p.errors import ConfigError, RemoteProtocolError
 from p2p.hooks import Metrics, Registration
 from p2p.trio_util import finish_quietly
@@ -191,6 +191,8 @@ class HolePuncher:
         rounds = 0
         try:
             direct = await self._reverse(peer)
+            log.debug("upgrade to %s: reversal %s after %.2f s", peer, "worked" if direct else "found nothing",
+                      trio.current_time() - started)
             if direct is not None:
                 stats.reversals += 1
             else:
@@ -199,7 +201,8 @@ class HolePuncher:
                     try:
                         direct = await self._punch_round(peer, relayed)
                     except (RemoteProtocolError, trio.TooSlowError, Exception) as e:
-                        log.info("hole punch round %d with %s failed: %s", rounds, peer, e)
+                        log.info("hole punch round %d with %s failed after %.2f s: %r", rounds, peer,
+                                 trio.current_time() - started, e)
                         direct = None
                     if direct is not None:
                         if rounds == 1:
@@ -247,7 +250,7 @@ class HolePuncher:
         if not theirs:
             raise RemoteProtocolError(f"{peer} offered no public address to punch to")
         await trio.sleep(rtt / 2)
-        direct = await self._dial_any(peer, theirs, responder=True)
+        direct = await self._dial_any(peer, theirs, responder=True, rtt=rtt)
         if direct is None:
             # The peer's SYN may have reached our listener first (a NAT that filters by
             # mapping only, a mapped port): then the punched connection came in, and our
@@ -280,8 +283,13 @@ class HolePuncher:
 
     # ---------------------------------------------------------------- dialing
 
-    async def _dial_any(self, peer: ID, addrs: list[Multiaddr], *, responder: bool) -> INetConn | None:
-        """Dial every address at once from our listen port; the first connection that works wins."""
+    async def _dial_any(self, peer: ID, addrs: list[Multiaddr], *, responder: bool, rtt: float = 0.0) -> INetConn | None:
+        """Dial every address at once from our listen port; the first connection that works wins.
+
+        ``responder``: we lead the upgrade, so on a simultaneous open we answer the
+        handshake; ``rtt`` (the relayed round trip) tells how long to wait for the
+        peer to speak before taking it for a listener (:func:`p2p.dialer.dial_simultaneous`).
+        """
         network = self._node.network
         won: list[INetConn] = []
 
@@ -289,7 +297,8 @@ class HolePuncher:
             source = self._node.listen_source(addr)
             try:
                 if responder:
-                    conn = await network.dial_addr_as_responder(without_peer_id(addr), peer, source=source)
+                    conn = await dial_simultaneous(network, without_peer_id(addr), peer, source=source,
+                                                   listener_after=max(0.5, 2 * rtt))
                 else:
                     conn = await network.dial_addr(without_peer_id(addr), peer, source=source)
             except Exception as e:

@@ -13,14 +13,18 @@ which has no such stall. ``tests/test_dialer.py`` pins the behaviour.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 import trio
 from libp2p.abc import INetConn, INetworkService
+from libp2p.io.abc import ReadWriteCloser
+from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
-from .addresses import is_relayed, rank_for_dial, without_peer_id
-from .errors import DialError
+from . import multistream
+from .addresses import is_relayed, peer_id_of, rank_for_dial, split_circuit, without_peer_id
+from .errors import AddressError, DialError
 from .trio_util import finish_quietly
 
 
@@ -57,7 +61,7 @@ async def dial(
     existing = live_connection(network, peer_id)
     if existing is not None:
         return existing, remote_addr(existing)
-    ranked = [a for a in rank_for_dial(addrs) if circuit is not None or not is_relayed(a)]
+    ranked = _one_circuit_per_relay(network, [a for a in rank_for_dial(addrs) if circuit is not None or not is_relayed(a)])
     if not ranked:
         raise DialError(f"no dialable address known for {peer_id}", [(str(a), "relayed (needs a relay client)") for a in addrs])
 
@@ -94,6 +98,115 @@ async def dial(
         pending = {str(a) for a in ranked} - {f[0] for f in failures}
         failures.extend((a, f"timed out after {timeout:g}s") for a in sorted(pending))
     raise DialError(f"could not connect to {peer_id}", failures)
+
+
+def _one_circuit_per_relay(network: INetworkService, addrs: list[Multiaddr]) -> list[Multiaddr]:
+    """Drop relayed addresses that go through a relay we already hold a connection to, but the first.
+
+    A peer lists its circuit once per address of its relay (IPv4, IPv6, a LAN one):
+    over one relay connection they are the same circuit, and racing them (0.25 s
+    apart, less than a relayed handshake takes) asks the relay twice, so the peer
+    answers two STOPs and js-libp2p keeps neither whole when one is abandoned.
+    Through a relay we are not connected to, each relay address is a real alternative.
+    """
+    out: list[Multiaddr] = []
+    seen: set[ID] = set()
+    for addr in addrs:
+        if is_relayed(addr):
+            try:
+                _, relay = split_circuit(addr)
+            except AddressError:
+                out.append(addr)  # names no relay: the circuit dialer says so, as a failure of this address
+                continue
+            if live_connection(network, relay) is not None:
+                if relay in seen:
+                    continue
+                seen.add(relay)
+        out.append(addr)
+    return out
+
+
+async def dial_simultaneous(network: INetworkService, addr: Multiaddr, peer_id: ID, *,
+                            source: tuple[str, int] | None, listener_after: float) -> INetConn:
+    """The DCUtR initiator's dial of a hole punch: the security handshake's responder on a
+    simultaneous open, its initiator when the address turns out to be a listener.
+
+    On a TCP simultaneous open the two dials merge into one connection, and DCUtR
+    gives the roles: the peer that answered CONNECT speaks first, we answer (py-libp2p's
+    ``dial_addr_as_responder``). But when our SYN reaches a *listening* socket (the
+    peer is public, or port-mapped, and never said so in identify, as js-libp2p does
+    until its AutoNAT confirmed an address), the listener waits for us to speak while
+    we wait for it: the dial hangs for its whole timeout. So we wait ``listener_after``
+    seconds (a couple of the relayed round trips the CONNECT exchange took) for the
+    peer's first flight: a dialer's (the multistream header and a proposal) means a
+    simultaneous open, and we answer; silence, or a listener's header alone, means a
+    listener, and we speak first. Either way the bytes read are replayed to the upgrade.
+    """
+    transport = network.transport_manager.transport_for_dialing(addr)  # type: ignore[attr-defined]
+    dial_with_source = getattr(transport, "dial_with_source", None)
+    if transport is None or dial_with_source is None or source is None:
+        return await network.dial_addr_as_responder(addr, peer_id, source=source)
+    target = addr if peer_id_of(addr) is not None else addr.encapsulate(Multiaddr(f"/p2p/{peer_id.to_base58()}"))
+    try:
+        raw = await dial_with_source(target, source)
+    except Exception as e:
+        raise DialError(f"could not open a connection to {addr}", [(str(addr), _describe(e))]) from e
+    first = b""
+    try:
+        with trio.move_on_after(listener_after):
+            while multistream.complete_messages(first) < 2:
+                chunk = await raw.read(65536)
+                if not chunk:
+                    raise DialError(f"{addr} closed the connection at once", [(str(addr), "closed")])
+                first += chunk
+    except BaseException:
+        await finish_quietly(raw.close)
+        raise
+    addresses = raw.get_transport_addresses()
+    if multistream.complete_messages(first) < 2:
+        # Silence, or a multistream header alone (py-libp2p's listener sends it unasked):
+        # a listener waiting for our proposal. We speak first; what it sent is replayed.
+        speaking = RawConnection(_Replay(raw.stream, first), initiator=True, addresses=addresses)
+        return await network.upgrade_outbound_raw_conn(speaking, peer_id)
+    # Header and a proposal: the peer dialed too and speaks first (a simultaneous open).
+    answering = RawConnection(_Replay(raw.stream, first), initiator=False, addresses=addresses)
+    muxed = await network.upgrade_inbound_raw_conn(answering, addr)
+    if getattr(muxed, "peer_id", None) != peer_id:
+        await finish_quietly(muxed.close)
+        raise DialError(f"{addr} is not {peer_id}", [(str(addr), f"answered as {getattr(muxed, 'peer_id', None)}")])
+    for conn in reversed(network.get_connections(peer_id)):
+        if getattr(conn, "muxed_conn", None) is muxed:
+            return conn
+    raise DialError(f"the punched connection to {peer_id} was not kept", [(str(addr), "not registered")])
+
+
+class _Replay(ReadWriteCloser):
+    """A byte stream that first returns bytes already read from it (the peer's first flight).
+
+    It has no ``stream`` attribute on purpose: the Noise session then reads through
+    it rather than from the socket underneath (``p2p/noise.py``'s fast path)."""
+
+    def __init__(self, inner: Any, first: bytes) -> None:
+        self._inner = inner
+        self._first = first
+
+    async def read(self, n: int | None = None) -> bytes:
+        if self._first:
+            if n is None or n >= len(self._first):
+                out, self._first = self._first, b""
+            else:
+                out, self._first = self._first[:n], self._first[n:]
+            return out
+        return bytes(await self._inner.read(n))
+
+    async def write(self, data: bytes) -> None:
+        await self._inner.write(data)
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+    def get_remote_address(self) -> tuple[str, int] | None:
+        return self._inner.get_remote_address()  # type: ignore[no-any-return]
 
 
 def backoff_delays(initial: float, maximum: float) -> Iterator[float]:

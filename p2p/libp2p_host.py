@@ -29,6 +29,14 @@ moves (``tests/test_node.py`` and ``interop/`` pin the behaviour):
   unconfirmed observed addresses.
 * **Peer store cap.** Its automatic identify stores up to 1000 self-reported
   addresses per peer; :func:`_cap_peer_addrs` keeps ``max_addrs``.
+* **Identify's observed address.** Its handler reports ``/p2p/<relay>/p2p-circuit``
+  as the observed address whenever the peer has *any* relayed connection to us
+  (even when asked over a direct one). js-libp2p 3.x throws on an observed
+  address that does not start with an IP, which fails its whole identify: no
+  protocols learned, so no DCUtR, and the connection stays relayed (found by
+  ``interop/test_js_nat.py``). :func:`_identify_handler` reports the stream's
+  own connection's remote TCP address, and nothing on a relayed connection,
+  where there is nothing to observe (the field is optional).
 * **Dialing** is not here: ``p2p/dialer.py`` replaces ``Swarm.dial_peer`` (a
   250 ms stall on every successful connect) and is a module of its own.
 
@@ -44,6 +52,8 @@ from typing import Any, cast
 from libp2p import new_host
 from libp2p.abc import IHost, IMuxedConn, INetConn, INetStream, INetwork, INotifee, IRawConnection, ISecureConn
 from libp2p.crypto.keys import KeyPair
+from libp2p.identity.identify.identify import ID as IDENTIFY_PROTOCOL
+from libp2p.identity.identify.identify import _mk_identify_protobuf, _remote_address_to_multiaddr
 from libp2p.custom_types import TProtocol
 from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.peer.id import ID
@@ -55,6 +65,8 @@ import trio
 from multiaddr import Multiaddr
 
 from . import multistream
+from .rpc.framing import encode_varint
+from .trio_util import finish_quietly
 from .noise import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from .noise import NoiseSession, NoiseTransport
 from .yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
@@ -103,6 +115,24 @@ async def started(host: IHost, get_addrs: Callable[[], list[Multiaddr]],
     await network.auto_connector.stop()  # type: ignore[attr-defined]
     host.get_addrs = get_addrs  # type: ignore[method-assign]
     network.register_notifee(_Notifee(connected, disconnected))
+    host.set_stream_handler(IDENTIFY_PROTOCOL, _identify_handler(host))
+
+
+def _identify_handler(host: IHost) -> Callable[[INetStream], Awaitable[None]]:
+    """Answer identify as py-libp2p does (its message, varint-prefixed), with the observed
+    address of this stream's connection: its TCP remote, or none when relayed."""
+
+    async def handle(stream: INetStream) -> None:
+        remote = stream.get_remote_address()  # None on a relayed connection (nat/circuit.py)
+        message = _mk_identify_protobuf(host, _remote_address_to_multiaddr(remote)).SerializeToString()
+        try:
+            await stream.write(encode_varint(len(message)) + message)
+        except Exception:
+            await finish_quietly(stream.reset)
+            return
+        await finish_quietly(stream.close)
+
+    return handle
 
 
 def _cap_peer_addrs(peerstore: Any, max_addrs: int) -> None:

@@ -67,6 +67,32 @@ def encode(*messages: str) -> bytes:
     return bytes(out)
 
 
+def complete_messages(data: bytes) -> int:
+    """How many whole multistream messages ``data`` starts with (a peer's first flight).
+
+    A listener's first flight is the header alone; a dialer's is the header and a
+    proposal: two messages tell them apart (:func:`p2p.dialer.dial_simultaneous`).
+    Stops at the first incomplete or malformed message.
+    """
+    count = pos = 0
+    while pos < len(data):
+        length = shift = 0
+        while True:
+            if pos >= len(data) or shift > 14:
+                return count
+            byte = data[pos]
+            pos += 1
+            length |= (byte & 0x7F) << shift
+            shift += 7
+            if not byte & 0x80:
+                break
+        if not 1 <= length <= MAX_MESSAGE or pos + length > len(data) or data[pos + length - 1] != 0x0A:
+            return count
+        pos += length
+        count += 1
+    return count
+
+
 class Reply:
     """The listener's answer to ``header + proposal``: the header, then the protocol or ``na``.
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 
 import trio
@@ -73,3 +73,18 @@ class Mutex:
             self._waiters.unpark()
         else:
             self._held = False
+
+
+async def read_lines(stream: trio.abc.ReceiveStream) -> AsyncIterator[str]:
+    """Lines of a child process's output, as they arrive (the last may lack a newline)."""
+    buffer = b""
+    while True:
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            if buffer:
+                yield buffer.decode(errors="replace")
+            return
+        buffer += chunk
+        *complete, buffer = buffer.split(b"\n")
+        for line in complete:
+            yield line.decode(errors="replace")

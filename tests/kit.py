@@ -93,7 +93,7 @@ async def open_peers(n: int) -> AsyncIterator[list[Peer]]:
 
 async def collect_events(proc: trio.Process, kinds: Sequence[str], into: list[dict[str, Any]]) -> None:
     """The JSON event lines of ``kinds`` a child prints, appended to ``into``, until it exits."""
-    from training.demo import read_lines
+    from p2p.trio_util import read_lines
 
     assert proc.stdout is not None
     async for line in read_lines(proc.stdout):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from training.demo import read_lines
+from p2p.trio_util import read_lines
 
 from .conftest import open_nodes
 from .kit import requires_root_netns

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from training.demo import read_lines
+from p2p.trio_util import read_lines
 from nat.lab import Lab, NatKind
 from tests.kit import requires_root_netns
 from tests.test_nat_matrix import PUBLIC_NET, ROOT, start_relay

@@ -29,6 +29,8 @@ from nat.relay import RelayService
 from nat.wire import read_message
 from p2p import Node
 from p2p.addresses import reachable_tcp, without_peer_id
+from p2p.dialer import dial_simultaneous
+from p2p.errors import DialError
 from p2p.rpc.framing import encode_varint
 
 from .conftest import open_nodes
@@ -47,7 +49,7 @@ class Side:
     relayed: INetConn | None = None
 
     def record_dials(self) -> None:
-        async def record(peer: ID, addrs: list[Multiaddr], *, responder: bool) -> INetConn | None:
+        async def record(peer: ID, addrs: list[Multiaddr], *, responder: bool, rtt: float = 0.0) -> INetConn | None:
             self.dials.append((list(addrs), responder))
             return None
 
@@ -182,7 +184,7 @@ async def test_one_upgrade_per_peer_at_a_time():
         release = trio.Event()
         calls = []
 
-        async def slow_dial(peer: ID, addrs: list[Multiaddr], *, responder: bool) -> INetConn | None:
+        async def slow_dial(peer: ID, addrs: list[Multiaddr], *, responder: bool, rtt: float = 0.0) -> INetConn | None:
             calls.append(addrs)
             await release.wait()
             return None
@@ -345,3 +347,20 @@ async def test_an_upgrade_is_not_tried_again_while_nothing_changes():
             await trio.sleep(1.0)
             nursery.cancel_scope.cancel()
         assert len(results) == 1 and results[0].conn is None and b.puncher.stats.retries == 0
+
+
+async def test_a_punch_that_reaches_a_listener_speaks_first_and_connects_at_once():
+    """The leader dials as the handshake's responder (a simultaneous open gives the other side the
+    first word); when its SYN meets a listening socket instead (a peer that is public, or port-mapped,
+    but offered the address only in DCUtR), both would wait out the dial timeout. It waits for the
+    peer's first bytes only ``listener_after``, then speaks first: connected, and the connection works."""
+    async with open_nodes(2) as (a, b):
+        started = trio.current_time()
+        with trio.fail_after(4):
+            conn = await dial_simultaneous(b.network, without_peer_id(a.addrs[0]), a.peer_id,
+                                           source=b.listen_source(a.addrs[0]), listener_after=0.3)
+        assert 0.3 <= trio.current_time() - started < 2.0
+        assert conn.muxed_conn.peer_id == a.peer_id and await b.ping(a.peer_id) > 0
+        with pytest.raises(DialError):  # the wrong peer behind the address: refused, not kept
+            await dial_simultaneous(b.network, without_peer_id(a.addrs[0]), b.peer_id,
+                                    source=b.listen_source(a.addrs[0]), listener_after=0.3)

@@ -10,7 +10,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.protocol_muxer.multiselect import Multiselect
 from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
 
-from p2p import Node
+from p2p import Node, multistream
 from p2p.errors import ProtocolNotSupportedError, RemoteProtocolError
 from p2p.multistream import (
     HEADER,
@@ -200,3 +200,13 @@ async def test_streams_carry_data_both_ways_lazily_and_eagerly(node_pair: tuple[
             await stream.reset()
     finally:
         registration.remove()
+
+
+def test_complete_messages_tells_a_listeners_first_flight_from_a_dialers():
+    header, proposal = multistream.encode(multistream.HEADER), multistream.encode("/noise")
+    assert multistream.complete_messages(b"") == 0
+    assert multistream.complete_messages(header) == 1  # a listener's header, sent unasked
+    assert multistream.complete_messages(header + proposal + b"\x00\x20noise") == 2  # a dialer's flight
+    assert multistream.complete_messages(header + proposal[:-1]) == 1  # a proposal still on its way
+    assert multistream.complete_messages(b"\xff\xff\xff\xff") == 0  # garbage counts nothing
+    assert multistream.complete_messages(b"\x05abcde") == 0  # no newline: not a message

@@ -42,6 +42,7 @@ from typing import Any, Protocol
 import trio
 
 from nat.lab import Host, Lab, NatKind, netns_unavailable_reason
+from p2p.trio_util import read_lines
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 START_TIMEOUT = 60.0
@@ -71,21 +72,6 @@ class _Member:
 
 def _command(*args: str) -> list[str]:
     return [sys.executable, "-m", "training.cli", *args]
-
-
-async def read_lines(stream: trio.abc.ReceiveStream) -> AsyncIterator[str]:
-    """Lines of a child process's output, as they arrive (the last may lack a newline)."""
-    buffer = b""
-    while True:
-        chunk = await stream.receive_some(65536)
-        if not chunk:
-            if buffer:
-                yield buffer.decode(errors="replace")
-            return
-        buffer += chunk
-        *complete, buffer = buffer.split(b"\n")
-        for line in complete:
-            yield line.decode(errors="replace")
 
 
 class _Network(Protocol):
