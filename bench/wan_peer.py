@@ -84,9 +84,12 @@ async def nat_listen(relay: str, port: int) -> None:
 
 async def nat_dial(relay: str, circuit: str, port: int) -> None:
     async with Peer.open(nat_config(relay, port)) as peer:
-        with trio.fail_after(30):  # our public address (from the relay's identify) is what we offer in DCUtR
+        with trio.move_on_after(30):  # our public address (from the relay's identify) is what we offer in DCUtR
             while not peer.nat.punch_addrs():
                 await trio.sleep(0.05)
+        if not peer.nat.punch_addrs():
+            raise SystemExit(f"no public address of ours observed in 30 s: {peer.metrics()}, "
+                             f"observed {peer.node.observed_addrs()}, addrs {peer.node.addrs}")
         with trio.fail_after(30):
             started = time.perf_counter()
             target = await peer.node.connect(Multiaddr(circuit))
