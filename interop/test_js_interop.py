@@ -77,6 +77,7 @@ async def test_py_dials_js_then_ping_and_identify(js: JsPeer, node: Node) -> Non
     with trio.fail_after(STEP):
         pid = await node.connect(js.addr)
     assert str(pid) == js.peer_id
+    assert early_muxer(node, pid) == "/yamux/1.0.0"  # js lists its muxers in Noise: agreed in the handshake
     await js.wait_event(lambda e: e.get("event") == "peer:connect" and e.get("peer_id") == str(node.peer_id))
 
     rtt = await node.ping(pid, timeout=STEP)
@@ -153,6 +154,40 @@ async def test_js_dials_py_then_ping_and_identify(js: JsPeer, node: Node) -> Non
     # our side sees js as connected and can ping back over the same connection
     await wait_until(lambda: ID.from_base58(js.peer_id) in node.connected_peers(), STEP, what="js in our connected peers")
     assert await node.ping(ID.from_base58(js.peer_id), timeout=STEP) > 0
+
+
+# --------------------------------------------------------------------------- without the muxer extension
+
+
+async def test_both_ways_with_a_js_peer_that_lists_no_muxer_in_noise(js_available: None, node: Node) -> None:
+    """js-libp2p with the inlined muxer negotiation off (no ``stream_muxers`` in its Noise
+    extensions, as a peer without the extension): the muxer is agreed with multistream after
+    the handshake, when we dial and when js dials, and streams work both ways on either."""
+    from jspeer import open_js_peer
+
+    me = str(node.peer_id)
+    async with open_js_peer(env={"JSPEER_NOISE_MUXER_EXTENSION": "0"}) as js:
+        with trio.fail_after(STEP):
+            pid = await node.connect(js.addr)  # we dial: our proposal of /yamux rides after message 3
+        assert early_muxer(node, pid) is None  # nothing agreed inside the handshake
+        assert await node.ping(pid, timeout=STEP) > 0
+        assert (await js.ping(peer_id=me))["rtt_ms"] >= 0
+        assert {PING, IDENTIFY} <= set((await js.identify(me))["fresh"]["protocols"])
+        await js.hangup(me)
+        await wait_until(lambda: pid not in node.connected_peers(), STEP, what="the hangup")
+        dialed = await js.dial(py_addr(node))  # js dials: multistream after the handshake, js proposing
+        assert dialed["peer_id"] == me
+        conns = [c for c in await js.peers() if c["peer_id"] == me]
+        assert conns and conns[0]["encryption"] == "/noise" and conns[0]["multiplexer"] == "/yamux/1.0.0", conns
+        assert (await js.ping(peer_id=me))["rtt_ms"] >= 0
+        assert await node.ping(pid, timeout=STEP) > 0
+        assert early_muxer(node, pid) is None
+
+
+def early_muxer(node: Node, peer: ID) -> str | None:
+    """The muxer our Noise session agreed inside the handshake with ``peer`` (None: multistream after it)."""
+    (conn,) = node.network.get_connections(peer)
+    return getattr(conn.muxed_conn.secured_conn, "early_muxer", "not a dedloc Noise session")
 
 
 # --------------------------------------------------------------------------- wrong peer ids

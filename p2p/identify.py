@@ -17,6 +17,7 @@ from libp2p.abc import INetStream
 from libp2p.crypto.serialization import deserialize_public_key
 from libp2p.identity.identify.identify import ID as IDENTIFY_PROTOCOL
 from libp2p.identity.identify.pb.identify_pb2 import Identify
+from libp2p.network.stream.exceptions import StreamReset
 from libp2p.peer.envelope import consume_envelope
 from libp2p.peer.id import ID
 from libp2p.peer.peer_record import PEER_RECORD_ENVELOPE_DOMAIN
@@ -57,13 +58,24 @@ class PeerIdentity:
 async def identify(open_stream: Callable[[ID, str], Awaitable[INetStream]], peer_id: ID, *,
                    timeout: float = 10.0) -> PeerIdentity:
     """Open an identify stream to a connected peer (``open_stream``: the Node's, which proposes
-    the protocol lazily: the answer comes one round trip after the proposal) and verify it."""
+    the protocol lazily: the answer comes one round trip after the proposal) and verify it.
+
+    js-libp2p serves one inbound identify stream per connection and resets a second
+    one, and py-libp2p's host identifies every new connection by itself: a reset stream
+    is tried again (three times, 0.1, 0.2 and 0.4 s later), within ``timeout``.
+    """
     with trio.fail_after(timeout):
-        stream = await open_stream(peer_id, IDENTIFY_PROTOCOL)
-        try:
-            data = await read_length_prefixed_protobuf(stream, use_varint_format=True, max_length=MAX_IDENTIFY_SIZE)
-        finally:
-            await finish_quietly(stream.close)
+        for attempt in range(4):
+            stream = await open_stream(peer_id, IDENTIFY_PROTOCOL)
+            try:
+                data = await read_length_prefixed_protobuf(stream, use_varint_format=True, max_length=MAX_IDENTIFY_SIZE)
+                break
+            except StreamReset:
+                if attempt == 3:
+                    raise
+            finally:
+                await finish_quietly(stream.close)
+            await trio.sleep(0.1 * 2**attempt)
     msg = Identify()
     try:
         msg.ParseFromString(data)

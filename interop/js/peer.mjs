@@ -94,11 +94,26 @@ if (!listenAddr.startsWith('/ip4/127.0.0.1/') && !listenAddr.startsWith('/ip6/::
   process.exit(2)
 }
 
+// JSPEER_NOISE_MUXER_EXTENSION=0: list no stream muxers in the Noise handshake's
+// extensions (as a peer without inlined muxer negotiation does), so the muxer is
+// negotiated with multistream-select after the handshake, both ways.
+function noiseWithoutMuxerExtension () {
+  const make = noise()
+  return (components) => {
+    const inner = make(components)
+    const wrapped = Object.create(inner)
+    wrapped.secureOutbound = (conn, options) => inner.secureOutbound(conn, { ...options, skipStreamMuxerNegotiation: true })
+    wrapped.secureInbound = (conn, options) => inner.secureInbound(conn, { ...options, skipStreamMuxerNegotiation: true })
+    return wrapped
+  }
+}
+const muxerExtension = process.env.JSPEER_NOISE_MUXER_EXTENSION !== '0'
+
 const node = await createLibp2p({
   start: false,
   addresses: { listen: [listenAddr] },
   transports: [tcp()],
-  connectionEncrypters: [noise()],
+  connectionEncrypters: [muxerExtension ? noise() : noiseWithoutMuxerExtension()],
   streamMuxers: [yamux()],
   // never dial anything but loopback, whatever a remote peer tells us
   connectionGater: {
