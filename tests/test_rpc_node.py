@@ -235,11 +235,12 @@ async def test_client_going_away_cancels_the_handler(node_pair: tuple[Node, Node
 async def test_client_disconnecting_mid_stream(node_pair: tuple[Node, Node]) -> None:
     a, b = node_pair
     left = trio.Event()
+    first = trio.Event()
 
     async def collect(requests: AsyncIterator[Int64Value], ctx: CallContext) -> AsyncIterator[Int64Value]:
         try:
             async for _ in requests:
-                pass
+                first.set()
         except PeerDisconnectedError:
             left.set()
             raise
@@ -250,6 +251,9 @@ async def test_client_disconnecting_mid_stream(node_pair: tuple[Node, Node]) -> 
         with pytest.raises(PeerDisconnectedError):
             async with b.rpc.open_stream_call(a.peer_id, "collect", Int64Value, timeout=30) as call:
                 await call.send(Int64Value(value=1))
+                # mid-stream: the server is reading (the stream's protocol is proposed with its
+                # first bytes, so a disconnect right after send() can beat the call itself there)
+                await first.wait()
                 await b.disconnect(a.peer_id)
                 await call.receive()
         await left.wait()
