@@ -25,6 +25,7 @@ from google.protobuf.struct_pb2 import Struct
 from p2p import events as ev
 from p2p.addresses import Scope, parse_peer_addr, scope_of
 from p2p.cli import Output, build_parser as p2p_parser, common_options, run
+from p2p.admission import AdmissionConfig
 from p2p.config import NodeConfig
 from p2p.errors import ConfigError
 from p2p.hooks import PathKind
@@ -102,6 +103,11 @@ def peer_config(args: argparse.Namespace, *, relay: bool) -> PeerConfig:
         config.exchange_interval = args.exchange_interval
         config.greeting = args.message
     config.node.announce = args.announce or []
+    config.node.admission = AdmissionConfig(
+        max_handshaking=args.max_handshaking, max_handshaking_per_address=args.max_handshaking_per_ip,
+        max_handshaking_per_subnet=4 * args.max_handshaking_per_ip, handshake_timeout=args.handshake_timeout,
+        max_connections=args.max_inbound, max_connections_per_address=args.max_inbound_per_ip,
+        max_connections_per_subnet=4 * args.max_inbound_per_ip)
     config.nat.allow_private = args.allow_private
     if args.no_port_mapping:
         config.nat.port_mapping = PortMappingConfig(enabled=False)
@@ -244,6 +250,18 @@ def nat_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--circuit-duration", type=int, default=3600, metavar="SECONDS", help="relay: longest relayed connection (0: no limit)")
     g.add_argument("--circuit-data-mib", type=int, default=4096, metavar="MIB", help="relay: bytes per relayed connection and direction (0: no limit)")
     g.add_argument("--circuit-bandwidth-kib", type=int, default=0, metavar="KIB/S", help="relay: bandwidth per relayed connection and direction (0: no limit)")
+    d = AdmissionConfig()
+    g = p.add_argument_group("inbound connections (checked before any crypto)")
+    g.add_argument("--max-handshaking", type=int, default=d.max_handshaking, metavar="N",
+                   help="connections still authenticating, from everyone (full: the address holding the most yields)")
+    g.add_argument("--max-handshaking-per-ip", type=int, default=d.max_handshaking_per_address, metavar="N",
+                   help="... from one IPv4 address or IPv6 /56 (4x that per /24 or /48)")
+    g.add_argument("--handshake-timeout", type=float, default=d.handshake_timeout, metavar="SECONDS",
+                   help="close a connection that has not authenticated by then")
+    g.add_argument("--max-inbound", type=int, default=d.max_connections, metavar="N", help="inbound connections in all")
+    g.add_argument("--max-inbound-per-ip", type=int, default=d.max_connections_per_address, metavar="N",
+                   help="inbound connections from one IPv4 address or IPv6 /56 (a NAT may hide many volunteers; "
+                   "4x that per /24 or /48)")
 
 
 def peer_options(p: argparse.ArgumentParser) -> None:

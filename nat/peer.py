@@ -192,8 +192,10 @@ class Peer:
         return self.node.addrs
 
     def metrics(self) -> Metrics:
-        """Every layer's metrics in the one flat shape: the NAT funnel, then the DHT's under ``dht.``."""
+        """Every layer's metrics in the one flat shape: the NAT funnel, inbound admission under
+        ``admission.`` (refusals by reason), then the DHT's under ``dht.``."""
         out: Metrics = {"peer_id": str(self.node.peer_id), "peers": len(self.node.connected_peers()), **self.nat.metrics()}
+        out.update({f"admission.{k}": v for k, v in self.node.admission.metrics().items()})
         if self._dht is not None:
             out.update({f"dht.{k}": v for k, v in self._dht.metrics().items()})
         return out

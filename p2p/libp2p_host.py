@@ -37,6 +37,13 @@ moves (``tests/test_node.py`` and ``interop/`` pin the behaviour):
   ``interop/test_js_nat.py``). :func:`_identify_handler` reports the stream's
   own connection's remote TCP address, and nothing on a relayed connection,
   where there is nothing to observe (the field is optional).
+* **Admission.** Its swarm refuses inbound connections by one global count (an
+  inbound limiter and its own resource manager, 300 connections, both on by
+  default): a script holding 500 idle connections refused honest peers as often
+  as itself. Both are taken out of the path; :func:`_install_admission` puts
+  ``p2p/admission.py`` in front of the handshake (caps per address and subnet,
+  a handshake deadline, eviction from the largest holder) and sizes the listen
+  backlog.
 * **Dialing** is not here: ``p2p/dialer.py`` replaces ``Swarm.dial_peer`` (a
   250 ms stall on every successful connect) and is a module of its own.
 
@@ -47,6 +54,7 @@ host instance's attributes.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
+from contextvars import ContextVar
 from typing import Any, cast
 
 from libp2p import new_host
@@ -65,6 +73,7 @@ import trio
 from multiaddr import Multiaddr
 
 from . import multistream
+from .admission import Admission, Ticket
 from .rpc.framing import encode_varint
 from .trio_util import finish_quietly
 from .noise import PROTOCOL_ID as NOISE_PROTOCOL_ID
@@ -83,6 +92,7 @@ def build_host(
     dial_timeout: float,
     advertised: Callable[[list[Multiaddr]], list[Multiaddr]],
     max_addrs: int,
+    admission: Admission,
 ) -> IHost:
     """A py-libp2p host with dedloc's data plane and every correction above applied.
 
@@ -97,9 +107,16 @@ def build_host(
         muxer_opt={YAMUX_PROTOCOL_ID: YamuxConnection},
         listen_addrs=listen,
         addrs_factory=advertised,
-        connection_config=ConnectionConfig(min_connections=0, low_watermark=0, dial_timeout=dial_timeout),
+        connection_config=ConnectionConfig(
+            min_connections=0, low_watermark=0, dial_timeout=dial_timeout,
+            # admission (p2p/admission.py) caps inbound connections; py-libp2p's count stays out of its way
+            max_connections=1_000_000, high_watermark=1_000_000,
+            inbound_upgrade_timeout=admission.config.handshake_timeout + 1.0,
+        ),
     )
     network = host.get_network()
+    network.set_resource_manager(None)  # type: ignore[attr-defined]
+    _install_admission(network, admission)
     upgrader = network.upgrader  # type: ignore[attr-defined]
     upgrader.security_multistream = _Security(noise)
     upgrader.muxer_multistream = _Muxers(yamux, upgrader.muxer_multistream.negotiate_timeout)
@@ -109,13 +126,84 @@ def build_host(
 
 
 async def started(host: IHost, get_addrs: Callable[[], list[Multiaddr]],
-                  connected: ConnectionCallback, disconnected: ConnectionCallback) -> None:
-    """What can only be corrected on a running host: the auto-connector, ``get_addrs``, our notifee."""
+                  connected: ConnectionCallback, disconnected: ConnectionCallback, *, backlog: int = 1024) -> None:
+    """What can only be corrected on a running host: the auto-connector, ``get_addrs``, our notifee,
+    the listen backlog (py-libp2p listens with 128: a flood's SYNs would crowd honest ones out)."""
     network = host.get_network()
+    for listener in getattr(network, "listeners", {}).values():
+        for socket_listener in getattr(listener, "listeners", []):
+            sock = getattr(socket_listener, "socket", None)
+            if sock is not None:
+                sock.listen(backlog)  # listen() again on a listening socket resizes its queue
     await network.auto_connector.stop()  # type: ignore[attr-defined]
     host.get_addrs = get_addrs  # type: ignore[method-assign]
     network.register_notifee(_Notifee(connected, disconnected))
     host.set_stream_handler(IDENTIFY_PROTOCOL, _identify_handler(host))
+
+
+#: The admission ticket of the inbound connection a task is upgrading (each accepted connection has its task).
+_TICKET: ContextVar[Ticket | None] = ContextVar("dedloc_admission_ticket", default=None)
+
+
+def _install_admission(swarm: Any, admission: Admission) -> None:
+    """Put :class:`p2p.admission.Admission` in front of py-libp2p's accept path.
+
+    The swarm runs each accepted socket in a task of its own (``trio.serve_listeners``),
+    so the accept loop never waits on a handshake. In that task we ask for a ticket
+    before anything is read, run the upgrade under the handshake deadline, lift the
+    deadline once the upgrade authenticated the peer, and give the ticket back when the
+    connection closes. An evicted connection's deadline is moved to now.
+    """
+    swarm._inbound_limiter = trio.CapacityLimiter(1_000_000)  # its global cap: replaced by ours
+    handle = swarm._handle_inbound_connection
+    upgrade = swarm.upgrade_inbound_raw_conn
+    scopes: dict[Ticket, trio.CancelScope] = {}
+
+    async def admitted(read_write_closer: Any, maddr: Multiaddr) -> None:
+        remote = read_write_closer.get_remote_address() if hasattr(read_write_closer, "get_remote_address") else None
+        if remote is None:
+            await handle(read_write_closer, maddr)
+            return
+        ticket, evicted = admission.admit(str(remote[0]), trio.current_time())
+        for victim in evicted:
+            if victim in scopes:
+                scopes[victim].deadline = -float("inf")
+        if ticket is None:
+            await finish_quietly(read_write_closer.close)
+            return
+        scope = scopes[ticket] = trio.CancelScope(deadline=trio.current_time() + admission.config.handshake_timeout)
+        token = _TICKET.set(ticket)
+        try:
+            with scope:
+                await handle(read_write_closer, maddr)
+            if scope.cancelled_caught and not ticket.authenticated and not ticket.evicted:
+                admission.timed_out(ticket)
+        finally:
+            _TICKET.reset(token)
+            scopes.pop(ticket, None)
+            admission.release(ticket)
+            await finish_quietly(read_write_closer.close)
+
+    async def upgraded(raw_conn: IRawConnection, maddr: Multiaddr) -> IMuxedConn:
+        muxed = await upgrade(raw_conn, maddr)
+        ticket = _TICKET.get()
+        if ticket is not None and ticket in scopes:
+            admission.authenticated(ticket)
+            scope = scopes[ticket]
+            scope.deadline = float("inf")
+            closed = getattr(muxed, "event_closed", None)
+            if closed is not None:
+                # The swarm's task now waits for the swarm's end, not the connection's: end
+                # it (and give the ticket back) when the connection closes.
+                async def until_closed() -> None:
+                    await closed.wait()
+                    scope.cancel()
+
+                swarm.background_nursery.start_soon(until_closed)
+        return muxed  # type: ignore[no-any-return]
+
+    swarm._handle_inbound_connection = admitted
+    swarm.upgrade_inbound_raw_conn = upgraded
 
 
 def _identify_handler(host: IHost) -> Callable[[INetStream], Awaitable[None]]:

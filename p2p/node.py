@@ -28,6 +28,7 @@ from multiaddr import Multiaddr
 
 from . import events as ev
 from . import multistream
+from .admission import Admission
 from .addresses import is_relayed, parse_multiaddr, parse_peer_addr, rank_for_dial, with_peer_id, without_peer_id
 from .config import NodeConfig
 from .dialer import CircuitDialer, backoff_delays, dial, live_connection, remote_addr
@@ -63,8 +64,11 @@ class _Subscriber:
 class Node:
     """A running dedloc peer. Create it with :meth:`open`, never directly."""
 
-    def __init__(self, config: NodeConfig, key_pair: KeyPair, host: IHost, nursery: trio.Nursery):
+    def __init__(self, config: NodeConfig, key_pair: KeyPair, host: IHost, nursery: trio.Nursery,
+                 admission: Admission | None = None):
         self.config = config
+        #: Who may connect in, before any crypto (``p2p/admission.py``); its counts are in :meth:`metrics`.
+        self.admission = admission or Admission(config.admission)
         self.key_pair = key_pair
         self.host = host
         self.peer_id: ID = peer_id_of(key_pair)
@@ -101,10 +105,11 @@ class Node:
         listen = [parse_multiaddr(a, what="listen address") for a in config.listen]
 
         holder: list[Node] = []
+        admission = Admission(config.admission)
         host = build_host(
             key_pair, listen, yamux=config.yamux, dial_timeout=config.dial_timeout,
             advertised=lambda candidates: holder[0]._advertised(candidates) if holder else candidates,
-            max_addrs=MAX_LISTEN_ADDRS + 8,
+            max_addrs=MAX_LISTEN_ADDRS + 8, admission=admission,
         )
         bootstrap_error: BootstrapError | None = None
         listening = False
@@ -112,9 +117,10 @@ class Node:
             with unwrap_single_group():
                 async with host.run(listen), trio.open_nursery() as nursery:
                     listening = True
-                    node = cls(config, key_pair, host, nursery)
+                    node = cls(config, key_pair, host, nursery, admission)
                     holder.append(node)
-                    await started(host, node._host_addrs, node._connected, node._disconnected)
+                    await started(host, node._host_addrs, node._connected, node._disconnected,
+                                  backlog=config.admission.backlog)
                     node.set_stream_handler(RPC_PROTOCOL, node.rpc.handle_stream)
                     nursery.start_soon(node._sweep_idle_rpc_streams)
                     try:

@@ -1,0 +1,255 @@
+"""A public relay under a connection flood: is the honest client still served?
+
+    .venv/bin/python bench/flood.py [--scenarios idle,stalled,spread] [--duration 30] [--json OUT]
+
+Runs ``dedloc relay`` on 127.0.0.1 (its own process, so its memory and CPU are
+its own) and, from another address (127.1.0.1), an honest client that every
+--interval seconds opens a fresh node, connects, pings and does a DHT get (what
+``dedloc ping`` and ``dedloc dht get`` do). First without a flood (the baseline),
+then during each flood, from loopback source addresses (127.0.0.0/8 is all
+loopback; nothing leaves the machine). Every flood is bounded in count and time:
+
+* ``idle``: 10,000 TCP connections from 127.0.0.2 that send nothing (held open);
+* ``stalled``: 1,000 connections from 127.0.0.3 that send the multistream header and
+  a ``/noise`` proposal, then stall;
+* ``spread``: 8 idle connections from each of 250 addresses (127.0.x.y, 250 /24s).
+
+Reported per scenario: honest successes, median latency against the baseline, the
+relay's RSS growth and CPU seconds, whether it stayed up, and its refusals by reason
+(``dedloc status``). Goals (issue 15): >= 99% honest success, median latency <= 2x
+the baseline, RSS within +64 MiB, no crash.
+
+Not yet here: a connected peer flooding streams, DHT requests, or relay reservations
+from throwaway ids (the per-peer limits they need are not built yet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from google.protobuf.empty_pb2 import Empty  # noqa: E402
+from google.protobuf.json_format import MessageToDict  # noqa: E402
+from google.protobuf.struct_pb2 import Struct  # noqa: E402
+
+from nat.cli import STATUS_METHOD  # noqa: E402
+from p2p import Node, NodeConfig  # noqa: E402
+from p2p.dht import DHT, DHTConfig  # noqa: E402
+from p2p.dht.events import DHTMode  # noqa: E402
+from p2p.multistream import encode  # noqa: E402
+from p2p.trio_util import read_lines  # noqa: E402
+
+HONEST_IP = "127.1.0.1"
+KEY = "flood-bench"
+
+
+async def start_relay(port: int) -> tuple[trio.Process, str]:
+    proc = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "nat.cli", "relay", "--ephemeral", "--json", "--listen", f"/ip4/127.0.0.1/tcp/{port}",
+         "--status-interval", "0", "--no-port-mapping"], stdout=subprocess.PIPE, cwd=str(REPO))
+    assert proc.stdout is not None
+    with trio.fail_after(60):
+        async for line in read_lines(proc.stdout):
+            event = json.loads(line)
+            if event.get("event") == "listening":
+                return proc, event["addrs"][0]
+    raise RuntimeError("the relay exited")
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / 100  # utime + stime, clock ticks
+
+
+async def honest_attempt(relay: str, relay_id: str, *, timeout: float) -> float | None:
+    """Connect, ping and DHT-get from a fresh node; seconds, or None when anything failed."""
+    started = time.perf_counter()
+    try:
+        with trio.fail_after(timeout):
+            config = NodeConfig(listen=[f"/ip4/{HONEST_IP}/tcp/0"], dial_timeout=timeout, bootstrap_timeout=timeout)
+            async with Node.open(config) as node:
+                await node.connect(relay, from_listen_port=True)
+                await node.ping(node_id(relay_id))
+                async with DHT.open(node, DHTConfig(mode=DHTMode.CLIENT, bootstrap_timeout=timeout)) as dht:
+                    if await dht.get(KEY, timeout=timeout) is None:
+                        return None
+        return time.perf_counter() - started
+    except Exception:
+        return None
+
+
+def node_id(text: str) -> Any:
+    from libp2p.peer.id import ID
+
+    return ID.from_base58(text)
+
+
+async def honest_loop(relay: str, relay_id: str, duration: float, interval: float) -> list[float | None]:
+    results: list[float | None] = []
+    deadline = trio.current_time() + duration
+    while trio.current_time() < deadline:
+        began = trio.current_time()
+        results.append(await honest_attempt(relay, relay_id, timeout=10.0))
+        await trio.sleep(max(0.0, interval - (trio.current_time() - began)))
+    return results
+
+
+async def open_idle(port: int, source: str, *, payload: bytes = b"") -> trio.SocketStream | None:
+    sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        await sock.bind((source, 0))
+        with trio.fail_after(3):
+            await sock.connect(("127.0.0.1", port))
+        stream = trio.SocketStream(sock)
+        if payload:
+            await stream.send_all(payload)
+        return stream
+    except (OSError, trio.TooSlowError, trio.BrokenResourceError):
+        sock.close()
+        return None
+
+
+async def flood(port: int, scenario: str, held: list[trio.SocketStream], stop: trio.Event) -> int:
+    """Open the scenario's connections (bounded), hold them until ``stop``; the number opened."""
+    stalled = encode("/multistream/1.0.0", "/noise")
+    plan: list[tuple[str, bytes]]
+    if scenario == "idle":
+        plan = [("127.0.0.2", b"")] * 10_000
+    elif scenario == "stalled":
+        plan = [("127.0.0.3", stalled)] * 1_000
+    elif scenario == "spread":
+        addresses = [f"127.0.{i}.1" for i in range(10, 256)] + [f"127.2.{i}.1" for i in range(4)]  # 250 /24s
+        plan = [(a, b"") for _ in range(8) for a in addresses]
+    else:
+        raise ValueError(scenario)
+    opened = 0
+    for source, payload in plan:
+        if stop.is_set():
+            break
+        stream = await open_idle(port, source, payload=payload)
+        if stream is not None:
+            held.append(stream)
+            opened += 1
+    return opened
+
+
+async def status(relay: str, relay_id: str) -> dict[str, Any]:
+    async with Node.open(NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"])) as node:
+        await node.connect(relay)
+        reply = await node.rpc.call(node_id(relay_id), STATUS_METHOD, Empty(), Struct, timeout=10)
+    return dict(MessageToDict(reply))
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    proc, relay = await start_relay(args.port)
+    relay_id = relay.rsplit("/p2p/", 1)[1]
+    results: dict[str, Any] = {"relay": relay}
+    try:
+        async with Node.open(NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"])) as seed:
+            await seed.connect(relay)
+            async with DHT.open(seed, DHTConfig(mode=DHTMode.CLIENT)) as dht:
+                assert await dht.store(KEY, b"still here", time.time() + 3600)
+        base = await honest_loop(relay, relay_id, args.baseline, args.interval)
+        ok = [r for r in base if r is not None]
+        baseline = statistics.median(ok) if ok else float("nan")
+        results["baseline"] = {"attempts": len(base), "ok": len(ok), "median_s": baseline}
+        print(f"baseline: {len(ok)}/{len(base)} honest attempts, median {baseline * 1e3:.0f} ms", flush=True)
+        for scenario in args.scenarios.split(","):
+            rss0, cpu0 = rss_mib(proc.pid), cpu_seconds(proc.pid)
+            held: list[trio.SocketStream] = []
+            stop = trio.Event()
+            opened: list[int] = []
+            async with trio.open_nursery() as nursery:
+
+                async def attack() -> None:
+                    opened.append(await flood(args.port, scenario, held, stop))
+
+                nursery.start_soon(attack)
+                await trio.sleep(2.0)  # let the flood build up
+                honest = await honest_loop(relay, relay_id, args.duration, args.interval)
+                stop.set()
+            peak_rss = rss_mib(proc.pid)
+            alive = proc.poll() is None
+            refusals = {k: v for k, v in (await status(relay, relay_id)).items() if k.startswith("admission.")} if alive else {}
+            for stream in held:
+                with trio.move_on_after(0.1):
+                    await stream.aclose()
+            good = [r for r in honest if r is not None]
+            row = {"attempts": len(honest), "ok": len(good), "success": len(good) / max(1, len(honest)),
+                   "median_s": statistics.median(good) if good else None,
+                   "latency_ratio": statistics.median(good) / baseline if good else None,
+                   "flood_opened": opened[0] if opened else 0, "rss_growth_mib": peak_rss - rss0,
+                   "cpu_s": cpu_seconds(proc.pid) - cpu0 if alive else None, "relay_alive": alive,
+                   "refusals": refusals}
+            results[scenario] = row
+            print(f"{scenario}: {row['ok']}/{row['attempts']} honest ok, latency x{row['latency_ratio'] or 0:.2f}, "
+                  f"RSS +{row['rss_growth_mib']:.1f} MiB, flood opened {row['flood_opened']}, alive {alive}", flush=True)
+            await trio.sleep(args.settle)
+    finally:
+        proc.terminate()
+        with trio.move_on_after(10):
+            await proc.wait()
+        if proc.returncode is None:
+            proc.kill()
+    return results
+
+
+def table(results: dict[str, Any]) -> str:
+    b = results["baseline"]
+    lines = [f"baseline: {b['ok']}/{b['attempts']} honest attempts (connect + ping + DHT get from a fresh node), "
+             f"median {b['median_s'] * 1e3:.0f} ms",
+             "| flood | honest success | median latency vs baseline | relay RSS growth | relay CPU | relay up | refusals |",
+             "|---|---|---|---|---|---|---|"]
+    for name, row in results.items():
+        if name in ("relay", "baseline"):
+            continue
+        refused = ", ".join(f"{k.split('.', 1)[1]} {int(v)}" for k, v in row["refusals"].items()
+                            if k.startswith("admission.refused.") and v)
+        lines.append(f"| {name} ({row['flood_opened']} opened) | {row['ok']}/{row['attempts']} ({row['success']:.0%}) "
+                     f"| x{row['latency_ratio'] or float('nan'):.2f} | +{row['rss_growth_mib']:.1f} MiB "
+                     f"| {row['cpu_s'] or 0:.1f} s | {row['relay_alive']} | {refused} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scenarios", default="idle,stalled,spread")
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds of honest attempts per flood")
+    parser.add_argument("--baseline", type=float, default=20.0, help="seconds of honest attempts without a flood")
+    parser.add_argument("--interval", type=float, default=2.0, help="seconds between honest attempts")
+    parser.add_argument("--settle", type=float, default=10.0, help="pause between floods")
+    parser.add_argument("--port", type=int, default=41999)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if not 1 <= args.duration <= 600 or not 1 <= args.baseline <= 600:
+        parser.error("--duration and --baseline must be 1..600 s")
+    results = trio.run(run, args)
+    print(table(results))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""Admission before crypto (p2p/admission.py): the pure decisions, then floods held on loopback.
+
+Loopback offers 127.0.0.0/8: the attacker's sockets are bound to 127.0.x.y source
+addresses, the honest client's to 127.1.0.1 (another /24). Every flood is bounded
+in count and time.
+"""
+
+from __future__ import annotations
+
+import socket
+from contextlib import AsyncExitStack, closing
+
+import pytest
+import trio
+
+from p2p import Node
+from p2p.admission import Admission, AdmissionConfig, Refusal, prefixes
+from p2p.errors import ConfigError
+
+from .conftest import loopback_config
+from .kit import wait_until
+
+
+def test_prefixes_group_ipv4_by_32_and_24_and_ipv6_by_56_and_48() -> None:
+    assert prefixes("203.0.113.7") == ("203.0.113.7/32", "203.0.113.0/24")
+    assert prefixes("::ffff:203.0.113.7") == ("203.0.113.7/32", "203.0.113.0/24")
+    assert prefixes("2001:db8:1:2ff:3::4") == ("2001:db8:1:200::/56", "2001:db8:1::/48")
+
+
+def test_caps_per_address_and_subnet_refuse_with_the_reason() -> None:
+    adm = Admission(AdmissionConfig(max_handshaking_per_address=2, max_handshaking_per_subnet=3))
+    tickets = [adm.admit("10.0.0.1", 0.0)[0] for _ in range(3)]
+    assert tickets[2] is None and adm.refused[Refusal.HANDSHAKING_PER_ADDRESS] == 1
+    assert adm.admit("10.0.0.2", 0.0)[0] is not None
+    assert adm.admit("10.0.0.3", 0.0)[0] is None and adm.refused[Refusal.HANDSHAKING_PER_SUBNET] == 1
+    assert adm.admit("10.0.1.1", 0.0)[0] is not None  # another /24
+    # authenticated connections no longer count as handshaking, only as connections
+    first = tickets[0]
+    assert first is not None
+    adm.authenticated(first)
+    assert adm.admit("10.0.0.1", 0.0)[0] is not None
+    adm.release(first)
+    assert adm.metrics()["inbound"] == 4 and adm.metrics()["handshaking"] == 4
+
+
+def test_a_full_handshake_table_evicts_from_the_largest_holder_not_the_newcomer() -> None:
+    adm = Admission(AdmissionConfig(max_handshaking=6, max_handshaking_per_address=8, max_handshaking_per_subnet=8))
+    flood = [adm.admit("10.0.0.1", float(i))[0] for i in range(5)]
+    honest = adm.admit("192.0.2.1", 9.0)[0]
+    assert honest is not None and all(flood)
+    # full: the next from another subnet evicts the flood's oldest, not anyone newer or smaller
+    newcomer, evicted = adm.admit("198.51.100.1", 10.0)
+    assert newcomer is not None and evicted == [flood[0]] and flood[0] is not None and flood[0].evicted
+    assert adm.refused[Refusal.EVICTED] == 1
+    # the flood's own next connection finds itself the largest holder: it is the one refused
+    assert adm.admit("10.0.0.1", 11.0)[0] is None and adm.refused[Refusal.HANDSHAKING_TOTAL] == 1
+    assert honest is not None and not honest.evicted
+
+
+def test_established_connections_have_their_own_caps() -> None:
+    adm = Admission(AdmissionConfig(max_connections_per_address=2, max_connections=3))
+    for ip in ("10.0.0.1", "10.0.0.1"):
+        ticket = adm.admit(ip, 0.0)[0]
+        assert ticket is not None
+        adm.authenticated(ticket)
+    assert adm.admit("10.0.0.1", 0.0)[0] is None and adm.refused[Refusal.CONNECTIONS_PER_ADDRESS] == 1
+    third = adm.admit("10.0.1.1", 0.0)[0]
+    assert third is not None
+    adm.authenticated(third)
+    assert adm.admit("10.0.2.1", 0.0)[0] is None and adm.refused[Refusal.CONNECTIONS_TOTAL] == 1
+
+
+def test_config_is_checked() -> None:
+    with pytest.raises(ConfigError):
+        AdmissionConfig(handshake_timeout=0).validate()
+    with pytest.raises(ConfigError):
+        AdmissionConfig(max_handshaking=-1).validate()
+
+
+# ---------------------------------------------------------------------- on loopback
+
+
+async def idle_connections(port: int, source_ips: list[str], per_ip: int) -> list[trio.SocketStream]:
+    """Open TCP connections that send nothing, from each source address (bounded: len * per_ip)."""
+    out = []
+    for ip in source_ips:
+        for _ in range(per_ip):
+            sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            await sock.bind((ip, 0))
+            try:
+                with trio.fail_after(5):
+                    await sock.connect(("127.0.0.1", port))
+            except (OSError, trio.TooSlowError):
+                sock.close()
+                continue
+            out.append(trio.SocketStream(sock))
+    return out
+
+
+async def honest_ping(target: Node, source_ip: str = "127.1.0.1") -> float:
+    """A fresh node from another address: connect and ping (what `dedloc ping` does)."""
+    async with Node.open(loopback_config(listen=[f"/ip4/{source_ip}/tcp/0"])) as client:
+        with trio.fail_after(10):
+            await client.connect(target.addrs[0], from_listen_port=True)
+            return await client.ping(target.peer_id)
+
+
+async def test_idle_floods_from_one_address_and_from_many_leave_honest_peers_served() -> None:
+    """One address holding 60 idle connections gets 8 handshaking slots; 30 addresses of 4 each fill
+    the global table, which evicts from the largest holders for the honest client. Idle ones are
+    closed at the handshake deadline. The honest client is served throughout."""
+    config = loopback_config()
+    config.admission = AdmissionConfig(max_handshaking=64, handshake_timeout=1.5)
+    async with AsyncExitStack() as stack, Node.open(config) as node:
+        port = int(str(node.addrs[0]).split("/tcp/")[1].split("/")[0])
+        flood = await idle_connections(port, ["127.0.0.2"], 60)
+        for s in flood:
+            stack.push_async_callback(s.aclose)
+        await wait_until(lambda: node.admission.refused[Refusal.HANDSHAKING_PER_ADDRESS] >= 50, 10,
+                         what="the flood's connections beyond 8 refused")
+        assert node.admission.metrics()["handshaking"] <= 8
+        assert await honest_ping(node) > 0
+        many = await idle_connections(port, [f"127.0.{i}.{i + 1}" for i in range(10, 40)], 4)
+        for s in many:
+            stack.push_async_callback(s.aclose)
+        await wait_until(lambda: node.admission.metrics()["handshaking"] >= 60, 10, what="the table filling up")
+        assert await honest_ping(node) > 0
+        # idle connections do not outlive the deadline
+        await wait_until(lambda: node.admission.metrics()["handshaking"] == 0, 10, what="the deadline")
+        assert node.admission.refused[Refusal.HANDSHAKE_DEADLINE] >= 60
+        assert await honest_ping(node) > 0
+
+
+async def test_an_authenticated_connection_is_not_cut_at_the_handshake_deadline() -> None:
+    config = loopback_config()
+    config.admission = AdmissionConfig(handshake_timeout=0.5)
+    async with Node.open(config) as node, Node.open(loopback_config(listen=["/ip4/127.1.0.2/tcp/0"])) as client:
+        await client.connect(node.addrs[0])
+        await trio.sleep(1.5)
+        assert await client.ping(node.peer_id) > 0
+        assert node.admission.metrics()["inbound"] == 1 and node.admission.metrics()["handshaking"] == 0
+        await client.disconnect(node.peer_id)
+        await wait_until(lambda: node.admission.metrics()["inbound"] == 0, 10, what="the ticket given back")
