@@ -171,6 +171,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await seed.connect(relay)
             async with DHT.open(seed, DHTConfig(mode=DHTMode.CLIENT)) as dht:
                 assert await dht.store(KEY, b"still here", time.time() + 3600)
+        await honest_loop(relay, relay_id, 2 * args.interval, args.interval)  # warm-up (imports, first connections)
         base = await honest_loop(relay, relay_id, args.baseline, args.interval)
         ok = [r for r in base if r is not None]
         baseline = statistics.median(ok) if ok else float("nan")
@@ -178,26 +179,32 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"baseline: {len(ok)}/{len(base)} honest attempts, median {baseline * 1e3:.0f} ms", flush=True)
         for scenario in args.scenarios.split(","):
             rss0, cpu0 = rss_mib(proc.pid), cpu_seconds(proc.pid)
-            held: list[trio.SocketStream] = []
-            stop = trio.Event()
-            opened: list[int] = []
-            async with trio.open_nursery() as nursery:
-
-                async def attack() -> None:
-                    opened.append(await flood(args.port, scenario, held, stop))
-
-                nursery.start_soon(attack)
+            before = await status(relay, relay_id)
+            # the attacker is a process of its own, as a real one would be (not sharing our CPU time)
+            attacker = await trio.lowlevel.open_process(
+                [sys.executable, __file__, "--attack", scenario, "--port", str(args.port)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=str(REPO))
+            try:
                 await trio.sleep(2.0)  # let the flood build up
                 honest = await honest_loop(relay, relay_id, args.duration, args.interval)
-                stop.set()
+            finally:
+                assert attacker.stdin is not None and attacker.stdout is not None
+                await attacker.stdin.aclose()  # it stops opening, reports, closes everything and exits
+                with trio.move_on_after(30):
+                    report = b""
+                    while chunk := await attacker.stdout.receive_some(4096):
+                        report += chunk
+                    await attacker.wait()
+                if attacker.returncode is None:
+                    attacker.kill()
+            opened = [int(json.loads(report or b'{"opened": 0}')["opened"])]
             peak_rss = rss_mib(proc.pid)
             alive = proc.poll() is None
-            refusals = {k: v for k, v in (await status(relay, relay_id)).items() if k.startswith("admission.")} if alive else {}
-            for stream in held:
-                with trio.move_on_after(0.1):
-                    await stream.aclose()
+            after = await status(relay, relay_id) if alive else {}
+            refusals = {k: v - before.get(k, 0) for k, v in after.items()  # this flood's, not the run's
+                        if k.startswith("admission.refused.") and isinstance(v, (int, float))}
             good = [r for r in honest if r is not None]
-            row = {"attempts": len(honest), "ok": len(good), "success": len(good) / max(1, len(honest)),
+            row = {"attempts": len(honest), "ok": len(good), "success": len(good) / max(1, len(honest)), "latencies_s": honest,
                    "median_s": statistics.median(good) if good else None,
                    "latency_ratio": statistics.median(good) / baseline if good else None,
                    "flood_opened": opened[0] if opened else 0, "rss_growth_mib": peak_rss - rss0,
@@ -216,6 +223,30 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+async def attack(scenario: str, port: int) -> None:
+    """The attacker process: open the scenario's connections and hold them until stdin closes."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    held: list[trio.SocketStream] = []
+    stop = trio.Event()
+    opened: list[int] = []
+    async with trio.open_nursery() as nursery:
+
+        async def run_flood() -> None:
+            opened.append(await flood(port, scenario, held, stop))
+
+        nursery.start_soon(run_flood)
+        stdin = trio.lowlevel.FdStream(0)
+        with trio.move_on_after(600):  # bounded, whatever the driver does
+            while await stdin.receive_some(1024):
+                pass
+        stop.set()
+    print(json.dumps({"opened": opened[0] if opened else len(held)}), flush=True)
+    for stream in held:
+        with trio.move_on_after(0.05):
+            await stream.aclose()
+
+
 def table(results: dict[str, Any]) -> str:
     b = results["baseline"]
     lines = [f"baseline: {b['ok']}/{b['attempts']} honest attempts (connect + ping + DHT get from a fresh node), "
@@ -225,10 +256,10 @@ def table(results: dict[str, Any]) -> str:
     for name, row in results.items():
         if name in ("relay", "baseline"):
             continue
-        refused = ", ".join(f"{k.split('.', 1)[1]} {int(v)}" for k, v in row["refusals"].items()
-                            if k.startswith("admission.refused.") and v)
+        refused = ", ".join(f"{k.rsplit('.', 1)[1]} {int(v)}" for k, v in row["refusals"].items() if v)
+        median_ms = (row["median_s"] or float("nan")) * 1e3
         lines.append(f"| {name} ({row['flood_opened']} opened) | {row['ok']}/{row['attempts']} ({row['success']:.0%}) "
-                     f"| x{row['latency_ratio'] or float('nan'):.2f} | +{row['rss_growth_mib']:.1f} MiB "
+                     f"| {median_ms:.0f} ms, x{row['latency_ratio'] or float('nan'):.2f} | +{row['rss_growth_mib']:.1f} MiB "
                      f"| {row['cpu_s'] or 0:.1f} s | {row['relay_alive']} | {refused} |")
     return "\n".join(lines)
 
@@ -242,7 +273,11 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=10.0, help="pause between floods")
     parser.add_argument("--port", type=int, default=41999)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--attack", choices=["idle", "stalled", "spread"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.attack:
+        trio.run(attack, args.attack, args.port)
+        return
     if not 1 <= args.duration <= 600 or not 1 <= args.baseline <= 600:
         parser.error("--duration and --baseline must be 1..600 s")
     results = trio.run(run, args)
