@@ -202,7 +202,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             alive = proc.poll() is None
             after = await status(relay, relay_id) if alive else {}
             refusals = {k: v - before.get(k, 0) for k, v in after.items()  # this flood's, not the run's
-                        if k.startswith("admission.refused.") and isinstance(v, (int, float))}
+                        if k.startswith("resources.admission.refused.") and isinstance(v, (int, float))}
             good = [r for r in honest if r is not None]
             row = {"attempts": len(honest), "ok": len(good), "success": len(good) / max(1, len(honest)), "latencies_s": honest,
                    "median_s": statistics.median(good) if good else None,

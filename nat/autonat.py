@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass
 
 import trio
@@ -31,6 +31,7 @@ from p2p import Node
 from p2p.addresses import is_relayed, reachable_tcp, without_peer_id
 from p2p.errors import ConfigError, DedlocError, RemoteProtocolError
 from p2p.hooks import Metrics, Registration
+from p2p.resources import ResourceLimitExceeded
 from p2p.trio_util import finish_quietly
 from p2p.untrusted import decode_addr
 
@@ -55,8 +56,6 @@ class AutoNATConfig:
     max_dial_data: int = 100_000
     #: Dial-backs this server runs at once; more requests are rejected.
     max_concurrent: int = 8
-    #: Requests one peer may make per minute.
-    per_peer_per_minute: int = 12
     #: Time for one dial-back (connect, handshake, nonce) and for a whole request.
     dial_timeout: float = 10.0
     request_timeout: float = 30.0
@@ -64,7 +63,7 @@ class AutoNATConfig:
     def validate(self) -> None:
         if self.dial_data < 0 or self.max_dial_data < 0:
             raise ConfigError("dial data sizes must not be negative")
-        if self.max_concurrent < 1 or self.per_peer_per_minute < 1:
+        if self.max_concurrent < 1:
             raise ConfigError("AutoNAT rate limits must be at least 1")
         if self.dial_timeout <= 0 or self.request_timeout <= 0:
             raise ConfigError("AutoNAT timeouts must be positive")
@@ -96,7 +95,6 @@ class AutoNATServer:
         self.config = config or AutoNATConfig()
         self.config.validate()
         self._slots = trio.Semaphore(self.config.max_concurrent)
-        self._recent: dict[ID, list[float]] = defaultdict(list)
         self.counts: Counter[str] = Counter({"requests": 0, "rejected": 0, "refused": 0, "dial_backs": 0, "dial_back_ok": 0, "dial_data_asked": 0})
 
     def install(self) -> Registration:
@@ -105,15 +103,18 @@ class AutoNATServer:
     def metrics(self) -> Metrics:
         return dict(self.counts)
 
-    def _rate_limited(self, peer: ID) -> bool:
-        now = trio.current_time()
-        recent = [t for t in self._recent[peer] if now - t < 60]
-        if len(self._recent) > 4096:
-            self._recent.clear()
-        self._recent[peer] = recent
-        if len(recent) >= self.config.per_peer_per_minute:
+    def _rate_limited(self, stream: INetStream, peer: ID) -> bool:
+        """Over the node's AutoNAT rates (``p2p/resources.py``): per peer, and per requesting IP
+        (fresh peer ids cost nothing; addresses do)."""
+        resources, now = self._node.resources, trio.current_time()
+        observed = stream.muxed_conn.get_remote_address()  # type: ignore[attr-defined]
+        try:
+            resources.allow("autonat", str(peer), now)
+            if observed is not None:
+                resources.allow("autonat.address", str(observed[0]), now)
+        except ResourceLimitExceeded as e:
+            log.debug("AutoNAT request from %s rejected: %s", peer, e)
             return True
-        recent.append(now)
         return False
 
     async def _on_request(self, stream: INetStream) -> None:
@@ -141,7 +142,7 @@ class AutoNATServer:
         if msg.WhichOneof("msg") != "dialRequest":
             raise RemoteProtocolError("the first AutoNAT message is not a DialRequest")
         request = msg.dialRequest
-        if self._rate_limited(peer) or self._slots.value == 0:
+        if self._rate_limited(stream, peer) or self._slots.value == 0:
             self.counts["rejected"] += 1
             await self._respond(stream, pb.DialResponse.E_REQUEST_REJECTED)
             return
@@ -164,6 +165,12 @@ class AutoNATServer:
                 if chunk.WhichOneof("msg") != "dialDataResponse":
                     raise RemoteProtocolError("expected DialDataResponse")
                 received += len(chunk.dialDataResponse.data)
+            try:  # and however many pay, an address that is not theirs is dialed only so often
+                self._node.resources.allow("autonat.dial_back", _ip(target), trio.current_time())
+            except ResourceLimitExceeded:
+                self.counts["rejected"] += 1
+                await self._respond(stream, pb.DialResponse.E_REQUEST_REJECTED)
+                return
         async with self._slots:
             status = await self._dial_back(peer, target, request.nonce)
         await self._respond(stream, pb.DialResponse.OK, index, status)

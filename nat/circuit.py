@@ -44,6 +44,20 @@ VOUCHER_DOMAIN = "libp2p-relay-rsvp"
 VOUCHER_PAYLOAD_TYPE = b"\x03\x02"
 
 STATUS_NAMES = {v: k for k, v in pb.Status.items()}
+#: What a relay's refusal means, for the refused peer's error message (the spec sends a code, no text).
+STATUS_TEXTS: dict[int, str] = {
+    pb.RESERVATION_REFUSED: "no reservation slot free, in all or for your address",
+    pb.RESOURCE_LIMIT_EXCEEDED: "over one of the relay's limits (circuits in all or per peer, or a request rate)",
+    pb.PERMISSION_DENIED: "not allowed",
+    pb.NO_RESERVATION: "the target holds no reservation on this relay",
+    pb.CONNECTION_FAILED: "the relay could not reach the target",
+}
+
+
+def describe_status(status: int) -> str:
+    name = STATUS_NAMES.get(status, str(status))  # type: ignore[call-overload]
+    text = STATUS_TEXTS.get(status)
+    return f"{name} ({text})" if text else name
 
 
 class RelayError(DedlocError):
@@ -186,8 +200,7 @@ class RelayClient:
         await finish_quietly(stream.close)
         if reply.type != pb.HopMessage.STATUS or reply.status != pb.OK:
             self.counts["reservation_failures"] += 1
-            name = STATUS_NAMES.get(reply.status, str(reply.status))
-            raise RelayError(f"{relay} refused the reservation: {name}", reply.status)
+            raise RelayError(f"{relay} refused the reservation: {describe_status(reply.status)}", reply.status)
         rsvp = reply.reservation
         expire = float(rsvp.expire)
         if expire <= time.time():
@@ -278,8 +291,8 @@ class RelayClient:
             raise RelayError(f"relay {relay} did not answer a CONNECT to {target}: {e}") from e
         if reply.type != pb.HopMessage.STATUS or reply.status != pb.OK:
             await finish_quietly(stream.reset)
-            name = STATUS_NAMES.get(reply.status, str(reply.status))
-            raise RelayError(f"relay {relay} could not connect us to {target}: {name}", reply.status)
+            raise RelayError(f"relay {relay} could not connect us to {target}: {describe_status(reply.status)}",
+                             reply.status)
         raw = CircuitConnection(stream, initiator=True, relay_addr=Multiaddr(f"/p2p/{relay}/p2p-circuit"))
         try:
             with trio.fail_after(self._timeout):

@@ -103,7 +103,7 @@ def peer_config(args: argparse.Namespace, *, relay: bool) -> PeerConfig:
         config.exchange_interval = args.exchange_interval
         config.greeting = args.message
     config.node.announce = args.announce or []
-    config.node.admission = AdmissionConfig(
+    config.node.resources.admission = AdmissionConfig(
         max_handshaking=args.max_handshaking, max_handshaking_per_address=args.max_handshaking_per_ip,
         max_handshaking_per_subnet=4 * args.max_handshaking_per_ip, handshake_timeout=args.handshake_timeout,
         max_connections=args.max_inbound, max_connections_per_address=args.max_inbound_per_ip,
@@ -181,8 +181,9 @@ async def cmd_status(args: argparse.Namespace, out: Output) -> int:
     if out.json_mode:
         print(json.dumps(metrics), flush=True)
     else:
+        width = max((len(key) for key in metrics), default=0)
         for key, value in metrics.items():
-            print(f"{key:<26} {value}")
+            print(f"{key:<{width}}  {value}")
     return 0
 
 

@@ -35,6 +35,7 @@ from p2p.addresses import reachable_tcp, without_peer_id
 from p2p.dialer import dial_simultaneous, remote_addr
 from p2p.errors import ConfigError, RemoteProtocolError
 from p2p.hooks import Metrics, Registration
+from p2p.resources import ResourceLimitExceeded
 from p2p.trio_util import finish_quietly
 from p2p.untrusted import decode_addrs
 
@@ -264,6 +265,12 @@ class HolePuncher:
 
     async def _on_stream(self, stream: INetStream) -> None:
         peer = stream.muxed_conn.peer_id
+        try:  # each exchange makes us dial: a peer gets a few a second (p2p/resources.py)
+            self._node.resources.allow("dcutr", str(peer), trio.current_time())
+        except ResourceLimitExceeded as e:
+            log.info("DCUtR from %s refused: %s", peer, e)
+            await finish_quietly(stream.reset)
+            return
         try:
             first = await read_message(stream, pb.HolePunch)
             if first.type != pb.HolePunch.CONNECT:

@@ -192,10 +192,12 @@ class Peer:
         return self.node.addrs
 
     def metrics(self) -> Metrics:
-        """Every layer's metrics in the one flat shape: the NAT funnel, inbound admission under
-        ``admission.`` (refusals by reason), then the DHT's under ``dht.``."""
+        """Every layer's metrics in the one flat shape: the NAT funnel, what peers take of this node
+        under ``resources.`` (admission, streams, bytes in flight, the relay's slots, refusals by
+        scope and reason) and the limits under ``limits.``, then the DHT's under ``dht.``."""
         out: Metrics = {"peer_id": str(self.node.peer_id), "peers": len(self.node.connected_peers()), **self.nat.metrics()}
-        out.update({f"admission.{k}": v for k, v in self.node.admission.metrics().items()})
+        out.update({f"resources.{k}": v for k, v in self.node.resources.usage().items()})
+        out.update({f"limits.{k}": v for k, v in self.node.resources.limits().items()})
         if self._dht is not None:
             out.update({f"dht.{k}": v for k, v in self._dht.metrics().items()})
         return out

@@ -31,6 +31,7 @@ from p2p.addresses import is_relayed, with_peer_id, without_peer_id
 from p2p.dialer import live_connection
 from p2p.errors import ConfigError, RemoteProtocolError
 from p2p.hooks import Registration
+from p2p.resources import ResourceLimitExceeded
 from p2p.trio_util import finish_quietly
 from p2p.untrusted import require_peer_id
 
@@ -164,7 +165,16 @@ class RelayService:
         self.stats = RelayStats()
 
     def install(self) -> Registration:
-        return self._node.set_stream_handler(HOP_PROTOCOL, self._on_hop)
+        """Serve HOP; the relay's slots show in the node's resource usage (``dedloc status``)."""
+        handler = self._node.set_stream_handler(HOP_PROTOCOL, self._on_hop)
+        unregister = self._node.resources.register_service(
+            "relay", lambda: {"reservations": len(self.admission.slots), "circuits": self.admission.circuit_count})
+
+        def undo() -> None:
+            handler.remove()
+            unregister()
+
+        return Registration(undo)
 
     def metrics(self) -> dict[str, int | float | str]:
         """Flat name -> value (refusals and limits hit by reason), as every service's ``metrics()``."""
@@ -197,6 +207,13 @@ class RelayService:
         if _over_relayed_connection(stream):
             await self._status(stream, pb.PERMISSION_DENIED, "relayed connection")
             return
+        service = {pb.HopMessage.RESERVE: "relay.reserve", pb.HopMessage.CONNECT: "relay.connect"}.get(msg.type)
+        if service is not None:
+            try:
+                self._node.resources.allow(service, str(peer), trio.current_time())
+            except ResourceLimitExceeded:
+                await self._status(stream, pb.RESOURCE_LIMIT_EXCEEDED, f"{service} rate")
+                return
         if msg.type == pb.HopMessage.RESERVE:
             await self._reserve(stream, peer)
         elif msg.type == pb.HopMessage.CONNECT:
@@ -207,6 +224,7 @@ class RelayService:
     async def _status(self, stream: INetStream, status: int, reason: str) -> None:
         if status != pb.OK:
             self.stats.refused[reason] += 1
+            self._node.resources.count_refusal("relay", reason)
         with trio.move_on_after(2):
             try:
                 await write_message(stream, pb.HopMessage(type=pb.HopMessage.STATUS, status=status))  # type: ignore[arg-type]

@@ -45,6 +45,26 @@ class Refusal(StrEnum):
     HANDSHAKE_DEADLINE = "handshake_deadline"
 
 
+_TEXTS = {
+    Refusal.HANDSHAKING_PER_ADDRESS: "too many connections still handshaking from your address",
+    Refusal.HANDSHAKING_PER_SUBNET: "too many connections still handshaking from your subnet",
+    Refusal.HANDSHAKING_TOTAL: "too many connections still handshaking",
+    Refusal.CONNECTIONS_PER_ADDRESS: "too many connections from your address",
+    Refusal.CONNECTIONS_PER_SUBNET: "too many connections from your subnet",
+    Refusal.CONNECTIONS_TOTAL: "too many connections",
+    Refusal.EVICTED: "evicted: your address or subnet held the most unfinished handshakes",
+    Refusal.HANDSHAKE_DEADLINE: "the handshake took too long",
+}
+
+
+def describe_refusal(reason: str) -> str:
+    """What a refusal's reason means, for the refused peer's error message."""
+    try:
+        return f"{_TEXTS[Refusal(reason)]} ({reason})"
+    except ValueError:
+        return reason
+
+
 @dataclass
 class AdmissionConfig:
     """Limits on inbound connections, checked at accept time (0 for a cap: no limit)."""
@@ -112,10 +132,13 @@ class Admission:
     connections: int = 0
     refused: Counter[str] = field(default_factory=Counter)
     admitted: int = 0
+    #: Why the last refused connection was refused (what the listener tells it).
+    last_refusal: Refusal | None = None
 
     def admit(self, ip: str, now: float) -> tuple[Ticket | None, list[Ticket]]:
         """Admit a connection just accepted from ``ip``: its ticket (None: refused, the reason
-        counted in :attr:`refused`) and the handshaking tickets evicted to make room."""
+        counted in :attr:`refused` and kept in :attr:`last_refusal`) and the handshaking
+        tickets evicted to make room."""
         c = self.config
         address, subnet = prefixes(ip)
         checks = (
@@ -126,20 +149,20 @@ class Admission:
         )
         for cap, used, reason in checks:
             if cap and used >= cap:
-                self.refused[reason] += 1
+                self._refuse(reason)
                 return None, []
         evicted: list[Ticket] = []
         if c.max_connections and self.connections >= c.max_connections:
             # full of established connections from many addresses: only a handshaking one may yield
             victim = self._victim(subnet)
             if victim is None:
-                self.refused[Refusal.CONNECTIONS_TOTAL] += 1
+                self._refuse(Refusal.CONNECTIONS_TOTAL)
                 return None, []
             evicted.append(self._evict(victim))
         if c.max_handshaking and len(self.handshaking) >= c.max_handshaking:
             victim = self._victim(subnet)
             if victim is None:
-                self.refused[Refusal.HANDSHAKING_TOTAL] += 1
+                self._refuse(Refusal.HANDSHAKING_TOTAL)
                 return None, evicted
             evicted.append(self._evict(victim))
         ticket = Ticket(address, subnet, now)
@@ -151,6 +174,10 @@ class Admission:
         self.connections += 1
         self.admitted += 1
         return ticket, evicted
+
+    def _refuse(self, reason: Refusal) -> None:
+        self.refused[reason] += 1
+        self.last_refusal = reason
 
     def _victim(self, subnet: str) -> Ticket | None:
         """The handshaking connection to close for a newcomer from ``subnet``: the oldest from the
@@ -208,4 +235,4 @@ class Admission:
         return out
 
 
-__all__ = ["Admission", "AdmissionConfig", "Refusal", "Ticket", "prefixes"]
+__all__ = ["Admission", "AdmissionConfig", "Refusal", "Ticket", "describe_refusal", "prefixes"]

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .addresses import parse_multiaddr, parse_peer_addr
-from .admission import AdmissionConfig
 from .errors import ConfigError
+from .resources import ResourceConfig
 from .yamux import YamuxConfig
 
 
@@ -42,8 +42,9 @@ class NodeConfig:
     rpc_timeout: float = 30.0
     #: Stream multiplexing limits: windows, write timeout, keepalive, stream caps.
     yamux: YamuxConfig = field(default_factory=YamuxConfig)
-    #: Inbound connections, before any crypto: caps per address and subnet, the handshake deadline.
-    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    #: Every limit on what peers may take (``p2p/resources.py``): admission before the handshake,
+    #: connections, streams and bytes in flight per peer and in all, request rates per service.
+    resources: ResourceConfig = field(default_factory=ResourceConfig)
 
     def validate(self) -> None:
         if not self.listen and self.announce:
@@ -66,6 +67,6 @@ class NodeConfig:
         if self.dial_stagger < 0:
             raise ConfigError(f"dial_stagger must be >= 0, got {self.dial_stagger}")
         self.yamux.validate()
-        self.admission.validate()
+        self.resources.validate()
         if self.max_message_size < 1024:
             raise ConfigError(f"max_message_size must be at least 1024 bytes, got {self.max_message_size}")

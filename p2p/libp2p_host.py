@@ -53,6 +53,7 @@ host instance's attributes.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from contextvars import ContextVar
 from typing import Any, cast
@@ -73,7 +74,8 @@ import trio
 from multiaddr import Multiaddr
 
 from . import multistream
-from .admission import Admission, Ticket
+from .admission import Ticket
+from .resources import ResourceLimitExceeded, ResourceManager
 from .rpc.framing import encode_varint
 from .trio_util import finish_quietly
 from .noise import PROTOCOL_ID as NOISE_PROTOCOL_ID
@@ -82,6 +84,8 @@ from .yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from .yamux import YamuxConfig, YamuxConnection
 
 ConnectionCallback = Callable[[INetConn], Awaitable[None]]
+
+log = logging.getLogger(__name__)
 
 
 def build_host(
@@ -92,7 +96,7 @@ def build_host(
     dial_timeout: float,
     advertised: Callable[[list[Multiaddr]], list[Multiaddr]],
     max_addrs: int,
-    admission: Admission,
+    resources: ResourceManager,
 ) -> IHost:
     """A py-libp2p host with dedloc's data plane and every correction above applied.
 
@@ -111,22 +115,23 @@ def build_host(
             min_connections=0, low_watermark=0, dial_timeout=dial_timeout,
             # admission (p2p/admission.py) caps inbound connections; py-libp2p's count stays out of its way
             max_connections=1_000_000, high_watermark=1_000_000,
-            inbound_upgrade_timeout=admission.config.handshake_timeout + 1.0,
+            inbound_upgrade_timeout=resources.config.admission.handshake_timeout + 1.0,
         ),
     )
     network = host.get_network()
     network.set_resource_manager(None)  # type: ignore[attr-defined]
-    _install_admission(network, admission)
+    _install_admission(network, resources)
     upgrader = network.upgrader  # type: ignore[attr-defined]
     upgrader.security_multistream = _Security(noise)
-    upgrader.muxer_multistream = _Muxers(yamux, upgrader.muxer_multistream.negotiate_timeout)
+    upgrader.muxer_multistream = _Muxers(yamux, upgrader.muxer_multistream.negotiate_timeout, resources)
     network.retry_config = RetryConfig(max_retries=0)  # type: ignore[attr-defined]
     _cap_peer_addrs(host.get_peerstore(), max_addrs)
     return host
 
 
 async def started(host: IHost, get_addrs: Callable[[], list[Multiaddr]],
-                  connected: ConnectionCallback, disconnected: ConnectionCallback, *, backlog: int = 1024) -> None:
+                  connected: ConnectionCallback, disconnected: ConnectionCallback, resources: ResourceManager,
+                  ) -> None:
     """What can only be corrected on a running host: the auto-connector, ``get_addrs``, our notifee,
     the listen backlog (py-libp2p listens with 128: a flood's SYNs would crowd honest ones out)."""
     network = host.get_network()
@@ -134,30 +139,62 @@ async def started(host: IHost, get_addrs: Callable[[], list[Multiaddr]],
         for socket_listener in getattr(listener, "listeners", []):
             sock = getattr(socket_listener, "socket", None)
             if sock is not None:
-                sock.listen(backlog)  # listen() again on a listening socket resizes its queue
+                sock.listen(resources.config.admission.backlog)  # listen() again on a listening socket resizes its queue
     await network.auto_connector.stop()  # type: ignore[attr-defined]
     host.get_addrs = get_addrs  # type: ignore[method-assign]
     network.register_notifee(_Notifee(connected, disconnected))
-    host.set_stream_handler(IDENTIFY_PROTOCOL, _identify_handler(host))
+    host.set_stream_handler(IDENTIFY_PROTOCOL, _identify_handler(host, resources))
 
 
 #: The admission ticket of the inbound connection a task is upgrading (each accepted connection has its task).
 _TICKET: ContextVar[Ticket | None] = ContextVar("dedloc_admission_ticket", default=None)
 
 
-def _install_admission(swarm: Any, admission: Admission) -> None:
-    """Put :class:`p2p.admission.Admission` in front of py-libp2p's accept path.
+#: Refused connections that may linger a moment so the refusal is read, at once (more are just closed).
+MAX_LINGERING = 64
+#: How long a refused connection lingers for the dialer's first bytes before it is closed.
+LINGER = 1.0
+
+
+def _install_admission(swarm: Any, resources: ResourceManager) -> None:
+    """Put the resource manager's admission (``p2p/admission.py``) in front of py-libp2p's accept
+    path, and its connections-per-peer limit right after the handshake.
 
     The swarm runs each accepted socket in a task of its own (``trio.serve_listeners``),
     so the accept loop never waits on a handshake. In that task we ask for a ticket
     before anything is read, run the upgrade under the handshake deadline, lift the
     deadline once the upgrade authenticated the peer, and give the ticket back when the
     connection closes. An evicted connection's deadline is moved to now.
+
+    A refused connection is told why before it is closed: the multistream header and
+    ``/dedloc/refused/<reason>`` where the security protocol's echo would be (one short
+    write, only to an address that completed TCP's handshake, so nothing a spoofed
+    source could turn into an amplifier). It lingers up to :data:`LINGER` for the
+    dialer's first bytes, so that closing with them unread does not reset the
+    connection before the dialer read the refusal; at most :data:`MAX_LINGERING` at once.
     """
+    admission = resources.admission
     swarm._inbound_limiter = trio.CapacityLimiter(1_000_000)  # its global cap: replaced by ours
     handle = swarm._handle_inbound_connection
     upgrade = swarm.upgrade_inbound_raw_conn
     scopes: dict[Ticket, trio.CancelScope] = {}
+    lingering = 0
+
+    async def refuse(read_write_closer: Any, reason: str) -> None:
+        nonlocal lingering
+        if lingering >= MAX_LINGERING:
+            await finish_quietly(read_write_closer.close)
+            return
+        lingering += 1
+        try:
+            with trio.move_on_after(LINGER):
+                await read_write_closer.write(multistream.encode(multistream.HEADER, multistream.REFUSED_PREFIX + reason))
+                await read_write_closer.read(1024)
+        except Exception:
+            pass
+        finally:
+            lingering -= 1
+            await finish_quietly(read_write_closer.close)
 
     async def admitted(read_write_closer: Any, maddr: Multiaddr) -> None:
         remote = read_write_closer.get_remote_address() if hasattr(read_write_closer, "get_remote_address") else None
@@ -169,7 +206,7 @@ def _install_admission(swarm: Any, admission: Admission) -> None:
             if victim in scopes:
                 scopes[victim].deadline = -float("inf")
         if ticket is None:
-            await finish_quietly(read_write_closer.close)
+            await refuse(read_write_closer, str(admission.last_refusal or "unknown"))
             return
         scope = scopes[ticket] = trio.CancelScope(deadline=trio.current_time() + admission.config.handshake_timeout)
         token = _TICKET.set(ticket)
@@ -189,28 +226,47 @@ def _install_admission(swarm: Any, admission: Admission) -> None:
         ticket = _TICKET.get()
         if ticket is not None and ticket in scopes:
             admission.authenticated(ticket)
+            peer = str(muxed.peer_id)
+            try:
+                resources.open_connection(peer)
+            except ResourceLimitExceeded as e:
+                log.debug("refused a connection from %s: %s", peer, e)
+                await finish_quietly(muxed.close)
+                raise
             scope = scopes[ticket]
             scope.deadline = float("inf")
             closed = getattr(muxed, "event_closed", None)
-            if closed is not None:
-                # The swarm's task now waits for the swarm's end, not the connection's: end
-                # it (and give the ticket back) when the connection closes.
-                async def until_closed() -> None:
-                    await closed.wait()
-                    scope.cancel()
 
-                swarm.background_nursery.start_soon(until_closed)
+            # The swarm's task now waits for the swarm's end, not the connection's: end
+            # it (and give the ticket back) when the connection closes.
+            async def until_closed() -> None:
+                try:
+                    if closed is not None:
+                        await closed.wait()
+                        scope.cancel()
+                    else:
+                        await trio.sleep_forever()
+                finally:
+                    resources.close_connection(peer)
+
+            swarm.background_nursery.start_soon(until_closed)
         return muxed  # type: ignore[no-any-return]
 
     swarm._handle_inbound_connection = admitted
     swarm.upgrade_inbound_raw_conn = upgraded
 
 
-def _identify_handler(host: IHost) -> Callable[[INetStream], Awaitable[None]]:
+def _identify_handler(host: IHost, resources: ResourceManager) -> Callable[[INetStream], Awaitable[None]]:
     """Answer identify as py-libp2p does (its message, varint-prefixed), with the observed
-    address of this stream's connection: its TCP remote, or none when relayed."""
+    address of this stream's connection: its TCP remote, or none when relayed. A peer over
+    its identify rate gets a reset."""
 
     async def handle(stream: INetStream) -> None:
+        try:
+            resources.allow("identify", str(stream.muxed_conn.peer_id), trio.current_time())
+        except ResourceLimitExceeded:
+            await finish_quietly(stream.reset)
+            return
         remote = stream.get_remote_address()  # None on a relayed connection (nat/circuit.py)
         message = _mk_identify_protobuf(host, _remote_address_to_multiaddr(remote)).SerializeToString()
         try:
@@ -266,9 +322,10 @@ class _Muxers(MuxerMultistream):
     proposes without waiting (over another secure channel than ours: optimistically, header
     and proposal in one write)."""
 
-    def __init__(self, config: YamuxConfig, negotiate_timeout: int) -> None:
+    def __init__(self, config: YamuxConfig, negotiate_timeout: int, resources: ResourceManager) -> None:
         super().__init__({YAMUX_PROTOCOL_ID: YamuxConnection}, negotiate_timeout)
         self._config = config
+        self._resources = resources
 
     async def new_conn(self, conn: ISecureConn, peer_id: ID) -> IMuxedConn:
         if isinstance(conn, NoiseSession) and conn.early_muxer == YAMUX_PROTOCOL_ID:
@@ -287,7 +344,8 @@ class _Muxers(MuxerMultistream):
                 raise MultiselectClientError(f"muxer negotiation: {e or 'timed out'}") from e
         else:
             protocol, _ = await self._selector.select(conn, False, self.negotiate_timeout)
-        return self._annotate_connection(YamuxConnection(conn, peer_id, self._config), conn, protocol)
+        muxed = YamuxConnection(conn, peer_id, self._config, memory=self._resources.memory_account(str(peer_id)))
+        return self._annotate_connection(muxed, conn, protocol)
 
 
 class _Notifee(INotifee):

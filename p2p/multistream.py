@@ -30,10 +30,15 @@ from typing import Any, Protocol
 
 import trio
 
+from .admission import describe_refusal
 from .errors import ProtocolNotSupportedError, RemoteProtocolError
 
 HEADER = "/multistream/1.0.0"
 NA = "na"
+#: What a dedloc listener answers, instead of the protocol, to a connection it refuses before
+#: the handshake (``p2p/admission.py``): the reason follows, a :class:`p2p.admission.Refusal`.
+#: Any other dialer reads it as an unexpected answer and gives up, as it should.
+REFUSED_PREFIX = "/dedloc/refused/"
 #: the longest message accepted from a peer (protocol ids are short; the spec caps them at 64 KiB)
 MAX_MESSAGE = 1024
 
@@ -49,6 +54,14 @@ class ProtocolRefused(ProtocolNotSupportedError, ValueError):
     ValueErrors through as they are and wraps anything else in its StreamError,
     and a lazily selected stream raises this from its first read.
     """
+
+
+class PeerRefused(MultistreamError):
+    """The listener refused the connection before the handshake, and said why (:attr:`reason`)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(f"the peer refused the connection: {describe_refusal(reason)}")
 
 
 def encode(*messages: str) -> bytes:
@@ -147,6 +160,8 @@ class Reply:
             self.done = True
         elif message == NA:
             raise ProtocolRefused(f"the peer does not speak {self.protocol}")
+        elif message.startswith(REFUSED_PREFIX):
+            raise PeerRefused(message[len(REFUSED_PREFIX):][:64])
         else:
             raise MultistreamError(f"the peer answered {message[:64]!r} to a proposal of {self.protocol}")
 

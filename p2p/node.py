@@ -38,6 +38,7 @@ from .identify import MAX_LISTEN_ADDRS, PeerIdentity, identify
 from .identity import load_or_create_identity, new_identity, peer_id_of
 from .libp2p_host import build_host, started
 from .noise import NoiseSession
+from .resources import ResourceLimitExceeded, ResourceManager
 from .rpc import RPC_PROTOCOL, Rpc
 from .trio_util import finish_quietly, unwrap_single_group
 
@@ -65,10 +66,11 @@ class Node:
     """A running dedloc peer. Create it with :meth:`open`, never directly."""
 
     def __init__(self, config: NodeConfig, key_pair: KeyPair, host: IHost, nursery: trio.Nursery,
-                 admission: Admission | None = None):
+                 resources: ResourceManager | None = None):
         self.config = config
-        #: Who may connect in, before any crypto (``p2p/admission.py``); its counts are in :meth:`metrics`.
-        self.admission = admission or Admission(config.admission)
+        #: What peers may take: admission before any crypto, then connections, streams, bytes in
+        #: flight and request rates (``p2p/resources.py``); its limits and usage are in ``dedloc status``.
+        self.resources = resources or ResourceManager(config.resources)
         self.key_pair = key_pair
         self.host = host
         self.peer_id: ID = peer_id_of(key_pair)
@@ -79,7 +81,21 @@ class Node:
         self._announce = [parse_multiaddr(a, what="announce address") for a in config.announce]
         self._circuit_dialer: CircuitDialer | None = None
         self._external = ExternalAddresses()
-        self.rpc = Rpc(self.new_stream, max_message_size=config.max_message_size, default_timeout=config.rpc_timeout)
+        self.rpc = Rpc(self.new_stream, max_message_size=config.max_message_size, default_timeout=config.rpc_timeout,
+                       admit=self._admit_call)
+
+    @property
+    def admission(self) -> Admission:
+        """Inbound connections before any crypto (``p2p/admission.py``), part of :attr:`resources`."""
+        return self.resources.admission
+
+    def _admit_call(self, peer_id: ID, method: str) -> None:
+        """An RPC call's rate check: the service is the method's first part (``dht.find``: ``dht``);
+        methods of a service without a rate of its own count as ``rpc``."""
+        service = method.split(".", 1)[0]
+        if service not in self.resources.config.rates:
+            service = "rpc"
+        self.resources.allow(service, str(peer_id), trio.current_time())
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -105,11 +121,11 @@ class Node:
         listen = [parse_multiaddr(a, what="listen address") for a in config.listen]
 
         holder: list[Node] = []
-        admission = Admission(config.admission)
+        resources = ResourceManager(config.resources)
         host = build_host(
             key_pair, listen, yamux=config.yamux, dial_timeout=config.dial_timeout,
             advertised=lambda candidates: holder[0]._advertised(candidates) if holder else candidates,
-            max_addrs=MAX_LISTEN_ADDRS + 8, admission=admission,
+            max_addrs=MAX_LISTEN_ADDRS + 8, resources=resources,
         )
         bootstrap_error: BootstrapError | None = None
         listening = False
@@ -117,10 +133,10 @@ class Node:
             with unwrap_single_group():
                 async with host.run(listen), trio.open_nursery() as nursery:
                     listening = True
-                    node = cls(config, key_pair, host, nursery, admission)
+                    node = cls(config, key_pair, host, nursery, resources)
                     holder.append(node)
                     await started(host, node._host_addrs, node._connected, node._disconnected,
-                                  backlog=config.admission.backlog)
+                                  resources)
                     node.set_stream_handler(RPC_PROTOCOL, node.rpc.handle_stream)
                     nursery.start_soon(node._sweep_idle_rpc_streams)
                     try:
@@ -472,11 +488,19 @@ class Node:
 
         async def guarded(stream: INetStream) -> None:
             try:
+                grant = self.resources.open_stream(str(_remote(stream)), protocol)
+            except ResourceLimitExceeded as e:
+                log.debug("refused a %s stream from %s: %s", protocol, _remote(stream), e)
+                await finish_quietly(stream.reset)
+                return
+            try:
                 await handler(stream)
             except Exception as e:
                 log.warning("handler for %s failed: %r", protocol, e)
                 self.emit(ev.Error(message=f"handler for {protocol} failed: {e!r}", peer_id=_remote(stream)))
                 await finish_quietly(stream.reset)
+            finally:
+                self.resources.close_stream(grant)
 
         self.host.set_stream_handler(TProtocol(protocol), guarded)
 

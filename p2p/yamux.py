@@ -150,6 +150,16 @@ class YamuxConfig:
 # ---------------------------------------------------------------------------- sans-I/O framing
 
 
+class MemoryBudget(Protocol):
+    """Where window growth is reserved and given back (``p2p.resources.MemoryAccount``)."""
+
+    def reserve(self, wanted: int) -> int: ...
+
+    def release(self, amount: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class FrameHandler(Protocol):
     def on_header(self, kind: int, flags: int, stream_id: int, length: int) -> None: ...
 
@@ -295,6 +305,8 @@ class YamuxStream(IMuxedStream):
         conn = self.muxed_conn
         delta = self._unacked
         grow = min(self._window_size, conn.config.max_stream_window - self._window_size, conn.window_budget)
+        if grow > 0 and conn.memory is not None:
+            grow = conn.memory.reserve(grow)  # the peer's and the node's budget (p2p/resources.py)
         if grow > 0:
             conn.window_budget -= grow
             self._window_size += grow
@@ -437,8 +449,11 @@ class YamuxConnection(IMuxedConn):
 
     on_close: Callable[[], Awaitable[None]] | None
 
-    def __init__(self, secured_conn: ISecureConn, peer_id: ID, config: YamuxConfig | None = None) -> None:
+    def __init__(self, secured_conn: ISecureConn, peer_id: ID, config: YamuxConfig | None = None,
+                 memory: MemoryBudget | None = None) -> None:
         self.secured_conn = secured_conn
+        #: Asked before a receive window grows beyond its initial size (None: only the connection's budget).
+        self.memory = memory
         self.peer_id = peer_id
         self.config = config or YamuxConfig()
         self._initiator = secured_conn.is_initiator
@@ -713,6 +728,8 @@ class YamuxConnection(IMuxedConn):
             if (stream.stream_id % 2 == 1) != self._initiator:
                 self._inbound -= 1
         self.window_budget += stream._window_size - INITIAL_WINDOW
+        if self.memory is not None:
+            self.memory.release(stream._window_size - INITIAL_WINDOW)
         stream._window_size = INITIAL_WINDOW
 
     # ---------------------------------------------------------------- liveness
@@ -750,6 +767,8 @@ class YamuxConnection(IMuxedConn):
         aborted = StreamAbortedError(f"connection ended: {error}")
         for stream in list(self.streams.values()):
             stream._abort(aborted, send_rst=False, keep_received=True)
+        if self.memory is not None:
+            self.memory.close()  # whatever the streams still held: nothing more arrives
         self._accept_send.close()
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()

@@ -110,7 +110,7 @@ async def test_idle_floods_from_one_address_and_from_many_leave_honest_peers_ser
     the global table, which evicts from the largest holders for the honest client. Idle ones are
     closed at the handshake deadline. The honest client is served throughout."""
     config = loopback_config()
-    config.admission = AdmissionConfig(max_handshaking=64, handshake_timeout=1.5)
+    config.resources.admission = AdmissionConfig(max_handshaking=64, handshake_timeout=1.5)
     async with AsyncExitStack() as stack, Node.open(config) as node:
         port = int(str(node.addrs[0]).split("/tcp/")[1].split("/")[0])
         flood = await idle_connections(port, ["127.0.0.2"], 60)
@@ -133,7 +133,7 @@ async def test_idle_floods_from_one_address_and_from_many_leave_honest_peers_ser
 
 async def test_an_authenticated_connection_is_not_cut_at_the_handshake_deadline() -> None:
     config = loopback_config()
-    config.admission = AdmissionConfig(handshake_timeout=0.5)
+    config.resources.admission = AdmissionConfig(handshake_timeout=0.5)
     async with Node.open(config) as node, Node.open(loopback_config(listen=["/ip4/127.1.0.2/tcp/0"])) as client:
         await client.connect(node.addrs[0])
         await trio.sleep(1.5)

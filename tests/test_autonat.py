@@ -17,8 +17,10 @@ from nat.wire import MAX_ADDRS, read_message, write_message
 from p2p import Node
 from p2p.addresses import without_peer_id
 from p2p.rpc.framing import encode_varint
+from p2p.resources import Rate
 
 from .conftest import open_nodes
+from .kit import wait_until
 
 OTHER_IP = "127.0.0.2"  # loopback too, but not the IP the client's requests come from
 
@@ -327,13 +329,15 @@ async def test_server_rejects_dial_data_that_is_not_dial_data():
 
 
 async def test_requests_per_peer_are_rate_limited():
-    async with autonat_pair(AutoNATConfig(allow_private=True, per_peer_per_minute=2)) as (s, server, c, client):
+    async with autonat_pair(AutoNATConfig(allow_private=True)) as (s, server, c, client):
+        s.resources.config.rates["autonat"] = Rate(1 / 60, 2)  # the node's resource manager keeps the rates
         dead = Multiaddr(f"/ip4/127.0.0.1/tcp/{closed_port()}")
         for _ in range(2):
             await client.check(s.peer_id, [dead])
         with pytest.raises(AutoNATError, match="E_REQUEST_REJECTED"):
             await client.check(s.peer_id, [listen_addr(c)])
         assert server.metrics()["rejected"] == 1 and server.metrics()["dial_backs"] == 2
+        assert s.resources.refused["service.autonat_requests_a_second_per_peer"] == 1
         # Another peer is not affected.
         async with open_nodes(1) as (d,):
             other = AutoNATClient(d)
@@ -403,3 +407,48 @@ async def test_dial_back_stream_with_garbage_is_reset_and_client_keeps_working()
             await read_message(back, pb.DialBackResponse)
         await conn.close()
         assert (await client.check(s.peer_id, [listen_addr(c)])).reachable is True
+
+
+async def test_a_stranger_cannot_make_the_server_an_amplifier():
+    """Eight paid requests for dial-backs to a third party's address: the server dials it at most
+    the burst of its per-address dial-back rate (4), and what it sends there is a sliver of what
+    the requester had to send first (the 30 KB of dial data per request)."""
+    (listener,) = await trio.open_tcp_listeners(0, host=OTHER_IP)
+    port = listener.socket.getsockname()[1]
+    received: list[int] = []
+
+    async def count(conn: trio.SocketStream) -> None:
+        total = 0
+        with trio.move_on_after(3):
+            while chunk := await conn.receive_some(65536):
+                total += len(chunk)
+        received.append(total)
+        await conn.aclose()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.serve_listeners, count, [listener])
+        async with autonat_pair(AutoNATConfig(allow_private=True, dial_timeout=1.0)) as (s, server, c, client):
+            s.resources.config.rates.update({"autonat": Rate(100, 100), "autonat.address": Rate(100, 100)})
+            paid: list[int] = []
+            pay = client._pay
+
+            async def recording_pay(stream: INetStream, size: int) -> None:
+                paid.append(size)
+                await pay(stream, size)
+
+            client._pay = recording_pay  # type: ignore[method-assign]
+            target = Multiaddr(f"/ip4/{OTHER_IP}/tcp/{port}")
+            rejected = 0
+            for _ in range(8):
+                try:
+                    await client.check(s.peer_id, [target])
+                except AutoNATError as e:
+                    assert "E_REQUEST_REJECTED" in str(e)
+                    rejected += 1
+            assert server.metrics()["dial_backs"] == 4 and rejected == 4
+            assert s.resources.refused["service.autonat.dial_back_requests_a_second_per_peer"] == 4
+            await wait_until(lambda: len(received) == 4, 10, what="the dial-backs counted")
+        nursery.cancel_scope.cancel()
+    sent_to_target, paid_in = sum(received), sum(paid)
+    assert paid_in >= 8 * 30_000
+    assert sent_to_target / paid_in < 0.01, (sent_to_target, paid_in)

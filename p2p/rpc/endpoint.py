@@ -31,7 +31,7 @@ from .errors import (
 )
 from .framing import END_FRAME, encode_call, message_header
 from .pool import StreamPool
-from .server import SERVER_IDLE_TIMEOUT, Method, StreamHandler, UnaryHandler, serve, stream_method, unary_method
+from .server import SERVER_IDLE_TIMEOUT, Admit, Method, StreamHandler, UnaryHandler, serve, stream_method, unary_method
 from .stream import FramedStream, RpcStream
 
 #: The libp2p protocol id of the RPC layer; one call at a time per stream.
@@ -62,6 +62,7 @@ class Rpc:
         default_timeout: float = 30.0,
         idle_timeout: float = 10.0,
         max_idle_streams: int = 16,
+        admit: Admit | None = None,
     ):
         if max_message_size <= 0:
             raise ValueError(f"max_message_size must be positive, got {max_message_size}")
@@ -73,6 +74,8 @@ class Rpc:
         if max_idle_streams < 0:
             raise ValueError(f"max_idle_streams must be >= 0, got {max_idle_streams}")
         self._open_stream = open_stream
+        #: Asked before each call is served (the node's request rates); raises to refuse it.
+        self.admit = admit
         self.max_message_size = max_message_size
         self.default_timeout = default_timeout
         self._methods: dict[str, Method] = {}
@@ -134,6 +137,7 @@ class Rpc:
             self._methods,
             max_message_size=self.max_message_size,
             default_timeout=self.default_timeout,
+            admit=self.admit,
         )
 
     # ------------------------------------------------------------------ calling

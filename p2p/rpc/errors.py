@@ -34,6 +34,7 @@ class ErrorCode(IntEnum):
     MESSAGE_TOO_LARGE = 3
     INVALID_MESSAGE = 4
     HANDLER_ERROR = 5
+    RESOURCE_LIMIT = 6
 
 
 class RpcError(DedlocError):
@@ -96,6 +97,14 @@ class HandlerError(RemoteError):
     code = ErrorCode.HANDLER_ERROR
 
 
+class ResourceLimitError(RemoteError):
+    """The peer refused the call: this caller (or all callers together) is over one of its
+    limits, named in ``message`` (``dht.find refused: over the limit of 200 dht requests a
+    second per peer``). Retrying later, or elsewhere, may succeed."""
+
+    code = ErrorCode.RESOURCE_LIMIT
+
+
 class RpcTimeoutError(RpcError, TimeoutError):
     """The call's deadline passed on this side before the peer answered."""
 
@@ -111,5 +120,6 @@ class PeerUnreachableError(PeerDisconnectedError):
 #: The RPC layer's own error types by code; each Rpc's registry starts from a copy.
 BUILTIN_ERRORS: Mapping[int, type[RemoteError]] = MappingProxyType({
     cls.code: cls
-    for cls in (UnknownMethodError, DeadlineExceededError, MessageTooLargeError, InvalidMessageError, HandlerError)
+    for cls in (UnknownMethodError, DeadlineExceededError, MessageTooLargeError, InvalidMessageError, HandlerError,
+                ResourceLimitError)
 })

@@ -26,9 +26,11 @@ from .errors import (
     MessageTooLargeError,
     PeerDisconnectedError,
     RemoteError,
+    ResourceLimitError,
     RpcError,
     UnknownMethodError,
 )
+from ..errors import DedlocError
 from .framing import END_FRAME, Decoded, Payload, encode_error, message_header, parse_message
 from .stream import CLEANUP_TIMEOUT, FramedStream, RpcStream
 
@@ -56,6 +58,10 @@ class CallContext:
         """Seconds left until the deadline (0 once it passed): the budget for nested calls."""
         return max(0.0, self.deadline - trio.current_time())
 
+
+#: Asked before a call is served, with the caller and the method; what it raises (a
+#: ``p2p.resources.ResourceLimitExceeded``) refuses the call with :class:`ResourceLimitError`.
+Admit = Callable[[ID, str], None]
 
 UnaryHandler = Callable[[Req, CallContext], Awaitable[ProtoMessage]]
 StreamHandler = Callable[[AsyncIterator[Req], CallContext], AsyncIterator[ProtoMessage]]
@@ -154,13 +160,14 @@ async def serve(
     max_message_size: int,
     default_timeout: float,
     idle_timeout: float = SERVER_IDLE_TIMEOUT,
+    admit: Admit | None = None,
 ) -> None:
     """Serve the calls ``peer_id`` makes on ``stream``, one after the other, then end it."""
     framed = FramedStream(stream, peer_id, max_message_size)
     try:
         # Until a call frame names a deadline, the default one bounds the wait.
         wait = default_timeout
-        while await _serve_call(framed, methods, max_message_size, default_timeout, wait, idle_timeout):
+        while await _serve_call(framed, methods, max_message_size, default_timeout, wait, idle_timeout, admit):
             wait = idle_timeout
     except Exception:
         log.exception("RPC server failed on a stream from %s", peer_id)
@@ -217,6 +224,7 @@ async def _serve_call(
     default_timeout: float,
     wait: float,
     idle_timeout: float,
+    admit: Admit | None = None,
 ) -> bool:
     """Serve the next call on the stream; True when the stream is ready for another."""
     peer_id = framed.peer_id
@@ -246,6 +254,12 @@ async def _serve_call(
     if method is None:
         await _reply_error(framed, UnknownMethodError(f"no method {first.method!r}"), deadline)
         return False
+    if admit is not None:
+        try:
+            admit(peer_id, method.name)
+        except DedlocError as e:
+            await _reply_error(framed, ResourceLimitError(f"{method.name} refused: {e}"), deadline)
+            return False
 
     ctx = CallContext(peer_id, method.name, deadline)
     requests: Requests[Any] = Requests(framed, method.request_type)

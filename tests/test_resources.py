@@ -1,0 +1,250 @@
+"""The resource manager (p2p/resources.py): the pure decisions, then each limit held on loopback,
+with the honest peer served and the refused one told which limit. Every flood is bounded."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import trio
+from google.protobuf.empty_pb2 import Empty
+from libp2p.abc import INetStream
+
+from p2p import Node
+from p2p.admission import AdmissionConfig
+from p2p.errors import ConfigError, DialError
+from p2p.resources import Rate, ResourceConfig, ResourceLimitExceeded, ResourceManager, Scope
+from p2p.rpc import CallContext, ResourceLimitError
+from p2p.yamux import INITIAL_WINDOW
+
+from .conftest import loopback_config
+from .kit import wait_until
+
+# ---------------------------------------------------------------------- decisions
+
+
+def test_streams_are_capped_per_peer_per_protocol_and_in_all_and_given_back() -> None:
+    rm = ResourceManager(ResourceConfig(max_inbound_streams=6, max_inbound_streams_per_peer=3,
+                                        max_inbound_streams_per_protocol=4, max_inbound_streams_per_peer_protocol=2))
+    a = [rm.open_stream("A", "/x"), rm.open_stream("A", "/x")]
+    with pytest.raises(ResourceLimitExceeded, match="over the limit of 2 inbound streams per peer for /x") as e:
+        rm.open_stream("A", "/x")
+    assert e.value.scope is Scope.PEER_PROTOCOL
+    a.append(rm.open_stream("A", "/y"))
+    with pytest.raises(ResourceLimitExceeded, match="3 inbound streams per peer"):
+        rm.open_stream("A", "/z")
+    b = [rm.open_stream("B", "/x"), rm.open_stream("B", "/x")]
+    with pytest.raises(ResourceLimitExceeded, match="4 inbound streams for /x"):
+        rm.open_stream("C", "/x")
+    rm.open_stream("C", "/y")
+    with pytest.raises(ResourceLimitExceeded, match="6 inbound streams in all"):
+        rm.open_stream("C", "/y")
+    assert rm.refused == {"peer_protocol.inbound_streams": 1, "peer.inbound_streams": 1,
+                          "protocol.inbound_streams": 1, "system.inbound_streams": 1}
+    for grant in a + b:
+        rm.close_stream(grant)
+        rm.close_stream(grant)  # twice is once
+    assert rm.usage()["inbound_streams"] == 1 and rm.open_stream("C", "/x").open
+
+
+def test_connections_per_peer() -> None:
+    rm = ResourceManager(ResourceConfig(max_connections_per_peer=2))
+    rm.open_connection("A")
+    rm.open_connection("A")
+    with pytest.raises(ResourceLimitExceeded, match="2 connections per peer"):
+        rm.open_connection("A")
+    rm.open_connection("B")
+    rm.close_connection("A")
+    rm.open_connection("A")
+    assert rm.usage()["peers_connected_in"] == 2
+
+
+def test_memory_is_granted_up_to_the_peer_and_system_budgets() -> None:
+    rm = ResourceManager(ResourceConfig(max_memory=1000, max_memory_per_peer=600))
+    a, a2, b = rm.memory_account("A"), rm.memory_account("A"), rm.memory_account("B")
+    assert a.reserve(400) == 400
+    assert a2.reserve(400) == 200  # the peer's 600 in all, over two connections
+    assert b.reserve(600) == 400  # the system's 1000
+    assert b.reserve(1) == 0
+    assert rm.refused["peer.bytes_in_flight"] == 1 and rm.refused["system.bytes_in_flight"] == 2
+    a.close()
+    assert rm.usage()["memory_bytes"] == 600 and b.reserve(500) == 200  # now the peer's own 600
+    a2.release(10_000)  # never more than it holds
+    b.close()
+    assert rm.usage()["memory_bytes"] == 0 and rm.usage()["busiest_peer_memory_bytes"] == 0
+
+
+def test_rates_are_token_buckets_per_service_and_peer() -> None:
+    rm = ResourceManager(ResourceConfig(rates={"dht": Rate(10.0, 3)}, max_tracked_peers=2))
+    for _ in range(3):
+        rm.allow("dht", "A", now=100.0)
+    with pytest.raises(ResourceLimitExceeded, match="10 dht requests a second per peer"):
+        rm.allow("dht", "A", now=100.0)
+    rm.allow("dht", "B", now=100.0)  # another peer has its own bucket
+    rm.allow("dht", "A", now=100.1)  # 0.1 s refills one
+    with pytest.raises(ResourceLimitExceeded):
+        rm.allow("dht", "A", now=100.1)
+    rm.allow("identify", "A", now=100.1)  # a service without a rate is not limited
+    rm.allow("dht", "C", now=100.2)  # a third peer: the least recently used bucket goes
+    assert len(rm._buckets) == 2 and rm.refused["service.dht_requests_a_second_per_peer"] == 2
+
+
+def test_limits_and_usage_name_everything_and_bad_configs_are_refused() -> None:
+    rm = ResourceManager()
+    rm.register_service("relay", lambda: {"reservations": 3})
+    limits, usage = rm.limits(), rm.usage()
+    for key in ("handshaking_per_address", "connections_per_peer", "inbound_streams_per_peer_protocol",
+                "memory_bytes_per_peer", "rate.dht_per_s", "rate.relay.reserve_burst", "rate.autonat.dial_back_per_s"):
+        assert key in limits, key
+    assert usage["relay.reservations"] == 3 and "admission.refused.handshaking_per_address" in usage
+    assert limits["memory_bytes"] >= 128 << 20
+    with pytest.raises(ConfigError):
+        ResourceConfig(max_inbound_streams=-1).validate()
+    with pytest.raises(ConfigError):
+        ResourceConfig(rates={"dht": Rate(0, 1)}).validate()
+
+
+# ---------------------------------------------------------------------- on loopback
+
+
+def config_with(**limits: object) -> ResourceConfig:
+    config = ResourceConfig()
+    for key, value in limits.items():
+        setattr(config, key, value)
+    return config
+
+
+async def test_a_stream_flood_is_held_per_peer_and_the_honest_peer_is_served() -> None:
+    """A peer opening streams that never end as fast as it can: beyond its 32 the streams are
+    reset; another peer's streams and pings go through, and the streams are given back."""
+    server_config = loopback_config(resources=config_with(max_inbound_streams_per_peer=32))
+    release = trio.Event()
+
+    async def hold(stream: INetStream) -> None:
+        with trio.move_on_after(20):
+            await release.wait()
+        await stream.close()
+
+    async with Node.open(server_config) as server, Node.open(loopback_config()) as attacker, \
+            Node.open(loopback_config(listen=["/ip4/127.1.0.1/tcp/0"])) as honest:
+        server.set_stream_handler("/hold/1", hold)
+        await attacker.connect(server.addrs[0])
+        await honest.connect(server.addrs[0])
+        streams = []
+        for _ in range(200):  # bounded
+            s = await attacker.new_stream(server.peer_id, "/hold/1")
+            await s.write(b"x")  # the proposal goes with the first bytes
+            streams.append(s)
+        await wait_until(lambda: server.resources.refused["peer.inbound_streams"] >= 150, 10,
+                         what="the streams beyond 32 refused")
+        assert server.resources.usage()["busiest_peer_streams"] == 32
+        assert await honest.ping(server.peer_id) > 0
+        honest_stream = await honest.new_stream(server.peer_id, "/hold/1")
+        await honest_stream.write(b"x")
+        await wait_until(lambda: server.resources.usage()["streams./hold/1"] == 33, 10, what="the honest stream")
+        release.set()
+        await wait_until(lambda: server.resources.usage()["inbound_streams"] == 0, 10, what="the streams given back")
+
+
+async def test_requests_over_the_rate_are_refused_with_the_limit_named() -> None:
+    server_config = loopback_config(resources=config_with(rates={"dht": Rate(5.0, 10)}))
+
+    async def echo(_: Empty, ctx: CallContext) -> Empty:
+        return Empty()
+
+    async with Node.open(server_config) as server, Node.open(loopback_config()) as greedy, \
+            Node.open(loopback_config(listen=["/ip4/127.1.0.1/tcp/0"])) as honest:
+        server.rpc.add_unary("dht.test", Empty, echo)
+        server.rpc.add_unary("other.test", Empty, echo)
+        await greedy.connect(server.addrs[0])
+        await honest.connect(server.addrs[0])
+        refused = 0
+        for _ in range(40):  # bounded
+            try:
+                await greedy.rpc.call(server.peer_id, "dht.test", Empty(), Empty, timeout=5)
+            except ResourceLimitError as e:
+                refused += 1
+                assert "dht.test refused: over the limit of 5 dht requests a second per peer" in str(e)
+        assert 20 <= refused <= 30
+        # the honest peer, and the greedy one's other services (under the "rpc" rate), are served
+        await honest.rpc.call(server.peer_id, "dht.test", Empty(), Empty, timeout=5)
+        await greedy.rpc.call(server.peer_id, "other.test", Empty(), Empty, timeout=5)
+        assert server.resources.refused["service.dht_requests_a_second_per_peer"] == refused
+
+
+async def test_connections_beyond_the_per_peer_limit_are_closed() -> None:
+    server_config = loopback_config(resources=config_with(max_connections_per_peer=2))
+    async with Node.open(server_config) as server, Node.open(loopback_config()) as client:
+        conns = []
+        for _ in range(4):  # bounded: py-libp2p's swarm dials a fresh connection each time
+            try:
+                conns.append(await client.network.dial_addr(server.addrs[0], server.peer_id))
+            except Exception:
+                pass
+        await wait_until(lambda: server.resources.refused["peer.connections"] >= 2, 10,
+                         what="the third and fourth connections refused")
+        assert server.resources.usage()["peers_connected_in"] == 1
+        assert await client.ping(server.peer_id) > 0
+
+
+async def test_bytes_in_flight_stay_within_the_peers_budget() -> None:
+    """A peer sending on 4 streams nobody reads fast: windows grow only within the peer's
+    budget (2 MiB beyond the initial windows), and everything is given back at the end."""
+    budget = 2 << 20
+    server_config = loopback_config(resources=config_with(max_memory_per_peer=budget))
+    peaks: list[int] = []
+
+    async def slow_reader(stream: INetStream) -> None:
+        while True:
+            data = await stream.read(1 << 16)
+            if not data:
+                break
+            peaks.append(server.resources.usage()["memory_bytes"])
+        await stream.close()
+
+    async with Node.open(server_config) as server, Node.open(loopback_config()) as client:
+        server.set_stream_handler("/sink/1", slow_reader)
+        await client.connect(server.addrs[0])
+
+        async def send(n: int) -> None:
+            s = await client.new_stream(server.peer_id, "/sink/1")
+            for _ in range(64):
+                await s.write(b"\0" * (1 << 16))
+            await s.close()
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(send, i)
+        assert max(peaks) <= budget
+        assert max(peaks) > INITIAL_WINDOW  # the windows did grow, within the budget
+        await client.disconnect(server.peer_id)
+        await wait_until(lambda: server.resources.usage()["memory_bytes"] == 0, 10, what="the budget given back")
+
+
+async def test_a_refused_dialer_is_told_why_and_gets_a_few_bytes_for_its_own() -> None:
+    """Over the per-address cap the dialer's error names the limit; a stranger's refused
+    connection gets the 40-odd bytes of the refusal and nothing more."""
+    server_config = loopback_config(resources=config_with(
+        admission=AdmissionConfig(max_connections_per_address=1, max_connections_per_subnet=8)))
+    async with Node.open(server_config) as server, Node.open(loopback_config()) as client:
+        port = int(str(server.addrs[0]).split("/tcp/")[1].split("/")[0])
+        holder = await trio.open_tcp_stream("127.0.0.1", port)  # the address's one connection
+        try:
+            with pytest.raises(DialError, match="refused the connection: too many connections from your address"):
+                await client.connect(server.addrs[0])
+            sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            await sock.bind(("127.0.0.1", 0))
+            await sock.connect(("127.0.0.1", port))
+            stranger = trio.SocketStream(sock)
+            await stranger.send_all(b"\x13/multistream/1.0.0\n" * 4)  # 80 bytes
+            received = b""
+            with trio.fail_after(5):
+                while chunk := await stranger.receive_some(4096):
+                    received += chunk
+            await stranger.aclose()
+            assert b"/dedloc/refused/connections_per_address" in received and len(received) <= 64
+        finally:
+            await holder.aclose()
+        await wait_until(lambda: server.admission.metrics()["inbound"] == 0, 10, what="the holder's ticket back")
+        await client.connect(server.addrs[0])
+        assert await client.ping(server.peer_id) > 0
