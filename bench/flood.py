@@ -1,6 +1,6 @@
 """A public relay under a connection flood: is the honest client still served?
 
-    .venv/bin/python bench/flood.py [--scenarios idle,stalled,spread] [--duration 30] [--json OUT]
+    .venv/bin/python bench/flood.py [--scenarios idle,stalled,spread,streams,dht,reservations] [--duration 30] [--json OUT]
 
 Runs ``dedloc relay`` on 127.0.0.1 (its own process, so its memory and CPU are
 its own) and, from another address (127.1.0.1), an honest client that every
@@ -12,21 +12,30 @@ loopback; nothing leaves the machine). Every flood is bounded in count and time:
 * ``idle``: 10,000 TCP connections from 127.0.0.2 that send nothing (held open);
 * ``stalled``: 1,000 connections from 127.0.0.3 that send the multistream header and
   a ``/noise`` proposal, then stall;
-* ``spread``: 8 idle connections from each of 250 addresses (127.0.x.y, 250 /24s).
+* ``spread``: 8 idle connections from each of 250 addresses (127.0.x.y, 250 /24s);
+* ``streams``: a connected peer (127.0.0.4) opening RPC streams as fast as it can
+  (64 at a time, each sending a byte and then nothing; at most 100,000);
+* ``dht``: a connected peer (127.0.0.4) sending DHT find requests (a random target
+  each, the relay answers with its closest peers) as fast as it can, 32 at a time,
+  at most 1,000,000;
+* ``reservations``: relay reservations from 1,000 throwaway peer ids on one address
+  (127.0.0.5), 8 at a time, each id holding its connection (and slot) until 16 newer
+  ones were made.
 
 Reported per scenario: honest successes, median latency against the baseline, the
 relay's RSS growth and CPU seconds, whether it stayed up, and its refusals by reason
 (``dedloc status``). Goals (issue 15): >= 99% honest success, median latency <= 2x
 the baseline, RSS within +64 MiB, no crash.
 
-Not yet here: a connected peer flooding streams, DHT requests, or relay reservations
-from throwaway ids (the per-peer limits they need are not built yet).
+The honest attempt also reserves a slot on the relay, so the ``reservations`` flood
+is measured on what it attacks.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import resource
 import socket
 import statistics
@@ -49,7 +58,11 @@ from nat.cli import STATUS_METHOD  # noqa: E402
 from p2p import Node, NodeConfig  # noqa: E402
 from p2p.dht import DHT, DHTConfig  # noqa: E402
 from p2p.dht.events import DHTMode  # noqa: E402
+from nat.circuit import RelayClient  # noqa: E402
+from p2p.dht.proto import dht_pb2  # noqa: E402
+from p2p.dht.protocol import FIND  # noqa: E402
 from p2p.multistream import encode  # noqa: E402
+from p2p.rpc import RPC_PROTOCOL  # noqa: E402
 from p2p.trio_util import read_lines  # noqa: E402
 
 HONEST_IP = "127.1.0.1"
@@ -81,20 +94,40 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / 100  # utime + stime, clock ticks
 
 
+#: Seconds each phase of the honest attempts took (connect, ping, reserve, dht), for the JSON.
+PHASES: list[dict[str, float]] = []
+
+
 async def honest_attempt(relay: str, relay_id: str, *, timeout: float) -> float | None:
-    """Connect, ping and DHT-get from a fresh node; seconds, or None when anything failed."""
+    """Connect, ping, reserve a relay slot and DHT-get from a fresh node; seconds, or None when
+    anything failed (the phases' times go to :data:`PHASES`)."""
     started = time.perf_counter()
+    phases: dict[str, float] = {}
+
+    def mark(name: str) -> None:
+        phases[name] = time.perf_counter() - started - sum(phases.values())
+
     try:
         with trio.fail_after(timeout):
             config = NodeConfig(listen=[f"/ip4/{HONEST_IP}/tcp/0"], dial_timeout=timeout, bootstrap_timeout=timeout)
             async with Node.open(config) as node:
+                mark("open")
                 await node.connect(relay, from_listen_port=True)
+                mark("connect")
                 await node.ping(node_id(relay_id))
+                mark("ping")
+                await RelayClient(node).reserve(node_id(relay_id))
+                mark("reserve")
                 async with DHT.open(node, DHTConfig(mode=DHTMode.CLIENT, bootstrap_timeout=timeout)) as dht:
                     if await dht.get(KEY, timeout=timeout) is None:
                         return None
+                mark("dht")
+        PHASES.append(phases)
         return time.perf_counter() - started
-    except Exception:
+    except Exception as e:
+        phases["error"] = 0.0
+        print(f"honest attempt failed: {e!r}"[:300], file=sys.stderr, flush=True)
+        PHASES.append(phases)
         return None
 
 
@@ -153,6 +186,79 @@ async def flood(port: int, scenario: str, held: list[trio.SocketStream], stop: t
     return opened
 
 
+NODE_SCENARIOS = ("streams", "dht", "reservations")
+ATTACKER_IP = "127.0.0.4"
+THROWAWAY_IP = "127.0.0.5"
+
+
+async def node_flood(relay: str, scenario: str, stop: trio.Event) -> int:
+    """A connected attacker (a real node): streams, DHT requests or reservations, as fast as it
+    can, until ``stop`` (bounded in count); the number of streams, requests or ids it made."""
+    rid = node_id(relay.rsplit("/p2p/", 1)[1])
+    made = 0
+
+    async def workers(n: int, one: Any, limit: int) -> None:
+        async def worker() -> None:
+            nonlocal made
+            while not stop.is_set() and made < limit:
+                made += 1
+                try:
+                    await one()
+                except Exception:
+                    await trio.sleep(0)  # refused or reset: go on with the next
+        async with trio.open_nursery() as nursery:
+            for _ in range(n):
+                nursery.start_soon(worker)
+
+    if scenario in ("streams", "dht"):
+        async with Node.open(NodeConfig(listen=[f"/ip4/{ATTACKER_IP}/tcp/0"])) as node:
+            await node.connect(relay)
+            held: list[Any] = []
+
+            async def open_stream() -> None:
+                with trio.fail_after(10):
+                    stream = await node.new_stream(rid, RPC_PROTOCOL)
+                    await stream.write(b"\x00")  # the proposal goes with it; then nothing
+                held.append(stream)
+                if len(held) > 20_000:
+                    await held.pop(0).reset()
+
+            async def find() -> None:
+                request = dht_pb2.FindRequest(queries=[dht_pb2.Query(target=random.randbytes(32))])
+                await node.rpc.call(rid, FIND, request, dht_pb2.FindResult, timeout=10)
+
+            if scenario == "streams":
+                await workers(64, open_stream, 100_000)
+            else:
+                await workers(32, find, 1_000_000)
+    else:
+        async with trio.open_nursery() as nursery:
+            ring: list[trio.Event] = []
+
+            async def throwaway(done: trio.Event) -> None:
+                with trio.move_on_after(120):
+                    async with Node.open(NodeConfig(listen=[f"/ip4/{THROWAWAY_IP}/tcp/0"])) as node:
+                        try:
+                            await node.connect(relay)
+                            await RelayClient(node).reserve(rid)
+                        except Exception:
+                            pass
+                        await done.wait()  # hold the connection (and the slot) until 16 newer ids exist
+
+            async def one() -> None:
+                done = trio.Event()
+                ring.append(done)
+                nursery.start_soon(throwaway, done)
+                if len(ring) > 16:
+                    ring.pop(0).set()
+                await trio.sleep(0.02)
+
+            await workers(8, one, 1_000)
+            for done in ring:
+                done.set()
+    return made
+
+
 async def status(relay: str, relay_id: str) -> dict[str, Any]:
     async with Node.open(NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"])) as node:
         await node.connect(relay)
@@ -182,7 +288,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             before = await status(relay, relay_id)
             # the attacker is a process of its own, as a real one would be (not sharing our CPU time)
             attacker = await trio.lowlevel.open_process(
-                [sys.executable, __file__, "--attack", scenario, "--port", str(args.port)],
+                [sys.executable, __file__, "--attack", scenario, "--port", str(args.port), "--relay", relay],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=str(REPO))
             try:
                 await trio.sleep(2.0)  # let the flood build up
@@ -202,14 +308,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             alive = proc.poll() is None
             after = await status(relay, relay_id) if alive else {}
             refusals = {k: v - before.get(k, 0) for k, v in after.items()  # this flood's, not the run's
-                        if k.startswith("resources.admission.refused.") and isinstance(v, (int, float))}
+                        if (k.startswith("resources.admission.refused.") or k.startswith("resources.refused."))
+                        and isinstance(v, (int, float))}
             good = [r for r in honest if r is not None]
             row = {"attempts": len(honest), "ok": len(good), "success": len(good) / max(1, len(honest)), "latencies_s": honest,
                    "median_s": statistics.median(good) if good else None,
                    "latency_ratio": statistics.median(good) / baseline if good else None,
                    "flood_opened": opened[0] if opened else 0, "rss_growth_mib": peak_rss - rss0,
                    "cpu_s": cpu_seconds(proc.pid) - cpu0 if alive else None, "relay_alive": alive,
-                   "refusals": refusals}
+                   "refusals": refusals, "phases": PHASES[-len(honest):]}
             results[scenario] = row
             print(f"{scenario}: {row['ok']}/{row['attempts']} honest ok, latency x{row['latency_ratio'] or 0:.2f}, "
                   f"RSS +{row['rss_growth_mib']:.1f} MiB, flood opened {row['flood_opened']}, alive {alive}", flush=True)
@@ -223,7 +330,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
-async def attack(scenario: str, port: int) -> None:
+async def attack(scenario: str, port: int, relay: str) -> None:
     """The attacker process: open the scenario's connections and hold them until stdin closes."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -233,7 +340,10 @@ async def attack(scenario: str, port: int) -> None:
     async with trio.open_nursery() as nursery:
 
         async def run_flood() -> None:
-            opened.append(await flood(port, scenario, held, stop))
+            if scenario in NODE_SCENARIOS:
+                opened.append(await node_flood(relay, scenario, stop))
+            else:
+                opened.append(await flood(port, scenario, held, stop))
 
         nursery.start_soon(run_flood)
         stdin = trio.lowlevel.FdStream(0)
@@ -256,7 +366,7 @@ def table(results: dict[str, Any]) -> str:
     for name, row in results.items():
         if name in ("relay", "baseline"):
             continue
-        refused = ", ".join(f"{k.rsplit('.', 1)[1]} {int(v)}" for k, v in row["refusals"].items() if v)
+        refused = ", ".join(f"{k.split('refused.', 1)[1]} {int(v)}" for k, v in row["refusals"].items() if v)
         median_ms = (row["median_s"] or float("nan")) * 1e3
         lines.append(f"| {name} ({row['flood_opened']} opened) | {row['ok']}/{row['attempts']} ({row['success']:.0%}) "
                      f"| {median_ms:.0f} ms, x{row['latency_ratio'] or float('nan'):.2f} | +{row['rss_growth_mib']:.1f} MiB "
@@ -266,17 +376,18 @@ def table(results: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scenarios", default="idle,stalled,spread")
+    parser.add_argument("--scenarios", default="idle,stalled,spread,streams,dht,reservations")
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of honest attempts per flood")
     parser.add_argument("--baseline", type=float, default=20.0, help="seconds of honest attempts without a flood")
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between honest attempts")
     parser.add_argument("--settle", type=float, default=10.0, help="pause between floods")
     parser.add_argument("--port", type=int, default=41999)
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--attack", choices=["idle", "stalled", "spread"], help=argparse.SUPPRESS)
+    parser.add_argument("--attack", choices=["idle", "stalled", "spread", *NODE_SCENARIOS], help=argparse.SUPPRESS)
+    parser.add_argument("--relay", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.attack:
-        trio.run(attack, args.attack, args.port)
+        trio.run(attack, args.attack, args.port, args.relay)
         return
     if not 1 <= args.duration <= 600 or not 1 <= args.baseline <= 600:
         parser.error("--duration and --baseline must be 1..600 s")

@@ -26,6 +26,7 @@ from p2p import events as ev
 from p2p.addresses import Scope, parse_peer_addr, scope_of
 from p2p.cli import Output, build_parser as p2p_parser, common_options, run
 from p2p.admission import AdmissionConfig
+from p2p.resources import Rate, ResourceConfig
 from p2p.config import NodeConfig
 from p2p.errors import ConfigError
 from p2p.hooks import PathKind
@@ -108,10 +109,34 @@ def peer_config(args: argparse.Namespace, *, relay: bool) -> PeerConfig:
         max_handshaking_per_subnet=4 * args.max_handshaking_per_ip, handshake_timeout=args.handshake_timeout,
         max_connections=args.max_inbound, max_connections_per_address=args.max_inbound_per_ip,
         max_connections_per_subnet=4 * args.max_inbound_per_ip)
+    resources = config.node.resources
+    resources.max_connections_per_peer = args.max_connections_per_peer
+    resources.max_inbound_streams_per_peer = args.max_streams_per_peer
+    resources.max_inbound_streams_per_peer_protocol = max(1, args.max_streams_per_peer // 2)
+    resources.max_memory_per_peer = args.max_memory_per_peer_mib << 20
+    resources.rates.update(parse_rates(args.rate, known=set(resources.rates)))
     config.nat.allow_private = args.allow_private
     if args.no_port_mapping:
         config.nat.port_mapping = PortMappingConfig(enabled=False)
     return config
+
+
+def parse_rates(values: list[str], *, known: set[str]) -> dict[str, Rate]:
+    """``--rate dht=200/400`` (per second, burst; the burst defaults to twice the rate)."""
+    out: dict[str, Rate] = {}
+    for value in values:
+        service, sep, spec = value.partition("=")
+        if not sep or service not in known:
+            raise ConfigError(f"--rate {value!r}: expected SERVICE=PER_S[/BURST] with a service among "
+                              f"{', '.join(sorted(known))}")
+        per_s, _, burst = spec.partition("/")
+        try:
+            rate = Rate(float(per_s), int(burst) if burst else max(1, int(2 * float(per_s))))
+        except ValueError:
+            raise ConfigError(f"--rate {value!r}: PER_S must be a number and BURST a whole number") from None
+        rate.validate(service)
+        out[service] = rate
+    return out
 
 
 def _serve_status(peer: Peer) -> None:
@@ -263,6 +288,18 @@ def nat_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-inbound-per-ip", type=int, default=d.max_connections_per_address, metavar="N",
                    help="inbound connections from one IPv4 address or IPv6 /56 (a NAT may hide many volunteers; "
                    "4x that per /24 or /48)")
+    r = ResourceConfig()
+    g = p.add_argument_group("what one peer may take (after the handshake)")
+    g.add_argument("--max-connections-per-peer", type=int, default=r.max_connections_per_peer, metavar="N",
+                   help="inbound connections of one authenticated peer")
+    g.add_argument("--max-streams-per-peer", type=int, default=r.max_inbound_streams_per_peer, metavar="N",
+                   help=f"inbound streams of one peer at once (per protocol: half of it; in all: "
+                   f"{r.max_inbound_streams})")
+    g.add_argument("--max-memory-per-peer-mib", type=int, default=r.max_memory_per_peer >> 20, metavar="MIB",
+                   help="bytes one peer may have in flight to us beyond the initial stream windows")
+    g.add_argument("--rate", action="append", default=[], metavar="SERVICE=PER_S[/BURST]",
+                   help="requests per second one peer may make of a service, e.g. dht=200/400; services: "
+                   + ", ".join(sorted(r.rates)) + " (repeatable)")
 
 
 def peer_options(p: argparse.ArgumentParser) -> None:

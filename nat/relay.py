@@ -211,8 +211,8 @@ class RelayService:
         if service is not None:
             try:
                 self._node.resources.allow(service, str(peer), trio.current_time())
-            except ResourceLimitExceeded:
-                await self._status(stream, pb.RESOURCE_LIMIT_EXCEEDED, f"{service} rate")
+            except ResourceLimitExceeded:  # counted by the manager already
+                await self._status(stream, pb.RESOURCE_LIMIT_EXCEEDED, f"{service} rate", counted=True)
                 return
         if msg.type == pb.HopMessage.RESERVE:
             await self._reserve(stream, peer)
@@ -221,10 +221,11 @@ class RelayService:
         else:
             await self._status(stream, pb.UNEXPECTED_MESSAGE, "unexpected")
 
-    async def _status(self, stream: INetStream, status: int, reason: str) -> None:
+    async def _status(self, stream: INetStream, status: int, reason: str, *, counted: bool = False) -> None:
         if status != pb.OK:
             self.stats.refused[reason] += 1
-            self._node.resources.count_refusal("relay", reason)
+            if not counted:
+                self._node.resources.count_refusal("relay", reason)
         with trio.move_on_after(2):
             try:
                 await write_message(stream, pb.HopMessage(type=pb.HopMessage.STATUS, status=status))  # type: ignore[arg-type]

@@ -12,6 +12,10 @@ from pathlib import Path
 import pytest
 import trio
 
+from libp2p.peer.id import ID
+
+from nat.circuit import RelayClient, RelayError
+from p2p import Node, NodeConfig
 from p2p.trio_util import read_lines
 
 from .conftest import open_nodes
@@ -335,3 +339,45 @@ def test_two_trainers_and_a_backbone_train_keep_the_curve_and_checkpoint(tmp_pat
 
     state = torch.load(saved[-1], weights_only=False)
     assert state["step"] >= 4 and len(state["params"]) > 0 and all(torch.isfinite(p).all() for p in state["params"])
+
+
+async def test_a_relay_runs_with_the_limits_given_and_status_shows_them_with_the_refusals():
+    """`dedloc relay --rate relay.reserve=0.05/2 --max-streams-per-peer 64`: a third reservation in a
+    row is refused with the reason on the client's side, and `dedloc status` shows the limits, the
+    relay's slots and the refusal by scope and reason."""
+    relay = await trio.lowlevel.open_process(
+        [*DEDLOC, "relay", "--json", "--ephemeral", "--listen", "/ip4/127.0.0.1/tcp/0", "--status-interval", "0",
+         "--duration", "60", "--rate", "relay.reserve=0.05/2", "--max-streams-per-peer", "64"],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        lines = (json.loads(line) async for line in read_lines(relay.stdout))
+        with trio.fail_after(30):
+            first = await anext(lines)
+        address = first["addrs"][0]
+        async with Node.open(NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"])) as node:
+            await node.connect(address)
+            client = RelayClient(node)
+            relay_id = ID.from_base58(first["peer_id"])
+            await client.reserve(relay_id)
+            await client.reserve(relay_id)  # a refresh
+            with pytest.raises(RelayError, match="RESOURCE_LIMIT_EXCEEDED .over one of the relay's limits"):
+                await client.reserve(relay_id)
+        result = await trio.run_process([*DEDLOC, "status", address, "--json", "--timeout", "10"],
+                                        capture_stdout=True, capture_stderr=True, check=False)
+        assert result.returncode == 0, result.stderr
+        status = json.loads(result.stdout)
+        assert status["limits.rate.relay.reserve_per_s"] == 0.05 and status["limits.rate.relay.reserve_burst"] == 2
+        assert status["limits.inbound_streams_per_peer"] == 64
+        assert status["limits.inbound_streams_per_peer_protocol"] == 32
+        assert status["resources.refused.service.relay.reserve_requests_a_second_per_peer"] == 1
+        assert "resources.relay.reservations" in status and "resources.admission.inbound" in status
+        text = await trio.run_process([*DEDLOC, "status", address, "--timeout", "10"], capture_stdout=True)
+        assert b"limits.handshaking_per_address" in text.stdout
+        bad = await trio.run_process([*DEDLOC, "relay", "--rate", "nope=1", "--duration", "1"],
+                                     capture_stdout=True, capture_stderr=True, check=False)
+        assert bad.returncode != 0 and b"SERVICE=PER_S" in bad.stdout + bad.stderr
+    finally:
+        relay.terminate()
+        with trio.fail_after(20):
+            await relay.wait()

@@ -31,6 +31,7 @@ from p2p import Node
 from p2p.addresses import reachable_tcp, without_peer_id
 from p2p.dialer import dial_simultaneous
 from p2p.errors import DialError
+from p2p.resources import Rate
 from p2p.rpc.framing import encode_varint
 
 from .conftest import open_nodes
@@ -364,3 +365,22 @@ async def test_a_punch_that_reaches_a_listener_speaks_first_and_connects_at_once
         with pytest.raises(DialError):  # the wrong peer behind the address: refused, not kept
             await dial_simultaneous(b.network, without_peer_id(a.addrs[0]), b.peer_id,
                                     source=b.listen_source(a.addrs[0]), listener_after=0.3)
+
+
+async def test_exchanges_over_the_dcutr_rate_are_reset_and_nothing_is_dialed():
+    """Each exchange makes the answering side dial; a peer gets a few a second (p2p/resources.py)."""
+    async with relayed_pair(allow_private=False) as (a, b):
+        a.node.resources.config.rates["dcutr"] = Rate(0.01, 2)
+        a.offer = [PUBLIC[1]]
+        a.record_dials()
+        results = []
+        for i in range(4):
+            try:
+                results.append(await exchange(b, a, frame(connect([PUBLIC[i]])), frame(SYNC)))
+            except StreamReset:  # refused so fast that our first write met the reset
+                results.append((None, "reset"))
+        refused = [r for r in results if r == (None, "reset")]
+        assert len(refused) >= 2 and results[-1] == (None, "reset")
+        assert a.node.resources.refused["service.dcutr_requests_a_second_per_peer"] == len(refused)
+        await trio.sleep(0.3)
+        assert len(a.dials) == 4 - len(refused)

@@ -248,3 +248,20 @@ async def test_a_refused_dialer_is_told_why_and_gets_a_few_bytes_for_its_own() -
         await wait_until(lambda: server.admission.metrics()["inbound"] == 0, 10, what="the holder's ticket back")
         await client.connect(server.addrs[0])
         assert await client.ping(server.peer_id) > 0
+
+
+async def test_identify_over_its_rate_is_reset_and_other_peers_are_served() -> None:
+    server_config = loopback_config(resources=config_with(rates={"identify": Rate(0.01, 3)}))
+    async with Node.open(server_config) as server, Node.open(loopback_config()) as greedy, \
+            Node.open(loopback_config(listen=["/ip4/127.1.0.1/tcp/0"])) as honest:
+        await greedy.connect(server.addrs[0])
+        failures = 0
+        for _ in range(6):  # bounded
+            try:
+                await greedy.identify(server.peer_id, timeout=5)
+            except Exception:
+                failures += 1
+        assert failures >= 2
+        assert server.resources.refused["service.identify_requests_a_second_per_peer"] >= 3
+        await honest.connect(server.addrs[0])
+        assert (await honest.identify(server.peer_id, timeout=5)).peer_id == server.peer_id
