@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import resource
 import socket
@@ -71,7 +72,7 @@ KEY = "flood-bench"
 
 async def start_relay(port: int) -> tuple[trio.Process, str]:
     proc = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "nat.cli", "relay", "--ephemeral", "--json", "--listen", f"/ip4/127.0.0.1/tcp/{port}",
+        [sys.executable, "-X", "faulthandler", "-m", "nat.cli", "relay", "--ephemeral", "--json", "--listen", f"/ip4/127.0.0.1/tcp/{port}",
          "--status-interval", "0", "--no-port-mapping"], stdout=subprocess.PIPE, cwd=str(REPO))
     assert proc.stdout is not None
     with trio.fail_after(60):
@@ -272,68 +273,90 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     proc, relay = await start_relay(args.port)
     relay_id = relay.rsplit("/p2p/", 1)[1]
     results: dict[str, Any] = {"relay": relay}
-    try:
-        async with Node.open(NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"])) as seed:
-            await seed.connect(relay)
-            async with DHT.open(seed, DHTConfig(mode=DHTMode.CLIENT)) as dht:
-                assert await dht.store(KEY, b"still here", time.time() + 3600)
-        await honest_loop(relay, relay_id, 2 * args.interval, args.interval)  # warm-up (imports, first connections)
-        base = await honest_loop(relay, relay_id, args.baseline, args.interval)
-        ok = [r for r in base if r is not None]
-        baseline = statistics.median(ok) if ok else float("nan")
-        results["baseline"] = {"attempts": len(base), "ok": len(ok), "median_s": baseline}
-        print(f"baseline: {len(ok)}/{len(base)} honest attempts, median {baseline * 1e3:.0f} ms", flush=True)
-        for scenario in args.scenarios.split(","):
-            rss0, cpu0 = rss_mib(proc.pid), cpu_seconds(proc.pid)
-            before = await status(relay, relay_id)
-            # the attacker is a process of its own, as a real one would be (not sharing our CPU time)
-            attacker = await trio.lowlevel.open_process(
-                [sys.executable, __file__, "--attack", scenario, "--port", str(args.port), "--relay", relay],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=str(REPO))
-            try:
-                await trio.sleep(2.0)  # let the flood build up
-                honest = await honest_loop(relay, relay_id, args.duration, args.interval)
-            finally:
-                assert attacker.stdin is not None and attacker.stdout is not None
-                await attacker.stdin.aclose()  # it stops opening, reports, closes everything and exits
-                with trio.move_on_after(30):
-                    report = b""
-                    while chunk := await attacker.stdout.receive_some(4096):
-                        report += chunk
-                    await attacker.wait()
-                if attacker.returncode is None:
-                    attacker.kill()
-            opened = [int(json.loads(report or b'{"opened": 0}')["opened"])]
-            peak_rss = rss_mib(proc.pid)
-            alive = proc.poll() is None
-            after = await status(relay, relay_id) if alive else {}
-            refusals = {k: v - before.get(k, 0) for k, v in after.items()  # this flood's, not the run's
-                        if (k.startswith("resources.admission.refused.") or k.startswith("resources.refused."))
-                        and isinstance(v, (int, float))}
-            good = [r for r in honest if r is not None]
-            row = {"attempts": len(honest), "ok": len(good), "success": len(good) / max(1, len(honest)), "latencies_s": honest,
-                   "median_s": statistics.median(good) if good else None,
-                   "latency_ratio": statistics.median(good) / baseline if good else None,
-                   "flood_opened": opened[0] if opened else 0, "rss_growth_mib": peak_rss - rss0,
-                   "cpu_s": cpu_seconds(proc.pid) - cpu0 if alive else None, "relay_alive": alive,
-                   "refusals": refusals, "phases": PHASES[-len(honest):]}
-            results[scenario] = row
-            print(f"{scenario}: {row['ok']}/{row['attempts']} honest ok, latency x{row['latency_ratio'] or 0:.2f}, "
-                  f"RSS +{row['rss_growth_mib']:.1f} MiB, flood opened {row['flood_opened']}, alive {alive}", flush=True)
-            await trio.sleep(args.settle)
-    finally:
-        proc.terminate()
-        with trio.move_on_after(10):
-            await proc.wait()
-        if proc.returncode is None:
-            proc.kill()
+    async with trio.open_nursery() as nursery:
+        # keep reading the relay's events: a full pipe would block its prints, and it with them
+        nursery.start_soon(drain, proc)
+        try:
+            await measure(args, proc, relay, relay_id, results)
+        finally:
+            nursery.cancel_scope.cancel()
+            proc.terminate()
+            with trio.move_on_after(10):
+                await proc.wait()
+            if proc.returncode is None:
+                proc.kill()
     return results
 
 
-async def attack(scenario: str, port: int, relay: str) -> None:
-    """The attacker process: open the scenario's connections and hold them until stdin closes."""
+async def drain(proc: trio.Process) -> None:
+    assert proc.stdout is not None
+    while await proc.stdout.receive_some(65536):
+        pass
+
+
+async def measure(args: argparse.Namespace, proc: trio.Process, relay: str, relay_id: str,
+                  results: dict[str, Any]) -> None:
+    async with Node.open(NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"])) as seed:
+        await seed.connect(relay)
+        async with DHT.open(seed, DHTConfig(mode=DHTMode.CLIENT)) as dht:
+            assert await dht.store(KEY, b"still here", time.time() + 3600)
+    await honest_loop(relay, relay_id, 2 * args.interval, args.interval)  # warm-up (imports, first connections)
+    base = await honest_loop(relay, relay_id, args.baseline, args.interval)
+    ok = [r for r in base if r is not None]
+    baseline = statistics.median(ok) if ok else float("nan")
+    results["baseline"] = {"attempts": len(base), "ok": len(ok), "median_s": baseline}
+    print(f"baseline: {len(ok)}/{len(base)} honest attempts, median {baseline * 1e3:.0f} ms", flush=True)
+    for scenario in args.scenarios.split(","):
+        rss0, cpu0 = rss_mib(proc.pid), cpu_seconds(proc.pid)
+        before = await status(relay, relay_id)
+        # the attacker is a process of its own, as a real one would be (not sharing our CPU time)
+        attacker = await trio.lowlevel.open_process(
+            [sys.executable, __file__, "--attack", scenario, "--port", str(args.port), "--relay", relay,
+             "--attacker-nice", str(args.attacker_nice)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=str(REPO))
+        try:
+            await trio.sleep(2.0)  # let the flood build up
+            honest = await honest_loop(relay, relay_id, args.duration, args.interval)
+        finally:
+            assert attacker.stdin is not None and attacker.stdout is not None
+            await attacker.stdin.aclose()  # it stops opening, reports, closes everything and exits
+            with trio.move_on_after(30):
+                report = b""
+                while chunk := await attacker.stdout.receive_some(4096):
+                    report += chunk
+                await attacker.wait()
+            if attacker.returncode is None:
+                attacker.kill()
+        opened = [int(json.loads(report or b'{"opened": 0}')["opened"])]
+        peak_rss = rss_mib(proc.pid)
+        alive = proc.poll() is None
+        after = await status(relay, relay_id) if alive else {}
+        refusals = {k: v - before.get(k, 0) for k, v in after.items()  # this flood's, not the run's
+                    if (k.startswith("resources.admission.refused.") or k.startswith("resources.refused."))
+                    and isinstance(v, (int, float))}
+        good = [r for r in honest if r is not None]
+        row = {"attempts": len(honest), "ok": len(good), "success": len(good) / max(1, len(honest)), "latencies_s": honest,
+               "median_s": statistics.median(good) if good else None,
+               "latency_ratio": statistics.median(good) / baseline if good else None,
+               "flood_opened": opened[0] if opened else 0, "rss_growth_mib": peak_rss - rss0,
+               "cpu_s": cpu_seconds(proc.pid) - cpu0 if alive else None, "relay_alive": alive,
+               "refusals": refusals, "phases": PHASES[-len(honest):]}
+        results[scenario] = row
+        print(f"{scenario}: {row['ok']}/{row['attempts']} honest ok, latency x{row['latency_ratio'] or 0:.2f}, "
+              f"RSS +{row['rss_growth_mib']:.1f} MiB, flood opened {row['flood_opened']}, alive {alive}", flush=True)
+        await trio.sleep(args.settle)
+
+
+async def attack(scenario: str, port: int, relay: str, niceness: int) -> None:
+    """The attacker process: open the scenario's connections and hold them until stdin closes.
+
+    It runs at the lowest priority (nice 19): on a real relay the attacker's CPU is its own
+    machine's, while here it shares 2 cores with the relay and the honest client; at equal
+    priority its own work, not the relay's, slows the honest client down (``--attacker-nice 0``
+    shows that)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    os.nice(niceness)
     held: list[trio.SocketStream] = []
     stop = trio.Event()
     opened: list[int] = []
@@ -359,7 +382,7 @@ async def attack(scenario: str, port: int, relay: str) -> None:
 
 def table(results: dict[str, Any]) -> str:
     b = results["baseline"]
-    lines = [f"baseline: {b['ok']}/{b['attempts']} honest attempts (connect + ping + DHT get from a fresh node), "
+    lines = [f"baseline: {b['ok']}/{b['attempts']} honest attempts (connect + ping + relay reservation + DHT get from a fresh node), "
              f"median {b['median_s'] * 1e3:.0f} ms",
              "| flood | honest success | median latency vs baseline | relay RSS growth | relay CPU | relay up | refusals |",
              "|---|---|---|---|---|---|---|"]
@@ -385,9 +408,11 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--attack", choices=["idle", "stalled", "spread", *NODE_SCENARIOS], help=argparse.SUPPRESS)
     parser.add_argument("--relay", help=argparse.SUPPRESS)
+    parser.add_argument("--attacker-nice", type=int, default=19, metavar="N",
+                        help="the attacker process's niceness (19: it takes only the CPU the relay and client leave)")
     args = parser.parse_args()
     if args.attack:
-        trio.run(attack, args.attack, args.port, args.relay)
+        trio.run(attack, args.attack, args.port, args.relay, args.attacker_nice)
         return
     if not 1 <= args.duration <= 600 or not 1 <= args.baseline <= 600:
         parser.error("--duration and --baseline must be 1..600 s")

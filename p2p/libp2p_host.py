@@ -344,7 +344,9 @@ class _Muxers(MuxerMultistream):
                 raise MultiselectClientError(f"muxer negotiation: {e or 'timed out'}") from e
         else:
             protocol, _ = await self._selector.select(conn, False, self.negotiate_timeout)
-        muxed = YamuxConnection(conn, peer_id, self._config, memory=self._resources.memory_account(str(peer_id)))
+        peer, resources = str(peer_id), self._resources
+        muxed = YamuxConnection(conn, peer_id, self._config, memory=resources.memory_account(peer),
+                                admit_stream=lambda: resources.try_allow("streams", peer, trio.current_time()))
         return self._annotate_connection(muxed, conn, protocol)
 
 

@@ -13,7 +13,9 @@ RPC (and later averaging) acquire through one object what they use:
 * **in-flight bytes** (receive windows grown beyond yamux's initial 256 KiB: what a
   peer may have sent that we hold unread) per peer and in all. A refusal here
   never fails anything: the window stays small and the sender slows down;
-* **request rates** per peer for each service (token buckets): ``dht``, ``rpc``
+* **request rates** per peer for each service (token buckets): ``streams`` (streams
+  opened: yamux refuses one over the rate with RST before any task or negotiation
+  costs anything), ``dht``, ``rpc``
   (every other RPC method), ``identify``, ``autonat``, ``dcutr``,
   ``relay.reserve`` and ``relay.connect``; and per IP address for AutoNAT (requests
   from one address, dial-backs to one address: it cannot be made an amplifier);
@@ -92,6 +94,7 @@ class Rate:
 
 def default_rates() -> dict[str, Rate]:
     return {
+        "streams": Rate(200.0, 500),  # inbound streams opened per peer (yamux refuses over it with RST)
         "dht": Rate(200.0, 400),
         "rpc": Rate(500.0, 1000),
         "identify": Rate(2.0, 8),
@@ -315,6 +318,14 @@ class ResourceManager:
             raise self.refuse(ResourceLimitExceeded(Scope.SERVICE, f"{service} requests a second per peer",
                                                     rate.per_second))
         bucket.tokens -= 1.0
+
+    def try_allow(self, service: str, peer: str, now: float) -> bool:
+        """:meth:`allow` as a yes or no (the refusal is counted all the same)."""
+        try:
+            self.allow(service, peer, now)
+        except ResourceLimitExceeded:
+            return False
+        return True
 
     # ------------------------------------------------------------------ reporting
 

@@ -450,8 +450,11 @@ class YamuxConnection(IMuxedConn):
     on_close: Callable[[], Awaitable[None]] | None
 
     def __init__(self, secured_conn: ISecureConn, peer_id: ID, config: YamuxConfig | None = None,
-                 memory: MemoryBudget | None = None) -> None:
+                 memory: MemoryBudget | None = None, admit_stream: Callable[[], bool] | None = None) -> None:
         self.secured_conn = secured_conn
+        #: Asked for each stream the peer opens (the node's stream-open rate); False: RST at once,
+        #: before any task, negotiation or handler costs anything.
+        self.admit_stream = admit_stream
         #: Asked before a receive window grows beyond its initial size (None: only the connection's budget).
         self.memory = memory
         self.peer_id = peer_id
@@ -707,7 +710,8 @@ class YamuxConnection(IMuxedConn):
             raise YamuxProtocolError(f"{self.peer_id} opened stream {stream_id}, an id that is ours to use")
         if stream_id in self.streams:
             raise YamuxProtocolError(f"{self.peer_id} opened stream {stream_id} twice")
-        if self._inbound >= self.config.max_inbound_streams:
+        if self._inbound >= self.config.max_inbound_streams or (
+                self.admit_stream is not None and not self.admit_stream()):
             self.queue_control(frame(TYPE_WINDOW_UPDATE, RST, stream_id, 0))
             return None
         stream = YamuxStream(self, stream_id)

@@ -265,3 +265,33 @@ async def test_identify_over_its_rate_is_reset_and_other_peers_are_served() -> N
         assert server.resources.refused["service.identify_requests_a_second_per_peer"] >= 3
         await honest.connect(server.addrs[0])
         assert (await honest.identify(server.peer_id, timeout=5)).peer_id == server.peer_id
+
+
+async def test_streams_opened_over_the_rate_are_reset_by_the_muxer() -> None:
+    """Over its stream-open rate a peer's new streams get RST from yamux, before any negotiation;
+    another peer's streams are not affected."""
+    server_config = loopback_config(resources=config_with(rates={"streams": Rate(5.0, 20)}))
+    served: list[bytes] = []
+
+    async def echo(stream: INetStream) -> None:
+        served.append(await stream.read(1))
+        await stream.close()
+
+    async with Node.open(server_config) as server, Node.open(loopback_config()) as greedy, \
+            Node.open(loopback_config(listen=["/ip4/127.1.0.1/tcp/0"])) as honest:
+        server.set_stream_handler("/one/1", echo)
+        await greedy.connect(server.addrs[0])
+        await honest.connect(server.addrs[0])
+        for _ in range(60):  # bounded
+            try:
+                s = await greedy.new_stream(server.peer_id, "/one/1")
+                await s.write(b"x")
+            except Exception:
+                pass
+        await wait_until(lambda: server.resources.refused["service.streams_requests_a_second_per_peer"] >= 30, 10,
+                         what="the streams over the rate reset")
+        assert len(served) <= 30
+        before = len(served)
+        s = await honest.new_stream(server.peer_id, "/one/1")
+        await s.write(b"y")
+        await wait_until(lambda: len(served) == before + 1, 10, what="the honest stream served")
