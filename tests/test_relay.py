@@ -32,6 +32,7 @@ from nat.relay import RelayConfig, RelayService, _remote_ip
 from nat.wire import read_message, write_message
 from p2p import Node
 from p2p.dialer import live_connection
+from p2p.resources import Rate
 from p2p.rpc.framing import encode_varint
 
 from .conftest import open_nodes
@@ -246,6 +247,21 @@ async def test_circuits_per_peer_are_limited():
         conn = await c.client.dial(net.circuit, b.node.peer_id)
         with trio.fail_after(30):
             await transfer(conn, c.node, 1000, 1000)
+
+
+async def test_circuits_over_the_connect_rate_are_refused_and_counted_once():
+    async with relay_net(3) as net:
+        a, b, c = net.peers
+        net.relay.resources.config.rates["relay.connect"] = Rate(0.01, 1)
+        await b.client.reserve(net.relay.peer_id)
+        first = await a.client.dial(net.circuit, b.node.peer_id)
+        with pytest.raises(RelayError, match="RESOURCE_LIMIT_EXCEEDED .over one of the relay's limits") as info:
+            await a.client.dial(net.circuit, b.node.peer_id)  # a's second within its burst of 1
+        assert info.value.status == pb.RESOURCE_LIMIT_EXCEEDED
+        assert net.relay.resources.refused == {"service.relay.connect_requests_a_second_per_peer": 1}
+        assert net.service.stats.refused == {"relay.connect rate": 1}
+        await c.client.dial(net.circuit, b.node.peer_id)  # another peer has its own bucket
+        assert not first.is_closed
 
 
 async def test_total_circuits_are_limited():
