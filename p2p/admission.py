@@ -57,6 +57,11 @@ _TEXTS = {
 }
 
 
+def is_admission_refusal(reason: str) -> bool:
+    """Whether ``reason`` is one of admission's (a connection refused), not a stream's."""
+    return reason in _TEXTS
+
+
 def describe_refusal(reason: str) -> str:
     """What a refusal's reason means, for the refused peer's error message."""
     try:

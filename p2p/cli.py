@@ -17,7 +17,9 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -42,27 +44,102 @@ machine with a public IP and give people the address it prints.
 
 
 
-class Output:
-    """Writes events as JSON lines or as short human-readable lines."""
+#: Lines that may wait unwritten while the output is not read, before new ones are dropped.
+MAX_QUEUED_LINES = 10_000
+#: How long a command's last lines may take to be written once it ends.
+FLUSH_TIMEOUT = 5.0
 
-    def __init__(self, json_mode: bool, stream: Any = None):
+
+class Output:
+    """Writes events as JSON lines or as short human-readable lines.
+
+    While a command runs (:meth:`writing`), lines are queued and one task writes them
+    through a worker thread: a reader that stops reading (a full pipe, a terminal
+    paused with Ctrl-S) stalls that thread, never the node. A relay whose output
+    nobody read used to freeze on a full pipe (docs/FLOOD.md). Beyond
+    :data:`MAX_QUEUED_LINES` unwritten lines, new ones are dropped and counted
+    (:attr:`dropped`), and the count is written as soon as the output moves again.
+    Outside :meth:`writing` (errors before or after the run) a line is written at once.
+    """
+
+    def __init__(self, json_mode: bool, stream: Any = None, *, max_queued: int = MAX_QUEUED_LINES):
         self.json_mode = json_mode
         self.stream = stream or sys.stdout
+        self.max_queued = max_queued
+        #: Lines dropped because the output was not read (in all).
+        self.dropped = 0
+        self._unreported = 0
+        self._queue: deque[str] | None = None
+        self._queued = trio.Event()
+        self._writing = False  # a batch is in the worker thread
 
     def event(self, event: ev.Event) -> None:
         if self.json_mode:
-            print(event.to_json(), file=self.stream, flush=True)
+            self._line(event.to_json())
         else:
             text = human(event)
             if text:
-                print(text, file=self.stream, flush=True)
+                self._line(text)
 
     def info(self, text: str, **fields: Any) -> None:
         """A one-off result (``dedloc id``): prose for people, an object for scripts."""
-        if self.json_mode:
-            print(json.dumps(fields), file=self.stream, flush=True)
-        else:
+        self._line(json.dumps(fields) if self.json_mode else text)
+
+    def _line(self, text: str) -> None:
+        if self._queue is None:
             print(text, file=self.stream, flush=True)
+        elif len(self._queue) >= self.max_queued:
+            self.dropped += 1
+            self._unreported += 1
+        else:
+            self._queue.append(text)
+            self._queued.set()
+
+    @asynccontextmanager
+    async def writing(self) -> AsyncIterator[None]:
+        """Queue lines while the block runs, written by a task of their own; at the end,
+        what is left gets :data:`FLUSH_TIMEOUT` seconds to be written."""
+        self._queue = deque()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._write_loop)
+                try:
+                    yield
+                finally:
+                    with trio.CancelScope(shield=True), trio.move_on_after(FLUSH_TIMEOUT):
+                        while self._queue or self._unreported or self._writing:
+                            await trio.sleep(0.01)
+                    nursery.cancel_scope.cancel()
+        finally:
+            self._queue = None
+
+    async def _write_loop(self) -> None:
+        assert self._queue is not None
+        queue = self._queue
+        while True:
+            await self._queued.wait()
+            self._queued = trio.Event()
+            lines = list(queue)
+            queue.clear()
+            if self._unreported:
+                notice = ev.Error(message=f"{self._unreported} output line(s) dropped: the output was not read")
+                lines.append(notice.to_json() if self.json_mode else human(notice))
+                self._unreported = 0
+            if not lines:
+                continue
+            self._writing = True
+            try:
+                # the one thread of the CLI: a blocked write must not block the loop
+                await trio.to_thread.run_sync(  # type: ignore[call-arg]  # (trio-typing's stubs, via libp2p, are older)
+                    self._write_blocking, "\n".join(lines) + "\n", abandon_on_cancel=True)
+            finally:
+                self._writing = False
+            if queue or self._unreported:
+                self._queued.set()
+
+    def _write_blocking(self, text: str) -> None:
+        self.stream.write(text)
+        self.stream.flush()
 
 
 def human(event: ev.Event) -> str:
@@ -239,9 +316,14 @@ def run(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> i
     _setup_logging(args.verbose)
     out = Output(getattr(args, "json", False))
     func: Callable[[argparse.Namespace, Output], Any] = args.func
+
+    async def command() -> int:
+        async with out.writing():
+            return int(await func(args, out))
+
     try:
         with unwrap_single_group():
-            return int(trio.run(func, args, out))
+            return trio.run(command)
     except KeyboardInterrupt:
         out.event(ev.Error(message="interrupted"))
         return 130

@@ -44,6 +44,12 @@ moves (``tests/test_node.py`` and ``interop/`` pin the behaviour):
   ``p2p/admission.py`` in front of the handshake (caps per address and subnet,
   a handshake deadline, eviction from the largest holder) and sizes the listen
   backlog.
+* **Stream refusals.** Its listener's multistream-select (``Multiselect``) echoes
+  any protocol it has a handler for, so a stream over a limit could only be reset
+  after it was accepted: the opener read a bare reset. :class:`_Multiselect`
+  asks the resource manager first and, over a limit, answers
+  ``/dedloc/refused/<the limit>`` instead of the echo (yamux does the same for
+  streams over the stream-open rate, before any negotiation).
 * **Dialing** is not here: ``p2p/dialer.py`` replaces ``Swarm.dial_peer`` (a
   250 ms stall on every successful connect) and is a module of its own.
 
@@ -67,7 +73,10 @@ from libp2p.custom_types import TProtocol
 from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerstore import PeerStoreError
-from libp2p.protocol_muxer.exceptions import MultiselectClientError
+from libp2p.abc import IMultiselectCommunicator
+from libp2p.custom_types import StreamHandlerFn
+from libp2p.protocol_muxer.exceptions import MultiselectClientError, MultiselectCommunicatorError, MultiselectError
+from libp2p.protocol_muxer.multiselect import Multiselect
 from libp2p.security.security_multistream import SecurityMultistream
 from libp2p.stream_muxer.muxer_multistream import MuxerMultistream
 import trio
@@ -124,6 +133,7 @@ def build_host(
     upgrader = network.upgrader  # type: ignore[attr-defined]
     upgrader.security_multistream = _Security(noise)
     upgrader.muxer_multistream = _Muxers(yamux, upgrader.muxer_multistream.negotiate_timeout, resources)
+    host.multiselect = _Multiselect(host.multiselect.handlers, resources)  # type: ignore[attr-defined]
     network.retry_config = RetryConfig(max_retries=0)  # type: ignore[attr-defined]
     _cap_peer_addrs(host.get_peerstore(), max_addrs)
     return host
@@ -188,7 +198,7 @@ def _install_admission(swarm: Any, resources: ResourceManager) -> None:
         lingering += 1
         try:
             with trio.move_on_after(LINGER):
-                await read_write_closer.write(multistream.encode(multistream.HEADER, multistream.REFUSED_PREFIX + reason))
+                await read_write_closer.write(multistream.refusal(reason))
                 await read_write_closer.read(1024)
         except Exception:
             pass
@@ -346,8 +356,77 @@ class _Muxers(MuxerMultistream):
             protocol, _ = await self._selector.select(conn, False, self.negotiate_timeout)
         peer, resources = str(peer_id), self._resources
         muxed = YamuxConnection(conn, peer_id, self._config, memory=resources.memory_account(peer),
-                                admit_stream=lambda: resources.try_allow("streams", peer, trio.current_time()))
+                                admit_stream=lambda: resources.stream_open_refusal(peer, trio.current_time()))
         return self._annotate_connection(muxed, conn, protocol)
+
+
+class _Multiselect(Multiselect):
+    """The listener's multistream-select, where every inbound stream is acquired from the
+    resource manager, and one over a limit is answered with its refusal.
+
+    py-libp2p's, but before a protocol is echoed the stream is acquired
+    (:meth:`ResourceManager.open_stream`: in all, per protocol, per peer, per peer and
+    protocol) and given back when its handler returns, whatever the handler (the Node's,
+    identify, ping). Over a limit, the opener reads ``/dedloc/refused/<the limit>`` as the
+    answer to its proposal, then FIN and (from the host) RST; a dedloc opener raises
+    :class:`p2p.multistream.PeerRefused` naming the limit.
+    """
+
+    def __init__(self, handlers: dict[TProtocol | None, StreamHandlerFn | None], resources: ResourceManager) -> None:
+        super().__init__(handlers)
+        self._resources = resources
+
+    async def negotiate(self, communicator: IMultiselectCommunicator, negotiate_timeout: int = 30,
+                        ) -> tuple[TProtocol | None, StreamHandlerFn | None]:
+        try:
+            with trio.fail_after(negotiate_timeout):
+                await self.handshake(communicator)
+                while True:
+                    try:
+                        command = await communicator.read()
+                        if command == "ls":
+                            await communicator.write("\n".join(p for p in self.handlers if p is not None) + "\n")
+                            continue
+                        protocol = TProtocol(command) if command else None
+                        if protocol is None or protocol not in self.handlers:
+                            await communicator.write(multistream.NA)
+                            continue
+                        return protocol, await self._accept(communicator, protocol)
+                    except MultiselectCommunicatorError as e:
+                        raise MultiselectError(str(e)) from e
+        except trio.TooSlowError:
+            raise MultiselectError("handshake read timeout") from None
+
+    async def _accept(self, communicator: IMultiselectCommunicator, protocol: TProtocol) -> StreamHandlerFn | None:
+        """Acquire the stream and echo ``protocol``; the handler, wrapped to give the stream back."""
+        handler = self.handlers[protocol]
+        stream = getattr(communicator, "read_writer", None)
+        muxed = getattr(stream, "muxed_conn", None)
+        if handler is None or muxed is None:
+            await communicator.write(protocol)
+            return handler
+        resources = self._resources
+        try:
+            grant = resources.open_stream(str(muxed.peer_id), protocol)
+        except ResourceLimitExceeded as e:
+            log.debug("refused a %s stream from %s: %s", protocol, muxed.peer_id, e)
+            await communicator.write(multistream.REFUSED_PREFIX + str(e)[:multistream.MAX_REASON])
+            await finish_quietly(getattr(stream, "close"))
+            raise MultiselectError(f"refused a {protocol} stream: {e}") from None
+        try:
+            await communicator.write(protocol)
+        except BaseException:
+            resources.close_stream(grant)
+            raise
+        served = handler
+
+        async def handle(net_stream: INetStream) -> None:
+            try:
+                await served(net_stream)
+            finally:
+                resources.close_stream(grant)
+
+        return handle
 
 
 class _Notifee(INotifee):

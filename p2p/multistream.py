@@ -30,15 +30,18 @@ from typing import Any, Protocol
 
 import trio
 
-from .admission import describe_refusal
+from .admission import describe_refusal, is_admission_refusal
 from .errors import ProtocolNotSupportedError, RemoteProtocolError
 
 HEADER = "/multistream/1.0.0"
 NA = "na"
 #: What a dedloc listener answers, instead of the protocol, to a connection it refuses before
-#: the handshake (``p2p/admission.py``): the reason follows, a :class:`p2p.admission.Refusal`.
+#: the handshake (``p2p/admission.py``; the reason follows, a :class:`p2p.admission.Refusal`)
+#: or to a stream over a limit of the resource manager (the reason is the limit, in words).
 #: Any other dialer reads it as an unexpected answer and gives up, as it should.
 REFUSED_PREFIX = "/dedloc/refused/"
+#: the longest refusal reason kept from a peer's answer
+MAX_REASON = 160
 #: the longest message accepted from a peer (protocol ids are short; the spec caps them at 64 KiB)
 MAX_MESSAGE = 1024
 
@@ -57,11 +60,20 @@ class ProtocolRefused(ProtocolNotSupportedError, ValueError):
 
 
 class PeerRefused(MultistreamError):
-    """The listener refused the connection before the handshake, and said why (:attr:`reason`)."""
+    """The listener refused the connection before the handshake, or the stream over one of its
+    limits, and said why (:attr:`reason`)."""
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
-        super().__init__(f"the peer refused the connection: {describe_refusal(reason)}")
+        if is_admission_refusal(reason):
+            super().__init__(f"the peer refused the connection: {describe_refusal(reason)}")
+        else:
+            super().__init__(f"the peer refused the stream: {reason}")
+
+
+def refusal(reason: str) -> bytes:
+    """A listener's whole answer refusing a connection or stream: the header, then the reason."""
+    return encode(HEADER, REFUSED_PREFIX + reason[:MAX_REASON])
 
 
 def encode(*messages: str) -> bytes:
@@ -161,7 +173,7 @@ class Reply:
         elif message == NA:
             raise ProtocolRefused(f"the peer does not speak {self.protocol}")
         elif message.startswith(REFUSED_PREFIX):
-            raise PeerRefused(message[len(REFUSED_PREFIX):][:64])
+            raise PeerRefused(message[len(REFUSED_PREFIX):][:MAX_REASON])
         else:
             raise MultistreamError(f"the peer answered {message[:64]!r} to a proposal of {self.protocol}")
 

@@ -487,20 +487,14 @@ class Node:
         """Serve ``protocol`` until the handle is removed; a handler that fails resets its stream and nothing else."""
 
         async def guarded(stream: INetStream) -> None:
-            try:
-                grant = self.resources.open_stream(str(_remote(stream)), protocol)
-            except ResourceLimitExceeded as e:
-                log.debug("refused a %s stream from %s: %s", protocol, _remote(stream), e)
-                await finish_quietly(stream.reset)
-                return
+            # the stream was acquired from the resource manager while it was negotiated
+            # (p2p/libp2p_host._Multiselect), and is given back when this returns
             try:
                 await handler(stream)
             except Exception as e:
                 log.warning("handler for %s failed: %r", protocol, e)
                 self.emit(ev.Error(message=f"handler for {protocol} failed: {e!r}", peer_id=_remote(stream)))
                 await finish_quietly(stream.reset)
-            finally:
-                self.resources.close_stream(grant)
 
         self.host.set_stream_handler(TProtocol(protocol), guarded)
 

@@ -241,7 +241,9 @@ class ResourceManager:
     # ------------------------------------------------------------------ streams
 
     def open_stream(self, peer: str, protocol: str) -> StreamGrant:
-        """An inbound stream of ``protocol`` from ``peer`` is about to reach its handler."""
+        """An inbound stream of ``protocol`` from ``peer``, acquired while its protocol is
+        negotiated (``p2p/libp2p_host._Multiselect``: a refusal, not the protocol's echo, is
+        then the answer the peer reads); raises (counted) if it is one too many."""
         c = self.config
         self._check(c.max_inbound_streams, self.inbound_streams, Scope.SYSTEM, "inbound streams")
         self._check(c.max_inbound_streams_per_protocol, self._protocol_streams[protocol], Scope.PROTOCOL,
@@ -319,13 +321,13 @@ class ResourceManager:
                                                     rate.per_second))
         bucket.tokens -= 1.0
 
-    def try_allow(self, service: str, peer: str, now: float) -> bool:
-        """:meth:`allow` as a yes or no (the refusal is counted all the same)."""
+    def stream_open_refusal(self, peer: str, now: float) -> str | None:
+        """The ``streams`` rate as yamux asks it: None to admit a stream, else the limit, in words."""
         try:
-            self.allow(service, peer, now)
-        except ResourceLimitExceeded:
-            return False
-        return True
+            self.allow("streams", peer, now)
+        except ResourceLimitExceeded as e:
+            return str(e)
+        return None
 
     # ------------------------------------------------------------------ reporting
 

@@ -50,6 +50,7 @@ from libp2p.stream_muxer.exceptions import (
 from multiaddr import Multiaddr
 
 from .errors import ConfigError, DedlocError, RemoteProtocolError
+from .multistream import refusal
 from .noise import NoiseSession
 from .trio_util import Mutex
 
@@ -398,7 +399,10 @@ class YamuxStream(IMuxedStream):
         self._forget_if_done()
 
     def on_reset(self) -> None:
-        self._abort(StreamAbortedError(f"stream {self.stream_id} was reset by {self.muxed_conn.peer_id}"), send_rst=False)
+        # What the peer sent and finished (FIN) before the reset stays readable: a refusal
+        # (``YamuxConnection._refuse``) is data, FIN and RST back to back.
+        self._abort(StreamAbortedError(f"stream {self.stream_id} was reset by {self.muxed_conn.peer_id}"),
+                    send_rst=False, keep_received=True)
 
     def _abort(self, error: StreamAbortedError, *, send_rst: bool, keep_received: bool = False) -> None:
         if self._error is not None or (self._send_closed and self._recv_closed):
@@ -450,10 +454,11 @@ class YamuxConnection(IMuxedConn):
     on_close: Callable[[], Awaitable[None]] | None
 
     def __init__(self, secured_conn: ISecureConn, peer_id: ID, config: YamuxConfig | None = None,
-                 memory: MemoryBudget | None = None, admit_stream: Callable[[], bool] | None = None) -> None:
+                 memory: MemoryBudget | None = None, admit_stream: Callable[[], str | None] | None = None) -> None:
         self.secured_conn = secured_conn
-        #: Asked for each stream the peer opens (the node's stream-open rate); False: RST at once,
-        #: before any task, negotiation or handler costs anything.
+        #: Asked for each stream the peer opens (the node's stream-open rate): None admits it, a
+        #: reason refuses it at once (:meth:`_refuse`), before any task, negotiation or handler
+        #: costs anything.
         self.admit_stream = admit_stream
         #: Asked before a receive window grows beyond its initial size (None: only the connection's budget).
         self.memory = memory
@@ -710,20 +715,36 @@ class YamuxConnection(IMuxedConn):
             raise YamuxProtocolError(f"{self.peer_id} opened stream {stream_id}, an id that is ours to use")
         if stream_id in self.streams:
             raise YamuxProtocolError(f"{self.peer_id} opened stream {stream_id} twice")
-        if self._inbound >= self.config.max_inbound_streams or (
-                self.admit_stream is not None and not self.admit_stream()):
-            self.queue_control(frame(TYPE_WINDOW_UPDATE, RST, stream_id, 0))
+        if self._inbound >= self.config.max_inbound_streams:
+            self._refuse(stream_id, f"over the limit of {self.config.max_inbound_streams} inbound streams "
+                                    "per connection")
+            return None
+        if self.admit_stream is not None and (reason := self.admit_stream()) is not None:
+            self._refuse(stream_id, reason)
             return None
         stream = YamuxStream(self, stream_id)
         try:
             self._accept_send.send_nowait(stream)
-        except (trio.WouldBlock, trio.ClosedResourceError):
+        except trio.WouldBlock:
+            self._refuse(stream_id, f"over the limit of {self.config.accept_backlog} streams not yet accepted")
+            return None
+        except trio.ClosedResourceError:
             self.queue_control(frame(TYPE_WINDOW_UPDATE, RST, stream_id, 0))
             return None
         self.streams[stream_id] = stream
         self._inbound += 1
         self.queue_control(frame(TYPE_WINDOW_UPDATE, ACK, stream_id, 0))
         return stream
+
+    def _refuse(self, stream_id: int, reason: str) -> None:
+        """Refuse a stream the peer opened, and say why: where the protocol's echo would be,
+        multistream's refusal (:func:`p2p.multistream.refusal`) with FIN, then RST. No
+        stream is kept; what the peer sends on it is dropped. A dedloc opener reads the
+        reason as the answer to its proposal (a reset after the peer's FIN keeps what it
+        sent readable); any other reads an unexpected answer, or the reset."""
+        message = refusal(reason)
+        self.queue_control(frame(TYPE_DATA, ACK | FIN, stream_id, len(message)) + message)
+        self.queue_control(frame(TYPE_WINDOW_UPDATE, RST, stream_id, 0))
 
     def forget(self, stream: YamuxStream) -> None:
         """Drop a finished stream from the table and return its window growth to the budget."""

@@ -381,3 +381,86 @@ async def test_a_relay_runs_with_the_limits_given_and_status_shows_them_with_the
         relay.terminate()
         with trio.fail_after(20):
             await relay.wait()
+
+
+async def test_a_relay_whose_output_nobody_reads_keeps_serving():
+    """`dedloc relay` with its stdout a pipe nobody reads (4 KiB, full after ~20 events): it
+    still answers pings (its events wait in a queue; a blocked print once froze it), and the
+    events are all there once the pipe is read again."""
+    import fcntl
+
+    read_fd, write_fd = os.pipe()
+    fcntl.fcntl(write_fd, 1031, 4096)  # F_SETPIPE_SZ: one page
+    try:
+        relay = await trio.lowlevel.open_process(
+            [*DEDLOC, "relay", "--json", "--ephemeral", "--listen", "/ip4/127.0.0.1/tcp/0", "--status-interval", "0",
+             "--duration", "60"], stdout=write_fd)
+    finally:
+        os.close(write_fd)
+    output = trio.lowlevel.FdStream(read_fd)
+    try:
+        buffer = b""
+        with trio.fail_after(30):
+            while b"\n" not in buffer:
+                buffer += await output.receive_some(4096)
+        first = json.loads(buffer.split(b"\n")[0])
+        relay_id = ID.from_base58(first["peer_id"])
+        async with Node.open(NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"])) as node:
+            for _ in range(40):  # bounded: 80 events, ~16 KB of JSON lines for a 4 KiB pipe
+                await node.connect(first["addrs"][0])
+                await node.disconnect(relay_id)
+            await node.connect(first["addrs"][0])
+            with trio.fail_after(10):
+                assert await node.ping(relay_id) > 0
+        events = []
+        with trio.fail_after(30):
+            while sum(1 for e in events if e["event"] == "connection_closed") < 40:
+                chunk = await output.receive_some(65536)
+                assert chunk, "the relay's output ended early"
+                buffer += chunk
+                *complete, buffer = buffer.split(b"\n")
+                events += [json.loads(line) for line in complete if line]
+        assert sum(1 for e in events if e["event"] == "connection_opened") >= 41
+        assert not [e for e in events if e["event"] == "error"]  # nothing dropped
+    finally:
+        relay.terminate()
+        with trio.fail_after(20):
+            async with output:
+                while await output.receive_some(65536):
+                    pass
+            await relay.wait()
+    assert relay.returncode == 0
+
+
+async def test_output_queues_while_unread_drops_beyond_its_bound_and_says_how_many():
+    """Output.writing: with nobody reading, the event loop runs on, lines beyond the bound
+    are dropped and counted, and once the pipe is read the count is written after the rest."""
+    from p2p import events as ev
+    from p2p.cli import Output
+
+    read_fd, write_fd = os.pipe()
+    writer = os.fdopen(write_fd, "w")
+    reader = trio.lowlevel.FdStream(read_fd)
+    out = Output(True, writer, max_queued=50)
+    text = b""
+    async with reader:
+        async with out.writing():
+            for i in range(4000):  # ~440 KB of lines for a 64 KiB pipe
+                out.event(ev.Message(peer_id=None, text=f"line {i:04d} " + "x" * 40))
+                await trio.sleep(0)
+            with trio.fail_after(1):
+                await trio.sleep(0.05)  # the loop is not blocked
+            assert out.dropped > 2000
+            with trio.fail_after(10):
+                while b"dropped" not in text:
+                    text += await reader.receive_some(65536)
+        writer.close()
+        while chunk := await reader.receive_some(65536):
+            text += chunk
+    lines = [json.loads(line) for line in text.decode().splitlines()]
+    written = [e for e in lines if e["event"] == "message"]
+    notices = [e["message"] for e in lines if e["event"] == "error"]
+    assert notices and all(m.endswith(" output line(s) dropped: the output was not read") for m in notices)
+    assert sum(int(m.split()[0]) for m in notices) == out.dropped  # every drop reported, once
+    assert len(written) + out.dropped == 4000
+    assert [e["text"] for e in written] == sorted(e["text"] for e in written)  # in order, none twice

@@ -116,7 +116,8 @@ def config_with(**limits: object) -> ResourceConfig:
 
 async def test_a_stream_flood_is_held_per_peer_and_the_honest_peer_is_served() -> None:
     """A peer opening streams that never end as fast as it can: beyond its 32 the streams are
-    reset; another peer's streams and pings go through, and the streams are given back."""
+    refused, the limit named; another peer's streams and pings go through, and the streams are
+    given back."""
     server_config = loopback_config(resources=config_with(max_inbound_streams_per_peer=32))
     release = trio.Event()
 
@@ -135,9 +136,14 @@ async def test_a_stream_flood_is_held_per_peer_and_the_honest_peer_is_served() -
             s = await attacker.new_stream(server.peer_id, "/hold/1")
             await s.write(b"x")  # the proposal goes with the first bytes
             streams.append(s)
-        await wait_until(lambda: server.resources.refused["peer.inbound_streams"] >= 150, 10,
+        await wait_until(lambda: server.resources.refused["peer.inbound_streams"] == 168, 10,
                          what="the streams beyond 32 refused")
         assert server.resources.usage()["busiest_peer_streams"] == 32
+        # the refused opener is told which limit, as the answer to its proposal
+        with pytest.raises(Exception, match="the peer refused the stream: over the limit of 32 inbound streams per peer"):
+            await streams[-1].read(1)
+        with pytest.raises(Exception, match="refused the stream"):
+            await (await attacker.new_stream(server.peer_id, "/hold/1")).read(1)
         assert await honest.ping(server.peer_id) > 0
         honest_stream = await honest.new_stream(server.peer_id, "/hold/1")
         await honest_stream.write(b"x")
@@ -267,9 +273,9 @@ async def test_identify_over_its_rate_is_reset_and_other_peers_are_served() -> N
         assert (await honest.identify(server.peer_id, timeout=5)).peer_id == server.peer_id
 
 
-async def test_streams_opened_over_the_rate_are_reset_by_the_muxer() -> None:
-    """Over its stream-open rate a peer's new streams get RST from yamux, before any negotiation;
-    another peer's streams are not affected."""
+async def test_streams_opened_over_the_rate_are_refused_by_the_muxer() -> None:
+    """Over its stream-open rate a peer's new streams are refused by yamux, before any negotiation
+    (the refusal, FIN, RST); another peer's streams are not affected."""
     server_config = loopback_config(resources=config_with(rates={"streams": Rate(5.0, 20)}))
     served: list[bytes] = []
 
@@ -282,16 +288,54 @@ async def test_streams_opened_over_the_rate_are_reset_by_the_muxer() -> None:
         server.set_stream_handler("/one/1", echo)
         await greedy.connect(server.addrs[0])
         await honest.connect(server.addrs[0])
+        opened = []
         for _ in range(60):  # bounded
             try:
                 s = await greedy.new_stream(server.peer_id, "/one/1")
                 await s.write(b"x")
+                opened.append(s)
             except Exception:
                 pass
         await wait_until(lambda: server.resources.refused["service.streams_requests_a_second_per_peer"] >= 30, 10,
-                         what="the streams over the rate reset")
+                         what="the streams over the rate refused")
         assert len(served) <= 30
+        # over the rate, the opener reads the limit where the protocol's echo would be
+        with pytest.raises(Exception, match="the peer refused the stream: over the limit of 5 streams requests a second"):
+            await opened[-1].read(1)
         before = len(served)
         s = await honest.new_stream(server.peer_id, "/one/1")
         await s.write(b"y")
         await wait_until(lambda: len(served) == before + 1, 10, what="the honest stream served")
+
+
+async def test_an_rpc_call_on_a_stream_over_the_limit_is_refused_with_the_limit_named() -> None:
+    """Two calls hold the peer's two RPC streams; a third is refused while its stream is
+    negotiated: ResourceLimitError naming the limit, not a broken connection; the calls
+    held are served, and the next call after them too."""
+    server_config = loopback_config(resources=config_with(max_inbound_streams_per_peer_protocol=2))
+    release = trio.Event()
+
+    async def slow(_: Empty, ctx: CallContext) -> Empty:
+        with trio.move_on_after(10):
+            await release.wait()
+        return Empty()
+
+    async with Node.open(server_config) as server, Node.open(loopback_config()) as client:
+        server.rpc.add_unary("slow.test", Empty, slow)
+        await client.connect(server.addrs[0])
+        done: list[str] = []
+
+        async def held() -> None:
+            await client.rpc.call(server.peer_id, "slow.test", Empty(), Empty, timeout=15)
+            done.append("ok")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(held)
+            nursery.start_soon(held)
+            await wait_until(lambda: server.resources.usage()["inbound_streams"] == 2, 10, what="two calls held")
+            with pytest.raises(ResourceLimitError, match="refused the stream: over the limit of 2 inbound streams "
+                                                         "per peer for /dedloc/rpc"):
+                await client.rpc.call(server.peer_id, "slow.test", Empty(), Empty, timeout=5)
+            release.set()
+        assert done == ["ok", "ok"]
+        await client.rpc.call(server.peer_id, "slow.test", Empty(), Empty, timeout=5)

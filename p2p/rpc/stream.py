@@ -13,7 +13,8 @@ import trio
 from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
 
-from .errors import PeerDisconnectedError
+from ..multistream import PeerRefused
+from .errors import PeerDisconnectedError, ResourceLimitError
 from .framing import Decoded, FrameDecoder
 
 #: Bytes asked for per read; a muxer returns what it has, up to this.
@@ -31,6 +32,18 @@ TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
     trio.BrokenResourceError,
     trio.ClosedResourceError,
 )
+
+
+def _refusal(error: BaseException) -> PeerRefused | None:
+    """The peer's refusal of the stream (over one of its limits) behind a read's error, if any."""
+    seen: BaseException | None = error
+    for _ in range(4):  # py-libp2p wraps it once or twice
+        if seen is None:
+            return None
+        if isinstance(seen, PeerRefused):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 class RpcStream(Protocol):
@@ -104,6 +117,10 @@ class FramedStream:
         except EOFError:
             return b""
         except TRANSPORT_ERRORS as e:
+            refused = _refusal(e)
+            if refused is not None:  # the peer is there; this stream was one too many for it
+                self.done = True
+                raise ResourceLimitError(str(refused), peer_id=self.peer_id) from e
             raise self._broke(f"stream to {self.peer_id} broke while reading: {e!r}") from e
         except trio.Cancelled:
             self.desynced = True
