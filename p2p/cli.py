@@ -13,8 +13,10 @@ can follow a node without parsing prose.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
 import sys
 import time
 from collections import deque
@@ -72,6 +74,7 @@ class Output:
         self._queue: deque[str] | None = None
         self._queued = trio.Event()
         self._writing = False  # a batch is in the worker thread
+        self._closed = False  # the reader is gone: nothing more is written
 
     def event(self, event: ev.Event) -> None:
         if self.json_mode:
@@ -88,6 +91,8 @@ class Output:
     def _line(self, text: str) -> None:
         if self._queue is None:
             print(text, file=self.stream, flush=True)
+        elif self._closed:
+            self.dropped += 1
         elif len(self._queue) >= self.max_queued:
             self.dropped += 1
             self._unreported += 1
@@ -107,7 +112,7 @@ class Output:
                     yield
                 finally:
                     with trio.CancelScope(shield=True), trio.move_on_after(FLUSH_TIMEOUT):
-                        while self._queue or self._unreported or self._writing:
+                        while not self._closed and (self._queue or self._unreported or self._writing):
                             await trio.sleep(0.01)
                     nursery.cancel_scope.cancel()
         finally:
@@ -132,6 +137,11 @@ class Output:
                 # the one thread of the CLI: a blocked write must not block the loop
                 await trio.to_thread.run_sync(  # type: ignore[call-arg]  # (trio-typing's stubs, via libp2p, are older)
                     self._write_blocking, "\n".join(lines) + "\n", abandon_on_cancel=True)
+            except OSError as e:  # the reader is gone (a closed pipe): the node goes on without output
+                logging.getLogger(__name__).warning("the output is closed (%s): events are no longer printed", e)
+                self.dropped += len(lines)
+                self._close_output()
+                return
             finally:
                 self._writing = False
             if queue or self._unreported:
@@ -140,6 +150,20 @@ class Output:
     def _write_blocking(self, text: str) -> None:
         self.stream.write(text)
         self.stream.flush()
+
+    def _close_output(self) -> None:
+        """Stop writing; later lines are dropped. Python's own flush of stdout at exit would
+        fail on the closed pipe too: stdout then points at /dev/null (the ``signal``
+        module's advice for SIGPIPE)."""
+        assert self._queue is not None
+        self._closed = True
+        self.dropped += len(self._queue)
+        self._queue.clear()
+        if self.stream is sys.stdout:
+            with contextlib.suppress(OSError, ValueError):
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+                os.close(devnull)
 
 
 def human(event: ev.Event) -> str:

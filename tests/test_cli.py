@@ -464,3 +464,27 @@ async def test_output_queues_while_unread_drops_beyond_its_bound_and_says_how_ma
     assert sum(int(m.split()[0]) for m in notices) == out.dropped  # every drop reported, once
     assert len(written) + out.dropped == 4000
     assert [e["text"] for e in written] == sorted(e["text"] for e in written)  # in order, none twice
+
+
+async def test_output_whose_reader_is_gone_stops_writing_and_the_command_goes_on():
+    """A closed pipe (EPIPE) ends the output, not the command: later lines are dropped, counted."""
+    from p2p import events as ev
+    from p2p.cli import Output
+
+    class Gone:
+        writes = 0
+
+        def write(self, text: str) -> None:
+            Gone.writes += 1
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self) -> None:
+            pass
+
+    out = Output(True, Gone())
+    with trio.fail_after(5):
+        async with out.writing():
+            for i in range(10):
+                out.event(ev.Message(peer_id=None, text=f"line {i}"))
+                await trio.sleep(0.01)
+    assert Gone.writes == 1 and out.dropped == 10
