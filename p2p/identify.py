@@ -25,6 +25,7 @@ from libp2p.utils.varint import read_length_prefixed_protobuf
 from multiaddr import Multiaddr
 
 from .errors import RemoteProtocolError
+from .noise import NoiseSession
 from .trio_util import finish_quietly
 from .untrusted import decode_addr, decode_addrs
 
@@ -53,6 +54,10 @@ class PeerIdentity:
     signed_record_valid: bool
     signed_record_addrs: list[Multiaddr] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    #: Our end (TCP ip, port) of the connection the answer came over, of which
+    #: ``observed_addr`` is the peer's view; None when relayed or unknown. With two
+    #: connections to a peer, only this one says which the observation is of.
+    local_addr: tuple[str, int] | None = None
 
 
 async def identify(open_stream: Callable[[ID, str], Awaitable[INetStream]], peer_id: ID, *,
@@ -69,6 +74,8 @@ async def identify(open_stream: Callable[[ID, str], Awaitable[INetStream]], peer
             stream = await open_stream(peer_id, IDENTIFY_PROTOCOL)
             try:
                 data = await read_length_prefixed_protobuf(stream, use_varint_format=True, max_length=MAX_IDENTIFY_SIZE)
+                session = getattr(getattr(stream, "muxed_conn", None), "secured_conn", None)
+                local = session.local_address() if isinstance(session, NoiseSession) else None
                 break
             except StreamReset:
                 if attempt == 3:
@@ -81,7 +88,9 @@ async def identify(open_stream: Callable[[ID, str], Awaitable[INetStream]], peer
         msg.ParseFromString(data)
     except Exception as e:
         raise IdentifyError(f"identify answer from {peer_id} is garbled: {e}") from e
-    return verify_identify(peer_id, msg)
+    info = verify_identify(peer_id, msg)
+    info.local_addr = local
+    return info
 
 
 def verify_identify(peer_id: ID, msg: Identify) -> PeerIdentity:

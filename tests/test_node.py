@@ -34,6 +34,17 @@ async def test_observed_address_is_learnt_from_identify(node_pair):
     assert b.observed_addrs(min_observers=2) == []
 
 
+async def test_identify_says_which_of_our_connections_was_observed(node_pair):
+    """The answer carries our end of the connection it came over: the observed port is that
+    connection's (the NAT layer classifies its mapping only from ones that left the listen port)."""
+    a, b = node_pair
+    info = await b.identify(a.peer_id)
+    assert info.local_addr is not None and info.observed_addr is not None
+    assert f"/tcp/{info.local_addr[1]}" in str(info.observed_addr)  # loopback: no NAT, the same port
+    (conn,) = b.network.get_connections(a.peer_id)
+    assert info.local_addr == conn.muxed_conn.secured_conn.local_address()
+
+
 async def test_addresses_carry_peer_id_and_expand_nothing_on_loopback():
     async with open_nodes(1) as (a,):
         assert a.addrs and all(str(x).endswith(f"/p2p/{a.peer_id}") for x in a.addrs)
