@@ -153,6 +153,8 @@ async def run_cell(lab: Lab, relay_addr: str, index: int, cell: JsCell) -> None:
             cell.detail = (f"dedloc punch {metrics['punch_successes']}/{metrics['punch_attempts']}, "
                            f"retries {metrics['punch_retries']}")
     except Exception as e:  # the cell reports; the assertions judge
+        while isinstance(e, ExceptionGroup) and len(e.exceptions) == 1:  # say what failed, not where
+            e = e.exceptions[0]
         cell.detail += f" {type(e).__name__}: {e}"[:600]
     finally:
         if agent is not None:

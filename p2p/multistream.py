@@ -248,12 +248,35 @@ class LazySelect:
 
     async def write(self, data: bytes) -> None:
         if self._preamble is None and not self._first.locked():
-            await self.inner.write(data)
+            await self._write(data)
             return
         async with self._first:
             if self._preamble is not None:
                 data, self._preamble = self._preamble + bytes(data), None
+            await self._write(data)
+
+    async def _write(self, data: bytes) -> None:
+        try:
             await self.inner.write(data)
+        except Exception as e:
+            refused = await self._answer_behind_failure()
+            if refused is not None:
+                raise refused from e
+            raise
+
+    async def _answer_behind_failure(self) -> MultistreamError | None:
+        """After a write failed: the peer's refusal, if it came first (a refusal, FIN, then RST:
+        the reset fails the write, the reason is already here). Reads only what is buffered."""
+        if self._reply.done or self._answer.locked():
+            return None
+        with trio.move_on_after(0.05):
+            try:
+                await read_reply(self.inner, self._reply)
+            except PeerRefused as e:
+                return e
+            except Exception:
+                return None
+        return None
 
     async def read(self, n: int | None = None) -> bytes:
         await self._confirm()
@@ -286,7 +309,7 @@ class LazySelect:
             async with self._first:
                 if self._preamble is not None:
                     preamble, self._preamble = self._preamble, None
-                    await self.inner.write(preamble)
+                    await self._write(preamble)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
