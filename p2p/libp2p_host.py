@@ -368,7 +368,7 @@ class _Multiselect(Multiselect):
     (:meth:`ResourceManager.open_stream`: in all, per protocol, per peer, per peer and
     protocol) and given back when its handler returns, whatever the handler (the Node's,
     identify, ping). Over a limit, the opener reads ``/dedloc/refused/<the limit>`` as the
-    answer to its proposal, then FIN and (from the host) RST; a dedloc opener raises
+    answer to its proposal, then FIN (a reset a moment later); a dedloc opener raises
     :class:`p2p.multistream.PeerRefused` naming the limit.
     """
 
@@ -412,7 +412,7 @@ class _Multiselect(Multiselect):
             log.debug("refused a %s stream from %s: %s", protocol, muxed.peer_id, e)
             await communicator.write(multistream.REFUSED_PREFIX + str(e)[:multistream.MAX_REASON])
             await finish_quietly(getattr(stream, "close"))
-            raise MultiselectError(f"refused a {protocol} stream: {e}") from None
+            return _linger_then_reset  # not a reset at once: it would discard the reason unread
         try:
             await communicator.write(protocol)
         except BaseException:
@@ -427,6 +427,18 @@ class _Multiselect(Multiselect):
                 resources.close_stream(grant)
 
         return handle
+
+
+async def _linger_then_reset(stream: INetStream) -> None:
+    """A refused stream (its refusal and FIN sent): wait a moment for the opener to read the
+    reason and reset, then reset it ourselves."""
+    with trio.move_on_after(1.0):
+        try:
+            while await stream.read(4096):
+                pass
+        except Exception:
+            pass
+    await finish_quietly(stream.reset)
 
 
 class _Notifee(INotifee):

@@ -399,10 +399,7 @@ class YamuxStream(IMuxedStream):
         self._forget_if_done()
 
     def on_reset(self) -> None:
-        # What the peer sent and finished (FIN) before the reset stays readable: a refusal
-        # (``YamuxConnection._refuse``) is data, FIN and RST back to back.
-        self._abort(StreamAbortedError(f"stream {self.stream_id} was reset by {self.muxed_conn.peer_id}"),
-                    send_rst=False, keep_received=True)
+        self._abort(StreamAbortedError(f"stream {self.stream_id} was reset by {self.muxed_conn.peer_id}"), send_rst=False)
 
     def _abort(self, error: StreamAbortedError, *, send_rst: bool, keep_received: bool = False) -> None:
         if self._error is not None or (self._send_closed and self._recv_closed):
@@ -738,13 +735,12 @@ class YamuxConnection(IMuxedConn):
 
     def _refuse(self, stream_id: int, reason: str) -> None:
         """Refuse a stream the peer opened, and say why: where the protocol's echo would be,
-        multistream's refusal (:func:`p2p.multistream.refusal`) with FIN, then RST. No
-        stream is kept; what the peer sends on it is dropped. A dedloc opener reads the
-        reason as the answer to its proposal (a reset after the peer's FIN keeps what it
-        sent readable); any other reads an unexpected answer, or the reset."""
+        multistream's refusal (:func:`p2p.multistream.refusal`) with FIN, and no RST (a
+        reset would discard the reason unread). No stream is kept; what the peer sends on
+        it is dropped. A dedloc opener reads the reason as the answer to its proposal and
+        resets; any other reads an unexpected answer."""
         message = refusal(reason)
         self.queue_control(frame(TYPE_DATA, ACK | FIN, stream_id, len(message)) + message)
-        self.queue_control(frame(TYPE_WINDOW_UPDATE, RST, stream_id, 0))
 
     def forget(self, stream: YamuxStream) -> None:
         """Drop a finished stream from the table and return its window growth to the budget."""

@@ -645,9 +645,9 @@ async def test_too_many_inbound_streams_are_reset_and_the_connection_goes_on():
         await raw.send(frame(TYPE_WINDOW_UPDATE, SYN, 2, 0), frame(TYPE_WINDOW_UPDATE, SYN, 4, 0))
         first, second = await conn.accept_stream(), await conn.accept_stream()
         await raw.wait_for(is_flag(ACK, 4))
-        # The third is refused with RST; its data is dropped unbuffered.
+        # The third is refused (the limit, FIN); its data is dropped unbuffered.
         await raw.send(frame(TYPE_DATA, SYN, 6, 5), b"nope!", frame(TYPE_DATA, 0, 6, 100_000), b"z" * 100_000)
-        await raw.wait_for(is_flag(RST, 6))
+        await raw.wait_for(is_flag(FIN, 6))  # the refusal (the limit, FIN)
         assert 6 not in conn.streams and not raw.has(TYPE_WINDOW_UPDATE, ACK, 6)
         assert conn.is_established
         # A reset stream frees its slot.
@@ -664,14 +664,14 @@ async def test_too_many_inbound_streams_are_reset_and_the_connection_goes_on():
         await raw.send(frame(TYPE_WINDOW_UPDATE, SYN, 10, 0))
         assert (await conn.accept_stream()).stream_id == 10
         await raw.send(frame(TYPE_WINDOW_UPDATE, SYN, 12, 0))
-        await raw.wait_for(is_flag(RST, 12))  # 8 and 10 are open: full again
+        await raw.wait_for(is_flag(FIN, 12))  # refused  # 8 and 10 are open: full again
 
 
 async def test_full_accept_backlog_resets_new_streams():
     config = YamuxConfig(accept_backlog=1)
     async with raw_peer(config) as (conn, raw):
         await raw.send(frame(TYPE_WINDOW_UPDATE, SYN, 2, 0), frame(TYPE_WINDOW_UPDATE, SYN, 4, 0))
-        await raw.wait_for(is_flag(RST, 4))
+        await raw.wait_for(is_flag(FIN, 4))  # the refusal (the limit, FIN)
         assert raw.has(TYPE_WINDOW_UPDATE, ACK, 2) and 4 not in conn.streams
         assert (await conn.accept_stream()).stream_id == 2
         await raw.send(frame(TYPE_WINDOW_UPDATE, SYN, 6, 0))
