@@ -265,7 +265,7 @@ class LazySelect:
             raise
 
     async def _answer_behind_failure(self) -> MultistreamError | None:
-        """After a write failed: the peer's refusal, if it came first (a refusal, FIN, then RST:
+        """After a write failed: the peer's refusal, if it came first (its refusal and FIN, then a reset:
         the reset fails the write, the reason is already here). Reads only what is buffered."""
         if self._reply.done or self._answer.locked():
             return None
