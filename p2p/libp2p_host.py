@@ -410,7 +410,7 @@ class _Multiselect(Multiselect):
             grant = resources.open_stream(str(muxed.peer_id), protocol)
         except ResourceLimitExceeded as e:
             log.debug("refused a %s stream from %s: %s", protocol, muxed.peer_id, e)
-            await communicator.write(multistream.REFUSED_PREFIX + str(e)[:multistream.MAX_REASON])
+            await communicator.write(multistream.refusal_message(str(e)))  # the header went with the handshake
             await finish_quietly(getattr(stream, "close"))
             return _linger_then_reset  # not a reset at once: it would discard the reason unread
         try:

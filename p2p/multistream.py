@@ -71,9 +71,14 @@ class PeerRefused(MultistreamError):
             super().__init__(f"the peer refused the stream: {reason}")
 
 
+def refusal_message(reason: str) -> str:
+    """The message a listener answers a proposal with to refuse it, saying why."""
+    return REFUSED_PREFIX + reason[:MAX_REASON]
+
+
 def refusal(reason: str) -> bytes:
     """A listener's whole answer refusing a connection or stream: the header, then the reason."""
-    return encode(HEADER, REFUSED_PREFIX + reason[:MAX_REASON])
+    return encode(HEADER, refusal_message(reason))
 
 
 def encode(*messages: str) -> bytes:
@@ -248,35 +253,13 @@ class LazySelect:
 
     async def write(self, data: bytes) -> None:
         if self._preamble is None and not self._first.locked():
-            await self._write(data)
+            await self.inner.write(data)
             return
         async with self._first:
             if self._preamble is not None:
                 data, self._preamble = self._preamble + bytes(data), None
-            await self._write(data)
-
-    async def _write(self, data: bytes) -> None:
-        try:
             await self.inner.write(data)
-        except Exception as e:
-            refused = await self._answer_behind_failure()
-            if refused is not None:
-                raise refused from e
-            raise
 
-    async def _answer_behind_failure(self) -> MultistreamError | None:
-        """After a write failed: the peer's refusal, if it came first (its refusal and FIN, then a reset:
-        the reset fails the write, the reason is already here). Reads only what is buffered."""
-        if self._reply.done or self._answer.locked():
-            return None
-        with trio.move_on_after(0.05):
-            try:
-                await read_reply(self.inner, self._reply)
-            except PeerRefused as e:
-                return e
-            except Exception:
-                return None
-        return None
 
     async def read(self, n: int | None = None) -> bytes:
         await self._confirm()
@@ -309,7 +292,7 @@ class LazySelect:
             async with self._first:
                 if self._preamble is not None:
                     preamble, self._preamble = self._preamble, None
-                    await self._write(preamble)
+                    await self.inner.write(preamble)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
