@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import trio
@@ -67,6 +68,8 @@ class JsCell:
     late_by: float | None = None
     after_announce: float | None = None
     detail: str = ""
+    #: js's own timeline (addresses, connections), kept for a cell that failed
+    trace: str = ""
 
     @property
     def name(self) -> str:
@@ -99,15 +102,32 @@ async def latest_addrs(js: JsPeer, predicate: object, timeout: float) -> list[st
     return updates[-1] if updates else list(js.listening.get("addrs", []))
 
 
+def js_timeline(events: list[dict[str, Any]]) -> str:
+    """What js saw, briefly: its address changes and its connections, with its clock (s)."""
+    out = []
+    for e in events:
+        t = f"{e.get('t_ms', 0) / 1000:.1f}s"
+        if e.get("event") == "addrs":
+            out.append(f"{t} addrs {e['addrs']}")
+        elif e.get("event") in ("connection:open", "connection:close"):
+            out.append(f"{t} {e['event']} {str(e.get('peer_id'))[-6:]} {e.get('remote_addr')} "
+                       f"{e.get('direction', '')}{' limited' if e.get('limited') else ''}")
+        elif e.get("event") in ("error", "fatal"):
+            out.append(f"{t} {e}")
+    return "; ".join(out)
+
+
 async def run_cell(lab: Lab, relay_addr: str, index: int, cell: JsCell) -> None:
     js_host = await lab.peer(f"j{index}", cell.js, listen_port=PORT, delay_ms=50)
     our_host = await lab.peer(f"o{index}", cell.ours, listen_port=PORT, delay_ms=50)
     agent: Agent | None = None
+    js_events: list[dict[str, Any]] = []
     try:
         agent = await start_agent(our_host, relay_addr)
         async with open_js_peer(spawn=js_host.spawn, script=NATPEER_SCRIPT, start_timeout=60, default_timeout=40,
                                 argv=["--listen", f"/ip4/0.0.0.0/tcp/{PORT}", "--relay", relay_addr,
                                       "--lab-prefix", LAB_PREFIX]) as js:
+            js_events = js.events
             ours = await agent.ask("wait_mode", timeout=40)
             if cell.js_dials:
                 started = trio.current_time()
@@ -149,6 +169,8 @@ async def run_cell(lab: Lab, relay_addr: str, index: int, cell: JsCell) -> None:
                     cell.direct = waited["direct"]
                     if cell.direct:
                         cell.time_to_direct = connect["elapsed"] + waited["elapsed"]
+            if cell.direct != expect_direct(cell.js, cell.ours):
+                cell.trace = js_timeline(js_events)
             metrics = await agent.ask("metrics")
             cell.detail = (f"dedloc punch {metrics['punch_successes']}/{metrics['punch_attempts']}, "
                            f"retries {metrics['punch_retries']}")
@@ -156,6 +178,7 @@ async def run_cell(lab: Lab, relay_addr: str, index: int, cell: JsCell) -> None:
         while isinstance(e, ExceptionGroup) and len(e.exceptions) == 1:  # say what failed, not where
             e = e.exceptions[0]
         cell.detail += f" {type(e).__name__}: {e}"[:600]
+        cell.trace = js_timeline(js_events)
     finally:
         if agent is not None:
             await agent.stop()
@@ -188,6 +211,8 @@ async def test_js_libp2p_behind_each_nat_kind(js_nat_available: None) -> None:
               f"{c.first_path} | {result} | {'direct' if expect_direct(c.js, c.ours) else 'relayed'} |  {c.detail}")
     problems = []
     for c in cells:
+        if c.trace:
+            print(f"js's timeline in {c.name}: {c.trace}")
         if not c.connected:
             problems.append(f"{c.name}: not connected ({c.detail})")
         elif c.direct != expect_direct(c.js, c.ours):

@@ -62,18 +62,22 @@ class HolePunchConfig:
     #: change that it depends on (ours, or the peer's in the peer store): a peer often learns
     #: its public address after the relayed connection opened (its AutoNAT confirms it later,
     #: identify push tells us). At least ``retry_backoff`` seconds after the last try, doubling;
-    #: the addresses are looked at every ``retry_poll`` seconds.
+    #: the addresses are looked at every ``retry_poll`` seconds. Without any change it is tried
+    #: again after ``retry_idle`` seconds (doubling, within the same ``retries``): a round also
+    #: fails to what passes (SYNs lost twice, a peer too busy to dial in time), and a relayed
+    #: connection is slow and limited for as long as it lasts.
     retries: int = 4
     retry_backoff: float = 2.0
     retry_poll: float = 1.0
+    retry_idle: float = 30.0
 
     def validate(self) -> None:
         if self.attempts < 1:
             raise ConfigError("hole punch attempts must be at least 1")
         if self.dial_timeout <= 0 or self.grace < 0:
             raise ConfigError("hole punch timeouts must be positive")
-        if self.retries < 0 or self.retry_backoff < 0 or self.retry_poll <= 0:
-            raise ConfigError("hole punch retries must not be negative and retry_poll must be positive")
+        if self.retries < 0 or self.retry_backoff < 0 or self.retry_poll <= 0 or self.retry_idle <= 0:
+            raise ConfigError("hole punch retries must not be negative and retry_poll and retry_idle must be positive")
 
 
 class PunchMethod(StrEnum):
@@ -138,30 +142,34 @@ class HolePuncher:
     async def keep_upgrading(self, peer: ID, started: float, report: Callable[[PunchResult], None]) -> None:
         """:meth:`upgrade` the relayed connection to ``peer``; while it stays relayed, again
         (``config.retries`` times at most, backing off) whenever the addresses it depends on
-        change: ours, or the peer's public ones in the peer store. ``report`` hears every outcome."""
+        change (ours, or the peer's public ones in the peer store), or after ``retry_idle``
+        seconds without a change (doubling). ``report`` hears every outcome."""
         relayed = self._relayed_only(peer)
         if relayed is None:
             return
         seen = self._addresses(peer)
         result = await self.upgrade(peer, relayed, started)
         report(result)
-        delay = self.config.retry_backoff
+        delay, idle = self.config.retry_backoff, self.config.retry_idle
         for _ in range(self.config.retries):
             if result.conn is not None:
                 return
             earliest = trio.current_time() + delay
+            deadline = trio.current_time() + idle
             while True:
                 await trio.sleep(self.config.retry_poll)
                 relayed = self._relayed_only(peer)
                 if relayed is None:
                     return  # closed, or direct by other means
                 now = self._addresses(peer)
-                if now != seen and trio.current_time() >= earliest:
+                if (now != seen and trio.current_time() >= earliest) or trio.current_time() >= deadline:
                     break
+            why = "addresses changed" if now != seen else f"nothing changed in {idle:.0f} s"
             seen = now
             delay *= 2
+            idle *= 2
             self.stats.retries += 1
-            log.info("retrying the upgrade of the relayed connection to %s: addresses changed", peer)
+            log.info("retrying the upgrade of the relayed connection to %s: %s", peer, why)
             result = await self.upgrade(peer, relayed, started)
             report(result)
 

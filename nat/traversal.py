@@ -262,8 +262,12 @@ class NatService(SwarmObserver):
         self._protocols[peer] = set(info.protocols)
         if info.observed_addr is not None and not is_relayed(info.observed_addr):
             # Only a connection that left from our listen port shows how our NAT maps
-            # that port; an ephemeral-port dial would look like endpoint dependence.
-            if self.node.on_listen_port(peer):
+            # that port; an ephemeral-port dial would look like endpoint dependence. The
+            # connection the answer came over is the one observed: with two to one peer,
+            # one from the listen port and one not (a dial retry from a fresh port), asking
+            # whether any uses it read the other's mapping as endpoint dependence.
+            ports = {tcp_port(a) for a in self.node.listen_addrs}
+            if info.local_addr is not None and info.local_addr[1] in ports:
                 self._listen_views[peer] = info.observed_addr
                 mapping = classify_mapping(self._listen_views, self.node.addrs,
                                            {tcp_port(a) for a in self.node.listen_addrs}, self._public)

@@ -69,5 +69,8 @@ async def test_four_peers_behind_different_nats_train_together(tmp_path: Path) -
         assert steps[-1]["loss"] < steps[0]["loss"], (name, steps)  # the model learns
     modes = [e["mode"] for e in events["p4"] if e["event"] == "nat_mode"]
     assert modes and modes[-1] == "relayed", modes  # the symmetric NAT: through its relay slot only
+    punches = [(name, str(e["peer_id"])[-6:], e["method"], e["success"], e["attempts"], round(e["elapsed"], 2))
+               for name in kinds for e in events[name] if e["event"] == "hole_punch"]
+    print("hole punches (who led, to whom, how, worked, rounds, s):", punches)
     punched = [e for name in ("p2", "p3") for e in events[name] if e["event"] == "hole_punch" and e["success"]]
-    assert punched, {name: [e for e in events[name] if e["event"] == "hole_punch"] for name in ("p2", "p3")}
+    assert punched, punches
