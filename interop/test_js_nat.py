@@ -102,19 +102,25 @@ async def latest_addrs(js: JsPeer, predicate: object, timeout: float) -> list[st
     return updates[-1] if updates else list(js.listening.get("addrs", []))
 
 
-def js_timeline(events: list[dict[str, Any]]) -> str:
-    """What js saw, briefly: its address changes and its connections, with its clock (s)."""
+#: js-libp2p's own log of its relay reservations (stderr), for a cell that failed
+JS_DEBUG = "libp2p:circuit-relay:transport:*"
+
+
+def js_timeline(events: list[dict[str, Any]], js: JsPeer | None) -> str:
+    """What js saw, briefly: its address changes and its connections, with its clock (s),
+    and the end of its reservation log."""
     out = []
     for e in events:
         t = f"{e.get('t_ms', 0) / 1000:.1f}s"
-        if e.get("event") == "addrs":
+        if e.get("event") == "addrs" and e["addrs"]:
             out.append(f"{t} addrs {e['addrs']}")
         elif e.get("event") in ("connection:open", "connection:close"):
             out.append(f"{t} {e['event']} {str(e.get('peer_id'))[-6:]} {e.get('remote_addr')} "
                        f"{e.get('direction', '')}{' limited' if e.get('limited') else ''}")
         elif e.get("event") in ("error", "fatal"):
             out.append(f"{t} {e}")
-    return "; ".join(out)
+    log = js.stderr_tail.strip().splitlines()[-15:] if js is not None else []
+    return "; ".join(out) + ("\n  js's relay log:\n    " + "\n    ".join(log) if log else "")
 
 
 async def run_cell(lab: Lab, relay_addr: str, index: int, cell: JsCell) -> None:
@@ -122,12 +128,14 @@ async def run_cell(lab: Lab, relay_addr: str, index: int, cell: JsCell) -> None:
     our_host = await lab.peer(f"o{index}", cell.ours, listen_port=PORT, delay_ms=50)
     agent: Agent | None = None
     js_events: list[dict[str, Any]] = []
+    js_peer: JsPeer | None = None
     try:
         agent = await start_agent(our_host, relay_addr)
         async with open_js_peer(spawn=js_host.spawn, script=NATPEER_SCRIPT, start_timeout=60, default_timeout=40,
+                                env={"DEBUG": JS_DEBUG},
                                 argv=["--listen", f"/ip4/0.0.0.0/tcp/{PORT}", "--relay", relay_addr,
                                       "--lab-prefix", LAB_PREFIX]) as js:
-            js_events = js.events
+            js_events, js_peer = js.events, js
             ours = await agent.ask("wait_mode", timeout=40)
             if cell.js_dials:
                 started = trio.current_time()
@@ -170,7 +178,7 @@ async def run_cell(lab: Lab, relay_addr: str, index: int, cell: JsCell) -> None:
                     if cell.direct:
                         cell.time_to_direct = connect["elapsed"] + waited["elapsed"]
             if cell.direct != expect_direct(cell.js, cell.ours):
-                cell.trace = js_timeline(js_events)
+                cell.trace = js_timeline(js_events, js_peer)
             metrics = await agent.ask("metrics")
             cell.detail = (f"dedloc punch {metrics['punch_successes']}/{metrics['punch_attempts']}, "
                            f"retries {metrics['punch_retries']}")
@@ -178,7 +186,7 @@ async def run_cell(lab: Lab, relay_addr: str, index: int, cell: JsCell) -> None:
         while isinstance(e, ExceptionGroup) and len(e.exceptions) == 1:  # say what failed, not where
             e = e.exceptions[0]
         cell.detail += f" {type(e).__name__}: {e}"[:600]
-        cell.trace = js_timeline(js_events)
+        cell.trace = js_timeline(js_events, js_peer)
     finally:
         if agent is not None:
             await agent.stop()
