@@ -15,7 +15,8 @@ LAN address. Only public addresses are exchanged and dialed here (private
 ones too when ``allow_private`` is set, for LAN swarms and tests).
 
 Once the direct connection answers a ping, the relayed one is closed after a
-short grace period, so traffic moves to the direct path.
+short grace period and once the streams on it ended, so traffic moves to the
+direct path and none under way is cut.
 """
 
 from __future__ import annotations
@@ -55,8 +56,12 @@ class HolePunchConfig:
     attempts: int = 3
     #: Time for one dial of one address while punching.
     dial_timeout: float = 5.0
-    #: Time the relayed connection stays open after the direct one works.
+    #: Time the relayed connection stays open after the direct one works; then it is closed
+    #: once the streams still on it ended (new ones go direct: the swarm prefers a direct
+    #: connection), ``drain`` seconds at most, so a request or an averaging round under way
+    #: when the punch succeeded is not cut.
     grace: float = 2.0
+    drain: float = 60.0
     allow_private: bool = False
     #: An upgrade that failed is tried again, at most ``retries`` times, when the addresses
     #: change that it depends on (ours, or the peer's in the peer store): a peer often learns
@@ -74,7 +79,7 @@ class HolePunchConfig:
     def validate(self) -> None:
         if self.attempts < 1:
             raise ConfigError("hole punch attempts must be at least 1")
-        if self.dial_timeout <= 0 or self.grace < 0:
+        if self.dial_timeout <= 0 or self.grace < 0 or self.drain < 0:
             raise ConfigError("hole punch timeouts must be positive")
         if self.retries < 0 or self.retry_backoff < 0 or self.retry_poll <= 0 or self.retry_idle <= 0:
             raise ConfigError("hole punch retries must not be negative and retry_poll and retry_idle must be positive")
@@ -351,4 +356,7 @@ class HolePuncher:
 
     async def _retire(self, relayed: INetConn) -> None:
         await trio.sleep(self.config.grace)
+        with trio.move_on_after(self.config.drain):
+            while relayed.get_streams() and not relayed.is_closed:
+                await trio.sleep(0.25)
         await finish_quietly(relayed.close)

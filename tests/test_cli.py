@@ -28,6 +28,20 @@ def run(*args: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProces
     return subprocess.run([*DEDLOC, *args], capture_output=True, text=True, timeout=timeout, **kwargs)
 
 
+def run_here(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """``dedloc *args`` in this process: its exit code and stderr. For refusals of bad options,
+    which come before any peer starts: a process of its own costs 4 s (torch's import) for each;
+    ``run`` checks the entry point itself."""
+    from training.cli import main
+
+    capsys.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as e:  # argparse's own refusals
+        code = e.code if isinstance(e.code, int) else 1
+    return code, capsys.readouterr().err
+
+
 def test_help_names_every_command():
     result = run("--help")
     assert result.returncode == 0
@@ -225,36 +239,36 @@ def test_demo_as_root_runs_the_swarm_behind_namespace_nats():
     assert "Traceback" not in result.stderr
 
 
-def test_train_refuses_bad_options_before_starting_a_peer(tmp_path: Path) -> None:
-    result = run("train", "--initial-peers", DOWN, "--batch-size", "0", "--ephemeral")
-    assert result.returncode == 1 and "--batch-size must be positive" in result.stderr
-    result = run("train", "--initial-peers", DOWN, "--target-batch-size", "0", "--ephemeral")
-    assert result.returncode == 1 and "target_batch_size must be positive" in result.stderr
-    result = run("train", "--initial-peers", DOWN, "--data", str(tmp_path / "missing.txt"), "--ephemeral")
-    assert result.returncode == 1 and "no such file" in result.stderr
+def test_train_refuses_bad_options_before_starting_a_peer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = run_here(capsys, "train", "--initial-peers", DOWN, "--batch-size", "0", "--ephemeral")
+    assert code == 1 and "--batch-size must be positive" in err
+    code, err = run_here(capsys, "train", "--initial-peers", DOWN, "--target-batch-size", "0", "--ephemeral")
+    assert code == 1 and "target_batch_size must be positive" in err
+    code, err = run_here(capsys, "train", "--initial-peers", DOWN, "--data", str(tmp_path / "missing.txt"), "--ephemeral")
+    assert code == 1 and "no such file" in err
     (tmp_path / "x.csv").write_text("a,b\n")
-    result = run("train", "--initial-peers", DOWN, "--data", str(tmp_path / "x.csv"), "--ephemeral")
-    assert result.returncode == 1 and "unknown shard format" in result.stderr
+    code, err = run_here(capsys, "train", "--initial-peers", DOWN, "--data", str(tmp_path / "x.csv"), "--ephemeral")
+    assert code == 1 and "unknown shard format" in err
     import torch
 
     if not torch.cuda.is_available():
-        result = run("train", "--initial-peers", DOWN, "--device", "cuda", "--ephemeral")
-        assert result.returncode == 1 and "sees no CUDA device" in result.stderr
-    result = run("train", "--initial-peers", DOWN, "--device", "abacus", "--ephemeral")
-    assert result.returncode == 1 and "--device abacus" in result.stderr
-    result = run("backbone", "--checkpoint-every", "0", "--ephemeral")
-    assert result.returncode == 1 and "--checkpoint-every must be positive" in result.stderr
+        code, err = run_here(capsys, "train", "--initial-peers", DOWN, "--device", "cuda", "--ephemeral")
+        assert code == 1 and "sees no CUDA device" in err
+    code, err = run_here(capsys, "train", "--initial-peers", DOWN, "--device", "abacus", "--ephemeral")
+    assert code == 1 and "--device abacus" in err
+    code, err = run_here(capsys, "backbone", "--checkpoint-every", "0", "--ephemeral")
+    assert code == 1 and "--checkpoint-every must be positive" in err
 
 
-def test_average_refuses_bad_options_before_starting_a_peer():
-    result = run("average", "--initial-peers", DOWN, "--min-size", "5", "--group-size", "2", "--ephemeral")
-    assert result.returncode == 1 and "min_size <= target_size" in result.stderr
-    result = run("average", "--initial-peers", DOWN, "--size", "0", "--ephemeral")
-    assert result.returncode == 1 and "--size must be positive" in result.stderr
-    result = run("peer", "--initial-peers", DOWN, "--client", "--no-listen", "--ephemeral")
-    assert result.returncode == 1 and "--client contradicts --no-listen" in result.stderr
-    result = run("peer", "--initial-peers", DOWN, "--no-listen", "--listen", "/ip4/127.0.0.1/tcp/0", "--ephemeral")
-    assert result.returncode == 1 and "contradict each other" in result.stderr
+def test_average_refuses_bad_options_before_starting_a_peer(capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = run_here(capsys, "average", "--initial-peers", DOWN, "--min-size", "5", "--group-size", "2", "--ephemeral")
+    assert code == 1 and "min_size <= target_size" in err
+    code, err = run_here(capsys, "average", "--initial-peers", DOWN, "--size", "0", "--ephemeral")
+    assert code == 1 and "--size must be positive" in err
+    code, err = run_here(capsys, "peer", "--initial-peers", DOWN, "--client", "--no-listen", "--ephemeral")
+    assert code == 1 and "--client contradicts --no-listen" in err
+    code, err = run_here(capsys, "peer", "--initial-peers", DOWN, "--no-listen", "--listen", "/ip4/127.0.0.1/tcp/0", "--ephemeral")
+    assert code == 1 and "contradict each other" in err
 
 
 DOWN = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWD7w9XoYTBGTFwXAiNNnuxDAU68CEkFQQRQYd88ecAFCb"
@@ -267,10 +281,10 @@ def test_ping_to_a_peer_that_is_down_says_the_dial_failed():
     assert "cannot listen" not in result.stderr  # the listen worked; the dial did not
 
 
-def test_dht_store_refuses_a_ttl_that_is_not_positive():
+def test_dht_store_refuses_a_ttl_that_is_not_positive(capsys: pytest.CaptureFixture[str]) -> None:
     for ttl in ("-5", "0", "nan"):
-        result = run("dht", "store", "k", "v", "--ttl", ttl, "--initial-peers", DOWN)
-        assert result.returncode == 2 and "--ttl: must be a positive number of seconds" in result.stderr
+        code, err = run_here(capsys, "dht", "store", "k", "v", "--ttl", ttl, "--initial-peers", DOWN)
+        assert code == 2 and "--ttl: must be a positive number of seconds" in err
 
 
 @pytest.mark.slow

@@ -33,6 +33,7 @@ from p2p.dialer import dial_simultaneous
 from p2p.errors import DialError
 from p2p.resources import Rate
 from p2p.rpc.framing import encode_varint
+from p2p.trio_util import finish_quietly
 
 from .conftest import open_nodes
 from .kit import wait_until
@@ -115,6 +116,49 @@ async def test_upgrade_gives_a_direct_connection_and_retires_the_relayed_one():
             and [is_relayed_conn(c) for c in b.node.network.get_connections(a.node.peer_id)] == [False]
         )
         assert await a.node.ping(b.node.peer_id) > 0
+
+
+async def test_a_stream_on_the_relayed_connection_outlives_the_upgrade():
+    """An averaging round or a request under way on the relayed connection when the punch
+    succeeds is not cut: the relayed connection is retired once its streams ended (after the
+    grace period), and after ``drain`` seconds at most."""
+    async with relayed_pair(allow_private=True) as (a, b):
+
+        async def echo(stream: INetStream) -> None:
+            while data := await stream.read(1024):
+                await stream.write(data)
+            await stream.close()
+
+        a.node.set_stream_handler("/test/echo/1", echo)
+        await b.node.identify(a.node.peer_id)
+        stream = await b.node.new_stream_on(b.relayed, "/test/echo/1")
+        await stream.write(b"before")
+        assert await stream.read(6) == b"before"
+        assert (await b.puncher.upgrade(a.node.peer_id, b.relayed)).conn is not None
+        await trio.sleep(0.5)  # ten times the grace period
+        assert not b.relayed.is_closed and not a.relayed.is_closed
+        await stream.write(b"after")
+        assert await stream.read(5) == b"after"  # still through the relay
+        await stream.close()
+        await wait_until(lambda: b.relayed.is_closed and a.relayed.is_closed)
+
+
+async def test_a_stream_left_open_keeps_the_relayed_connection_only_for_drain():
+    """A stream nobody ends does not keep the relayed connection past ``drain``."""
+    async with relayed_pair(allow_private=True) as (a, b):
+
+        async def hold(stream: INetStream) -> None:
+            await trio.sleep_forever()
+
+        a.node.set_stream_handler("/test/hold/1", hold)
+        b.puncher.config.drain = 0.5
+        await b.node.identify(a.node.peer_id)
+        stream = await b.node.new_stream_on(b.relayed, "/test/hold/1", lazy=False)
+        started = trio.current_time()
+        assert (await b.puncher.upgrade(a.node.peer_id, b.relayed)).conn is not None
+        await wait_until(lambda: b.relayed.is_closed, 10)
+        assert trio.current_time() - started >= 0.5
+        await finish_quietly(stream.reset)
 
 
 async def test_private_addresses_are_not_dialed_without_allow_private():

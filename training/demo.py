@@ -260,6 +260,7 @@ async def _run_demo(where: _Network, *, peers: int, duration: float, out: Any, t
     rounds_ok: Counter[str] = Counter()
     whole_swarm: set[str] = set()
     wrong: list[str] = []
+    stopping: set[str] = set()  # averaging peers the demo is stopping: the rounds they cut are no fault
     meshed, averaged = trio.Event(), trio.Event()
 
     def mesh_complete() -> bool:
@@ -281,7 +282,10 @@ async def _run_demo(where: _Network, *, peers: int, duration: float, out: Any, t
                 f"(share {event['fraction']:.0%}), {event['bytes_sent'] / 1e6:.1f} MB out in {event['elapsed']:.2f} s: "
                 f"{event['value']:g} -> {event['mean']:.4f}")
         if not event["complete"]:
-            say(line + f"  PARTIAL, reported: {event['summary']}")
+            if member.name in stopping or any(names.get(p) in stopping for p in event["members"]):
+                say(line + "  cut short: the demo is stopping the averaging peers")
+            else:
+                say(line + f"  PARTIAL, reported: {event['summary']}")
             return
         if exact is None:
             say(line)
@@ -365,11 +369,13 @@ async def _run_demo(where: _Network, *, peers: int, duration: float, out: Any, t
 
     async def training_phase() -> bool:
         """Stop the averaging peers; train the example model with as many train peers for train_time."""
-        for member in list(members.values()):
-            if member.name.startswith("peer-"):
-                _stop(member.process)
-                with trio.move_on_after(10):
-                    await member.process.wait()
+        averagers = [m for m in members.values() if m.name.startswith("peer-")]
+        stopping.update(m.name for m in averagers)  # before any stops: a round it cuts is no fault
+        for member in averagers:
+            _stop(member.process)
+        with trio.move_on_after(10):
+            for member in averagers:
+                await member.process.wait()
         workdir = Path(tempfile.mkdtemp(prefix="dedloc-demo-"))
         from .mlm import prepare
 
