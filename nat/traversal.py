@@ -212,7 +212,7 @@ class NatService(SwarmObserver):
     def _candidates(self) -> list[Multiaddr]:
         """Addresses others might reach us at: public interfaces, what observers saw, port mappings."""
         out: list[Multiaddr] = []
-        ports = {p for a in self.node.listen_addrs if (p := tcp_port(a)) is not None}
+        ports = self.node.listen_ports
 
         def add(addr: Multiaddr) -> None:
             addr = without_peer_id(addr)
@@ -266,11 +266,10 @@ class NatService(SwarmObserver):
             # connection the answer came over is the one observed: with two to one peer,
             # one from the listen port and one not (a dial retry from a fresh port), asking
             # whether any uses it read the other's mapping as endpoint dependence.
-            ports = {tcp_port(a) for a in self.node.listen_addrs}
+            ports = self.node.listen_ports
             if info.local_addr is not None and info.local_addr[1] in ports:
                 self._listen_views[peer] = info.observed_addr
-                mapping = classify_mapping(self._listen_views, self.node.addrs,
-                                           {tcp_port(a) for a in self.node.listen_addrs}, self._public)
+                mapping = classify_mapping(self._listen_views, self.node.addrs, ports, self._public)
                 if mapping is not None:
                     self.mapping = mapping
         self._notify()

@@ -260,7 +260,6 @@ class LazySelect:
                 data, self._preamble = self._preamble + bytes(data), None
             await self.inner.write(data)
 
-
     async def read(self, n: int | None = None) -> bytes:
         await self._confirm()
         return bytes(await self.inner.read(n))

@@ -187,6 +187,12 @@ class Node:
         """The sockets this node listens on (unspecified IPs not expanded)."""
         return list(self.host.get_transport_addrs())
 
+    @property
+    def listen_ports(self) -> set[int]:
+        """The TCP ports of :attr:`listen_addrs`: a connection that uses one on our side shows
+        observers our NAT's mapping of the port others must reach."""
+        return {p for a in self.listen_addrs if (p := tcp_port(a)) is not None}
+
     def on_listen_port(self, peer_id: ID) -> bool:
         """Whether a live direct connection to ``peer_id`` uses our listen port on our side.
 
@@ -194,7 +200,7 @@ class Node:
         must reach (we dialed from it, or it came in through it); a connection from
         an ephemeral port shows only that port's mapping.
         """
-        ports = {p for a in self.listen_addrs if (p := tcp_port(a)) is not None}
+        ports = self.listen_ports
         for conn in self.network.get_connections(peer_id):
             session = getattr(conn.muxed_conn, "secured_conn", None)
             local = session.local_address() if isinstance(session, NoiseSession) else None
