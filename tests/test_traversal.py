@@ -90,6 +90,9 @@ async def test_peer_behind_a_relay_reserves_advertises_and_is_reachable_by_id():
         b, b_nat, b_seen = await stack.enter_async_context(nat_node())
         await b.connect(relay.addrs[0])
         await wait_until(lambda: circuit_addrs(b))
+        # events reach a subscriber through its channel, a moment after the state they report
+        await wait_until(lambda: of_type(b_seen, nev.RelayReserved)
+                         and any(e.mode == "relayed" for e in of_type(b_seen, nev.ModeChanged)))
         (reserved,) = of_type(b_seen, nev.RelayReserved)
         assert reserved.relay == str(relay.peer_id) and reserved.expire > 0
         (circuit,) = circuit_addrs(b)
