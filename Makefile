@@ -7,19 +7,35 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 APT_PACKAGES := nftables iproute2 miniupnpd-nftables
 
-.PHONY: all venv system-deps interop-deps demo test test-fast bench bench-dht bench-training proto typecheck clean
+.PHONY: all venv lock lock-upgrade lock-check system-deps interop-deps demo test test-fast bench bench-dht bench-training proto typecheck clean
 
 all: test
 
-$(STAMP): pyproject.toml
+# Exact versions with their hashes from requirements/dev.txt (make lock writes it from
+# pyproject.toml); then the project itself, editable, with nothing more resolved.
+$(STAMP): pyproject.toml requirements/dev.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	# torch first and pinned: the CPU build on local disk; an unpinned one pulls GBs.
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev,train]'
+	# torch inside the lock is the CPU build on local disk (pip's find-links); PyPI's is GBs of CUDA.
+	$(PIP) install -q --require-hashes --no-deps -r requirements/dev.txt
+	$(PIP) install -q --no-deps --no-build-isolation -e .
+	$(PIP) check
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+## Rewrite requirements/*.txt from pyproject.toml and requirements/*.in (moving only what an edit needs).
+lock:
+	@test -x $(VENV)/bin/uv || { $(PYTHON) -m venv $(VENV) && $(PIP) install -q uv==0.13.9; }
+	bash requirements/lock.sh
+
+## The same, taking the newest release of everything pyproject.toml allows.
+lock-upgrade:
+	@test -x $(VENV)/bin/uv || { $(PYTHON) -m venv $(VENV) && $(PIP) install -q uv==0.13.9; }
+	bash requirements/lock.sh --upgrade
+
+## Fails when pyproject.toml and the lock files disagree (CI runs it first).
+lock-check: venv
+	bash requirements/lock.sh --check
 
 # Network namespaces and nftables for the NAT testbed; skipped when not root.
 system-deps:
@@ -39,7 +55,7 @@ demo: venv
 	$(VENV)/bin/dedloc demo
 
 ## The whole suite, as CI runs it.
-test: venv system-deps interop-deps
+test: venv lock-check system-deps interop-deps
 	$(PY) -m pytest -q -p no:cacheprovider --durations=20
 
 test-fast: venv
@@ -69,4 +85,4 @@ typecheck: venv
 	$(PY) -m mypy p2p nat averaging training
 
 clean:
-	rm -rf $(VENV) interop/node_modules interop/.node .pytest_cache .mypy_cache
+	rm -rf $(VENV) .venv-hivemind interop/node_modules interop/.node .pytest_cache .mypy_cache

@@ -2,14 +2,13 @@
 # Create .venv-hivemind: a separate Python 3.11 venv holding hivemind for the
 # DHT comparison benchmark (bench/dht.py). It is kept apart from .venv because
 # hivemind pins protobuf/pydantic versions that conflict with the project's.
-# Idempotent: a stamp file records the pinned versions that were installed.
+# Idempotent: a stamp file records the lock it was installed from; a new lock rebuilds it.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 VENV=.venv-hivemind
-TORCH_VERSION=2.13.0
-HIVEMIND_VERSION=1.1.12
-STAMP="$VENV/.installed-torch-$TORCH_VERSION-hivemind-$HIVEMIND_VERSION"
+LOCK=requirements/hivemind.txt  # hivemind 1.1.12 and torch 2.13.0 (CPU), exact versions with hashes (make lock)
+STAMP="$VENV/.installed-$(sha256sum "$LOCK" | cut -c1-16)"
 
 if [[ -f "$STAMP" ]]; then
     echo "setup_hivemind: $VENV already set up ($STAMP)"
@@ -22,11 +21,11 @@ if ! command -v "$PY" >/dev/null 2>&1; then
     exit 1
 fi
 
-[[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
-"$VENV/bin/python" -m pip install --quiet --upgrade pip
-# torch first and pinned, so hivemind's "torch>=..." never pulls another build.
-"$VENV/bin/python" -m pip install --quiet "torch==$TORCH_VERSION"
-"$VENV/bin/python" -m pip install --quiet "hivemind==$HIVEMIND_VERSION" "torch==$TORCH_VERSION"
+rm -rf "$VENV"
+"$PY" -m venv "$VENV"
+# torch in the lock is the CPU build on local disk (pip's find-links), never PyPI's CUDA one.
+"$VENV/bin/python" -m pip install --quiet --require-hashes --no-deps -r "$LOCK"
+"$VENV/bin/python" -m pip check
 
 # Sanity checks: hivemind imports and its bundled p2pd binary runs.
 "$VENV/bin/python" - <<'PY'

@@ -43,6 +43,32 @@ async def wait_until(predicate: Callable[[], T], timeout: float = 20.0, *, inter
     raise trio.TooSlowError(f"timed out after {timeout:g} s waiting for {what or 'the condition'}")
 
 
+def record_events(node: Any) -> list[Any]:
+    """Every event ``node`` emits from now on, appended as it is emitted.
+
+    A subscriber's channel (:meth:`p2p.Node.events`) hands an event over a moment after the
+    state change it reports, so a test that waited for the state and then read the channel's
+    events could miss the last one on a loaded machine; this list is never behind the state.
+    """
+    seen: list[Any] = []
+    emit = node.emit
+
+    def recording(event: Any) -> None:
+        seen.append(event)
+        emit(event)
+
+    node.emit = recording
+    return seen
+
+
+def without_auto_identify(node: Any) -> None:
+    """Stop py-libp2p's host from identifying peers by itself (it does on every new connection,
+    in a task of its own): a test that needs the state before identify (a peer's addresses
+    not yet known) calls :meth:`p2p.Node.identify` when it wants them known, instead of
+    racing that task, which on a fast machine told them before the test looked."""
+    node.host._schedule_identify = lambda *args, **kwargs: None
+
+
 class Readable(Protocol):
     async def read(self, n: int | None = None) -> bytes: ...
 

@@ -36,7 +36,7 @@ from p2p.rpc.framing import encode_varint
 from p2p.trio_util import finish_quietly
 
 from .conftest import open_nodes
-from .kit import wait_until
+from .kit import wait_until, without_auto_identify
 
 PUBLIC = [Multiaddr(f"/ip4/1.2.{i // 200}.{i % 200 + 1}/tcp/{4001 + i}") for i in range(40)]
 
@@ -60,7 +60,11 @@ class Side:
 
 @asynccontextmanager
 async def relayed_pair(*, allow_private: bool = False, install_a: bool = True) -> AsyncIterator[tuple[Side, Side]]:
-    """A dialed B through a relay: B got the relayed connection inbound, so B leads DCUtR."""
+    """A dialed B through a relay: B got the relayed connection inbound, so B leads DCUtR.
+
+    B knows none of A's addresses when this yields: py-libp2p's own identify of the relayed
+    connection is off on B (:func:`tests.kit.without_auto_identify`); a test that wants them
+    known calls ``b.node.identify``."""
     async with open_nodes(3) as (relay, a, b), trio.open_nursery() as nursery:
         RelayService(relay).install()
         config = HolePunchConfig(allow_private=allow_private, grace=0.05, attempts=2, dial_timeout=5)
@@ -76,6 +80,7 @@ async def relayed_pair(*, allow_private: bool = False, install_a: bool = True) -
             side_a.puncher.install(nursery)
         side_b.puncher.install(nursery)
         await clients[1].reserve(relay.peer_id)
+        without_auto_identify(b)
         side_a.relayed = await clients[0].dial(Multiaddr(f"{relay.addrs[0]}/p2p-circuit"), b.peer_id)
         with trio.fail_after(10):
             while not b.network.get_connections(a.peer_id):
@@ -361,19 +366,26 @@ async def test_reversal_dials_few_of_hundreds_of_advertised_addresses():
 
 
 async def test_an_upgrade_without_addresses_is_tried_again_when_they_arrive():
-    """The peer's addresses arrive after the relayed connection opened (here py-libp2p's own
-    identify of the new connection; js-libp2p announces its address only once its AutoNAT
+    """The peer's addresses arrive after the relayed connection opened (here an identify once
+    the first upgrade failed; js-libp2p announces its address only once its AutoNAT
     confirmed it, then pushes identify): the first upgrade has nothing to dial and fails; the
     change in the peer store brings a retry, which goes direct. Retries are counted."""
     async with relayed_pair(allow_private=True) as (a, b):
         b.puncher.config.retry_backoff, b.puncher.config.retry_poll = 0.2, 0.05
         peer = a.node.peer_id
         # a offers nothing in DCUtR (it does not know its address yet) and b knows none of a's:
-        # the first try can dial nothing; no checkpoint between this look and that try
+        # the first try can dial nothing
         assert not a.offer and not [x for x in b.node.known_addrs(peer) if reachable_tcp(x, allow_private=True)]
         results: list[PunchResult] = []
+
+        async def addresses_arrive() -> None:
+            await wait_until(lambda: results)
+            await b.node.identify(peer)
+
         with trio.fail_after(30):
-            await b.puncher.keep_upgrading(peer, trio.current_time(), results.append)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(addresses_arrive)
+                await b.puncher.keep_upgrading(peer, trio.current_time(), results.append)
         assert [r.conn is None for r in results] == [True, False]  # nothing to dial at first; then direct
         assert not is_relayed_conn(results[1].conn)  # type: ignore[arg-type]
         assert b.puncher.stats.retries == 1 and b.puncher.metrics()["punch_retries"] == 1

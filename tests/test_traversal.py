@@ -28,7 +28,7 @@ from p2p.node import MAX_LISTEN_ADDRS
 from p2p.rpc.framing import encode_varint
 
 from .conftest import loopback_config
-from .kit import wait_until
+from .kit import record_events, wait_until
 
 FUNNEL = {
     "mode",
@@ -58,19 +58,16 @@ def nat_config(**overrides: Any) -> NatConfig:
 @asynccontextmanager
 async def nat_node(config: NatConfig | None = None, *,
                    listen: list[str] | None = None) -> AsyncIterator[tuple[Node, NatService, list[ev.Event]]]:
-    """A node with the NAT layer, and the events it emitted (recorded from the start)."""
+    """A node with the NAT layer, and the events it emitted (recorded from the start).
+
+    Recorded as they are emitted (:func:`tests.kit.record_events`), not read from a channel: a
+    test that saw a state change reads its event at once (a channel delivers it a moment
+    later, and a loaded machine made such reads fail).
+    """
     async with Node.open(loopback_config() if listen is None else loopback_config(listen=listen)) as node:
-        seen: list[ev.Event] = []
-        async with node.events() as events, trio.open_nursery() as nursery:
-
-            async def record() -> None:
-                async for event in events:
-                    seen.append(event)
-
-            nursery.start_soon(record)
-            async with NatService.attach(node, config or nat_config()) as nat:
-                yield node, nat, seen
-            nursery.cancel_scope.cancel()
+        seen = record_events(node)
+        async with NatService.attach(node, config or nat_config()) as nat:
+            yield node, nat, seen
 
 
 def of_type(seen: list[ev.Event], kind: type) -> list[Any]:
@@ -90,7 +87,7 @@ async def test_peer_behind_a_relay_reserves_advertises_and_is_reachable_by_id():
         b, b_nat, b_seen = await stack.enter_async_context(nat_node())
         await b.connect(relay.addrs[0])
         await wait_until(lambda: circuit_addrs(b))
-        # events reach a subscriber through its channel, a moment after the state they report
+        # the circuit address comes with the reservation, the event and the mode a moment after it
         await wait_until(lambda: of_type(b_seen, nev.RelayReserved)
                          and any(e.mode == "relayed" for e in of_type(b_seen, nev.ModeChanged)))
         (reserved,) = of_type(b_seen, nev.RelayReserved)
