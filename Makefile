@@ -11,31 +11,31 @@ APT_PACKAGES := nftables iproute2 miniupnpd-nftables
 
 all: test
 
-# Exact versions with their hashes from requirements/dev.txt (make lock writes it from
+# Exact versions with their hashes from requirements-dev.lock (make lock writes it from
 # pyproject.toml); then the project itself, editable, with nothing more resolved.
-$(STAMP): pyproject.toml requirements/dev.txt
+$(STAMP): pyproject.toml requirements-dev.lock
 	$(PYTHON) -m venv $(VENV)
 	# torch inside the lock is the CPU build on local disk (pip's find-links); PyPI's is GBs of CUDA.
-	$(PIP) install -q --require-hashes --no-deps -r requirements/dev.txt
+	$(PIP) install -q --require-hashes --no-deps -r requirements-dev.lock
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	$(PIP) check
 	touch $(STAMP)
 
 venv: $(STAMP)
 
-## Rewrite requirements/*.txt from pyproject.toml and requirements/*.in (moving only what an edit needs).
+## Rewrite requirements*.lock and bench/hivemind.lock from pyproject.toml and bench/hivemind.in (moving only what an edit needs).
 lock:
 	@test -x $(VENV)/bin/uv || { $(PYTHON) -m venv $(VENV) && $(PIP) install -q uv==0.13.9; }
-	bash requirements/lock.sh
+	bash .ci/lock
 
 ## The same, taking the newest release of everything pyproject.toml allows.
 lock-upgrade:
 	@test -x $(VENV)/bin/uv || { $(PYTHON) -m venv $(VENV) && $(PIP) install -q uv==0.13.9; }
-	bash requirements/lock.sh --upgrade
+	bash .ci/lock --upgrade
 
 ## Fails when pyproject.toml and the lock files disagree (CI runs it first).
 lock-check: venv
-	bash requirements/lock.sh --check
+	bash .ci/lock --check
 
 # Network namespaces and nftables for the NAT testbed; skipped when not root.
 system-deps:

@@ -26,6 +26,11 @@ for a moment, a leader that learns of a better one hands its followers over
 refuses streams from anyone else. A client-mode peer never leads; if nobody
 that accepts joins is there, matchmaking ends with a clear error at the
 deadline. The caller's tensors are never touched here.
+
+The rules are a state table, :mod:`averaging.formation` (pure: looking, leading,
+following, fixed; time passed in). :class:`Matchmaker` is its shell: it
+declares, reads the DHT, calls leaders, serves ``avg.join`` and waits, as the
+table's actions say.
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ from p2p.errors import DedlocError
 from p2p.rpc import CallContext, PeerDisconnectedError
 
 from .errors import AllreduceProtocolError, MatchmakingError
+from .formation import (Accept, Action, Admit, AskToJoin, AwaitJoins, Defer, Done, Fail, Fix, Formation,
+                        FormationRules, HandOver, JoinAnswer, Joined, JoinOutcome, Phase, Read, Redirect, Redirected,
+                        Refused, Reject, Sleep, Unreachable, answer_admitted, leader_rank)
 from .group import Group, Member
 from .proto import averaging_pb2 as pb
 
@@ -73,19 +81,6 @@ class MatchmakingConfig:
             raise ValueError("matchmaking times must be positive")
 
 
-def leader_rank(member: Member) -> tuple[int, bytes]:
-    """Lower leads: peers that reduce and are directly reachable, then the other directly
-    reachable ones, then relayed ones; then by peer id.
-
-    A peer's role says what its addresses cannot: a peer behind a NAT also lists its LAN
-    address, so "not only relayed addresses" let a symmetric-NAT peer (a sender, reached only
-    through a relay) lead whenever its id sorted first, and every join went through the relay.
-    """
-    relayed_only = all("p2p-circuit" in str(a) for a in member.addrs)
-    tier = 2 if relayed_only else 0 if member.role.reduces else 1
-    return (tier, member.peer_id.to_bytes())
-
-
 #: How long a leader that fixed its group waits for its followers' join calls to be answered.
 ANSWER_WAIT = 0.2
 #: Then how long it lets the RPC layer write those answers before its own CPU-bound start.
@@ -93,10 +88,10 @@ ANSWER_FLUSH = 0.005
 
 
 class _Lead:
-    """What this peer holds while it leads: the followers waiting in ``avg.join``."""
+    """One stretch of leading, as the shell sees it: the followers waiting in ``avg.join`` and how
+    the lead closed (its group, or the leader the followers were handed over to)."""
 
     def __init__(self) -> None:
-        self.followers: dict[ID, Member] = {}
         self.changed = trio.Event()
         self.closed = trio.Event()
         self.group: Group | None = None
@@ -108,6 +103,11 @@ class _Lead:
     def poke(self) -> None:
         self.changed.set()
         self.changed = trio.Event()
+
+    def close(self, group: Group | None, redirect: ID | None) -> None:
+        if not self.closed.is_set():
+            self.group, self.redirect = group, redirect
+            self.closed.set()
 
 
 class Matchmaker:
@@ -123,11 +123,10 @@ class Matchmaker:
         self.key = f"{prefix}.matchmaking"
         self._key = self.key  # the key of the formation under way (a Moshpit cell's, or the run's)
         self._declared: tuple[str, float] | None = None  # the key and expiration of our last declaration
-        self._me: Member | None = None
+        #: the formation under way (None between rounds), and the lead while it leads
+        self._formation: Formation | None = None
         self._lead: _Lead | None = None
-        self._following: ID | None = None
-        self._moved = trio.Event()  # set (and replaced) whenever we start or stop leading or following
-        self._target = config.target_size  # this formation's target (form_group may lower it)
+        self._moved = trio.Event()  # set (and replaced) whenever the formation changes phase
         #: peers we could not reach, with the expiration of the declaration they had then: skipped until
         #: they declare anew. A killed leader's declaration outlives it; retried every second, it drew
         #: its would-be followers (and leaders handing theirs over) back to it until the deadline.
@@ -152,63 +151,69 @@ class Matchmaker:
         is fixed at once, without waiting out ``gather_time`` (clamped to
         ``min_size..target_size``).
         """
-        self._target = self.config.target_size if expected is None else \
+        target = self.config.target_size if expected is None else \
             max(self.config.min_size, min(self.config.target_size, expected))
         deadline = trio.current_time() + self.config.timeout
         key = self._key = f"{self.key}.{cell}" if cell else self.key
         declared = Member(me.peer_id, me.addrs, me.role, me.schema, me.upload, me.download, me.compute,
                           me.accepts_joins, self.clock() + self.config.timeout + 5.0)
-        self._me = declared
         self._declared = (key, declared.expiration)
         dht = self.peer.dht
         await dht.store(key, declared.to_wire().SerializeToString(), declared.expiration,
                         subkey=owned("member", me.peer_id), timeout=min(10.0, self.config.timeout))
-        # Leaders that turned us away, and until when we skip them: a peer that
-        # was not leading a moment ago may lead now, so refusals expire.
-        refused: dict[ID, float] = {}
-        last_seen, reducers_seen = 0, False
+        rules = FormationRules(target, self.config.min_size, self.config.gather_time, self.config.poll_interval)
+        formation = self._formation = Formation(declared, rules, deadline, self._unreachable)
         try:
-            while trio.current_time() < deadline:
-                candidates = await self._candidates(deadline)
-                last_seen = len(candidates)
-                reducers_seen = reducers_seen or any(m.role.reduces for m in candidates)
-                now = trio.current_time()
-                leaders = sorted((m for m in candidates if m.accepts_joins
-                                  and (refused.get(m.peer_id, 0.0) <= now or m.peer_id == me.peer_id)),
-                                 key=leader_rank)
-                if not leaders:
-                    await trio.sleep(self.config.poll_interval)
-                    continue
-                leader = leaders[0]
-                log.debug("%d declared, %d may lead; leader %s%s", len(candidates), len(leaders), leader.peer_id,
-                          " (me)" if leader.peer_id == me.peer_id else "")
-                if leader.peer_id == me.peer_id:
-                    led = await self._lead_until(deadline)
-                    if isinstance(led, Group):
-                        return led
-                    if led is not None:
-                        # We handed our followers over to a better leader: follow them there,
-                        # even if it turned us away a moment ago (else we lead alone till the deadline).
-                        refused.pop(led, None)
-                    continue
-                outcome = await self._join(leader, deadline)
-                if isinstance(outcome, Group):
-                    return outcome
-                refused[leader.peer_id] = trio.current_time() + 2 * self.config.poll_interval
-                if outcome is not None:
-                    refused.pop(outcome, None)
-                else:
-                    await trio.sleep(self.config.poll_interval / 2)
+            action = formation.start(trio.current_time())
+            while True:
+                action = await self._perform(formation, action)
+                self._move()
+                if isinstance(action, Done):
+                    return action.group
+                if isinstance(action, Fail):
+                    raise MatchmakingError(formation.failure(key, self.config.timeout))
         finally:
-            self._me = None
-            self._following = None
+            self._formation = None
+            if self._lead is not None:
+                self._lead.close(None, None)
+                self._lead = None
             self._move()
-        raise MatchmakingError(
-            f"no group of at least {self.config.min_size} formed under {key!r} within "
-            f"{self.config.timeout:.0f} s ({last_seen} matching peers declared"
-            + ("" if me.accepts_joins or last_seen > 1 else "; this peer cannot lead and no other can")
-            + ("" if reducers_seen or last_seen == 0 else "; none of them may reduce a part (all senders: client "
-               "mode, relayed, or reduces=False)") + ")")
+
+    async def _perform(self, formation: Formation, action: Action) -> Action:
+        """Do what the table said; the table's next action."""
+        log.debug("matchmaking %s: %s", formation.phase, action)
+        if isinstance(action, Read):
+            candidates = await self._candidates(formation)
+            led = formation.phase is Phase.LEADING
+            action = formation.on_declarations(candidates, trio.current_time())
+            if formation.phase is Phase.LEADING and not led:
+                self._lead = _Lead()
+            return action
+        if isinstance(action, Sleep):
+            await trio.sleep(action.seconds)
+            return formation.on_timer(trio.current_time())
+        if isinstance(action, AskToJoin):
+            outcome = await self._join(formation, action.leader)
+            return formation.on_join_answered(outcome, trio.current_time())
+        if isinstance(action, AwaitJoins):
+            assert self._lead is not None
+            with trio.move_on_after(max(0.0, action.seconds)):
+                await self._lead.changed.wait()
+            return formation.on_woken(trio.current_time())
+        if isinstance(action, HandOver):
+            log.debug("handing %d followers over to %s", len(formation.followers), action.leader)
+            self._close_lead(None, action.leader)
+            return formation.on_timer(trio.current_time())
+        if isinstance(action, Fix):
+            return await self._fix_group(formation, action.members)
+        if isinstance(action, Fail) and self._lead is not None:
+            self._close_lead(None, None)
+        return action  # Done, Fail: the loop ends
+
+    def _close_lead(self, group: Group | None, redirect: ID | None) -> None:
+        if self._lead is not None:
+            self._lead.close(group, redirect)
+            self._lead = None
 
     def take_declaration(self) -> tuple[str, float] | None:
         """The key and expiration of our last declaration, once (then None): what :meth:`withdraw` takes."""
@@ -236,16 +241,16 @@ class Matchmaker:
         self._moved.set()
         self._moved = trio.Event()
 
-    async def _candidates(self, deadline: float) -> list[Member]:
+    async def _candidates(self, formation: Formation) -> list[Member]:
         """Live declarations under this formation's key with our match key, ourselves included."""
-        assert self._me is not None
         found = await self.peer.dht.get(self._key, latest=True,
-                                        timeout=max(0.5, min(5.0, deadline - trio.current_time())))
+                                        timeout=max(0.5, min(5.0, formation.deadline - trio.current_time())))
         now = self.clock()
         for peer, expiration in list(self._unreachable.items()):
             if expiration <= now:
                 del self._unreachable[peer]
-        members: dict[ID, Member] = {self._me.peer_id: self._me}
+        me = formation.me
+        members: dict[ID, Member] = {me.peer_id: me}
         if found is not None and isinstance(found.value, dict):
             for entry in found.value.values():
                 if not isinstance(entry.value, bytes) or not entry.value:
@@ -257,104 +262,61 @@ class Matchmaker:
                 except Exception as e:  # a peer's garbage costs it only its entry
                     log.debug("skipping a malformed declaration: %r", e)
                     continue
-                if (member.schema == self._me.schema and member.expiration > now
-                        and self._unreachable.get(member.peer_id) != member.expiration):
+                if member.schema == me.schema and member.expiration > now:
                     members.setdefault(member.peer_id, member)
         return list(members.values())
 
-    async def _join(self, declared: Member, deadline: float) -> Group | ID | None:
-        """Ask the leader ``declared``; a Group, the ID of the leader it redirects to, or None when
-        refused or unreachable (then skipped while that declaration lives)."""
-        assert self._me is not None
+    async def _join(self, formation: Formation, declared: Member) -> JoinOutcome:
+        """Ask the leader ``declared`` to let us join (at its declared addresses: a relayed leader is
+        known nowhere else)."""
         leader = declared.peer_id
-        self._following = leader
-        self._move()
-        # where to reach it: its declaration says (a relayed leader is known nowhere else)
         self.peer.node.add_addrs(leader, list(declared.addrs))
         try:
             response = await self.peer.node.rpc.call(
                 leader, f"{JOIN_METHOD}.{self.prefix}",
-                pb.JoinRequest(prefix=self.prefix, declaration=self._me.to_wire()), pb.JoinResponse,
-                timeout=max(0.5, deadline - trio.current_time()))
+                pb.JoinRequest(prefix=self.prefix, declaration=formation.me.to_wire()), pb.JoinResponse,
+                timeout=max(0.5, formation.deadline - trio.current_time()))
         except DedlocError as e:
             log.debug("join %s failed: %s", leader, e)
             if isinstance(e, (PeerDisconnectedError, ConnectionError)):  # gone, or never reached
-                self._unreachable[leader] = declared.expiration
-            return None
-        finally:
-            self._following = None
+                return Unreachable(str(e))
+            return Refused(str(e))
         log.debug("join %s: %s %s", leader, pb.JoinResponse.Status.Name(response.status), response.reason)
         if response.status == pb.JoinResponse.ACCEPTED:
             try:
-                return Group.from_wire(response.group, self._me.peer_id)
+                return Joined(Group.from_wire(response.group, formation.me.peer_id))
             except AllreduceProtocolError as e:
                 log.warning("leader %s sent an unusable group: %s", leader, e)
-                return None
+                return Refused(f"an unusable group: {e}")
         if response.status == pb.JoinResponse.REDIRECT:
             try:
-                return ID(bytes(response.leader))
+                return Redirected(ID(bytes(response.leader)))
             except Exception:
-                return None
-        return None
+                return Refused("a redirect to no peer")
+        return Refused(response.reason)
 
     # ------------------------------------------------------------------ leading
 
-    async def _lead_until(self, deadline: float) -> Group | ID | None:
-        """Lead until the group is set (returned), or a better leader shows up (its ID: our followers
-        went there), or the deadline (None)."""
-        assert self._me is not None
-        lead = self._lead = _Lead()
-        self._move()
-        started = trio.current_time()
-        try:
-            while trio.current_time() < deadline:
-                size = 1 + len(lead.followers)
-                reducer = self._me.role.reduces or any(m.role.reduces for m in lead.followers.values())
-                ready = reducer and (size >= self._target or (
-                    size >= self.config.min_size and trio.current_time() - started >= self.config.gather_time))
-                if ready:
-                    return await self._fix_group(lead)
-                with trio.move_on_after(min(self.config.poll_interval, max(0.0, deadline - trio.current_time()))):
-                    await lead.changed.wait()
-                if 1 + len(lead.followers) >= self._target:
-                    continue
-                # Is there a better leader now (one we did not see before)?
-                # Then hand the followers over to it rather than split the swarm.
-                others = sorted((m for m in await self._candidates(deadline) if m.accepts_joins), key=leader_rank)
-                if others and others[0].peer_id != self._me.peer_id:
-                    log.debug("handing %d followers over to %s", len(lead.followers), others[0].peer_id)
-                    lead.redirect = others[0].peer_id
-                    return lead.redirect
-            if 1 + len(lead.followers) >= self.config.min_size and (
-                    self._me.role.reduces or any(m.role.reduces for m in lead.followers.values())):
-                return await self._fix_group(lead)
-            return None
-        finally:
-            lead.closed.set()
-            self._lead = None
-            self._move()
-
-    async def _fix_group(self, lead: _Lead) -> Group:
+    async def _fix_group(self, formation: Formation, members: tuple[Member, ...]) -> Done:
         """Fix the group and answer the followers before the leader goes on.
 
         The leader's next steps (flattening, the load-balancing LP) are CPU
         work without checkpoints: answering after them started every follower's
         round 50-70 ms after the leader's (4 peers, 40 MB).
         """
-        assert self._me is not None
-        members = sorted([self._me, *list(lead.followers.values())[: self._target - 1]],
-                         key=lambda m: m.peer_id.to_bytes())
-        group = Group(os.urandom(16), tuple(members), [m.peer_id for m in members].index(self._me.peer_id))
-        lead.group = group
-        lead.closed.set()
-        with trio.move_on_after(ANSWER_WAIT):
-            while lead.waiting:
-                await lead.answered.wait()
+        group = Group(os.urandom(16), members, [m.peer_id for m in members].index(formation.me.peer_id))
+        done = formation.fixed(group)
+        lead = self._lead
+        self._close_lead(group, None)
+        if lead is not None:
+            with trio.move_on_after(ANSWER_WAIT):
+                while lead.waiting:
+                    await lead.answered.wait()
         # The RPC layer writes the answers over several checkpoints; a few
         # milliseconds of this loop let it finish before the leader computes.
         await trio.sleep(ANSWER_FLUSH)
         log.debug("fixed group %s of %d", group.group_id.hex()[:8], len(members))
-        return group
+        return done
 
     async def _on_join(self, request: pb.JoinRequest, ctx: CallContext) -> pb.JoinResponse:
         try:
@@ -363,35 +325,34 @@ class Matchmaker:
             return pb.JoinResponse(status=pb.JoinResponse.REJECTED, reason=str(e))
         if member.peer_id != ctx.peer_id:
             return pb.JoinResponse(status=pb.JoinResponse.REJECTED, reason="a declaration of another peer")
-        if self._me is not None and self._lead is None and self._following is None:
-            # We are looking too, between two reads of the declarations: we pick a leader within
-            # moments (often ourselves: the joiner picked us). Answering "not leading" now made the
-            # joiner skip us for a while, and it missed the group we formed a moment later.
+        formation = self._formation
+        answer: JoinAnswer = Reject("not matching now") if formation is None else formation.on_join(member)
+        if isinstance(answer, Defer):
+            # answer once we lead or follow (within a poll interval)
             with trio.move_on_after(self.config.poll_interval):
-                while self._me is not None and self._lead is None and self._following is None:
+                while self._formation is formation and formation is not None and formation.phase is Phase.LOOKING:
                     await self._moved.wait()
-        me, lead = self._me, self._lead
-        if me is None or member.schema != me.schema:
-            return pb.JoinResponse(status=pb.JoinResponse.REJECTED, reason="not matching now")
-        if lead is None:
-            if self._following is not None:
-                return pb.JoinResponse(status=pb.JoinResponse.REDIRECT, leader=self._following.to_bytes())
-            return pb.JoinResponse(status=pb.JoinResponse.REJECTED, reason="not leading")
-        if lead.group is not None or 1 + len(lead.followers) >= self._target:
-            return pb.JoinResponse(status=pb.JoinResponse.REJECTED, reason="group full")
-        lead.followers[member.peer_id] = member
-        lead.poke()
-        lead.waiting += 1
-        try:
-            await lead.closed.wait()
-        finally:
-            lead.waiting -= 1
-            if not lead.waiting:
-                lead.answered.set()
-        group = lead.group
-        if group is not None and group.index_of(member.peer_id) is not None:
-            return pb.JoinResponse(status=pb.JoinResponse.ACCEPTED, group=group.to_wire())
-        lead.followers.pop(member.peer_id, None)
-        if group is None and lead.redirect is not None:
-            return pb.JoinResponse(status=pb.JoinResponse.REDIRECT, leader=lead.redirect.to_bytes())
-        return pb.JoinResponse(status=pb.JoinResponse.REJECTED, reason="the group formed without you")
+            formation = self._formation
+            answer = Reject("not matching now") if formation is None else formation.on_join(member, asked_again=True)
+        if isinstance(answer, Admit):
+            lead = self._lead
+            assert lead is not None
+            lead.poke()
+            lead.waiting += 1
+            try:
+                await lead.closed.wait()
+            finally:
+                lead.waiting -= 1
+                if not lead.waiting:
+                    lead.answered.set()
+            answer = answer_admitted(member, lead.group, lead.redirect)
+        return _response(answer)
+
+
+def _response(answer: JoinAnswer) -> pb.JoinResponse:
+    if isinstance(answer, Accept):
+        return pb.JoinResponse(status=pb.JoinResponse.ACCEPTED, group=answer.group.to_wire())
+    if isinstance(answer, Redirect):
+        return pb.JoinResponse(status=pb.JoinResponse.REDIRECT, leader=answer.leader.to_bytes())
+    assert isinstance(answer, Reject)
+    return pb.JoinResponse(status=pb.JoinResponse.REJECTED, reason=answer.reason)

@@ -7,7 +7,7 @@ set -euo pipefail
 
 cd "$(dirname "$0")/.."
 VENV=.venv-hivemind
-LOCK=requirements/hivemind.txt  # hivemind 1.1.12 and torch 2.13.0 (CPU), exact versions with hashes (make lock)
+LOCK=bench/hivemind.lock  # hivemind 1.1.12 and torch 2.13.0 (CPU), exact versions with hashes (make lock)
 STAMP="$VENV/.installed-$(sha256sum "$LOCK" | cut -c1-16)"
 
 if [[ -f "$STAMP" ]]; then

@@ -142,7 +142,6 @@ __all__ = [
     "cleanup_stale",
     "netem_unavailable_reason",
     "netns_unavailable_reason",
-    "requires_root_netns",
     "router_ruleset",
 ]
 

@@ -16,6 +16,7 @@ from averaging.averager import Averager, AveragerConfig
 from averaging.bandwidth import BandwidthConfig, is_probe
 from averaging.compression import Compression
 from averaging.errors import MatchmakingError, PartialAverageError
+from averaging.formation import Joined
 from averaging.group import Role
 from averaging.matchmaking import MatchmakingConfig
 from averaging.moshpit import MoshpitConfig
@@ -141,8 +142,8 @@ async def test_a_join_that_arrives_while_the_leader_reads_declarations_is_accept
             read = leader.matchmaker._candidates
             first = [True]
 
-            async def slow_first_read(deadline: float) -> list:  # type: ignore[type-arg]
-                found = await read(deadline)
+            async def slow_first_read(formation: object) -> list:  # type: ignore[type-arg]
+                found = await read(formation)  # type: ignore[arg-type]
                 if first[0]:
                     first[0] = False
                     await trio.sleep(0.4)  # the joiner's call lands here
@@ -151,8 +152,8 @@ async def test_a_join_that_arrives_while_the_leader_reads_declarations_is_accept
             join = joiner.matchmaker._join
             outcomes: list[object] = []
 
-            async def recorded_join(leader_declared: object, deadline: float) -> object:
-                outcomes.append(await join(leader_declared, deadline))  # type: ignore[arg-type]
+            async def recorded_join(formation: object, leader_declared: object) -> object:
+                outcomes.append(await join(formation, leader_declared))  # type: ignore[arg-type]
                 return outcomes[-1]
 
             leader.matchmaker._candidates = slow_first_read  # type: ignore[method-assign]
@@ -168,7 +169,7 @@ async def test_a_join_that_arrives_while_the_leader_reads_declarations_is_accept
                 nursery.start_soon(run, leader, 0.0)
                 nursery.start_soon(run, joiner, 0.2)
         assert not first[0], "the leader's first read never ran"
-        assert len(outcomes) == 1 and not isinstance(outcomes[0], (type(None), type(peers[0].peer_id))), outcomes
+        assert len(outcomes) == 1 and isinstance(outcomes[0], Joined), outcomes
         assert all(isinstance(r, RoundReport) and r.complete for r in results), results
 
 

@@ -362,7 +362,7 @@ def test_the_leader_is_a_reachable_reducer_before_a_sender_behind_a_nat() -> Non
     from multiaddr import Multiaddr
 
     from averaging.group import Member, Role
-    from averaging.matchmaking import leader_rank
+    from averaging.formation import leader_rank
 
     relay = "/ip4/11.0.1.2/tcp/4001/p2p/12D3KooWFSzsWFHfEVcD7T9fEWyayVQpcmkjNKbNTyyRntvjGfju/p2p-circuit"
     low, mid, high = (ID(bytes([0, 36, 8, 1, 18, 32]) + bytes([k]) * 32) for k in (1, 2, 3))

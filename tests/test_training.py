@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import time
 from dataclasses import replace
 
 import pytest
@@ -12,7 +11,6 @@ import trio
 
 from averaging import AllreduceConfig, AveragerConfig, MatchmakingConfig
 from training import CollaborativeOptimizer, StepReport, TrainingConfig
-from training.progress import LocalProgress
 
 from nat import Peer
 
@@ -407,34 +405,6 @@ async def test_a_step_whose_group_cannot_form_is_reported_not_raised() -> None:
     for r in reports[0] + reports[1]:
         assert not r.averaged and "may reduce" in r.summary, r
         assert "no group" in r.summary or r.missed, r
-
-
-async def test_senders_left_at_a_step_stop_waiting_for_each_other() -> None:
-    """Two late peers behind NATs (senders: neither may reduce) at step 0 while the swarm went on:
-    no group of them can ever form, so each is left behind at once, not after the matchmaking
-    timeout (seen in the NAT lab demo: 30 s at step 0 while the others took 80 steps). A peer
-    that may reduce, or a partner that may, can still form a group: not left behind."""
-    def report(peer: str, step: int, *, sender: bool = False, auxiliary: bool = False) -> LocalProgress:
-        return LocalProgress(peer, step, 4, 1.0, time.time(), auxiliary=auxiliary, sender=sender)
-
-    async with open_peers(1) as (_, peer):
-        await public([peer])  # reachable: with reduces=True it may reduce
-        me = peer.peer_id.to_base58()
-        for reduces, partner_sends, aux_at_step, left in [
-            (False, True, False, True),  # two senders at the step: nobody can reduce
-            (False, False, False, False),  # the partner may reduce: a group can form
-            (True, True, False, False),  # we may reduce
-            (False, True, True, False),  # an auxiliary peer at the step reduces for us
-        ]:
-            config = TrainingConfig(run_id=f"left-{reduces}-{partner_sends}-{aux_at_step}", target_batch_size=8,
-                                    averager=AveragerConfig(reduces=reduces))
-            async with CollaborativeOptimizer.open(peer, optimizer_of(make_model()), config) as opt:
-                opt.tracker.reports = [report("ahead", 3), report("partner", 0, sender=partner_sends)]
-                if aux_at_step:
-                    opt.tracker.reports.append(report("helper", 0, auxiliary=True))
-                assert opt._left_behind(0, me) is left, (reduces, partner_sends, aux_at_step)
-                opt.tracker.reports = [report("partner", 0, sender=partner_sends)]  # nobody ahead: never left
-                assert not opt._left_behind(0, me)
 
 
 async def test_lamb_a_scheduler_clipping_and_a_loss_scaler_step_as_in_one_process() -> None:

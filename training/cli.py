@@ -223,8 +223,8 @@ class Monitor:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
-        self.per_step: dict[str, dict[int, int]] = defaultdict(dict)
-        self.assisted: dict[str, set[int]] = defaultdict(set)
+        self.per_step: dict[ID, dict[int, int]] = defaultdict(dict)
+        self.assisted: dict[ID, set[int]] = defaultdict(set)
         self.last_step = -1
 
     def observe(self, tracker: ProgressTracker) -> None:
@@ -246,8 +246,9 @@ class Monitor:
 
     def contributions(self) -> dict[str, dict[str, int]]:
         peers = set(self.per_step) | set(self.assisted)
-        return {peer: {"samples": sum(self.per_step[peer].values()) if peer in self.per_step else 0,
-                       "auxiliary_steps": len(self.assisted.get(peer, ()))} for peer in sorted(peers)}
+        return {peer.to_base58(): {"samples": sum(self.per_step[peer].values()) if peer in self.per_step else 0,
+                                   "auxiliary_steps": len(self.assisted.get(peer, ()))}
+                for peer in sorted(peers, key=lambda p: p.to_base58())}
 
 
 async def backbone(peer: Peer, args: argparse.Namespace) -> None:
@@ -269,10 +270,10 @@ async def backbone(peer: Peer, args: argparse.Namespace) -> None:
             progress = await tracker.fetch()
             monitor.observe(tracker)
             if progress.step >= max(1, saved + args.checkpoint_every) and progress.sources:
-                sources = [ID.from_base58(s) for s in progress.sources if s != peer.peer_id.to_base58()]
+                sources = [s for s in progress.sources if s != peer.peer_id]
                 for report in tracker.reports:
                     if report.peer_id in progress.sources and report.addrs:
-                        peer.node.add_addrs(ID.from_base58(report.peer_id), list(report.addrs))
+                        peer.node.add_addrs(report.peer_id, list(report.addrs))
                 try:
                     latest = await download_state(peer, args.run_id, sources, progress.step, params, timeout=60)
                 except StateDownloadError as e:

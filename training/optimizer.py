@@ -19,13 +19,17 @@ the hard work. One training step of the swarm, seen from one peer:
 4. every peer applies it with the wrapped optimizer (and scheduler), one
    identical step, and moves to the next step number.
 
+What to do after each batch (wait, average this step, join a round the
+others began, catch up, take the state of peers ahead) is decided by the pure
+step policy (:mod:`training.policy`), from this peer's state, the swarm's
+progress and the time; this class is the shell that reads the progress,
+performs the action, and holds the torch state. The gradients are summed by
+:class:`training.accumulator.GradientAccumulator` (torch only).
+
 Mixed precision: the caller keeps ``torch.amp.autocast`` and a
 ``torch.amp.GradScaler`` for its backward pass (``scaler.scale(loss).backward()``)
-and hands the scaler to :meth:`CollaborativeOptimizer.open`. The optimizer
-unscales each batch's gradients as it accumulates them, drops a batch that
-overflowed and backs the scale off (growing it after ``growth_interval``
-clean batches), as ``GradScaler.step``/``update`` would: only unscaled float32
-gradients are averaged, so peers with different scales (or none) step alike.
+and hands the scaler to :meth:`CollaborativeOptimizer.open`; the accumulator
+unscales each batch and keeps the scale as ``GradScaler`` would.
 
 A peer alone in its run steps on its own gradient. A peer whose group did not
 form steps on its own gradient too, and the report says so (``averaged=False``).
@@ -43,19 +47,21 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import trio
-from libp2p.peer.id import ID
 
 from averaging import (AllreduceConfig, Averager, AveragerConfig, Group, MatchmakingConfig, MatchmakingError,
                        RoundReport)
 from nat import Peer
 
+from . import policy
+from .accumulator import GradientAccumulator
+from .policy import AverageStep, CatchUp, JoinBegunRound, Rules, TakeStateFromAhead, Trainer, Wait
 from .progress import GlobalProgress, ProgressTracker
 from .state import StateDownloadError, StateServer, TrainingState, download_state, load_state, snapshot_of
 
@@ -156,24 +162,20 @@ class CollaborativeOptimizer:
     after every backward pass."""
 
     def __init__(self, peer: Peer, optimizer: torch.optim.Optimizer, config: TrainingConfig, averager: Averager,
-                 scheduler: Any = None, scaler: torch.amp.GradScaler | None = None) -> None:
+                 scheduler: Any = None, scaler: torch.amp.GradScaler | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.peer = peer
         self.optimizer = optimizer
         self.config = config
         self.averager = averager
         self.scheduler = scheduler
-        #: the caller's loss scaler (mixed precision), whose scale we unscale by, back off and grow
-        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
-        self._clean_batches = 0  # since the scale last changed
-        #: batches dropped because their scaled gradients overflowed (the scale backed off)
-        self.overflows = 0
+        #: the policy's clock (rejoin waits, download back-off) and the samples/s rate's
+        self.clock = clock
+        self.rules = Rules(delay_updates=config.delay_updates, rejoin_after=config.rejoin_after)
         self.params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-        self._accumulated = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params]
-        #: the global step this peer accumulates for, and its samples toward it
+        self.accumulator = GradientAccumulator(self.params, scaler)
+        #: the global step this peer accumulates for
         self.local_step = 0
-        self.samples = 0
-        #: batches refused for NaN/Inf gradients
-        self.dropped_batches = 0
         #: rounds that averaged the parameters and optimizer statistics (``average_state_every``)
         self.state_rounds = 0
         self.auxiliary = config.averager.auxiliary
@@ -184,7 +186,7 @@ class CollaborativeOptimizer:
         #: the last step an auxiliary peer helped average (or tried to)
         self._assisted = -1
         self._reported_samples = 0  # what the last published report said
-        self._since = time.monotonic()  # when this step's accumulation began
+        self._since = clock()  # when this step's accumulation began
         self._rate = 0.0
         #: (loss, samples) of the recent batches whose caller gave a loss
         self._losses: deque[tuple[float, int]] = deque(maxlen=LOSS_WINDOW)
@@ -273,133 +275,71 @@ class CollaborativeOptimizer:
             raise ValueError(f"batch_size must be positive, not {batch_size}")
         if loss is not None and math.isfinite(loss):
             self._losses.append((float(loss), batch_size))
-        self._accumulate(batch_size)
+        if self.accumulator.add(batch_size):
+            elapsed = self.clock() - self._since
+            self._rate = self.samples / elapsed if elapsed > 0 else 0.0
         progress = self.tracker.last
-        if progress is None or progress.step != self.local_step or self._estimate(progress) >= progress.target:
+        if progress is None or policy.needs_read(self._trainer(), progress):
             progress = await self._sync()
-        if self.config.delay_updates and not self._must_catch_up and (
-                progress.step == self.local_step + 1 or self._round_began(progress)):
-            # With delayed updates a peer moves on when its round begins: the others just began
-            # ours (they apply it when their next step begins). Join it; catching up would drop
-            # our samples and download a state that lacks this very step.
-            return await self._global_step(progress)
-        if progress.step > self.local_step or self._must_catch_up:
-            return await self._catch_up_and_join(progress)
-        ahead = self._rejoin(progress)
-        if ahead is not None and time.monotonic() >= self._next_download:
+        decision = policy.decide(self._trainer(), progress, self.tracker.reports, self.clock(), self.rules)
+        self._stuck_since = decision.stuck_since
+        return await self._perform(decision.action)
+
+    async def _perform(self, action: policy.Action) -> StepReport | None:
+        """Do what the policy decided; the report of a global step if one happened."""
+        if isinstance(action, Wait):
+            return None
+        if isinstance(action, JoinBegunRound):
+            return await self._global_step(action.progress, action.expected)
+        if isinstance(action, CatchUp):
+            return await self._catch_up_and_join(action.progress)
+        if isinstance(action, TakeStateFromAhead):
             log.warning("this peer is at step %d and has no quorum there; %d peer(s) are at step %d "
                         "(they stepped without us, before we saw each other): taking their state",
-                        self.local_step, len(ahead.sources), ahead.step)
-            await self._catch_up(ahead)
+                        action.behind, len(action.progress.sources), action.progress.step)
+            await self._catch_up(action.progress)
             return None
-        if progress.step == self.local_step and progress.ready:
-            report = await self._global_step(progress)
-            if report is not None and report.missed and not self.config.delay_updates:
-                # take the swarm's state now: a batch computed first would be dropped with the
-                # step, and would make us later still for the next round
-                return await self._catch_up_and_join(await self._sync()) or report
-            return report
-        return None
+        report = await self._global_step(action.progress, action.expected)
+        if report is not None and report.missed and action.catch_up_if_missed:
+            # take the swarm's state now: a batch computed first would be dropped with the
+            # step, and would make us later still for the next round
+            return await self._catch_up_and_join(await self._sync()) or report
+        return report
+
+    def _trainer(self) -> Trainer:
+        """Our state as the step policy reads it."""
+        return Trainer(me=self.peer.peer_id, step=self.local_step, samples=self.samples,
+                       reported_samples=self._reported_samples, fresh=self._fresh,
+                       must_catch_up=self._must_catch_up, pending=self._pending is not None,
+                       stuck_since=self._stuck_since, next_download=self._next_download,
+                       reduces=self.averager.role()[0].reduces)
+
+    @property
+    def samples(self) -> int:
+        """Our samples toward ``local_step``."""
+        return self.accumulator.samples
+
+    @property
+    def dropped_batches(self) -> int:
+        """Batches refused for NaN/Inf gradients."""
+        return self.accumulator.dropped_batches
+
+    @property
+    def overflows(self) -> int:
+        """Batches dropped because their scaled gradients overflowed (the scale backed off)."""
+        return self.accumulator.overflows
 
     async def _catch_up_and_join(self, progress: GlobalProgress) -> StepReport | None:
         """Take the swarm's state; if the round of the step it brings us to is already gathering,
-        join it at once, with none of our samples, and take that step with the swarm.
-
-        A peer that fell behind once stayed behind: it took the state, computed a batch, and came
-        to the round as the others left it, step after step (on a slow link each download takes
-        about as long as a round gathers), taking a state every step and averaging in none.
-        """
-        if not await self._catch_up(progress) or self.config.delay_updates:
+        join it at once, with none of our samples (:func:`training.policy.join_after_catch_up`)."""
+        if not await self._catch_up(progress):
             return None
         now = self.tracker.last  # _catch_up read the swarm's progress again
-        if now is not None and now.step == self.local_step and now.ready:
-            return await self._global_step(now)
-        return None
-
-    def _round_began(self, progress: GlobalProgress) -> bool:
-        """With delayed updates: a peer that saw our step ready moved on to the next one as it began
-        the step's round, and its samples left our step's count with it: seen from here the step is
-        no longer ready (the quorum still reads our step when the swarm is two peers). Its report of
-        the next step is the sign to join."""
-        me = self.peer.peer_id.to_base58()
-        return (progress.step == self.local_step and self.samples > 0
-                and any(r.step == self.local_step + 1 for r in self.tracker.reports
-                        if r.peer_id != me and not r.auxiliary))
-
-    def _rejoin(self, progress: GlobalProgress) -> GlobalProgress | None:
-        """The furthest step to take a state from when the quorum rule leaves us stuck, else None.
-
-        Stuck: some peer is ahead of our step, and our step (the swarm's by the quorum rule) has
-        the samples but not the quorum, for ``rejoin_after`` (at once for a fresh peer).
-        """
-        me = self.peer.peer_id.to_base58()
-        others = [r for r in self.tracker.reports if r.peer_id != me and not r.auxiliary]
-        furthest = max((r.step for r in others), default=-1)
-        # with delayed updates a peer reports the next step when its round begins: one step
-        # ahead is the usual moment of a round, not a sign that it went on without us
-        lag = 1 if self.config.delay_updates else 0
-        stuck = (progress.step == self.local_step < furthest and self._pending is None
-                 and ((self._fresh and furthest > self.local_step + lag)
-                      or (progress.samples >= progress.target and progress.contributors < progress.quorum)))
-        if not stuck:
-            self._stuck_since = None
+        join = None if now is None else policy.join_after_catch_up(self._trainer(), now, self.tracker.reports,
+                                                                     self.rules)
+        if join is None:
             return None
-        now = time.monotonic()
-        if self._stuck_since is None:
-            self._stuck_since = now
-        if not self._fresh and now - self._stuck_since < self.config.rejoin_after:
-            return None
-        sources = tuple(r.peer_id for r in sorted(others, key=lambda r: -r.time)
-                        if r.step >= furthest and not r.client and not r.auxiliary)
-        return replace(progress, step=furthest, sources=sources)
-
-    def _estimate(self, progress: GlobalProgress) -> int:
-        """The swarm's samples toward our step, with our latest count instead of our last report's."""
-        return progress.samples - min(self._reported_samples, progress.target) + min(self.samples, progress.target)
-
-    def _accumulate(self, batch_size: int) -> None:
-        grads = [p.grad for p in self.params]
-        scale = self.scaler.get_scale() if self.scaler is not None else 1.0
-        if not _finite([g for g in grads if g is not None]):
-            self.dropped_batches += 1
-            if self.scaler is not None:
-                self._rescale(overflowed=True)
-                log.info("dropped a batch of %d samples: its gradients overflowed at loss scale %g "
-                         "(the scale backs off to %g)", batch_size, scale, self.scaler.get_scale())
-            else:
-                log.warning("dropped a batch of %d samples: its gradients hold NaN or Inf (the others are kept)",
-                            batch_size)
-        else:
-            with torch.no_grad():
-                for acc, g in zip(self._accumulated, grads):
-                    if g is not None:
-                        acc.add_(g.to(acc.dtype), alpha=float(batch_size) / scale)
-            self.samples += batch_size
-            elapsed = time.monotonic() - self._since
-            self._rate = self.samples / elapsed if elapsed > 0 else 0.0
-            if self.scaler is not None:
-                self._rescale(overflowed=False)
-        for p in self.params:
-            p.grad = None
-
-    def _rescale(self, *, overflowed: bool) -> None:
-        """GradScaler's dynamic loss scale, kept here since its own ``step`` never runs: back off
-        on an overflow, grow after ``growth_interval`` clean batches in a row."""
-        assert self.scaler is not None
-        if self.scaler._scale is None:  # GradScaler's own check is an AssertionError
-            raise ValueError("the GradScaler given to the optimizer never scaled a loss: "
-                             "use scaler.scale(loss).backward()")
-        if overflowed:
-            self.overflows += 1
-            self._clean_batches = 0
-            self.scaler.update(self.scaler.get_scale() * self.scaler.get_backoff_factor())
-            return
-        self._clean_batches += 1
-        if self._clean_batches >= self.scaler.get_growth_interval():
-            self._clean_batches = 0
-            grown = self.scaler.get_scale() * self.scaler.get_growth_factor()
-            if math.isfinite(grown) and grown < torch.finfo(torch.float32).max:
-                self.scaler.update(grown)
+        return await self._global_step(join.progress, join.expected)
 
     # ------------------------------------------------------------------ an auxiliary peer's turn
 
@@ -410,21 +350,17 @@ class CollaborativeOptimizer:
         if not self.auxiliary:
             raise RuntimeError("assist() is for an auxiliary peer (AveragerConfig(auxiliary=True))")
         progress = await self._sync()
-        step = progress.step
-        # due: with delayed updates, the step the trainers just moved past (its round began as they
-        # did; they compute the next one meanwhile, and may have its samples before that round ends);
-        # else the step once it is ready
-        due = step - 1 if self.config.delay_updates and step - 1 > self._assisted else \
-            step if progress.ready else -1
-        self.local_step = step
-        if due < 0 or due <= self._assisted or progress.peers < 2:
+        due = policy.assist_due(progress, self._assisted, self.rules)
+        self.local_step = progress.step
+        if due is None:
             await trio.sleep(self.config.report_interval)
             return None
         self._assisted = due
         started = time.perf_counter()
         work = [torch.zeros(p.shape, dtype=torch.float32) for p in self.params]
+        expected = max(2, policy.expected_group(due, progress, self.tracker.reports, self.peer.peer_id, self.rules))
         try:
-            report = await self._round(work, 0, f"grads:{due}:0", max(2, self._expected(due, progress)), due)
+            report = await self._round(work, 0, f"grads:{due}:0", expected, due)
         except MatchmakingError as e:
             return StepReport(due, progress.samples, 0, 1, False, True, f"no group to help ({e})",
                               time.perf_counter() - started)
@@ -436,17 +372,16 @@ class CollaborativeOptimizer:
 
     # ------------------------------------------------------------------ the swarm's step
 
-    async def _global_step(self, progress: GlobalProgress) -> StepReport | None:
-        """Step ``self.local_step`` of the swarm: average, then apply (or, with delayed updates,
-        apply the previous step's average and leave this one's round to the background)."""
+    async def _global_step(self, progress: GlobalProgress, expected: int) -> StepReport | None:
+        """Step ``self.local_step`` of the swarm with ``expected`` peers: average, then apply (or,
+        with delayed updates, apply the previous step's average and leave this one's round to the
+        background)."""
         started = time.perf_counter()
         samples = self.samples
-        with torch.no_grad():
-            # averaged from host memory (an accumulator on a GPU stays there, where it is added to)
-            grads = [(acc / samples if samples else torch.zeros_like(acc)).cpu() for acc in self._accumulated]
+        grads = self.accumulator.mean()
         step = self.local_step
         if not self.config.delay_updates:
-            report = await self._average(step, grads, samples, progress)
+            report = await self._average(step, grads, samples, progress, expected)
             if not samples and not report.averaged and not report.missed:
                 # nothing of ours to apply alone: zeros would move the parameters apart from the swarm's
                 report = replace(report, missed=True, summary=f"no samples of ours and no group ({report.summary})")
@@ -467,7 +402,7 @@ class CollaborativeOptimizer:
         assert self._nursery is not None
         done = trio.Event()
         self._pending = (step, grads, done, [])
-        self._nursery.start_soon(self._average_into, step, grads, samples, progress, started, done)
+        self._nursery.start_soon(self._average_into, step, grads, samples, progress, expected, started, done)
         await self._sync()
         return applied
 
@@ -498,14 +433,12 @@ class CollaborativeOptimizer:
     def _next_step(self) -> None:
         self._fresh = False
         self.local_step += 1
-        self.samples = 0
+        self.accumulator.zero()
         self._reported_samples = 0
-        self._since = time.monotonic()
-        for acc in self._accumulated:
-            acc.zero_()
+        self._since = self.clock()
 
     async def _average(self, step: int, grads: list[torch.Tensor], samples: int,
-                       progress: GlobalProgress) -> StepReport:
+                       progress: GlobalProgress, expected: int) -> StepReport:
         """Average ``grads`` (in place) with the peers at ``step``; the report (elapsed left 0).
 
         A round that lost a reducer leaves its part un-averaged on every member (each keeps its own
@@ -516,15 +449,13 @@ class CollaborativeOptimizer:
         """
         if progress.peers <= 1:
             return StepReport(step, progress.samples, samples, 1, False, True, "alone: the local gradient", 0.0)
-        expected = self._expected(step, progress)
         summary = ""
         for attempt in range(1 + self.config.retries):
             work = [g.clone() for g in grads]
             try:
                 report = await self._round(work, samples, f"grads:{step}:{attempt}", expected, step)
             except MatchmakingError as e:
-                me = self.peer.peer_id.to_base58()
-                if any(r.step > step for r in self.tracker.reports if r.peer_id != me):
+                if policy.missed_without_group(step, self.tracker.reports, self.peer.peer_id):
                     # the others took the step in a group we did not find: our own gradient alone
                     # would set us apart from them for good; take their state instead
                     return StepReport(step, progress.samples, samples, 0, False, False,
@@ -570,10 +501,10 @@ class CollaborativeOptimizer:
                 nursery.cancel_scope.cancel()
 
             async def watch() -> None:
-                me = self.peer.peer_id.to_base58()
                 while True:
                     await trio.sleep(self.config.report_interval)
-                    if self._left_behind(step, me):
+                    if policy.left_behind(step, self.tracker.reports, self.peer.peer_id,
+                                          self.averager.role()[0].reduces, self.rules):
                         nursery.cancel_scope.cancel()
                         return
 
@@ -585,40 +516,12 @@ class CollaborativeOptimizer:
             return None
         return await self.averager.average_in(found[0], work, float(samples), strict=False)
 
-    def _expected(self, step: int, progress: GlobalProgress) -> int:
-        """The group size ``step``'s round waits for (up to the gather time): the peers at the step,
-        those finishing the one before, and with delayed updates those that began this round
-        already (they moved on to the next step when it began)."""
-        lag = 1 if self.config.delay_updates else 0
-        me = self.peer.peer_id.to_base58()
-        others = sum(1 for r in self.tracker.reports if r.peer_id != me and step - 1 <= r.step <= step + lag)
-        return max(progress.expected if progress.step == step else 0, 1 + others)
-
-    def _left_behind(self, step: int, me: str) -> bool:
-        """Whether the others left ``step``'s round: some report a later step, and none but us could
-        still be in that round (at the step; with delayed updates, at the step after it too, since a
-        peer moves on when a round begins and applies it when the next one does).
-
-        Peers still at the step count only if a group of them could form: when neither we nor any of
-        them may reduce a part (client mode, relayed), no group ever will. Two late peers behind NATs
-        once waited out the whole matchmaking timeout for each other while the swarm went on.
-        """
-        lag = 1 if self.config.delay_updates else 0
-        reports = [r for r in self.tracker.reports if r.peer_id != me]
-        others = [r for r in reports if not r.auxiliary]
-        if not any(r.step > step + lag for r in others):
-            return False
-        still = [r for r in reports if step <= r.step <= step + lag]
-        if not any(not r.auxiliary for r in still):
-            return True
-        return not self.averager.role()[0].reduces and all(r.sender for r in still)
-
     async def _average_into(self, step: int, grads: list[torch.Tensor], samples: int, progress: GlobalProgress,
-                            started: float, done: trio.Event) -> None:
+                            expected: int, started: float, done: trio.Event) -> None:
         """The background half of a delayed step: its round; :meth:`_apply_pending` applies it."""
         assert self._pending is not None
         try:
-            report = await self._average(step, grads, samples, progress)
+            report = await self._average(step, grads, samples, progress, expected)
             self._pending[3].append(replace(report, elapsed=time.perf_counter() - started))
         finally:
             done.set()
@@ -657,19 +560,14 @@ class CollaborativeOptimizer:
 
     async def _catch_up(self, progress: GlobalProgress) -> bool:
         """Download the swarm's state (we are behind it, or new); whether we have it now."""
-        now = time.monotonic()
+        now = self.clock()
         if now < self._next_download:
             return False
-        me = self.peer.peer_id.to_base58()
-        sources = [ID.from_base58(p) for p in progress.sources if p != me]
+        sources = [p for p in progress.sources if p != self.peer.peer_id]
         for report in self.tracker.reports:  # where to reach them: their reports say
             if report.peer_id in progress.sources and report.addrs:
-                self.peer.node.add_addrs(ID.from_base58(report.peer_id), list(report.addrs))
-        # after a missed round, the state we need is the one past it (with delayed updates our
-        # step already is: the missed round is the one before it)
-        wanted = progress.step
-        if self._must_catch_up:
-            wanted = max(wanted, self.local_step + (0 if self.config.delay_updates else 1))
+                self.peer.node.add_addrs(report.peer_id, list(report.addrs))
+        wanted = policy.state_wanted(self._trainer(), progress, self.rules)
         began = time.perf_counter()
         try:
             state = await download_state(self.peer, self.config.run_id, sources, wanted, self.params)
@@ -710,16 +608,6 @@ class CollaborativeOptimizer:
             self.scheduler.step()
         for p in self.params:
             p.grad = None
-
-
-def _finite(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether every value is finite, from one sum per tensor: NaN and Inf survive a sum, and a
-    float32 sum overflows only past 3e38 (such a gradient is as unusable). isfinite().all() on every
-    tensor cost 3.7 ms per batch on the bench's 1.3 M parameters, 2/3 of its forward and backward;
-    this costs 0.15 ms."""
-    if not tensors:
-        return True
-    return bool(torch.isfinite(torch.stack([t.sum(dtype=torch.float32) for t in tensors])).all())
 
 
 __all__ = ["CollaborativeOptimizer", "StepReport", "TrainingConfig"]

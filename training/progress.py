@@ -56,7 +56,7 @@ MAX_CLOCK_SKEW = 30.0
 class LocalProgress:
     """One peer's report: the step it accumulates for, and how far it got."""
 
-    peer_id: str
+    peer_id: ID
     step: int
     samples: int
     samples_per_second: float
@@ -78,7 +78,7 @@ class LocalProgress:
                            auxiliary=self.auxiliary, sender=self.sender).SerializeToString()
 
     @classmethod
-    def from_wire(cls, peer_id: str, data: bytes) -> LocalProgress:
+    def from_wire(cls, peer_id: ID, data: bytes) -> LocalProgress:
         """Parse a peer's report; ValueError when it is not one."""
         msg = pb.Progress()
         try:
@@ -111,7 +111,7 @@ class GlobalProgress:
     #: when the reports were read (unix seconds)
     time: float
     #: peers at the step or past it that can serve their state (not clients), freshest report first
-    sources: tuple[str, ...] = ()
+    sources: tuple[ID, ...] = ()
     #: peers at the step or one behind it (finishing the last one: they will be at it in a moment)
     peers_near_step: int = 0
     #: the mean of the live peers' reported losses (None when none reports one)
@@ -211,7 +211,7 @@ class ProgressTracker:
         now = self.clock()
         if loss is not None and not math.isfinite(loss):
             loss = None
-        mine = LocalProgress(self.peer.peer_id.to_base58(), step, samples, samples_per_second, now, self.client,
+        mine = LocalProgress(self.peer.peer_id, step, samples, samples_per_second, now, self.client,
                              loss, tuple(self.peer.node.addrs), self.auxiliary, self.sender)
         self.own = mine
         try:
@@ -245,7 +245,7 @@ class ProgressTracker:
         return self.last
 
 
-def _owner(subkey: object) -> str | None:
+def _owner(subkey: object) -> ID | None:
     """The peer id in an owned subkey ``progress[owner:<id>]`` (only that peer could have written it)."""
     text = subkey.decode(errors="replace") if isinstance(subkey, bytes) else str(subkey)
     marker = "[owner:"
@@ -253,10 +253,9 @@ def _owner(subkey: object) -> str | None:
         return None
     peer = text.rsplit(marker, 1)[1][:-1]
     try:
-        ID.from_base58(peer)
+        return ID.from_base58(peer)
     except Exception:
         return None
-    return peer
 
 
 __all__ = ["GlobalProgress", "LocalProgress", "ProgressTracker", "global_progress"]

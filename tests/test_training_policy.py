@@ -1,0 +1,228 @@
+"""The step policy (training/policy.py), pure: every row of its table and every rule asked mid-step,
+each incident that shaped the optimizer a scenario (its commit named), in milliseconds, no network.
+
+The real-network counterparts stay in tests/test_training.py (equivalence with one process, late
+joiner, a peer dying mid-round, delayed updates, auxiliary peers) and tests/test_training_lab.py.
+"""
+
+from __future__ import annotations
+
+from libp2p.peer.id import ID
+
+from training.policy import (AverageStep, CatchUp, JoinBegunRound, Rules, TakeStateFromAhead, Trainer, Wait,
+                             assist_due, decide, estimate, expected_group, join_after_catch_up, left_behind,
+                             missed_without_group, needs_read, round_began, state_wanted, stuck_ahead)
+from training.progress import GlobalProgress, LocalProgress, global_progress
+
+NOW = 1_000_000.0  # unix time of the reports
+T = 500.0  # the trainer's (monotonic) clock
+TARGET = 100
+ME, A, B, C = (ID(f"peer-{name}".encode()) for name in "mabc")
+SYNC, DELAYED = Rules(), Rules(delay_updates=True)
+
+
+def rep(peer: ID, step: int, samples: int = 0, *, client: bool = False, auxiliary: bool = False,
+        sender: bool = False, age: float = 1.0) -> LocalProgress:
+    return LocalProgress(peer, step, samples, 10.0, NOW - age, client=client, auxiliary=auxiliary, sender=sender)
+
+
+def swarm(*reports: LocalProgress) -> tuple[GlobalProgress, list[LocalProgress]]:
+    return global_progress(reports, TARGET, NOW), list(reports)
+
+
+def me(step: int, samples: int = 0, **kw: object) -> Trainer:
+    kw.setdefault("fresh", False)
+    return Trainer(ME, step, samples, reported_samples=samples, **kw)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------- the table, row by row
+
+
+def test_idle_a_step_short_of_its_samples_waits() -> None:
+    progress, reports = swarm(rep(ME, 3, 40), rep(A, 3, 30))
+    decision = decide(me(3, 40), progress, reports, T, SYNC)
+    assert decision == type(decision)(Wait(), None)
+
+
+def test_ready_averages_with_every_peer_at_the_step_and_catches_up_if_missed() -> None:
+    progress, reports = swarm(rep(ME, 3, 60), rep(A, 3, 50), rep(B, 2, 10))
+    action = decide(me(3, 60), progress, reports, T, SYNC).action
+    # B finishes step 2 and will be at step 3 in a moment: the round waits for it too
+    assert action == AverageStep(progress, expected=3, catch_up_if_missed=True)
+    # with delayed updates a missed round is repaired by the next call, not at once
+    action = decide(me(3, 60), progress, reports, T, DELAYED).action
+    assert isinstance(action, AverageStep) and not action.catch_up_if_missed
+
+
+def test_a_lone_peer_steps_on_its_own_report() -> None:
+    """b39edd6: a lone peer whose own report the DHT did not return read an empty swarm and never
+    stepped; its own report always counts."""
+    own = rep(ME, 0, 100)
+    progress = global_progress([], TARGET, NOW, own=own)
+    assert isinstance(decide(me(0, 100), progress, [], T, SYNC).action, AverageStep)
+
+
+def test_behind_the_swarm_catches_up() -> None:
+    """2e22d0b: a peer that joins late or missed a round downloads the state."""
+    progress, reports = swarm(rep(A, 7, 10), rep(B, 7, 10), rep(ME, 2, 0))
+    assert decide(me(2), progress, reports, T, SYNC).action == CatchUp(progress)
+    assert state_wanted(me(2), progress, SYNC) == 7
+
+
+def test_a_missed_round_is_repaired_with_the_state_past_it() -> None:
+    """The swarm stepped without us: the next call takes the state of the step after the missed one
+    (with delayed updates our step already is that one)."""
+    progress, reports = swarm(rep(A, 4, 10), rep(ME, 4, 0))
+    trainer = me(4, must_catch_up=True)
+    assert decide(trainer, progress, reports, T, SYNC).action == CatchUp(progress)
+    assert state_wanted(trainer, progress, SYNC) == 5
+    assert state_wanted(trainer, progress, DELAYED) == 4
+    # and a missed round overrides joining a begun one
+    progress, reports = swarm(rep(A, 5, 10), rep(B, 5, 10), rep(ME, 4, 10))
+    assert decide(me(4, 10, must_catch_up=True), progress, reports, T, DELAYED).action == CatchUp(progress)
+
+
+def test_delayed_updates_join_the_round_the_others_began() -> None:
+    """b2a5359: with delayed updates a trainer whose partner began the step's round (and took its
+    samples out of the count) joins it, instead of waiting ``rejoin_after`` and taking a state
+    that lacks this very step."""
+    # the partner moved on to step 4 as it began step 3's round; the quorum still reads step 3
+    progress, reports = swarm(rep(ME, 3, 30), rep(A, 4, 0))
+    assert progress.step == 3 and not progress.ready
+    assert round_began(me(3, 30), progress, reports)
+    action = decide(me(3, 30), progress, reports, T, DELAYED).action
+    assert action == JoinBegunRound(progress, expected=2)
+    # without samples of ours there is nothing to join with: not a begun round
+    assert not round_began(me(3, 0), progress, reports)
+    # without delayed updates the same reports are no sign to join
+    assert isinstance(decide(me(3, 30), progress, reports, T, SYNC).action, Wait)
+
+
+def test_delayed_updates_join_when_the_swarm_is_one_step_on_at_every_step() -> None:
+    """b84fa0f: the join-the-begun-round rule holds at every step, not only the first."""
+    for step in (0, 1, 5, 40):
+        progress, reports = swarm(rep(A, step + 1, 0), rep(B, step + 1, 0), rep(ME, step, 20))
+        assert progress.step == step + 1
+        action = decide(me(step, 20), progress, reports, T, DELAYED).action
+        assert isinstance(action, JoinBegunRound), step
+        assert isinstance(decide(me(step, 20), progress, reports, T, SYNC).action, CatchUp)
+
+
+def test_stuck_without_quorum_takes_the_state_of_the_peer_ahead_after_rejoin_after() -> None:
+    """1c87e59: peers that stepped alone before they met ended at different steps; the quorum rule
+    left the one behind waiting for a quorum that never came (they deadlocked). With the samples
+    but not the quorum for ``rejoin_after``, it takes the state of the peer furthest ahead."""
+    rules = Rules(rejoin_after=10.0)
+    progress, reports = swarm(rep(ME, 3, 100), rep(A, 5, 0, age=2.0))
+    assert progress.step == 3 and progress.samples >= TARGET and progress.contributors < progress.quorum
+    first = decide(me(3, 100), progress, reports, T, rules)
+    assert first.action == Wait() and first.stuck_since == T
+    later = decide(me(3, 100, stuck_since=T), progress, reports, T + 9.9, rules)
+    assert later.action == Wait() and later.stuck_since == T
+    due = decide(me(3, 100, stuck_since=T), progress, reports, T + 10.0, rules)
+    assert isinstance(due.action, TakeStateFromAhead)
+    assert due.action.progress.step == 5 and due.action.behind == 3
+    assert due.action.progress.sources == (A,)
+
+
+def test_a_fresh_peer_follows_a_lone_peer_ahead_at_once() -> None:
+    """A peer that never took a step does not wait ``rejoin_after``; with delayed updates a peer
+    one step ahead is the usual moment of a round, not a peer that went on without us."""
+    progress, reports = swarm(rep(ME, 0, 10), rep(A, 2, 0))
+    action = decide(me(0, 10, fresh=True), progress, reports, T, SYNC).action
+    assert isinstance(action, TakeStateFromAhead) and action.progress.step == 2
+    progress, reports = swarm(rep(ME, 0, 10), rep(A, 1, 0))
+    assert stuck_ahead(me(0, 10, fresh=True), progress, reports, T, DELAYED) == (None, None)
+
+
+def test_stuck_but_a_download_failed_a_moment_ago_steps_or_waits() -> None:
+    progress, reports = swarm(rep(ME, 3, 100), rep(A, 5, 0))
+    decision = decide(me(3, 100, stuck_since=T - 60, next_download=T + 5), progress, reports, T, SYNC)
+    assert decision.action == Wait() and decision.stuck_since == T - 60
+
+
+def test_no_longer_stuck_forgets_since_when() -> None:
+    progress, reports = swarm(rep(ME, 3, 40), rep(A, 3, 40))
+    assert decide(me(3, 40, stuck_since=T - 5), progress, reports, T, SYNC).stuck_since is None
+
+
+def test_a_round_still_running_in_the_background_is_not_stuck() -> None:
+    progress, reports = swarm(rep(ME, 3, 100), rep(A, 6, 0))
+    assert stuck_ahead(me(3, 100, pending=True), progress, reports, T, SYNC) == (None, None)
+
+
+# ---------------------------------------------------------------------------- rules asked mid-step
+
+
+def test_the_progress_is_read_again_when_our_samples_may_complete_the_step() -> None:
+    progress, _ = swarm(rep(ME, 3, 20), rep(A, 3, 50))
+    trainer = Trainer(ME, 3, samples=60, reported_samples=20)
+    assert estimate(trainer, progress) == 110 and needs_read(trainer, progress)
+    assert not needs_read(Trainer(ME, 3, samples=25, reported_samples=20), progress)
+    assert needs_read(Trainer(ME, 4, samples=0), progress) and needs_read(trainer, None)
+
+
+def test_expected_group_counts_the_peers_finishing_the_step_before_and_with_delay_those_ahead() -> None:
+    progress, reports = swarm(rep(ME, 3, 10), rep(A, 3, 10), rep(B, 2, 10), rep(C, 4, 10))
+    assert expected_group(3, progress, reports, ME, SYNC) == 3
+    assert expected_group(3, progress, reports, ME, DELAYED) == 4
+
+
+def test_the_swarm_left_the_round_when_only_we_are_at_its_step() -> None:
+    reports = [rep(A, 4), rep(B, 4), rep(C, 3, auxiliary=True)]
+    assert left_behind(3, reports, ME, reduces=True, rules=SYNC)  # an auxiliary peer alone holds no round
+    assert not left_behind(3, [rep(A, 4), rep(B, 3)], ME, reduces=True, rules=SYNC)
+    assert not left_behind(3, [rep(A, 3), rep(B, 3)], ME, reduces=True, rules=SYNC)  # nobody went on
+    # with delayed updates peers one step on are still in the round (they moved on as it began)
+    assert not left_behind(3, [rep(A, 4), rep(B, 4)], ME, reduces=True, rules=DELAYED)
+    assert left_behind(3, [rep(A, 5), rep(B, 5)], ME, reduces=True, rules=DELAYED)
+
+
+def test_two_late_senders_are_left_behind_at_once() -> None:
+    """e6ec15f: two late peers behind NATs (senders: neither may reduce) at step 0 while the swarm
+    went on: no group of them can ever form, so each is left behind at once, not after the
+    matchmaking timeout (seen in the NAT lab demo: 30 s at step 0 while the others took 80 steps).
+    A peer that may reduce, or a partner that may, can still form a group: not left behind.
+    (Moved here from tests/test_training.py, which ran the same table through an optimizer.)"""
+    for reduces, partner_sends, aux_at_step, left in [
+        (False, True, False, True),  # two senders at the step: nobody can reduce
+        (False, False, False, False),  # the partner may reduce: a group can form
+        (True, True, False, False),  # we may reduce
+        (False, True, True, False),  # an auxiliary peer at the step reduces for us
+    ]:
+        reports = [rep(A, 3), rep(B, 0, sender=partner_sends)]
+        if aux_at_step:
+            reports.append(rep(C, 0, auxiliary=True))
+        assert left_behind(0, reports, ME, reduces, SYNC) is left, (reduces, partner_sends, aux_at_step)
+        # nobody ahead: never left
+        assert not left_behind(0, [rep(B, 0, sender=partner_sends)], ME, reduces, SYNC)
+
+
+def test_no_group_while_the_others_stepped_is_a_missed_round_else_a_lone_step() -> None:
+    """1c87e59: a group that cannot form is reported; stepping alone while the others took the step
+    together would set us apart for good, so that case is a missed round (take their state)."""
+    assert missed_without_group(3, [rep(A, 4), rep(ME, 3)], ME)
+    assert not missed_without_group(3, [rep(A, 3), rep(ME, 9)], ME)
+
+
+def test_after_a_download_a_gathering_round_is_joined_at_once() -> None:
+    """2fa6bdb: trainers behind port-changing and symmetric NATs took the state, computed a batch,
+    and came to the round as the others left it, step after step; now they join it at once."""
+    progress, reports = swarm(rep(A, 6, 60), rep(B, 6, 50))
+    join = join_after_catch_up(me(6), progress, reports, SYNC)
+    assert join == AverageStep(progress, expected=3, catch_up_if_missed=True)
+    assert join_after_catch_up(me(6), progress, reports, DELAYED) is None  # the next call joins the begun round
+    progress, reports = swarm(rep(A, 6, 10), rep(B, 6, 10))
+    assert join_after_catch_up(me(6), progress, reports, SYNC) is None  # not gathering yet
+
+
+def test_an_auxiliary_peer_helps_each_due_step_once() -> None:
+    ready, _ = swarm(rep(A, 5, 60), rep(B, 5, 50))
+    short, _ = swarm(rep(A, 5, 10), rep(B, 5, 10))
+    alone, _ = swarm(rep(A, 5, 100))
+    assert assist_due(ready, assisted=4, rules=SYNC) == 5
+    assert assist_due(ready, assisted=5, rules=SYNC) is None  # helped already
+    assert assist_due(short, assisted=4, rules=SYNC) is None  # not ready
+    assert assist_due(short, assisted=3, rules=DELAYED) == 4  # the step the trainers just moved past
+    assert assist_due(short, assisted=4, rules=DELAYED) is None
+    assert assist_due(alone, assisted=-1, rules=SYNC) is None  # a peer alone averages with nobody
