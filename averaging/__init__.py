@@ -1,7 +1,7 @@
 """Decentralized averaging: DHT group formation, streamed butterfly all-reduce, load balancing.
 
 May import :mod:`p2p` and :mod:`nat`. The entry point is :class:`Averager`,
-which takes the composed network object (:class:`nat.Peer`)::
+which takes the composed network object (:class:`nat.Peer`, or any :class:`nat.Swarm`)::
 
     async with Averager.open(peer, AveragerConfig(prefix="my-run")) as averager:
         report = await averager.step(tensors, weight=samples)

@@ -37,7 +37,7 @@ import trio
 from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
-from p2p.node import Node
+from nat import Swarm
 from p2p.trio_util import finish_quietly
 
 from .bandwidth import TransferClock
@@ -230,9 +230,9 @@ class RoundPlan:
 class AllreduceRound:
     """This peer's side of one round: its sends, its reduction, its result."""
 
-    def __init__(self, node: Node, group: Group, plan: RoundPlan, values: torch.Tensor | None,
+    def __init__(self, swarm: Swarm, group: Group, plan: RoundPlan, values: torch.Tensor | None,
                  weight: float, config: AllreduceConfig, fractions: tuple[float, ...]) -> None:
-        self.node = node
+        self.swarm = swarm
         self.group = group
         self.plan = plan
         self.config = config
@@ -447,8 +447,8 @@ class AllreduceRound:
         got = 0
         try:
             with trio.fail_after(self.config.stall_timeout):
-                self.node.add_addrs(reducer.peer_id, list(reducer.addrs))
-                stream = await self.node.new_stream(reducer.peer_id, PROTOCOL)
+                self.swarm.add_addrs(reducer.peer_id, list(reducer.addrs))
+                stream = await self.swarm.new_stream(reducer.peer_id, PROTOCOL)
         except Exception as e:
             outcome.not_averaged = f"could not reach the reducer: {type(e).__name__}: {e}"
             return

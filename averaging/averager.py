@@ -1,6 +1,6 @@
 """The averager: ``await averager.step(tensors, weight)`` averages them with a group of peers.
 
-It takes the composed network object (:class:`nat.Peer`), as hivemind's
+It takes the composed network object (:class:`nat.Peer`, through the narrow :class:`nat.Swarm`), as hivemind's
 averager takes its DHT::
 
     async with Peer.open(PeerConfig.peer(initial_peers)) as peer:
@@ -36,7 +36,7 @@ import torch
 import trio
 from libp2p.abc import INetStream
 
-from nat import Peer
+from nat import Swarm
 from p2p.hooks import ExternalAddresses, Reachability, SwarmObserver
 from p2p.trio_util import finish_quietly
 
@@ -127,9 +127,10 @@ class _ExternalWatch(SwarmObserver):
 
 
 class Averager:
-    """Group all-reduce for one run prefix on one :class:`nat.Peer`. Open it with :meth:`open`."""
+    """Group all-reduce for one run prefix on one peer (a :class:`nat.Swarm`: :class:`nat.Peer`).
+    Open it with :meth:`open`."""
 
-    def __init__(self, peer: Peer, config: AveragerConfig) -> None:
+    def __init__(self, peer: Swarm, config: AveragerConfig) -> None:
         self.peer = peer
         self.config = config
         self.matchmaker = Matchmaker(peer, config.prefix, config.matchmaking)
@@ -149,13 +150,13 @@ class Averager:
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, peer: Peer, config: AveragerConfig | None = None) -> AsyncIterator[Averager]:
+    async def open(cls, peer: Swarm, config: AveragerConfig | None = None) -> AsyncIterator[Averager]:
         config = config or AveragerConfig()
         config.validate()
         averager = cls(peer, config)
         undo = averager.matchmaker.install()
-        registration = peer.node.set_stream_handler(PROTOCOL, averager._on_stream)
-        watching = peer.node.observe(averager._external)
+        registration = peer.set_stream_handler(PROTOCOL, averager._on_stream)
+        watching = peer.observe(averager._external)
         try:
             # Background work (withdrawing declarations) lives here, not in a step: a DHT store
             # that waits on a dead node must not hold up the step's return.
@@ -173,15 +174,13 @@ class Averager:
 
     async def settled(self) -> None:
         """Wait (up to ``reachability_wait``) until the NAT layer has judged our reachability."""
-        node = self.peer.node
         with trio.move_on_after(self.config.reachability_wait):
-            while node.external.judged and node.external.reachability is Reachability.UNKNOWN:
+            while self.peer.external.judged and self.peer.external.reachability is Reachability.UNKNOWN:
                 await self._external.changed()
 
     def role(self) -> tuple[Role, bool]:
         """This peer's role now, and whether it accepts joins (others can dial it)."""
-        node = self.peer.node
-        external = node.external
+        external = self.peer.external
         if self.config.auxiliary:
             role = Role.AUXILIARY
         elif not self.config.reduces:
@@ -196,7 +195,7 @@ class Averager:
                      or bool(external.relayed))
         if role is Role.AUXILIARY and not reachable:
             raise AveragingError("an auxiliary peer must be reachable (public or relayed) to reduce")
-        return role, reachable and bool(node.addrs)
+        return role, reachable and bool(self.peer.addrs)
 
     # ------------------------------------------------------------------ one step
 
@@ -289,7 +288,7 @@ class Averager:
         probe = self.config.adaptive and is_probe(
             group.group_id, [(m.upload, m.download) for m in group.members], self.config.bandwidth.probe_every)
         allreduce = replace(self.config.allreduce, max_chunks_ahead=max([1, *map(len, plan.spans)])) if probe else self.config.allreduce
-        round_ = AllreduceRound(self.peer.node, group, plan, flat, weight, allreduce, fractions)
+        round_ = AllreduceRound(self.peer, group, plan, flat, weight, allreduce, fractions)
         self._rounds[group.group_id] = round_
         self._round_started.setdefault(group.group_id, trio.Event()).set()
         try:

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import trio
 from libp2p.peer.id import ID
 
-from nat import Peer
+from nat import Swarm
 from p2p.dht import owned
 from p2p.errors import DedlocError
 from p2p.rpc import CallContext, PeerDisconnectedError
@@ -111,9 +111,9 @@ class _Lead:
 
 
 class Matchmaker:
-    """Forms groups for one run prefix on one peer; registered on the Peer's RPC while open."""
+    """Forms groups for one run prefix on one peer; registered on its RPC while open."""
 
-    def __init__(self, peer: Peer, prefix: str, config: MatchmakingConfig,
+    def __init__(self, peer: Swarm, prefix: str, config: MatchmakingConfig,
                  clock: Callable[[], float] = time.time) -> None:
         config.validate()
         self.peer = peer
@@ -136,7 +136,7 @@ class Matchmaker:
 
     def install(self) -> Callable[[], None]:
         """Serve ``avg.join``; returns the undo."""
-        rpc = self.peer.node.rpc
+        rpc = self.peer.rpc
         rpc.add_unary(f"{JOIN_METHOD}.{self.prefix}", pb.JoinRequest, self._on_join)
         return lambda: rpc.remove(f"{JOIN_METHOD}.{self.prefix}")
 
@@ -270,9 +270,9 @@ class Matchmaker:
         """Ask the leader ``declared`` to let us join (at its declared addresses: a relayed leader is
         known nowhere else)."""
         leader = declared.peer_id
-        self.peer.node.add_addrs(leader, list(declared.addrs))
+        self.peer.add_addrs(leader, list(declared.addrs))
         try:
-            response = await self.peer.node.rpc.call(
+            response = await self.peer.rpc.call(
                 leader, f"{JOIN_METHOD}.{self.prefix}",
                 pb.JoinRequest(prefix=self.prefix, declaration=formation.me.to_wire()), pb.JoinResponse,
                 timeout=max(0.5, formation.deadline - trio.current_time()))

@@ -15,7 +15,9 @@ observations of our mapping). :class:`Peer` does it once:
    itself there, and autorelay looks there when its connections offer too few.
 
 and closes them in reverse. Layers above (the averager, the collaborative
-optimizer) take a :class:`Peer` as their argument, as hivemind's take its DHT.
+optimizer) take it as their argument, as hivemind's take its DHT, through the
+narrow interface it implements (:class:`nat.swarm.Swarm`: RPC, stream handlers,
+new streams, addresses, reachability, events, the DHT's get and store).
 Presets cover the roles people run: :meth:`PeerConfig.relay`,
 :meth:`PeerConfig.peer` and :meth:`PeerConfig.client`.
 """
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
+from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
@@ -37,8 +40,11 @@ from p2p.addresses import is_relayed
 from p2p.dht import DHT, DHTConfig
 from p2p.dht.events import DHTMode
 from p2p.errors import ConfigError, DedlocError
-from p2p.hooks import Metrics, Reachability
+from p2p.events import Event
+from p2p.hooks import ExternalAddresses, Metrics, Reachability, Registration, SwarmObserver
+from p2p.node import StreamHandler
 from p2p.peer_exchange import PeerExchange
+from p2p.rpc import Rpc
 
 from .autorelay import AutoRelayConfig
 from .port_mapping import PortMappingConfig
@@ -190,6 +196,31 @@ class Peer:
     def addrs(self) -> list[Multiaddr]:
         """Where others reach us, best first: confirmed direct addresses, then relayed ones."""
         return self.node.addrs
+
+    # ---------------------------------------------------------------- the Swarm interface (nat/swarm.py)
+
+    @property
+    def rpc(self) -> Rpc:
+        return self.node.rpc
+
+    @property
+    def external(self) -> ExternalAddresses:
+        return self.node.external
+
+    async def new_stream(self, peer_id: ID, protocol: str) -> INetStream:
+        return await self.node.new_stream(peer_id, protocol)
+
+    def set_stream_handler(self, protocol: str, handler: StreamHandler) -> Registration:
+        return self.node.set_stream_handler(protocol, handler)
+
+    def add_addrs(self, peer_id: ID, addrs: Sequence[Multiaddr]) -> None:
+        self.node.add_addrs(peer_id, addrs)
+
+    def observe(self, observer: SwarmObserver) -> Registration:
+        return self.node.observe(observer)
+
+    def emit(self, event: Event) -> None:
+        self.node.emit(event)
 
     def metrics(self) -> Metrics:
         """Every layer's metrics in the one flat shape: the NAT funnel, what peers take of this node

@@ -12,7 +12,7 @@ import trio
 from averaging import AllreduceConfig, AveragerConfig, MatchmakingConfig
 from training import CollaborativeOptimizer, StepReport, TrainingConfig
 
-from nat import Peer
+from nat import Peer, Swarm
 
 from .kit import open_peers, wait_until
 from .test_averaging import public
@@ -48,7 +48,7 @@ def optimizer_of(model: torch.nn.Module) -> torch.optim.Optimizer:
 Batches = dict[int, list[tuple[torch.Tensor, torch.Tensor]]]  # step -> every batch it was computed at
 
 
-async def train_together(peer: Peer, model: torch.nn.Module, data, config: TrainingConfig,  # type: ignore[no-untyped-def]
+async def train_together(peer: Swarm, model: torch.nn.Module, data, config: TrainingConfig,  # type: ignore[no-untyped-def]
                          steps: int, used: Batches, reports: list[StepReport], done: list[bool], i: int) -> None:
     """One peer's loop to ``steps`` global steps (its batches go into ``used`` under their step);
     then it stays in the run until every peer is done (a peer that left could be waited for)."""
@@ -118,10 +118,17 @@ async def test_four_peers_equal_one_process_accumulating_the_global_batch(delaye
                     nursery.start_soon(train_together, peers[i], models[i], batches(i, sizes[i]), config, steps,
                                        used, reports[i], done, i)
 
+    assert_equals_one_process(initial, models, used, reports, steps, target, delayed)
+
+
+def assert_equals_one_process(initial: torch.nn.Module, models: list[torch.nn.Module], used: Batches,
+                              reports: list[list[StepReport]], steps: int, target: int, delayed: bool) -> None:
+    """Every peer took every step averaged with all the others, holds the same parameters, and they
+    are those of one process accumulating the same global batches."""
     for i, rs in enumerate(reports):
         assert [r.step for r in rs] == list(range(steps)), rs
         for r in rs:
-            assert r.averaged and r.complete and r.group_size == len(sizes), (i, r)
+            assert r.averaged and r.complete and r.group_size == len(models), (i, r)
     for step in range(steps):  # whoever triggered a step saw the target reached
         assert max(rs[step].samples for rs in reports) >= target
     # every peer holds the same parameters

@@ -2,7 +2,7 @@
 
 May import :mod:`p2p`, :mod:`nat` and :mod:`averaging`. The entry point is
 :class:`CollaborativeOptimizer`, which takes the composed network object
-(:class:`nat.Peer`), as hivemind's ``Optimizer`` takes its DHT::
+(:class:`nat.Peer`, or any :class:`nat.Swarm`), as hivemind's ``Optimizer`` takes its DHT::
 
     async with CollaborativeOptimizer.open(peer, torch.optim.SGD(model.parameters(), lr=0.1),
                                            TrainingConfig(run_id="my-run", target_batch_size=4096)) as opt:

@@ -57,7 +57,7 @@ import trio
 
 from averaging import (AllreduceConfig, Averager, AveragerConfig, Group, MatchmakingConfig, MatchmakingError,
                        RoundReport)
-from nat import Peer
+from nat import Swarm
 
 from . import policy
 from .accumulator import GradientAccumulator
@@ -161,7 +161,7 @@ class CollaborativeOptimizer:
     """A torch optimizer whose steps are the swarm's. Open it with :meth:`open`; call :meth:`step`
     after every backward pass."""
 
-    def __init__(self, peer: Peer, optimizer: torch.optim.Optimizer, config: TrainingConfig, averager: Averager,
+    def __init__(self, peer: Swarm, optimizer: torch.optim.Optimizer, config: TrainingConfig, averager: Averager,
                  scheduler: Any = None, scaler: torch.amp.GradScaler | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.peer = peer
@@ -208,7 +208,7 @@ class CollaborativeOptimizer:
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, peer: Peer, optimizer: torch.optim.Optimizer, config: TrainingConfig, *,
+    async def open(cls, peer: Swarm, optimizer: torch.optim.Optimizer, config: TrainingConfig, *,
                    scheduler: Any = None, scaler: torch.amp.GradScaler | None = None
                    ) -> AsyncIterator[CollaborativeOptimizer]:
         """Join the run for the duration of the block (progress reports run in the background).
@@ -566,7 +566,7 @@ class CollaborativeOptimizer:
         sources = [p for p in progress.sources if p != self.peer.peer_id]
         for report in self.tracker.reports:  # where to reach them: their reports say
             if report.peer_id in progress.sources and report.addrs:
-                self.peer.node.add_addrs(report.peer_id, list(report.addrs))
+                self.peer.add_addrs(report.peer_id, list(report.addrs))
         wanted = policy.state_wanted(self._trainer(), progress, self.rules)
         began = time.perf_counter()
         try:

@@ -35,7 +35,7 @@ import trio
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
-from nat import Peer
+from nat import Swarm
 from p2p.dht import owned
 from p2p.errors import DedlocError
 from p2p.untrusted import decode_addrs
@@ -186,7 +186,7 @@ class ProgressTracker:
     I/O only: what the reports mean is :func:`global_progress`'s.
     """
 
-    def __init__(self, peer: Peer, run_id: str, target: int, *, expiration: float = 60.0,
+    def __init__(self, peer: Swarm, run_id: str, target: int, *, expiration: float = 60.0,
                  clock: Callable[[], float] = time.time, client: bool = False, auxiliary: bool = False,
                  sender: bool = False) -> None:
         if target <= 0:
@@ -212,7 +212,7 @@ class ProgressTracker:
         if loss is not None and not math.isfinite(loss):
             loss = None
         mine = LocalProgress(self.peer.peer_id, step, samples, samples_per_second, now, self.client,
-                             loss, tuple(self.peer.node.addrs), self.auxiliary, self.sender)
+                             loss, tuple(self.peer.addrs), self.auxiliary, self.sender)
         self.own = mine
         try:
             return await self.peer.dht.store(self.key, mine.to_wire(), now + self.expiration,

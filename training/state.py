@@ -32,7 +32,7 @@ from libp2p.peer.id import ID
 
 from averaging.tensor_stream import TensorStreamError, receive_tensors, send_tensors
 from averaging.wire import FrameReader, frame
-from nat import Peer
+from nat import Swarm
 from p2p.errors import DedlocError
 from p2p.trio_util import finish_quietly
 
@@ -111,16 +111,16 @@ def _join(value: Any, tensors: Sequence[torch.Tensor]) -> Any:
 
 
 class StateServer:
-    """Serves ``snapshot()`` on the Peer's node while installed (one stream per asker)."""
+    """Serves ``snapshot()`` on the peer while installed (one stream per asker)."""
 
-    def __init__(self, peer: Peer, run_id: str, snapshot: Callable[[], Awaitable[TrainingState]]) -> None:
+    def __init__(self, peer: Swarm, run_id: str, snapshot: Callable[[], Awaitable[TrainingState]]) -> None:
         self.peer = peer
         self.run_id = run_id
         self.snapshot = snapshot
         self.served = 0
 
     def install(self) -> Callable[[], None]:
-        registration = self.peer.node.set_stream_handler(STATE_PROTOCOL, self._on_stream)
+        registration = self.peer.set_stream_handler(STATE_PROTOCOL, self._on_stream)
         return registration.remove
 
     async def _on_stream(self, stream: INetStream) -> None:
@@ -164,7 +164,7 @@ def snapshot_of(step: int, params: Sequence[torch.Tensor], optimizer: torch.opti
 # ---------------------------------------------------------------------- downloading
 
 
-async def download_state(peer: Peer, run_id: str, sources: Sequence[ID], min_step: int,
+async def download_state(peer: Swarm, run_id: str, sources: Sequence[ID], min_step: int,
                          params: Sequence[torch.Tensor], *, timeout: float = 60.0) -> TrainingState:
     """The state of the first of ``sources`` that gives a usable one (checked as the module says).
 
@@ -183,9 +183,9 @@ async def download_state(peer: Peer, run_id: str, sources: Sequence[ID], min_ste
                                                                else " (none to ask)"))
 
 
-async def _download_from(peer: Peer, run_id: str, source: ID, min_step: int,
+async def _download_from(peer: Swarm, run_id: str, source: ID, min_step: int,
                          params: Sequence[torch.Tensor]) -> TrainingState:
-    stream = await peer.node.new_stream(source, STATE_PROTOCOL)
+    stream = await peer.new_stream(source, STATE_PROTOCOL)
     try:
         await stream.write(frame(pb.StateRequest(run_id=run_id, min_step=min_step)))
         reader = FrameReader(stream)

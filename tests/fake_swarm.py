@@ -1,0 +1,218 @@
+"""An in-memory swarm: the :class:`nat.Swarm` interface without a socket, for the upper layers' tests.
+
+:class:`FakeNetwork` holds the peers and one shared record store (a DHT that
+every peer sees alike, at once); :class:`FakeSwarm` is one peer: a real
+:class:`p2p.rpc.Rpc` endpoint over in-memory streams, stream handlers run in
+the network's nursery (a failing handler resets its stream, as the Node's
+do), reachability ``public``, and the events it emitted. A stream is a pair of
+byte pipes with libp2p's end-of-stream and reset errors. :meth:`FakeSwarm.kill`
+takes a peer off the network at once: its streams reset and dials to it fail,
+as a peer that died mid-round.
+
+It proves the interface is the narrow one the upper layers need
+(``tests/test_fake_swarm.py`` runs matchmaking, all-reduce and training over
+it), and it makes their tests quick: no handshakes, no DHT traversal.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import trio
+from libp2p.network.stream.exceptions import StreamClosed, StreamEOF, StreamReset
+from libp2p.peer.id import ID
+from multiaddr import Multiaddr
+
+from p2p.dht.records import KeyLike, ValueWithExpiration
+from p2p.errors import DialError, ProtocolNotSupportedError
+from p2p.events import Event
+from p2p.hooks import ExternalAddresses, Reachability, Registration, SwarmObserver
+from p2p.node import StreamHandler
+from p2p.rpc import RPC_PROTOCOL, Rpc
+
+log = logging.getLogger(__name__)
+
+
+class _Pipe:
+    """Bytes one way, with end-of-stream and reset."""
+
+    def __init__(self) -> None:
+        self.buffer = bytearray()
+        self.eof = False
+        self.reset = False
+        self._changed = trio.Event()
+
+    def wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def changed(self) -> None:
+        await self._changed.wait()
+
+
+class FakeStream:
+    """One end of an in-memory stream, shaped as the libp2p stream the layers use."""
+
+    def __init__(self, inbound: _Pipe, outbound: _Pipe, remote: ID, protocol: str) -> None:
+        self._in, self._out = inbound, outbound
+        self.muxed_conn = SimpleNamespace(peer_id=remote)
+        self._protocol = protocol
+
+    def get_protocol(self) -> str:
+        return self._protocol
+
+    async def read(self, n: int | None = None) -> bytes:
+        await trio.lowlevel.checkpoint()
+        while True:
+            if self._in.reset:
+                raise StreamReset("the stream was reset")
+            if self._in.buffer:
+                size = len(self._in.buffer) if n is None or n < 0 else n
+                data = bytes(self._in.buffer[:size])
+                del self._in.buffer[:size]
+                return data
+            if self._in.eof:
+                raise StreamEOF("the peer closed the stream")
+            await self._in.changed()
+
+    async def write(self, data: bytes) -> None:
+        await trio.lowlevel.checkpoint()
+        if self._out.reset:
+            raise StreamReset("the stream was reset")
+        if self._out.eof:
+            raise StreamClosed("the stream is closed for writing")
+        self._out.buffer += data
+        self._out.wake()
+
+    async def close(self) -> None:
+        """Our end of writing (the peer reads to its end); reading goes on."""
+        self._out.eof = True
+        self._out.wake()
+
+    async def reset(self) -> None:
+        for pipe in (self._in, self._out):
+            pipe.reset = True
+            pipe.wake()
+
+
+class FakeRecords:
+    """The DHT as every peer of a :class:`FakeNetwork` sees it: one store, newest expiration wins."""
+
+    def __init__(self) -> None:
+        self._data: dict[KeyLike, dict[KeyLike | None, tuple[bytes, float]]] = {}
+        self.stores = 0
+
+    async def get(self, key: KeyLike, latest: bool = False, *,
+                  timeout: float | None = None) -> ValueWithExpiration | None:
+        await trio.lowlevel.checkpoint()
+        now = time.time()
+        entries = {sub: v for sub, v in self._data.get(key, {}).items() if v[1] > now}
+        if not entries:
+            return None
+        if None in entries:
+            value, expiration = entries[None]
+            return ValueWithExpiration(value, expiration)
+        found: dict[KeyLike, ValueWithExpiration] = {
+            sub: ValueWithExpiration(v, e) for sub, (v, e) in entries.items() if sub is not None}
+        return ValueWithExpiration(found, max(v.expiration for v in found.values()))
+
+    async def store(self, key: KeyLike, value: bytes, expiration: float, subkey: KeyLike | None = None,
+                    *, timeout: float | None = None) -> bool:
+        await trio.lowlevel.checkpoint()
+        self.stores += 1
+        entries = self._data.setdefault(key, {})
+        old = entries.get(subkey)
+        if old is not None and old[1] >= expiration:
+            return False
+        entries[subkey] = (value, expiration)
+        return True
+
+
+class FakeNetwork:
+    """The peers and their shared records; handlers run in ``nursery``."""
+
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self.nursery = nursery
+        self.peers: dict[ID, FakeSwarm] = {}
+        self.records = FakeRecords()
+        self._count = 0
+
+    def join(self) -> FakeSwarm:
+        self._count += 1
+        peer_id = ID(bytes([0, 36, 8, 1, 18, 32]) + self._count.to_bytes(32, "big"))
+        swarm = FakeSwarm(self, peer_id, Multiaddr(f"/ip4/127.0.0.1/tcp/{40000 + self._count}"))
+        self.peers[peer_id] = swarm
+        return swarm
+
+
+class FakeSwarm:
+    """One peer of a :class:`FakeNetwork`: implements :class:`nat.Swarm`."""
+
+    def __init__(self, network: FakeNetwork, peer_id: ID, addr: Multiaddr) -> None:
+        self.network = network
+        self.peer_id = peer_id
+        self.addrs = [addr]
+        self.dht = network.records
+        self.external = ExternalAddresses(Reachability.PUBLIC, confirmed=(addr,), judged=True)
+        self.handlers: dict[str, StreamHandler] = {}
+        self.observers: list[SwarmObserver] = []
+        self.events: list[Event] = []
+        self.known: dict[ID, list[Multiaddr]] = {}
+        self._streams: list[FakeStream] = []
+        self.rpc = Rpc(self.new_stream)  # type: ignore[arg-type]
+        self.set_stream_handler(RPC_PROTOCOL, self.rpc.handle_stream)
+
+    async def new_stream(self, peer_id: ID, protocol: str) -> Any:
+        await trio.lowlevel.checkpoint()
+        if self.peer_id not in self.network.peers:
+            raise DialError(f"{self.peer_id} left the network")
+        target = self.network.peers.get(peer_id)
+        if target is None:
+            raise DialError(f"no route to {peer_id}")
+        handler = target.handlers.get(protocol)
+        if handler is None:
+            raise ProtocolNotSupportedError(f"{peer_id} does not speak {protocol}")
+        there, back = _Pipe(), _Pipe()
+        mine, theirs = FakeStream(back, there, peer_id, protocol), FakeStream(there, back, self.peer_id, protocol)
+        self._streams.append(mine)
+        target._streams.append(theirs)
+        self.network.nursery.start_soon(target._serve, protocol, handler, theirs)
+        return mine
+
+    async def _serve(self, protocol: str, handler: StreamHandler, stream: FakeStream) -> None:
+        try:
+            await handler(stream)  # type: ignore[arg-type]
+        except Exception as e:
+            log.warning("handler for %s failed: %r", protocol, e)
+            await stream.reset()
+
+    def set_stream_handler(self, protocol: str, handler: StreamHandler) -> Registration:
+        self.handlers[protocol] = handler
+
+        def undo() -> None:
+            if self.handlers.get(protocol) is handler:
+                del self.handlers[protocol]
+
+        return Registration(undo)
+
+    def add_addrs(self, peer_id: ID, addrs: Sequence[Multiaddr]) -> None:
+        self.known[peer_id] = list(addrs)
+
+    def observe(self, observer: SwarmObserver) -> Registration:
+        self.observers.append(observer)
+        return Registration(lambda: self.observers.remove(observer))
+
+    def emit(self, event: Event) -> None:
+        self.events.append(event)
+
+    def kill(self) -> None:
+        """Leave the network at once, as a peer that died: every stream of ours is reset."""
+        self.network.peers.pop(self.peer_id, None)
+        for stream in self._streams:
+            for pipe in (stream._in, stream._out):
+                pipe.reset = True
+                pipe.wake()

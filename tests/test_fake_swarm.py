@@ -1,0 +1,138 @@
+"""The upper layers over the in-memory swarm (tests/fake_swarm.py): the narrow interface
+(:class:`nat.Swarm`) is all averaging and training need, and their coordination runs without a
+socket. The same scenarios on the real network are in tests/test_averaging.py and test_training.py.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+import torch
+import trio
+
+from averaging import AllreduceConfig, Averager, MatchmakingConfig, RoundReport
+from averaging.errors import MatchmakingError
+from nat import Peer, Swarm
+from training import StepReport, TrainingConfig
+
+from .fake_swarm import FakeNetwork, FakeSwarm
+from .kit import wait_until
+from .test_averaging import config, step_all, weighted_mean
+from .test_training import Batches, assert_equals_one_process, batches, make_model, train_together
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@asynccontextmanager
+async def fake_swarms(n: int) -> AsyncIterator[list[FakeSwarm]]:
+    async with trio.open_nursery() as nursery:
+        network = FakeNetwork(nursery)
+        yield [network.join() for _ in range(n)]
+        nursery.cancel_scope.cancel()
+
+
+async def test_peer_and_the_fake_both_implement_the_interface() -> None:
+    """mypy checks Peer against it where the upper layers are given one; here, by name."""
+    names = {n for n in dir(Swarm) if not n.startswith("_")}
+    assert names == {"peer_id", "addrs", "dht", "rpc", "external", "new_stream", "set_stream_handler",
+                     "add_addrs", "observe", "emit"}
+    assert all(hasattr(Peer, name) for name in names)
+    async with fake_swarms(1) as (fake,):
+        assert isinstance(fake, Swarm)
+
+
+async def test_a_group_averages_exactly_over_the_fake_swarm() -> None:
+    async with fake_swarms(4) as peers:
+        torch.manual_seed(1)
+        data = [[torch.randn(300, 70), torch.randn(17)] for _ in peers]
+        weights = [1.0, 2.0, 3.0, 0.5]
+        exact = [weighted_mean(data, weights, k) for k in range(2)]
+        async with Averager.open(peers[0], config(4)) as a0, Averager.open(peers[1], config(4)) as a1, \
+                Averager.open(peers[2], config(4)) as a2, Averager.open(peers[3], config(4)) as a3:
+            reports = await step_all([a0, a1, a2, a3], data, weights)
+        for report in reports:
+            assert isinstance(report, RoundReport) and report.complete, report
+            assert report.group_id == reports[0].group_id  # type: ignore[union-attr]
+        for tensors in data:
+            for k, t in enumerate(tensors):
+                assert torch.allclose(t.double(), exact[k], atol=1e-5), k
+
+
+async def test_a_peer_that_dies_mid_round_is_reported_never_silent() -> None:
+    """test_averaging's dying peer, on the fake swarm: killed once the round is under way, the
+    survivors' values are the full average, the survivors' own, or their own values, and a report
+    over anything but the full average says so."""
+    async with fake_swarms(4) as peers:
+        size = 1_000_000
+        data = [[torch.full((size,), float(i + 1))] for i in range(4)]
+        full, survivors_only = sum(range(1, 5)) / 4, sum(range(1, 4)) / 3
+        cfg = config(4, allreduce=AllreduceConfig(chunk_elements=16 * 1024, stall_timeout=3.0, timeout=30.0))
+        results: list[RoundReport | BaseException] = [RuntimeError("not run")] * 3
+        averagers = [Averager.open(p, cfg) for p in peers]
+        async with averagers[0] as a0, averagers[1] as a1, averagers[2] as a2, averagers[3] as doomed:
+
+            async def one(i: int, averager: Averager) -> None:
+                try:
+                    results[i] = await averager.step(data[i], strict=False)
+                except Exception as e:
+                    results[i] = e
+
+            async def doomed_step() -> None:
+                try:
+                    await doomed.step(data[3])
+                except* Exception:  # its own round broke as it died (not the subject here); Cancelled goes on
+                    pass
+
+            async def dies() -> None:
+                with trio.CancelScope() as scope:
+                    async with trio.open_nursery() as inner:
+                        inner.start_soon(doomed_step)
+                        await wait_until(lambda: doomed._rounds, 30)  # the round started
+                        await trio.sleep(0.01)
+                        peers[3].kill()  # its streams reset; its own step goes with it
+                        scope.cancel()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(dies)
+                for i, averager in enumerate((a0, a1, a2)):
+                    nursery.start_soon(one, i, averager)
+        for i, report in enumerate(results):
+            assert isinstance(report, RoundReport), report
+            values = data[i][0]
+            is_full = torch.isclose(values, torch.tensor(full))
+            is_partial = torch.isclose(values, torch.tensor(survivors_only))
+            assert bool((is_full | is_partial | (values == float(i + 1))).all()), "values that are no average"
+            if not bool(is_full.all()):
+                assert not report.complete, "a silent partial average"
+                assert report.left_out or any(p.not_averaged for p in report.parts), report.summary()
+
+
+async def test_no_group_in_time_over_the_fake_swarm() -> None:
+    async with fake_swarms(1) as (peer,):
+        cfg = config(2, matchmaking=MatchmakingConfig(target_size=2, min_size=2, timeout=1.0))
+        async with Averager.open(peer, cfg) as a:
+            with pytest.raises(MatchmakingError, match="no group of at least 2"):
+                await a.step([torch.ones(3)])
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["synchronous", "delayed-updates"])
+async def test_three_trainers_equal_one_process_over_the_fake_swarm(delayed: bool) -> None:
+    """test_training's equivalence, on the fake swarm: the same global batches give the same
+    parameters as one process accumulating them."""
+    steps, target, sizes = 3, 24, [3, 5, 4]
+    initial = make_model()
+    models = [copy.deepcopy(initial) for _ in sizes]
+    used: Batches = {}
+    reports: list[list[StepReport]] = [[] for _ in sizes]
+    cfg = TrainingConfig(run_id="fake", target_batch_size=target, delay_updates=delayed)
+    done = [False] * len(sizes)
+    async with fake_swarms(len(sizes)) as peers:
+        with trio.fail_after(100):
+            async with trio.open_nursery() as nursery:
+                for i, peer in enumerate(peers):
+                    nursery.start_soon(train_together, peer, models[i], batches(i, sizes[i]), cfg, steps, used,
+                                       reports[i], done, i)
+    assert_equals_one_process(initial, models, used, reports, steps, target, delayed)
