@@ -173,6 +173,7 @@ async def test_a_join_that_arrives_while_the_leader_reads_declarations_is_accept
         assert all(isinstance(r, RoundReport) and r.complete for r in results), results
 
 
+@pytest.mark.realtime  # the group forms in under 8 s, not at the 15 s deadline; the skip rule itself is pure in tests/test_formation.py
 async def test_a_leader_that_died_after_declaring_does_not_hold_the_others_until_the_deadline() -> None:
     """A killed peer's declaration outlives it. Everyone ranks it first as leader; once the join to it
     failed, it is skipped while that declaration lives (it used to be retried every second, and a

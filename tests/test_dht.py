@@ -341,6 +341,7 @@ async def test_auto_mode_follows_reachability() -> None:
             assert dht.server
 
 
+@pytest.mark.realtime  # a failed open that waited out its 10 s
 async def test_opening_fails_instead_of_starting_a_separate_dht() -> None:
     async with Node.open(loopback_config()) as plain:  # a peer that runs no DHT
         async with Node.open(loopback_config(initial_peers=[addr_of(plain)])) as node:

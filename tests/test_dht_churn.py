@@ -90,6 +90,7 @@ class Worker:
             self.process.kill()
 
 
+@pytest.mark.realtime  # the whole churn run bounded
 async def test_reads_survive_a_quarter_of_the_peers_dying_and_new_ones_joining() -> None:
     rng = random.Random(5)
     started = time.perf_counter()

@@ -418,6 +418,7 @@ async def test_an_upgrade_is_tried_again_only_after_retry_idle_while_nothing_cha
         assert times[1] - times[0] >= 1.5 and times[2] - times[1] >= 3.0
 
 
+@pytest.mark.realtime  # connected after listener_after (0.3 s), well before the 4 s dial timeout
 async def test_a_punch_that_reaches_a_listener_speaks_first_and_connects_at_once():
     """The leader dials as the handshake's responder (a simultaneous open gives the other side the
     first word); when its SYN meets a listening socket instead (a peer that is public, or port-mapped,

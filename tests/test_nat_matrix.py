@@ -295,6 +295,7 @@ async def test_nat_traversal_matrix(loss_pct: float | None) -> None:
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.realtime  # time to direct under 10 s
 async def test_ping_from_behind_a_nat_goes_direct_and_says_so() -> None:
     """What a volunteer runs to check their setup: ``dedloc peer`` behind one home NAT, and
     ``dedloc ping <relay>/p2p-circuit/p2p/<peer>`` from behind another (both endpoint-independent),

@@ -478,6 +478,7 @@ async def test_cleanup_when_cancelled() -> None:
     assert lab.namespaces and not set(lab.namespaces) & await _netns_names()
 
 
+@pytest.mark.realtime  # a command that would hang ends within 5 s
 async def test_every_command_has_a_timeout() -> None:
     async with Lab(prefix=PREFIX, netem=False) as lab:
         host = await lab.public_host("h")

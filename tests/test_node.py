@@ -14,6 +14,7 @@ from p2p import events as ev
 from .conftest import LOOPBACK6, loopback_config, open_nodes
 
 
+@pytest.mark.realtime  # a loopback ping under 5 s
 async def test_connect_ping_identify(node_pair):
     a, b = node_pair
     assert a.peer_id in b.connected_peers()

@@ -762,6 +762,7 @@ async def test_router_restart_renewal_recovers(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @needs_lab
+@pytest.mark.realtime  # nothing answering ends within 8 s
 async def test_nothing_answers_says_what_was_tried(tmp_path: Path) -> None:
     """A router without miniupnpd: PortMappingUnavailable names each method and why, within seconds."""
     async with lab(tmp_path, start_miniupnpd=False) as router:

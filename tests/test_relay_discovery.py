@@ -22,7 +22,7 @@ from p2p.dht.records import ValueWithExpiration, owned
 from p2p.identity import new_identity, peer_id_of
 
 from .conftest import loopback_config
-from .kit import wait_until
+from .kit import record_events, wait_until
 
 
 def config(*, initial: list[str], dht: DHTMode, relay: bool = False, lookup: bool = True) -> PeerConfig:
@@ -49,14 +49,12 @@ async def test_the_only_relay_is_learned_from_the_dht() -> None:
         await wait_until(lambda: boot.dht.storage.get(RELAYS_KEY, time.time()), 15, what="the relay's record")
 
         blind = await stack.enter_async_context(Peer.open(config(initial=initial, dht=DHTMode.AUTO, lookup=False)))
-        peer = await stack.enter_async_context(Peer.open(config(initial=initial, dht=DHTMode.AUTO)))
-        reserved: list[Any] = []
-        async with peer.node.events() as events:
-            with trio.fail_after(20):
-                async for event in events:
-                    if isinstance(event, nev.RelayReserved):
-                        reserved.append(event)
-                        break
+        seen: list[Any] = []  # recorded from the start: a subscription after open could miss the reservation
+        peer = await stack.enter_async_context(Peer.open(config(initial=initial, dht=DHTMode.AUTO),
+                                                         on_listening=lambda node: seen.extend([record_events(node)])))
+        events = seen[0]
+        reserved = await wait_until(lambda: [e for e in events if isinstance(e, nev.RelayReserved)], 20,
+                                    what="a reservation")
         assert reserved[0].relay == relay.peer_id
         assert peer.metrics()["relays_discovered"] == 1 and peer.metrics()["reservations"] == 1
         assert any(str(a).endswith(f"/p2p/{relay.peer_id}/p2p-circuit/p2p/{peer.peer_id}") for a in peer.addrs)
