@@ -352,7 +352,7 @@ class Formation:
 
     def on_join(self, member: Member, *, asked_again: bool = False) -> JoinAnswer:
         """What to answer ``member`` (already checked to be the caller's own declaration)."""
-        if member.schema != self.me.schema or self.phase in (Phase.FAILED,):
+        if member.schema != self.me.schema or self.phase is Phase.FAILED:
             return Reject("not matching now")
         if self.phase is Phase.LOOKING:
             if not asked_again:

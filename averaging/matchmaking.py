@@ -174,9 +174,7 @@ class Matchmaker:
                     raise MatchmakingError(formation.failure(key, self.config.timeout))
         finally:
             self._formation = None
-            if self._lead is not None:
-                self._lead.close(None, None)
-                self._lead = None
+            self._close_lead(None, None)
             self._move()
 
     async def _perform(self, formation: Formation, action: Action) -> Action:
@@ -206,9 +204,7 @@ class Matchmaker:
             return formation.on_timer(trio.current_time())
         if isinstance(action, Fix):
             return await self._fix_group(formation, action.members)
-        if isinstance(action, Fail) and self._lead is not None:
-            self._close_lead(None, None)
-        return action  # Done, Fail: the loop ends
+        return action  # Done, Fail: the loop ends (form_group's finally closes a lead)
 
     def _close_lead(self, group: Group | None, redirect: ID | None) -> None:
         if self._lead is not None:
