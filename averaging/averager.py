@@ -43,6 +43,7 @@ from p2p.trio_util import finish_quietly
 from .allreduce import PROTOCOL, AllreduceConfig, AllreduceRound, RoundPlan, RoundReport, check_weight
 from .bandwidth import BandwidthConfig, BandwidthEstimator, is_probe
 from .errors import AllreduceProtocolError, AveragingError, MatchmakingError, PartialAverageError
+from .finite import all_finite
 from .group import Group, Member, Role
 from .load_balancing import Balance, balance, equal_fractions, split_seconds
 from .matchmaking import Matchmaker, MatchmakingConfig
@@ -108,7 +109,7 @@ class AveragerConfig:
 
 
 def _check_finite(tensors: Sequence[torch.Tensor]) -> None:
-    if not all(bool(torch.isfinite(t).all()) for t in tensors):
+    if not all_finite(tensors):
         raise ValueError("the tensors hold NaN or Inf; refusing to average them")
 
 
@@ -135,6 +136,8 @@ class Averager:
         self.config = config
         self.matchmaker = Matchmaker(peer, config.prefix, config.matchmaking)
         self._rounds: dict[bytes, AllreduceRound] = {}
+        #: flat vectors of finished rounds, by size, for the next round to reuse (see flatten)
+        self._flat_buffers: dict[int, torch.Tensor] = {}
         self._round_started: dict[bytes, trio.Event] = {}
         self.last_balance: Balance | None = None
         self._external = _ExternalWatch()
@@ -265,14 +268,24 @@ class Averager:
             check_weight(weight)
         flat = None
         if group.me.role.sends:
-            flat = flatten(tensors)
+            flat = flatten(tensors, self._flat_buffers.pop(schema.numel, None))
             if not checked:
-                _check_finite([flat])
+                try:
+                    _check_finite([flat])
+                except ValueError:
+                    self._flat_buffers[schema.numel] = flat
+                    raise
         round_group = group if phase == 0 else group.for_phase(phase)
-        report, output = await self._run(round_group, schema, flat, weight)
-        self.failure_rate.observe(group.size, len(report.left_out))
-        if output is not None and (report.complete or not strict):
-            unflatten_into(output, tensors)
+        try:
+            report, output = await self._run(round_group, schema, flat, weight)
+            self.failure_rate.observe(group.size, len(report.left_out))
+            if output is not None and (report.complete or not strict):
+                unflatten_into(output, tensors)
+        finally:
+            if flat is not None:
+                # The round wrote its average into ``flat`` and is done with it: the next round of this
+                # size takes it (one buffer per size; a concurrent round allocates its own).
+                self._flat_buffers[schema.numel] = flat
         if not report.complete:
             log.warning("averaging round %s: %s", report.group_id.hex()[:8], report.summary())
             if strict:
@@ -282,7 +295,7 @@ class Averager:
     async def _run(self, group: Group, schema: Schema, flat: torch.Tensor | None,
                    weight: float) -> tuple[RoundReport, torch.Tensor | None]:
         fractions = self.fractions(group, schema)
-        plan = RoundPlan.make(schema, fractions, self.config.allreduce)
+        plan = RoundPlan.make(schema, fractions, self.config.allreduce, group)
         # A probe round runs its senders free of lockstep so that its transfers
         # measure the links, not the slowest member (averaging.bandwidth).
         probe = self.config.adaptive and is_probe(

@@ -26,6 +26,7 @@ from enum import StrEnum
 import torch
 
 from .proto import averaging_pb2 as pb
+from .tensor_stream import tensor_bytes
 
 UINT8_BLOCK = 1024
 FLOAT16_MAX = 65504.0
@@ -57,12 +58,16 @@ def payload_size(codec: pb.Codec.ValueType, elements: int) -> int:
     raise ValueError(f"unknown codec {codec}")
 
 
-def encode(values: torch.Tensor, codec: pb.Codec.ValueType) -> bytes:
-    """The payload of a chunk: ``values`` is a 1-D float32 CPU tensor."""
+def encode(values: torch.Tensor, codec: pb.Codec.ValueType) -> memoryview:
+    """The payload of a chunk: ``values`` is a 1-D float32 CPU tensor.
+
+    float32 is a view of ``values``' own memory (zero-copy: the caller writes
+    it out before changing them); the other codecs return their new tensor's bytes.
+    """
     if codec == pb.CODEC_FLOAT32:
-        return values.contiguous().numpy().tobytes()
+        return tensor_bytes(values.contiguous())
     if codec == pb.CODEC_FLOAT16:
-        return values.clamp(-FLOAT16_MAX, FLOAT16_MAX).to(torch.float16).numpy().tobytes()
+        return tensor_bytes(values.clamp(-FLOAT16_MAX, FLOAT16_MAX).to(torch.float16))
     if codec == pb.CODEC_UINT8:
         n = values.numel()
         blocks = -(-n // UINT8_BLOCK)
@@ -74,23 +79,40 @@ def encode(values: torch.Tensor, codec: pb.Codec.ValueType) -> bytes:
         scale = (padded.max(dim=1).values - lo) / 255.0
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         codes = ((padded - lo[:, None]) / scale[:, None]).round_().clamp_(0, 255).to(torch.uint8)
-        head = torch.stack([lo, scale], dim=1).contiguous().numpy().tobytes()
-        return head + codes.reshape(-1)[:n].numpy().tobytes()
+        out = torch.empty(8 * blocks + n, dtype=torch.uint8)
+        out[:8 * blocks] = torch.stack([lo, scale], dim=1).reshape(-1).view(torch.uint8)
+        out[8 * blocks:] = codes.reshape(-1)[:n]
+        return tensor_bytes(out)
     raise ValueError(f"unknown codec {codec}")
 
 
+def _writable(payload: bytes | bytearray | memoryview) -> bytearray | memoryview:
+    """``payload`` itself when torch may view it (writable), else a copy."""
+    if isinstance(payload, bytearray) or (isinstance(payload, memoryview) and not payload.readonly):
+        return payload
+    return bytearray(payload)
+
+
 def decode(payload: bytes | bytearray | memoryview, codec: pb.Codec.ValueType, elements: int) -> torch.Tensor:
-    """float32 values of a chunk; ``payload`` must be :func:`payload_size` bytes."""
+    """float32 values of a chunk; ``payload`` must be :func:`payload_size` bytes.
+
+    A float32 payload in a writable buffer (the all-reduce's receive buffers)
+    is viewed, not copied: the result shares its memory.
+    """
     if len(payload) != payload_size(codec, elements):
         raise ValueError(f"payload of {len(payload)} bytes for {elements} values of codec {codec}")
+    if elements == 0:
+        return torch.empty(0, dtype=torch.float32)
+    buffer = _writable(payload)
     if codec == pb.CODEC_FLOAT32:
-        return torch.frombuffer(bytearray(payload), dtype=torch.float32)
+        return torch.frombuffer(buffer, dtype=torch.float32)
     if codec == pb.CODEC_FLOAT16:
-        return torch.frombuffer(bytearray(payload), dtype=torch.float16).to(torch.float32)
+        return torch.frombuffer(buffer, dtype=torch.float16).to(torch.float32)
     if codec == pb.CODEC_UINT8:
         blocks = -(-elements // UINT8_BLOCK)
-        head = torch.frombuffer(bytearray(payload[:8 * blocks]), dtype=torch.float32).view(blocks, 2)
-        codes = torch.frombuffer(bytearray(payload[8 * blocks:]), dtype=torch.uint8).to(torch.float32)
+        raw = torch.frombuffer(buffer, dtype=torch.uint8)
+        head = raw[:8 * blocks].view(torch.float32).view(blocks, 2)
+        codes = raw[8 * blocks:].to(torch.float32)
         padded = torch.nn.functional.pad(codes, (0, blocks * UINT8_BLOCK - elements)).view(blocks, UINT8_BLOCK)
         return (padded * head[:, 1:2] + head[:, 0:1]).reshape(-1)[:elements]
     raise ValueError(f"unknown codec {codec}")

@@ -33,6 +33,7 @@ import torch
 
 from .allreduce import RoundReport
 from .averager import Averager
+from .finite import all_finite
 
 PURPOSE = "powersgd"
 
@@ -110,7 +111,7 @@ class PowerSGD:
                              f"made for {[tuple(s) for s in self.shapes]}")
         if any(g.dtype != torch.float32 for g in grads):
             raise ValueError("PowerSGD averages float32 gradients")
-        if not all(bool(torch.isfinite(g).all()) for g in grads):
+        if not all_finite(grads):
             raise ValueError("the gradients hold NaN or Inf; refusing to average them")
         packed = [i for i, c in enumerate(self.compressed) if c]
         plain = [i for i, c in enumerate(self.compressed) if not c]

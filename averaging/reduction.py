@@ -28,6 +28,7 @@ import torch
 
 from .compression import Region
 from .errors import AllreduceProtocolError
+from .finite import tensor_finite
 
 
 class ChunkRejected(AllreduceProtocolError):
@@ -97,7 +98,7 @@ class PartReduction:
         pending = self._pending.setdefault(index, _Pending())
         pending.delivered.add(sender)
         weight = self.weights[sender]
-        if not bool(torch.isfinite(values).all()):
+        if not tensor_finite(values):
             pending.notes.append(f"member {sender}: non-finite values refused")
         elif weight > 0:
             if pending.total is None:

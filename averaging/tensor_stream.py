@@ -155,8 +155,10 @@ def _check_tensor(tensor: object, what: str) -> torch.Tensor:
     return tensor
 
 
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor: a writable view of its memory, no copy.
+
+    The view keeps the tensor alive, and sees its later writes.
 
     Viewed as uint8 in torch first, since numpy has no bfloat16. (numpy's stubs
     declare the buffer protocol only on Python 3.12 and later, hence the cast.)
@@ -212,7 +214,7 @@ async def send_tensors(
     await writer.write(encode_varint(len(body)) + body)
     for tensor in tensors:
         # contiguous() before cpu(): on a GPU the copy is cheap, and the transfer then is one block.
-        data = _bytes_of(tensor.detach().resolve_neg().contiguous().cpu())
+        data = tensor_bytes(tensor.detach().resolve_neg().contiguous().cpu())
         for start in range(0, len(data), chunk_size):
             await writer.write(data[start : start + chunk_size])
     await writer.flush()
@@ -365,7 +367,7 @@ async def receive_tensors(
     total = sum(spec.nbytes for spec in specs)
     received = 0
     for i, (spec, tensor) in enumerate(zip(specs, targets)):
-        filled = await _fill(stream, _bytes_of(tensor))
+        filled = await _fill(stream, tensor_bytes(tensor))
         received += filled
         if filled < spec.nbytes:
             raise TruncatedTensorStreamError(

@@ -88,6 +88,32 @@ class FrameReader:
             self._watchdog.deadline = trio.current_time() + self._patience
         return data
 
+    async def readinto(self, view: memoryview) -> None:
+        """Fill ``view`` exactly: what is buffered first, then straight from the stream's reads.
+
+        A chunk's payload goes from the bytes the muxer returns into the
+        caller's buffer in one copy (:meth:`exactly` would copy it twice more).
+        """
+        filled = min(len(self._buf), len(view))
+        if filled:
+            view[:filled] = self._buf[:filled]
+            del self._buf[:filled]
+        while filled < len(view):
+            try:
+                data = await self.stream.read(min(len(view) - filled, READ_SIZE))
+            except EOFError:
+                data = b""
+            if not data:
+                raise TruncatedStreamError("the peer closed the stream mid-frame")
+            self.bytes_read += len(data)
+            if self._watchdog is not None:
+                self._watchdog.deadline = trio.current_time() + self._patience
+            if len(data) > len(view) - filled:  # a stream that returned more than asked: keep the rest
+                self._buf += data[len(view) - filled:]
+                data = data[:len(view) - filled]
+            view[filled:filled + len(data)] = data
+            filled += len(data)
+
     async def exactly(self, n: int) -> bytes:
         while len(self._buf) < n:
             await self._more()

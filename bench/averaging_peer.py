@@ -18,7 +18,8 @@ A peer's tensor and weight in round R follow from the seed and its peer id
 the round report's member list and checks its own result against the exact
 weighted average of the members that the report says contributed
 (``max_err``; the driver counts a "complete" round whose error is large as a
-silently wrong average). ``--boot`` runs the
+silently wrong average). With DEDLOC_BENCH_PROFILE=DIR in the environment
+each round's step is profiled (cProfile) into DIR. ``--boot`` runs the
 relay/bootstrap node only. Only stdout carries the protocol: logging goes to
 stderr.
 """
@@ -27,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import cProfile
 import logging
+import os
 import sys
 import time
 import traceback
@@ -54,6 +57,8 @@ from p2p.hooks import Reachability  # noqa: E402
 
 MBIT = 1e6 / 8  # bytes per second
 READY_WAIT_S = 60.0
+#: a folder: each round's averager.step is profiled (cProfile) into it, one file per peer and round
+PROFILE = os.environ.get("DEDLOC_BENCH_PROFILE")
 
 
 def peer_config(listen: str, initial: list[str], boot: bool) -> PeerConfig:
@@ -99,7 +104,13 @@ async def one_round(averager: Averager, cmd: dict[str, Any], args: argparse.Name
         # A little longer than the matchmaking deadline, so that the averager's own error
         # (no group, a stalled round) is what gets reported, not this guard's.
         with trio.fail_after(args.timeout + 8):
+            profile = cProfile.Profile() if PROFILE else None
+            if profile is not None:
+                profile.enable()
             report = await averager.step(tensors, weight=weight, strict=False)
+            if profile is not None:
+                profile.disable()
+                profile.dump_stats(f"{PROFILE}/{me[-6:]}-{cmd['id']}.prof")
     except (AveragingError, trio.TooSlowError, ValueError) as exc:
         traceback.print_exc(file=sys.stderr)  # the worker's log has the whole story
         where = f" after {time.perf_counter() - started:.1f} s"

@@ -373,3 +373,89 @@ def test_the_leader_is_a_reachable_reducer_before_a_sender_behind_a_nat() -> Non
     other_public = Member(mid, (Multiaddr("/ip4/11.0.3.2/tcp/4001"),), Role.FULL, b"s", accepts_joins=True)
     ranked = sorted([behind_nat, relayed_only, public, other_public], key=leader_rank)
     assert ranked == [other_public, public, behind_nat, relayed_only]
+
+
+# ---------------------------------------------------------------- the fast data path (issue 32)
+
+
+def test_finite_checks_catch_nan_and_inf_and_survive_an_overflowing_sum() -> None:
+    from averaging.finite import all_finite, tensor_finite
+
+    x = torch.randn(100_000)
+    assert tensor_finite(x) and all_finite([x, x[:10], torch.empty(0)])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        y[54_321] = bad
+        assert not tensor_finite(y) and not all_finite([x, y])
+    huge = torch.full((1000,), 3e38)  # the sum overflows, every value is finite: the exact check decides
+    assert tensor_finite(huge) and all_finite([huge, x])
+    half = torch.full((100,), 60000.0, dtype=torch.float16)
+    assert tensor_finite(half)
+    assert tensor_finite(torch.arange(10))  # integers are never non-finite
+
+
+def test_chunks_follow_the_slowest_declared_link() -> None:
+    from averaging.allreduce import AllreduceConfig, chunk_elements_for
+
+    c = AllreduceConfig()
+    mbit = 1e6 / 8
+    assert chunk_elements_for([], 10**8, c) == 32 * 1024  # nothing known: the small safe chunk
+    assert chunk_elements_for([0.0, 0.0], 10**8, c) == 32 * 1024
+    assert chunk_elements_for([100 * mbit] * 4, 10**8, c) == 32 * 1024  # 100 Mbit: 128 KiB, as tuned
+    assert chunk_elements_for([1000 * mbit, 100 * mbit], 10**8, c) == 32 * 1024  # the slowest decides
+    assert chunk_elements_for([1000 * mbit] * 4, 10**8, c) == 256 * 1024  # 1 Gbit: 1 MiB
+    assert chunk_elements_for([1e10] * 4, 10**8, c) == 1024 * 1024  # capped at 4 MiB
+    assert chunk_elements_for([1e10] * 4, 2_500_000, c) == 256 * 1024  # and at an eighth of a part
+    assert chunk_elements_for([1e10] * 4, 1000, c) == 32 * 1024  # never below the minimum
+    assert chunk_elements_for([float("inf"), 1000 * mbit], 10**8, c) == 256 * 1024
+
+
+def test_float32_payloads_are_views_not_copies() -> None:
+    values = torch.randn(4096)
+    payload = encode(values, pb.CODEC_FLOAT32)
+    values[0] = 42.0
+    assert torch.frombuffer(bytearray(payload), dtype=torch.float32)[0] == 42.0  # the view sees the tensor
+    buffer = bytearray(payload)
+    decoded = decode(memoryview(buffer), pb.CODEC_FLOAT32, 4096)
+    buffer[:4] = torch.tensor([7.0]).numpy().tobytes()
+    assert decoded[0] == 7.0  # decoded in place from a writable buffer
+    assert decode(bytes(payload), pb.CODEC_FLOAT32, 4096)[0] == 42.0  # read-only bytes are copied
+    for codec in (pb.CODEC_FLOAT16, pb.CODEC_UINT8):
+        assert len(encode(values, codec)) == payload_size(codec, 4096)
+    assert decode(b"", pb.CODEC_FLOAT32, 0).numel() == 0
+
+
+def test_flatten_into_a_kept_buffer_and_back() -> None:
+    tensors = [torch.randn(3, 4), torch.randn(5, dtype=torch.float64), torch.randn(2, dtype=torch.bfloat16)]
+    fresh = flatten(tensors)
+    buffer = torch.full((fresh.numel(),), float("nan"))
+    assert flatten(tensors, buffer) is buffer
+    assert torch.equal(buffer, fresh)
+
+
+def test_frame_reader_fills_a_buffer_from_what_it_holds_and_the_stream() -> None:
+    import trio
+
+    from averaging.wire import FrameReader, TruncatedStreamError
+
+    class Pieces:
+        def __init__(self, pieces: list[bytes]) -> None:
+            self.pieces = pieces
+
+        async def read(self, n: int) -> bytes:
+            return self.pieces.pop(0) if self.pieces else b""
+
+        async def write(self, data: bytes) -> None:
+            raise AssertionError
+
+    async def main() -> None:
+        reader = FrameReader(Pieces([b"\x03abcde", b"fgh", b"ijkl"]))
+        assert await reader.exactly(1) == b"\x03"  # leaves "abcde" buffered
+        view = memoryview(bytearray(9))
+        await reader.readinto(view)
+        assert bytes(view) == b"abcdefghi"
+        assert await reader.exactly(3) == b"jkl"
+        with pytest.raises(TruncatedStreamError):
+            await reader.readinto(memoryview(bytearray(1)))
+
+    trio.run(main)

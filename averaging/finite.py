@@ -1,0 +1,48 @@
+"""Whether tensors hold only finite values, at the speed of one summing pass.
+
+``torch.isfinite(t).all()`` builds a bool tensor and scans it: 1.2 GB/s on
+one core here, which made it the largest single cost of an unshaped round
+(0.2 s of a peer's 0.5 CPU-seconds for 40 MB: the averager's check of the
+input, the reducer's of every contribution, the sender's of every average).
+A sum runs at 31 GB/s, and NaN and Inf survive it (NaN + x is NaN, Inf + x
+is Inf or NaN), so a finite sum proves every value finite. Only a sum that
+overflows (values near float32's 3.4e38, or float16's 65504) is not proof
+either way; then the exact check decides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+def tensor_finite(values: torch.Tensor) -> bool:
+    """True when no value of ``values`` is NaN or +-Inf (any device, any floating dtype)."""
+    if values.numel() == 0 or not values.is_floating_point():
+        return True
+    if bool(torch.isfinite(values.sum(dtype=torch.float32))):
+        return True
+    return bool(torch.isfinite(values).all())
+
+
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """True when every tensor is :func:`tensor_finite`.
+
+    One sum per tensor, stacked per device and read once: on a GPU each
+    ``bool()`` is a synchronisation, so a model's 200 gradients cost one,
+    not 200 (on the CPU: 0.15 ms for 1.3 M parameters where isfinite().all()
+    on each took 3.7 ms).
+    """
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel() and t.is_floating_point():
+            by_device.setdefault(t.device, []).append(t)
+    for group in by_device.values():
+        sums = torch.stack([t.sum(dtype=torch.float32) for t in group])
+        if not bool(torch.isfinite(sums).all()) and not all(bool(torch.isfinite(t).all()) for t in group):
+            return False
+    return True
+
+
+__all__ = ["all_finite", "tensor_finite"]
