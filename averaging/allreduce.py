@@ -49,6 +49,7 @@ from .group import Group, contributors_bits, contributors_from_bits
 from .partition import Schema, chunk_spans, part_bounds
 from .proto import averaging_pb2 as pb
 from .reduction import ChunkRejected, FinalChunk, PartReduction
+from .staging import FlatVector
 from .tensor_stream import JOIN_LIMIT
 from .wire import FrameReader, frame
 
@@ -286,7 +287,7 @@ def chunk_elements_for(rates: Sequence[float], largest_part: int, config: Allred
 class AllreduceRound:
     """This peer's side of one round: its sends, its reduction, its result."""
 
-    def __init__(self, swarm: Swarm, group: Group, plan: RoundPlan, values: torch.Tensor | None,
+    def __init__(self, swarm: Swarm, group: Group, plan: RoundPlan, values: FlatVector | None,
                  weight: float, config: AllreduceConfig, fractions: tuple[float, ...]) -> None:
         self.swarm = swarm
         self.group = group
@@ -298,10 +299,10 @@ class AllreduceRound:
             raise ValueError("a sending member needs values")
         check_weight(weight)
         self.weight = weight
+        #: where payloads come from and averages go (:mod:`averaging.staging`): averaged chunk by
+        #: chunk in place (a chunk's average comes back only after its values went out; what never
+        #: came back keeps this peer's values)
         self.values = values
-        #: the result: ``values`` itself, averaged chunk by chunk in place (a chunk's average comes
-        #: back only after its values went out; what never came back keeps this peer's values)
-        self.output = values
         self.report = RoundReport(group.group_id, [m.peer_id for m in group.members], self.me, fractions, [])
         self.outcomes: dict[int, PartOutcome] = {}
         for j, member in enumerate(group.members):
@@ -339,7 +340,7 @@ class AllreduceRound:
         with trio.move_on_after(self.config.timeout) as scope:
             async with trio.open_nursery() as nursery:
                 if self.reduction is not None and self.me in self.reduction.expected:
-                    self._add_own()
+                    nursery.start_soon(self._add_own)
                 for j in self.outcomes:
                     if j != self.me:
                         nursery.start_soon(self._exchange, j)
@@ -384,16 +385,15 @@ class AllreduceRound:
         for s in sorted(self.reduction.expected):
             self._dispatch(self.reduction.drop(s, "no chunks before the round's timeout"))
 
-    def _add_own(self) -> None:
+    async def _add_own(self) -> None:
         assert self.reduction is not None and self.values is not None
         self.reduction.set_weight(self.me, self.weight)
         for k, span in enumerate(self.plan.spans[self.me]):
-            values = self.values[span.start:span.end]
-            if span.codec != pb.CODEC_FLOAT32:
-                # The reducer's own values go through the codec too, so every
-                # sender's contribution is rounded alike.
-                values = decode(encode(values, span.codec), span.codec, span.end - span.start)
-            self._dispatch(self.reduction.add(self.me, k, values))
+            # The reducer's own values go through the codec too, so every
+            # sender's contribution is rounded alike.
+            values = await self.values.own(span)
+            if self.me in self.reduction.expected:  # not dropped by a timeout meanwhile
+                self._dispatch(self.reduction.add(self.me, k, values))
 
     # ------------------------------------------------------------------ reducer side
 
@@ -489,8 +489,8 @@ class AllreduceRound:
               notes: Sequence[str]) -> None:
         outcome = self.outcomes[part]
         span = self.plan.spans[part][index]
-        if values is not None and self.output is not None:
-            self.output[span.start:span.end] = values
+        if values is not None and self.values is not None:
+            self.values.write(span, values)
         if values is not None:
             outcome.averaged_chunks += 1
         missing = [i for i in self.group.senders() if i not in contributors]
@@ -558,7 +558,7 @@ class AllreduceRound:
         ahead = self.config.max_chunks_ahead
         for k, span in enumerate(self.plan.spans[part]):
             await returned.wait_for(k - ahead + 1)
-            payload = encode(self.values[span.start:span.end], span.codec)
+            payload = await self.values.payload(span)
             head = frame(pb.ChunkHeader(index=k, codec=span.codec, nbytes=len(payload)))
             await _write_chunk(stream, head, payload)
             clock.add(len(payload), time.perf_counter())

@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 
@@ -48,7 +48,8 @@ from .group import Group, Member, Role
 from .load_balancing import Balance, balance, equal_fractions, split_seconds
 from .matchmaking import Matchmaker, MatchmakingConfig
 from .moshpit import FailureRate, GridPosition, MoshpitConfig
-from .partition import Schema, flatten, unflatten_into
+from .partition import Schema, unflatten_into
+from .staging import BufferPool, DeviceVector, FlatVector, HostVector
 from .proto import averaging_pb2 as pb
 from .wire import FrameReader
 
@@ -136,8 +137,8 @@ class Averager:
         self.config = config
         self.matchmaker = Matchmaker(peer, config.prefix, config.matchmaking)
         self._rounds: dict[bytes, AllreduceRound] = {}
-        #: flat vectors of finished rounds, by size, for the next round to reuse (see flatten)
-        self._flat_buffers: dict[int, torch.Tensor] = {}
+        #: the rounds' flat vectors and staging buffers, kept for the next round (averaging.staging)
+        self._buffers = BufferPool()
         self._round_started: dict[bytes, trio.Event] = {}
         self.last_balance: Balance | None = None
         self._external = _ExternalWatch()
@@ -250,58 +251,66 @@ class Averager:
         return group
 
     async def average_in(self, group: Group, tensors: Sequence[torch.Tensor], weight: float = 1.0, *,
-                         strict: bool = True, phase: int = 0) -> RoundReport:
+                         strict: bool = True, phase: int = 0,
+                         accept: Callable[[RoundReport], bool] | None = None) -> RoundReport:
         """One all-reduce of ``tensors`` (in place) within ``group``, from :meth:`matchmake`.
 
         Every member must call it with tensors of one schema and the same
         ``phase``; the phase gives the round its own id, so a group can
         average several times (phases 0, 1, ...). Partial rounds raise
         :class:`PartialAverageError` when ``strict`` (tensors untouched).
+        ``accept``: with ``strict=False``, write the result into ``tensors``
+        only when it says so (a caller that retries a round keeps its values
+        for the retry without copying them first).
         """
-        return await self._average(group, tensors, weight, strict=strict, phase=phase, checked=False)
+        return await self._average(group, tensors, weight, strict=strict, phase=phase, checked=False, accept=accept)
 
     async def _average(self, group: Group, tensors: Sequence[torch.Tensor], weight: float, *,
-                       strict: bool, phase: int, checked: bool) -> RoundReport:
+                       strict: bool, phase: int, checked: bool,
+                       accept: Callable[[RoundReport], bool] | None = None) -> RoundReport:
         """:meth:`average_in`; ``checked``: :meth:`matchmake` already checked ``weight`` and the values."""
         schema = Schema.of(tensors)
         if not checked:
             check_weight(weight)
-        flat = None
-        if group.me.role.sends:
-            flat = flatten(tensors, self._flat_buffers.pop(schema.numel, None))
-            if not checked:
-                try:
-                    _check_finite([flat])
-                except ValueError:
-                    self._flat_buffers[schema.numel] = flat
-                    raise
+            if group.me.role.sends:
+                _check_finite(tensors)
         round_group = group if phase == 0 else group.for_phase(phase)
+        fractions = self.fractions(round_group, schema)
+        plan = RoundPlan.make(schema, fractions, self.config.allreduce, round_group)
+        vector = self._stage(tensors, plan) if group.me.role.sends else None
         try:
-            report, output = await self._run(round_group, schema, flat, weight)
+            report = await self._run(round_group, plan, fractions, vector, weight)
             self.failure_rate.observe(group.size, len(report.left_out))
-            if output is not None and (report.complete or not strict):
-                unflatten_into(output, tensors)
+            if vector is not None:
+                await vector.finish()
+                if report.complete or not strict and (accept is None or accept(report)):
+                    unflatten_into(vector.result, tensors)
         finally:
-            if flat is not None:
-                # The round wrote its average into ``flat`` and is done with it: the next round of this
-                # size takes it (one buffer per size; a concurrent round allocates its own).
-                self._flat_buffers[schema.numel] = flat
+            if vector is not None:
+                vector.release()
         if not report.complete:
             log.warning("averaging round %s: %s", report.group_id.hex()[:8], report.summary())
             if strict:
                 raise PartialAverageError(report.summary(), report)
         return report
 
-    async def _run(self, group: Group, schema: Schema, flat: torch.Tensor | None,
-                   weight: float) -> tuple[RoundReport, torch.Tensor | None]:
-        fractions = self.fractions(group, schema)
-        plan = RoundPlan.make(schema, fractions, self.config.allreduce, group)
+    def _stage(self, tensors: Sequence[torch.Tensor], plan: RoundPlan) -> HostVector | DeviceVector:
+        """The round's flat vector: a host copy of CPU tensors, or staged from a GPU (:mod:`averaging.staging`)."""
+        if all(t.device.type == "cpu" for t in tensors):
+            return HostVector(tensors, self._buffers)
+        # Every chunk in the order the round needs it: chunk k of every part before chunk k+1 of any.
+        outgoing = [spans[k] for k in range(max(map(len, plan.spans), default=0))
+                    for spans in plan.spans if k < len(spans)]
+        return DeviceVector(tensors, outgoing, self._buffers)
+
+    async def _run(self, group: Group, plan: RoundPlan, fractions: tuple[float, ...], vector: FlatVector | None,
+                   weight: float) -> RoundReport:
         # A probe round runs its senders free of lockstep so that its transfers
         # measure the links, not the slowest member (averaging.bandwidth).
         probe = self.config.adaptive and is_probe(
             group.group_id, [(m.upload, m.download) for m in group.members], self.config.bandwidth.probe_every)
         allreduce = replace(self.config.allreduce, max_chunks_ahead=max([1, *map(len, plan.spans)])) if probe else self.config.allreduce
-        round_ = AllreduceRound(self.peer, group, plan, flat, weight, allreduce, fractions)
+        round_ = AllreduceRound(self.peer, group, plan, vector, weight, allreduce, fractions)
         self._rounds[group.group_id] = round_
         self._round_started.setdefault(group.group_id, trio.Event()).set()
         try:
@@ -314,7 +323,7 @@ class Averager:
             report.notes.append("a probe round: senders ran free of lockstep to measure the links")
         if self.last_balance is not None:
             report.notes.append(f"load balancing solved in {self.last_balance.solve_seconds * 1e3:.1f} ms")
-        return report, round_.output
+        return report
 
     def fractions(self, group: Group, schema: Schema) -> tuple[float, ...]:
         """The split of the vector among the members: the LP's, or equal among reducers."""

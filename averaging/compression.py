@@ -58,16 +58,16 @@ def payload_size(codec: pb.Codec.ValueType, elements: int) -> int:
     raise ValueError(f"unknown codec {codec}")
 
 
-def encode(values: torch.Tensor, codec: pb.Codec.ValueType) -> memoryview:
-    """The payload of a chunk: ``values`` is a 1-D float32 CPU tensor.
+def encode_tensor(values: torch.Tensor, codec: pb.Codec.ValueType) -> torch.Tensor:
+    """The payload of a chunk as a uint8 tensor on ``values``' device (a 1-D float32 tensor).
 
-    float32 is a view of ``values``' own memory (zero-copy: the caller writes
-    it out before changing them); the other codecs return their new tensor's bytes.
+    On a GPU the codec runs there, so only the encoded bytes cross the PCIe
+    bus. float32 is a view of ``values``' memory (no copy).
     """
     if codec == pb.CODEC_FLOAT32:
-        return tensor_bytes(values.contiguous())
+        return values.contiguous().view(torch.uint8)
     if codec == pb.CODEC_FLOAT16:
-        return tensor_bytes(values.clamp(-FLOAT16_MAX, FLOAT16_MAX).to(torch.float16))
+        return values.clamp(-FLOAT16_MAX, FLOAT16_MAX).to(torch.float16).view(torch.uint8)
     if codec == pb.CODEC_UINT8:
         n = values.numel()
         blocks = -(-n // UINT8_BLOCK)
@@ -79,11 +79,14 @@ def encode(values: torch.Tensor, codec: pb.Codec.ValueType) -> memoryview:
         scale = (padded.max(dim=1).values - lo) / 255.0
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         codes = ((padded - lo[:, None]) / scale[:, None]).round_().clamp_(0, 255).to(torch.uint8)
-        out = torch.empty(8 * blocks + n, dtype=torch.uint8)
-        out[:8 * blocks] = torch.stack([lo, scale], dim=1).reshape(-1).view(torch.uint8)
-        out[8 * blocks:] = codes.reshape(-1)[:n]
-        return tensor_bytes(out)
+        return torch.cat([torch.stack([lo, scale], dim=1).reshape(-1).view(torch.uint8), codes.reshape(-1)[:n]])
     raise ValueError(f"unknown codec {codec}")
+
+
+def encode(values: torch.Tensor, codec: pb.Codec.ValueType) -> memoryview:
+    """:func:`encode_tensor`'s bytes for a CPU tensor, as a view (float32: of ``values``' own memory, zero-copy:
+    the caller writes it out before changing them)."""
+    return tensor_bytes(encode_tensor(values, codec))
 
 
 def _writable(payload: bytes | bytearray | memoryview) -> bytearray | memoryview:

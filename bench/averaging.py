@@ -279,7 +279,8 @@ async def timed_rounds(system: System, specs: list[PeerSpec], args: argparse.Nam
         if lab_needed:
             lab = await stack.enter_async_context(Lab(prefix=PREFIX, netem=False))
         swarm = Swarm(system, lab, args.log_dir, elements, len(specs),
-                      common=["--gather-time", str(args.gather_time), "--timeout", str(args.timeout), *tuning(args)])
+                      common=["--gather-time", str(args.gather_time), "--timeout", str(args.timeout), *tuning(args),
+                              *getattr(args, "worker_extra", [])])
         stack.push_async_callback(swarm.close)
         await swarm.start_boot()
         with trio.fail_after(READY_TIMEOUT_S):

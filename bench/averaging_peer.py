@@ -128,7 +128,7 @@ async def one_round(averager: Averager, cmd: dict[str, Any], args: argparse.Name
         contributors = [str(m) for m in report.members if str(m) not in left_out | auxiliary]
         # In a thread: the check is seconds of CPU for 40 MB, and this peer's event
         # loop must keep serving the members still finishing their round.
-        err = await trio.to_thread.run_sync(max_error, tensors[0], contributors, seed)
+        err = await trio.to_thread.run_sync(max_error, tensors[0], contributors, seed, args.check_stride)
         reply["max_err"] = min(err, 1e30)
     return reply
 

@@ -459,3 +459,45 @@ def test_frame_reader_fills_a_buffer_from_what_it_holds_and_the_stream() -> None
             await reader.readinto(memoryview(bytearray(1)))
 
     trio.run(main)
+
+
+def test_buffer_pool_lends_the_front_of_one_growing_buffer() -> None:
+    from averaging.staging import BufferPool
+
+    pool = BufferPool()
+    a = pool.take("host", torch.float32, 1000)
+    assert a.numel() == 1000
+    pool.give("host", a)
+    b = pool.take("host", torch.float32, 600)  # the same memory, its front
+    assert b.numel() == 600 and b.data_ptr() == a.data_ptr()
+    c = pool.take("host", torch.float32, 600)  # b is lent: another buffer
+    assert c.data_ptr() != b.data_ptr()
+    pool.give("host", b)
+    pool.give("host", c)
+    d = pool.take("host", torch.float32, 2000)  # bigger than any kept: a new one, kept after
+    pool.give("host", d)
+    assert pool.take("host", torch.float32, 1500).data_ptr() == d.data_ptr()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_vector_stages_a_gpu_through_page_locked_memory() -> None:
+    import trio
+
+    from averaging.compression import Region
+    from averaging.staging import BufferPool, DeviceVector
+
+    tensors = [torch.randn(5000, device="cuda"), torch.randn(3, 7, device="cuda")]
+    flat = torch.cat([t.reshape(-1) for t in tensors]).cpu()
+    spans = [Region(0, 3000, pb.CODEC_FLOAT32), Region(3000, 5000, pb.CODEC_FLOAT16),
+             Region(5000, 5021, pb.CODEC_FLOAT32)]
+
+    async def main() -> None:
+        vector = DeviceVector(tensors, spans, BufferPool())
+        assert vector._out.is_pinned() and vector._back.is_pinned()
+        assert bytes(await vector.payload(spans[0])) == flat[:3000].numpy().tobytes()
+        assert torch.allclose(await vector.own(spans[1]), flat[3000:5000], atol=1e-2)
+        vector.write(spans[0], torch.zeros(3000))
+        await vector.finish()
+        assert bool((vector.result[:3000] == 0).all()) and torch.equal(vector.result[3000:].cpu(), flat[3000:])
+
+    trio.run(main)

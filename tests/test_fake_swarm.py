@@ -136,3 +136,40 @@ async def test_three_trainers_equal_one_process_over_the_fake_swarm(delayed: boo
                     nursery.start_soon(train_together, peer, models[i], batches(i, sizes[i]), cfg, steps, used,
                                        reports[i], done, i)
     assert_equals_one_process(initial, models, used, reports, steps, target, delayed)
+
+
+@pytest.mark.parametrize("compression", ["none", "float16", "uint8"])
+async def test_the_device_staging_path_averages_like_the_host_path(compression: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """averaging.staging.DeviceVector (what a GPU's tensors go through: chunks encoded on the device,
+    staged in one host buffer in send order, averages copied back) on a CPU device, so that a machine
+    without a GPU runs its logic: the same average as the host path, within the codec's error."""
+    from averaging.compression import Compression
+    from averaging.staging import DeviceVector
+
+    staged: list[DeviceVector] = []
+
+    def stage(self: Averager, tensors: list[torch.Tensor], plan: object) -> DeviceVector:
+        outgoing = [spans[k] for k in range(max(map(len, plan.spans)))  # type: ignore[attr-defined]
+                    for spans in plan.spans if k < len(spans)]  # type: ignore[attr-defined]
+        staged.append(DeviceVector(tensors, outgoing, self._buffers))
+        return staged[-1]
+
+    monkeypatch.setattr(Averager, "_stage", stage)
+    cfg = config(3, allreduce=AllreduceConfig(compression=Compression(compression), chunk_elements=16 * 1024,
+                                              min_compress_elements=1000, timeout=30.0))
+    tolerance = {"none": 1e-5, "float16": 2e-3, "uint8": 0.05}[compression]
+    async with fake_swarms(3) as peers:
+        torch.manual_seed(2)
+        for round_ in range(2):  # the second round reuses the first one's buffers
+            data = [[torch.randn(200, 300), torch.randn(17)] for _ in peers]
+            weights = [1.0, 2.0, 3.0]
+            exact = [weighted_mean(data, weights, k) for k in range(2)]
+            async with Averager.open(peers[0], cfg) as a0, Averager.open(peers[1], cfg) as a1, \
+                    Averager.open(peers[2], cfg) as a2:
+                reports = await step_all([a0, a1, a2], data, weights)
+            assert all(isinstance(r, RoundReport) and r.complete for r in reports), reports
+            for tensors in data:
+                assert torch.allclose(tensors[0].double(), exact[0], atol=tolerance)
+                assert torch.allclose(tensors[1].double(), exact[1], atol=1e-5)  # small: stays float32
+    assert len(staged) == 6

@@ -71,10 +71,11 @@ class GradientAccumulator:
         return kept
 
     def mean(self) -> list[torch.Tensor]:
-        """The mean gradient over the samples added (zeros without any), in host memory: averaged
-        from there (an accumulator on a GPU stays there, where it is added to)."""
+        """The mean gradient over the samples added (zeros without any), on the accumulator's device:
+        on a GPU it stays there, and the averager stages it to the network itself, chunk by chunk
+        without blocking (averaging.staging)."""
         with torch.no_grad():
-            return [(acc / self.samples if self.samples else torch.zeros_like(acc)).cpu() for acc in self._sums]
+            return [acc / self.samples if self.samples else torch.zeros_like(acc) for acc in self._sums]
 
     def zero(self) -> None:
         self.samples = 0

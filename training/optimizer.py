@@ -451,9 +451,10 @@ class CollaborativeOptimizer:
             return StepReport(step, progress.samples, samples, 1, False, True, "alone: the local gradient", 0.0)
         summary = ""
         for attempt in range(1 + self.config.retries):
-            work = [g.clone() for g in grads]
             try:
-                report = await self._round(work, samples, f"grads:{step}:{attempt}", expected, step)
+                # grads take the average only from a round that lost no part: otherwise they stay
+                # as they were, for the next attempt (no copy of them is needed, on a GPU or not)
+                report = await self._round(grads, samples, f"grads:{step}:{attempt}", expected, step)
             except MatchmakingError as e:
                 if policy.missed_without_group(step, self.tracker.reports, self.peer.peer_id):
                     # the others took the step in a group we did not find: our own gradient alone
@@ -469,8 +470,6 @@ class CollaborativeOptimizer:
             summary = report.summary()
             lost = [p for p in report.parts if p.not_averaged]
             if not lost:
-                for g, w in zip(grads, work):
-                    g.copy_(w)
                 if len(report.members) < progress.peers_at_step:
                     summary += f" ({progress.peers_at_step} peers were at this step)"
                 return StepReport(step, progress.samples, samples, len(report.members), True, report.complete,
@@ -514,7 +513,7 @@ class CollaborativeOptimizer:
             raise failed[0]
         if not found:
             return None
-        return await self.averager.average_in(found[0], work, float(samples), strict=False)
+        return await self.averager.average_in(found[0], work, float(samples), strict=False, accept=_no_part_lost)
 
     async def _average_into(self, step: int, grads: list[torch.Tensor], samples: int, progress: GlobalProgress,
                             expected: int, started: float, done: trio.Event) -> None:
@@ -608,6 +607,11 @@ class CollaborativeOptimizer:
             self.scheduler.step()
         for p in self.params:
             p.grad = None
+
+
+def _no_part_lost(report: RoundReport) -> bool:
+    """A round whose every part came back (a sender left out costs only its own contribution)."""
+    return not any(p.not_averaged for p in report.parts)
 
 
 __all__ = ["CollaborativeOptimizer", "StepReport", "TrainingConfig"]

@@ -1,0 +1,202 @@
+"""One peer of bench/gpu_training.py: a transformer encoder trained alone, or with CollaborativeOptimizer.
+
+    .venv/bin/python bench/gpu_training_peer.py --mode alone|sync|dpu [--device cuda] [--size big|tiny]
+        [--micro 32] [--seq 256] [--target 2048] [--steps 5] [--initial-peers MADDR] [--peers 2] [--index I]
+
+Prints one JSON line when it took ``--steps`` global steps after the warm-up
+step: samples, wall time, the time it spent computing (forward and backward
+of its micro-batches, the device synchronised after each, so the time is the
+GPU's), the loss of every global step (the mean over its micro-batches), and
+every all-reduce round's time and bytes (the averager's own RoundReport).
+
+The model (``--size big``): token embedding (16384 x 1024) and 12 pre-norm
+encoder layers (d_model 1024, 16 heads, feed-forward 4096), 168 M
+parameters, bf16 autocast on a GPU, AdamW. The data: a seeded first-order
+Markov chain over the vocabulary (4 successors per token, the same on every
+peer), 15% of the tokens masked; the loss is cross-entropy on the masked
+tokens, which context predicts, so it falls from ln(16384) = 9.7.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import trio
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != BENCH] + [str(BENCH)]
+
+from averaging import MatchmakingConfig, RoundReport  # noqa: E402
+from nat import Peer, PeerConfig  # noqa: E402
+from training import CollaborativeOptimizer, TrainingConfig  # noqa: E402
+
+SIZES = {"big": dict(vocab=16384, d=1024, layers=12, heads=16, ff=4096),
+         "tiny": dict(vocab=256, d=64, layers=2, heads=4, ff=128)}
+SUCCESSORS = 4
+
+
+class Encoder(torch.nn.Module):
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, ff: int, seq: int) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab + 1, d)  # + the mask token
+        self.position = torch.nn.Parameter(torch.zeros(seq, d))
+        layer = torch.nn.TransformerEncoderLayer(d, heads, ff, dropout=0.0, batch_first=True, norm_first=True)
+        self.layers = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = torch.nn.LayerNorm(d)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.layers(self.embed(tokens) + self.position)))
+
+
+class Data:
+    """Batches of the Markov language, made on the device from one seeded successor table."""
+
+    def __init__(self, vocab: int, seq: int, device: torch.device, seed: int) -> None:
+        g = torch.Generator().manual_seed(1234)  # the language: the same on every peer
+        self.successors = torch.randint(vocab, (vocab, SUCCESSORS), generator=g).to(device)
+        self.vocab, self.seq, self.device = vocab, seq, device
+        self.g = torch.Generator(device=device).manual_seed(seed)
+
+    def batch(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        tokens = torch.empty(size, self.seq, dtype=torch.long, device=self.device)
+        tokens[:, 0] = torch.randint(self.vocab, (size,), generator=self.g, device=self.device)
+        choice = torch.randint(SUCCESSORS, (size, self.seq), generator=self.g, device=self.device)
+        for t in range(1, self.seq):
+            tokens[:, t] = self.successors[tokens[:, t - 1], choice[:, t]]
+        masked = torch.rand(size, self.seq, generator=self.g, device=self.device) < 0.15
+        return tokens.masked_fill(masked, self.vocab), tokens, masked
+
+
+def compute(net: Encoder, data: tuple[torch.Tensor, torch.Tensor, torch.Tensor], scale: float) -> float:
+    """Forward and backward of one micro-batch (gradients summed into .grad, times ``scale``); its loss."""
+    x, y, masked = data
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=x.device.type == "cuda"):
+        logits = net(x)
+    loss = torch.nn.functional.cross_entropy(logits[masked].float(), y[masked])
+    (loss * scale).backward()
+    if x.device.type == "cuda":
+        torch.cuda.synchronize()
+    return float(loss.detach())
+
+
+class Measure:
+    def __init__(self) -> None:
+        self.started: float | None = None
+        self.samples = 0
+        self.compute = 0.0
+        self.micro_losses: list[float] = []
+        self.step_losses: list[float] = []
+        self.micro_times: list[float] = []
+        self.rounds: list[dict[str, float]] = []
+
+    def end_step(self) -> None:
+        if self.micro_losses:
+            self.step_losses.append(sum(self.micro_losses) / len(self.micro_losses))
+        self.micro_losses = []
+
+    def result(self, **extra: Any) -> dict[str, Any]:
+        assert self.started is not None
+        times = sorted(self.micro_times)
+        return {"wall": time.perf_counter() - self.started, "samples": self.samples, "compute": self.compute,
+                "losses": self.step_losses, "rounds": self.rounds,
+                "micro_median_s": times[len(times) // 2] if times else math.nan, **extra}
+
+
+async def main() -> None:
+    args = parser().parse_args()
+    device = torch.device(args.device)
+    torch.manual_seed(0)  # the same initial model on every peer
+    size = SIZES[args.size]
+    net = Encoder(**size, seq=args.seq).to(device)
+    params = sum(p.numel() for p in net.parameters())
+    data = Data(size["vocab"], args.seq, device, seed=100 + args.index)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=args.lr)
+    measure = Measure()
+    info = {"params": params, "grad_mb": params * 4 / 1e6, "index": args.index}
+    warm = 1  # global steps before measuring: compile, allocate, first round
+
+    async def micro_batch(scale: float) -> float:
+        batch = data.batch(args.micro)
+        t0 = time.perf_counter()
+        loss = await trio.to_thread.run_sync(compute, net, batch, scale)
+        if measure.started is not None:
+            measure.compute += time.perf_counter() - t0
+            measure.micro_times.append(time.perf_counter() - t0)
+            measure.samples += args.micro
+            measure.micro_losses.append(loss)
+        return loss
+
+    if args.mode == "alone":
+        for step in range(warm + args.steps):
+            if step == warm:
+                measure.started = time.perf_counter()
+            done = 0
+            while done < args.target:
+                await micro_batch(args.micro / args.target)
+                done += args.micro
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            measure.end_step()
+        print(json.dumps(measure.result(**info)), flush=True)
+        return
+
+    config = PeerConfig.peer(args.initial_peers, listen=["/ip4/127.0.0.1/tcp/0"], identity_path=None)
+    config.nat.allow_private = True
+    training = TrainingConfig(run_id="gpu-bench", target_batch_size=args.target, delay_updates=args.mode == "dpu",
+                              matchmaking=MatchmakingConfig(target_size=args.peers, min_size=2, gather_time=2.0,
+                                                            timeout=120.0))
+    with trio.fail_after(args.timeout):
+        async with Peer.open(config) as peer, CollaborativeOptimizer.open(peer, optimizer, training) as opt:
+            average_in = opt.averager.average_in
+
+            async def timed_average_in(*a: Any, **k: Any) -> RoundReport:
+                report = await average_in(*a, **k)
+                if measure.started is not None:
+                    measure.rounds.append({"elapsed": report.elapsed, "bytes": report.bytes_sent + report.bytes_received,
+                                           "complete": report.complete})
+                return report
+
+            opt.averager.average_in = timed_average_in  # type: ignore[method-assign]
+            while opt.progress is None or opt.progress.peers < args.peers:
+                await trio.sleep(0.2)  # the whole swarm first: a peer alone steps without averaging
+            while opt.local_step < warm + args.steps:
+                await micro_batch(1.0)
+                report = await opt.step(args.micro)
+                if report is not None:
+                    measure.end_step()
+                    if opt.local_step >= warm and measure.started is None:
+                        measure.started = time.perf_counter()
+                        measure.step_losses = []
+            await opt.finish()
+            print(json.dumps(measure.result(**info)), flush=True)
+            await trio.sleep(3)  # stay until the other is done too
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=("alone", "sync", "dpu"), required=True)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--size", choices=tuple(SIZES), default="big")
+    p.add_argument("--micro", type=int, default=32)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--target", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--initial-peers", nargs="*", default=[])
+    p.add_argument("--peers", type=int, default=2)
+    p.add_argument("--index", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=900.0)
+    return p
+
+
+if __name__ == "__main__":
+    trio.run(main)
