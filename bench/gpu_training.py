@@ -3,7 +3,7 @@
 
     .venv/bin/python bench/gpu_training.py [--device cuda] [--size big] [--target 2048] [--steps 5]
         [--dpu-steps 20] [--json OUT]
-    .venv/bin/python bench/gpu_training.py --device cpu --size tiny --micro 8 --seq 32 --target 64   (a CPU run)
+    .venv/bin/python bench/gpu_training.py --device cpu --size small --micro 8 --seq 64 --target 256   (on a CPU)
 
 Each peer is bench/gpu_training_peer.py in its own process: a 168 M-parameter
 transformer encoder (12 layers, d_model 1024, bf16 autocast, AdamW) on
@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PEER = ROOT / "bench" / "gpu_training_peer.py"
 sys.path.insert(0, str(ROOT / "bench"))
 
-from training import _read_json  # noqa: E402  (bench/training.py: a worker's JSON line, with a deadline)
+from training import _read_json, stop  # noqa: E402  (bench/training.py: a worker's JSON line, with a deadline)
 
 
 class GpuSampler:
@@ -105,13 +105,7 @@ def run_setup(args: argparse.Namespace, mode: str, steps: int) -> dict[str, Any]
             processes += workers
             results = [_read_json(w, "wall", args.timeout) for w in workers]
     finally:
-        for p in processes:
-            p.terminate()
-        for p in processes:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(processes)
     wall = max(r["wall"] for r in results)
     rounds = [r for res in results for r in res["rounds"]]
     elapsed = [r["elapsed"] for r in rounds]
@@ -123,6 +117,10 @@ def run_setup(args: argparse.Namespace, mode: str, steps: int) -> dict[str, Any]
         "compute_fraction": min(r["compute"] / r["wall"] for r in results),
         "compute_per_step_s": statistics.mean(r["compute"] for r in results) / max(1, len(losses)),
         "micro_batch_s": statistics.median(r["micro_median_s"] for r in results),
+        # the compute thread's time per micro-batch while a round runs beside it (DPU) and while none does
+        "micro_in_round_s": statistics.median(r["micro_in_round_s"] for r in results),
+        "micro_quiet_s": statistics.median(r["micro_quiet_s"] for r in results),
+        "micro_batches_in_round": sum(r["micro_in_round"] for r in results),
         "gpu_utilization": gpu.mean, "losses": losses, "params": results[0]["params"],
         "seconds": time.perf_counter() - started, "rounds": len(rounds),
         "incomplete_rounds": sum(not r["complete"] for r in rounds),
@@ -139,7 +137,10 @@ def describe(name: str, r: dict[str, Any], alone: dict[str, Any] | None) -> str:
             + (f" ({r['samples_per_s'] / alone['samples_per_s']:.2f}x alone)" if alone and alone is not r else "")
             + ", computing " + "/".join(f"{f:.0%}" for f in r["compute_fractions"]) + " of wall"
             + (f", GPU {r['gpu_utilization']:.0f}%" if r["gpu_utilization"] is not None else "")
-            + f", micro-batch {r['micro_batch_s'] * 1e3:.0f} ms, compute/step {r['compute_per_step_s']:.2f} s")
+            + f", micro-batch {r['micro_batch_s'] * 1e3:.0f} ms"
+            + (f" ({r['micro_quiet_s'] * 1e3:.0f} ms with no round in flight, {r['micro_in_round_s'] * 1e3:.0f} ms "
+               f"beside one, {r['micro_batches_in_round']} such)" if r["micro_batches_in_round"] else "")
+            + f", compute/step {r['compute_per_step_s']:.2f} s")
     if "round_s" in r:
         text += (f", round {r['round_s']:.2f} s = {r['allreduce_mb_per_s']:.0f} MB/s per peer "
                  f"(compute/step = {r['compute_to_round']:.1f}x the round; {r['incomplete_rounds']} of "
@@ -152,7 +153,7 @@ def describe(name: str, r: dict[str, Any], alone: dict[str, Any] | None) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--size", default="big", choices=("big", "tiny"))
+    p.add_argument("--size", default="big", choices=("big", "small", "tiny"))
     p.add_argument("--micro", type=int, default=32)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--target", type=int, default=2048)

@@ -39,6 +39,7 @@ from nat import Peer, PeerConfig  # noqa: E402
 from training import CollaborativeOptimizer, TrainingConfig  # noqa: E402
 
 SIZES = {"big": dict(vocab=16384, d=1024, layers=12, heads=16, ff=4096),
+         "small": dict(vocab=4096, d=256, layers=4, heads=4, ff=1024),
          "tiny": dict(vocab=256, d=64, layers=2, heads=4, ff=128)}
 SUCCESSORS = 4
 
@@ -96,6 +97,9 @@ class Measure:
         self.micro_losses: list[float] = []
         self.step_losses: list[float] = []
         self.micro_times: list[float] = []
+        #: micro-batches computed while an all-reduce round was under way (DPU), and while none was
+        self.micro_in_round: list[float] = []
+        self.micro_quiet: list[float] = []
         self.rounds: list[dict[str, float]] = []
 
     def end_step(self) -> None:
@@ -105,15 +109,21 @@ class Measure:
 
     def result(self, **extra: Any) -> dict[str, Any]:
         assert self.started is not None
-        times = sorted(self.micro_times)
         return {"wall": time.perf_counter() - self.started, "samples": self.samples, "compute": self.compute,
-                "losses": self.step_losses, "rounds": self.rounds,
-                "micro_median_s": times[len(times) // 2] if times else math.nan, **extra}
+                "losses": self.step_losses, "rounds": self.rounds, "micro_median_s": _median(self.micro_times),
+                "micro_in_round_s": _median(self.micro_in_round), "micro_quiet_s": _median(self.micro_quiet),
+                "micro_in_round": len(self.micro_in_round), **extra}
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2] if values else math.nan
 
 
 async def main() -> None:
     args = parser().parse_args()
     device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # peers share the machine's cores: one each, as in bench/training.py
     torch.manual_seed(0)  # the same initial model on every peer
     size = SIZES[args.size]
     net = Encoder(**size, seq=args.seq).to(device)
@@ -124,13 +134,18 @@ async def main() -> None:
     info = {"params": params, "grad_mb": params * 4 / 1e6, "index": args.index}
     warm = 1  # global steps before measuring: compile, allocate, first round
 
+    rounds_in_flight: list[int] = [0]
+
     async def micro_batch(scale: float) -> float:
         batch = data.batch(args.micro)
         t0 = time.perf_counter()
+        during_round = rounds_in_flight[0] > 0
         loss = await trio.to_thread.run_sync(compute, net, batch, scale)
         if measure.started is not None:
-            measure.compute += time.perf_counter() - t0
-            measure.micro_times.append(time.perf_counter() - t0)
+            took = time.perf_counter() - t0
+            measure.compute += took
+            measure.micro_times.append(took)
+            (measure.micro_in_round if during_round or rounds_in_flight[0] else measure.micro_quiet).append(took)
             measure.samples += args.micro
             measure.micro_losses.append(loss)
         return loss
@@ -159,7 +174,11 @@ async def main() -> None:
             average_in = opt.averager.average_in
 
             async def timed_average_in(*a: Any, **k: Any) -> RoundReport:
-                report = await average_in(*a, **k)
+                rounds_in_flight[0] += 1
+                try:
+                    report = await average_in(*a, **k)
+                finally:
+                    rounds_in_flight[0] -= 1
                 if measure.started is not None:
                     measure.rounds.append({"elapsed": report.elapsed, "bytes": report.bytes_sent + report.bytes_received,
                                            "complete": report.complete})

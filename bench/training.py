@@ -125,13 +125,18 @@ def run_once(system: str, peers: int, args: argparse.Namespace) -> list[dict[str
         processes += workers[1:] if system == "hivemind" else workers
         return [_read_json(w, "wall", args.timeout) for w in workers]
     finally:
-        for p in processes:
-            p.terminate()
-        for p in processes:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(processes)
+
+
+def stop(processes: list[subprocess.Popen[str]]) -> None:
+    """Terminate every process; kill what has not exited 20 s later."""
+    for p in processes:
+        p.terminate()
+    for p in processes:
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
 
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, float]:
