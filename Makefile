@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 APT_PACKAGES := nftables iproute2 miniupnpd-nftables
 
-.PHONY: all venv lock lock-upgrade lock-check system-deps interop-deps demo test test-fast bench bench-dht bench-training proto typecheck clean
+.PHONY: all venv lock lock-upgrade lock-check system-deps interop-deps demo test test-fast bench bench-dht bench-training bench-allreduce bench-gpu proto typecheck clean
 
 all: test
 
@@ -76,6 +76,14 @@ bench-dht: venv
 bench-training: venv
 	bash bench/setup_hivemind.sh
 	$(PY) bench/training.py
+
+## The all-reduce against the Node's data plane and torch.distributed's gloo: 2/4/8 peers, 40/400 MB (docs/AVERAGING.md).
+bench-allreduce: venv
+	$(PY) bench/allreduce_speed.py
+
+## A GPU volunteer's view: alone, 2 peers sync, 2 peers DPU on one GPU (needs CUDA; docs/AVERAGING.md).
+bench-gpu: venv
+	$(PY) bench/gpu_training.py
 
 ## Regenerate protobuf code (checked in) from every .proto file.
 proto: venv

@@ -49,8 +49,8 @@ from .group import Group, contributors_bits, contributors_from_bits
 from .partition import Schema, chunk_spans, part_bounds
 from .proto import averaging_pb2 as pb
 from .reduction import ChunkRejected, FinalChunk, PartReduction
-from .staging import FlatVector
-from .tensor_stream import JOIN_LIMIT
+from .staging import BufferPool, FlatVector
+from .tensor_stream import JOIN_LIMIT, tensor_bytes
 from .wire import FrameReader, frame
 
 log = logging.getLogger(__name__)
@@ -73,10 +73,17 @@ async def _write_chunk(stream: INetStream, head: bytes, payload: bytes | memoryv
 
 class _ChunkBuffer:
     """One stream's receive buffer, as large as its largest chunk: payloads land here in one copy and are
-    decoded in place (a float32 chunk is a view of it), so its contents live until the next chunk."""
+    decoded in place (a float32 chunk is a view of it), so its contents live until the next chunk.
+    Taken from the averager's pool and given back (:meth:`release`): a fresh one costs page faults."""
 
-    def __init__(self, spans: Sequence[Region]) -> None:
-        self._memory = memoryview(bytearray(max((payload_size(s.codec, s.end - s.start) for s in spans), default=0)))
+    def __init__(self, spans: Sequence[Region], pool: BufferPool) -> None:
+        self._pool = pool
+        size = max((payload_size(s.codec, s.end - s.start) for s in spans), default=0)
+        self._tensor = pool.take("host", torch.uint8, size)
+        self._memory = tensor_bytes(self._tensor) if size else memoryview(bytearray())
+
+    def release(self) -> None:
+        self._pool.give("host", self._tensor)
 
     async def read(self, reader: FrameReader, index: int, span: Region, who: str, *,
                    empty_ok: bool = False) -> tuple[pb.ChunkHeader, memoryview]:
@@ -288,8 +295,11 @@ class AllreduceRound:
     """This peer's side of one round: its sends, its reduction, its result."""
 
     def __init__(self, swarm: Swarm, group: Group, plan: RoundPlan, values: FlatVector | None,
-                 weight: float, config: AllreduceConfig, fractions: tuple[float, ...]) -> None:
+                 weight: float, config: AllreduceConfig, fractions: tuple[float, ...],
+                 pool: BufferPool | None = None) -> None:
         self.swarm = swarm
+        #: where the streams' receive buffers come from (the averager's, kept between rounds)
+        self.pool = pool if pool is not None else BufferPool()
         self.group = group
         self.plan = plan
         self.config = config
@@ -439,7 +449,6 @@ class AllreduceRound:
     async def _serve(self, stream: INetStream, reader: FrameReader, sender: int, header: pb.PartHeader,
                      reduction: PartReduction) -> None:
         mine = self.plan.spans[self.me]
-        clock = self._clock(self.download)
         try:
             if (header.part != self.me or header.start != self.plan.bounds[self.me]
                     or header.end != self.plan.bounds[self.me + 1] or header.chunk_elements != self.plan.chunk_elements):
@@ -451,7 +460,15 @@ class AllreduceRound:
         except AllreduceProtocolError as e:
             self._dispatch(reduction.drop(sender, str(e)))
             raise
-        buffer = _ChunkBuffer(mine)
+        buffer = _ChunkBuffer(mine, self.pool)
+        try:
+            await self._read_chunks(stream, reader, sender, reduction, mine, buffer)
+        finally:
+            buffer.release()
+
+    async def _read_chunks(self, stream: INetStream, reader: FrameReader, sender: int, reduction: PartReduction,
+                           mine: Sequence[Region], buffer: _ChunkBuffer) -> None:
+        clock = self._clock(self.download)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._write_back, stream, sender)
             try:
@@ -505,7 +522,6 @@ class AllreduceRound:
         outcome = self.outcomes[part]
         reducer = self.group.members[part]
         spans = self.plan.spans[part]
-        got = 0
         try:
             with trio.fail_after(self.config.stall_timeout):
                 self.swarm.add_addrs(reducer.peer_id, list(reducer.addrs))
@@ -514,9 +530,18 @@ class AllreduceRound:
             outcome.not_averaged = f"could not reach the reducer: {type(e).__name__}: {e}"
             return
         reader = FrameReader(stream)
-        buffer = _ChunkBuffer(spans)
+        buffer = _ChunkBuffer(spans, self.pool)
+        try:
+            await self._exchange_on(stream, reader, buffer, part, outcome)
+        finally:
+            buffer.release()
+
+    async def _exchange_on(self, stream: INetStream, reader: FrameReader, buffer: _ChunkBuffer, part: int,
+                           outcome: PartOutcome) -> None:
+        spans = self.plan.spans[part]
         clock = self._clock(self.download)
         returned = _Counter()
+        got = 0
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._send_chunks, stream, part, outcome, returned)

@@ -310,7 +310,7 @@ class Averager:
         probe = self.config.adaptive and is_probe(
             group.group_id, [(m.upload, m.download) for m in group.members], self.config.bandwidth.probe_every)
         allreduce = replace(self.config.allreduce, max_chunks_ahead=max([1, *map(len, plan.spans)])) if probe else self.config.allreduce
-        round_ = AllreduceRound(self.peer, group, plan, vector, weight, allreduce, fractions)
+        round_ = AllreduceRound(self.peer, group, plan, vector, weight, allreduce, fractions, self._buffers)
         self._rounds[group.group_id] = round_
         self._round_started.setdefault(group.group_id, trio.Event()).set()
         try:

@@ -63,31 +63,36 @@ class FlatVector(Protocol):
 class BufferPool:
     """Buffers kept between rounds: a round takes what it needs and gives it back when done.
 
-    One buffer per place and dtype, grown to the largest size asked for; a
-    round gets a view of its front (a round's sizes move with the split).
+    Per place and dtype, up to ``keep`` buffers; a taker gets a view of the
+    front of the smallest that is large enough (a round's sizes move with the
+    split), or a new one.
     """
 
-    def __init__(self) -> None:
-        self._free: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+    def __init__(self, keep: int = 16) -> None:
+        self.keep = keep
+        self._free: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
         self._lent: dict[int, torch.Tensor] = {}
 
     def take(self, where: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """``numel`` values: ``where`` is "host", "pinned" or a device's name; contents undefined."""
-        base = self._free.pop((where, dtype), None)
-        if base is None or base.numel() < numel:
-            if where == "pinned":
-                base = torch.empty(numel, dtype=dtype, pin_memory=True)
-            else:
-                base = torch.empty(numel, dtype=dtype, device="cpu" if where == "host" else where)
+        free = self._free.setdefault((where, dtype), [])
+        fitting = [i for i, b in enumerate(free) if b.numel() >= numel]
+        if fitting:
+            base = free.pop(min(fitting, key=lambda i: free[i].numel()))  # by position: == on tensors compares values
+        elif where == "pinned":
+            base = torch.empty(numel, dtype=dtype, pin_memory=True)
+        else:
+            base = torch.empty(numel, dtype=dtype, device="cpu" if where == "host" else where)
         view = base[:numel]
         self._lent[id(view)] = base
         return view
 
     def give(self, where: str, buffer: torch.Tensor) -> None:
         base = self._lent.pop(id(buffer), buffer)
-        kept = self._free.get((where, base.dtype))
-        if kept is None or kept.numel() < base.numel():
-            self._free[(where, base.dtype)] = base
+        free = self._free.setdefault((where, base.dtype), [])
+        free.append(base)
+        if len(free) > self.keep:
+            free.pop(min(range(len(free)), key=lambda i: free[i].numel()))
 
 
 class HostVector:

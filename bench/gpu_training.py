@@ -80,7 +80,7 @@ class GpuSampler:
 
 def peer_args(args: argparse.Namespace, mode: str, steps: int, index: int) -> list[str]:
     return [sys.executable, str(PEER), "--mode", mode, "--device", args.device, "--size", args.size,
-            "--micro", str(args.micro), "--seq", str(args.seq), "--target", str(args.target),
+            "--micro", str(args.micro), "--seq", str(args.seq), "--target", str(args.target), "--lr", str(args.lr),
             "--steps", str(steps), "--index", str(index), "--peers", "2", "--timeout", str(args.timeout)]
 
 
@@ -157,6 +157,7 @@ def main() -> None:
     p.add_argument("--micro", type=int, default=32)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--target", type=int, default=2048)
+    p.add_argument("--lr", type=float, default=3e-4, help="AdamW's learning rate")
     p.add_argument("--steps", type=int, default=5, help="measured global steps, alone and synchronous")
     p.add_argument("--dpu-steps", type=int, default=20, help="measured global steps with delayed updates")
     p.add_argument("--setups", default="alone,sync,dpu")

@@ -461,10 +461,10 @@ def test_frame_reader_fills_a_buffer_from_what_it_holds_and_the_stream() -> None
     trio.run(main)
 
 
-def test_buffer_pool_lends_the_front_of_one_growing_buffer() -> None:
+def test_buffer_pool_lends_the_front_of_the_smallest_buffer_that_fits() -> None:
     from averaging.staging import BufferPool
 
-    pool = BufferPool()
+    pool = BufferPool(keep=2)
     a = pool.take("host", torch.float32, 1000)
     assert a.numel() == 1000
     pool.give("host", a)
@@ -474,9 +474,13 @@ def test_buffer_pool_lends_the_front_of_one_growing_buffer() -> None:
     assert c.data_ptr() != b.data_ptr()
     pool.give("host", b)
     pool.give("host", c)
-    d = pool.take("host", torch.float32, 2000)  # bigger than any kept: a new one, kept after
-    pool.give("host", d)
-    assert pool.take("host", torch.float32, 1500).data_ptr() == d.data_ptr()
+    assert pool.take("host", torch.float32, 700).data_ptr() == b.data_ptr()  # only b's 1000 fit
+    assert pool.take("host", torch.float32, 500).data_ptr() == c.data_ptr()
+    assert pool.take("host", torch.uint8, 10).dtype == torch.uint8  # kept apart by dtype
+    big = [pool.take("host", torch.float32, n) for n in (10, 20, 30)]
+    for t in big:
+        pool.give("host", t)
+    assert sorted(t.numel() for t in pool._free[("host", torch.float32)]) == [20, 30]  # the largest `keep`
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

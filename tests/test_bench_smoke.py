@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -79,3 +81,39 @@ def test_link_trace_reads_rates_per_host(tmp_path: Path) -> None:
     assert header.split()[2:4] == ["p0", "p1"]
     assert len(rows) == 2
     assert rows[0].split()[1:] == ["100/50", "0/100"]  # p0: 100 Mbit up, 50 down; p1: 100 down
+
+
+@pytest.mark.slow
+def test_allreduce_speed_bench_writes_the_goals_figures(tmp_path: Path) -> None:
+    """bench/allreduce_speed.py at a small size: dedloc's round beside the data plane and gloo, and the JSON
+    keys the issue's goals are read from."""
+    out = tmp_path / "speed.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "allreduce_speed.py"), "--peers", "2,4", "--mbytes", "4", "--rounds", "1",
+         "--data-plane-mib", "8", "--log-dir", str(tmp_path / "logs"), "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert figures["data_plane_mb_per_s"] > 0
+    assert figures["two_peers"]["ratio_to_data_plane"] > 0 and figures["two_peers"]["mbytes"] == 4
+    assert "four_peers_40mb" not in figures  # only from a 40 MB run
+    for case in figures["cases"]:
+        assert case["dedloc"]["rounds"] == 1 and case["dedloc"]["max_error"] < 1e-4, case
+        assert case["gloo"]["median_s"] > 0
+
+
+@pytest.mark.slow
+def test_gpu_training_bench_runs_on_a_cpu(tmp_path: Path) -> None:
+    """bench/gpu_training.py's three setups with a tiny model on the CPU: the figures the issue reads exist."""
+    out = tmp_path / "gpu.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu_training.py"), "--device", "cpu", "--size", "tiny", "--micro", "8",
+         "--seq", "16", "--target", "32", "--steps", "2", "--dpu-steps", "3", "--json", str(out)],
+        capture_output=True, text=True, timeout=400,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert figures["allreduce_mb_per_s"] > 0
+    assert 0 < figures["dpu"]["compute_fraction"] <= 1 and figures["dpu"]["ratio_to_alone"] > 0
+    assert len(figures["dpu"]["losses"]) >= 2 and figures["sync"]["incomplete_rounds"] == 0
