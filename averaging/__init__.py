@@ -11,14 +11,19 @@ docs/ARCHITECTURE.md has the data flow of one round. Also here:
 byte stream with limits a peer cannot exceed.
 """
 
-from .allreduce import AllreduceConfig, PartOutcome, RoundReport
-from .averager import Averager, AveragerConfig
-from .compression import Compression
-from .errors import AllreduceProtocolError, AveragingError, MatchmakingError, PartialAverageError
-from .group import Group, Member, Role
-from .load_balancing import Balance, Capacity, balance
-from .matchmaking import MatchmakingConfig
-from .powersgd import PowerSGD, PowerSGDConfig, PowerSGDReport
+from typing import TYPE_CHECKING
+
+from p2p.lazy import exports
+
+if TYPE_CHECKING:
+    from .allreduce import AllreduceConfig, PartOutcome, RoundReport
+    from .averager import Averager, AveragerConfig
+    from .compression import Compression
+    from .errors import AllreduceProtocolError, AveragingError, MatchmakingError, PartialAverageError
+    from .group import Group, Member, Role
+    from .load_balancing import Balance, Capacity, balance
+    from .matchmaking import MatchmakingConfig
+    from .powersgd import PowerSGD, PowerSGDConfig, PowerSGDReport
 
 __all__ = [
     "AllreduceConfig",
@@ -42,3 +47,26 @@ __all__ = [
     "Role",
     "balance",
 ]
+
+__getattr__, __dir__ = exports(__name__, {
+    "AllreduceConfig": ".allreduce",
+    "PartOutcome": ".allreduce",
+    "RoundReport": ".allreduce",
+    "Averager": ".averager",
+    "AveragerConfig": ".averager",
+    "Compression": ".compression",
+    "AllreduceProtocolError": ".errors",
+    "AveragingError": ".errors",
+    "MatchmakingError": ".errors",
+    "PartialAverageError": ".errors",
+    "Group": ".group",
+    "Member": ".group",
+    "Role": ".group",
+    "Balance": ".load_balancing",
+    "Capacity": ".load_balancing",
+    "balance": ".load_balancing",
+    "MatchmakingConfig": ".matchmaking",
+    "PowerSGD": ".powersgd",
+    "PowerSGDConfig": ".powersgd",
+    "PowerSGDReport": ".powersgd",
+})

@@ -17,8 +17,8 @@ import torch
 import trio
 
 from nat import Peer
-from nat.cli import build_parser as nat_parser, peer_config, peer_options, run_peer
-from p2p.cli import Output
+from nat.cli import peer_config, run_peer
+from p2p.output import Output
 from p2p.errors import ConfigError
 
 from .allreduce import AllreduceConfig
@@ -76,36 +76,3 @@ async def cmd_average(args: argparse.Namespace, out: Output) -> int:
     if args.size <= 0:
         raise ConfigError("--size must be positive")
     return await run_peer(args, out, config=peer_config(args, relay=False), work=lambda peer: average_rounds(peer, args))
-
-
-def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:  # type: ignore[type-arg]
-    parser, sub = nat_parser()
-
-    p = sub.add_parser("average", help="join a swarm and average a tensor with it every few seconds",
-                       description="Run a peer (as `dedloc peer`) that averages a tensor with the other peers of "
-                       "--prefix every --interval seconds: groups form over the DHT, the parts are split by "
-                       "DeDLOC's load balancing and averaged by a streamed butterfly all-reduce. Each round "
-                       "prints its group, this peer's share, the bytes moved and the result.")
-    peer_options(p)
-    g = p.add_argument_group("averaging")
-    g.add_argument("--prefix", default="dedloc-average", help="the run: only peers with the same prefix average together")
-    g.add_argument("--size", type=int, default=1_000_000, metavar="N", help="float32 values in the tensor (default: %(default)s)")
-    g.add_argument("--value", type=float, default=None,
-                   help="fill the tensor with this value each round (default: random normal values)")
-    g.add_argument("--weight", type=float, default=1.0, help="this peer's weight in the average (samples)")
-    g.add_argument("--group-size", type=int, default=16, metavar="N", help="largest group (default: %(default)s)")
-    g.add_argument("--min-size", type=int, default=2, metavar="N", help="smallest group worth a round (default: %(default)s)")
-    g.add_argument("--gather-time", type=float, default=3.0, metavar="SECONDS",
-                   help="how long a leader waits for more members (default: %(default)s)")
-    g.add_argument("--match-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="give up on a round when no group formed this long (default: %(default)s)")
-    g.add_argument("--round-timeout", type=float, default=120.0, metavar="SECONDS", help="longest all-reduce round")
-    g.add_argument("--rounds", type=int, default=0, metavar="N", help="stop after N rounds (0: run until --duration)")
-    g.add_argument("--interval", type=float, default=2.0, metavar="SECONDS", help="pause between rounds")
-    g.add_argument("--compression", choices=[c.value for c in Compression], default="none")
-    g.add_argument("--auxiliary", action="store_true",
-                   help="no tensor of its own (weight 0): lend bandwidth by reducing parts for the others")
-    g.add_argument("--no-reduce", action="store_true", help="never reduce a part, even when reachable")
-    p.set_defaults(func=cmd_average)
-
-    return parser, sub

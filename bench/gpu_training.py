@@ -93,7 +93,7 @@ def run_setup(args: argparse.Namespace, mode: str, steps: int) -> dict[str, Any]
                 workers = [subprocess.Popen(peer_args(args, mode, steps, 0), cwd=ROOT, stdout=subprocess.PIPE,
                                             stderr=args.worker_stderr, text=True)]
             else:
-                relay = subprocess.Popen([sys.executable, "-m", "training.cli", "relay", "--listen",
+                relay = subprocess.Popen([sys.executable, "-m", "training.commands", "relay", "--listen",
                                           "/ip4/127.0.0.1/tcp/0", "--allow-private", "--ephemeral", "--json",
                                           "--status-interval", "0"], cwd=ROOT, stdout=subprocess.PIPE,
                                          stderr=subprocess.DEVNULL, text=True)

@@ -102,7 +102,7 @@ def run_once(system: str, peers: int, args: argparse.Namespace) -> list[dict[str
     processes: list[subprocess.Popen[str]] = []
     try:
         if system == "dedloc":
-            relay = subprocess.Popen([str(DEDLOC_PY), "-m", "training.cli", "relay", "--listen", "/ip4/127.0.0.1/tcp/0",
+            relay = subprocess.Popen([str(DEDLOC_PY), "-m", "training.commands", "relay", "--listen", "/ip4/127.0.0.1/tcp/0",
                                       "--allow-private", "--ephemeral", "--json", "--status-interval", "0"],
                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             processes.append(relay)

@@ -9,11 +9,16 @@ Start here::
         print(await node.ping(peer))
 """
 
-from .addresses import parse_multiaddr, parse_peer_addr, rank_for_dial
-from .config import NodeConfig
-from .errors import AddressError, BootstrapError, ConfigError, DedlocError, DialError, IdentityError
-from .identify import PeerIdentity
-from .node import Node
+from typing import TYPE_CHECKING
+
+from .lazy import exports
+
+if TYPE_CHECKING:
+    from .addresses import parse_multiaddr, parse_peer_addr, rank_for_dial
+    from .config import NodeConfig
+    from .errors import AddressError, BootstrapError, ConfigError, DedlocError, DialError, IdentityError
+    from .identify import PeerIdentity
+    from .node import Node
 
 __all__ = [
     "AddressError",
@@ -29,3 +34,18 @@ __all__ = [
     "parse_peer_addr",
     "rank_for_dial",
 ]
+
+__getattr__, __dir__ = exports(__name__, {
+    "parse_multiaddr": ".addresses",
+    "parse_peer_addr": ".addresses",
+    "rank_for_dial": ".addresses",
+    "NodeConfig": ".config",
+    "AddressError": ".errors",
+    "BootstrapError": ".errors",
+    "ConfigError": ".errors",
+    "DedlocError": ".errors",
+    "DialError": ".errors",
+    "IdentityError": ".errors",
+    "PeerIdentity": ".identify",
+    "Node": ".node",
+})

@@ -10,9 +10,10 @@ import json
 import time
 from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from libp2p.peer.id import ID
+if TYPE_CHECKING:  # annotations only; _plain imports it when an event is written
+    from libp2p.peer.id import ID
 
 from .hooks import Direction, PathKind
 
@@ -37,6 +38,8 @@ class Event:
 
 
 def _plain(value: Any) -> Any:
+    from libp2p.peer.id import ID
+
     if isinstance(value, ID):
         return value.to_base58()
     if isinstance(value, Enum):

@@ -25,9 +25,12 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from types import TracebackType
 
-from libp2p.abc import INetConn
-from libp2p.peer.id import ID
-from multiaddr import Multiaddr
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: the command line imports these enums without py-libp2p (p2p/lazy.py)
+    from libp2p.abc import INetConn
+    from libp2p.peer.id import ID
+    from multiaddr import Multiaddr
 
 
 class Reachability(StrEnum):

@@ -41,7 +41,7 @@ async def test_three_peers_on_shaped_links_one_behind_a_symmetric_nat_average_ex
         async def run(name: str) -> None:
             value = name.removeprefix("p")
             proc = await hosts[name].spawn(
-                [sys.executable, "-m", "training.cli", "average", "--ephemeral", "--json", "--initial-peers", relay_addr,
+                [sys.executable, "-m", "training.commands", "average", "--ephemeral", "--json", "--initial-peers", relay_addr,
                  "--listen", "/ip4/0.0.0.0/tcp/4001", "--no-port-mapping", "--status-interval", "0",
                  "--value", value, "--size", str(SIZE), "--group-size", "3", "--min-size", "3", "--gather-time", "2",
                  "--rounds", str(ROUNDS), "--interval", "0.5", "--match-timeout", "60", "--duration", "150"],

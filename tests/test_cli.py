@@ -21,7 +21,7 @@ from p2p.trio_util import read_lines
 from .conftest import open_nodes
 from .kit import requires_root_netns
 
-DEDLOC = [sys.executable, "-m", "training.cli"]  # the entry point's module
+DEDLOC = [sys.executable, "-m", "training.commands"]  # the entry point's module
 
 
 def run(*args: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess[str]:
@@ -450,7 +450,7 @@ async def test_output_queues_while_unread_drops_beyond_its_bound_and_says_how_ma
     """Output.writing: with nobody reading, the event loop runs on, lines beyond the bound
     are dropped and counted, and once the pipe is read the count is written after the rest."""
     from p2p import events as ev
-    from p2p.cli import Output
+    from p2p.output import Output
 
     read_fd, write_fd = os.pipe()
     writer = os.fdopen(write_fd, "w")
@@ -483,7 +483,7 @@ async def test_output_queues_while_unread_drops_beyond_its_bound_and_says_how_ma
 async def test_output_whose_reader_is_gone_stops_writing_and_the_command_goes_on():
     """A closed pipe (EPIPE) ends the output, not the command: later lines are dropped, counted."""
     from p2p import events as ev
-    from p2p.cli import Output
+    from p2p.output import Output
 
     class Gone:
         writes = 0

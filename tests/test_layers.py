@@ -51,11 +51,14 @@ def test_the_check_catches_an_upward_import(tmp_path: Path) -> None:
 
 
 def test_entry_point_sits_in_the_highest_layer_with_commands() -> None:
+    """The entry point is the top layer's parser module (commands.py: parsers only, each command's code in
+    its layer's cli.py, imported when it runs), and every layer with commands has both."""
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     module = scripts["dedloc"].split(":")[0]
-    with_commands = [layer for layer in RANK if (ROOT / layer / "cli.py").exists()]
+    with_commands = [layer for layer in RANK if (ROOT / layer / "commands.py").exists()]
     assert module.split(".")[0] == max(with_commands, key=RANK.__getitem__)
-    assert module == f"{module.split('.')[0]}.cli"
+    assert module == f"{module.split('.')[0]}.commands"
+    assert all((ROOT / layer / "cli.py").exists() for layer in with_commands)
 
 
 def test_top_level_folders_are_the_design_cards() -> None:

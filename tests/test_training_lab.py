@@ -44,7 +44,7 @@ async def test_four_peers_behind_different_nats_train_together(tmp_path: Path) -
 
         async def run(name: str) -> None:
             proc = await hosts[name].spawn(
-                [sys.executable, "-m", "training.cli", "train", "--ephemeral", "--json", "--initial-peers", relay_addr,
+                [sys.executable, "-m", "training.commands", "train", "--ephemeral", "--json", "--initial-peers", relay_addr,
                  "--listen", "/ip4/0.0.0.0/tcp/4001", "--no-port-mapping", "--status-interval", "0",
                  "--workdir", str(tmp_path), "--run-id", "lab", "--target-batch-size", "1024", "--batch-size", "16",
                  "--max-steps", str(STEPS), "--group-size", "4", "--gather-time", "2", "--report-every", "1",

@@ -13,8 +13,13 @@ May import :mod:`p2p`, :mod:`nat` and :mod:`averaging`. The entry point is
 :mod:`training.progress` keeps the swarm's progress in the DHT.
 """
 
-from .optimizer import CollaborativeOptimizer, StepReport, TrainingConfig
-from .progress import GlobalProgress, LocalProgress, ProgressTracker, global_progress
+from typing import TYPE_CHECKING
+
+from p2p.lazy import exports
+
+if TYPE_CHECKING:
+    from .optimizer import CollaborativeOptimizer, StepReport, TrainingConfig
+    from .progress import GlobalProgress, LocalProgress, ProgressTracker, global_progress
 
 __all__ = [
     "CollaborativeOptimizer",
@@ -25,3 +30,13 @@ __all__ = [
     "TrainingConfig",
     "global_progress",
 ]
+
+__getattr__, __dir__ = exports(__name__, {
+    "CollaborativeOptimizer": ".optimizer",
+    "StepReport": ".optimizer",
+    "TrainingConfig": ".optimizer",
+    "GlobalProgress": ".progress",
+    "LocalProgress": ".progress",
+    "ProgressTracker": ".progress",
+    "global_progress": ".progress",
+})

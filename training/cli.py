@@ -30,10 +30,9 @@ import trio
 from libp2p.peer.id import ID
 
 from averaging import AveragerConfig, MatchmakingConfig
-from averaging.cli import build_parser as averaging_parser
 from nat import Peer
-from nat.cli import nat_options, peer_config, peer_options, run_peer
-from p2p.cli import Output, common_options, run
+from nat.cli import peer_config, run_peer
+from p2p.output import Output
 from p2p.errors import ConfigError
 
 from .data import DataConfig, DataError, ExampleStream, batches, shard_paths
@@ -42,7 +41,6 @@ from .optimizer import CollaborativeOptimizer, StepReport, TrainingConfig
 from .progress import ProgressTracker
 from .state import StateDownloadError, StateServer, TrainingState, download_state
 
-DEFAULT_WORKDIR = "dedloc-example"
 
 
 # ---------------------------------------------------------------------- the example run's files and model
@@ -173,6 +171,13 @@ def _step_event(report: StepReport, loss: float | None) -> GlobalStepDone:
     return GlobalStepDone(**dataclasses.asdict(report), loss=loss)
 
 
+def resolve_device(name: str) -> str:
+    """``--device auto``: a GPU when torch sees one, else the CPU."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
 async def cmd_train(args: argparse.Namespace, out: Output) -> int:
     _check_training_args(args)
     if args.shuffle_buffer < 1:
@@ -196,7 +201,7 @@ def _check_training_args(args: argparse.Namespace) -> None:
         raise ConfigError("--max-steps must be >= 0 (0: until --duration)")
     if not (args.lr > 0 and math.isfinite(args.lr)):
         raise ConfigError("--lr must be a positive number")
-    device = getattr(args, "device", "cpu")
+    device = args.device = resolve_device(getattr(args, "device", "cpu"))  # the rest reads args.device
     try:
         kind = torch.device(device).type
     except RuntimeError as e:
@@ -313,106 +318,11 @@ async def cmd_demo(args: argparse.Namespace, out: Output) -> int:
                           network=network)
 
 
-# ---------------------------------------------------------------------- the parser
-
-
-def run_options(p: argparse.ArgumentParser) -> None:
-    """What names a run and its model: the same on every peer of it."""
-    g = p.add_argument_group("the run")
-    g.add_argument("--run-id", default="dedloc-example", help="only peers with the same run id train together")
-    g.add_argument("--target-batch-size", type=int, default=256, metavar="N",
-                   help="samples the swarm accumulates per global step (default: %(default)s)")
-    g.add_argument("--workdir", default=DEFAULT_WORKDIR,
-                   help="where the example's corpus and tokenizer are generated (default: ./%(default)s)")
-    g.add_argument("--tokenizer", default=None, metavar="FILE",
-                   help="a tokenizers JSON file (default: trained from the example corpus under --workdir)")
-    g.add_argument("--model-seed", type=int, default=0, help="seed of the initial weights (the same on every peer)")
-    g.add_argument("--optimizer", choices=("adamw", "lamb"), default="adamw",
-                   help="torch's AdamW, or LAMB (pytorch_optimizer's; DeDLOC's for ALBERT) (default: %(default)s)")
-    g.add_argument("--lr", type=float, default=3e-3, help="learning rate (default: %(default)s)")
-    g.add_argument("--warmup-steps", type=int, default=5, metavar="N", help="linear warm-up, in global steps")
-    g.add_argument("--report-every", type=float, default=2.0, metavar="SECONDS",
-                   help="how often the progress is printed (default: %(default)s)")
-
-
-def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:  # type: ignore[type-arg]
-    parser, sub = averaging_parser()
-
-    p = sub.add_parser("train", help="join a training run: the example model, trained with the swarm",
-                       description="Run a peer (as `dedloc peer`) that trains a small ALBERT masked language model "
-                       "with every peer of --run-id: each computes gradients on its own batches at its own pace, "
-                       "and when the swarm has --target-batch-size samples, every peer averages them (one "
-                       "all-reduce round) and takes the same optimizer step. A peer that joins late downloads the "
-                       "swarm's state first. Shows the run's progress: global step, samples/s, loss, peers.")
-    peer_options(p)
-    run_options(p)
-    g = p.add_argument_group("training")
-    g.add_argument("--data", nargs="+", default=None, metavar="PATH",
-                   help="shard files or directories (.txt lines, .jsonl, .parquet; default: the example corpus)")
-    g.add_argument("--text-field", default="text", help="the field of JSON lines / column of parquet with the text")
-    g.add_argument("--shuffle-buffer", type=int, default=10_000, metavar="N", help="examples mixed before use")
-    g.add_argument("--data-seed", type=int, default=None, help="this peer's data order (default: random)")
-    g.add_argument("--batch-size", type=int, default=16, metavar="N", help="local batch (default: %(default)s)")
-    g.add_argument("--max-steps", type=int, default=0, metavar="N", help="stop after N global steps (0: --duration)")
-    g.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the averaged gradients (0: no clipping)")
-    g.add_argument("--delay-updates", action="store_true",
-                   help="delayed parameter updates: average step t while computing step t+1 (one step stale)")
-    g.add_argument("--group-size", type=int, default=64, metavar="N", help="largest averaging group")
-    g.add_argument("--gather-time", type=float, default=3.0, metavar="SECONDS",
-                   help="how long a round's leader waits for peers known to be at the step that have not "
-                        "joined yet (one that fell behind takes the state first: ~2 s across a continent); "
-                        "a round with all of them starts at once (default: %(default)s)")
-    g.add_argument("--match-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="give up on a step's round after this long (default: %(default)s)")
-    g.add_argument("--threads", type=int, default=1, metavar="N", help="torch threads (default: %(default)s)")
-    g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="where the model computes (default here: %(default)s)")
-    g.add_argument("--amp", action="store_true",
-                   help="mixed precision: float16 with a loss scaler on a GPU, bfloat16 on a CPU")
-    g.add_argument("--auxiliary", action="store_true",
-                   help="help the run average without training (a CPU-only machine): join every step's "
-                   "round with weight 0 and reduce a part of the gradients; the peer must be reachable")
-    p.set_defaults(func=cmd_train)
-
-    p = sub.add_parser("backbone", help="watch a training run: learning curve, contributions, checkpoints",
-                       description="Run a public peer (as `dedloc relay`) that follows --run-id's progress in the "
-                       "DHT, keeps the learning curve (curve.jsonl) and the samples each peer contributed "
-                       "(contributions.json) under --checkpoint-dir, and every --checkpoint-every steps "
-                       "downloads the swarm's state, saves it there and serves it to peers that ask. It is a "
-                       "relay and bootstrap node too (as `dedloc relay`): a run's public machine.")
-    common_options(p)
-    nat_options(p)
-    p.add_argument("--initial-peers", nargs="*", default=[], metavar="MULTIADDR", help="other bootstrap nodes to join")
-    run_options(p)
-    p.add_argument("--checkpoint-dir", default="dedloc-checkpoints", help="where files go (default: %(default)s)")
-    p.add_argument("--checkpoint-every", type=int, default=10, metavar="N", help="global steps between checkpoints")
-    p.set_defaults(func=cmd_backbone, data=None)
-
-    p = sub.add_parser("demo", help="a live local swarm behind NATs (as root) or on loopback: relay, peers, DHT, "
-                       "averaging, then training",
-                       description="Start a bootstrap node and several peers in their own processes. As root, each "
-                       "runs in its own network namespace, the peers behind NATs of different kinds (public, cone, "
-                       "port-changing, symmetric, ...; nothing leaves the machine); otherwise on 127.0.0.1 only, the "
-                       "last peer outbound-only and the one before it reachable only through the relay. They find "
-                       "each other, exchange messages, store and read a DHT value, average tensors in groups (each "
-                       "round checked against the exact average), then train the example model together for "
-                       "--train-time seconds, the loss falling. Everything stops on Ctrl-C.")
-    p.add_argument("--network", choices=("auto", "namespaces", "loopback"), default="auto",
-                   help="namespaces: the NAT lab (needs root); auto: namespaces where they work, else loopback "
-                   "(default: %(default)s)")
-    p.add_argument("--peers", type=int, default=4, help="number of peers besides the bootstrap node (default: %(default)s)")
-    p.add_argument("--duration", type=float, default=90.0, metavar="SECONDS",
-                   help="longest the swarm may take to form and average (default: %(default)s)")
-    p.add_argument("--train-time", type=float, default=150.0, metavar="SECONDS",
-                   help="how long the peers train together (0: no training) (default: %(default)s)")
-    p.add_argument("--json", action="store_true", help="print the nodes' events as JSON lines")
-    p.set_defaults(func=cmd_demo)
-    return parser, sub
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    parser, _ = build_parser()
-    return run(parser, argv)
+    """The ``dedloc`` entry point (training/commands.py), kept here for ``python -m training.cli``."""
+    from .commands import main as commands_main
+
+    return commands_main(argv)
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ class _Member:
 
 
 def _command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "training.cli", *args]
+    return [sys.executable, "-m", "training.commands", *args]
 
 
 class _Network(Protocol):

@@ -3,26 +3,31 @@
 See :class:`DHT` for the API and ``docs/ARCHITECTURE.md`` for where it sits.
 """
 
-from .dht import DHT, DHTBootstrapError, DHTConfig
-from .events import DHTMode
-from .records import (
-    DHTError,
-    DHTKey,
-    DHTRecord,
-    ExpirationTooFar,
-    InvalidKey,
-    InvalidSignature,
-    MalformedRecord,
-    RecordTooLarge,
-    Schema,
-    SchemaViolation,
-    StoreFull,
-    StoreQuotaExceeded,
-    StoreRejected,
-    ValueWithExpiration,
-    owned,
-    sign_record,
-)
+from typing import TYPE_CHECKING
+
+from p2p.lazy import exports
+
+if TYPE_CHECKING:
+    from .dht import DHT, DHTBootstrapError, DHTConfig
+    from .events import DHTMode
+    from .records import (
+        DHTError,
+        DHTKey,
+        DHTRecord,
+        ExpirationTooFar,
+        InvalidKey,
+        InvalidSignature,
+        MalformedRecord,
+        RecordTooLarge,
+        Schema,
+        SchemaViolation,
+        StoreFull,
+        StoreQuotaExceeded,
+        StoreRejected,
+        ValueWithExpiration,
+        owned,
+        sign_record,
+    )
 
 __all__ = [
     "DHT",
@@ -46,3 +51,26 @@ __all__ = [
     "owned",
     "sign_record",
 ]
+
+__getattr__, __dir__ = exports(__name__, {
+    "DHT": ".dht",
+    "DHTBootstrapError": ".dht",
+    "DHTConfig": ".dht",
+    "DHTMode": ".events",
+    "DHTError": ".records",
+    "DHTKey": ".records",
+    "DHTRecord": ".records",
+    "ExpirationTooFar": ".records",
+    "InvalidKey": ".records",
+    "InvalidSignature": ".records",
+    "MalformedRecord": ".records",
+    "RecordTooLarge": ".records",
+    "Schema": ".records",
+    "SchemaViolation": ".records",
+    "StoreFull": ".records",
+    "StoreQuotaExceeded": ".records",
+    "StoreRejected": ".records",
+    "ValueWithExpiration": ".records",
+    "owned": ".records",
+    "sign_record": ".records",
+})

@@ -1,0 +1,159 @@
+"""The ``dedloc`` command line of this layer (``id``, ``dht``), and the dispatcher every layer's commands go through.
+
+Only argparse and light modules here: a parser names each command's function
+as ``"module:function"``, and :func:`run` imports that module once the
+command is chosen. So ``dedloc --help`` and ``dedloc id`` never import torch
+or py-libp2p (the commands of each layer: ``p2p/commands.py``,
+``nat/commands.py``, ``averaging/commands.py``, ``training/commands.py``, the
+entry point; their implementations: each layer's ``cli.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import DedlocError
+from .identity import default_identity_path, peer_id_from_file
+
+if TYPE_CHECKING:
+    from .output import Output
+
+DESCRIPTION = """\
+dedloc: train neural networks together over the internet, peer to peer.
+
+Start with `dedloc demo` to see a small swarm run on this machine. To join a
+real swarm, ask its operator for a bootstrap address and run
+`dedloc peer --initial-peers <address>`. To host one, run `dedloc relay` on a
+machine with a public IP and give people the address it prints.
+"""
+
+
+def common_options(p: argparse.ArgumentParser, *, node: bool = True) -> None:
+    """Options every command shares (``node``: those of a command that runs a node)."""
+    p.add_argument("--json", action="store_true", help="print one JSON object per line for each event (see docs/CLI.md)")
+    p.add_argument(
+        "--identity", type=Path, default=default_identity_path(), metavar="PATH",
+        help="identity key file, created on first use with mode 0600 (default: %(default)s)",
+    )
+    if node:
+        p.add_argument("--listen", action="append", metavar="MULTIADDR", help="address to listen on (repeatable)")
+        p.add_argument("--announce", action="append", metavar="MULTIADDR",
+                       help="address to advertise instead of the listen addresses (repeatable), e.g. a public IP")
+        p.add_argument("--duration", type=float, default=None, metavar="SECONDS", help="exit after this long (default: run until Ctrl-C)")
+        p.add_argument("--status-interval", type=float, default=10.0, metavar="SECONDS", help="how often to report the peer count (0: never)")
+        p.add_argument("--ephemeral", action="store_true", help="use a throwaway identity instead of --identity")
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a duration that must be more than zero (a TTL of -5 s is refused, not sent)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
+    return value
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:  # type: ignore[type-arg]
+    """The commands of this layer (``id``, ``dht``); upper layers add theirs to the returned subparsers."""
+    parser = argparse.ArgumentParser(
+        prog="dedloc", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: py-libp2p's too)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("id", help="show this machine's peer id, creating the identity on first run",
+                       description="Print the peer id of the identity file, creating a new Ed25519 identity if there is none.")
+    common_options(p, node=False)
+    p.set_defaults(func="p2p.commands:cmd_id")
+
+    p = sub.add_parser("dht", help="store or read a value in a running swarm's DHT (for debugging)",
+                       description="Join the swarm as a short-lived DHT client, do one store or get, and leave.")
+    dht_sub = p.add_subparsers(dest="dht_command", required=True, metavar="ACTION")
+
+    def dht_common(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--initial-peers", nargs="+", required=True, metavar="MULTIADDR",
+                       help="full addresses of swarm members (e.g. the relay), ending in /p2p/<peer-id>")
+        q.add_argument("--timeout", type=float, default=15.0, metavar="SECONDS", help="give up after this long")
+        q.add_argument("--listen", action="append", metavar="MULTIADDR", help=argparse.SUPPRESS)
+        q.add_argument("--json", action="store_true", help="print the result as one JSON object")
+        q.set_defaults(func="p2p.cli:cmd_dht")
+
+    q = dht_sub.add_parser("get", help="print the value under KEY (exit 1 if none)")
+    q.add_argument("key", metavar="KEY")
+    q.add_argument("--latest", action="store_true", help="ask every replica and merge, instead of taking the first copy")
+    dht_common(q)
+    q = dht_sub.add_parser("store", help="store VALUE (text) under KEY for --ttl seconds")
+    q.add_argument("key", metavar="KEY")
+    q.add_argument("value", metavar="VALUE")
+    q.add_argument("--ttl", type=positive_seconds, default=300.0, metavar="SECONDS", help="lifetime of the value (default: %(default)s)")
+    q.add_argument("--subkey", default=None, metavar="SUBKEY", help="store under this subkey of a dictionary key")
+    dht_common(q)
+
+    return parser, sub
+
+
+def run(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv``, import the chosen command's module and run it."""
+    args = parser.parse_args(argv)
+    module, _, name = str(args.func).partition(":")
+    return run_command(args, getattr(importlib.import_module(module), name))
+
+
+def run_command(args: argparse.Namespace, func: Callable[[argparse.Namespace, Output], Any]) -> int:
+    """Run a parsed command under trio; errors become one clear line and exit 1."""
+    import trio  # only once a command runs: `dedloc --help` imports argparse and little else
+
+    from . import events as ev
+    from .output import Output
+    from .trio_util import unwrap_single_group
+
+    _setup_logging(args.verbose)
+    out = Output(getattr(args, "json", False))
+
+    async def command() -> int:
+        async with out.writing():
+            return int(await func(args, out))
+
+    try:
+        with unwrap_single_group():
+            return trio.run(command)
+    except KeyboardInterrupt:
+        out.event(ev.Error(message="interrupted"))
+        return 130
+    except DedlocError as e:
+        if out.json_mode:
+            out.event(ev.Error(message=str(e)))
+        else:
+            print(f"dedloc: error: {e}", file=sys.stderr)
+        return 1
+    except BaseExceptionGroup as group:  # several failures at once: show each
+        for exc in group.exceptions:
+            print(f"dedloc: error: {exc!r}", file=sys.stderr)
+        return 1
+
+
+def _setup_logging(verbose: int) -> None:
+    logging.basicConfig(level=logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    # py-libp2p logs every failed dial attempt at ERROR; dedloc reports those itself.
+    logging.getLogger("libp2p").setLevel(logging.CRITICAL if verbose < 2 else logging.DEBUG)
+
+
+async def cmd_id(args: argparse.Namespace, out: Output) -> int:
+    pid, created = peer_id_from_file(args.identity)
+    verb = "created" if created else "loaded"
+    out.info(
+        f"{pid}\n({verb} {args.identity})",
+        peer_id=str(pid),
+        identity_path=str(args.identity),
+        created=created,
+    )
+    return 0
