@@ -13,11 +13,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import settings
 from .errors import DedlocError
 from .identity import default_identity_path, peer_id_from_file
 
@@ -100,9 +102,25 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     return parser, sub
 
 
-def run(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv``, import the chosen command's module and run it."""
+def run(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None,
+        sub: argparse._SubParsersAction | None = None) -> int:  # type: ignore[type-arg]
+    """Parse ``argv`` (with the settings of ``--config`` and the environment under the flags: p2p/settings.py),
+    import the chosen command's module and run it."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if sub is not None:
+        for command in sub.choices.values():
+            if "--config" not in command._option_string_actions:  # argparse's table of option strings
+                command.add_argument("--config", type=Path, metavar="FILE",
+                                     help="read settings from this TOML file (its keys are these options' names; "
+                                          "flags override it; see docs/OPERATORS.md)")
     args = parser.parse_args(argv)
+    if sub is not None and (getattr(args, "config", None) is not None
+                            or any(os.environ.get(name) for name in settings.ENVIRONMENT)):
+        try:
+            settings.apply(sub.choices[args.command], args.command, argv, getattr(args, "config", None))
+        except DedlocError as e:
+            parser.exit(2, f"dedloc {args.command}: error: {e}\n")
+        args = parser.parse_args(argv)
     module, _, name = str(args.func).partition(":")
     return run_command(args, getattr(importlib.import_module(module), name))
 

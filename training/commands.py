@@ -113,8 +113,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser, _ = build_parser()
-    return run(parser, argv)
+    parser, sub = build_parser()
+    return run(parser, argv, sub)
 
 
 if __name__ == "__main__":
