@@ -16,6 +16,10 @@ What it refuses, and how:
 * non-finite values: that contribution is left out of that chunk and named
   in the chunk's notes; the sender stays in for the next chunks.
 
+A sender of weight 0 adds nothing and is a contributor all the same (its
+values are in the average, with weight 0); a chunk whose senders all weigh 0
+has no average.
+
 Memory: one float32 accumulator per chunk in flight, at most the part.
 """
 
@@ -100,12 +104,15 @@ class PartReduction:
         weight = self.weights[sender]
         if not tensor_finite(values):
             pending.notes.append(f"member {sender}: non-finite values refused")
-        elif weight > 0:
-            if pending.total is None:
-                pending.total = values.to(torch.float32) * weight
-            else:
-                pending.total.add_(values, alpha=weight)
-            pending.weight += weight
+        else:
+            if weight > 0:
+                if pending.total is None:
+                    pending.total = values.to(torch.float32) * weight
+                else:
+                    pending.total.add_(values, alpha=weight)
+                pending.weight += weight
+            # A sender of weight 0 (a trainer with no samples yet) is in the average with nothing to
+            # add: counting it out would report an exact average as partial.
             pending.contributors.add(sender)
         return self._settle([index])
 

@@ -166,9 +166,9 @@ def test_weighted_average_per_chunk_once_all_senders_delivered() -> None:
         red.set_weight(s, w)
     assert red.add(0, 0, torch.full((4,), 1.0)) == []
     assert red.add(1, 0, torch.full((4,), 4.0)) == []
-    (final,) = red.add(2, 0, torch.full((4,), 100.0))  # weight 0: delivered, not counted
+    (final,) = red.add(2, 0, torch.full((4,), 100.0))  # weight 0: delivered, adds nothing, not left out
     assert final.index == 0 and torch.allclose(final.values, torch.full((4,), 3.0))
-    assert final.contributors == {0, 1}
+    assert final.contributors == {0, 1, 2}
     assert not red.done
 
 
@@ -505,3 +505,12 @@ def test_device_vector_stages_a_gpu_through_page_locked_memory() -> None:
         assert bool((vector.result[:3000] == 0).all()) and torch.equal(vector.result[3000:].cpu(), flat[3000:])
 
     trio.run(main)
+
+
+def test_a_chunk_whose_senders_all_weigh_nothing_has_no_average() -> None:
+    red = PartReduction(_spans(1), senders=[0, 1])
+    red.set_weight(0, 0.0)
+    red.set_weight(1, 0.0)
+    red.add(0, 0, torch.ones(4))
+    (final,) = red.add(1, 0, torch.ones(4))
+    assert final.values is None and final.contributors == frozenset()
