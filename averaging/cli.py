@@ -11,7 +11,6 @@ layer, and what ``make demo`` runs before it trains.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
 
 import torch
 import trio

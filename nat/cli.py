@@ -26,7 +26,7 @@ from p2p import events as ev
 from p2p.addresses import Scope, parse_peer_addr, scope_of
 from p2p.output import Output
 from p2p.admission import AdmissionConfig
-from p2p.resources import Rate, ResourceConfig
+from p2p.resources import Rate
 from p2p.config import NodeConfig
 from p2p.errors import ConfigError
 from p2p.hooks import PathKind

@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import sys
-import time
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
