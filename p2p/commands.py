@@ -15,7 +15,7 @@ import importlib
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -102,27 +102,46 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     return parser, sub
 
 
-def run(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None,
-        sub: argparse._SubParsersAction | None = None) -> int:  # type: ignore[type-arg]
-    """Parse ``argv`` (with the settings of ``--config`` and the environment under the flags: p2p/settings.py),
-    import the chosen command's module and run it."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if sub is not None:
-        for command in sub.choices.values():
-            if "--config" not in command._option_string_actions:  # argparse's table of option strings
-                command.add_argument("--config", type=Path, metavar="FILE",
-                                     help="read settings from this TOML file (its keys are these options' names; "
-                                          "flags override it; see docs/OPERATORS.md)")
-    args = parser.parse_args(argv)
-    if sub is not None and (getattr(args, "config", None) is not None
-                            or any(os.environ.get(name) for name in settings.ENVIRONMENT)):
-        try:
-            settings.apply(sub.choices[args.command], args.command, argv, getattr(args, "config", None))
-        except DedlocError as e:
-            parser.exit(2, f"dedloc {args.command}: error: {e}\n")
-        args = parser.parse_args(argv)
+def run(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
+        sub: argparse._SubParsersAction) -> int:  # type: ignore[type-arg]
+    """Parse ``argv`` (:func:`parse`), import the chosen command's module and run it."""
+    args = parse(parser, sub, list(sys.argv[1:] if argv is None else argv))
     module, _, name = str(args.func).partition(":")
     return run_command(args, getattr(importlib.import_module(module), name))
+
+
+def parse(parser: argparse.ArgumentParser, sub: argparse._SubParsersAction,  # type: ignore[type-arg]
+          argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> argparse.Namespace:
+    """``argv`` parsed, with the settings of ``--config`` and the environment under the flags (p2p/settings.py).
+
+    The settings become the command's defaults before the one parse, so an option the command
+    requires (``--initial-peers``) may come from the file or the environment instead of a flag.
+    """
+    for command in sub.choices.values():
+        if "--config" not in command._option_string_actions:  # argparse's table of option strings
+            command.add_argument("--config", type=Path, metavar="FILE",
+                                 help="read settings from this TOML file (its keys are these options' names; "
+                                      "flags override it; see docs/OPERATORS.md)")
+    # Before the command only -v may stand, which takes no value: the first known name is the command.
+    name = next((arg for arg in argv if arg in sub.choices), None)
+    config = _config_path(argv)
+    if name is not None and (config is not None or any(environ.get(v) for v in settings.ENVIRONMENT)):
+        try:
+            settings.apply(sub.choices[name], name, argv, config, environ)
+        except DedlocError as e:
+            parser.exit(2, f"dedloc {name}: error: {e}\n")
+    return parser.parse_args(argv)
+
+
+def _config_path(argv: Sequence[str]) -> Path | None:
+    """``--config FILE`` or ``--config=FILE`` in ``argv`` (the last one wins, as argparse's would)."""
+    found = None
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            found = Path(argv[i + 1])
+        elif arg.startswith("--config="):
+            found = Path(arg.removeprefix("--config="))
+    return found
 
 
 def run_command(args: argparse.Namespace, func: Callable[[argparse.Namespace, Output], Any]) -> int:

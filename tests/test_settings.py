@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from p2p import settings
+from p2p import commands, settings
 from p2p.errors import ConfigError
 from training.commands import build_parser
 
@@ -18,13 +18,21 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def parse(argv: list[str], config: str | None, tmp_path: Path, environ: dict[str, str] | None = None):
+    """What ``dedloc ARGV --config FILE`` parses to (p2p.commands.parse, the dispatcher's)."""
     parser, sub = build_parser()
-    path = None
     if config is not None:
         path = tmp_path / "dedloc.toml"
         path.write_text(config)
-    settings.apply(sub.choices[argv[0]], argv[0], argv, path, environ or {})
-    return parser.parse_args(argv)
+        argv = [*argv, "--config", str(path)]
+    return commands.parse(parser, sub, argv, environ or {})
+
+
+def apply(command: str, config: str, tmp_path: Path) -> None:
+    """settings.apply alone, so that a refusal arrives as the ConfigError it is."""
+    _, sub = build_parser()
+    path = tmp_path / "dedloc.toml"
+    path.write_text(config)
+    settings.apply(sub.choices[command], command, [command], path, {})
 
 
 def test_the_file_sets_defaults_and_flags_win(tmp_path: Path) -> None:
@@ -44,6 +52,7 @@ def test_a_table_is_for_its_command_and_the_environment_sits_between(tmp_path: P
     args = parse(["peer"], config, tmp_path)
     assert args.initial_peers == ["/ip4/10.0.0.1/tcp/1/p2p/x"] and args.ephemeral and args.max_reservations == 256
     env = {"DEDLOC_INITIAL_PEERS": "/ip4/10.0.0.2/tcp/1/p2p/y,/ip4/10.0.0.3/tcp/1/p2p/z", "DEDLOC_IDENTITY": "/k"}
+    assert parse(["peer"], None, tmp_path, env).initial_peers == env["DEDLOC_INITIAL_PEERS"].split(",")  # no file
     args = parse(["peer"], config, tmp_path, env)
     assert args.initial_peers == ["/ip4/10.0.0.2/tcp/1/p2p/y", "/ip4/10.0.0.3/tcp/1/p2p/z"]
     assert str(args.identity) == "/k"
@@ -62,12 +71,12 @@ def test_a_table_is_for_its_command_and_the_environment_sits_between(tmp_path: P
 ])
 def test_bad_keys_and_values_are_refused_by_name(tmp_path: Path, config: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        parse(["relay"], config, tmp_path)
+        apply("relay", config, tmp_path)
 
 
 def test_a_choice_outside_the_option_s_choices_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="dht-mode = 'sometimes': must be one of auto, server, client"):
-        parse(["peer"], 'dht-mode = "sometimes"\ninitial-peers = ["/ip4/1.2.3.4/tcp/1/p2p/x"]\n', tmp_path)
+        apply("peer", 'dht-mode = "sometimes"\ninitial-peers = ["/ip4/1.2.3.4/tcp/1/p2p/x"]\n', tmp_path)
 
 
 def test_a_relay_runs_from_its_file_and_a_bad_file_stops_it_with_the_reason(tmp_path: Path) -> None:
