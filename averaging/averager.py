@@ -298,10 +298,7 @@ class Averager:
         """The round's flat vector: a host copy of CPU tensors, or staged from a GPU (:mod:`averaging.staging`)."""
         if all(t.device.type == "cpu" for t in tensors):
             return HostVector(tensors, self._buffers)
-        # Every chunk in the order the round needs it: chunk k of every part before chunk k+1 of any.
-        outgoing = [spans[k] for k in range(max(map(len, plan.spans), default=0))
-                    for spans in plan.spans if k < len(spans)]
-        return DeviceVector(tensors, outgoing, self._buffers)
+        return DeviceVector(tensors, plan.spans, self._buffers)
 
     async def _run(self, group: Group, plan: RoundPlan, fractions: tuple[float, ...], vector: FlatVector | None,
                    weight: float) -> RoundReport:

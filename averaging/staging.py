@@ -130,13 +130,14 @@ class HostVector:
 class DeviceVector:
     """GPU tensors' float32 vector on their device, staged to and from the host in page-locked buffers.
 
-    ``outgoing``: the spans this peer encodes, in the order it needs them
-    (the round's sends and its own part). Also runs on a CPU device (no
+    ``parts``: the round's chunk spans per part (``RoundPlan.spans``); every
+    chunk is encoded, in the order the round needs them: chunk k of every
+    part before chunk k+1 of any (its sends and its own part). Also runs on a CPU device (no
     page-locking, no events), which is how the tests exercise it on machines
     without a GPU.
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], outgoing: Sequence[Region], pool: BufferPool) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor], parts: Sequence[Sequence[Region]], pool: BufferPool) -> None:
         self.device = tensors[0].device
         if any(t.device != self.device for t in tensors):
             raise ValueError(f"tensors on several devices ({sorted({str(t.device) for t in tensors})}): "
@@ -146,6 +147,7 @@ class DeviceVector:
         self._staging = "pinned" if self.cuda else "host"
         numel = sum(t.numel() for t in tensors)
         where = str(self.device)
+        outgoing = [spans[k] for k in range(max(map(len, parts), default=0)) for spans in parts if k < len(spans)]
         sizes = [payload_size(s.codec, s.end - s.start) for s in outgoing]
         self._out = pool.take(self._staging, torch.uint8, max(1, sum(sizes)))
         self._back = pool.take(self._staging, torch.float32, max(1, numel))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -116,7 +117,7 @@ class Measure:
 
 
 def _median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2] if values else math.nan
+    return statistics.median(values) if values else math.nan
 
 
 async def main() -> None:

@@ -496,7 +496,7 @@ def test_device_vector_stages_a_gpu_through_page_locked_memory() -> None:
              Region(5000, 5021, pb.CODEC_FLOAT32)]
 
     async def main() -> None:
-        vector = DeviceVector(tensors, spans, BufferPool())
+        vector = DeviceVector(tensors, [spans], BufferPool())  # one part
         assert vector._out.is_pinned() and vector._back.is_pinned()
         assert bytes(await vector.payload(spans[0])) == flat[:3000].numpy().tobytes()
         assert torch.allclose(await vector.own(spans[1]), flat[3000:5000], atol=1e-2)

@@ -144,15 +144,14 @@ async def test_the_device_staging_path_averages_like_the_host_path(compression: 
     """averaging.staging.DeviceVector (what a GPU's tensors go through: chunks encoded on the device,
     staged in one host buffer in send order, averages copied back) on a CPU device, so that a machine
     without a GPU runs its logic: the same average as the host path, within the codec's error."""
+    from averaging.allreduce import RoundPlan
     from averaging.compression import Compression
     from averaging.staging import DeviceVector
 
     staged: list[DeviceVector] = []
 
-    def stage(self: Averager, tensors: list[torch.Tensor], plan: object) -> DeviceVector:
-        outgoing = [spans[k] for k in range(max(map(len, plan.spans)))  # type: ignore[attr-defined]
-                    for spans in plan.spans if k < len(spans)]  # type: ignore[attr-defined]
-        staged.append(DeviceVector(tensors, outgoing, self._buffers))
+    def stage(self: Averager, tensors: list[torch.Tensor], plan: RoundPlan) -> DeviceVector:
+        staged.append(DeviceVector(tensors, plan.spans, self._buffers))
         return staged[-1]
 
     monkeypatch.setattr(Averager, "_stage", stage)
