@@ -37,7 +37,7 @@ import trio
 from libp2p.abc import INetStream
 
 from nat import Swarm
-from p2p.hooks import ExternalAddresses, Reachability, SwarmObserver
+from p2p.hooks import ExternalAddresses, Reachability, Registration, SwarmObserver
 from p2p.trio_util import finish_quietly
 
 from .allreduce import PROTOCOL, AllreduceConfig, AllreduceRound, RoundPlan, RoundReport, check_weight
@@ -128,6 +128,20 @@ class _ExternalWatch(SwarmObserver):
         await self._event.wait()
 
 
+class RoundObserver:
+    """Hears every matchmaking and round of an :class:`Averager` (:meth:`Averager.observe`); override what
+    you need. Synchronous, in order, never dropped; must not block (the metrics use it)."""
+
+    def matchmade(self, seconds: float, group_size: int) -> None:
+        """A group formed after ``seconds`` of matchmaking."""
+
+    def matchmaking_failed(self, seconds: float, reason: str) -> None:
+        """No group formed: ``reason`` is the error's class name."""
+
+    def averaged(self, report: RoundReport) -> None:
+        """A round ended (complete or partial: ``report`` says)."""
+
+
 class Averager:
     """Group all-reduce for one run prefix on one peer (a :class:`nat.Swarm`: :class:`nat.Peer`).
     Open it with :meth:`open`."""
@@ -146,6 +160,7 @@ class Averager:
         self.bandwidth = BandwidthEstimator(config.bandwidth)
         #: members that failed recent rounds (left out, or no round): for choosing Moshpit's group size
         self.failure_rate = FailureRate()
+        self._observers: list[RoundObserver] = []
         mp = config.moshpit
         self.grid: GridPosition | None = None
         if mp is not None:
@@ -201,6 +216,11 @@ class Averager:
             raise AveragingError("an auxiliary peer must be reachable (public or relayed) to reduce")
         return role, reachable and bool(self.peer.addrs)
 
+    def observe(self, observer: RoundObserver) -> Registration:
+        """Tell ``observer`` of every matchmaking and round until the handle is removed."""
+        self._observers.append(observer)
+        return Registration(lambda: self._observers.remove(observer))
+
     # ------------------------------------------------------------------ one step
 
     async def step(self, tensors: Sequence[torch.Tensor], weight: float = 1.0, *,
@@ -240,11 +260,16 @@ class Averager:
         me = Member(self.peer.peer_id, tuple(self.peer.addrs), role, self._match_key(schema, purpose),
                     self.bandwidth.upload, self.bandwidth.download, self.config.compute, accepts_joins)
         cell = self.grid.key if self.grid is not None else ""
+        started = trio.current_time()
         try:
             group = await self.matchmaker.form_group(me, cell, expected=expected)
-        except MatchmakingError:
+        except MatchmakingError as e:
             self.failure_rate.observe(1, 1)
+            for observer in list(self._observers):
+                observer.matchmaking_failed(trio.current_time() - started, type(e).__name__)
             raise
+        for observer in list(self._observers):
+            observer.matchmade(trio.current_time() - started, group.size)
         # Withdraw the declaration in the background: it costs the round nothing.
         if self._background is not None:
             self._background.start_soon(self.matchmaker.withdraw, self.matchmaker.take_declaration())
@@ -281,6 +306,8 @@ class Averager:
         try:
             report = await self._run(round_group, plan, fractions, vector, weight)
             self.failure_rate.observe(group.size, len(report.left_out))
+            for observer in list(self._observers):
+                observer.averaged(report)
             if vector is not None:
                 await vector.finish()
                 if report.complete or not strict and (accept is None or accept(report)):

@@ -11,6 +11,9 @@ layer, and what ``make demo`` runs before it trains.
 from __future__ import annotations
 
 import argparse
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 import torch
 import trio
@@ -27,6 +30,9 @@ from .errors import AveragingError
 from .events import AverageFailed, Averaged
 from .matchmaking import MatchmakingConfig
 
+if TYPE_CHECKING:
+    from nat.dashboard import Dashboard
+
 
 def averager_config(args: argparse.Namespace) -> AveragerConfig:
     return AveragerConfig(
@@ -39,11 +45,12 @@ def averager_config(args: argparse.Namespace) -> AveragerConfig:
     )
 
 
-async def average_rounds(peer: Peer, args: argparse.Namespace) -> None:
-    """Average a tensor every ``--interval`` seconds; each round's outcome is an event."""
+async def average_rounds(peer: Peer, args: argparse.Namespace, dashboard: Dashboard | None = None) -> None:
+    """Average a tensor every ``--interval`` seconds; each round's outcome is an event (and, with
+    ``--metrics``, in the ``dedloc_averaging_*`` families)."""
     config = averager_config(args)
     generator = torch.Generator().manual_seed(int.from_bytes(peer.peer_id.to_bytes()[-4:], "big"))
-    async with Averager.open(peer, config) as averager:
+    async with Averager.open(peer, config) as averager, observed(averager, dashboard):
         r = 0
         while args.rounds == 0 or r < args.rounds:
             # A fresh tensor each round (like a fresh gradient): a round's result checks on its own.
@@ -67,6 +74,18 @@ async def average_rounds(peer: Peer, args: argparse.Namespace) -> None:
             await trio.sleep(args.interval)
 
 
+@asynccontextmanager
+async def observed(averager: Averager, dashboard: Dashboard | None) -> AsyncIterator[None]:
+    """With ``--metrics``: the averager's rounds in the dashboard's registry for the block."""
+    if dashboard is None:
+        yield
+        return
+    from .metrics import AveragingMetrics
+
+    with AveragingMetrics(dashboard.registry).install(averager):
+        yield
+
+
 async def cmd_average(args: argparse.Namespace, out: Output) -> int:
     try:
         averager_config(args).validate()  # bad options fail before the peer starts
@@ -74,4 +93,4 @@ async def cmd_average(args: argparse.Namespace, out: Output) -> int:
         raise ConfigError(str(e)) from None
     if args.size <= 0:
         raise ConfigError("--size must be positive")
-    return await run_peer(args, out, config=peer_config(args, relay=False), work=lambda peer: average_rounds(peer, args))
+    return await run_peer(args, out, config=peer_config(args, relay=False), work=lambda peer, dashboard: average_rounds(peer, args, dashboard))

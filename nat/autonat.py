@@ -44,6 +44,8 @@ DIAL_REQUEST = "/libp2p/autonat/2/dial-request"
 DIAL_BACK = "/libp2p/autonat/2/dial-back"
 #: Spec: dial data travels in chunks of at most 4096 bytes.
 DATA_CHUNK = 4096
+#: Peers whose last dial-back verdict the server remembers (the oldest go first).
+MAX_VERDICTS = 4096
 
 
 @dataclass
@@ -95,6 +97,9 @@ class AutoNATServer:
         self.config = config or AutoNATConfig()
         self.config.validate()
         self._slots = trio.Semaphore(self.config.max_concurrent)
+        #: The last dial-back's verdict per peer that asked (``public`` / ``unreachable``), newest last;
+        #: the live page shows it as what this server knows of each peer's NAT.
+        self.verdicts: dict[ID, str] = {}
         self.counts: Counter[str] = Counter({"requests": 0, "rejected": 0, "refused": 0, "dial_backs": 0, "dial_back_ok": 0, "dial_data_asked": 0})
 
     def install(self) -> Registration:
@@ -173,6 +178,10 @@ class AutoNATServer:
                 return
         async with self._slots:
             status = await self._dial_back(peer, target, request.nonce)
+        self.verdicts.pop(peer, None)
+        self.verdicts[peer] = "public" if status == pb.OK else "unreachable"
+        while len(self.verdicts) > MAX_VERDICTS:
+            del self.verdicts[next(iter(self.verdicts))]
         await self._respond(stream, pb.DialResponse.OK, index, status)
 
     async def _dial_back(self, peer: ID, target: Multiaddr, nonce: int) -> int:

@@ -13,9 +13,10 @@ import argparse
 import json
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 from google.protobuf.empty_pb2 import Empty
@@ -30,15 +31,19 @@ from p2p.resources import Rate
 from p2p.config import NodeConfig
 from p2p.errors import ConfigError
 from p2p.hooks import PathKind
+from p2p.http import parse_endpoint
 from p2p.dht.events import DHTMode
 from p2p.dialer import remote_addr
 from p2p.node import Node
 from p2p.rpc import CallContext, RemoteError
 
-from .events import HolePunched, NatStatus, PingSummary
+from .events import DashboardServing, HolePunched, NatStatus, PingSummary
 from .peer import PEER_LISTEN, RELAY_LISTEN, Peer, PeerConfig
 from .port_mapping import PortMappingConfig
 from .relay import RelayConfig
+
+if TYPE_CHECKING:
+    from .dashboard import Dashboard
 
 STATUS_METHOD = "node.status"
 #: RemoteError code for a status request from another machine.
@@ -154,11 +159,15 @@ def _serve_status(peer: Peer) -> None:
 
 
 async def run_peer(args: argparse.Namespace, out: Output, *, relay: bool = False, config: PeerConfig | None = None,
-                   work: Callable[[Peer], Awaitable[None]] | None = None) -> int:
+                   work: Callable[[Peer, Dashboard | None], Awaitable[None]] | None = None,
+                   role: str | None = None) -> int:
     """Run a peer (``config``, else one from ``args``) printing its events until ``--duration``, Ctrl-C
-    or SIGTERM; ``work`` (what a layer above does with the peer) runs beside it, and the peer stops
-    when it returns."""
+    or SIGTERM; ``work`` (what a layer above does with the peer, given the ``--metrics`` dashboard to add
+    its own families and page sections to, or None) runs beside it, and the peer stops when it returns."""
     config = config or peer_config(args, relay=relay)
+    endpoint = getattr(args, "metrics", None)
+    if endpoint:
+        parse_endpoint(endpoint)  # a malformed --metrics fails before the peer starts
     async with trio.open_nursery() as nursery:
         async with Peer.open(config, on_listening=lambda node: _print_listening(node, out, nursery)) as peer:
             _serve_status(peer)
@@ -168,18 +177,35 @@ async def run_peer(args: argparse.Namespace, out: Output, *, relay: bool = False
                 peer.node.emit(ev.PeerCount(count=len(peers), peers=peers))
                 peer.node.emit(NatStatus(metrics=peer.nat.metrics()))
 
-            async with trio.open_nursery() as inner:
+            async with _dashboard(peer, endpoint, role or ("relay" if relay else "peer")) as dashboard:
+                async with trio.open_nursery() as inner:
 
-                async def then_stop(job: Callable[[], Awaitable[None]]) -> None:  # whichever ends first stops both
-                    await job()
-                    inner.cancel_scope.cancel()
+                    async def then_stop(job: Callable[[], Awaitable[None]]) -> None:  # whichever ends first stops both
+                        await job()
+                        inner.cancel_scope.cancel()
 
-                if work is not None:
-                    inner.start_soon(then_stop, partial(work, peer))
-                inner.start_soon(then_stop, partial(_serve, args.duration, args.status_interval, report))
+                    if work is not None:
+                        inner.start_soon(then_stop, partial(work, peer, dashboard))
+                    inner.start_soon(then_stop, partial(_serve, args.duration, args.status_interval, report))
             await trio.sleep(0)  # let the last event reach the printer
         nursery.cancel_scope.cancel()
     return 0
+
+
+@asynccontextmanager
+async def _dashboard(peer: Peer, endpoint: str | None, role: str) -> AsyncIterator[Dashboard | None]:
+    """``--metrics``: serve the metrics and the live page (prometheus_client is imported only then)."""
+    if not endpoint:
+        yield None
+        return
+    from .dashboard import Dashboard
+
+    async with Dashboard.serve(peer, endpoint, role=role) as dashboard:
+        assert dashboard.address is not None
+        host, port = dashboard.address
+        base = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        peer.node.emit(DashboardServing(metrics=f"{base}/metrics", page=f"{base}/"))
+        yield dashboard
 
 
 def _print_listening(node: Node, out: Output, nursery: trio.Nursery) -> None:

@@ -95,6 +95,18 @@ class ModeChanged(Event):
 
 
 @dataclass
+class DashboardServing(Event):
+    """``--metrics``: where the Prometheus endpoint and the live page listen."""
+
+    metrics: str
+    page: str
+    event: str = field(init=False, default="dashboard")
+
+    def human(self) -> str:
+        return f"metrics at {self.metrics}, live page at {self.page}"
+
+
+@dataclass
 class NatStatus(Event):
     """The funnel: reservations, dial-backs, punch attempts and successes, bytes by path."""
 

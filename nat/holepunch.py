@@ -22,6 +22,7 @@ direct path and none under way is cut.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -114,6 +115,11 @@ class HolePunchStats:
     retries: int = 0
     #: Seconds from the relayed connection's start to a working direct one, per success.
     time_to_direct: list[float] = field(default_factory=list)
+    #: go-libp2p's holepunch labels: direct dials (reversals) by outcome; upgrades by
+    #: (side, rounds, outcome), side ``initiator`` (we lead: the relayed connection was inbound)
+    #: or ``receiver``; outcome ``success``, ``failed`` or ``no_suitable_address``.
+    direct_dials: Counter[str] = field(default_factory=Counter)
+    outcomes: Counter[tuple[str, int, str]] = field(default_factory=Counter)
 
 
 class HolePuncher:
@@ -207,6 +213,7 @@ class HolePuncher:
             direct = await self._reverse(peer)
             log.debug("upgrade to %s: reversal %s after %.2f s", peer, "worked" if direct else "found nothing",
                       trio.current_time() - started)
+            stats.direct_dials["success" if direct is not None else "failed"] += 1
             if direct is not None:
                 stats.reversals += 1
             else:
@@ -223,6 +230,8 @@ class HolePuncher:
                             stats.first_try_successes += 1
                         break
             elapsed = trio.current_time() - started
+            if rounds:
+                stats.outcomes[("initiator", rounds, "success" if direct is not None else "failed")] += 1
             if direct is None:
                 stats.failures += 1
                 return PunchResult(None, PunchMethod.NONE, rounds, elapsed)
@@ -298,8 +307,11 @@ class HolePuncher:
             await finish_quietly(stream.reset)
             return
         await finish_quietly(stream.close)
-        if theirs:
-            await self._dial_any(peer, theirs, responder=False)
+        if not theirs:
+            self.stats.outcomes[("receiver", 1, "no_suitable_address")] += 1
+            return
+        conn = await self._dial_any(peer, theirs, responder=False)
+        self.stats.outcomes[("receiver", 1, "success" if conn is not None else "failed")] += 1
 
     # ---------------------------------------------------------------- dialing
 

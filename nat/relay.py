@@ -148,6 +148,11 @@ class RelayStats:
     refused: Counter[str] = field(default_factory=Counter)
     #: Circuits reset for exceeding a limit, by limit ("data", "duration").
     limits_hit: Counter[str] = field(default_factory=Counter)
+    #: go-libp2p's relaysvc labels: reservations granted (``opened``) or refreshed (``renewed``);
+    #: answers by (``reservation``/``connection``, status name); refusals by (same, reason).
+    reservation_types: Counter[str] = field(default_factory=Counter)
+    responses: Counter[tuple[str, str]] = field(default_factory=Counter)
+    rejections: Counter[tuple[str, str]] = field(default_factory=Counter)
 
 
 class _LimitReached(Exception):
@@ -205,14 +210,14 @@ class RelayService:
             await self._status(stream, pb.MALFORMED_MESSAGE, "malformed")
             return
         if _over_relayed_connection(stream):
-            await self._status(stream, pb.PERMISSION_DENIED, "relayed connection")
+            await self._status(stream, pb.PERMISSION_DENIED, "relayed connection", kind=_kind(msg))
             return
         service = {pb.HopMessage.RESERVE: "relay.reserve", pb.HopMessage.CONNECT: "relay.connect"}.get(msg.type)
         if service is not None:
             try:
                 self._node.resources.allow(service, str(peer), trio.current_time())
             except ResourceLimitExceeded:  # counted by the manager already
-                await self._status(stream, pb.RESOURCE_LIMIT_EXCEEDED, f"{service} rate", counted=True)
+                await self._status(stream, pb.RESOURCE_LIMIT_EXCEEDED, f"{service} rate", counted=True, kind=_kind(msg))
                 return
         if msg.type == pb.HopMessage.RESERVE:
             await self._reserve(stream, peer)
@@ -221,8 +226,13 @@ class RelayService:
         else:
             await self._status(stream, pb.UNEXPECTED_MESSAGE, "unexpected")
 
-    async def _status(self, stream: INetStream, status: int, reason: str, *, counted: bool = False) -> None:
+    async def _status(self, stream: INetStream, status: int, reason: str, *, counted: bool = False,
+                      kind: str = "") -> None:
+        if kind:
+            self.stats.responses[(kind, pb.Status.Name(status))] += 1  # type: ignore[arg-type]
         if status != pb.OK:
+            if kind:
+                self.stats.rejections[(kind, reason)] += 1
             self.stats.refused[reason] += 1
             if not counted:
                 self._node.resources.count_refusal("relay", reason)
@@ -235,9 +245,10 @@ class RelayService:
 
     async def _reserve(self, stream: INetStream, peer: ID) -> None:
         self._sweep()
+        renewal = peer in self.admission.slots
         expire = self.admission.reserve(peer, _remote_ip(stream), time.time())
         if isinstance(expire, Refusal):
-            await self._status(stream, expire.status, expire.reason)
+            await self._status(stream, expire.status, expire.reason, kind="reservation")
             return
         me = self._node.peer_id
         addrs = [with_peer_id(without_peer_id(a), me).to_bytes() for a in self._node.addrs if not is_relayed(a)]
@@ -248,6 +259,8 @@ class RelayService:
             limit=self.limit,
         )
         self.stats.reservations += 1
+        self.stats.reservation_types["renewed" if renewal else "opened"] += 1
+        self.stats.responses[("reservation", "OK")] += 1
         with trio.move_on_after(5):
             try:
                 await write_message(stream, reply)
@@ -271,17 +284,17 @@ class RelayService:
                 raise RemoteProtocolError("CONNECT without a peer")
             target = require_peer_id(msg.peer.id, "CONNECT peer")
         except RemoteProtocolError:
-            await self._status(stream, pb.MALFORMED_MESSAGE, "malformed")
+            await self._status(stream, pb.MALFORMED_MESSAGE, "malformed", kind="connection")
             return
         self._sweep()
         refusal = self.admission.open_circuit(source, target)
         if refusal is not None:
-            await self._status(stream, refusal.status, refusal.reason)
+            await self._status(stream, refusal.status, refusal.reason, kind="connection")
             return
         try:
             stop = await self._open_stop(source, target)
             if stop is None:
-                await self._status(stream, pb.CONNECTION_FAILED, "target did not accept")
+                await self._status(stream, pb.CONNECTION_FAILED, "target did not accept", kind="connection")
                 return
             try:
                 await write_message(stream, pb.HopMessage(type=pb.HopMessage.STATUS, status=pb.OK, limit=self.limit))
@@ -290,6 +303,7 @@ class RelayService:
                 await finish_quietly(stream.reset)
                 return
             self.stats.circuits_total += 1
+            self.stats.responses[("connection", "OK")] += 1
             await self._bridge(stream, stop)
         finally:
             self.admission.close_circuit(source, target)
@@ -359,6 +373,10 @@ class RelayService:
         if failed or scope.cancelled_caught:
             await finish_quietly(a.reset)
             await finish_quietly(b.reset)
+
+
+def _kind(msg: pb.HopMessage) -> str:
+    return "reservation" if msg.type == pb.HopMessage.RESERVE else "connection"
 
 
 def _over_relayed_connection(stream: INetStream) -> bool:

@@ -50,6 +50,9 @@ def common_options(p: argparse.ArgumentParser, *, node: bool = True) -> None:
         p.add_argument("--duration", type=float, default=None, metavar="SECONDS", help="exit after this long (default: run until Ctrl-C)")
         p.add_argument("--status-interval", type=float, default=10.0, metavar="SECONDS", help="how often to report the peer count (0: never)")
         p.add_argument("--ephemeral", action="store_true", help="use a throwaway identity instead of --identity")
+        p.add_argument("--metrics", default=None, metavar="HOST:PORT",
+                       help="serve Prometheus metrics at /metrics and the live page at / (e.g. 127.0.0.1:9100; "
+                       ":PORT listens on loopback; see docs/OPERATORS.md)")
 
 
 def positive_seconds(text: str) -> float:

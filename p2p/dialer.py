@@ -228,6 +228,25 @@ def remote_addr(conn: INetConn) -> Multiaddr:
     return Multiaddr("/ip4/0.0.0.0/tcp/0")
 
 
+def classify_dial_error(addr: str, why: str) -> tuple[str, str, str]:
+    """(transport, error, ip_version) of one failed dial, as go-libp2p labels ``dial_errors_total``."""
+    transport = "circuit" if "/p2p-circuit" in addr else "tcp" if "/tcp/" in addr else "other"
+    ip_version = "ip6" if addr.startswith("/ip6/") else "ip4" if addr.startswith("/ip4/") else "unknown"
+    text = why.lower()
+    error = next((label for needle, label in _DIAL_ERRORS if needle in text), "other")
+    return transport, error, ip_version
+
+
+#: Substrings of a failure's text -> go-libp2p's error labels.
+_DIAL_ERRORS = (
+    ("timed out", "deadline"), ("timeout", "deadline"), ("refused", "connection_refused"),
+    ("no route", "no_route"), ("unreachable", "no_route"), ("resource limit", "resource_limit_exceeded"),
+    ("over the limit", "resource_limit_exceeded"), ("peer id mismatch", "peer_id_mismatch"),
+    ("mismatch", "peer_id_mismatch"), ("noise", "security"), ("yamux", "muxer"), ("reset", "connection_reset"),
+    ("relay", "relay"),
+)
+
+
 def _describe(e: BaseException) -> str:
     parts = []
     seen = set()

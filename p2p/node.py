@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
@@ -31,14 +32,14 @@ from . import multistream
 from .admission import Admission
 from .addresses import is_relayed, parse_multiaddr, parse_peer_addr, rank_for_dial, with_peer_id, without_peer_id
 from .config import NodeConfig
-from .dialer import CircuitDialer, backoff_delays, dial, live_connection, remote_addr
+from .dialer import CircuitDialer, backoff_delays, classify_dial_error, dial, live_connection, remote_addr
 from .errors import BootstrapError, DedlocError, DialError, ProtocolNotSupportedError, StreamOpenError
 from .hooks import ConnectionInfo, Direction, ExternalAddresses, PathKind, Reachability, Registration, SwarmObserver
 from .identify import MAX_LISTEN_ADDRS, PeerIdentity, identify
 from .identity import load_or_create_identity, new_identity, peer_id_of
 from .libp2p_host import build_host, started
 from .noise import NoiseSession
-from .resources import ResourceLimitExceeded, ResourceManager
+from .resources import ResourceLimitExceeded, ResourceManager, limits_hit
 from .rpc import RPC_PROTOCOL, Rpc
 from .trio_util import finish_quietly, unwrap_single_group
 
@@ -81,6 +82,9 @@ class Node:
         self._announce = [parse_multiaddr(a, what="announce address") for a in config.announce]
         self._circuit_dialer: CircuitDialer | None = None
         self._external = ExternalAddresses()
+        #: Failed attempts of our dials, by (transport, error class, ip version): go-libp2p's
+        #: ``libp2p_swarm_dial_errors_total`` labels (:func:`p2p.dialer.classify_dial_error`).
+        self.dial_errors: Counter[tuple[str, str, str]] = Counter()
         self.rpc = Rpc(self.new_stream, max_message_size=config.max_message_size, default_timeout=config.rpc_timeout,
                        admit=self._admit_call)
 
@@ -139,6 +143,7 @@ class Node:
                                   resources)
                     node.set_stream_handler(RPC_PROTOCOL, node.rpc.handle_stream)
                     nursery.start_soon(node._sweep_idle_rpc_streams)
+                    nursery.start_soon(node._log_limits_hit)
                     try:
                         if bootstrap and config.initial_peers:
                             await node.bootstrap()
@@ -298,6 +303,19 @@ class Node:
             observer.connection_closed(info)
         self.emit(ev.ConnectionClosed(peer_id=info.peer_id, addr=str(info.addr), kind=info.kind))
 
+    async def _log_limits_hit(self) -> None:
+        """Every ``alarm_interval`` seconds, one ERROR line per limit hit since the last look, naming it
+        (a flood of refusals is one line per limit, not one per refusal)."""
+        interval = self.resources.config.alarm_interval
+        seen = self.resources.refusal_counts()
+        while True:
+            await trio.sleep(interval)
+            now = self.resources.refusal_counts()
+            for name, n in limits_hit(seen, now):
+                log.error("resource limit hit: %s refused %d time%s in the last %g s (docs/OPERATORS.md: "
+                          "what each limit means and how to change it)", name, n, "" if n == 1 else "s", interval)
+            seen = now
+
     # ------------------------------------------------------------------ connections
 
     async def connect(self, target: str | Multiaddr | ID | Sequence[str | Multiaddr], *, timeout: float | None = None,
@@ -329,15 +347,20 @@ class Node:
         if not candidates:
             raise DialError(f"no address known for {peer_id}: give a full multiaddr")
         started = time.perf_counter()
-        conn, used = await dial(
-            self.network,
-            peer_id,
-            candidates,
-            stagger=self.config.dial_stagger,
-            timeout=timeout or self.config.dial_timeout,
-            circuit=self._circuit_dialer,
-            source=self.listen_source if from_listen_port else None,
-        )
+        try:
+            conn, used = await dial(
+                self.network,
+                peer_id,
+                candidates,
+                stagger=self.config.dial_stagger,
+                timeout=timeout or self.config.dial_timeout,
+                circuit=self._circuit_dialer,
+                source=self.listen_source if from_listen_port else None,
+            )
+        except DialError as e:
+            for addr, why in e.attempts:
+                self.dial_errors[classify_dial_error(addr, why)] += 1
+            raise
         self.add_addrs(peer_id, [used])
         self.emit(ev.PeerConnected(peer_id=peer_id, addr=str(used), elapsed=time.perf_counter() - started))
         return peer_id

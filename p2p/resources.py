@@ -136,6 +136,9 @@ class ResourceConfig:
     rates: dict[str, Rate] = field(default_factory=default_rates)
     #: Peers whose buckets are kept (the least recently used go first beyond this).
     max_tracked_peers: int = 65536
+    #: Seconds between the node's checks for limits hit: each limit hit since the last check is
+    #: logged at ERROR once, by name, with its count (kubo #9001: limit hits were invisible at WARN).
+    alarm_interval: float = 5.0
 
     def validate(self) -> None:
         self.admission.validate()
@@ -146,6 +149,8 @@ class ResourceConfig:
                 raise ConfigError(f"resources {name} must be >= 0, got {getattr(self, name)}")
         if self.max_tracked_peers < 1:
             raise ConfigError("resources max_tracked_peers must be at least 1")
+        if not 0 < self.alarm_interval <= 60:
+            raise ConfigError(f"resources alarm_interval must be in (0, 60] seconds, got {self.alarm_interval}")
         for service, rate in self.rates.items():
             rate.validate(service)
 
@@ -221,6 +226,13 @@ class ResourceManager:
     def count_refusal(self, service: str, reason: str) -> None:
         """Count a refusal by a service's own cap (the relay's reservations per address), by reason."""
         self.refused[f"service.{service}.{reason.replace(' ', '_')}"] += 1
+
+    def refusal_counts(self) -> Counter[str]:
+        """Every refusal so far by limit name: ours (``peer.streams``, ``service.dht_rate``, ``service.relay.*``)
+        and admission's before the handshake (``admission.handshaking_per_subnet``)."""
+        out = Counter(self.refused)
+        out.update({f"admission.{reason}": n for reason, n in self.admission.refused.items()})
+        return out
 
     def _check(self, cap: int, used: int, scope: Scope, resource: str, what: str = "") -> None:
         if cap and used >= cap:
@@ -375,6 +387,11 @@ class ResourceManager:
         return out
 
 
+def limits_hit(before: Mapping[str, int], after: Mapping[str, int]) -> list[tuple[str, int]]:
+    """The limits hit between two :meth:`ResourceManager.refusal_counts`, with how often, by name."""
+    return sorted((name, n - before.get(name, 0)) for name, n in after.items() if n > before.get(name, 0))
+
+
 def _decrement(counter: Counter[Any], key: Any) -> None:
     counter[key] -= 1
     if counter[key] <= 0:
@@ -382,4 +399,4 @@ def _decrement(counter: Counter[Any], key: Any) -> None:
 
 
 __all__ = ["MemoryAccount", "Rate", "ResourceConfig", "ResourceLimitExceeded", "ResourceManager", "Scope",
-           "StreamGrant", "default_max_memory", "default_rates"]
+           "StreamGrant", "default_max_memory", "default_rates", "limits_hit"]

@@ -21,9 +21,10 @@ import math
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import trio
@@ -40,6 +41,9 @@ from .events import Checkpointed, GlobalStepDone, StateDownloaded, TrainingStatu
 from .optimizer import CollaborativeOptimizer, StepReport, TrainingConfig
 from .progress import ProgressTracker
 from .state import StateDownloadError, StateServer, TrainingState, download_state
+
+if TYPE_CHECKING:
+    from nat.dashboard import Dashboard
 
 
 
@@ -93,13 +97,14 @@ def training_config(args: argparse.Namespace) -> TrainingConfig:
 # ---------------------------------------------------------------------- dedloc train
 
 
-async def train(peer: Peer, args: argparse.Namespace) -> None:
-    """Train the example model with the swarm until --max-steps global steps (or --duration)."""
+async def train(peer: Peer, args: argparse.Namespace, dashboard: Dashboard | None = None) -> None:
+    """Train the example model with the swarm until --max-steps global steps (or --duration); with
+    ``--metrics``, the run's and the averager's families join the dashboard's."""
     from .mlm import MaskedBatches
 
     torch.set_num_threads(max(1, args.threads))
     if args.auxiliary:
-        return await assist(peer, args)
+        return await assist(peer, args, dashboard)
     files, _ = example_files(args)
     tokenizer, model, optimizer, scheduler = await trio.to_thread.run_sync(build, args)  # off the event loop
     stream = ExampleStream(DataConfig(files=tuple(files), text_field=args.text_field,
@@ -123,7 +128,7 @@ async def train(peer: Peer, args: argparse.Namespace) -> None:
 
     node = peer.node
     async with CollaborativeOptimizer.open(peer, optimizer, training_config(args), scheduler=scheduler,
-                                           scaler=scaler) as opt:
+                                           scaler=scaler) as opt, observed(opt, dashboard):
         if opt.downloads:
             node.emit(_downloaded(opt))
 
@@ -134,7 +139,7 @@ async def train(peer: Peer, args: argparse.Namespace) -> None:
                 if p is not None:
                     node.emit(TrainingStatus(
                         step=p.step, swarm_samples=p.samples, target=p.target,
-                        swarm_samples_per_second=p.samples_per_second, samples_per_second=opt._rate,
+                        swarm_samples_per_second=p.samples_per_second, samples_per_second=opt.samples_per_second,
                         loss=opt.loss, swarm_loss=p.loss, peers=p.peers, eta=p.eta, local_samples=opt.samples))
 
         async with trio.open_nursery() as nursery:
@@ -156,11 +161,30 @@ def _downloaded(opt: CollaborativeOptimizer) -> StateDownloaded:
     return StateDownloaded(step=opt.local_step, seconds=seconds, source=source)
 
 
-async def assist(peer: Peer, args: argparse.Namespace) -> None:
+@asynccontextmanager
+async def observed(opt: CollaborativeOptimizer, dashboard: Dashboard | None) -> AsyncIterator[None]:
+    """With ``--metrics``: ``dedloc_training_*`` and the optimizer's averager's ``dedloc_averaging_*``."""
+    if dashboard is None:
+        yield
+        return
+    from averaging.metrics import AveragingMetrics
+
+    from .metrics import TrainingMetrics
+
+    collector = TrainingMetrics(opt.tracker, opt)
+    dashboard.registry.register(collector)
+    try:
+        with AveragingMetrics(dashboard.registry).install(opt.averager):
+            yield
+    finally:
+        dashboard.registry.unregister(collector)
+
+
+async def assist(peer: Peer, args: argparse.Namespace, dashboard: Dashboard | None = None) -> None:
     """An auxiliary peer of the run (``--auxiliary``): no batches; it joins every step's round with
     weight 0 and reduces a part of the gradients (the model is built only for its shapes)."""
     _, model, optimizer, _ = await trio.to_thread.run_sync(build, args)  # off the event loop
-    async with CollaborativeOptimizer.open(peer, optimizer, training_config(args)) as opt:
+    async with CollaborativeOptimizer.open(peer, optimizer, training_config(args)) as opt, observed(opt, dashboard):
         while args.max_steps == 0 or opt.local_step < args.max_steps:
             report = await opt.assist()
             if report is not None:
@@ -187,7 +211,7 @@ async def cmd_train(args: argparse.Namespace, out: Output) -> int:
             shard_paths(args.data)  # missing files and unknown formats fail before the peer starts
         except DataError as e:
             raise ConfigError(str(e)) from None
-    return await run_peer(args, out, config=peer_config(args, relay=False), work=lambda peer: train(peer, args))
+    return await run_peer(args, out, config=peer_config(args, relay=False), work=lambda peer, dashboard: train(peer, args, dashboard))
 
 
 def _check_training_args(args: argparse.Namespace) -> None:
@@ -225,12 +249,18 @@ class Monitor:
     (peer id -> ``{"samples": n, "auxiliary_steps": k}``).
     """
 
+    #: Points of the learning curve kept in memory for the live page (the file keeps them all).
+    MAX_CURVE = 5000
+
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
         self.per_step: dict[ID, dict[int, int]] = defaultdict(dict)
         self.assisted: dict[ID, set[int]] = defaultdict(set)
         self.last_step = -1
+        self.curve: list[dict[str, Any]] = []
+        #: The last checkpoint saved: ``{"step": n, "path": ..., "time": ...}``.
+        self.checkpoint: dict[str, Any] | None = None
 
     def observe(self, tracker: ProgressTracker) -> None:
         for r in tracker.reports:
@@ -247,7 +277,27 @@ class Monitor:
                 "peers": p.peers}
         with (self.directory / "curve.jsonl").open("a") as f:
             f.write(json.dumps(line) + "\n")
+        self.curve.append(line)
+        del self.curve[: -self.MAX_CURVE]
         (self.directory / "contributions.json").write_text(json.dumps(self.contributions(), indent=1))
+
+    def page(self, tracker: ProgressTracker, run_id: str) -> dict[str, Any]:
+        """The ``run`` section of the live page (``nat/dashboard.py``): the run's figures, the curve, and
+        per volunteer its rate and step (its last report) and what it contributed."""
+        p = tracker.last
+        contributions = self.contributions()
+        reports = {r.peer_id.to_base58(): r for r in tracker.reports}
+        volunteers = []
+        for peer in sorted(set(contributions) | set(reports)):
+            r, c = reports.get(peer), contributions.get(peer, {"samples": 0, "auxiliary_steps": 0})
+            volunteers.append({"peer_id": peer, "samples": c["samples"], "auxiliary_steps": c["auxiliary_steps"],
+                               "samples_per_second": r.samples_per_second if r is not None else None,
+                               "step": r.step if r is not None else None,
+                               "auxiliary": bool(r is not None and r.auxiliary)})
+        return {"run_id": run_id, "step": p.step if p else None, "loss": p.loss if p else None,
+                "samples_per_second": p.samples_per_second if p else None, "peers": p.peers if p else 0,
+                "samples": p.samples if p else 0, "target": tracker.target, "curve": self.curve,
+                "volunteers": volunteers, "checkpoint": self.checkpoint}
 
     def contributions(self) -> dict[str, dict[str, int]]:
         peers = set(self.per_step) | set(self.assisted)
@@ -256,14 +306,20 @@ class Monitor:
                 for peer in sorted(peers, key=lambda p: p.to_base58())}
 
 
-async def backbone(peer: Peer, args: argparse.Namespace) -> None:
-    """Watch the run: keep its curve and contributions, checkpoint it every --checkpoint-every steps."""
+async def backbone(peer: Peer, args: argparse.Namespace, dashboard: Dashboard | None = None) -> None:
+    """Watch the run: keep its curve and contributions, checkpoint it every --checkpoint-every steps;
+    with ``--metrics``, the run's families and the page's ``run`` section."""
     _, model, _, _ = await trio.to_thread.run_sync(build, args)  # off the event loop
     params = [p for p in model.parameters() if p.requires_grad]
     directory = Path(args.checkpoint_dir)
     monitor = Monitor(directory)
     tracker = ProgressTracker(peer, args.run_id, args.target_batch_size, client=False)
     latest: TrainingState | None = None
+    if dashboard is not None:
+        from .metrics import TrainingMetrics
+
+        dashboard.registry.register(TrainingMetrics(tracker))
+        dashboard.sections["run"] = lambda: monitor.page(tracker, args.run_id)
 
     async def snapshot() -> TrainingState:
         return latest if latest is not None else TrainingState(-1, [], None, {}, None)
@@ -289,6 +345,7 @@ async def backbone(peer: Peer, args: argparse.Namespace) -> None:
                         "step": latest.step, "params": latest.params, "pending": latest.pending,
                         "optimizer": latest.optimizer, "scheduler": latest.scheduler, "time": time.time()}, path)
                     saved = latest.step
+                    monitor.checkpoint = {"step": latest.step, "path": str(path), "time": time.time()}
                     peer.node.emit(Checkpointed(step=latest.step, path=str(path), source=str(sources[0])))
             await trio.sleep(args.report_every)
     finally:
@@ -298,7 +355,7 @@ async def backbone(peer: Peer, args: argparse.Namespace) -> None:
 async def cmd_backbone(args: argparse.Namespace, out: Output) -> int:
     if args.checkpoint_every <= 0:
         raise ConfigError("--checkpoint-every must be positive")
-    return await run_peer(args, out, relay=True, work=lambda peer: backbone(peer, args))
+    return await run_peer(args, out, relay=True, work=lambda peer, dashboard: backbone(peer, args, dashboard), role="backbone")
 
 
 # ---------------------------------------------------------------------- dedloc demo

@@ -315,6 +315,11 @@ class CollaborativeOptimizer:
                        reduces=self.averager.role()[0].reduces)
 
     @property
+    def samples_per_second(self) -> float:
+        """This peer's rate over the step under way (what it publishes)."""
+        return self._rate
+
+    @property
     def samples(self) -> int:
         """Our samples toward ``local_step``."""
         return self.accumulator.samples

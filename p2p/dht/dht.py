@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -42,7 +42,7 @@ from multiaddr import Multiaddr
 from ..addresses import is_relayed, parse_peer_addr, without_peer_id
 from ..dialer import live_connection, remote_addr
 from ..errors import ConfigError, DedlocError, RemoteProtocolError
-from ..hooks import ExternalAddresses, Reachability, SwarmObserver
+from ..hooks import ExternalAddresses, Reachability, Registration, SwarmObserver
 from ..node import Node
 from ..trio_util import unwrap_single_group
 from ..rpc import CallContext, RpcError
@@ -67,6 +67,9 @@ log = logging.getLogger(__name__)
 
 #: Seconds our own listen addresses, as sent with each call, are reused before being recomputed.
 SENDER_TTL = 5.0
+
+#: ``observer(kind, seconds, outcome)``: one query this peer made (:meth:`DHT.observe_queries`).
+QueryObserver = Callable[[str, float, str], None]
 
 
 class DHTBootstrapError(DHTError):
@@ -172,6 +175,10 @@ class DHT:
         self._why: dict[ID, str] = {}
         self.server = self._wants_server()
         self._initial = self._initial_peers()
+        #: Told of every query this peer made (:meth:`observe_queries`; the metrics' histograms).
+        self._query_observers: list[QueryObserver] = []
+        #: Requests served, by kind (``find``, ``store``).
+        self.served: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -297,9 +304,25 @@ class DHT:
             self.storage.validate(rec, now)  # the rules every replica applies: fail here, clearly
         for rec in records:
             self._mine[(rec.key, rec.subkey)] = rec
-        with trio.move_on_after(timeout or self.config.op_timeout):
-            return await self._replicate(records, now)
-        return [False] * len(records)
+        started = trio.current_time()
+        stored = [False] * len(records)
+        with trio.move_on_after(timeout or self.config.op_timeout) as scope:
+            stored = await self._replicate(records, now)
+        self._query_done("store", started, "timeout" if scope.cancelled_caught
+                         else "ok" if all(stored) else "partial" if any(stored) else "failed")
+        return stored
+
+    def observe_queries(self, observer: QueryObserver) -> Registration:
+        """Call ``observer(kind, seconds, outcome)`` after every get, store and peer lookup this peer makes
+        (kind ``get``/``store``/``find_peers``; outcome ``ok``, ``not_found``, ``partial``, ``failed``
+        or ``timeout``). Synchronous, lossless, until the handle is removed."""
+        self._query_observers.append(observer)
+        return Registration(lambda: self._query_observers.remove(observer))
+
+    def _query_done(self, kind: str, started: float, outcome: str) -> None:
+        elapsed = trio.current_time() - started
+        for observer in list(self._query_observers):
+            observer(kind, elapsed, outcome)
 
     async def get(self, key: KeyLike, latest: bool = False, *,
                   timeout: float | None = None) -> ValueWithExpiration | None:
@@ -335,7 +358,8 @@ class DHT:
                 for rec in self.storage.records_at(raw, now):
                     search.found.store(rec, now)
             searches[key] = search
-        with trio.move_on_after(timeout or self.config.op_timeout):
+        started = trio.current_time()
+        with trio.move_on_after(timeout or self.config.op_timeout) as scope:
             await self._traverse(list(searches.values()))
         now = self._clock()
         for key, search in searches.items():
@@ -344,15 +368,22 @@ class DHT:
             result[key] = value
             if value is not None and self.config.cache:
                 self._cache(search, now)
+        if searches:
+            missing = sum(result.get(key) is None for key in searches)
+            self._query_done("get", started, "ok" if not missing else "timeout" if scope.cancelled_caught
+                             else "not_found" if missing == len(searches) else "partial")
         return {key: result.get(key) for key in wanted}
 
     async def find_peers(self, target: int | ID, count: int | None = None) -> list[PeerInfo]:
         """The servers closest to ``target`` (an id in the key space, or a peer's id)."""
         t = DHTID.from_peer(target) if isinstance(target, ID) else DHTID(target)
         search = _Search(self._lookup(t, count or self.config.k))
-        with trio.move_on_after(self.config.op_timeout):
+        started = trio.current_time()
+        with trio.move_on_after(self.config.op_timeout) as scope:
             await self._traverse([search])
-        return search.lookup.result()
+        found = search.lookup.result()
+        self._query_done("find_peers", started, "ok" if found else "timeout" if scope.cancelled_caught else "failed")
+        return found
 
     # ------------------------------------------------------------------ serving
 
@@ -376,6 +407,7 @@ class DHT:
         except (RemoteProtocolError, DHTError) as e:
             raise wire.BadDHTRequest(str(e)) from None
         self._admit(ctx.peer_id, request.sender)
+        self.served["find"] += 1
         now = self._clock()
         budget = self.node.config.max_message_size // 2
         response = pb.FindResponse(server=self.server)
@@ -398,6 +430,7 @@ class DHT:
         except RemoteProtocolError as e:
             raise wire.BadDHTRequest(str(e)) from None
         self._admit(ctx.peer_id, request.sender)
+        self.served["store"] += 1
         now = self._clock()
         response = pb.StoreResponse(server=self.server)
         for raw in request.records:
