@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
-APT_PACKAGES := nftables iproute2 miniupnpd-nftables
+APT_PACKAGES := nftables iproute2 miniupnpd-nftables chromium
 
 .PHONY: all venv lock lock-upgrade lock-check system-deps interop-deps demo test test-fast bench bench-dht bench-training bench-allreduce bench-gpu proto typecheck clean
 

@@ -180,12 +180,13 @@ class Dashboard:
             addrs = [str(a) for c in conns for a in c.get_transport_addresses()]
             direct = [a for a in addrs if "/p2p-circuit" not in a]
             verdict = verdicts.get(peer_id)
-            if peer_id in slots:
-                kind = "behind NAT (holds a relay slot here)"
-            elif verdict == "public":
+            # a dial-back is evidence; a slot may have been reserved before the peer knew it was public
+            if verdict == "public":
                 kind = "public (dial-back reached it)"
             elif verdict == "unreachable":
                 kind = "behind NAT (dial-back failed)"
+            elif peer_id in slots:
+                kind = "behind NAT (holds a relay slot here)"
             else:
                 kind = "unknown"
             rows.append({"peer_id": str(peer_id), "path": nat.path_to(peer_id), "addr": (direct or addrs or [""])[0],

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import venv
+import urllib.request
 import zipfile
 from pathlib import Path
 
@@ -27,7 +28,8 @@ def test_the_wheel_installs_and_runs_a_relay_and_a_peer(tmp_path: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     for shipped in ("p2p/py.typed", "training/py.typed", "p2p/proto/keys_pb2.py", "p2p/proto/keys_pb2.pyi",
                     "p2p/proto/keys.proto", "averaging/proto/averaging_pb2.py", "nat/proto/circuit_pb2.py",
-                    "p2p/rpc/rpc_pb2.py", "training/commands.py"):
+                    "p2p/rpc/rpc_pb2.py", "training/commands.py", "nat/web/index.html", "nat/web/app.js",
+                    "nat/web/style.css"):
         assert shipped in names, shipped
     assert not any(n.startswith(("tests/", "bench/", "interop/")) for n in names)
 
@@ -50,11 +52,21 @@ def test_the_wheel_installs_and_runs_a_relay_and_a_peer(tmp_path: Path) -> None:
     assert json.loads(shown.stdout)["peer_id"].startswith("12D3KooW")
 
     relay = subprocess.Popen([dedloc, "relay", "--listen", "/ip4/127.0.0.1/tcp/0", "--ephemeral", "--json",
-                              "--status-interval", "0"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, text=True)
+                              "--status-interval", "0", "--metrics", "127.0.0.1:0"], cwd=tmp_path, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert relay.stdout is not None
         address = json.loads(relay.stdout.readline())["addrs"][0]
+        for _ in range(50):
+            event = json.loads(relay.stdout.readline())
+            if event["event"] == "dashboard":
+                break
+        assert event["event"] == "dashboard", event
+        # the page's files and the metrics, served from the installed package
+        for path, expected in (("", b"<title>dedloc swarm</title>"), ("app.js", b"/api/status"),
+                               ("style.css", b"body"), ("metrics", b"libp2p_relaysvc_status 1.0")):
+            with urllib.request.urlopen(event["page"] + path, timeout=10) as response:
+                assert expected in response.read(), path
         peer = subprocess.run([dedloc, "peer", "--initial-peers", address, "--ephemeral", "--json", "--duration", "4",
                                "--listen", "/ip4/127.0.0.1/tcp/0", "--allow-private"], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=60)

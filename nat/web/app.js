@@ -52,7 +52,7 @@ function chart(svgId, series, xLabel) {
     l.setAttribute("class", "axis"); return l; };
   svg.append(line(L, H - B, W - R, H - B), line(L, T, L, H - B));
   svg.append(svgText(2, py(y1) + 10, num(y1, 3)), svgText(2, H - B, num(y0, 3)));
-  svg.append(svgText(L, H - 6, xLabel + " " + num(x0, 0)), svgText(W - 90, H - 6, num(x1, 0)));
+  svg.append(svgText(L, H - 6, xLabel + " " + num(x0, 1)), svgText(W - 90, H - 6, num(x1, 1)));
   for (const s of series) {
     const pts = s.points.filter((p) => Number.isFinite(p[1]));
     if (!pts.length) continue;
