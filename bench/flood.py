@@ -1,6 +1,6 @@
 """A public relay under a connection flood: is the honest client still served?
 
-    .venv/bin/python bench/flood.py [--scenarios idle,stalled,spread,streams,dht,reservations] [--duration 30] [--json OUT]
+    .venv/bin/python bench/flood.py [--scenarios idle,stalled,spread,spread-stalled,streams,dht,reservations] [--duration 30] [--json OUT]
 
 Runs ``dedloc relay`` on 127.0.0.1 (its own process, so its memory and CPU are
 its own) and, from another address (127.1.0.1), an honest client that every
@@ -13,6 +13,9 @@ loopback; nothing leaves the machine). Every flood is bounded in count and time:
 * ``stalled``: 1,000 connections from 127.0.0.3 that send the multistream header and
   a ``/noise`` proposal, then stall;
 * ``spread``: 8 idle connections from each of 250 addresses (127.0.x.y, 250 /24s);
+* ``spread-stalled``: stalled handshakes (as ``stalled``) from 400 addresses, each in its own
+  /24, 5 each: 2,000 held at a time, the oldest closed and a new one opened, round after
+  round (at most 20,000 in all): every /24 holds its share of a full handshaking table;
 * ``streams``: a connected peer (127.0.0.4) opening RPC streams as fast as it can
   (64 at a time, each sending a byte and then nothing; at most 100,000);
 * ``dht``: a connected peer (127.0.0.4) sending DHT find requests (a random target
@@ -174,12 +177,19 @@ async def flood(port: int, scenario: str, held: list[trio.SocketStream], stop: t
     elif scenario == "spread":
         addresses = [f"127.0.{i}.1" for i in range(10, 256)] + [f"127.2.{i}.1" for i in range(4)]  # 250 /24s
         plan = [(a, b"") for _ in range(8) for a in addresses]
+    elif scenario == "spread-stalled":
+        # 400 /24s (the honest client's 127.1.0.0/24 is not among them), 5 stalled handshakes each
+        addresses = [f"127.0.{i}.1" for i in range(10, 256)] + [f"127.3.{i}.1" for i in range(154)]
+        plan = [(a, stalled) for _ in range(50) for a in addresses][:20_000]
     else:
         raise ValueError(scenario)
+    keep = 2_000 if scenario == "spread-stalled" else len(plan)
     opened = 0
     for source, payload in plan:
         if stop.is_set():
             break
+        if len(held) >= keep:
+            await held.pop(0).aclose()
         stream = await open_idle(port, source, payload=payload)
         if stream is not None:
             held.append(stream)
@@ -399,14 +409,15 @@ def table(results: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scenarios", default="idle,stalled,spread,streams,dht,reservations")
+    parser.add_argument("--scenarios", default="idle,stalled,spread,spread-stalled,streams,dht,reservations")
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of honest attempts per flood")
     parser.add_argument("--baseline", type=float, default=20.0, help="seconds of honest attempts without a flood")
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between honest attempts")
     parser.add_argument("--settle", type=float, default=10.0, help="pause between floods")
     parser.add_argument("--port", type=int, default=41999)
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--attack", choices=["idle", "stalled", "spread", *NODE_SCENARIOS], help=argparse.SUPPRESS)
+    parser.add_argument("--attack", choices=["idle", "stalled", "spread", "spread-stalled", *NODE_SCENARIOS],
+                        help=argparse.SUPPRESS)
     parser.add_argument("--relay", help=argparse.SUPPRESS)
     parser.add_argument("--attacker-nice", type=int, default=19, metavar="N",
                         help="the attacker process's niceness (19: it takes only the CPU the relay and client leave)")

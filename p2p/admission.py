@@ -52,7 +52,7 @@ _TEXTS = {
     Refusal.CONNECTIONS_PER_ADDRESS: "too many connections from your address",
     Refusal.CONNECTIONS_PER_SUBNET: "too many connections from your subnet",
     Refusal.CONNECTIONS_TOTAL: "too many connections",
-    Refusal.EVICTED: "evicted: your address or subnet held the most unfinished handshakes",
+    Refusal.EVICTED: "evicted: your address or subnet held the most unfinished handshakes, or yours had stalled",
     Refusal.HANDSHAKE_DEADLINE: "the handshake took too long",
 }
 
@@ -82,6 +82,10 @@ class AdmissionConfig:
     #: Seconds a connection may take to authenticate (Noise and the muxer: 2 round trips,
     #: 0.6 s across the world, plus a loaded CPU's and a lossy link's slack) before it is closed.
     handshake_timeout: float = 8.0
+    #: When the handshaking table is full and no subnet holds more than its share (a flood spread
+    #: over many addresses), the oldest handshake yields its place to a newcomer once it has run
+    #: this long: an honest handshake finishes in 2 round trips, a stalled one never does.
+    stalled_after: float = 1.0
     #: Inbound connections in all (handshaking or not).
     max_connections: int = 4096
     #: ... from one IPv4 address or IPv6 /56, and one IPv4 /24 or IPv6 /48.
@@ -97,6 +101,8 @@ class AdmissionConfig:
                 raise ConfigError(f"admission {name} must be >= 0, got {getattr(self, name)}")
         if not self.handshake_timeout > 0:
             raise ConfigError(f"admission handshake_timeout must be positive, got {self.handshake_timeout}")
+        if not 0 < self.stalled_after <= self.handshake_timeout:
+            raise ConfigError(f"admission stalled_after must be in (0, handshake_timeout], got {self.stalled_after}")
         if self.backlog < 1:
             raise ConfigError("admission backlog must be at least 1")
 
@@ -159,13 +165,13 @@ class Admission:
         evicted: list[Ticket] = []
         if c.max_connections and self.connections >= c.max_connections:
             # full of established connections from many addresses: only a handshaking one may yield
-            victim = self._victim(subnet)
+            victim = self._victim(subnet, now)
             if victim is None:
                 self._refuse(Refusal.CONNECTIONS_TOTAL)
                 return None, []
             evicted.append(self._evict(victim))
         if c.max_handshaking and len(self.handshaking) >= c.max_handshaking:
-            victim = self._victim(subnet)
+            victim = self._victim(subnet, now)
             if victim is None:
                 self._refuse(Refusal.HANDSHAKING_TOTAL)
                 return None, evicted
@@ -184,16 +190,22 @@ class Admission:
         self.refused[reason] += 1
         self.last_refusal = reason
 
-    def _victim(self, subnet: str) -> Ticket | None:
+    def _victim(self, subnet: str, now: float) -> Ticket | None:
         """The handshaking connection to close for a newcomer from ``subnet``: the oldest from the
-        subnet holding the most, if that holds more than the newcomer's would with it; else None
-        (the newcomer's share would be as large as anyone's: it is the one refused)."""
+        subnet holding the most, if that holds more than the newcomer's would with it; else, when
+        every subnet holds its share (a flood spread over many /24s or /48s), the oldest handshake
+        of all if it has run ``stalled_after`` (it is stalled: an honest one is done by then);
+        else None (the table is full of fresh handshakes: the newcomer is the one refused)."""
         if not self._hs_subnet:
             return None
         top, held = max(self._hs_subnet.items(), key=lambda kv: kv[1])
-        if top == subnet or held <= self._hs_subnet[subnet] + 1:
-            return None
-        return next(t for t in self.handshaking if t.subnet == top)
+        mine = self._hs_subnet[subnet] + 1
+        if top != subnet and held > mine:
+            return next(t for t in self.handshaking if t.subnet == top)
+        if mine > held:
+            return None  # the newcomer's subnet would hold the most: never at others' expense
+        oldest = self.handshaking[0]
+        return oldest if now - oldest.admitted_at >= self.config.stalled_after else None
 
     def _evict(self, ticket: Ticket) -> Ticket:
         ticket.evicted = True

@@ -57,6 +57,31 @@ def test_a_full_handshake_table_evicts_from_the_largest_holder_not_the_newcomer(
     assert honest is not None and not honest.evicted
 
 
+def test_a_table_full_of_a_flood_spread_over_many_subnets_yields_its_oldest_stalled_handshake() -> None:
+    """No subnet holds more than its share (one stalled handshake from each of many /24s, or /48s):
+    the oldest yields to a newcomer once stalled; a fresh one never does; a newcomer whose subnet
+    would then hold the most is refused, as before."""
+    for family in ("v4", "v6"):
+        adm = Admission(AdmissionConfig(max_handshaking=6, max_handshaking_per_address=8,
+                                        max_handshaking_per_subnet=8, stalled_after=1.0))
+        ip = (lambda i: f"10.0.{i}.1") if family == "v4" else (lambda i: f"2001:db8:{i:x}::1")
+        flood = [adm.admit(ip(i), 0.1 * i)[0] for i in range(6)]
+        assert all(flood)
+        honest_ip = "192.0.2.1" if family == "v4" else "2001:db8:ffff::1"
+        # fresh handshakes everywhere: nobody is stalled yet, the newcomer is refused
+        assert adm.admit(honest_ip, 0.9)[0] is None
+        # a second later the oldest has stalled: it yields
+        honest, evicted = adm.admit(honest_ip, 1.05)
+        assert honest is not None and evicted == [flood[0]] and flood[0] is not None and flood[0].evicted
+        # a flood connection from a subnet already holding one would hold the most: refused
+        assert adm.admit(ip(5), 5.0)[0] is None
+        # one from a fresh subnet takes the next oldest stalled place, never the honest one
+        later, evicted = adm.admit(ip(99), 5.0)
+        assert later is not None and evicted == [flood[1]] and not honest.evicted
+        adm.authenticated(honest)
+        assert adm.metrics()["handshaking"] == 5
+
+
 def test_established_connections_have_their_own_caps() -> None:
     adm = Admission(AdmissionConfig(max_connections_per_address=2, max_connections=3))
     for ip in ("10.0.0.1", "10.0.0.1"):
