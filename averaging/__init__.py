@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from .load_balancing import Balance, Capacity, balance
     from .matchmaking import MatchmakingConfig
     from .powersgd import PowerSGD, PowerSGDConfig, PowerSGDReport
+    from .robust import CenteredClipConfig
 
 __all__ = [
     "AllreduceConfig",
@@ -33,6 +34,7 @@ __all__ = [
     "AveragingError",
     "Balance",
     "Capacity",
+    "CenteredClipConfig",
     "Compression",
     "Group",
     "MatchmakingConfig",
@@ -55,6 +57,7 @@ __getattr__, __dir__ = exports(__name__, {
     "Averager": ".averager",
     "AveragerConfig": ".averager",
     "Compression": ".compression",
+    "CenteredClipConfig": ".robust",
     "AllreduceProtocolError": ".errors",
     "AveragingError": ".errors",
     "MatchmakingError": ".errors",

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ from .group import Group, contributors_bits, contributors_from_bits
 from .partition import Schema, chunk_spans, part_bounds
 from .proto import averaging_pb2 as pb
 from .reduction import ChunkRejected, FinalChunk, PartReduction
+from .robust import CenteredClipConfig
 from .staging import BufferPool, FlatVector
 from .tensor_stream import JOIN_LIMIT, tensor_bytes
 from .wire import FrameReader, frame
@@ -56,6 +58,8 @@ from .wire import FrameReader, frame
 log = logging.getLogger(__name__)
 
 PROTOCOL = "/dedloc/allreduce/1.0.0"
+#: The reducer's note naming a sender robust aggregation clipped (averaging/reduction.py).
+_CLIPPED = re.compile(r"member (\d+) clipped x([0-9.eE+-]+)")
 
 
 async def _write_chunk(stream: INetStream, head: bytes, payload: bytes | memoryview) -> None:
@@ -173,8 +177,13 @@ class AllreduceConfig:
     stall_timeout: float = 15.0
     timeout: float = 120.0
     max_chunks_ahead: int = 4
+    #: Opt-in robust aggregation at each reducer (CenteredClip, :mod:`averaging.robust`): a closed swarm
+    #: trusts its peers' gradients; an open one may want this.
+    robust: CenteredClipConfig | None = None
 
     def validate(self) -> None:
+        if self.robust is not None:
+            self.robust.validate()
         if self.max_chunks_ahead < 1:
             raise ValueError("max_chunks_ahead must be at least 1")
         for name in ("chunk_elements", "min_chunk_elements", "max_chunk_elements"):
@@ -205,6 +214,9 @@ class PartOutcome:
     left_out: dict[str, str] = field(default_factory=dict)
     #: why some chunks kept this peer's own values (empty when all came back)
     not_averaged: str = ""
+    #: with robust aggregation: members whose contribution the reducer clipped hard, and the least
+    #: factor it was scaled by (their values counted only that much of their way)
+    clipped: dict[str, float] = field(default_factory=dict)
 
     @property
     def complete(self) -> bool:
@@ -242,13 +254,25 @@ class RoundReport:
             out.update(p.left_out)
         return out
 
+    @property
+    def clipped(self) -> dict[str, float]:
+        """Robust aggregation's suspects: member -> the least factor a reducer scaled its values by."""
+        out: dict[str, float] = {}
+        for p in self.parts:
+            for member, scale in p.clipped.items():
+                out[member] = min(scale, out.get(member, 1.0))
+        return out
+
     def summary(self) -> str:
+        clipped = self.clipped
+        suspects = (f"; clipped by robust aggregation: {', '.join(f'{m} x{s:.2g}' for m, s in sorted(clipped.items()))}"
+                    if clipped else "")
         if self.complete:
-            return f"group of {len(self.members)}: every part averaged over every sender"
+            return f"group of {len(self.members)}: every part averaged over every sender" + suspects
         bad = [f"part {p.part} ({p.reducer}): " + (p.not_averaged or
                f"{p.partial_chunks} chunks without {', '.join(p.left_out) or 'some senders'}")
                for p in self.parts if not p.complete]
-        return f"group of {len(self.members)}: partial average: " + "; ".join(bad)
+        return f"group of {len(self.members)}: partial average: " + "; ".join(bad) + suspects
 
 
 @dataclass(frozen=True)
@@ -326,7 +350,7 @@ class AllreduceRound:
         mine = plan.spans[self.me]
         if mine and group.me.role.reduces:
             senders = group.senders()
-            self.reduction = PartReduction(mine, senders)
+            self.reduction = PartReduction(mine, senders, robust=self.config.robust)
             for s in senders:
                 if s != self.me:
                     send, receive = trio.open_memory_channel[tuple[bytes, memoryview] | None](len(mine) + 1)
@@ -510,6 +534,11 @@ class AllreduceRound:
             self.values.write(span, values)
         if values is not None:
             outcome.averaged_chunks += 1
+        for note in notes:
+            clipped = _CLIPPED.fullmatch(note)
+            if clipped is not None and int(clipped[1]) < self.group.size:
+                member = self.group.members[int(clipped[1])].peer_id.to_base58()
+                outcome.clipped[member] = min(float(clipped[2]), outcome.clipped.get(member, 1.0))
         missing = [i for i in self.group.senders() if i not in contributors]
         if missing:
             outcome.partial_chunks += 1

@@ -29,6 +29,7 @@ from .compression import Compression
 from .errors import AveragingError
 from .events import AverageFailed, Averaged
 from .matchmaking import MatchmakingConfig
+from .robust import CenteredClipConfig
 
 if TYPE_CHECKING:
     from nat.dashboard import Dashboard
@@ -39,7 +40,8 @@ def averager_config(args: argparse.Namespace) -> AveragerConfig:
         prefix=args.prefix,
         matchmaking=MatchmakingConfig(target_size=args.group_size, min_size=args.min_size,
                                       gather_time=args.gather_time, timeout=args.match_timeout),
-        allreduce=AllreduceConfig(compression=Compression(args.compression), timeout=args.round_timeout),
+        allreduce=AllreduceConfig(compression=Compression(args.compression), timeout=args.round_timeout,
+                                  robust=CenteredClipConfig() if args.centered_clip else None),
         auxiliary=args.auxiliary,
         reduces=not args.no_reduce,
     )

@@ -37,6 +37,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     g.add_argument("--rounds", type=int, default=0, metavar="N", help="stop after N rounds (0: run until --duration)")
     g.add_argument("--interval", type=float, default=2.0, metavar="SECONDS", help="pause between rounds")
     g.add_argument("--compression", choices=COMPRESSIONS, default="none")
+    g.add_argument("--centered-clip", action="store_true",
+                   help="robust aggregation: the parts this peer reduces are CenteredClip's, not the mean, and "
+                   "senders whose values were clipped hard are named in the round's report")
     g.add_argument("--auxiliary", action="store_true",
                    help="no tensor of its own (weight 0): lend bandwidth by reducing parts for the others")
     g.add_argument("--no-reduce", action="store_true", help="never reduce a part, even when reachable")

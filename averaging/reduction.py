@@ -20,7 +20,13 @@ A sender of weight 0 adds nothing and is a contributor all the same (its
 values are in the average, with weight 0); a chunk whose senders all weigh 0
 has no average.
 
-Memory: one float32 accumulator per chunk in flight, at most the part.
+With ``robust`` (opt-in, :mod:`averaging.robust`), a chunk's average is
+CenteredClip's instead of the mean: each sender's values are kept until the
+chunk is final, and senders whose pull was clipped hard are named in the
+chunk's notes (``member 3 clipped x0.004``), which reach every member.
+
+Memory: one float32 accumulator per chunk in flight, at most the part (with
+``robust``, one copy per sender of each chunk in flight).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import torch
 from .compression import Region
 from .errors import AllreduceProtocolError
 from .finite import tensor_finite
+from .robust import CenteredClipConfig, centered_clip
 
 
 class ChunkRejected(AllreduceProtocolError):
@@ -56,13 +63,17 @@ class _Pending:
     delivered: set[int] = field(default_factory=set)
     contributors: set[int] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
+    #: with robust aggregation: each contributor's values (kept until the chunk is final)
+    rows: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class PartReduction:
     """Averages the chunks of one part over the expected senders (member indexes)."""
 
-    def __init__(self, spans: Sequence[Region], senders: Iterable[int]) -> None:
+    def __init__(self, spans: Sequence[Region], senders: Iterable[int], *,
+                 robust: CenteredClipConfig | None = None) -> None:
         self.spans = list(spans)
+        self.robust = robust
         self.expected = set(senders)
         self.weights: dict[int, float] = {}
         self._next: dict[int, int] = {s: 0 for s in self.expected}
@@ -105,7 +116,10 @@ class PartReduction:
         if not tensor_finite(values):
             pending.notes.append(f"member {sender}: non-finite values refused")
         else:
-            if weight > 0:
+            if weight > 0 and self.robust is not None:
+                pending.rows[sender] = values.to(torch.float32, copy=True)
+                pending.weight += weight
+            elif weight > 0:
                 if pending.total is None:
                     pending.total = values.to(torch.float32) * weight
                 else:
@@ -136,8 +150,21 @@ class PartReduction:
             del self._pending[i]
             self._final.add(i)
             values = None
-            if pending.total is not None and pending.weight > 0:
+            if pending.rows and self.robust is not None:
+                values = self._clip(pending)
+            elif pending.total is not None and pending.weight > 0:
                 values = pending.total.div_(pending.weight)
             final.append(FinalChunk(i, values, frozenset(pending.contributors if values is not None else ()),
                                     pending.notes))
         return final
+
+    def _clip(self, pending: _Pending) -> torch.Tensor:
+        assert self.robust is not None
+        senders = sorted(pending.rows)
+        result = centered_clip(torch.stack([pending.rows[s] for s in senders]),
+                               torch.tensor([self.weights[s] for s in senders], dtype=torch.float64), self.robust)
+        for s, scale in zip(senders, result.scales.tolist()):
+            if scale < self.robust.flag_below:
+                pending.notes.append(f"member {s} clipped x{scale:.3g}")
+        pending.rows.clear()
+        return result.center

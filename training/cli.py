@@ -30,7 +30,8 @@ import torch
 import trio
 from libp2p.peer.id import ID
 
-from averaging import AveragerConfig, MatchmakingConfig
+from averaging import AllreduceConfig, AveragerConfig, MatchmakingConfig
+from averaging.robust import CenteredClipConfig
 from nat import Peer
 from nat.cli import peer_config, run_peer
 from p2p.output import Output
@@ -91,6 +92,7 @@ def training_config(args: argparse.Namespace) -> TrainingConfig:
         matchmaking=MatchmakingConfig(target_size=args.group_size, min_size=2, gather_time=args.gather_time,
                                       timeout=args.match_timeout),
         max_grad_norm=args.max_grad_norm or None, delay_updates=args.delay_updates,
+        allreduce=AllreduceConfig(robust=CenteredClipConfig() if getattr(args, "centered_clip", False) else None),
         averager=AveragerConfig(auxiliary=getattr(args, "auxiliary", False)))
 
 

@@ -57,6 +57,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     g.add_argument("--batch-size", type=int, default=16, metavar="N", help="local batch (default: %(default)s)")
     g.add_argument("--max-steps", type=int, default=0, metavar="N", help="stop after N global steps (0: --duration)")
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the averaged gradients (0: no clipping)")
+    g.add_argument("--centered-clip", action="store_true",
+                   help="robust aggregation: the gradient parts this peer reduces are CenteredClip's, not the mean "
+                   "(for a swarm whose peers are not all trusted; suspects are named in the step's report)")
     g.add_argument("--delay-updates", action="store_true",
                    help="delayed parameter updates: average step t while computing step t+1 (one step stale)")
     g.add_argument("--group-size", type=int, default=64, metavar="N", help="largest averaging group")
