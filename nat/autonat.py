@@ -97,8 +97,8 @@ class AutoNATServer:
         self.config = config or AutoNATConfig()
         self.config.validate()
         self._slots = trio.Semaphore(self.config.max_concurrent)
-        #: The last dial-back's verdict per peer that asked (``public`` / ``unreachable``), newest last;
-        #: the live page shows it as what this server knows of each peer's NAT.
+        #: Per peer that asked, ``public`` once a dial-back reached one of its addresses, else
+        #: ``unreachable`` (newest last); the live page shows it as what this server knows of its NAT.
         self.verdicts: dict[ID, str] = {}
         self.counts: Counter[str] = Counter({"requests": 0, "rejected": 0, "refused": 0, "dial_backs": 0, "dial_back_ok": 0, "dial_data_asked": 0})
 
@@ -178,8 +178,11 @@ class AutoNATServer:
                 return
         async with self._slots:
             status = await self._dial_back(peer, target, request.nonce)
+        # public once any of its addresses answered: a peer asks about each of its addresses in turn,
+        # and one it cannot be reached at (a second interface, an old mapping) does not undo that
+        verdict = "public" if status == pb.OK or self.verdicts.get(peer) == "public" else "unreachable"
         self.verdicts.pop(peer, None)
-        self.verdicts[peer] = "public" if status == pb.OK else "unreachable"
+        self.verdicts[peer] = verdict
         while len(self.verdicts) > MAX_VERDICTS:
             del self.verdicts[next(iter(self.verdicts))]
         await self._respond(stream, pb.DialResponse.OK, index, status)
