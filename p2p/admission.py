@@ -101,8 +101,8 @@ class AdmissionConfig:
                 raise ConfigError(f"admission {name} must be >= 0, got {getattr(self, name)}")
         if not self.handshake_timeout > 0:
             raise ConfigError(f"admission handshake_timeout must be positive, got {self.handshake_timeout}")
-        if not 0 < self.stalled_after <= self.handshake_timeout:
-            raise ConfigError(f"admission stalled_after must be in (0, handshake_timeout], got {self.stalled_after}")
+        if not self.stalled_after > 0:
+            raise ConfigError(f"admission stalled_after must be positive, got {self.stalled_after}")
         if self.backlog < 1:
             raise ConfigError("admission backlog must be at least 1")
 

@@ -79,12 +79,14 @@ def test_schema_names_the_first_difference_and_flatten_round_trips() -> None:
 
 @pytest.mark.parametrize("n", [1, 1000, 1024, 5000])
 def test_codecs_round_trip_within_their_bounds(n: int) -> None:
-    values = torch.randn(n) * 10
-    for compression, relative in ((Compression.NONE, 0.0), (Compression.FLOAT16, 2.0**-11)):
+    values = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 10
+    # float16: half an ulp relative, and half its subnormal spacing (2**-25) near zero, where the
+    # relative bound does not hold (unseeded, a value below 6e-5 failed it in ~4% of runs of n=5000)
+    for compression, relative, absolute in ((Compression.NONE, 0.0, 0.0), (Compression.FLOAT16, 2.0**-11, 2.0**-25)):
         codec = wire_codec(compression)
         payload = encode(values, codec)
         assert len(payload) == payload_size(codec, n)
-        assert ((decode(payload, codec, n) - values).abs() <= values.abs() * relative).all()
+        assert ((decode(payload, codec, n) - values).abs() <= values.abs() * relative + absolute).all()
     codec = wire_codec(Compression.UINT8)
     payload = encode(values, codec)
     assert len(payload) == payload_size(codec, n)
