@@ -375,6 +375,8 @@ class _Multiselect(Multiselect):
     def __init__(self, handlers: dict[TProtocol | None, StreamHandlerFn | None], resources: ResourceManager) -> None:
         super().__init__(handlers)
         self._resources = resources
+        #: An authenticated run's gate (``p2p/auth.py``): None lets the stream in, else the refusal.
+        self.gate: Callable[[ID, str], Awaitable[str | None]] | None = None
 
     async def negotiate(self, communicator: IMultiselectCommunicator, negotiate_timeout: int = 30,
                         ) -> tuple[TProtocol | None, StreamHandlerFn | None]:
@@ -405,6 +407,13 @@ class _Multiselect(Multiselect):
         if handler is None or muxed is None:
             await communicator.write(protocol)
             return handler
+        if self.gate is not None:
+            refusal = await self.gate(muxed.peer_id, protocol)
+            if refusal is not None:
+                log.debug("refused a %s stream from %s: %s", protocol, muxed.peer_id, refusal)
+                await communicator.write(multistream.refusal_message(refusal))
+                await finish_quietly(getattr(stream, "close"))
+                return _linger_then_reset
         resources = self._resources
         try:
             grant = resources.open_stream(str(muxed.peer_id), protocol)
@@ -427,6 +436,13 @@ class _Multiselect(Multiselect):
                 resources.close_stream(grant)
 
         return handle
+
+
+def set_gate(host: IHost, gate: Callable[[ID, str], Awaitable[str | None]] | None) -> None:
+    """Put ``gate`` in front of every inbound stream's protocol (None: remove it)."""
+    multiselect = host.multiselect  # type: ignore[attr-defined]
+    assert isinstance(multiselect, _Multiselect)
+    multiselect.gate = gate
 
 
 async def _linger_then_reset(stream: INetStream) -> None:

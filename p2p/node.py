@@ -12,7 +12,7 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import ExitStack, asynccontextmanager
 from dataclasses import dataclass, replace
 
 import ifaddr
@@ -33,11 +33,12 @@ from .admission import Admission
 from .addresses import is_relayed, parse_multiaddr, parse_peer_addr, rank_for_dial, with_peer_id, without_peer_id
 from .config import NodeConfig
 from .dialer import CircuitDialer, backoff_delays, classify_dial_error, dial, live_connection, remote_addr
-from .errors import BootstrapError, DedlocError, DialError, ProtocolNotSupportedError, StreamOpenError
+from .errors import BootstrapError, ConfigError, DedlocError, DialError, ProtocolNotSupportedError, StreamOpenError
 from .hooks import ConnectionInfo, Direction, ExternalAddresses, PathKind, Reachability, Registration, SwarmObserver
 from .identify import MAX_LISTEN_ADDRS, PeerIdentity, identify
 from .identity import load_or_create_identity, new_identity, peer_id_of
-from .libp2p_host import build_host, started
+from .auth import PROTOCOL as AUTH_PROTOCOL, Authenticator, install as install_authenticator
+from .libp2p_host import build_host, set_gate, started
 from .noise import NoiseSession
 from .resources import ResourceLimitExceeded, ResourceManager, limits_hit
 from .rpc import RPC_PROTOCOL, Rpc
@@ -82,6 +83,7 @@ class Node:
         self._announce = [parse_multiaddr(a, what="announce address") for a in config.announce]
         self._circuit_dialer: CircuitDialer | None = None
         self._external = ExternalAddresses()
+        self._auth: Authenticator | None = None
         #: Failed attempts of our dials, by (transport, error class, ip version): go-libp2p's
         #: ``libp2p_swarm_dial_errors_total`` labels (:func:`p2p.dialer.classify_dial_error`).
         self.dial_errors: Counter[tuple[str, str, str]] = Counter()
@@ -386,6 +388,46 @@ class Node:
     def connected_peers(self) -> list[ID]:
         return [pid for pid, conns in self.network.connections.items() if conns]
 
+    def has_connection(self, peer_id: ID) -> bool:
+        return live_connection(self.network, peer_id) is not None
+
+    def connections(self) -> list[INetConn]:
+        """Every open connection (a peer may have several: direct and relayed)."""
+        return [c for conns in list(self.network.connections.values()) for c in conns
+                if not getattr(c, "is_closed", False)]
+
+    # ------------------------------------------------------------------ an authenticated run
+
+    def authenticate(self, authenticator: Authenticator) -> Registration:
+        """Make this an authenticated run's node (``p2p/auth.py``) until the handle is removed: every
+        connection starts with both passes on ``/dedloc/auth/1.0.0``; other protocols are refused to a
+        peer without a valid one, and streams to it fail with :class:`p2p.auth.AuthError`."""
+        if self._auth is not None:
+            raise ConfigError("this node already has an authenticator")
+        self._auth = authenticator
+        stack = ExitStack()
+        stack.callback(setattr, self, "_auth", None)
+        stack.enter_context(self.set_stream_handler(AUTH_PROTOCOL, authenticator.handle))
+        stack.enter_context(self.observe(authenticator))
+        set_gate(self.host, authenticator.inbound)
+        stack.callback(set_gate, self.host, None)
+        stack.enter_context(install_authenticator(self, authenticator, self._nursery))
+        scope = trio.CancelScope()
+
+        async def recheck() -> None:
+            with scope:
+                await authenticator.recheck()
+
+        self._nursery.start_soon(recheck)
+        stack.callback(scope.cancel)
+        for conn in self.connections():  # connections opened before: show our pass on them too
+            self._nursery.start_soon(authenticator._send_hello, conn)
+        return Registration(stack.close)
+
+    @property
+    def authenticator(self) -> Authenticator | None:
+        return self._auth
+
     @property
     def network(self) -> INetworkService:
         return self.host.get_network()
@@ -458,6 +500,8 @@ class Node:
         for attempt in range(2):
             if live_connection(self.network, peer_id) is None:
                 await self.connect(peer_id)
+            if self._auth is not None:
+                await self._auth.outbound(peer_id, protocols)
             try:
                 return await self._open_stream(peer_id, protocols, lazy=lazy and len(protocols) == 1)
             except SwarmException as e:
@@ -498,6 +542,8 @@ class Node:
         test a path need theirs. ``lazy``: as in :meth:`new_stream` (by default the
         protocol is confirmed before the stream is returned).
         """
+        if self._auth is not None:
+            await self._auth.outbound(conn.muxed_conn.peer_id, [protocol])
         stream = await conn.new_stream()
         if lazy:
             setattr(stream, "muxed_stream", multistream.LazySelect(getattr(stream, "muxed_stream"), protocol))

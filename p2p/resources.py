@@ -104,6 +104,7 @@ def default_rates() -> dict[str, Rate]:
         "dcutr": Rate(1.0, 4),
         "relay.reserve": Rate(0.5, 4),
         "relay.connect": Rate(10.0, 32),
+        "auth.issue": Rate(0.2, 4),  # pass requests to an authority (each a challenge and an HMAC check)
     }
 
 

@@ -109,7 +109,7 @@ Global___Call: _TypeAlias = Call  # noqa: Y015
 class Error(_message.Message):
     """Ends a call unsuccessfully. Codes 1-99 belong to the RPC layer:
       1 unknown method       2 deadline exceeded    3 message too large
-      4 invalid message      5 handler error
+      4 invalid message      5 handler error        6 resource limit (the caller is over one)
     Codes from 100 up are the application's own.
     """
 

@@ -1,0 +1,205 @@
+"""Allowlist authentication (p2p/auth.py, p2p/authority.py): every way in, on real nodes on loopback.
+
+Each I.5 check has its test: expired pass, a pass from another authority, for another peer id, a
+forged signature, a replayed token, a clock off beyond the bound, a revoked user (connections closed
+within the bound), a response from a peer that is not a passholder, an outsider refused by every
+protocol the node serves; and the authority's issuing exchange (wrong secret, replayed challenge,
+a proof made for another peer id)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+
+import pytest
+import trio
+from nacl.signing import SigningKey
+
+from p2p.auth import PRE_AUTH, PROTOCOL, AuthConfig, AuthError, Authenticator, check_hello, verify_pass
+from p2p.authority import AllowList, Authority, SecretCheck, proof, request_pass
+from p2p.errors import DedlocError
+from p2p.identity import new_identity, peer_id_of
+from p2p.node import Node
+from p2p.proto import auth_pb2 as pb
+
+from .conftest import loopback_config
+from .kit import wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def authority(tmp_path: Path, *users: str, lifetime: float = 900.0) -> tuple[Authority, dict[str, bytes]]:
+    allowlist = AllowList(tmp_path / "allowlist.json")
+    secrets = {u: allowlist.add(u) for u in users}
+    allowlist.save()
+    return Authority(SigningKey.generate(), SecretCheck(allowlist), lifetime=lifetime), secrets
+
+
+def cfg(auth: Authority, **overrides: object) -> AuthConfig:
+    settings: dict[str, object] = {"authority": auth.public_key, "verdict_timeout": 2.0, "recheck_interval": 0.2}
+    settings.update(overrides)
+    return AuthConfig(**settings)  # type: ignore[arg-type]
+
+
+@asynccontextmanager
+async def member(auth: Authority, username: str, **overrides: object) -> AsyncIterator[Node]:
+    async with Node.open(loopback_config()) as node:
+        access = auth.sign(username, node.peer_id, time.time())
+        with node.authenticate(Authenticator(node, cfg(auth, **overrides), access)):
+            yield node
+
+
+# ---------------------------------------------------------------------- the checks, pure
+
+
+def test_every_bad_pass_is_refused_with_its_reason(tmp_path: Path) -> None:
+    auth, _ = authority(tmp_path)
+    other, _ = authority(tmp_path / "other")
+    me, someone = peer_id_of(new_identity()), peer_id_of(new_identity())
+    config = cfg(auth, max_skew=60.0)
+    now = time.time()
+    good = auth.sign("alice", me, now)
+    assert verify_pass(good, config, me, now).username == "alice"
+    cases = {
+        "expired": (auth.sign("alice", me, now - 2000), "expired"),
+        "another authority": (other.sign("alice", me, now), "not our authority's"),
+        "another peer id": (auth.sign("alice", someone, now), "another peer id"),
+        "forged": (pb.AccessPass(token=good.token, signature=bytes(64)), "not our authority's"),
+        "tampered token": (pb.AccessPass(token=good.token.replace(b"alice", b"mallo"), signature=good.signature),
+                           "not our authority's"),
+        "garbage": (pb.AccessPass(token=b"\xff" * 10, signature=b"x"), "not our authority's"),
+    }
+    for name, (access, why) in cases.items():
+        with pytest.raises(AuthError, match=why):
+            verify_pass(access, config, me, now)
+    # a pass our authority signed but naming another authority inside is refused too
+    token = pb.AccessToken(username="alice", peer_id=me.to_bytes(), expiration=int(now + 60), authority=other.public_key)
+    signed = auth.key.sign(b"dedloc-access-token\n" + token.SerializeToString()).signature
+    with pytest.raises(AuthError, match="another authority"):
+        verify_pass(pb.AccessPass(token=token.SerializeToString(), signature=signed), config, me, now)
+    # expiry has max_skew of grace, no more
+    recent = auth.sign("alice", me, now - 900 - 30)
+    assert verify_pass(recent, config, me, now)
+    with pytest.raises(AuthError, match="revoked"):
+        verify_pass(good, cfg(auth, revoked=frozenset({"alice"})), me, now)
+    # a peer whose clock is off by more than the bound
+    for off in (-120.0, 120.0):
+        with pytest.raises(AuthError, match="clock"):
+            check_hello(pb.Hello(access=good, time_ms=int((now + off) * 1000)), config, me, now)
+    assert check_hello(pb.Hello(access=good, time_ms=int((now + 30) * 1000)), config, me, now)
+
+
+# ---------------------------------------------------------------------- on connections
+
+
+async def test_passholders_talk_and_an_outsider_is_refused_by_every_protocol(tmp_path: Path) -> None:
+    auth, _ = authority(tmp_path)
+    async with member(auth, "alice") as alice, member(auth, "bob") as bob, Node.open(loopback_config()) as outsider:
+        await bob.connect(str(alice.addrs[0]))
+        assert await bob.ping(alice.peer_id, timeout=5) > 0  # both passes checked, then the ping
+        assert alice.authenticator is not None and alice.authenticator.token_of(bob.peer_id) is not None
+        await outsider.connect(str(alice.addrs[0]))
+        served = [p for p in alice.host.get_mux().handlers if p is not None and p not in PRE_AUTH]
+        assert len(served) >= 2, served  # rpc, ping (and every protocol a layer above adds)
+        for protocol in served:
+            with pytest.raises(DedlocError, match="unauthenticated"):
+                stream = await outsider.new_stream(alice.peer_id, protocol, lazy=False)
+                await stream.read(1)
+        # and alice never speaks (nor takes an answer from) a peer without a pass
+        with pytest.raises(AuthError, match="no valid access pass"):
+            await alice.ping(outsider.peer_id, timeout=5)
+
+
+async def test_a_copied_pass_is_useless_without_its_peers_key(tmp_path: Path) -> None:
+    """Replay of a token: mallory presents alice's pass on its own connection; Noise proved mallory's
+    peer id, the pass names alice's: refused, and the connection closed."""
+    auth, _ = authority(tmp_path)
+    async with member(auth, "bob") as bob, Node.open(loopback_config()) as alice_node, \
+            Node.open(loopback_config()) as mallory:
+        stolen = auth.sign("alice", alice_node.peer_id, time.time())
+        await mallory.connect(str(bob.addrs[0]))
+        stream = await mallory.new_stream(bob.peer_id, PROTOCOL)
+        hello = pb.Hello(access=stolen, time_ms=int(time.time() * 1000))
+        data = hello.SerializeToString()
+        await stream.write(len(data).to_bytes(4, "big") + data)
+        await wait_until(lambda: not bob.has_connection(mallory.peer_id), 5)
+        assert bob.authenticator is not None and bob.authenticator.refused.get("the pass was issued to another peer id")
+
+
+async def test_a_pass_from_another_authority_is_refused_both_ways(tmp_path: Path) -> None:
+    auth, _ = authority(tmp_path)
+    other, _ = authority(tmp_path / "other")
+    async with member(auth, "alice") as alice, member(other, "eve") as eve:
+        await eve.connect(str(alice.addrs[0]))
+        with pytest.raises(DedlocError):
+            await eve.ping(alice.peer_id, timeout=5)
+        await wait_until(lambda: not alice.has_connection(eve.peer_id), 5)
+
+
+async def test_an_expiring_pass_closes_the_connection_unless_renewed(tmp_path: Path) -> None:
+    auth, _ = authority(tmp_path, lifetime=2.0)
+    async with member(auth, "alice", max_skew=0.5) as alice, member(auth, "bob", max_skew=0.5) as bob, \
+            member(auth, "carol", max_skew=0.5) as carol:
+        bob_expires = time.time() + 2.0  # at the latest (passes carry whole seconds)
+        await bob.connect(str(alice.addrs[0]))
+        await carol.connect(str(alice.addrs[0]))
+        assert await bob.ping(alice.peer_id, timeout=5) > 0 and await carol.ping(alice.peer_id, timeout=5) > 0
+        # alice and carol renew (a fresh 2 s pass) before theirs expire; bob does not
+        await trio.sleep(0.8)
+        for node, name in ((alice, "alice"), (carol, "carol")):
+            assert node.authenticator is not None
+            await node.authenticator.renew(auth.sign(name, node.peer_id, time.time()))
+        await wait_until(lambda: not alice.has_connection(bob.peer_id), 5)
+        # closed within expiry + max_skew + the recheck interval (+ slack for the loaded machine)
+        assert time.time() <= bob_expires + 0.5 + 0.2 + 0.5
+        assert alice.has_connection(carol.peer_id) and await carol.ping(alice.peer_id, timeout=5) > 0
+
+
+async def test_a_revoked_user_is_cut_within_the_recheck_interval_and_gets_no_new_pass(tmp_path: Path) -> None:
+    auth, secrets = authority(tmp_path, "alice", "bob")
+    async with member(auth, "alice") as alice, member(auth, "bob") as bob:
+        await bob.connect(str(alice.addrs[0]))
+        assert await bob.ping(alice.peer_id, timeout=5) > 0
+        assert alice.authenticator is not None
+        alice.authenticator.revoke(frozenset({"bob"}))
+        started = trio.current_time()
+        await wait_until(lambda: not alice.has_connection(bob.peer_id), 5)
+        assert trio.current_time() - started <= 0.2 + 0.5
+        # the authority's list: revoked there, bob's renewal is refused
+        allowlist = AllowList.load(tmp_path / "allowlist.json")
+        allowlist.revoke("bob")
+        allowlist.save()
+        alice.set_stream_handler("/dedloc/auth/issue/1.0.0", auth.handle)
+        with pytest.raises(AuthError, match="revoked"):
+            await request_pass(bob, alice.peer_id, "bob", secrets["bob"], timeout=10)
+
+
+async def test_the_authority_issues_only_to_a_correct_proof_once_per_challenge(tmp_path: Path) -> None:
+    auth, secrets = authority(tmp_path, "alice")
+    async with Node.open(loopback_config()) as server, Node.open(loopback_config()) as client:
+        server.set_stream_handler("/dedloc/auth/issue/1.0.0", auth.handle)
+        await client.connect(str(server.addrs[0]))
+        access = await request_pass(client, server.peer_id, "alice", secrets["alice"])
+        assert verify_pass(access, cfg(auth), client.peer_id, time.time()).username == "alice"
+        with pytest.raises(AuthError, match="wrong secret"):
+            await request_pass(client, server.peer_id, "alice", b"\x00" * 32)
+        with pytest.raises(AuthError, match="allowlist"):
+            await request_pass(client, server.peer_id, "nobody", b"\x00" * 32)
+    # pure: a nonce is good once; a proof made for another peer id is refused
+    now = time.time()
+    me, other = peer_id_of(new_identity()), peer_id_of(new_identity())
+    nonce = auth.challenge("alice", now)
+    request = pb.IssueRequest(username="alice", nonce=nonce, proof=proof(secrets["alice"], nonce, other))
+    with pytest.raises(AuthError, match="wrong secret"):
+        auth.issue(request, me, now)
+    nonce = auth.challenge("alice", now)
+    good = pb.IssueRequest(username="alice", nonce=nonce, proof=proof(secrets["alice"], nonce, me))
+    assert auth.issue(good, me, now)
+    with pytest.raises(AuthError, match="challenge"):
+        auth.issue(good, me, now)  # replayed
+    stale = auth.challenge("alice", now)
+    late = pb.IssueRequest(username="alice", nonce=stale, proof=proof(secrets["alice"], stale, me))
+    with pytest.raises(AuthError, match="challenge"):
+        auth.issue(late, me, now + 61)
