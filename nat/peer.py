@@ -25,8 +25,9 @@ Presets cover the roles people run: :meth:`PeerConfig.relay`,
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack, ExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,10 +41,13 @@ from p2p.addresses import is_relayed
 from p2p.dht import DHT, DHTConfig
 from p2p.dht.events import DHTMode
 from p2p.errors import ConfigError, DedlocError
+from p2p.auth import ISSUE_PROTOCOL, AuthConfig, AuthError, Authenticator, pass_expiration
+from p2p.authority import DEFAULT_LIFETIME, Authority, SecretCheck, request_pass
 from p2p.events import Event
 from p2p.hooks import ExternalAddresses, Metrics, Reachability, Registration, SwarmObserver
 from p2p.node import StreamHandler
 from p2p.peer_exchange import PeerExchange
+from p2p.proto import auth_pb2 as pb
 from p2p.rpc import Rpc
 
 from .autorelay import AutoRelayConfig
@@ -63,6 +67,34 @@ CLIENT_LISTEN = ["/ip4/0.0.0.0/tcp/0"]
 
 
 @dataclass
+class AuthSettings:
+    """How this peer takes part in an authenticated run: the authority it trusts, and either the
+    authority's files (it *is* the authority: it signs its own pass and everyone's) or a user's
+    name and secret to ask for passes with."""
+
+    #: The authority's Ed25519 public key (hex in the command line's ``--authority``).
+    authority: bytes | None = None
+    username: str | None = None
+    secret: bytes | None = None
+    #: Where passes are issued (a full multiaddr); default: the first initial peer.
+    server: str | None = None
+    #: This node serves the authority from these files (``dedloc authority``).
+    authority_dir: Path | None = None
+    lifetime: float = DEFAULT_LIFETIME
+    recheck_interval: float = 5.0
+
+    def validate(self, initial_peers: Sequence[str]) -> None:
+        if self.authority_dir is not None:
+            return
+        if self.authority is None or len(self.authority) != 32:
+            raise ConfigError("an authenticated run needs the authority's key (--authority: 64 hex digits)")
+        if not self.username or self.secret is None:
+            raise ConfigError("an authenticated run needs --username and --secret-file (from `dedloc authority add`)")
+        if self.server is None and not initial_peers:
+            raise ConfigError("where are passes issued? give --auth-server or an initial peer")
+
+
+@dataclass
 class PeerConfig:
     """Every layer's settings in one object; the defaults are a volunteer's (``dedloc peer``)."""
 
@@ -74,10 +106,14 @@ class PeerConfig:
     exchange_interval: float | None = 5.0
     #: Sent to every peer met (the demo's chatter).
     greeting: str | None = None
+    #: A closed run (``p2p/auth.py``): None, an open swarm.
+    auth: AuthSettings | None = None
 
     def validate(self) -> None:
         self.node.validate()
         self.nat.validate()
+        if self.auth is not None:
+            self.auth.validate(self.node.initial_peers)
         if self.dht is not None:
             self.dht.validate()
         if self.exchange_interval is not None and self.exchange_interval <= 0:
@@ -152,6 +188,10 @@ class Peer:
             if on_listening is not None:
                 on_listening(node)
             nat = await stack.enter_async_context(NatService.attach(node, config.nat))
+            if config.auth is not None:
+                nursery = await stack.enter_async_context(trio.open_nursery())
+                stack.callback(nursery.cancel_scope.cancel)
+                stack.enter_context(await _authenticate(node, config.auth, config.node.initial_peers, nursery))
             if config.node.initial_peers:
                 await node.bootstrap()
             exchange = await stack.enter_async_context(
@@ -168,6 +208,11 @@ class Peer:
                 if discovery.advertise and nat.relay_service is not None:
                     nursery.start_soon(peer._advertise_relay, discovery.ttl)
             yield peer
+
+    @property
+    def authenticator(self) -> Authenticator | None:
+        """An authenticated run's gate and passes (None in an open swarm)."""
+        return self.node.authenticator
 
     async def _advertise_relay(self, ttl: float) -> None:
         """Keep our relay record in the DHT while we have a direct address AutoNAT did not refute."""
@@ -234,4 +279,58 @@ class Peer:
         return out
 
 
-__all__ = ["CLIENT_LISTEN", "PEER_LISTEN", "Peer", "PeerConfig", "RELAY_LISTEN"]
+async def _authenticate(node: Node, settings: AuthSettings, initial_peers: Sequence[str],
+                        nursery: trio.Nursery) -> Registration:
+    """Get our pass (sign it, as the authority; else ask the authority's node), install the
+    authenticator, and keep the pass renewed (at two thirds of its life) in ``nursery``."""
+    authority: Authority | None = None
+    if settings.authority_dir is not None:
+        authority = Authority.from_dir(settings.authority_dir, lifetime=settings.lifetime)
+        authority.allow = lambda peer: node.resources.allow("auth.issue", peer, trio.current_time())
+        key = authority.public_key
+        username = "authority"
+    else:
+        assert settings.authority is not None and settings.username is not None and settings.secret is not None
+        key, username = settings.authority, settings.username
+    server = settings.server or (initial_peers[0] if initial_peers else None)
+
+    async def fetch() -> pb.AccessPass:
+        if authority is not None:
+            return authority.sign(username, node.peer_id, time.time())
+        assert server is not None and settings.secret is not None
+        peer_id = await node.connect(server, from_listen_port=True)
+        return await request_pass(node, peer_id, username, settings.secret)
+
+    try:
+        first = await fetch()
+    except (AuthError, DedlocError, trio.TooSlowError) as e:
+        raise AuthError(f"could not get an access pass from {server}: {e}") from e
+    config = AuthConfig(authority=key, recheck_interval=settings.recheck_interval,
+                        revoked=authority.check.allowlist.revoked() if isinstance(authority, Authority) and
+                        isinstance(authority.check, SecretCheck) else frozenset())
+    authenticator = Authenticator(node, config, first)
+    stack = ExitStack()
+    stack.enter_context(node.authenticate(authenticator))
+    if authority is not None:
+        stack.enter_context(node.set_stream_handler(ISSUE_PROTOCOL, authority.handle))
+    scope = trio.CancelScope()
+
+    async def renew() -> None:
+        with scope:
+            while True:
+                expiration = pass_expiration(authenticator.my_pass)
+                await trio.sleep(max(1.0, (expiration - time.time()) * 2 / 3))
+                try:
+                    await authenticator.renew(await fetch())
+                except (AuthError, DedlocError, trio.TooSlowError) as e:
+                    log.error("could not renew our access pass (it expires in %.0f s): %s", expiration - time.time(), e)
+                    await trio.sleep(10.0)
+                if authority is not None and isinstance(authority.check, SecretCheck):
+                    authenticator.revoke(authority.check.allowlist.revoked())
+
+    nursery.start_soon(renew)
+    stack.callback(scope.cancel)
+    return Registration(stack.close)
+
+
+__all__ = ["AuthSettings", "CLIENT_LISTEN", "PEER_LISTEN", "Peer", "PeerConfig", "RELAY_LISTEN"]

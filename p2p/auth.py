@@ -48,7 +48,7 @@ from libp2p.peer.id import ID
 from nacl.exceptions import BadSignatureError
 from nacl.signing import VerifyKey
 
-from .errors import DedlocError, RemoteProtocolError
+from .errors import DedlocError, ProtocolNotSupportedError, RemoteProtocolError
 from .hooks import ConnectionInfo, Registration, SwarmObserver
 from .proto import auth_pb2 as pb
 from .trio_util import finish_quietly
@@ -101,6 +101,13 @@ class AuthConfig:
             raise AuthError(f"the authority's key must be 32 bytes (Ed25519), got {len(self.authority)}")
         if not (0 <= self.max_skew <= 3600 and self.recheck_interval > 0 and self.verdict_timeout > 0):
             raise AuthError("max_skew must be in 0 .. 3600 s; recheck_interval and verdict_timeout positive")
+
+
+def pass_expiration(access: pb.AccessPass) -> float:
+    """When a pass expires (Unix seconds), read without verifying it (our own, to renew in time)."""
+    token = pb.AccessToken()
+    token.ParseFromString(access.token)
+    return float(token.expiration)
 
 
 def encode_pass(token: pb.AccessToken, signature: bytes) -> pb.AccessPass:
@@ -211,36 +218,76 @@ class Authenticator(SwarmObserver):
         if not self._node.has_connection(info.peer_id):
             self._verdicts.pop(info.peer_id, None)  # the next connection presents its pass again
 
+    def _hello(self) -> bytes:
+        return _frame(pb.Hello(access=self.my_pass, time_ms=int(self._clock() * 1000)).SerializeToString())
+
     async def _send_hello(self, conn: INetConn) -> None:
-        hello = pb.Hello(access=self.my_pass, time_ms=int(self._clock() * 1000))
+        """Show our pass on ``conn`` and take the peer's in answer (one round trip). Both sides do it
+        on every connection, so a connection opened before either side authenticated is covered."""
+        peer = conn.muxed_conn.peer_id
         try:
             stream = await self._node.new_stream_on(conn, PROTOCOL, lazy=True)
+        except Exception as e:
+            log.debug("could not open %s to %s: %s", PROTOCOL, peer, e)
+            return
+        try:
             with trio.fail_after(self.config.verdict_timeout):
-                await stream.write(_frame(hello.SerializeToString()))
-            await finish_quietly(stream.close)
-        except Exception as e:  # the connection went away, or the peer speaks no auth: its verdict says so
-            log.debug("could not send our access pass on a connection: %s", e)
+                await stream.write(self._hello())
+                data = await _read_frame(stream)
+        except ProtocolNotSupportedError:  # an open swarm's peer: it has no pass to show, refuse it now
+            await finish_quietly(stream.reset)
+            if self.token_of(peer) is None:
+                self._judge_failed(peer, f"the peer shows no access pass (it does not speak {PROTOCOL})")
+            return
+        except Exception as e:  # it refused us, or went away: its own Hello (if any) decides
+            log.debug("no Hello back from %s: %s", peer, e)
+            await finish_quietly(stream.reset)
+            return
+        await finish_quietly(stream.close)
+        self._judge(peer, data)
 
     async def handle(self, stream: INetStream) -> None:
-        """A peer's Hello: verify it, and on failure close every connection to that peer."""
+        """A peer's Hello: judge it, and answer ours (the peer judges it in turn)."""
         peer = stream.muxed_conn.peer_id
         try:
             with trio.fail_after(self.config.verdict_timeout):
                 data = await _read_frame(stream)
+        except Exception as e:
+            self._judge_failed(peer, f"bad Hello: {e}" if isinstance(e, RemoteProtocolError) else
+                               f"bad Hello: {type(e).__name__}")
+            await finish_quietly(stream.reset)
+            return
+        if self._judge(peer, data):
+            with trio.move_on_after(self.config.verdict_timeout):
+                try:
+                    await stream.write(self._hello())
+                except Exception:
+                    pass
+            await finish_quietly(stream.close)
+        else:
+            await finish_quietly(stream.reset)
+
+    def _judge(self, peer: ID, data: bytes) -> bool:
+        """Record the verdict on one Hello's bytes from ``peer``; True if its pass is good."""
+        try:
             hello = pb.Hello()
             hello.ParseFromString(data)
             token = check_hello(hello, self.config, peer, self._clock())
-        except (AuthError, RemoteProtocolError, trio.TooSlowError, Exception) as e:
-            reason = str(e) if isinstance(e, (AuthError, RemoteProtocolError)) else f"bad Hello: {type(e).__name__}"
-            self._refuse(peer, reason)
-            await finish_quietly(stream.reset)
-            if self._nursery is not None:
-                self._nursery.start_soon(self._disconnect_unless_renewed, peer)
-            return
+        except AuthError as e:
+            self._judge_failed(peer, str(e))
+            return False
+        except Exception as e:
+            self._judge_failed(peer, f"bad Hello: {type(e).__name__}")
+            return False
         verdict = self._verdicts.setdefault(peer, _Verdict())
         verdict.token, verdict.refused = token, ""
         verdict.decided.set()
-        await finish_quietly(stream.close)
+        return True
+
+    def _judge_failed(self, peer: ID, reason: str) -> None:
+        self._refuse(peer, reason)
+        if self._nursery is not None:
+            self._nursery.start_soon(self._disconnect_unless_renewed, peer)
 
     async def _disconnect_unless_renewed(self, peer: ID) -> None:
         """Close a refused peer's connections after ``verdict_timeout``, unless it showed a valid pass
@@ -332,4 +379,4 @@ def install(node: AuthNode, authenticator: Authenticator, nursery: trio.Nursery)
 
 
 __all__ = ["AuthConfig", "AuthError", "Authenticator", "ISSUE_PROTOCOL", "PRE_AUTH", "PROTOCOL", "SIGNING_DOMAIN", "Token",
-           "check_hello", "encode_pass", "verify_pass"]
+           "check_hello", "encode_pass", "pass_expiration", "verify_pass"]

@@ -146,8 +146,9 @@ async def test_an_expiring_pass_closes_the_connection_unless_renewed(tmp_path: P
         await bob.connect(str(alice.addrs[0]))
         await carol.connect(str(alice.addrs[0]))
         assert await bob.ping(alice.peer_id, timeout=5) > 0 and await carol.ping(alice.peer_id, timeout=5) > 0
-        # alice and carol renew (a fresh 2 s pass) before theirs expire; bob does not
+        # alice and carol renew (a fresh pass, 30 s this time) before theirs expire; bob does not
         await trio.sleep(0.8)
+        auth.lifetime = 30.0
         for node, name in ((alice, "alice"), (carol, "carol")):
             assert node.authenticator is not None
             await node.authenticator.renew(auth.sign(name, node.peer_id, time.time()))
@@ -203,3 +204,65 @@ async def test_the_authority_issues_only_to_a_correct_proof_once_per_challenge(t
     late = pb.IssueRequest(username="alice", nonce=stale, proof=proof(secrets["alice"], stale, me))
     with pytest.raises(AuthError, match="challenge"):
         auth.issue(late, me, now + 61)
+
+
+# ---------------------------------------------------------------------- a closed swarm of nat.Peers
+
+
+async def test_a_closed_swarm_works_for_passholders_and_refuses_an_outsider_everywhere(tmp_path: Path) -> None:
+    import torch
+
+    from averaging import Averager
+    from nat import Peer
+    from nat.peer import AuthSettings
+    from p2p.authority import ALLOWLIST_FILE
+    from training.state import STATE_PROTOCOL
+
+    from .kit import loopback_peer_config
+    from .test_averaging import config as averager_config
+
+    allowlist = AllowList(tmp_path / ALLOWLIST_FILE)
+    secrets = {u: allowlist.add(u) for u in ("alice", "bob")}
+    allowlist.save()
+    async with AsyncExitStack() as stack:
+        relay_config = loopback_peer_config(relay=True)
+        relay_config.auth = AuthSettings(authority_dir=tmp_path)
+        relay = await stack.enter_async_context(Peer.open(relay_config))
+        assert relay.authenticator is not None
+        key = relay.authenticator.config.authority
+        boot = [str(relay.addrs[0])]
+        members = []
+        for name in ("alice", "bob"):
+            c = loopback_peer_config(initial_peers=boot)
+            c.auth = AuthSettings(authority=key, username=name, secret=secrets[name])
+            members.append(await stack.enter_async_context(Peer.open(c)))
+        alice, bob = members
+        # the DHT and averaging work between passholders
+        assert await alice.dht.store("closed-run", b"members only", time.time() + 60)
+        found = await bob.dht.get("closed-run", latest=True)
+        assert found is not None and found.value == b"members only"
+        cfg = averager_config(2)
+        async with Averager.open(alice, cfg) as a, Averager.open(bob, cfg) as b:
+            x, y = [torch.zeros(1000)], [torch.ones(1000)]
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(a.step, x)
+                nursery.start_soon(b.step, y)
+            assert torch.allclose(x[0], torch.full((1000,), 0.5))
+        # an outsider: connects (TCP and Noise), and is refused by every protocol of every member
+        outsider_config = loopback_peer_config(initial_peers=boot)
+        outsider_config.dht = None
+        outsider = await stack.enter_async_context(Peer.open(outsider_config))
+        averaging = await stack.enter_async_context(Averager.open(alice, cfg))  # alice serves all-reduce too
+        for target in (relay, alice):
+            await outsider.node.connect(str(target.addrs[0]))
+            served = [p for p in target.node.host.get_mux().handlers if p is not None and p not in PRE_AUTH]
+            assert "/dedloc/rpc/1.0.0" in served and ("/dedloc/allreduce/1.0.0" in served or target is relay)
+            for protocol in served:
+                with pytest.raises(DedlocError, match="unauthenticated"):
+                    stream = await outsider.node.new_stream(target.peer_id, protocol, lazy=False)
+                    await stream.read(1)
+        del averaging
+        # its DHT requests (a store of its own record, a read) are refused at the door
+        with pytest.raises(DedlocError, match="unauthenticated"):
+            await outsider.node.rpc.call(alice.peer_id, "dht.find", pb.Hello(), pb.Hello, timeout=5)
+        assert STATE_PROTOCOL not in PRE_AUTH
