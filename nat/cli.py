@@ -38,7 +38,7 @@ from p2p.node import Node
 from p2p.rpc import CallContext, RemoteError
 
 from .events import DashboardServing, HolePunched, NatStatus, PingSummary
-from .peer import PEER_LISTEN, RELAY_LISTEN, Peer, PeerConfig
+from .peer import PEER_LISTEN, RELAY_LISTEN, AuthSettings, Peer, PeerConfig
 from .port_mapping import PortMappingConfig
 from .relay import RelayConfig
 
@@ -123,7 +123,32 @@ def peer_config(args: argparse.Namespace, *, relay: bool) -> PeerConfig:
     config.nat.allow_private = args.allow_private
     if args.no_port_mapping:
         config.nat.port_mapping = PortMappingConfig(enabled=False)
+    config.auth = auth_settings(args)
     return config
+
+
+def auth_settings(args: argparse.Namespace) -> AuthSettings | None:
+    """A closed run from the command line: ``--authority-dir`` (relay, backbone) or ``--authority`` with
+    ``--username`` and ``--secret-file`` (peers); None for an open swarm."""
+    directory = getattr(args, "authority_dir", None)
+    if directory is not None:
+        return AuthSettings(authority_dir=directory)
+    key = getattr(args, "authority", None)
+    if key is None:
+        if getattr(args, "username", None) or getattr(args, "secret_file", None):
+            raise ConfigError("--username and --secret-file need --authority (the run's key)")
+        return None
+    try:
+        authority = bytes.fromhex(key)
+    except ValueError:
+        raise ConfigError(f"--authority {key!r}: not hex") from None
+    secret = None
+    if args.secret_file is not None:
+        try:
+            secret = bytes.fromhex(args.secret_file.read_text().strip())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--secret-file {args.secret_file}: {e}") from None
+    return AuthSettings(authority=authority, username=args.username, secret=secret, server=args.auth_server)
 
 
 def parse_rates(values: list[str], *, known: set[str]) -> dict[str, Rate]:

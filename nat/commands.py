@@ -6,6 +6,7 @@ only when one runs (p2p/commands.py).
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from collections.abc import Sequence
 
 from p2p.admission import AdmissionConfig
@@ -69,7 +70,21 @@ def peer_options(p: argparse.ArgumentParser) -> None:
                    "(as behind a NAT that maps nothing, or a firewall that drops every inbound packet)")
     p.add_argument("--dht-mode", choices=[m.value for m in DHTMode], default="auto",
                    help="serve the DHT (server), only use it (client), or serve once reachable (auto, the default)")
+    g = p.add_argument_group("a closed run (allowlist authentication; `dedloc authority`)")
+    g.add_argument("--authority", default=None, metavar="KEY",
+                   help="the run's authority key (64 hex digits): only its passholders are spoken to")
+    g.add_argument("--username", default=None, help="your name on the run's allowlist")
+    g.add_argument("--secret-file", type=Path, default=None, metavar="PATH",
+                   help="the file holding the secret `dedloc authority add` printed for you")
+    g.add_argument("--auth-server", default=None, metavar="MULTIADDR",
+                   help="where passes are issued (default: the first initial peer)")
     nat_options(p)
+
+
+def authority_options(p: argparse.ArgumentParser) -> None:
+    """A public node that is a closed run's authority (``relay``, ``backbone``)."""
+    p.add_argument("--authority-dir", type=Path, default=None, metavar="DIR",
+                   help="serve passes for the allowlist in DIR (`dedloc authority add`) and admit only passholders")
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:  # type: ignore[type-arg]
@@ -81,6 +96,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     common_options(p)
     nat_options(p)
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="MULTIADDR", help="other bootstrap nodes to join")
+    authority_options(p)
     p.set_defaults(func="nat.cli:cmd_relay")
 
     p = sub.add_parser("peer", help="join a swarm through one or more initial peers",

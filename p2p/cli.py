@@ -55,3 +55,40 @@ def _when(expiration: float) -> str:
 
 
 # ---------------------------------------------------------------------- parser
+
+
+async def cmd_authority(args: argparse.Namespace, out: Output) -> int:
+    """``dedloc authority add|revoke|show``: the allowlist and key of a closed run (p2p/authority.py)."""
+    import json
+
+    from .authority import ALLOWLIST_FILE, KEY_FILE, AllowList, load_or_create_key
+
+    key = load_or_create_key(args.dir / KEY_FILE)
+    authority = bytes(key.verify_key).hex()
+    allowlist = AllowList.load(args.dir / ALLOWLIST_FILE)
+    result: dict[str, object] = {"authority": authority}
+    if args.authority_command == "add":
+        secret = allowlist.add(args.username)
+        allowlist.save()
+        result.update(username=args.username, secret=secret.hex())
+    elif args.authority_command == "revoke":
+        allowlist.revoke(args.username)
+        allowlist.save()
+        result.update(revoked=args.username)
+    else:
+        result["users"] = {u: "revoked" if e.get("revoked") else "allowed" for u, e in sorted(allowlist.users.items())}
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"authority key: {authority}")
+    if args.authority_command == "add":
+        print(f"added {args.username}; their secret (shown once, give it to them):\n  {result['secret']}")
+        print(f"they join with:\n  echo {result['secret']} > {args.username}.secret\n"
+              f"  dedloc peer --initial-peers <relay address> --authority {authority} "
+              f"--username {args.username} --secret-file {args.username}.secret")
+    elif args.authority_command == "revoke":
+        print(f"revoked {args.username}: their pass is not renewed (out within 15 min; at once on the authority's node)")
+    else:
+        for user, state in dict(result["users"]).items():  # type: ignore[call-overload]
+            print(f"  {user}: {state}")
+    return 0

@@ -102,6 +102,23 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     q.add_argument("--subkey", default=None, metavar="SUBKEY", help="store under this subkey of a dictionary key")
     dht_common(q)
 
+    p = sub.add_parser("authority", help="a closed run's allowlist: add and revoke users, show the run's key",
+                       description="Keep a closed run's authority in --dir (its key and allowlist.json, mode 0600; "
+                       "created on first use). `add USER` prints the user's secret once (give it to them) and the "
+                       "options their peers join with; `revoke USER` stops their passes being renewed (they are out "
+                       "within a pass's life, 15 min); `show` prints the run's authority key and the users. The "
+                       "node serving passes is `dedloc relay --authority-dir DIR` (or `backbone`).")
+    auth_sub = p.add_subparsers(dest="authority_command", required=True, metavar="ACTION")
+    for action, text in (("add", "put USER on the allowlist with a new secret"), ("revoke", "take USER off"),
+                         ("show", "print the authority key and the users")):
+        q = auth_sub.add_parser(action, help=text)
+        if action != "show":
+            q.add_argument("username", metavar="USER")
+        q.add_argument("--dir", type=Path, default=Path("dedloc-authority"), metavar="DIR",
+                       help="the authority's files (default: %(default)s)")
+        q.add_argument("--json", action="store_true", help="print one JSON object")
+        q.set_defaults(func="p2p.cli:cmd_authority")
+
     return parser, sub
 
 

@@ -266,3 +266,32 @@ async def test_a_closed_swarm_works_for_passholders_and_refuses_an_outsider_ever
         with pytest.raises(DedlocError, match="unauthenticated"):
             await outsider.node.rpc.call(alice.peer_id, "dht.find", pb.Hello(), pb.Hello, timeout=5)
         assert STATE_PROTOCOL not in PRE_AUTH
+
+
+def test_the_authority_command_keeps_its_files_private_and_says_what_it_did(tmp_path: Path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+
+    def dedloc(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "training.commands", *argv], cwd=root, env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    added = json.loads(dedloc("authority", "add", "alice", "--dir", str(tmp_path / "a"), "--json").stdout)
+    assert len(bytes.fromhex(added["secret"])) == 32 and len(bytes.fromhex(added["authority"])) == 32
+    for name in ("authority.key", "allowlist.json"):
+        assert (tmp_path / "a" / name).stat().st_mode & 0o777 == 0o600
+    shown = json.loads(dedloc("authority", "show", "--dir", str(tmp_path / "a"), "--json").stdout)
+    assert shown == {"authority": added["authority"], "users": {"alice": "allowed"}}
+    assert dedloc("authority", "revoke", "alice", "--dir", str(tmp_path / "a")).returncode == 0
+    assert json.loads(dedloc("authority", "show", "--dir", str(tmp_path / "a"), "--json").stdout)["users"] == {
+        "alice": "revoked"}
+    refused = dedloc("authority", "add", "bad name!", "--dir", str(tmp_path / "a"))
+    assert refused.returncode != 0 and "username" in refused.stderr
+    no_key = dedloc("peer", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWD3eckifWpRn9wQpMG9R9hX3sD158z7EqHWmweQAJU5SA",
+                    "--username", "alice", "--ephemeral", "--duration", "1")
+    assert no_key.returncode != 0 and "--authority" in no_key.stderr

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from averaging.commands import build_parser as averaging_parser
-from nat.commands import nat_options, peer_options
+from nat.commands import authority_options, nat_options, peer_options
 from p2p.commands import common_options, run
 
 DEFAULT_WORKDIR = "dedloc-example"
@@ -88,6 +88,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     common_options(p)
     nat_options(p)
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="MULTIADDR", help="other bootstrap nodes to join")
+    authority_options(p)
     run_options(p)
     p.add_argument("--checkpoint-dir", default="dedloc-checkpoints", help="where files go (default: %(default)s)")
     p.add_argument("--checkpoint-every", type=int, default=10, metavar="N", help="global steps between checkpoints")
