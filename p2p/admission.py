@@ -86,6 +86,13 @@ class AdmissionConfig:
     #: over many addresses), the oldest handshake yields its place to a newcomer once it has run
     #: this long: an honest handshake finishes in 2 round trips, a stalled one never does.
     stalled_after: float = 1.0
+    #: Subnets whose handshakes stalled (evicted, timed out, or closed unfinished) are remembered,
+    #: the count halving every this many seconds: a newcomer from a subnet with none may take the
+    #: place of a handshake from the subnet with the most, however young (a flood churning the table
+    #: faster than ``stalled_after`` keeps every place young; its subnets soon all have stalls, an
+    #: honest peer's has none). At most ``max_tracked_subnets`` are remembered.
+    stall_memory: float = 60.0
+    max_tracked_subnets: int = 65536
     #: Inbound connections in all (handshaking or not).
     max_connections: int = 4096
     #: ... from one IPv4 address or IPv6 /56, and one IPv4 /24 or IPv6 /48.
@@ -101,8 +108,10 @@ class AdmissionConfig:
                 raise ConfigError(f"admission {name} must be >= 0, got {getattr(self, name)}")
         if not self.handshake_timeout > 0:
             raise ConfigError(f"admission handshake_timeout must be positive, got {self.handshake_timeout}")
-        if not self.stalled_after > 0:
-            raise ConfigError(f"admission stalled_after must be positive, got {self.stalled_after}")
+        if not (self.stalled_after > 0 and self.stall_memory > 0):
+            raise ConfigError("admission stalled_after and stall_memory must be positive")
+        if self.max_tracked_subnets < 1:
+            raise ConfigError("admission max_tracked_subnets must be at least 1")
         if self.backlog < 1:
             raise ConfigError("admission backlog must be at least 1")
 
@@ -145,6 +154,9 @@ class Admission:
     admitted: int = 0
     #: Why the last refused connection was refused (what the listener tells it).
     last_refusal: Refusal | None = None
+    #: Stalled handshakes per subnet, decaying (``stall_memory``); the time of the last halving.
+    stalls: dict[str, float] = field(default_factory=dict)
+    _stalls_halved: float | None = None
 
     def admit(self, ip: str, now: float) -> tuple[Ticket | None, list[Ticket]]:
         """Admit a connection just accepted from ``ip``: its ticket (None: refused, the reason
@@ -152,6 +164,7 @@ class Admission:
         tickets evicted to make room."""
         c = self.config
         address, subnet = prefixes(ip)
+        self._decay(now)
         checks = (
             (c.max_connections_per_address, self._address[address], Refusal.CONNECTIONS_PER_ADDRESS),
             (c.max_connections_per_subnet, self._subnet[subnet], Refusal.CONNECTIONS_PER_SUBNET),
@@ -204,12 +217,30 @@ class Admission:
             return next(t for t in self.handshaking if t.subnet == top)
         if mine > held:
             return None  # the newcomer's subnet would hold the most: never at others' expense
+        if subnet not in self.stalls:
+            # a newcomer whose subnet never stalled takes the place of the worst staller's oldest
+            worst = max(self.handshaking, key=lambda t: (self.stalls.get(t.subnet, 0.0), -t.admitted_at))
+            if self.stalls.get(worst.subnet, 0.0) > 0:
+                return worst
         oldest = self.handshaking[0]
         return oldest if now - oldest.admitted_at >= self.config.stalled_after else None
+
+    def _stalled(self, subnet: str) -> None:
+        self.stalls[subnet] = self.stalls.get(subnet, 0.0) + 1.0
+        if len(self.stalls) > self.config.max_tracked_subnets:
+            del self.stalls[min(self.stalls, key=self.stalls.__getitem__)]
+
+    def _decay(self, now: float) -> None:
+        if self._stalls_halved is None:
+            self._stalls_halved = now
+        while now - self._stalls_halved >= self.config.stall_memory:
+            self._stalls_halved += self.config.stall_memory
+            self.stalls = {k: v / 2 for k, v in self.stalls.items() if v / 2 >= 0.01}
 
     def _evict(self, ticket: Ticket) -> Ticket:
         ticket.evicted = True
         self.refused[Refusal.EVICTED] += 1
+        self._stalled(ticket.subnet)
         self._unhandshake(ticket)
         return ticket
 
@@ -233,9 +264,14 @@ class Admission:
         """The handshake deadline passed (the I/O side closes the connection)."""
         if not ticket.authenticated:
             self.refused[Refusal.HANDSHAKE_DEADLINE] += 1
+            if ticket in self.handshaking:
+                self._stalled(ticket.subnet)
+                self._unhandshake(ticket)  # counted once: its release finds it gone
 
     def release(self, ticket: Ticket) -> None:
-        """The connection closed, whatever its state."""
+        """The connection closed, whatever its state (closed unfinished: its subnet stalled once)."""
+        if ticket in self.handshaking:
+            self._stalled(ticket.subnet)
         self._unhandshake(ticket)
         self._address[ticket.address] -= 1
         self._subnet[ticket.subnet] -= 1

@@ -82,6 +82,36 @@ def test_a_table_full_of_a_flood_spread_over_many_subnets_yields_its_oldest_stal
         assert adm.metrics()["handshaking"] == 5
 
 
+def test_a_fast_churning_spread_flood_cannot_keep_out_a_subnet_that_never_stalled() -> None:
+    """A flood from many /24s that keeps the table full of fresh handshakes (faster than stalled_after):
+    its subnets soon all have stalls on record; a newcomer from a subnet that never stalled takes the
+    place of the worst staller's handshake, however young; a flood newcomer does not."""
+    adm = Admission(AdmissionConfig(max_handshaking=4, max_handshaking_per_address=8, max_handshaking_per_subnet=8,
+                                    stalled_after=1.0, stall_memory=60.0))
+    t = 0.0
+    first = [adm.admit(f"10.0.{i}.1", t)[0] for i in range(4)]
+    for ticket in first:  # they stall: the deadline closes them
+        assert ticket is not None
+        adm.timed_out(ticket)
+        adm.release(ticket)
+    assert set(adm.stalls) == {f"10.0.{i}.0/24" for i in range(4)}
+    t = 10.0
+    young = [adm.admit(f"10.0.{i}.1", t + 0.01 * i)[0] for i in range(4)]
+    assert all(young)
+    # a flood subnet's newcomer, everything young: refused
+    assert adm.admit("10.0.2.1", t + 0.1)[0] is None
+    # an honest one: takes the place of the worst staller's oldest young handshake
+    honest, evicted = adm.admit("192.0.2.1", t + 0.1)
+    assert honest is not None and evicted == [young[0]]
+    assert adm.stalls["10.0.0.0/24"] == 2.0
+    # the record halves every stall_memory seconds and is forgotten below 0.01
+    adm.admit("198.51.100.1", t + 60.0)
+    assert adm.stalls["10.0.0.0/24"] == 1.0
+    adm.authenticated(honest)
+    adm.release(honest)
+    assert "192.0.2.0/24" not in adm.stalls  # finished handshakes are no stalls
+
+
 def test_established_connections_have_their_own_caps() -> None:
     adm = Admission(AdmissionConfig(max_connections_per_address=2, max_connections=3))
     for ip in ("10.0.0.1", "10.0.0.1"):
