@@ -20,7 +20,6 @@ import json
 import math
 import sys
 import time
-from collections import defaultdict
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -41,6 +40,7 @@ from .data import DataConfig, DataError, ExampleStream, batches, shard_paths
 from .events import Checkpointed, GlobalStepDone, StateDownloaded, TrainingStatus
 from .optimizer import CollaborativeOptimizer, StepReport, TrainingConfig
 from .progress import ProgressTracker
+from .contributions import Contributions
 from .state import StateDownloadError, StateServer, TrainingState, download_state
 
 if TYPE_CHECKING:
@@ -243,34 +243,32 @@ class Monitor:
     """The run as the backbone keeps it: the learning curve and each peer's contributions.
 
     A trainer's contribution to a step is the most samples it reported toward
-    that step (reports are read every few seconds; the last one before the
-    step is what it brought). An auxiliary peer brings no samples: what it gives
-    is its share of the reduction, credited as the steps it reported itself
-    present at. Written as JSON files that a page or a metrics exporter can
-    read: ``curve.jsonl`` (a line per global step) and ``contributions.json``
-    (peer id -> ``{"samples": n, "auxiliary_steps": k}``).
+    that step, credited only as far as the time the backbone watched makes
+    plausible (``training/contributions.py``: no faster than a few times the
+    swarm's median peer). An auxiliary peer brings no samples: what it gives is
+    its share of the reduction, credited as the steps it reported itself present
+    at. Written as JSON files that a page or a metrics exporter can read:
+    ``curve.jsonl`` (a line per global step) and ``contributions.json`` (peer id
+    -> ``{"samples": credited, "claimed": n, "auxiliary_steps": k}``, and
+    ``"username"`` in a closed run).
     """
 
     #: Points of the learning curve kept in memory for the live page (the file keeps them all).
     MAX_CURVE = 5000
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, target: int = 1 << 30) -> None:
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
-        self.per_step: dict[ID, dict[int, int]] = defaultdict(dict)
-        self.assisted: dict[ID, set[int]] = defaultdict(set)
+        self.credits = Contributions(target)
         self.last_step = -1
         self.curve: list[dict[str, Any]] = []
         #: The last checkpoint saved: ``{"step": n, "path": ..., "time": ...}``.
         self.checkpoint: dict[str, Any] | None = None
+        #: Usernames of peers (a closed run: from their passes).
+        self.usernames: dict[ID, str] = {}
 
-    def observe(self, tracker: ProgressTracker) -> None:
-        for r in tracker.reports:
-            if r.auxiliary:
-                self.assisted[r.peer_id].add(r.step)
-                continue
-            steps = self.per_step[r.peer_id]
-            steps[r.step] = max(steps.get(r.step, 0), r.samples)
+    def observe(self, tracker: ProgressTracker, now: float | None = None) -> None:
+        self.credits.observe(tracker.reports, time.monotonic() if now is None else now)
         p = tracker.last
         if p is None or p.step == self.last_step:
             return
@@ -291,8 +289,10 @@ class Monitor:
         reports = {r.peer_id.to_base58(): r for r in tracker.reports}
         volunteers = []
         for peer in sorted(set(contributions) | set(reports)):
-            r, c = reports.get(peer), contributions.get(peer, {"samples": 0, "auxiliary_steps": 0})
-            volunteers.append({"peer_id": peer, "samples": c["samples"], "auxiliary_steps": c["auxiliary_steps"],
+            r = reports.get(peer)
+            c = contributions.get(peer, {"samples": 0, "claimed": 0, "auxiliary_steps": 0})
+            volunteers.append({"peer_id": peer, "samples": c["samples"], "claimed": c["claimed"],
+                               "auxiliary_steps": c["auxiliary_steps"], "username": c.get("username"),
                                "samples_per_second": r.samples_per_second if r is not None else None,
                                "step": r.step if r is not None else None,
                                "auxiliary": bool(r is not None and r.auxiliary)})
@@ -301,11 +301,9 @@ class Monitor:
                 "samples": p.samples if p else 0, "target": tracker.target, "curve": self.curve,
                 "volunteers": volunteers, "checkpoint": self.checkpoint}
 
-    def contributions(self) -> dict[str, dict[str, int]]:
-        peers = set(self.per_step) | set(self.assisted)
-        return {peer.to_base58(): {"samples": sum(self.per_step[peer].values()) if peer in self.per_step else 0,
-                                   "auxiliary_steps": len(self.assisted.get(peer, ()))}
-                for peer in sorted(peers, key=lambda p: p.to_base58())}
+    def contributions(self) -> dict[str, dict[str, Any]]:
+        """The leaderboard (``contributions.json``): credited and claimed samples, auxiliary steps, user."""
+        return self.credits.leaderboard(self.usernames)
 
 
 async def backbone(peer: Peer, args: argparse.Namespace, dashboard: Dashboard | None = None) -> None:
@@ -314,7 +312,7 @@ async def backbone(peer: Peer, args: argparse.Namespace, dashboard: Dashboard | 
     _, model, _, _ = await trio.to_thread.run_sync(build, args)  # off the event loop
     params = [p for p in model.parameters() if p.requires_grad]
     directory = Path(args.checkpoint_dir)
-    monitor = Monitor(directory)
+    monitor = Monitor(directory, args.target_batch_size)
     tracker = ProgressTracker(peer, args.run_id, args.target_batch_size, client=False)
     latest: TrainingState | None = None
     if dashboard is not None:
@@ -331,6 +329,11 @@ async def backbone(peer: Peer, args: argparse.Namespace, dashboard: Dashboard | 
     try:
         while True:
             progress = await tracker.fetch()
+            if peer.authenticator is not None:  # a closed run: credit users, not just peer ids
+                for r in tracker.reports:
+                    token = peer.authenticator.token_of(r.peer_id)
+                    if token is not None:
+                        monitor.usernames[r.peer_id] = token.username
             monitor.observe(tracker)
             if progress.step >= max(1, saved + args.checkpoint_every) and progress.sources:
                 sources = [s for s in progress.sources if s != peer.peer_id]

@@ -1,0 +1,74 @@
+"""Contributions nobody can forge or erase (DeDLOC I.2): a peer's count lives under its own signed
+subkey (no one else can write it), and the backbone credits a claim only as far as time allows."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from p2p.dht.records import owned
+from p2p.errors import DedlocError
+from p2p.identity import new_identity, peer_id_of
+from training.contributions import Contributions
+from training.progress import LocalProgress, ProgressTracker
+
+from .kit import open_peers
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def report(peer: object, step: int, samples: int, rate: float) -> LocalProgress:
+    return LocalProgress(peer, step, samples, rate, 0.0)  # type: ignore[arg-type]
+
+
+def test_honest_claims_are_credited_and_an_inflated_one_is_cut_to_what_time_allows() -> None:
+    honest = [peer_id_of(new_identity()) for _ in range(3)]
+    liar = peer_id_of(new_identity())
+    board = Contributions(target=100_000)
+    # step 0 lasts 10 s: each honest peer does 50 samples/s, read every second; the liar claims a
+    # million samples and a rate of a million a second (it cannot move the median of the rates)
+    for t in range(11):
+        reports = [report(p, 0, 50 * t, 50.0) for p in honest]
+        reports.append(report(liar, 0, 0 if t < 8 else 1_000_000, 1e6))
+        board.observe(reports, float(t))
+    rows = board.leaderboard()
+    for p in honest:
+        assert rows[p.to_base58()] == {"samples": 500, "claimed": 500, "auxiliary_steps": 0}
+    liar_row = rows[liar.to_base58()]
+    assert liar_row["claimed"] == 1_000_000
+    # it said 0 until t=7: from then on its credit grows at most 3 x the median rate (50) a second
+    assert liar_row["samples"] == 3 * 50 * 3
+    # and later reads add only what the time between them allows
+    board.observe([report(liar, 0, 1_000_001, 1e6), *[report(p, 0, 500, 50.0) for p in honest]], 12.0)
+    assert board.leaderboard()[liar.to_base58()]["samples"] == 3 * 50 * 5
+    # a claim never counts beyond one global batch
+    capped = Contributions(target=100)
+    capped.observe([report(liar, 0, 5000, 1e6), *[report(p, 0, 50, 50.0) for p in honest]], 100.0)
+    assert capped.leaderboard()[liar.to_base58()]["samples"] == 100
+
+
+def test_a_lower_count_later_never_lowers_the_credit_and_auxiliaries_are_counted_apart() -> None:
+    peer, helper = peer_id_of(new_identity()), peer_id_of(new_identity())
+    board = Contributions(target=1000)
+    board.observe([report(peer, 3, 40, 10.0)], 0.0)
+    board.observe([report(peer, 3, 10, 10.0)], 5.0)
+    helper_report = LocalProgress(helper, 3, 0, 0.0, 0.0, auxiliary=True)
+    board.observe([report(peer, 4, 20, 10.0), helper_report], 10.0)
+    rows = board.leaderboard({helper: "carol"})
+    assert rows[peer.to_base58()]["samples"] == 60
+    assert rows[helper.to_base58()] == {"samples": 0, "claimed": 0, "auxiliary_steps": 1, "username": "carol"}
+
+
+async def test_no_peer_can_write_another_peers_progress() -> None:
+    async with open_peers(2) as (relay, alice, mallory):
+        tracker = ProgressTracker(alice, "credit-run", 1000)
+        assert await tracker.report(3, 120, 10.0)
+        # mallory writes under alice's owned subkey: refused before it leaves (and by every replica)
+        with pytest.raises(DedlocError):
+            await mallory.dht.store("credit-run.progress", b"\x00" * 8, time.time() + 60,
+                                    subkey=owned("progress", alice.peer_id))
+        reader = ProgressTracker(relay, "credit-run", 1000)
+        await reader.fetch()
+        (mine,) = [r for r in reader.reports if r.peer_id == alice.peer_id]
+        assert (mine.step, mine.samples) == (3, 120)
