@@ -71,7 +71,7 @@ def test_without_attackers_centered_clip_is_close_to_the_mean_and_clips_nobody_h
 def test_a_reducer_names_the_senders_it_clipped() -> None:
     honest, bad = honest_and_poisoned(8, 512, ATTACKS["scaled x1000"])
     rows = torch.cat([honest, bad])
-    reduction = PartReduction([Region(0, 512, 0)], range(8), robust=CenteredClipConfig())
+    reduction = PartReduction([Region(0, 512, 0)], range(8), robust=CenteredClipConfig())  # type: ignore[arg-type]
     for s in range(8):
         reduction.set_weight(s, 1.0)
     finals = [f for s in range(8) for f in reduction.add(s, 0, rows[s])]
