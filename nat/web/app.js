@@ -109,8 +109,14 @@ function drawRun(r) {
     ["samples toward this step", num(r.samples, 0) + " / " + num(r.target, 0)]]);
   chart("loss-chart", [{ points: r.curve.map((c) => [c.step, c.loss]), color: COLORS[0] }], "step");
   chart("rate-chart", [{ points: r.curve.map((c) => [c.step, c.samples_per_second]), color: COLORS[3] }], "step");
-  fillTable("volunteers", r.volunteers.map((v) => [idCell(v.peer_id), el("td", { "data-rate": v.peer_id }, num(v.samples_per_second, 1)),
-    el("td", { "data-samples": v.peer_id }, num(v.samples, 0)), el("td", {}, v.auxiliary_steps), el("td", {}, v.step ?? "–")]));
+  fillTable("volunteers", r.volunteers.map((v) => {
+    const who = idCell(v.peer_id);
+    if (v.username) who.textContent = v.username + " (" + short(v.peer_id) + ")";
+    const credited = el("td", { "data-samples": v.peer_id }, num(v.samples, 0));
+    if (v.claimed !== undefined && v.claimed > v.samples) credited.title = "claimed " + num(v.claimed, 0) + ": more than the time watched allows";
+    return [who, el("td", { "data-rate": v.peer_id }, num(v.samples_per_second, 1)), credited,
+      el("td", {}, v.auxiliary_steps), el("td", {}, v.step ?? "–")];
+  }));
   const c = r.checkpoint;
   document.getElementById("checkpoint").textContent = c ? "last checkpoint: step " + c.step + " (" + c.path + ")" : "no checkpoint yet";
 }
