@@ -260,3 +260,64 @@ def test_what_a_relay_serves_is_fuzzed() -> None:
     from nat.holepunch import PROTOCOL as DCUTR
 
     assert {HOP_PROTOCOL, STOP_PROTOCOL, DIAL_REQUEST, DCUTR} <= set(PROTOCOLS)
+
+
+# ---------------------------------------------------------------------- a running trainer's protocols
+
+TRAINER_PROTOCOLS = ("/dedloc/allreduce/1.0.0", "/dedloc/train/state/1.0.0", "avg.join.fuzz-run")
+
+
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.lists(st.tuples(st.sampled_from(TRAINER_PROTOCOLS), st.binary(max_size=4096), st.booleans()),
+                min_size=30, max_size=30))
+@pytest.mark.slow
+def test_a_trainer_survives_garbage_on_averaging_matchmaking_and_state(inputs: list[tuple[str, bytes, bool]]) -> None:
+    """A peer with an averager (all-reduce streams, matchmaking's ``avg.join`` RPC) and a state server
+    (tensor streams): each batch of hypothesis's inputs is sent to it on fresh streams; it still
+    averages with an honest peer afterwards, exactly."""
+    import torch
+
+    from averaging import Averager
+    from averaging.proto import averaging_pb2
+    from training.state import StateServer, TrainingState
+
+    from .kit import open_peers
+    from .test_averaging import config as averager_config
+
+    async def main() -> None:
+        async with open_peers(2) as (_relay, target, honest):
+            state = TrainingState(3, [torch.ones(10)], None, {}, None)
+
+            async def snapshot() -> TrainingState:
+                return state
+
+            uninstall = StateServer(target, "fuzz-run", snapshot).install()
+            cfg = averager_config(2, prefix="fuzz-run")
+            async with Averager.open(target, cfg) as averager, Averager.open(honest, cfg) as other:
+                for protocol, data, structured in inputs:
+                    try:
+                        if protocol.startswith("avg.join"):
+                            request = averaging_pb2.JoinRequest()
+                            try:
+                                request.ParseFromString(data)
+                            except Exception:
+                                request = averaging_pb2.JoinRequest()
+                            await honest.node.rpc.call(target.peer_id, protocol, request, averaging_pb2.JoinResponse,
+                                                       timeout=2)
+                        else:
+                            stream = await honest.node.new_stream(target.peer_id, protocol)
+                            payload = (len(data).to_bytes(2, "big") + data) if structured else data
+                            await stream.write(payload)
+                            with trio.move_on_after(0.5):
+                                while await stream.read(65536):
+                                    pass
+                    except Exception:
+                        pass  # refused, reset, an error answer: all fine
+                x, y = [torch.zeros(100)], [torch.ones(100)]
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(averager.step, x)
+                    nursery.start_soon(other.step, y)
+                assert torch.allclose(x[0], torch.full((100,), 0.5))
+            uninstall()
+
+    trio.run(main)
