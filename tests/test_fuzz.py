@@ -91,6 +91,27 @@ def test_rpc_frames(chunks: list[bytes]) -> None:
 
 
 @FAST
+@given(st.lists(st.binary(max_size=300), max_size=8), st.booleans())
+def test_noise_records(chunks: list[bytes], tamper_valid: bool) -> None:
+    """Garbage, and a valid record with a flipped byte: the codec refuses (and stays refusing), never
+    returns plaintext it did not authenticate."""
+    from p2p.noise import NoiseCodec, NoiseError
+
+    key = b"k" * 32
+    sender, receiver = NoiseCodec(key, key), NoiseCodec(key, key)
+    if tamper_valid and chunks:
+        record = bytearray(sender.encrypt(chunks[0] or b"x"))
+        record[len(record) // 2] ^= 0x01
+        chunks = [bytes(record), *chunks[1:]]
+    try:
+        for chunk in chunks:
+            assert receiver.feed(chunk) == []  # nothing garbled ever decrypts
+    except NoiseError:
+        with pytest.raises(NoiseError):
+            receiver.feed(b"\x00\x01x")
+
+
+@FAST
 @given(st.binary(max_size=300))
 def test_multistream_answers(data: bytes) -> None:
     reply = multistream.Reply("/dedloc/rpc/1.0.0")
