@@ -7,53 +7,66 @@ sign_request, validate_request, sign_response, validate_response. Prints one JSO
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import statistics
-import sys
 import time
 from datetime import datetime, timedelta
-
-from hivemind.proto import dht_pb2
-from hivemind.proto.auth_pb2 import AccessToken
-from hivemind.utils.auth import TokenAuthorizerBase
-from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+from typing import Any
 
 
-class Authority:
-    def __init__(self) -> None:
-        self.key = RSAPrivateKey()
-
-    def token(self, username: str, public_key: RSAPublicKey) -> AccessToken:
-        token = AccessToken(username=username, public_key=public_key.to_bytes(),
-                            expiration_time=str(datetime.utcnow() + timedelta(minutes=15)))
-        token.signature = self.key.sign(self._payload(token))
-        return token
-
-    @staticmethod
-    def _payload(token: AccessToken) -> bytes:
-        return f"{token.username} {token.public_key} {token.expiration_time}".encode()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("requests", type=int, nargs="?", default=300)
+    args = parser.parse_args()
+    print(json.dumps(asyncio.run(measure(args.requests))))
 
 
-class Authorizer(TokenAuthorizerBase):
-    def __init__(self, authority: Authority, username: str) -> None:
-        super().__init__(RSAPrivateKey())
-        self._authority = authority
-        self._username = username
+def _classes() -> tuple[Any, Any]:
+    """hivemind's classes, imported here: ``--help`` (bench smoke test) runs without hivemind."""
+    from hivemind.proto.auth_pb2 import AccessToken
+    from hivemind.utils.auth import TokenAuthorizerBase
+    from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
-    async def get_token(self) -> AccessToken:
-        return self._authority.token(self._username, self.local_public_key)
+    class Authority:
+        def __init__(self) -> None:
+            self.key = RSAPrivateKey()
 
-    def is_token_valid(self, access_token: AccessToken) -> bool:
-        data = Authority._payload(access_token)
-        return self._authority.key.get_public_key().verify(data, access_token.signature) and \
-            datetime.fromisoformat(access_token.expiration_time) > datetime.utcnow()
+        def token(self, username: str, public_key: RSAPublicKey) -> AccessToken:
+            token = AccessToken(username=username, public_key=public_key.to_bytes(),
+                                expiration_time=str(datetime.utcnow() + timedelta(minutes=15)))
+            token.signature = self.key.sign(self.payload(token))
+            return token
 
-    def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
-        return False
+        @staticmethod
+        def payload(token: AccessToken) -> bytes:
+            return f"{token.username} {token.public_key} {token.expiration_time}".encode()
+
+    class Authorizer(TokenAuthorizerBase):  # type: ignore[misc]
+        def __init__(self, authority: Authority, username: str) -> None:
+            super().__init__(RSAPrivateKey())
+            self._authority = authority
+            self._username = username
+
+        async def get_token(self) -> AccessToken:
+            return self._authority.token(self._username, self.local_public_key)
+
+        def is_token_valid(self, access_token: AccessToken) -> bool:
+            data = Authority.payload(access_token)
+            return bool(self._authority.key.get_public_key().verify(data, access_token.signature)) and \
+                datetime.fromisoformat(access_token.expiration_time) > datetime.utcnow()
+
+        def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
+            return False
+
+    return Authority, Authorizer
 
 
-async def main(requests: int) -> dict[str, float]:
+async def measure(requests: int) -> dict[str, float]:
+    from hivemind.proto import dht_pb2
+
+    Authority, Authorizer = _classes()
     authority = Authority()
     client, server = Authorizer(authority, "alice"), Authorizer(authority, "bob")
     await client.refresh_token_if_needed()
@@ -72,4 +85,4 @@ async def main(requests: int) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(asyncio.run(main(int(sys.argv[1]) if len(sys.argv) > 1 else 300))))
+    main()
