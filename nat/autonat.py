@@ -34,9 +34,9 @@ from p2p.hooks import Metrics, Registration
 from p2p.resources import ResourceLimitExceeded
 from p2p.trio_util import finish_quietly
 from p2p.untrusted import decode_addr
+from p2p.wire import MAX_ADDRS, read_message, write_message
 
 from .proto import autonat_v2_pb2 as pb
-from .wire import MAX_ADDRS, read_message, write_message
 
 log = logging.getLogger(__name__)
 

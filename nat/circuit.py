@@ -32,9 +32,9 @@ from p2p.errors import ConfigError, DedlocError, DialError, RemoteProtocolError
 from p2p.hooks import Metrics, Registration
 from p2p.trio_util import finish_quietly
 from p2p.untrusted import decode_addrs, require_peer_id
+from p2p.wire import MAX_ADDRS, read_message, write_message
 
 from .proto import circuit_pb2 as pb
-from .wire import MAX_ADDRS, read_message, write_message
 
 log = logging.getLogger(__name__)
 

@@ -40,10 +40,10 @@ from p2p.hooks import Metrics, Registration
 from p2p.resources import ResourceLimitExceeded
 from p2p.trio_util import finish_quietly
 from p2p.untrusted import decode_addrs
+from p2p.wire import read_message, write_message
 
 from .circuit import is_relayed_conn
 from .proto import holepunch_pb2 as pb
-from .wire import read_message, write_message
 
 log = logging.getLogger(__name__)
 

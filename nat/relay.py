@@ -34,10 +34,10 @@ from p2p.hooks import Registration
 from p2p.resources import ResourceLimitExceeded
 from p2p.trio_util import finish_quietly
 from p2p.untrusted import require_peer_id
+from p2p.wire import read_message, write_message
 
 from .circuit import HOP_PROTOCOL, STOP_PROTOCOL, VOUCHER_DOMAIN, VOUCHER_PAYLOAD_TYPE, is_relayed_conn
 from .proto import circuit_pb2 as pb
-from .wire import read_message, write_message
 
 log = logging.getLogger(__name__)
 

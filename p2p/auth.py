@@ -52,6 +52,7 @@ from .errors import DedlocError, ProtocolNotSupportedError, RemoteProtocolError
 from .hooks import ConnectionInfo, Registration, SwarmObserver
 from .proto import auth_pb2 as pb
 from .trio_util import finish_quietly
+from .wire import read_message, write_message
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +61,6 @@ PROTOCOL = "/dedloc/auth/1.0.0"
 ISSUE_PROTOCOL = "/dedloc/auth/issue/1.0.0"
 #: What the authority signs, before the token's bytes (no other signature in dedloc starts so).
 SIGNING_DOMAIN = b"dedloc-access-token\n"
-#: Largest Hello we read (a pass is ~150 bytes).
-MAX_HELLO = 4096
 #: Protocols a peer may open before its pass checked out: this one, the authority's issuing one, and
 #: identify (how to reach it; it carries nothing of the run).
 PRE_AUTH = frozenset({PROTOCOL, ISSUE_PROTOCOL, "/ipfs/id/1.0.0", "/ipfs/id/push/1.0.0"})
@@ -218,8 +217,8 @@ class Authenticator(SwarmObserver):
         if not self._node.has_connection(info.peer_id):
             self._verdicts.pop(info.peer_id, None)  # the next connection presents its pass again
 
-    def _hello(self) -> bytes:
-        return _frame(pb.Hello(access=self.my_pass, time_ms=int(self._clock() * 1000)).SerializeToString())
+    def _hello(self) -> pb.Hello:
+        return pb.Hello(access=self.my_pass, time_ms=int(self._clock() * 1000))
 
     async def _send_hello(self, conn: INetConn) -> None:
         """Show our pass on ``conn`` and take the peer's in answer (one round trip). Both sides do it
@@ -232,8 +231,8 @@ class Authenticator(SwarmObserver):
             return
         try:
             with trio.fail_after(self.config.verdict_timeout):
-                await stream.write(self._hello())
-                data = await _read_frame(stream)
+                await write_message(stream, self._hello())
+                hello = await read_message(stream, pb.Hello, timeout=self.config.verdict_timeout)
         except ProtocolNotSupportedError:  # an open swarm's peer: it has no pass to show, refuse it now
             await finish_quietly(stream.reset)
             if self.token_of(peer) is None:
@@ -244,40 +243,34 @@ class Authenticator(SwarmObserver):
             await finish_quietly(stream.reset)
             return
         await finish_quietly(stream.close)
-        self._judge(peer, data)
+        self._judge(peer, hello)
 
     async def handle(self, stream: INetStream) -> None:
         """A peer's Hello: judge it, and answer ours (the peer judges it in turn)."""
         peer = stream.muxed_conn.peer_id
         try:
-            with trio.fail_after(self.config.verdict_timeout):
-                data = await _read_frame(stream)
+            hello = await read_message(stream, pb.Hello, timeout=self.config.verdict_timeout)
         except Exception as e:
             self._judge_failed(peer, f"bad Hello: {e}" if isinstance(e, RemoteProtocolError) else
                                f"bad Hello: {type(e).__name__}")
             await finish_quietly(stream.reset)
             return
-        if self._judge(peer, data):
+        if self._judge(peer, hello):
             with trio.move_on_after(self.config.verdict_timeout):
                 try:
-                    await stream.write(self._hello())
+                    await write_message(stream, self._hello())
                 except Exception:
                     pass
             await finish_quietly(stream.close)
         else:
             await finish_quietly(stream.reset)
 
-    def _judge(self, peer: ID, data: bytes) -> bool:
-        """Record the verdict on one Hello's bytes from ``peer``; True if its pass is good."""
+    def _judge(self, peer: ID, hello: pb.Hello) -> bool:
+        """Record the verdict on a Hello from ``peer``; True if its pass is good."""
         try:
-            hello = pb.Hello()
-            hello.ParseFromString(data)
             token = check_hello(hello, self.config, peer, self._clock())
         except AuthError as e:
             self._judge_failed(peer, str(e))
-            return False
-        except Exception as e:
-            self._judge_failed(peer, f"bad Hello: {type(e).__name__}")
             return False
         verdict = self._verdicts.setdefault(peer, _Verdict())
         verdict.token, verdict.refused = token, ""
@@ -348,28 +341,6 @@ class AuthNode(Protocol):
     def connections(self) -> list[INetConn]: ...
 
     async def disconnect(self, peer_id: ID) -> None: ...
-
-
-def _frame(data: bytes) -> bytes:
-    return len(data).to_bytes(4, "big") + data
-
-
-async def _read_frame(stream: INetStream) -> bytes:
-    head = await _read_exactly(stream, 4)
-    n = int.from_bytes(head, "big")
-    if n > MAX_HELLO:
-        raise RemoteProtocolError(f"a Hello of {n} bytes (the limit is {MAX_HELLO})")
-    return await _read_exactly(stream, n)
-
-
-async def _read_exactly(stream: INetStream, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        chunk = await stream.read(n - len(out))
-        if not chunk:
-            raise RemoteProtocolError("the stream ended inside a Hello")
-        out += chunk
-    return out
 
 
 def install(node: AuthNode, authenticator: Authenticator, nursery: trio.Nursery) -> Registration:

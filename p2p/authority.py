@@ -42,10 +42,11 @@ from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 from nacl.signing import SigningKey
 
-from .auth import ISSUE_PROTOCOL, SIGNING_DOMAIN, AuthError, _frame, _read_frame
+from .auth import ISSUE_PROTOCOL, SIGNING_DOMAIN, AuthError
 from .errors import ConfigError, RemoteProtocolError
 from .proto import auth_pb2 as pb
 from .trio_util import finish_quietly
+from .wire import read_message, write_message
 
 log = logging.getLogger(__name__)
 
@@ -221,13 +222,10 @@ class Authority:
                 return
         try:
             with trio.fail_after(30):
-                first = pb.ChallengeRequest()
-                first.ParseFromString(await _read_frame(stream))
+                first = await read_message(stream, pb.ChallengeRequest)
                 check_username(first.username)
-                await stream.write(_frame(pb.Challenge(nonce=self.challenge(first.username, self._clock()))
-                                          .SerializeToString()))
-                request = pb.IssueRequest()
-                request.ParseFromString(await _read_frame(stream))
+                await write_message(stream, pb.Challenge(nonce=self.challenge(first.username, self._clock())))
+                request = await read_message(stream, pb.IssueRequest)
                 try:
                     reply = pb.IssueReply(access=self.issue(request, peer, self._clock()))
                     log.info("issued a pass to %r (%s)", request.username, peer)
@@ -235,7 +233,7 @@ class Authority:
                     self.refused += 1
                     log.info("refused a pass to %s: %s", peer, e)
                     reply = pb.IssueReply(error=str(e))
-                await stream.write(_frame(reply.SerializeToString()))
+                await write_message(stream, reply)
             await finish_quietly(stream.close)
         except (RemoteProtocolError, ConfigError, AuthError, trio.TooSlowError, Exception) as e:
             log.info("bad pass request from %s: %s", peer, e)
@@ -254,15 +252,13 @@ async def request_pass(node: IssuingNode, authority_peer: ID, username: str, sec
     with trio.fail_after(timeout):
         stream = await node.new_stream(authority_peer, ISSUE_PROTOCOL)
         try:
-            await stream.write(_frame(pb.ChallengeRequest(username=username).SerializeToString()))
-            challenge = pb.Challenge()
-            challenge.ParseFromString(await _read_frame(stream))
+            await write_message(stream, pb.ChallengeRequest(username=username))
+            challenge = await read_message(stream, pb.Challenge)
             # the authority binds the pass to our Noise-proven id: the proof names it too
             request = pb.IssueRequest(username=username, nonce=challenge.nonce,
                                       proof=proof(secret, challenge.nonce, node.peer_id))
-            await stream.write(_frame(request.SerializeToString()))
-            reply = pb.IssueReply()
-            reply.ParseFromString(await _read_frame(stream))
+            await write_message(stream, request)
+            reply = await read_message(stream, pb.IssueReply)
         finally:
             await finish_quietly(stream.close)
     if reply.error or not reply.HasField("access"):

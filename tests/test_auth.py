@@ -23,6 +23,7 @@ from p2p.errors import DedlocError
 from p2p.identity import new_identity, peer_id_of
 from p2p.node import Node
 from p2p.proto import auth_pb2 as pb
+from p2p.wire import write_message
 
 from .conftest import loopback_config
 from .kit import wait_until
@@ -121,9 +122,7 @@ async def test_a_copied_pass_is_useless_without_its_peers_key(tmp_path: Path) ->
         stolen = auth.sign("alice", alice_node.peer_id, time.time())
         await mallory.connect(str(bob.addrs[0]))
         stream = await mallory.new_stream(bob.peer_id, PROTOCOL)
-        hello = pb.Hello(access=stolen, time_ms=int(time.time() * 1000))
-        data = hello.SerializeToString()
-        await stream.write(len(data).to_bytes(4, "big") + data)
+        await write_message(stream, pb.Hello(access=stolen, time_ms=int(time.time() * 1000)))
         await wait_until(lambda: not bob.has_connection(mallory.peer_id), 5)
         assert bob.authenticator is not None and bob.authenticator.refused.get("the pass was issued to another peer id")
 

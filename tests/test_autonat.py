@@ -13,7 +13,7 @@ from multiaddr import Multiaddr
 
 from nat.autonat import DIAL_BACK, DIAL_REQUEST, AutoNATClient, AutoNATConfig, AutoNATError, AutoNATServer
 from nat.proto import autonat_v2_pb2 as pb
-from nat.wire import MAX_ADDRS, read_message, write_message
+from p2p.wire import MAX_ADDRS, read_message, write_message
 from p2p import Node
 from p2p.addresses import without_peer_id
 from p2p.rpc.framing import encode_varint

@@ -26,7 +26,7 @@ from nat.circuit import RelayClient, is_relayed_conn
 from nat.holepunch import MAX_PUNCH_ADDRS, PROTOCOL, HolePunchConfig, HolePuncher, PunchResult
 from nat.proto import holepunch_pb2 as pb
 from nat.relay import RelayService
-from nat.wire import read_message
+from p2p.wire import read_message
 from p2p import Node
 from p2p.addresses import reachable_tcp, without_peer_id
 from p2p.dialer import dial_simultaneous

@@ -29,7 +29,7 @@ from nat.circuit import (
 )
 from nat.proto import circuit_pb2 as pb
 from nat.relay import RelayConfig, RelayService, _remote_ip
-from nat.wire import read_message, write_message
+from p2p.wire import read_message, write_message
 from p2p import Node
 from p2p.dialer import live_connection
 from p2p.resources import Rate

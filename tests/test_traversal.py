@@ -20,7 +20,7 @@ from nat.circuit import HOP_PROTOCOL, is_relayed_conn
 from nat.proto import autonat_v2_pb2 as apb
 from nat.proto import circuit_pb2 as cpb
 from nat.traversal import NatConfig, NatService
-from nat.wire import read_message, write_message
+from p2p.wire import read_message, write_message
 from p2p import Node
 from p2p import events as ev
 from p2p.addresses import is_relayed, without_peer_id

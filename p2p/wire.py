@@ -1,7 +1,8 @@
 """Length-prefixed protobuf messages on a stream, and checks on what peers put in them.
 
-Relay, DCUtR and AutoNAT all send uvarint-length-prefixed protobuf messages
-and then, for relay, hand the very same stream over as a connection. So a
+Relay, DCUtR, AutoNAT and the access-pass protocols (``p2p/auth.py``,
+``p2p/authority.py``) all send uvarint-length-prefixed protobuf messages, and
+relay then hands the very same stream over as a connection. So a
 message is read exactly (the prefix a byte at a time, then the body): nothing
 past it may be consumed. Every read has a size cap and a deadline; every
 address a peer sends is parsed and capped (:mod:`p2p.untrusted`) before anyone uses it.
@@ -15,8 +16,8 @@ import trio
 from google.protobuf.message import DecodeError
 from google.protobuf.message import Message as ProtoMessage
 
-from p2p.errors import RemoteProtocolError
-from p2p.rpc.framing import encode_varint
+from .errors import RemoteProtocolError
+from .rpc.framing import encode_varint
 
 M = TypeVar("M", bound=ProtoMessage)
 
