@@ -49,6 +49,7 @@ from p2p.node import StreamHandler
 from p2p.peer_exchange import PeerExchange
 from p2p.proto import auth_pb2 as pb
 from p2p.rpc import Rpc
+from p2p.trio_util import start_cancellable
 
 from .autorelay import AutoRelayConfig
 from .port_mapping import PortMappingConfig
@@ -313,23 +314,20 @@ async def _authenticate(node: Node, settings: AuthSettings, initial_peers: Seque
     stack.enter_context(node.authenticate(authenticator))
     if authority is not None:
         stack.enter_context(node.set_stream_handler(ISSUE_PROTOCOL, authority.handle))
-    scope = trio.CancelScope()
 
     async def renew() -> None:
-        with scope:
-            while True:
-                expiration = pass_expiration(authenticator.my_pass)
-                await trio.sleep(max(1.0, (expiration - time.time()) * 2 / 3))
-                try:
-                    await authenticator.renew(await fetch())
-                except (AuthError, DedlocError, trio.TooSlowError) as e:
-                    log.error("could not renew our access pass (it expires in %.0f s): %s", expiration - time.time(), e)
-                    await trio.sleep(10.0)
-                if authority is not None and isinstance(authority.check, SecretCheck):
-                    authenticator.revoke(authority.check.allowlist.revoked())
+        while True:
+            expiration = pass_expiration(authenticator.my_pass)
+            await trio.sleep(max(1.0, (expiration - time.time()) * 2 / 3))
+            try:
+                await authenticator.renew(await fetch())
+            except (AuthError, DedlocError, trio.TooSlowError) as e:
+                log.error("could not renew our access pass (it expires in %.0f s): %s", expiration - time.time(), e)
+                await trio.sleep(10.0)
+            if authority is not None and isinstance(authority.check, SecretCheck):
+                authenticator.revoke(authority.check.allowlist.revoked())
 
-    nursery.start_soon(renew)
-    stack.callback(scope.cancel)
+    stack.callback(start_cancellable(nursery, renew).cancel)
     return Registration(stack.close)
 
 

@@ -51,7 +51,7 @@ from nacl.signing import VerifyKey
 from .errors import DedlocError, ProtocolNotSupportedError, RemoteProtocolError
 from .hooks import ConnectionInfo, Registration, SwarmObserver
 from .proto import auth_pb2 as pb
-from .trio_util import finish_quietly
+from .trio_util import finish_quietly, start_cancellable
 from .wire import read_message, write_message
 
 log = logging.getLogger(__name__)
@@ -109,10 +109,6 @@ def pass_expiration(access: pb.AccessPass) -> float:
     return float(token.expiration)
 
 
-def encode_pass(token: pb.AccessToken, signature: bytes) -> pb.AccessPass:
-    return pb.AccessPass(token=token.SerializeToString(), signature=signature)
-
-
 def verify_pass(access: pb.AccessPass, config: AuthConfig, peer_id: ID, now: float) -> Token:
     """The pass's token if ``access`` is valid for ``peer_id`` at ``now``; else :class:`AuthError` with why.
 
@@ -160,8 +156,8 @@ class _Verdict:
 class Authenticator(SwarmObserver):
     """Both sides of ``/dedloc/auth/1.0.0`` on one Node, and the gate in front of every other protocol.
 
-    Install it with :meth:`Node.authenticate` (before the node dials anyone), which also runs
-    :meth:`recheck` in the node's nursery. ``my_pass`` is ours (:meth:`renew` replaces it and
+    Install it with :meth:`Node.authenticate` (before the node dials anyone), which runs it in the
+    node's nursery (:meth:`attach`: greetings, and :meth:`recheck`). ``my_pass`` is ours (:meth:`renew` replaces it and
     tells every connected peer). ``clock``: wall time (passes expire in Unix time).
     """
 
@@ -319,6 +315,22 @@ class Authenticator(SwarmObserver):
         closed when the old one expires)."""
         verify_pass(new_pass, self.config, self._node.peer_id, self._clock())
         self.my_pass = new_pass
+        self._greet_all()
+
+    def attach(self, nursery: trio.Nursery) -> Registration:
+        """Run in ``nursery`` (the node's; :meth:`p2p.Node.authenticate` calls this): show our pass on
+        the connections already open and recheck passes, until the handle is removed."""
+        self._nursery = nursery
+        self._greet_all()
+        recheck = start_cancellable(nursery, self.recheck)
+
+        def undo() -> None:
+            recheck.cancel()
+            self._nursery = None
+
+        return Registration(undo)
+
+    def _greet_all(self) -> None:
         if self._nursery is not None:
             for conn in self._node.connections():
                 self._nursery.start_soon(self._send_hello, conn)
@@ -343,11 +355,5 @@ class AuthNode(Protocol):
     async def disconnect(self, peer_id: ID) -> None: ...
 
 
-def install(node: AuthNode, authenticator: Authenticator, nursery: trio.Nursery) -> Registration:
-    """Wire ``authenticator`` into ``node`` (called by :meth:`p2p.Node.authenticate`)."""
-    authenticator._nursery = nursery
-    return Registration(lambda: setattr(authenticator, "_nursery", None))
-
-
 __all__ = ["AuthConfig", "AuthError", "Authenticator", "ISSUE_PROTOCOL", "PRE_AUTH", "PROTOCOL", "SIGNING_DOMAIN", "Token",
-           "check_hello", "encode_pass", "pass_expiration", "verify_pass"]
+           "check_hello", "pass_expiration", "verify_pass"]

@@ -37,7 +37,7 @@ from .errors import BootstrapError, ConfigError, DedlocError, DialError, Protoco
 from .hooks import ConnectionInfo, Direction, ExternalAddresses, PathKind, Reachability, Registration, SwarmObserver
 from .identify import MAX_LISTEN_ADDRS, PeerIdentity, identify
 from .identity import load_or_create_identity, new_identity, peer_id_of
-from .auth import PROTOCOL as AUTH_PROTOCOL, Authenticator, install as install_authenticator
+from .auth import PROTOCOL as AUTH_PROTOCOL, Authenticator
 from .libp2p_host import build_host, set_gate, started
 from .noise import NoiseSession
 from .resources import ResourceLimitExceeded, ResourceManager, limits_hit
@@ -411,17 +411,7 @@ class Node:
         stack.enter_context(self.observe(authenticator))
         set_gate(self.host, authenticator.inbound)
         stack.callback(set_gate, self.host, None)
-        stack.enter_context(install_authenticator(self, authenticator, self._nursery))
-        scope = trio.CancelScope()
-
-        async def recheck() -> None:
-            with scope:
-                await authenticator.recheck()
-
-        self._nursery.start_soon(recheck)
-        stack.callback(scope.cancel)
-        for conn in self.connections():  # connections opened before: show our pass on them too
-            self._nursery.start_soon(authenticator._send_hello, conn)
+        stack.enter_context(authenticator.attach(self._nursery))  # also greets connections already open
         return Registration(stack.close)
 
     @property

@@ -41,6 +41,19 @@ async def finish_quietly(closing: Callable[[], Awaitable[object]], *, timeout: f
             pass
 
 
+def start_cancellable(nursery: trio.Nursery, job: Callable[[], Awaitable[object]]) -> trio.CancelScope:
+    """Run ``job`` in ``nursery`` under a scope of its own: cancelling the scope stops that job alone
+    (a service's background task, ended when the service is removed while the nursery lives on)."""
+    scope = trio.CancelScope()
+
+    async def run() -> None:
+        with scope:
+            await job()
+
+    nursery.start_soon(run)
+    return scope
+
+
 class Mutex:
     """A fair lock that costs no task switch when it is free.
 
