@@ -42,7 +42,7 @@ from p2p.dht import DHT, DHTConfig
 from p2p.dht.events import DHTMode
 from p2p.errors import ConfigError, DedlocError
 from p2p.auth import ISSUE_PROTOCOL, AuthConfig, AuthError, Authenticator, pass_expiration
-from p2p.authority import DEFAULT_LIFETIME, Authority, SecretCheck, request_pass
+from p2p.authority import DEFAULT_LIFETIME, Authority, request_pass
 from p2p.events import Event
 from p2p.hooks import ExternalAddresses, Metrics, Reachability, Registration, SwarmObserver
 from p2p.node import StreamHandler
@@ -307,8 +307,7 @@ async def _authenticate(node: Node, settings: AuthSettings, initial_peers: Seque
     except (AuthError, DedlocError, trio.TooSlowError) as e:
         raise AuthError(f"could not get an access pass from {server}: {e}") from e
     config = AuthConfig(authority=key, recheck_interval=settings.recheck_interval,
-                        revoked=authority.check.allowlist.revoked() if isinstance(authority, Authority) and
-                        isinstance(authority.check, SecretCheck) else frozenset())
+                        revoked=authority.check.revoked() if authority is not None else frozenset())
     authenticator = Authenticator(node, config, first)
     stack = ExitStack()
     stack.enter_context(node.authenticate(authenticator))
@@ -324,8 +323,8 @@ async def _authenticate(node: Node, settings: AuthSettings, initial_peers: Seque
             except (AuthError, DedlocError, trio.TooSlowError) as e:
                 log.error("could not renew our access pass (it expires in %.0f s): %s", expiration - time.time(), e)
                 await trio.sleep(10.0)
-            if authority is not None and isinstance(authority.check, SecretCheck):
-                authenticator.revoke(authority.check.allowlist.revoked())
+            if authority is not None:
+                authenticator.revoke(authority.check.revoked())
 
     stack.callback(start_cancellable(nursery, renew).cancel)
     return Registration(stack.close)

@@ -74,9 +74,12 @@ def check_username(name: str) -> str:
 
 
 class IdentityCheck(Protocol):
-    """Whether ``proof`` shows that the caller is ``username`` (and the user is allowed now)."""
+    """Whether ``proof`` shows that the caller is ``username`` (and the user is allowed now), and who
+    is revoked (the authority's own node refuses them at once; others when their pass expires)."""
 
     def verify(self, username: str, nonce: bytes, proof: bytes, peer_id: ID) -> bool: ...
+
+    def revoked(self) -> frozenset[str]: ...
 
 
 @dataclass
@@ -139,6 +142,10 @@ class SecretCheck:
         secret = self.allowlist.secret_of(username)
         return secret is not None and hmac.compare_digest(proof(secret, nonce, peer_id), proof_)
 
+    def revoked(self) -> frozenset[str]:
+        self._reload()
+        return self.allowlist.revoked()
+
     def _reload(self) -> None:
         path = self.allowlist.path
         if path.exists():
@@ -179,9 +186,9 @@ class Authority:
         self.allow: Callable[[str], None] | None = None
 
     @classmethod
-    def from_dir(cls, directory: Path, **kwargs: object) -> Authority:
+    def from_dir(cls, directory: Path, *, lifetime: float = DEFAULT_LIFETIME) -> Authority:
         key = load_or_create_key(directory / KEY_FILE)
-        return cls(key, SecretCheck(AllowList.load(directory / ALLOWLIST_FILE)), **kwargs)  # type: ignore[arg-type]
+        return cls(key, SecretCheck(AllowList.load(directory / ALLOWLIST_FILE)), lifetime=lifetime)
 
     def sign(self, username: str, peer_id: ID, now: float) -> pb.AccessPass:
         token = pb.AccessToken(username=username, peer_id=peer_id.to_bytes(), expiration=int(now + self.lifetime),

@@ -296,3 +296,14 @@ def test_the_authority_command_keeps_its_files_private_and_says_what_it_did(tmp_
     no_key = dedloc("peer", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWD3eckifWpRn9wQpMG9R9hX3sD158z7EqHWmweQAJU5SA",
                     "--username", "alice", "--ephemeral", "--duration", "1")
     assert no_key.returncode != 0 and "--authority" in no_key.stderr
+
+
+def test_the_authoritys_check_sees_a_revocation_written_to_its_allowlist_later(tmp_path: Path) -> None:
+    """`dedloc authority revoke` edits the file while the authority's node runs: its check reads the
+    change (the node's own renewal loop refuses the user at once from then on)."""
+    auth, _ = authority(tmp_path, "alice", "bob")
+    assert auth.check.revoked() == frozenset()
+    allowlist = AllowList.load(tmp_path / "allowlist.json")
+    allowlist.revoke("bob")
+    allowlist.save()
+    assert auth.check.revoked() == frozenset({"bob"})
