@@ -138,13 +138,8 @@ class Dashboard:
                       stats.failures, relay.stats.circuits_total if relay is not None else 0)
 
     def _links(self) -> dict[str, int]:
-        direct = relayed = 0
-        for peer in self.peer.node.connected_peers():
-            if self.peer.nat.path_to(peer) == "direct":
-                direct += 1
-            else:
-                relayed += 1
-        return {"direct": direct, "relayed": relayed}
+        paths = self.peer.node.peers_by_path()
+        return {"direct": paths["direct"], "relayed": paths["relayed"]}
 
     def status(self) -> dict[str, Any]:
         """Everything ``/api/status`` returns (the page's one source)."""

@@ -366,11 +366,8 @@ class NatService(SwarmObserver):
             self._mapped = []
 
     def path_to(self, peer: ID) -> str:
-        """How we are connected to ``peer`` now: ``direct``, ``relayed`` or ``none``."""
-        conns = [c for c in self.node.network.get_connections(peer) if not getattr(c, "is_closed", False)]
-        if any(not is_relayed_conn(c) for c in conns):
-            return PathKind.DIRECT.value
-        return PathKind.RELAYED.value if conns else "none"
+        """How we are connected to ``peer`` now: ``direct``, ``relayed`` or ``none`` (:meth:`p2p.Node.path_to`)."""
+        return self.node.path_to(peer)
 
     # ---------------------------------------------------------------- the funnel
 

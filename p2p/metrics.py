@@ -115,27 +115,10 @@ class _NodeCollector(Collector):
         yield errors
         peers = GaugeMetricFamily("dedloc_swarm_peers", "Peers with at least one open connection, by path",
                                   labels=["path"])
-        direct = relayed = 0
-        network = self._node.network
-        for peer in list(network.connections):
-            conns = [c for c in network.get_connections(peer) if not getattr(c, "is_closed", False)]
-            if not conns:
-                continue
-            if any("/p2p-circuit" not in str(_addr(c)) for c in conns):
-                direct += 1
-            else:
-                relayed += 1
-        peers.add_metric(["direct"], direct)
-        peers.add_metric(["relayed"], relayed)
+        paths = self._node.peers_by_path()
+        peers.add_metric(["direct"], paths["direct"])
+        peers.add_metric(["relayed"], paths["relayed"])
         yield peers
-
-
-def _addr(conn: object) -> object:
-    try:
-        addrs = conn.get_transport_addresses()  # type: ignore[attr-defined]
-        return addrs[0] if addrs else ""
-    except Exception:
-        return ""
 
 
 def limit_labels(name: str) -> tuple[str, str]:

@@ -388,6 +388,18 @@ class Node:
     def connected_peers(self) -> list[ID]:
         return [pid for pid, conns in self.network.connections.items() if conns]
 
+    def path_to(self, peer_id: ID) -> str:
+        """How we are connected to ``peer_id`` now: ``direct`` (some direct connection), ``relayed``
+        (only through relays) or ``none``."""
+        conns = [c for c in self.network.get_connections(peer_id) if not getattr(c, "is_closed", False)]
+        if any(not is_relayed(remote_addr(c)) for c in conns):
+            return PathKind.DIRECT.value
+        return PathKind.RELAYED.value if conns else "none"
+
+    def peers_by_path(self) -> Counter[str]:
+        """Connected peers counted by :meth:`path_to` (``direct``, ``relayed``)."""
+        return Counter(path for path in map(self.path_to, self.connected_peers()) if path != "none")
+
     def has_connection(self, peer_id: ID) -> bool:
         return live_connection(self.network, peer_id) is not None
 
