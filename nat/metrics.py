@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from p2p.hooks import Reachability
+from p2p.hooks import Metrics, Reachability
 
 from .traversal import NatService
 
@@ -29,11 +29,12 @@ class NatMetrics(Collector):
         self._nat = nat
 
     def collect(self) -> Iterator[Metric]:
+        m = self._nat.metrics()  # once a scrape: it walks every connection (and sweeps the relay's slots)
         yield from self._holepunch()
-        yield from self._autonat()
+        yield from self._autonat(m)
         if self._nat.relay_service is not None:
             yield from self._relay_service()
-        yield from self._dedloc()
+        yield from self._dedloc(m)
 
     def _holepunch(self) -> Iterator[Metric]:
         stats = self._nat.puncher.stats
@@ -47,7 +48,7 @@ class NatMetrics(Collector):
             outcomes.add_metric([side, str(attempts), outcome], n)
         yield outcomes
 
-    def _autonat(self) -> Iterator[Metric]:
+    def _autonat(self, m: Metrics) -> Iterator[Metric]:
         nat = self._nat
         status = GaugeMetricFamily("libp2p_autonat_reachability_status",
                                    "Current node reachability (0 unknown, 1 public, 2 private)")
@@ -59,7 +60,7 @@ class NatMetrics(Collector):
         yield confirmed
         received = CounterMetricFamily("libp2p_autonat_received_dial_response", "Count of dial responses for client",
                                        labels=["response_status"])
-        received.add_metric(["OK"], nat.metrics().get("dial_backs", 0))  # type: ignore[arg-type]
+        received.add_metric(["OK"], m.get("dial_backs", 0))  # type: ignore[arg-type]
         yield received
         server = nat.autonat_server
         if server is None:
@@ -80,8 +81,7 @@ class NatMetrics(Collector):
 
     def _relay_service(self) -> Iterator[Metric]:
         relay = self._nat.relay_service
-        assert relay is not None
-        relay.metrics()  # sweeps expired slots first
+        assert relay is not None  # its expired slots were swept by the NAT layer's metrics() in collect
         s = relay.stats
         up = GaugeMetricFamily("libp2p_relaysvc_status", "Relay Status")
         up.add_metric([], 1)
@@ -124,9 +124,8 @@ class NatMetrics(Collector):
             limits.add_metric([limit], s.limits_hit.get(limit, 0))
         yield limits
 
-    def _dedloc(self) -> Iterator[Metric]:
+    def _dedloc(self, m: Metrics) -> Iterator[Metric]:
         nat = self._nat
-        m = nat.metrics()
         mode = GaugeMetricFamily("dedloc_nat_mode", "1 for the NAT layer's current mode", labels=["mode"])
         mode.add_metric([str(nat.mode)], 1)
         yield mode
