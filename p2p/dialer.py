@@ -228,10 +228,17 @@ def remote_addr(conn: INetConn) -> Multiaddr:
     return Multiaddr("/ip4/0.0.0.0/tcp/0")
 
 
-def classify_dial_error(addr: str, why: str) -> tuple[str, str, str]:
-    """(transport, error, ip_version) of one failed dial, as go-libp2p labels ``dial_errors_total``."""
+def address_labels(addr: str) -> tuple[str, str]:
+    """(transport, ip_version) of an address, as go-libp2p's swarm metrics label them (a relayed
+    address's transport is ``circuit``)."""
     transport = "circuit" if "/p2p-circuit" in addr else "tcp" if "/tcp/" in addr else "other"
     ip_version = "ip6" if addr.startswith("/ip6/") else "ip4" if addr.startswith("/ip4/") else "unknown"
+    return transport, ip_version
+
+
+def classify_dial_error(addr: str, why: str) -> tuple[str, str, str]:
+    """(transport, error, ip_version) of one failed dial, as go-libp2p labels ``dial_errors_total``."""
+    transport, ip_version = address_labels(addr)
     text = why.lower()
     error = next((label for needle, label in _DIAL_ERRORS if needle in text), "other")
     return transport, error, ip_version

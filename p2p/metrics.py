@@ -27,8 +27,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from .dht import DHT
+from .dialer import address_labels
 from .events import PeerConnected
-from .hooks import ConnectionInfo, PathKind, Registration, SwarmObserver
+from .hooks import ConnectionInfo, Registration, SwarmObserver
 from .node import Node
 from .resources import ResourceManager
 
@@ -44,9 +45,7 @@ DURATION_BUCKETS = (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 24 *
 
 def connection_labels(info: ConnectionInfo) -> tuple[str, ...]:
     """go-libp2p's labels of a connection: a relayed one's transport is ``circuit``."""
-    addr = str(info.addr)
-    transport = "circuit" if info.kind is PathKind.RELAYED else "tcp"
-    ip_version = "ip6" if addr.startswith("/ip6/") else "ip4"
+    transport, ip_version = address_labels(str(info.addr))
     return (info.direction.value, transport, SECURITY, MUXER, "false", ip_version)
 
 
@@ -96,9 +95,8 @@ class NodeMetrics(SwarmObserver):
         async with self._node.events() as events:
             async for event in events:
                 if isinstance(event, PeerConnected):
-                    kind = "circuit" if "/p2p-circuit" in event.addr else "tcp"
-                    ip_version = "ip6" if event.addr.startswith("/ip6/") else "ip4"
-                    self.handshake.labels(kind, SECURITY, MUXER, "false", ip_version).observe(event.elapsed)
+                    transport, ip_version = address_labels(event.addr)
+                    self.handshake.labels(transport, SECURITY, MUXER, "false", ip_version).observe(event.elapsed)
 
 
 class _NodeCollector(Collector):
