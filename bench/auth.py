@@ -20,6 +20,7 @@ Reports min / median of each and the ratios.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -68,14 +69,14 @@ async def measure(connections: int, requests: int, authority: Authority | None) 
         for _ in range(connections):
             async with Node.open(config) as client:
                 c = auth(client)
-                with client.authenticate(c) if c is not None else _nothing():
+                with client.authenticate(c) if c is not None else contextlib.nullcontext():
                     started = time.perf_counter()
                     await client.connect(str(server.addrs[0]))
                     await client.ping(server.peer_id, timeout=10)
                     connect.append(time.perf_counter() - started)
         async with Node.open(config) as client:
             c = auth(client)
-            with client.authenticate(c) if c is not None else _nothing():
+            with client.authenticate(c) if c is not None else contextlib.nullcontext():
                 await client.connect(str(server.addrs[0]))
                 call: list[float] = []
                 for i in range(requests + 10):
@@ -87,14 +88,6 @@ async def measure(connections: int, requests: int, authority: Authority | None) 
         if registration is not None:
             registration.remove()
     return {"connect_and_ping": stats(connect), "request": stats(call)}
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ from p2p.dht.records import DHTError, DHTRecord, LocalStore
 from p2p.identity import new_identity, peer_id_of
 from p2p.proto import auth_pb2
 from p2p.rpc.errors import RpcError
-from p2p.rpc.framing import END_FRAME, FrameDecoder, encode_call, encode_message
+from p2p.rpc.framing import END_FRAME, FrameDecoder, encode_call, encode_message, encode_varint
 from p2p.untrusted import decode_addr, decode_peer_id
 from p2p.yamux import FrameParser, YamuxProtocolError
 from training.progress import LocalProgress
@@ -206,15 +206,6 @@ PROTOCOLS = {
 RPC_METHODS = ("dht.find", "dht.store", "px.peers", "px.greet", "node.status", "no.such.method")
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
 async def _send(address: str, protocol: str, payload: bytes) -> None:
     from p2p.config import NodeConfig
     from p2p.node import Node
@@ -248,8 +239,8 @@ def test_a_running_relay_survives_garbage_on_every_protocol(
         inputs[method] += 1
     elif structured and PROTOCOLS[protocol] is not None:
         # a message of the right type whose fields are random bytes: length-delimited fields by number
-        body = b"".join(_varint(number << 3 | 2) + _varint(len(value)) + value for number, value in fields.items())
-        payload = _varint(len(body)) + body + raw[:64]
+        body = b"".join(encode_varint(number << 3 | 2) + encode_varint(len(value)) + value for number, value in fields.items())
+        payload = encode_varint(len(body)) + body + raw[:64]
     inputs[protocol] += 1
     trio.run(_send, address, protocol, payload)
     assert proc.poll() is None, "the relay died"

@@ -169,14 +169,14 @@ async def observed(opt: CollaborativeOptimizer, dashboard: Dashboard | None) -> 
     if dashboard is None:
         yield
         return
-    from averaging.metrics import AveragingMetrics
+    from averaging.cli import observed as averaging_observed
 
     from .metrics import TrainingMetrics
 
     collector = TrainingMetrics(opt.tracker, opt)
     dashboard.registry.register(collector)
     try:
-        with AveragingMetrics(dashboard.registry).install(opt.averager):
+        async with averaging_observed(opt.averager, dashboard):
             yield
     finally:
         dashboard.registry.unregister(collector)
