@@ -31,6 +31,8 @@ from typing import Any
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
 
+from p2p.addresses import is_relayed
+from p2p.dialer import remote_addr
 from p2p.http import HttpServer, Response, parse_endpoint
 from p2p.metrics import DHTMetrics, NodeMetrics
 
@@ -172,8 +174,8 @@ class Dashboard:
         rows = []
         for peer_id in self.peer.node.connected_peers()[:MAX_LISTED_PEERS]:
             conns = [c for c in self.peer.node.network.get_connections(peer_id) if not getattr(c, "is_closed", False)]
-            addrs = [str(a) for c in conns for a in c.get_transport_addresses()]
-            direct = [a for a in addrs if "/p2p-circuit" not in a]
+            addrs = [remote_addr(c) for c in conns]
+            direct = [a for a in addrs if not is_relayed(a)]
             verdict = verdicts.get(peer_id)
             # a dial-back is evidence; a slot may have been reserved before the peer knew it was public
             if verdict == "public":
@@ -184,7 +186,7 @@ class Dashboard:
                 kind = "behind NAT (holds a relay slot here)"
             else:
                 kind = "unknown"
-            rows.append({"peer_id": str(peer_id), "path": nat.path_to(peer_id), "addr": (direct or addrs or [""])[0],
+            rows.append({"peer_id": str(peer_id), "path": nat.path_to(peer_id), "addr": str((direct or addrs)[0]) if addrs else "",
                          "nat": kind, "relay_slot": peer_id in slots, "dial_back": verdict or ""})
         return rows
 
