@@ -29,15 +29,17 @@ process. Nothing leaves 127.0.0.1; the whole run takes a few minutes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER = ROOT / "bench" / "gpu_training_peer.py"
@@ -84,28 +86,55 @@ def peer_args(args: argparse.Namespace, mode: str, steps: int, index: int) -> li
             "--steps", str(steps), "--index", str(index), "--peers", "2", "--timeout", str(args.timeout)]
 
 
+def _worker_failed(error: RuntimeError, workers: list[subprocess.Popen[str]], logs: list[IO[bytes]]) -> RuntimeError:
+    """``error`` with what each worker said on stderr (its last lines) and how it ended: a worker
+    that dies must say why in the bench's own failure, not in a stream nobody kept."""
+    parts = [str(error)]
+    for index, (worker, log) in enumerate(zip(workers, logs)):
+        try:
+            worker.wait(timeout=5)  # one that closed its output is ending: its exit code
+        except subprocess.TimeoutExpired:
+            pass
+        log.seek(0)
+        tail = log.read().decode(errors="replace").splitlines()[-25:]
+        parts.append(f"-- peer {index}: exit code {worker.poll()}; the last of its stderr:\n" + "\n".join(tail))
+    return RuntimeError("\n".join(parts))
+
+
 def run_setup(args: argparse.Namespace, mode: str, steps: int) -> dict[str, Any]:
     processes: list[subprocess.Popen[str]] = []
     started = time.perf_counter()
-    try:
-        with GpuSampler() as gpu:
-            if mode == "alone":
-                workers = [subprocess.Popen(peer_args(args, mode, steps, 0), cwd=ROOT, stdout=subprocess.PIPE,
-                                            stderr=args.worker_stderr, text=True)]
-            else:
-                relay = subprocess.Popen([sys.executable, "-m", "training.commands", "relay", "--listen",
-                                          "/ip4/127.0.0.1/tcp/0", "--allow-private", "--ephemeral", "--json",
-                                          "--status-interval", "0"], cwd=ROOT, stdout=subprocess.PIPE,
-                                         stderr=subprocess.DEVNULL, text=True)
-                processes.append(relay)
-                boot = next(a for a in _read_json(relay, "addrs", 60)["addrs"] if "/ip4/127.0.0.1/" in a)
-                workers = [subprocess.Popen([*peer_args(args, mode, steps, i), "--initial-peers", boot], cwd=ROOT,
-                                            stdout=subprocess.PIPE, stderr=args.worker_stderr, text=True)
-                           for i in range(2)]
-            processes += workers
+    with contextlib.ExitStack() as files:
+        # each worker's stderr: on the terminal with --verbose, else kept in a file for a failure's message
+        logs = [files.enter_context(tempfile.TemporaryFile()) for _ in range(2)]
+        stderr: list[Any] = [None, None] if args.verbose else logs
+        try:
+            return _run_setup(args, mode, steps, processes, started, stderr, logs)
+        finally:
+            stop(processes)
+
+
+def _run_setup(args: argparse.Namespace, mode: str, steps: int, processes: list[subprocess.Popen[str]],
+               started: float, stderr: list[Any], logs: list[IO[bytes]]) -> dict[str, Any]:
+    with GpuSampler() as gpu:
+        if mode == "alone":
+            workers = [subprocess.Popen(peer_args(args, mode, steps, 0), cwd=ROOT, stdout=subprocess.PIPE,
+                                        stderr=stderr[0], text=True)]
+        else:
+            relay = subprocess.Popen([sys.executable, "-m", "training.commands", "relay", "--listen",
+                                      "/ip4/127.0.0.1/tcp/0", "--allow-private", "--ephemeral", "--json",
+                                      "--status-interval", "0"], cwd=ROOT, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True)
+            processes.append(relay)
+            boot = next(a for a in _read_json(relay, "addrs", 60)["addrs"] if "/ip4/127.0.0.1/" in a)
+            workers = [subprocess.Popen([*peer_args(args, mode, steps, i), "--initial-peers", boot], cwd=ROOT,
+                                        stdout=subprocess.PIPE, stderr=stderr[i], text=True)
+                       for i in range(2)]
+        processes += workers
+        try:
             results = [_read_json(w, "wall", args.timeout) for w in workers]
-    finally:
-        stop(processes)
+        except RuntimeError as e:
+            raise _worker_failed(e, workers, logs) from None
     wall = max(r["wall"] for r in results)
     rounds = [r for res in results for r in res["rounds"]]
     elapsed = [r["elapsed"] for r in rounds]
@@ -165,7 +194,6 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     p.add_argument("--verbose", action="store_true", help="show the peers' stderr")
     args = p.parse_args()
-    args.worker_stderr = None if args.verbose else subprocess.DEVNULL
     results: dict[str, Any] = {"device": args.device, "size": args.size, "micro": args.micro, "seq": args.seq,
                                "target": args.target}
     for mode in args.setups.split(","):
