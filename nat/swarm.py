@@ -13,7 +13,7 @@ whole :class:`nat.Peer`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 from libp2p.abc import INetStream
@@ -35,6 +35,9 @@ class Records(Protocol):
 
     async def store(self, key: KeyLike, value: bytes, expiration: float, subkey: KeyLike | None = None,
                     *, timeout: float | None = None) -> bool: ...
+
+    async def get_many(self, keys: Iterable[KeyLike], latest: bool = False, *,
+                       timeout: float | None = None) -> dict[KeyLike, ValueWithExpiration | None]: ...
 
 
 @runtime_checkable

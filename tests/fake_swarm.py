@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -119,6 +119,10 @@ class FakeRecords:
         found: dict[KeyLike, ValueWithExpiration] = {
             sub: ValueWithExpiration(v, e) for sub, (v, e) in entries.items() if sub is not None}
         return ValueWithExpiration(found, max(v.expiration for v in found.values()))
+
+    async def get_many(self, keys: Iterable[KeyLike], latest: bool = False, *,
+                       timeout: float | None = None) -> dict[KeyLike, ValueWithExpiration | None]:
+        return {key: await self.get(key, latest, timeout=timeout) for key in keys}
 
     async def store(self, key: KeyLike, value: bytes, expiration: float, subkey: KeyLike | None = None,
                     *, timeout: float | None = None) -> bool:

@@ -1,0 +1,258 @@
+"""Decentralized mixture-of-experts: servers, remote calls, beam search, the layer, faults (real peers on loopback)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+
+from nat import Peer
+from training.moe import (ClientConfig, Expert, ExpertBackend, ExpertCallError, ExpertClient, ExpertServer,
+                          MoEConfig, MoEError, RemoteExpert, RemoteMixtureOfExperts, ServerConfig)
+from training.moe.beam_search import Beam, parse_successors, select
+from training.moe.experts import FeedforwardBlock
+from training.moe.grid import ExpertUid, UidError, coordinate_subkey, expand_pattern, parse_subkey
+from training.moe.layer import _plan
+from training.moe.server import Kind
+
+from .kit import loopback_peer_config
+
+HID = 8
+
+
+def backends(pattern: str, seed: int = 0, lr: float = 0.05, module: type[torch.nn.Module] = FeedforwardBlock
+             ) -> list[ExpertBackend]:
+    out = []
+    for uid in expand_pattern(pattern):
+        torch.manual_seed(seed + hash(uid.coords) % 1000)
+        m = module(HID)
+        out.append(ExpertBackend(str(uid), m, torch.optim.SGD(m.parameters(), lr=lr), (HID,)))
+    return out
+
+
+class Swarm:
+    """A bootstrap relay, one server peer per pattern (each in its own task: killable), and a client peer."""
+
+    def __init__(self) -> None:
+        self.peers: list[Peer] = []
+        self.servers: list[ExpertServer] = []
+        self.scopes: list[trio.CancelScope] = []
+        self.client: Peer
+
+    def kill(self, i: int) -> None:
+        """Server i's peer closes at once (its records stay in the DHT until they expire)."""
+        self.scopes[i].cancel()
+
+
+@asynccontextmanager
+async def swarm(*patterns: str, config: ServerConfig | None = None) -> AsyncIterator[Swarm]:
+    out = Swarm()
+    async with AsyncExitStack() as stack:
+        relay = await stack.enter_async_context(Peer.open(loopback_peer_config(relay=True)))
+        boot = [str(relay.addrs[0])]
+        nursery = await stack.enter_async_context(trio.open_nursery())
+
+        async def host(pattern: str, scope: trio.CancelScope, *,
+                       task_status: "trio.TaskStatus[tuple[Peer, ExpertServer]]") -> None:
+            with scope:
+                async with Peer.open(loopback_peer_config(initial_peers=boot)) as peer, \
+                        ExpertServer.open(peer, backends(pattern), config) as server:
+                    task_status.started((peer, server))
+                    await trio.sleep_forever()
+
+        for pattern in patterns:
+            scope = trio.CancelScope()
+            peer, server = await nursery.start(host, pattern, scope)
+            out.peers.append(peer)
+            out.servers.append(server)
+            out.scopes.append(scope)
+        out.client = await stack.enter_async_context(Peer.open(loopback_peer_config(initial_peers=boot)))
+        try:
+            yield out
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+# ---------------------------------------------------------------------- pure parts
+
+
+def test_uids_parse_and_patterns_expand() -> None:
+    uid = ExpertUid.parse("ffn.3.5")
+    assert uid.prefix == "ffn" and uid.coords == (3, 5) and str(uid) == "ffn.3.5"
+    assert list(uid.level_keys()) == [("ffn", 3), ("ffn.3", 5)]
+    for bad in ["ffn", "ffn.x", "ffn.-1", "ffn.01", "3.4", "ffn..1", "a" * 300, "ffn.1.2.3.4.5.6.7.8.9"]:
+        with pytest.raises(UidError):
+            ExpertUid.parse(bad)
+    assert [str(u) for u in expand_pattern("ffn.[0:2].[1:3]")] == ["ffn.0.1", "ffn.0.2", "ffn.1.1", "ffn.1.2"]
+    assert len(expand_pattern("e.[0:16].[0:16]")) == 256
+    with pytest.raises(UidError):
+        expand_pattern("e.[0:1000].[0:1000]")
+
+
+def test_subkeys_name_the_coordinate_and_the_server() -> None:
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from libp2p.peer.id import ID
+
+    server = ID.from_pubkey(create_new_key_pair().public_key)
+    assert parse_subkey(coordinate_subkey(7, server)) == (7, server)
+    for junk in ["7", 7, "x[owner:abc]", "07[owner:" + server.to_base58() + "]", None]:
+        assert parse_subkey(junk) is None
+
+
+def test_select_keeps_the_best_live_extensions_and_skips_unusable_servers() -> None:
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from libp2p.peer.id import ID
+
+    a, b = (ID.from_pubkey(create_new_key_pair().public_key) for _ in range(2))
+    scores = torch.tensor([0.0, 5.0, 1.0, 3.0])
+    live = {(): {1: [Expert("e.1", a)], 2: [Expert("e.2", a)], 3: [Expert("e.3", b)], 9: [Expert("e.9", a)]}}
+    best = select(scores, [Beam(0.0, ())], live, 2)
+    assert [x.coords for x in best] == [(1,), (3,)]  # 0 is not live, 9 is outside the grid
+    best = select(scores, [Beam(0.0, ())], live, 2, usable=lambda e: e.peer_id != a)
+    assert [x.coords for x in best] == [(3,)]
+    jobs = _plan([[Beam(1.0, (1,), [Expert("e.1", a)]), Beam(0.5, (3,), [Expert("e.3", b)])],
+                  [Beam(1.0, (3,), [Expert("e.3", b)])]])
+    assert {j.expert.uid: (j.rows.tolist(), j.slots.tolist()) for j in jobs} == {"e.1": ([0], [0]),
+                                                                              "e.3": ([0, 1], [1, 0])}
+    assert parse_successors(None) == {}
+
+
+# ---------------------------------------------------------------------- over the network
+
+
+async def test_a_remote_expert_computes_and_trains_like_the_local_module() -> None:
+    async with swarm("ffn.[0:1].[0:2]") as sw:
+        client_peer, peers, server = sw.client, sw.peers, sw.servers[0]
+        local = FeedforwardBlock(HID)
+        local.load_state_dict(server.backends["ffn.0.1"].module.state_dict())
+        async with ExpertClient.open(client_peer) as client:
+            expert = Expert("ffn.0.1", peers[0].peer_id, tuple(peers[0].addrs))
+            assert await client.info(expert) == (torch.Size([HID]), torch.Size([HID]))
+            remote = RemoteExpert(client, expert)
+            x = torch.randn(5, HID, requires_grad=True)
+            x_local = x.detach().clone().requires_grad_(True)
+
+            def step() -> tuple[torch.Tensor, torch.Tensor]:
+                y = remote(x)
+                y.pow(2).sum().backward()
+                return y.detach(), x.grad.detach()  # type: ignore[union-attr]
+
+            y, gx = await client.run(step)
+            y_local = local(x_local)
+            y_local.pow(2).sum().backward()
+            assert torch.allclose(y, y_local.detach(), atol=1e-5)
+            assert torch.allclose(gx, x_local.grad, atol=1e-5)  # type: ignore[arg-type]
+            # the server applied its optimizer on the gradient it received
+            before = local.ffn.weight.detach()
+            after = server.backends["ffn.0.1"].module.ffn.weight.detach()
+            assert server.backends["ffn.0.1"].updates == 1 and not torch.allclose(before, after)
+            # bad input: a clear error from the server, the call counted, the expert banned
+            with pytest.raises(ExpertCallError, match="rows of shape"):
+                await client.forward(expert, torch.randn(3, HID + 1))
+            with pytest.raises(ExpertCallError, match="does not host"):
+                await client.forward(Expert("ffn.9.9", peers[0].peer_id), torch.randn(3, HID))
+            with pytest.raises(ExpertCallError, match="non-finite|NaN|nan"):
+                await client.forward(Expert("ffn.0.0", peers[0].peer_id), torch.full((2, HID), math.nan))
+            assert server.refused["bad_request"] >= 2 and client.stats.failures == 3
+            assert client.banned("ffn.0.0", peers[0].peer_id)
+            # called from the trio thread itself: a clear error, not a deadlock
+            with pytest.raises(RuntimeError, match="worker thread"):
+                remote(torch.randn(1, HID))
+
+
+async def test_the_layer_finds_live_experts_by_beam_search_and_learns() -> None:
+    async with swarm("ffn.[0:4].[0:2]", "ffn.[0:4].[2:4]") as sw:
+        client_peer, servers = sw.client, sw.servers
+        async with ExpertClient.open(client_peer) as client:
+            torch.manual_seed(1)
+            layer = RemoteMixtureOfExperts(client, in_features=HID, grid_size=(4, 4), uid_prefix="ffn",
+                                           config=MoEConfig(k_best=3))
+            head = torch.nn.Linear(HID, 1)
+            params = [*layer.parameters(), *head.parameters()]
+            opt = torch.optim.SGD(params, lr=0.05)
+            x = torch.randn(32, HID)
+            target = x[:, :1] * 2 - 1
+
+            def step() -> float:
+                opt.zero_grad()
+                loss = torch.nn.functional.mse_loss(head(layer(x)), target)
+                loss.backward()
+                opt.step()
+                return float(loss.detach())
+
+            losses = [await client.run(step) for _ in range(25)]
+            report = layer.last_report
+            assert report is not None and report.answered == report.asked and not report.failed
+            assert report.below_k_min == 0
+            # both servers were used, and each trained its experts
+            assert all(sum(b.updates for b in s.backends.values()) > 0 for s in servers)
+            assert losses[-1] < 0.7 * losses[0], losses
+            # the search reads the DHT cold, then answers from its cache
+            reads = layer.searcher.stats.reads
+            await client.run(lambda: layer(x))
+            assert layer.searcher.stats.reads == reads and layer.searcher.stats.cache_hits > 0
+
+
+async def test_a_dead_server_is_left_out_and_the_weights_renormalised() -> None:
+    async with swarm("ffn.[0:2].[0:2]", "ffn.[2:4].[0:2]") as sw:
+        client_peer = sw.client
+        async with ExpertClient.open(client_peer, ClientConfig(forward_timeout=3.0)) as client:
+            layer = RemoteMixtureOfExperts(client, in_features=HID, grid_size=(4, 2), uid_prefix="ffn",
+                                           config=MoEConfig(k_best=4, forward_timeout=5.0, timeout_after_k_min=0.5))
+            x = torch.randn(16, HID)
+            await client.run(lambda: layer(x))  # warm: the cache holds both servers' experts
+            sw.kill(1)
+            with trio.fail_after(20):
+                started = trio.current_time()
+                y = await client.run(lambda: layer(x))
+                took = trio.current_time() - started
+            report = layer.last_report
+            assert report is not None
+            assert y.shape == (16, HID) and bool(torch.isfinite(y).all())
+            assert took < 5.0 + 1.0  # never past the forward timeout (plus the thread hop)
+            # the dead server's experts failed or came late, and are banned from the next search
+            assert report.failed or report.late
+            y2 = await client.run(lambda: layer(x))
+            assert layer.last_report is not None and not layer.last_report.failed
+            assert bool(torch.isfinite(y2).all())
+
+
+async def test_nothing_live_is_a_clear_error() -> None:
+    async with swarm() as sw:
+        client_peer = sw.client
+        async with ExpertClient.open(client_peer) as client:
+            layer = RemoteMixtureOfExperts(client, in_features=HID, grid_size=(4, 4), uid_prefix="none",
+                                           config=MoEConfig(k_best=2, forward_timeout=3.0))
+            with pytest.raises(MoEError, match="no live expert"):
+                await client.run(lambda: layer(torch.randn(2, HID)))
+            with pytest.raises(ValueError, match="input must be"):
+                await client.run(lambda: layer(torch.randn(2, HID + 1)))
+
+
+async def test_checkpoints_survive_a_restart(tmp_path: Path) -> None:
+    config = ServerConfig(checkpoint_dir=tmp_path)
+    async with swarm("ffn.0.[0:2]", config=config) as sw:
+        client = sw.client
+        servers = sw.servers
+        weight = servers[0].backends["ffn.0.1"].module.ffn.weight.detach().clone()
+        servers[0].backends["ffn.0.1"].updates = 7
+    assert (tmp_path / "ffn.0.1.pt").exists()
+    fresh = backends("ffn.0.[0:2]", seed=99)
+    ExpertServer(client, fresh, config).load_checkpoints()
+    assert torch.equal(fresh[1].module.ffn.weight, weight) and fresh[1].updates == 7
+
+
+def test_backend_checks_requests() -> None:
+    (b,) = backends("ffn.0.0")
+    good = torch.zeros(2, HID)
+    assert b.check(Kind.FORWARD, [good], 10) is None
+    assert "rows of shape" in (b.check(Kind.FORWARD, [torch.zeros(2, 3)], 10) or "")
+    assert "1..10 rows" in (b.check(Kind.FORWARD, [torch.zeros(11, HID)], 10) or "")
+    assert "takes 2 tensors" in (b.check(Kind.BACKWARD, [good], 10) or "")
+    assert "output gradient" in (b.check(Kind.BACKWARD, [good, torch.zeros(3, HID)], 10) or "")
+

@@ -1,0 +1,167 @@
+"""Finding the best live experts for a batch: beam search over the DHT's uid prefixes.
+
+Learning@home's Algorithm 1. Gating scores each coordinate of the grid
+separately (d dimensions of size M); an expert's score is the sum of its
+coordinates' scores. Searching one dimension at a time, keeping the
+``beam_size`` best live prefixes per sample, finds the top k among N = M^d
+experts with d rounds of DHT reads of at most ``beam_size`` keys per sample
+(O(k log N) lookups), and only ever among experts that some server declared.
+
+The rounds of a whole batch read the union of its samples' prefixes in one
+``get_many`` (one traversal). Every prefix read is cached for ``cache_ttl``
+seconds (its records live ``expiration`` on the servers, refreshed every
+``update_period``), so a warm search reads nothing; a read that fails or times
+out counts as "no live expert there" for the search and is not cached.
+
+:func:`select` is the pure step (scores and live prefixes in, beams out);
+:class:`BeamSearcher` does the reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import trio
+from google.protobuf.message import DecodeError
+from multiaddr import Multiaddr
+
+from nat.swarm import Records
+from p2p.dht.records import KeyLike, ValueWithExpiration
+
+from ..proto import moe_pb2 as pb
+from .client import Expert
+from .grid import parse_subkey, prefix_key
+
+log = logging.getLogger(__name__)
+
+#: what a prefix key holds: next coordinate -> the servers that declared it (and an expert under it)
+Successors = dict[int, list[Expert]]
+
+
+def parse_successors(found: ValueWithExpiration | None) -> Successors:
+    """A prefix key's live subkeys; anything malformed is skipped (a peer may write garbage)."""
+    out: Successors = {}
+    if found is None or not isinstance(found.value, dict):
+        return out
+    for subkey, entry in found.value.items():
+        parsed = parse_subkey(subkey)
+        if parsed is None or not isinstance(entry.value, bytes):
+            continue
+        coord, server = parsed
+        try:
+            info = pb.ExpertInfo.FromString(entry.value)
+            addrs = tuple(Multiaddr(bytes(a)) for a in info.addrs[:16])
+        except (DecodeError, ValueError, TypeError):
+            continue
+        out.setdefault(coord, []).append(Expert(info.uid, server, addrs))
+    return out
+
+
+@dataclass(order=True)
+class Beam:
+    """One candidate prefix of one sample: its coordinates so far and their summed score."""
+
+    score: float
+    coords: tuple[int, ...] = field(compare=False)
+    experts: list[Expert] = field(compare=False, default_factory=list)
+
+
+def select(scores: torch.Tensor, beams: Sequence[Beam], successors: Mapping[tuple[int, ...], Successors],
+           width: int, usable: Callable[[Expert], bool] | None = None) -> list[Beam]:
+    """One sample's next beams: every live extension of ``beams`` scored with ``scores`` (this
+    dimension's scores, shape [M]), the best ``width`` kept. ``usable`` drops servers (banned ones)."""
+    m = scores.shape[0]
+    values = scores.tolist()
+    out: list[Beam] = []
+    for beam in beams:
+        for coord, experts in successors.get(beam.coords, {}).items():
+            if not 0 <= coord < m:
+                continue  # a coordinate outside the grid this layer gates
+            if usable is not None:
+                experts = [e for e in experts if usable(e)]
+                if not experts:
+                    continue
+            out.append(Beam(beam.score + values[coord], (*beam.coords, coord), experts))
+    out.sort(reverse=True)
+    return out[:width]
+
+
+@dataclass
+class SearchStats:
+    searches: int = 0
+    reads: int = 0
+    keys_read: int = 0
+    cache_hits: int = 0
+
+
+class BeamSearcher:
+    """Beam search for one layer's grid ``prefix`` of ``grid_size`` (see the module docstring)."""
+
+    def __init__(self, dht: Records, prefix: str, grid_size: Sequence[int], *, cache_ttl: float = 15.0,
+                 read_timeout: float = 5.0, usable: Callable[[Expert], bool] | None = None) -> None:
+        self.dht = dht
+        self.prefix = prefix
+        self.grid_size = tuple(grid_size)
+        self.cache_ttl = cache_ttl
+        self.read_timeout = read_timeout
+        self.usable = usable
+        #: prefix coords -> (what it holds, monotonic time read)
+        self._cache: dict[tuple[int, ...], tuple[Successors, float]] = {}
+        self.stats = SearchStats()
+
+    async def successors(self, prefixes: Sequence[tuple[int, ...]]) -> dict[tuple[int, ...], Successors]:
+        """What each prefix holds: from the cache while fresh, else one ``get_many`` for all the others."""
+        now = time.monotonic()
+        out: dict[tuple[int, ...], Successors] = {}
+        missing: list[tuple[int, ...]] = []
+        for p in dict.fromkeys(prefixes):
+            cached = self._cache.get(p)
+            if cached is not None and now - cached[1] < self.cache_ttl:
+                out[p] = cached[0]
+                self.stats.cache_hits += 1
+            else:
+                missing.append(p)
+        if missing:
+            keys = {prefix_key(self.prefix, p): p for p in missing}
+            self.stats.reads += 1
+            self.stats.keys_read += len(keys)
+            found: Mapping[KeyLike, ValueWithExpiration | None] = {}
+            with trio.move_on_after(self.read_timeout):
+                found = await self.dht.get_many(list(keys), timeout=self.read_timeout)
+            now = time.monotonic()
+            if len(self._cache) > 100_000:
+                self._cache.clear()  # bounded; a grid this size is re-read
+            for key, p in keys.items():
+                value = found.get(key)
+                out[p] = parse_successors(value)
+                if key in found:  # read (present or absent); a timed-out read is not remembered
+                    self._cache[p] = (out[p], now)
+        return out
+
+    async def search(self, grid_scores: Sequence[torch.Tensor], k: int, beam_size: int | None = None) -> list[list[Beam]]:
+        """The ``k`` best live experts of every sample, best first: ``grid_scores[i]`` is dimension
+        i's scores, shape [batch, grid_size[i]]. A sample may get fewer than k (fewer live)."""
+        if len(grid_scores) != len(self.grid_size):
+            raise ValueError(f"{len(grid_scores)} score tensors for a {len(self.grid_size)}-dimensional grid")
+        batch = grid_scores[0].shape[0]
+        width = max(k, beam_size or k)
+        scores = [s.detach().float().cpu() for s in grid_scores]
+        beams: list[list[Beam]] = [[Beam(0.0, ())] for _ in range(batch)]
+        self.stats.searches += 1
+        for dim in range(len(self.grid_size)):
+            last = dim == len(self.grid_size) - 1
+            wanted = [b.coords for sample in beams for b in sample]
+            live = await self.successors(wanted)
+            beams = [select(scores[dim][i], beams[i], live, k if last else width,
+                            self.usable if last else None) for i in range(batch)]
+        return beams
+
+    def forget(self) -> None:
+        self._cache.clear()
+
+
+__all__ = ["Beam", "BeamSearcher", "SearchStats", "Successors", "parse_successors", "select"]

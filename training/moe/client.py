@@ -1,0 +1,260 @@
+"""Calling experts over the swarm, from torch code that knows nothing of trio.
+
+Torch's autograd calls a layer's forward and backward synchronously, while the
+network runs in trio. :class:`ExpertClient` joins the two at one edge: the
+model runs in a worker thread (``await client.run(step)``), and each remote
+call inside it hands its coroutine to the trio loop
+(``trio.from_thread.run`` with the client's token) and blocks that thread, not
+the loop, until the answer or the timeout. Calls to many experts run at once
+in one nursery (:meth:`ExpertClient.call_many`).
+
+Every call is bounded by its timeout; a failure (no route, refused, wrong
+shape, NaN, timeout) is an :class:`ExpertCallError` naming the expert and the
+reason, and the expert is left out of searches for ``ban_time`` seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+import trio
+from libp2p.peer.id import ID
+from multiaddr import Multiaddr
+
+from averaging.tensor_stream import TensorStreamError, receive_tensors, send_tensors
+from averaging.errors import AllreduceProtocolError
+from averaging.wire import FrameReader, frame
+from nat import Swarm
+from p2p.errors import ConfigError, DedlocError
+from p2p.trio_util import finish_quietly
+
+from ..proto import moe_pb2 as pb
+from .server import PROTOCOL, Kind, KindValue, Status
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class ExpertCallError(DedlocError):
+    """One call to one expert failed (the message says which and why)."""
+
+
+class MoEError(DedlocError):
+    """A mixture-of-experts call could not give a result (no expert answered for some sample)."""
+
+
+@dataclass(frozen=True)
+class Expert:
+    """Where one expert is served: its uid and its server."""
+
+    uid: str
+    peer_id: ID
+    addrs: tuple[Multiaddr, ...] = ()
+
+    def __str__(self) -> str:
+        return f"{self.uid}@{str(self.peer_id)[-8:]}"
+
+
+@dataclass
+class ClientConfig:
+    #: Time for one forward call (search excluded: the layer bounds the whole).
+    forward_timeout: float = 10.0
+    #: Time for one backward call.
+    backward_timeout: float = 20.0
+    #: Send and receive float16 (half the bytes; the expert computes in float32).
+    half: bool = False
+    #: An expert whose call failed is left out of searches this long.
+    ban_time: float = 30.0
+    #: Most rows the client sends in one call (the server's limit: keep them equal).
+    max_rows: int = 4096
+
+    def validate(self) -> None:
+        for name in ("forward_timeout", "backward_timeout", "ban_time"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"expert client: {name} must be positive, got {getattr(self, name)}")
+        if self.max_rows < 1:
+            raise ConfigError("expert client: max_rows must be at least 1")
+
+
+@dataclass
+class CallStats:
+    calls: int = 0
+    failures: int = 0
+    timeouts: int = 0
+    #: the latest failures' reasons, newest last (at most 20)
+    reasons: list[str] = field(default_factory=list)
+
+    def failed(self, reason: str, timeout: bool) -> None:
+        self.failures += 1
+        self.timeouts += timeout
+        self.reasons = [*self.reasons[-19:], reason]
+
+
+class ExpertClient:
+    """Calls experts on ``peer``'s swarm; see the module docstring. Use :meth:`open`."""
+
+    def __init__(self, peer: Swarm, config: ClientConfig, token: trio.lowlevel.TrioToken) -> None:
+        self.peer = peer
+        self.config = config
+        self._token = token
+        #: (uid, server) -> monotonic time until which it is left out
+        self._banned: dict[tuple[str, ID], float] = {}
+        self.stats = CallStats()
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, peer: Swarm, config: ClientConfig | None = None) -> AsyncIterator[ExpertClient]:
+        config = config or ClientConfig()
+        config.validate()
+        yield cls(peer, config, trio.lowlevel.current_trio_token())
+
+    # ------------------------------------------------------------------ the thread edge
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run torch code that calls experts (a forward, a backward, a training step) in a worker thread."""
+        return await trio.to_thread.run_sync(fn, *args)
+
+    def blocking(self, async_fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run ``async_fn(*args)`` in the client's trio loop from torch code in another thread."""
+        try:
+            trio.lowlevel.current_task()
+        except RuntimeError:
+            pass
+        else:
+            raise RuntimeError("a remote expert was called from the trio loop's own thread, which it would block: "
+                               "run the model with `await client.run(fn)` (a worker thread)")
+        return trio.from_thread.run(async_fn, *args, trio_token=self._token)
+
+    # ------------------------------------------------------------------ bans
+
+    def banned(self, uid: str, peer_id: ID) -> bool:
+        until = self._banned.get((uid, peer_id))
+        if until is None:
+            return False
+        if until <= time.monotonic():
+            del self._banned[(uid, peer_id)]
+            return False
+        return True
+
+    def ban(self, expert: Expert, reason: str) -> None:
+        if len(self._banned) > 100_000:  # bounded: forget the oldest half
+            for key in sorted(self._banned, key=self._banned.__getitem__)[:50_000]:
+                del self._banned[key]
+        self._banned[(expert.uid, expert.peer_id)] = time.monotonic() + self.config.ban_time
+        log.info("expert %s left out for %.0f s: %s", expert, self.config.ban_time, reason)
+
+    # ------------------------------------------------------------------ calls
+
+    async def info(self, expert: Expert, *, timeout: float | None = None) -> tuple[torch.Size, torch.Size]:
+        """The shapes of one input row and one output row of ``expert``."""
+        example = await self.call(expert, Kind.INFO, [], timeout=timeout or self.config.forward_timeout)
+        return example[0].shape[1:], example[1].shape[1:]
+
+    async def forward(self, expert: Expert, x: torch.Tensor, *, timeout: float | None = None) -> torch.Tensor:
+        return (await self.call(expert, Kind.FORWARD, [x], timeout=timeout or self.config.forward_timeout))[0]
+
+    async def backward(self, expert: Expert, x: torch.Tensor, grad: torch.Tensor, *,
+                       timeout: float | None = None) -> torch.Tensor:
+        return (await self.call(expert, Kind.BACKWARD, [x, grad],
+                                timeout=timeout or self.config.backward_timeout))[0]
+
+    async def call(self, expert: Expert, kind: KindValue, tensors: Sequence[torch.Tensor], *,
+                   timeout: float) -> list[torch.Tensor]:
+        """One call; :class:`ExpertCallError` (and the expert banned) on any failure or at ``timeout``."""
+        self.stats.calls += 1
+        try:
+            with trio.fail_after(timeout):
+                return await self._call(expert, kind, tensors)
+        except trio.TooSlowError:
+            reason = f"expert {expert}: no answer within {timeout:.1f} s"
+            timed_out = True
+        except ExpertCallError as e:
+            reason, timed_out = str(e), False
+        except (DedlocError, OSError, EOFError, ValueError) as e:
+            reason, timed_out = f"expert {expert}: {type(e).__name__}: {e}", False
+        except Exception as e:  # the stream's own errors (reset, a dial's failure): the expert is unreachable
+            reason, timed_out = f"expert {expert}: {type(e).__name__}: {e}", False
+        self.stats.failed(reason, timed_out)
+        self.ban(expert, reason)
+        raise ExpertCallError(reason)
+
+    async def _call(self, expert: Expert, kind: KindValue, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        rows = int(tensors[0].shape[0]) if tensors else 1
+        if rows > self.config.max_rows:
+            raise ExpertCallError(f"expert {expert}: {rows} rows in one call, more than max_rows "
+                                  f"{self.config.max_rows}")
+        if expert.addrs:
+            self.peer.add_addrs(expert.peer_id, list(expert.addrs))
+        stream = await self.peer.new_stream(expert.peer_id, PROTOCOL)
+        try:
+            await stream.write(frame(pb.ExpertRequest(uid=expert.uid, kind=kind, half=self.config.half)))
+            if kind != Kind.INFO:
+                wire = [t.detach().to(torch.float16 if self.config.half else torch.float32) for t in tensors]
+                await send_tensors(stream, wire)
+            reader = FrameReader(stream)
+            response = await reader.message(pb.ExpertResponse, "expert response")
+            if response.status != Status.OK:
+                raise ExpertCallError(f"expert {expert}: {Status.Name(response.status).lower()}: "
+                                      f"{response.reason or 'no reason given'}")
+            want = 2 if kind == Kind.INFO else 1
+            # an answer is at most as large as the caller's rows of a generous row (64 Ki values)
+            out = await receive_tensors(reader, max_bytes=4 * rows * (1 << 16) * want, max_tensors=want,
+                                        allow_nonfinite=False)
+        except (TensorStreamError, AllreduceProtocolError) as e:
+            await finish_quietly(stream.reset)
+            raise ExpertCallError(f"expert {expert}: bad answer: {e}") from None
+        except BaseException:
+            await finish_quietly(stream.reset)
+            raise
+        await finish_quietly(stream.close)
+        if len(out) != want:
+            raise ExpertCallError(f"expert {expert}: answered {len(out)} tensors, not {want}")
+        if kind != Kind.INFO and (out[0].dim() < 1 or out[0].shape[0] != rows):
+            raise ExpertCallError(f"expert {expert}: answered {list(out[0].shape)} for {rows} rows")
+        if kind == Kind.BACKWARD and out[0].shape != tensors[0].shape:
+            raise ExpertCallError(f"expert {expert}: input gradient {list(out[0].shape)} for an input of "
+                                  f"{list(tensors[0].shape)}")
+        return [t.float() for t in out]
+
+
+class _RemoteCall(torch.autograd.Function):
+    """One expert as an autograd function: forward and backward are calls over the swarm."""
+
+    @staticmethod
+    def forward(ctx: Any, client: ExpertClient, expert: Expert, x: torch.Tensor) -> torch.Tensor:
+        ctx.client, ctx.expert = client, expert
+        ctx.save_for_backward(x)
+        out = client.blocking(client.forward, expert, x.detach().cpu())
+        return out.to(x.device, x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, torch.Tensor]:
+        (x,) = ctx.saved_tensors
+        client: ExpertClient = ctx.client
+        gx = client.blocking(client.backward, ctx.expert, x.detach().cpu(), grad.detach().cpu())
+        return None, None, gx.to(x.device, x.dtype)
+
+
+class RemoteExpert(torch.nn.Module):
+    """One remote expert as a module: ``y = expert(x)``, differentiable (its backward trains it).
+
+    Call it (and back-propagate) in a worker thread: ``await client.run(step)``.
+    """
+
+    def __init__(self, client: ExpertClient, expert: Expert) -> None:
+        super().__init__()
+        self.client = client
+        self.expert = expert
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = _RemoteCall.apply(self.client, self.expert, x)  # type: ignore[no-untyped-call]
+        return out
+
+
+__all__ = ["CallStats", "ClientConfig", "Expert", "ExpertCallError", "ExpertClient", "MoEError", "RemoteExpert"]

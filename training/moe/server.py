@@ -1,0 +1,419 @@
+"""Expert servers: torch modules hosted under grid uids, declared in the DHT, batched for the device.
+
+Learning@home (section 3.3): trainers tolerate latency, so a server gathers
+requests into batches for its device. Here the batching needs no fixed wait:
+every expert has a queue for forwards and one for backwards, one device lock
+is shared by all of them, and a batch takes every request queued by the time
+it holds the lock. A lone caller waits for nothing; under load each batch
+grows with what arrived while the previous one ran (``max_wait`` may add a
+short wait on top, as hivemind's TaskPool does). A full queue answers
+OVERLOADED at once (the caller asks another expert), so a server holds at most
+``max_queue`` requests of ``max_request_rows`` rows per expert.
+
+The forward and backward of a batch run in a worker thread (the one edge where
+torch computes), one batch at a time. Backward recomputes the forward with
+gradients on, back-propagates the callers' output gradients, and applies the
+expert's optimizer, as hivemind's ModuleBackend does.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeAlias
+
+import torch
+import trio
+from libp2p.abc import INetStream
+from multiaddr import Multiaddr
+
+from averaging.tensor_stream import TensorStreamError, receive_tensors, send_tensors
+from averaging.errors import AllreduceProtocolError
+from averaging.wire import FrameReader, frame
+from nat import Swarm
+from p2p.errors import ConfigError
+from p2p.trio_util import finish_quietly
+
+from ..proto import moe_pb2 as pb
+from .grid import ExpertUid, coordinate_subkey
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = "/dedloc/moe/expert/1.0.0"
+Kind = pb.ExpertRequest.Kind
+Status = pb.ExpertResponse.Status
+KindValue: TypeAlias = pb.ExpertRequest.Kind.ValueType
+StatusValue: TypeAlias = pb.ExpertResponse.Status.ValueType
+
+
+@dataclass
+class ServerConfig:
+    #: Most rows in one batch of an expert (requests are never split: one may overshoot it).
+    max_batch_size: int = 4096
+    #: Most rows in one request.
+    max_request_rows: int = 4096
+    #: Requests waiting per expert and kind before the server answers OVERLOADED.
+    max_queue: int = 64
+    #: Extra time a batch waits for more requests once the device is free (0: none).
+    max_wait: float = 0.0
+    #: Time for a caller to send its request, and for the server to answer it.
+    request_timeout: float = 30.0
+    #: How often the experts are declared in the DHT; each declaration lives ``expiration`` s.
+    update_period: float = 30.0
+    expiration: float = 90.0
+    #: Save every expert's module and optimizer here this often (and on close), load it on open.
+    checkpoint_dir: Path | None = None
+    checkpoint_every: float = 300.0
+
+    def validate(self) -> None:
+        for name in ("max_batch_size", "max_request_rows", "max_queue"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"experts: {name} must be at least 1, got {getattr(self, name)}")
+        for name in ("request_timeout", "update_period", "expiration", "checkpoint_every"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"experts: {name} must be positive, got {getattr(self, name)}")
+        if not self.max_wait >= 0:
+            raise ConfigError(f"experts: max_wait must be >= 0, got {self.max_wait}")
+        if self.expiration <= self.update_period:
+            raise ConfigError("experts: expiration must be longer than update_period (records would lapse)")
+
+
+class ExpertFailed(Exception):
+    """The expert's forward or backward raised, or returned something unusable."""
+
+
+class Overloaded(Exception):
+    """The expert's queue is full."""
+
+
+@dataclass(eq=False)
+class _Task:
+    tensors: list[torch.Tensor]
+    done: trio.Event = field(default_factory=trio.Event)
+    result: torch.Tensor | None = None
+    error: str | None = None
+
+    @property
+    def rows(self) -> int:
+        return int(self.tensors[0].shape[0])
+
+
+class ExpertBackend:
+    """One hosted expert: its module, optimizer and input schema (the shape of one row)."""
+
+    def __init__(self, uid: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                 row_shape: Sequence[int], *, device: torch.device | str = "cpu",
+                 max_grad_norm: float | None = None) -> None:
+        self.uid = ExpertUid.parse(uid)
+        self.device = torch.device(device)
+        self.module = module.to(self.device)
+        self.optimizer = optimizer
+        self.row_shape = tuple(int(s) for s in row_shape)
+        self.max_grad_norm = max_grad_norm
+        self.forwards = 0
+        self.backwards = 0
+        self.rows_processed = 0
+        self.updates = 0
+        with torch.no_grad():
+            example = torch.zeros(1, *self.row_shape, device=self.device)
+            out = module(example)
+        if not isinstance(out, torch.Tensor) or out.shape[:1] != (1,):
+            raise ConfigError(f"expert {uid}: the module must map a (batch, ...) tensor to a (batch, ...) tensor")
+        self.out_row_shape = tuple(out.shape[1:])
+
+    def schema(self) -> list[torch.Tensor]:
+        """One example input and output row (INFO's answer)."""
+        return [torch.zeros(1, *self.row_shape), torch.zeros(1, *self.out_row_shape)]
+
+    def check(self, kind: KindValue, tensors: Sequence[torch.Tensor], max_rows: int) -> str | None:
+        """What is wrong with a request's tensors, or None."""
+        want = 1 if kind == Kind.FORWARD else 2
+        if len(tensors) != want:
+            return f"{'forward' if kind == Kind.FORWARD else 'backward'} takes {want} tensors, got {len(tensors)}"
+        x = tensors[0]
+        if x.dim() != 1 + len(self.row_shape) or tuple(x.shape[1:]) != self.row_shape:
+            return f"expert {self.uid} takes rows of shape {list(self.row_shape)}, got a tensor of {list(x.shape)}"
+        if not 1 <= x.shape[0] <= max_rows:
+            return f"a request holds 1..{max_rows} rows, got {x.shape[0]}"
+        if kind == Kind.BACKWARD and tuple(tensors[1].shape) != (x.shape[0], *self.out_row_shape):
+            return (f"the output gradient must be {[x.shape[0], *self.out_row_shape]}, "
+                    f"got {list(tensors[1].shape)}")
+        if any(not t.is_floating_point() for t in tensors):
+            return "tensors must be floating point"
+        return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """A batch's outputs (runs in the worker thread)."""
+        with torch.no_grad():
+            out: torch.Tensor = self.module(x.to(self.device, torch.float32))
+        self.forwards += 1
+        self.rows_processed += x.shape[0]
+        return out.float().cpu()
+
+    def backward(self, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+        """The gradient of the inputs for a batch; applies the optimizer (runs in the worker thread)."""
+        x = x.to(self.device, torch.float32).requires_grad_(True)
+        with torch.enable_grad():
+            out = self.module(x)
+            out.backward(grad_out.to(self.device, out.dtype))
+        if self.optimizer is not None:
+            if self.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.max_grad_norm)
+            self.optimizer.step()
+            self.updates += 1
+        self.module.zero_grad(set_to_none=True)
+        self.backwards += 1
+        self.rows_processed += x.shape[0]
+        assert x.grad is not None
+        return x.grad.cpu()
+
+    def state_dict(self) -> dict[str, object]:
+        return {"uid": str(self.uid), "module": self.module.state_dict(),
+                "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
+                "updates": self.updates}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.module.load_state_dict(state["module"])  # type: ignore[arg-type]
+        if self.optimizer is not None and state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])  # type: ignore[arg-type]
+        self.updates = int(state.get("updates", 0))  # type: ignore[call-overload]
+
+
+class _Pool:
+    """The queue of one expert and kind, and its batching loop."""
+
+    def __init__(self, backend: ExpertBackend, kind: KindValue, config: ServerConfig) -> None:
+        self.backend, self.kind, self.config = backend, kind, config
+        self.send, self.receive = trio.open_memory_channel[_Task](config.max_queue)
+        self.batches = 0
+
+    def submit(self, task: _Task) -> None:
+        try:
+            self.send.send_nowait(task)
+        except trio.WouldBlock:
+            raise Overloaded(f"expert {self.backend.uid}: {self.config.max_queue} requests already queued") from None
+
+    async def run(self, device: trio.Lock) -> None:
+        async for first in self.receive:
+            batch = [first]
+            async with device:
+                if self.config.max_wait > 0:
+                    with trio.move_on_after(self.config.max_wait):
+                        while sum(t.rows for t in batch) < self.config.max_batch_size:
+                            batch.append(await self.receive.receive())
+                while sum(t.rows for t in batch) < self.config.max_batch_size:
+                    try:
+                        batch.append(self.receive.receive_nowait())
+                    except trio.WouldBlock:
+                        break
+                await self._process(batch)
+
+    async def _process(self, batch: list[_Task]) -> None:
+        sizes = [t.rows for t in batch]
+        inputs = [torch.cat([t.tensors[i] for t in batch]) if len(batch) > 1 else batch[0].tensors[i]
+                  for i in range(len(batch[0].tensors))]
+        backend = self.backend
+        work: Callable[[], torch.Tensor] = ((lambda: backend.forward(inputs[0])) if self.kind == Kind.FORWARD
+                                            else (lambda: backend.backward(inputs[0], inputs[1])))
+        try:
+            out = await trio.to_thread.run_sync(work)
+            if out.shape[0] != sum(sizes):
+                raise ExpertFailed(f"returned {out.shape[0]} rows for {sum(sizes)}")
+            if not bool(torch.isfinite(out).all()):
+                raise ExpertFailed("returned NaN or Inf")
+            for task, part in zip(batch, torch.split(out, sizes)):
+                task.result = part
+        except Exception as e:  # the expert's own code: anything it raises fails this batch, not the server
+            log.warning("expert %s: %s of %d rows failed: %s", backend.uid, Kind.Name(self.kind).lower(),
+                        sum(sizes), e)
+            for task in batch:
+                task.error = f"{type(e).__name__}: {e}"
+        self.batches += 1
+        for task in batch:
+            task.done.set()
+
+
+class ExpertServer:
+    """Hosts ``backends`` on ``peer``: serves calls, declares them in the DHT, checkpoints.
+
+    Use :meth:`open`; the experts are reachable through every path the peer has
+    (relays and hole punching included: it is one more protocol of the node).
+    """
+
+    def __init__(self, peer: Swarm, backends: Sequence[ExpertBackend], config: ServerConfig) -> None:
+        self.peer = peer
+        self.config = config
+        self.backends = {str(b.uid): b for b in backends}
+        if len(self.backends) != len(backends):
+            raise ConfigError("experts: two backends share a uid")
+        self._pools = {(uid, kind): _Pool(b, kind, config) for uid, b in self.backends.items()
+                       for kind in (Kind.FORWARD, Kind.BACKWARD)}
+        self._device = trio.Lock()
+        self.declared_at: float | None = None
+        self.calls = 0
+        self.refused: dict[str, int] = {}
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, peer: Swarm, backends: Sequence[ExpertBackend],
+                   config: ServerConfig | None = None) -> AsyncIterator[ExpertServer]:
+        config = config or ServerConfig()
+        config.validate()
+        server = cls(peer, backends, config)
+        server.load_checkpoints()
+        registration = peer.set_stream_handler(PROTOCOL, server._on_stream)
+        try:
+            async with trio.open_nursery() as nursery:
+                for pool in server._pools.values():
+                    nursery.start_soon(pool.run, server._device)
+                await server.declare()
+                nursery.start_soon(server._declare_loop)
+                if config.checkpoint_dir is not None:
+                    nursery.start_soon(server._checkpoint_loop)
+                yield server
+                nursery.cancel_scope.cancel()
+        finally:
+            registration.remove()
+            server.save_checkpoints()
+
+    # ------------------------------------------------------------------ the DHT
+
+    async def declare(self) -> int:
+        """Store every prefix of every hosted uid (one record per prefix and next coordinate); how many
+        records some replica took."""
+        now = time.time()
+        records: dict[tuple[str, str], bytes] = {}
+        addrs = [bytes(a.to_bytes()) for a in self._public_addrs()]
+        for uid in sorted(b.uid for b in self.backends.values()):
+            for key, coord in uid.level_keys():
+                records.setdefault((key, coordinate_subkey(coord, self.peer.peer_id)),
+                                   pb.ExpertInfo(uid=str(uid), addrs=addrs).SerializeToString())
+        stored = 0
+        limiter = trio.CapacityLimiter(16)
+
+        async def one(key: str, subkey: str, value: bytes) -> None:
+            nonlocal stored
+            async with limiter:
+                try:
+                    stored += await self.peer.dht.store(key, value, now + self.config.expiration, subkey=subkey,
+                                                        timeout=self.config.update_period / 2)
+                except Exception as e:  # a store that fails is retried next period; the server goes on
+                    log.warning("experts: declaring %s failed: %s", key, e)
+
+        async with trio.open_nursery() as nursery:
+            for (key, subkey), value in records.items():
+                nursery.start_soon(one, key, subkey, value)
+        self.declared_at = now
+        log.debug("experts: declared %d of %d records", stored, len(records))
+        return stored
+
+    def _public_addrs(self) -> list[Multiaddr]:
+        return list(self.peer.addrs)
+
+    async def _declare_loop(self) -> None:
+        while True:
+            await trio.sleep(self.config.update_period)
+            await self.declare()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _checkpoint_path(self, uid: str) -> Path:
+        assert self.config.checkpoint_dir is not None
+        return self.config.checkpoint_dir / f"{uid}.pt"
+
+    def load_checkpoints(self) -> int:
+        if self.config.checkpoint_dir is None:
+            return 0
+        loaded = 0
+        for uid, backend in self.backends.items():
+            path = self._checkpoint_path(uid)
+            if path.exists():
+                backend.load_state_dict(torch.load(path, map_location=backend.device, weights_only=True))
+                loaded += 1
+        if loaded:
+            log.info("experts: loaded %d checkpoints from %s", loaded, self.config.checkpoint_dir)
+        return loaded
+
+    def save_checkpoints(self) -> None:
+        if self.config.checkpoint_dir is None:
+            return
+        self.config.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        for uid, backend in self.backends.items():
+            path = self._checkpoint_path(uid)
+            partial = path.with_suffix(".pt.partial")
+            torch.save(backend.state_dict(), partial)
+            partial.replace(path)  # a crash mid-save leaves the previous checkpoint whole
+
+    async def _checkpoint_loop(self) -> None:
+        while True:
+            await trio.sleep(self.config.checkpoint_every)
+            async with self._device:  # not while a batch changes the weights
+                await trio.to_thread.run_sync(self.save_checkpoints)
+
+    # ------------------------------------------------------------------ serving
+
+    async def _reply(self, stream: INetStream, status: StatusValue, reason: str = "") -> None:
+        if status != Status.OK:
+            name = Status.Name(status).lower()
+            self.refused[name] = self.refused.get(name, 0) + 1
+        await stream.write(frame(pb.ExpertResponse(status=status, reason=reason[:500])))
+
+    async def _on_stream(self, stream: INetStream) -> None:
+        reader = FrameReader(stream)
+        try:
+            with trio.fail_after(self.config.request_timeout):
+                await self._serve(stream, reader)
+            await finish_quietly(stream.close)
+        except (trio.TooSlowError, AllreduceProtocolError, TensorStreamError, OSError, EOFError) as e:
+            log.debug("experts: a call from %s failed: %s", stream.muxed_conn.peer_id, e)
+            await finish_quietly(stream.reset)
+        except Exception as e:  # the stream's own errors (reset by the caller that gave up)
+            log.debug("experts: a call from %s ended: %s: %s", stream.muxed_conn.peer_id, type(e).__name__, e)
+            await finish_quietly(stream.reset)
+
+    async def _serve(self, stream: INetStream, reader: FrameReader) -> None:
+        request = await reader.message(pb.ExpertRequest, "expert request")
+        backend = self.backends.get(request.uid)
+        if backend is None:
+            await self._reply(stream, Status.UNKNOWN_EXPERT, f"this server does not host {request.uid!r:.100}")
+            return
+        if request.kind == Kind.INFO:
+            await self._reply(stream, Status.OK)
+            await send_tensors(stream, backend.schema())
+            return
+        if request.kind not in (Kind.FORWARD, Kind.BACKWARD):
+            await self._reply(stream, Status.BAD_REQUEST, f"unknown request kind {request.kind}")
+            return
+        count = 1 if request.kind == Kind.FORWARD else 2
+        row = math.prod(backend.row_shape) + (0 if count == 1 else math.prod(backend.out_row_shape))
+        try:
+            tensors = await receive_tensors(reader, max_bytes=4 * self.config.max_request_rows * row,
+                                            max_tensors=count, allow_nonfinite=False)
+        except TensorStreamError as e:
+            await self._reply(stream, Status.BAD_REQUEST, str(e))
+            raise
+        problem = backend.check(request.kind, tensors, self.config.max_request_rows)
+        if problem is not None:
+            await self._reply(stream, Status.BAD_REQUEST, problem)
+            return
+        task = _Task([t.float() for t in tensors])
+        try:
+            self._pools[(request.uid, request.kind)].submit(task)
+        except Overloaded as e:
+            await self._reply(stream, Status.OVERLOADED, str(e))
+            return
+        self.calls += 1
+        await task.done.wait()
+        if task.error is not None or task.result is None:
+            await self._reply(stream, Status.FAILED, task.error or "no result")
+            return
+        await self._reply(stream, Status.OK)
+        await send_tensors(stream, [task.result.half() if request.half else task.result])
+
+
+__all__ = ["PROTOCOL", "ExpertBackend", "ExpertFailed", "ExpertServer", "Overloaded", "ServerConfig"]
