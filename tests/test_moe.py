@@ -256,3 +256,39 @@ def test_backend_checks_requests() -> None:
     assert "takes 2 tensors" in (b.check(Kind.BACKWARD, [good], 10) or "")
     assert "output gradient" in (b.check(Kind.BACKWARD, [good, torch.zeros(3, HID)], 10) or "")
 
+
+
+async def test_serve_experts_command_hosts_a_grid_that_a_layer_uses(tmp_path: Path) -> None:
+    """`dedloc serve-experts` as a user runs it, found through the DHT and called by the layer; its
+    checkpoints written when it stops."""
+    import subprocess
+    import sys
+
+    async with Peer.open(loopback_peer_config(relay=True)) as relay:
+        boot = str(relay.addrs[0])
+        server = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "training.commands", "serve-experts", "--expert-pattern", "ffn.[0:2].[0:3]",
+             "--hidden-dim", str(HID), "--initial-peers", boot, "--listen", "/ip4/127.0.0.1/tcp/0", "--ephemeral",
+             "--allow-private", "--device", "cpu", "--checkpoint-dir", str(tmp_path), "--duration", "60"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            async with Peer.open(loopback_peer_config(initial_peers=[boot])) as peer, \
+                    ExpertClient.open(peer) as client:
+                layer = RemoteMixtureOfExperts(client, in_features=HID, grid_size=(2, 3), uid_prefix="ffn",
+                                               config=MoEConfig(k_best=2, cache_ttl=0.1))
+                x = torch.randn(4, HID)
+                with trio.fail_after(40):
+                    while True:  # until the server has started and declared its grid
+                        try:
+                            y = await client.run(lambda: layer(x))
+                            break
+                        except MoEError:
+                            await trio.sleep(0.5)
+                assert y.shape == (4, HID) and layer.last_report is not None
+                assert layer.last_report.answered == layer.last_report.asked >= 1
+                await client.run(lambda: layer(x).sum().backward())
+        finally:
+            server.terminate()
+            with trio.fail_after(20):
+                await server.wait()
+    assert len(list(tmp_path.glob("ffn.*.pt"))) == 6

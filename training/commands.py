@@ -94,6 +94,30 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     p.add_argument("--checkpoint-every", type=int, default=10, metavar="N", help="global steps between checkpoints")
     p.set_defaults(func="training.cli:cmd_backbone", data=None)
 
+    p = sub.add_parser("serve-experts", help="host mixture-of-experts experts for Learning@home (a grid of presets)",
+                       description="Run a peer (as `dedloc peer`) that hosts one expert per uid of --expert-pattern "
+                       "(e.g. ffn.[0:4].[0:8]: 32 experts of a 2-d grid), declares them in the DHT (every prefix, "
+                       "refreshed), serves their forward and backward in batches on --device, applies each "
+                       "expert's optimizer on the gradients trainers send, and checkpoints them. Trainers use "
+                       "them through training.moe.RemoteMixtureOfExperts.")
+    peer_options(p)
+    g = p.add_argument_group("experts")
+    g.add_argument("--expert-cls", choices=("ffn", "nop"), default="ffn",
+                   help="the preset module (hivemind's ffn and nop) (default: %(default)s)")
+    g.add_argument("--expert-pattern", required=True, metavar="PATTERN",
+                   help="uids to host: PREFIX.[a:b].[c:d] ... or fixed coordinates (ffn.3.[0:8])")
+    g.add_argument("--hidden-dim", type=int, default=1024, metavar="N", help="rows of [N] in and out")
+    g.add_argument("--lr", type=float, default=1e-3, help="each expert's Adam learning rate (default: %(default)s)")
+    g.add_argument("--device", default="auto", help="auto (a GPU if torch sees one), cpu, cuda, cuda:1 ...")
+    g.add_argument("--max-batch-size", type=int, default=4096, metavar="ROWS", help="largest batch per expert")
+    g.add_argument("--max-wait", type=float, default=0.0, metavar="SECONDS",
+                   help="extra wait for a fuller batch once the device is free (default: none)")
+    g.add_argument("--update-period", type=float, default=30.0, metavar="SECONDS",
+                   help="how often the experts are declared in the DHT (each declaration lives 3x this)")
+    g.add_argument("--checkpoint-dir", default=None, help="save and load the experts here (default: none)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the experts' initial weights")
+    p.set_defaults(func="training.moe.cli:cmd_serve_experts")
+
     p = sub.add_parser("demo", help="a live local swarm behind NATs (as root) or on loopback: relay, peers, DHT, "
                        "averaging, then training",
                        description="Start a bootstrap node and several peers in their own processes. As root, each "

@@ -1,0 +1,59 @@
+"""``dedloc serve-experts``: host a grid of preset experts on a peer (hivemind's ``run_server``)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+import trio
+
+from nat import Peer
+from nat.cli import peer_config, run_peer
+from nat.dashboard import Dashboard
+from p2p.errors import ConfigError
+from p2p.output import Output
+
+from .experts import PRESETS
+from .grid import UidError, expand_pattern
+from .server import ExpertBackend, ExpertServer, ServerConfig
+
+
+def build_backends(args: argparse.Namespace) -> list[ExpertBackend]:
+    try:
+        uids = expand_pattern(args.expert_pattern)
+    except UidError as e:
+        raise ConfigError(str(e)) from None
+    if args.hidden_dim < 1:
+        raise ConfigError("--hidden-dim must be positive")
+    if not (args.lr > 0):
+        raise ConfigError("--lr must be positive")
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: this torch sees no CUDA device")
+    torch.manual_seed(args.seed)
+    out = []
+    for uid in uids:
+        module = PRESETS[args.expert_cls](args.hidden_dim)
+        optimizer = torch.optim.Adam(module.parameters(), lr=args.lr)
+        out.append(ExpertBackend(str(uid), module, optimizer, (args.hidden_dim,), device=device))
+    return out
+
+
+async def cmd_serve_experts(args: argparse.Namespace, out: Output) -> int:
+    backends = build_backends(args)  # a bad pattern or device fails before the peer starts
+    config = ServerConfig(max_batch_size=args.max_batch_size, max_wait=args.max_wait,
+                          checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
+                          update_period=args.update_period, expiration=args.update_period * 3)
+    config.validate()
+
+    async def serve(peer: Peer, dashboard: Dashboard | None) -> None:
+        async with ExpertServer.open(peer, backends, config):
+            if not out.json_mode:
+                print(f"serving {len(backends)} {args.expert_cls} experts ({args.expert_pattern}, hidden "
+                      f"{args.hidden_dim}) on {backends[0].device}", flush=True)
+            await trio.sleep_forever()
+
+    return await run_peer(args, out, config=peer_config(args, relay=False), work=serve, role="experts")
