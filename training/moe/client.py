@@ -73,13 +73,16 @@ class ClientConfig:
     ban_time: float = 30.0
     #: Most rows the client sends in one call (the server's limit: keep them equal).
     max_rows: int = 4096
+    #: Most worker threads :meth:`ExpertClient.run` keeps at once: asynchronous trainers keep many
+    #: batches in flight to hide the swarm's latency (Learning@home 3.2), more than trio's default 40.
+    max_threads: int = 128
 
     def validate(self) -> None:
         for name in ("forward_timeout", "backward_timeout", "ban_time"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"expert client: {name} must be positive, got {getattr(self, name)}")
-        if self.max_rows < 1:
-            raise ConfigError("expert client: max_rows must be at least 1")
+        if self.max_rows < 1 or self.max_threads < 1:
+            raise ConfigError("expert client: max_rows and max_threads must be at least 1")
 
 
 @dataclass
@@ -106,6 +109,7 @@ class ExpertClient:
         #: (uid, server) -> monotonic time until which it is left out
         self._banned: dict[tuple[str, ID], float] = {}
         self.stats = CallStats()
+        self._threads = trio.CapacityLimiter(config.max_threads)
 
     @classmethod
     @asynccontextmanager
@@ -118,7 +122,7 @@ class ExpertClient:
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run torch code that calls experts (a forward, a backward, a training step) in a worker thread."""
-        return await trio.to_thread.run_sync(fn, *args)
+        return await trio.to_thread.run_sync(fn, *args, limiter=self._threads)
 
     def blocking(self, async_fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run ``async_fn(*args)`` in the client's trio loop from torch code in another thread."""

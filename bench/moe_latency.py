@@ -1,0 +1,123 @@
+"""DMoE throughput under latency (Learning@home Fig. 4), in the NAT lab's namespaces, in one run.
+
+    sudo .venv/bin/python bench/moe_latency.py [--delays 0,50,100,200] [--seconds 20] [--json OUT]
+
+The same mixture of 16 ffn experts (hidden 256, k 4 of a 4x4 grid, batches of 32: see
+bench/moe_latency_peer.py) trained (a) in one process, and (b) as DMoE: a lab host "experts" runs
+a bootstrap node (`dedloc relay`) and two `dedloc serve-experts` (8 experts each), a host
+"trainer" runs an asynchronous trainer (64 batches in flight); the path between them has
+--delays one-way (the experts host's access link; the lab's userspace wire where the kernel has
+no netem), a fresh lab for each delay. Printed: samples/s of each setup and the ratio of each
+delay's to the zero-delay DMoE's. The goal (issue "Decentralized mixture-of-experts"): at 200 ms
+DMoE keeps >= 80% of its zero-delay throughput; ``--json OUT`` writes it as
+``latency.ratio_200ms_to_0ms``. Needs root (namespaces). Nothing leaves the lab.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import trio
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from nat.lab import Host, Lab, netns_unavailable_reason  # noqa: E402
+from p2p.trio_util import read_lines  # noqa: E402
+
+PY = sys.executable
+WORKER = str(REPO / "bench" / "moe_latency_peer.py")
+PORT = 4001
+#: Looks globally routed (bench/wan.py's choice); it never leaves the namespaces.
+PUBLIC_NET = "11.0.0.0/15"
+
+
+async def relay_on(host: Host) -> tuple[trio.Process, str]:
+    process = await host.spawn([PY, "-m", "nat.cli", "relay", "--ephemeral", "--json", "--listen",
+                                f"/ip4/0.0.0.0/tcp/{PORT}", "--status-interval", "0", "--no-port-mapping"],
+                               stdout=subprocess.PIPE, cwd=str(REPO))
+    assert process.stdout is not None
+    with trio.fail_after(60):
+        async for line in read_lines(process.stdout):
+            event = json.loads(line)
+            if event.get("event") == "listening":
+                return process, f"/ip4/{host.ip}/tcp/{PORT}/p2p/{event['peer_id']}"
+    raise RuntimeError("the relay exited")
+
+
+async def worker(host: Host | None, argv: list[str], timeout: float) -> dict[str, Any]:
+    command = [PY, WORKER, *argv]
+    with trio.fail_after(timeout):
+        if host is None:
+            done = await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False, cwd=str(REPO))
+            rc, out, err = done.returncode, done.stdout, done.stderr
+        else:
+            rc, out, err = await host.run(command, timeout=timeout)
+    lines = [line for line in out.decode().splitlines() if line.startswith("{")]
+    if rc != 0 or not lines:
+        raise RuntimeError(f"trainer failed ({rc}): {err.decode()[-2000:]}")
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+async def dmoe_at(delay_ms: float, args: argparse.Namespace) -> dict[str, Any]:
+    async with Lab(prefix="dmoe", public_net=PUBLIC_NET) as lab:
+        experts = await lab.public_host("experts", delay_ms=delay_ms)
+        trainer = await lab.public_host("trainer", delay_ms=0.0)
+        _relay, boot = await relay_on(experts)
+        for pattern in ("ffn.[0:4].[0:2]", "ffn.[0:4].[2:4]"):
+            await experts.spawn([PY, "-m", "training.commands", "serve-experts", "--expert-pattern", pattern,
+                                 "--hidden-dim", "256", "--initial-peers", boot, "--listen", "/ip4/0.0.0.0/tcp/0",
+                                 "--ephemeral", "--device", "cpu", "--no-port-mapping", "--status-interval", "0"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=str(REPO))
+        result = await worker(trainer, ["--initial-peers", boot, "--seconds", str(args.seconds), "--concurrency",
+                                        str(args.concurrency)], timeout=args.seconds + 180)
+        result["mechanism"] = lab.mechanism
+        return result
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    delays = [float(d) for d in args.delays.split(",")]
+    local = await worker(None, ["--local", "--seconds", str(args.seconds)], timeout=args.seconds + 120)
+    print(f"one process: {local['samples_per_s']:.0f} samples/s", flush=True)
+    results: dict[str, Any] = {"local": local, "dmoe": {}}
+    for delay in delays:
+        r = await dmoe_at(delay, args)
+        results["dmoe"][f"{delay:g}ms"] = r
+        print(f"DMoE, {delay:5g} ms one-way ({r['mechanism']}): {r['samples_per_s']:.0f} samples/s, "
+              f"{r['failed_batches']} batches failed, {r['call_failures']} of {r['calls']} calls failed", flush=True)
+    base = results["dmoe"].get("0ms", {}).get("samples_per_s")
+    ratios = {}
+    if base:
+        for key, r in results["dmoe"].items():
+            ratios[f"ratio_{key}_to_0ms"] = r["samples_per_s"] / base
+        ratios["dmoe_0ms_to_local"] = base / local["samples_per_s"]
+    results["latency"] = ratios
+    print("\n" + "\n".join(f"{k}: {v:.2f}" for k, v in ratios.items()))
+    if "ratio_200ms_to_0ms" in ratios:
+        print(f"goal: at 200 ms DMoE keeps >= 0.80 of its zero-delay throughput: {ratios['ratio_200ms_to_0ms']:.2f}")
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--delays", default="0,50,100,200", help="one-way delays in ms, comma-separated")
+    p.add_argument("--seconds", type=float, default=20.0, help="measured time of each setup (after 5 s of warm-up)")
+    p.add_argument("--concurrency", type=int, default=64, help="batches the DMoE trainer keeps in flight")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    reason = netns_unavailable_reason()
+    if reason is not None:
+        raise SystemExit(f"bench/moe_latency.py needs network namespaces: {reason}")
+    results = trio.run(run, args)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

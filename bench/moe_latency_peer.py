@@ -1,0 +1,161 @@
+"""An asynchronous DMoE trainer for bench/moe_latency.py (or the same model in one process, ``--local``).
+
+    .venv/bin/python bench/moe_latency_peer.py --initial-peers MADDR [--concurrency 64] [--seconds 20]
+    .venv/bin/python bench/moe_latency_peer.py --local [--seconds 20]
+
+The model: rows of --hidden -> a mixture of the k_best=4 best of 16 ffn experts (grid 4x4, gate
+trained with the rest) -> MSE against a fixed random target. With ``--initial-peers`` the experts
+are the ones `dedloc serve-experts` hosts (ffn, same hidden), called over the swarm; the trainer is
+asynchronous (Learning@home 3.2): --concurrency batches in flight at once, each thread running
+forward and backward of its own batch and stepping the shared gate. ``--local``: the same 16 ffn
+experts and gate in this process (the mixture computed locally, as many threads as cores).
+Prints one JSON line: samples/s over --seconds after --warmup seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import trio
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from training.moe.experts import FeedforwardBlock  # noqa: E402
+
+GRID = (4, 4)
+K = 4
+
+
+class Counter:
+    def __init__(self, start: float, stop: float) -> None:
+        self.start, self.stop = start, stop
+        self.samples = 0
+        self.lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        now = time.perf_counter()
+        if self.start <= now <= self.stop:
+            with self.lock:
+                self.samples += n
+
+
+def local(args: argparse.Namespace) -> dict[str, float]:
+    torch.set_num_threads(1)
+    experts = torch.nn.ModuleList(FeedforwardBlock(args.hidden) for _ in range(GRID[0] * GRID[1]))
+    gate = torch.nn.Linear(args.hidden, sum(GRID))
+    target = torch.randn(args.batch, args.hidden)
+    lock = threading.Lock()
+    opt = torch.optim.SGD([*gate.parameters(), *experts.parameters()], lr=1e-3)
+    t0 = time.perf_counter()
+    counter = Counter(t0 + args.warmup, t0 + args.warmup + args.seconds)
+
+    def step() -> None:
+        x = torch.randn(args.batch, args.hidden)
+        s0, s1 = gate(x).split(GRID, dim=-1)
+        scores = (s0[:, :, None] + s1[:, None, :]).flatten(1)  # [B, 16]: every expert's score
+        top, index = scores.topk(K, dim=1)
+        weights = torch.softmax(top, dim=1)
+        out = torch.zeros_like(x)
+        for e in range(len(experts)):
+            rows, slot = (index == e).nonzero(as_tuple=True)
+            if len(rows):
+                out = out.index_add(0, rows, weights[rows, slot, None] * experts[e](x[rows]))
+        loss = torch.nn.functional.mse_loss(out, target)
+        loss.backward()
+        with lock:
+            opt.step()
+            opt.zero_grad()
+
+    def worker() -> None:
+        while time.perf_counter() < counter.stop:
+            step()
+            counter.add(args.batch)
+
+    threads = [threading.Thread(target=worker) for _ in range(os.cpu_count() or 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"samples_per_s": counter.samples / args.seconds}
+
+
+async def remote(args: argparse.Namespace) -> dict[str, float]:
+    from nat import NatConfig, Peer, PeerConfig
+    from nat.autorelay import AutoRelayConfig
+    from nat.port_mapping import PortMappingConfig
+    from p2p.dht import DHTConfig, DHTMode
+    from p2p.node import NodeConfig
+    from training.moe import ClientConfig, ExpertClient, MoEConfig, MoEError, RemoteMixtureOfExperts
+
+    torch.set_num_threads(1)
+    nat = NatConfig(allow_private=True, port_mapping=PortMappingConfig(enabled=False),
+                    autorelay=AutoRelayConfig(enabled=False))
+    config = PeerConfig(node=NodeConfig(listen=["/ip4/0.0.0.0/tcp/0"], initial_peers=args.initial_peers), nat=nat,
+                        dht=DHTConfig(mode=DHTMode.CLIENT, bootstrap_timeout=30.0), exchange_interval=None)
+    target = torch.randn(args.batch, args.hidden)
+    async with Peer.open(config) as peer, ExpertClient.open(peer, ClientConfig(max_threads=args.concurrency + 4)) \
+            as client:
+        layer = RemoteMixtureOfExperts(client, in_features=args.hidden, grid_size=GRID, uid_prefix="ffn",
+                                       config=MoEConfig(k_best=K, forward_timeout=30.0, backward_timeout=30.0,
+                                                        timeout_after_k_min=5.0, cache_ttl=60.0))
+        opt = torch.optim.SGD(layer.parameters(), lr=1e-3)
+        lock = threading.Lock()
+        with trio.fail_after(60):
+            while True:  # the servers' records first
+                try:
+                    await client.run(lambda: layer(torch.randn(2, args.hidden)))
+                    break
+                except MoEError:
+                    await trio.sleep(1.0)
+        t0 = time.perf_counter()
+        counter = Counter(t0 + args.warmup, t0 + args.warmup + args.seconds)
+        failed = [0]
+
+        def step() -> None:
+            x = torch.randn(args.batch, args.hidden)
+            loss = torch.nn.functional.mse_loss(layer(x), target)
+            loss.backward()
+            with lock:
+                opt.step()
+                opt.zero_grad()
+
+        def worker() -> None:
+            while time.perf_counter() < counter.stop:
+                try:
+                    step()
+                    counter.add(args.batch)
+                except MoEError:
+                    failed[0] += 1
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(args.concurrency):
+                nursery.start_soon(client.run, worker)
+        return {"samples_per_s": counter.samples / args.seconds, "failed_batches": failed[0],
+                "calls": client.stats.calls, "call_failures": client.stats.failures,
+                "reasons": client.stats.reasons[-3:]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--local", action="store_true")
+    p.add_argument("--initial-peers", nargs="*", default=[])
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--warmup", type=float, default=5.0)
+    args = p.parse_args()
+    result = local(args) if args.local else trio.run(remote, args)
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

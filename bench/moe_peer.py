@@ -1,0 +1,228 @@
+"""dedloc's side of bench/moe.py: one process, a swarm of expert servers on loopback, one JSON line out.
+
+    .venv/bin/python bench/moe_peer.py --experts 64 [--servers 20] [--dead 0.1] [--searches 40]
+        [--hidden 256] [--batch 64] [--seconds 5] [--callers 4]
+
+1. Search: a bootstrap node and --servers server peers declare --experts experts on a square grid
+   (8x8 for 64, 16x16 for 256); the servers holding --dead of the experts then stop (their records
+   stay in the DHT until they expire). A client peer runs --searches beam searches (batch 16, k 4,
+   random gate scores): cold (a new searcher each time, on a client whose DHT keeps no copies: every
+   prefix read over the network) and warm (one searcher, its cache of live prefixes).
+2. Calls: one server peer hosts 4 --expert-cls experts of --hidden; --callers threads each run forward and
+   backward of --batch rows through RemoteExpert for --seconds.
+3. Faults: calls with a 0.5 s timeout to an expert that never answers, and to a server killed in the
+   middle of the call: how many ended past their timeout (+0.25 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import torch
+import trio
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from nat import NatConfig, Peer, PeerConfig  # noqa: E402
+from nat.autorelay import AutoRelayConfig  # noqa: E402
+from nat.port_mapping import PortMappingConfig  # noqa: E402
+from p2p.dht import DHTConfig, DHTMode  # noqa: E402
+from p2p.node import NodeConfig  # noqa: E402
+from training.moe import (ClientConfig, Expert, ExpertBackend, ExpertCallError, ExpertClient,  # noqa: E402
+                          ExpertServer, RemoteExpert, ServerConfig)
+from training.moe.beam_search import BeamSearcher  # noqa: E402
+from training.moe.experts import FeedforwardBlock, Identity  # noqa: E402
+from training.moe.grid import ExpertUid  # noqa: E402
+
+SLACK = 0.25
+
+
+def config(boot: list[str], server: bool = False, cache: bool = True) -> PeerConfig:
+    nat = NatConfig(allow_private=True, port_mapping=PortMappingConfig(enabled=False), relay_service=False,
+                    autorelay=AutoRelayConfig(enabled=False))
+    return PeerConfig(node=NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], initial_peers=boot), nat=nat,
+                      dht=DHTConfig(mode=DHTMode.SERVER if server else DHTMode.CLIENT, bootstrap_timeout=20.0,
+                                    cache=cache),
+                      exchange_interval=None)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+class Hang(torch.nn.Module):
+    """An expert that never answers (its forward sleeps longer than any caller waits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 1:
+            time.sleep(3.0)
+        return x * self.w
+
+
+async def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--servers", type=int, default=20)
+    p.add_argument("--dead", type=float, default=0.1)
+    p.add_argument("--searches", type=int, default=40)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--seconds", type=float, default=5.0)
+    p.add_argument("--callers", type=int, default=4)
+    p.add_argument("--expert-cls", choices=("ffn", "nop"), default="ffn", help="the experts called (nop: the stack alone)")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    side = int(round(math.sqrt(args.experts)))
+    uids = [ExpertUid("ffn", (i, j)) for i in range(side) for j in range(side)]
+    random.seed(0)
+    random.shuffle(uids)
+    n_dead = round(args.dead * len(uids))
+    dead_servers = max(1, round(args.dead * args.servers)) if n_dead else 0
+    live_servers = args.servers - dead_servers
+    result: dict[str, object] = {"experts": len(uids), "servers": args.servers, "dead_experts": n_dead}
+    async with AsyncExitStack() as stack:
+        boot_peer = await stack.enter_async_context(Peer.open(config([], server=True)))
+        boot = [str(boot_peer.addrs[0])]
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        setup = time.perf_counter()
+
+        async def host(share: list[ExpertUid], scope: trio.CancelScope, *,
+                       task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            with scope:
+                async with Peer.open(config(boot, server=True)) as peer:
+                    backends = [ExpertBackend(str(u), Identity(4), None, (4,)) for u in share]
+                    async with ExpertServer.open(peer, backends, ServerConfig(update_period=300, expiration=900)):
+                        task_status.started()
+                        await trio.sleep_forever()
+
+        dead_scopes = []
+        dead_uids, live_uids = uids[:n_dead], uids[n_dead:]
+        for s in range(args.servers):
+            dead = s < dead_servers
+            pool, index, count = (dead_uids, s, dead_servers) if dead else (live_uids, s - dead_servers, live_servers)
+            scope = trio.CancelScope()
+            await nursery.start(host, pool[index::count], scope)
+            if dead:
+                dead_scopes.append(scope)
+        for scope in dead_scopes:
+            scope.cancel()  # their records stay in the DHT
+        await trio.sleep(1.0)
+        result["setup_s"] = time.perf_counter() - setup
+
+        client_peer = await stack.enter_async_context(Peer.open(config(boot)))
+        client = await stack.enter_async_context(ExpertClient.open(client_peer))
+        gen = torch.Generator().manual_seed(1)
+
+        def scores() -> list[torch.Tensor]:
+            return [torch.randn(16, side, generator=gen), torch.randn(16, side, generator=gen)]
+
+        async def timed(searcher: BeamSearcher) -> tuple[float, int]:
+            t0 = time.perf_counter()
+            beams = await searcher.search(scores(), k=4, beam_size=4)
+            return (time.perf_counter() - t0) * 1e3, sum(len(b) for b in beams)
+
+        # cold: a client whose DHT keeps no copies of what it read, and a new searcher each time
+        cold_peer = await stack.enter_async_context(Peer.open(config(boot, cache=False)))
+        cold, warm, found = [], [], []
+        await timed(BeamSearcher(cold_peer.dht, "ffn", (side, side)))  # its connections
+        for _ in range(args.searches):
+            ms, n = await timed(BeamSearcher(cold_peer.dht, "ffn", (side, side)))
+            cold.append(ms)
+            found.append(n)
+        searcher = BeamSearcher(client_peer.dht, "ffn", (side, side), cache_ttl=300)
+        await timed(searcher)
+        for _ in range(args.searches):
+            warm.append((await timed(searcher))[0])
+        result["search"] = {
+            "cold_p50_ms": statistics.median(cold), "cold_p99_ms": percentile(cold, 99),
+            "warm_p50_ms": statistics.median(warm), "warm_p99_ms": percentile(warm, 99),
+            "found_per_search": statistics.mean(found), "wanted_per_search": 16 * 4,
+            "cold_ms": sorted(cold)[-5:], "warm_ms": sorted(warm)[-5:]}
+        result["search_p99_ms"] = percentile(cold, 99)
+
+        # ---- calls per second: one server of 4 ffn experts
+        server_peer = await stack.enter_async_context(Peer.open(config(boot, server=True)))
+        torch.manual_seed(0)
+        backends = []
+        for j in range(4):
+            module = FeedforwardBlock(args.hidden) if args.expert_cls == "ffn" else Identity(args.hidden)
+            backends.append(ExpertBackend(f"calls.0.{j}", module, torch.optim.Adam(module.parameters(), 1e-4),
+                                          (args.hidden,)))
+        await stack.enter_async_context(ExpertServer.open(server_peer, backends))
+        experts = [RemoteExpert(client, Expert(f"calls.0.{j}", server_peer.peer_id, tuple(server_peer.addrs)))
+                   for j in range(4)]
+        stop_at = time.perf_counter() + args.seconds
+        steps = [0] * args.callers
+
+        def caller(i: int) -> None:
+            x = torch.randn(args.batch, args.hidden, requires_grad=True)
+            while time.perf_counter() < stop_at:
+                experts[(i + steps[i]) % 4](x).sum().backward()
+                steps[i] += 1
+
+        for i in range(args.callers):  # warm-up: the connection, the first batches
+            await client.run(lambda: experts[i % 4](torch.randn(2, args.hidden)))
+        t0 = time.perf_counter()
+        stop_at = t0 + args.seconds
+        async with trio.open_nursery() as callers:
+            for i in range(args.callers):
+                callers.start_soon(client.run, caller, i)
+        elapsed = time.perf_counter() - t0
+        total = sum(steps)
+        result["calls"] = {"forward_backward_per_s": total / elapsed, "calls_per_s": 2 * total / elapsed,
+                           "samples_per_s": total * args.batch / elapsed}
+        result["calls_per_s"] = 2 * total / elapsed
+
+        # ---- faults: an expert that never answers; a server killed mid-call
+        past = 0
+        ends = []
+        hang_scope = trio.CancelScope()
+
+        async def hang_host(*, task_status: trio.TaskStatus[Peer] = trio.TASK_STATUS_IGNORED) -> None:
+            with hang_scope:
+                async with Peer.open(config(boot, server=True)) as peer:
+                    async with ExpertServer.open(peer, [ExpertBackend("hang.0.0", Hang(), None, (4,))]):
+                        task_status.started(peer)
+                        await trio.sleep_forever()
+
+        hang_peer = await nursery.start(hang_host)
+        fast = ExpertClient(client_peer, ClientConfig(forward_timeout=0.5, ban_time=0.01), client._token)
+        expert = Expert("hang.0.0", hang_peer.peer_id, tuple(hang_peer.addrs))
+        for attempt in range(10):
+            if attempt == 9:
+                nursery.start_soon(_kill_after, hang_scope, 0.2)  # the server dies in the middle of the call
+            t0 = time.perf_counter()
+            try:
+                await fast.forward(expert, torch.ones(2, 4))
+            except ExpertCallError:
+                pass
+            took = time.perf_counter() - t0
+            ends.append(took)
+            past += took > 0.5 + SLACK
+        result["faults"] = {"calls": len(ends), "timeout_s": 0.5, "max_s": max(ends), "median_s": statistics.median(ends)}
+        result["calls_past_timeout"] = past
+        nursery.cancel_scope.cancel()
+    print(json.dumps(result), flush=True)
+
+
+async def _kill_after(scope: trio.CancelScope, delay: float) -> None:
+    await trio.sleep(delay)
+    scope.cancel()
+
+
+if __name__ == "__main__":
+    trio.run(main)
