@@ -61,6 +61,11 @@ class FrameReader:
         if self._watchdog is not None:
             self._watchdog.deadline = trio.current_time() + self._patience
 
+    @property
+    def buffered(self) -> int:
+        """Bytes read from the stream and not consumed yet."""
+        return len(self._buf)
+
     async def at_eof(self) -> bool:
         """True if the stream ended cleanly here (between frames)."""
         if self._buf:

@@ -55,7 +55,8 @@ def run_worker(system: str, experts: int, args: argparse.Namespace, expert_cls: 
             pass
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
     if process.returncode != 0 or not lines:
-        raise RuntimeError(f"{system} worker failed ({process.returncode}): {stderr[-3000:]}")
+        said = [line for line in stderr.splitlines() if "Failed to open TCP stream" not in line]  # py-libp2p's noise
+        raise RuntimeError(f"{system} worker failed ({process.returncode}): " + "\n".join(said[-40:]))
     out: dict[str, Any] = json.loads(lines[-1])
     return out
 

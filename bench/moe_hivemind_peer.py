@@ -19,12 +19,8 @@ stdout (fd 1 is kept for it; hivemind's logs go to stderr).
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import os
-import random
-import statistics
 import sys
 import threading
 import time
@@ -43,44 +39,22 @@ from hivemind.moe.server.dht_handler import declare_experts  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dht_hivemind_peer import NETWORK_KWARGS  # noqa: E402
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+from moe_common import assignment, parser, percentile, search_figures  # noqa: E402
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--servers", type=int, default=20)
-    p.add_argument("--dead", type=float, default=0.1)
-    p.add_argument("--searches", type=int, default=40)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--seconds", type=float, default=5.0)
-    p.add_argument("--callers", type=int, default=4)
-    p.add_argument("--expert-cls", choices=("ffn", "nop"), default="ffn", help="the experts called (nop: the stack alone)")
-    args = p.parse_args()
+    args = parser().parse_args()
     torch.set_num_threads(1)
-    side = int(round(math.sqrt(args.experts)))
-    uids = [f"ffn.{i}.{j}" for i in range(side) for j in range(side)]
-    random.seed(0)
-    random.shuffle(uids)
-    n_dead = round(args.dead * len(uids))
-    dead_servers = max(1, round(args.dead * args.servers)) if n_dead else 0
-    live_servers = args.servers - dead_servers
-    result: dict[str, object] = {"experts": len(uids), "servers": args.servers, "dead_experts": n_dead}
+    side, plan = assignment(args)
+    result: dict[str, object] = {"experts": side * side, "servers": len(plan),
+                                 "dead_experts": sum(len(c) for dead, c in plan if dead)}
     setup = time.perf_counter()
     boot = DHT(start=True, **NETWORK_KWARGS)
     initial = [str(a) for a in boot.get_visible_maddrs()]
     dhts = []
-    dead_uids, live_uids = uids[:n_dead], uids[n_dead:]
-    for s in range(args.servers):
-        dead = s < dead_servers
-        pool, index, count = (dead_uids, s, dead_servers) if dead else (live_uids, s - dead_servers, live_servers)
+    for dead, coords in plan:
         dht = DHT(initial_peers=initial, start=True, **NETWORK_KWARGS)
-        declare_experts(dht, pool[index::count], expiration_time=get_dht_time() + 900)
+        declare_experts(dht, [f"ffn.{i}.{j}" for i, j in coords], expiration_time=get_dht_time() + 900)
         dhts.append((dead, dht))
     for dead, dht in dhts:
         if dead:
@@ -108,11 +82,7 @@ def main() -> None:
     timed(searcher)
     for _ in range(args.searches):
         warm.append(timed(searcher)[0])
-    result["search"] = {
-        "cold_p50_ms": statistics.median(cold), "cold_p99_ms": percentile(cold, 99),
-        "warm_p50_ms": statistics.median(warm), "warm_p99_ms": percentile(warm, 99),
-        "found_per_search": statistics.mean(found), "wanted_per_search": 16 * 4,
-        "cold_ms": sorted(cold)[-5:], "warm_ms": sorted(warm)[-5:]}
+    result["search"] = search_figures(cold, warm, found)
     result["search_p99_ms"] = percentile(cold, 99)
 
     # ---- calls per second: hivemind's Server with 4 ffn experts
@@ -133,24 +103,31 @@ def main() -> None:
             experts[(i + steps[i]) % 4](x).sum().backward()
             steps[i] += 1
 
-    threads = [threading.Thread(target=caller, args=(i,)) for i in range(args.callers)]
+    threads = [threading.Thread(target=caller, args=(i,), daemon=True) for i in range(args.callers)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - t0
+    for t in threads:  # a RemoteExpert call has no timeout: one that never returns is counted, not waited for
+        t.join(max(0.0, stop_at + 30 - time.perf_counter()))
+    elapsed = time.perf_counter() - t0 if not any(t.is_alive() for t in threads) else args.seconds
     total = sum(steps)
     result["calls"] = {"forward_backward_per_s": total / elapsed, "calls_per_s": 2 * total / elapsed,
-                       "samples_per_s": total * args.batch / elapsed}
+                       "samples_per_s": total * args.batch / elapsed,
+                       "callers_stuck_30s_past_the_end": sum(t.is_alive() for t in threads)}
     result["calls_per_s"] = 2 * total / elapsed
 
-    # ---- a server shut down in the middle of a call
+    # ---- a server shut down in the middle of a call (hivemind's nop_delay expert: 0.5 s per batch)
+    server.shutdown()
+    slow = Server.create(expert_uids=["slow.0.0"], expert_cls="nop_delay", hidden_dim=args.hidden,
+                         initial_peers=initial, start=True, device="cpu", **NETWORK_KWARGS)
+    slow.ready.wait(60)
+    (doomed,) = create_remote_experts([ExpertInfo("slow.0.0", slow.dht.peer_id)], client)
+    doomed(torch.randn(2, args.hidden))
     outcome: dict[str, object] = {}
 
     def doomed_call() -> None:
         t = time.perf_counter()
         try:
-            experts[0](torch.randn(args.batch * 64, args.hidden))
+            doomed(torch.randn(2, args.hidden))
             outcome["result"] = "answered"
         except Exception as e:  # noqa: BLE001 (what it raises is what is measured)
             outcome["result"] = f"{type(e).__name__}"
@@ -159,7 +136,7 @@ def main() -> None:
     t = threading.Thread(target=doomed_call, daemon=True)
     t.start()
     time.sleep(0.2)
-    threading.Thread(target=server.shutdown, daemon=True).start()
+    threading.Thread(target=slow.shutdown, daemon=True).start()
     t.join(10.0)
     result["faults"] = {"killed_mid_call": outcome.get("result", "still waiting after 10 s"),
                         "ended_after_s": outcome.get("s", 10.0)}

@@ -27,27 +27,15 @@ import trio
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+sys.path.insert(0, str(REPO / "bench"))
+
 from nat.lab import Host, Lab, netns_unavailable_reason  # noqa: E402
-from p2p.trio_util import read_lines  # noqa: E402
+from wan import relay_on  # noqa: E402  (`dedloc relay` on a lab host, on port 4001)
 
 PY = sys.executable
 WORKER = str(REPO / "bench" / "moe_latency_peer.py")
-PORT = 4001
 #: Looks globally routed (bench/wan.py's choice); it never leaves the namespaces.
 PUBLIC_NET = "11.0.0.0/15"
-
-
-async def relay_on(host: Host) -> tuple[trio.Process, str]:
-    process = await host.spawn([PY, "-m", "nat.cli", "relay", "--ephemeral", "--json", "--listen",
-                                f"/ip4/0.0.0.0/tcp/{PORT}", "--status-interval", "0", "--no-port-mapping"],
-                               stdout=subprocess.PIPE, cwd=str(REPO))
-    assert process.stdout is not None
-    with trio.fail_after(60):
-        async for line in read_lines(process.stdout):
-            event = json.loads(line)
-            if event.get("event") == "listening":
-                return process, f"/ip4/{host.ip}/tcp/{PORT}/p2p/{event['peer_id']}"
-    raise RuntimeError("the relay exited")
 
 
 async def worker(host: Host | None, argv: list[str], timeout: float) -> dict[str, Any]:

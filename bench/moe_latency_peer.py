@@ -20,6 +20,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -45,6 +46,17 @@ class Counter:
         if self.start <= now <= self.stop:
             with self.lock:
                 self.samples += n
+
+    def run(self, step: Callable[[], None], batch: int, errors: tuple[type[Exception], ...] = ()) -> int:
+        """``step`` until the measurement ends, counting its samples; how many raised one of ``errors``."""
+        failed = 0
+        while time.perf_counter() < self.stop:
+            try:
+                step()
+                self.add(batch)
+            except errors:
+                failed += 1
+        return failed
 
 
 def local(args: argparse.Namespace) -> dict[str, float]:
@@ -74,12 +86,7 @@ def local(args: argparse.Namespace) -> dict[str, float]:
             opt.step()
             opt.zero_grad()
 
-    def worker() -> None:
-        while time.perf_counter() < counter.stop:
-            step()
-            counter.add(args.batch)
-
-    threads = [threading.Thread(target=worker) for _ in range(os.cpu_count() or 1)]
+    threads = [threading.Thread(target=counter.run, args=(step, args.batch)) for _ in range(os.cpu_count() or 1)]
     for t in threads:
         t.start()
     for t in threads:
@@ -128,12 +135,7 @@ async def remote(args: argparse.Namespace) -> dict[str, float]:
                 opt.zero_grad()
 
         def worker() -> None:
-            while time.perf_counter() < counter.stop:
-                try:
-                    step()
-                    counter.add(args.batch)
-                except MoEError:
-                    failed[0] += 1
+            failed[0] += counter.run(step, args.batch, (MoEError,))
 
         async with trio.open_nursery() as nursery:
             for _ in range(args.concurrency):

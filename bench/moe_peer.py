@@ -8,19 +8,17 @@
    stay in the DHT until they expire). A client peer runs --searches beam searches (batch 16, k 4,
    random gate scores): cold (a new searcher each time, on a client whose DHT keeps no copies: every
    prefix read over the network) and warm (one searcher, its cache of live prefixes).
-2. Calls: one server peer hosts 4 --expert-cls experts of --hidden; --callers threads each run forward and
+2. Calls: one server peer (its own process, as hivemind's Server) hosts 4 --expert-cls experts of --hidden; --callers threads each run forward and
    backward of --batch rows through RemoteExpert for --seconds.
-3. Faults: calls with a 0.5 s timeout to an expert that never answers, and to a server killed in the
-   middle of the call: how many ended past their timeout (+0.25 s).
+3. Faults: calls with a 0.5 s timeout to an expert that never answers (a server process of its own),
+   the last one killed (SIGKILL) in the middle of the call: how many ended past their timeout (+0.25 s).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
-import random
 import statistics
+import subprocess
 import sys
 import time
 from contextlib import AsyncExitStack
@@ -32,6 +30,9 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from libp2p.peer.id import ID  # noqa: E402
+from multiaddr import Multiaddr  # noqa: E402
+
 from nat import NatConfig, Peer, PeerConfig  # noqa: E402
 from nat.autorelay import AutoRelayConfig  # noqa: E402
 from nat.port_mapping import PortMappingConfig  # noqa: E402
@@ -41,7 +42,11 @@ from training.moe import (ClientConfig, Expert, ExpertBackend, ExpertCallError, 
                           ExpertServer, RemoteExpert, ServerConfig)
 from training.moe.beam_search import BeamSearcher  # noqa: E402
 from training.moe.experts import FeedforwardBlock, Identity  # noqa: E402
+from p2p.trio_util import read_lines  # noqa: E402
 from training.moe.grid import ExpertUid  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench"))
+from moe_common import assignment, parser, percentile, search_figures  # noqa: E402
 
 SLACK = 0.25
 
@@ -53,11 +58,6 @@ def config(boot: list[str], server: bool = False, cache: bool = True) -> PeerCon
                       dht=DHTConfig(mode=DHTMode.SERVER if server else DHTMode.CLIENT, bootstrap_timeout=20.0,
                                     cache=cache),
                       exchange_interval=None)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
 class Hang(torch.nn.Module):
@@ -74,26 +74,17 @@ class Hang(torch.nn.Module):
 
 
 async def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--servers", type=int, default=20)
-    p.add_argument("--dead", type=float, default=0.1)
-    p.add_argument("--searches", type=int, default=40)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--seconds", type=float, default=5.0)
-    p.add_argument("--callers", type=int, default=4)
-    p.add_argument("--expert-cls", choices=("ffn", "nop"), default="ffn", help="the experts called (nop: the stack alone)")
+    p = parser()
+    p.add_argument("--serve", choices=("calls", "hang"), help="(internal) be one server process")
+    p.add_argument("--boot", nargs="*", default=[])
     args = p.parse_args()
     torch.set_num_threads(1)
-    side = int(round(math.sqrt(args.experts)))
-    uids = [ExpertUid("ffn", (i, j)) for i in range(side) for j in range(side)]
-    random.seed(0)
-    random.shuffle(uids)
-    n_dead = round(args.dead * len(uids))
-    dead_servers = max(1, round(args.dead * args.servers)) if n_dead else 0
-    live_servers = args.servers - dead_servers
-    result: dict[str, object] = {"experts": len(uids), "servers": args.servers, "dead_experts": n_dead}
+    if args.serve:
+        await serve(args)
+        return
+    side, plan = assignment(args)
+    result: dict[str, object] = {"experts": side * side, "servers": len(plan),
+                                 "dead_experts": sum(len(c) for dead, c in plan if dead)}
     async with AsyncExitStack() as stack:
         boot_peer = await stack.enter_async_context(Peer.open(config([], server=True)))
         boot = [str(boot_peer.addrs[0])]
@@ -110,12 +101,9 @@ async def main() -> None:
                         await trio.sleep_forever()
 
         dead_scopes = []
-        dead_uids, live_uids = uids[:n_dead], uids[n_dead:]
-        for s in range(args.servers):
-            dead = s < dead_servers
-            pool, index, count = (dead_uids, s, dead_servers) if dead else (live_uids, s - dead_servers, live_servers)
+        for dead, coords in plan:
             scope = trio.CancelScope()
-            await nursery.start(host, pool[index::count], scope)
+            await nursery.start(host, [ExpertUid("ffn", c) for c in coords], scope)
             if dead:
                 dead_scopes.append(scope)
         for scope in dead_scopes:
@@ -147,24 +135,12 @@ async def main() -> None:
         await timed(searcher)
         for _ in range(args.searches):
             warm.append((await timed(searcher))[0])
-        result["search"] = {
-            "cold_p50_ms": statistics.median(cold), "cold_p99_ms": percentile(cold, 99),
-            "warm_p50_ms": statistics.median(warm), "warm_p99_ms": percentile(warm, 99),
-            "found_per_search": statistics.mean(found), "wanted_per_search": 16 * 4,
-            "cold_ms": sorted(cold)[-5:], "warm_ms": sorted(warm)[-5:]}
+        result["search"] = search_figures(cold, warm, found)
         result["search_p99_ms"] = percentile(cold, 99)
 
-        # ---- calls per second: one server of 4 ffn experts
-        server_peer = await stack.enter_async_context(Peer.open(config(boot, server=True)))
-        torch.manual_seed(0)
-        backends = []
-        for j in range(4):
-            module = FeedforwardBlock(args.hidden) if args.expert_cls == "ffn" else Identity(args.hidden)
-            backends.append(ExpertBackend(f"calls.0.{j}", module, torch.optim.Adam(module.parameters(), 1e-4),
-                                          (args.hidden,)))
-        await stack.enter_async_context(ExpertServer.open(server_peer, backends))
-        experts = [RemoteExpert(client, Expert(f"calls.0.{j}", server_peer.peer_id, tuple(server_peer.addrs)))
-                   for j in range(4)]
+        # ---- calls per second: one server of 4 experts, in its own process (as hivemind's Server)
+        calls_server, calls_at = await serve_in_process("calls", boot, args)
+        experts = [RemoteExpert(client, Expert(f"calls.0.{j}", *calls_at)) for j in range(4)]
         stop_at = time.perf_counter() + args.seconds
         steps = [0] * args.callers
 
@@ -187,24 +163,16 @@ async def main() -> None:
                            "samples_per_s": total * args.batch / elapsed}
         result["calls_per_s"] = 2 * total / elapsed
 
-        # ---- faults: an expert that never answers; a server killed mid-call
+        calls_server.kill()
+        # ---- faults: an expert that never answers (its own process); that process killed mid-call
         past = 0
         ends = []
-        hang_scope = trio.CancelScope()
-
-        async def hang_host(*, task_status: trio.TaskStatus[Peer] = trio.TASK_STATUS_IGNORED) -> None:
-            with hang_scope:
-                async with Peer.open(config(boot, server=True)) as peer:
-                    async with ExpertServer.open(peer, [ExpertBackend("hang.0.0", Hang(), None, (4,))]):
-                        task_status.started(peer)
-                        await trio.sleep_forever()
-
-        hang_peer = await nursery.start(hang_host)
+        hang_server, hang_at = await serve_in_process("hang", boot, args)
         fast = ExpertClient(client_peer, ClientConfig(forward_timeout=0.5, ban_time=0.01), client._token)
-        expert = Expert("hang.0.0", hang_peer.peer_id, tuple(hang_peer.addrs))
+        expert = Expert("hang.0.0", *hang_at)
         for attempt in range(10):
             if attempt == 9:
-                nursery.start_soon(_kill_after, hang_scope, 0.2)  # the server dies in the middle of the call
+                nursery.start_soon(_kill_after, hang_server, 0.2)  # the server dies in the middle of the call
             t0 = time.perf_counter()
             try:
                 await fast.forward(expert, torch.ones(2, 4))
@@ -219,9 +187,39 @@ async def main() -> None:
     print(json.dumps(result), flush=True)
 
 
-async def _kill_after(scope: trio.CancelScope, delay: float) -> None:
+async def _kill_after(process: trio.Process, delay: float) -> None:
     await trio.sleep(delay)
-    scope.cancel()
+    process.kill()  # SIGKILL: a crash, no goodbye
+
+
+async def serve_in_process(kind: str, boot: list[str], args: argparse.Namespace
+                           ) -> tuple[trio.Process, tuple[ID, tuple[Multiaddr, ...]]]:
+    """This script with ``--serve KIND``: a server peer in its own process, and where it is."""
+    process = await trio.lowlevel.open_process(
+        [sys.executable, __file__, "--serve", kind, "--boot", *boot, "--hidden", str(args.hidden), "--expert-cls",
+         args.expert_cls], stdout=subprocess.PIPE)
+    assert process.stdout is not None
+    with trio.fail_after(60):
+        async for line in read_lines(process.stdout):
+            info = json.loads(line)
+            return process, (ID.from_base58(info["peer_id"]), tuple(Multiaddr(a) for a in info["addrs"]))
+    raise RuntimeError(f"the {kind} server exited")
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """--serve calls: 4 experts of --expert-cls; --serve hang: one that never answers a batch of 2+ rows."""
+    torch.manual_seed(0)
+    if args.serve == "calls":
+        backends = []
+        for j in range(4):
+            module = FeedforwardBlock(args.hidden) if args.expert_cls == "ffn" else Identity(args.hidden)
+            backends.append(ExpertBackend(f"calls.0.{j}", module, torch.optim.Adam(module.parameters(), 1e-4),
+                                          (args.hidden,)))
+    else:
+        backends = [ExpertBackend("hang.0.0", Hang(), None, (4,))]
+    async with Peer.open(config(args.boot, server=True)) as peer, ExpertServer.open(peer, backends):
+        print(json.dumps({"peer_id": peer.peer_id.to_base58(), "addrs": [str(a) for a in peer.addrs]}), flush=True)
+        await trio.sleep_forever()
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import pytest
@@ -140,3 +142,12 @@ requires_root_netns: pytest.MarkDecorator = pytest.mark.skipif(
     reason=f"netlab: {netns_unavailable_reason()}",
 )
 """Skip (with the reason) where namespaces/nftables are unusable; fail instead when DEDLOC_NETLAB_REQUIRED=1."""
+
+
+def readme_example(marker: str, relay_addr: str) -> str:
+    """The README's python example after ``<!-- marker -->``, its ``RELAY = "..."`` line set to ``relay_addr``."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = readme.split(f"<!-- {marker} -->", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    code, n = re.subn(r'^RELAY = ".*"$', f"RELAY = {relay_addr!r}", block, flags=re.M)
+    assert n == 1, f"the README's {marker} no longer has a RELAY line"
+    return code

@@ -19,7 +19,7 @@ import trio
 
 from p2p.trio_util import read_lines
 from nat.lab import Lab, NatKind
-from tests.kit import requires_root_netns
+from tests.kit import readme_example, requires_root_netns
 from tests.test_nat_matrix import PUBLIC_NET, ROOT, start_relay
 
 pytestmark = [pytest.mark.slow, requires_root_netns, pytest.mark.timeout(240)]
@@ -27,20 +27,11 @@ pytestmark = [pytest.mark.slow, requires_root_netns, pytest.mark.timeout(240)]
 LINE = re.compile(r"^mode (\w+), DHT (\w+), peers (\{.*\})$")
 
 
-def readme_example(relay_addr: str) -> str:
-    """The README's embedding example, with the placeholder relay address replaced."""
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split("<!-- embedding-example -->", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
-    code, n = re.subn(r'^RELAY = ".*"$', f"RELAY = {relay_addr!r}", block, flags=re.M)
-    assert n == 1, "the README example no longer has a RELAY line"
-    return code
-
-
 async def test_readme_embedding_example_behind_nat(tmp_path: Path) -> None:
     async with Lab(prefix="demb", public_net=PUBLIC_NET) as lab:
         _, relay_addr = await start_relay(lab)
         script = tmp_path / "example.py"
-        script.write_text(readme_example(relay_addr))
+        script.write_text(readme_example("embedding-example", relay_addr))
         hosts = {
             "pub": await lab.peer("pub", NatKind.PUBLIC, delay_ms=10),
             "n1": await lab.peer("n1", NatKind.EIM_PRESERVING, delay_ms=10),

@@ -292,3 +292,23 @@ async def test_serve_experts_command_hosts_a_grid_that_a_layer_uses(tmp_path: Pa
             with trio.fail_after(20):
                 await server.wait()
     assert len(list(tmp_path.glob("ffn.*.pt"))) == 6
+
+
+async def test_calls_share_a_kept_stream_and_survive_the_server_closing_it() -> None:
+    """Many calls, few streams (a stream per call would cost a negotiation each and trip the
+    per-peer stream rate); a kept stream the server closed meanwhile is replaced without a failure."""
+    async with swarm("ffn.0.[0:2]", config=ServerConfig(idle_timeout=0.3)) as sw:
+        server = sw.servers[0]
+        async with ExpertClient.open(sw.client) as client:
+            expert = Expert("ffn.0.0", sw.peers[0].peer_id, tuple(sw.peers[0].addrs))
+            for _ in range(30):
+                await client.forward(expert, torch.randn(2, HID))
+            assert server.calls == 30 and server.streams == 1
+            await trio.sleep(0.6)  # the server closes the idle stream
+            out = await client.forward(expert, torch.randn(3, HID))
+            assert out.shape == (3, HID) and client.stats.failures == 0 and server.streams == 2
+            # concurrent calls each take a stream of their own, then keep them
+            async with trio.open_nursery() as nursery:
+                for _ in range(8):
+                    nursery.start_soon(client.forward, expert, torch.randn(2, HID))
+            assert server.calls == 39 and server.streams <= 2 + 8

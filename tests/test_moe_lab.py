@@ -16,18 +16,10 @@ import pytest
 import trio
 
 from nat.lab import Lab, NatKind
-from tests.kit import requires_root_netns
+from tests.kit import readme_example, requires_root_netns
 from tests.test_nat_matrix import PUBLIC_NET, ROOT, start_relay
 
 pytestmark = [pytest.mark.slow, requires_root_netns, pytest.mark.timeout(240)]
-
-
-def readme_moe_example(relay_addr: str) -> str:
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split("<!-- moe-example -->", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
-    code, n = re.subn(r'^RELAY = ".*"$', f"RELAY = {relay_addr!r}", block, flags=re.M)
-    assert n == 1, "the README example no longer has a RELAY line"
-    return code
 
 
 def readme_serve_command() -> list[str]:
@@ -48,7 +40,7 @@ async def test_readme_moe_example_behind_a_nat(tmp_path: Path) -> None:
                                  "--ephemeral", "--no-port-mapping", "--listen", "/ip4/0.0.0.0/tcp/4001"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=str(ROOT))
         script = tmp_path / "example.py"
-        script.write_text(readme_moe_example(relay_addr))
+        script.write_text(readme_example("moe-example", relay_addr))
         losses: list[float] = []
         with trio.fail_after(180):
             for _attempt in range(10):  # the server may not have declared its experts yet: the example fails fast

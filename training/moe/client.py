@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 import trio
+from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
@@ -73,6 +74,9 @@ class ClientConfig:
     ban_time: float = 30.0
     #: Most rows the client sends in one call (the server's limit: keep them equal).
     max_rows: int = 4096
+    #: Streams kept open per server between calls, and for how long at most (below the server's idle_timeout).
+    max_idle_streams: int = 16
+    keep_streams_for: float = 30.0
     #: Most worker threads :meth:`ExpertClient.run` keeps at once: asynchronous trainers keep many
     #: batches in flight to hide the swarm's latency (Learning@home 3.2), more than trio's default 40.
     max_threads: int = 128
@@ -110,13 +114,21 @@ class ExpertClient:
         self._banned: dict[tuple[str, ID], float] = {}
         self.stats = CallStats()
         self._threads = trio.CapacityLimiter(config.max_threads)
+        #: server -> streams kept between calls; streams to close (taken out of use) at the next chance
+        self._streams: dict[ID, list[_Kept]] = {}
+        self._closing: list[_Kept] = []
 
     @classmethod
     @asynccontextmanager
     async def open(cls, peer: Swarm, config: ClientConfig | None = None) -> AsyncIterator[ExpertClient]:
         config = config or ClientConfig()
         config.validate()
-        yield cls(peer, config, trio.lowlevel.current_trio_token())
+        client = cls(peer, config, trio.lowlevel.current_trio_token())
+        try:
+            yield client
+        finally:
+            with trio.CancelScope(shield=True):
+                await client.close_idle()
 
     # ------------------------------------------------------------------ the thread edge
 
@@ -195,13 +207,50 @@ class ExpertClient:
                                   f"{self.config.max_rows}")
         if expert.addrs:
             self.peer.add_addrs(expert.peer_id, list(expert.addrs))
-        stream = await self.peer.new_stream(expert.peer_id, PROTOCOL)
+        while self._closing:  # streams taken out of use since the last call
+            await finish_quietly(self._closing.pop().stream.close, timeout=0.1)
+        kept = self._take_stream(expert.peer_id)
+        if kept is not None:
+            try:
+                out = await self._exchange(kept, expert, kind, tensors, rows)
+            except _StaleStream:
+                kept = None  # the server closed a kept stream (idle, restarted): once more on a new one
+        if kept is None:
+            stream = await self.peer.new_stream(expert.peer_id, PROTOCOL)
+            kept = _Kept(stream, FrameReader(stream), time.monotonic())
+            try:
+                out = await self._exchange(kept, expert, kind, tensors, rows)
+            except _StaleStream as e:
+                raise ExpertCallError(f"expert {expert}: the stream ended before an answer ({e})") from None
+        want = 2 if kind == Kind.INFO else 1
+        if len(out) != want:
+            raise ExpertCallError(f"expert {expert}: answered {len(out)} tensors, not {want}")
+        if kind != Kind.INFO and (out[0].dim() < 1 or out[0].shape[0] != rows):
+            raise ExpertCallError(f"expert {expert}: answered {list(out[0].shape)} for {rows} rows")
+        if kind == Kind.BACKWARD and out[0].shape != tensors[0].shape:
+            raise ExpertCallError(f"expert {expert}: input gradient {list(out[0].shape)} for an input of "
+                                  f"{list(tensors[0].shape)}")
+        return [t.float() for t in out]
+
+    async def _exchange(self, kept: _Kept, expert: Expert, kind: KindValue, tensors: Sequence[torch.Tensor],
+                        rows: int) -> list[torch.Tensor]:
+        """One request and its answer on ``kept``; the stream is kept again only after an OK answer
+        read whole. :class:`_StaleStream` when it failed before any byte of an answer came back."""
+        stream, reader = kept.stream, kept.reader
         try:
-            await stream.write(frame(pb.ExpertRequest(uid=expert.uid, kind=kind, half=self.config.half)))
-            if kind != Kind.INFO:
-                wire = [t.detach().to(torch.float16 if self.config.half else torch.float32) for t in tensors]
-                await send_tensors(stream, wire)
-            reader = FrameReader(stream)
+            try:
+                await stream.write(frame(pb.ExpertRequest(uid=expert.uid, kind=kind, half=self.config.half)))
+                if kind != Kind.INFO:
+                    wire = [t.detach().to(torch.float16 if self.config.half else torch.float32) for t in tensors]
+                    await send_tensors(stream, wire)
+                if await reader.at_eof():
+                    raise _StaleStream("closed")
+            except (OSError, EOFError, DedlocError) as e:
+                raise _StaleStream(f"{type(e).__name__}: {e}") from None
+            except Exception as e:  # the stream's own errors (reset by the server)
+                if not kept.reused:
+                    raise
+                raise _StaleStream(f"{type(e).__name__}: {e}") from None
             response = await reader.message(pb.ExpertResponse, "expert response")
             if response.status != Status.OK:
                 raise ExpertCallError(f"expert {expert}: {Status.Name(response.status).lower()}: "
@@ -216,15 +265,51 @@ class ExpertClient:
         except BaseException:
             await finish_quietly(stream.reset)
             raise
-        await finish_quietly(stream.close)
-        if len(out) != want:
-            raise ExpertCallError(f"expert {expert}: answered {len(out)} tensors, not {want}")
-        if kind != Kind.INFO and (out[0].dim() < 1 or out[0].shape[0] != rows):
-            raise ExpertCallError(f"expert {expert}: answered {list(out[0].shape)} for {rows} rows")
-        if kind == Kind.BACKWARD and out[0].shape != tensors[0].shape:
-            raise ExpertCallError(f"expert {expert}: input gradient {list(out[0].shape)} for an input of "
-                                  f"{list(tensors[0].shape)}")
-        return [t.float() for t in out]
+        self._keep(expert.peer_id, kept)
+        return out
+
+    def _take_stream(self, peer_id: ID) -> _Kept | None:
+        """A kept stream to ``peer_id`` idle for less than ``keep_streams_for``, or None."""
+        idle = self._streams.get(peer_id)
+        now = time.monotonic()
+        while idle:
+            kept = idle.pop()
+            if now - kept.since < self.config.keep_streams_for:
+                kept.reused = True
+                return kept
+            self._closing.append(kept)  # too old: the server may close it any moment
+        return None
+
+    def _keep(self, peer_id: ID, kept: _Kept) -> None:
+        kept.since = time.monotonic()
+        idle = self._streams.setdefault(peer_id, [])
+        if len(idle) < self.config.max_idle_streams:
+            idle.append(kept)
+        else:
+            self._closing.append(kept)
+
+    async def close_idle(self) -> None:
+        """Close every kept stream (the client's end)."""
+        for idle in self._streams.values():
+            self._closing.extend(idle)
+        self._streams.clear()
+        closing, self._closing = self._closing, []
+        for kept in closing:
+            await finish_quietly(kept.stream.close)
+
+
+class _StaleStream(Exception):
+    """A kept stream failed before its answer began: the call is tried once on a new stream."""
+
+
+@dataclass(eq=False)
+class _Kept:
+    """A stream to a server, kept between calls (the server serves one call after another on it)."""
+
+    stream: INetStream
+    reader: FrameReader
+    since: float
+    reused: bool = False
 
 
 class _RemoteCall(torch.autograd.Function):

@@ -63,6 +63,8 @@ class ServerConfig:
     max_wait: float = 0.0
     #: Time for a caller to send its request, and for the server to answer it.
     request_timeout: float = 30.0
+    #: A caller's stream with no request for this long is closed (callers keep theirs for less).
+    idle_timeout: float = 60.0
     #: How often the experts are declared in the DHT; each declaration lives ``expiration`` s.
     update_period: float = 30.0
     expiration: float = 90.0
@@ -74,7 +76,7 @@ class ServerConfig:
         for name in ("max_batch_size", "max_request_rows", "max_queue"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"experts: {name} must be at least 1, got {getattr(self, name)}")
-        for name in ("request_timeout", "update_period", "expiration", "checkpoint_every"):
+        for name in ("request_timeout", "idle_timeout", "update_period", "expiration", "checkpoint_every"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"experts: {name} must be positive, got {getattr(self, name)}")
         if not self.max_wait >= 0:
@@ -256,6 +258,8 @@ class ExpertServer:
         self._device = trio.Lock()
         self.declared_at: float | None = None
         self.calls = 0
+        #: streams callers opened (each may carry many calls)
+        self.streams = 0
         self.refused: dict[str, int] = {}
 
     @classmethod
@@ -364,10 +368,22 @@ class ExpertServer:
         await stream.write(frame(pb.ExpertResponse(status=status, reason=reason[:500])))
 
     async def _on_stream(self, stream: INetStream) -> None:
+        """Calls one after another on one stream, as long as each is answered OK (a caller keeps its
+        streams: a new stream per call would cost a negotiation each, and a trainer's many calls a
+        second would trip the resource manager's per-peer stream rate). Idle for ``idle_timeout``,
+        or any refusal: the stream is closed."""
         reader = FrameReader(stream)
+        self.streams += 1
         try:
-            with trio.fail_after(self.config.request_timeout):
-                await self._serve(stream, reader)
+            while True:
+                with trio.move_on_after(self.config.idle_timeout):
+                    if await reader.at_eof():
+                        break
+                if not reader.buffered:
+                    break  # idle too long
+                with trio.fail_after(self.config.request_timeout):
+                    if not await self._serve(stream, reader):
+                        break
             await finish_quietly(stream.close)
         except (trio.TooSlowError, AllreduceProtocolError, TensorStreamError, OSError, EOFError) as e:
             log.debug("experts: a call from %s failed: %s", stream.muxed_conn.peer_id, e)
@@ -376,19 +392,20 @@ class ExpertServer:
             log.debug("experts: a call from %s ended: %s: %s", stream.muxed_conn.peer_id, type(e).__name__, e)
             await finish_quietly(stream.reset)
 
-    async def _serve(self, stream: INetStream, reader: FrameReader) -> None:
+    async def _serve(self, stream: INetStream, reader: FrameReader) -> bool:
+        """One call; True when it was answered OK (the stream may carry the next one)."""
         request = await reader.message(pb.ExpertRequest, "expert request")
         backend = self.backends.get(request.uid)
         if backend is None:
             await self._reply(stream, Status.UNKNOWN_EXPERT, f"this server does not host {request.uid!r:.100}")
-            return
+            return False
         if request.kind == Kind.INFO:
             await self._reply(stream, Status.OK)
             await send_tensors(stream, backend.schema())
-            return
+            return True
         if request.kind not in (Kind.FORWARD, Kind.BACKWARD):
             await self._reply(stream, Status.BAD_REQUEST, f"unknown request kind {request.kind}")
-            return
+            return False
         count = 1 if request.kind == Kind.FORWARD else 2
         row = math.prod(backend.row_shape) + (0 if count == 1 else math.prod(backend.out_row_shape))
         try:
@@ -400,20 +417,21 @@ class ExpertServer:
         problem = backend.check(request.kind, tensors, self.config.max_request_rows)
         if problem is not None:
             await self._reply(stream, Status.BAD_REQUEST, problem)
-            return
+            return False
         task = _Task([t.float() for t in tensors])
         try:
             self._pools[(request.uid, request.kind)].submit(task)
         except Overloaded as e:
             await self._reply(stream, Status.OVERLOADED, str(e))
-            return
+            return False
         self.calls += 1
         await task.done.wait()
         if task.error is not None or task.result is None:
             await self._reply(stream, Status.FAILED, task.error or "no result")
-            return
+            return False
         await self._reply(stream, Status.OK)
         await send_tensors(stream, [task.result.half() if request.half else task.result])
+        return True
 
 
 __all__ = ["PROTOCOL", "ExpertBackend", "ExpertFailed", "ExpertServer", "Overloaded", "ServerConfig"]
