@@ -26,6 +26,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -36,29 +37,33 @@ WORKERS = {"dedloc": (ROOT / ".venv" / "bin" / "python", ROOT / "bench" / "moe_p
 
 def run_worker(system: str, experts: int, args: argparse.Namespace, expert_cls: str) -> dict[str, Any]:
     python, script = WORKERS[system]
-    command = [str(python), str(script), "--experts", str(experts), "--searches", str(args.searches),
+    command = [str(python), str(script), "--experts", str(experts), "--servers", str(args.servers),
+               "--searches", str(args.searches),
                "--seconds", str(args.seconds), "--expert-cls", expert_cls]
-    # its own session: on a timeout the worker and everything it started (hivemind's daemons) are killed
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        raise RuntimeError(f"{system} worker ({experts} experts, {expert_cls}) ran past {args.timeout:.0f} s: "
-                           f"{stderr[-2000:]}") from None
-    finally:
+    # Output to files, not pipes: hivemind's DHT processes outlive the worker holding what it inherited,
+    # so a pipe would not end with it. Its own session: what it started is killed with it.
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=err, text=True, start_new_session=True)
         try:
-            os.killpg(process.pid, signal.SIGKILL)  # what it left behind
-        except ProcessLookupError:
+            process.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
             pass
+        finally:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)  # the worker if still running, and what it left behind
+            except ProcessLookupError:
+                pass
+            process.wait()
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
-    if process.returncode != 0 or not lines:
+    if not lines:
         said = [line for line in stderr.splitlines() if "Failed to open TCP stream" not in line]  # py-libp2p's noise
-        raise RuntimeError(f"{system} worker failed ({process.returncode}): " + "\n".join(said[-40:]))
-    out: dict[str, Any] = json.loads(lines[-1])
-    return out
+        raise RuntimeError(f"{system} worker ({experts} experts, {expert_cls}) gave no result (exit code "
+                           f"{process.returncode}, limit {args.timeout:.0f} s): " + "\n".join(said[-40:]))
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -69,6 +74,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--experts", default="64,256", help="grid sizes (squares): comma-separated")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--servers", type=int, default=20, help="expert servers declaring the grid (10%% of them dead)")
     p.add_argument("--searches", type=int, default=40)
     p.add_argument("--seconds", type=float, default=5.0, help="length of each calls/s measurement")
     p.add_argument("--systems", default="dedloc,hivemind")

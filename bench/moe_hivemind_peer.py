@@ -25,25 +25,25 @@ import sys
 import threading
 import time
 
-_stdout = os.fdopen(os.dup(1), "w")
-os.dup2(2, 1)  # hivemind, p2pd and stray prints go to stderr
-
-import torch  # noqa: E402
-from hivemind import DHT  # noqa: E402
-from hivemind.utils.timed_storage import get_dht_time  # noqa: E402
-from hivemind.moe.client.beam_search import MoEBeamSearcher  # noqa: E402
-from hivemind.moe.client.expert import create_remote_experts  # noqa: E402
-from hivemind.moe.expert_uid import ExpertInfo  # noqa: E402
-from hivemind.moe.server import Server  # noqa: E402
-from hivemind.moe.server.dht_handler import declare_experts  # noqa: E402
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dht_hivemind_peer import NETWORK_KWARGS  # noqa: E402
 from moe_common import assignment, parser, percentile, search_figures  # noqa: E402
 
 
 def main() -> None:
-    args = parser().parse_args()
+    args = parser().parse_args()  # first: --help needs no hivemind (tests/test_bench_smoke.py runs it from .venv)
+    stdout = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # hivemind, p2pd and stray prints go to stderr
+
+    import torch
+    from hivemind import DHT
+    from hivemind.moe.client.beam_search import MoEBeamSearcher
+    from hivemind.moe.client.expert import create_remote_experts
+    from hivemind.moe.expert_uid import ExpertInfo
+    from hivemind.moe.server import Server
+    from hivemind.moe.server.dht_handler import declare_experts
+    from hivemind.utils.timed_storage import get_dht_time
+    from dht_hivemind_peer import NETWORK_KWARGS
+
     torch.set_num_threads(1)
     side, plan = assignment(args)
     result: dict[str, object] = {"experts": side * side, "servers": len(plan),
@@ -140,7 +140,7 @@ def main() -> None:
     t.join(10.0)
     result["faults"] = {"killed_mid_call": outcome.get("result", "still waiting after 10 s"),
                         "ended_after_s": outcome.get("s", 10.0)}
-    print(json.dumps(result), file=_stdout, flush=True)
+    print(json.dumps(result), file=stdout, flush=True)
     os._exit(0)  # hivemind's background processes: the result is out
 
 

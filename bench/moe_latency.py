@@ -19,6 +19,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +44,12 @@ async def worker(host: Host | None, argv: list[str], timeout: float) -> dict[str
     with trio.fail_after(timeout):
         if host is None:
             done = await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False, cwd=str(REPO))
-            rc, out, err = done.returncode, done.stdout, done.stderr
+            rc, out, err = done.returncode, done.stdout.decode(), done.stderr.decode()
         else:
             rc, out, err = await host.run(command, timeout=timeout)
-    lines = [line for line in out.decode().splitlines() if line.startswith("{")]
+    lines = [line for line in out.splitlines() if line.startswith("{")]
     if rc != 0 or not lines:
-        raise RuntimeError(f"trainer failed ({rc}): {err.decode()[-2000:]}")
+        raise RuntimeError(f"trainer failed ({rc}): {err[-2000:]}")
     result: dict[str, Any] = json.loads(lines[-1])
     return result
 
@@ -58,13 +59,26 @@ async def dmoe_at(delay_ms: float, args: argparse.Namespace) -> dict[str, Any]:
         experts = await lab.public_host("experts", delay_ms=delay_ms)
         trainer = await lab.public_host("trainer", delay_ms=0.0)
         _relay, boot = await relay_on(experts)
-        for pattern in ("ffn.[0:4].[0:2]", "ffn.[0:4].[2:4]"):
+        logs = []
+        for i, pattern in enumerate(("ffn.[0:4].[0:2]", "ffn.[0:4].[2:4]")):
+            log = tempfile.TemporaryFile()
+            logs.append(log)
             await experts.spawn([PY, "-m", "training.commands", "serve-experts", "--expert-pattern", pattern,
-                                 "--hidden-dim", "256", "--initial-peers", boot, "--listen", "/ip4/0.0.0.0/tcp/0",
+                                 "--hidden-dim", "256", "--initial-peers", boot, "--listen", f"/ip4/0.0.0.0/tcp/{4002 + i}",
                                  "--ephemeral", "--device", "cpu", "--no-port-mapping", "--status-interval", "0"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=str(REPO))
-        result = await worker(trainer, ["--initial-peers", boot, "--seconds", str(args.seconds), "--concurrency",
-                                        str(args.concurrency)], timeout=args.seconds + 180)
+                                stdout=log, stderr=log, cwd=str(REPO))
+        try:
+            result = await worker(trainer, ["--initial-peers", boot, "--seconds", str(args.seconds), "--concurrency",
+                                            str(args.concurrency)], timeout=args.seconds + 180)
+        except RuntimeError as e:
+            said = []
+            for log in logs:
+                log.seek(0)
+                said.append(log.read().decode(errors="replace")[-1500:])
+            raise RuntimeError(f"{e}\n-- the servers said:\n" + "\n--\n".join(said)) from None
+        finally:
+            for log in logs:
+                log.close()
         result["mechanism"] = lab.mechanism
         return result
 

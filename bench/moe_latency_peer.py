@@ -8,7 +8,7 @@ trained with the rest) -> MSE against a fixed random target. With ``--initial-pe
 are the ones `dedloc serve-experts` hosts (ffn, same hidden), called over the swarm; the trainer is
 asynchronous (Learning@home 3.2): --concurrency batches in flight at once, each thread running
 forward and backward of its own batch and stepping the shared gate. ``--local``: the same 16 ffn
-experts and gate in this process (the mixture computed locally, as many threads as cores).
+experts and gate in this process (the mixture computed locally, one loop, torch on every core).
 Prints one JSON line: samples/s over --seconds after --warmup seconds.
 """
 
@@ -59,12 +59,34 @@ class Counter:
         return failed
 
 
+def stepper(module: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """The step of many threads sharing ``module``: each computes on its own snapshot of the parameters
+    and its own gradients (threads that share tensors an optimizer updates in place, or one .grad,
+    break autograd), then one at a time puts its gradients in place and steps (Hogwild, the update
+    under a lock). The snapshot is of the local parameters only (the gate): the experts are remote."""
+    lock = threading.Lock()
+    params = dict(module.named_parameters())
+
+    def step(x: torch.Tensor, target: torch.Tensor) -> None:
+        with lock:
+            snap = {name: p.detach().clone().requires_grad_(True) for name, p in params.items()}
+        loss = torch.nn.functional.mse_loss(torch.func.functional_call(module, snap, (x,)), target)
+        grads = torch.autograd.grad(loss, list(snap.values()))
+        with lock:
+            for p, g in zip(params.values(), grads):
+                p.grad = g
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    return step
+
+
 def local(args: argparse.Namespace) -> dict[str, float]:
-    torch.set_num_threads(1)
+    """The same mixture in one process: one training loop, torch using every core."""
+    torch.set_num_threads(os.cpu_count() or 1)
     experts = torch.nn.ModuleList(FeedforwardBlock(args.hidden) for _ in range(GRID[0] * GRID[1]))
     gate = torch.nn.Linear(args.hidden, sum(GRID))
     target = torch.randn(args.batch, args.hidden)
-    lock = threading.Lock()
     opt = torch.optim.SGD([*gate.parameters(), *experts.parameters()], lr=1e-3)
     t0 = time.perf_counter()
     counter = Counter(t0 + args.warmup, t0 + args.warmup + args.seconds)
@@ -81,16 +103,11 @@ def local(args: argparse.Namespace) -> dict[str, float]:
             if len(rows):
                 out = out.index_add(0, rows, weights[rows, slot, None] * experts[e](x[rows]))
         loss = torch.nn.functional.mse_loss(out, target)
+        opt.zero_grad()
         loss.backward()
-        with lock:
-            opt.step()
-            opt.zero_grad()
+        opt.step()
 
-    threads = [threading.Thread(target=counter.run, args=(step, args.batch)) for _ in range(os.cpu_count() or 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    counter.run(step, args.batch)
     return {"samples_per_s": counter.samples / args.seconds}
 
 
@@ -114,7 +131,7 @@ async def remote(args: argparse.Namespace) -> dict[str, float]:
                                        config=MoEConfig(k_best=K, forward_timeout=30.0, backward_timeout=30.0,
                                                         timeout_after_k_min=5.0, cache_ttl=60.0))
         opt = torch.optim.SGD(layer.parameters(), lr=1e-3)
-        lock = threading.Lock()
+        shared_step = stepper(layer, opt)
         with trio.fail_after(60):
             while True:  # the servers' records first
                 try:
@@ -128,11 +145,7 @@ async def remote(args: argparse.Namespace) -> dict[str, float]:
 
         def step() -> None:
             x = torch.randn(args.batch, args.hidden)
-            loss = torch.nn.functional.mse_loss(layer(x), target)
-            loss.backward()
-            with lock:
-                opt.step()
-                opt.zero_grad()
+            shared_step(x, target)
 
         def worker() -> None:
             failed[0] += counter.run(step, args.batch, (MoEError,))

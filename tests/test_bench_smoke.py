@@ -122,3 +122,22 @@ def test_gpu_training_bench_runs_on_a_cpu(tmp_path: Path) -> None:
     assert figures["allreduce_mb_per_s"] > 0
     assert 0 < figures["dpu"]["compute_fraction"] <= 1 and figures["dpu"]["ratio_to_alone"] > 0
     assert len(figures["dpu"]["losses"]) >= 2 and figures["sync"]["incomplete_rounds"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_moe_bench_writes_the_goals_figures(tmp_path: Path) -> None:
+    """bench/moe.py, dedloc's side, small: the figures the issue reads exist, and no call ran past its timeout."""
+    out = tmp_path / "moe.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "moe.py"), "--systems", "dedloc", "--experts", "16,36", "--servers", "5",
+         "--searches", "3", "--seconds", "1", "--repeats", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert not figures["failed_runs"], figures["failed_runs"]
+    dedloc = figures["dedloc"]
+    assert dedloc["search_p99_ms"] > 0 and dedloc["calls_per_s"] > 0 and dedloc["nop_calls_per_s"] > 0
+    assert dedloc["calls_past_timeout"] == 0
+    assert figures["cases"]["36_experts"]["dedloc"]["found_per_search"] == 64

@@ -6,6 +6,7 @@ import math
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -115,6 +116,9 @@ def test_select_keeps_the_best_live_extensions_and_skips_unusable_servers() -> N
     assert [x.coords for x in best] == [(1,), (3,)]  # 0 is not live, 9 is outside the grid
     best = select(scores, [Beam(0.0, ())], live, 2, usable=lambda e: e.peer_id != a)
     assert [x.coords for x in best] == [(3,)]
+    # at the last dimension a record must name the expert of its own coordinates
+    lying = {(): {1: [Expert("e.3", a)], 3: [Expert("e.3", b)]}}
+    assert [x.coords for x in select(scores, [Beam(0.0, ())], lying, 2, prefix="e")] == [(3,)]
     jobs = _plan([[Beam(1.0, (1,), [Expert("e.1", a)]), Beam(0.5, (3,), [Expert("e.3", b)])],
                   [Beam(1.0, (3,), [Expert("e.3", b)])]])
     assert {j.expert.uid: (j.rows.tolist(), j.slots.tolist()) for j in jobs} == {"e.1": ([0], [0]),
@@ -312,3 +316,89 @@ async def test_calls_share_a_kept_stream_and_survive_the_server_closing_it() -> 
                 for _ in range(8):
                     nursery.start_soon(client.forward, expert, torch.randn(2, HID))
             assert server.calls == 39 and server.streams <= 2 + 8
+
+
+class NaNExpert(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(HID))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w * math.nan
+
+
+async def test_garbage_and_lying_servers_give_clear_errors_and_nothing_hangs() -> None:
+    from averaging.tensor_stream import send_tensors
+    from averaging.wire import FrameReader, frame
+    from training.proto import moe_pb2 as pb
+    from training.moe.server import PROTOCOL
+
+    async with swarm("ffn.0.[0:1]") as sw:
+        server_peer, server = sw.peers[0], sw.servers[0]
+        # a caller that sends garbage, or claims a huge tensor: the server refuses or resets, and goes on
+        for garbage in [b"\xff" * 64, frame(pb.ExpertRequest(uid="ffn.0.0")) + b"\x05\x0a\x03\x08\x01\x12\x7f",
+                        frame(pb.ExpertRequest(uid="ffn.0.0")) + b"\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80\x01"]:
+            stream = await sw.client.new_stream(server_peer.peer_id, PROTOCOL)
+            await stream.write(garbage)
+            with trio.fail_after(10):
+                try:
+                    while await stream.read(65536):
+                        pass
+                except Exception:
+                    pass  # reset: as good as closed
+        # an expert whose module returns NaN: FAILED, said so
+        nan_backend = ExpertBackend("nan.0.0", NaNExpert(), None, (HID,))
+        server.backends["nan.0.0"] = nan_backend
+        from training.moe.server import Kind as K, _Pool
+        server._pools[("nan.0.0", K.FORWARD)] = pool = _Pool(nan_backend, K.FORWARD, server.config)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pool.run, server._device)
+            async with ExpertClient.open(sw.client) as client:
+                with pytest.raises(ExpertCallError, match="NaN or Inf"):
+                    await client.forward(Expert("nan.0.0", server_peer.peer_id), torch.randn(2, HID))
+                assert (await client.forward(Expert("ffn.0.0", server_peer.peer_id), torch.randn(2, HID))).shape == (2, HID)
+
+                # a lying server: answers OK with the wrong number of rows, or NaN, or never
+                async def liar(stream: Any) -> None:
+                    reader = FrameReader(stream)
+                    request = await reader.message(pb.ExpertRequest, "request")
+                    if request.uid == "lie.0.0":
+                        await stream.write(frame(pb.ExpertResponse(status=pb.ExpertResponse.OK)))
+                        await send_tensors(stream, [torch.zeros(5, HID)])
+                    elif request.uid == "lie.0.1":
+                        await stream.write(frame(pb.ExpertResponse(status=pb.ExpertResponse.OK)))
+                        await send_tensors(stream, [torch.full((2, HID), math.nan)])
+                    else:
+                        await trio.sleep_forever()
+
+                sw.peers[0].set_stream_handler(PROTOCOL, liar)
+                with pytest.raises(ExpertCallError, match=r"answered \[5, 8\] for 2 rows"):
+                    await client.forward(Expert("lie.0.0", server_peer.peer_id), torch.randn(2, HID))
+                with pytest.raises(ExpertCallError, match="non-finite|NaN|nan"):
+                    await client.forward(Expert("lie.0.1", server_peer.peer_id), torch.randn(2, HID))
+                started = trio.current_time()
+                with pytest.raises(ExpertCallError, match="no answer within 0.5 s"):
+                    await client.forward(Expert("lie.0.2", server_peer.peer_id), torch.randn(2, HID), timeout=0.5)
+                assert trio.current_time() - started < 1.5
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_server_that_starts_after_the_first_search_is_found_soon() -> None:
+    """An empty prefix is cached only briefly (empty_ttl), not for the whole cache_ttl."""
+    async with swarm() as sw:
+        async with ExpertClient.open(sw.client) as client:
+            layer = RemoteMixtureOfExperts(client, in_features=HID, grid_size=(1, 2), uid_prefix="late",
+                                           config=MoEConfig(k_best=1, cache_ttl=60.0))
+            layer.searcher.empty_ttl = 0.5
+            with pytest.raises(MoEError):
+                await client.run(lambda: layer(torch.randn(2, HID)))
+            async with Peer.open(loopback_peer_config(initial_peers=[str(sw.client.addrs[0])])) as peer, \
+                    ExpertServer.open(peer, backends("late.0.[0:2]")):
+                with trio.fail_after(10):
+                    while True:
+                        try:
+                            y = await client.run(lambda: layer(torch.randn(2, HID)))
+                            break
+                        except MoEError:
+                            await trio.sleep(0.2)
+                assert y.shape == (2, HID)

@@ -10,7 +10,8 @@ experts with d rounds of DHT reads of at most ``beam_size`` keys per sample
 The rounds of a whole batch read the union of its samples' prefixes in one
 ``get_many`` (one traversal). Every prefix read is cached for ``cache_ttl``
 seconds (its records live ``expiration`` on the servers, refreshed every
-``update_period``), so a warm search reads nothing; a read that fails or times
+``update_period``), so a warm search reads nothing; a prefix found empty only
+``empty_ttl`` (servers that start are found soon); a read that fails or times
 out counts as "no live expert there" for the search and is not cached.
 
 :func:`select` is the pure step (scores and live prefixes in, beams out);
@@ -71,9 +72,10 @@ class Beam:
 
 
 def select(scores: torch.Tensor, beams: Sequence[Beam], successors: Mapping[tuple[int, ...], Successors],
-           width: int, usable: Callable[[Expert], bool] | None = None) -> list[Beam]:
+           width: int, usable: Callable[[Expert], bool] | None = None, prefix: str | None = None) -> list[Beam]:
     """One sample's next beams: every live extension of ``beams`` scored with ``scores`` (this
-    dimension's scores, shape [M]), the best ``width`` kept. ``usable`` drops servers (banned ones)."""
+    dimension's scores, shape [M]), the best ``width`` kept. ``usable`` drops servers (banned ones);
+    with ``prefix`` (the last dimension), so does a record whose uid is not the coordinates' own."""
     m = scores.shape[0]
     values = scores.tolist()
     out: list[Beam] = []
@@ -81,11 +83,15 @@ def select(scores: torch.Tensor, beams: Sequence[Beam], successors: Mapping[tupl
         for coord, experts in successors.get(beam.coords, {}).items():
             if not 0 <= coord < m:
                 continue  # a coordinate outside the grid this layer gates
+            coords = (*beam.coords, coord)
+            if prefix is not None:
+                uid = prefix_key(prefix, coords)
+                experts = [e for e in experts if e.uid == uid]
             if usable is not None:
                 experts = [e for e in experts if usable(e)]
-                if not experts:
-                    continue
-            out.append(Beam(beam.score + values[coord], (*beam.coords, coord), experts))
+            if not experts:
+                continue
+            out.append(Beam(beam.score + values[coord], coords, experts))
     out.sort(reverse=True)
     return out[:width]
 
@@ -102,11 +108,14 @@ class BeamSearcher:
     """Beam search for one layer's grid ``prefix`` of ``grid_size`` (see the module docstring)."""
 
     def __init__(self, dht: Records, prefix: str, grid_size: Sequence[int], *, cache_ttl: float = 15.0,
-                 read_timeout: float = 5.0, usable: Callable[[Expert], bool] | None = None) -> None:
+                 empty_ttl: float = 2.0, read_timeout: float = 5.0,
+                 usable: Callable[[Expert], bool] | None = None) -> None:
         self.dht = dht
         self.prefix = prefix
         self.grid_size = tuple(grid_size)
         self.cache_ttl = cache_ttl
+        #: a prefix with no live expert is read again sooner: servers that start are found within this
+        self.empty_ttl = min(empty_ttl, cache_ttl)
         self.read_timeout = read_timeout
         self.usable = usable
         #: prefix coords -> (what it holds, monotonic time read)
@@ -120,7 +129,7 @@ class BeamSearcher:
         missing: list[tuple[int, ...]] = []
         for p in dict.fromkeys(prefixes):
             cached = self._cache.get(p)
-            if cached is not None and now - cached[1] < self.cache_ttl:
+            if cached is not None and now - cached[1] < (self.cache_ttl if cached[0] else self.empty_ttl):
                 out[p] = cached[0]
                 self.stats.cache_hits += 1
             else:
@@ -157,7 +166,7 @@ class BeamSearcher:
             wanted = [b.coords for sample in beams for b in sample]
             live = await self.successors(wanted)
             beams = [select(scores[dim][i], beams[i], live, k if last else width,
-                            self.usable if last else None) for i in range(batch)]
+                            self.usable if last else None, self.prefix if last else None) for i in range(batch)]
         return beams
 
     def forget(self) -> None:

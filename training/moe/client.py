@@ -74,8 +74,13 @@ class ClientConfig:
     ban_time: float = 30.0
     #: Most rows the client sends in one call (the server's limit: keep them equal).
     max_rows: int = 4096
+    #: Calls in flight to one server at once; more wait here for a free one. A server's resource
+    #: manager refuses more than 128 inbound streams per peer and protocol (its default
+    #: ``max_inbound_streams_per_peer_protocol``): an asynchronous trainer with dozens of batches in
+    #: flight, each calling several experts of one server, would be refused without this.
+    max_streams_per_server: int = 64
     #: Streams kept open per server between calls, and for how long at most (below the server's idle_timeout).
-    max_idle_streams: int = 16
+    max_idle_streams: int = 32
     keep_streams_for: float = 30.0
     #: Most worker threads :meth:`ExpertClient.run` keeps at once: asynchronous trainers keep many
     #: batches in flight to hide the swarm's latency (Learning@home 3.2), more than trio's default 40.
@@ -85,8 +90,9 @@ class ClientConfig:
         for name in ("forward_timeout", "backward_timeout", "ban_time"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"expert client: {name} must be positive, got {getattr(self, name)}")
-        if self.max_rows < 1 or self.max_threads < 1:
-            raise ConfigError("expert client: max_rows and max_threads must be at least 1")
+        for name in ("max_rows", "max_threads", "max_streams_per_server", "max_idle_streams"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"expert client: {name} must be at least 1, got {getattr(self, name)}")
 
 
 @dataclass
@@ -117,6 +123,8 @@ class ExpertClient:
         #: server -> streams kept between calls; streams to close (taken out of use) at the next chance
         self._streams: dict[ID, list[_Kept]] = {}
         self._closing: list[_Kept] = []
+        #: server -> its calls in flight (bounded by max_streams_per_server)
+        self._slots: dict[ID, trio.Semaphore] = {}
 
     @classmethod
     @asynccontextmanager
@@ -209,19 +217,13 @@ class ExpertClient:
             self.peer.add_addrs(expert.peer_id, list(expert.addrs))
         while self._closing:  # streams taken out of use since the last call
             await finish_quietly(self._closing.pop().stream.close, timeout=0.1)
-        kept = self._take_stream(expert.peer_id)
-        if kept is not None:
-            try:
-                out = await self._exchange(kept, expert, kind, tensors, rows)
-            except _StaleStream:
-                kept = None  # the server closed a kept stream (idle, restarted): once more on a new one
-        if kept is None:
-            stream = await self.peer.new_stream(expert.peer_id, PROTOCOL)
-            kept = _Kept(stream, FrameReader(stream), time.monotonic())
-            try:
-                out = await self._exchange(kept, expert, kind, tensors, rows)
-            except _StaleStream as e:
-                raise ExpertCallError(f"expert {expert}: the stream ended before an answer ({e})") from None
+        slots = self._slots.get(expert.peer_id)
+        if slots is None:
+            if len(self._slots) > 10_000:  # bounded: drop the idle ones
+                self._slots = {p: s for p, s in self._slots.items() if s.value < self.config.max_streams_per_server}
+            slots = self._slots[expert.peer_id] = trio.Semaphore(self.config.max_streams_per_server)
+        async with slots:
+            out = await self._call_on_a_stream(expert, kind, tensors, rows)
         want = 2 if kind == Kind.INFO else 1
         if len(out) != want:
             raise ExpertCallError(f"expert {expert}: answered {len(out)} tensors, not {want}")
@@ -231,6 +233,22 @@ class ExpertClient:
             raise ExpertCallError(f"expert {expert}: input gradient {list(out[0].shape)} for an input of "
                                   f"{list(tensors[0].shape)}")
         return [t.float() for t in out]
+
+    async def _call_on_a_stream(self, expert: Expert, kind: KindValue, tensors: Sequence[torch.Tensor],
+                                rows: int) -> list[torch.Tensor]:
+        """The call on a kept stream, else (none kept, or the server closed it) on a new one."""
+        kept = self._take_stream(expert.peer_id)
+        if kept is not None:
+            try:
+                return await self._exchange(kept, expert, kind, tensors, rows)
+            except _StaleStream:
+                pass  # the server closed a kept stream (idle, restarted): once more on a new one
+        stream = await self.peer.new_stream(expert.peer_id, PROTOCOL)
+        try:
+            return await self._exchange(_Kept(stream, FrameReader(stream), time.monotonic()), expert, kind,
+                                        tensors, rows)
+        except _StaleStream as e:
+            raise ExpertCallError(f"expert {expert}: the stream ended before an answer ({e})") from None
 
     async def _exchange(self, kept: _Kept, expert: Expert, kind: KindValue, tensors: Sequence[torch.Tensor],
                         rows: int) -> list[torch.Tensor]:
