@@ -59,22 +59,25 @@ class Counter:
         return failed
 
 
-def stepper(module: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable[[torch.Tensor, torch.Tensor], None]:
-    """The step of many threads sharing ``module``: each computes on its own snapshot of the parameters
-    and its own gradients (threads that share tensors an optimizer updates in place, or one .grad,
-    break autograd), then one at a time puts its gradients in place and steps (Hogwild, the update
-    under a lock). The snapshot is of the local parameters only (the gate): the experts are remote."""
+def stepper(shared: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable[[torch.nn.Module, torch.Tensor,
+                                                                             torch.Tensor], None]:
+    """The step of many threads sharing ``shared``'s parameters: each thread computes on a replica of
+    its own, loaded from the shared parameters before the step (threads that share tensors an
+    optimizer updates in place, or one .grad, break autograd; torch.func.functional_call swaps
+    attributes of one module, so it cannot serve threads at once either), then one at a time puts
+    its gradients on the shared parameters and steps (Hogwild, the update under a lock). Only the
+    local parameters (the gate) are copied: the experts are remote."""
     lock = threading.Lock()
-    params = dict(module.named_parameters())
 
-    def step(x: torch.Tensor, target: torch.Tensor) -> None:
+    def step(replica: torch.nn.Module, x: torch.Tensor, target: torch.Tensor) -> None:
+        with lock, torch.no_grad():
+            for mine, theirs in zip(replica.parameters(), shared.parameters()):
+                mine.copy_(theirs)
+        replica.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(replica(x), target).backward()
         with lock:
-            snap = {name: p.detach().clone().requires_grad_(True) for name, p in params.items()}
-        loss = torch.nn.functional.mse_loss(torch.func.functional_call(module, snap, (x,)), target)
-        grads = torch.autograd.grad(loss, list(snap.values()))
-        with lock:
-            for p, g in zip(params.values(), grads):
-                p.grad = g
+            for mine, theirs in zip(replica.parameters(), shared.parameters()):
+                theirs.grad = mine.grad
             opt.step()
             opt.zero_grad(set_to_none=True)
 
@@ -143,12 +146,12 @@ async def remote(args: argparse.Namespace) -> dict[str, float]:
         counter = Counter(t0 + args.warmup, t0 + args.warmup + args.seconds)
         failed = [0]
 
-        def step() -> None:
-            x = torch.randn(args.batch, args.hidden)
-            shared_step(x, target)
-
         def worker() -> None:
-            failed[0] += counter.run(step, args.batch, (MoEError,))
+            replica = RemoteMixtureOfExperts(client, in_features=args.hidden, grid_size=GRID, uid_prefix="ffn",
+                                             config=layer.config)
+            replica.searcher = layer.searcher  # one cache of live experts for every thread
+            failed[0] += counter.run(lambda: shared_step(replica, torch.randn(args.batch, args.hidden), target),
+                                     args.batch, (MoEError,))
 
         async with trio.open_nursery() as nursery:
             for _ in range(args.concurrency):

@@ -402,3 +402,25 @@ async def test_a_server_that_starts_after_the_first_search_is_found_soon() -> No
                         except MoEError:
                             await trio.sleep(0.2)
                 assert y.shape == (2, HID)
+
+
+async def test_one_exchange_carries_several_experts_each_answered_on_its_own() -> None:
+    async with swarm("ffn.0.[0:3]") as sw:
+        server, peer = sw.servers[0], sw.peers[0]
+        async with ExpertClient.open(sw.client) as client:
+            experts = [Expert(uid, peer.peer_id) for uid in ("ffn.0.0", "ffn.0.9", "ffn.0.2")]
+            xs = [torch.randn(2, HID), torch.randn(3, HID), torch.randn(4, HID)]
+            results = await client.call_many(experts, Kind.FORWARD, [[x] for x in xs], timeout=10)
+            assert isinstance(results[1], ExpertCallError) and "does not host" in str(results[1])
+            for i in (0, 2):
+                out = results[i]
+                assert not isinstance(out, ExpertCallError)
+                with torch.no_grad():
+                    want = server.backends[experts[i].uid].module(xs[i])
+                assert torch.allclose(out[0], want, atol=1e-5)
+            assert client.banned("ffn.0.9", peer.peer_id) and not client.banned("ffn.0.0", peer.peer_id)
+            assert server.streams == 1
+            grads = await client.call_many([experts[0], experts[2]], Kind.BACKWARD,
+                                           [[xs[0], torch.ones(2, HID)], [xs[2], torch.ones(4, HID)]], timeout=10)
+            assert [list(g[0].shape) for g in grads if not isinstance(g, ExpertCallError)] == [[2, HID], [4, HID]]
+            assert server.backends["ffn.0.0"].updates == 1 and server.backends["ffn.0.2"].updates == 1

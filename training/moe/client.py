@@ -217,14 +217,12 @@ class ExpertClient:
             self.peer.add_addrs(expert.peer_id, list(expert.addrs))
         while self._closing:  # streams taken out of use since the last call
             await finish_quietly(self._closing.pop().stream.close, timeout=0.1)
-        slots = self._slots.get(expert.peer_id)
-        if slots is None:
-            if len(self._slots) > 10_000:  # bounded: drop the idle ones
-                self._slots = {p: s for p, s in self._slots.items() if s.value < self.config.max_streams_per_server}
-            slots = self._slots[expert.peer_id] = trio.Semaphore(self.config.max_streams_per_server)
-        async with slots:
-            out = await self._call_on_a_stream(expert, kind, tensors, rows)
+        request = pb.ExpertRequest(uid=expert.uid, kind=kind, half=self.config.half)
         want = 2 if kind == Kind.INFO else 1
+        async with self._slots_of(expert.peer_id):
+            # an answer is at most as large as the caller's rows of a generous row (64 Ki values)
+            _, out = await self._call_on_a_stream(expert.peer_id, request, None if kind == Kind.INFO else tensors,
+                                                  4 * rows * (1 << 16) * want, f"expert {expert}")
         if len(out) != want:
             raise ExpertCallError(f"expert {expert}: answered {len(out)} tensors, not {want}")
         if kind != Kind.INFO and (out[0].dim() < 1 or out[0].shape[0] != rows):
@@ -234,33 +232,42 @@ class ExpertClient:
                                   f"{list(tensors[0].shape)}")
         return [t.float() for t in out]
 
-    async def _call_on_a_stream(self, expert: Expert, kind: KindValue, tensors: Sequence[torch.Tensor],
-                                rows: int) -> list[torch.Tensor]:
-        """The call on a kept stream, else (none kept, or the server closed it) on a new one."""
-        kept = self._take_stream(expert.peer_id)
+    def _slots_of(self, peer_id: ID) -> trio.Semaphore:
+        slots = self._slots.get(peer_id)
+        if slots is None:
+            if len(self._slots) > 10_000:  # bounded: drop the idle ones
+                self._slots = {p: s for p, s in self._slots.items() if s.value < self.config.max_streams_per_server}
+            slots = self._slots[peer_id] = trio.Semaphore(self.config.max_streams_per_server)
+        return slots
+
+    async def _call_on_a_stream(self, peer_id: ID, request: pb.ExpertRequest, tensors: Sequence[torch.Tensor] | None,
+                                max_bytes: int, what: str) -> tuple[pb.ExpertResponse, list[torch.Tensor]]:
+        """The exchange on a kept stream, else (none kept, or the server closed it) on a new one."""
+        kept = self._take_stream(peer_id)
         if kept is not None:
             try:
-                return await self._exchange(kept, expert, kind, tensors, rows)
+                return await self._exchange(kept, peer_id, request, tensors, max_bytes, what)
             except _StaleStream:
                 pass  # the server closed a kept stream (idle, restarted): once more on a new one
-        stream = await self.peer.new_stream(expert.peer_id, PROTOCOL)
+        stream = await self.peer.new_stream(peer_id, PROTOCOL)
         try:
-            return await self._exchange(_Kept(stream, FrameReader(stream), time.monotonic()), expert, kind,
-                                        tensors, rows)
+            return await self._exchange(_Kept(stream, FrameReader(stream), time.monotonic()), peer_id, request,
+                                        tensors, max_bytes, what)
         except _StaleStream as e:
-            raise ExpertCallError(f"expert {expert}: the stream ended before an answer ({e})") from None
+            raise ExpertCallError(f"{what}: the stream ended before an answer ({e})") from None
 
-    async def _exchange(self, kept: _Kept, expert: Expert, kind: KindValue, tensors: Sequence[torch.Tensor],
-                        rows: int) -> list[torch.Tensor]:
+    async def _exchange(self, kept: _Kept, peer_id: ID, request: pb.ExpertRequest,
+                        tensors: Sequence[torch.Tensor] | None, max_bytes: int, what: str
+                        ) -> tuple[pb.ExpertResponse, list[torch.Tensor]]:
         """One request and its answer on ``kept``; the stream is kept again only after an OK answer
         read whole. :class:`_StaleStream` when it failed before any byte of an answer came back."""
         stream, reader = kept.stream, kept.reader
         try:
             try:
-                await stream.write(frame(pb.ExpertRequest(uid=expert.uid, kind=kind, half=self.config.half)))
-                if kind != Kind.INFO:
-                    wire = [t.detach().to(torch.float16 if self.config.half else torch.float32) for t in tensors]
-                    await send_tensors(stream, wire)
+                await stream.write(frame(request))
+                if tensors is not None:
+                    await send_tensors(stream, [t.detach().to(torch.float16 if request.half else torch.float32)
+                                                for t in tensors])
                 if await reader.at_eof():
                     raise _StaleStream("closed")
             except (OSError, EOFError, DedlocError) as e:
@@ -271,20 +278,86 @@ class ExpertClient:
                 raise _StaleStream(f"{type(e).__name__}: {e}") from None
             response = await reader.message(pb.ExpertResponse, "expert response")
             if response.status != Status.OK:
-                raise ExpertCallError(f"expert {expert}: {Status.Name(response.status).lower()}: "
+                raise ExpertCallError(f"{what}: {Status.Name(response.status).lower()}: "
                                       f"{response.reason or 'no reason given'}")
-            want = 2 if kind == Kind.INFO else 1
-            # an answer is at most as large as the caller's rows of a generous row (64 Ki values)
-            out = await receive_tensors(reader, max_bytes=4 * rows * (1 << 16) * want, max_tensors=want,
-                                        allow_nonfinite=False)
+            out = await receive_tensors(reader, max_bytes=max_bytes, max_tensors=2, allow_nonfinite=False)
         except (TensorStreamError, AllreduceProtocolError) as e:
             await finish_quietly(stream.reset)
-            raise ExpertCallError(f"expert {expert}: bad answer: {e}") from None
+            raise ExpertCallError(f"{what}: bad answer: {e}") from None
         except BaseException:
             await finish_quietly(stream.reset)
             raise
-        self._keep(expert.peer_id, kept)
-        return out
+        self._keep(peer_id, kept)
+        return response, out
+
+    async def call_many(self, experts: Sequence[Expert], kind: KindValue, tensors: Sequence[Sequence[torch.Tensor]],
+                        *, timeout: float) -> list[list[torch.Tensor] | ExpertCallError]:
+        """Several experts of one server in one exchange (FORWARD or BACKWARD; ``tensors[i]`` is expert
+        i's): each one's result, or its :class:`ExpertCallError` (it is banned). A trainer with many
+        batches in flight needs a stream per batch and server this way, not per batch and expert."""
+        if not experts:
+            return []
+        server = experts[0].peer_id
+        if any(e.peer_id != server for e in experts) or len(tensors) != len(experts) or kind == Kind.INFO:
+            raise ValueError("call_many: FORWARD or BACKWARD, experts of one server, one tensor list each")
+        rows = [int(t[0].shape[0]) for t in tensors]
+        what = f"server {str(server)[-8:]} ({len(experts)} experts)"
+        self.stats.calls += len(experts)
+        failure: str | None = None
+        timed_out = False
+        results: list[list[torch.Tensor] | ExpertCallError] = []
+        try:
+            if sum(rows) > self.config.max_rows:
+                raise ExpertCallError(f"{what}: {sum(rows)} rows in one call, more than max_rows {self.config.max_rows}")
+            for e in experts:
+                if e.addrs:
+                    self.peer.add_addrs(e.peer_id, list(e.addrs))
+                    break
+            joined = [torch.cat([t[i] for t in tensors]) for i in range(len(tensors[0]))]
+            request = pb.ExpertRequest(kind=kind, half=self.config.half, uids=[e.uid for e in experts], rows=rows)
+            with trio.fail_after(timeout):
+                async with self._slots_of(server):
+                    response, out = await self._call_on_a_stream(server, request, joined,
+                                                                 4 * sum(rows) * (1 << 16), what)
+            results = self._split_answer(experts, kind, tensors, rows, response, out, what)
+        except trio.TooSlowError:
+            failure, timed_out = f"{what}: no answer within {timeout:.1f} s", True
+        except ExpertCallError as e:
+            failure = str(e)
+        except Exception as e:  # the stream's own errors (reset, a dial's failure): the server is unreachable
+            failure = f"{what}: {type(e).__name__}: {e}"
+        if failure is not None:
+            results = [ExpertCallError(f"expert {e}: {failure}") for e in experts]
+        for expert, result in zip(experts, results):
+            if isinstance(result, ExpertCallError):
+                self.stats.failed(str(result), timed_out)
+                self.ban(expert, str(result))
+        return results
+
+    @staticmethod
+    def _split_answer(experts: Sequence[Expert], kind: KindValue, tensors: Sequence[Sequence[torch.Tensor]],
+                      rows: list[int], response: pb.ExpertResponse, out: list[torch.Tensor], what: str
+                      ) -> list[list[torch.Tensor] | ExpertCallError]:
+        if len(response.statuses) != len(experts) or len(response.reasons) != len(experts):
+            raise ExpertCallError(f"{what}: answered {len(response.statuses)} statuses for {len(experts)} experts")
+        ok = [i for i, status in enumerate(response.statuses) if status == Status.OK]
+        if len(out) != (1 if ok else 0):
+            raise ExpertCallError(f"{what}: answered {len(out)} tensors")
+        ok_rows = [rows[i] for i in ok]
+        if ok and (out[0].dim() < 1 or out[0].shape[0] != sum(ok_rows)):
+            raise ExpertCallError(f"{what}: answered {list(out[0].shape)} for {sum(ok_rows)} rows")
+        pieces = dict(zip(ok, torch.split(out[0].float(), ok_rows))) if ok else {}
+        results: list[list[torch.Tensor] | ExpertCallError] = []
+        for i, expert in enumerate(experts):
+            if i not in pieces:
+                results.append(ExpertCallError(f"expert {expert}: {Status.Name(response.statuses[i]).lower()}: "
+                                               f"{response.reasons[i] or 'no reason given'}"))
+            elif kind == Kind.BACKWARD and pieces[i].shape != tensors[i][0].shape:
+                results.append(ExpertCallError(f"expert {expert}: input gradient {list(pieces[i].shape)} for an "
+                                               f"input of {list(tensors[i][0].shape)}"))
+            else:
+                results.append([pieces[i]])
+        return results
 
     def _take_stream(self, peer_id: ID) -> _Kept | None:
         """A kept stream to ``peer_id`` idle for less than ``keep_streams_for``, or None."""

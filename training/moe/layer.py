@@ -6,8 +6,9 @@
    Learning@home 3.1: d dimensions of size M, one score per coordinate);
 2. finds each sample's ``k_best`` live experts by beam search over the DHT
    (:mod:`training.moe.beam_search`; warm searches read the cache only);
-3. sends each chosen expert the rows routed to it, all calls at once
-   (:meth:`ExpertClient.call` each); once every sample has ``k_min`` answers
+3. sends each chosen expert the rows routed to it, all at once, one exchange
+   per server carrying the rows of all its chosen experts
+   (:meth:`ExpertClient.call_many`); once every sample has ``k_min`` answers
    it waits at most ``timeout_after_k_min`` more for the rest, and never past
    ``forward_timeout`` counted from the start of the search;
 4. mixes the answers with the softmax of the answered experts' scores (the
@@ -96,28 +97,35 @@ class _Job:
 
 async def _call_all(client: ExpertClient, jobs: list[_Job], kind: KindValue, tensors_of: Any, samples: int,
                     k_min: int, deadline: float, after_k_min: float, report: CallReport) -> None:
-    """Every job's call at once, until each sample has ``k_min`` answers (+ ``after_k_min``) or ``deadline``."""
+    """Every job's call at once, one exchange per server (:meth:`ExpertClient.call_many`), until each
+    sample has ``k_min`` answers (+ ``after_k_min``) or ``deadline``."""
     need = torch.zeros(samples, dtype=torch.int64)
     for job in jobs:
         need[job.rows] += 1
     need = need.clamp(max=k_min)
     got = torch.zeros(samples, dtype=torch.int64)
     enough = trio.Event()
-    pending = len(jobs)
+    by_server: dict[object, list[_Job]] = {}
+    for job in jobs:
+        by_server.setdefault(job.expert.peer_id, []).append(job)
+    pending = len(by_server)
     started = time.monotonic()
 
     async with trio.open_nursery() as nursery:
         nursery.cancel_scope.deadline = trio.current_time() + max(0.0, deadline - time.monotonic())
 
-        async def one(job: _Job) -> None:
+        async def one_server(group: list[_Job]) -> None:
             nonlocal pending
-            try:
-                job.result = (await client.call(job.expert, kind, tensors_of(job),
-                                                timeout=max(1e-3, deadline - time.monotonic())))[0]
-                got[job.rows] += 1
-                report.answered += 1
-            except ExpertCallError as e:
-                report.failed.append(str(e))
+            results = await client.call_many([job.expert for job in group], kind,
+                                             [tensors_of(job) for job in group],
+                                             timeout=max(1e-3, deadline - time.monotonic()))
+            for job, result in zip(group, results):
+                if isinstance(result, ExpertCallError):
+                    report.failed.append(str(result))
+                else:
+                    job.result = result[0]
+                    got[job.rows] += 1
+                    report.answered += 1
             pending -= 1
             if pending == 0:
                 nursery.cancel_scope.cancel()
@@ -130,9 +138,9 @@ async def _call_all(client: ExpertClient, jobs: list[_Job], kind: KindValue, ten
             nursery.cancel_scope.cancel()
 
         nursery.start_soon(stop_after_k_min)
-        for job in jobs:
-            report.asked += 1
-            nursery.start_soon(one, job)
+        report.asked += len(jobs)
+        for group in by_server.values():
+            nursery.start_soon(one_server, group)
     report.late = report.asked - report.answered - len(report.failed)
     report.below_k_min = int((got < need).sum()) + int((need == 0).sum())
     report.calls_s += time.monotonic() - started

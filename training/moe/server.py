@@ -395,6 +395,8 @@ class ExpertServer:
     async def _serve(self, stream: INetStream, reader: FrameReader) -> bool:
         """One call; True when it was answered OK (the stream may carry the next one)."""
         request = await reader.message(pb.ExpertRequest, "expert request")
+        if request.uids:
+            return await self._serve_many(stream, reader, request)
         backend = self.backends.get(request.uid)
         if backend is None:
             await self._reply(stream, Status.UNKNOWN_EXPERT, f"this server does not host {request.uid!r:.100}")
@@ -431,6 +433,78 @@ class ExpertServer:
             return False
         await self._reply(stream, Status.OK)
         await send_tensors(stream, [task.result.half() if request.half else task.result])
+        return True
+
+
+    async def _serve_many(self, stream: INetStream, reader: FrameReader, request: pb.ExpertRequest) -> bool:
+        """A call of several experts (moe.proto): each answered on its own, the call OK as a whole."""
+        uids, rows = list(request.uids), list(request.rows)
+        if request.kind not in (Kind.FORWARD, Kind.BACKWARD) or len(uids) != len(rows) or len(uids) > 1024 \
+                or not all(rows) or sum(rows) > self.config.max_request_rows:
+            await self._reply(stream, Status.BAD_REQUEST, f"a call of {len(uids)} experts needs FORWARD or BACKWARD, "
+                              f"as many row counts, each >= 1, at most {self.config.max_request_rows} rows in all")
+            return False
+        backends = [self.backends.get(uid) for uid in uids]
+        known = [b for b in backends if b is not None]
+        if not known:
+            await self._reply(stream, Status.UNKNOWN_EXPERT, "this server hosts none of them")
+            return False
+        first = known[0]
+        if any(b.row_shape != first.row_shape or b.out_row_shape != first.out_row_shape for b in known):
+            await self._reply(stream, Status.BAD_REQUEST, "experts of different shapes cannot share a call")
+            return False
+        count = 1 if request.kind == Kind.FORWARD else 2
+        row = math.prod(first.row_shape) + (0 if count == 1 else math.prod(first.out_row_shape))
+        try:
+            tensors = await receive_tensors(reader, max_bytes=4 * sum(rows) * row, max_tensors=count,
+                                            allow_nonfinite=False)
+        except TensorStreamError as e:
+            await self._reply(stream, Status.BAD_REQUEST, str(e))
+            raise
+        problem = first.check(request.kind, tensors, self.config.max_request_rows)
+        if problem is None and tensors[0].shape[0] != sum(rows):
+            problem = f"{tensors[0].shape[0]} rows where the row counts add up to {sum(rows)}"
+        if problem is not None:
+            await self._reply(stream, Status.BAD_REQUEST, problem)
+            return False
+        pieces = list(zip(*(torch.split(t.float(), rows) for t in tensors)))
+        statuses: list[StatusValue] = []
+        reasons: list[str] = []
+        tasks: list[_Task | None] = []
+        for uid, backend, piece in zip(uids, backends, pieces):
+            task = None
+            if backend is None:
+                statuses.append(Status.UNKNOWN_EXPERT)
+                reasons.append(f"this server does not host {uid!r:.100}")
+            else:
+                task = _Task(list(piece))
+                try:
+                    self._pools[(uid, request.kind)].submit(task)
+                    statuses.append(Status.OK)
+                    reasons.append("")
+                    self.calls += 1
+                except Overloaded as e:
+                    task = None
+                    statuses.append(Status.OVERLOADED)
+                    reasons.append(str(e))
+            tasks.append(task)
+        outputs = []
+        for i, task in enumerate(tasks):
+            if task is None:
+                continue
+            await task.done.wait()
+            if task.error is not None or task.result is None:
+                statuses[i], reasons[i] = Status.FAILED, task.error or "no result"
+            else:
+                outputs.append(task.result)
+        for status in statuses:
+            if status != Status.OK:
+                name = Status.Name(status).lower()
+                self.refused[name] = self.refused.get(name, 0) + 1
+        await stream.write(frame(pb.ExpertResponse(status=Status.OK, statuses=statuses,
+                                                   reasons=[r[:300] for r in reasons])))
+        joined = [torch.cat(outputs)] if outputs else []
+        await send_tensors(stream, [t.half() for t in joined] if request.half else joined)
         return True
 
 

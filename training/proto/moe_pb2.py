@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18training/proto/moe.proto\x12\ndedloc.moe\"(\n\nExpertInfo\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\r\n\x05\x61\x64\x64rs\x18\x02 \x03(\x0c\"\x85\x01\n\rExpertRequest\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12,\n\x04kind\x18\x02 \x01(\x0e\x32\x1e.dedloc.moe.ExpertRequest.Kind\x12\x0c\n\x04half\x18\x03 \x01(\x08\"+\n\x04Kind\x12\x0b\n\x07\x46ORWARD\x10\x00\x12\x0c\n\x08\x42\x41\x43KWARD\x10\x01\x12\x08\n\x04INFO\x10\x02\"\xa6\x01\n\x0e\x45xpertResponse\x12\x31\n\x06status\x18\x01 \x01(\x0e\x32!.dedloc.moe.ExpertResponse.Status\x12\x0e\n\x06reason\x18\x02 \x01(\t\"Q\n\x06Status\x12\x06\n\x02OK\x10\x00\x12\x12\n\x0eUNKNOWN_EXPERT\x10\x01\x12\x0f\n\x0b\x42\x41\x44_REQUEST\x10\x02\x12\x0e\n\nOVERLOADED\x10\x03\x12\n\n\x06\x46\x41ILED\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18training/proto/moe.proto\x12\ndedloc.moe\"(\n\nExpertInfo\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\r\n\x05\x61\x64\x64rs\x18\x02 \x03(\x0c\"\xa1\x01\n\rExpertRequest\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12,\n\x04kind\x18\x02 \x01(\x0e\x32\x1e.dedloc.moe.ExpertRequest.Kind\x12\x0c\n\x04half\x18\x03 \x01(\x08\x12\x0c\n\x04uids\x18\x04 \x03(\t\x12\x0c\n\x04rows\x18\x05 \x03(\r\"+\n\x04Kind\x12\x0b\n\x07\x46ORWARD\x10\x00\x12\x0c\n\x08\x42\x41\x43KWARD\x10\x01\x12\x08\n\x04INFO\x10\x02\"\xec\x01\n\x0e\x45xpertResponse\x12\x31\n\x06status\x18\x01 \x01(\x0e\x32!.dedloc.moe.ExpertResponse.Status\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x33\n\x08statuses\x18\x03 \x03(\x0e\x32!.dedloc.moe.ExpertResponse.Status\x12\x0f\n\x07reasons\x18\x04 \x03(\t\"Q\n\x06Status\x12\x06\n\x02OK\x10\x00\x12\x12\n\x0eUNKNOWN_EXPERT\x10\x01\x12\x0f\n\x0b\x42\x41\x44_REQUEST\x10\x02\x12\x0e\n\nOVERLOADED\x10\x03\x12\n\n\x06\x46\x41ILED\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,11 +34,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EXPERTINFO']._serialized_start=40
   _globals['_EXPERTINFO']._serialized_end=80
   _globals['_EXPERTREQUEST']._serialized_start=83
-  _globals['_EXPERTREQUEST']._serialized_end=216
-  _globals['_EXPERTREQUEST_KIND']._serialized_start=173
-  _globals['_EXPERTREQUEST_KIND']._serialized_end=216
-  _globals['_EXPERTRESPONSE']._serialized_start=219
-  _globals['_EXPERTRESPONSE']._serialized_end=385
-  _globals['_EXPERTRESPONSE_STATUS']._serialized_start=304
-  _globals['_EXPERTRESPONSE_STATUS']._serialized_end=385
+  _globals['_EXPERTREQUEST']._serialized_end=244
+  _globals['_EXPERTREQUEST_KIND']._serialized_start=201
+  _globals['_EXPERTREQUEST_KIND']._serialized_end=244
+  _globals['_EXPERTRESPONSE']._serialized_start=247
+  _globals['_EXPERTRESPONSE']._serialized_end=483
+  _globals['_EXPERTRESPONSE_STATUS']._serialized_start=402
+  _globals['_EXPERTRESPONSE_STATUS']._serialized_end=483
 # @@protoc_insertion_point(module_scope)

@@ -61,6 +61,14 @@ class ExpertRequest(_message.Message):
     ExpertResponse, then, if OK, one tensor message: the outputs (FORWARD), the
     gradients of the inputs (BACKWARD), or one example input and output of
     batch size 1 (INFO: the schema).
+
+    Several experts of one server in one call: ``uids`` names them and ``rows`` how
+    many rows of the tensors are each one's, in order (the tensors are theirs
+    joined along the first dimension); ``uid`` is then empty. The answer's
+    ``statuses`` and ``reasons`` say how each fared, and its tensor message holds
+    the outputs (or input gradients) of those that are OK, joined in the same
+    order. One stream exchange per server and batch: a trainer with many batches
+    in flight needs a stream per batch and server, not per batch and expert.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -83,20 +91,32 @@ class ExpertRequest(_message.Message):
     UID_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
     HALF_FIELD_NUMBER: _builtins.int
+    UIDS_FIELD_NUMBER: _builtins.int
+    ROWS_FIELD_NUMBER: _builtins.int
     uid: _builtins.str
     kind: Global___ExpertRequest.Kind.ValueType
     half: _builtins.bool
     """tensors travel as float16 both ways (compression)"""
+    @_builtins.property
+    def uids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """several experts (FORWARD and BACKWARD only)"""
+
+    @_builtins.property
+    def rows(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """each one's rows"""
+
     def __init__(
         self,
         *,
         uid: _builtins.str = ...,
         kind: Global___ExpertRequest.Kind.ValueType = ...,
         half: _builtins.bool = ...,
+        uids: _abc.Iterable[_builtins.str] | None = ...,
+        rows: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["half", b"half", "kind", b"kind", "uid", b"uid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["half", b"half", "kind", b"kind", "rows", b"rows", "uid", b"uid", "uids", b"uids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -135,17 +155,27 @@ class ExpertResponse(_message.Message):
 
     STATUS_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    STATUSES_FIELD_NUMBER: _builtins.int
+    REASONS_FIELD_NUMBER: _builtins.int
     status: Global___ExpertResponse.Status.ValueType
     reason: _builtins.str
+    @_builtins.property
+    def statuses(self) -> _containers.RepeatedScalarFieldContainer[Global___ExpertResponse.Status.ValueType]:
+        """per expert of a call of several (status is then OK)"""
+
+    @_builtins.property
+    def reasons(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
         status: Global___ExpertResponse.Status.ValueType = ...,
         reason: _builtins.str = ...,
+        statuses: _abc.Iterable[Global___ExpertResponse.Status.ValueType] | None = ...,
+        reasons: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "reasons", b"reasons", "status", b"status", "statuses", b"statuses"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
