@@ -40,6 +40,8 @@ from .server import PROTOCOL, Kind, KindValue, Status
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+#: how an OVERLOADED answer reads in an ExpertCallError ("<expert>: overloaded: <reason>")
+OVERLOADED = Status.Name(Status.OVERLOADED).lower()
 
 
 class ExpertCallError(DedlocError):
@@ -70,24 +72,27 @@ class ClientConfig:
     backward_timeout: float = 20.0
     #: Send and receive float16 (half the bytes; the expert computes in float32).
     half: bool = False
-    #: An expert whose call failed is left out of searches this long.
+    #: An expert whose call failed is left out of searches this long (one that said it was overloaded:
+    #: overload_ban_time).
     ban_time: float = 30.0
+    overload_ban_time: float = 1.0
     #: Most rows the client sends in one call (the server's limit: keep them equal).
     max_rows: int = 4096
     #: Calls in flight to one server at once; more wait here for a free one. A server's resource
     #: manager refuses more than 128 inbound streams per peer and protocol (its default
-    #: ``max_inbound_streams_per_peer_protocol``): an asynchronous trainer with dozens of batches in
-    #: flight, each calling several experts of one server, would be refused without this.
-    max_streams_per_server: int = 64
+    #: ``max_inbound_streams_per_peer_protocol``), and counts the kept ones and those a caller gave up
+    #: on (cancelled, reset) until the server notices: in flight and kept together stay well below it
+    #: (32 + 16), and a stream taken out of use is closed before the next call.
+    max_streams_per_server: int = 32
     #: Streams kept open per server between calls, and for how long at most (below the server's idle_timeout).
-    max_idle_streams: int = 32
+    max_idle_streams: int = 16
     keep_streams_for: float = 30.0
     #: Most worker threads :meth:`ExpertClient.run` keeps at once: asynchronous trainers keep many
     #: batches in flight to hide the swarm's latency (Learning@home 3.2), more than trio's default 40.
     max_threads: int = 128
 
     def validate(self) -> None:
-        for name in ("forward_timeout", "backward_timeout", "ban_time"):
+        for name in ("forward_timeout", "backward_timeout", "ban_time", "overload_ban_time"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"expert client: {name} must be positive, got {getattr(self, name)}")
         for name in ("max_rows", "max_threads", "max_streams_per_server", "max_idle_streams"):
@@ -167,11 +172,14 @@ class ExpertClient:
         return True
 
     def ban(self, expert: Expert, reason: str) -> None:
+        """Leave ``expert`` out of searches for ``ban_time`` (``overload_ban_time`` when it said it was
+        overloaded: busy, not broken; a long ban of every busy expert of a small grid would empty it)."""
         if len(self._banned) > 100_000:  # bounded: forget the oldest half
             for key in sorted(self._banned, key=self._banned.__getitem__)[:50_000]:
                 del self._banned[key]
-        self._banned[(expert.uid, expert.peer_id)] = time.monotonic() + self.config.ban_time
-        log.info("expert %s left out for %.0f s: %s", expert, self.config.ban_time, reason)
+        seconds = self.config.overload_ban_time if f": {OVERLOADED}:" in reason else self.config.ban_time
+        self._banned[(expert.uid, expert.peer_id)] = time.monotonic() + seconds
+        log.info("expert %s left out for %.0f s: %s", expert, seconds, reason)
 
     # ------------------------------------------------------------------ calls
 
@@ -215,8 +223,6 @@ class ExpertClient:
                                   f"{self.config.max_rows}")
         if expert.addrs:
             self.peer.add_addrs(expert.peer_id, list(expert.addrs))
-        while self._closing:  # streams taken out of use since the last call
-            await finish_quietly(self._closing.pop().stream.close, timeout=0.1)
         request = pb.ExpertRequest(uid=expert.uid, kind=kind, half=self.config.half)
         want = 2 if kind == Kind.INFO else 1
         async with self._slots_of(expert.peer_id):
@@ -243,6 +249,8 @@ class ExpertClient:
     async def _call_on_a_stream(self, peer_id: ID, request: pb.ExpertRequest, tensors: Sequence[torch.Tensor] | None,
                                 max_bytes: int, what: str) -> tuple[pb.ExpertResponse, list[torch.Tensor]]:
         """The exchange on a kept stream, else (none kept, or the server closed it) on a new one."""
+        while self._closing:  # streams taken out of use since the last call: the server counts them open
+            await finish_quietly(self._closing.pop().stream.close, timeout=0.1)
         kept = self._take_stream(peer_id)
         if kept is not None:
             try:

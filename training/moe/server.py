@@ -58,7 +58,7 @@ class ServerConfig:
     #: Most rows in one request.
     max_request_rows: int = 4096
     #: Requests waiting per expert and kind before the server answers OVERLOADED.
-    max_queue: int = 64
+    max_queue: int = 256
     #: Extra time a batch waits for more requests once the device is free (0: none).
     max_wait: float = 0.0
     #: Time for a caller to send its request, and for the server to answer it.
