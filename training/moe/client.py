@@ -203,15 +203,8 @@ class ExpertClient:
         try:
             with trio.fail_after(timeout):
                 return await self._call(expert, kind, tensors)
-        except trio.TooSlowError:
-            reason = f"expert {expert}: no answer within {timeout:.1f} s"
-            timed_out = True
-        except ExpertCallError as e:
-            reason, timed_out = str(e), False
-        except (DedlocError, OSError, EOFError, ValueError) as e:
-            reason, timed_out = f"expert {expert}: {type(e).__name__}: {e}", False
-        except Exception as e:  # the stream's own errors (reset, a dial's failure): the expert is unreachable
-            reason, timed_out = f"expert {expert}: {type(e).__name__}: {e}", False
+        except Exception as e:  # the stream's own errors too (reset, a dial's failure): the expert is unreachable
+            reason, timed_out = _failure(e, f"expert {expert}", timeout)
         self.stats.failed(reason, timed_out)
         self.ban(expert, reason)
         raise ExpertCallError(reason)
@@ -328,12 +321,8 @@ class ExpertClient:
                     response, out = await self._call_on_a_stream(server, request, joined,
                                                                  4 * sum(rows) * (1 << 16), what)
             results = self._split_answer(experts, kind, tensors, rows, response, out, what)
-        except trio.TooSlowError:
-            failure, timed_out = f"{what}: no answer within {timeout:.1f} s", True
-        except ExpertCallError as e:
-            failure = str(e)
-        except Exception as e:  # the stream's own errors (reset, a dial's failure): the server is unreachable
-            failure = f"{what}: {type(e).__name__}: {e}"
+        except Exception as e:  # the stream's own errors too (reset, a dial's failure): the server is unreachable
+            failure, timed_out = _failure(e, what, timeout)
         if failure is not None:
             results = [ExpertCallError(f"expert {e}: {failure}") for e in experts]
         for expert, result in zip(experts, results):
@@ -395,6 +384,15 @@ class ExpertClient:
         closing, self._closing = self._closing, []
         for kept in closing:
             await finish_quietly(kept.stream.close)
+
+
+def _failure(e: Exception, what: str, timeout: float) -> tuple[str, bool]:
+    """What a failed call says (and whether it timed out): one wording for single and many-expert calls."""
+    if isinstance(e, trio.TooSlowError):
+        return f"{what}: no answer within {timeout:.1f} s", True
+    if isinstance(e, ExpertCallError):
+        return str(e), False
+    return f"{what}: {type(e).__name__}: {e}", False
 
 
 class _StaleStream(Exception):

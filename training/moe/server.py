@@ -30,7 +30,6 @@ from typing import TypeAlias
 import torch
 import trio
 from libp2p.abc import INetStream
-from multiaddr import Multiaddr
 
 from averaging.tensor_stream import TensorStreamError, receive_tensors, send_tensors
 from averaging.errors import AllreduceProtocolError
@@ -292,7 +291,7 @@ class ExpertServer:
         records some replica took."""
         now = time.time()
         records: dict[tuple[str, str], bytes] = {}
-        addrs = [bytes(a.to_bytes()) for a in self._public_addrs()]
+        addrs = [bytes(a.to_bytes()) for a in self.peer.addrs]
         for uid in sorted(b.uid for b in self.backends.values()):
             for key, coord in uid.level_keys():
                 records.setdefault((key, coordinate_subkey(coord, self.peer.peer_id)),
@@ -315,9 +314,6 @@ class ExpertServer:
         self.declared_at = now
         log.debug("experts: declared %d of %d records", stored, len(records))
         return stored
-
-    def _public_addrs(self) -> list[Multiaddr]:
-        return list(self.peer.addrs)
 
     async def _declare_loop(self) -> None:
         while True:
