@@ -69,7 +69,7 @@ async def dmoe_at(delay_ms: float, args: argparse.Namespace) -> dict[str, Any]:
                                 stdout=log, stderr=log, cwd=str(REPO))
         try:
             result = await worker(trainer, ["--initial-peers", boot, "--seconds", str(args.seconds), "--concurrency",
-                                            str(args.concurrency)], timeout=args.seconds + 180)
+                                            str(args.concurrency), "--streams", str(args.streams)], timeout=args.seconds + 180)
         except RuntimeError as e:
             said = []
             for log in logs:
@@ -111,6 +111,7 @@ def main() -> None:
     p.add_argument("--delays", default="0,50,100,200", help="one-way delays in ms, comma-separated")
     p.add_argument("--seconds", type=float, default=20.0, help="measured time of each setup (after 5 s of warm-up)")
     p.add_argument("--concurrency", type=int, default=64, help="batches the DMoE trainer keeps in flight")
+    p.add_argument("--streams", type=int, default=32, help="the trainer's calls in flight per expert server")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     reason = netns_unavailable_reason()

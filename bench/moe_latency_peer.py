@@ -128,7 +128,8 @@ async def remote(args: argparse.Namespace) -> dict[str, float]:
     config = PeerConfig(node=NodeConfig(listen=["/ip4/0.0.0.0/tcp/0"], initial_peers=args.initial_peers), nat=nat,
                         dht=DHTConfig(mode=DHTMode.CLIENT, bootstrap_timeout=30.0), exchange_interval=None)
     target = torch.randn(args.batch, args.hidden)
-    async with Peer.open(config) as peer, ExpertClient.open(peer, ClientConfig(max_threads=args.concurrency + 4)) \
+    async with Peer.open(config) as peer, ExpertClient.open(peer, ClientConfig(max_threads=args.concurrency + 4,
+                                                                  max_streams_per_server=args.streams)) \
             as client:
         layer = RemoteMixtureOfExperts(client, in_features=args.hidden, grid_size=GRID, uid_prefix="ffn",
                                        config=MoEConfig(k_best=K, forward_timeout=30.0, backward_timeout=30.0,
@@ -168,6 +169,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--streams", type=int, default=32, help="the client's max_streams_per_server")
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--warmup", type=float, default=5.0)
     args = p.parse_args()

@@ -40,6 +40,7 @@ from .server import PROTOCOL, Kind, KindValue, Status
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+R = TypeVar("R")
 #: how an OVERLOADED answer reads in an ExpertCallError ("<expert>: overloaded: <reason>")
 OVERLOADED = Status.Name(Status.OVERLOADED).lower()
 
@@ -218,18 +219,21 @@ class ExpertClient:
             self.peer.add_addrs(expert.peer_id, list(expert.addrs))
         request = pb.ExpertRequest(uid=expert.uid, kind=kind, half=self.config.half)
         want = 2 if kind == Kind.INFO else 1
+
+        def check(_: pb.ExpertResponse, out: list[torch.Tensor]) -> list[torch.Tensor]:
+            if len(out) != want:
+                raise ExpertCallError(f"expert {expert}: answered {len(out)} tensors, not {want}")
+            if kind != Kind.INFO and (out[0].dim() < 1 or out[0].shape[0] != rows):
+                raise ExpertCallError(f"expert {expert}: answered {list(out[0].shape)} for {rows} rows")
+            if kind == Kind.BACKWARD and out[0].shape != tensors[0].shape:
+                raise ExpertCallError(f"expert {expert}: input gradient {list(out[0].shape)} for an input of "
+                                      f"{list(tensors[0].shape)}")
+            return [t.float() for t in out]
+
         async with self._slots_of(expert.peer_id):
             # an answer is at most as large as the caller's rows of a generous row (64 Ki values)
-            _, out = await self._call_on_a_stream(expert.peer_id, request, None if kind == Kind.INFO else tensors,
-                                                  4 * rows * (1 << 16) * want, f"expert {expert}")
-        if len(out) != want:
-            raise ExpertCallError(f"expert {expert}: answered {len(out)} tensors, not {want}")
-        if kind != Kind.INFO and (out[0].dim() < 1 or out[0].shape[0] != rows):
-            raise ExpertCallError(f"expert {expert}: answered {list(out[0].shape)} for {rows} rows")
-        if kind == Kind.BACKWARD and out[0].shape != tensors[0].shape:
-            raise ExpertCallError(f"expert {expert}: input gradient {list(out[0].shape)} for an input of "
-                                  f"{list(tensors[0].shape)}")
-        return [t.float() for t in out]
+            return await self._call_on_a_stream(expert.peer_id, request, None if kind == Kind.INFO else tensors,
+                                                4 * rows * (1 << 16) * want, f"expert {expert}", check)
 
     def _slots_of(self, peer_id: ID) -> trio.Semaphore:
         slots = self._slots.get(peer_id)
@@ -240,28 +244,31 @@ class ExpertClient:
         return slots
 
     async def _call_on_a_stream(self, peer_id: ID, request: pb.ExpertRequest, tensors: Sequence[torch.Tensor] | None,
-                                max_bytes: int, what: str) -> tuple[pb.ExpertResponse, list[torch.Tensor]]:
-        """The exchange on a kept stream, else (none kept, or the server closed it) on a new one."""
+                                max_bytes: int, what: str,
+                                check: Callable[[pb.ExpertResponse, list[torch.Tensor]], R]) -> R:
+        """The exchange on a kept stream, else (none kept, or the server closed it) on a new one; what
+        ``check`` makes of the answer (it raises :class:`ExpertCallError` for a wrong one)."""
         while self._closing:  # streams taken out of use since the last call: the server counts them open
             await finish_quietly(self._closing.pop().stream.close, timeout=0.1)
         kept = self._take_stream(peer_id)
         if kept is not None:
             try:
-                return await self._exchange(kept, peer_id, request, tensors, max_bytes, what)
+                return await self._exchange(kept, peer_id, request, tensors, max_bytes, what, check)
             except _StaleStream:
                 pass  # the server closed a kept stream (idle, restarted): once more on a new one
         stream = await self.peer.new_stream(peer_id, PROTOCOL)
         try:
             return await self._exchange(_Kept(stream, FrameReader(stream), time.monotonic()), peer_id, request,
-                                        tensors, max_bytes, what)
+                                        tensors, max_bytes, what, check)
         except _StaleStream as e:
             raise ExpertCallError(f"{what}: the stream ended before an answer ({e})") from None
 
     async def _exchange(self, kept: _Kept, peer_id: ID, request: pb.ExpertRequest,
-                        tensors: Sequence[torch.Tensor] | None, max_bytes: int, what: str
-                        ) -> tuple[pb.ExpertResponse, list[torch.Tensor]]:
+                        tensors: Sequence[torch.Tensor] | None, max_bytes: int, what: str,
+                        check: Callable[[pb.ExpertResponse, list[torch.Tensor]], R]) -> R:
         """One request and its answer on ``kept``; the stream is kept again only after an OK answer
-        read whole. :class:`_StaleStream` when it failed before any byte of an answer came back."""
+        read whole that ``check`` accepts (a server that answered wrong is not asked again on it).
+        :class:`_StaleStream` when it failed before any byte of an answer came back."""
         stream, reader = kept.stream, kept.reader
         try:
             try:
@@ -282,6 +289,7 @@ class ExpertClient:
                 raise ExpertCallError(f"{what}: {Status.Name(response.status).lower()}: "
                                       f"{response.reason or 'no reason given'}")
             out = await receive_tensors(reader, max_bytes=max_bytes, max_tensors=2, allow_nonfinite=False)
+            result = check(response, out)
         except (TensorStreamError, AllreduceProtocolError) as e:
             await finish_quietly(stream.reset)
             raise ExpertCallError(f"{what}: bad answer: {e}") from None
@@ -289,7 +297,7 @@ class ExpertClient:
             await finish_quietly(stream.reset)
             raise
         self._keep(peer_id, kept)
-        return response, out
+        return result
 
     async def call_many(self, experts: Sequence[Expert], kind: KindValue, tensors: Sequence[Sequence[torch.Tensor]],
                         *, timeout: float) -> list[list[torch.Tensor] | ExpertCallError]:
@@ -316,11 +324,15 @@ class ExpertClient:
                     break
             joined = [torch.cat([t[i] for t in tensors]) for i in range(len(tensors[0]))]
             request = pb.ExpertRequest(kind=kind, half=self.config.half, uids=[e.uid for e in experts], rows=rows)
+
+            def check(response: pb.ExpertResponse, out: list[torch.Tensor]
+                      ) -> list[list[torch.Tensor] | ExpertCallError]:
+                return self._split_answer(experts, kind, tensors, rows, response, out, what)
+
             with trio.fail_after(timeout):
                 async with self._slots_of(server):
-                    response, out = await self._call_on_a_stream(server, request, joined,
-                                                                 4 * sum(rows) * (1 << 16), what)
-            results = self._split_answer(experts, kind, tensors, rows, response, out, what)
+                    results = await self._call_on_a_stream(server, request, joined, 4 * sum(rows) * (1 << 16),
+                                                           what, check)
         except Exception as e:  # the stream's own errors too (reset, a dial's failure): the server is unreachable
             failure, timed_out = _failure(e, what, timeout)
         if failure is not None:
@@ -413,18 +425,19 @@ class _RemoteCall(torch.autograd.Function):
     """One expert as an autograd function: forward and backward are calls over the swarm."""
 
     @staticmethod
-    def forward(ctx: Any, client: ExpertClient, expert: Expert, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, client: ExpertClient, expert: Expert, _trains: torch.Tensor, x: torch.Tensor
+                ) -> torch.Tensor:
         ctx.client, ctx.expert = client, expert
         ctx.save_for_backward(x)
         out = client.blocking(client.forward, expert, x.detach().cpu())
         return out.to(x.device, x.dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, torch.Tensor]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, torch.Tensor | None]:
         (x,) = ctx.saved_tensors
         client: ExpertClient = ctx.client
         gx = client.blocking(client.backward, ctx.expert, x.detach().cpu(), grad.detach().cpu())
-        return None, None, gx.to(x.device, x.dtype)
+        return None, None, None, gx.to(x.device, x.dtype) if ctx.needs_input_grad[3] else None
 
 
 class RemoteExpert(torch.nn.Module):
@@ -439,7 +452,9 @@ class RemoteExpert(torch.nn.Module):
         self.expert = expert
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = _RemoteCall.apply(self.client, self.expert, x)  # type: ignore[no-untyped-call]
+        # ``trains`` requires grad: the backward (the expert's training) runs even when x does not
+        trains = torch.empty(0, requires_grad=True)
+        out: torch.Tensor = _RemoteCall.apply(self.client, self.expert, trains, x)  # type: ignore[no-untyped-call]
         return out
 
 

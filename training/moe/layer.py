@@ -150,7 +150,7 @@ class _MoECall(torch.autograd.Function):
     """All the remote calls of one forward, as one differentiable step: x -> (outputs [B, k, ...], answered [B, k])."""
 
     @staticmethod
-    def forward(ctx: Any, layer: RemoteMixtureOfExperts, jobs: list[_Job], deadline: float,
+    def forward(ctx: Any, layer: RemoteMixtureOfExperts, jobs: list[_Job], deadline: float, _trains: torch.Tensor,
                 x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         client, cfg = layer.client, layer.config
         xc = x.detach().cpu()
@@ -199,7 +199,7 @@ class _MoECall(torch.autograd.Function):
         for job in jobs:
             if job.result is not None:
                 grad_x.index_add_(0, job.rows, job.result)
-        return None, None, None, grad_x.to(x.device, x.dtype)
+        return None, None, None, None, grad_x.to(x.device, x.dtype) if ctx.needs_input_grad[4] else None
 
 
 class RemoteMixtureOfExperts(torch.nn.Module):
@@ -240,7 +240,10 @@ class RemoteMixtureOfExperts(torch.nn.Module):
             for j, beam in enumerate(sample):
                 coords[i, j] = torch.tensor(beam.coords)
                 chosen[i, j] = True
-        outputs, answered = _MoECall.apply(self, jobs, deadline, x)  # type: ignore[no-untyped-call]
+        # ``trains`` requires grad, so autograd runs the backward (the experts' training) even when x
+        # does not (the mixture as a model's first layer), as hivemind's DUMMY tensor does
+        trains = torch.empty(0, requires_grad=True)
+        outputs, answered = _MoECall.apply(self, jobs, deadline, trains, x)  # type: ignore[no-untyped-call]
         # an expert's score: the sum of its coordinates' scores (differentiable: the gate learns)
         coords = coords.to(x.device)
         scores = sum(s.gather(1, coords[:, :, d]) for d, s in enumerate(grid_scores))

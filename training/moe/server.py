@@ -92,12 +92,18 @@ class Overloaded(Exception):
     """The expert's queue is full."""
 
 
+class _Abandoned(Exception):
+    """The caller went away (reset or closed its stream) before its answer was ready."""
+
+
 @dataclass(eq=False)
 class _Task:
     tensors: list[torch.Tensor]
     done: trio.Event = field(default_factory=trio.Event)
     result: torch.Tensor | None = None
     error: str | None = None
+    #: the caller gave up: a batch that has not started yet leaves the task out
+    abandoned: bool = False
 
     @property
     def rows(self) -> int:
@@ -192,6 +198,8 @@ class _Pool:
         self.backend, self.kind, self.config = backend, kind, config
         self.send, self.receive = trio.open_memory_channel[_Task](config.max_queue)
         self.batches = 0
+        #: tasks left out because their caller had gone
+        self.dropped = 0
 
     def submit(self, task: _Task) -> None:
         try:
@@ -212,7 +220,10 @@ class _Pool:
                         batch.append(self.receive.receive_nowait())
                     except trio.WouldBlock:
                         break
-                await self._process(batch)
+                self.dropped += sum(t.abandoned for t in batch)
+                batch = [t for t in batch if not t.abandoned]
+                if batch:
+                    await self._process(batch)
 
     async def _process(self, batch: list[_Task]) -> None:
         sizes = [t.rows for t in batch]
@@ -257,8 +268,9 @@ class ExpertServer:
         self._device = trio.Lock()
         self.declared_at: float | None = None
         self.calls = 0
-        #: streams callers opened (each may carry many calls)
+        #: streams callers opened (each may carry many calls); calls whose caller went away before the answer
         self.streams = 0
+        self.abandoned = 0
         self.refused: dict[str, int] = {}
 
     @classmethod
@@ -381,12 +393,42 @@ class ExpertServer:
                     if not await self._serve(stream, reader):
                         break
             await finish_quietly(stream.close)
+        except _Abandoned:
+            await finish_quietly(stream.reset)
         except (trio.TooSlowError, AllreduceProtocolError, TensorStreamError, OSError, EOFError) as e:
             log.debug("experts: a call from %s failed: %s", stream.muxed_conn.peer_id, e)
             await finish_quietly(stream.reset)
         except Exception as e:  # the stream's own errors (reset by the caller that gave up)
             log.debug("experts: a call from %s ended: %s: %s", stream.muxed_conn.peer_id, type(e).__name__, e)
             await finish_quietly(stream.reset)
+
+    async def _wait(self, reader: FrameReader, tasks: Sequence[_Task]) -> None:
+        """Until ``tasks`` are done, or the caller goes away: a caller that gave up (its timeout, or
+        a mixture that had its k_min answers) resets its stream, and its tasks still queued are then
+        left out of their batches (no device time for answers nobody reads) and the stream given up
+        at once (this node's resource manager counts it against the caller's stream limits until then,
+        and under load those queued answers would outlive the callers' timeouts and crowd out the
+        next calls). Raises :class:`_Abandoned` in that case."""
+        gone = False
+        async with trio.open_nursery() as nursery:
+            async def watch() -> None:
+                nonlocal gone
+                try:
+                    gone = await reader.at_eof()  # a caller sends nothing before its answer
+                except Exception:  # reset
+                    gone = True
+                if gone:
+                    nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch)
+            for task in tasks:
+                await task.done.wait()
+            nursery.cancel_scope.cancel()
+        if gone:
+            for task in tasks:
+                task.abandoned = True
+            self.abandoned += 1
+            raise _Abandoned
 
     async def _serve(self, stream: INetStream, reader: FrameReader) -> bool:
         """One call; True when it was answered OK (the stream may carry the next one)."""
@@ -423,7 +465,7 @@ class ExpertServer:
             await self._reply(stream, Status.OVERLOADED, str(e))
             return False
         self.calls += 1
-        await task.done.wait()
+        await self._wait(reader, [task])
         if task.error is not None or task.result is None:
             await self._reply(stream, Status.FAILED, task.error or "no result")
             return False
@@ -484,11 +526,11 @@ class ExpertServer:
                     statuses.append(Status.OVERLOADED)
                     reasons.append(str(e))
             tasks.append(task)
+        await self._wait(reader, [t for t in tasks if t is not None])
         outputs = []
         for i, task in enumerate(tasks):
             if task is None:
                 continue
-            await task.done.wait()
             if task.error is not None or task.result is None:
                 statuses[i], reasons[i] = Status.FAILED, task.error or "no result"
             else:
