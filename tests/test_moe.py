@@ -18,7 +18,7 @@ from training.moe import (ClientConfig, Expert, ExpertBackend, ExpertCallError, 
 from training.moe.beam_search import Beam, parse_successors, select
 from training.moe.experts import FeedforwardBlock
 from training.moe.grid import ExpertUid, UidError, coordinate_subkey, expand_pattern, parse_subkey
-from training.moe.layer import _plan
+from training.moe.layer import _exchanges, _plan
 from training.moe.server import Kind
 
 from .kit import loopback_peer_config
@@ -122,10 +122,16 @@ def test_select_keeps_the_best_live_extensions_and_skips_unusable_servers() -> N
     # at the last dimension a record must name the expert of its own coordinates
     lying = {(): {1: [Expert("e.3", a)], 3: [Expert("e.3", b)]}}
     assert [x.coords for x in select(scores, [Beam(0.0, ())], lying, 2, prefix="e")] == [(3,)]
-    jobs = _plan([[Beam(1.0, (1,), [Expert("e.1", a)]), Beam(0.5, (3,), [Expert("e.3", b)])],
-                  [Beam(1.0, (3,), [Expert("e.3", b)])]])
+    beams = [[Beam(1.0, (1,), [Expert("e.1", a)]), Beam(0.5, (3,), [Expert("e.3", b)])],
+             [Beam(1.0, (3,), [Expert("e.3", b)])]]
+    jobs = _plan(beams, 4096)
     assert {j.expert.uid: (j.rows.tolist(), j.slots.tolist()) for j in jobs} == {"e.1": ([0], [0]),
                                                                               "e.3": ([0, 1], [1, 0])}
+    # a batch larger than a call's max_rows: several jobs, and exchanges of at most max_rows rows
+    jobs = _plan(beams, 1)
+    assert sorted((j.expert.uid, j.rows.tolist()) for j in jobs) == [("e.1", [0]), ("e.3", [0]), ("e.3", [1])]
+    assert sorted(len(x) for x in _exchanges(jobs, 1)) == [1, 1, 1]
+    assert sorted(len(x) for x in _exchanges(_plan(beams, 4096), 4096)) == [1, 1]
     assert parse_successors(None) == {}
 
 
@@ -454,3 +460,19 @@ async def test_a_call_its_caller_gave_up_is_dropped_unanswered_and_frees_its_str
             assert backend.forwards == 0 and server._pools[("ffn.0.0", Kind.FORWARD)].dropped == 1
             out = await client.forward(expert, torch.randn(2, HID))
             assert out.shape == (2, HID) and backend.forwards == 1
+
+
+async def test_a_batch_larger_than_a_call_is_split_into_calls() -> None:
+    """An evaluation's batch of thousands of rows: exchanges of at most max_rows rows, not a refusal."""
+    async with swarm("ffn.[0:2].[0:2]") as sw:
+        async with ExpertClient.open(sw.client, ClientConfig(max_rows=4)) as client:
+            layer = RemoteMixtureOfExperts(client, in_features=HID, grid_size=(2, 2), uid_prefix="ffn",
+                                           config=MoEConfig(k_best=2))
+            x = torch.randn(16, HID, requires_grad=True)
+            y = await client.run(lambda: layer(x))
+            report = layer.last_report
+            assert report is not None and not report.failed and report.answered == report.asked >= 8
+            assert y.shape == (16, HID)
+            await client.run(lambda: y.sum().backward())
+            assert x.grad is not None and bool(torch.isfinite(x.grad).all())
+            assert sum(b.rows_processed for b in sw.servers[0].backends.values()) == 2 * 16 * 2  # fwd + bwd, k 2

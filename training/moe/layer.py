@@ -97,7 +97,7 @@ class _Job:
 
 async def _call_all(client: ExpertClient, jobs: list[_Job], kind: KindValue, tensors_of: Any, samples: int,
                     k_min: int, deadline: float, after_k_min: float, report: CallReport) -> None:
-    """Every job's call at once, one exchange per server (:meth:`ExpertClient.call_many`), until each
+    """Every job's call at once, one exchange per server and ``max_rows`` (:meth:`ExpertClient.call_many`), until each
     sample has ``k_min`` answers (+ ``after_k_min``) or ``deadline``."""
     need = torch.zeros(samples, dtype=torch.int64)
     for job in jobs:
@@ -105,10 +105,8 @@ async def _call_all(client: ExpertClient, jobs: list[_Job], kind: KindValue, ten
     need = need.clamp(max=k_min)
     got = torch.zeros(samples, dtype=torch.int64)
     enough = trio.Event()
-    by_server: dict[object, list[_Job]] = {}
-    for job in jobs:
-        by_server.setdefault(job.expert.peer_id, []).append(job)
-    pending = len(by_server)
+    exchanges = _exchanges(jobs, client.config.max_rows)
+    pending = len(exchanges)
     started = time.monotonic()
 
     async with trio.open_nursery() as nursery:
@@ -139,7 +137,7 @@ async def _call_all(client: ExpertClient, jobs: list[_Job], kind: KindValue, ten
 
         nursery.start_soon(stop_after_k_min)
         report.asked += len(jobs)
-        for group in by_server.values():
+        for group in exchanges:
             nursery.start_soon(one_server, group)
     report.late = report.asked - report.answered - len(report.failed)
     report.below_k_min = int((got < need).sum()) + int((need == 0).sum())
@@ -230,7 +228,7 @@ class RemoteMixtureOfExperts(torch.nn.Module):
         report = self.last_report = CallReport(samples=x.shape[0])
         beams = self.client.blocking(self._search, [s.detach() for s in grid_scores], deadline)
         report.search_s = time.monotonic() - started
-        jobs = _plan(beams)
+        jobs = _plan(beams, self.client.config.max_rows)
         if not jobs:
             raise MoEError(f"no live expert under {self.searcher.prefix!r} "
                            f"(grid {'x'.join(map(str, self.grid_size))}) within the timeout")
@@ -268,8 +266,9 @@ class RemoteMixtureOfExperts(torch.nn.Module):
         return beams
 
 
-def _plan(beams: list[list[Beam]]) -> list[_Job]:
-    """One call per chosen expert: the samples routed to it and their slots (a pure function)."""
+def _plan(beams: list[list[Beam]], max_rows: int) -> list[_Job]:
+    """One job per chosen expert and up to ``max_rows`` of its samples: the samples routed to it and
+    their slots (a pure function; a larger batch, an evaluation's say, is several jobs)."""
     routed: dict[Expert, tuple[list[int], list[int]]] = {}
     for i, sample in enumerate(beams):
         for j, beam in enumerate(sample):
@@ -277,7 +276,27 @@ def _plan(beams: list[list[Beam]]) -> list[_Job]:
             rows, slots = routed.setdefault(expert, ([], []))
             rows.append(i)
             slots.append(j)
-    return [_Job(e, torch.tensor(rows), torch.tensor(slots)) for e, (rows, slots) in routed.items()]
+    return [_Job(e, torch.tensor(rows[at:at + max_rows]), torch.tensor(slots[at:at + max_rows]))
+            for e, (rows, slots) in routed.items() for at in range(0, len(rows), max_rows)]
+
+
+def _exchanges(jobs: list[_Job], max_rows: int) -> list[list[_Job]]:
+    """The jobs in exchanges of one server each, of up to ``max_rows`` rows (a pure function)."""
+    out: list[list[_Job]] = []
+    by_server: dict[object, list[_Job]] = {}
+    for job in jobs:
+        by_server.setdefault(job.expert.peer_id, []).append(job)
+    for group in by_server.values():
+        current: list[_Job] = []
+        rows = 0
+        for job in group:
+            if current and rows + len(job.rows) > max_rows:
+                out.append(current)
+                current, rows = [], 0
+            current.append(job)
+            rows += len(job.rows)
+        out.append(current)
+    return out
 
 
 __all__ = ["CallReport", "MoEConfig", "RemoteMixtureOfExperts"]
