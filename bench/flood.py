@@ -1,6 +1,7 @@
 """A public relay under a connection flood: is the honest client still served?
 
     .venv/bin/python bench/flood.py [--scenarios idle,stalled,spread,spread-stalled,streams,dht,reservations] [--duration 30] [--json OUT]
+    sudo .venv/bin/python bench/flood.py --ipv6 [--scenarios spread,spread-stalled]
 
 Runs ``dedloc relay`` on 127.0.0.1 (its own process, so its memory and CPU are
 its own) and, from another address (127.1.0.1), an honest client that every
@@ -25,6 +26,11 @@ loopback; nothing leaves the machine). Every flood is bounded in count and time:
   (127.0.0.5), 8 at a time, each id holding its connection (and slot) until 16 newer
   ones were made.
 
+With ``--ipv6`` (root) the whole run is over IPv6, in a network namespace the bench makes and
+deletes, whose loopback takes every address of fd00::/16: the relay on fd00::1, the honest client
+in a /48 of its own, and the spread floods from addresses each in its own /48 (admission groups
+IPv6 by /56 and /48, as IPv4 by /24).
+
 Reported per scenario: honest successes, median latency against the baseline, the
 relay's RSS growth and CPU seconds, whether it stayed up, and its refusals by reason
 (``dedloc status``). Goals (issue 15): >= 99% honest success, median latency <= 2x
@@ -37,6 +43,7 @@ is measured on what it attacks.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -69,13 +76,49 @@ from p2p.multistream import encode  # noqa: E402
 from p2p.rpc import RPC_PROTOCOL  # noqa: E402
 from p2p.trio_util import read_lines  # noqa: E402
 
-HONEST_IP = "127.1.0.1"
 KEY = "flood-bench"
+#: --ipv6: the run's namespace routes all of fd00::/16 to its loopback (AnyIP), so any address in it
+#: can be a source, each attacker address in a /48 of its own
+V6_PREFIX = "fd00::/16"
 
 
-async def start_relay(port: int) -> tuple[trio.Process, str]:
+@dataclasses.dataclass(frozen=True)
+class Net:
+    """Who is where: the relay, the honest client, the seed and each flood's sources (IPv4 on
+    127.0.0.0/8, or with --ipv6 in fd00::/16 inside the run's own namespace)."""
+
+    family: int = socket.AF_INET
+    proto: str = "ip4"
+    relay: str = "127.0.0.1"
+    honest: str = "127.1.0.1"
+    idle: str = "127.0.0.2"
+    stalled: str = "127.0.0.3"
+    attacker: str = "127.0.0.4"
+    throwaway: str = "127.0.0.5"
+
+    def listen(self, host: str, port: int = 0) -> str:
+        return f"/{self.proto}/{host}/tcp/{port}"
+
+    def spread(self) -> list[str]:
+        """250 sources, each in its own /24 (IPv6: /48)."""
+        if self.family == socket.AF_INET6:
+            return [f"fd00:{i:x}::1" for i in range(0x10, 0x10 + 250)]
+        return [f"127.0.{i}.1" for i in range(10, 256)] + [f"127.2.{i}.1" for i in range(4)]
+
+    def spread_stalled(self) -> list[str]:
+        """400 sources, each in its own /24 (IPv6: /48), the honest client's not among them."""
+        if self.family == socket.AF_INET6:
+            return [f"fd00:{i:x}::1" for i in range(0x1000, 0x1000 + 400)]
+        return [f"127.0.{i}.1" for i in range(10, 256)] + [f"127.3.{i}.1" for i in range(154)]
+
+
+NET4 = Net()
+NET6 = Net(socket.AF_INET6, "ip6", "fd00::1", "fd00:ffff:1::1", "fd00:2::2", "fd00:3::3", "fd00:4::4", "fd00:5::5")
+
+
+async def start_relay(net: Net, port: int) -> tuple[trio.Process, str]:
     proc = await trio.lowlevel.open_process(
-        [sys.executable, "-X", "faulthandler", "-m", "nat.cli", "relay", "--ephemeral", "--json", "--listen", f"/ip4/127.0.0.1/tcp/{port}",
+        [sys.executable, "-X", "faulthandler", "-m", "nat.cli", "relay", "--ephemeral", "--json", "--listen", net.listen(net.relay, port),
          "--status-interval", "0", "--no-port-mapping"], stdout=subprocess.PIPE, cwd=str(REPO))
     assert proc.stdout is not None
     with trio.fail_after(60):
@@ -102,7 +145,7 @@ def cpu_seconds(pid: int) -> float:
 PHASES: list[dict[str, float]] = []
 
 
-async def honest_attempt(relay: str, relay_id: str, *, timeout: float) -> float | None:
+async def honest_attempt(net: Net, relay: str, relay_id: str, *, timeout: float) -> float | None:
     """Connect, ping, reserve a relay slot and DHT-get from a fresh node; seconds, or None when
     anything failed (the phases' times go to :data:`PHASES`)."""
     started = time.perf_counter()
@@ -113,7 +156,7 @@ async def honest_attempt(relay: str, relay_id: str, *, timeout: float) -> float 
 
     try:
         with trio.fail_after(timeout):
-            config = NodeConfig(listen=[f"/ip4/{HONEST_IP}/tcp/0"], dial_timeout=timeout, bootstrap_timeout=timeout)
+            config = NodeConfig(listen=[net.listen(net.honest)], dial_timeout=timeout, bootstrap_timeout=timeout)
             async with Node.open(config) as node:
                 mark("open")
                 await node.connect(relay, from_listen_port=True)
@@ -141,22 +184,22 @@ def node_id(text: str) -> Any:
     return ID.from_base58(text)
 
 
-async def honest_loop(relay: str, relay_id: str, duration: float, interval: float) -> list[float | None]:
+async def honest_loop(net: Net, relay: str, relay_id: str, duration: float, interval: float) -> list[float | None]:
     results: list[float | None] = []
     deadline = trio.current_time() + duration
     while trio.current_time() < deadline:
         began = trio.current_time()
-        results.append(await honest_attempt(relay, relay_id, timeout=10.0))
+        results.append(await honest_attempt(net, relay, relay_id, timeout=10.0))
         await trio.sleep(max(0.0, interval - (trio.current_time() - began)))
     return results
 
 
-async def open_idle(port: int, source: str, *, payload: bytes = b"") -> trio.SocketStream | None:
-    sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+async def open_idle(net: Net, port: int, source: str, *, payload: bytes = b"") -> trio.SocketStream | None:
+    sock = trio.socket.socket(net.family, socket.SOCK_STREAM)
     try:
         await sock.bind((source, 0))
         with trio.fail_after(3):
-            await sock.connect(("127.0.0.1", port))
+            await sock.connect((net.relay, port))
         stream = trio.SocketStream(sock)
         if payload:
             await stream.send_all(payload)
@@ -166,20 +209,19 @@ async def open_idle(port: int, source: str, *, payload: bytes = b"") -> trio.Soc
         return None
 
 
-async def flood(port: int, scenario: str, held: list[trio.SocketStream], stop: trio.Event) -> int:
+async def flood(net: Net, port: int, scenario: str, held: list[trio.SocketStream], stop: trio.Event) -> int:
     """Open the scenario's connections (bounded), hold them until ``stop``; the number opened."""
     stalled = encode("/multistream/1.0.0", "/noise")
     plan: list[tuple[str, bytes]]
     if scenario == "idle":
-        plan = [("127.0.0.2", b"")] * 10_000
+        plan = [(net.idle, b"")] * 10_000
     elif scenario == "stalled":
-        plan = [("127.0.0.3", stalled)] * 1_000
+        plan = [(net.stalled, stalled)] * 1_000
     elif scenario == "spread":
-        addresses = [f"127.0.{i}.1" for i in range(10, 256)] + [f"127.2.{i}.1" for i in range(4)]  # 250 /24s
+        addresses = net.spread()
         plan = [(a, b"") for _ in range(8) for a in addresses]
     elif scenario == "spread-stalled":
-        # 400 /24s (the honest client's 127.1.0.0/24 is not among them), 5 stalled handshakes each
-        addresses = [f"127.0.{i}.1" for i in range(10, 256)] + [f"127.3.{i}.1" for i in range(154)]
+        addresses = net.spread_stalled()  # 400 /24s (/48s), 5 stalled handshakes each
         plan = [(a, stalled) for _ in range(50) for a in addresses][:20_000]
     else:
         raise ValueError(scenario)
@@ -190,7 +232,7 @@ async def flood(port: int, scenario: str, held: list[trio.SocketStream], stop: t
             break
         if len(held) >= keep:
             await held.pop(0).aclose()
-        stream = await open_idle(port, source, payload=payload)
+        stream = await open_idle(net, port, source, payload=payload)
         if stream is not None:
             held.append(stream)
             opened += 1
@@ -198,11 +240,9 @@ async def flood(port: int, scenario: str, held: list[trio.SocketStream], stop: t
 
 
 NODE_SCENARIOS = ("streams", "dht", "reservations")
-ATTACKER_IP = "127.0.0.4"
-THROWAWAY_IP = "127.0.0.5"
 
 
-async def node_flood(relay: str, scenario: str, stop: trio.Event) -> int:
+async def node_flood(net: Net, relay: str, scenario: str, stop: trio.Event) -> int:
     """A connected attacker (a real node): streams, DHT requests or reservations, as fast as it
     can, until ``stop`` (bounded in count); the number of streams, requests or ids it made."""
     rid = node_id(relay.rsplit("/p2p/", 1)[1])
@@ -222,7 +262,7 @@ async def node_flood(relay: str, scenario: str, stop: trio.Event) -> int:
                 nursery.start_soon(worker)
 
     if scenario in ("streams", "dht"):
-        async with Node.open(NodeConfig(listen=[f"/ip4/{ATTACKER_IP}/tcp/0"])) as node:
+        async with Node.open(NodeConfig(listen=[net.listen(net.attacker)])) as node:
             await node.connect(relay)
             held: list[Any] = []
 
@@ -248,7 +288,7 @@ async def node_flood(relay: str, scenario: str, stop: trio.Event) -> int:
 
             async def throwaway(done: trio.Event) -> None:
                 with trio.move_on_after(120):
-                    async with Node.open(NodeConfig(listen=[f"/ip4/{THROWAWAY_IP}/tcp/0"])) as node:
+                    async with Node.open(NodeConfig(listen=[net.listen(net.throwaway)])) as node:
                         try:
                             await node.connect(relay)
                             await RelayClient(node).reserve(rid)
@@ -270,8 +310,8 @@ async def node_flood(relay: str, scenario: str, stop: trio.Event) -> int:
     return made
 
 
-async def status(relay: str, relay_id: str) -> dict[str, Any]:
-    async with Node.open(NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"])) as node:
+async def status(net: Net, relay: str, relay_id: str) -> dict[str, Any]:
+    async with Node.open(NodeConfig(listen=[net.listen(net.relay)])) as node:
         await node.connect(relay)
         reply = await node.rpc.call(node_id(relay_id), STATUS_METHOD, Empty(), Struct, timeout=10)
     return dict(MessageToDict(reply))
@@ -280,14 +320,15 @@ async def status(relay: str, relay_id: str) -> dict[str, Any]:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    proc, relay = await start_relay(args.port)
+    net = NET6 if args.ipv6 else NET4
+    proc, relay = await start_relay(net, args.port)
     relay_id = relay.rsplit("/p2p/", 1)[1]
     results: dict[str, Any] = {"relay": relay}
     async with trio.open_nursery() as nursery:
         # keep reading the relay's events: a full pipe would block its prints, and it with them
         nursery.start_soon(drain, proc)
         try:
-            await measure(args, proc, relay, relay_id, results)
+            await measure(net, args, proc, relay, relay_id, results)
         finally:
             nursery.cancel_scope.cancel()
             proc.terminate()
@@ -304,29 +345,29 @@ async def drain(proc: trio.Process) -> None:
         pass
 
 
-async def measure(args: argparse.Namespace, proc: trio.Process, relay: str, relay_id: str,
+async def measure(net: Net, args: argparse.Namespace, proc: trio.Process, relay: str, relay_id: str,
                   results: dict[str, Any]) -> None:
-    async with Node.open(NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"])) as seed:
+    async with Node.open(NodeConfig(listen=[net.listen(net.relay)])) as seed:
         await seed.connect(relay)
         async with DHT.open(seed, DHTConfig(mode=DHTMode.CLIENT)) as dht:
             assert await dht.store(KEY, b"still here", time.time() + 3600)
-    await honest_loop(relay, relay_id, 2 * args.interval, args.interval)  # warm-up (imports, first connections)
-    base = await honest_loop(relay, relay_id, args.baseline, args.interval)
+    await honest_loop(net, relay, relay_id, 2 * args.interval, args.interval)  # warm-up (imports, first connections)
+    base = await honest_loop(net, relay, relay_id, args.baseline, args.interval)
     ok = [r for r in base if r is not None]
     baseline = statistics.median(ok) if ok else float("nan")
     results["baseline"] = {"attempts": len(base), "ok": len(ok), "median_s": baseline}
     print(f"baseline: {len(ok)}/{len(base)} honest attempts, median {baseline * 1e3:.0f} ms", flush=True)
     for scenario in args.scenarios.split(","):
         rss0, cpu0 = rss_mib(proc.pid), cpu_seconds(proc.pid)
-        before = await status(relay, relay_id)
+        before = await status(net, relay, relay_id)
         # the attacker is a process of its own, as a real one would be (not sharing our CPU time)
         attacker = await trio.lowlevel.open_process(
             [sys.executable, __file__, "--attack", scenario, "--port", str(args.port), "--relay", relay,
-             "--attacker-nice", str(args.attacker_nice)],
+             "--attacker-nice", str(args.attacker_nice), *(["--ipv6", "--in-netns"] if args.ipv6 else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=str(REPO))
         try:
             await trio.sleep(2.0)  # let the flood build up
-            honest = await honest_loop(relay, relay_id, args.duration, args.interval)
+            honest = await honest_loop(net, relay, relay_id, args.duration, args.interval)
         finally:
             assert attacker.stdin is not None and attacker.stdout is not None
             await attacker.stdin.aclose()  # it stops opening, reports, closes everything and exits
@@ -340,7 +381,7 @@ async def measure(args: argparse.Namespace, proc: trio.Process, relay: str, rela
         opened = [int(json.loads(report or b'{"opened": 0}')["opened"])]
         peak_rss = rss_mib(proc.pid)
         alive = proc.poll() is None
-        after = await status(relay, relay_id) if alive else {}
+        after = await status(net, relay, relay_id) if alive else {}
         refusals = {k: v - before.get(k, 0) for k, v in after.items()  # this flood's, not the run's
                     if (k.startswith("resources.admission.refused.") or k.startswith("resources.refused."))
                     and isinstance(v, (int, float))}
@@ -357,7 +398,7 @@ async def measure(args: argparse.Namespace, proc: trio.Process, relay: str, rela
         await trio.sleep(args.settle)
 
 
-async def attack(scenario: str, port: int, relay: str, niceness: int) -> None:
+async def attack(net: Net, scenario: str, port: int, relay: str, niceness: int) -> None:
     """The attacker process: open the scenario's connections and hold them until stdin closes.
 
     It runs at the lowest priority (nice 19): on a real relay the attacker's CPU is its own
@@ -374,9 +415,9 @@ async def attack(scenario: str, port: int, relay: str, niceness: int) -> None:
 
         async def run_flood() -> None:
             if scenario in NODE_SCENARIOS:
-                opened.append(await node_flood(relay, scenario, stop))
+                opened.append(await node_flood(net, relay, scenario, stop))
             else:
-                opened.append(await flood(port, scenario, held, stop))
+                opened.append(await flood(net, port, scenario, held, stop))
 
         nursery.start_soon(run_flood)
         stdin = trio.lowlevel.FdStream(0)
@@ -407,6 +448,24 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def in_a_namespace(argv: list[str]) -> int:
+    """Run this bench again inside a network namespace made for it, whose loopback takes every
+    address of fd00::/16 (a local route and non-local binds: one address per /48 without adding
+    400 of them), and delete the namespace after; its exit status."""
+    if os.geteuid() != 0:
+        raise SystemExit("bench/flood.py --ipv6 needs root (it makes a network namespace)")
+    ns = f"dflood6-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        for command in (["ip", "link", "set", "lo", "up"], ["sysctl", "-qw", "net.ipv6.ip_nonlocal_bind=1"],
+                        ["ip", "-6", "route", "add", "local", V6_PREFIX, "dev", "lo"]):
+            subprocess.run(["ip", "netns", "exec", ns, *command], check=True)
+        return subprocess.run(["ip", "netns", "exec", ns, sys.executable, __file__, *argv, "--in-netns"],
+                              check=False).returncode
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=False)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenarios", default="idle,stalled,spread,spread-stalled,streams,dht,reservations")
@@ -419,11 +478,16 @@ def main() -> None:
     parser.add_argument("--attack", choices=["idle", "stalled", "spread", "spread-stalled", *NODE_SCENARIOS],
                         help=argparse.SUPPRESS)
     parser.add_argument("--relay", help=argparse.SUPPRESS)
+    parser.add_argument("--ipv6", action="store_true",
+                        help="everything over IPv6 in a namespace of the run's own (root): the spread floods from /48s")
+    parser.add_argument("--in-netns", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--attacker-nice", type=int, default=19, metavar="N",
                         help="the attacker process's niceness (19: it takes only the CPU the relay and client leave)")
     args = parser.parse_args()
+    if args.ipv6 and not args.in_netns:
+        raise SystemExit(in_a_namespace(sys.argv[1:]))
     if args.attack:
-        trio.run(attack, args.attack, args.port, args.relay, args.attacker_nice)
+        trio.run(attack, NET6 if args.ipv6 else NET4, args.attack, args.port, args.relay, args.attacker_nice)
         return
     if not 1 <= args.duration <= 600 or not 1 <= args.baseline <= 600:
         parser.error("--duration and --baseline must be 1..600 s")
