@@ -5,7 +5,7 @@
 The same mixture of 16 ffn experts (hidden 256, k 4 of a 4x4 grid, batches of 32: see
 bench/moe_latency_peer.py) trained (a) in one process, and (b) as DMoE: a lab host "experts" runs
 a bootstrap node (`dedloc relay`) and two `dedloc serve-experts` (8 experts each), a host
-"trainer" runs an asynchronous trainer (64 batches in flight); the path between them has
+"trainer" runs an asynchronous trainer (128 batches in flight); the path between them has
 --delays one-way (the experts host's access link; the lab's userspace wire where the kernel has
 no netem), a fresh lab for each delay. Printed: samples/s of each setup and the ratio of each
 delay's to the zero-delay DMoE's. The goal (issue "Decentralized mixture-of-experts"): at 200 ms
@@ -54,10 +54,29 @@ async def worker(host: Host | None, argv: list[str], timeout: float) -> dict[str
     return result
 
 
+async def tcp_counters(ns: str) -> dict[str, int]:
+    """The namespace's TCP segments sent and retransmitted (a long path's throughput is its loss's)."""
+    done = await trio.run_process(["ip", "netns", "exec", ns, "nstat", "-az", "TcpOutSegs", "TcpRetransSegs"],
+                                  capture_stdout=True, check=False)
+    out = {}
+    for line in done.stdout.decode().splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0].startswith("Tcp") and parts[1].isdigit():
+            out[parts[0]] = int(parts[1])
+    return out
+
+
 async def dmoe_at(delay_ms: float, args: argparse.Namespace) -> dict[str, Any]:
     async with Lab(prefix="dmoe", public_net=PUBLIC_NET) as lab:
         experts = await lab.public_host("experts", delay_ms=delay_ms)
         trainer = await lab.public_host("trainer", delay_ms=0.0)
+        if args.tcp_buffer_mib:
+            # a long fat path: Linux's default most send buffer (4 MiB) caps a TCP connection at
+            # about 4 MiB per round trip; an operator of a far server raises it like this
+            top = args.tcp_buffer_mib << 20
+            for host in (experts, trainer):
+                for knob in (f"net.ipv4.tcp_wmem=4096 16384 {top}", f"net.ipv4.tcp_rmem=4096 131072 {top}"):
+                    await trio.run_process(["ip", "netns", "exec", host.ns, "sysctl", "-qw", knob])
         _relay, boot = await relay_on(experts)
         logs = []
         for i, pattern in enumerate(("ffn.[0:4].[0:2]", "ffn.[0:4].[2:4]")):
@@ -69,7 +88,7 @@ async def dmoe_at(delay_ms: float, args: argparse.Namespace) -> dict[str, Any]:
                                 stdout=log, stderr=log, cwd=str(REPO))
         try:
             result = await worker(trainer, ["--initial-peers", boot, "--seconds", str(args.seconds), "--concurrency",
-                                            str(args.concurrency), "--streams", str(args.streams)], timeout=args.seconds + 180)
+                                            str(args.concurrency), "--streams", str(args.streams), *(["--half"] if args.half else [])], timeout=args.seconds + 180)
         except RuntimeError as e:
             said = []
             for log in logs:
@@ -80,6 +99,7 @@ async def dmoe_at(delay_ms: float, args: argparse.Namespace) -> dict[str, Any]:
             for log in logs:
                 log.close()
         result["mechanism"] = lab.mechanism
+        result["tcp"] = {host.name: await tcp_counters(host.ns) for host in (experts, trainer)}
         return result
 
 
@@ -92,7 +112,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         r = await dmoe_at(delay, args)
         results["dmoe"][f"{delay:g}ms"] = r
         print(f"DMoE, {delay:5g} ms one-way ({r['mechanism']}): {r['samples_per_s']:.0f} samples/s, "
-              f"{r['failed_batches']} batches failed, {r['call_failures']} of {r['calls']} calls failed", flush=True)
+              f"{r['failed_batches']} batches failed, {r['call_failures']} of {r['calls']} calls failed; per batch "
+              f"{r['mean_batch_s']} s; TCP {r['tcp']}", flush=True)
     base = results["dmoe"].get("0ms", {}).get("samples_per_s")
     ratios = {}
     if base:
@@ -110,8 +131,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--delays", default="0,50,100,200", help="one-way delays in ms, comma-separated")
     p.add_argument("--seconds", type=float, default=20.0, help="measured time of each setup (after 5 s of warm-up)")
-    p.add_argument("--concurrency", type=int, default=64, help="batches the DMoE trainer keeps in flight")
-    p.add_argument("--streams", type=int, default=32, help="the trainer's calls in flight per expert server")
+    p.add_argument("--concurrency", type=int, default=128, help="batches the DMoE trainer keeps in flight")
+    p.add_argument("--streams", type=int, default=64, help="the trainer's calls in flight per expert server")
+    p.add_argument("--half", action="store_true", help="tensors travel as float16 both ways")
+    p.add_argument("--tcp-buffer-mib", type=int, default=0,
+                   help="raise the lab hosts' most TCP send and receive buffer to this (0: the kernel's defaults)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     reason = netns_unavailable_reason()

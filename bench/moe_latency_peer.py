@@ -129,7 +129,8 @@ async def remote(args: argparse.Namespace) -> dict[str, float]:
                         dht=DHTConfig(mode=DHTMode.CLIENT, bootstrap_timeout=30.0), exchange_interval=None)
     target = torch.randn(args.batch, args.hidden)
     async with Peer.open(config) as peer, ExpertClient.open(peer, ClientConfig(max_threads=args.concurrency + 4,
-                                                                  max_streams_per_server=args.streams)) \
+                                                                  max_streams_per_server=args.streams,
+                                                                  max_idle_streams=args.streams, half=args.half)) \
             as client:
         layer = RemoteMixtureOfExperts(client, in_features=args.hidden, grid_size=GRID, uid_prefix="ffn",
                                        config=MoEConfig(k_best=K, forward_timeout=30.0, backward_timeout=30.0,
@@ -146,20 +147,29 @@ async def remote(args: argparse.Namespace) -> dict[str, float]:
         t0 = time.perf_counter()
         counter = Counter(t0 + args.warmup, t0 + args.warmup + args.seconds)
         failed = [0]
+        times: list[tuple[float, float, float, float]] = []  # per batch: all, search, forward calls, backward calls
 
         def worker() -> None:
             replica = RemoteMixtureOfExperts(client, in_features=args.hidden, grid_size=GRID, uid_prefix="ffn",
                                              config=layer.config)
             replica.searcher = layer.searcher  # one cache of live experts for every thread
-            failed[0] += counter.run(lambda: shared_step(replica, torch.randn(args.batch, args.hidden), target),
-                                     args.batch, (MoEError,))
+            def step() -> None:
+                began = time.perf_counter()
+                shared_step(replica, torch.randn(args.batch, args.hidden), target)
+                forward, backward = replica.last_report, replica.last_backward
+                if forward is not None and backward is not None:
+                    times.append((time.perf_counter() - began, forward.search_s, forward.calls_s, backward.calls_s))
+
+            failed[0] += counter.run(step, args.batch, (MoEError,))
 
         async with trio.open_nursery() as nursery:
             for _ in range(args.concurrency):
                 nursery.start_soon(client.run, worker)
         return {"samples_per_s": counter.samples / args.seconds, "failed_batches": failed[0],
                 "calls": client.stats.calls, "call_failures": client.stats.failures,
-                "reasons": client.stats.reasons[-3:]}
+                "reasons": client.stats.reasons[-3:],
+                "mean_batch_s": dict(zip(("step", "search", "forward_calls", "backward_calls"),
+                                         (round(sum(t[i] for t in times) / max(1, len(times)), 3) for i in range(4))))}
 
 
 def main() -> None:
@@ -168,8 +178,9 @@ def main() -> None:
     p.add_argument("--initial-peers", nargs="*", default=[])
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--streams", type=int, default=32, help="the client's max_streams_per_server")
+    p.add_argument("--concurrency", type=int, default=128)
+    p.add_argument("--streams", type=int, default=64, help="the client's max_streams_per_server (and idle streams)")
+    p.add_argument("--half", action="store_true", help="tensors travel as float16 (the client's half)")
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--warmup", type=float, default=5.0)
     args = p.parse_args()

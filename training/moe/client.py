@@ -43,6 +43,8 @@ T = TypeVar("T")
 R = TypeVar("R")
 #: how an OVERLOADED answer reads in an ExpertCallError ("<expert>: overloaded: <reason>")
 OVERLOADED = Status.Name(Status.OVERLOADED).lower()
+#: how a server's resource manager words a refused stream (p2p/resources.py): busy, not broken
+RESOURCE_LIMIT = "over the limit of"
 
 
 class ExpertCallError(DedlocError):
@@ -81,12 +83,14 @@ class ClientConfig:
     max_rows: int = 4096
     #: Calls in flight to one server at once; more wait here for a free one. A server's resource
     #: manager refuses more than 128 inbound streams per peer and protocol (its default
-    #: ``max_inbound_streams_per_peer_protocol``), and counts the kept ones and those a caller gave up
-    #: on (cancelled, reset) until the server notices: in flight and kept together stay well below it
-    #: (32 + 16), and a stream taken out of use is closed before the next call.
-    max_streams_per_server: int = 32
-    #: Streams kept open per server between calls, and for how long at most (below the server's idle_timeout).
-    max_idle_streams: int = 16
+    #: ``max_inbound_streams_per_peer_protocol``), and counts those a caller gave up on (reset) until
+    #: the reset arrives: a stream is either in a call or kept, so the two together never exceed this
+    #: (a new stream is opened only when every kept one is in use), half the server's limit.
+    max_streams_per_server: int = 64
+    #: Streams kept open per server between calls (at most max_streams_per_server), and for how long at
+    #: most (below the server's idle_timeout). Keep them all: a new stream costs a round trip (its
+    #: protocol's negotiation) before the request, which at 200 ms one-way was a third of the throughput.
+    max_idle_streams: int = 64
     keep_streams_for: float = 30.0
     #: Most worker threads :meth:`ExpertClient.run` keeps at once: asynchronous trainers keep many
     #: batches in flight to hide the swarm's latency (Learning@home 3.2), more than trio's default 40.
@@ -99,6 +103,8 @@ class ClientConfig:
         for name in ("max_rows", "max_threads", "max_streams_per_server", "max_idle_streams"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"expert client: {name} must be at least 1, got {getattr(self, name)}")
+        if self.max_idle_streams > self.max_streams_per_server:
+            raise ConfigError("expert client: max_idle_streams cannot exceed max_streams_per_server")
 
 
 @dataclass
@@ -174,11 +180,13 @@ class ExpertClient:
 
     def ban(self, expert: Expert, reason: str) -> None:
         """Leave ``expert`` out of searches for ``ban_time`` (``overload_ban_time`` when it said it was
-        overloaded: busy, not broken; a long ban of every busy expert of a small grid would empty it)."""
+        overloaded, or its node refused the stream over a resource limit: busy, not broken; a long ban
+        of every busy expert of a small grid would empty it)."""
         if len(self._banned) > 100_000:  # bounded: forget the oldest half
             for key in sorted(self._banned, key=self._banned.__getitem__)[:50_000]:
                 del self._banned[key]
-        seconds = self.config.overload_ban_time if f": {OVERLOADED}:" in reason else self.config.ban_time
+        busy = f": {OVERLOADED}:" in reason or RESOURCE_LIMIT in reason  # its queue, or its resource manager
+        seconds = self.config.overload_ban_time if busy else self.config.ban_time
         self._banned[(expert.uid, expert.peer_id)] = time.monotonic() + seconds
         log.info("expert %s left out for %.0f s: %s", expert, seconds, reason)
 
@@ -248,8 +256,12 @@ class ExpertClient:
                                 check: Callable[[pb.ExpertResponse, list[torch.Tensor]], R]) -> R:
         """The exchange on a kept stream, else (none kept, or the server closed it) on a new one; what
         ``check`` makes of the answer (it raises :class:`ExpertCallError` for a wrong one)."""
-        while self._closing:  # streams taken out of use since the last call: the server counts them open
-            await finish_quietly(self._closing.pop().stream.close, timeout=0.1)
+        # streams taken out of use since the last call (the server counts them open): reset, not closed:
+        # an idle stream holds nothing unread, and a reset is queued at once, where a close waits for
+        # the connection's writer and, cut short under load, would leave the server holding the stream
+        # until its idle_timeout (and its resource manager counting it against our streams)
+        while self._closing:
+            await finish_quietly(self._closing.pop().stream.reset, timeout=0.1)
         kept = self._take_stream(peer_id)
         if kept is not None:
             try:
@@ -389,13 +401,13 @@ class ExpertClient:
             self._closing.append(kept)
 
     async def close_idle(self) -> None:
-        """Close every kept stream (the client's end)."""
+        """Give up every kept stream (reset: see :meth:`_call_on_a_stream`)."""
         for idle in self._streams.values():
             self._closing.extend(idle)
         self._streams.clear()
         closing, self._closing = self._closing, []
         for kept in closing:
-            await finish_quietly(kept.stream.close)
+            await finish_quietly(kept.stream.reset)
 
 
 def _failure(e: Exception, what: str, timeout: float) -> tuple[str, bool]:
