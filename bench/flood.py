@@ -77,6 +77,8 @@ from p2p.rpc import RPC_PROTOCOL  # noqa: E402
 from p2p.trio_util import read_lines  # noqa: E402
 
 KEY = "flood-bench"
+#: `dedloc status` answers callers on loopback only: asked over IPv4 loopback in either mode
+LOCAL = "127.0.0.1"
 #: --ipv6: the run's namespace routes all of fd00::/16 to its loopback (AnyIP), so any address in it
 #: can be a source, each attacker address in a /48 of its own
 V6_PREFIX = "fd00::/16"
@@ -119,6 +121,7 @@ NET6 = Net(socket.AF_INET6, "ip6", "fd00::1", "fd00:ffff:1::1", "fd00:2::2", "fd
 async def start_relay(net: Net, port: int) -> tuple[trio.Process, str]:
     proc = await trio.lowlevel.open_process(
         [sys.executable, "-X", "faulthandler", "-m", "nat.cli", "relay", "--ephemeral", "--json", "--listen", net.listen(net.relay, port),
+         *([] if net.relay == LOCAL else ["--listen", f"/ip4/{LOCAL}/tcp/{port}"]),  # for `status`
          "--status-interval", "0", "--no-port-mapping"], stdout=subprocess.PIPE, cwd=str(REPO))
     assert proc.stdout is not None
     with trio.fail_after(60):
@@ -311,8 +314,9 @@ async def node_flood(net: Net, relay: str, scenario: str, stop: trio.Event) -> i
 
 
 async def status(net: Net, relay: str, relay_id: str) -> dict[str, Any]:
-    async with Node.open(NodeConfig(listen=[net.listen(net.relay)])) as node:
-        await node.connect(relay)
+    async with Node.open(NodeConfig(listen=[f"/ip4/{LOCAL}/tcp/0"])) as node:  # status answers loopback only
+        port, peer = relay.split("/tcp/", 1)[1].split("/p2p/")
+        await node.connect(f"/ip4/{LOCAL}/tcp/{port}/p2p/{peer}")
         reply = await node.rpc.call(node_id(relay_id), STATUS_METHOD, Empty(), Struct, timeout=10)
     return dict(MessageToDict(reply))
 
@@ -324,18 +328,20 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     proc, relay = await start_relay(net, args.port)
     relay_id = relay.rsplit("/p2p/", 1)[1]
     results: dict[str, Any] = {"relay": relay}
-    async with trio.open_nursery() as nursery:
-        # keep reading the relay's events: a full pipe would block its prints, and it with them
-        nursery.start_soon(drain, proc)
-        try:
+    try:
+        async with trio.open_nursery() as nursery:
+            # keep reading the relay's events: a full pipe would block its prints, and it with them
+            nursery.start_soon(drain, proc)
             await measure(net, args, proc, relay, relay_id, results)
-        finally:
             nursery.cancel_scope.cancel()
-            proc.terminate()
-            with trio.move_on_after(10):
-                await proc.wait()
-            if proc.returncode is None:
-                proc.kill()
+    finally:
+        # outside the nursery: awaited inside it once cancelled, proc.wait() raised Cancelled over a
+        # failed measurement's error, which the nursery then absorbed (the run "passed", rows missing)
+        proc.terminate()
+        with trio.move_on_after(10):
+            await proc.wait()
+        if proc.returncode is None:
+            proc.kill()
     return results
 
 
