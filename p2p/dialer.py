@@ -25,6 +25,7 @@ from multiaddr import Multiaddr
 from . import multistream
 from .addresses import is_relayed, peer_id_of, rank_for_dial, split_circuit, without_peer_id
 from .errors import AddressError, DialError
+from .libp2p_host import tcp_remote_address
 from .trio_util import finish_quietly
 
 
@@ -206,7 +207,7 @@ class _Replay(ReadWriteCloser):
         await self._inner.close()
 
     def get_remote_address(self) -> tuple[str, int] | None:
-        return self._inner.get_remote_address()  # type: ignore[no-any-return]
+        return tcp_remote_address(self._inner)  # IPv6 too (py-libp2p's answers None there)
 
 
 def backoff_delays(initial: float, maximum: float) -> Iterator[float]:

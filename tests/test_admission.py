@@ -196,3 +196,30 @@ async def test_an_authenticated_connection_is_not_cut_at_the_handshake_deadline(
         assert node.admission.metrics()["inbound"] == 1 and node.admission.metrics()["handshaking"] == 0
         await client.disconnect(node.peer_id)
         await wait_until(lambda: node.admission.metrics()["inbound"] == 0, 10, what="the ticket given back")
+
+
+async def test_ipv6_connections_go_through_admission_too() -> None:
+    """py-libp2p 0.8.1 reads no remote address from an IPv6 socket (4 fields from getpeername):
+    admission let every IPv6 connection past its caps. 20 idle connections from ::1: 8 handshaking,
+    the rest refused per address; the node knows an IPv6 peer's address (identify, status)."""
+    config = loopback_config(listen=["/ip6/::1/tcp/0"])
+    async with Node.open(config) as node:
+        port = int(str(node.addrs[0]).split("/tcp/")[1].split("/")[0])
+        flood = []
+        for _ in range(20):
+            sock = trio.socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+            with trio.fail_after(5):
+                await sock.connect(("::1", port))
+            flood.append(trio.SocketStream(sock))
+        await wait_until(lambda: node.admission.refused[Refusal.HANDSHAKING_PER_ADDRESS] >= 12, 10,
+                         what="the connections beyond 8 from ::1 refused")
+        assert node.admission.metrics()["handshaking"] <= 8
+        for stream in flood:
+            await stream.aclose()
+        await wait_until(lambda: node.admission.metrics()["handshaking"] == 0, 10, what="the flood gone")
+        async with Node.open(loopback_config(listen=["/ip6/::1/tcp/0"])) as client:
+            with trio.fail_after(10):
+                await client.connect(node.addrs[0])
+            assert await client.ping(node.peer_id) > 0
+            (conn,) = node.network.get_connections(client.peer_id)
+            assert conn.muxed_conn.get_remote_address()[0] == "::1"
