@@ -141,3 +141,39 @@ def test_moe_bench_writes_the_goals_figures(tmp_path: Path) -> None:
     assert dedloc["search_p99_ms"] > 0 and dedloc["calls_per_s"] > 0 and dedloc["nop_calls_per_s"] > 0
     assert dedloc["calls_past_timeout"] == 0
     assert figures["cases"]["36_experts"]["dedloc"]["found_per_search"] == 64
+
+
+@pytest.mark.slow
+def test_moe_convergence_bench_writes_curves_and_a_gap(tmp_path: Path) -> None:
+    """bench/moe_convergence.py on loopback, tiny: trainers through remote experts, a server killed at
+    half, the dense baseline; the curves and the gap exist (the accuracies are read by people)."""
+    out = tmp_path / "conv.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "moe_convergence.py"), "--trainers", "2", "--steps", "45",
+         "--timeout", "240", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert figures["dmoe"]["curve"] and figures["dense"]["curve"] and figures["dmoe"]["killed_at_samples"]
+    assert isinstance(figures["gap"], float) and 0 < figures["dmoe"]["final"]["accuracy"] <= 1
+
+
+@pytest.mark.slow
+def test_moe_latency_bench_writes_the_ratio(tmp_path: Path) -> None:
+    """bench/moe_latency.py, tiny, in the lab (root): one process, DMoE at 0 and 50 ms, the ratio."""
+    from nat.lab import netns_unavailable_reason
+
+    reason = netns_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    out = tmp_path / "lat.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "moe_latency.py"), "--delays", "0,50", "--seconds", "3",
+         "--concurrency", "16", "--json", str(out)],
+        capture_output=True, text=True, timeout=400,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert figures["dmoe"]["0ms"]["samples_per_s"] > 0 and figures["dmoe"]["0ms"]["failed_batches"] == 0
+    assert figures["latency"]["ratio_50ms_to_0ms"] > 0
