@@ -147,14 +147,8 @@ def test_moe_bench_writes_the_goals_figures(tmp_path: Path) -> None:
 def test_moe_convergence_bench_writes_curves_and_a_gap(tmp_path: Path) -> None:
     """bench/moe_convergence.py on loopback, tiny: trainers through remote experts, a server killed at
     half, the dense baseline; the curves and the gap exist (the accuracies are read by people)."""
-    out = tmp_path / "conv.json"
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "moe_convergence.py"), "--trainers", "2", "--steps", "45",
-         "--timeout", "240", "--json", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    figures = json.loads(out.read_text())
+    figures = run_bench(tmp_path, "moe_convergence.py", "--trainers", "2", "--steps", "45", "--timeout", "240",
+                        timeout=300)
     assert figures["dmoe"]["curve"] and figures["dense"]["curve"] and figures["dmoe"]["killed_at_samples"]
     assert isinstance(figures["gap"], float) and 0 < figures["dmoe"]["final"]["accuracy"] <= 1
 
@@ -167,13 +161,17 @@ def test_moe_latency_bench_writes_the_ratio(tmp_path: Path) -> None:
     reason = netns_unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
-    out = tmp_path / "lat.json"
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "moe_latency.py"), "--delays", "0,50", "--seconds", "3",
-         "--concurrency", "16", "--json", str(out)],
-        capture_output=True, text=True, timeout=400,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    figures = json.loads(out.read_text())
+    figures = run_bench(tmp_path, "moe_latency.py", "--delays", "0,50", "--seconds", "3", "--concurrency", "16",
+                        timeout=400)
     assert figures["dmoe"]["0ms"]["samples_per_s"] > 0 and figures["dmoe"]["0ms"]["failed_batches"] == 0
     assert figures["latency"]["ratio_50ms_to_0ms"] > 0
+
+
+def run_bench(tmp_path: Path, script: str, *args: str, timeout: float) -> dict:  # type: ignore[type-arg]
+    """Run bench/<script> with ``args`` and ``--json``; what it wrote (its output in the failure)."""
+    out = tmp_path / "figures.json"
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args, "--json", str(out)],
+                            capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    figures: dict = json.loads(out.read_text())  # type: ignore[type-arg]
+    return figures
