@@ -476,3 +476,29 @@ async def test_a_batch_larger_than_a_call_is_split_into_calls() -> None:
             await client.run(lambda: y.sum().backward())
             assert x.grad is not None and bool(torch.isfinite(x.grad).all())
             assert sum(b.rows_processed for b in sw.servers[0].backends.values()) == 2 * 16 * 2  # fwd + bwd, k 2
+
+
+async def test_a_caller_that_half_closes_after_its_request_still_gets_its_answer() -> None:
+    """Only a reset means the caller gave up: one that closes its side after the request (as many
+    request-response clients do) is answered, with the device busy meanwhile."""
+    from averaging.tensor_stream import receive_tensors, send_tensors
+    from averaging.wire import FrameReader, frame
+    from training.moe.server import PROTOCOL
+    from training.proto import moe_pb2 as pb
+
+    async with swarm("ffn.0.[0:1]") as sw:
+        server, peer = sw.servers[0], sw.peers[0]
+        stream = await sw.client.new_stream(peer.peer_id, PROTOCOL)
+        x = torch.randn(3, HID)
+        async with server._device:  # the answer waits in the queue while the caller has closed its side
+            await stream.write(frame(pb.ExpertRequest(uid="ffn.0.0", kind=Kind.FORWARD)))
+            await send_tensors(stream, [x])
+            await stream.close()
+            await trio.sleep(0.3)
+        reader = FrameReader(stream)
+        with trio.fail_after(10):
+            response = await reader.message(pb.ExpertResponse, "response")
+            (out,) = await receive_tensors(reader, max_bytes=1 << 20, max_tensors=1)
+        assert response.status == pb.ExpertResponse.OK and out.shape == (3, HID) and server.abandoned == 0
+        with torch.no_grad():
+            assert torch.allclose(out, server.backends["ffn.0.0"].module(x), atol=1e-5)

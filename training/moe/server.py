@@ -404,7 +404,8 @@ class ExpertServer:
 
     async def _wait(self, reader: FrameReader, tasks: Sequence[_Task]) -> None:
         """Until ``tasks`` are done, or the caller goes away: a caller that gave up (its timeout, or
-        a mixture that had its k_min answers) resets its stream, and its tasks still queued are then
+        a mixture that had its k_min answers) resets its stream (one that half-closes after its
+        request still gets its answer), and its tasks still queued are then
         left out of their batches (no device time for answers nobody reads) and the stream given up
         at once (this node's resource manager counts it against the caller's stream limits until then,
         and under load those queued answers would outlive the callers' timeouts and crowd out the
@@ -414,10 +415,9 @@ class ExpertServer:
             async def watch() -> None:
                 nonlocal gone
                 try:
-                    gone = await reader.at_eof()  # a caller sends nothing before its answer
-                except Exception:  # reset
+                    await reader.at_eof()  # a caller sends nothing before its answer
+                except Exception:  # reset: gone (a clean end is a caller that half-closed and still reads)
                     gone = True
-                if gone:
                     nursery.cancel_scope.cancel()
 
             nursery.start_soon(watch)
