@@ -93,7 +93,7 @@ class Overloaded(Exception):
 
 
 class _Abandoned(Exception):
-    """The caller went away (reset or closed its stream) before its answer was ready."""
+    """The caller went away (reset its stream) before its answer was ready."""
 
 
 @dataclass(eq=False)
@@ -268,8 +268,9 @@ class ExpertServer:
         self._device = trio.Lock()
         self.declared_at: float | None = None
         self.calls = 0
-        #: streams callers opened (each may carry many calls); calls whose caller went away before the answer
+        #: streams callers opened (each may carry many calls)
         self.streams = 0
+        #: calls whose caller reset its stream before the answer
         self.abandoned = 0
         self.refused: dict[str, int] = {}
 
@@ -403,13 +404,13 @@ class ExpertServer:
             await finish_quietly(stream.reset)
 
     async def _wait(self, reader: FrameReader, tasks: Sequence[_Task]) -> None:
-        """Until ``tasks`` are done, or the caller goes away: a caller that gave up (its timeout, or
-        a mixture that had its k_min answers) resets its stream (one that half-closes after its
-        request still gets its answer), and its tasks still queued are then
-        left out of their batches (no device time for answers nobody reads) and the stream given up
-        at once (this node's resource manager counts it against the caller's stream limits until then,
-        and under load those queued answers would outlive the callers' timeouts and crowd out the
-        next calls). Raises :class:`_Abandoned` in that case."""
+        """Until ``tasks`` are done, or the caller goes away. A caller that gave up (its timeout, or
+        a mixture that had its k_min answers) resets its stream; its tasks still queued are then
+        left out of their batches (no device time for answers nobody reads) and the stream is given
+        up at once (this node's resource manager counts it against the caller's stream limits until
+        then, and under load those queued answers would outlive the callers' timeouts and crowd out
+        the next calls). A caller that half-closes after its request still gets its answer.
+        Raises :class:`_Abandoned` when the caller went away."""
         gone = False
         async with trio.open_nursery() as nursery:
             async def watch() -> None:
