@@ -40,6 +40,7 @@ from google.protobuf.message import DecodeError
 from p2p.errors import DedlocError, RemoteProtocolError
 from p2p.rpc.framing import encode_varint
 
+from .finite import tensor_finite
 from .proto import tensor_pb2
 
 DEFAULT_CHUNK_SIZE = 1 << 20
@@ -325,11 +326,9 @@ def _check_values(tensor: torch.Tensor, spec: _Spec, index: int, allow_nonfinite
         return
     if tensor.dtype == torch.bool and int(tensor.view(torch.uint8).max()) > 1:
         raise InvalidTensorDataError(f"tensor {index} ({spec}) holds bytes other than 0 and 1")
-    if not allow_nonfinite and tensor.is_floating_point():
-        finite = torch.isfinite(tensor)
-        if not bool(finite.all()):
-            bad = tensor.numel() - int(finite.sum())
-            raise NonFiniteTensorError(f"tensor {index} ({spec}) holds {bad} NaN or Inf values")
+    if not allow_nonfinite and tensor.is_floating_point() and not tensor_finite(tensor):
+        bad = tensor.numel() - int(torch.isfinite(tensor).sum())
+        raise NonFiniteTensorError(f"tensor {index} ({spec}) holds {bad} NaN or Inf values")
 
 
 async def receive_tensors(

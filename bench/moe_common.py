@@ -7,6 +7,8 @@ import argparse
 import math
 import random
 import statistics
+import time
+from collections.abc import Callable
 
 
 def parser() -> argparse.ArgumentParser:
@@ -21,6 +23,38 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--callers", type=int, default=4)
     p.add_argument("--expert-cls", choices=("ffn", "nop"), default="ffn", help="the experts called (nop: the stack alone)")
     return p
+
+
+def server_parser() -> argparse.ArgumentParser:
+    """The options of bench/moe_gpu.py's two workers (bench/moe_gpu_peer.py, bench/moe_gpu_hivemind_peer.py)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--serve", action="store_true", help="be the expert server")
+    p.add_argument("--client", metavar="SERVER_JSON", help="be a client of the server that printed this")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--max-batch", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--callers", type=int, default=4)
+    p.add_argument("--seconds", type=float, default=15.0)
+    p.add_argument("--index", type=int, default=0)
+    return p
+
+
+def call_loop(call: Callable[[int], None], first: int, stop_at: float,
+              errors: tuple[type[BaseException], ...]) -> tuple[int, int]:
+    """``call(turn)`` for turn = first, first + 1, ... until ``stop_at`` (time.perf_counter); how many
+    returned and how many raised one of ``errors`` (a bench/moe_gpu.py client thread)."""
+    done = failed = 0
+    turn = first
+    while time.perf_counter() < stop_at:
+        try:
+            call(turn)
+            done += 1
+        except errors:
+            failed += 1
+        turn += 1
+    return done, failed
 
 
 def assignment(args: argparse.Namespace) -> tuple[int, list[tuple[bool, list[tuple[int, int]]]]]:

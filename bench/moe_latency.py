@@ -5,12 +5,23 @@
 The same mixture of 16 ffn experts (hidden 256, k 4 of a 4x4 grid, batches of 32: see
 bench/moe_latency_peer.py) trained (a) in one process, and (b) as DMoE: a lab host "experts" runs
 a bootstrap node (`dedloc relay`) and two `dedloc serve-experts` (8 experts each), a host
-"trainer" runs an asynchronous trainer (128 batches in flight); the path between them has
---delays one-way (the experts host's access link; the lab's userspace wire where the kernel has
-no netem), a fresh lab for each delay. Printed: samples/s of each setup and the ratio of each
-delay's to the zero-delay DMoE's. The goal (issue "Decentralized mixture-of-experts"): at 200 ms
-DMoE keeps >= 80% of its zero-delay throughput; ``--json OUT`` writes it as
-``latency.ratio_200ms_to_0ms``. Needs root (namespaces). Nothing leaves the lab.
+"trainer" runs an asynchronous trainer (--concurrency batches in flight, up to --streams calls
+in flight per server); the path between them has --delays one-way (the experts host's access
+link; the lab's userspace wire where the kernel has no netem), a fresh lab for each delay.
+Printed: samples/s of each setup and the ratio of each delay's to the zero-delay DMoE's, per batch
+where its time went, per exchange the wait for one of a server's slots and the exchange itself.
+The goal (issue "Decentralized mixture-of-experts"): at 200 ms DMoE keeps >= 80% of its zero-delay
+throughput; ``--json OUT`` writes it as ``latency.ratio_200ms_to_0ms``. Needs root (namespaces).
+Nothing leaves the lab.
+
+What a far path needs, measured here (docs/OPERATORS.md, "Far peers"): TCP buffers that hold a
+round trip of data (Linux's default most send buffer, 4 MiB, held the trainer's connection to
+~7 MB/s at 400 ms: request bodies waited 0.3-0.6 s in its socket; --tcp-buffer-mib 0 shows it), and
+enough batches and streams in flight to cover the round trip (Little's law: 64 streams of ~1 s
+exchanges cap a server at ~64 exchanges/s). The two servers run one torch thread each: with
+torch's default (every core) two servers, the trainer and the wire on two cores spun in each
+other's way and the zero-delay figure fell by half. ``--raw`` replaces the trainer's torch threads
+with trio tasks making the same exchanges (the stack alone).
 """
 
 from __future__ import annotations
@@ -71,8 +82,8 @@ async def dmoe_at(delay_ms: float, args: argparse.Namespace) -> dict[str, Any]:
         experts = await lab.public_host("experts", delay_ms=delay_ms)
         trainer = await lab.public_host("trainer", delay_ms=0.0)
         if args.tcp_buffer_mib:
-            # a long fat path: Linux's default most send buffer (4 MiB) caps a TCP connection at
-            # about 4 MiB per round trip; an operator of a far server raises it like this
+            # a long fat path: Linux's default most send buffer (4 MiB, less its bookkeeping) caps a TCP
+            # connection at about that per round trip; an operator of a far peer raises it like this
             top = args.tcp_buffer_mib << 20
             for host in (experts, trainer):
                 for knob in (f"net.ipv4.tcp_wmem=4096 16384 {top}", f"net.ipv4.tcp_rmem=4096 131072 {top}"):
@@ -84,11 +95,11 @@ async def dmoe_at(delay_ms: float, args: argparse.Namespace) -> dict[str, Any]:
             logs.append(log)
             await experts.spawn([PY, "-m", "training.commands", "serve-experts", "--expert-pattern", pattern,
                                  "--hidden-dim", "256", "--initial-peers", boot, "--listen", f"/ip4/0.0.0.0/tcp/{4002 + i}",
-                                 "--ephemeral", "--device", "cpu", "--no-port-mapping", "--status-interval", "0"],
+                                 "--ephemeral", "--device", "cpu", "--threads", "1", "--no-port-mapping", "--status-interval", "0"],
                                 stdout=log, stderr=log, cwd=str(REPO))
         try:
             result = await worker(trainer, ["--initial-peers", boot, "--seconds", str(args.seconds), "--concurrency",
-                                            str(args.concurrency), "--streams", str(args.streams), *(["--half"] if args.half else [])], timeout=args.seconds + 180)
+                                            str(args.concurrency), "--streams", str(args.streams), *(["--half"] if args.half else []), *(["--raw"] if args.raw else [])], timeout=args.seconds + 180)
         except RuntimeError as e:
             said = []
             for log in logs:
@@ -113,7 +124,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         results["dmoe"][f"{delay:g}ms"] = r
         print(f"DMoE, {delay:5g} ms one-way ({r['mechanism']}): {r['samples_per_s']:.0f} samples/s, "
               f"{r['failed_batches']} batches failed, {r['call_failures']} of {r['calls']} calls failed; per batch "
-              f"{r['mean_batch_s']} s; TCP {r['tcp']}", flush=True)
+              f"{r['mean_batch_s']} s; per exchange: {1e3 * r['slot_wait_s'] / max(1, r['exchanges']):.0f} ms "
+              f"waiting for a slot, {1e3 * r['exchange_s'] / max(1, r['exchanges']):.0f} ms in the exchange; "
+              f"TCP {r['tcp']}", flush=True)
     base = results["dmoe"].get("0ms", {}).get("samples_per_s")
     ratios = {}
     if base:
@@ -131,11 +144,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--delays", default="0,50,100,200", help="one-way delays in ms, comma-separated")
     p.add_argument("--seconds", type=float, default=20.0, help="measured time of each setup (after 5 s of warm-up)")
-    p.add_argument("--concurrency", type=int, default=128, help="batches the DMoE trainer keeps in flight")
-    p.add_argument("--streams", type=int, default=64, help="the trainer's calls in flight per expert server")
+    p.add_argument("--concurrency", type=int, default=192, help="batches the DMoE trainer keeps in flight")
+    p.add_argument("--streams", type=int, default=120,
+                   help="the trainer's calls in flight per expert server (a server takes 128 streams per peer)")
     p.add_argument("--half", action="store_true", help="tensors travel as float16 both ways")
-    p.add_argument("--tcp-buffer-mib", type=int, default=0,
-                   help="raise the lab hosts' most TCP send and receive buffer to this (0: the kernel's defaults)")
+    p.add_argument("--raw", action="store_true", help="the trainer makes a batch's exchanges from trio tasks, "
+                   "no torch threads (where the time goes)")
+    p.add_argument("--tcp-buffer-mib", type=int, default=32,
+                   help="raise the lab hosts' most TCP send and receive buffer to this, as docs/OPERATORS.md "
+                   "tells the operator of a far peer (0: the kernel's defaults)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     reason = netns_unavailable_reason()

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/moe_latency_peer.py --initial-peers MADDR [--concurrency 64] [--seconds 20]
     .venv/bin/python bench/moe_latency_peer.py --local [--seconds 20]
+    .venv/bin/python bench/moe_latency_peer.py --initial-peers MADDR --raw   (the exchanges alone, see raw())
 
 The model: rows of --hidden -> a mixture of the k_best=4 best of 16 ffn experts (grid 4x4, gate
 trained with the rest) -> MSE against a fixed random target. With ``--initial-peers`` the experts
@@ -21,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -144,6 +146,8 @@ async def remote(args: argparse.Namespace) -> dict[str, float]:
                     break
                 except MoEError:
                     await trio.sleep(1.0)
+        if args.raw:
+            return await raw(client, layer, args)
         t0 = time.perf_counter()
         counter = Counter(t0 + args.warmup, t0 + args.warmup + args.seconds)
         failed = [0]
@@ -167,9 +171,49 @@ async def remote(args: argparse.Namespace) -> dict[str, float]:
                 nursery.start_soon(client.run, worker)
         return {"samples_per_s": counter.samples / args.seconds, "failed_batches": failed[0],
                 "calls": client.stats.calls, "call_failures": client.stats.failures,
+                "exchanges": client.stats.exchanges, "slot_wait_s": client.stats.slot_wait_s,
+                "exchange_s": client.stats.exchange_s,
                 "reasons": client.stats.reasons[-3:],
                 "mean_batch_s": dict(zip(("step", "search", "forward_calls", "backward_calls"),
                                          (round(sum(t[i] for t in times) / max(1, len(times)), 3) for i in range(4))))}
+
+
+async def raw(client: Any, layer: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """--raw: the exchanges a batch makes (forward, then backward, to each server at once, as many
+    rows per expert as a batch sends), from --concurrency trio tasks: the stack without torch threads."""
+    from training.moe.server import Kind
+
+    beams = await layer.searcher.search([torch.randn(1, m) for m in GRID], k=GRID[0] * GRID[1],
+                                        beam_size=GRID[0] * GRID[1])
+    experts = {e.uid: e for b in beams[0] for e in b.experts}
+    by_server: dict[Any, list[Any]] = {}
+    for e in experts.values():
+        by_server.setdefault(e.peer_id, []).append(e)
+    rows = args.batch * K // len(experts)
+    x = torch.randn(rows, args.hidden)
+    t0 = time.perf_counter()
+    counter = Counter(t0 + args.warmup, t0 + args.warmup + args.seconds)
+
+    async def one(group: list[Any], kind: int) -> None:
+        tensors = [[x] if kind == Kind.FORWARD else [x, x] for _ in group]
+        await client.call_many(group, kind, tensors, timeout=30.0)
+
+    async def task() -> None:
+        while time.perf_counter() < counter.stop:
+            for kind in (Kind.FORWARD, Kind.BACKWARD):
+                async with trio.open_nursery() as nursery:
+                    for group in by_server.values():
+                        nursery.start_soon(one, group, kind)
+            counter.add(args.batch)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(args.concurrency):
+            nursery.start_soon(task)
+    return {"samples_per_s": counter.samples / args.seconds, "failed_batches": 0,
+            "calls": client.stats.calls, "call_failures": client.stats.failures,
+            "exchanges": client.stats.exchanges, "slot_wait_s": client.stats.slot_wait_s,
+            "exchange_s": client.stats.exchange_s, "reasons": client.stats.reasons[-3:],
+            "mean_batch_s": {}}
 
 
 def main() -> None:
@@ -181,6 +225,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=128)
     p.add_argument("--streams", type=int, default=64, help="the client's max_streams_per_server (and idle streams)")
     p.add_argument("--half", action="store_true", help="tensors travel as float16 (the client's half)")
+    p.add_argument("--raw", action="store_true", help="the exchanges alone, from trio tasks (see raw())")
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--warmup", type=float, default=5.0)
     args = p.parse_args()

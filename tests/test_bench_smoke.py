@@ -144,6 +144,17 @@ def test_moe_bench_writes_the_goals_figures(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_moe_gpu_bench_runs_its_server_and_clients_on_a_cpu(tmp_path: Path) -> None:
+    """bench/moe_gpu.py, dedloc's side, on the CPU (the GPU figure needs a GPU machine): a server process,
+    two client processes started together, the samples/s it writes."""
+    figures = run_bench(tmp_path, "moe_gpu.py", "--systems", "dedloc", "--device", "cpu", "--hidden", "64",
+                        "--batches", "16", "--clients", "2", "--callers", "2", "--seconds", "1", timeout=180)
+    run = figures["cases"]["16"]["dedloc"]["runs"][0]
+    assert figures["dedloc"]["samples_per_s"] > 0 and run["failed"] == 0
+
+
+@pytest.mark.slow
 def test_moe_convergence_bench_writes_curves_and_a_gap(tmp_path: Path) -> None:
     """bench/moe_convergence.py on loopback, tiny: trainers through remote experts, a server killed at
     half, the dense baseline; the curves and the gap exist (the accuracies are read by people)."""

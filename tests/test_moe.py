@@ -13,6 +13,7 @@ import torch
 import trio
 
 from nat import Peer
+from p2p.errors import ConfigError
 from training.moe import (ClientConfig, Expert, ExpertBackend, ExpertCallError, ExpertClient, ExpertServer,
                           MoEConfig, MoEError, RemoteExpert, RemoteMixtureOfExperts, ServerConfig)
 from training.moe.beam_search import Beam, parse_successors, select
@@ -274,6 +275,29 @@ def test_backend_checks_requests() -> None:
 
 
 
+def test_serve_experts_options_build_fused_optimizers_and_refuse_bad_threads() -> None:
+    """serve-experts' experts step with fused Adam (a small batch's backward is mostly the step);
+    --threads sets torch's CPU threads, and a negative count is refused before anything starts."""
+    import argparse
+
+    from training.moe.cli import build_backends
+
+    args = argparse.Namespace(expert_pattern="ffn.[0:2]", hidden_dim=8, lr=1e-3, device="cpu", seed=0,
+                              expert_cls="ffn", threads=-1)
+    with pytest.raises(ConfigError, match="--threads"):
+        build_backends(args)
+    before = torch.get_num_threads()
+    try:
+        args.threads = 1
+        backends = build_backends(args)
+        assert torch.get_num_threads() == 1 and len(backends) == 2
+        assert all(b.optimizer is not None and b.optimizer.defaults["fused"] for b in backends)
+        backends[0].backward(torch.randn(3, 8), torch.randn(3, 8))
+        assert backends[0].updates == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 async def test_serve_experts_command_hosts_a_grid_that_a_layer_uses(tmp_path: Path) -> None:
     """`dedloc serve-experts` as a user runs it, found through the DHT and called by the layer; its
     checkpoints written when it stops."""
@@ -285,7 +309,8 @@ async def test_serve_experts_command_hosts_a_grid_that_a_layer_uses(tmp_path: Pa
         server = await trio.lowlevel.open_process(
             [sys.executable, "-m", "training.commands", "serve-experts", "--expert-pattern", "ffn.[0:2].[0:3]",
              "--hidden-dim", str(HID), "--initial-peers", boot, "--listen", "/ip4/127.0.0.1/tcp/0", "--ephemeral",
-             "--allow-private", "--device", "cpu", "--checkpoint-dir", str(tmp_path), "--duration", "60"],
+             "--allow-private", "--device", "cpu", "--threads", "1", "--checkpoint-dir", str(tmp_path),
+             "--duration", "60"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             async with Peer.open(loopback_peer_config(initial_peers=[boot])) as peer, \
@@ -437,6 +462,9 @@ async def test_one_exchange_carries_several_experts_each_answered_on_its_own() -
                                            [[xs[0], torch.ones(2, HID)], [xs[2], torch.ones(4, HID)]], timeout=10)
             assert [list(g[0].shape) for g in grads if not isinstance(g, ExpertCallError)] == [[2, HID], [4, HID]]
             assert server.backends["ffn.0.0"].updates == 1 and server.backends["ffn.0.2"].updates == 1
+            # where the calls' time went: two exchanges, each timed, with no wait for a slot
+            assert client.stats.exchanges == 2 and client.stats.exchange_s > 0
+            assert 0 <= client.stats.slot_wait_s < client.stats.exchange_s
 
 
 async def test_a_call_its_caller_gave_up_is_dropped_unanswered_and_frees_its_stream() -> None:

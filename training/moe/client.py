@@ -114,6 +114,11 @@ class CallStats:
     timeouts: int = 0
     #: the latest failures' reasons, newest last (at most 20)
     reasons: list[str] = field(default_factory=list)
+    #: exchanges with servers, and the seconds calls spent waiting for one of a server's slots
+    #: (max_streams_per_server) and in exchanges: where a call's time went
+    exchanges: int = 0
+    slot_wait_s: float = 0.0
+    exchange_s: float = 0.0
 
     def failed(self, reason: str, timeout: bool) -> None:
         self.failures += 1
@@ -342,9 +347,16 @@ class ExpertClient:
                 return self._split_answer(experts, kind, tensors, rows, response, out, what)
 
             with trio.fail_after(timeout):
+                t0 = time.monotonic()
                 async with self._slots_of(server):
-                    results = await self._call_on_a_stream(server, request, joined, 4 * sum(rows) * (1 << 16),
-                                                           what, check)
+                    t1 = time.monotonic()
+                    try:
+                        results = await self._call_on_a_stream(server, request, joined, 4 * sum(rows) * (1 << 16),
+                                                               what, check)
+                    finally:
+                        self.stats.exchanges += 1
+                        self.stats.slot_wait_s += t1 - t0
+                        self.stats.exchange_s += time.monotonic() - t1
         except Exception as e:  # the stream's own errors too (reset, a dial's failure): the server is unreachable
             failure, timed_out = _failure(e, what, timeout)
         if failure is not None:

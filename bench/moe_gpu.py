@@ -1,0 +1,177 @@
+"""One expert server on a GPU: dedloc's against hivemind.moe 1.1.12's Server, same device, same experts, one run.
+
+    .venv/bin/python bench/moe_gpu.py [--device cuda] [--experts 16] [--hidden 1024] [--batches 64,1024]
+        [--clients 8] [--callers 4] [--seconds 15] [--repeats 1] [--json OUT]
+    .venv/bin/python bench/moe_gpu.py --device cpu --hidden 256 --batches 64 --clients 2 --seconds 3   (a CPU)
+
+For each batch size, each side (alternating, --repeats times): a server process hosting --experts ffn
+experts of --hidden on --device with Adam (dedloc: bench/moe_gpu_peer.py's ExpertServer; hivemind:
+bench/moe_gpu_hivemind_peer.py's Server.create, in .venv-hivemind), then --clients client processes
+of --callers threads each, every thread running forward and backward of --batch rows through
+RemoteExpert to the experts in turn. The clients warm up, wait for one start signal, call for
+--seconds and report how many forward+backward pairs they finished. Printed: samples/s (pairs x
+batch / seconds, all clients together), pairs/s, the GPU's mean utilization (nvidia-smi, every 0.5 s)
+and dedloc / hivemind. This is hivemind's own benchmark_throughput.py setup (16 ffn experts of hidden
+1024, clients on the same host; it published 28,581 samples/s with 128 clients x batch 2048 on a
+GTX 1080 Ti), scaled to one machine's cores.
+
+``--json OUT`` writes ``cases`` (per batch: each side's samples/s min/median, the ratio) and
+``dedloc.samples_per_s`` / ``hivemind.samples_per_s`` (the largest batch's medians). Where each
+side's packages come from: ``--python-dedloc``/``--python-hivemind`` and ``--path-dedloc``/``--path-hivemind``
+(prepended to PYTHONPATH; a GPU machine with no venvs). Nothing leaves 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import IO, Any
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = {"dedloc": ROOT / "bench" / "moe_gpu_peer.py", "hivemind": ROOT / "bench" / "moe_gpu_hivemind_peer.py"}
+sys.path.insert(0, str(ROOT / "bench"))
+
+from gpu_training import GpuSampler  # noqa: E402
+
+
+def read_line(process: subprocess.Popen[str], deadline: float, what: str, err: IO[str]) -> dict[str, Any]:
+    """The next JSON line a worker prints, by ``deadline`` (its stderr's tail in the error otherwise)."""
+    assert process.stdout is not None
+    while True:
+        left = deadline - time.monotonic()
+        ready, _, _ = select.select([process.stdout], [], [], max(0.0, left))
+        line = process.stdout.readline() if ready else ""
+        if line.startswith("{"):
+            result: dict[str, Any] = json.loads(line)
+            return result
+        if line and ready:
+            continue
+        err.seek(0)
+        tail = [s for s in err.read().splitlines() if "Failed to open TCP stream" not in s][-30:]
+        state = "timed out" if left <= 0 or not ready else f"exited ({process.poll()})"
+        raise RuntimeError(f"{what}: no answer ({state}):\n" + "\n".join(tail))
+
+
+class Side:
+    """One system's processes for one case; all of them killed on the way out (their own sessions)."""
+
+    def __init__(self, system: str, args: argparse.Namespace) -> None:
+        self.system, self.args = system, args
+        self.processes: list[subprocess.Popen[str]] = []
+        self.errs: list[IO[str]] = []
+        path = getattr(args, f"path_{system}")
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if path:
+            self.env["PYTHONPATH"] = path + os.pathsep + self.env.get("PYTHONPATH", "")
+        self.python = getattr(args, f"python_{system}")
+
+    def start(self, *extra: str) -> subprocess.Popen[str]:
+        err = tempfile.TemporaryFile("w+")
+        process = subprocess.Popen([self.python, str(SCRIPTS[self.system]), *extra], cwd=ROOT, env=self.env,
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                                   start_new_session=True)
+        self.processes.append(process)
+        self.errs.append(err)
+        return process
+
+    def __enter__(self) -> Side:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for process in self.processes:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)  # hivemind's p2pd daemons and server processes too
+            except ProcessLookupError:
+                pass
+            process.wait()
+        for err in self.errs:
+            err.close()
+
+
+def run_case(system: str, batch: int, args: argparse.Namespace) -> dict[str, Any]:
+    with Side(system, args) as side:
+        server = side.start("--serve", "--device", args.device, "--experts", str(args.experts),
+                            "--hidden", str(args.hidden), "--max-batch", str(args.max_batch))
+        where = read_line(server, time.monotonic() + args.timeout, f"{system} server", side.errs[0])
+        clients = [side.start("--client", json.dumps(where), "--experts", str(args.experts), "--hidden",
+                              str(args.hidden), "--batch", str(batch), "--callers", str(args.callers),
+                              "--seconds", str(args.seconds), "--index", str(i)) for i in range(args.clients)]
+        deadline = time.monotonic() + args.timeout
+        for i, client in enumerate(clients):
+            read_line(client, deadline, f"{system} client {i} (warm-up)", side.errs[i + 1])
+        with GpuSampler() as gpu:
+            for client in clients:  # the start signal
+                assert client.stdin is not None
+                client.stdin.write("go\n")
+                client.stdin.flush()
+            deadline = time.monotonic() + args.seconds + args.timeout
+            results = [read_line(c, deadline, f"{system} client {i}", side.errs[i + 1]) for i, c in enumerate(clients)]
+        pairs = sum(r["pairs"] for r in results)
+        elapsed = max(r["elapsed_s"] for r in results)
+        return {"samples_per_s": pairs * batch / elapsed, "pairs_per_s": pairs / elapsed,
+                "failed": sum(r.get("failed", 0) for r in results), "gpu_util_mean": gpu.mean,
+                "device": where.get("device_name", args.device)}
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--batches", default="64,1024", help="rows per call: comma-separated")
+    p.add_argument("--max-batch", type=int, default=4096, help="most rows in one server batch (both sides)")
+    p.add_argument("--clients", type=int, default=8, help="client processes")
+    p.add_argument("--callers", type=int, default=4, help="calling threads per client")
+    p.add_argument("--seconds", type=float, default=15.0)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=120.0, help="most seconds a server or a client's warm-up may take")
+    p.add_argument("--systems", default="dedloc,hivemind")
+    p.add_argument("--python-dedloc", default=str(ROOT / ".venv" / "bin" / "python"))
+    p.add_argument("--python-hivemind", default=str(ROOT / ".venv-hivemind" / "bin" / "python"))
+    p.add_argument("--path-dedloc", default="")
+    p.add_argument("--path-hivemind", default="")
+    p.add_argument("--json", metavar="OUT")
+    args = p.parse_args()
+    systems = args.systems.split(",")
+    batches = [int(b) for b in args.batches.split(",")]
+    cases: dict[str, Any] = {}
+    for batch in batches:
+        runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
+        for repeat in range(args.repeats):
+            for system in systems:
+                run = run_case(system, batch, args)
+                runs[system].append(run)
+                gpu = "" if run["gpu_util_mean"] is None else f", GPU {run['gpu_util_mean']:.0f}% busy"
+                print(f"batch {batch:5d} {system:9s} #{repeat + 1}: {run['samples_per_s']:9.0f} samples/s, "
+                      f"{run['pairs_per_s']:7.1f} fwd+bwd/s, {run['failed']} failed{gpu} ({run['device']})", flush=True)
+        case: dict[str, Any] = {s: {"samples_per_s": spread([r["samples_per_s"] for r in runs[s]]), "runs": runs[s]}
+                                for s in systems}
+        if set(systems) >= {"dedloc", "hivemind"}:
+            case["ratio"] = (case["dedloc"]["samples_per_s"]["median"] / case["hivemind"]["samples_per_s"]["median"])
+            print(f"batch {batch:5d}: dedloc / hivemind = {case['ratio']:.2f} (medians)", flush=True)
+        cases[str(batch)] = case
+    result: dict[str, Any] = {"device": args.device, "experts": args.experts, "hidden": args.hidden,
+                              "clients": args.clients, "callers": args.callers, "seconds": args.seconds,
+                              "cases": cases}
+    largest = cases[str(max(batches))]
+    for s in systems:
+        result[s] = {"samples_per_s": largest[s]["samples_per_s"]["median"]}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""dedloc's side of bench/moe_gpu.py: one expert server, or one client of it (one process each).
+
+    python bench/moe_gpu_peer.py --serve --device cuda --experts 16 --hidden 1024
+    python bench/moe_gpu_peer.py --client '<the server's JSON line>' --batch 1024 --callers 4 --seconds 15
+
+--serve: a peer on 127.0.0.1 hosting --experts ffn experts (FeedforwardBlock, hivemind's ffn) of --hidden on
+--device, each with Adam, batched by ExpertServer up to --max-batch rows; prints its peer id and
+addresses as one JSON line, then serves until killed. --client: a peer with an ExpertClient; --callers
+threads each run forward and backward of --batch rows through RemoteExpert, to the experts in turn.
+It warms up (one call per expert), prints ``{"ready": ...}``, waits for a line on stdin, calls for
+--seconds and prints ``{"pairs": ..., "elapsed_s": ..., "failed": ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import trio
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from libp2p.peer.id import ID  # noqa: E402
+from multiaddr import Multiaddr  # noqa: E402
+
+from nat import NatConfig, Peer, PeerConfig  # noqa: E402
+from nat.autorelay import AutoRelayConfig  # noqa: E402
+from nat.port_mapping import PortMappingConfig  # noqa: E402
+from p2p.dht import DHTConfig, DHTMode  # noqa: E402
+from p2p.node import NodeConfig  # noqa: E402
+from training.moe import (Expert, ExpertBackend, ExpertCallError, ExpertClient, ExpertServer,  # noqa: E402
+                          RemoteExpert, ServerConfig)
+from training.moe.experts import FeedforwardBlock  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench"))
+from moe_common import call_loop, server_parser  # noqa: E402
+
+
+def config(server: bool) -> PeerConfig:
+    nat = NatConfig(allow_private=True, port_mapping=PortMappingConfig(enabled=False), relay_service=False,
+                    autorelay=AutoRelayConfig(enabled=False))
+    return PeerConfig(node=NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"]), nat=nat,
+                      dht=DHTConfig(mode=DHTMode.SERVER if server else DHTMode.CLIENT), exchange_interval=None)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    torch.manual_seed(0)
+    backends = []
+    for j in range(args.experts):
+        module = FeedforwardBlock(args.hidden)
+        backends.append(ExpertBackend(f"ffn.0.{j}", module, torch.optim.Adam(module.parameters(), 1e-4, fused=True),
+                                      (args.hidden,), device=args.device))
+    server_config = ServerConfig(max_batch_size=args.max_batch, max_request_rows=args.max_batch)
+    async with Peer.open(config(server=True)) as peer, ExpertServer.open(peer, backends, server_config):
+        name = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
+        print(json.dumps({"peer_id": peer.peer_id.to_base58(), "addrs": [str(a) for a in peer.addrs],
+                          "device_name": name}), flush=True)
+        await trio.sleep_forever()
+
+
+async def client_main(args: argparse.Namespace) -> None:
+    where = json.loads(args.client)
+    at = (ID.from_base58(where["peer_id"]), tuple(Multiaddr(a) for a in where["addrs"]))
+    async with Peer.open(config(server=False)) as peer, ExpertClient.open(peer) as client:
+        experts = [RemoteExpert(client, Expert(f"ffn.0.{j}", *at)) for j in range(args.experts)]
+        for expert in experts:  # warm-up: the connection, each expert's first batch
+            x = torch.randn(args.batch, args.hidden, requires_grad=True)
+            await client.run(lambda: expert(x).sum().backward())
+        print(json.dumps({"ready": args.index}), flush=True)
+        await trio.to_thread.run_sync(sys.stdin.readline)
+        pairs, failed = [0] * args.callers, [0] * args.callers
+        stop_at = time.perf_counter() + args.seconds
+
+        def caller(i: int) -> None:
+            x = torch.randn(args.batch, args.hidden, requires_grad=True)
+            pairs[i], failed[i] = call_loop(lambda turn: experts[turn % len(experts)](x).sum().backward(),
+                                            args.index * args.callers + i, stop_at, (ExpertCallError,))
+
+        t0 = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for i in range(args.callers):
+                nursery.start_soon(client.run, caller, i)
+        print(json.dumps({"pairs": sum(pairs), "failed": sum(failed), "elapsed_s": time.perf_counter() - t0}),
+              flush=True)
+
+
+def main() -> None:
+    p = server_parser()
+    args = p.parse_args()
+    torch.set_num_threads(1 if args.client else 4)
+    trio.run(serve if args.serve else client_main, args)
+
+
+if __name__ == "__main__":
+    main()
