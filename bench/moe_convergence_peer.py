@@ -120,13 +120,15 @@ async def dmoe(args: argparse.Namespace) -> None:
                 opt.step()
 
             async def evaluate(xs: torch.Tensor, ys: torch.Tensor) -> float:
-                """Accuracy on ``xs``; once more after a MoEError (a sample whose chosen experts were all
-                on the killed server, before the failed calls banned them: the next search skips them)."""
+                """Accuracy on ``xs``; again after a MoEError, for longer than the client's ban_time: a
+                sample whose chosen experts were all on the killed server fails until the failed calls
+                banned them, and on a loaded machine calls that timed out can ban every expert (no live
+                expert found) until the bans end (a CI run failed so with 0.5 s between attempts)."""
                 for _ in range(4):
                     try:
                         return await client.run(accuracy, model, xs, ys)
                     except MoEError:
-                        await trio.sleep(0.5)
+                        await trio.sleep(4.0)
                 return await client.run(accuracy, model, xs, ys)
 
             for s in range(args.steps):
