@@ -53,7 +53,7 @@ def read_line(process: subprocess.Popen[str], deadline: float, what: str, err: I
         if line.startswith("{"):
             result: dict[str, Any] = json.loads(line)
             return result
-        if line and ready:
+        if line:
             continue
         err.seek(0)
         tail = [s for s in err.read().splitlines() if "Failed to open TCP stream" not in s][-30:]

@@ -95,7 +95,8 @@ async def dmoe_at(delay_ms: float, args: argparse.Namespace) -> dict[str, Any]:
             logs.append(log)
             await experts.spawn([PY, "-m", "training.commands", "serve-experts", "--expert-pattern", pattern,
                                  "--hidden-dim", "256", "--initial-peers", boot, "--listen", f"/ip4/0.0.0.0/tcp/{4002 + i}",
-                                 "--ephemeral", "--device", "cpu", "--threads", "1", "--no-port-mapping", "--status-interval", "0"],
+                                 "--ephemeral", "--device", "cpu", "--threads", "1", "--no-port-mapping", "--status-interval", "0",
+                                 "--min-batch-size", str(args.min_batch_size), "--max-wait", str(args.max_wait)],
                                 stdout=log, stderr=log, cwd=str(REPO))
         try:
             result = await worker(trainer, ["--initial-peers", boot, "--seconds", str(args.seconds), "--concurrency",
@@ -153,6 +154,9 @@ def main() -> None:
     p.add_argument("--tcp-buffer-mib", type=int, default=32,
                    help="raise the lab hosts' most TCP send and receive buffer to this, as docs/OPERATORS.md "
                    "tells the operator of a far peer (0: the kernel's defaults)")
+    p.add_argument("--min-batch-size", type=int, default=1,
+                   help="the servers' `serve-experts --min-batch-size` (rows a batch waits for; 1: no wait)")
+    p.add_argument("--max-wait", type=float, default=0.0, help="the servers' `serve-experts --max-wait` (seconds)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     reason = netns_unavailable_reason()

@@ -116,7 +116,7 @@ def local(args: argparse.Namespace) -> dict[str, float]:
     return {"samples_per_s": counter.samples / args.seconds}
 
 
-async def remote(args: argparse.Namespace) -> dict[str, float]:
+async def remote(args: argparse.Namespace) -> dict[str, Any]:
     from nat import NatConfig, Peer, PeerConfig
     from nat.autorelay import AutoRelayConfig
     from nat.port_mapping import PortMappingConfig
@@ -169,13 +169,19 @@ async def remote(args: argparse.Namespace) -> dict[str, float]:
         async with trio.open_nursery() as nursery:
             for _ in range(args.concurrency):
                 nursery.start_soon(client.run, worker)
-        return {"samples_per_s": counter.samples / args.seconds, "failed_batches": failed[0],
-                "calls": client.stats.calls, "call_failures": client.stats.failures,
-                "exchanges": client.stats.exchanges, "slot_wait_s": client.stats.slot_wait_s,
-                "exchange_s": client.stats.exchange_s,
-                "reasons": client.stats.reasons[-3:],
-                "mean_batch_s": dict(zip(("step", "search", "forward_calls", "backward_calls"),
-                                         (round(sum(t[i] for t in times) / max(1, len(times)), 3) for i in range(4))))}
+        return figures(counter, client, args, failed[0],
+                       dict(zip(("step", "search", "forward_calls", "backward_calls"),
+                                (round(sum(t[i] for t in times) / max(1, len(times)), 3) for i in range(4)))))
+
+
+def figures(counter: Counter, client: Any, args: argparse.Namespace, failed_batches: int,
+            mean_batch_s: dict[str, float]) -> dict[str, Any]:
+    """What a DMoE run reports: its samples/s and the client's call figures."""
+    stats = client.stats
+    return {"samples_per_s": counter.samples / args.seconds, "failed_batches": failed_batches,
+            "calls": stats.calls, "call_failures": stats.failures, "exchanges": stats.exchanges,
+            "slot_wait_s": stats.slot_wait_s, "exchange_s": stats.exchange_s, "reasons": stats.reasons[-3:],
+            "mean_batch_s": mean_batch_s}
 
 
 async def raw(client: Any, layer: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -209,11 +215,7 @@ async def raw(client: Any, layer: Any, args: argparse.Namespace) -> dict[str, An
     async with trio.open_nursery() as nursery:
         for _ in range(args.concurrency):
             nursery.start_soon(task)
-    return {"samples_per_s": counter.samples / args.seconds, "failed_batches": 0,
-            "calls": client.stats.calls, "call_failures": client.stats.failures,
-            "exchanges": client.stats.exchanges, "slot_wait_s": client.stats.slot_wait_s,
-            "exchange_s": client.stats.exchange_s, "reasons": client.stats.reasons[-3:],
-            "mean_batch_s": {}}
+    return figures(counter, client, args, 0, {})
 
 
 def main() -> None:

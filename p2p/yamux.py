@@ -31,7 +31,7 @@ import logging
 import struct
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Protocol
 
@@ -81,6 +81,8 @@ SYN, ACK, FIN, RST = 1, 2, 4, 8
 GO_AWAY_NORMAL, GO_AWAY_PROTOCOL_ERROR, GO_AWAY_INTERNAL_ERROR = 0, 1, 2
 #: Every stream starts with this window in both directions (spec).
 INITIAL_WINDOW = 256 * 1024
+#: A batch of coalesced frames takes no more newcomers past this size (one seal and one write each).
+COALESCE_BYTES = 4 * 1024 * 1024
 MAX_WINDOW = 2**32 - 1
 _MAX_STREAM_ID = 2**32 - 1
 #: Bytes asked per read when the secured connection is not ours.
@@ -445,6 +447,16 @@ class YamuxStream(IMuxedStream):
 # ---------------------------------------------------------------------------- connections
 
 
+
+@dataclass(eq=False)
+class _Batch:
+    """Frames written together by the first of their writers (:meth:`YamuxConnection.send`)."""
+
+    parts: list[Buffer]
+    size: int
+    done: trio.Event = field(default_factory=trio.Event)
+    error: YamuxError | None = None
+
 class YamuxConnection(IMuxedConn):
     """A yamux session over a secured connection, run by :meth:`start` in py-libp2p's swarm."""
 
@@ -467,6 +479,8 @@ class YamuxConnection(IMuxedConn):
         self._inbound = 0
         self._accept_send, self._accept_receive = trio.open_memory_channel[YamuxStream](self.config.accept_backlog)
         self._write_lock = Mutex()
+        #: frames waiting for the write under way, to go out together (see :meth:`send`)
+        self._batch: _Batch | None = None
         self._control: list[bytes] = []
         self._control_ready = trio.Event()
         self._pings: dict[int, float] = {}
@@ -584,26 +598,63 @@ class YamuxConnection(IMuxedConn):
     # ---------------------------------------------------------------- writing
 
     async def send(self, *parts: Buffer) -> None:
-        """Write one frame (header and body) whole; the connection fails rather than half-send it."""
+        """Write one frame (header and body) whole; the connection fails rather than half-send it.
+
+        Frames that come while another write is under way are coalesced: the first of them leads a
+        batch that every later one joins, and the leader, once it holds the connection, seals and
+        sends the whole batch in one write. Handing the connection from writer to writer cost a
+        pass of the scheduler per frame, and a busy peer's loop takes milliseconds a pass: an
+        expert client with 240 exchanges in flight spent 300-400 ms waiting to write a 50-byte
+        request header (bench/moe_latency.py). Waits are shielded, as the write itself always was,
+        and bounded by the writes ahead of them (each fails the connection past ``write_timeout``):
+        a frame queued is sent whole, and its caller learns the outcome.
+        """
         if self._error is not None:
             raise self._error
-        async with self._write_lock:
-            if self._error is not None:
-                raise self._error
-            timeout = self.config.write_timeout
-            with trio.CancelScope(shield=True) as scope:
-                scope.deadline = trio.current_time() + timeout
-                try:
-                    await self._write(parts)
-                except Exception as e:
-                    error = YamuxError(f"connection to {self.peer_id} broke while writing: {e!r}")
-                    self._fail(error)
-                    raise error from e
-            if scope.cancelled_caught:
-                error = YamuxError(f"connection to {self.peer_id} stalled: a write took over {timeout:g} s")
+        size = sum(len(memoryview(p)) for p in parts)
+        if not self._write_lock.locked:
+            async with self._write_lock:  # free: taken without a task switch
+                await self._send_now(parts)
+            self.bytes_sent += size
+            return
+        batch = self._batch
+        with trio.CancelScope(shield=True):
+            if batch is not None and batch.size < COALESCE_BYTES:
+                batch.parts.extend(parts)
+                batch.size += size
+                await batch.done.wait()
+            else:
+                batch = self._batch = _Batch(list(parts), size)
+                async with self._write_lock:
+                    if self._batch is batch:
+                        self._batch = None  # from here on, newcomers start the next batch
+                    try:
+                        await self._send_now(tuple(batch.parts))
+                    except YamuxError as e:
+                        batch.error = e
+                    finally:
+                        batch.done.set()
+        if batch.error is not None:
+            raise batch.error
+        self.bytes_sent += size
+
+    async def _send_now(self, parts: tuple[Buffer, ...]) -> None:
+        """Write ``parts`` (holding the write lock) within ``write_timeout``, or fail the connection."""
+        if self._error is not None:
+            raise self._error
+        timeout = self.config.write_timeout
+        with trio.CancelScope(shield=True) as scope:
+            scope.deadline = trio.current_time() + timeout
+            try:
+                await self._write(parts)
+            except Exception as e:
+                error = YamuxError(f"connection to {self.peer_id} broke while writing: {e!r}")
                 self._fail(error)
-                raise error
-        self.bytes_sent += sum(len(memoryview(p)) for p in parts)
+                raise error from e
+        if scope.cancelled_caught:
+            error = YamuxError(f"connection to {self.peer_id} stalled: a write took over {timeout:g} s")
+            self._fail(error)
+            raise error
 
     async def _write(self, parts: tuple[Buffer, ...]) -> None:
         session = self.secured_conn

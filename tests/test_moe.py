@@ -275,6 +275,49 @@ def test_backend_checks_requests() -> None:
 
 
 
+async def test_a_small_batch_waits_for_rows_without_holding_the_device() -> None:
+    """min_batch_size / max_wait: a batch short of its rows waits for more (one batch, not two), a lone
+    request is served once max_wait has passed, and the waiting holds nothing: another expert's batch
+    takes the device meanwhile. (The real clock: a batch computes in a worker thread.)"""
+    from training.moe.server import _Pool, _Task
+
+    config = ServerConfig(min_batch_size=8, max_wait=1.0)
+    config.validate()
+    with pytest.raises(ConfigError, match="min_batch_size"):
+        ServerConfig(min_batch_size=8, max_batch_size=4).validate()
+    waiting_b, other_b = backends("ffn.[0:2]")
+    waiting, other = _Pool(waiting_b, Kind.FORWARD, config), _Pool(other_b, Kind.FORWARD, ServerConfig())
+    device = trio.Lock()
+    done_at: dict[str, float] = {}
+
+    async def call(pool: _Pool, name: str, rows: int) -> None:
+        task = _Task([torch.randn(rows, HID)])
+        pool.submit(task)
+        await task.done.wait()
+        assert task.result is not None and task.result.shape == (rows, HID)
+        done_at[name] = trio.current_time()
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(waiting.run, device)
+            nursery.start_soon(other.run, device)
+            nursery.start_soon(call, waiting, "a", 2)
+            await trio.sleep(0.2)
+            nursery.start_soon(call, other, "other", 2)  # served at once: the waiting pool holds no lock
+            await trio.sleep(0.4)
+            assert "other" in done_at and "a" not in done_at and other.batches == 1 and waiting.batches == 0
+            nursery.start_soon(call, waiting, "b", 6)  # fills the batch: a and b computed together
+            while "a" not in done_at or "b" not in done_at:
+                await trio.sleep(0.01)
+            assert waiting.batches == 1 and waiting_b.rows_processed == 8
+            lone = trio.current_time()
+            nursery.start_soon(call, waiting, "lone", 3)  # nothing more comes: served after max_wait
+            while "lone" not in done_at:
+                await trio.sleep(0.01)
+            assert done_at["lone"] - lone >= 1.0 and waiting.batches == 2 and waiting_b.rows_processed == 11
+            nursery.cancel_scope.cancel()
+
+
 def test_serve_experts_options_build_fused_optimizers_and_refuse_bad_threads() -> None:
     """serve-experts' experts step with fused Adam (a small batch's backward is mostly the step);
     --threads sets torch's CPU threads, and a negative count is refused before anything starts."""

@@ -983,6 +983,60 @@ async def test_cancelled_write_stops_between_frames_never_inside_one():
         assert conn.is_established
 
 
+@pytest.mark.parametrize("noise", [False, True])
+async def test_frames_queued_behind_a_write_go_out_together_whole_and_cancel_after(noise):
+    """While one write is under way, the frames of 20 other streams wait as one batch and go out in
+    one write (a writer-to-writer handoff per frame cost a scheduler pass each); every frame arrives
+    whole and on its own stream, and a queued writer that is cancelled still sends its frame whole
+    (the peer's parser stays in step) before it returns."""
+    async with raw_peer(pipes="lockstep", noise=noise) as (conn, raw):
+        streams = [await conn.open_stream() for _ in range(22)]
+        for s in streams:  # the peer acks them; SYNs are on the wire before we count
+            await raw.send(frame(TYPE_WINDOW_UPDATE, ACK, s.stream_id, 8 * MiB))
+        await raw.send(frame(TYPE_PING, SYN, 0, 1))
+        await raw.wait_for(lambda f: f.kind == TYPE_PING and f.length == 1 and f.flags == ACK)
+        writes = 0
+        real_write = conn._write
+
+        async def counted(parts: Any) -> None:
+            nonlocal writes
+            writes += 1
+            await real_write(parts)
+
+        conn._write = counted  # type: ignore[method-assign]
+        raw.stop_reading()
+        cancelled = trio.CancelScope()
+        outcome: list[str] = []
+
+        async def cancelled_writer() -> None:
+            with cancelled:
+                await streams[21].write(b"z" * 1000)
+                outcome.append("returned")
+            outcome.append("cancelled" if cancelled.cancelled_caught else "not cancelled")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(streams[0].write, b"x" * (2 * conn.config.max_frame))
+            await trio.testing.wait_all_tasks_blocked()  # the big write holds the connection
+            for i in range(1, 21):
+                nursery.start_soon(streams[i].write, bytes([i]) * (100 + i))
+            nursery.start_soon(cancelled_writer)
+            await trio.testing.wait_all_tasks_blocked()
+            cancelled.cancel()
+            await trio.testing.wait_all_tasks_blocked()
+            assert outcome == []  # its frame is queued: the cancellation waits for it to go out
+            raw.resume_reading()
+        # the big write's first frame, then one write of the 21 queued frames and its second
+        assert writes == 2
+        assert outcome == ["returned", "not cancelled"]  # its one frame went out: the write is complete
+        await raw.send(frame(TYPE_PING, SYN, 0, 2))
+        await raw.wait_for(lambda f: f.kind == TYPE_PING and f.length == 2 and f.flags == ACK)
+        for i in range(1, 21):
+            assert raw.data_of(streams[i].stream_id) == bytes([i]) * (100 + i)
+        assert raw.data_of(streams[21].stream_id) == b"z" * 1000
+        assert raw.data_of(streams[0].stream_id) == b"x" * (2 * conn.config.max_frame)
+        assert conn.is_established
+
+
 # ---------------------------------------------------------------------------- keepalive
 
 

@@ -113,8 +113,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
                    help="torch's CPU threads (default: torch's own, every core; less where other processes share "
                    "the cores: threads that outnumber the cores spin in each other's way)")
     g.add_argument("--max-batch-size", type=int, default=4096, metavar="ROWS", help="largest batch per expert")
+    g.add_argument("--min-batch-size", type=int, default=1, metavar="ROWS",
+                   help="a smaller batch waits up to --max-wait for more rows before it computes (for callers "
+                   "far away, whose requests arrive few at a time; default: %(default)s, no wait)")
     g.add_argument("--max-wait", type=float, default=0.0, metavar="SECONDS",
-                   help="extra wait for a fuller batch once the device is free (default: none)")
+                   help="the most a batch waits for --min-batch-size rows (default: none)")
     g.add_argument("--update-period", type=float, default=30.0, metavar="SECONDS",
                    help="how often the experts are declared in the DHT (each declaration lives 3x this)")
     g.add_argument("--checkpoint-dir", default=None, help="save and load the experts here (default: none)")

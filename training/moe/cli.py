@@ -50,7 +50,8 @@ def build_backends(args: argparse.Namespace) -> list[ExpertBackend]:
 
 async def cmd_serve_experts(args: argparse.Namespace, out: Output) -> int:
     backends = build_backends(args)  # a bad pattern or device fails before the peer starts
-    config = ServerConfig(max_batch_size=args.max_batch_size, max_wait=args.max_wait,
+    config = ServerConfig(max_batch_size=args.max_batch_size, min_batch_size=args.min_batch_size,
+                          max_wait=args.max_wait,
                           checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
                           update_period=args.update_period, expiration=args.update_period * 3)
     config.validate()
