@@ -126,7 +126,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"DMoE, {delay:5g} ms one-way ({r['mechanism']}): {r['samples_per_s']:.0f} samples/s, "
               f"{r['failed_batches']} batches failed, {r['call_failures']} of {r['calls']} calls failed; per batch "
               f"{r['mean_batch_s']} s; per exchange: {1e3 * r['slot_wait_s'] / max(1, r['exchanges']):.0f} ms "
-              f"waiting for a slot, {1e3 * r['exchange_s'] / max(1, r['exchanges']):.0f} ms in the exchange; "
+              f"waiting for a slot, {1e3 * r['exchange_s'] / max(1, r['exchanges']):.0f} ms in the exchange, "
+              f"{r.get('joined', 0)} calls joined others' exchanges; the trainer's loop late by {r.get('loop_lag_ms')} ms; "
               f"TCP {r['tcp']}", flush=True)
     base = results["dmoe"].get("0ms", {}).get("samples_per_s")
     ratios = {}

@@ -166,20 +166,34 @@ async def remote(args: argparse.Namespace) -> dict[str, Any]:
 
             failed[0] += counter.run(step, args.batch, (MoEError,))
 
+        lag: list[float] = []
         async with trio.open_nursery() as nursery:
             for _ in range(args.concurrency):
                 nursery.start_soon(client.run, worker)
-        return figures(counter, client, args, failed[0],
+            nursery.start_soon(loop_lag, counter, lag)
+        return figures(counter, client, args, failed[0], lag,
                        dict(zip(("step", "search", "forward_calls", "backward_calls"),
                                 (round(sum(t[i] for t in times) / max(1, len(times)), 3) for i in range(4)))))
 
 
-def figures(counter: Counter, client: Any, args: argparse.Namespace, failed_batches: int,
+async def loop_lag(counter: Counter, lag: list[float]) -> None:
+    """How late the trio loop wakes a 10 ms sleep while the measurement runs (a busy loop delays every
+    step of every exchange by about this)."""
+    while time.perf_counter() < counter.stop:
+        began = time.perf_counter()
+        await trio.sleep(0.01)
+        if began >= counter.start:
+            lag.append(time.perf_counter() - began - 0.01)
+
+
+def figures(counter: Counter, client: Any, args: argparse.Namespace, failed_batches: int, lag: list[float],
             mean_batch_s: dict[str, float]) -> dict[str, Any]:
     """What a DMoE run reports: its samples/s and the client's call figures."""
     stats = client.stats
+    lag = sorted(lag) or [0.0]
     return {"samples_per_s": counter.samples / args.seconds, "failed_batches": failed_batches,
-            "calls": stats.calls, "call_failures": stats.failures, "exchanges": stats.exchanges,
+            "loop_lag_ms": {"median": round(1e3 * lag[len(lag) // 2], 2), "p90": round(1e3 * lag[int(len(lag) * 0.9)], 2)},
+            "calls": stats.calls, "call_failures": stats.failures, "exchanges": stats.exchanges, "joined": stats.joined,
             "slot_wait_s": stats.slot_wait_s, "exchange_s": stats.exchange_s, "reasons": stats.reasons[-3:],
             "mean_batch_s": mean_batch_s}
 
@@ -212,10 +226,12 @@ async def raw(client: Any, layer: Any, args: argparse.Namespace) -> dict[str, An
                         nursery.start_soon(one, group, kind)
             counter.add(args.batch)
 
+    lag: list[float] = []
     async with trio.open_nursery() as nursery:
         for _ in range(args.concurrency):
             nursery.start_soon(task)
-    return figures(counter, client, args, 0, {})
+        nursery.start_soon(loop_lag, counter, lag)
+    return figures(counter, client, args, 0, lag, {})
 
 
 def main() -> None:

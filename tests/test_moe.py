@@ -508,6 +508,57 @@ async def test_one_exchange_carries_several_experts_each_answered_on_its_own() -
             # where the calls' time went: two exchanges, each timed, with no wait for a slot
             assert client.stats.exchanges == 2 and client.stats.exchange_s > 0
             assert 0 <= client.stats.slot_wait_s < client.stats.exchange_s
+            # 500 calls in one exchange (fewer than a queue's 256 per expert): a request header of ~5 KB
+            # (joined calls make them that big)
+            many = await client.call_many([experts[0], experts[2]] * 250, Kind.FORWARD, [[xs[0][:1]]] * 500,
+                                          timeout=10)
+            assert all(not isinstance(r, ExpertCallError) and torch.allclose(r[0], many[i % 2][0])
+                       for i, r in enumerate(many))
+
+
+async def test_calls_to_a_server_whose_slots_are_all_in_use_go_together_in_the_next_one() -> None:
+    """With one slot per server, 12 concurrent calls: the first takes the slot, the others join one
+    exchange (two if one would pass max_rows) that goes when the slot frees; each caller gets its own
+    experts' answers, right, and the server sees few exchanges. A joined caller's unknown expert
+    fails alone; a caller cancelled while it waits leaves the others' answers whole."""
+    async with swarm("ffn.0.[0:3]") as sw:
+        server, peer = sw.servers[0], sw.peers[0]
+        async with ExpertClient.open(sw.client, ClientConfig(max_streams_per_server=1, max_idle_streams=1,
+                                                             max_rows=40)) as client:
+            uids = ["ffn.0.0", "ffn.0.1", "ffn.0.2"]
+            inputs = {i: [torch.randn(1 + (i + j) % 3, HID) for j in range(3)] for i in range(12)}
+            got: dict[int, list[Any]] = {}
+
+            async def call(i: int) -> None:
+                names = uids if i != 5 else ["ffn.0.0", "ffn.0.7", "ffn.0.2"]
+                got[i] = await client.call_many([Expert(u, peer.peer_id) for u in names], Kind.FORWARD,
+                                                [[x] for x in inputs[i]], timeout=10)
+
+            cancelled = trio.CancelScope()
+
+            async def gives_up() -> None:
+                with cancelled:
+                    await client.call_many([Expert("ffn.0.1", peer.peer_id)], Kind.FORWARD, [[torch.randn(2, HID)]],
+                                           timeout=10)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(12):
+                    nursery.start_soon(call, i)
+                nursery.start_soon(gives_up)
+                await trio.sleep(0)
+                cancelled.cancel()
+            for i in range(12):
+                for j, out in enumerate(got[i]):
+                    if i == 5 and j == 1:
+                        assert isinstance(out, ExpertCallError) and "does not host" in str(out)
+                        continue
+                    assert not isinstance(out, ExpertCallError), out
+                    with torch.no_grad():
+                        want = server.backends[uids[j]].module(inputs[i][j])
+                    assert torch.allclose(out[0], want, atol=1e-5)
+            # 12 calls of 6 rows each and one of 2: the first alone, the rest in exchanges of at most 40 rows
+            assert client.stats.joined >= 30 and 3 <= client.stats.exchanges <= 5, client.stats
+            assert client.stats.failures == 1 and not client._waiting
 
 
 async def test_a_call_its_caller_gave_up_is_dropped_unanswered_and_frees_its_stream() -> None:

@@ -50,6 +50,10 @@ from .grid import ExpertUid, coordinate_subkey
 log = logging.getLogger(__name__)
 
 PROTOCOL = "/dedloc/moe/expert/1.0.0"
+#: Most experts in one exchange, and most bytes of its request (1024 uids of up to ~60 bytes with their
+#: row counts: a client joins many batches' calls to a busy server into one exchange).
+MAX_EXPERTS = 1024
+MAX_REQUEST_HEADER = 64 * 1024
 Kind = pb.ExpertRequest.Kind
 Status = pb.ExpertResponse.Status
 KindValue: TypeAlias = pb.ExpertRequest.Kind.ValueType
@@ -451,7 +455,7 @@ class ExpertServer:
 
     async def _serve(self, stream: INetStream, reader: FrameReader) -> bool:
         """One call; True when it was answered OK (the stream may carry the next one)."""
-        request = await reader.message(pb.ExpertRequest, "expert request")
+        request = await reader.message(pb.ExpertRequest, "expert request", max_size=MAX_REQUEST_HEADER)
         if request.uids:
             return await self._serve_many(stream, reader, request)
         backend = self.backends.get(request.uid)
@@ -496,7 +500,7 @@ class ExpertServer:
     async def _serve_many(self, stream: INetStream, reader: FrameReader, request: pb.ExpertRequest) -> bool:
         """A call of several experts (moe.proto): each answered on its own, the call OK as a whole."""
         uids, rows = list(request.uids), list(request.rows)
-        if request.kind not in (Kind.FORWARD, Kind.BACKWARD) or len(uids) != len(rows) or len(uids) > 1024 \
+        if request.kind not in (Kind.FORWARD, Kind.BACKWARD) or len(uids) != len(rows) or len(uids) > MAX_EXPERTS \
                 or not all(rows) or sum(rows) > self.config.max_request_rows:
             await self._reply(stream, Status.BAD_REQUEST, f"a call of {len(uids)} experts needs FORWARD or BACKWARD, "
                               f"as many row counts, each >= 1, at most {self.config.max_request_rows} rows in all")
@@ -565,4 +569,4 @@ class ExpertServer:
         return True
 
 
-__all__ = ["PROTOCOL", "ExpertBackend", "ExpertFailed", "ExpertServer", "Overloaded", "ServerConfig"]
+__all__ = ["MAX_EXPERTS", "MAX_REQUEST_HEADER", "PROTOCOL", "ExpertBackend", "ExpertFailed", "ExpertServer", "Overloaded", "ServerConfig"]
