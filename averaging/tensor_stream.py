@@ -221,6 +221,29 @@ async def send_tensors(
     await writer.flush()
 
 
+class _Collector:
+    """A :class:`WriteStream` that keeps the pieces it is handed, to be joined before anything changes them."""
+
+    def __init__(self, prefix: bytes) -> None:
+        self.parts: list[bytes | memoryview] = [prefix]
+
+    async def write(self, data: bytes) -> None:
+        self.parts.append(data)
+
+
+async def tensors_message(tensors: Sequence[torch.Tensor], *, prefix: bytes = b"") -> bytes:
+    """``prefix`` and the message :func:`send_tensors` writes for ``tensors``, in one buffer (one copy).
+
+    For a request or an answer and its tensors in one stream write: each write
+    of a stream waits its turn on a busy connection (an expert client with 240
+    exchanges in flight waited ~100 ms a write), and a frame, a tensor header
+    and a body were three turns. Read it with :func:`receive_tensors` as usual.
+    """
+    collector = _Collector(prefix)
+    await send_tensors(collector, tensors, chunk_size=1 << 62)  # nothing in it yields: the views stay valid
+    return b"".join(collector.parts)
+
+
 async def send_tensor(stream: WriteStream, tensor: torch.Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
     """:func:`send_tensors` of just ``tensor``; read it with :func:`receive_tensor`."""
     await send_tensors(stream, [tensor], chunk_size=chunk_size)

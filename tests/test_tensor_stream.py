@@ -26,6 +26,7 @@ from averaging.tensor_stream import (
     receive_tensors,
     send_tensor,
     send_tensors,
+    tensors_message,
 )
 from p2p import Node
 from p2p.rpc.framing import encode_varint
@@ -156,6 +157,25 @@ async def test_header_and_small_tensors_are_joined_into_one_write() -> None:
     await send_tensors(pipe, sent)
     assert len(pipe.writes) == 1
     assert_same(await receive_tensors(pipe, **LIMITS), sent)
+
+
+async def test_a_message_with_its_prefix_in_one_buffer_reads_like_the_written_one() -> None:
+    """tensors_message: a request frame and its tensors as one write (1 MiB chunks would be several)."""
+    sent = [*every_kind(), torch.randn(300_000)]
+    written = Pipe()
+    await send_tensors(written, sent)
+    buffer = await tensors_message(sent, prefix=b"REQ")
+    assert buffer == b"REQ" + b"".join(bytes(w) for w in written.writes) and len(written.writes) > 1
+    pipe = Pipe(buffer, max_read=70_000)
+    assert await pipe.read(3) == b"REQ"
+    assert_same(await receive_tensors(pipe, **LIMITS), sent)
+    assert pipe.unread == b"" and await tensors_message([]) == await _empty()
+
+
+async def _empty() -> bytes:
+    pipe = Pipe()
+    await send_tensors(pipe, [])
+    return b"".join(bytes(w) for w in pipe.writes)
 
 
 async def test_8_mib_tensor_through_small_chunks_and_reads() -> None:

@@ -29,7 +29,7 @@ from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
-from averaging.tensor_stream import TensorStreamError, receive_tensors, send_tensors
+from averaging.tensor_stream import TensorStreamError, receive_tensors, tensors_message
 from averaging.errors import AllreduceProtocolError
 from averaging.wire import FrameReader, frame
 from nat import Swarm
@@ -299,10 +299,12 @@ class ExpertClient:
         stream, reader = kept.stream, kept.reader
         try:
             try:
-                await stream.write(frame(request))
-                if tensors is not None:
-                    await send_tensors(stream, [t.detach().to(torch.float16 if request.half else torch.float32)
-                                                for t in tensors])
+                if tensors is None:
+                    await stream.write(frame(request))
+                else:  # the request and its tensors in one write: one turn on a busy connection, not three
+                    await stream.write(await tensors_message(
+                        [t.detach().to(torch.float16 if request.half else torch.float32) for t in tensors],
+                        prefix=frame(request)))
                 if await reader.at_eof():
                     raise _StaleStream("closed")
             except (OSError, EOFError, DedlocError) as e:

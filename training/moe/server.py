@@ -36,7 +36,7 @@ import torch
 import trio
 from libp2p.abc import INetStream
 
-from averaging.tensor_stream import TensorStreamError, receive_tensors, send_tensors
+from averaging.tensor_stream import TensorStreamError, receive_tensors, send_tensors, tensors_message
 from averaging.errors import AllreduceProtocolError
 from averaging.finite import tensor_finite
 from averaging.wire import FrameReader, frame
@@ -492,8 +492,8 @@ class ExpertServer:
         if task.error is not None or task.result is None:
             await self._reply(stream, Status.FAILED, task.error or "no result")
             return False
-        await self._reply(stream, Status.OK)
-        await send_tensors(stream, [task.result.half() if request.half else task.result])
+        await stream.write(await tensors_message([task.result.half() if request.half else task.result],
+                                                 prefix=frame(pb.ExpertResponse(status=Status.OK))))
         return True
 
 
@@ -562,10 +562,11 @@ class ExpertServer:
             if status != Status.OK:
                 name = Status.Name(status).lower()
                 self.refused[name] = self.refused.get(name, 0) + 1
-        await stream.write(frame(pb.ExpertResponse(status=Status.OK, statuses=statuses,
-                                                   reasons=[r[:300] for r in reasons])))
         joined = [torch.cat(outputs)] if outputs else []
-        await send_tensors(stream, [t.half() for t in joined] if request.half else joined)
+        # the answer and its tensors in one write: one turn on a busy connection, not three
+        await stream.write(await tensors_message(
+            [t.half() for t in joined] if request.half else joined,
+            prefix=frame(pb.ExpertResponse(status=Status.OK, statuses=statuses, reasons=[r[:300] for r in reasons]))))
         return True
 
 
