@@ -424,22 +424,26 @@ class ExpertClient:
         """The exchange of ``group`` (its callers wait, each within its own timeout; this one within the
         latest of theirs), in the server's next free slot; no more calls join once it has one."""
         server, kind = key
-        with group.scope:
-            try:
-                asked = time.monotonic()
-                async with self._slots_of(server):
-                    if self._waiting.get(key) is group:
-                        del self._waiting[key]
-                    what = f"server {str(server)[-8:]} ({len(group.experts)} experts of joined calls)"
-                    group.results = await self._exchange_many(server, kind, group.experts, group.tensors,
-                                                              group.rows, what, asked)
-            except Exception as e:  # the callers' failure, said by each of them
-                group.error = e
-        if group.scope.cancelled_caught:
-            group.error = trio.TooSlowError()
-        if self._waiting.get(key) is group:
-            del self._waiting[key]
-        group.done.set()
+        try:
+            with group.scope:
+                try:
+                    asked = time.monotonic()
+                    async with self._slots_of(server):
+                        if self._waiting.get(key) is group:
+                            del self._waiting[key]
+                        what = f"server {str(server)[-8:]} ({len(group.experts)} experts of joined calls)"
+                        group.results = await self._exchange_many(server, kind, group.experts, group.tensors,
+                                                                  group.rows, what, asked)
+                except Exception as e:  # the callers' failure, said by each of them
+                    group.error = e
+            if group.scope.cancelled_caught:
+                group.error = trio.TooSlowError()
+        finally:  # the client closing cancels this too: its callers hear of it at once
+            if group.error is None and len(group.results) != len(group.experts):
+                group.error = ExpertCallError("the expert client closed before the exchange")
+            if self._waiting.get(key) is group:
+                del self._waiting[key]
+            group.done.set()
 
     @staticmethod
     def _split_answer(experts: Sequence[Expert], kind: KindValue, tensors: Sequence[Sequence[torch.Tensor]],
