@@ -398,6 +398,37 @@ async def test_calls_share_a_kept_stream_and_survive_the_server_closing_it() -> 
             assert server.calls == 39 and server.streams <= 2 + 8
 
 
+async def test_a_new_stream_reset_before_its_answer_is_retried_for_a_forward_never_for_a_backward() -> None:
+    """A forward is pure: a fresh stream reset before any answer byte (a race with a closing
+    connection, a refusal) costs one more stream, not a failed call. A backward may have been
+    applied before the reset: it fails, and the error says who reset the stream."""
+    from training.moe.server import PROTOCOL
+
+    async with swarm("ffn.0.[0:1]") as sw:
+        server_peer, server = sw.peers[0], sw.servers[0]
+        resets = 0
+
+        async def flaky(stream: Any) -> None:  # resets the next stream it gets, then serves as usual
+            nonlocal resets
+            if resets < 1:
+                resets += 1
+                await stream.read(64)
+                await stream.reset()
+                return
+            await server._on_stream(stream)
+
+        server_peer.set_stream_handler(PROTOCOL, flaky)
+        expert = Expert("ffn.0.0", server_peer.peer_id)
+        async with ExpertClient.open(sw.client) as client:
+            out = await client.forward(expert, torch.randn(2, HID))
+            assert out.shape == (2, HID) and client.stats.failures == 0 and resets == 1 and server.streams == 1
+        resets = 0
+        async with ExpertClient.open(sw.client) as client:  # no kept stream: the backward opens a new one
+            with pytest.raises(ExpertCallError, match="StreamReset.*reset by"):
+                await client.backward(expert, torch.randn(2, HID), torch.randn(2, HID))
+            assert resets == 1 and server.calls == 1  # the forward's only
+
+
 class NaNExpert(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -16,7 +16,6 @@ reason, and the expert is left out of searches for ``ban_time`` seconds.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -283,12 +282,21 @@ class ExpertClient:
                 return await self._exchange(kept, peer_id, request, tensors, max_bytes, what, check)
             except _StaleStream:
                 pass  # the server closed a kept stream (idle, restarted): once more on a new one
-        stream = await self.peer.new_stream(peer_id, PROTOCOL)
-        try:
-            return await self._exchange(_Kept(stream, FrameReader(stream), time.monotonic()), peer_id, request,
-                                        tensors, max_bytes, what, check)
-        except _StaleStream as e:
-            raise ExpertCallError(f"{what}: the stream ended before an answer ({e})") from None
+        # a new stream reset before any byte of its answer is tried once more when that cannot apply a
+        # call twice: a forward or info (pure). A backward is not: the server may have applied its
+        # gradients before the reset (a kept stream's stale end is the server's idle close, before any read)
+        retries = 0 if request.kind == Kind.BACKWARD else 1
+        for attempt in range(retries + 1):
+            stream = await self.peer.new_stream(peer_id, PROTOCOL)
+            try:
+                return await self._exchange(_Kept(stream, FrameReader(stream), time.monotonic(),
+                                                  retry=attempt < retries), peer_id, request,
+                                            tensors, max_bytes, what, check)
+            except _StaleStream as e:
+                if attempt == retries:
+                    raise ExpertCallError(f"{what}: the stream ended before an answer ({e})") from None
+                log.debug("%s: a new stream ended before an answer (%s): once more", what, e)
+        raise AssertionError("unreachable")
 
     async def _exchange(self, kept: _Kept, peer_id: ID, request: pb.ExpertRequest,
                         tensors: Sequence[torch.Tensor] | None, max_bytes: int, what: str,
@@ -308,11 +316,11 @@ class ExpertClient:
                 if await reader.at_eof():
                     raise _StaleStream("closed")
             except (OSError, EOFError, DedlocError) as e:
-                raise _StaleStream(f"{type(e).__name__}: {e}") from None
+                raise _StaleStream(_describe(e)) from None
             except Exception as e:  # the stream's own errors (reset by the server)
-                if not kept.reused:
+                if not (kept.reused or kept.retry):
                     raise
-                raise _StaleStream(f"{type(e).__name__}: {e}") from None
+                raise _StaleStream(_describe(e)) from None
             response = await reader.message(pb.ExpertResponse, "expert response")
             if response.status != Status.OK:
                 raise ExpertCallError(f"{what}: {Status.Name(response.status).lower()}: "
@@ -402,18 +410,20 @@ class ExpertClient:
         # at most what a server takes in one request: its experts, rows, and header's bytes (each uid
         # with its tag and length, and its row count: at most 6 bytes more than the uid)
         header = sum(len(e.uid.encode()) + 6 for e in experts)
+        deadline = trio.current_time() + timeout
         if group is None or len(group.experts) + len(experts) > MAX_EXPERTS \
-                or sum(group.rows) + sum(rows) > self.config.max_rows \
+                or group.total_rows + sum(rows) > self.config.max_rows \
                 or group.header + header > MAX_REQUEST_HEADER - 64:
-            group = self._waiting[key] = _Group()
+            group = self._waiting[key] = _Group(scope=trio.CancelScope(deadline=deadline))
             assert self._nursery is not None  # call_many joins only in an open client
             self._nursery.start_soon(self._send_group, key, group)
         first = len(group.experts)
         group.experts.extend(experts)
         group.tensors.extend(tensors)
         group.rows.extend(rows)
+        group.total_rows += sum(rows)
         group.header += header
-        group.scope.deadline = max(group.scope.deadline if first else -math.inf, trio.current_time() + timeout)
+        group.scope.deadline = max(group.scope.deadline, deadline)
         self.stats.joined += len(experts)
         await group.done.wait()
         if group.error is not None:
@@ -506,11 +516,23 @@ def _failure(e: Exception, what: str, timeout: float) -> tuple[str, bool]:
         return f"{what}: no answer within {timeout:.1f} s", True
     if isinstance(e, ExpertCallError):
         return str(e), False
-    return f"{what}: {type(e).__name__}: {e}", False
+    return f"{what}: {_describe(e)}", False
+
+
+def _describe(e: BaseException) -> str:
+    """``Type: message``, with the cause's message where py-libp2p's wrapper has none of its own (its
+    ``StreamReset()`` says nothing; the Yamux error under it says who reset the stream, or that the
+    connection ended, and why)."""
+    text = f"{type(e).__name__}: {e}"
+    cause = e.__cause__ or e.__context__
+    if not str(e) and cause is not None:
+        text += f"({type(cause).__name__}: {cause})"
+    return text
 
 
 class _StaleStream(Exception):
-    """A kept stream failed before its answer began: the call is tried once on a new stream."""
+    """A stream failed before its answer began: a kept one (the server closed it meanwhile), or a
+    new one where a retry cannot do harm; the call is tried once more on a new stream."""
 
 
 @dataclass(eq=False)
@@ -520,8 +542,11 @@ class _Group:
     experts: list[Expert] = field(default_factory=list)
     tensors: list[Sequence[torch.Tensor]] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
+    #: sum(rows), kept (a group grows to 1024 experts, one call at a time)
+    total_rows: int = 0
     #: most bytes its request's uids and rows take
     header: int = 0
+    #: the latest of its callers' deadlines
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     done: trio.Event = field(default_factory=trio.Event)
     results: list[list[torch.Tensor] | ExpertCallError] = field(default_factory=list)
@@ -536,6 +561,8 @@ class _Kept:
     reader: FrameReader
     since: float
     reused: bool = False
+    #: a new stream whose reset before any answer byte may be retried (see :meth:`_call_on_a_stream`)
+    retry: bool = False
 
 
 class _RemoteCall(torch.autograd.Function):

@@ -36,7 +36,7 @@ import torch
 import trio
 from libp2p.abc import INetStream
 
-from averaging.tensor_stream import TensorStreamError, receive_tensors, send_tensors, tensors_message
+from averaging.tensor_stream import TensorStreamError, receive_tensors, tensors_message
 from averaging.errors import AllreduceProtocolError
 from averaging.finite import tensor_finite
 from averaging.wire import FrameReader, frame
@@ -398,6 +398,15 @@ class ExpertServer:
             self.refused[name] = self.refused.get(name, 0) + 1
         await stream.write(frame(pb.ExpertResponse(status=status, reason=reason[:500])))
 
+    @staticmethod
+    async def _answer(stream: INetStream, tensors: list[torch.Tensor], half: bool,
+                      response: pb.ExpertResponse | None = None) -> None:
+        """An OK answer (``response``, by default a bare OK) and its tensors, in one write: one turn on
+        a busy connection, not three."""
+        await stream.write(await tensors_message(
+            [t.half() for t in tensors] if half else tensors,
+            prefix=frame(response if response is not None else pb.ExpertResponse(status=Status.OK))))
+
     async def _on_stream(self, stream: INetStream) -> None:
         """Calls one after another on one stream, as long as each is answered OK (a caller keeps its
         streams: a new stream per call would cost a negotiation each, and a trainer's many calls a
@@ -463,8 +472,7 @@ class ExpertServer:
             await self._reply(stream, Status.UNKNOWN_EXPERT, f"this server does not host {request.uid!r:.100}")
             return False
         if request.kind == Kind.INFO:
-            await self._reply(stream, Status.OK)
-            await send_tensors(stream, backend.schema())
+            await self._answer(stream, backend.schema(), False)
             return True
         if request.kind not in (Kind.FORWARD, Kind.BACKWARD):
             await self._reply(stream, Status.BAD_REQUEST, f"unknown request kind {request.kind}")
@@ -492,8 +500,7 @@ class ExpertServer:
         if task.error is not None or task.result is None:
             await self._reply(stream, Status.FAILED, task.error or "no result")
             return False
-        await stream.write(await tensors_message([task.result.half() if request.half else task.result],
-                                                 prefix=frame(pb.ExpertResponse(status=Status.OK))))
+        await self._answer(stream, [task.result], request.half)
         return True
 
 
@@ -563,10 +570,8 @@ class ExpertServer:
                 name = Status.Name(status).lower()
                 self.refused[name] = self.refused.get(name, 0) + 1
         joined = [torch.cat(outputs)] if outputs else []
-        # the answer and its tensors in one write: one turn on a busy connection, not three
-        await stream.write(await tensors_message(
-            [t.half() for t in joined] if request.half else joined,
-            prefix=frame(pb.ExpertResponse(status=Status.OK, statuses=statuses, reasons=[r[:300] for r in reasons]))))
+        await self._answer(stream, joined, request.half, pb.ExpertResponse(
+            status=Status.OK, statuses=statuses, reasons=[r[:300] for r in reasons]))
         return True
 
 
