@@ -10,6 +10,10 @@ gate scores) cold and warm; then expert calls per second (forward and backward o
 RemoteExpert, 4 caller threads, ffn experts of hidden 256 and nop experts: the serving stack alone)
 and a call to a server that dies in the middle of it.
 
+dedloc's worker settles its garbage collector once its peers are up, as the commands do
+(p2p/collector.py; ``--gc default`` for CPython's own), and reports the collections it saw while
+measuring.
+
 Printed: min / median over the repeats of every figure, and dedloc / hivemind. The goals
 (issue "Decentralized mixture-of-experts"): search p99 below hivemind's with dead experts present;
 no call past its timeout; calls/s at least hivemind's. ``--json OUT`` writes ``dedloc.search_p99_ms``,
@@ -40,6 +44,8 @@ def run_worker(system: str, experts: int, args: argparse.Namespace, expert_cls: 
     command = [str(python), str(script), "--experts", str(experts), "--servers", str(args.servers),
                "--searches", str(args.searches),
                "--seconds", str(args.seconds), "--expert-cls", expert_cls]
+    if system == "dedloc":
+        command += ["--gc", args.gc]
     # Output to files, not pipes: hivemind's DHT processes outlive the worker holding what it inherited,
     # so a pipe would not end with it. Its own session: what it started is killed with it.
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
@@ -79,6 +85,8 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=5.0, help="length of each calls/s measurement")
     p.add_argument("--systems", default="dedloc,hivemind")
     p.add_argument("--timeout", type=float, default=300.0, help="longest one worker may run")
+    p.add_argument("--gc", choices=("settle", "default"), default="settle",
+                   help="dedloc's collector: settle (the commands' policy, p2p/collector.py) or CPython's default")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     systems = args.systems.split(",")
@@ -141,6 +149,12 @@ def main() -> None:
         }
         if system == "dedloc":
             report[system]["calls_past_timeout"] = sum(r["calls_past_timeout"] for r in every)
+            report[system]["gc"] = [r["gc"] for r in every]
+            longest = spread([r["gc"]["full_max_s"] * 1e3 for r in every])
+            print(f"dedloc's garbage collector ({args.gc}) while measuring: longest full collection "
+                  f"{longest['min']:.0f} / {longest['median']:.0f} ms, "
+                  f"{statistics.median(r['gc']['full_collections'] for r in every):.0f} full collections a run, "
+                  f"peak RSS {statistics.median(r['gc']['max_rss_mib'] for r in every):.0f} MiB")
     if len(systems) == 2:
         d, h = report["dedloc"], report["hivemind"]
         report["ratios"] = {"search_p99": d["search_p99_ms"] / h["search_p99_ms"],

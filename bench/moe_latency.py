@@ -7,7 +7,10 @@ bench/moe_latency_peer.py) trained (a) in one process, and (b) as DMoE: a lab ho
 a bootstrap node (`dedloc relay`) and two `dedloc serve-experts` (8 experts each), a host
 "trainer" runs an asynchronous trainer (--concurrency batches in flight, up to --streams calls
 in flight per server); the path between them has --delays one-way (the experts host's access
-link; the lab's userspace wire where the kernel has no netem), a fresh lab for each delay.
+link; the lab's userspace wire where the kernel has no netem), a fresh lab for each delay. The
+zero-delay run goes through the same wire (``--zero-delay-path``): the wire is a Python process
+that moves every packet (0.09-0.10 of a core in a run here, printed), and a plain veth at 0 ms
+would charge that CPU to the delayed runs alone.
 Printed: samples/s of each setup and the ratio of each delay's to the zero-delay DMoE's, per batch
 where its time went, per exchange the wait for one of a server's slots and the exchange itself.
 The goal (issue "Decentralized mixture-of-experts"): at 200 ms DMoE keeps >= 80% of its zero-delay
@@ -79,7 +82,7 @@ async def tcp_counters(ns: str) -> dict[str, int]:
 
 async def dmoe_at(delay_ms: float, args: argparse.Namespace) -> dict[str, Any]:
     async with Lab(prefix="dmoe", public_net=PUBLIC_NET) as lab:
-        experts = await lab.public_host("experts", delay_ms=delay_ms)
+        experts = await lab.public_host("experts", delay_ms=delay_ms, wire=args.zero_delay_path == "wire")
         trainer = await lab.public_host("trainer", delay_ms=0.0)
         if args.tcp_buffer_mib:
             # a long fat path: Linux's default most send buffer (4 MiB, less its bookkeeping) caps a TCP
@@ -98,6 +101,7 @@ async def dmoe_at(delay_ms: float, args: argparse.Namespace) -> dict[str, Any]:
                                  "--ephemeral", "--device", "cpu", "--threads", "1", "--no-port-mapping", "--status-interval", "0",
                                  "--min-batch-size", str(args.min_batch_size), "--max-wait", str(args.max_wait)],
                                 stdout=log, stderr=log, cwd=str(REPO))
+        wire_cpu, started = lab.wire_cpu_seconds(), trio.current_time()
         try:
             result = await worker(trainer, ["--initial-peers", boot, "--seconds", str(args.seconds), "--concurrency",
                                             str(args.concurrency), "--streams", str(args.streams), *(["--half"] if args.half else []), *(["--raw"] if args.raw else [])], timeout=args.seconds + 180)
@@ -110,7 +114,9 @@ async def dmoe_at(delay_ms: float, args: argparse.Namespace) -> dict[str, Any]:
         finally:
             for log in logs:
                 log.close()
-        result["mechanism"] = lab.mechanism
+        result["mechanism"] = lab.mechanism if lab.wired_links or lab.netem else "veth"
+        # the wire's share of a core while the trainer ran (its warm-up and set-up included)
+        result["wire_cores"] = round((lab.wire_cpu_seconds() - wire_cpu) / (trio.current_time() - started), 3)
         result["tcp"] = {host.name: await tcp_counters(host.ns) for host in (experts, trainer)}
         return result
 
@@ -128,7 +134,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
               f"{r['mean_batch_s']} s; per exchange: {1e3 * r['slot_wait_s'] / max(1, r['exchanges']):.0f} ms "
               f"waiting for a slot, {1e3 * r['exchange_s'] / max(1, r['exchanges']):.0f} ms in the exchange, "
               f"{r.get('joined', 0)} calls joined others' exchanges; the trainer's loop late by {r.get('loop_lag_ms')} ms; "
-              f"TCP {r['tcp']}", flush=True)
+              f"the wire used {r['wire_cores']:.2f} of a core; TCP {r['tcp']}", flush=True)
     base = results["dmoe"].get("0ms", {}).get("samples_per_s")
     ratios = {}
     if base:
@@ -158,6 +164,9 @@ def main() -> None:
     p.add_argument("--min-batch-size", type=int, default=1,
                    help="the servers' `serve-experts --min-batch-size` (rows a batch waits for; 1: no wait)")
     p.add_argument("--max-wait", type=float, default=0.0, help="the servers' `serve-experts --max-wait` (seconds)")
+    p.add_argument("--zero-delay-path", choices=("wire", "veth"), default="wire",
+                   help="the experts' link at 0 ms: through the userspace wire like the delayed runs (the "
+                   "delay alone differs), or a plain veth (then the delayed runs also pay the wire's CPU)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     reason = netns_unavailable_reason()

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import json
+import resource
 import statistics
 import subprocess
 import sys
@@ -36,6 +37,7 @@ from multiaddr import Multiaddr  # noqa: E402
 from nat import NatConfig, Peer, PeerConfig  # noqa: E402
 from nat.autorelay import AutoRelayConfig  # noqa: E402
 from nat.port_mapping import PortMappingConfig  # noqa: E402
+from p2p.collector import PauseRecorder, settle  # noqa: E402
 from p2p.dht import DHTConfig, DHTMode  # noqa: E402
 from p2p.node import NodeConfig  # noqa: E402
 from training.moe import (ClientConfig, Expert, ExpertBackend, ExpertCallError, ExpertClient,  # noqa: E402
@@ -77,6 +79,8 @@ async def main() -> None:
     p = parser()
     p.add_argument("--serve", choices=("calls", "hang"), help="(internal) be one server process")
     p.add_argument("--boot", nargs="*", default=[])
+    p.add_argument("--gc", choices=("settle", "default"), default="settle",
+                   help="settle: the commands' policy (p2p.collector.settle once the peers are up); default: CPython's")
     args = p.parse_args()
     torch.set_num_threads(1)
     if args.serve:
@@ -127,6 +131,9 @@ async def main() -> None:
         cold_peer = await stack.enter_async_context(Peer.open(config(boot, cache=False)))
         cold, warm, found = [], [], []
         await timed(BeamSearcher(cold_peer.dht, "ffn", (side, side)))  # its connections
+        if args.gc == "settle":
+            settle()
+        pauses = stack.enter_context(PauseRecorder())  # from here on: the measured part
         for _ in range(args.searches):
             ms, n = await timed(BeamSearcher(cold_peer.dht, "ffn", (side, side)))
             cold.append(ms)
@@ -184,6 +191,8 @@ async def main() -> None:
         result["faults"] = {"calls": len(ends), "timeout_s": 0.5, "max_s": max(ends), "median_s": statistics.median(ends),
                             "each_s": [round(t, 3) for t in ends]}  # in order: the last one's server was killed
         result["calls_past_timeout"] = past
+        result["gc"] = {"policy": args.gc, **pauses.figures(),
+                        "max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
         nursery.cancel_scope.cancel()
     print(json.dumps(result), flush=True)
 
@@ -198,7 +207,7 @@ async def serve_in_process(kind: str, boot: list[str], args: argparse.Namespace
     """This script with ``--serve KIND``: a server peer in its own process, and where it is."""
     process = await trio.lowlevel.open_process(
         [sys.executable, __file__, "--serve", kind, "--boot", *boot, "--hidden", str(args.hidden), "--expert-cls",
-         args.expert_cls], stdout=subprocess.PIPE)
+         args.expert_cls, "--gc", args.gc], stdout=subprocess.PIPE)
     assert process.stdout is not None
     with trio.fail_after(60):
         async for line in read_lines(process.stdout):
@@ -219,6 +228,8 @@ async def serve(args: argparse.Namespace) -> None:
     else:
         backends = [ExpertBackend("hang.0.0", Hang(), None, (4,))]
     async with Peer.open(config(args.boot, server=True)) as peer, ExpertServer.open(peer, backends):
+        if args.gc == "settle":
+            settle()
         print(json.dumps({"peer_id": peer.peer_id.to_base58(), "addrs": [str(a) for a in peer.addrs]}), flush=True)
         await trio.sleep_forever()
 

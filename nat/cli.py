@@ -27,6 +27,7 @@ from p2p import events as ev
 from p2p.addresses import Scope, parse_peer_addr, scope_of
 from p2p.output import Output
 from p2p.admission import AdmissionConfig
+from p2p.collector import settle
 from p2p.resources import Rate
 from p2p.config import NodeConfig
 from p2p.errors import ConfigError
@@ -196,6 +197,7 @@ async def run_peer(args: argparse.Namespace, out: Output, *, relay: bool = False
     async with trio.open_nursery() as nursery:
         async with Peer.open(config, on_listening=lambda node: _print_listening(node, out, nursery)) as peer:
             _serve_status(peer)
+            settle()  # a long-running process: full collections skip start-up's heap (p2p/collector.py)
 
             def report() -> None:
                 peers = peer.node.connected_peers()

@@ -125,6 +125,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import Any, NamedTuple
 
@@ -430,6 +431,17 @@ class Lab:
     def __repr__(self) -> str:
         return f"Lab({self.id!r}, hosts={list(self.hosts)}, delay by {self.mechanism})"
 
+    def wire_cpu_seconds(self) -> float:
+        """CPU time the userspace wire's process has used so far (0 without one): what a bench's
+        delayed links cost the machine, beside what they measure."""
+        if self._wire is None:
+            return 0.0
+        try:
+            fields = Path(f"/proc/{self._wire.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
     @property
     def mechanism(self) -> str:
         """What gives links their delay and loss: "netem" (the kernel's qdisc) or "wire" (userspace)."""
@@ -523,10 +535,15 @@ class Lab:
     # -- building ----------------------------------------------------------------
 
     async def public_host(
-        self, name: str, *, delay_ms: float = 25.0, loss_pct: float | None = None, shape: Shape | None = None
+        self, name: str, *, delay_ms: float = 25.0, loss_pct: float | None = None, shape: Shape | None = None,
+        wire: bool = False,
     ) -> Host:
-        """A host with a public address straight on the core (a relay, a bootstrap node)."""
-        return await self._direct(name, NatKind.PUBLIC, None, delay_ms, loss_pct, shape)
+        """A host with a public address straight on the core (a relay, a bootstrap node).
+
+        ``wire``: its link goes through the userspace wire even at zero delay (where the lab has no
+        netem). A bench that compares delays then compares the delay alone: the wire's hop costs
+        CPU (a Python process moving every packet) that a plain veth at zero delay does not."""
+        return await self._direct(name, NatKind.PUBLIC, None, delay_ms, loss_pct, shape, wire=wire)
 
     async def peer(
         self,
@@ -621,11 +638,13 @@ class Lab:
         delay_ms: float,
         loss_pct: float | None,
         shape: Shape | None,
+        *,
+        wire: bool = False,
     ) -> Host:
         self._check_name(name)
         ns = await self._new_ns(name, forward=False)
         loss = self.loss_pct if loss_pct is None else loss_pct
-        link = await self._core_link(ns, "eth0", delay_ms, loss, shape)
+        link = await self._core_link(ns, "eth0", delay_ms, loss, shape, wire=wire)
         return self._add(Host(self, name, kind, ns, link.far_ip, link.far_ip, listen_port, delay_ms, (), shape))
 
     async def _x(self, argv: Sequence[str], input: bytes | None = None) -> RunResult:
@@ -664,14 +683,15 @@ class Lab:
         await self._ip(host_ns, "route", "add", "default", "via", gw)
 
     async def _core_link(
-        self, ns: str, ifname: str, delay_ms: float, loss_pct: float, shape: Shape | None = None
+        self, ns: str, ifname: str, delay_ms: float, loss_pct: float, shape: Shape | None = None,
+        *, wire: bool = False,
     ) -> _Link:
         self._links += 1
         i = self._links
         net = _nth24(self._link_net, i)
         link = _Link(i, str(net[1]), str(net[2]))
         core_if = f"l{i}"
-        if not self.netem and (delay_ms > 0 or loss_pct > 0):
+        if not self.netem and (delay_ms > 0 or loss_pct > 0 or wire):
             await self._wire_link(self.core, core_if, ns, ifname, delay_ms, loss_pct, seed=i)
         else:
             await self._veth(self.core, core_if, ns, ifname)

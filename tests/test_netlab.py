@@ -412,6 +412,21 @@ async def test_a_lossy_wire_drops_its_share_each_way() -> None:
         assert 0.5 < share < 0.78, share  # 0.64 expected
 
 
+async def test_a_link_without_delay_can_go_through_the_wire_and_loses_nothing() -> None:
+    """``wire=True``: a zero-delay link through the userspace wire (a bench's baseline that pays the
+    wire's hop like its delayed runs); nothing is lost on it."""
+    async with Lab(prefix=PREFIX, netem=False) as lab:
+        wired = await lab.public_host("wired", delay_ms=0, wire=True)
+        echo = await lab.public_host("echo", delay_ms=0)
+        assert lab.wired_links == 1
+        await echo.spawn(helper("serve", *ECHO_PORTS), stdout=subprocess.DEVNULL)
+        await echo.wait_listening(ECHO_PORTS[1], udp=True)
+        rc, out, err = await wired.run([sys.executable, "-c", UDP_COUNT, echo.ip, str(ECHO_PORTS[1]), "100"],
+                                       timeout=STEP)
+        assert rc == 0, err
+        assert int(out.strip()) == 100
+
+
 # -- cleanup ----------------------------------------------------------------------
 
 
