@@ -122,6 +122,7 @@ async def remote(args: argparse.Namespace) -> dict[str, Any]:
     from nat.port_mapping import PortMappingConfig
     from p2p.dht import DHTConfig, DHTMode
     from p2p.node import NodeConfig
+    from p2p.collector import settle
     from training.moe import ClientConfig, ExpertClient, MoEConfig, MoEError, RemoteMixtureOfExperts
 
     torch.set_num_threads(1)
@@ -146,6 +147,7 @@ async def remote(args: argparse.Namespace) -> dict[str, Any]:
                     break
                 except MoEError:
                     await trio.sleep(1.0)
+        settle()  # as the commands do once their peer is up (p2p/collector.py)
         if args.raw:
             return await raw(client, layer, args)
         t0 = time.perf_counter()
