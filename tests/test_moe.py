@@ -592,6 +592,32 @@ async def test_calls_to_a_server_whose_slots_are_all_in_use_go_together_in_the_n
             assert client.stats.failures == 1 and not client._waiting
 
 
+async def test_joined_calls_go_in_exchanges_of_at_most_max_join_bytes() -> None:
+    """A joined exchange larger than a stream's window waits a round trip per window on a far path:
+    calls join one only up to ``max_join_bytes`` of tensors, then start the next (each answered right)."""
+    async with swarm("ffn.0.[0:1]") as sw:
+        server, peer = sw.servers[0], sw.peers[0]
+        expert = Expert("ffn.0.0", peer.peer_id)
+        for cap, exchanges in ((1 << 20, 2), (3 * 6 * HID * 4, 5)):  # all 11 waiting calls in one; or 3 a time
+            async with ExpertClient.open(sw.client, ClientConfig(max_streams_per_server=1, max_idle_streams=1,
+                                                                 max_join_bytes=cap)) as client:
+                inputs = [torch.randn(6, HID) for _ in range(12)]
+                got: dict[int, Any] = {}
+
+                async def call(i: int) -> None:
+                    got[i] = await client.call_many([expert], Kind.FORWARD, [[inputs[i]]], timeout=10)
+
+                async with trio.open_nursery() as nursery:
+                    for i in range(12):
+                        nursery.start_soon(call, i)
+                for i in range(12):
+                    with torch.no_grad():
+                        assert torch.allclose(got[i][0][0], server.backends["ffn.0.0"].module(inputs[i]), atol=1e-5)
+                assert client.stats.joined == 11 and client.stats.exchanges == exchanges, (cap, client.stats)
+    with pytest.raises(ConfigError, match="max_join_bytes"):
+        ClientConfig(max_join_bytes=0).validate()
+
+
 async def test_a_call_its_caller_gave_up_is_dropped_unanswered_and_frees_its_stream() -> None:
     """A caller past its timeout resets its stream: the server gives the stream up at once (its resource
     manager would otherwise count it against the caller's streams) and leaves the queued task out of

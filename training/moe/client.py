@@ -81,6 +81,12 @@ class ClientConfig:
     overload_ban_time: float = 1.0
     #: Most rows the client sends in one call (the server's limit: keep them equal).
     max_rows: int = 4096
+    #: Most tensor bytes of calls joined into one exchange (see :meth:`ExpertClient.call_many`): one
+    #: stream window (yamux opens each at 256 KiB, and a stream whose siblings hold the connection's
+    #: window budget never grows), since a request larger than its window waits a round trip per
+    #: window: at 200 ms one-way, joined exchanges of 1-4 MB took 5-12 s to write and the calls in
+    #: them 7-11 s, against 1.1-1.6 s for the others (bench/moe_latency.py).
+    max_join_bytes: int = 256 * 1024
     #: Calls in flight to one server at once; more wait here for a free one. A server's resource
     #: manager refuses more than 128 inbound streams per peer and protocol (its default
     #: ``max_inbound_streams_per_peer_protocol``), and counts those a caller gave up on (reset) until
@@ -100,7 +106,7 @@ class ClientConfig:
         for name in ("forward_timeout", "backward_timeout", "ban_time", "overload_ban_time"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"expert client: {name} must be positive, got {getattr(self, name)}")
-        for name in ("max_rows", "max_threads", "max_streams_per_server", "max_idle_streams"):
+        for name in ("max_rows", "max_threads", "max_streams_per_server", "max_idle_streams", "max_join_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"expert client: {name} must be at least 1, got {getattr(self, name)}")
         if self.max_idle_streams > self.max_streams_per_server:
@@ -344,8 +350,8 @@ class ExpertClient:
 
         When every one of the server's slots is in use, the call joins the others waiting for that
         server (same kind) and they go out together in the next free slot as one exchange (up to
-        ``max_rows`` rows and 1024 experts): the calls in flight to a far server are no longer capped
-        by its streams (Little's law: 120 streams of 1.7 s exchanges held a trainer 200 ms from its
+        ``max_rows`` rows, ``max_join_bytes`` of tensors and 1024 experts): the calls in flight to a
+        far server are no longer capped by its streams (Little's law: 120 streams of 1.7 s exchanges held a trainer 200 ms from its
         servers to 70 exchanges a second each), and the server gets bigger batches."""
         if not experts:
             return []
@@ -410,9 +416,11 @@ class ExpertClient:
         # at most what a server takes in one request: its experts, rows, and header's bytes (each uid
         # with its tag and length, and its row count: at most 6 bytes more than the uid)
         header = sum(len(e.uid.encode()) + 6 for e in experts)
+        size = sum(t.numel() for ts in tensors for t in ts) * (2 if self.config.half else 4)
         deadline = trio.current_time() + timeout
         if group is None or len(group.experts) + len(experts) > MAX_EXPERTS \
                 or group.total_rows + sum(rows) > self.config.max_rows \
+                or group.size + size > self.config.max_join_bytes \
                 or group.header + header > MAX_REQUEST_HEADER - 64:
             group = self._waiting[key] = _Group(scope=trio.CancelScope(deadline=deadline))
             assert self._nursery is not None  # call_many joins only in an open client
@@ -422,6 +430,7 @@ class ExpertClient:
         group.tensors.extend(tensors)
         group.rows.extend(rows)
         group.total_rows += sum(rows)
+        group.size += size
         group.header += header
         group.scope.deadline = max(group.scope.deadline, deadline)
         self.stats.joined += len(experts)
@@ -546,6 +555,8 @@ class _Group:
     total_rows: int = 0
     #: most bytes its request's uids and rows take
     header: int = 0
+    #: its tensors' bytes
+    size: int = 0
     #: the latest of its callers' deadlines
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     done: trio.Event = field(default_factory=trio.Event)
