@@ -82,10 +82,10 @@ class ClientConfig:
     #: Most rows the client sends in one call (the server's limit: keep them equal).
     max_rows: int = 4096
     #: Most tensor bytes of calls joined into one exchange (see :meth:`ExpertClient.call_many`): one
-    #: stream window (yamux opens each at 256 KiB, and a stream whose siblings hold the connection's
-    #: window budget never grows), since a request larger than its window waits a round trip per
-    #: window: at 200 ms one-way, joined exchanges of 1-4 MB took 5-12 s to write and the calls in
-    #: them 7-11 s, against 1.1-1.6 s for the others (bench/moe_latency.py).
+    #: stream window. At 200 ms one-way, joined exchanges of 1-4 MB took 5-12 s to write and the calls
+    #: in them 7-11 s, against 1.1-1.6 s for the others (bench/moe_latency.py); likely, not measured
+    #: directly, because yamux opens each stream at 256 KiB and grows it only within the connection's
+    #: budget, which its streams share, so a larger request waits a round trip per window.
     max_join_bytes: int = 256 * 1024
     #: Calls in flight to one server at once; more wait here for a free one. A server's resource
     #: manager refuses more than 128 inbound streams per peer and protocol (its default
@@ -324,7 +324,7 @@ class ExpertClient:
             except (OSError, EOFError, DedlocError) as e:
                 raise _StaleStream(_describe(e)) from None
             except Exception as e:  # the stream's own errors (reset by the server)
-                if not (kept.reused or kept.retry):
+                if not kept.retry:
                     raise
                 raise _StaleStream(_describe(e)) from None
             response = await reader.message(pb.ExpertResponse, "expert response")
@@ -351,8 +351,9 @@ class ExpertClient:
         When every one of the server's slots is in use, the call joins the others waiting for that
         server (same kind) and they go out together in the next free slot as one exchange (up to
         ``max_rows`` rows, ``max_join_bytes`` of tensors and 1024 experts): the calls in flight to a
-        far server are no longer capped by its streams (Little's law: 120 streams of 1.7 s exchanges held a trainer 200 ms from its
-        servers to 70 exchanges a second each), and the server gets bigger batches."""
+        far server are no longer capped by its streams (Little's law: 120 streams of 1.7 s exchanges
+        held a trainer 200 ms from its servers to 70 exchanges a second each), and the server gets
+        bigger batches."""
         if not experts:
             return []
         server = experts[0].peer_id
@@ -496,7 +497,7 @@ class ExpertClient:
         while idle:
             kept = idle.pop()
             if now - kept.since < self.config.keep_streams_for:
-                kept.reused = True
+                kept.retry = True  # the server may have closed it meanwhile
                 return kept
             self._closing.append(kept)  # too old: the server may close it any moment
         return None
@@ -571,8 +572,8 @@ class _Kept:
     stream: INetStream
     reader: FrameReader
     since: float
-    reused: bool = False
-    #: a new stream whose reset before any answer byte may be retried (see :meth:`_call_on_a_stream`)
+    #: a failure before any answer byte is retried on a new stream (see :meth:`_call_on_a_stream`): a
+    #: kept stream taken again, or a new one for a call that cannot be applied twice
     retry: bool = False
 
 

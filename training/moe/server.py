@@ -392,10 +392,14 @@ class ExpertServer:
 
     # ------------------------------------------------------------------ serving
 
-    async def _reply(self, stream: INetStream, status: StatusValue, reason: str = "") -> None:
+    def _count(self, status: StatusValue) -> None:
+        """A refusal counted by its status (``refused``); OK counts nothing."""
         if status != Status.OK:
             name = Status.Name(status).lower()
             self.refused[name] = self.refused.get(name, 0) + 1
+
+    async def _reply(self, stream: INetStream, status: StatusValue, reason: str = "") -> None:
+        self._count(status)
         await stream.write(frame(pb.ExpertResponse(status=status, reason=reason[:500])))
 
     @staticmethod
@@ -566,9 +570,7 @@ class ExpertServer:
             else:
                 outputs.append(task.result)
         for status in statuses:
-            if status != Status.OK:
-                name = Status.Name(status).lower()
-                self.refused[name] = self.refused.get(name, 0) + 1
+            self._count(status)
         joined = [torch.cat(outputs)] if outputs else []
         await self._answer(stream, joined, request.half, pb.ExpertResponse(
             status=Status.OK, statuses=statuses, reasons=[r[:300] for r in reasons]))
