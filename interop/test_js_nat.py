@@ -115,7 +115,7 @@ def js_timeline(events: list[dict[str, Any]], js: JsPeer | None) -> str:
         if e.get("event") == "addrs" and e["addrs"]:
             out.append(f"{t} addrs {e['addrs']}")
         elif e.get("event") in ("connection:open", "connection:close"):
-            out.append(f"{t} {e['event']} {str(e.get('peer_id'))[-6:]} {e.get('remote_addr')} "
+            out.append(f"{t} {e['event']} {e.get('id', '')} {str(e.get('peer_id'))[-6:]} {e.get('remote_addr')} "
                        f"{e.get('direction', '')}{' limited' if e.get('limited') else ''}")
         elif e.get("event") in ("error", "fatal"):
             out.append(f"{t} {e}")
@@ -185,7 +185,7 @@ async def run_cell(lab: Lab, relay_addr: str, index: int, cell: JsCell) -> None:
     except Exception as e:  # the cell reports; the assertions judge
         while isinstance(e, ExceptionGroup) and len(e.exceptions) == 1:  # say what failed, not where
             e = e.exceptions[0]
-        cell.detail += f" {type(e).__name__}: {e}"[:600]
+        cell.detail += f" {type(e).__name__}: {e}"[:2000]  # every address's reason, the circuit's last
         cell.trace = js_timeline(js_events, js_peer)
     finally:
         if agent is not None:

@@ -56,6 +56,15 @@ moves (``tests/test_node.py`` and ``interop/`` pin the behaviour):
   asks the resource manager first and, over a limit, answers
   ``/dedloc/refused/<the limit>`` instead of the echo (yamux does the same for
   streams over the stream-open rate, before any negotiation).
+* **Which connection a stream goes on.** When a peer has several connections, its
+  swarm's ``new_stream`` picks the direct one with the most open streams, ties
+  broken by ``id(conn)`` (a memory address: in effect at random). A peer's young
+  extra connections are mostly short-lived: js-libp2p's AutoNAT v2 server dials
+  us back from its own peer id and closes that connection ~0.3 s later. A relay
+  that opened a circuit's STOP stream on it lost the circuit mid-handshake
+  ("failed to negotiate the secure protocol"; ``interop/test_js_nat.py``, 1 cell
+  in ~10 runs). :func:`_oldest_direct_first` picks the oldest open direct
+  connection, else the oldest relayed one: the one both sides have kept.
 * **Dialing** is not here: ``p2p/dialer.py`` replaces ``Swarm.dial_peer`` (a
   250 ms stall on every successful connect) and is a module of its own.
 
@@ -89,6 +98,7 @@ import trio
 from multiaddr import Multiaddr
 
 from . import multistream
+from .addresses import is_relayed
 from .admission import Ticket
 from .resources import ResourceLimitExceeded, ResourceManager
 from .rpc.framing import encode_varint
@@ -141,8 +151,29 @@ def build_host(
     upgrader.muxer_multistream = _Muxers(yamux, upgrader.muxer_multistream.negotiate_timeout, resources)
     host.multiselect = _Multiselect(host.multiselect.handlers, resources)  # type: ignore[attr-defined]
     network.retry_config = RetryConfig(max_retries=0)  # type: ignore[attr-defined]
+    network._select_connection = _oldest_direct_first  # type: ignore[attr-defined]
     _cap_peer_addrs(host.get_peerstore(), max_addrs)
     return host
+
+
+def _oldest_direct_first(connections: list[INetConn], peer_id: ID) -> INetConn:
+    """The connection a new stream to ``peer_id`` goes on: the oldest open direct one, else
+    the oldest relayed one (see the module docstring).
+
+    The swarm lists a peer's connections in the order they were added, so the first
+    is the oldest; ``peer_id`` is the swarm's signature, unused.
+    """
+    if not connections:
+        raise ValueError("no connection to choose from")
+    open_ = [c for c in connections if not getattr(c, "is_closed", False)] or connections
+    return next((c for c in open_ if not _is_relayed_conn(c)), open_[0])
+
+
+def _is_relayed_conn(conn: INetConn) -> bool:
+    try:
+        return any(is_relayed(a) for a in conn.get_transport_addresses())
+    except Exception:  # a connection that cannot say counts as direct, as the swarm's own rule has it
+        return False
 
 
 async def started(host: IHost, get_addrs: Callable[[], list[Multiaddr]],

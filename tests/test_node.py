@@ -207,6 +207,60 @@ async def test_a_connection_closing_under_a_new_stream_is_redialed_or_a_clear_er
         await b.new_stream(a.peer_id, "/test/echo/1")
 
 
+async def test_a_new_stream_goes_on_the_oldest_connection_not_a_young_busy_one(node_pair):
+    """A peer's young extra connection is often short-lived (js-libp2p's AutoNAT v2 server
+    dials us back from its own id, writes a nonce and closes it). py-libp2p put a new stream
+    on the connection with the most open streams: a relay's STOP stream landed on such a
+    dial-back and the circuit died with it. The oldest open direct connection is chosen."""
+    from p2p.addresses import without_peer_id
+
+    a, b = node_pair
+
+    async def echo(stream):
+        data = await stream.read(100)
+        await stream.write(data)
+        await stream.close()
+
+    async def hold(stream):
+        await trio.sleep(30)
+
+    b.set_stream_handler("/test/echo/1", echo)
+    a.set_stream_handler("/test/hold/1", hold)
+    (first,) = a.network.get_connections(b.peer_id)
+    young = await b.network.dial_addr(without_peer_id(a.addrs[0]), a.peer_id)  # b's second connection
+    busy = await b.new_stream_on(young, "/test/hold/1")  # a stream open on it: "busier" than the first
+    with trio.fail_after(10):
+        while len(a.network.get_connections(b.peer_id)) < 2:
+            await trio.sleep(0.01)
+    stream = await a.new_stream(b.peer_id, "/test/echo/1")
+    assert stream.muxed_conn is first.muxed_conn
+    await busy.reset()
+    await young.close()  # the dial-back ends; the stream on the first connection lives on
+    await stream.write(b"still here")
+    with trio.fail_after(10):
+        assert await stream.read(100) == b"still here"
+
+
+def test_the_stream_connection_is_the_oldest_open_direct_one():
+    from multiaddr import Multiaddr
+
+    from p2p.libp2p_host import _oldest_direct_first
+
+    class Conn:
+        def __init__(self, name, addr, closed=False):
+            self.name, self.addr, self.is_closed = name, Multiaddr(addr), closed
+
+        def get_transport_addresses(self):
+            return [self.addr]
+
+    relayed = Conn("relayed", "/ip4/1.2.3.4/tcp/1/p2p/12D3KooWRABMz33n23DbW4GBNCMZ3kGzVoEFw9TKLfr18WViEiiK/p2p-circuit")
+    closed = Conn("closed", "/ip4/1.2.3.5/tcp/1", closed=True)
+    old, young = Conn("old", "/ip4/1.2.3.6/tcp/1"), Conn("young", "/ip4/1.2.3.7/tcp/1")
+    assert _oldest_direct_first([relayed, closed, old, young], None).name == "old"
+    assert _oldest_direct_first([relayed, Conn("relayed2", str(relayed.addr))], None).name == "relayed"
+    assert _oldest_direct_first([closed], None).name == "closed"  # the swarm's own check says it is gone
+
+
 async def test_failing_handler_resets_only_its_stream(node_pair):
     a, b = node_pair
 

@@ -94,13 +94,13 @@ try {
   })
   node.addEventListener('connection:open', (evt) => {
     const c = evt.detail
-    emit({ event: 'connection:open', peer_id: c.remotePeer.toString(), remote_addr: c.remoteAddr.toString(),
+    emit({ event: 'connection:open', id: c.id, peer_id: c.remotePeer.toString(), remote_addr: c.remoteAddr.toString(),
            direction: c.direction, limited: c.limits != null, t_ms: performance.now() - started })
   })
   node.addEventListener('connection:close', (evt) => {
     const c = evt.detail
-    emit({ event: 'connection:close', peer_id: c.remotePeer.toString(), remote_addr: c.remoteAddr.toString(),
-           limited: c.limits != null, t_ms: performance.now() - started })
+    emit({ event: 'connection:close', id: c.id, peer_id: c.remotePeer.toString(), remote_addr: c.remoteAddr.toString(),
+           direction: c.direction, limited: c.limits != null, t_ms: performance.now() - started })
   })
   await node.start()
   await node.dial(multiaddr(args.relay))
