@@ -55,7 +55,8 @@ import trio
 from libp2p.peer.id import ID
 
 from jspeer import NODE_MODULES, js_unavailable_reason, open_js_relay
-from nat.circuit import RelayClient, is_relayed_conn
+from nat.circuit import RelayClient
+from p2p.addresses import is_relayed_conn
 from p2p import Node, NodeConfig
 from nat.lab import ALL_KINDS, Lab
 from tests.kit import requires_root_netns

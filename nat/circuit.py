@@ -134,13 +134,6 @@ class CircuitConnection(IRawConnection):
         return ConnectionType.RELAYED
 
 
-def is_relayed_conn(conn: INetConn) -> bool:
-    try:
-        return any(is_relayed(a) for a in conn.get_transport_addresses())
-    except Exception:
-        return False
-
-
 @dataclass
 class RelayClientConfig:
     #: Time for one relay exchange (RESERVE, CONNECT, STOP) and for upgrading the circuit.

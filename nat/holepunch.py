@@ -33,7 +33,7 @@ from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
 from p2p import Node
-from p2p.addresses import reachable_tcp, without_peer_id
+from p2p.addresses import is_relayed_conn, reachable_tcp, without_peer_id
 from p2p.dialer import dial_simultaneous, remote_addr
 from p2p.errors import ConfigError, RemoteProtocolError
 from p2p.hooks import Metrics, Registration
@@ -42,7 +42,6 @@ from p2p.trio_util import finish_quietly
 from p2p.untrusted import decode_addrs
 from p2p.wire import read_message, write_message
 
-from .circuit import is_relayed_conn
 from .proto import holepunch_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from libp2p.peer.envelope import Envelope, make_unsigned
 from libp2p.peer.id import ID
 
 from p2p import Node
-from p2p.addresses import is_relayed, with_peer_id, without_peer_id
+from p2p.addresses import is_relayed, is_relayed_conn, with_peer_id, without_peer_id
 from p2p.dialer import live_connection
 from p2p.errors import ConfigError, RemoteProtocolError
 from p2p.hooks import Registration
@@ -36,7 +36,7 @@ from p2p.trio_util import finish_quietly
 from p2p.untrusted import require_peer_id
 from p2p.wire import read_message, write_message
 
-from .circuit import HOP_PROTOCOL, STOP_PROTOCOL, VOUCHER_DOMAIN, VOUCHER_PAYLOAD_TYPE, is_relayed_conn
+from .circuit import HOP_PROTOCOL, STOP_PROTOCOL, VOUCHER_DOMAIN, VOUCHER_PAYLOAD_TYPE
 from .proto import circuit_pb2 as pb
 
 log = logging.getLogger(__name__)

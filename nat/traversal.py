@@ -38,7 +38,7 @@ from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
 from p2p import Node
-from p2p.addresses import is_relayed, reachable_tcp, without_peer_id
+from p2p.addresses import is_relayed, is_relayed_conn, reachable_tcp, without_peer_id
 from p2p.dialer import live_connection
 from p2p.errors import ConfigError, DedlocError
 from p2p.hooks import (
@@ -55,7 +55,7 @@ from p2p.node import tcp_port
 from . import events as nev
 from .autonat import DIAL_REQUEST, AutoNATClient, AutoNATConfig, AutoNATError, AutoNATServer
 from .autorelay import AutoRelay, AutoRelayConfig
-from .circuit import HOP_PROTOCOL, RelayClient, RelayClientConfig, is_relayed_conn
+from .circuit import HOP_PROTOCOL, RelayClient, RelayClientConfig
 from .holepunch import HolePunchConfig, HolePuncher, PunchResult
 from .port_mapping import PortMappingConfig, PortMappingUnavailable, map_port
 from .reachability import AddressVerdicts, MappingKind, NatMode, classify_mapping, judge_reachability, select_mode

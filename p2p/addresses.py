@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from enum import IntEnum
 
 import multiaddr
+from libp2p.abc import INetConn
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
@@ -101,6 +102,15 @@ def with_peer_id(addr: Multiaddr, pid: ID) -> Multiaddr:
 
 def is_relayed(addr: Multiaddr) -> bool:
     return any(p.name == CIRCUIT for p in addr.protocols())
+
+
+def is_relayed_conn(conn: INetConn) -> bool:
+    """Whether a connection goes through a relay (its transport address is a circuit); one
+    that cannot say counts as direct, as py-libp2p's own connection choice has it."""
+    try:
+        return any(is_relayed(a) for a in conn.get_transport_addresses())
+    except Exception:
+        return False
 
 
 def split_circuit(addr: Multiaddr) -> tuple[Multiaddr, ID]:

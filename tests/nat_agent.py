@@ -40,7 +40,7 @@ import trio
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
-from nat.circuit import is_relayed_conn
+from p2p.addresses import is_relayed_conn
 from nat.peer import Peer, PeerConfig
 from nat.traversal import NatConfig, NatService
 from p2p import Node, NodeConfig

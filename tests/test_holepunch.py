@@ -22,7 +22,8 @@ from libp2p.network.stream.exceptions import StreamReset
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
-from nat.circuit import RelayClient, is_relayed_conn
+from nat.circuit import RelayClient
+from p2p.addresses import is_relayed_conn
 from nat.holepunch import MAX_PUNCH_ADDRS, PROTOCOL, HolePunchConfig, HolePuncher, PunchResult
 from nat.proto import holepunch_pb2 as pb
 from nat.relay import RelayService

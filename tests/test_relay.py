@@ -25,10 +25,10 @@ from nat.circuit import (
     RelayClientConfig,
     RelayError,
     _voucher_ok,
-    is_relayed_conn,
 )
 from nat.proto import circuit_pb2 as pb
 from nat.relay import RelayConfig, RelayService, _remote_ip
+from p2p.addresses import is_relayed_conn
 from p2p.wire import read_message, write_message
 from p2p import Node
 from p2p.dialer import live_connection

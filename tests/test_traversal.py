@@ -16,7 +16,8 @@ from multiaddr import Multiaddr
 from nat import events as nev
 from nat.port_mapping import PortMappingConfig
 from nat.autonat import DIAL_REQUEST
-from nat.circuit import HOP_PROTOCOL, is_relayed_conn
+from nat.circuit import HOP_PROTOCOL
+from p2p.addresses import is_relayed_conn
 from nat.proto import autonat_v2_pb2 as apb
 from nat.proto import circuit_pb2 as cpb
 from nat.traversal import NatConfig, NatService
