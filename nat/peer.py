@@ -268,6 +268,22 @@ class Peer:
     def emit(self, event: Event) -> None:
         self.node.emit(event)
 
+    # ---------------------------------------------------------------- beyond the Swarm interface
+
+    @property
+    def public_key(self) -> bytes:
+        """Our identity's public key, libp2p's protobuf encoding (what signatures are checked against)."""
+        return bytes(self.node.key_pair.public_key.serialize())
+
+    def sign(self, data: bytes) -> bytes:
+        """``data`` signed with our identity key (Ed25519): an app's own signed objects (datasets' entries)
+        carry it with :attr:`public_key`, and anyone checks them against our peer id."""
+        return bytes(self.node.key_pair.private_key.sign(data))
+
+    def path_to(self, peer_id: ID) -> str:
+        """``direct``, ``relayed`` or ``none``: how we are connected to ``peer_id`` now."""
+        return self.node.path_to(peer_id)
+
     def metrics(self) -> Metrics:
         """Every layer's metrics in the one flat shape: the NAT funnel, what peers take of this node
         under ``resources.`` (admission, streams, bytes in flight, the relay's slots, refusals by

@@ -124,6 +124,58 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     g.add_argument("--seed", type=int, default=0, help="seed of the experts' initial weights")
     p.set_defaults(func="training.moe.cli:cmd_serve_experts")
 
+    p = sub.add_parser("dataset", help="datasets carried by the swarm: create, add, get, seed, list, show",
+                       description="Publish a directory of shards as a dataset of the swarm (`create`), add shards to "
+                       "one (`add`), fetch one from its seeders, checking every piece, and seed it (`get`), seed what "
+                       "you hold (`seed`), and see what the swarm holds (`list`, `show`). Each runs a peer as "
+                       "`dedloc peer` does; `create`, `add`, `seed` and `get` (unless --no-seed) keep seeding until "
+                       "Ctrl-C or --duration. `dedloc train --data swarm:NAME` trains on one as it arrives.")
+    ds = p.add_subparsers(dest="dataset_command", required=True, metavar="ACTION")
+
+    def dataset_options(q: argparse.ArgumentParser, *, upload: bool = True) -> None:
+        peer_options(q)
+        if upload:
+            q.add_argument("--upload-rate-mbit", type=float, default=None, metavar="MBIT/S",
+                           help="cap what this peer uploads to others (default: no cap)")
+        q.set_defaults(func="training.datasets.cli:cmd_dataset")
+
+    q = ds.add_parser("create", help="publish DIR's shard files as dataset NAME, and seed it")
+    q.add_argument("name", metavar="NAME")
+    q.add_argument("directory", metavar="DIR")
+    q.add_argument("--schema", choices=("text", "jsonl", "parquet"), default=None,
+                   help="how the shards read (default: from their suffixes)")
+    q.add_argument("--text-field", default="text", help="the field of JSON lines / column of parquet with the text")
+    q.add_argument("--piece-size-kib", type=int, default=1024, metavar="KIB",
+                   help="bytes per piece, a power of two (default: %(default)s KiB)")
+    dataset_options(q)
+    q = ds.add_parser("add", help="add FILES to dataset NAME as an entry of yours, and seed them")
+    q.add_argument("name", metavar="NAME")
+    q.add_argument("files", nargs="+", metavar="FILE")
+    q.add_argument("--dir", default=None, metavar="DIR", help="your copy of the dataset, where the files go "
+                   "(default: ./NAME)")
+    dataset_options(q)
+    q = ds.add_parser("get", help="fetch dataset NAME into DIR (resuming), checking every piece, and seed it")
+    q.add_argument("name", metavar="NAME", help="NAME, or NAME@<creator> where several creators used the name")
+    q.add_argument("directory", metavar="DIR")
+    q.add_argument("--no-seed", action="store_true", help="exit once it is complete instead of seeding it")
+    q.add_argument("--max-seeders", type=int, default=16, metavar="N", help="seeders fetched from at once")
+    q.add_argument("--allow-relayed", action="store_true",
+                   help="fetch from seeders reached only through a relay (its circuits are limited; by default "
+                   "such a seeder waits for a hole punch)")
+    dataset_options(q)
+    q = ds.add_parser("seed", help="seed the datasets in DIR ... (made by create, add or get)")
+    q.add_argument("directories", nargs="+", metavar="DIR")
+    dataset_options(q)
+    q = ds.add_parser("list", help="the datasets in the swarm")
+    dataset_options(q, upload=False)
+    q = ds.add_parser("show", help="dataset NAME: shards, seeders, whether the swarm holds it whole")
+    q.add_argument("name", metavar="NAME")
+    dataset_options(q, upload=False)
+    q = ds.add_parser("retract", help="take entries out of a dataset you created")
+    q.add_argument("name", metavar="NAME")
+    q.add_argument("entries", nargs="+", metavar="ENTRY", help="entry ids (hex, or their start), as `show --json` lists")
+    dataset_options(q, upload=False)
+
     p = sub.add_parser("demo", help="a live local swarm behind NATs (as root) or on loopback: relay, peers, DHT, "
                        "averaging, then training",
                        description="Start a bootstrap node and several peers in their own processes. As root, each "

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from .dht import DHT, DHTBootstrapError, DHTConfig
     from .events import DHTMode
     from .records import (
+        ContentMismatch,
         DHTError,
         DHTKey,
         DHTRecord,
@@ -25,11 +26,13 @@ if TYPE_CHECKING:
         StoreQuotaExceeded,
         StoreRejected,
         ValueWithExpiration,
+        content_subkey,
         owned,
         sign_record,
     )
 
 __all__ = [
+    "ContentMismatch",
     "DHT",
     "DHTBootstrapError",
     "DHTConfig",
@@ -48,6 +51,7 @@ __all__ = [
     "StoreQuotaExceeded",
     "StoreRejected",
     "ValueWithExpiration",
+    "content_subkey",
     "owned",
     "sign_record",
 ]
@@ -57,6 +61,7 @@ __getattr__, __dir__ = exports(__name__, {
     "DHTBootstrapError": ".dht",
     "DHTConfig": ".dht",
     "DHTMode": ".events",
+    "ContentMismatch": ".records",
     "DHTError": ".records",
     "DHTKey": ".records",
     "DHTRecord": ".records",
@@ -71,6 +76,7 @@ __getattr__, __dir__ = exports(__name__, {
     "StoreQuotaExceeded": ".records",
     "StoreRejected": ".records",
     "ValueWithExpiration": ".records",
+    "content_subkey": ".records",
     "owned": ".records",
     "sign_record": ".records",
 })

@@ -13,6 +13,11 @@ Semantics follow hivemind's DHT, since training runs rely on them:
   (:func:`owned`) can only be written by that peer: the record must carry the
   peer's Ed25519 public key and its signature over :func:`signed_payload`, and
   every storing node checks both, because any node may relay or re-publish it.
+* **Content-addressed subkeys.** A subkey ending in ``[sha256:<hex>]``
+  (:func:`content_subkey`) holds exactly the value whose SHA-256 it names:
+  every storing node checks it, so anyone may re-publish such a value (keep it
+  alive after its author left) and nobody can replace it with other bytes.
+  Self-signed objects (a dataset's entries, ``training/datasets``) live there.
 * **Schemas.** :class:`Schema` declares per-key-prefix rules checked on store.
 
 Hostile input is rejected with a :class:`DHTError` subclass that says what to do,
@@ -23,6 +28,7 @@ The time ``now`` is always passed in, which keeps everything here deterministic.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import math
 import re
@@ -63,6 +69,10 @@ class RecordTooLarge(StoreRejected):
 
 class InvalidSignature(StoreRejected):
     """An owned record's signature or owner key is missing, forged or someone else's."""
+
+
+class ContentMismatch(StoreRejected):
+    """A content-addressed subkey holds a value whose SHA-256 is not the one it names."""
 
 
 class ExpirationTooFar(StoreRejected):
@@ -155,6 +165,27 @@ def owner_of(raw: bytes) -> ID | None:
     return ID.from_base58(m.group(1).decode())
 
 
+_CONTENT_RE = re.compile(rb"\[sha256:([0-9a-f]{64})\]\Z")
+
+
+def content_subkey(value: bytes, name: str = "") -> str:
+    """The subkey that holds exactly ``value`` (``name`` in front, for readers): any peer may store it,
+    and every storing node checks that the value's SHA-256 is the one named."""
+    return f"{name}[sha256:{hashlib.sha256(value).hexdigest()}]"
+
+
+def content_of(raw: bytes) -> bytes | None:
+    """The SHA-256 a canonical subkey names, or None if it has no ``[sha256:...]`` marker; a near-miss
+    (the marker's start without a well-formed end) is refused, as for owner markers."""
+    body = raw[1:]
+    if b"[sha256:" not in body:
+        return None
+    m = _CONTENT_RE.search(body)
+    if m is None or body.count(b"[sha256:") != 1:
+        raise ContentMismatch(f"malformed content marker in subkey {raw[:96]!r}")
+    return bytes.fromhex(m.group(1).decode())
+
+
 # ---------------------------------------------------------------- records
 
 _DOMAIN = b"dedloc-dht-record:v1\x00"
@@ -244,10 +275,15 @@ def sign_record(private_key: PrivateKey, key: KeyLike, value: bytes, expiration:
 def verify_record(rec: DHTRecord) -> ID | None:
     """Check the owner proof; returns the owner (None for unowned records).
 
-    Raises :class:`InvalidSignature` when a marked key/subkey lacks a valid
+    Raises :class:`ContentMismatch` when a content-addressed subkey holds other bytes than it
+    names, and :class:`InvalidSignature` when a marked key/subkey lacks a valid
     signature by exactly the marked peer, or when an unmarked record carries
     owner fields (they would mean nothing and only cost every node a check).
     """
+    if rec.subkey is not None:
+        digest = content_of(rec.subkey)
+        if digest is not None and hashlib.sha256(rec.value).digest() != digest:
+            raise ContentMismatch("the value is not the one its content-addressed subkey names")
     owners = {o for o in (owner_of(rec.key),
                           None if rec.subkey is None else owner_of(rec.subkey)) if o}
     if not owners:

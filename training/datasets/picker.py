@@ -1,0 +1,338 @@
+"""Which piece to ask of which seeder, and which seeders to talk to (pure: ``now`` is passed in).
+
+:class:`PiecePicker` is a download's piece state, as the best swarms keep it:
+
+* **rarest first**: of the pieces a seeder offers that we lack and asked
+  nobody for, the one the fewest seeders hold (ties broken at random, so
+  downloaders spread over different pieces and have something to trade);
+  within that, shards in the caller's priority order (a trainer wants its
+  first shard whole before the rest);
+* a shard's **leaves** (its piece hashes, checked against the root) are asked
+  for before any of its pieces, of a seeder that holds some of it;
+* a **pipeline** of requests per seeder (``pipeline``), so a far seeder's
+  round trip is not paid per piece;
+* an **endgame**: once every missing piece is asked of someone, a seeder with
+  nothing new to give is asked for pieces already in flight elsewhere (at most
+  ``endgame_duplicates`` requests a piece), so the last pieces do not wait on
+  the slowest seeder; the first copy wins;
+* a seeder that sends a **bad piece** is banned for the dataset, with the
+  reason, and everything asked of it goes back to the others; one that fails
+  otherwise (gone, timed out, does not have it) costs only time: its requests go
+  back, and after ``max_failures`` in a row it rests ``backoff`` seconds.
+
+:class:`SeederTable` is who to talk to: the seeders the tracker named, which
+are connected, which failed (retried after a backoff that doubles), which are
+reached only through a relay (left until a hole punch makes them direct,
+unless relayed bulk data is allowed) and which are banned.
+
+Tested in milliseconds without a socket (``tests/test_datasets.py``); the
+shell that performs these decisions is :mod:`.fetch`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from libp2p.peer.id import ID
+
+#: The "piece" index that stands for a shard's leaves.
+LEAVES = -1
+#: (shard number in the download, piece index or LEAVES)
+PieceKey = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class PickerConfig:
+    #: requests in flight to one seeder
+    pipeline: int = 4
+    #: requests in flight for one piece in the endgame
+    endgame_duplicates: int = 2
+    #: failures in a row (not bad pieces) before a seeder rests
+    max_failures: int = 3
+    #: how long it rests
+    backoff: float = 10.0
+
+
+@dataclass
+class _Seeder:
+    have: dict[int, set[int]] = field(default_factory=dict)
+    in_flight: set[PieceKey] = field(default_factory=set)
+    failures: int = 0
+    resting_until: float = 0.0
+    banned: str | None = None
+    delivered: int = 0
+
+
+class PiecePicker:
+    """One download's pieces: what we hold, who holds what, what is asked of whom."""
+
+    def __init__(self, pieces: Sequence[int], held: Iterable[PieceKey] = (), *, leaves_known: Iterable[int] = (),
+                 priority: Sequence[int] | None = None, config: PickerConfig | None = None,
+                 rng: random.Random | None = None) -> None:
+        self.pieces = list(pieces)
+        self.config = config or PickerConfig()
+        self.rng = rng or random.Random()
+        self.priority = list(priority) if priority is not None else [0] * len(self.pieces)
+        known = set(leaves_known)
+        held = set(held)
+        self.missing: set[PieceKey] = {(s, i) for s, n in enumerate(self.pieces) for i in range(n)} - held
+        for s, n in enumerate(self.pieces):
+            if s not in known and any((s, i) in self.missing for i in range(n)):
+                self.missing.add((s, LEAVES))
+        self.requested: dict[PieceKey, set[ID]] = {}
+        self.seeders: dict[ID, _Seeder] = {}
+        # a random rank per piece breaks ties between equally rare pieces the same way for every
+        # seeder of this download, and differently on every downloader
+        self._tie = {key: self.rng.random() for key in self.missing}
+
+    # ------------------------------------------------------------------ what seeders hold
+
+    def _seeder(self, peer: ID) -> _Seeder:
+        return self.seeders.setdefault(peer, _Seeder())
+
+    def update(self, peer: ID, shard: int, pieces: Iterable[int] | None) -> None:
+        """``peer`` holds these pieces of ``shard`` (None: all of them)."""
+        if not 0 <= shard < len(self.pieces):
+            return
+        held = set(range(self.pieces[shard])) if pieces is None else {i for i in pieces if 0 <= i < self.pieces[shard]}
+        self._seeder(peer).have[shard] = held
+
+    def _holds(self, seeder: _Seeder, key: PieceKey) -> bool:
+        have = seeder.have.get(key[0])
+        if not have:
+            return False
+        return key[1] == LEAVES or key[1] in have
+
+    def _usable(self, seeder: _Seeder, now: float) -> bool:
+        return seeder.banned is None and seeder.resting_until <= now
+
+    def availability(self, key: PieceKey, now: float = 0.0) -> int:
+        return sum(1 for s in self.seeders.values() if self._usable(s, now) and self._holds(s, key))
+
+    # ------------------------------------------------------------------ picking
+
+    def pick(self, peer: ID, now: float) -> PieceKey | None:
+        """The next thing to ask of ``peer``, or None (its pipeline is full, it has nothing we need, or it
+        may not be asked now)."""
+        seeder = self.seeders.get(peer)
+        if seeder is None or not self._usable(seeder, now) or len(seeder.in_flight) >= self.config.pipeline:
+            return None
+        offered = [k for k in self.missing if k not in seeder.in_flight and self._holds(seeder, k)
+                   and (k[1] == LEAVES or (k[0], LEAVES) not in self.missing)]
+        if not offered:
+            return None
+        fresh = [k for k in offered if k not in self.requested]
+        if fresh:
+            counts = {k: self.availability(k, now) for k in fresh}
+            key = min(fresh, key=lambda k: (k[1] != LEAVES, self.priority[k[0]], counts[k], self._tie[k]))
+        else:
+            if any(k not in self.requested for k in self.missing):
+                return None  # pieces nobody was asked for remain: no endgame yet
+            doubled = [k for k in offered if len(self.requested[k]) < self.config.endgame_duplicates]
+            if not doubled:
+                return None
+            key = min(doubled, key=lambda k: (len(self.requested[k]), self.priority[k[0]], self._tie[k]))
+        self.requested.setdefault(key, set()).add(peer)
+        seeder.in_flight.add(key)
+        return key
+
+    @property
+    def endgame(self) -> bool:
+        return bool(self.missing) and all(k in self.requested for k in self.missing)
+
+    # ------------------------------------------------------------------ outcomes
+
+    def _release(self, peer: ID, key: PieceKey) -> None:
+        seeder = self.seeders.get(peer)
+        if seeder is not None:
+            seeder.in_flight.discard(key)
+        askers = self.requested.get(key)
+        if askers is not None:
+            askers.discard(peer)
+            if not askers:
+                del self.requested[key]
+
+    def received(self, peer: ID, key: PieceKey) -> bool:
+        """A verified piece (or leaves) from ``peer``; False if we already had it (an endgame duplicate)."""
+        self._release(peer, key)
+        seeder = self.seeders.get(peer)
+        if seeder is not None:
+            seeder.failures = 0
+            seeder.delivered += 1
+        if key not in self.missing:
+            return False
+        self.missing.discard(key)
+        for other in self.requested.pop(key, set()):
+            if other in self.seeders:
+                self.seeders[other].in_flight.discard(key)
+        return True
+
+    def failed(self, peer: ID, key: PieceKey, now: float) -> None:
+        """A request that did not come back (not found, timed out): asked of others again."""
+        self._release(peer, key)
+        seeder = self.seeders.get(peer)
+        if seeder is None:
+            return
+        seeder.failures += 1
+        if key[1] != LEAVES and key[0] in seeder.have:
+            seeder.have[key[0]].discard(key[1])  # it said it has not got it: not asked again until it says so
+        if seeder.failures >= self.config.max_failures:
+            seeder.resting_until = now + self.config.backoff
+            seeder.failures = 0
+
+    def lost(self, peer: ID) -> None:
+        """``peer`` is gone (its connection died): everything asked of it goes back; what it held is forgotten
+        (a banned one stays banned)."""
+        seeder = self.seeders.get(peer)
+        if seeder is None:
+            return
+        for key in list(seeder.in_flight):
+            self._release(peer, key)
+        if seeder.banned is None:
+            del self.seeders[peer]
+        else:
+            seeder.have.clear()
+
+    def ban(self, peer: ID, reason: str) -> None:
+        """``peer`` sent a bad piece: never asked again for this dataset."""
+        seeder = self._seeder(peer)
+        for key in list(seeder.in_flight):
+            self._release(peer, key)
+        seeder.banned = reason
+
+    def banned(self) -> dict[ID, str]:
+        return {p: s.banned for p, s in self.seeders.items() if s.banned is not None}
+
+    def is_banned(self, peer: ID) -> bool:
+        s = self.seeders.get(peer)
+        return s is not None and s.banned is not None
+
+    # ------------------------------------------------------------------ where we stand
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing
+
+    def shard_complete(self, shard: int) -> bool:
+        return not any((shard, i) in self.missing for i in range(LEAVES, self.pieces[shard]))
+
+    def holds(self, key: PieceKey) -> bool:
+        return key not in self.missing
+
+
+class SeederState(Enum):
+    KNOWN = "known"
+    CONNECTED = "connected"
+    FAILED = "failed"
+    RELAYED = "relayed"
+    BANNED = "banned"
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    #: seeders one download talks to at once
+    max_connected: int = 16
+    #: first wait before a failed seeder is tried again (doubles, up to ``max_retry``)
+    retry: float = 2.0
+    max_retry: float = 60.0
+    #: a seeder reached only through a relay is looked at again after this (a hole punch may have made it direct)
+    relayed_retry: float = 5.0
+    #: relayed connections carry bulk data (a relay's circuits are limited: only when asked)
+    allow_relayed: bool = False
+
+
+@dataclass
+class _Known:
+    state: SeederState = SeederState.KNOWN
+    retry_at: float = 0.0
+    failures: int = 0
+    why: str = ""
+    whole: bool = False
+
+
+class SeederTable:
+    """The seeders of one download and what became of each (pure)."""
+
+    def __init__(self, me: ID, config: TableConfig | None = None, rng: random.Random | None = None) -> None:
+        self.me = me
+        self.config = config or TableConfig()
+        self.rng = rng or random.Random()
+        self.known: dict[ID, _Known] = {}
+
+    def learn(self, peer: ID, *, whole: bool) -> None:
+        """The tracker names ``peer`` as a seeder (``whole``: it holds some shard whole)."""
+        if peer == self.me:
+            return
+        self.known.setdefault(peer, _Known()).whole = whole
+
+    def to_connect(self, now: float) -> list[ID]:
+        """Seeders to connect to now: known ones due, up to ``max_connected`` in all; those holding whole shards
+        first, the rest at random (every downloader spreads over different seeders)."""
+        busy = sum(1 for k in self.known.values() if k.state == SeederState.CONNECTED)
+        room = self.config.max_connected - busy
+        if room <= 0:
+            return []
+        due = [p for p, k in self.known.items()
+               if k.state in (SeederState.KNOWN, SeederState.FAILED, SeederState.RELAYED) and k.retry_at <= now]
+        self.rng.shuffle(due)
+        due.sort(key=lambda p: not self.known[p].whole)
+        chosen = due[:room]
+        for p in chosen:
+            self.known[p].state = SeederState.CONNECTED
+        return chosen
+
+    def connected(self, peer: ID) -> None:
+        k = self.known.setdefault(peer, _Known())
+        k.state, k.failures, k.why = SeederState.CONNECTED, 0, ""
+
+    def failed(self, peer: ID, now: float, why: str) -> None:
+        k = self.known.setdefault(peer, _Known())
+        if k.state == SeederState.BANNED:
+            return
+        k.failures += 1
+        k.state, k.why = SeederState.FAILED, why
+        k.retry_at = now + min(self.config.max_retry, self.config.retry * 2 ** (k.failures - 1))
+
+    def relayed(self, peer: ID, now: float) -> None:
+        """Reached only through a relay, and relayed bulk data is not allowed: looked at again later."""
+        k = self.known.setdefault(peer, _Known())
+        k.state, k.why = SeederState.RELAYED, "reached only through a relay"
+        k.retry_at = now + self.config.relayed_retry
+
+    def ban(self, peer: ID, why: str) -> None:
+        k = self.known.setdefault(peer, _Known())
+        k.state, k.why = SeederState.BANNED, why
+
+    def state(self, peer: ID) -> SeederState | None:
+        k = self.known.get(peer)
+        return None if k is None else k.state
+
+    def count(self, state: SeederState) -> int:
+        return sum(1 for k in self.known.values() if k.state == state)
+
+
+class Pacer:
+    """An upload rate cap: a token bucket of ``rate`` bytes a second holding at most ``burst`` bytes."""
+
+    def __init__(self, rate: float | None, burst: float | None = None) -> None:
+        self.rate = rate
+        self.burst = burst if burst is not None else (rate or 0.0) / 4
+        self._tokens = self.burst
+        self._at: float | None = None
+
+    def delay(self, size: int, now: float) -> float:
+        """Take ``size`` bytes; how long to wait before sending them (0: at once). The debt is carried, so a
+        piece larger than the burst waits its time and the average stays at the rate."""
+        if not self.rate:
+            return 0.0
+        if self._at is not None:
+            self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        self._tokens -= size
+        return 0.0 if self._tokens >= 0 else -self._tokens / self.rate
+
+
+__all__ = ["LEAVES", "Pacer", "PickerConfig", "PieceKey", "PiecePicker", "SeederState", "SeederTable", "TableConfig"]
