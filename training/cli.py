@@ -21,7 +21,7 @@ import math
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,10 +33,11 @@ from averaging import AllreduceConfig, AveragerConfig, MatchmakingConfig
 from averaging.robust import CenteredClipConfig
 from nat import Peer
 from nat.cli import peer_config, run_peer
+from p2p import events as ev
+from p2p.errors import ConfigError, DedlocError
 from p2p.output import Output
-from p2p.errors import ConfigError
 
-from .data import DataConfig, DataError, ExampleStream, batches, shard_paths
+from .data import DataConfig, DataError, ExampleStream, ShardSource, batches, shard_paths
 from .events import Checkpointed, GlobalStepDone, StateDownloaded, TrainingStatus
 from .optimizer import CollaborativeOptimizer, StepReport, TrainingConfig
 from .progress import ProgressTracker
@@ -65,6 +66,63 @@ def example_files(args: argparse.Namespace) -> tuple[list[str], Path]:
     if not tokenizer.is_file():
         raise ConfigError(f"--tokenizer {tokenizer}: no such file")
     return data, tokenizer
+
+
+#: ``--data swarm:NAME``: a dataset fetched from the swarm as training runs (training/datasets).
+SWARM = "swarm:"
+
+
+def swarm_dataset(data: list[str] | None) -> str | None:
+    """The dataset ``--data swarm:NAME`` names (None: local files)."""
+    refs = [d for d in data or [] if d.startswith(SWARM)]
+    if not refs:
+        return None
+    if len(data or []) != 1:
+        raise ConfigError("--data swarm:NAME stands alone: one dataset from the swarm, no local files beside it")
+    ref = refs[0][len(SWARM):]
+    from .datasets.manifest import DatasetError, check_name
+
+    try:
+        check_name(ref.partition("@")[0])
+    except DatasetError as e:
+        raise ConfigError(f"--data {refs[0]}: {e}") from None
+    return ref
+
+
+@asynccontextmanager
+async def swarm_data(peer: Peer, args: argparse.Namespace, ref: str) -> AsyncIterator[ShardSource]:
+    """``--data swarm:NAME``: fetch the dataset under ``--workdir``/datasets/NAME in this peer's own random
+    shard order, seeding it meanwhile; the shards reach training as each is whole and checked."""
+    import random
+
+    from .datasets import Datasets, LocalDataset
+
+    source = ShardSource(ref, timeout=args.data_timeout)
+    directory = Path(args.workdir) / "datasets" / ref.partition("@")[0]
+    rng = random.Random(args.data_seed)
+
+    def order(shards: list[Any]) -> list[bytes]:
+        roots = [s.root for s in shards]
+        rng.shuffle(roots)
+        return roots
+
+    def started(local: LocalDataset) -> None:
+        for path in local.whole_paths():
+            source.add(path)
+
+    async def fetch() -> None:
+        try:
+            await datasets.get(ref, directory, priority=order, on_start=started,
+                               on_shard=lambda shard: source.add(directory / shard.path))
+            source.finish()
+        except DedlocError as e:
+            source.fail(str(e))
+            peer.node.emit(ev.Error(message=f"--data swarm:{ref}: {e}"))
+
+    async with Datasets.open(peer) as datasets, trio.open_nursery() as nursery:
+        nursery.start_soon(fetch)
+        yield source
+        nursery.cancel_scope.cancel()
 
 
 def build(args: argparse.Namespace) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer, Any]:
@@ -101,16 +159,24 @@ def training_config(args: argparse.Namespace) -> TrainingConfig:
 
 async def train(peer: Peer, args: argparse.Namespace, dashboard: Dashboard | None = None) -> None:
     """Train the example model with the swarm until --max-steps global steps (or --duration); with
-    ``--metrics``, the run's and the averager's families join the dashboard's."""
-    from .mlm import MaskedBatches
-
+    ``--metrics``, the run's and the averager's families join the dashboard's; ``--data swarm:NAME``
+    trains on a dataset of the swarm as it arrives."""
     torch.set_num_threads(max(1, args.threads))
     if args.auxiliary:
         return await assist(peer, args, dashboard)
-    files, _ = example_files(args)
+    ref = swarm_dataset(args.data)
+    async with AsyncExitStack() as stack:
+        source = None if ref is None else await stack.enter_async_context(swarm_data(peer, args, ref))
+        await _train(peer, args, dashboard, source)
+
+
+async def _train(peer: Peer, args: argparse.Namespace, dashboard: Dashboard | None, source: ShardSource | None) -> None:
+    from .mlm import MaskedBatches
+
+    files, _ = example_files(args) if source is None else ([], None)
     tokenizer, model, optimizer, scheduler = await trio.to_thread.run_sync(build, args)  # off the event loop
     stream = ExampleStream(DataConfig(files=tuple(files), text_field=args.text_field,
-                                      shuffle_buffer=args.shuffle_buffer, seed=args.data_seed))
+                                      shuffle_buffer=args.shuffle_buffer, seed=args.data_seed), source)
     texts: Iterator[list[str]] = batches(stream, args.batch_size)
     masked = MaskedBatches(tokenizer)
     model.train()
@@ -208,7 +274,7 @@ async def cmd_train(args: argparse.Namespace, out: Output) -> int:
     _check_training_args(args)
     if args.shuffle_buffer < 1:
         raise ConfigError("--shuffle-buffer must be at least 1")
-    if args.data:
+    if args.data and swarm_dataset(args.data) is None:
         try:
             shard_paths(args.data)  # missing files and unknown formats fail before the peer starts
         except DataError as e:

@@ -50,7 +50,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     run_options(p)
     g = p.add_argument_group("training")
     g.add_argument("--data", nargs="+", default=None, metavar="PATH",
-                   help="shard files or directories (.txt lines, .jsonl, .parquet; default: the example corpus)")
+                   help="shard files or directories (.txt lines, .jsonl, .parquet; default: the example corpus), "
+                   "or swarm:NAME: a dataset of the swarm, fetched under --workdir/datasets/NAME as training "
+                   "runs (it starts on the first shard checked) and seeded to the others")
+    g.add_argument("--data-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="with swarm:NAME: give up if no shard arrived within this long (default: %(default)s)")
     g.add_argument("--text-field", default="text", help="the field of JSON lines / column of parquet with the text")
     g.add_argument("--shuffle-buffer", type=int, default=10_000, metavar="N", help="examples mixed before use")
     g.add_argument("--data-seed", type=int, default=None, help="this peer's data order (default: random)")

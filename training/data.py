@@ -26,6 +26,8 @@ import json
 import logging
 import os
 import random
+import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,21 +167,105 @@ def shuffled(items: Iterable[T], size: int, rng: random.Random) -> Iterator[T]:
     yield from buffer
 
 
+class ShardSource:
+    """Shard files that arrive while training runs (a dataset fetched from the swarm, ``training/datasets``).
+
+    The fetch (in trio) adds each shard once it is whole and checked; the
+    reader (the model's worker thread) waits for the first, then reads those
+    there are, and takes the new ones as they come. Thread-safe.
+    """
+
+    def __init__(self, name: str, *, timeout: float = 600.0) -> None:
+        self.name = name
+        self.timeout = timeout
+        self._paths: list[Path] = []
+        self._cond = threading.Condition()
+        self._complete = False
+        self._error: str | None = None
+
+    def add(self, path: Path) -> None:
+        with self._cond:
+            if path not in self._paths:
+                self._paths.append(path)
+            self._cond.notify_all()
+
+    def finish(self) -> None:
+        """Every shard arrived."""
+        with self._cond:
+            self._complete = True
+            self._cond.notify_all()
+
+    def fail(self, why: str) -> None:
+        """The fetch stopped: the reader raises :class:`DataError` once it has nothing left to read."""
+        with self._cond:
+            self._error = why
+            self._cond.notify_all()
+
+    @property
+    def complete(self) -> bool:
+        return self._complete
+
+    def paths(self) -> list[Path]:
+        with self._cond:
+            return list(self._paths)
+
+    def wait_first(self) -> list[Path]:
+        """The shards there are, once there is one; :class:`DataError` after ``timeout`` or a failed fetch."""
+        deadline = time.monotonic() + self.timeout
+        with self._cond:
+            while not self._paths:
+                if self._error is not None:
+                    raise DataError(f"swarm:{self.name}: {self._error}")
+                if self._complete:
+                    raise DataError(f"swarm:{self.name}: the dataset has no shards")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DataError(f"swarm:{self.name}: no shard arrived within {self.timeout:g} s")
+                self._cond.wait(left)
+            return list(self._paths)
+
+
 class ExampleStream:
     """The examples of a run's shards, in this peer's own order, pass after pass.
 
-    Iterating gives strings; ``stats`` says what was read and skipped.
+    Iterating gives strings; ``stats`` says what was read and skipped. With a
+    :class:`ShardSource` the shards are those that arrived so far: a pass
+    reads them in a random order, taking shards that arrive during the pass too.
     """
 
-    def __init__(self, config: DataConfig) -> None:
-        config.validate()
+    def __init__(self, config: DataConfig, source: ShardSource | None = None) -> None:
+        if source is None:
+            config.validate()
         self.config = config
-        self.paths = shard_paths(config.files)
+        self.source = source
+        self.paths = shard_paths(config.files) if source is None else []
         seed = config.seed if config.seed is not None else int.from_bytes(os.urandom(8), "big")
         self.rng = random.Random(seed)
         self.stats = DataStats()
 
+    def _arriving(self, source: ShardSource) -> Iterator[str]:
+        while self.config.passes == 0 or self.stats.passes < self.config.passes:
+            done: set[Path] = set()
+            before = self.stats.examples
+            source.wait_first()
+            while True:
+                left = [p for p in source.paths() if p not in done]
+                if not left:
+                    break
+                path = self.rng.choice(left)
+                done.add(path)
+                for text in read_shard(path, self.config.text_field, self.stats):
+                    self.stats.examples += 1
+                    yield text
+                self.stats.shards_read += 1
+            self.stats.passes += 1
+            if self.stats.examples == before:
+                raise DataError(f"no examples in {len(done)} shard(s) ({self.stats.skipped} lines skipped)")
+
     def _passes(self) -> Iterator[str]:
+        if self.source is not None:
+            yield from self._arriving(self.source)
+            return
         while self.config.passes == 0 or self.stats.passes < self.config.passes:
             order = list(self.paths)
             self.rng.shuffle(order)

@@ -186,11 +186,14 @@ class Download:
                 self.table.relayed(peer, trio.current_time())
                 return
             self.table.connected(peer)
-            await self._exchange(peer, stream)
+            with unwrap_single_group():
+                await self._exchange(peer, stream)
         except trio.TooSlowError:
             why = "no answer in time"
         except (DedlocError, OSError, EOFError, trio.BrokenResourceError, trio.ClosedResourceError, StreamError) as e:
             why = str(e) or type(e).__name__
+        except ExceptionGroup as group:  # the writer and the reader failed at once (the stream broke)
+            why = "; ".join(str(e) or type(e).__name__ for e in group.exceptions)
         finally:
             self.picker.lost(peer)
             if self.table.state(peer) == SeederState.CONNECTED:

@@ -308,10 +308,12 @@ class Datasets:
     # ------------------------------------------------------------------ fetching
 
     async def get(self, ref: str, directory: Path, *, config: FetchConfig | None = None,
-                  priority: Sequence[bytes] | None = None, on_shard: Callable[[Shard], None] | None = None,
+                  priority: Sequence[bytes] | Callable[[list[Shard]], Sequence[bytes]] | None = None,
+                  on_shard: Callable[[Shard], None] | None = None,
                   on_start: Callable[[LocalDataset], None] | None = None, seed: bool = True) -> FetchReport:
         """Fetch dataset ``ref`` into ``directory`` (resuming from what is there), seeding what it holds while
-        it fetches and (``seed``) after. ``priority``: shard roots wanted first, in order; ``on_shard``:
+        it fetches and (``seed``) after. ``priority``: shard roots wanted first, in order (or a function of
+        the shards that says so: a trainer draws its own random order); ``on_shard``:
         called with each shard once it is whole and at its path; ``on_start``: with the local dataset, once
         what was on disk is checked."""
         from .fetch import Download
@@ -320,6 +322,8 @@ class Datasets:
         local = await trio.to_thread.run_sync(LocalDataset.open, Path(directory), manifest)
         if on_start is not None:
             on_start(local)
+        if callable(priority):
+            priority = priority(sorted(local.shards.values(), key=lambda s: s.path))
         download = Download(self, local, config, priority=priority, on_shard=on_shard)
         try:
             report = await download.run()

@@ -1,0 +1,351 @@
+"""Datasets' pure parts in milliseconds: the hash tree, signed manifests, the piece picker, the seeder
+table, the upload pacer, the on-disk store, and the DHT's content-addressed subkeys they live under."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from libp2p.crypto.keys import KeyPair
+from libp2p.peer.id import ID
+
+from p2p.dht.records import ContentMismatch, DHTRecord, LocalStore, content_subkey
+from p2p.identity import new_identity, peer_id_of
+from training.datasets.manifest import (
+    DatasetError,
+    Entry,
+    Header,
+    Manifest,
+    ManifestError,
+    Shard,
+    resolve,
+    schema_of,
+)
+from training.datasets.picker import LEAVES, Pacer, PickerConfig, PiecePicker, SeederState, SeederTable, TableConfig
+from training.datasets.pieces import check_leaves, leaf, merkle_root, piece_count, piece_span, split_leaves
+from training.datasets.store import LocalDataset, from_bits
+from training.proto import datasets_pb2 as pb
+
+NOW = 1_800_000_000.0
+PIECE = 16 * 1024
+
+
+@dataclass
+class KeySigner:
+    pair: KeyPair
+
+    @property
+    def peer_id(self) -> ID:
+        return peer_id_of(self.pair)
+
+    @property
+    def public_key(self) -> bytes:
+        return bytes(self.pair.public_key.serialize())
+
+    def sign(self, data: bytes) -> bytes:
+        return bytes(self.pair.private_key.sign(data))
+
+
+def signer() -> KeySigner:
+    return KeySigner(new_identity())
+
+
+def shard(path: str, data: bytes, piece: int = PIECE) -> Shard:
+    return Shard(path, len(data), merkle_root([leaf(data[i:i + piece]) for i in range(0, len(data), piece)]))
+
+
+# ---------------------------------------------------------------------- the hash tree
+
+def test_the_root_pads_leaves_to_a_power_of_two_and_checks_any_leaf_set() -> None:
+    leaves = [leaf(bytes([i])) for i in range(3)]
+    import hashlib
+    h = lambda a, b: hashlib.sha256(a + b).digest()  # noqa: E731
+    assert merkle_root(leaves) == h(h(leaves[0], leaves[1]), h(leaves[2], bytes(32)))
+    assert merkle_root(leaves[:1]) == leaves[0]
+    size = 2 * PIECE + 5
+    raw = b"".join(leaves)
+    assert check_leaves(raw, merkle_root(leaves), size, PIECE) == leaves
+    assert "do not add up" in str(check_leaves(raw[::-1], merkle_root(leaves), size, PIECE))
+    assert "3 pieces" in str(check_leaves(raw[:64], merkle_root(leaves), size, PIECE))
+    assert piece_count(size, PIECE) == 3 and piece_span(2, size, PIECE) == (2 * PIECE, 5)
+    with pytest.raises(IndexError):
+        piece_span(3, size, PIECE)
+    assert split_leaves(raw) == leaves
+
+
+# ---------------------------------------------------------------------- signed manifests
+
+def test_a_header_is_content_addressed_and_refused_when_its_signature_or_creator_is_wrong() -> None:
+    me = signer()
+    header = Header.make(me, "wiki", "text", piece_size=PIECE, now=NOW)
+    assert Header.parse(header.signed) == header and header.creator == me.peer_id
+    signed = pb.Signed.FromString(header.signed)
+    body = pb.Header.FromString(signed.body)
+    body.name = "other"
+    tampered = pb.Signed(body=body.SerializeToString(), public_key=signed.public_key, signature=signed.signature,
+                         kind="header").SerializeToString()
+    with pytest.raises(ManifestError, match="signature does not match"):
+        Header.parse(tampered)
+    other = signer()  # signs a header that names me as its creator
+    forged = pb.Header(name="wiki", schema="text", piece_size=PIECE, creator=me.peer_id.to_bytes(), created=NOW)
+    from training.datasets.manifest import sign
+    with pytest.raises(ManifestError, match="signed by"):
+        Header.parse(sign(other, "header", forged.SerializeToString()))
+    with pytest.raises(ManifestError, match="where a header was expected"):
+        Header.parse(sign(me, "entry", forged.SerializeToString()))
+    with pytest.raises(ManifestError, match="piece size"):
+        Header.parse(sign(me, "header", pb.Header(name="w", schema="text", piece_size=1000,
+                                                  creator=me.peer_id.to_bytes()).SerializeToString()))
+    with pytest.raises(DatasetError, match="dataset name"):
+        Header.make(me, "../etc", "text", piece_size=PIECE, now=NOW)
+
+
+@pytest.mark.parametrize("path", ["../escape.txt", "/abs.txt", "a/../b.txt", ".dedloc/manifest", "a//b.txt", "",
+                                  "a\\b.txt", "./a.txt"])
+def test_an_entry_whose_path_could_leave_the_directory_is_refused(path: str) -> None:
+    me = signer()
+    header = Header.make(me, "wiki", "text", piece_size=PIECE, now=NOW)
+    with pytest.raises(ManifestError, match="plain relative path"):
+        Entry.make(me, header, [Shard(path, 10, bytes(32))], now=NOW)
+
+
+def test_entries_are_refused_with_their_reason_and_nothing_of_them_is_kept() -> None:
+    creator, volunteer = signer(), signer()
+    header = Header.make(creator, "wiki", "text", piece_size=PIECE, now=NOW)
+    other = Header.make(creator, "books", "text", piece_size=PIECE, now=NOW)
+    manifest = Manifest(header)
+    good = Entry.make(volunteer, header, [Shard("a.txt", 10, bytes(32))], now=NOW)
+    assert manifest.add(good.signed) == good
+    assert manifest.add(Entry.make(volunteer, other, [Shard("b.txt", 10, bytes(32))], now=NOW).signed) is None
+    from training.datasets.manifest import sign
+    retraction = pb.Entry(dataset=header.id, author=volunteer.peer_id.to_bytes(), created=NOW, retract=[good.id])
+    assert manifest.add(sign(volunteer, "entry", retraction.SerializeToString())) is None
+    assert manifest.add(b"\x00garbage") is None
+    reasons = " | ".join(why for _, why in manifest.refused)
+    assert "another dataset" in reasons and "did not create the dataset" in reasons and "does not parse" in reasons
+    assert [s.path for s in manifest.shards()] == ["a.txt"]
+
+
+def test_the_grow_only_set_merges_to_the_same_shards_in_any_order_and_the_creator_retracts() -> None:
+    creator, a, b = signer(), signer(), signer()
+    header = Header.make(creator, "wiki", "text", piece_size=PIECE, now=NOW)
+    e1 = Entry.make(a, header, [Shard("x.txt", 10, b"\x01" * 32)], now=NOW + 1)
+    e2 = Entry.make(b, header, [Shard("x.txt", 20, b"\x02" * 32), Shard("y.txt", 5, b"\x03" * 32)], now=NOW + 2)
+    e3 = Entry.make(b, header, [Shard("z.txt", 5, b"\x01" * 32)], now=NOW + 3)  # the same root as x.txt: kept once
+    orders = [[e1, e2, e3], [e3, e2, e1], [e2, e3, e1]]
+    results = []
+    for order in orders:
+        m = Manifest(header)
+        for e in order:
+            m.add(e.signed)
+        results.append(m.shards())
+    assert results[0] == results[1] == results[2]
+    assert [(s.path, s.size) for s in results[0]] == [("x.txt", 10), ("y.txt", 5)]
+    m = Manifest(header)
+    for e in (e1, e2, e3):
+        m.add(e.signed)
+    m.add(Entry.make(creator, header, [], now=NOW + 4, retract=[e1.id]).signed)
+    assert [(s.path, s.size) for s in m.shards()] == [("x.txt", 20), ("y.txt", 5), ("z.txt", 5)]
+    again = Manifest.from_stored(m.stored())
+    assert again.shards() == m.shards() and again.header == header
+
+
+def test_a_name_several_creators_used_needs_the_creator_and_the_error_lists_them() -> None:
+    one, two = signer(), signer()
+    h1 = Header.make(one, "wiki", "text", piece_size=PIECE, now=NOW)
+    h2 = Header.make(two, "wiki", "jsonl", piece_size=PIECE, now=NOW)
+    h3 = Header.make(one, "books", "text", piece_size=PIECE, now=NOW)
+    with pytest.raises(DatasetError, match="2 datasets are named 'wiki'") as e:
+        resolve([h1, h2, h3], "wiki")
+    assert h1.label in str(e.value) and h2.label in str(e.value)
+    assert resolve([h1, h2, h3], f"wiki@{str(two.peer_id)[-6:]}") == h2
+    assert resolve([h1, h2, h3], "books") == h3
+    assert resolve([h1, h2, h3], h2.id.hex()[:10]) == h2
+    with pytest.raises(DatasetError, match="no dataset 'nope'"):
+        resolve([h1], "nope")
+
+
+def test_a_dataset_holds_one_schema() -> None:
+    assert schema_of(["a.txt", "b.TXT"]) == "text"
+    with pytest.raises(DatasetError, match="2 formats"):
+        schema_of(["a.txt", "b.jsonl"])
+    with pytest.raises(DatasetError, match="unknown shard format"):
+        schema_of(["a.csv"])
+
+
+# ---------------------------------------------------------------------- content-addressed DHT subkeys
+
+def test_a_content_addressed_subkey_holds_only_the_bytes_it_names() -> None:
+    store = LocalStore()
+    value = b"signed entry"
+    sub = content_subkey(value, "e")
+    assert store.store(DHTRecord.make("k", value, NOW + 60, sub), NOW)
+    with pytest.raises(ContentMismatch):
+        store.store(DHTRecord.make("k", b"junk with a later expiration", NOW + 3600, sub), NOW)
+    with pytest.raises(ContentMismatch, match="malformed"):
+        store.store(DHTRecord.make("k", value, NOW + 60, "e[sha256:abc]"), NOW)
+    assert store.get("k", NOW) == {sub: (value, NOW + 60)}
+    assert store.store(DHTRecord.make("k", value, NOW + 120, sub), NOW)  # anyone re-publishes the same bytes
+
+
+# ---------------------------------------------------------------------- the piece picker
+
+A, B, C = (ID(bytes([0, 36, 8, 1, 18, 32]) + bytes([i]) * 32) for i in (1, 2, 3))
+
+
+def picker(pieces: list[int], **kw: object) -> PiecePicker:
+    return PiecePicker(pieces, leaves_known=range(len(pieces)), rng=random.Random(0), **kw)  # type: ignore[arg-type]
+
+
+def test_the_rarest_piece_is_asked_first() -> None:
+    p = picker([4], config=PickerConfig(pipeline=1))
+    p.update(A, 0, None)
+    p.update(B, 0, [0, 1, 2])
+    p.update(C, 0, [0, 1])
+    assert p.pick(A, 0) == (0, 3)  # only A holds piece 3
+    assert p.pick(B, 0) == (0, 2)  # then the rarest B holds
+    assert p.pick(A, 0) is None  # A's pipeline is full
+
+
+def test_a_shards_leaves_come_before_any_of_its_pieces() -> None:
+    p = PiecePicker([3], rng=random.Random(0))
+    p.update(A, 0, None)
+    assert p.pick(A, 0) == (0, LEAVES)
+    assert p.pick(A, 0) is None  # no piece before the leaves are checked
+    assert p.received(A, (0, LEAVES))
+    assert p.pick(A, 0) is not None and p.pick(A, 0) is not None
+
+
+def test_shards_come_in_priority_order() -> None:
+    p = picker([2, 2, 2], priority=[2, 0, 1])
+    for s in range(3):
+        p.update(A, s, None)
+    picks = [p.pick(A, 0) for _ in range(4)]
+    assert [k[0] for k in picks if k] == [1, 1, 2, 2]
+
+
+def test_the_endgame_asks_a_second_seeder_for_pieces_in_flight_and_the_first_copy_wins() -> None:
+    p = picker([2], config=PickerConfig(pipeline=4, endgame_duplicates=2))
+    p.update(A, 0, None)
+    assert {p.pick(A, 0), p.pick(A, 0)} == {(0, 0), (0, 1)}
+    p.update(B, 0, None)
+    assert p.endgame
+    dup = p.pick(B, 0)
+    assert dup in {(0, 0), (0, 1)}
+    p.update(C, 0, None)
+    third = p.pick(C, 0)
+    assert third is not None and third != dup  # each piece at most twice
+    assert p.pick(C, 0) is None
+    assert p.received(B, dup) and not p.received(A, dup)  # A's copy comes second: dropped
+    assert not p.complete
+
+
+def test_a_seeder_that_sends_a_bad_piece_is_banned_and_its_pieces_go_to_others() -> None:
+    p = picker([2], config=PickerConfig(pipeline=2))
+    p.update(A, 0, None)
+    p.update(B, 0, None)
+    first = p.pick(A, 0)
+    assert first is not None
+    p.ban(A, "piece 0 does not match its hash")
+    assert p.pick(A, 0) is None and p.banned() == {A: "piece 0 does not match its hash"}
+    assert {p.pick(B, 0), p.pick(B, 0)} == {(0, 0), (0, 1)}
+    p.lost(A)
+    assert p.is_banned(A)  # losing its connection does not lift the ban
+
+
+def test_a_failing_seeder_rests_and_a_lost_one_gives_its_pieces_back() -> None:
+    p = picker([3], config=PickerConfig(pipeline=3, max_failures=2, backoff=10.0))
+    p.update(A, 0, None)
+    p.update(B, 0, None)
+    k1 = p.pick(A, 0)
+    assert k1 is not None
+    p.failed(A, k1, now=1.0)  # A says it has not got it: not asked of A again
+    k2 = p.pick(A, 1.0)
+    assert k2 is not None and k2 != k1
+    p.failed(A, k2, now=2.0)
+    assert p.pick(A, 3.0) is None and p.pick(A, 11.9) is None  # resting
+    assert p.pick(A, 12.1) is not None
+    k3 = p.pick(B, 12.1)
+    p.lost(B)
+    p.update(C, 0, None)
+    assert k3 is not None and k3 not in p.requested  # asked of B, which is gone: back to be asked of others
+    assert p.availability(k3, 12.1) >= 1 and B not in p.seeders
+
+
+# ---------------------------------------------------------------------- the seeder table and the pacer
+
+def test_the_seeder_table_connects_whole_holders_first_and_backs_off() -> None:
+    table = SeederTable(C, TableConfig(max_connected=2, retry=2.0, max_retry=5.0, relayed_retry=3.0),
+                        random.Random(0))
+    table.learn(A, whole=False)
+    table.learn(B, whole=True)
+    table.learn(C, whole=True)  # ourselves: never
+    assert table.to_connect(0) == [B, A]
+    assert table.to_connect(0) == []
+    table.failed(A, 0.0, "reset")
+    assert table.to_connect(1.0) == [] and table.to_connect(2.0) == [A]
+    table.failed(A, 2.0, "reset")
+    assert table.to_connect(5.9) == [] and table.to_connect(6.0) == [A]
+    table.failed(A, 6.0, "reset")
+    table.failed(A, 6.0, "reset")
+    assert table.known[A].retry_at == 11.0  # capped at max_retry
+    table.relayed(B, 0.0)
+    assert table.state(B) == SeederState.RELAYED and table.to_connect(3.0) == [B]
+    table.ban(B, "bad piece")
+    table.failed(B, 3.0, "closed")
+    assert table.state(B) == SeederState.BANNED and table.to_connect(100.0) == [A]
+
+
+def test_the_pacer_holds_uploads_to_the_rate() -> None:
+    pacer = Pacer(rate=1000.0, burst=500.0)
+    assert pacer.delay(400, 0.0) == 0.0
+    assert pacer.delay(600, 0.0) == pytest.approx(0.5)
+    assert pacer.delay(1000, 0.5) == pytest.approx(1.0)  # the debt is carried
+    assert Pacer(None).delay(10**9, 0.0) == 0.0
+
+
+# ---------------------------------------------------------------------- the store
+
+def make_local(tmp: Path, data: dict[str, bytes]) -> tuple[LocalDataset, Manifest]:
+    me = signer()
+    header = Header.make(me, "wiki", "text", piece_size=PIECE, now=NOW)
+    manifest = Manifest(header)
+    manifest.add(Entry.make(me, header, [shard(p, d) for p, d in data.items()], now=NOW).signed)
+    return LocalDataset.open(tmp, manifest), manifest
+
+
+def test_a_shard_reaches_its_path_only_whole_and_checked_and_a_restart_resumes(tmp_path: Path) -> None:
+    data = random.Random(1).randbytes(3 * PIECE + 100)
+    local, manifest = make_local(tmp_path / "d", {"s.txt": data})
+    s = manifest.shards()[0]
+    leaves = [leaf(data[i:i + PIECE]) for i in range(0, len(data), PIECE)]
+    local.set_leaves(s.root, leaves)
+    assert local.check_piece(s.root, 1, data[:PIECE]) == "piece 1 of s.txt does not match its hash"
+    assert local.check_piece(s.root, 3, data[3 * PIECE:]) is None
+    assert not local.write_piece(s.root, 3, data[3 * PIECE:])
+    assert not local.write_piece(s.root, 0, data[:PIECE])
+    assert not (tmp_path / "d" / "s.txt").exists()
+    assert local.bitfield(s.root) == bytes([0b10010000]) and from_bits(bytes([0b10010000]), 4) == {0, 3}
+    # a restart: the pieces on disk are checked again; one torn by a crash is dropped
+    part = tmp_path / "d" / ".dedloc" / "parts" / s.root.hex()
+    with part.open("r+b") as f:
+        f.seek(10)
+        f.write(b"torn")
+    again = LocalDataset.open(tmp_path / "d", Manifest.from_stored(manifest.stored()))
+    assert again.pieces_of(s.root) == {3} and again.discarded == 1
+    for i in (0, 1, 2):
+        assert again.write_piece(s.root, i, data[i * PIECE:(i + 1) * PIECE]) == (i == 2)
+    assert (tmp_path / "d" / "s.txt").read_bytes() == data
+    assert again.read_piece(s.root, 1) == data[PIECE:2 * PIECE] and again.bitfield(s.root) == b""
+    (tmp_path / "d" / "s.txt").write_bytes(data[:-1] + b"!")  # changed on disk: not whole any more
+    assert LocalDataset.open(tmp_path / "d", manifest).pieces_of(s.root) == set()
+
+
+def test_a_directory_of_another_dataset_is_refused(tmp_path: Path) -> None:
+    make_local(tmp_path / "d", {"s.txt": b"x" * 100})
+    with pytest.raises(DatasetError, match="holds another dataset"):
+        make_local(tmp_path / "d", {"s.txt": b"y" * 100})
+    with pytest.raises(DatasetError, match="no dataset here"):
+        LocalDataset.load(tmp_path)

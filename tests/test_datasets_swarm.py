@@ -1,0 +1,224 @@
+"""Datasets between real peers on loopback: publish, fetch from several seeders, a seeder that lies, one that
+dies mid-transfer, resume after a restart, a seeder reachable only through a relay, the commands as a
+new user runs them."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+
+import pytest
+import trio
+
+from nat import Peer
+from tests.conftest import loopback_config
+from tests.kit import loopback_peer_config, wait_until
+from training.datasets import Datasets, DatasetsConfig, FetchConfig, NoSeeders
+from training.datasets.picker import TableConfig
+from training.datasets.service import DatasetSwarm
+
+PIECE = 32 * 1024
+
+
+def corpus(directory: Path, shards: int = 3, size: int = 400_000, seed: int = 0) -> dict[str, bytes]:
+    rng = random.Random(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for i in range(shards):
+        lines = [" ".join(f"w{rng.randrange(5000)}" for _ in range(12)) for _ in range(size // 70)]
+        data = ("\n".join(lines) + "\n").encode()
+        (directory / f"part-{i}.txt").write_bytes(data)
+        out[f"part-{i}.txt"] = data
+    return out
+
+
+def same_files(directory: Path, expected: dict[str, bytes]) -> bool:
+    return all((directory / name).read_bytes() == data for name, data in expected.items())
+
+
+@asynccontextmanager
+async def swarm(n: int) -> AsyncIterator[tuple[Peer, list[Peer]]]:
+    async with AsyncExitStack() as stack:
+        relay = await stack.enter_async_context(Peer.open(loopback_peer_config(relay=True)))
+        boot = [str(relay.addrs[0])]
+        peers = [await stack.enter_async_context(Peer.open(loopback_peer_config(initial_peers=boot)))
+                 for _ in range(n)]
+        yield relay, peers
+
+
+class Killable:
+    """A peer with its datasets in a nursery task of its own, so a test can kill it mid-transfer."""
+
+    def __init__(self, nursery: trio.Nursery, boot: list[str], config: DatasetsConfig) -> None:
+        self.scope = trio.CancelScope()
+        self.ready = trio.Event()
+        self.datasets: Datasets | None = None
+        nursery.start_soon(self._run, boot, config)
+
+    async def _run(self, boot: list[str], config: DatasetsConfig) -> None:
+        with self.scope:
+            async with Peer.open(loopback_peer_config(initial_peers=boot)) as peer, \
+                    Datasets.open(peer, config) as datasets:
+                self.datasets = datasets
+                self.ready.set()
+                await trio.sleep_forever()
+
+    def kill(self) -> None:
+        self.scope.cancel()
+
+
+async def announced(datasets: Datasets, dataset: bytes, n: int) -> None:
+    async def count() -> int:
+        return len(await datasets.seeders(dataset))
+
+    with trio.fail_after(20):
+        while await count() < n:
+            await trio.sleep(0.2)
+
+
+@pytest.mark.timeout(90)
+async def test_two_downloaders_fetch_from_two_seeders_and_trade_pieces(tmp_path: Path) -> None:
+    expected = corpus(tmp_path / "src")
+    capped = DatasetsConfig(piece_size=PIECE, upload_rate=4e6)
+    async with swarm(4) as (_, (s1, s2, d1, d2)), \
+            Datasets.open(s1, capped) as ds1, Datasets.open(s2, capped) as ds2, \
+            Datasets.open(d1) as dd1, Datasets.open(d2) as dd2:
+        local = await ds1.create("corpus", tmp_path / "src")
+        await ds2.get("corpus", tmp_path / "s2")
+        await announced(dd1, local.manifest.header.id, 2)
+        reports = {}
+
+        async def get(d: Datasets, name: str) -> None:
+            reports[name] = await d.get("corpus", tmp_path / name)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(get, dd1, "d1")
+            nursery.start_soon(get, dd2, "d2")
+        for name in ("d1", "d2"):
+            assert same_files(tmp_path / name, expected)
+            assert reports[name].bytes == sum(map(len, expected.values()))
+        # each downloader took pieces from more than one peer (both seeders, or the other downloader)
+        assert all(len(r.sources) >= 2 for r in reports.values()), {k: r.sources for k, r in reports.items()}
+        show = await dd1.show("corpus")
+        assert show.complete and len(show.manifest.shards()) == 3
+
+
+@pytest.mark.timeout(90)
+async def test_a_seeder_that_sends_corrupt_pieces_is_banned_named_and_nothing_bad_is_written(tmp_path: Path) -> None:
+    expected = corpus(tmp_path / "src")
+    async with swarm(3) as (_, (honest, liar, fetcher)), \
+            Datasets.open(honest, DatasetsConfig(piece_size=PIECE, upload_rate=3e6)) as dh, \
+            Datasets.open(liar, DatasetsConfig(piece_size=PIECE)) as dl, Datasets.open(fetcher) as df:
+        local = await dh.create("corpus", tmp_path / "src")
+        await dl.get("corpus", tmp_path / "liar")
+        held = dl.held[local.manifest.header.id].local
+        read = held.read_piece
+
+        def corrupt(root: bytes, index: int) -> bytes | None:
+            data = read(root, index)
+            return None if data is None else bytes([data[0] ^ 0xFF]) + data[1:]
+
+        held.read_piece = corrupt  # type: ignore[method-assign]
+        await announced(df, local.manifest.header.id, 2)
+        banned = []
+        emit = fetcher.node.emit
+        fetcher.node.emit = lambda e: (banned.append(e) if e.event == "dataset_seeder_banned" else None, emit(e))[1]
+        report = await df.get("corpus", tmp_path / "got")
+        assert same_files(tmp_path / "got", expected)
+        assert list(report.banned) == [liar.peer_id] and "does not match its hash" in report.banned[liar.peer_id]
+        assert [e.peer_id for e in banned] == [str(liar.peer_id)]
+        assert liar.peer_id not in report.sources  # not one byte of it counted, none written
+
+
+@pytest.mark.timeout(90)
+async def test_a_seeder_killed_mid_transfer_costs_only_time(tmp_path: Path) -> None:
+    expected = corpus(tmp_path / "src", size=600_000)
+    total = sum(map(len, expected.values()))
+    config = DatasetsConfig(piece_size=PIECE, upload_rate=1.5e6)
+    async with swarm(2) as (relay, (creator, fetcher)), trio.open_nursery() as nursery, \
+            Datasets.open(creator, config) as dc, Datasets.open(fetcher) as df:
+        local = await dc.create("corpus", tmp_path / "src")
+        victim = Killable(nursery, [str(relay.addrs[0])], config)
+        await victim.ready.wait()
+        assert victim.datasets is not None
+        await victim.datasets.get("corpus", tmp_path / "victim")
+        await announced(df, local.manifest.header.id, 2)
+        got = trio.Event()
+        result = {}
+
+        async def fetch() -> None:
+            result["report"] = await df.get("corpus", tmp_path / "got")
+            got.set()
+
+        nursery.start_soon(fetch)
+        await wait_until(lambda: _received(df, tmp_path) > total // 4, what="a quarter fetched")
+        victim.kill()
+        with trio.fail_after(60):
+            await got.wait()
+        assert same_files(tmp_path / "got", expected)
+        assert result["report"].bytes == total
+
+
+def _received(datasets: Datasets, tmp_path: Path) -> int:
+    return sum(h.local.held_bytes for h in datasets.held.values() if str(h.local.directory).endswith("got"))
+
+
+@pytest.mark.timeout(90)
+async def test_a_download_cut_short_resumes_from_what_is_on_disk(tmp_path: Path) -> None:
+    expected = corpus(tmp_path / "src", size=500_000)
+    total = sum(map(len, expected.values()))
+    async with swarm(2) as (_, (creator, fetcher)), \
+            Datasets.open(creator, DatasetsConfig(piece_size=PIECE, upload_rate=1e6)) as dc:
+        await dc.create("corpus", tmp_path / "src")
+        async with Datasets.open(fetcher) as df:
+            with trio.move_on_after(30):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(df.get, "corpus", tmp_path / "got")
+                    await wait_until(lambda: _received(df, tmp_path) > total // 3, what="a third fetched")
+                    nursery.cancel_scope.cancel()
+        assert not (tmp_path / "got" / "part-2.txt").exists() or not same_files(tmp_path / "got", expected)
+        async with Datasets.open(fetcher) as df:
+            report = await df.get("corpus", tmp_path / "got")
+        assert same_files(tmp_path / "got", expected)
+        assert report.bytes <= total - total // 3, "the restart fetched again what was on disk"
+
+
+@pytest.mark.timeout(90)
+async def test_a_seeder_reached_only_through_a_relay_sends_no_bulk_data_through_it(tmp_path: Path) -> None:
+    """A seeder that listens nowhere (behind a NAT that maps nothing) is dialled through its relay; its
+    connection reversal (DCUtR) makes the connection direct and the pieces flow on that. A downloader
+    that cannot get a direct connection waits, and says why, instead of pushing the data through the relay."""
+    expected = corpus(tmp_path / "src", shards=1)
+    async with Peer.open(loopback_peer_config(relay=True)) as relay:
+        boot = [str(relay.addrs[0])]
+        hidden_config = loopback_peer_config(initial_peers=boot)
+        hidden_config.node = loopback_config(initial_peers=boot, listen=[])
+        async with Peer.open(hidden_config) as hidden, \
+                Peer.open(loopback_peer_config(initial_peers=boot)) as fetcher, \
+                Datasets.open(hidden, DatasetsConfig(piece_size=PIECE)) as dh, Datasets.open(fetcher) as df:
+            await wait_until(lambda: any("p2p-circuit" in str(a) for a in hidden.addrs), what="a relay slot")
+            await dh.create("corpus", tmp_path / "src")
+            service = relay.nat.relay_service
+            assert service is not None
+            relayed_before = service.stats.bytes_relayed
+            report = await df.get("corpus", tmp_path / "got")
+            assert same_files(tmp_path / "got", expected)
+            assert fetcher.path_to(hidden.peer_id) == "direct"
+            relayed = service.stats.bytes_relayed - relayed_before
+            assert relayed < sum(map(len, expected.values())) / 4, relayed
+            assert report.sources == {hidden.peer_id: sum(map(len, expected.values()))}
+
+
+@pytest.mark.timeout(60)
+async def test_nobody_seeding_is_an_error_that_says_so(tmp_path: Path) -> None:
+    corpus(tmp_path / "src", shards=1, size=50_000)
+    async with swarm(2) as (_, (creator, fetcher)):
+        async with Datasets.open(creator, DatasetsConfig(piece_size=PIECE)) as dc:
+            local = await dc.create("corpus", tmp_path / "src", seed=False)
+        assert local.complete
+        async with Datasets.open(fetcher) as df:
+            with pytest.raises(NoSeeders, match="no seeder of corpus"):
+                await df.get("corpus", tmp_path / "got", config=FetchConfig(no_seeder_timeout=2.0,
+                                                                          table=TableConfig(retry=0.5)))
