@@ -249,6 +249,16 @@ async def test_a_closed_swarm_works_for_passholders_and_refuses_an_outsider_ever
                 nursery.start_soon(a.step, x)
                 nursery.start_soon(b.step, y)
             assert torch.allclose(x[0], torch.full((1000,), 0.5))
+        # and datasets: bob fetches what alice publishes
+        from training.datasets import Datasets
+
+        (tmp_path / "data").mkdir()
+        (tmp_path / "data" / "a.txt").write_text("members only\n" * 1000)
+        alice_data = await stack.enter_async_context(Datasets.open(alice))  # alice serves pieces too
+        await alice_data.create("closed", tmp_path / "data")
+        async with Datasets.open(bob) as bob_data:
+            await bob_data.get("closed", tmp_path / "got", seed=False)
+        assert (tmp_path / "got" / "a.txt").read_text() == "members only\n" * 1000
         # an outsider: connects (TCP and Noise), and is refused by every protocol of every member
         outsider_config = loopback_peer_config(initial_peers=boot)
         outsider_config.dht = None
@@ -258,6 +268,7 @@ async def test_a_closed_swarm_works_for_passholders_and_refuses_an_outsider_ever
             await outsider.node.connect(str(target.addrs[0]))
             served = [p for p in target.node.host.get_mux().handlers if p is not None and p not in PRE_AUTH]
             assert "/dedloc/rpc/1.0.0" in served and ("/dedloc/allreduce/1.0.0" in served or target is relay)
+            assert "/dedloc/dataset/1.0.0" in served or target is relay
             for protocol in served:
                 with pytest.raises(DedlocError, match="unauthenticated"):
                     stream = await outsider.node.new_stream(target.peer_id, protocol, lazy=False)

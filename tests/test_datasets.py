@@ -349,3 +349,35 @@ def test_a_directory_of_another_dataset_is_refused(tmp_path: Path) -> None:
         make_local(tmp_path / "d", {"s.txt": b"y" * 100})
     with pytest.raises(DatasetError, match="no dataset here"):
         LocalDataset.load(tmp_path)
+
+
+# ---------------------------------------------------------------------- training's reader of arriving shards
+
+def test_the_reader_waits_for_the_first_shard_and_takes_new_ones_during_a_pass(tmp_path: Path) -> None:
+    import threading
+
+    from training.data import DataConfig, DataError, ExampleStream, ShardSource
+
+    for i in range(3):
+        (tmp_path / f"s{i}.txt").write_text("\n".join(f"shard{i} line{j}" for j in range(5)))
+    source = ShardSource("wiki", timeout=5.0)
+    stream = iter(ExampleStream(DataConfig(files=(), shuffle_buffer=1, seed=0, passes=1), source))
+    threading.Timer(0.05, source.add, [tmp_path / "s0.txt"]).start()
+    assert next(stream).startswith("shard0")  # waited for it
+    source.add(tmp_path / "s1.txt")
+    rest = list(_take(stream, 4))
+    source.add(tmp_path / "s2.txt")
+    rest += list(stream)
+    assert sorted(x.split()[0] for x in rest).count("shard1") == 5 and "shard2 line0" in rest
+
+    late = ShardSource("wiki", timeout=0.05)
+    with pytest.raises(DataError, match="no shard arrived within 0.05 s"):
+        next(iter(ExampleStream(DataConfig(files=()), late)))
+    failed = ShardSource("wiki")
+    failed.fail("no seeder of wiki reached")
+    with pytest.raises(DataError, match="swarm:wiki: no seeder of wiki reached"):
+        next(iter(ExampleStream(DataConfig(files=()), failed)))
+
+
+def _take(it: object, n: int) -> list[str]:
+    return [next(it) for _ in range(n)]  # type: ignore[call-overload]

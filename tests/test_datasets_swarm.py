@@ -222,3 +222,88 @@ async def test_nobody_seeding_is_an_error_that_says_so(tmp_path: Path) -> None:
             with pytest.raises(NoSeeders, match="no seeder of corpus"):
                 await df.get("corpus", tmp_path / "got", config=FetchConfig(no_seeder_timeout=2.0,
                                                                           table=TableConfig(retry=0.5)))
+
+
+# ---------------------------------------------------------------------- as a user runs it
+
+@pytest.mark.timeout(120)
+async def test_the_commands_create_get_list_and_show_as_a_new_user_runs_them(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from p2p.trio_util import read_lines
+
+    dedloc = [sys.executable, "-m", "training.commands"]
+    expected = corpus(tmp_path / "src", shards=2, size=200_000)
+    relay = await trio.lowlevel.open_process(
+        [*dedloc, "relay", "--json", "--ephemeral", "--listen", "/ip4/127.0.0.1/tcp/0", "--duration", "100"],
+        stdout=subprocess.PIPE)
+    seeder: trio.Process | None = None
+    try:
+        assert relay.stdout is not None
+        lines = (json.loads(line) async for line in read_lines(relay.stdout))
+        with trio.fail_after(30):
+            first = await anext(lines)
+        boot = ["--initial-peers", first["addrs"][0], "--listen", "/ip4/127.0.0.1/tcp/0", "--ephemeral",
+                "--allow-private"]
+        seeder = await trio.lowlevel.open_process(
+            [*dedloc, "dataset", "create", "corpus", str(tmp_path / "src"), "--json", "--duration", "90", *boot],
+            stdout=subprocess.PIPE)
+        assert seeder.stdout is not None
+        events = (json.loads(line) async for line in read_lines(seeder.stdout))
+        with trio.fail_after(40):
+            async for event in events:
+                if event.get("event") == "dataset_published":
+                    break
+
+        async def run(*args: str) -> subprocess.CompletedProcess[bytes]:
+            with trio.fail_after(60):
+                return await trio.run_process([*dedloc, "dataset", *args, *boot], capture_stdout=True,
+                                              capture_stderr=True, check=False)
+
+        got = await run("get", "corpus", str(tmp_path / "got"), "--no-seed", "--json")
+        assert got.returncode == 0, got.stderr.decode()[-2000:]
+        kinds = [json.loads(line).get("event") for line in got.stdout.splitlines() if line.startswith(b"{")]
+        assert "dataset_complete" in kinds and kinds.count("dataset_shard") == 2
+        assert same_files(tmp_path / "got", expected)
+        listed = await run("list", "--json")
+        names = [json.loads(line) for line in listed.stdout.splitlines() if b'"datasets"' in line]
+        assert [d["name"] for d in names[0]["datasets"]] == ["corpus"]
+        shown = await run("show", "corpus")
+        assert shown.returncode == 0 and b"every shard held whole somewhere: yes" in shown.stdout, shown.stdout
+        missing = await run("get", "no-such-data", str(tmp_path / "x"), "--no-seed")
+        assert missing.returncode == 1
+        assert b"no dataset 'no-such-data' in the swarm" in missing.stderr and b"Traceback" not in missing.stderr
+    finally:
+        for proc in (seeder, relay):
+            if proc is not None:
+                proc.terminate()
+                with trio.fail_after(20):
+                    await proc.wait()
+
+
+# ---------------------------------------------------------------------- training from the swarm
+
+@pytest.mark.timeout(90)
+async def test_training_reads_the_first_shard_while_the_rest_is_still_coming(tmp_path: Path) -> None:
+    import argparse
+
+    from training.cli import swarm_data
+    from training.data import DataConfig, ExampleStream
+
+    expected = corpus(tmp_path / "src", shards=4, size=300_000)
+    async with swarm(2) as (_, (creator, trainer)), \
+            Datasets.open(creator, DatasetsConfig(piece_size=PIECE, upload_rate=0.4e6)) as dc:
+        await dc.create("corpus", tmp_path / "src")
+        args = argparse.Namespace(workdir=str(tmp_path / "work"), data_seed=1, data_timeout=30.0)
+        async with swarm_data(trainer, args, "corpus") as source:
+            stream = iter(ExampleStream(DataConfig(files=(), shuffle_buffer=10, seed=1), source))
+            first = await trio.to_thread.run_sync(next, stream)
+            arrived = len(source.paths())
+            assert arrived < 4, "the first example waited for the whole dataset"
+            assert any(first in data.decode() for data in expected.values())
+            with trio.fail_after(60):
+                while not source.complete:
+                    await trio.sleep(0.1)
+        assert same_files(tmp_path / "work" / "datasets" / "corpus", expected)
