@@ -242,6 +242,15 @@ def test_the_endgame_asks_a_second_seeder_for_pieces_in_flight_and_the_first_cop
     assert not p.complete
 
 
+def test_no_piece_is_asked_twice_while_another_was_asked_of_nobody() -> None:
+    p = picker([3])
+    p.update(A, 0, [0])
+    p.update(B, 0, [0, 1, 2])
+    assert p.pick(A, 0) == (0, 0)
+    p.update(C, 0, [0])
+    assert not p.endgame and p.pick(C, 0) is None  # pieces 1 and 2 wait for B: no duplicate of piece 0 yet
+
+
 def test_a_seeder_that_sends_a_bad_piece_is_banned_and_its_pieces_go_to_others() -> None:
     p = picker([2], config=PickerConfig(pipeline=2))
     p.update(A, 0, None)
