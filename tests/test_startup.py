@@ -54,19 +54,21 @@ def test_help_and_id_import_neither_torch_nor_py_libp2p(tmp_path: Path) -> None:
 
 def test_network_commands_never_import_the_training_stack() -> None:
     """Each command's module, as the dispatcher imports it: the network layers' pull in py-libp2p, never
-    torch, transformers or scipy (a relay on a small VPS); `average` and the training commands do."""
+    torch, transformers or scipy (a relay on a small VPS; a dataset's seeder too); `average` and the
+    training commands do."""
     from training.commands import build_parser
 
     parser, sub = build_parser()
     modules = {}
     for name, command in sub.choices.items():
         func = command.get_default("func")
-        if func is None:  # `dht` and `authority` have their actions below them
-            argv = {"dht": [name, "get", "key", "--initial-peers", "/ip4/127.0.0.1/tcp/1"]}.get(name, [name, "show"])
+        if func is None:  # `dht`, `authority` and `dataset` have their actions below them
+            argv = {"dht": [name, "get", "key", "--initial-peers", "/ip4/127.0.0.1/tcp/1"],
+                    "dataset": [name, "list", "--initial-peers", "/ip4/127.0.0.1/tcp/1"]}.get(name, [name, "show"])
             func = parser.parse_args(argv).func
         modules[name] = func.partition(":")[0]
     assert set(modules) >= {"id", "dht", "authority", "relay", "peer", "status", "ping", "average", "train", "backbone", "serve-experts",
-                            "demo"}
+                            "demo", "dataset"}
     for name, module in modules.items():
         if name in ("average", "train", "backbone", "demo", "serve-experts"):
             continue
