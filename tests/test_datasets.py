@@ -196,17 +196,33 @@ A, B, C = (ID(bytes([0, 36, 8, 1, 18, 32]) + bytes([i]) * 32) for i in (1, 2, 3)
 
 
 def picker(pieces: list[int], **kw: object) -> PiecePicker:
+    kw.setdefault("config", PickerConfig(pipeline=8, pipeline_start=8))
     return PiecePicker(pieces, leaves_known=range(len(pieces)), rng=random.Random(0), **kw)  # type: ignore[arg-type]
 
 
 def test_the_rarest_piece_is_asked_first() -> None:
-    p = picker([4], config=PickerConfig(pipeline=1))
+    p = picker([4], config=PickerConfig(pipeline=1, pipeline_start=1))
     p.update(A, 0, None)
     p.update(B, 0, [0, 1, 2])
     p.update(C, 0, [0, 1])
     assert p.pick(A, 0) == (0, 3)  # only A holds piece 3
     assert p.pick(B, 0) == (0, 2)  # then the rarest B holds
     assert p.pick(A, 0) is None  # A's pipeline is full
+
+
+def test_a_seeder_is_asked_for_a_few_seconds_of_what_it_delivers() -> None:
+    p = PiecePicker([100], leaves_known=[0], piece_size=1000, rng=random.Random(0),
+                    config=PickerConfig(pipeline=8, pipeline_start=2, queue_seconds=3.0, rate_window=10.0))
+    p.update(A, 0, None)
+    p.update(B, 0, None)
+    assert p.limit(A, 0.0) == 2  # nothing measured yet
+    for t in range(10):
+        for peer, size in ((A, 2000), (B, 100)):  # A brings 2 pieces a second, B a tenth of one
+            key = p.pick(peer, float(t))
+            assert key is not None
+            p.received(peer, key, float(t) + 0.5, size)
+    assert p.limit(A, 10.0) == 6 and p.limit(B, 10.0) == 1
+    assert p.limit(A, 100.0) == 2  # nothing lately: back to the start
 
 
 def test_a_shards_leaves_come_before_any_of_its_pieces() -> None:
@@ -227,7 +243,7 @@ def test_shards_come_in_priority_order() -> None:
 
 
 def test_the_endgame_asks_a_second_seeder_for_pieces_in_flight_and_the_first_copy_wins() -> None:
-    p = picker([2], config=PickerConfig(pipeline=4, endgame_duplicates=2))
+    p = picker([2], config=PickerConfig(pipeline=4, pipeline_start=4, endgame_duplicates=2))
     p.update(A, 0, None)
     assert {p.pick(A, 0), p.pick(A, 0)} == {(0, 0), (0, 1)}
     p.update(B, 0, None)
@@ -252,7 +268,7 @@ def test_no_piece_is_asked_twice_while_another_was_asked_of_nobody() -> None:
 
 
 def test_a_seeder_that_sends_a_bad_piece_is_banned_and_its_pieces_go_to_others() -> None:
-    p = picker([2], config=PickerConfig(pipeline=2))
+    p = picker([2], config=PickerConfig(pipeline=2, pipeline_start=2))
     p.update(A, 0, None)
     p.update(B, 0, None)
     first = p.pick(A, 0)
@@ -265,7 +281,7 @@ def test_a_seeder_that_sends_a_bad_piece_is_banned_and_its_pieces_go_to_others()
 
 
 def test_a_failing_seeder_rests_and_a_lost_one_gives_its_pieces_back() -> None:
-    p = picker([3], config=PickerConfig(pipeline=3, max_failures=2, backoff=10.0))
+    p = picker([3], config=PickerConfig(pipeline=3, pipeline_start=3, max_failures=2, backoff=10.0))
     p.update(A, 0, None)
     p.update(B, 0, None)
     k1 = p.pick(A, 0)

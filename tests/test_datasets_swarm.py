@@ -199,6 +199,9 @@ async def test_a_seeder_reached_only_through_a_relay_sends_no_bulk_data_through_
                 Peer.open(loopback_peer_config(initial_peers=boot)) as fetcher, \
                 Datasets.open(hidden, DatasetsConfig(piece_size=PIECE)) as dh, Datasets.open(fetcher) as df:
             await wait_until(lambda: any("p2p-circuit" in str(a) for a in hidden.addrs), what="a relay slot")
+            # the reversal dials the fetcher's confirmed addresses: a fetcher AutoNAT has not judged yet waits
+            # for its first verdict (then the hole punch's retry on changed addresses)
+            await wait_until(lambda: fetcher.external.confirmed, what="the fetcher's address confirmed")
             await dh.create("corpus", tmp_path / "src")
             service = relay.nat.relay_service
             assert service is not None

@@ -114,7 +114,7 @@ class Download:
         self.picker = PiecePicker([s.pieces(ps) for s in self.shards], held,
                                   leaves_known=[i for i, s in enumerate(self.shards) if s.root in local.leaves],
                                   priority=[order.get(s.root, len(order)) for s in self.shards],
-                                  config=self.config.picker, rng=rng)
+                                  config=self.config.picker, rng=rng, piece_size=ps)
         self.table = SeederTable(self.peer.peer_id, self.config.table, rng)
         self.addrs: dict[ID, list[Multiaddr]] = {}
         self.report = FetchReport()
@@ -283,7 +283,7 @@ class Download:
             leaves = check_leaves(data, shard.root, shard.size, self.local.piece_size)
             if isinstance(leaves, str):
                 self._ban(peer, f"{shard.path}: {leaves}")
-            if self.picker.received(peer, key) and not isinstance(leaves, str):
+            if self.picker.received(peer, key, now, len(data)) and not isinstance(leaves, str):
                 self.local.set_leaves(shard.root, leaves)
             self._wake()
             return
@@ -293,7 +293,7 @@ class Download:
         bad = self.local.check_piece(shard.root, key[1], data)
         if bad is not None:
             self._ban(peer, bad)
-        if not self.picker.received(peer, key):
+        if not self.picker.received(peer, key, now, len(data)):
             self.report.duplicates += 1
             self._wake()
             return

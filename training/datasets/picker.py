@@ -9,8 +9,10 @@
   first shard whole before the rest);
 * a shard's **leaves** (its piece hashes, checked against the root) are asked
   for before any of its pieces, of a seeder that holds some of it;
-* a **pipeline** of requests per seeder (``pipeline``), so a far seeder's
-  round trip is not paid per piece;
+* a **pipeline** of requests per seeder, so a far seeder's round trip is not
+  paid per piece: about ``queue_seconds`` of what it delivered lately (at
+  least one piece, at most ``pipeline``), so a slow seeder is not queued
+  pieces a fast one would bring sooner;
 * an **endgame**: once every missing piece is asked of someone, a seeder with
   nothing new to give is asked for pieces already in flight elsewhere (at most
   ``endgame_duplicates`` requests a piece), so the last pieces do not wait on
@@ -31,7 +33,9 @@ shell that performs these decisions is :mod:`.fetch`.
 
 from __future__ import annotations
 
+import math
 import random
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -46,8 +50,15 @@ PieceKey = tuple[int, int]
 
 @dataclass(frozen=True)
 class PickerConfig:
-    #: requests in flight to one seeder
-    pipeline: int = 4
+    #: the most requests in flight to one seeder
+    pipeline: int = 8
+    #: requests in flight to a seeder before its rate is known
+    pipeline_start: int = 2
+    #: a seeder is asked for about this many seconds of its measured rate at once (at least one piece):
+    #: a slow seeder is not queued pieces that a fast one would bring sooner
+    queue_seconds: float = 3.0
+    #: the window over which a seeder's rate is measured
+    rate_window: float = 10.0
     #: requests in flight for one piece in the endgame
     endgame_duplicates: int = 2
     #: failures in a row (not bad pieces) before a seeder rests
@@ -58,12 +69,16 @@ class PickerConfig:
 
 @dataclass
 class _Seeder:
-    have: dict[int, set[int]] = field(default_factory=dict)
+    #: pieces it holds (and the LEAVES key of every shard it holds some of)
+    keys: set[PieceKey] = field(default_factory=set)
     in_flight: set[PieceKey] = field(default_factory=set)
     failures: int = 0
     resting_until: float = 0.0
     banned: str | None = None
     delivered: int = 0
+    #: (time, bytes) of what it delivered lately
+    recent: deque[tuple[float, int]] = field(default_factory=deque)
+    first_asked: float | None = None
 
 
 class PiecePicker:
@@ -71,10 +86,11 @@ class PiecePicker:
 
     def __init__(self, pieces: Sequence[int], held: Iterable[PieceKey] = (), *, leaves_known: Iterable[int] = (),
                  priority: Sequence[int] | None = None, config: PickerConfig | None = None,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, piece_size: int = 1 << 20) -> None:
         self.pieces = list(pieces)
         self.config = config or PickerConfig()
         self.rng = rng or random.Random()
+        self.piece_size = piece_size
         self.priority = list(priority) if priority is not None else [0] * len(self.pieces)
         known = set(leaves_known)
         held = set(held)
@@ -82,8 +98,12 @@ class PiecePicker:
         for s, n in enumerate(self.pieces):
             if s not in known and any((s, i) in self.missing for i in range(n)):
                 self.missing.add((s, LEAVES))
+        #: missing and asked of nobody
+        self.unasked: set[PieceKey] = set(self.missing)
         self.requested: dict[PieceKey, set[ID]] = {}
         self.seeders: dict[ID, _Seeder] = {}
+        #: seeders (not banned) holding each piece
+        self.avail: dict[PieceKey, int] = {}
         # a random rank per piece breaks ties between equally rare pieces the same way for every
         # seeder of this download, and differently on every downloader
         self._tie = {key: self.rng.random() for key in self.missing}
@@ -93,55 +113,85 @@ class PiecePicker:
     def _seeder(self, peer: ID) -> _Seeder:
         return self.seeders.setdefault(peer, _Seeder())
 
+    def _count(self, keys: Iterable[PieceKey], delta: int) -> None:
+        for k in keys:
+            n = self.avail.get(k, 0) + delta
+            if n > 0:
+                self.avail[k] = n
+            else:
+                self.avail.pop(k, None)
+
     def update(self, peer: ID, shard: int, pieces: Iterable[int] | None) -> None:
         """``peer`` holds these pieces of ``shard`` (None: all of them)."""
         if not 0 <= shard < len(self.pieces):
             return
-        held = set(range(self.pieces[shard])) if pieces is None else {i for i in pieces if 0 <= i < self.pieces[shard]}
-        self._seeder(peer).have[shard] = held
-
-    def _holds(self, seeder: _Seeder, key: PieceKey) -> bool:
-        have = seeder.have.get(key[0])
-        if not have:
-            return False
-        return key[1] == LEAVES or key[1] in have
+        n = self.pieces[shard]
+        held = set(range(n)) if pieces is None else {i for i in pieces if 0 <= i < n}
+        seeder = self._seeder(peer)
+        new = {(shard, i) for i in held} | ({(shard, LEAVES)} if held else set())
+        old = {k for k in seeder.keys if k[0] == shard}
+        if new == old:
+            return
+        seeder.keys -= old
+        seeder.keys |= new
+        if seeder.banned is None:
+            self._count(old - new, -1)
+            self._count(new - old, +1)
 
     def _usable(self, seeder: _Seeder, now: float) -> bool:
         return seeder.banned is None and seeder.resting_until <= now
 
     def availability(self, key: PieceKey, now: float = 0.0) -> int:
-        return sum(1 for s in self.seeders.values() if self._usable(s, now) and self._holds(s, key))
+        """Seeders that hold ``key`` and may be asked now."""
+        return sum(1 for s in self.seeders.values() if self._usable(s, now) and key in s.keys)
+
+    def limit(self, peer: ID, now: float) -> int:
+        """Requests that may be in flight to ``peer`` now: ``queue_seconds`` of its measured rate."""
+        seeder = self.seeders.get(peer)
+        if seeder is None:
+            return 0
+        c = self.config
+        while seeder.recent and seeder.recent[0][0] < now - c.rate_window:
+            seeder.recent.popleft()
+        if not seeder.recent or seeder.first_asked is None:
+            return min(c.pipeline, c.pipeline_start)
+        span = max(1.0, min(c.rate_window, now - seeder.first_asked))
+        rate = sum(b for _, b in seeder.recent) / span
+        return max(1, min(c.pipeline, math.ceil(rate * c.queue_seconds / self.piece_size)))
 
     # ------------------------------------------------------------------ picking
+
+    def _ready(self, key: PieceKey) -> bool:
+        return key[1] == LEAVES or (key[0], LEAVES) not in self.missing
 
     def pick(self, peer: ID, now: float) -> PieceKey | None:
         """The next thing to ask of ``peer``, or None (its pipeline is full, it has nothing we need, or it
         may not be asked now)."""
         seeder = self.seeders.get(peer)
-        if seeder is None or not self._usable(seeder, now) or len(seeder.in_flight) >= self.config.pipeline:
+        if seeder is None or not self._usable(seeder, now) or len(seeder.in_flight) >= self.limit(peer, now):
             return None
-        offered = [k for k in self.missing if k not in seeder.in_flight and self._holds(seeder, k)
-                   and (k[1] == LEAVES or (k[0], LEAVES) not in self.missing)]
-        if not offered:
-            return None
-        fresh = [k for k in offered if k not in self.requested]
+        fresh = [k for k in seeder.keys & self.unasked if self._ready(k)]
         if fresh:
-            counts = {k: self.availability(k, now) for k in fresh}
-            key = min(fresh, key=lambda k: (k[1] != LEAVES, self.priority[k[0]], counts[k], self._tie[k]))
+            avail, prio, tie = self.avail, self.priority, self._tie
+            key = min(fresh, key=lambda k: (k[1] != LEAVES, prio[k[0]], avail.get(k, 0), tie[k]))
+            self.unasked.discard(key)
         else:
-            if any(k not in self.requested for k in self.missing):
+            if self.unasked:
                 return None  # pieces nobody was asked for remain: no endgame yet
-            doubled = [k for k in offered if len(self.requested[k]) < self.config.endgame_duplicates]
+            doubled = [k for k in seeder.keys & self.missing if k not in seeder.in_flight and self._ready(k)
+                       and len(self.requested.get(k, ())) < self.config.endgame_duplicates]
             if not doubled:
                 return None
-            key = min(doubled, key=lambda k: (len(self.requested[k]), self.priority[k[0]], self._tie[k]))
+            key = min(doubled, key=lambda k: (len(self.requested.get(k, ())), self.priority[k[0]], self._tie[k]))
         self.requested.setdefault(key, set()).add(peer)
         seeder.in_flight.add(key)
+        if seeder.first_asked is None:
+            seeder.first_asked = now
         return key
 
     @property
     def endgame(self) -> bool:
-        return bool(self.missing) and all(k in self.requested for k in self.missing)
+        return bool(self.missing) and not self.unasked
 
     # ------------------------------------------------------------------ outcomes
 
@@ -154,17 +204,24 @@ class PiecePicker:
             askers.discard(peer)
             if not askers:
                 del self.requested[key]
+                if key in self.missing:
+                    self.unasked.add(key)
 
-    def received(self, peer: ID, key: PieceKey) -> bool:
-        """A verified piece (or leaves) from ``peer``; False if we already had it (an endgame duplicate)."""
-        self._release(peer, key)
+    def received(self, peer: ID, key: PieceKey, now: float = 0.0, size: int = 0) -> bool:
+        """A verified piece (or leaves) of ``size`` bytes from ``peer``; False if we already had it (an
+        endgame duplicate)."""
         seeder = self.seeders.get(peer)
         if seeder is not None:
+            seeder.in_flight.discard(key)
             seeder.failures = 0
             seeder.delivered += 1
+            if size:
+                seeder.recent.append((now, size))
         if key not in self.missing:
+            self._release(peer, key)
             return False
         self.missing.discard(key)
+        self.unasked.discard(key)
         for other in self.requested.pop(key, set()):
             if other in self.seeders:
                 self.seeders[other].in_flight.discard(key)
@@ -177,8 +234,10 @@ class PiecePicker:
         if seeder is None:
             return
         seeder.failures += 1
-        if key[1] != LEAVES and key[0] in seeder.have:
-            seeder.have[key[0]].discard(key[1])  # it said it has not got it: not asked again until it says so
+        if key[1] != LEAVES and key in seeder.keys:
+            seeder.keys.discard(key)  # it said it has not got it: not asked again until it says so
+            if seeder.banned is None:
+                self._count([key], -1)
         if seeder.failures >= self.config.max_failures:
             seeder.resting_until = now + self.config.backoff
             seeder.failures = 0
@@ -192,15 +251,18 @@ class PiecePicker:
         for key in list(seeder.in_flight):
             self._release(peer, key)
         if seeder.banned is None:
+            self._count(seeder.keys, -1)
             del self.seeders[peer]
         else:
-            seeder.have.clear()
+            seeder.keys.clear()
 
     def ban(self, peer: ID, reason: str) -> None:
         """``peer`` sent a bad piece: never asked again for this dataset."""
         seeder = self._seeder(peer)
         for key in list(seeder.in_flight):
             self._release(peer, key)
+        if seeder.banned is None:
+            self._count(seeder.keys, -1)
         seeder.banned = reason
 
     def banned(self) -> dict[ID, str]:
