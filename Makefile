@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 APT_PACKAGES := nftables iproute2 miniupnpd-nftables chromium
 
-.PHONY: all venv lock lock-upgrade lock-check system-deps interop-deps demo test test-fast bench bench-dht bench-training bench-allreduce bench-gpu proto typecheck clean
+.PHONY: all venv lock lock-upgrade lock-check system-deps interop-deps demo test test-fast bench bench-dht bench-training bench-allreduce bench-datasets bench-gpu proto typecheck clean
 
 all: test
 
@@ -81,6 +81,11 @@ bench-training: venv
 bench-allreduce: venv
 	$(PY) bench/allreduce_speed.py
 
+## Datasets from the swarm, dedloc vs libtorrent in one run: 16 peers on home links (4 behind NATs), 2 seeders (as root: the NAT lab).
+bench-datasets: venv
+	bash bench/setup_libtorrent.sh
+	$(PY) bench/datasets.py
+
 ## A GPU volunteer's view: alone, 2 peers sync, 2 peers DPU on one GPU (needs CUDA; docs/AVERAGING.md).
 bench-gpu: venv
 	$(PY) bench/gpu_training.py
@@ -93,4 +98,4 @@ typecheck: venv
 	$(PY) -m mypy p2p nat averaging training
 
 clean:
-	rm -rf $(VENV) .venv-hivemind interop/node_modules interop/.node .pytest_cache .mypy_cache
+	rm -rf $(VENV) .venv-hivemind .venv-libtorrent interop/node_modules interop/.node .pytest_cache .mypy_cache
