@@ -170,6 +170,9 @@ class Run:
     bad_bytes: int = 0
     wall_s: float = 0.0
     killed_at: float | None = None
+    #: (seconds since the crowd asked, bytes the peers held in all), every second
+    timeline: list[tuple[float, int]] = field(default_factory=list)
+    seeder_ids: list[str] = field(default_factory=list)
 
     @property
     def completed(self) -> int:
@@ -231,6 +234,7 @@ async def one_run(top: Topology, args: argparse.Namespace, system: str, scenario
                 nursery.start_soon(add, host, f"p{i:02d}", peers)
         seeders.sort(key=lambda w: w.name)
         peers.sort(key=lambda w: w.name)
+        run.seeder_ids = [w.peer_id for w in seeders]
         torrent = root / f"{NAME}.torrent"
         for i, w in enumerate(seeders):  # the seeders' copies: hard links of the source files
             target = root / w.name / NAME
@@ -263,9 +267,12 @@ async def one_run(top: Topology, args: argparse.Namespace, system: str, scenario
                 if reply["op"] == "progress":
                     held[w.name] = int(reply["held"])
                     continue
+                if reply["op"] == "started":
+                    run.replies.setdefault(w.name, {})["started_s"] = reply["t"]
+                    continue
                 if reply["op"] == "done":
                     run.times[w.name] = float(reply["seconds"])
-                    run.replies[w.name] = reply
+                    run.replies[w.name] = {**run.replies.get(w.name, {}), **reply}
                     held[w.name] = total
                 else:
                     run.errors[w.name] = str(reply.get("error"))
@@ -275,11 +282,20 @@ async def one_run(top: Topology, args: argparse.Namespace, system: str, scenario
             async with trio.open_nursery() as nursery:
                 for w in peers:
                     nursery.start_soon(follow, w)
+                async def sample() -> None:
+                    while True:
+                        run.timeline.append((round(time.monotonic() - started, 1), sum(held.values())))
+                        await trio.sleep(1.0)
+
+                nursery.start_soon(sample)
                 if scenario == "kill":
                     while sum(held.values()) < total * len(peers) / 2:
                         await trio.sleep(0.2)
                     seeders[-1].kill()
                     run.killed_at = time.monotonic() - started
+                while len(run.times) + len(run.errors) < len(peers):
+                    await trio.sleep(0.2)
+                nursery.cancel_scope.cancel()
         run.wall_s = time.monotonic() - started
         for w in peers:
             bad, wrong = check_files(root / w.name / NAME, digests)
@@ -396,12 +412,27 @@ def summary(run: Run, b: float) -> dict[str, Any]:
     for r in run.replies.values():
         for peer in r.get("banned", {}):
             banned[peer] = banned.get(peer, 0) + 1
-    return {"last_peer_s": last, "median_peer_s": med, "last_over_bound": last / b, "median_over_bound": med / b,
+    from_seeders = sum(n for r in run.replies.values() for p, n in r.get("sources", {}).items() if p in run.seeder_ids)
+    received = sum(n for r in run.replies.values() for n in r.get("sources", {}).values())
+    # the swarm's download rate, 5 s at a time, against what its uploads allow
+    rates = []
+    for (t0, b0), (t1, b1) in zip(run.timeline[::5], run.timeline[5::5]):
+        rates.append(round((b1 - b0) * 8 / 1e6 / max(t1 - t0, 1e-9)))
+    def phase(key: str) -> list[float]:
+        return sorted(round(float(r[key]), 2) for r in run.replies.values() if r.get(key) is not None)
+
+    return {"manifest_s": phase("started_s"), "first_seeder_s": phase("first_seeder_s"),
+            "first_piece_s": phase("first_piece_s"), "from_seeders_share": from_seeders / received if received else None, "swarm_mbit_per_5s": rates,
+            "last_peer_s": last, "median_peer_s": med, "last_over_bound": last / b, "median_over_bound": med / b,
             "completed": run.completed, "errors": run.errors, "bad_files": run.bad_files,
             "bad_bytes_delivered": run.bad_bytes, "times": {k: round(v, 2) for k, v in sorted(run.times.items())},
             "banned_by": banned, "killed_at_s": run.killed_at,
             "duplicates": sum(int(r.get("duplicates", 0)) for r in run.replies.values()),
             "relayed_peers": {k: r.get("relayed_peers") for k, r in run.replies.items() if r.get("relayed_peers")}}
+
+
+def _mmm(values: list[float]) -> str:
+    return f"{min(values):.1f}/{statistics.median(values):.1f}/{max(values):.1f}" if values else "-"
 
 
 def print_run(name: str, s: dict[str, Any], b: float) -> None:
@@ -410,6 +441,11 @@ def print_run(name: str, s: dict[str, Any], b: float) -> None:
           f"{s['median_peer_s']:6.1f} s ({s['median_over_bound']:.2f}x)  complete {s['completed']}"
           f"{'  errors: ' + str(s['errors']) if s['errors'] else ''}")
     print(f"{'':22s} per peer: {times}")
+    if s["first_piece_s"]:
+        print(f"{'':22s} start (s, min/median/max): manifest {_mmm(s['manifest_s'])}, first seeder "
+              f"{_mmm(s['first_seeder_s'])}, first piece {_mmm(s['first_piece_s'])}")
+    if s["swarm_mbit_per_5s"]:
+        print(f"{'':22s} the swarm's download, Mbit/s per 5 s: {' '.join(map(str, s['swarm_mbit_per_5s']))}")
     if s["bad_files"] or s["banned_by"] or s["killed_at_s"] is not None:
         print(f"{'':22s} bad files {s['bad_files']}, bad bytes delivered {s['bad_bytes_delivered']}, banned by "
               f"{s['banned_by']}, killed at {s['killed_at_s']}")
@@ -426,7 +462,8 @@ async def main(args: argparse.Namespace) -> None:
     print(f"dataset: {total / 1e6:.0f} MB in {len(digests)} files; {args.peers} peers ({args.nat_peers} behind NATs) "
           f"at {args.peer_down:g}/{args.peer_up:g} Mbit down/up, {args.seeders} seeders at {args.seeder_up:g} Mbit up, "
           f"{args.delay_ms:g} ms delay; pieces of {args.piece_kib} KiB")
-    print(f"Kumar-Ross bound: {b:.1f} s")
+    capacity = args.seeders * args.seeder_up + args.peers * args.peer_up
+    print(f"Kumar-Ross bound: {b:.1f} s (the uploads, {capacity:g} Mbit/s in all, are what limits)")
     result: dict[str, Any] = {"bound_s": b, "setup": vars(args)}
     cleanup_stale(PREFIX)
     if systems or faults:

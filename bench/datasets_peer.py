@@ -105,11 +105,13 @@ async def run(peer: Peer, datasets: Datasets, command: dict[str, Any]) -> None:
                         say(op="progress", held=held, t=time.monotonic() - started)
 
                 nursery.start_soon(progress)
-                report = await datasets.get(command["name"], Path(command["dir"]))
+                report = await datasets.get(command["name"], Path(command["dir"]),
+                                            on_start=lambda local: say(op="started", t=time.monotonic() - started))
                 nursery.cancel_scope.cancel()
             say(op="done", seconds=time.monotonic() - started, bytes=report.bytes,
                 sources={str(p): n for p, n in report.sources.items()},
                 banned={str(p): why for p, why in report.banned.items()}, duplicates=report.duplicates,
+                first_seeder_s=report.first_seeder_s, first_piece_s=report.first_piece_s,
                 relayed_peers=peer.node.peers_by_path().get("relayed", 0), served=datasets.bytes_served)
     except (DedlocError, OSError) as e:
         traceback.print_exc(file=sys.stderr)

@@ -23,7 +23,16 @@ from training.datasets.manifest import (
     resolve,
     schema_of,
 )
-from training.datasets.picker import LEAVES, Pacer, PickerConfig, PiecePicker, SeederState, SeederTable, TableConfig
+from training.datasets.picker import (
+    LEAVES,
+    Pacer,
+    PickerConfig,
+    PiecePicker,
+    SeederState,
+    SeederTable,
+    TableConfig,
+    UploadSlots,
+)
 from training.datasets.pieces import check_leaves, leaf, merkle_root, piece_count, piece_span, split_leaves
 from training.datasets.store import LocalDataset, from_bits
 from training.proto import datasets_pb2 as pb
@@ -243,19 +252,56 @@ def test_shards_come_in_priority_order() -> None:
 
 
 def test_the_endgame_asks_a_second_seeder_for_pieces_in_flight_and_the_first_copy_wins() -> None:
-    p = picker([2], config=PickerConfig(pipeline=4, pipeline_start=4, endgame_duplicates=2))
+    p = picker([2], config=PickerConfig(pipeline=4, pipeline_start=4, endgame_duplicates=2, endgame_pieces=1))
     p.update(A, 0, None)
     assert {p.pick(A, 0), p.pick(A, 0)} == {(0, 0), (0, 1)}
     p.update(B, 0, None)
     assert p.endgame
-    dup = p.pick(B, 0)
+    assert p.pick(B, 0.5) is None  # the pieces in flight are not late yet: a duplicate would waste an upload
+    dup = p.pick(B, 1.0)
     assert dup in {(0, 0), (0, 1)}
     p.update(C, 0, None)
-    third = p.pick(C, 0)
+    third = p.pick(C, 1.0)
     assert third is not None and third != dup  # each piece at most twice
-    assert p.pick(C, 0) is None
+    assert p.pick(C, 1.0) is None
     assert p.received(B, dup) and not p.received(A, dup)  # A's copy comes second: dropped
     assert not p.complete
+
+
+def test_a_fast_seeder_doubles_a_late_piece_sooner_than_a_slow_one() -> None:
+    p = PiecePicker([18], leaves_known=[0], piece_size=1000, rng=random.Random(0),
+                    config=PickerConfig(pipeline=8, pipeline_start=8, endgame_patience=2.0, rate_window=10.0,
+                                        endgame_pieces=1))
+    for peer in (A, B, C):
+        p.update(peer, 0, None)
+    for t in range(8):  # B brings 1000 bytes a second, C 100
+        for peer, size in ((B, 1000), (C, 100)):
+            key = p.pick(peer, float(t))
+            assert key is not None
+            p.received(peer, key, float(t) + 0.5, size)
+    slow = [p.pick(A, 8.0), p.pick(A, 8.0)]  # the last two pieces, asked of A at t=8
+    assert all(slow) and p.endgame
+
+    def first_double(peer: ID) -> float:
+        for tenth in range(81, 400):
+            if p.pick(peer, tenth / 10) is not None:
+                return tenth / 10 - 8.0
+        return float("inf")
+
+    waited_b, waited_c = first_double(B), first_double(C)
+    assert 2.0 <= waited_b <= 3.0 and waited_c > 3 * waited_b, (waited_b, waited_c)  # 2 of its own piece times
+    p.received(A, slow[0], 40.0)
+    assert p.pick(C, 40.0) is not None  # one piece left: doubled at once
+
+
+def test_the_furthest_behind_is_served_first_when_uploads_wait() -> None:
+    slots = UploadSlots(2)
+    assert slots.enter(500) is None and slots.enter(900) is None  # two slots: granted at once
+    ahead, behind, middle = slots.enter(950), slots.enter(100), slots.enter(400)
+    assert ahead and behind and middle and slots.waiting == 3
+    slots.withdraw(middle)
+    assert slots.leave() == behind and slots.leave() == ahead
+    assert slots.leave() is None and slots.busy == 1 and slots.waiting == 0
 
 
 def test_no_piece_is_asked_twice_while_another_was_asked_of_nobody() -> None:

@@ -62,7 +62,7 @@ class FetchConfig:
     #: how often the tracker is read
     tracker_interval: float = 5.0
     #: how often each seeder is asked what it holds
-    have_interval: float = 2.0
+    have_interval: float = 1.0
     #: no byte for this long while something is asked: the seeder is given up (for now)
     stall_timeout: float = 20.0
     #: opening a stream to a seeder (dialling, a relay, a hole punch)
@@ -83,6 +83,9 @@ class FetchReport:
     banned: dict[ID, str] = field(default_factory=dict)
     #: pieces received twice (endgame) and dropped
     duplicates: int = 0
+    #: seconds from the start to the first seeder connected, and to the first piece written
+    first_seeder_s: float | None = None
+    first_piece_s: float | None = None
 
 
 class NoSeeders(DedlocError):
@@ -121,6 +124,9 @@ class Download:
         self._changed = trio.Event()
         self._done = trio.Event()
         self._rate_bytes: deque[tuple[float, int]] = deque()
+        self._start = 0.0
+        self.total = sum(s.size for s in self.shards)
+        self._held = local.held_bytes
 
     def _wake(self) -> None:
         self._changed.set()
@@ -128,7 +134,7 @@ class Download:
 
     async def run(self) -> FetchReport:
         """Fetch every missing piece; :class:`NoSeeders` if none is found within ``no_seeder_timeout``."""
-        start = trio.current_time()
+        start = self._start = trio.current_time()
         if self.picker.complete:
             return self.report
         self.datasets.hold(self.local)
@@ -186,6 +192,8 @@ class Download:
                 self.table.relayed(peer, trio.current_time())
                 return
             self.table.connected(peer)
+            if self.report.first_seeder_s is None:
+                self.report.first_seeder_s = trio.current_time() - self._start
             with unwrap_single_group():
                 await self._exchange(peer, stream)
         except trio.TooSlowError:
@@ -225,7 +233,8 @@ class Download:
                 shard = self.shards[key[0]]
                 request = (pb.Request(kind=pb.Request.LEAVES, dataset=self.dataset, shard=shard.root)
                            if key[1] == LEAVES else
-                           pb.Request(kind=pb.Request.PIECE, dataset=self.dataset, shard=shard.root, index=key[1]))
+                           pb.Request(kind=pb.Request.PIECE, dataset=self.dataset, shard=shard.root, index=key[1],
+                                      held_permille=self._held_permille()))
                 outstanding.append(key)
                 await stream.write(frame(request))
                 asked.set()
@@ -252,6 +261,10 @@ class Download:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(writer)
             nursery.start_soon(reader)
+
+    def _held_permille(self) -> int:
+        total = self.total
+        return 1000 if not total else min(1000, self._held * 1000 // total)
 
     def _limit(self, key: PieceKey) -> int:
         if key == _HAVE:
@@ -297,10 +310,13 @@ class Download:
             self.report.duplicates += 1
             self._wake()
             return
+        if self.report.first_piece_s is None:
+            self.report.first_piece_s = now - self._start
         self.report.bytes += len(data)
         self.report.sources[peer] = self.report.sources.get(peer, 0) + len(data)
         self._rate_bytes.append((now, len(data)))
         whole = self.local.write_piece(shard.root, key[1], data)
+        self._held += len(data)
         first = sum(len(h) for h in self.local.have.values()) == 1 and not self.local.whole
         if whole or first:
             self.datasets.announce_soon(self.dataset)

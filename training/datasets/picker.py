@@ -14,9 +14,11 @@
   least one piece, at most ``pipeline``), so a slow seeder is not queued
   pieces a fast one would bring sooner;
 * an **endgame**: once every missing piece is asked of someone, a seeder with
-  nothing new to give is asked for pieces already in flight elsewhere (at most
+  nothing new to give is asked for pieces already in flight elsewhere that are
+  late (asked more than ``endgame_patience`` of its own piece times ago; at most
   ``endgame_duplicates`` requests a piece), so the last pieces do not wait on
-  the slowest seeder; the first copy wins;
+  the slowest seeder, and a duplicate's upload is spent only where it saves
+  time; the first copy wins;
 * a seeder that sends a **bad piece** is banned for the dataset, with the
   reason, and everything asked of it goes back to the others; one that fails
   otherwise (gone, timed out, does not have it) costs only time: its requests go
@@ -33,6 +35,7 @@ shell that performs these decisions is :mod:`.fetch`.
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 from collections import deque
@@ -52,7 +55,8 @@ PieceKey = tuple[int, int]
 class PickerConfig:
     #: the most requests in flight to one seeder
     pipeline: int = 8
-    #: requests in flight to a seeder before its rate is known
+    #: requests in flight to a seeder before its rate is known, and the fewest after: one waiting behind the
+    #: one being sent, so the seeder's link never idles between our pieces
     pipeline_start: int = 2
     #: a seeder is asked for about this many seconds of its measured rate at once (at least one piece):
     #: a slow seeder is not queued pieces that a fast one would bring sooner
@@ -61,6 +65,13 @@ class PickerConfig:
     rate_window: float = 10.0
     #: requests in flight for one piece in the endgame
     endgame_duplicates: int = 2
+    #: in the endgame a piece is asked of a second seeder only once its first request is late: older than
+    #: this many times what the second seeder takes for a piece at its measured rate (at least a second),
+    #: since a duplicate costs a whole piece of somebody's upload
+    endgame_patience: float = 2.0
+    #: ... or at once, when no more than this many pieces are missing (the classic endgame: a few pieces'
+    #: worth of duplicates, against a last piece that waits on the slowest stream)
+    endgame_pieces: int = 4
     #: failures in a row (not bad pieces) before a seeder rests
     max_failures: int = 3
     #: how long it rests
@@ -101,6 +112,8 @@ class PiecePicker:
         #: missing and asked of nobody
         self.unasked: set[PieceKey] = set(self.missing)
         self.requested: dict[PieceKey, set[ID]] = {}
+        #: when each piece in flight was first asked for
+        self.asked_at: dict[PieceKey, float] = {}
         self.seeders: dict[ID, _Seeder] = {}
         #: seeders (not banned) holding each piece
         self.avail: dict[PieceKey, int] = {}
@@ -145,18 +158,26 @@ class PiecePicker:
         """Seeders that hold ``key`` and may be asked now."""
         return sum(1 for s in self.seeders.values() if self._usable(s, now) and key in s.keys)
 
-    def limit(self, peer: ID, now: float) -> int:
-        """Requests that may be in flight to ``peer`` now: ``queue_seconds`` of its measured rate."""
-        seeder = self.seeders.get(peer)
-        if seeder is None:
-            return 0
+    def _rate(self, seeder: _Seeder, now: float) -> float | None:
+        """Bytes a second ``seeder`` delivered over the last ``rate_window`` (None: nothing yet)."""
         c = self.config
         while seeder.recent and seeder.recent[0][0] < now - c.rate_window:
             seeder.recent.popleft()
         if not seeder.recent or seeder.first_asked is None:
-            return min(c.pipeline, c.pipeline_start)
+            return None
         span = max(1.0, min(c.rate_window, now - seeder.first_asked))
-        rate = sum(b for _, b in seeder.recent) / span
+        return sum(size for _, size in seeder.recent) / span
+
+    def limit(self, peer: ID, now: float) -> int:
+        """Requests that may be in flight to ``peer`` now: ``queue_seconds`` of its measured rate, at least
+        ``pipeline_start`` (one piece being sent and one waiting), at most ``pipeline``."""
+        seeder = self.seeders.get(peer)
+        if seeder is None:
+            return 0
+        c = self.config
+        rate = self._rate(seeder, now)
+        if rate is None:
+            return min(c.pipeline, c.pipeline_start)
         return max(1, min(c.pipeline, math.ceil(rate * c.queue_seconds / self.piece_size)))
 
     # ------------------------------------------------------------------ picking
@@ -178,11 +199,18 @@ class PiecePicker:
         else:
             if self.unasked:
                 return None  # pieces nobody was asked for remain: no endgame yet
+            rate = self._rate(seeder, now)
+            patience = max(1.0, self.config.endgame_patience * self.piece_size / rate) if rate else 1.0
+            if len(self.missing) <= self.config.endgame_pieces:
+                patience = 0.0
             doubled = [k for k in seeder.keys & self.missing if k not in seeder.in_flight and self._ready(k)
-                       and len(self.requested.get(k, ())) < self.config.endgame_duplicates]
+                       and len(self.requested.get(k, ())) < self.config.endgame_duplicates
+                       and now - self.asked_at.get(k, now) >= patience]
             if not doubled:
                 return None
             key = min(doubled, key=lambda k: (len(self.requested.get(k, ())), self.priority[k[0]], self._tie[k]))
+        if key not in self.requested:
+            self.asked_at[key] = now
         self.requested.setdefault(key, set()).add(peer)
         seeder.in_flight.add(key)
         if seeder.first_asked is None:
@@ -204,6 +232,7 @@ class PiecePicker:
             askers.discard(peer)
             if not askers:
                 del self.requested[key]
+                self.asked_at.pop(key, None)
                 if key in self.missing:
                     self.unasked.add(key)
 
@@ -222,6 +251,7 @@ class PiecePicker:
             return False
         self.missing.discard(key)
         self.unasked.discard(key)
+        self.asked_at.pop(key, None)
         for other in self.requested.pop(key, set()):
             if other in self.seeders:
                 self.seeders[other].in_flight.discard(key)
@@ -397,4 +427,51 @@ class Pacer:
         return 0.0 if self._tokens >= 0 else -self._tokens / self.rate
 
 
-__all__ = ["LEAVES", "Pacer", "PickerConfig", "PieceKey", "PiecePicker", "SeederState", "SeederTable", "TableConfig"]
+class UploadSlots:
+    """Which answer a seeder sends next: at most ``slots`` pieces go out at once, and when more wait, the one
+    whose asker holds the least of the dataset goes first (then the oldest).
+
+    Kumar and Ross's bound is reached only when every peer finishes together: uploads that favour those
+    furthest behind keep the crowd together (a peer ahead of the others gets pieces once nobody behind
+    it waits). The asker says what it holds (``Request.held_permille``); one that lies to go first only
+    takes what an honest peer that far behind would get.
+    """
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.busy = 0
+        self._waiting: list[tuple[int, int]] = []  # (held, ticket)
+        self._withdrawn: set[int] = set()
+        self._next = 0
+
+    def enter(self, held: int) -> int | None:
+        """Ask for a slot: None if granted at once, else a ticket to wait with (see :meth:`leave`)."""
+        if self.busy < self.slots and not self.waiting:
+            self.busy += 1
+            return None
+        self._next += 1
+        heapq.heappush(self._waiting, (held, self._next))
+        return self._next
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting) - len(self._withdrawn)
+
+    def leave(self) -> int | None:
+        """A slot is free: the ticket that takes it (None: nobody waits, the slot is idle)."""
+        while self._waiting:
+            _, ticket = heapq.heappop(self._waiting)
+            if ticket in self._withdrawn:
+                self._withdrawn.discard(ticket)
+                continue
+            return ticket
+        self.busy -= 1
+        return None
+
+    def withdraw(self, ticket: int) -> None:
+        """A waiting ask gave up (its stream closed)."""
+        if any(t == ticket for _, t in self._waiting):
+            self._withdrawn.add(ticket)
+
+
+__all__ = ["LEAVES", "Pacer", "UploadSlots", "PickerConfig", "PieceKey", "PiecePicker", "SeederState", "SeederTable", "TableConfig"]

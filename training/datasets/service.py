@@ -44,7 +44,7 @@ from p2p.untrusted import decode_addrs
 from ..proto import datasets_pb2 as pb
 from . import events as ev
 from .manifest import DatasetError, Entry, Header, Manifest, ManifestError, Shard, Signer, check_name, resolve
-from .picker import Pacer
+from .picker import Pacer, UploadSlots
 from .store import LocalDataset
 
 if TYPE_CHECKING:
@@ -87,6 +87,8 @@ class DatasetsConfig:
     upload_rate: float | None = None
     #: streams served at once; more are answered BUSY
     upload_slots: int = 32
+    #: pieces sent at once; more wait, the asker furthest behind first (picker.UploadSlots)
+    sending_slots: int = 8
     #: tracker records live this long and are refreshed every third of it
     announce_ttl: float = 600.0
     #: the manifest's records live this long in the DHT; every holder re-publishes them every sixth of it
@@ -101,8 +103,8 @@ class DatasetsConfig:
             raise ConfigError("piece size must be a power of two from 16 KiB to 16 MiB")
         if self.upload_rate is not None and not self.upload_rate > 0:
             raise ConfigError("the upload rate must be positive (or None: no cap)")
-        if self.upload_slots < 1:
-            raise ConfigError("upload slots must be at least 1")
+        if self.upload_slots < 1 or self.sending_slots < 1:
+            raise ConfigError("upload and sending slots must be at least 1")
         if not (self.announce_ttl > 0 and 0 < self.manifest_ttl <= 24 * 3600):
             raise ConfigError("announce_ttl must be positive and manifest_ttl within 24 h")
 
@@ -152,6 +154,8 @@ class Datasets:
         self._nursery = nursery
         self.held: dict[bytes, _Held] = {}
         self.pacer = Pacer(config.upload_rate)
+        self.sending = UploadSlots(config.sending_slots)
+        self._tickets: dict[int, trio.Event] = {}
         self.serving = 0
         #: bytes served, every dataset together
         self.bytes_served = 0
@@ -461,12 +465,42 @@ class Datasets:
         if data is None:
             await stream.write(frame(pb.Answer(status=pb.Answer.NOT_FOUND, reason="not holding that")))
             return
-        wait = self.pacer.delay(len(data), trio.current_time())
-        if wait > 0:
-            await trio.sleep(wait)
-        await stream.write(frame(pb.Answer(status=pb.Answer.OK, size=len(data))) + data)
+        if request.kind == pb.Request.LEAVES:  # small: no slot
+            await stream.write(frame(pb.Answer(status=pb.Answer.OK, size=len(data))) + data)
+            return
+        async with self._sending_slot(request.held_permille):
+            wait = self.pacer.delay(len(data), trio.current_time())
+            if wait > 0:
+                await trio.sleep(wait)
+            await stream.write(frame(pb.Answer(status=pb.Answer.OK, size=len(data))) + data)
         held.served += len(data)
         self.bytes_served += len(data)
+
+    @asynccontextmanager
+    async def _sending_slot(self, held: int) -> AsyncIterator[None]:
+        """One of ``sending_slots``: granted by :class:`UploadSlots` (the asker furthest behind first)."""
+        ticket = self.sending.enter(held)
+        if ticket is not None:
+            granted = self._tickets[ticket] = trio.Event()
+            try:
+                await granted.wait()
+            except BaseException:
+                self._tickets.pop(ticket, None)
+                if granted.is_set():  # the slot came as we were cancelled: pass it on
+                    self._pass_slot()
+                else:
+                    self.sending.withdraw(ticket)
+                raise
+            self._tickets.pop(ticket, None)
+        try:
+            yield
+        finally:
+            self._pass_slot()
+
+    def _pass_slot(self) -> None:
+        ticket = self.sending.leave()
+        if ticket is not None:
+            self._tickets[ticket].set()
 
     def metrics(self) -> dict[str, float | int | str]:
         return {"datasets.held": len(self.held), "datasets.serving": self.serving,

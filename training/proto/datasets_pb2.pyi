@@ -282,12 +282,15 @@ class Request(_message.Message):
     DATASET_FIELD_NUMBER: _builtins.int
     SHARD_FIELD_NUMBER: _builtins.int
     INDEX_FIELD_NUMBER: _builtins.int
+    HELD_PERMILLE_FIELD_NUMBER: _builtins.int
     kind: Global___Request.Kind.ValueType
     dataset: _builtins.bytes
     shard: _builtins.bytes
     """the shard's root (LEAVES, PIECE)"""
     index: _builtins.int
     """the piece (PIECE)"""
+    held_permille: _builtins.int
+    """how much of the dataset the asker holds: a seeder serves the furthest behind first"""
     def __init__(
         self,
         *,
@@ -295,10 +298,11 @@ class Request(_message.Message):
         dataset: _builtins.bytes = ...,
         shard: _builtins.bytes = ...,
         index: _builtins.int = ...,
+        held_permille: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dataset", b"dataset", "index", b"index", "kind", b"kind", "shard", b"shard"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dataset", b"dataset", "held_permille", b"held_permille", "index", b"index", "kind", b"kind", "shard", b"shard"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
