@@ -70,7 +70,10 @@ def shard(path: str, data: bytes, piece: int = PIECE) -> Shard:
 def test_the_root_pads_leaves_to_a_power_of_two_and_checks_any_leaf_set() -> None:
     leaves = [leaf(bytes([i])) for i in range(3)]
     import hashlib
-    h = lambda a, b: hashlib.sha256(a + b).digest()  # noqa: E731
+
+    def h(a: bytes, b: bytes) -> bytes:
+        return hashlib.sha256(a + b).digest()
+
     assert merkle_root(leaves) == h(h(leaves[0], leaves[1]), h(leaves[2], bytes(32)))
     assert merkle_root(leaves[:1]) == leaves[0]
     size = 2 * PIECE + 5
@@ -290,8 +293,14 @@ def test_a_fast_seeder_doubles_a_late_piece_sooner_than_a_slow_one() -> None:
 
     waited_b, waited_c = first_double(B), first_double(C)
     assert 2.0 <= waited_b <= 3.0 and waited_c > 3 * waited_b, (waited_b, waited_c)  # 2 of its own piece times
-    p.received(A, slow[0], 40.0)
-    assert p.pick(C, 40.0) is not None  # one piece left: doubled at once
+
+
+def test_the_last_few_pieces_are_doubled_at_once() -> None:
+    p = picker([2], config=PickerConfig(pipeline=4, pipeline_start=4, endgame_pieces=4))
+    p.update(A, 0, None)
+    p.update(B, 0, None)
+    assert {p.pick(A, 0), p.pick(A, 0)} == {(0, 0), (0, 1)}
+    assert p.pick(B, 0) is not None  # two pieces missing, both in flight: no patience for the last few
 
 
 def test_the_furthest_behind_is_served_first_when_uploads_wait() -> None:

@@ -8,6 +8,7 @@ import random
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -122,9 +123,17 @@ async def test_a_seeder_that_sends_corrupt_pieces_is_banned_named_and_nothing_ba
 
         held.read_piece = corrupt  # type: ignore[method-assign]
         await announced(df, local.manifest.header.id, 2)
-        banned = []
+        from training.datasets.events import SeederBanned
+
+        banned: list[SeederBanned] = []
         emit = fetcher.node.emit
-        fetcher.node.emit = lambda e: (banned.append(e) if e.event == "dataset_seeder_banned" else None, emit(e))[1]
+
+        def recording(event: Any) -> None:
+            if isinstance(event, SeederBanned):
+                banned.append(event)
+            emit(event)
+
+        fetcher.node.emit = recording  # type: ignore[method-assign]
         report = await df.get("corpus", tmp_path / "got")
         assert same_files(tmp_path / "got", expected)
         assert list(report.banned) == [liar.peer_id] and "does not match its hash" in report.banned[liar.peer_id]
