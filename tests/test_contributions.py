@@ -72,3 +72,26 @@ async def test_no_peer_can_write_another_peers_progress() -> None:
         await reader.fetch()
         (mine,) = [r for r in reader.reports if r.peer_id == alice.peer_id]
         assert (mine.step, mine.samples) == (3, 120)
+
+
+# ---------------------------------------------------------------------- credit for data
+
+def test_bytes_served_are_credited_no_faster_than_a_link_carries_and_survive_a_restart() -> None:
+    from training.contributions import DataContributions
+
+    alice, bob = (peer_id_of(new_identity()) for _ in range(2))
+    data = DataContributions(max_rate=1000.0)
+    dataset = b"\x01" * 32
+    data.observe_served(dataset, {alice: 500, bob: 0}, now=0.0)  # met for the first time: credited from here on
+    data.observe_served(dataset, {alice: 1500, bob: 10**12}, now=1.0)  # bob claims a terabyte in a second
+    board = data.leaderboard()
+    assert board[alice.to_base58()]["bytes_served"] == 1000 and board[bob.to_base58()]["bytes_served"] == 1000
+    data.observe_served(dataset, {alice: 200, bob: 10**12}, now=2.0)  # alice restarted: her count starts again
+    data.observe_served(dataset, {alice: 700, bob: 10**12}, now=3.0)
+    board = data.leaderboard()
+    assert board[alice.to_base58()]["bytes_served"] == 1000 + 200 + 500
+    assert board[bob.to_base58()]["bytes_served"] == 3000
+    data.observe_shards(dataset, {alice: 3})
+    data.observe_shards(dataset, {bob: 2})  # the dataset's shards as they are now: alice's were retracted
+    board = data.leaderboard()
+    assert board[bob.to_base58()]["shards_added"] == 2 and board[alice.to_base58()]["shards_added"] == 0

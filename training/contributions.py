@@ -91,4 +91,74 @@ class Contributions:
         return out
 
 
-__all__ = ["Contributions", "RATE_FACTOR", "SLACK"]
+#: Bytes a second a seeder may be credited for at most (1 Gbit/s: more than a volunteer's uplink).
+MAX_SERVE_RATE = 125e6
+
+
+@dataclass
+class _Served:
+    claimed: int = 0
+    credited: float = 0.0
+    seen: float | None = None
+
+
+@dataclass
+class DataContributions:
+    """Credit for data (Hydra's datasets): bytes each peer served of the run's datasets and shards it added.
+
+    A seeder says what it served in its tracker record (``training/datasets``: ``Seeding.bytes_served``),
+    under a subkey it owns, so nobody else can raise or lower its count; what it says of itself is
+    credited only as fast as ``max_rate`` allows between two of the backbone's observations (its own
+    clock): a peer claiming a terabyte in a minute is credited a minute at 1 Gbit/s. A count that went
+    down (the seeder restarted: its count starts again) adds to what was credited before, never
+    subtracts. Shards added are the shards of the entries a peer signed that are still in the dataset.
+    Pure: records and times in, credits out.
+    """
+
+    max_rate: float = MAX_SERVE_RATE
+    #: (peer, dataset id) -> what it served of that dataset
+    served: dict[tuple[ID, bytes], _Served] = field(default_factory=dict)
+    #: (peer, dataset id) -> shards of its entries in the dataset
+    shards: dict[tuple[ID, bytes], int] = field(default_factory=dict)
+    #: (peer, dataset id) -> credited before its count went down
+    _earlier: dict[tuple[ID, bytes], float] = field(default_factory=dict)
+
+    def observe_served(self, dataset: bytes, counts: dict[ID, int], now: float) -> None:
+        """One read of a dataset's tracker at ``now``: each seeder's count of bytes served."""
+        for peer, count in counts.items():
+            key = (peer, dataset)
+            s = self.served.get(key)
+            if s is None:  # a count met for the first time: credited as it grows from here on
+                self.served[key] = _Served(claimed=count, seen=now)
+                continue
+            if count < s.claimed:  # restarted: what was credited stays
+                self._earlier[key] = self._earlier.get(key, 0.0) + s.credited
+                s.claimed, s.credited = 0, 0.0
+            allowance = self.max_rate * max(0.0, now - (s.seen if s.seen is not None else now))
+            s.credited = min(float(count), s.credited + allowance)
+            s.claimed = max(s.claimed, count)
+            s.seen = now
+
+    def observe_shards(self, dataset: bytes, authors: dict[ID, int]) -> None:
+        """A dataset's shards by the peer that added them (its entries, retracted ones left out)."""
+        for key in [k for k in self.shards if k[1] == dataset]:
+            del self.shards[key]
+        for peer, n in authors.items():
+            self.shards[(peer, dataset)] = n
+
+    def leaderboard(self) -> dict[str, dict[str, int]]:
+        """Peer id -> bytes served (credited) and shards added, every dataset together."""
+        out: dict[str, dict[str, int]] = {}
+        for (peer, _), s in self.served.items():
+            row = out.setdefault(peer.to_base58(), {"bytes_served": 0, "shards_added": 0})
+            row["bytes_served"] += int(s.credited)
+        for (peer, _), credited in self._earlier.items():
+            row = out.setdefault(peer.to_base58(), {"bytes_served": 0, "shards_added": 0})
+            row["bytes_served"] += int(credited)
+        for (peer, _), n in self.shards.items():
+            row = out.setdefault(peer.to_base58(), {"bytes_served": 0, "shards_added": 0})
+            row["shards_added"] += n
+        return out
+
+
+__all__ = ["Contributions", "DataContributions", "MAX_SERVE_RATE", "RATE_FACTOR", "SLACK"]

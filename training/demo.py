@@ -233,6 +233,8 @@ TENSOR_SIZE = 1_000_000
 
 #: training: the global batch, each peer's local batch
 TRAIN_TARGET = 128
+#: the dataset the publisher puts in the swarm and the trainers fetch
+DATASET = "demo-corpus"
 TRAIN_BATCH = 16
 #: the swarm's loss must end below this share of where it started
 LOSS_FALL = 0.8
@@ -350,6 +352,16 @@ async def _run_demo(where: _Network, *, peers: int, duration: float, out: Any, t
                 say(f"{member.name:>9} avg  round {event['round']}: no average: {event['reason']}")
             elif kind in ("training_status", "global_step", "state_downloaded"):
                 training.on_event(member.name, event, say, peers)
+            elif kind == "dataset_published":
+                say(f"{member.name:>9} data published {event['name']}: {event['shards']} shards, "
+                    f"{event['bytes'] / 1e6:.1f} MB (id {event['dataset'][:12]})")
+                published.set()
+            elif kind == "dataset_shard":
+                say(f"{member.name:>9} data {event['path']} fetched and checked")
+            elif kind == "dataset_complete":
+                sources = ", ".join(f"{names.get(p, p[-8:])} {n / 1e6:.2f} MB" for p, n in event["sources"].items())
+                say(f"{member.name:>9} data {event['name']} complete in {event['seconds']:.1f} s from {sources}")
+                training.fetched.add(member.name)
             elif kind == "error":
                 say(f"{member.name:>9} error: {event['message']}")
             if mesh_complete():
@@ -366,6 +378,7 @@ async def _run_demo(where: _Network, *, peers: int, duration: float, out: Any, t
         return member
 
     training = _Training(names)
+    published = trio.Event()
 
     async def training_phase() -> bool:
         """Stop the averaging peers; train the example model with as many train peers for train_time."""
@@ -380,15 +393,24 @@ async def _run_demo(where: _Network, *, peers: int, duration: float, out: Any, t
         from .mlm import prepare
 
         prepared = await trio.to_thread.run_sync(lambda: prepare(workdir))
-        say(f"training: {peers} peers train a small ALBERT on a generated corpus ({len(prepared.corpus)} shards "
-            f"in {workdir}), {TRAIN_TARGET} samples per global step, for {train_time:g} s")
-        run = ["--run-id", "demo", "--workdir", str(workdir), "--target-batch-size", str(TRAIN_TARGET),
+        # one peer publishes the corpus; the trainers fetch it from the swarm (through their NATs) as they
+        # train, each into a directory of its own, instead of each generating its own
+        say(f"data: the publisher makes {len(prepared.corpus)} shards of a generated corpus a dataset of the swarm; "
+            "the trainers fetch it from the swarm, each piece checked, and seed it to each other")
+        await start(nursery_ref[0], "publisher", "dataset", "create", DATASET, str(prepared.corpus[0].parent),
+                    "--initial-peers", boot_ref[0], "--piece-size-kib", "64", "--status-interval", "0")
+        with trio.fail_after(START_TIMEOUT):
+            await published.wait()
+        say(f"training: {peers} peers train a small ALBERT on swarm:{DATASET}, {TRAIN_TARGET} samples per global "
+            f"step, for {train_time:g} s")
+        run = ["--run-id", "demo", "--tokenizer", str(prepared.tokenizer), "--target-batch-size", str(TRAIN_TARGET),
                "--batch-size", str(TRAIN_BATCH), "--report-every", "3", "--status-interval", "0",
-               "--group-size", str(peers), "--duration", str(train_time + 60)]
+               "--group-size", str(peers), "--duration", str(train_time + 60), "--data", f"swarm:{DATASET}"]
         async with trio.open_nursery() as starters:
             for i in range(1, peers + 1):
                 starters.start_soon(partial(start, nursery_ref[0], f"trainer-{i}", "train", "--initial-peers",
-                                            boot_ref[0], "--data-seed", str(i), *run, index=i))
+                                            boot_ref[0], "--data-seed", str(i), "--workdir",
+                                            str(workdir / f"trainer-{i}"), *run, index=i))
         await trio.sleep(train_time)  # train the whole time: the loss goes on falling
         return training.verdict(say, peers)
 
@@ -453,6 +475,7 @@ class _Training:
         self.names = names  # peer id -> name
         self.losses: list[tuple[int, float]] = []  # (step, swarm loss) from trainer-1's status lines
         self.steps: dict[str, int] = {}  # trainer -> global steps done with others
+        self.fetched: set[str] = set()  # trainers that fetched the whole dataset from the swarm
 
     def on_event(self, name: str, event: dict[str, Any], say: _Say, peers: int) -> None:
         kind = event["event"]
@@ -476,7 +499,12 @@ class _Training:
             say(f"{name:>9} took the swarm's state at step {event['step']} from {source} in {event.get('seconds', 0):.2f} s")
 
     def verdict(self, say: _Say, peers: int) -> bool:
-        """Whether the swarm trained: steps taken together by every peer, the loss fallen."""
+        """Whether the swarm trained on data it carried: every trainer fetched the dataset from the swarm,
+        steps were taken together by every peer, the loss fell."""
+        if len(self.fetched) < peers:
+            say(f"data: only {sorted(self.fetched)} fetched the whole dataset from the swarm")
+            return False
+        say(f"data: every one of the {peers} trainers fetched the dataset from the swarm")
         fell = len(self.losses) >= 2 and self.losses[-1][1] < LOSS_FALL * self.losses[0][1]
         if fell and len(self.steps) == peers and min(self.steps.values()) >= 2 and \
                 max(self.steps.values()) >= STEPS_WANTED:

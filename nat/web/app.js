@@ -14,6 +14,10 @@ function num(x, digits) {
   if (x === null || x === undefined) return "–";
   return typeof x === "number" ? x.toLocaleString("en-US", { maximumFractionDigits: digits ?? 2 }) : String(x);
 }
+function mib(bytes) {
+  if (bytes >= 1 << 30) return num(bytes / (1 << 30), 2) + " GiB";
+  return num(bytes / (1 << 20), 1) + " MiB";
+}
 function facts(target, pairs) {
   const box = document.getElementById(target);
   box.replaceChildren(...pairs.map(([k, v, key]) => {
@@ -115,7 +119,8 @@ function drawRun(r) {
     const credited = el("td", { "data-samples": v.peer_id }, num(v.samples, 0));
     if (v.claimed !== undefined && v.claimed > v.samples) credited.title = "claimed " + num(v.claimed, 0) + ": more than the time watched allows";
     return [who, el("td", { "data-rate": v.peer_id }, num(v.samples_per_second, 1)), credited,
-      el("td", {}, v.auxiliary_steps), el("td", {}, v.step ?? "–")];
+      el("td", {}, v.auxiliary_steps), el("td", { "data-served": v.peer_id }, mib(v.bytes_served || 0)),
+      el("td", { "data-shards": v.peer_id }, num(v.shards_added || 0, 0)), el("td", {}, v.step ?? "–")];
   }));
   const c = r.checkpoint;
   document.getElementById("checkpoint").textContent = c ? "last checkpoint: step " + c.step + " (" + c.path + ")" : "no checkpoint yet";
