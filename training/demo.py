@@ -356,8 +356,6 @@ async def _run_demo(where: _Network, *, peers: int, duration: float, out: Any, t
                 say(f"{member.name:>9} data published {event['name']}: {event['shards']} shards, "
                     f"{event['bytes'] / 1e6:.1f} MB (id {event['dataset'][:12]})")
                 published.set()
-            elif kind == "dataset_shard":
-                say(f"{member.name:>9} data {event['path']} fetched and checked")
             elif kind == "dataset_complete":
                 sources = ", ".join(f"{names.get(p, p[-8:])} {n / 1e6:.2f} MB" for p, n in event["sources"].items())
                 say(f"{member.name:>9} data {event['name']} complete in {event['seconds']:.1f} s from {sources}")
