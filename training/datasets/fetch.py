@@ -59,7 +59,8 @@ _HAVE = (-1, -2)  # the outstanding-queue marker of a HAVE request
 class FetchConfig:
     picker: PickerConfig = field(default_factory=PickerConfig)
     table: TableConfig = field(default_factory=TableConfig)
-    #: how often the tracker is read
+    #: how often the tracker is read: every second while it names new seeders, then less often, doubling
+    #: up to this
     tracker_interval: float = 5.0
     #: how often each seeder is asked what it holds
     have_interval: float = 1.0
@@ -151,24 +152,35 @@ class Download:
 
     # ------------------------------------------------------------------ seeders
 
+    def asked_by(self, peer: ID) -> None:
+        """``peer`` asked us for this dataset (it fetches it too): a seeder for us as soon as it holds a piece,
+        known before its tracker record is read (BitTorrent's connections work both ways alike)."""
+        if peer != self.peer.peer_id and peer not in self.table.known:
+            self.table.learn(peer, whole=False)
+            self._wake()
+
     async def _tracker(self, nursery: trio.Nursery) -> None:
         read_at = -1e9
+        interval = 1.0
         alone_since = trio.current_time()
         while True:
             now = trio.current_time()
-            if now - read_at >= self.config.tracker_interval:
+            if now - read_at >= interval:
                 read_at = now
                 try:
                     found = await self.datasets.seeders(self.dataset)
                 except DedlocError as e:
                     log.info("datasets: reading the tracker failed: %s", e)
                     found = []
+                new = False
                 for s in found:
                     if s.peer_id == self.peer.peer_id:
                         continue
+                    new = new or s.peer_id not in self.table.known
                     self.table.learn(s.peer_id, whole=bool(s.whole))
                     if s.addrs:
                         self.addrs[s.peer_id] = s.addrs
+                interval = 1.0 if new else min(self.config.tracker_interval, interval * 2)
             for peer in self.table.to_connect(trio.current_time()):
                 nursery.start_soon(self._seeder, peer)
             if self.table.count(SeederState.CONNECTED):
@@ -177,7 +189,7 @@ class Download:
                 why = "; ".join(f"{p}: {k.why}" for p, k in list(self.table.known.items())[:5] if k.why)
                 raise NoSeeders(f"no seeder of {self.name} reached in {self.config.no_seeder_timeout:g} s"
                                 + (f" ({why})" if why else " (none in the tracker)"))
-            with trio.move_on_after(1.0):
+            with trio.move_on_after(min(1.0, interval)):
                 await self._changed.wait()
 
     async def _seeder(self, peer: ID) -> None:

@@ -61,6 +61,8 @@ MAX_HEADER = 1 << 20
 MAX_SEEDER_ADDRS = 8
 #: Seeders read from one tracker key.
 MAX_SEEDERS = 256
+#: The least time between two tracker records of one dataset.
+ANNOUNCE_GAP = 2.0
 
 
 def dataset_key(name: str) -> str:
@@ -156,6 +158,8 @@ class Datasets:
         self.pacer = Pacer(config.upload_rate)
         self.sending = UploadSlots(config.sending_slots)
         self._tickets: dict[int, trio.Event] = {}
+        #: dataset id -> what a download of ours wants to hear of the peers that ask us for it
+        self._askers: dict[bytes, Callable[[ID], None]] = {}
         self.serving = 0
         #: bytes served, every dataset together
         self.bytes_served = 0
@@ -329,9 +333,11 @@ class Datasets:
         if callable(priority):
             priority = priority(sorted(local.shards.values(), key=lambda s: s.path))
         download = Download(self, local, config, priority=priority, on_shard=on_shard)
+        self._askers[manifest.header.id] = download.asked_by
         try:
             report = await download.run()
         finally:
+            self._askers.pop(manifest.header.id, None)
             if not seed:
                 self.unseed(manifest.header.id)
         self.peer.emit(ev.DatasetComplete(
@@ -385,7 +391,10 @@ class Datasets:
                           bytes_served=held.served).SerializeToString()
 
     async def _announce_loop(self, held: _Held) -> None:
+        """The tracker record: as soon as we hold a piece (a downloader is found by the others at once), again
+        within ``ANNOUNCE_GAP`` of every change, and every third of its life."""
         did = held.local.manifest.header.id
+        stored_at = -1e9
         while self.held.get(did) is held:
             held.changed = trio.Event()
             if held.local.whole or any(held.local.have.values()):
@@ -393,12 +402,12 @@ class Datasets:
                     await self.peer.dht.store(seeders_key(did), self.seeding_record(held),
                                               time.time() + self.config.announce_ttl,
                                               subkey=owned("s", self.peer.peer_id), timeout=self.config.dht_timeout)
-                    held.announced_at = trio.current_time()
+                    held.announced_at = stored_at = trio.current_time()
                 except DedlocError as e:
                     log.info("datasets: announcing %s failed: %s", held.local.manifest.header.name, e)
             with trio.move_on_after(self.config.announce_ttl / 3):
                 await held.changed.wait()
-            await trio.sleep(2.0)  # changes within 2 s go out in one record
+            await trio.sleep_until(stored_at + ANNOUNCE_GAP)  # changes within the gap go out in one record
 
     async def _republish_loop(self, held: _Held) -> None:
         did = held.local.manifest.header.id
@@ -447,6 +456,11 @@ class Datasets:
             self.serving -= 1
 
     async def _answer(self, stream: INetStream, request: pb.Request) -> None:
+        if request.kind == pb.Request.HAVE:
+            watcher = self._askers.get(request.dataset)
+            peer = getattr(getattr(stream, "muxed_conn", None), "peer_id", None)
+            if watcher is not None and isinstance(peer, ID):
+                watcher(peer)  # a peer fetching the dataset we fetch: it may hold what we lack
         held = self.held.get(request.dataset)
         if held is None:
             await stream.write(frame(pb.Answer(status=pb.Answer.NOT_FOUND, reason="not seeding that dataset")))
