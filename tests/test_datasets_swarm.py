@@ -319,3 +319,41 @@ async def test_training_reads_the_first_shard_while_the_rest_is_still_coming(tmp
                 while not source.complete:
                     await trio.sleep(0.1)
         assert same_files(tmp_path / "work" / "datasets" / "corpus", expected)
+
+
+# ---------------------------------------------------------------------- credit for data
+
+@pytest.mark.timeout(60)
+async def test_the_backbone_credits_who_served_a_dataset_and_who_added_its_shards(tmp_path: Path) -> None:
+    from training.cli import Monitor
+
+    expected = corpus(tmp_path / "src", shards=2, size=200_000)
+    (tmp_path / "more").mkdir()
+    (tmp_path / "more" / "extra.txt").write_text("more text\n" * 1000)
+    total = sum(map(len, expected.values()))
+    config = DatasetsConfig(piece_size=PIECE, announce_served=1)
+    async with swarm(3) as (_, (creator, adder, fetcher)), Datasets.open(creator, config) as dc, \
+            Datasets.open(adder, config) as da, Datasets.open(fetcher, config) as df:
+        await dc.create("corpus", tmp_path / "src")
+        await da.add("corpus", [tmp_path / "more" / "extra.txt"], tmp_path / "adder")
+        monitor = Monitor(tmp_path / "backbone")
+        await monitor.observe_datasets(df, ["corpus", "no-such-dataset"], now=0.0)
+        report = await df.get("corpus", tmp_path / "got", seed=False)
+        served_by_creator = report.sources.get(creator.peer_id, 0)
+        assert served_by_creator > 0
+
+        clock = [0.0]
+
+        async def credited() -> dict[str, Any]:
+            clock[0] += 100.0  # the backbone's reads, far enough apart that the rate cap does not bind
+            await monitor.observe_datasets(df, ["corpus"], now=clock[0])
+            return monitor.contributions()
+
+        with trio.fail_after(20):
+            while (await credited()).get(str(creator.peer_id), {}).get("bytes_served", 0) < served_by_creator:
+                await trio.sleep(0.2)
+        board = await credited()
+        assert board[str(creator.peer_id)]["shards_added"] == 2 and board[str(adder.peer_id)]["shards_added"] == 1
+        assert board[str(creator.peer_id)]["bytes_served"] == served_by_creator
+        assert sum(row.get("bytes_served", 0) for row in board.values()) == report.bytes
+        assert report.bytes == total + 10_000

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import math
 import sys
 import time
@@ -41,11 +42,15 @@ from .data import DataConfig, DataError, ExampleStream, ShardSource, batches, sh
 from .events import Checkpointed, GlobalStepDone, StateDownloaded, TrainingStatus
 from .optimizer import CollaborativeOptimizer, StepReport, TrainingConfig
 from .progress import ProgressTracker
-from .contributions import Contributions
+from .contributions import Contributions, DataContributions
 from .state import StateDownloadError, StateServer, TrainingState, download_state
 
 if TYPE_CHECKING:
     from nat.dashboard import Dashboard
+
+    from .datasets import Datasets
+
+log = logging.getLogger(__name__)
 
 
 
@@ -332,6 +337,8 @@ class Monitor:
         self.checkpoint: dict[str, Any] | None = None
         #: Usernames of peers (a closed run: from their passes).
         self.usernames: dict[ID, str] = {}
+        #: Credit for data: bytes served of the run's datasets, shards added (``--datasets``).
+        self.data = DataContributions()
 
     def observe(self, tracker: ProgressTracker, now: float | None = None) -> None:
         self.credits.observe(tracker.reports, time.monotonic() if now is None else now)
@@ -359,6 +366,7 @@ class Monitor:
             c = contributions.get(peer, {"samples": 0, "claimed": 0, "auxiliary_steps": 0})
             volunteers.append({"peer_id": peer, "samples": c["samples"], "claimed": c["claimed"],
                                "auxiliary_steps": c["auxiliary_steps"], "username": c.get("username"),
+                               "bytes_served": c.get("bytes_served", 0), "shards_added": c.get("shards_added", 0),
                                "samples_per_second": r.samples_per_second if r is not None else None,
                                "step": r.step if r is not None else None,
                                "auxiliary": bool(r is not None and r.auxiliary)})
@@ -368,8 +376,27 @@ class Monitor:
                 "volunteers": volunteers, "checkpoint": self.checkpoint}
 
     def contributions(self) -> dict[str, dict[str, Any]]:
-        """The leaderboard (``contributions.json``): credited and claimed samples, auxiliary steps, user."""
-        return self.credits.leaderboard(self.usernames)
+        """The leaderboard (``contributions.json``): credited and claimed samples, auxiliary steps, user; and
+        for data, bytes served of the run's datasets and shards added."""
+        board: dict[str, dict[str, Any]] = dict(self.credits.leaderboard(self.usernames))
+        for peer, data in self.data.leaderboard().items():
+            row = board.setdefault(peer, {"samples": 0, "claimed": 0, "auxiliary_steps": 0})
+            row.update(data)
+        return board
+
+    async def observe_datasets(self, datasets: Datasets, names: Sequence[str], now: float | None = None) -> None:
+        """Read the run's datasets: each seeder's bytes served (its tracker record) and who added which shards."""
+        now = time.monotonic() if now is None else now
+        for name in names:
+            try:
+                manifest = await datasets.find(name)
+                seeders = await datasets.seeders(manifest.header.id)
+            except DedlocError as e:
+                log.info("backbone: reading dataset %s failed: %s", name, e)
+                continue
+            did = manifest.header.id
+            self.data.observe_served(did, {s.peer_id: s.bytes_served for s in seeders}, now)
+            self.data.observe_shards(did, manifest.authors())
 
 
 async def backbone(peer: Peer, args: argparse.Namespace, dashboard: Dashboard | None = None) -> None:
@@ -392,33 +419,42 @@ async def backbone(peer: Peer, args: argparse.Namespace, dashboard: Dashboard | 
 
     uninstall = StateServer(peer, args.run_id, snapshot).install()
     saved = -1
+    names = list(getattr(args, "datasets", None) or [])
     try:
-        while True:
-            progress = await tracker.fetch()
-            if peer.authenticator is not None:  # a closed run: credit users, not just peer ids
-                for r in tracker.reports:
-                    token = peer.authenticator.token_of(r.peer_id)
-                    if token is not None:
-                        monitor.usernames[r.peer_id] = token.username
-            monitor.observe(tracker)
-            if progress.step >= max(1, saved + args.checkpoint_every) and progress.sources:
-                sources = [s for s in progress.sources if s != peer.peer_id]
-                for report in tracker.reports:
-                    if report.peer_id in progress.sources and report.addrs:
-                        peer.node.add_addrs(report.peer_id, list(report.addrs))
-                try:
-                    latest = await download_state(peer, args.run_id, sources, progress.step, params, timeout=60)
-                except StateDownloadError as e:
-                    peer.node.emit(Checkpointed(step=-1, path="", source=f"none: {e}"))
-                else:
-                    path = directory / f"checkpoint-{latest.step:06d}.pt"
-                    await trio.to_thread.run_sync(torch.save, {
-                        "step": latest.step, "params": latest.params, "pending": latest.pending,
-                        "optimizer": latest.optimizer, "scheduler": latest.scheduler, "time": time.time()}, path)
-                    saved = latest.step
-                    monitor.checkpoint = {"step": latest.step, "path": str(path), "time": time.time()}
-                    peer.node.emit(Checkpointed(step=latest.step, path=str(path), source=str(sources[0])))
-            await trio.sleep(args.report_every)
+        async with AsyncExitStack() as stack:
+            datasets = None
+            if names:  # credit for data: who served the run's datasets, who added their shards
+                from .datasets import Datasets
+
+                datasets = await stack.enter_async_context(Datasets.open(peer))
+            while True:
+                progress = await tracker.fetch()
+                if peer.authenticator is not None:  # a closed run: credit users, not just peer ids
+                    for r in tracker.reports:
+                        token = peer.authenticator.token_of(r.peer_id)
+                        if token is not None:
+                            monitor.usernames[r.peer_id] = token.username
+                if datasets is not None:
+                    await monitor.observe_datasets(datasets, names)
+                monitor.observe(tracker)
+                if progress.step >= max(1, saved + args.checkpoint_every) and progress.sources:
+                    sources = [s for s in progress.sources if s != peer.peer_id]
+                    for report in tracker.reports:
+                        if report.peer_id in progress.sources and report.addrs:
+                            peer.node.add_addrs(report.peer_id, list(report.addrs))
+                    try:
+                        latest = await download_state(peer, args.run_id, sources, progress.step, params, timeout=60)
+                    except StateDownloadError as e:
+                        peer.node.emit(Checkpointed(step=-1, path="", source=f"none: {e}"))
+                    else:
+                        path = directory / f"checkpoint-{latest.step:06d}.pt"
+                        await trio.to_thread.run_sync(torch.save, {
+                            "step": latest.step, "params": latest.params, "pending": latest.pending,
+                            "optimizer": latest.optimizer, "scheduler": latest.scheduler, "time": time.time()}, path)
+                        saved = latest.step
+                        monitor.checkpoint = {"step": latest.step, "path": str(path), "time": time.time()}
+                        peer.node.emit(Checkpointed(step=latest.step, path=str(path), source=str(sources[0])))
+                await trio.sleep(args.report_every)
     finally:
         uninstall()
 

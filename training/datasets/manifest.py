@@ -288,12 +288,9 @@ class Manifest:
     def retracted(self) -> set[bytes]:
         return {r for e in self.entries.values() if e.author == self.header.creator for r in e.retract}
 
-    def shards(self) -> list[Shard]:
-        """The dataset's shards: retracted entries left out; a path claimed by two shards goes to the earliest
-        entry (then the lowest id); the same root under two paths is kept once. The same on every peer that
-        holds the same entries."""
+    def _live(self) -> dict[str, tuple[Shard, ID]]:
         gone = self.retracted()
-        taken: dict[str, Shard] = {}
+        taken: dict[str, tuple[Shard, ID]] = {}
         roots: set[bytes] = set()
         for entry in sorted(self.entries.values(), key=lambda e: (e.created, e.id)):
             if entry.id in gone:
@@ -301,9 +298,22 @@ class Manifest:
             for s in entry.shards:
                 if s.path in taken or s.root in roots:
                     continue
-                taken[s.path] = s
+                taken[s.path] = (s, entry.author)
                 roots.add(s.root)
-        return sorted(taken.values(), key=lambda s: s.path)
+        return taken
+
+    def shards(self) -> list[Shard]:
+        """The dataset's shards: retracted entries left out; a path claimed by two shards goes to the earliest
+        entry (then the lowest id); the same root under two paths is kept once. The same on every peer that
+        holds the same entries."""
+        return sorted((s for s, _ in self._live().values()), key=lambda s: s.path)
+
+    def authors(self) -> dict[ID, int]:
+        """How many of the dataset's shards (:meth:`shards`) each peer added (credit for data)."""
+        out: dict[ID, int] = {}
+        for _, author in self._live().values():
+            out[author] = out.get(author, 0) + 1
+        return out
 
     def stored(self) -> bytes:
         """What is kept beside the files (``DIR/.dedloc/manifest``)."""

@@ -93,6 +93,8 @@ class DatasetsConfig:
     sending_slots: int = 8
     #: tracker records live this long and are refreshed every third of it
     announce_ttl: float = 600.0
+    #: bytes served since the last tracker record that make it worth a new one (credit for data follows it)
+    announce_served: int = 16 << 20
     #: the manifest's records live this long in the DHT; every holder re-publishes them every sixth of it
     manifest_ttl: float = 12 * 3600.0
     #: a served stream with no request for this long is closed
@@ -143,6 +145,7 @@ class Show:
 class _Held:
     local: LocalDataset
     served: int = 0
+    announced_served: int = 0
     announced_at: float = -1e9
     changed: trio.Event = field(default_factory=trio.Event)
 
@@ -403,6 +406,7 @@ class Datasets:
                                               time.time() + self.config.announce_ttl,
                                               subkey=owned("s", self.peer.peer_id), timeout=self.config.dht_timeout)
                     held.announced_at = stored_at = trio.current_time()
+                    held.announced_served = held.served
                 except DedlocError as e:
                     log.info("datasets: announcing %s failed: %s", held.local.manifest.header.name, e)
             with trio.move_on_after(self.config.announce_ttl / 3):
@@ -489,6 +493,8 @@ class Datasets:
             await stream.write(frame(pb.Answer(status=pb.Answer.OK, size=len(data))) + data)
         held.served += len(data)
         self.bytes_served += len(data)
+        if held.served - held.announced_served >= self.config.announce_served:
+            held.changed.set()  # the record says what we served (credit for data)
 
     @asynccontextmanager
     async def _sending_slot(self, held: int) -> AsyncIterator[None]:
