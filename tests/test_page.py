@@ -116,6 +116,12 @@ async def test_the_live_page_shows_the_swarm_and_the_run_as_they_are(tmp_path: P
         dashboard.registry.register(TrainingMetrics(tracker))
         dashboard.sections["run"] = lambda: monitor.page(tracker, config.run_id)
         monitor.checkpoint = {"step": 2, "path": str(tmp_path / "run" / "checkpoint-000002.pt"), "time": 0.0}
+        # credit for data, as `backbone --datasets` reads it from the trackers: trainer 0 served 3 MiB and
+        # added 2 shards
+        dataset = b"\x01" * 32
+        monitor.data.observe_served(dataset, {trainers[0].peer_id: 0}, 0.0)
+        monitor.data.observe_served(dataset, {trainers[0].peer_id: 3 << 20}, 100.0)
+        monitor.data.observe_shards(dataset, {trainers[0].peer_id: 2})
 
         async def watch() -> None:
             while True:
@@ -173,6 +179,9 @@ async def test_the_live_page_shows_the_swarm_and_the_run_as_they_are(tmp_path: P
         assert abs(number(page.get("data-rate", v["peer_id"])) - v["samples_per_second"]) < 0.06
     assert {v["peer_id"]: v["samples"] for v in run["volunteers"]} == {
         p: c["samples"] for p, c in monitor.contributions().items()}
+    served = {v["peer_id"]: (page.get("data-served", v["peer_id"]), page.get("data-shards", v["peer_id"]))
+              for v in run["volunteers"]}
+    assert sorted(served.values()) == [("0 MiB", "0"), ("3 MiB", "2")]  # sizes as a person reads them
     assert "last checkpoint: step 2" in page.get("id", "checkpoint")
     points = page.polylines["loss-chart"][0].split()
     assert len(points) == len([c for c in run["curve"] if c["loss"] is not None]) >= STEPS
