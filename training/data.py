@@ -243,41 +243,34 @@ class ExampleStream:
         self.rng = random.Random(seed)
         self.stats = DataStats()
 
-    def _arriving(self, source: ShardSource) -> Iterator[str]:
-        while self.config.passes == 0 or self.stats.passes < self.config.passes:
-            done: set[Path] = set()
-            before = self.stats.examples
-            source.wait_first()
-            while True:
-                left = [p for p in source.paths() if p not in done]
-                if not left:
-                    break
-                path = self.rng.choice(left)
-                done.add(path)
-                for text in read_shard(path, self.config.text_field, self.stats):
-                    self.stats.examples += 1
-                    yield text
-                self.stats.shards_read += 1
-            self.stats.passes += 1
-            if self.stats.examples == before:
-                raise DataError(f"no examples in {len(done)} shard(s) ({self.stats.skipped} lines skipped)")
-
-    def _passes(self) -> Iterator[str]:
-        if self.source is not None:
-            yield from self._arriving(self.source)
-            return
-        while self.config.passes == 0 or self.stats.passes < self.config.passes:
+    def _order(self) -> Iterator[Path]:
+        """One pass's shards in a random order: every shard; with a source, those that arrived, taking the
+        ones that arrive during the pass too."""
+        if self.source is None:
             order = list(self.paths)
             self.rng.shuffle(order)
+            yield from order
+            return
+        self.source.wait_first()
+        done: set[Path] = set()
+        while left := [p for p in self.source.paths() if p not in done]:
+            path = self.rng.choice(left)
+            done.add(path)
+            yield path
+
+    def _passes(self) -> Iterator[str]:
+        while self.config.passes == 0 or self.stats.passes < self.config.passes:
             before = self.stats.examples
-            for path in order:
+            shards = 0
+            for path in self._order():
+                shards += 1
                 for text in read_shard(path, self.config.text_field, self.stats):
                     self.stats.examples += 1
                     yield text
                 self.stats.shards_read += 1
             self.stats.passes += 1
             if self.stats.examples == before:
-                raise DataError(f"no examples in {len(self.paths)} shard(s) ({self.stats.skipped} lines skipped)")
+                raise DataError(f"no examples in {shards} shard(s) ({self.stats.skipped} lines skipped)")
 
     def __iter__(self) -> Iterator[str]:
         return shuffled(self._passes(), self.config.shuffle_buffer, self.rng)

@@ -6,19 +6,13 @@ from dataclasses import dataclass, field
 
 from p2p.events import Event
 
-BAR = 24
+from ..events import bar as _bar
 
 
 def _mib(n: float) -> str:
     if n >= 1 << 30:
         return f"{n / (1 << 30):.2f} GiB"
     return f"{n / (1 << 20):.1f} MiB"
-
-
-def _bar(done: float, total: float) -> str:
-    share = 0.0 if total <= 0 else min(1.0, max(0.0, done / total))
-    filled = round(share * BAR)
-    return "[" + "#" * filled + "." * (BAR - filled) + "]"
 
 
 @dataclass
