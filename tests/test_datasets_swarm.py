@@ -357,3 +357,48 @@ async def test_the_backbone_credits_who_served_a_dataset_and_who_added_its_shard
         assert board[str(creator.peer_id)]["bytes_served"] == served_by_creator
         assert sum(row.get("bytes_served", 0) for row in board.values()) == report.bytes
         assert report.bytes == total + 10_000
+
+
+@pytest.mark.timeout(60)
+async def test_a_peer_that_stops_seeding_withdraws_its_tracker_record(tmp_path: Path) -> None:
+    corpus(tmp_path / "src", shards=1, size=100_000)
+    slow = DatasetsConfig(piece_size=PIECE, upload_rate=40_000)  # 100 kB in ~2.5 s: the fetcher announces meanwhile
+    async with swarm(2) as (_, (creator, fetcher)), Datasets.open(creator, slow) as dc, Datasets.open(fetcher) as df:
+        local = await dc.create("corpus", tmp_path / "src")
+        did = local.manifest.header.id
+        async with trio.open_nursery() as nursery:  # while it fetches, the fetcher is a seeder too
+            nursery.start_soon(lambda: df.get("corpus", tmp_path / "got", seed=False))
+            with trio.fail_after(20):
+                while fetcher.peer_id not in [s.peer_id for s in await dc.seeders(did)]:
+                    await trio.sleep(0.1)
+        with trio.fail_after(20):  # done, and not seeding: its record is replaced by an empty one
+            while [s.peer_id for s in await dc.seeders(did)] != [creator.peer_id]:
+                await trio.sleep(0.1)
+        assert did not in df.held
+
+
+@pytest.mark.timeout(60)
+async def test_a_peer_that_asks_us_for_the_dataset_becomes_a_seeder_of_ours_before_the_tracker_says_so(
+        tmp_path: Path) -> None:
+    expected = corpus(tmp_path / "src", shards=2, size=300_000)
+    async with swarm(3) as (_, (creator, p1, p2)), \
+            Datasets.open(creator, DatasetsConfig(piece_size=PIECE, upload_rate=0.5e6)) as dc, \
+            Datasets.open(p1) as d1, Datasets.open(p2) as d2:
+        local = await dc.create("corpus", tmp_path / "src")
+        await announced(d1, local.manifest.header.id, 1)
+        only_creator = [s for s in await d1.seeders(local.manifest.header.id) if s.peer_id == creator.peer_id]
+
+        async def stale_tracker(dataset: bytes) -> list[Any]:
+            return only_creator  # p1's tracker never names p2
+
+        d1.seeders = stale_tracker  # type: ignore[method-assign]
+        reports = {}
+
+        async def get(d: Datasets, name: str) -> None:
+            reports[name] = await d.get("corpus", tmp_path / name)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(get, d1, "p1")
+            nursery.start_soon(get, d2, "p2")
+        assert same_files(tmp_path / "p1", expected) and same_files(tmp_path / "p2", expected)
+        assert reports["p1"].sources.get(p2.peer_id, 0) > 0, reports["p1"].sources  # p2 asked p1, so p1 asked p2

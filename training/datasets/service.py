@@ -147,6 +147,8 @@ class _Held:
     served: int = 0
     announced_served: int = 0
     announced_at: float = -1e9
+    #: the expiration of our last tracker record (unix time; 0: none yet)
+    announced_expiration: float = 0.0
     changed: trio.Event = field(default_factory=trio.Event)
 
 
@@ -376,9 +378,21 @@ class Datasets:
         self.seed(local)
 
     def unseed(self, dataset: bytes) -> None:
+        """Stop serving ``dataset``; our tracker record is replaced by an empty one (a DHT record cannot be
+        deleted, only outlived), so downloaders stop asking us."""
         held = self.held.pop(dataset, None)
         if held is not None:
             held.changed.set()
+            if held.announced_expiration:
+                self._nursery.start_soon(self._withdraw, dataset, held.announced_expiration + 1.0)
+
+    async def _withdraw(self, dataset: bytes, expiration: float) -> None:
+        empty = pb.Seeding(dataset=dataset).SerializeToString()
+        try:
+            await self.peer.dht.store(seeders_key(dataset), empty, expiration, subkey=owned("s", self.peer.peer_id),
+                                      timeout=self.config.dht_timeout)
+        except DedlocError as e:
+            log.info("datasets: withdrawing our tracker record failed: %s", e)
 
     def announce_soon(self, dataset: bytes) -> None:
         """Our holdings of ``dataset`` changed: the tracker record is refreshed (at most every 2 s)."""
@@ -402,8 +416,9 @@ class Datasets:
             held.changed = trio.Event()
             if held.local.whole or any(held.local.have.values()):
                 try:
-                    await self.peer.dht.store(seeders_key(did), self.seeding_record(held),
-                                              time.time() + self.config.announce_ttl,
+                    # noted before the store: a withdrawal meanwhile must outlive this record
+                    held.announced_expiration = expiration = time.time() + self.config.announce_ttl
+                    await self.peer.dht.store(seeders_key(did), self.seeding_record(held), expiration,
                                               subkey=owned("s", self.peer.peer_id), timeout=self.config.dht_timeout)
                     held.announced_at = stored_at = trio.current_time()
                     held.announced_served = held.served
@@ -542,8 +557,8 @@ def parse_seeders(found: ValueWithExpiration | None, dataset: bytes) -> list[See
         except Exception as e:  # a stranger's garbage costs it only its entry
             log.debug("datasets: a malformed tracker record: %r", e)
             continue
-        if owner is None or msg.dataset != dataset:
-            continue
+        if owner is None or msg.dataset != dataset or not (msg.shards or msg.partial):
+            continue  # another dataset's, or a withdrawn record (it holds nothing)
         addrs = decode_addrs(msg.addrs, limit=MAX_SEEDER_ADDRS)
         out.append(SeederInfo(owner, addrs, frozenset(bytes(r) for r in msg.shards[:100_000]),
                               frozenset(bytes(r) for r in msg.partial[:100_000]), msg.bytes_served,
