@@ -16,7 +16,7 @@ import trio
 from nat import Peer
 from tests.conftest import loopback_config
 from tests.kit import loopback_peer_config, wait_until
-from training.datasets import Datasets, DatasetsConfig, FetchConfig, NoSeeders
+from training.datasets import DatasetError, Datasets, DatasetsConfig, FetchConfig, NoSeeders
 from training.datasets.picker import TableConfig
 from training.datasets.service import DatasetSwarm
 
@@ -104,6 +104,8 @@ async def test_two_downloaders_fetch_from_two_seeders_and_trade_pieces(tmp_path:
         assert all(len(r.sources) >= 2 for r in reports.values()), {k: r.sources for k, r in reports.items()}
         show = await dd1.show("corpus")
         assert show.complete and len(show.manifest.shards()) == 3
+        with pytest.raises(DatasetError, match="you already created a dataset corpus"):
+            await ds1.create("corpus", tmp_path / "src")
 
 
 @pytest.mark.timeout(90)

@@ -349,6 +349,8 @@ def resolve(headers: Iterable[Header], ref: str) -> Header:
     matches = [h for h in found if h.name == name and (not who or str(h.creator).endswith(who))]
     if not matches:
         raise DatasetError(f"no dataset {ref!r} in the swarm (`dedloc dataset list` shows those there are)")
+    if len({h.creator for h in matches}) == 1:  # one creator's: its newest (create refuses a second one)
+        return max(matches, key=lambda h: (h.created, h.id))
     if len(matches) > 1:
         options = ", ".join(sorted(h.label for h in matches))
         raise DatasetError(f"{len(matches)} datasets are named {name!r}, by different creators: name one as "

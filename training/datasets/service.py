@@ -195,6 +195,10 @@ class Datasets:
         directory = Path(directory)
         files = _shard_files(directory)
         schema = schema or schema_of(str(p) for p in files)
+        mine = [h for h in await self.headers(name) if h.creator == self.peer.peer_id]
+        if mine:
+            raise DatasetError(f"you already created a dataset {name} ({mine[0].id.hex()[:16]}): grow it with "
+                               "`dedloc dataset add`, or name another")
         header = Header.make(self.peer, name, schema, piece_size=self.config.piece_size, now=time.time(),
                              text_field=text_field)
         shards = await trio.to_thread.run_sync(_hash_shards, directory, files, header.piece_size)
