@@ -26,7 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import libtorrent as lt
+try:
+    import libtorrent as lt
+except ImportError:  # the project's venv: only --help works (the bench runs this in .venv-libtorrent)
+    lt = None
 
 
 def say(**message: Any) -> None:
@@ -119,4 +122,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 if __name__ == "__main__":
-    main(parser().parse_args())
+    args = parser().parse_args()
+    if lt is None:
+        sys.exit("datasets_libtorrent_peer.py: no libtorrent here: run it with .venv-libtorrent/bin/python "
+                 "(bench/setup_libtorrent.sh)")
+    main(args)

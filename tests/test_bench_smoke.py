@@ -185,6 +185,30 @@ def test_moe_latency_bench_writes_the_ratio(tmp_path: Path) -> None:
     assert figures["latency"]["ratio_50ms_to_0ms"] > 0
 
 
+@pytest.mark.slow
+def test_datasets_bench_moves_a_dataset_and_survives_its_faults(tmp_path: Path) -> None:
+    """bench/datasets.py, tiny, in the lab (root): dedloc (libtorrent's venv is the bench's own), one NATed peer
+    of three, a lying seeder and a killed one; the keys the issue names."""
+    import os
+
+    from nat.lab import netns_unavailable_reason
+
+    reason = netns_unavailable_reason()
+    if reason is not None and os.environ.get("DEDLOC_NETLAB_REQUIRED", "") in ("", "0"):
+        pytest.skip(reason)
+    os.environ["DEDLOC_BENCH_DATA"] = str(tmp_path / "work")
+    try:
+        figures = run_bench(tmp_path, "datasets.py", "--peers", "3", "--nat-peers", "1", "--mbytes", "6",
+                            "--shards", "3", "--piece-kib", "256", "--peer-up", "40", "--peer-down", "80",
+                            "--seeder-up", "80", "--systems", "dedloc", "--timeout", "120", timeout=400)
+    finally:
+        del os.environ["DEDLOC_BENCH_DATA"]
+    assert figures["dedloc.last_peer_s"] > 0 and figures["bound_s"] > 0 and figures["dedloc"]["completed"] == 3
+    assert figures["corrupt.bad_bytes_delivered"] == 0 and figures["corrupt"]["completed"] == 3
+    assert list(figures["corrupt"]["banned_by"].values()) == [3]  # every peer named the lying seeder
+    assert figures["kill.completed"] == 3
+
+
 def run_bench(tmp_path: Path, script: str, *args: str, timeout: float) -> dict:  # type: ignore[type-arg]
     """Run bench/<script> with ``args`` and ``--json``; what it wrote (its output in the failure)."""
     out = tmp_path / "figures.json"
