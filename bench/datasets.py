@@ -324,8 +324,9 @@ async def one_run(top: Topology, args: argparse.Namespace, system: str, scenario
 
 # ---------------------------------------------------------------------- training from the swarm
 
-async def training_start(args: argparse.Namespace) -> dict[str, float]:
-    """Seconds from a fresh trainer's start to its first global step: --data swarm:NAME, then its disk."""
+async def training_start(args: argparse.Namespace) -> dict[str, list[float]]:
+    """Seconds from a fresh trainer's start to its first global step: --data swarm:NAME, then its disk, taking
+    turns --training-repeats times (where the swarm's next global step falls makes each figure noisy)."""
     from training.mlm import prepare
 
     dedloc = [sys.executable, "-m", "training.commands"]
@@ -334,7 +335,7 @@ async def training_start(args: argparse.Namespace) -> dict[str, float]:
     root.mkdir(parents=True)
     prepared = prepare(root / "example")
     loop = ["--listen", "/ip4/127.0.0.1/tcp/0", "--ephemeral", "--allow-private", "--json"]
-    out: dict[str, float] = {}
+    out: dict[str, list[float]] = {"swarm": [], "disk": []}
     procs: list[trio.Process] = []
 
     async def start(argv: list[str], name: str) -> trio.Process:
@@ -370,16 +371,17 @@ async def training_start(args: argparse.Namespace) -> dict[str, float]:
         train = [*dedloc, "train", *boot, *loop, "--tokenizer", str(prepared.tokenizer), "--target-batch-size", "32",
                  "--batch-size", "8", "--run-id", "datasets-bench"]
         await start([*train, "--workdir", str(root / "first"), "--data", *map(str, prepared.corpus)], "first")
-        for kind, data in (("swarm", [f"swarm:{NAME}"]), ("disk", list(map(str, prepared.corpus)))):
-            t0 = time.monotonic()
-            p = await start([*train, "--workdir", str(root / kind), "--data", *data], kind)
-            with trio.fail_after(args.timeout):
-                async for e in events(p):
-                    if e.get("event") == "global_step":
-                        out[kind] = time.monotonic() - t0
-                        break
-            p.terminate()
-            await p.wait()
+        for i in range(args.training_repeats):
+            for kind, data in (("swarm", [f"swarm:{NAME}"]), ("disk", list(map(str, prepared.corpus)))):
+                t0 = time.monotonic()
+                p = await start([*train, "--workdir", str(root / f"{kind}-{i}"), "--data", *data], f"{kind}-{i}")
+                with trio.fail_after(args.timeout):
+                    async for e in events(p):
+                        if e.get("event") == "global_step":
+                            out[kind].append(time.monotonic() - t0)
+                            break
+                p.terminate()
+                await p.wait()
     finally:
         with trio.CancelScope(shield=True):
             for p in procs:
@@ -429,6 +431,10 @@ def summary(run: Run, b: float) -> dict[str, Any]:
             "banned_by": banned, "killed_at_s": run.killed_at,
             "duplicates": sum(int(r.get("duplicates", 0)) for r in run.replies.values()),
             "relayed_peers": {k: r.get("relayed_peers") for k, r in run.replies.items() if r.get("relayed_peers")}}
+
+
+def _minmed(values: list[float]) -> str:
+    return f"{min(values):.1f}/{statistics.median(values):.1f}" if values else "-"
 
 
 def _mmm(values: list[float]) -> str:
@@ -483,9 +489,10 @@ async def main(args: argparse.Namespace) -> None:
               f"{result['dedloc']['last_over_bound']:.2f} (goal <= 1.25)")
     if args.training:
         t = await training_start(args)
-        result["training"] = t
-        print(f"first global step of a fresh trainer: {t.get('swarm', float('nan')):.1f} s with --data swarm:{NAME}, "
-              f"{t.get('disk', float('nan')):.1f} s with the data on disk")
+        result["training"] = {k: {"min": min(v), "median": statistics.median(v), "runs": v} for k, v in t.items() if v}
+        print(f"first global step of a fresh trainer (min/median of {args.training_repeats}): "
+              f"{_minmed(t['swarm'])} s with --data swarm:{NAME}, "
+              f"{_minmed(t['disk'])} s with the data on disk")
     if args.json:
         flat = dict(result)
         for key in ("dedloc", "libtorrent", "corrupt", "kill"):
@@ -513,6 +520,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", default="dedloc,libtorrent")
     p.add_argument("--faults", default="corrupt,kill")
     p.add_argument("--training", action="store_true", help="also time a fresh trainer's first step (loopback)")
+    p.add_argument("--training-repeats", type=int, default=3, help="how many times each (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--keep", action="store_true", help="keep the peers' files and logs")
     p.add_argument("--json", default=None, metavar="OUT")
