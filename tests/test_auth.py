@@ -258,7 +258,17 @@ async def test_a_closed_swarm_works_for_passholders_and_refuses_an_outsider_ever
         await alice_data.create("closed", tmp_path / "data")
         async with Datasets.open(bob) as bob_data:
             await bob_data.get("closed", tmp_path / "got", seed=False)
-        assert (tmp_path / "got" / "a.txt").read_text() == "members only\n" * 1000
+            assert (tmp_path / "got" / "a.txt").read_text() == "members only\n" * 1000
+            # bob adds a shard; the run's authority (not a member's key) takes it out again
+            (tmp_path / "more.txt").write_text("bob's\n" * 100)
+            entry = await bob_data.add("closed", [tmp_path / "more.txt"], tmp_path / "bob", seed=False)
+            assert [s.path for s in (await alice_data.find("closed")).shards()] == ["a.txt", "more.txt"]
+            from p2p.authority import KEY_FILE, load_or_create_key
+
+            with pytest.raises(DedlocError, match="only closed's creator"):
+                await bob_data.retract("closed", [entry.id])  # a member's own key: not enough
+            await alice_data.retract("closed", [entry.id], authority_key=load_or_create_key(tmp_path / KEY_FILE))
+            assert [s.path for s in (await bob_data.find("closed")).shards()] == ["a.txt"]
         # an outsider: connects (TCP and Noise), and is refused by every protocol of every member
         outsider_config = loopback_peer_config(initial_peers=boot)
         outsider_config.dht = None

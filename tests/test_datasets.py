@@ -461,3 +461,38 @@ def test_the_reader_waits_for_the_first_shard_and_takes_new_ones_during_a_pass(t
 
 def _take(it: object, n: int) -> list[str]:
     return [next(it) for _ in range(n)]  # type: ignore[call-overload]
+
+
+# ---------------------------------------------------------------------- a closed swarm's authority
+
+def test_a_closed_swarms_authority_retracts_any_entry_and_nobody_else_can_sign_as_it() -> None:
+    from nacl.signing import SigningKey
+
+    from training.datasets.manifest import sign_by_authority
+
+    creator, volunteer = signer(), signer()
+    authority, impostor = SigningKey.generate(), SigningKey.generate()
+    header = Header.make(creator, "wiki", "text", piece_size=PIECE, now=NOW)
+    mine = Entry.make(creator, header, [Shard("a.txt", 10, b"\x01" * 32)], now=NOW)
+    theirs = Entry.make(volunteer, header, [Shard("b.txt", 10, b"\x02" * 32)], now=NOW + 1)
+    closed = Manifest(header, authority=bytes(authority.verify_key))
+    for e in (mine, theirs):
+        closed.add(e.signed)
+    closed.add(sign_by_authority(impostor, header, [mine.id], now=NOW + 2))
+    assert [s.path for s in closed.shards()] == ["a.txt", "b.txt"]
+    assert "another key than the swarm's authority" in closed.refused[-1][1]
+    forged = pb.Signed.FromString(sign_by_authority(impostor, header, [mine.id], now=NOW + 2))
+    forged.public_key = bytes(authority.verify_key)  # the authority's key named, the impostor's signature
+    closed.add(forged.SerializeToString())
+    assert "signature does not match" in closed.refused[-1][1] and len(closed.shards()) == 2
+    retraction = sign_by_authority(authority, header, [theirs.id, mine.id], now=NOW + 3)
+    closed.add(retraction)
+    assert closed.shards() == [] and closed.retracted() == {theirs.id, mine.id}
+    again = Manifest.from_stored(closed.stored(), bytes(authority.verify_key))
+    assert again.shards() == []  # kept with the files, honoured again
+    opened = Manifest(header)  # an open swarm has no authority: the same bytes are refused
+    for e in (mine, theirs):
+        opened.add(e.signed)
+    opened.add(retraction)
+    assert [s.path for s in opened.shards()] == ["a.txt", "b.txt"]
+    assert "a swarm that has none" in opened.refused[-1][1]

@@ -178,9 +178,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     q = ds.add_parser("show", help="dataset NAME: shards, seeders, whether the swarm holds it whole")
     q.add_argument("name", metavar="NAME")
     dataset_options(q, upload=False)
-    q = ds.add_parser("retract", help="take entries out of a dataset you created")
+    q = ds.add_parser("retract", help="take entries out of a dataset you created (or, as a closed swarm's "
+                      "authority, of any dataset)")
     q.add_argument("name", metavar="NAME")
     q.add_argument("entries", nargs="+", metavar="ENTRY", help="entry ids (hex, or their start), as `show --json` lists")
+    q.add_argument("--authority-dir", default=None, metavar="DIR",
+                   help="sign as the closed swarm's authority (its key in DIR, as `dedloc authority` keeps it)")
     dataset_options(q, upload=False)
 
     p = sub.add_parser("demo", help="a live local swarm behind NATs (as root) or on loopback: relay, peers, DHT, "

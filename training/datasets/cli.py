@@ -58,7 +58,7 @@ async def cmd_dataset(args: argparse.Namespace, out: Output) -> int:
                     await _seed_forever(datasets, out)
             elif action == "seed":
                 for directory in args.directories:
-                    local = await trio.to_thread.run_sync(LocalDataset.load, Path(directory))
+                    local = await trio.to_thread.run_sync(LocalDataset.load, Path(directory), datasets.authority)
                     datasets.seed(local)
                 await _seed_forever(datasets, out)
             elif action == "list":
@@ -91,18 +91,26 @@ async def cmd_dataset(args: argparse.Namespace, out: Output) -> int:
                          refused=[list(r) for r in show.manifest.refused])
                 code = 0 if show.complete else 1
             elif action == "retract":
-                ids = []
-                for text in args.entries:
-                    try:
-                        ids.append(bytes.fromhex(text))
-                    except ValueError:
-                        raise ConfigError(f"{text!r} is not an entry id (hex, as `dataset show` prints)") from None
+                wanted = [t.lower() for t in args.entries]
+                for text in wanted:
+                    if len(text) < 4 or any(c not in "0123456789abcdef" for c in text):
+                        raise ConfigError(f"{text!r} is not an entry id (its hex, or 4 digits of it at least, as "
+                                          "`dataset show --json` prints)")
                 manifest = await datasets.find(args.name)
-                full = [e.id for e in manifest.entries.values() if any(e.id.startswith(i) for i in ids)]
-                if len(full) != len(ids):
+                full = [e.id for e in manifest.entries.values() if any(e.id.hex().startswith(t) for t in wanted)]
+                if len(full) != len(wanted):
                     raise DatasetError("not every id names one entry of the dataset (`dataset show` lists them)")
-                entry = await datasets.retract(args.name, full)
-                out.info(f"retracted {len(full)} entries (entry {entry.id.hex()[:12]})", retracted=[i.hex() for i in full])
+                key = None
+                if args.authority_dir is not None:  # a closed swarm's authority retracts
+                    from p2p.authority import KEY_FILE, load_or_create_key
+
+                    key_file = Path(args.authority_dir) / KEY_FILE
+                    if not key_file.exists():
+                        raise ConfigError(f"{key_file}: no authority key there")
+                    key = load_or_create_key(key_file)
+                rid = await datasets.retract(args.name, full, authority_key=key)
+                out.info(f"retracted {len(full)} entries (retraction {rid.hex()[:12]})",
+                         retracted=[i.hex() for i in full], retraction=rid.hex())
 
     await run_peer(args, out, config=peer_config(args, relay=False), work=work, role="datasets")
     return code

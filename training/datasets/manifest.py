@@ -8,7 +8,9 @@ metadata must survive every single peer leaving. So a dataset here is
   exactly one header);
 * a set of **entries**, each signed by its author: shards (path, size, hash
   root over pieces, :mod:`.pieces`) and, in an entry of the creator's only,
-  the ids of entries it retracts.
+  the ids of entries it retracts; in a closed swarm its **authority** retracts
+  too (:func:`sign_by_authority`: signed with the run's authority key, which
+  every member knows from its pass; honoured only where that key is the one).
 
 Entries merge without coordination: the set only grows, every peer that
 holds the same entries computes the same shard list (:meth:`Manifest.shards`:
@@ -34,7 +36,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
-from typing import Protocol
+from typing import Any, Protocol
 
 from google.protobuf.message import DecodeError
 from libp2p.crypto.keys import KeyType
@@ -127,6 +129,13 @@ def open_signed(raw: bytes, kind: str) -> tuple[bytes, ID]:
     if not ok:
         raise ManifestError(f"the {kind}'s signature does not match its content")
     return signed.body, ID.from_pubkey(key)
+
+
+def _kind(raw: bytes) -> str:
+    try:
+        return pb.Signed.FromString(raw).kind
+    except DecodeError:
+        return ""
 
 
 def object_id(raw: bytes) -> bytes:
@@ -252,24 +261,73 @@ class Entry:
                    raw)
 
 
+#: The kind of a closed swarm's authority's retraction (signed with its key, not a peer's).
+AUTHORITY_RETRACTION = "authority-retraction"
+
+
+def sign_by_authority(key: Any, header: Header, retract: Iterable[bytes], *, now: float) -> bytes:
+    """A retraction of ``retract`` (entry ids) signed by a closed swarm's authority (a PyNaCl ``SigningKey``:
+    ``p2p.authority.load_or_create_key``)."""
+    body = pb.Entry(dataset=header.id, created=now, retract=list(retract)).SerializeToString()
+    signature = key.sign(_payload(AUTHORITY_RETRACTION, body)).signature
+    return pb.Signed(body=body, public_key=bytes(key.verify_key), signature=signature,
+                     kind=AUTHORITY_RETRACTION).SerializeToString()
+
+
+def parse_authority_retraction(raw: bytes, header: Header, authority: bytes | None) -> tuple[bytes, ...]:
+    """The entry ids a retraction by ``authority`` (the closed swarm's Ed25519 key) takes out; refused with
+    the reason when there is no authority (an open swarm) or another key signed it."""
+    from nacl.exceptions import BadSignatureError
+    from nacl.signing import VerifyKey
+
+    try:
+        signed = pb.Signed.FromString(raw)
+        e = pb.Entry.FromString(signed.body)
+    except DecodeError as err:
+        raise ManifestError(f"an authority's retraction that does not parse: {err}") from None
+    if authority is None:
+        raise ManifestError("a retraction by an authority, in a swarm that has none")
+    if signed.public_key != authority:
+        raise ManifestError("a retraction signed by another key than the swarm's authority")
+    try:
+        VerifyKey(authority).verify(_payload(AUTHORITY_RETRACTION, signed.body), signed.signature)
+    except (BadSignatureError, ValueError):
+        raise ManifestError("the authority's retraction's signature does not match its content") from None
+    if e.dataset != header.id or not e.retract or any(len(r) != HASH_SIZE for r in e.retract):
+        raise ManifestError("an authority's retraction of another dataset, or of nothing")
+    return tuple(bytes(r) for r in e.retract)
+
+
 @dataclass
 class Manifest:
-    """One dataset as a peer knows it: its header and every entry it accepted (the grow-only set)."""
+    """One dataset as a peer knows it: its header and every entry it accepted (the grow-only set).
+
+    ``authority``: a closed swarm's authority key (32 bytes): its retractions are honoured too.
+    """
 
     header: Header
     entries: dict[bytes, Entry] = field(default_factory=dict)
     #: (what, why) of everything refused, the first few
     refused: list[tuple[str, str]] = field(default_factory=list)
+    authority: bytes | None = None
+    #: the authority's retractions: id -> (the signed bytes, the entry ids they take out)
+    by_authority: dict[bytes, tuple[bytes, tuple[bytes, ...]]] = field(default_factory=dict)
 
     def add(self, raw: bytes) -> Entry | None:
-        """Take a signed entry from anywhere; None (and the reason in ``refused``) if it is refused."""
+        """Take a signed entry (or an authority's retraction) from anywhere; None (and the reason in
+        ``refused``) if it is refused, or if it is a retraction by the authority (kept apart)."""
         eid = object_id(raw)
         if eid in self.entries:
             return self.entries[eid]
-        if len(self.entries) >= MAX_ENTRIES:
+        if eid in self.by_authority:
+            return None
+        if len(self.entries) + len(self.by_authority) >= MAX_ENTRIES:
             self._refuse(eid, f"the manifest already holds {MAX_ENTRIES} entries")
             return None
         try:
+            if _kind(raw) == AUTHORITY_RETRACTION:
+                self.by_authority[eid] = (raw, parse_authority_retraction(raw, self.header, self.authority))
+                return None
             entry = Entry.parse(raw, self.header)
         except ManifestError as e:
             self._refuse(eid, str(e))
@@ -282,11 +340,18 @@ class Manifest:
             self.refused.append((f"entry {eid.hex()[:12]}", why))
 
     def merge(self, other: Manifest) -> None:
-        for raw in (e.signed for e in other.entries.values()):
+        for raw in [e.signed for e in other.entries.values()] + [r for r, _ in other.by_authority.values()]:
             self.add(raw)
 
+    def signed(self) -> list[bytes]:
+        """Every signed object of the manifest but the header (what the DHT and the stored copy keep)."""
+        return ([e.signed for e in sorted(self.entries.values(), key=lambda e: e.id)]
+                + [raw for _, (raw, _) in sorted(self.by_authority.items())])
+
     def retracted(self) -> set[bytes]:
-        return {r for e in self.entries.values() if e.author == self.header.creator for r in e.retract}
+        """Entry ids taken out: by the creator's entries, and in a closed swarm by its authority."""
+        return ({r for e in self.entries.values() if e.author == self.header.creator for r in e.retract}
+                | {r for _, ids in self.by_authority.values() for r in ids})
 
     def _live(self) -> dict[str, tuple[Shard, ID]]:
         gone = self.retracted()
@@ -317,17 +382,15 @@ class Manifest:
 
     def stored(self) -> bytes:
         """What is kept beside the files (``DIR/.dedloc/manifest``)."""
-        return pb.Stored(header=self.header.signed,
-                         entries=[e.signed for e in sorted(self.entries.values(), key=lambda e: e.id)]
-                         ).SerializeToString()
+        return pb.Stored(header=self.header.signed, entries=self.signed()).SerializeToString()
 
     @classmethod
-    def from_stored(cls, raw: bytes) -> Manifest:
+    def from_stored(cls, raw: bytes, authority: bytes | None = None) -> Manifest:
         try:
             stored = pb.Stored.FromString(raw)
         except DecodeError as e:
             raise ManifestError(f"a stored manifest that does not parse: {e}") from None
-        manifest = cls(Header.parse(stored.header))
+        manifest = cls(Header.parse(stored.header), authority=authority)
         for entry in stored.entries:
             manifest.add(entry)
         return manifest
@@ -372,5 +435,6 @@ def schema_of(paths: Iterable[str]) -> str:
     return kinds.pop()
 
 
-__all__ = ["DatasetError", "Entry", "Header", "Manifest", "ManifestError", "SCHEMAS", "SUFFIXES", "Shard", "Signer",
-           "check_name", "check_path", "object_id", "open_signed", "resolve", "schema_of", "sign"]
+__all__ = ["AUTHORITY_RETRACTION", "DatasetError", "Entry", "Header", "Manifest", "ManifestError", "SCHEMAS", "SUFFIXES", "Shard", "Signer",
+           "check_name", "check_path", "object_id", "open_signed", "parse_authority_retraction", "resolve", "schema_of",
+           "sign", "sign_by_authority"]

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 from libp2p.abc import INetStream
@@ -43,7 +43,19 @@ from p2p.untrusted import decode_addrs
 
 from ..proto import datasets_pb2 as pb
 from . import events as ev
-from .manifest import DatasetError, Entry, Header, Manifest, ManifestError, Shard, Signer, check_name, resolve
+from .manifest import (
+    DatasetError,
+    Entry,
+    Header,
+    Manifest,
+    ManifestError,
+    Shard,
+    Signer,
+    check_name,
+    object_id,
+    resolve,
+    sign_by_authority,
+)
 from .picker import Pacer, UploadSlots
 from .store import LocalDataset
 
@@ -248,15 +260,30 @@ class Datasets:
             self.seed(local)
         return entry
 
-    async def retract(self, ref: str, entry_ids: Sequence[bytes]) -> Entry:
-        """Take entries out of a dataset we created (an entry of ours that names them)."""
+    @property
+    def authority(self) -> bytes | None:
+        """A closed swarm's authority key (its retractions count), None in an open swarm."""
+        authenticator = getattr(self.peer, "authenticator", None)
+        return None if authenticator is None else bytes(authenticator.config.authority)
+
+    async def retract(self, ref: str, entry_ids: Sequence[bytes], *, authority_key: Any = None) -> bytes:
+        """Take entries out of a dataset: as its creator (an entry of ours that names them), or, with
+        ``authority_key`` (the closed swarm's, ``p2p.authority.load_or_create_key``), as its authority.
+        The signed retraction's id."""
         manifest = await self.find(ref)
-        if manifest.header.creator != self.peer.peer_id:
-            raise DatasetError(f"only {ref}'s creator ({manifest.header.creator}) can retract its entries")
-        entry = Entry.make(self.peer, manifest.header, [], now=time.time(), retract=entry_ids)
-        manifest.add(entry.signed)
+        if authority_key is not None:
+            if self.authority is None or bytes(authority_key.verify_key) != self.authority:
+                raise DatasetError("that authority key is not this swarm's authority (is the peer in its closed "
+                                   "swarm?)")
+            raw = sign_by_authority(authority_key, manifest.header, entry_ids, now=time.time())
+        else:
+            if manifest.header.creator != self.peer.peer_id:
+                raise DatasetError(f"only {ref}'s creator ({manifest.header.creator}) or, in a closed swarm, its "
+                                   "authority can retract its entries")
+            raw = Entry.make(self.peer, manifest.header, [], now=time.time(), retract=entry_ids).signed
+        manifest.add(raw)
         await self.publish(manifest)
-        return entry
+        return object_id(raw)
 
     async def publish(self, manifest: Manifest) -> int:
         """Store the header and every entry (and the header in the index); how many records some replica took."""
@@ -264,7 +291,7 @@ class Datasets:
         key = dataset_key(manifest.header.name)
         records = [(key, content_subkey(manifest.header.signed, "h"), manifest.header.signed),
                    (INDEX_KEY, content_subkey(manifest.header.signed, "h"), manifest.header.signed)]
-        records += [(key, content_subkey(e.signed, "e"), e.signed) for e in manifest.entries.values()]
+        records += [(key, content_subkey(raw, "e"), raw) for raw in manifest.signed()]
         stored = 0
 
         async def one(key: str, subkey: str, value: bytes) -> None:
@@ -310,7 +337,7 @@ class Datasets:
                 log.info("datasets: refused a header of %s: %s", name, e)
         held = [h.local.manifest.header for h in self.held.values() if h.local.manifest.header.name == name]
         header = resolve(headers + held, ref)
-        manifest = Manifest(header)
+        manifest = Manifest(header, authority=self.authority)
         for _, raw in _subkeys(found, "e"):
             manifest.add(raw)
         if header.id in self.held:

@@ -71,7 +71,7 @@ class LocalDataset:
         stored = directory / META / "manifest"
         if stored.exists():
             try:
-                old = Manifest.from_stored(stored.read_bytes())
+                old = Manifest.from_stored(stored.read_bytes(), manifest.authority)
             except ManifestError as e:
                 raise DatasetError(f"{stored}: {e}; move the directory away or name another") from None
             if old.header.id != manifest.header.id:
@@ -83,14 +83,15 @@ class LocalDataset:
         return local
 
     @classmethod
-    def load(cls, directory: Path) -> LocalDataset:
-        """The dataset a directory holds (``dedloc dataset seed DIR``)."""
+    def load(cls, directory: Path, authority: bytes | None = None) -> LocalDataset:
+        """The dataset a directory holds (``dedloc dataset seed DIR``; ``authority``: a closed swarm's key,
+        whose retractions count)."""
         stored = Path(directory) / META / "manifest"
         if not stored.exists():
             raise DatasetError(f"{directory}: no dataset here (no {META}/manifest); "
                                "`dedloc dataset create` or `get` makes one")
         try:
-            manifest = Manifest.from_stored(stored.read_bytes())
+            manifest = Manifest.from_stored(stored.read_bytes(), authority)
         except ManifestError as e:
             raise DatasetError(f"{stored}: {e}") from None
         local = cls(Path(directory), manifest)
