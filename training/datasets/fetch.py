@@ -329,7 +329,7 @@ class Download:
         self._rate_bytes.append((now, len(data)))
         whole = self.local.write_piece(shard.root, key[1], data)
         self._held += len(data)
-        first = sum(len(h) for h in self.local.have.values()) == 1 and not self.local.whole
+        first = self.report.bytes == len(data)  # our first piece: the others can find us now
         if whole or first:
             self.datasets.announce_soon(self.dataset)
         if whole:

@@ -51,9 +51,11 @@ from .manifest import (
     ManifestError,
     Shard,
     Signer,
+    SUFFIXES,
     check_name,
     object_id,
     resolve,
+    schema_of,
     sign_by_authority,
 )
 from .picker import Pacer, UploadSlots
@@ -201,8 +203,6 @@ class Datasets:
     async def create(self, name: str, directory: Path, *, schema: str | None = None, text_field: str = "text",
                      seed: bool = True) -> LocalDataset:
         """Make ``directory``'s shard files a dataset named ``name``, publish it and (``seed``) serve it."""
-        from .manifest import schema_of
-
         check_name(name)
         directory = Path(directory)
         files = _shard_files(directory)
@@ -232,8 +232,6 @@ class Datasets:
         manifest = await self.find(ref)
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        from .manifest import schema_of
-
         if schema_of(str(f) for f in files) != manifest.header.schema:
             raise DatasetError(f"{ref} holds {manifest.header.schema} shards; these files are not")
         taken = {s.path for s in manifest.shards()}
@@ -605,8 +603,6 @@ def _subkeys(found: ValueWithExpiration | None, prefix: str) -> list[tuple[str, 
 
 
 def _shard_files(directory: Path) -> list[Path]:
-    from .manifest import SUFFIXES
-
     if not directory.is_dir():
         raise DatasetError(f"{directory}: no such directory")
     files = sorted(p for p in directory.rglob("*") if p.is_file() and ".dedloc" not in p.relative_to(directory).parts
