@@ -133,6 +133,10 @@ def unavailable_reason() -> str | None:
     return None
 
 
+#: How long miniupnpd may take to listen on both its servers.
+READY_TIMEOUT = 20.0
+
+
 class LabError(Exception):
     """A lab command failed (the message has the command and its stderr)."""
 
@@ -289,8 +293,9 @@ class Lab:
             self.miniupnpd = await trio.lowlevel.open_process(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         finally:
             log.close()
-        # Ready when both servers said they listen (debug logging goes to stderr with -d).
-        with trio.move_on_after(5):
+        # Ready when both servers said they listen (debug logging goes to stderr with -d): polled, with a
+        # deadline far above its usual 0.1 s (a loaded 2-core machine once took seconds).
+        with trio.move_on_after(READY_TIMEOUT):
             while True:
                 text = self.miniupnpd_log()[offset:]
                 if "HTTP listening on port" in text and "Listening for NAT-PMP/PCP" in text:
@@ -298,7 +303,7 @@ class Lab:
                 if self.miniupnpd.poll() is not None:
                     break
                 await trio.sleep(0.02)
-        state = f"exited {self.miniupnpd.poll()}" if self.miniupnpd.poll() is not None else "running but not listening after 5 s"
+        state = f"exited {self.miniupnpd.poll()}" if self.miniupnpd.poll() is not None else f"running but not listening after {READY_TIMEOUT:g} s"
         raise LabError(f"miniupnpd did not start ({state}); its output:\n{self.miniupnpd_log()}")
 
     async def _teardown(self) -> None:

@@ -132,8 +132,19 @@ async def test_a_pass_from_another_authority_is_refused_both_ways(tmp_path: Path
     other, _ = authority(tmp_path / "other")
     async with member(auth, "alice") as alice, member(other, "eve") as eve:
         await eve.connect(str(alice.addrs[0]))
-        with pytest.raises(DedlocError):
+        # eve's side: alice's pass is not from eve's authority, so eve speaks nothing to her
+        with pytest.raises(AuthError, match="no valid access pass: the pass's signature is not our authority's"):
             await eve.ping(alice.peer_id, timeout=5)
+        # alice's side, each gate on its own: her inbound gate refuses eve's streams...
+        assert alice.authenticator is not None and eve.authenticator is not None
+        for protocol in ("/ipfs/ping/1.0.0", "/dedloc/rpc/1.0.0"):
+            reason = await alice.authenticator.inbound(eve.peer_id, protocol)
+            assert reason is not None and reason.startswith("unauthenticated: ")
+        assert alice.authenticator.refused.get("the pass's signature is not our authority's")
+        assert eve.authenticator.refused.get("the pass's signature is not our authority's")
+        # ...and her outbound gate refuses to speak to eve
+        with pytest.raises(AuthError, match="no valid access pass"):
+            await alice.ping(eve.peer_id, timeout=5)
         await wait_until(lambda: not alice.has_connection(eve.peer_id), 5)
 
 

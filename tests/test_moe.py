@@ -219,8 +219,10 @@ async def test_a_dead_server_is_left_out_and_the_weights_renormalised() -> None:
         client_peer = sw.client
         async with ExpertClient.open(client_peer, ClientConfig(forward_timeout=3.0)) as client:
             # 6 of the 8 experts for each sample: at least 2 of them on the server that lives
+            # beam_size 8: the search keeps every prefix, so each sample's 6 are exactly its best 6 of 8
             layer = RemoteMixtureOfExperts(client, in_features=HID, grid_size=(4, 2), uid_prefix="ffn",
-                                           config=MoEConfig(k_best=6, forward_timeout=5.0, timeout_after_k_min=0.5))
+                                           config=MoEConfig(k_best=6, beam_size=8, forward_timeout=5.0,
+                                                            timeout_after_k_min=0.5))
             x = torch.randn(16, HID)
             await client.run(lambda: layer(x))  # warm: the cache holds both servers' experts
             sw.kill(1)
@@ -234,6 +236,21 @@ async def test_a_dead_server_is_left_out_and_the_weights_renormalised() -> None:
             assert took < 5.0 + 1.0  # never past the forward timeout (plus the thread hop)
             # the dead server's experts failed or came late, and are banned from the next search
             assert report.failed or report.late
+            # the mixed values: each sample's chosen experts that live (ffn.0.* and ffn.1.*, on server 0),
+            # weighted by the softmax of their scores over those alone (the dead ones' weight goes to them)
+            with torch.no_grad():
+                g = layer.gate(x)
+                live = sw.servers[0].backends
+                expected = torch.zeros(16, HID)
+                for i in range(16):
+                    scores = {(a, b): float(g[i, a] + g[i, 4 + b]) for a in range(4) for b in range(2)}
+                    best = sorted(scores, key=scores.__getitem__, reverse=True)[:6]
+                    alive = [c for c in best if f"ffn.{c[0]}.{c[1]}" in live]
+                    assert alive  # 6 of 8: at least 2 on the live server
+                    w = torch.softmax(torch.tensor([scores[c] for c in alive]), dim=0)
+                    for wc, c in zip(w, alive):
+                        expected[i] += wc * live[f"ffn.{c[0]}.{c[1]}"].module(x[i:i + 1])[0]
+            assert torch.allclose(y, expected, atol=1e-5), float((y - expected).abs().max())
             y2 = await client.run(lambda: layer(x))
             assert layer.last_report is not None and not layer.last_report.failed
             assert bool(torch.isfinite(y2).all())

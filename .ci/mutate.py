@@ -1,0 +1,119 @@
+"""`make mutate`: mutation testing of the pure decision modules with mutmut, scored per module.
+
+mutmut (the maintained tool: mutants as trampolines, each mutant run only against the tests
+that reach the function it changed) reads what to mutate from pyproject.toml's [tool.mutmut];
+this script runs it, counts each module's mutants by outcome and prints the table that
+docs/TESTING.md keeps. A mutant is *killed* when a test fails on it or it runs past mutmut's
+timeout (an infinite loop caught); *survived* and *no tests* both count against the module.
+
+    .venv/bin/python .ci/mutate.py [--goal 0.9] [--json OUT] [--survivors]
+
+Exit status 1 when a module scores under the goal (the issue's 90%), 2 when pyproject.toml's
+list and MODULES disagree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tomllib
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MUTMUT = ROOT / ".venv" / "bin" / "mutmut"
+
+#: module -> the fast tests that guard it (the union is pyproject's pytest_add_cli_args_test_selection)
+MODULES: dict[str, tuple[str, ...]] = {
+    "averaging/formation.py": ("tests/test_formation.py", "tests/test_averaging_core.py"),
+    "averaging/partition.py": ("tests/test_averaging_core.py",),
+    "averaging/reduction.py": ("tests/test_averaging_core.py", "tests/test_robust.py"),
+    "averaging/robust.py": ("tests/test_robust.py",),
+    "training/policy.py": ("tests/test_training_policy.py",),
+    "training/accumulator.py": ("tests/test_accumulator.py",),
+    "training/datasets/manifest.py": ("tests/test_datasets.py",),
+    "nat/reachability.py": ("tests/test_nat_decisions.py",),
+    "p2p/admission.py": ("tests/test_admission.py",),
+    "p2p/resources.py": ("tests/test_resources.py",),
+    "p2p/dht/records.py": ("tests/test_dht_records.py",),
+    "p2p/dht/routing.py": ("tests/test_dht_routing.py",),
+}
+
+KILLED = {"killed", "timeout"}
+
+
+def check_config() -> None:
+    conf = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]
+    tests = sorted({t for ts in MODULES.values() for t in ts})
+    if sorted(conf["only_mutate"]) != sorted(MODULES) or sorted(conf["pytest_add_cli_args_test_selection"]) != tests:
+        print("pyproject.toml [tool.mutmut] and .ci/mutate.py MODULES disagree:\n"
+              f"  only_mutate should be {sorted(MODULES)}\n"
+              f"  pytest_add_cli_args_test_selection should be {tests}", file=sys.stderr)
+        sys.exit(2)
+
+
+def module_of(mutant: str) -> str:
+    """``averaging.robust.x_centered_clip__mutmut_3`` -> ``averaging/robust.py``."""
+    for path in MODULES:
+        dotted = path[:-3].replace("/", ".") + "."
+        if mutant.startswith(dotted):
+            return path
+    raise ValueError(f"mutant {mutant!r} is in no module of MODULES")
+
+
+def scores() -> tuple[dict[str, Counter[str]], dict[str, list[str]]]:
+    out = subprocess.run([str(MUTMUT), "results", "--all", "true"], cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout
+    counts: dict[str, Counter[str]] = {m: Counter() for m in MODULES}
+    survivors: dict[str, list[str]] = {m: [] for m in MODULES}
+    for line in out.splitlines():
+        name, sep, status = line.strip().rpartition(": ")
+        if not sep:
+            continue
+        module = module_of(name)
+        counts[module][status] += 1
+        if status not in KILLED:
+            survivors[module].append(name)
+    return counts, survivors
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--goal", type=float, default=0.9)
+    parser.add_argument("--json", type=Path, help="write the scores here")
+    parser.add_argument("--survivors", action="store_true", help="list every surviving mutant")
+    parser.add_argument("--no-run", action="store_true", help="score the last run again (mutants/ kept)")
+    args = parser.parse_args()
+    check_config()
+    if not args.no_run:
+        # a fresh run every time: mutmut's cache keys on source, not on the tests that changed
+        subprocess.run(["rm", "-rf", str(ROOT / "mutants")], check=True)
+        subprocess.run([str(MUTMUT), "run"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    counts, survivors = scores()
+    below = []
+    table = {}
+    print(f"{'module':34} {'mutants':>7} {'killed':>6} {'score':>6}  survivors")
+    for module, c in counts.items():
+        total = sum(c.values())
+        killed = sum(c[s] for s in KILLED)
+        score = killed / total if total else 1.0
+        table[module] = {"mutants": total, "killed": killed, "score": round(score, 4), "by_status": dict(c)}
+        left = ", ".join(f"{n} {s}" for s, n in sorted(c.items()) if s not in KILLED) or "-"
+        print(f"{module:34} {total:7} {killed:6} {score:6.1%}  {left}")
+        if score < args.goal:
+            below.append(module)
+        if args.survivors:
+            for name in survivors[module]:
+                print(f"    {name}")
+    if args.json:
+        args.json.write_text(json.dumps(table, indent=1) + "\n")
+    if below:
+        print(f"under the goal of {args.goal:.0%}: {', '.join(below)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
