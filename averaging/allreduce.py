@@ -40,6 +40,7 @@ from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
 from nat import Swarm
+from p2p.errors import ConfigError
 from p2p.trio_util import finish_quietly
 
 from .bandwidth import TransferClock
@@ -185,17 +186,17 @@ class AllreduceConfig:
         if self.robust is not None:
             self.robust.validate()
         if self.max_chunks_ahead < 1:
-            raise ValueError("max_chunks_ahead must be at least 1")
+            raise ConfigError("max_chunks_ahead must be at least 1")
         for name in ("chunk_elements", "min_chunk_elements", "max_chunk_elements"):
             value = getattr(self, name)
             if value is not None and not 0 < value <= (1 << 24):
-                raise ValueError(f"{name} must be in 1 .. 16 Mi")
+                raise ConfigError(f"{name} must be in 1 .. 16 Mi")
         if self.min_chunk_elements > self.max_chunk_elements:
-            raise ValueError("min_chunk_elements must not exceed max_chunk_elements")
+            raise ConfigError("min_chunk_elements must not exceed max_chunk_elements")
         if not self.chunk_seconds > 0:
-            raise ValueError("chunk_seconds must be positive")
+            raise ConfigError("chunk_seconds must be positive")
         if not (self.stall_timeout > 0 and self.timeout > 0):
-            raise ValueError("timeouts must be positive")
+            raise ConfigError("timeouts must be positive")
 
 
 @dataclass

@@ -37,6 +37,7 @@ import trio
 from libp2p.abc import INetStream
 
 from nat import Swarm
+from p2p.errors import ConfigError
 from p2p.hooks import ExternalAddresses, Reachability, Registration, SwarmObserver
 from p2p.trio_util import finish_quietly
 
@@ -92,21 +93,21 @@ class AveragerConfig:
 
     def validate(self) -> None:
         if not self.prefix or len(self.prefix) > 128:
-            raise ValueError("prefix must be 1..128 characters")
+            raise ConfigError("prefix must be 1..128 characters")
         self.matchmaking.validate()
         self.allreduce.validate()
         if self.auxiliary and not self.reduces:
-            raise ValueError("an auxiliary peer only reduces: reduces=False leaves it nothing to do")
+            raise ConfigError("an auxiliary peer only reduces: reduces=False leaves it nothing to do")
         self.bandwidth.validate()
         if self.moshpit is not None:
             self.moshpit.validate()
             if self.matchmaking.target_size != self.moshpit.group_size:
-                raise ValueError(f"with Moshpit groups of {self.moshpit.group_size}, matchmaking.target_size must be "
+                raise ConfigError(f"with Moshpit groups of {self.moshpit.group_size}, matchmaking.target_size must be "
                                  f"the same (it is {self.matchmaking.target_size})")
         if not (math.isfinite(self.compute) and self.compute >= 0):
-            raise ValueError("compute must be finite and >= 0")
+            raise ConfigError("compute must be finite and >= 0")
         if not (self.join_wait > 0 and self.reachability_wait >= 0):
-            raise ValueError("join_wait must be > 0 and reachability_wait >= 0")
+            raise ConfigError("join_wait must be > 0 and reachability_wait >= 0")
 
 
 def _check_finite(tensors: Sequence[torch.Tensor]) -> None:

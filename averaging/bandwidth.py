@@ -41,6 +41,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from p2p.errors import ConfigError
+
 
 @dataclass
 class TransferClock:
@@ -136,11 +138,11 @@ class BandwidthConfig:
 
     def validate(self) -> None:
         if self.upload < 0 or self.download < 0:
-            raise ValueError("upload and download must be >= 0 (0: measure them)")
+            raise ConfigError("upload and download must be >= 0 (0: measure them)")
         if self.window < 1 or self.probe_window < 1 or self.min_bytes < 1 or self.min_seconds <= 0:
-            raise ValueError("window, probe_window, min_bytes and min_seconds must be positive")
+            raise ConfigError("window, probe_window, min_bytes and min_seconds must be positive")
         if self.probe_every < 0:
-            raise ValueError("probe_every must be >= 0 (0: never probe)")
+            raise ConfigError("probe_every must be >= 0 (0: never probe)")
 
 
 class BandwidthEstimator:

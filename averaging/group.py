@@ -11,6 +11,7 @@ from enum import StrEnum
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
+from p2p.errors import ConfigError
 from p2p.untrusted import decode_addrs, decode_peer_id
 
 from .errors import AllreduceProtocolError
@@ -92,11 +93,11 @@ class Group:
 
     def __post_init__(self) -> None:
         if not 0 <= self.my_index < len(self.members):
-            raise ValueError("my_index out of range")
+            raise ConfigError("my_index out of range")
         if len(self.members) > MAX_GROUP_SIZE:
-            raise ValueError(f"a group has at most {MAX_GROUP_SIZE} members")
+            raise ConfigError(f"a group has at most {MAX_GROUP_SIZE} members")
         if len({m.peer_id for m in self.members}) != len(self.members):
-            raise ValueError("a peer appears twice in the group")
+            raise ConfigError("a peer appears twice in the group")
 
     @property
     def me(self) -> Member:

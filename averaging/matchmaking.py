@@ -46,7 +46,7 @@ from libp2p.peer.id import ID
 
 from nat import Swarm
 from p2p.dht import owned
-from p2p.errors import DedlocError
+from p2p.errors import ConfigError, DedlocError
 from p2p.rpc import CallContext, PeerDisconnectedError
 
 from .errors import AllreduceProtocolError, MatchmakingError
@@ -76,9 +76,9 @@ class MatchmakingConfig:
 
     def validate(self) -> None:
         if not 1 <= self.min_size <= self.target_size:
-            raise ValueError("need 1 <= min_size <= target_size")
+            raise ConfigError("need 1 <= min_size <= target_size")
         if not (self.timeout > 0 and self.gather_time >= 0 and self.poll_interval > 0):
-            raise ValueError("matchmaking times must be positive")
+            raise ConfigError("matchmaking times must be positive")
 
 
 #: How long a leader that fixed its group waits for its followers' join calls to be answered.

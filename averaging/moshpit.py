@@ -26,6 +26,8 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+from p2p.errors import ConfigError
+
 
 def rounds_to_average(n: int, m: int) -> int:
     """d = ceil(log_m n): rounds in groups of m until every peer has the global average."""
@@ -112,10 +114,10 @@ class MoshpitConfig:
 
     def validate(self) -> None:
         if self.group_size < 2 or self.dims < 1:
-            raise ValueError(f"Moshpit needs group_size >= 2 and dims >= 1 ({self.group_size}, {self.dims})")
+            raise ConfigError(f"Moshpit needs group_size >= 2 and dims >= 1 ({self.group_size}, {self.dims})")
         if self.initial is not None:
             if len(self.initial) != self.dims - 1:
-                raise ValueError(f"initial must hold dims - 1 = {self.dims - 1} digits, not {self.initial}")
+                raise ConfigError(f"initial must hold dims - 1 = {self.dims - 1} digits, not {self.initial}")
             GridPosition(self.group_size, self.initial)  # range check
 
     @classmethod
@@ -134,9 +136,9 @@ class GridPosition:
 
     def __post_init__(self) -> None:
         if self.m < 2:
-            raise ValueError("the group size m must be at least 2")
+            raise ConfigError("the group size m must be at least 2")
         if any(not 0 <= x < self.m for x in self.digits):
-            raise ValueError(f"digits must be in [0, {self.m}): {self.digits}")
+            raise ConfigError(f"digits must be in [0, {self.m}): {self.digits}")
 
     @classmethod
     def initial(cls, m: int, dims: int, seed: bytes) -> GridPosition:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from p2p.errors import ConfigError
 from .allreduce import RoundReport
 from .averager import Averager
 from .finite import all_finite
@@ -48,9 +49,9 @@ class PowerSGDConfig:
 
     def validate(self) -> None:
         if self.rank < 1:
-            raise ValueError("rank must be >= 1")
+            raise ConfigError("rank must be >= 1")
         if not 0 < self.max_ratio <= 1:
-            raise ValueError("max_ratio must be in (0, 1]")
+            raise ConfigError("max_ratio must be in (0, 1]")
 
 
 @dataclass

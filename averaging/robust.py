@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from p2p.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class CenteredClipConfig:
@@ -39,13 +41,13 @@ class CenteredClipConfig:
 
     def validate(self) -> None:
         if self.tau is not None and not self.tau > 0:
-            raise ValueError(f"tau must be positive, got {self.tau}")
+            raise ConfigError(f"tau must be positive, got {self.tau}")
         if not self.tau_factor > 0:
-            raise ValueError(f"tau_factor must be positive, got {self.tau_factor}")
+            raise ConfigError(f"tau_factor must be positive, got {self.tau_factor}")
         if not 1 <= self.iterations <= 1000:
-            raise ValueError(f"iterations must be in 1 .. 1000, got {self.iterations}")
+            raise ConfigError(f"iterations must be in 1 .. 1000, got {self.iterations}")
         if not 0 < self.flag_below <= 1:
-            raise ValueError(f"flag_below must be in (0, 1], got {self.flag_below}")
+            raise ConfigError(f"flag_below must be in (0, 1], got {self.flag_below}")
 
 
 @dataclass

@@ -24,13 +24,14 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.struct_pb2 import Struct
 
 from p2p import events as ev
-from p2p.addresses import Scope, parse_peer_addr, scope_of
+from p2p.addresses import Scope, parse_multiaddr, parse_peer_addr, peer_id_of, scope_of
+from p2p.auth import AuthError
 from p2p.output import Output
 from p2p.admission import AdmissionConfig
 from p2p.collector import settle
 from p2p.resources import Rate
 from p2p.config import NodeConfig
-from p2p.errors import ConfigError
+from p2p.errors import CLOSED_SWARM_HINT, ConfigError
 from p2p.hooks import PathKind
 from p2p.http import parse_endpoint
 from p2p.dht.events import DHTMode
@@ -195,7 +196,9 @@ async def run_peer(args: argparse.Namespace, out: Output, *, relay: bool = False
     if endpoint:
         parse_endpoint(endpoint)  # a malformed --metrics fails before the peer starts
     async with trio.open_nursery() as nursery:
-        async with Peer.open(config, on_listening=lambda node: _print_listening(node, out, nursery)) as peer:
+        async with Peer.open(config, on_listening=lambda node: _print_listening(node, out, nursery,
+                                                                                  has_pass=config.auth is not None)
+                             ) as peer:
             _serve_status(peer)
             settle()  # a long-running process: full collections skip start-up's heap (p2p/collector.py)
 
@@ -235,10 +238,31 @@ async def _dashboard(peer: Peer, endpoint: str | None, role: str) -> AsyncIterat
         yield dashboard
 
 
-def _print_listening(node: Node, out: Output, nursery: trio.Nursery) -> None:
-    """Print the node's events from its first moment (bootstrap progress included)."""
+def _print_listening(node: Node, out: Output, nursery: trio.Nursery, *, has_pass: bool = False) -> None:
+    """Print the node's events from its first moment (bootstrap progress included); without a pass
+    (``has_pass``: the peer is configured for a closed run), a closed swarm that one of our initial
+    peers belongs to ends the command at once, saying so."""
     nursery.start_soon(_follow, node, out)
+    if not has_pass:
+        nursery.start_soon(_refused_by_closed_swarm, node)
     out.event(ev.Listening(peer_id=node.peer_id, addrs=[str(a) for a in node.addrs]))
+
+
+async def _refused_by_closed_swarm(node: Node) -> None:
+    """Raise :class:`AuthError` once an initial peer shows us a closed swarm's pass and we have none
+    (``Node.closed_swarm``). Only an initial peer: any peer may open that protocol to us, and a stranger
+    must not be able to stop a relay."""
+    initial = {pid for pid in (peer_id_of(parse_multiaddr(a)) for a in node.config.initial_peers) if pid is not None}
+    async with node.events() as events:
+        while True:
+            closed = sorted(str(p) for p in node.closed_swarm & initial)
+            if closed:
+                raise AuthError(f"the swarm of {closed[0]} is closed; {CLOSED_SWARM_HINT}")
+            async for event in events:
+                if isinstance(event, ev.ClosedSwarm):
+                    break
+            else:
+                return  # the node closed
 
 
 async def cmd_relay(args: argparse.Namespace, out: Output) -> int:

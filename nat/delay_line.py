@@ -39,6 +39,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from p2p.errors import ConfigError
+
 #: netem's own default limit is 1000 packets; the lab raised it to 100000 so bulk transfers over a
 #: delayed link are not capped by the queue: the same here (about 150 MB of full-size packets)
 QUEUE_LIMIT = 100_000
@@ -70,7 +72,7 @@ class DelayLine:
 
     def __post_init__(self) -> None:
         if self.delay < 0 or not 0.0 <= self.loss <= 1.0:
-            raise ValueError(f"delay must be >= 0 and loss in [0, 1], not {self.delay}, {self.loss}")
+            raise ConfigError(f"delay must be >= 0 and loss in [0, 1], not {self.delay}, {self.loss}")
 
     def push(self, packet: bytes, now: float) -> bool:
         """A packet entered the line at ``now``; False when it is lost or the queue is full."""

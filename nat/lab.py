@@ -131,6 +131,8 @@ from typing import Any, NamedTuple
 
 import trio
 
+from p2p.errors import ConfigError, DedlocError
+
 from .delay_line import QUEUE_LIMIT as WIRE_QUEUE_LIMIT
 
 __all__ = [
@@ -157,7 +159,7 @@ BOGONS = ("10.0.0.0/8", "100.64.0.0/10")
 _NAME = re.compile(r"^[a-z][a-z0-9]{0,11}$")
 
 
-class NetlabError(RuntimeError):
+class NetlabError(DedlocError, RuntimeError):
     """A lab command failed; the message has the command and its stderr."""
 
 
@@ -206,7 +208,7 @@ class Shape:
 
     def __post_init__(self) -> None:
         if not (self.up_mbit > 0 and self.down_mbit > 0 and self.burst_kb > 0 and self.latency_ms > 0):
-            raise ValueError(f"every figure of a Shape must be positive: {self}")
+            raise ConfigError(f"every figure of a Shape must be positive: {self}")
 
     def tbf(self, mbit: float) -> list[str]:
         return ["tbf", "rate", f"{mbit:g}mbit", "burst", f"{self.burst_kb:g}kb", "latency", f"{self.latency_ms:g}ms"]
@@ -420,10 +422,10 @@ class Lab:
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.prefix):
-            raise ValueError(f"prefix must match {_NAME.pattern} (no '-'): {self.prefix!r}")
+            raise ConfigError(f"prefix must match {_NAME.pattern} (no '-'): {self.prefix!r}")
         net = ipaddress.ip_network(self.public_net)
         if not isinstance(net, ipaddress.IPv4Network) or net.prefixlen > 16:
-            raise ValueError(f"public_net must be an IPv4 network of /16 or larger: {self.public_net}")
+            raise ConfigError(f"public_net must be an IPv4 network of /16 or larger: {self.public_net}")
         self._link_net, self._routed_net = net.subnets(prefixlen_diff=1)
         # <prefix>-<pid>-<random>: the pid lets cleanup_stale skip labs of live processes.
         self.id = f"{self.prefix}-{os.getpid()}-{secrets.token_hex(2)}"

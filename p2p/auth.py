@@ -48,7 +48,7 @@ from libp2p.peer.id import ID
 from nacl.exceptions import BadSignatureError
 from nacl.signing import VerifyKey
 
-from .errors import DedlocError, ProtocolNotSupportedError, RemoteProtocolError
+from .errors import UNAUTHENTICATED, DedlocError, ProtocolNotSupportedError, RemoteProtocolError
 from .hooks import ConnectionInfo, Registration, SwarmObserver
 from .proto import auth_pb2 as pb
 from .trio_util import finish_quietly, start_cancellable
@@ -138,6 +138,8 @@ def verify_pass(access: pb.AccessPass, config: AuthConfig, peer_id: ID, now: flo
 
 def check_hello(hello: pb.Hello, config: AuthConfig, peer_id: ID, now: float) -> Token:
     """A peer's :class:`pb.Hello`: its pass (:func:`verify_pass`) and its clock within ``max_skew``."""
+    if not hello.HasField("access"):
+        raise AuthError("the peer shows no access pass (it is not a member of this closed swarm)")
     skew = abs(hello.time_ms / 1000.0 - now)
     if skew > config.max_skew:
         raise AuthError(f"the peer's clock is {skew:.0f} s off ours (the bound is {config.max_skew:.0f} s)")
@@ -185,7 +187,7 @@ class Authenticator(SwarmObserver):
         if protocol in PRE_AUTH:
             return None
         verdict = await self._wait(peer)
-        return None if verdict.token is not None else f"unauthenticated: {verdict.refused}"
+        return None if verdict.token is not None else f"{UNAUTHENTICATED}{verdict.refused}"
 
     async def outbound(self, peer: ID, protocols: list[str]) -> None:
         """Wait until ``peer`` showed a valid pass before we speak anything but the pre-auth protocols to it."""

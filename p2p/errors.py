@@ -7,6 +7,16 @@ edge and show the message: every message says what went wrong *and* what to do.
 from __future__ import annotations
 
 
+#: How the gate's refusal of a stream begins (the reason follows): what the opener recognises.
+UNAUTHENTICATED = "unauthenticated: "
+
+#: What a peer without a pass is told when a closed swarm (p2p/auth.py) refuses it (the CLI's flags; the Python API's
+#: ``nat.AuthSettings`` has the same three).
+CLOSED_SWARM_HINT = ("it admits only holders of an access pass: ask its operator to add you "
+                     "(`dedloc authority add NAME`), then join with --authority KEY --username NAME --secret-file FILE")
+
+
+
 class DedlocError(Exception):
     """Base class of every error dedloc raises on purpose."""
 

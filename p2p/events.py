@@ -120,6 +120,18 @@ class Error(Event):
 
 
 @dataclass
+class ClosedSwarm(Event):
+    """A peer showed us its access pass (``/dedloc/auth/1.0.0``) and we have none: it runs a closed
+    swarm and will refuse us (``p2p/auth.py``)."""
+
+    peer_id: ID
+    event: str = field(init=False, default="closed_swarm")
+
+    def human(self) -> str:
+        return f"{self.peer_id} runs a closed swarm, and this peer has no access pass for it"
+
+
+@dataclass
 class Closed(Event):
     peer_id: ID
     event: str = field(init=False, default="closed")

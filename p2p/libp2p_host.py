@@ -65,6 +65,11 @@ moves (``tests/test_node.py`` and ``interop/`` pin the behaviour):
   ("failed to negotiate the secure protocol"; ``interop/test_js_nat.py``: 1 cell
   failed in 1 of 4 runs, and in CI). :func:`_oldest_direct_first` picks the oldest open direct
   connection, else the oldest relayed one: the one both sides have kept.
+* **Listen failures.** Its ``Swarm.listen`` logs a listener that failed (a port
+  in use, an address not this machine's) and returns False, which ``BasicHost.run``
+  ignores: a relay started on a port that another process held ran on, listening
+  nowhere, and said only "no direct address". :func:`check_listening` fails the
+  node's start instead, with the operating system's reason for each address.
 * **Dialing** is not here: ``p2p/dialer.py`` replaces ``Swarm.dial_peer`` (a
   250 ms stall on every successful connect) and is a module of its own.
 
@@ -98,7 +103,8 @@ import trio
 from multiaddr import Multiaddr
 
 from . import multistream
-from .addresses import is_relayed_conn
+from .addresses import is_relayed_conn, without_peer_id
+from .errors import DedlocError
 from .admission import Ticket
 from .resources import ResourceLimitExceeded, ResourceManager
 from .rpc.framing import encode_varint
@@ -184,6 +190,53 @@ async def started(host: IHost, get_addrs: Callable[[], list[Multiaddr]],
     host.get_addrs = get_addrs  # type: ignore[method-assign]
     network.register_notifee(_Notifee(connected, disconnected))
     host.set_stream_handler(IDENTIFY_PROTOCOL, _identify_handler(host, resources))
+
+
+def check_listening(host: IHost, listen: Sequence[Multiaddr]) -> None:
+    """Raise :class:`DedlocError` naming each TCP address of ``listen`` that has no listener (see the
+    module's "Listen failures"), with the operating system's reason (found by binding it as py-libp2p does)."""
+    bound = [without_peer_id(a) for a in host.get_transport_addrs()]
+    missing = []
+    for addr in listen:
+        ip, port = _ip_of(addr), _tcp_port(addr)
+        if ip is None or port is None:
+            continue  # not TCP over IP (QUIC's listeners fail loudly on their own)
+        if not any(_tcp_port(b) is not None and port in (0, _tcp_port(b)) and ip in ("0.0.0.0", "::", _ip_of(b))
+                   for b in bound):
+            missing.append(f"{addr}: {_bind_reason(ip, port)}")
+    if missing:
+        raise DedlocError("cannot listen on " + "; ".join(missing)
+                          + " (choose another port with --listen, or tcp/0 for any free one)")
+
+
+def _ip_of(addr: Multiaddr) -> str | None:
+    names = [p.name for p in addr.protocols()]
+    for proto in ("ip4", "ip6"):
+        if proto in names:
+            return str(addr.value_for_protocol(proto))
+    return None
+
+
+def _tcp_port(addr: Multiaddr) -> int | None:
+    if "tcp" not in [p.name for p in addr.protocols()]:
+        return None
+    return int(str(addr.value_for_protocol("tcp")))
+
+
+def _bind_reason(ip: str, port: int) -> str:
+    """Why the OS refuses to bind ``ip``:``port`` with py-libp2p's socket options (it logs and drops the reason)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            sock.bind((ip, port))
+            sock.listen(1)
+        except OSError as e:
+            return e.strerror or str(e)
+    return "py-libp2p opened no listener (the address binds now: it may have been taken a moment ago)"
 
 
 #: The admission ticket of the inbound connection a task is upgrading (each accepted connection has its task).

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import trio
 
 from .admission import describe_refusal, is_admission_refusal
-from .errors import ProtocolNotSupportedError, RemoteProtocolError
+from .errors import CLOSED_SWARM_HINT, UNAUTHENTICATED, ProtocolNotSupportedError, RemoteProtocolError
 
 HEADER = "/multistream/1.0.0"
 NA = "na"
@@ -59,14 +59,20 @@ class ProtocolRefused(ProtocolNotSupportedError, ValueError):
     """
 
 
-class PeerRefused(MultistreamError):
+class PeerRefused(MultistreamError, ValueError):
     """The listener refused the connection before the handshake, or the stream over one of its
-    limits, and said why (:attr:`reason`)."""
+    limits or its gate (a closed swarm), and said why (:attr:`reason`).
+
+    A ValueError for :class:`ProtocolRefused`'s reason: a lazily selected stream raises this from
+    its first read, and py-libp2p's ``NetStream.read`` would otherwise hide it in a StreamError.
+    """
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
         if is_admission_refusal(reason):
             super().__init__(f"the peer refused the connection: {describe_refusal(reason)}")
+        elif reason.startswith(UNAUTHENTICATED):  # a closed swarm's gate (p2p/auth.py): say what to do
+            super().__init__(f"the peer refused the stream: {reason}; the swarm is closed: {CLOSED_SWARM_HINT}")
         else:
             super().__init__(f"the peer refused the stream: {reason}")
 

@@ -33,18 +33,23 @@ from .admission import Admission
 from .addresses import is_relayed, parse_multiaddr, parse_peer_addr, rank_for_dial, with_peer_id, without_peer_id
 from .config import NodeConfig
 from .dialer import CircuitDialer, backoff_delays, classify_dial_error, dial, live_connection, remote_addr
-from .errors import BootstrapError, ConfigError, DedlocError, DialError, ProtocolNotSupportedError, StreamOpenError
+from .errors import CLOSED_SWARM_HINT, BootstrapError, ConfigError, DedlocError, DialError, ProtocolNotSupportedError, StreamOpenError
 from .hooks import ConnectionInfo, Direction, ExternalAddresses, PathKind, Reachability, Registration, SwarmObserver
 from .identify import MAX_LISTEN_ADDRS, PeerIdentity, identify
 from .identity import load_or_create_identity, new_identity, peer_id_of
-from .auth import PROTOCOL as AUTH_PROTOCOL, Authenticator
-from .libp2p_host import build_host, set_gate, started
+from .auth import PRE_AUTH, PROTOCOL as AUTH_PROTOCOL, AuthError, Authenticator
+from .libp2p_host import build_host, check_listening, set_gate, started
 from .noise import NoiseSession
+from .proto import auth_pb2 as auth_pb
+from .wire import read_message, write_message
 from .resources import ResourceLimitExceeded, ResourceManager, limits_hit
 from .rpc import RPC_PROTOCOL, Rpc
 from .trio_util import finish_quietly, unwrap_single_group
 
 log = logging.getLogger(__name__)
+
+#: How long a closed swarm's Hello may take to arrive and be answered (we have no pass: no verdict waits on it).
+AUTH_NOTICE_TIMEOUT = 5.0
 
 StreamHandler = Callable[[INetStream], Awaitable[None]]
 PING_SIZE = 32
@@ -84,6 +89,9 @@ class Node:
         self._circuit_dialer: CircuitDialer | None = None
         self._external = ExternalAddresses()
         self._auth: Authenticator | None = None
+        #: peers that showed us a closed swarm's pass while we had none (``_on_closed_swarm_hello``)
+        self.closed_swarm: set[ID] = set()
+        self._no_pass: Registration | None = None
         #: Failed attempts of our dials, by (transport, error class, ip version): go-libp2p's
         #: ``libp2p_swarm_dial_errors_total`` labels (:func:`p2p.dialer.classify_dial_error`).
         self.dial_errors: Counter[tuple[str, str, str]] = Counter()
@@ -139,11 +147,13 @@ class Node:
             with unwrap_single_group():
                 async with host.run(listen), trio.open_nursery() as nursery:
                     listening = True
+                    check_listening(host, listen)
                     node = cls(config, key_pair, host, nursery, resources)
                     holder.append(node)
                     await started(host, node._host_addrs, node._connected, node._disconnected,
                                   resources)
                     node.set_stream_handler(RPC_PROTOCOL, node.rpc.handle_stream)
+                    node._no_pass = node.set_stream_handler(AUTH_PROTOCOL, node._on_closed_swarm_hello)
                     nursery.start_soon(node._sweep_idle_rpc_streams)
                     nursery.start_soon(node._log_limits_hit)
                     try:
@@ -419,6 +429,7 @@ class Node:
         self._auth = authenticator
         stack = ExitStack()
         stack.callback(setattr, self, "_auth", None)
+        stack.callback(self._restore_no_pass_handler)
         stack.enter_context(self.set_stream_handler(AUTH_PROTOCOL, authenticator.handle))
         stack.enter_context(self.observe(authenticator))
         set_gate(self.host, authenticator.inbound)
@@ -429,6 +440,27 @@ class Node:
     @property
     def authenticator(self) -> Authenticator | None:
         return self._auth
+
+    def _restore_no_pass_handler(self) -> None:
+        self._no_pass = self.set_stream_handler(AUTH_PROTOCOL, self._on_closed_swarm_hello)
+
+    async def _on_closed_swarm_hello(self, stream: INetStream) -> None:
+        """A peer of a closed swarm showed us its pass and we have none (no authenticator): say so at
+        once. We answer a Hello without a pass, so it refuses us now rather than after its verdict
+        timeout; it is remembered (:attr:`closed_swarm`), announced (``ClosedSwarm``), and our own streams
+        to it fail at once with :class:`AuthError` instead of one refusal at a time."""
+        peer = _remote(stream)
+        try:
+            with trio.move_on_after(AUTH_NOTICE_TIMEOUT):
+                await read_message(stream, auth_pb.Hello, timeout=AUTH_NOTICE_TIMEOUT)
+                await write_message(stream, auth_pb.Hello(time_ms=int(time.time() * 1000)))
+            await finish_quietly(stream.close)
+        except Exception:
+            await finish_quietly(stream.reset)
+        if peer is not None and peer not in self.closed_swarm:
+            self.closed_swarm.add(peer)
+            log.info("%s runs a closed swarm; %s", peer, CLOSED_SWARM_HINT)
+            self.emit(ev.ClosedSwarm(peer_id=peer))
 
     @property
     def network(self) -> INetworkService:
@@ -504,6 +536,8 @@ class Node:
                 await self.connect(peer_id)
             if self._auth is not None:
                 await self._auth.outbound(peer_id, protocols)
+            elif peer_id in self.closed_swarm and not all(p in PRE_AUTH for p in protocols):
+                raise AuthError(f"{peer_id} runs a closed swarm; {CLOSED_SWARM_HINT}")
             try:
                 return await self._open_stream(peer_id, protocols, lazy=lazy and len(protocols) == 1)
             except SwarmException as e:
@@ -586,6 +620,14 @@ class Node:
 
     async def ping(self, peer_id: ID, *, timeout: float = 10.0) -> float:
         """Round-trip time to a peer in seconds, over the libp2p ping protocol."""
+        try:
+            return await self._ping(peer_id, timeout)
+        except trio.TooSlowError:
+            raise DedlocError(f"{peer_id} did not answer a ping within {timeout:g} s") from None
+        except StreamError as e:
+            raise DedlocError(f"the ping stream to {peer_id} failed: {e}") from e
+
+    async def _ping(self, peer_id: ID, timeout: float) -> float:
         with trio.fail_after(timeout):
             stream = await self.new_stream(peer_id, PING_PROTOCOL)
             try:

@@ -173,7 +173,13 @@ def human(event: ev.Event) -> str:
             f"nat: {m.get('mode')}, reachability {m.get('reachability')}, mapping {m.get('mapping')}, "
             f"{m.get('reservations')} relay slot(s), punches {m.get('punch_successes')}/{m.get('punch_attempts')}"
         )
-    return f"{event.event.replace('_', ' ')}: " + ", ".join(f"{k}={v}" for k, v in fields.items() if v not in (None, []))
+    return f"{event.event.replace('_', ' ')}: " + ", ".join(f"{k}={_value(v)}" for k, v in fields.items()
+                                                            if v not in (None, []))
+
+
+def _value(v: object) -> str:
+    """A field as a person reads it: 0.0021022979999543168 s is 0.0021."""
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
 
 
 def _short(pid: object) -> str:

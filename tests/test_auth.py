@@ -104,8 +104,13 @@ async def test_passholders_talk_and_an_outsider_is_refused_by_every_protocol(tmp
         await outsider.connect(str(alice.addrs[0]))
         served = [p for p in alice.host.get_mux().handlers if p is not None and p not in PRE_AUTH]
         assert len(served) >= 2, served  # rpc, ping (and every protocol a layer above adds)
+        # the outsider was told (alice's Hello) and refuses itself at once, saying what to do
+        await wait_until(lambda: alice.peer_id in outsider.closed_swarm, 5)
+        with pytest.raises(AuthError, match="runs a closed swarm; it admits only holders of an access pass"):
+            await outsider.new_stream(alice.peer_id, served[0])
         for protocol in served:
-            with pytest.raises(DedlocError, match="unauthenticated"):
+            outsider.closed_swarm.clear()  # one that ignores being told (a script): alice's gate refuses it
+            with pytest.raises(DedlocError, match="unauthenticated: the peer shows no access pass.*the swarm is closed"):
                 stream = await outsider.new_stream(alice.peer_id, protocol, lazy=False)
                 await stream.read(1)
         # and alice never speaks (nor takes an answer from) a peer without a pass
@@ -290,12 +295,15 @@ async def test_a_closed_swarm_works_for_passholders_and_refuses_an_outsider_ever
             served = [p for p in target.node.host.get_mux().handlers if p is not None and p not in PRE_AUTH]
             assert "/dedloc/rpc/1.0.0" in served and ("/dedloc/allreduce/1.0.0" in served or target is relay)
             assert "/dedloc/dataset/1.0.0" in served or target is relay
+            await wait_until(lambda: target.peer_id in outsider.node.closed_swarm, 5)  # told at once
             for protocol in served:
+                outsider.node.closed_swarm.clear()  # as a script that ignores being told: the gate refuses
                 with pytest.raises(DedlocError, match="unauthenticated"):
                     stream = await outsider.node.new_stream(target.peer_id, protocol, lazy=False)
                     await stream.read(1)
         del averaging
         # its DHT requests (a store of its own record, a read) are refused at the door
+        outsider.node.closed_swarm.clear()
         with pytest.raises(DedlocError, match="unauthenticated"):
             await outsider.node.rpc.call(alice.peer_id, "dht.find", pb.Hello(), pb.Hello, timeout=5)
         assert STATE_PROTOCOL not in PRE_AUTH

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+from p2p.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -41,7 +43,7 @@ T = TypeVar("T")
 FORMATS = {".txt": "text", ".text": "text", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 
 
-class DataError(ValueError):
+class DataError(ConfigError):
     """Shards that cannot be used at all: none given, missing, an unknown format, an empty corpus."""
 
 

@@ -59,6 +59,7 @@ from averaging import (AllreduceConfig, Averager, AveragerConfig, Group, Matchma
                        RoundReport)
 from nat import Swarm
 
+from p2p.errors import ConfigError
 from . import policy
 from .accumulator import GradientAccumulator
 from .policy import AverageStep, CatchUp, JoinBegunRound, Rules, TakeStateFromAhead, Trainer, Wait
@@ -118,15 +119,15 @@ class TrainingConfig:
 
     def validate(self) -> None:
         if not self.run_id or len(self.run_id) > 100:
-            raise ValueError("run_id must be 1..100 characters")
+            raise ConfigError("run_id must be 1..100 characters")
         if self.target_batch_size <= 0:
-            raise ValueError("target_batch_size must be positive")
+            raise ConfigError("target_batch_size must be positive")
         if not (self.report_interval > 0 and self.progress_expiration > self.report_interval):
-            raise ValueError("report_interval must be > 0 and below progress_expiration")
+            raise ConfigError("report_interval must be > 0 and below progress_expiration")
         if self.retries < 0 or self.download_retry <= 0 or self.rejoin_after <= 0 or self.average_state_every < 0:
-            raise ValueError("retries and average_state_every must be >= 0, download_retry and rejoin_after > 0")
+            raise ConfigError("retries and average_state_every must be >= 0, download_retry and rejoin_after > 0")
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
-            raise ValueError("max_grad_norm must be a positive number")
+            raise ConfigError("max_grad_norm must be a positive number")
         self.averager_config().validate()
 
     def averager_config(self) -> AveragerConfig:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from libp2p.peer.id import ID
 
 from p2p.dht.records import owned
+from p2p.errors import ConfigError
 
 UID_DELIMITER = "."
 _PREFIX_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]{0,63}\Z")
@@ -29,7 +30,7 @@ MAX_DIMS = 8
 MAX_GRID_SIZE = 1 << 20
 
 
-class UidError(ValueError):
+class UidError(ConfigError):
     """A malformed expert uid or grid pattern."""
 
 

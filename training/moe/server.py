@@ -41,7 +41,7 @@ from averaging.errors import AllreduceProtocolError
 from averaging.finite import tensor_finite
 from averaging.wire import FrameReader, frame
 from nat import Swarm
-from p2p.errors import ConfigError
+from p2p.errors import ConfigError, DedlocError
 from p2p.trio_util import finish_quietly
 
 from ..proto import moe_pb2 as pb
@@ -99,11 +99,11 @@ class ServerConfig:
             raise ConfigError("experts: expiration must be longer than update_period (records would lapse)")
 
 
-class ExpertFailed(Exception):
+class ExpertFailed(DedlocError):
     """The expert's forward or backward raised, or returned something unusable."""
 
 
-class Overloaded(Exception):
+class Overloaded(DedlocError):
     """The expert's queue is full."""
 
 

@@ -1,0 +1,126 @@
+"""Errors a person can read: every command, given a bad input it can foresee, exits non-zero with one
+line that names what failed and what to do, and no traceback.
+
+A table: (command line, what its last line must say). ``{open}`` is an open relay's address, ``{closed}``
+a closed swarm's relay (it admits only passholders), ``{busy}`` a port another socket holds,
+``{nobody}`` an address where nothing listens, ``{tmp}`` the test's scratch folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+#: a valid peer id with nothing behind it
+NOBODY_ID = "12D3KooWAcEpZFodCrgPpMU2qAk5qtpQ56tAuMnkTH17K4P48xtF"
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def dedloc(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "training.commands", *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def _relay(*extra: str) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen([sys.executable, "-m", "training.commands", "relay", "--listen", "/ip4/127.0.0.1/tcp/0",
+                             "--ephemeral", "--json", "--status-interval", "0", "--allow-private", *extra],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    return proc, json.loads(line)["addrs"][0]
+
+
+@pytest.fixture(scope="module")
+def places(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    tmp = tmp_path_factory.mktemp("cli-errors")
+    added = dedloc("authority", "add", "alice", "--dir", str(tmp / "authority"))
+    assert added.returncode == 0, added.stderr
+    (tmp / "loose.key").write_text("not a key")
+    (tmp / "loose.key").chmod(0o644)
+    (tmp / "garbled.key").write_bytes(b"not a key at all")
+    (tmp / "garbled.key").chmod(0o600)
+    (tmp / "bad.toml").write_text("listen = [\n")
+    (tmp / "empty").mkdir()
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    open_relay, open_addr = _relay()
+    closed_relay, closed_addr = _relay("--authority-dir", str(tmp / "authority"))
+    try:
+        yield {"open": open_addr, "closed": closed_addr, "busy": str(busy.getsockname()[1]),
+               "nobody": f"/ip4/127.0.0.1/tcp/1/p2p/{NOBODY_ID}", "tmp": str(tmp)}
+    finally:
+        for proc in (open_relay, closed_relay):
+            proc.terminate()
+            proc.wait(timeout=20)
+        busy.close()
+
+
+#: (command line, a piece of its error line); every command of `dedloc --help` has at least one row
+TABLE: list[tuple[str, str]] = [
+    # bad addresses
+    ("ping /ip4/999.0.0.1/tcp/1", "is malformed: base address '999.0.0.1' is not IPv4"),
+    ("ping not-an-address", "must start with '/'"),
+    ("peer --initial-peers garbage --ephemeral", "initial peer 'garbage' is not a multiaddr"),
+    ("relay --listen /ip4/127.0.0.1/udp/1 --ephemeral", "listen"),
+    # unreachable
+    ("ping {nobody} --timeout 5", "could not connect to"),
+    ("peer --initial-peers {nobody} --ephemeral --bootstrap-timeout 3", "none of the 1 initial peers could be reached"),
+    ("dht get somekey --initial-peers {nobody}", "none of the 1 initial peers could be reached"),
+    ("status /ip4/127.0.0.1/tcp/1", "has no /p2p/<peer-id> part"),
+    ("status {nobody}", "could not connect to"),
+    # refused by a closed swarm, at once
+    ("ping {closed}", "the swarm is closed: it admits only holders of an access pass"),
+    ("peer --initial-peers {closed} --ephemeral --duration 30", "is closed; it admits only holders of an access pass"),
+    ("average --initial-peers {closed} --ephemeral --duration 30", "is closed; it admits only holders"),
+    # a port in use
+    ("relay --listen /ip4/127.0.0.1/tcp/{busy} --ephemeral", "Address already in use (choose another port"),
+    ("peer --initial-peers {open} --listen /ip4/127.0.0.1/tcp/{busy} --ephemeral", "Address already in use"),
+    # bad files
+    ("id --identity {tmp}/loose.key", "has mode 0644; other users could read your private key"),
+    ("id --identity {tmp}/garbled.key", "{tmp}/garbled.key"),
+    ("peer --config {tmp}/bad.toml --initial-peers {open}", "not valid TOML"),
+    ("peer --config {tmp}/missing.toml --initial-peers {open}", "--config {tmp}/missing.toml: No such file"),
+    ("authority revoke nobody --dir {tmp}/authority", "nobody"),
+    ("dataset create corpus {tmp}/missing --initial-peers {open} --ephemeral", "{tmp}/missing"),
+    ("dataset create corpus {tmp}/empty --initial-peers {open} --ephemeral", "no shard files"),
+    ("dataset get nothing-here {tmp}/got --initial-peers {open} --ephemeral --bootstrap-timeout 3", "nothing-here"),
+    ("train --data {tmp}/missing --initial-peers {open} --ephemeral --max-steps 1", "{tmp}/missing"),
+    # bad settings
+    ("average --initial-peers {open} --ephemeral --size -5", "--size must be positive"),
+    ("serve-experts --expert-pattern bad[ --initial-peers {open} --ephemeral", "expert pattern 'bad['"),
+    ("backbone --listen /ip4/127.0.0.1/tcp/{busy} --ephemeral --checkpoint-dir {tmp}/ckpt", "Address already in use"),
+]
+
+
+@pytest.mark.parametrize("line, says", TABLE, ids=[line.split(" {")[0][:48] for line, _ in TABLE])
+def test_a_foreseeable_failure_is_one_line_saying_what_to_do(places: dict[str, str], line: str, says: str) -> None:
+    argv = [part.format(**places) for part in line.split()]
+    result = dedloc(*argv)
+    assert result.returncode != 0, f"exit 0 for: dedloc {' '.join(argv)}\n{result.stdout}{result.stderr}"
+    assert "Traceback" not in result.stderr, result.stderr
+    last = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else ""
+    # argparse's own usage errors are "dedloc CMD: error: ..."; ours are "dedloc: error: ..."
+    error_lines = [ln for ln in result.stderr.splitlines() if ln.startswith("dedloc") and "error:" in ln]
+    assert error_lines, f"no error line: {result.stderr!r}"
+    assert says.format(**places) in result.stderr, f"wanted {says.format(**places)!r} in:\n{result.stderr}"
+    assert last, result.stderr
+
+
+def test_every_command_has_a_row() -> None:
+    """A command added to the CLI without a bad-input row here fails this."""
+    from training.commands import build_parser
+
+    _, sub = build_parser()
+    covered = {line.split()[0] for line, _ in TABLE}
+    missing = set(sub.choices) - covered - {"demo"}  # demo takes no input a person gives it
+    assert not missing, f"commands without a row in TABLE: {sorted(missing)}"
