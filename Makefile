@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 APT_PACKAGES := nftables iproute2 miniupnpd-nftables chromium
 
-.PHONY: all venv lock lock-upgrade lock-check system-deps interop-deps demo test test-fast mutate bench bench-dht bench-training bench-allreduce bench-datasets bench-gpu proto typecheck clean
+.PHONY: all venv lock lock-upgrade lock-check system-deps interop-deps demo test test-fast mutate docs bench bench-dht bench-training bench-allreduce bench-datasets bench-gpu proto typecheck clean
 
 all: test
 
@@ -57,6 +57,10 @@ demo: venv
 ## The whole suite, as CI runs it.
 test: venv lock-check system-deps interop-deps
 	$(PY) -m pytest -q -p no:cacheprovider --durations=20
+
+## docs/CLI.md's reference section, from the parser (tests/test_docs.py checks it is current).
+docs: venv
+	$(PY) .ci/cli_reference.py
 
 ## Mutation testing of the pure decision modules, a score per module (docs/TESTING.md; goal 90%).
 mutate: venv

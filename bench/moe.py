@@ -127,15 +127,18 @@ def main() -> None:
         report["cases"][f"{n}_experts"] = case
         for key in ("cold_p50_ms", "cold_p99_ms", "warm_p50_ms", "warm_p99_ms"):
             cells = "  ".join(f"{s} {case[s][key]['min']:8.2f} / {case[s][key]['median']:8.2f}" for s in systems)
-            ratio = (f"  ratio {case['dedloc'][key]['median'] / case['hivemind'][key]['median']:.3f}"
-                     if len(systems) == 2 else "")
-            print(f"{n:4d} experts {key:12s} {cells}{ratio}")
+            versus = (f"  ratio {shown(ratio(case['dedloc'][key]['median'], case['hivemind'][key]['median']), 3)}"
+                      if len(systems) == 2 else "")
+            print(f"{n:4d} experts {key:12s} {cells}{versus}")
     print("\n== expert calls (forward or backward of 64 rows, 4 callers) per second ==")
     calls: dict[str, Any] = {}
     for system in systems:
-        ffn = [r["calls"]["calls_per_s"] for n in sizes[1:] for r in runs[system][n]] or [0.0]
-        calls[system] = {"ffn": spread(ffn), "nop": spread([r["calls"]["calls_per_s"] for r in nop[system]])}
-        print(f"{system:8s} ffn {calls[system]['ffn']['min']:7.1f} / {calls[system]['ffn']['median']:7.1f}   "
+        ffn = [r["calls"]["calls_per_s"] for n in sizes[1:] for r in runs[system][n]]
+        calls[system] = {"ffn": spread(ffn) if ffn else None,
+                         "nop": spread([r["calls"]["calls_per_s"] for r in nop[system]])}
+        ffn_cell = (f"{calls[system]['ffn']['min']:7.1f} / {calls[system]['ffn']['median']:7.1f}" if ffn else
+                    "    n/a (ffn calls run on every grid but the first: give two --experts sizes)")
+        print(f"{system:8s} ffn {ffn_cell}   "
               f"nop {calls[system]['nop']['min']:7.1f} / {calls[system]['nop']['median']:7.1f}")
     report["calls"] = calls
     for system in systems:
@@ -143,7 +146,7 @@ def main() -> None:
         report[system] = {
             "search_p99_ms": statistics.median(r["search"]["cold_p99_ms"] for r in runs[system][sizes[-1]]),
             "warm_search_p99_ms": statistics.median(r["search"]["warm_p99_ms"] for r in runs[system][sizes[-1]]),
-            "calls_per_s": calls[system]["ffn"]["median"],
+            "calls_per_s": calls[system]["ffn"]["median"] if calls[system]["ffn"] else None,
             "nop_calls_per_s": calls[system]["nop"]["median"],
             "faults": [r["faults"] for r in every],
         }
@@ -157,18 +160,26 @@ def main() -> None:
                   f"peak RSS {statistics.median(r['gc']['max_rss_mib'] for r in every):.0f} MiB")
     if len(systems) == 2:
         d, h = report["dedloc"], report["hivemind"]
-        report["ratios"] = {"search_p99": d["search_p99_ms"] / h["search_p99_ms"],
-                            "warm_search_p99": d["warm_search_p99_ms"] / h["warm_search_p99_ms"],
-                            "calls_per_s": d["calls_per_s"] / h["calls_per_s"],
-                            "nop_calls_per_s": d["nop_calls_per_s"] / h["nop_calls_per_s"]}
+        report["ratios"] = {key: ratio(d[figure], h[figure]) for key, figure in (
+            ("search_p99", "search_p99_ms"), ("warm_search_p99", "warm_search_p99_ms"),
+            ("calls_per_s", "calls_per_s"), ("nop_calls_per_s", "nop_calls_per_s"))}
         print(f"\nsearch p99 ({sizes[-1]} experts, cold): dedloc {d['search_p99_ms']:.1f} ms, hivemind "
-              f"{h['search_p99_ms']:.1f} ms: ratio {report['ratios']['search_p99']:.3f} (goal < 1)")
-        print(f"calls/s (ffn): ratio {report['ratios']['calls_per_s']:.2f} (goal >= 1); nop: "
-              f"{report['ratios']['nop_calls_per_s']:.2f}")
+              f"{h['search_p99_ms']:.1f} ms: ratio {shown(report['ratios']['search_p99'], 3)} (goal < 1)")
+        print(f"calls/s (ffn): ratio {shown(report['ratios']['calls_per_s'], 2)} (goal >= 1); nop: "
+              f"{shown(report['ratios']['nop_calls_per_s'], 2)}")
         print(f"dedloc calls past their timeout: {d['calls_past_timeout']} (goal 0); hivemind's RemoteExpert has "
               f"no timeout: a server killed mid-call: {[f['killed_mid_call'] for f in h['faults']]}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None where either is missing or b is 0 (a figure this run did not measure)."""
+    return None if a is None or not b else a / b
+
+
+def shown(value: float | None, digits: int) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
 
 
 if __name__ == "__main__":

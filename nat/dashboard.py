@@ -196,13 +196,14 @@ class Dashboard:
         pairs = [("inbound connections", usage.get("admission.inbound", 0), limits["inbound_connections"]),
                  ("connections handshaking", usage.get("admission.handshaking", 0), limits["handshaking"]),
                  ("inbound streams", usage.get("inbound_streams", 0), limits["inbound_streams"]),
-                 ("memory in flight (bytes)", usage.get("memory_bytes", 0), limits["memory_bytes"])]
+                 ("memory in flight", usage.get("memory_bytes", 0), limits["memory_bytes"])]
         relay = self.peer.nat.relay_service
         if relay is not None:
             pairs += [("relay reservations", len(relay.admission.slots), relay.config.max_reservations),
                       ("relay circuits", relay.admission.circuit_count, relay.config.max_circuits)]
         refused = sum(self.peer.node.resources.refusal_counts().values())
-        rows = [{"name": name, "used": used, "limit": limit} for name, used, limit in pairs]
+        rows = [{"name": name, "used": used, "limit": limit, "unit": "bytes" if name.startswith("memory") else ""}
+                for name, used, limit in pairs]
         rows.append({"name": "refusals so far", "used": refused, "limit": None})
         return rows
 

@@ -217,3 +217,16 @@ def run_bench(tmp_path: Path, script: str, *args: str, timeout: float) -> dict: 
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     figures: dict = json.loads(out.read_text())  # type: ignore[type-arg]
     return figures
+
+
+def test_moe_bench_ratios_are_n_a_where_a_figure_was_not_measured() -> None:
+    """bench/moe.py with one grid size measures no ffn calls: its ratio is n/a, not a ZeroDivisionError
+    after every figure was measured (``--experts 144 --servers 12`` died so)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_moe", ROOT / "bench" / "moe.py")
+    assert spec is not None and spec.loader is not None
+    moe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(moe)
+    assert moe.ratio(2.0, 4.0) == 0.5 and moe.ratio(None, 4.0) is None and moe.ratio(2.0, 0.0) is None
+    assert moe.shown(None, 2) == "n/a" and moe.shown(0.8333, 2) == "0.83"

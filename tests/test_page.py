@@ -169,6 +169,10 @@ async def test_the_live_page_shows_the_swarm_and_the_run_as_they_are(tmp_path: P
     assert "inbound connections" in rows and rows["inbound connections"]["limit"] == 4096
     for name in rows:
         assert page.get("data-resource", name) == name
+    # sizes as a person reads them: 64 MiB, not 67,108,864
+    assert re.fullmatch(r"[\d.,]+ (MiB|GiB)", page.get("data-limit", "memory in flight")), page.get("data-limit", "memory in flight")
+    assert re.fullmatch(r"[\d.,]+ (MiB|GiB)", page.get("data-used", "memory in flight"))
+    assert page.get("data-limit", "inbound connections") == "4,096"
     # the run: step, loss, samples per second per volunteer, contributions, checkpoint, the curve
     run = status["run"]
     assert number(page.get("data-key", "step")) == run["step"] == STEPS
@@ -185,6 +189,10 @@ async def test_the_live_page_shows_the_swarm_and_the_run_as_they_are(tmp_path: P
     assert "last checkpoint: step 2" in page.get("id", "checkpoint")
     points = page.polylines["loss-chart"][0].split()
     assert len(points) == len([c for c in run["curve"] if c["loss"] is not None]) >= STEPS
+    # the loss axis fits the data (not drawn from 0, where a fall from 4.3 to 3.7 looks flat): the curve
+    # spans most of the plot's 188 px of height
+    ys = [float(p.split(",")[1]) for p in points]
+    assert max(ys) - min(ys) > 0.8 * 188, ys
     assert shot.stat().st_size > 20_000
     keep = os.environ.get("DEDLOC_PAGE_SCREENSHOT")
     if keep:

@@ -98,3 +98,14 @@ def test_our_own_report_counts_when_the_dht_did_not_give_it_back() -> None:
     assert p.peers == 2 and p.samples == 74
     p = global_progress([rep("a", 1, 10)], target=100, now=NOW, own=mine)
     assert p.peers == 2 and p.samples == 74 and p.contributors == 2
+
+
+def test_the_progress_line_never_shows_more_than_its_whole() -> None:
+    """A step that overshoots its target (512 samples toward 128) reads full, not ``512/128``."""
+    from training.events import TrainingStatus, bar, count
+
+    assert count(512, 128) == "128/128" and count(64, 128) == "64/128"
+    assert bar(512, 128, width=8) == "[########]" and bar(32, 128, width=8) == "[##......]" and bar(5, 0, width=4) == "[....]"
+    line = TrainingStatus(step=3, target=128, swarm_samples=512, samples_per_second=10.0, swarm_samples_per_second=40.0,
+                          loss=4.25, swarm_loss=4.5, peers=2, eta=0.0, local_samples=100).human()
+    assert " 128/128 " in line and "512" not in line and "loss 4.250 (swarm 4.500)" in line and "next step now" in line

@@ -1,4 +1,4 @@
-"""The ``dedloc`` entry point, and the commands that train: ``train``, ``backbone`` and ``demo``.
+"""The commands that train: ``train``, ``backbone`` and ``demo`` (the entry point and their options: training/commands.py).
 
 This is the highest layer with commands, so the entry point sits here and its
 parser extends the averaging layer's (``average``), which extends the network

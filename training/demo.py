@@ -44,6 +44,8 @@ import trio
 from nat.lab import Host, Lab, NatKind, netns_unavailable_reason
 from p2p.trio_util import read_lines
 
+from .events import bar, count
+
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 START_TIMEOUT = 60.0
 #: the lab's public addresses: they look globally routed, so the nodes treat them as public; no
@@ -481,9 +483,8 @@ class _Training:
             if event.get("swarm_loss") is not None:
                 self.losses.append((event["step"], event["swarm_loss"]))
             loss = "?" if event.get("swarm_loss") is None else f"{event['swarm_loss']:.3f}"
-            done = min(1.0, event["swarm_samples"] / max(1, event["target"]))
-            bar = "#" * round(done * 20) + "." * (20 - round(done * 20))
-            say(f"{'train':>9}      step {event['step']:>3} [{bar}] {event['swarm_samples']:>4}/{event['target']} "
+            filled = bar(event["swarm_samples"], event["target"], width=20)
+            say(f"{'train':>9}      step {event['step']:>3} {filled} {count(event['swarm_samples'], event['target']):>9} "
                 f"| {event['swarm_samples_per_second']:.0f} samples/s | loss {loss} | {event['peers']} peers")
         elif kind == "global_step":
             if event["averaged"] and not event["missed"]:

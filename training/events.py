@@ -23,6 +23,11 @@ def bar(done: float, total: float, width: int = BAR) -> str:
     return "[" + "#" * filled + "." * (width - filled) + "]"
 
 
+def count(done: int, total: int) -> str:
+    """``128/128``: never more than the whole (a step that overshoots its target shows it full)."""
+    return f"{min(done, total)}/{total}"
+
+
 def _loss(value: float | None) -> str:
     return "?" if value is None or not math.isfinite(value) else f"{value:.3f}"
 
@@ -45,7 +50,7 @@ class TrainingStatus(Event):
 
     def human(self) -> str:
         eta = "now" if self.eta <= 0 else ("?" if not math.isfinite(self.eta) else f"~{self.eta:.0f} s")
-        return (f"step {self.step} {bar(self.swarm_samples, self.target)} {self.swarm_samples}/{self.target} "
+        return (f"step {self.step} {bar(self.swarm_samples, self.target)} {count(self.swarm_samples, self.target)} "
                 f"| swarm {self.swarm_samples_per_second:.0f} samples/s, mine {self.samples_per_second:.0f} "
                 f"| loss {_loss(self.loss)} (swarm {_loss(self.swarm_loss)}) | {self.peers} peer"
                 f"{'s' if self.peers != 1 else ''} | next step {eta}")

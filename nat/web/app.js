@@ -14,6 +14,8 @@ function num(x, digits) {
   if (x === null || x === undefined) return "–";
   return typeof x === "number" ? x.toLocaleString("en-US", { maximumFractionDigits: digits ?? 2 }) : String(x);
 }
+// a count as a person reads it: bytes in MiB/GiB, anything else as a plain number
+function amount(x, unit) { return unit === "bytes" ? mib(x) : num(x, 0); }
 function mib(bytes) {
   if (bytes >= 1 << 30) return num(bytes / (1 << 30), 2) + " GiB";
   return num(bytes / (1 << 20), 1) + " MiB";
@@ -38,14 +40,16 @@ function fillTable(id, rows) {
 function idCell(id) { return el("td", { class: "id", title: id, "data-peer": id }, short(id)); }
 
 // A line chart of several series [{points: [[x, y]...], color}] into an <svg>.
-function chart(svgId, series, xLabel) {
+// fit: the y axis spans the data (a loss falling from 4.3 to 3.7 fills the chart); else it starts at 0
+function chart(svgId, series, xLabel, fit) {
   const svg = document.getElementById(svgId);
   const W = 600, H = 220, L = 48, B = 24, T = 8, R = 8;
   const all = series.flatMap((s) => s.points).filter((p) => Number.isFinite(p[1]));
   svg.replaceChildren();
   if (all.length === 0) { svg.append(svgText(L, H / 2, "no data yet")); return; }
   const xs = all.map((p) => p[0]), ys = all.map((p) => p[1]);
-  let [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(0, ...ys), Math.max(...ys)];
+  let [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(...ys), Math.max(...ys)];
+  if (fit) { const pad = 0.05 * (y1 - y0); y0 -= pad; y1 += pad; } else { y0 = Math.min(0, y0); }
   if (x1 === x0) x1 = x0 + 1;
   if (y1 === y0) y1 = y0 + 1;
   const px = (x) => L + (x - x0) / (x1 - x0) * (W - L - R);
@@ -101,7 +105,9 @@ function draw(s) {
   chart("funnel-chart", [{ points: at("direct"), color: COLORS[0] }, { points: at("relayed"), color: COLORS[1] },
     { points: at("punch_attempts"), color: COLORS[2] }, { points: at("punch_successes"), color: COLORS[3] }], "minutes");
   fillTable("resources", s.resources.map((r) => [el("td", { "data-resource": r.name }, r.name),
-    el("td", {}, num(r.used, 0)), el("td", {}, r.limit === null ? "" : num(r.limit, 0)), bar(r.used, r.limit)]));
+    el("td", { "data-used": r.name }, amount(r.used, r.unit)),
+    el("td", { "data-limit": r.name }, r.limit === null ? "" : amount(r.limit, r.unit)),
+    bar(r.used, r.limit)]));
   if (s.run) drawRun(s.run);
 }
 
@@ -111,7 +117,7 @@ function drawRun(r) {
   facts("run", [["global step", r.step, "step"], ["loss", num(r.loss, 4), "loss"],
     ["samples / s (swarm)", num(r.samples_per_second, 1), "samples_per_second"], ["peers", r.peers, "peers"],
     ["samples toward this step", num(r.samples, 0) + " / " + num(r.target, 0)]]);
-  chart("loss-chart", [{ points: r.curve.map((c) => [c.step, c.loss]), color: COLORS[0] }], "step");
+  chart("loss-chart", [{ points: r.curve.map((c) => [c.step, c.loss]), color: COLORS[0] }], "step", true);
   chart("rate-chart", [{ points: r.curve.map((c) => [c.step, c.samples_per_second]), color: COLORS[3] }], "step");
   fillTable("volunteers", r.volunteers.map((v) => {
     const who = idCell(v.peer_id);
