@@ -38,7 +38,7 @@ from libp2p.abc import INetStream
 
 from nat import Swarm
 from p2p.errors import ConfigError
-from p2p.hooks import ExternalAddresses, Reachability, Registration, SwarmObserver
+from p2p.hooks import ExternalAddresses, Observers, Reachability, Registration, SwarmObserver
 from p2p.trio_util import finish_quietly
 
 from .allreduce import PROTOCOL, AllreduceConfig, AllreduceRound, RoundPlan, RoundReport, check_weight
@@ -161,7 +161,7 @@ class Averager:
         self.bandwidth = BandwidthEstimator(config.bandwidth)
         #: members that failed recent rounds (left out, or no round): for choosing Moshpit's group size
         self.failure_rate = FailureRate()
-        self._observers: list[RoundObserver] = []
+        self._observers: Observers[RoundObserver] = Observers("the averager's rounds")
         mp = config.moshpit
         self.grid: GridPosition | None = None
         if mp is not None:
@@ -219,8 +219,7 @@ class Averager:
 
     def observe(self, observer: RoundObserver) -> Registration:
         """Tell ``observer`` of every matchmaking and round until the handle is removed."""
-        self._observers.append(observer)
-        return Registration(lambda: self._observers.remove(observer))
+        return self._observers.add(observer)
 
     # ------------------------------------------------------------------ one step
 
@@ -266,11 +265,11 @@ class Averager:
             group = await self.matchmaker.form_group(me, cell, expected=expected)
         except MatchmakingError as e:
             self.failure_rate.observe(1, 1)
-            for observer in list(self._observers):
-                observer.matchmaking_failed(trio.current_time() - started, type(e).__name__)
+            failed_after = trio.current_time() - started
+            self._observers.notify(lambda o: o.matchmaking_failed(failed_after, type(e).__name__), "a failed matchmaking")
             raise
-        for observer in list(self._observers):
-            observer.matchmade(trio.current_time() - started, group.size)
+        took = trio.current_time() - started
+        self._observers.notify(lambda o: o.matchmade(took, group.size), "a group formed")
         # Withdraw the declaration in the background: it costs the round nothing.
         if self._background is not None:
             self._background.start_soon(self.matchmaker.withdraw, self.matchmaker.take_declaration())
@@ -307,8 +306,7 @@ class Averager:
         try:
             report = await self._run(round_group, plan, fractions, vector, weight)
             self.failure_rate.observe(group.size, len(report.left_out))
-            for observer in list(self._observers):
-                observer.averaged(report)
+            self._observers.notify(lambda o: o.averaged(report), "a round averaged")
             if vector is not None:
                 await vector.finish()
                 if report.complete or not strict and (accept is None or accept(report)):

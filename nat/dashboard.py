@@ -202,9 +202,10 @@ class Dashboard:
             pairs += [("relay reservations", len(relay.admission.slots), relay.config.max_reservations),
                       ("relay circuits", relay.admission.circuit_count, relay.config.max_circuits)]
         refused = sum(self.peer.node.resources.refusal_counts().values())
-        rows = [{"name": name, "used": used, "limit": limit, "unit": "bytes" if name.startswith("memory") else ""}
-                for name, used, limit in pairs]
-        rows.append({"name": "refusals so far", "used": refused, "limit": None})
+        rows: list[dict[str, Any]] = [
+            {"name": name, "used": used, "limit": limit, "unit": "bytes" if name.startswith("memory") else ""}
+            for name, used, limit in pairs]
+        rows.append({"name": "refusals so far", "used": refused, "limit": None, "unit": ""})
         return rows
 
 

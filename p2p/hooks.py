@@ -20,17 +20,20 @@ them from the Node and hears one notification when they change.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from types import TracebackType
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 if TYPE_CHECKING:  # annotations only: the command line imports these enums without py-libp2p (p2p/lazy.py)
     from libp2p.abc import INetConn
     from libp2p.peer.id import ID
     from multiaddr import Multiaddr
+
+log = logging.getLogger(__name__)
+O = TypeVar("O")
 
 
 class Reachability(StrEnum):
@@ -114,6 +117,38 @@ class Registration:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.remove()
+
+
+class Observers(Generic[O]):
+    """The observers of one thing, each isolated from the others: :meth:`notify` calls every one, and one
+    that raises is logged (with what it was told), removed and never called again, while the rest still hear.
+    Synchronous and lossless, in registration order."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._observers: list[O] = []
+
+    def add(self, observer: O) -> Registration:
+        self._observers.append(observer)
+
+        def undo() -> None:
+            if observer in self._observers:
+                self._observers.remove(observer)
+
+        return Registration(undo)
+
+    def notify(self, call: Callable[[O], object], event: str) -> None:
+        for observer in list(self._observers):
+            try:
+                call(observer)
+            except Exception:
+                log.exception("an observer of %s (%r) failed on %s; it is removed, the others still hear",
+                              self._what, observer, event)
+                if observer in self._observers:
+                    self._observers.remove(observer)
+
+    def __len__(self) -> int:
+        return len(self._observers)
 
 
 #: One shape for every service's ``metrics()``: flat dotted names (``refused.too many circuits``)

@@ -34,7 +34,7 @@ from .addresses import is_relayed, parse_multiaddr, parse_peer_addr, rank_for_di
 from .config import NodeConfig
 from .dialer import CircuitDialer, backoff_delays, classify_dial_error, dial, live_connection, remote_addr
 from .errors import CLOSED_SWARM_HINT, BootstrapError, ConfigError, DedlocError, DialError, ProtocolNotSupportedError, StreamOpenError
-from .hooks import ConnectionInfo, Direction, ExternalAddresses, PathKind, Reachability, Registration, SwarmObserver
+from .hooks import ConnectionInfo, Direction, ExternalAddresses, Observers, PathKind, Reachability, Registration, SwarmObserver
 from .identify import MAX_LISTEN_ADDRS, PeerIdentity, identify
 from .identity import load_or_create_identity, new_identity, peer_id_of
 from .auth import PRE_AUTH, PROTOCOL as AUTH_PROTOCOL, AuthError, Authenticator
@@ -83,7 +83,7 @@ class Node:
         self.peer_id: ID = peer_id_of(key_pair)
         self._nursery = nursery
         self._subscribers: list[_Subscriber] = []
-        self._observers: list[SwarmObserver] = []
+        self._observers: Observers[SwarmObserver] = Observers("the swarm")
         self._observed: dict[str, set[ID]] = {}
         self._announce = [parse_multiaddr(a, what="announce address") for a in config.announce]
         self._circuit_dialer: CircuitDialer | None = None
@@ -281,16 +281,14 @@ class Node:
                            relayed=tuple(dict.fromkeys(external.relayed)))
         if external != self._external:
             self._external = external
-            for observer in list(self._observers):
-                observer.external_changed(external)
+            self._observers.notify(lambda o: o.external_changed(external), "an external change")
 
     def observe(self, observer: SwarmObserver) -> Registration:
         """Tell ``observer`` about every connection and external change until the handle is removed.
 
         Lossless and typed, unlike :meth:`events` (which is for monitoring and may drop).
         """
-        self._observers.append(observer)
-        return Registration(lambda: self._observers.remove(observer))
+        return self._observers.add(observer)
 
     def set_circuit_dialer(self, dialer: CircuitDialer) -> Registration:
         """Let a relay client dial ``/p2p-circuit`` addresses (the NAT layer installs one)."""
@@ -304,15 +302,13 @@ class Node:
 
     async def _connected(self, conn: INetConn) -> None:
         info = _connection_info(conn)
-        for observer in list(self._observers):
-            observer.connection_opened(info)
+        self._observers.notify(lambda o: o.connection_opened(info), "a connection opened")
         self.emit(ev.ConnectionOpened(peer_id=info.peer_id, addr=str(info.addr), direction=info.direction, kind=info.kind))
 
     async def _disconnected(self, conn: INetConn) -> None:
         info = _connection_info(conn)
         self.rpc.forget_peer(info.peer_id)
-        for observer in list(self._observers):
-            observer.connection_closed(info)
+        self._observers.notify(lambda o: o.connection_closed(info), "a connection closed")
         self.emit(ev.ConnectionClosed(peer_id=info.peer_id, addr=str(info.addr), kind=info.kind))
 
     async def _log_limits_hit(self) -> None:

@@ -12,6 +12,7 @@ from p2p.errors import ProtocolNotSupportedError
 from p2p import events as ev
 
 from .conftest import LOOPBACK6, loopback_config, open_nodes
+from .kit import wait_until
 
 
 @pytest.mark.realtime  # a loopback ping under 5 s
@@ -317,3 +318,34 @@ async def test_errors_in_the_body_reach_the_caller_unwrapped():
     with pytest.raises(KeyError):
         async with open_nodes(1):
             raise KeyError("mine")
+
+
+async def test_an_observer_that_raises_is_removed_and_the_others_still_hear() -> None:
+    """Observers are isolated: one that raises on a connection is logged and removed; the one after it
+    hears this connection and the next (it once stopped every observer registered after it)."""
+    from p2p.hooks import ConnectionInfo, SwarmObserver
+
+    class Broken(SwarmObserver):
+        calls = 0
+
+        def connection_opened(self, info: ConnectionInfo) -> None:
+            Broken.calls += 1
+            raise RuntimeError("broken on purpose")
+
+    class Counting(SwarmObserver):
+        def __init__(self) -> None:
+            self.opened: list[ConnectionInfo] = []
+
+        def connection_opened(self, info: ConnectionInfo) -> None:
+            self.opened.append(info)
+
+    counting = Counting()
+    async with open_nodes(3) as (a, b, c):
+        a.observe(Broken())
+        a.observe(counting)
+        await b.connect(str(a.addrs[0]))
+        await wait_until(lambda: len(counting.opened) == 1, 5)
+        await c.connect(str(a.addrs[0]))
+        await wait_until(lambda: len(counting.opened) == 2, 5)
+        assert Broken.calls == 1  # removed after the first failure
+        assert {i.peer_id for i in counting.opened} == {b.peer_id, c.peer_id}

@@ -42,7 +42,7 @@ from multiaddr import Multiaddr
 from ..addresses import is_relayed, parse_peer_addr, without_peer_id
 from ..dialer import live_connection, remote_addr
 from ..errors import ConfigError, DedlocError, RemoteProtocolError
-from ..hooks import ExternalAddresses, Reachability, Registration, SwarmObserver
+from ..hooks import ExternalAddresses, Observers, Reachability, Registration, SwarmObserver
 from ..node import Node
 from ..trio_util import unwrap_single_group
 from ..rpc import CallContext, RpcError
@@ -176,7 +176,7 @@ class DHT:
         self.server = self._wants_server()
         self._initial = self._initial_peers()
         #: Told of every query this peer made (:meth:`observe_queries`; the metrics' histograms).
-        self._query_observers: list[QueryObserver] = []
+        self._query_observers: Observers[QueryObserver] = Observers("the DHT's queries")
         #: Requests served, by kind (``find``, ``store``).
         self.served: Counter[str] = Counter()
 
@@ -316,13 +316,11 @@ class DHT:
         """Call ``observer(kind, seconds, outcome)`` after every get, store and peer lookup this peer makes
         (kind ``get``/``store``/``find_peers``; outcome ``ok``, ``not_found``, ``partial``, ``failed``
         or ``timeout``). Synchronous, lossless, until the handle is removed."""
-        self._query_observers.append(observer)
-        return Registration(lambda: self._query_observers.remove(observer))
+        return self._query_observers.add(observer)
 
     def _query_done(self, kind: str, started: float, outcome: str) -> None:
         elapsed = trio.current_time() - started
-        for observer in list(self._query_observers):
-            observer(kind, elapsed, outcome)
+        self._query_observers.notify(lambda o: o(kind, elapsed, outcome), f"a {kind} query")
 
     async def get(self, key: KeyLike, latest: bool = False, *,
                   timeout: float | None = None) -> ValueWithExpiration | None:
