@@ -128,3 +128,37 @@ def test_a_disabled_scaler_is_no_scaler_and_one_never_used_is_a_clear_error() ->
     _set(params, torch.ones(3), torch.ones(2, 2))
     with pytest.raises(ValueError, match=r"never scaled a loss: use scaler\.scale\(loss\)\.backward\(\)"):
         acc.add(1)
+
+
+def test_every_dropped_batch_and_overflow_is_counted_and_said(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    params = _params()
+    acc = GradientAccumulator(params)
+    with caplog.at_level(logging.INFO, logger="training.accumulator"):
+        for size in (5, 7):
+            _set(params, torch.full((3,), float("nan")), torch.ones(2, 2))
+            assert not acc.add(size)
+    assert acc.dropped_batches == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        f"dropped a batch of {n} samples: its gradients hold NaN or Inf (the others are kept)" for n in (5, 7)]
+    caplog.clear()
+    scaler = _scaler(scale=8.0)
+    acc = GradientAccumulator(params, scaler)
+    with caplog.at_level(logging.INFO, logger="training.accumulator"):
+        for _ in range(2):
+            _set(params, torch.full((3,), float("inf")), torch.ones(2, 2))
+            assert not acc.add(3)
+    assert acc.overflows == 2 and acc.dropped_batches == 2 and scaler.get_scale() == 2.0
+    assert [r.getMessage() for r in caplog.records] == [
+        "dropped a batch of 3 samples: its gradients overflowed at loss scale 8 (the scale backs off to 4)",
+        "dropped a batch of 3 samples: its gradients overflowed at loss scale 4 (the scale backs off to 2)"]
+
+
+def test_a_scaler_that_never_scaled_is_refused_with_the_whole_reason() -> None:
+    params = _params()
+    acc = GradientAccumulator(params, torch.amp.GradScaler("cpu", init_scale=8.0))
+    _set(params, torch.ones(3), torch.ones(2, 2))
+    with pytest.raises(ValueError, match=r"^the GradScaler given to the optimizer never scaled a loss: "
+                                         r"use scaler\.scale\(loss\)\.backward\(\)$"):
+        acc.add(1)
