@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, ExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import trio
 from libp2p.abc import INetStream
@@ -144,6 +145,20 @@ class PeerConfig:
                           autorelay=AutoRelayConfig(enabled=False)),
             dht=DHTConfig(mode=DHTMode.SERVER),
             exchange_interval=None,
+        )
+
+    @classmethod
+    def loopback(cls, *, relay: bool = False, initial_peers: Sequence[str] = (), **nat: Any) -> PeerConfig:
+        """A swarm on one machine (tests, benchmarks, the demo's loopback mode): listens on 127.0.0.1,
+        counts it as reachable, asks no router; ``relay``: the swarm's relay and DHT bootstrap.
+        ``nat``: further :class:`NatConfig` settings."""
+        return cls(
+            node=NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], initial_peers=list(initial_peers),
+                            bootstrap_timeout=10.0, dial_timeout=5.0),
+            nat=NatConfig(allow_private=True, port_mapping=PortMappingConfig(enabled=False), relay_service=relay,
+                          autorelay=AutoRelayConfig(enabled=not relay), **nat),
+            dht=DHTConfig(mode=DHTMode.SERVER if relay else DHTMode.AUTO, bootstrap_timeout=10.0),
+            exchange_interval=None if relay else 1.0,
         )
 
     @classmethod

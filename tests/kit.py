@@ -19,15 +19,7 @@ import trio
 import trio.testing
 
 from nat import Peer, PeerConfig
-from nat.autorelay import AutoRelayConfig
 from nat.lab import netns_unavailable_reason
-from nat.port_mapping import PortMappingConfig
-from nat.traversal import NatConfig
-from p2p.dht import DHTConfig
-from p2p.dht.events import DHTMode
-
-from .conftest import loopback_config
-
 
 T = TypeVar("T")
 
@@ -98,15 +90,8 @@ def pipe() -> tuple[trio.testing.MemoryStapledStream, trio.testing.MemoryStapled
 
 
 def loopback_peer_config(*, relay: bool = False, initial_peers: list[str] | None = None, **nat: Any) -> PeerConfig:
-    """A :class:`PeerConfig` for loopback tests: 127.0.0.1 counts as reachable, no router is asked."""
-    nat_config = NatConfig(allow_private=True, port_mapping=PortMappingConfig(enabled=False), relay_service=relay,
-                           autorelay=AutoRelayConfig(enabled=not relay), **nat)
-    return PeerConfig(
-        node=loopback_config(initial_peers=initial_peers or []),
-        nat=nat_config,
-        dht=DHTConfig(mode=DHTMode.SERVER if relay else DHTMode.AUTO, bootstrap_timeout=10.0),
-        exchange_interval=None if relay else 1.0,
-    )
+    """A :class:`PeerConfig` for loopback tests: :meth:`PeerConfig.loopback`."""
+    return PeerConfig.loopback(relay=relay, initial_peers=initial_peers or [], **nat)
 
 
 @asynccontextmanager
