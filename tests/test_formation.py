@@ -252,3 +252,26 @@ def test_the_failure_says_why() -> None:
     lone = formation(member(2, leads=False))
     lone.on_declarations([member(2, leads=False)], 0.0)
     assert "this peer cannot lead and no other can" in lone.failure("run.matchmaking", 30)
+
+
+def test_the_failure_says_exactly_why_in_each_case() -> None:
+    prefix = "no group of at least 2 formed under 'run.matchmaking' within 30 s"
+    # nobody declared, a peer that leads: nothing to add
+    empty = formation(member(2))
+    assert empty.failure("run.matchmaking", 30) == f"{prefix} (0 matching peers declared)"
+    # only senders seen, and a peer that cannot lead with nobody else: both reasons, in full
+    alone = formation(member(2, Role.SENDER, leads=False))
+    alone.on_declarations([member(2, Role.SENDER, leads=False)], 0.0)
+    assert alone.failure("run.matchmaking", 30) == (
+        f"{prefix} (1 matching peers declared; this peer cannot lead and no other can; none of them may reduce "
+        "a part (all senders: client mode, relayed, or reduces=False))")
+    # two seen: another could lead; a reducer seen once stays seen though later reads show none
+    two = formation(member(2, leads=False))
+    two.on_declarations([member(2, leads=False), member(1, Role.SENDER)], 0.0)
+    two.on_declarations([member(2, Role.SENDER, leads=False), member(1, Role.SENDER)], 1.0)
+    assert two.reducers_seen is True
+    assert two.failure("run.matchmaking", 30) == f"{prefix} (2 matching peers declared)"
+    # a leader that sees only senders but itself reduces: no reducer complaint
+    leads = formation(member(2))
+    leads.on_declarations([member(2), member(1, Role.SENDER)], 0.0)
+    assert leads.failure("run.matchmaking", 30) == f"{prefix} (2 matching peers declared)"

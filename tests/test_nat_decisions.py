@@ -90,3 +90,25 @@ def test_relay_admission_limits_and_expiry() -> None:
     # Expired slots and slots of disconnected peers go at the next sweep.
     admission.sweep(1065.0, connected=lambda p: p != c)
     assert set(admission.slots) == {a}
+
+
+def test_failures_are_counted_per_address_and_refuted_needs_no_confirmation() -> None:
+    s1, s2, s3 = peers(3)
+    v = AddressVerdicts()
+    assert v.failures(A) == 0  # never asked
+    v.record(A, s1, False)
+    v.record(A, s2, False)
+    assert v.failures(A) == 2 and v.failures(B) == 0
+    assert v.refuted(2) == [A] and v.refuted(3) == []  # exactly min_failures is enough, one fewer is not
+    v.record(A, s3, True)  # one server reached it: not refuted, however many failed
+    assert v.refuted(2) == [] and v.confirmed() == [A]
+
+
+def test_each_mode_says_why_in_full() -> None:
+    r1, r2 = peers(2)
+    assert select_mode(Reachability.PUBLIC, [A, B], [], relays_tried=False) == (
+        NatMode.PUBLIC, f"reachable at {A}, {B}")
+    assert select_mode(Reachability.PRIVATE, [], [r1, r2], relays_tried=False) == (
+        NatMode.RELAYED, f"reachable through {r1}, {r2}")
+    assert select_mode(Reachability.PRIVATE, [], [], relays_tried=True) == (
+        NatMode.CLIENT, "not reachable and no relay accepted us: dialing out only")

@@ -226,3 +226,55 @@ def test_an_auxiliary_peer_helps_each_due_step_once() -> None:
     assert assist_due(short, assisted=3, rules=DELAYED) == 4  # the step the trainers just moved past
     assert assist_due(short, assisted=4, rules=DELAYED) is None
     assert assist_due(alone, assisted=-1, rules=SYNC) is None  # a peer alone averages with nobody
+
+
+# ---------------------------------------------------------------------------- exact edges (mutation-tested)
+
+
+def test_the_expected_group_counts_the_step_and_the_one_before_and_takes_the_larger_estimate() -> None:
+    from dataclasses import replace
+
+    reports = [rep(ME, 5), rep(A, 4), rep(B, 5), rep(C, 3), rep(ID(b"peer-d"), 6), rep(ID(b"peer-e"), 7)]
+    progress = replace(swarm(*reports)[0], step=5, peers_at_step=2, peers_near_step=0, auxiliaries=0)
+    # SYNC: A (finishing step 4) and B count; C two steps behind and D, E ahead do not
+    assert expected_group(5, progress, reports, ME, SYNC) == 3
+    # delayed updates: D, one step ahead, began this round already; E, two ahead, did not
+    assert expected_group(5, progress, reports, ME, DELAYED) == 4
+    # the swarm's own estimate wins where it is larger, but only for the step it describes
+    bigger = replace(progress, peers_at_step=9)
+    assert expected_group(5, bigger, reports, ME, SYNC) == 9
+    assert expected_group(5, replace(bigger, step=4), reports, ME, SYNC) == 3
+
+
+def test_stuck_ahead_takes_the_state_from_the_freshest_servers_at_the_furthest_step() -> None:
+    from dataclasses import replace
+
+    d, e = ID(b"peer-d"), ID(b"peer-e")
+    reports = [rep(ME, 2), rep(A, 7, age=5.0), rep(B, 7, age=1.0), rep(C, 7, client=True), rep(d, 9, auxiliary=True),
+               rep(e, 6)]
+    progress = replace(swarm(*reports)[0], step=2)
+    ahead, since = stuck_ahead(me(2, fresh=True), progress, reports, T, SYNC)
+    assert since == T and ahead is not None
+    # the furthest step of the peers that train (an auxiliary's step is not the swarm's), freshest first;
+    # no client (it serves no state) and nobody behind it
+    assert ahead.step == 7 and ahead.sources == (B, A)
+
+
+def test_stuck_needs_a_peer_ahead_by_more_than_the_lag_or_a_quorum_short() -> None:
+    from dataclasses import replace
+
+    def stuck(trainer: Trainer, rules: Rules, *others: LocalProgress, samples: int = 0, contributors: int = 0,
+              quorum: int = 2) -> tuple[GlobalProgress | None, float | None]:
+        reports = [rep(ME, trainer.step), *others]
+        progress = replace(swarm(*reports)[0], step=trainer.step, samples=samples, contributors=contributors,
+                           quorum=quorum)
+        return stuck_ahead(trainer, progress, reports, T, rules)
+
+    assert stuck(me(0, fresh=True), SYNC) == (None, None)  # nobody else: never stuck
+    assert stuck(me(2, fresh=True), SYNC, rep(A, 3))[0] is not None  # SYNC: one step ahead is ahead
+    assert stuck(me(2, fresh=True), DELAYED, rep(A, 3)) == (None, None)  # delayed: one ahead is a round begun
+    assert stuck(me(2, fresh=True), DELAYED, rep(A, 4))[0] is not None
+    # not fresh: the samples without the quorum, while someone is ahead
+    assert stuck(me(3), SYNC, rep(A, 3), samples=TARGET, contributors=1) == (None, None)  # nobody ahead
+    assert stuck(me(3), SYNC, rep(A, 5), samples=TARGET, contributors=2) == (None, None)  # the quorum is there
+    assert stuck(me(3), SYNC, rep(A, 5), samples=TARGET, contributors=1) == (None, T)  # stuck since now
