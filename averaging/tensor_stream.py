@@ -38,7 +38,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from p2p.errors import DedlocError, RemoteProtocolError
-from p2p.rpc.framing import encode_varint
+from p2p.varint import LengthPrefix, VarintOverLimit, VarintTooLong, encode_varint
 
 from .finite import tensor_finite
 from .proto import tensor_pb2
@@ -273,22 +273,20 @@ async def _fill(stream: ReadStream, view: memoryview) -> int:
 
 async def _read_header(stream: ReadStream, max_tensors: int) -> tensor_pb2.TensorsHeader:
     limit = max_tensors * MAX_INFO_SIZE
-    size = 0
-    for shift in range(0, 64, 7):
-        byte = await _read(stream, 1)
-        if not byte:
-            where = "before the message" if shift == 0 else "inside the header's length prefix"
-            raise TruncatedTensorStreamError(f"the stream ended {where}")
-        size |= (byte[0] & 0x7F) << shift
-        if size > limit:
-            at_least = "at least " if byte[0] & 0x80 else ""
-            raise TensorLimitError(
-                f"header of {at_least}{size} bytes announced, over the {limit} that max_tensors={max_tensors} allows"
-            )
-        if byte[0] < 0x80:
-            break
-    else:
-        raise InvalidTensorHeaderError("header length prefix longer than 10 bytes")
+    prefix = LengthPrefix(limit)
+    size: int | None = None
+    try:
+        while size is None:
+            byte = await _read(stream, 1)
+            if not byte:
+                where = "inside the header's length prefix" if prefix.started else "before the message"
+                raise TruncatedTensorStreamError(f"the stream ended {where}")
+            size = prefix.feed(byte[0])
+    except VarintOverLimit as e:
+        raise TensorLimitError(f"header of {'' if e.complete else 'at least '}{e.value} bytes announced, over the "
+                               f"{limit} that max_tensors={max_tensors} allows") from None
+    except VarintTooLong:
+        raise InvalidTensorHeaderError("header length prefix longer than 10 bytes") from None
     body = bytearray(size)
     filled = await _fill(stream, memoryview(body))
     if filled < size:

@@ -12,7 +12,7 @@ from typing import Protocol, TypeVar
 import trio
 from google.protobuf.message import DecodeError, Message
 
-from p2p.rpc.framing import decode_varint, encode_varint
+from p2p.varint import VarintTooLong, decode_varint, encode_varint
 
 from .errors import AllreduceProtocolError
 
@@ -128,11 +128,12 @@ class FrameReader:
 
     async def message(self, kind: type[M], what: str, *, max_size: int = MAX_HEADER) -> M:
         while True:
-            decoded = decode_varint(self._buf)
+            try:
+                decoded = decode_varint(self._buf)
+            except VarintTooLong:
+                raise AllreduceProtocolError(f"{what}: malformed length prefix") from None
             if decoded is not None:
                 break
-            if len(self._buf) > 10:
-                raise AllreduceProtocolError(f"{what}: malformed length prefix")
             await self._more()
         length, pos = decoded
         if length > max_size:

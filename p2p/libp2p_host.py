@@ -107,7 +107,7 @@ from .addresses import is_relayed_conn, without_peer_id
 from .errors import DedlocError
 from .admission import Ticket
 from .resources import ResourceLimitExceeded, ResourceManager
-from .rpc.framing import encode_varint
+from .varint import encode_varint
 from .trio_util import finish_quietly
 from .noise import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from .noise import NoiseSession, NoiseTransport

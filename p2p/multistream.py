@@ -32,6 +32,7 @@ import trio
 
 from .admission import describe_refusal, is_admission_refusal
 from .errors import CLOSED_SWARM_HINT, UNAUTHENTICATED, ProtocolNotSupportedError, RemoteProtocolError
+from .varint import LengthPrefix, VarintTooLong, decode_varint, encode_varint
 
 HEADER = "/multistream/1.0.0"
 NA = "na"
@@ -44,6 +45,8 @@ REFUSED_PREFIX = "/dedloc/refused/"
 MAX_REASON = 160
 #: the longest message accepted from a peer (protocol ids are short; the spec caps them at 64 KiB)
 MAX_MESSAGE = 1024
+#: the longest length prefix read (3 bytes: up to 2 MiB, past any message we accept)
+MAX_LENGTH_BYTES = 3
 
 
 class MultistreamError(RemoteProtocolError):
@@ -92,13 +95,7 @@ def encode(*messages: str) -> bytes:
     out = bytearray()
     for message in messages:
         body = message.encode() + b"\n"
-        n = len(body)
-        while True:
-            byte = n & 0x7F
-            n >>= 7
-            out.append(byte | (0x80 if n else 0))
-            if not n:
-                break
+        out += encode_varint(len(body))
         out += body
     return bytes(out)
 
@@ -112,16 +109,13 @@ def complete_messages(data: bytes) -> int:
     """
     count = pos = 0
     while pos < len(data):
-        length = shift = 0
-        while True:
-            if pos >= len(data) or shift > 14:
-                return count
-            byte = data[pos]
-            pos += 1
-            length |= (byte & 0x7F) << shift
-            shift += 7
-            if not byte & 0x80:
-                break
+        try:
+            decoded = decode_varint(data, pos, max_bytes=MAX_LENGTH_BYTES)
+        except VarintTooLong:
+            return count
+        if decoded is None:
+            return count
+        length, pos = decoded
         if not 1 <= length <= MAX_MESSAGE or pos + length > len(data) or data[pos + length - 1] != 0x0A:
             return count
         pos += length
@@ -144,8 +138,7 @@ class Reply:
         self.done = False
         self._header_seen = not header
         self._length: int | None = None  # of the message being read (None: still in its varint)
-        self._varint = 0
-        self._shift = 0
+        self._prefix = LengthPrefix(max_bytes=MAX_LENGTH_BYTES)
 
     @property
     def wanted(self) -> int:
@@ -159,14 +152,13 @@ class Reply:
         if len(data) != self.wanted:
             raise ValueError(f"fed {len(data)} bytes where {self.wanted} were wanted")
         if self._length is None:
-            byte = data[0]
-            self._varint |= (byte & 0x7F) << self._shift
-            self._shift += 7
-            if byte & 0x80:
-                if self._shift > 21:
-                    raise MultistreamError("multistream message length does not fit in 3 bytes")
+            try:
+                length = self._prefix.feed(data[0])
+            except VarintTooLong:
+                raise MultistreamError(f"multistream message length does not fit in {MAX_LENGTH_BYTES} bytes") from None
+            if length is None:
                 return
-            length, self._varint, self._shift = self._varint, 0, 0
+            self._prefix = LengthPrefix(max_bytes=MAX_LENGTH_BYTES)
             if not 1 <= length <= MAX_MESSAGE:
                 raise MultistreamError(f"multistream message of {length} bytes (1..{MAX_MESSAGE} allowed)")
             self._length = length

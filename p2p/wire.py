@@ -17,7 +17,7 @@ from google.protobuf.message import DecodeError
 from google.protobuf.message import Message as ProtoMessage
 
 from .errors import RemoteProtocolError
-from .rpc.framing import encode_varint
+from .varint import LengthPrefix, VarintOverLimit, VarintTooLong, encode_varint
 
 M = TypeVar("M", bound=ProtoMessage)
 
@@ -48,16 +48,16 @@ async def read_message(
     """Read one message and not a byte more; :class:`RemoteProtocolError` on anything wrong."""
     what = message_type.__name__
     with trio.move_on_after(timeout) as scope:
-        size = 0
-        for shift in range(0, 35, 7):
-            byte = await _read_some(stream, 1, what)
-            size |= (byte[0] & 0x7F) << shift
-            if size > max_size:
-                raise RemoteProtocolError(f"{what} of at least {size} bytes announced, over the {max_size}-byte limit")
-            if byte[0] < 0x80:
-                break
-        else:
-            raise RemoteProtocolError(f"{what} length prefix is too long")
+        prefix = LengthPrefix(max_size, max_bytes=5)
+        size: int | None = None
+        try:
+            while size is None:
+                size = prefix.feed((await _read_some(stream, 1, what))[0])
+        except VarintOverLimit as e:
+            raise RemoteProtocolError(f"{what} of at least {e.value} bytes announced, over the {max_size}-byte limit"
+                                      ) from None
+        except VarintTooLong:
+            raise RemoteProtocolError(f"{what} length prefix is too long") from None
         body = bytearray()
         while len(body) < size:
             body += await _read_some(stream, size - len(body), what)

@@ -16,7 +16,7 @@ from nat.proto import autonat_v2_pb2 as pb
 from p2p.wire import MAX_ADDRS, read_message, write_message
 from p2p import Node
 from p2p.addresses import without_peer_id
-from p2p.rpc.framing import encode_varint
+from p2p.varint import encode_varint
 from p2p.resources import Rate
 
 from .conftest import open_nodes

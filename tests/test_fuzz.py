@@ -33,7 +33,8 @@ from p2p.dht.records import DHTError, DHTRecord, LocalStore
 from p2p.identity import new_identity, peer_id_of
 from p2p.proto import auth_pb2
 from p2p.rpc.errors import RpcError
-from p2p.rpc.framing import END_FRAME, FrameDecoder, encode_call, encode_message, encode_varint
+from p2p.rpc.framing import END_FRAME, FrameDecoder, encode_call, encode_message
+from p2p.varint import encode_varint
 from p2p.untrusted import decode_addr, decode_peer_id
 from p2p.yamux import FrameParser, YamuxProtocolError
 from training.progress import LocalProgress

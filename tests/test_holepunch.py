@@ -33,7 +33,7 @@ from p2p.addresses import reachable_tcp, without_peer_id
 from p2p.dialer import dial_simultaneous
 from p2p.errors import DialError
 from p2p.resources import Rate
-from p2p.rpc.framing import encode_varint
+from p2p.varint import encode_varint
 from p2p.trio_util import finish_quietly
 
 from .conftest import open_nodes

@@ -63,5 +63,6 @@ def test_entry_point_sits_in_the_highest_layer_with_commands() -> None:
 
 def test_top_level_folders_are_the_design_cards() -> None:
     folders = {p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")}
-    ignored = {"__pycache__", "build", "dist"} | {p.name for p in ROOT.glob("*.egg-info")}
+    # build outputs, and mutmut's working copy (make mutate; gitignored)
+    ignored = {"__pycache__", "build", "dist", "mutants"} | {p.name for p in ROOT.glob("*.egg-info")}
     assert folders - ignored - {"shared"} == TOP_LEVEL

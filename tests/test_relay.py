@@ -33,7 +33,7 @@ from p2p.wire import read_message, write_message
 from p2p import Node
 from p2p.dialer import live_connection
 from p2p.resources import Rate
-from p2p.rpc.framing import encode_varint
+from p2p.varint import encode_varint
 
 from .conftest import open_nodes
 from .kit import read_to_end, wait_until

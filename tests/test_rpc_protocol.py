@@ -35,7 +35,8 @@ from p2p.rpc import (
     UnknownMethodError,
     rpc_pb2,
 )
-from p2p.rpc.framing import END_FRAME, FrameDecoder, encode_call, encode_message, encode_varint
+from p2p.rpc.framing import END_FRAME, FrameDecoder, encode_call, encode_message
+from p2p.varint import encode_varint
 
 CLIENT = ID(b"\x00\x06client")
 SERVER = ID(b"\x00\x06server")

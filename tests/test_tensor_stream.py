@@ -29,7 +29,7 @@ from averaging.tensor_stream import (
     tensors_message,
 )
 from p2p import Node
-from p2p.rpc.framing import encode_varint
+from p2p.varint import encode_varint
 
 MiB = 1 << 20
 LIMITS: dict[str, Any] = {"max_bytes": 64 * MiB, "max_tensors": 64}

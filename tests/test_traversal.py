@@ -26,7 +26,7 @@ from p2p import Node
 from p2p import events as ev
 from p2p.addresses import is_relayed, without_peer_id
 from p2p.node import MAX_LISTEN_ADDRS
-from p2p.rpc.framing import encode_varint
+from p2p.varint import encode_varint
 
 from .conftest import loopback_config
 from .kit import record_events, wait_until

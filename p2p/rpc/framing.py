@@ -21,6 +21,7 @@ from typing import TypeVar, cast
 from google.protobuf.message import DecodeError
 from google.protobuf.message import Message as ProtoMessage
 
+from ..varint import LengthPrefix, VarintOverLimit, VarintTooLong, decode_varint, encode_varint
 from . import rpc_pb2
 from .errors import InvalidMessageError, MessageTooLargeError
 
@@ -32,7 +33,6 @@ FRAME_OVERHEAD = 11
 MAX_ERROR_TEXT = 1024
 #: Bodies at least this long are filled into their own buffer instead of the shared one.
 _FILL_THRESHOLD = 64 * 1024
-_MAX_VARINT_SHIFT = 63
 _SMALL_VARINTS = [bytes((i,)) for i in range(0x80)]
 
 
@@ -55,36 +55,6 @@ def parse_message(message_type: type[M], data: bytes | bytearray | memoryview, w
         return message_type.FromString(cast(bytes, data))
     except DecodeError as e:
         raise InvalidMessageError(f"{what} is not a valid {message_type.__name__}: {e}") from None
-
-
-def encode_varint(value: int) -> bytes:
-    if value < 0:
-        raise ValueError(f"varints are unsigned, got {value}")
-    if value < 0x80:
-        return _SMALL_VARINTS[value]
-    out = bytearray()
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def decode_varint(data: bytes | bytearray | memoryview, pos: int = 0) -> tuple[int, int] | None:
-    """Value and the position after it; None when ``data`` ends inside the varint."""
-    value = 0
-    shift = 0
-    end = len(data)
-    while pos < end:
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7
-        if shift > _MAX_VARINT_SHIFT:
-            raise InvalidMessageError("varint longer than 10 bytes")
-    return None
 
 
 def encode_frame(frame: rpc_pb2.Frame) -> bytes:
@@ -123,7 +93,10 @@ def parse_frame(body: bytes | bytearray | memoryview) -> Decoded:
     payload comes out as a view of ``body``, which must therefore not change.
     """
     if len(body) >= 2 and body[0] == MESSAGE_TAG:
-        header = decode_varint(body, 1)
+        try:
+            header = decode_varint(body, 1)
+        except VarintTooLong:
+            header = None  # not a well-formed message frame: protobuf's parse says what it is
         if header is not None and header[0] + header[1] == len(body):
             return Payload(memoryview(body)[header[1] :])
     frame = parse_message(rpc_pb2.Frame, body, "frame")
@@ -190,25 +163,22 @@ class FrameDecoder:
 
         buf = self._buf
         end = len(buf)
-        size = 0
-        shift = 0
+        prefix = LengthPrefix(self._max_frame)
         pos = 0
-        while True:
-            if pos == end:
-                return None
-            byte = buf[pos]
-            pos += 1
-            size |= (byte & 0x7F) << shift
-            if size > self._max_frame:
-                raise MessageTooLargeError(
-                    f"frame of {'at least ' if byte >= 0x80 else ''}{size} bytes announced, over the "
-                    f"limit of {self._max_frame} (max_message_size {self.max_message_size} + envelope)"
-                )
-            if byte < 0x80:
-                break
-            shift += 7
-            if shift > _MAX_VARINT_SHIFT:
-                raise InvalidMessageError("frame length prefix longer than 10 bytes")
+        size: int | None = None
+        try:
+            while size is None:
+                if pos == end:
+                    return None
+                size = prefix.feed(buf[pos])
+                pos += 1
+        except VarintOverLimit as e:
+            raise MessageTooLargeError(
+                f"frame of {'' if e.complete else 'at least '}{e.value} bytes announced, over the "
+                f"limit of {self._max_frame} (max_message_size {self.max_message_size} + envelope)"
+            ) from None
+        except VarintTooLong:
+            raise InvalidMessageError("frame length prefix longer than 10 bytes") from None
         if size == 0:
             raise InvalidMessageError("empty frame")
         stop = pos + size
