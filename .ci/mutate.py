@@ -74,6 +74,8 @@ def scores() -> tuple[dict[str, Counter[str]], dict[str, list[str]]]:
             continue
         module = module_of(name)
         counts[module][status] += 1
+        if status == "not checked":
+            continue  # outside --only
         if status not in KILLED:
             survivors[module].append(name)
     return counts, survivors
@@ -85,13 +87,18 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="write the scores here")
     parser.add_argument("--survivors", action="store_true", help="list every surviving mutant")
     parser.add_argument("--no-run", action="store_true", help="score the last run again (mutants/ kept)")
+    parser.add_argument("--only", nargs="+", metavar="MODULE", choices=sorted(MODULES),
+                        help="mutate and score only these modules (paths as in MODULES)")
     args = parser.parse_args()
     check_config()
+    only = args.only or list(MODULES)
     if not args.no_run:
         # a fresh run every time: mutmut's cache keys on source, not on the tests that changed
         subprocess.run(["rm", "-rf", str(ROOT / "mutants")], check=True)
-        subprocess.run([str(MUTMUT), "run"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+        names = [m[:-3].replace("/", ".") + ".*" for m in args.only] if args.only else []
+        subprocess.run([str(MUTMUT), "run", *names], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     counts, survivors = scores()
+    counts = {m: c for m, c in counts.items() if m in only}
     below = []
     table = {}
     print(f"{'module':34} {'mutants':>7} {'killed':>6} {'score':>6}  survivors")

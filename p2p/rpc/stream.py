@@ -116,7 +116,7 @@ class FramedStream:
             return await self.stream.read(READ_SIZE)
         except EOFError:
             return b""
-        except TRANSPORT_ERRORS as e:
+        except (PeerRefused, *TRANSPORT_ERRORS) as e:
             refused = _refusal(e)
             if refused is not None:  # the peer is there; this stream was one too many for it
                 self.done = True
