@@ -28,8 +28,8 @@ MUTMUT = ROOT / ".venv" / "bin" / "mutmut"
 #: module -> the fast tests that guard it (the union is pyproject's pytest_add_cli_args_test_selection)
 MODULES: dict[str, tuple[str, ...]] = {
     "averaging/formation.py": ("tests/test_formation.py", "tests/test_averaging_core.py"),
-    "averaging/partition.py": ("tests/test_averaging_core.py",),
-    "averaging/reduction.py": ("tests/test_averaging_core.py", "tests/test_robust.py"),
+    "averaging/partition.py": ("tests/test_averaging_core.py", "tests/test_partition.py"),
+    "averaging/reduction.py": ("tests/test_averaging_core.py", "tests/test_reduction.py", "tests/test_robust.py"),
     "averaging/robust.py": ("tests/test_robust.py",),
     "training/policy.py": ("tests/test_training_policy.py",),
     "training/accumulator.py": ("tests/test_accumulator.py",),
