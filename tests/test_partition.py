@@ -96,3 +96,22 @@ def test_chunks_never_cross_a_codec_region_and_are_at_most_the_chunk() -> None:
     assert chunk_spans(0, 1, 1, regions) == [Region(0, 1, raw)]
     with pytest.raises(ValueError, match="^chunk_elements must be positive$"):
         chunk_spans(0, 10, 0, regions)
+
+
+def test_the_fingerprint_is_pinned_across_versions_and_a_malformed_schema_is_an_error() -> None:
+    """Peers running different versions must agree on it: the sha256 of the dtypes and shapes as text."""
+    import hashlib
+
+    schema = Schema.of([torch.zeros(2, 3), torch.zeros(4)])
+    assert schema.fingerprint() == hashlib.sha256(b"torch.float32[2, 3];torch.float32[4]").digest()[:16]
+    broken = Schema(shapes=((1,), (2,)), dtypes=("torch.float32",))
+    with pytest.raises(ValueError):
+        broken.fingerprint()
+    with pytest.raises(ValueError):
+        broken.check([torch.zeros(1), torch.zeros(2)])
+
+
+def test_unflatten_walks_every_tensor_in_turn() -> None:
+    a, b, c = torch.zeros(1), torch.zeros(2), torch.zeros(3)
+    unflatten_into(torch.arange(6.0), [a, b, c])
+    assert a.tolist() == [0] and b.tolist() == [1, 2] and c.tolist() == [3, 4, 5]

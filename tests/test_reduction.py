@@ -110,3 +110,28 @@ def test_robust_chunks_are_clipped_float32_and_the_clipped_sender_named() -> Non
     assert final.values is not None and final.values.dtype == torch.float32
     assert torch.allclose(final.values, torch.tensor([1.0, 0.0]))  # CenteredClip's center, not the mean 33.7
     assert final.notes == ["member 2 clipped x0.0101"] and final.contributors == frozenset({0, 1, 2})
+
+
+def test_a_sender_that_leaves_after_a_chunk_is_in_that_chunk_and_noted_only_after_it() -> None:
+    r = reduction(0, 1)
+    r.set_weight(0, 1.0)
+    r.set_weight(1, 1.0)
+    r.add(1, 0, torch.tensor([4.0, 4.0]))  # chunk 0 from member 1; member 0's is still to come
+    assert r.drop(1, "gone") == []  # chunk 0 waits for member 0; chunk 1 waits for member 0 too
+    (first,) = r.add(0, 0, torch.tensor([2.0, 2.0]))
+    assert first.notes == [] and first.contributors == frozenset({0, 1}) and first.values.tolist() == [3.0, 3.0]  # type: ignore[union-attr]
+    (second,) = r.add(0, 1, torch.ones(4))
+    assert second.notes == ["member 1 left out: gone"] and second.contributors == frozenset({0})
+
+
+def test_values_are_copied_as_float32_whatever_the_caller_does_with_them_after() -> None:
+    for robust in (None, CenteredClipConfig()):
+        r = reduction(0, 1, robust=robust)
+        r.set_weight(0, 1.0)
+        r.set_weight(1, 1.0)
+        mine = torch.tensor([1.0, 1.0])
+        r.add(0, 0, torch.tensor([3.0, 3.0], dtype=torch.float64) if robust is None else mine)
+        mine.fill_(1000.0)  # the caller reuses its buffer before the chunk is final
+        (final,) = r.add(1, 0, torch.tensor([1.0, 1.0]))
+        assert final.values is not None and final.values.dtype == torch.float32
+        assert final.values.tolist() == ([2.0, 2.0] if robust is None else [1.0, 1.0])
