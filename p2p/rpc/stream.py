@@ -32,6 +32,8 @@ TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
     trio.BrokenResourceError,
     trio.ClosedResourceError,
 )
+#: What a read may raise for a stream the peer refused or that broke (PeerRefused comes unwrapped now).
+_READ_ERRORS: tuple[type[BaseException], ...] = (PeerRefused, *TRANSPORT_ERRORS)
 
 
 def _refusal(error: BaseException) -> PeerRefused | None:
@@ -116,7 +118,7 @@ class FramedStream:
             return await self.stream.read(READ_SIZE)
         except EOFError:
             return b""
-        except (PeerRefused, *TRANSPORT_ERRORS) as e:
+        except _READ_ERRORS as e:
             refused = _refusal(e)
             if refused is not None:  # the peer is there; this stream was one too many for it
                 self.done = True
