@@ -54,8 +54,10 @@ def decode_varint(data: bytes | bytearray | memoryview, pos: int = 0, *,
                   max_bytes: int = MAX_BYTES) -> tuple[int, int] | None:
     """The value at ``pos`` and the position after it; None when ``data`` ends inside the varint;
     :class:`VarintTooLong` past ``max_bytes``."""
-    reader = LengthPrefix(max_bytes=max_bytes)
     end = len(data)
+    if pos < end and data[pos] < 0x80:  # one byte, most varints: no reader needed
+        return data[pos], pos + 1
+    reader = LengthPrefix(max_bytes=max_bytes)
     while pos < end:
         value = reader.feed(data[pos])
         pos += 1

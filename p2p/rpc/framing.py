@@ -36,6 +36,10 @@ _FILL_THRESHOLD = 64 * 1024
 _SMALL_VARINTS = [bytes((i,)) for i in range(0x80)]
 
 
+class _Incomplete(Exception):
+    """The length prefix has not all arrived yet."""
+
+
 @dataclass(frozen=True, slots=True)
 class Payload:
     """A message frame: one serialized request or response, type unknown here."""
@@ -152,6 +156,27 @@ class FrameDecoder:
             data = view[room:]
         self._buf += data
 
+    def _read_prefix(self, buf: bytearray, end: int) -> tuple[int, int]:
+        """The frame's length and where its body starts (p2p/varint.py's reader, checked against the limit
+        as the prefix arrives); :class:`_Incomplete` while the prefix is not all here."""
+        prefix = LengthPrefix(self._max_frame)
+        pos = 0
+        try:
+            while True:
+                if pos == end:
+                    raise _Incomplete
+                size = prefix.feed(buf[pos])
+                pos += 1
+                if size is not None:
+                    return size, pos
+        except VarintOverLimit as e:
+            raise MessageTooLargeError(
+                f"frame of {'' if e.complete else 'at least '}{e.value} bytes announced, over the "
+                f"limit of {self._max_frame} (max_message_size {self.max_message_size} + envelope)"
+            ) from None
+        except VarintTooLong:
+            raise InvalidMessageError("frame length prefix longer than 10 bytes") from None
+
     def next(self) -> Decoded | None:
         body = self._body
         if body is not None:
@@ -163,22 +188,15 @@ class FrameDecoder:
 
         buf = self._buf
         end = len(buf)
-        prefix = LengthPrefix(self._max_frame)
-        pos = 0
-        size: int | None = None
-        try:
-            while size is None:
-                if pos == end:
-                    return None
-                size = prefix.feed(buf[pos])
-                pos += 1
-        except VarintOverLimit as e:
-            raise MessageTooLargeError(
-                f"frame of {'' if e.complete else 'at least '}{e.value} bytes announced, over the "
-                f"limit of {self._max_frame} (max_message_size {self.max_message_size} + envelope)"
-            ) from None
-        except VarintTooLong:
-            raise InvalidMessageError("frame length prefix longer than 10 bytes") from None
+        if end == 0:
+            return None
+        if buf[0] < 0x80 and buf[0] <= self._max_frame:  # a one-byte prefix, most frames: no reader needed
+            size, pos = buf[0], 1
+        else:
+            try:
+                size, pos = self._read_prefix(buf, end)
+            except _Incomplete:
+                return None
         if size == 0:
             raise InvalidMessageError("empty frame")
         stop = pos + size
