@@ -193,18 +193,18 @@ class Dashboard:
     def _resources(self) -> list[dict[str, Any]]:
         usage = self.peer.node.resources.usage()
         limits = self.peer.node.resources.limits()
-        pairs = [("inbound connections", usage.get("admission.inbound", 0), limits["inbound_connections"]),
-                 ("connections handshaking", usage.get("admission.handshaking", 0), limits["handshaking"]),
-                 ("inbound streams", usage.get("inbound_streams", 0), limits["inbound_streams"]),
-                 ("memory in flight", usage.get("memory_bytes", 0), limits["memory_bytes"])]
+        # (name, used, limit, unit): a unit of "bytes" is shown in MiB/GiB by the page
+        pairs = [("inbound connections", usage.get("admission.inbound", 0), limits["inbound_connections"], ""),
+                 ("connections handshaking", usage.get("admission.handshaking", 0), limits["handshaking"], ""),
+                 ("inbound streams", usage.get("inbound_streams", 0), limits["inbound_streams"], ""),
+                 ("memory in flight", usage.get("memory_bytes", 0), limits["memory_bytes"], "bytes")]
         relay = self.peer.nat.relay_service
         if relay is not None:
-            pairs += [("relay reservations", len(relay.admission.slots), relay.config.max_reservations),
-                      ("relay circuits", relay.admission.circuit_count, relay.config.max_circuits)]
+            pairs += [("relay reservations", len(relay.admission.slots), relay.config.max_reservations, ""),
+                      ("relay circuits", relay.admission.circuit_count, relay.config.max_circuits, "")]
         refused = sum(self.peer.node.resources.refusal_counts().values())
-        rows: list[dict[str, Any]] = [
-            {"name": name, "used": used, "limit": limit, "unit": "bytes" if name.startswith("memory") else ""}
-            for name, used, limit in pairs]
+        rows: list[dict[str, Any]] = [{"name": name, "used": used, "limit": limit, "unit": unit}
+                                      for name, used, limit, unit in pairs]
         rows.append({"name": "refusals so far", "used": refused, "limit": None, "unit": ""})
         return rows
 

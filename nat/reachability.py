@@ -16,7 +16,7 @@ from multiaddr import Multiaddr
 
 from p2p.addresses import without_peer_id
 from p2p.hooks import Reachability
-from p2p.node import tcp_port
+from p2p.addresses import tcp_port
 
 
 class NatMode(StrEnum):

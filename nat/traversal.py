@@ -50,7 +50,7 @@ from p2p.hooks import (
     Reachability,
     SwarmObserver,
 )
-from p2p.node import tcp_port
+from p2p.addresses import tcp_port
 
 from . import events as nev
 from .autonat import DIAL_REQUEST, AutoNATClient, AutoNATConfig, AutoNATError, AutoNATServer

@@ -143,6 +143,20 @@ def scope_of(addr: Multiaddr) -> Scope:
     return Scope.UNKNOWN
 
 
+def ip_and_tcp_port(addr: Multiaddr) -> tuple[str, int] | None:
+    """The IP and TCP port of an ``/ip4|ip6/<ip>/tcp/<port>…`` address, else None."""
+    items = list(addr.items())
+    if len(items) > 1 and items[0][0].name in ("ip4", "ip6") and items[1][0].name == "tcp":
+        return str(items[0][1]), int(str(items[1][1]))
+    return None
+
+
+def tcp_port(addr: Multiaddr) -> int | None:
+    """The TCP port of an ``/ip4|ip6/…/tcp/<port>`` address, else None."""
+    found = ip_and_tcp_port(addr)
+    return None if found is None else found[1]
+
+
 def reachable_tcp(addr: Multiaddr, *, allow_private: bool = False) -> bool:
     """A direct TCP address (``/ip4|ip6/…/tcp/…``, no circuit) in public scope, or any scope if allowed.
 

@@ -16,7 +16,6 @@ CLOSED_SWARM_HINT = ("it admits only holders of an access pass: ask its operator
                      "(`dedloc authority add NAME`), then join with --authority KEY --username NAME --secret-file FILE")
 
 
-
 class DedlocError(Exception):
     """Base class of every error dedloc raises on purpose."""
 

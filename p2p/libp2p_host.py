@@ -80,6 +80,7 @@ host instance's attributes.
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Awaitable, Callable, Sequence
 from contextvars import ContextVar
 from typing import Any, cast
@@ -103,7 +104,7 @@ import trio
 from multiaddr import Multiaddr
 
 from . import multistream
-from .addresses import is_relayed_conn, without_peer_id
+from .addresses import ip_and_tcp_port, is_relayed_conn
 from .errors import DedlocError
 from .admission import Ticket
 from .resources import ResourceLimitExceeded, ResourceManager
@@ -195,38 +196,22 @@ async def started(host: IHost, get_addrs: Callable[[], list[Multiaddr]],
 def check_listening(host: IHost, listen: Sequence[Multiaddr]) -> None:
     """Raise :class:`DedlocError` naming each TCP address of ``listen`` that has no listener (see the
     module's "Listen failures"), with the operating system's reason (found by binding it as py-libp2p does)."""
-    bound = [without_peer_id(a) for a in host.get_transport_addrs()]
+    bound = [b for b in map(ip_and_tcp_port, host.get_transport_addrs()) if b is not None]
     missing = []
     for addr in listen:
-        ip, port = _ip_of(addr), _tcp_port(addr)
-        if ip is None or port is None:
+        wanted = ip_and_tcp_port(addr)
+        if wanted is None:
             continue  # not TCP over IP (QUIC's listeners fail loudly on their own)
-        if not any(_tcp_port(b) is not None and port in (0, _tcp_port(b)) and ip in ("0.0.0.0", "::", _ip_of(b))
-                   for b in bound):
+        ip, port = wanted
+        if not any(port in (0, bound_port) and ip in ("0.0.0.0", "::", bound_ip) for bound_ip, bound_port in bound):
             missing.append(f"{addr}: {_bind_reason(ip, port)}")
     if missing:
         raise DedlocError("cannot listen on " + "; ".join(missing)
                           + " (choose another port with --listen, or tcp/0 for any free one)")
 
 
-def _ip_of(addr: Multiaddr) -> str | None:
-    names = [p.name for p in addr.protocols()]
-    for proto in ("ip4", "ip6"):
-        if proto in names:
-            return str(addr.value_for_protocol(proto))
-    return None
-
-
-def _tcp_port(addr: Multiaddr) -> int | None:
-    if "tcp" not in [p.name for p in addr.protocols()]:
-        return None
-    return int(str(addr.value_for_protocol("tcp")))
-
-
 def _bind_reason(ip: str, port: int) -> str:
     """Why the OS refuses to bind ``ip``:``port`` with py-libp2p's socket options (it logs and drops the reason)."""
-    import socket
-
     family = socket.AF_INET6 if ":" in ip else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

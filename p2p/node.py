@@ -30,7 +30,8 @@ from multiaddr import Multiaddr
 from . import events as ev
 from . import multistream
 from .admission import Admission
-from .addresses import is_relayed, parse_multiaddr, parse_peer_addr, rank_for_dial, with_peer_id, without_peer_id
+from .addresses import (is_relayed, parse_multiaddr, parse_peer_addr, rank_for_dial, tcp_port, with_peer_id,
+                        without_peer_id)
 from .config import NodeConfig
 from .dialer import CircuitDialer, backoff_delays, classify_dial_error, dial, live_connection, remote_addr
 from .errors import CLOSED_SWARM_HINT, BootstrapError, ConfigError, DedlocError, DialError, ProtocolNotSupportedError, StreamOpenError
@@ -91,7 +92,6 @@ class Node:
         self._auth: Authenticator | None = None
         #: peers that showed us a closed swarm's pass while we had none (``_on_closed_swarm_hello``)
         self.closed_swarm: set[ID] = set()
-        self._no_pass: Registration | None = None
         #: Failed attempts of our dials, by (transport, error class, ip version): go-libp2p's
         #: ``libp2p_swarm_dial_errors_total`` labels (:func:`p2p.dialer.classify_dial_error`).
         self.dial_errors: Counter[tuple[str, str, str]] = Counter()
@@ -153,7 +153,7 @@ class Node:
                     await started(host, node._host_addrs, node._connected, node._disconnected,
                                   resources)
                     node.set_stream_handler(RPC_PROTOCOL, node.rpc.handle_stream)
-                    node._no_pass = node.set_stream_handler(AUTH_PROTOCOL, node._on_closed_swarm_hello)
+                    node._serve_closed_swarm_notice()
                     nursery.start_soon(node._sweep_idle_rpc_streams)
                     nursery.start_soon(node._log_limits_hit)
                     try:
@@ -425,7 +425,7 @@ class Node:
         self._auth = authenticator
         stack = ExitStack()
         stack.callback(setattr, self, "_auth", None)
-        stack.callback(self._restore_no_pass_handler)
+        stack.callback(self._serve_closed_swarm_notice)
         stack.enter_context(self.set_stream_handler(AUTH_PROTOCOL, authenticator.handle))
         stack.enter_context(self.observe(authenticator))
         set_gate(self.host, authenticator.inbound)
@@ -437,8 +437,9 @@ class Node:
     def authenticator(self) -> Authenticator | None:
         return self._auth
 
-    def _restore_no_pass_handler(self) -> None:
-        self._no_pass = self.set_stream_handler(AUTH_PROTOCOL, self._on_closed_swarm_hello)
+    def _serve_closed_swarm_notice(self) -> None:
+        """Without an authenticator, a closed swarm's Hello is heard (it replaces this handler while installed)."""
+        self.set_stream_handler(AUTH_PROTOCOL, self._on_closed_swarm_hello)
 
     async def _on_closed_swarm_hello(self, stream: INetStream) -> None:
         """A peer of a closed swarm showed us its pass and we have none (no authenticator): say so at
@@ -708,14 +709,6 @@ def _remote(stream: INetStream) -> ID | None:
         return stream.muxed_conn.peer_id
     except Exception:
         return None
-
-
-def tcp_port(addr: Multiaddr) -> int | None:
-    """The TCP port of an ``/ip4|ip6/…/tcp/<port>`` address, else None."""
-    items = list(addr.items())
-    if len(items) > 1 and items[1][0].name == "tcp":
-        return int(str(items[1][1]))
-    return None
 
 
 def _expand_unspecified(addr: Multiaddr) -> list[Multiaddr]:

@@ -50,14 +50,15 @@ def encode_varint(value: int) -> bytes:
     return bytes(out)
 
 
-def decode_varint(data: bytes | bytearray | memoryview, pos: int = 0, *,
+def decode_varint(data: bytes | bytearray | memoryview, pos: int = 0, *, limit: int | None = None,
                   max_bytes: int = MAX_BYTES) -> tuple[int, int] | None:
     """The value at ``pos`` and the position after it; None when ``data`` ends inside the varint;
-    :class:`VarintTooLong` past ``max_bytes``."""
+    :class:`VarintOverLimit` over ``limit`` (as soon as the bytes there pass it), :class:`VarintTooLong`
+    past ``max_bytes``."""
     end = len(data)
-    if pos < end and data[pos] < 0x80:  # one byte, most varints: no reader needed
-        return data[pos], pos + 1
-    reader = LengthPrefix(max_bytes=max_bytes)
+    if pos < end and data[pos] < 0x80 and (limit is None or data[pos] <= limit):
+        return data[pos], pos + 1  # one byte, most varints: no reader needed
+    reader = LengthPrefix(limit, max_bytes)
     while pos < end:
         value = reader.feed(data[pos])
         pos += 1

@@ -21,7 +21,7 @@ from typing import TypeVar, cast
 from google.protobuf.message import DecodeError
 from google.protobuf.message import Message as ProtoMessage
 
-from ..varint import LengthPrefix, VarintOverLimit, VarintTooLong, decode_varint, encode_varint
+from ..varint import VarintOverLimit, VarintTooLong, decode_varint, encode_varint
 from . import rpc_pb2
 from .errors import InvalidMessageError, MessageTooLargeError
 
@@ -33,11 +33,7 @@ FRAME_OVERHEAD = 11
 MAX_ERROR_TEXT = 1024
 #: Bodies at least this long are filled into their own buffer instead of the shared one.
 _FILL_THRESHOLD = 64 * 1024
-_SMALL_VARINTS = [bytes((i,)) for i in range(0x80)]
-
-
-class _Incomplete(Exception):
-    """The length prefix has not all arrived yet."""
+_MESSAGE_TAG_BYTE = bytes((MESSAGE_TAG,))
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +70,7 @@ def encode_call(method: str, deadline_ms: int) -> bytes:
 def message_header(size: int) -> bytes:
     """What goes before a payload of ``size`` bytes to make it a message frame."""
     inner = encode_varint(size)
-    return encode_varint(1 + len(inner) + size) + _SMALL_VARINTS[MESSAGE_TAG] + inner
+    return encode_varint(1 + len(inner) + size) + _MESSAGE_TAG_BYTE + inner
 
 
 def encode_message(payload: bytes) -> bytes:
@@ -156,27 +152,6 @@ class FrameDecoder:
             data = view[room:]
         self._buf += data
 
-    def _read_prefix(self, buf: bytearray, end: int) -> tuple[int, int]:
-        """The frame's length and where its body starts (p2p/varint.py's reader, checked against the limit
-        as the prefix arrives); :class:`_Incomplete` while the prefix is not all here."""
-        prefix = LengthPrefix(self._max_frame)
-        pos = 0
-        try:
-            while True:
-                if pos == end:
-                    raise _Incomplete
-                size = prefix.feed(buf[pos])
-                pos += 1
-                if size is not None:
-                    return size, pos
-        except VarintOverLimit as e:
-            raise MessageTooLargeError(
-                f"frame of {'' if e.complete else 'at least '}{e.value} bytes announced, over the "
-                f"limit of {self._max_frame} (max_message_size {self.max_message_size} + envelope)"
-            ) from None
-        except VarintTooLong:
-            raise InvalidMessageError("frame length prefix longer than 10 bytes") from None
-
     def next(self) -> Decoded | None:
         body = self._body
         if body is not None:
@@ -188,15 +163,18 @@ class FrameDecoder:
 
         buf = self._buf
         end = len(buf)
-        if end == 0:
+        try:
+            decoded = decode_varint(buf, limit=self._max_frame)
+        except VarintOverLimit as e:
+            raise MessageTooLargeError(
+                f"frame of {'' if e.complete else 'at least '}{e.value} bytes announced, over the "
+                f"limit of {self._max_frame} (max_message_size {self.max_message_size} + envelope)"
+            ) from None
+        except VarintTooLong:
+            raise InvalidMessageError("frame length prefix longer than 10 bytes") from None
+        if decoded is None:
             return None
-        if buf[0] < 0x80 and buf[0] <= self._max_frame:  # a one-byte prefix, most frames: no reader needed
-            size, pos = buf[0], 1
-        else:
-            try:
-                size, pos = self._read_prefix(buf, end)
-            except _Incomplete:
-                return None
+        size, pos = decoded
         if size == 0:
             raise InvalidMessageError("empty frame")
         stop = pos + size
