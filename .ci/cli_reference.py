@@ -27,12 +27,11 @@ def _rows(parser: argparse.ArgumentParser) -> list[str]:
             continue
         if action.option_strings:
             name = ", ".join(f"`{o}`" for o in action.option_strings)
-            if action.nargs != 0:
-                name += f" {action.metavar or action.dest.upper()}" if isinstance(action.metavar, str) or action.metavar is None else ""
+            if action.nargs != 0 and not isinstance(action.metavar, tuple):
+                name += f" {action.metavar or action.dest.upper()}"
         else:
             name = f"`{action.metavar or action.dest}`"
-        default = action.default
-        helptext = (action.help or "") % {"default": default, "prog": parser.prog} if action.help else ""
+        helptext = action.help % {"default": action.default, "prog": parser.prog} if action.help else ""
         rows.append(f"| {name} | {_cell(helptext)} |")
     return rows
 
