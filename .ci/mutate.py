@@ -39,6 +39,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "p2p/resources.py": ("tests/test_resources.py",),
     "p2p/dht/records.py": ("tests/test_dht_records.py",),
     "p2p/dht/routing.py": ("tests/test_dht_routing.py",),
+    "training/moe/calls.py": ("tests/test_moe_calls.py",),
+    "training/moe/protocol.py": ("tests/test_moe_calls.py",),
 }
 
 KILLED = {"killed", "timeout"}

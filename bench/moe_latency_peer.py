@@ -203,7 +203,7 @@ def figures(counter: Counter, client: Any, args: argparse.Namespace, failed_batc
 async def raw(client: Any, layer: Any, args: argparse.Namespace) -> dict[str, Any]:
     """--raw: the exchanges a batch makes (forward, then backward, to each server at once, as many
     rows per expert as a batch sends), from --concurrency trio tasks: the stack without torch threads."""
-    from training.moe.server import Kind
+    from training.moe.protocol import Kind
 
     beams = await layer.searcher.search([torch.randn(1, m) for m in GRID], k=GRID[0] * GRID[1],
                                         beam_size=GRID[0] * GRID[1])

@@ -32,6 +32,7 @@ import trio
 
 from .admission import describe_refusal, is_admission_refusal
 from .errors import CLOSED_SWARM_HINT, UNAUTHENTICATED, ProtocolNotSupportedError, RemoteProtocolError
+from .resources import over_a_limit
 from .varint import LengthPrefix, VarintTooLong, decode_varint, encode_varint
 
 HEADER = "/multistream/1.0.0"
@@ -78,6 +79,11 @@ class PeerRefused(MultistreamError, ValueError):
             super().__init__(f"the peer refused the stream: {reason}; the swarm is closed: {CLOSED_SWARM_HINT}")
         else:
             super().__init__(f"the peer refused the stream: {reason}")
+
+    @property
+    def busy(self) -> bool:
+        """Refused over one of the listener's resource limits: busy, not broken (retry later or elsewhere)."""
+        return over_a_limit(self.reason)
 
 
 def refusal_message(reason: str) -> str:

@@ -63,6 +63,16 @@ class Scope(StrEnum):
     SERVICE = "service"
 
 
+#: How every limit's refusal begins: the message of :class:`ResourceLimitExceeded`, which a refused
+#: opener reads as the reason of its :class:`p2p.multistream.PeerRefused` (see ``over_a_limit``).
+OVER_THE_LIMIT = "over the limit of"
+
+
+def over_a_limit(reason: str) -> bool:
+    """Whether a refusal's reason is one of these limits (busy, not broken: retry later or elsewhere)."""
+    return reason.startswith(OVER_THE_LIMIT)
+
+
 class ResourceLimitExceeded(DedlocError):
     """A peer (or all peers together) is over a limit: which one is in the message and fields."""
 
@@ -72,7 +82,7 @@ class ResourceLimitExceeded(DedlocError):
         self.limit = limit
         where = {Scope.SYSTEM: "in all", Scope.PEER: "per peer", Scope.PROTOCOL: f"for {what}",
                  Scope.PEER_PROTOCOL: f"per peer for {what}", Scope.SERVICE: what}[scope]
-        super().__init__(f"over the limit of {limit:g} {resource} {where}".rstrip())
+        super().__init__(f"{OVER_THE_LIMIT} {limit:g} {resource} {where}".rstrip())
 
     @property
     def reason(self) -> str:

@@ -61,6 +61,7 @@ class FakeStream:
         self._in, self._out = inbound, outbound
         self.muxed_conn = SimpleNamespace(peer_id=remote)
         self._protocol = protocol
+        self._reset_here = False
 
     def get_protocol(self) -> str:
         return self._protocol
@@ -68,7 +69,9 @@ class FakeStream:
     async def read(self, n: int | None = None) -> bytes:
         await trio.lowlevel.checkpoint()
         while True:
-            if self._in.reset:
+            # what the peer wrote before it reset the stream arrives first (as Yamux delivers it); a stream
+            # reset here reads nothing more
+            if self._reset_here or (self._in.reset and not self._in.buffer):
                 raise StreamReset("the stream was reset")
             if self._in.buffer:
                 size = len(self._in.buffer) if n is None or n < 0 else n
@@ -94,6 +97,7 @@ class FakeStream:
         self._out.wake()
 
     async def reset(self) -> None:
+        self._reset_here = True
         for pipe in (self._in, self._out):
             pipe.reset = True
             pipe.wake()
@@ -214,9 +218,12 @@ class FakeSwarm:
         self.events.append(event)
 
     def kill(self) -> None:
-        """Leave the network at once, as a peer that died: every stream of ours is reset."""
+        """Leave the network at once, as a peer that died: every stream of ours is reset, and what was
+        in flight on them is lost (a stream reset by a living peer still delivers what it wrote first)."""
         self.network.peers.pop(self.peer_id, None)
         for stream in self._streams:
+            stream._reset_here = True
             for pipe in (stream._in, stream._out):
+                pipe.buffer.clear()  # its connections are gone with whatever was still in flight
                 pipe.reset = True
                 pipe.wake()

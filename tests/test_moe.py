@@ -20,9 +20,10 @@ from training.moe.beam_search import Beam, parse_successors, select
 from training.moe.experts import FeedforwardBlock
 from training.moe.grid import ExpertUid, UidError, coordinate_subkey, expand_pattern, parse_subkey
 from training.moe.layer import _exchanges, _plan
-from training.moe.server import Kind
+from training.moe.protocol import Kind
 
-from .kit import loopback_peer_config
+from .fake_swarm import FakeNetwork
+from .kit import loopback_peer_config, wait_until
 
 HID = 8
 
@@ -38,36 +39,54 @@ def backends(pattern: str, seed: int = 0, lr: float = 0.05, module: type[torch.n
 
 
 class Swarm:
-    """A bootstrap relay, one server peer per pattern (each in its own task: killable), and a client peer."""
+    """Expert servers, one peer per pattern (each in its own task: killable), and a client peer: on the
+    in-memory swarm (tests/fake_swarm.py: no socket, records at once) unless a test needs the real
+    network (then a bootstrap relay and real peers on loopback)."""
 
-    def __init__(self) -> None:
-        self.peers: list[Peer] = []
+    def __init__(self, network: FakeNetwork | None, boot: list[str]) -> None:
+        self.network = network
+        self.boot = boot
+        self.peers: list[Any] = []
         self.servers: list[ExpertServer] = []
         self.scopes: list[trio.CancelScope] = []
-        self.client: Peer
+        self.client: Any
 
     def kill(self, i: int) -> None:
         """Server i's peer closes at once (its records stay in the DHT until they expire)."""
         self.scopes[i].cancel()
+        if self.network is not None:
+            self.peers[i].kill()  # its streams reset, dials to it fail: as a peer that died
+
+    @asynccontextmanager
+    async def another_peer(self) -> AsyncIterator[Any]:
+        """One more peer of the same swarm."""
+        if self.network is not None:
+            yield self.network.join()
+            return
+        async with Peer.open(loopback_peer_config(initial_peers=self.boot)) as peer:
+            yield peer
 
 
 @asynccontextmanager
-async def swarm(*patterns: str, config: ServerConfig | None = None) -> AsyncIterator[Swarm]:
-    out = Swarm()
+async def swarm(*patterns: str, config: ServerConfig | None = None, real: bool = False) -> AsyncIterator[Swarm]:
     async with AsyncExitStack() as stack:
-        relay = await stack.enter_async_context(Peer.open(loopback_peer_config(relay=True)))
-        boot = [str(relay.addrs[0])]
+        if real:
+            relay = await stack.enter_async_context(Peer.open(loopback_peer_config(relay=True)))
+            out = Swarm(None, [str(relay.addrs[0])])
+        else:
+            network_nursery = await stack.enter_async_context(trio.open_nursery())
+            stack.callback(network_nursery.cancel_scope.cancel)
+            out = Swarm(FakeNetwork(network_nursery), [])
         # the client before the nursery: the nursery is cancelled first on the way out, and a peer closed
         # inside a cancelled nursery would raise Cancelled over a failed test's error, which the nursery
         # then absorbs (the test would pass)
-        out.client = await stack.enter_async_context(Peer.open(loopback_peer_config(initial_peers=boot)))
+        out.client = await stack.enter_async_context(out.another_peer())
         nursery = await stack.enter_async_context(trio.open_nursery())
 
         async def host(pattern: str, scope: trio.CancelScope, *,
-                       task_status: "trio.TaskStatus[tuple[Peer, ExpertServer]]") -> None:
+                       task_status: "trio.TaskStatus[tuple[Any, ExpertServer]]") -> None:
             with scope:
-                async with Peer.open(loopback_peer_config(initial_peers=boot)) as peer, \
-                        ExpertServer.open(peer, backends(pattern), config) as server:
+                async with out.another_peer() as peer, ExpertServer.open(peer, backends(pattern), config) as server:
                     task_status.started((peer, server))
                     await trio.sleep_forever()
 
@@ -419,9 +438,9 @@ async def test_a_new_stream_reset_before_its_answer_is_retried_for_a_forward_nev
     """A forward is pure: a fresh stream reset before any answer byte (a race with a closing
     connection, a refusal) costs one more stream, not a failed call. A backward may have been
     applied before the reset: it fails, and the error says who reset the stream."""
-    from training.moe.server import PROTOCOL
+    from training.moe.protocol import PROTOCOL
 
-    async with swarm("ffn.0.[0:1]") as sw:
+    async with swarm("ffn.0.[0:1]", real=True) as sw:  # the error names who reset the stream: Yamux's words
         server_peer, server = sw.peers[0], sw.servers[0]
         resets = 0
 
@@ -459,7 +478,7 @@ async def test_garbage_and_lying_servers_give_clear_errors_and_nothing_hangs() -
     from averaging.tensor_stream import send_tensors
     from averaging.wire import FrameReader, frame
     from training.proto import moe_pb2 as pb
-    from training.moe.server import PROTOCOL
+    from training.moe.protocol import PROTOCOL
 
     async with swarm("ffn.0.[0:1]") as sw:
         server_peer, server = sw.peers[0], sw.servers[0]
@@ -477,7 +496,8 @@ async def test_garbage_and_lying_servers_give_clear_errors_and_nothing_hangs() -
         # an expert whose module returns NaN: FAILED, said so
         nan_backend = ExpertBackend("nan.0.0", NaNExpert(), None, (HID,))
         server.backends["nan.0.0"] = nan_backend
-        from training.moe.server import Kind as K, _Pool
+        from training.moe.protocol import Kind as K
+        from training.moe.server import _Pool
         server._pools[("nan.0.0", K.FORWARD)] = pool = _Pool(nan_backend, K.FORWARD, server.config)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(pool.run, server._device)
@@ -521,8 +541,7 @@ async def test_a_server_that_starts_after_the_first_search_is_found_soon() -> No
             layer.searcher.empty_ttl = 0.5
             with pytest.raises(MoEError):
                 await client.run(lambda: layer(torch.randn(2, HID)))
-            async with Peer.open(loopback_peer_config(initial_peers=[str(sw.client.addrs[0])])) as peer, \
-                    ExpertServer.open(peer, backends("late.0.[0:2]")):
+            async with sw.another_peer() as peer, ExpertServer.open(peer, backends("late.0.[0:2]")):
                 with trio.fail_after(10):
                     while True:
                         try:
@@ -606,7 +625,7 @@ async def test_calls_to_a_server_whose_slots_are_all_in_use_go_together_in_the_n
                     assert torch.allclose(out[0], want, atol=1e-5)
             # 12 calls of 6 rows each and one of 2: the first alone, the rest in exchanges of at most 40 rows
             assert client.stats.joined >= 30 and 3 <= client.stats.exchanges <= 5, client.stats
-            assert client.stats.failures == 1 and not client._waiting
+            assert client.stats.failures == 1 and not client._exchanges and client._table.servers() <= 1
 
 
 async def test_joined_calls_go_in_exchanges_of_at_most_max_join_bytes() -> None:
@@ -639,7 +658,7 @@ async def test_a_call_its_caller_gave_up_is_dropped_unanswered_and_frees_its_str
     """A caller past its timeout resets its stream: the server gives the stream up at once (its resource
     manager would otherwise count it against the caller's streams) and leaves the queued task out of
     its batch (no device time for an answer nobody reads)."""
-    async with swarm("ffn.0.[0:1]") as sw:
+    async with swarm("ffn.0.[0:1]", real=True) as sw:  # the server's resource manager
         server, peer = sw.servers[0], sw.peers[0]
         backend = server.backends["ffn.0.0"]
         async with ExpertClient.open(sw.client, ClientConfig(forward_timeout=0.3)) as client:
@@ -679,7 +698,7 @@ async def test_a_caller_that_half_closes_after_its_request_still_gets_its_answer
     request-response clients do) is answered, with the device busy meanwhile."""
     from averaging.tensor_stream import receive_tensors, send_tensors
     from averaging.wire import FrameReader, frame
-    from training.moe.server import PROTOCOL
+    from training.moe.protocol import PROTOCOL
     from training.proto import moe_pb2 as pb
 
     async with swarm("ffn.0.[0:1]") as sw:
@@ -698,3 +717,29 @@ async def test_a_caller_that_half_closes_after_its_request_still_gets_its_answer
         assert response.status == pb.ExpertResponse.OK and out.shape == (3, HID) and server.abandoned == 0
         with torch.no_grad():
             assert torch.allclose(out, server.backends["ffn.0.0"].module(x), atol=1e-5)
+
+
+async def test_a_busy_expert_is_left_out_briefly_and_a_broken_one_for_ban_time() -> None:
+    """Incident 4 of training/moe/calls.py through the client: an expert whose queue is full answers
+    OVERLOADED and is left out ``overload_ban_time`` (a long ban of every busy expert of a small grid
+    emptied it); one that fails otherwise, ``ban_time``. The ban length comes from the typed failure."""
+    async with swarm("ffn.0.[0:2]", config=ServerConfig(max_queue=1)) as sw:
+        server, peer = sw.servers[0], sw.peers[0]
+        busy, other = Expert("ffn.0.0", peer.peer_id), Expert("ffn.0.9", peer.peer_id)
+        async with ExpertClient.open(sw.client, ClientConfig(overload_ban_time=0.3, ban_time=60.0)) as client:
+            async with trio.open_nursery() as nursery:
+                async with server._device:  # one call waits for the device, one in the queue: the queue is full
+                    for _ in range(2):
+                        nursery.start_soon(client.forward, busy, torch.randn(2, HID))
+                    pool = server._pools[("ffn.0.0", Kind.FORWARD)]
+                    await wait_until(lambda: pool.receive.statistics().current_buffer_used == 1, 5, what="queued")
+                    with pytest.raises(ExpertCallError, match="^expert ffn.0.0@.*: overloaded: expert ffn.0.0: 1 "
+                                                              "requests already queued$") as info:
+                        await client.forward(busy, torch.randn(2, HID))
+                    assert info.value.busy and not info.value.timed_out and client.banned("ffn.0.0", peer.peer_id)
+            with pytest.raises(ExpertCallError, match="unknown_expert") as info:
+                await client.forward(other, torch.randn(2, HID))
+            assert not info.value.busy
+            await trio.sleep(0.35)
+            assert not client.banned("ffn.0.0", peer.peer_id) and client.banned("ffn.0.9", peer.peer_id)
+            assert client.stats.failures == 2 and client.stats.calls == 4

@@ -25,7 +25,9 @@ from p2p.lazy import exports
 
 if TYPE_CHECKING:
     from .beam_search import BeamSearcher
-    from .client import ClientConfig, Expert, ExpertCallError, ExpertClient, MoEError, RemoteExpert
+    from .calls import ClientConfig
+    from .client import ExpertClient, RemoteExpert
+    from .protocol import Expert, ExpertCallError, MoEError
     from .layer import CallReport, MoEConfig, RemoteMixtureOfExperts
     from .server import ExpertBackend, ExpertServer, ServerConfig
 
@@ -35,7 +37,7 @@ __all__ = ["BeamSearcher", "CallReport", "ClientConfig", "Expert", "ExpertBacken
 __getattr__, __dir__ = exports(__name__, {
     "BeamSearcher": ".beam_search",
     "CallReport": ".layer", "MoEConfig": ".layer", "RemoteMixtureOfExperts": ".layer",
-    "ClientConfig": ".client", "Expert": ".client", "ExpertCallError": ".client", "ExpertClient": ".client",
-    "MoEError": ".client", "RemoteExpert": ".client",
+    "ClientConfig": ".calls", "ExpertClient": ".client", "RemoteExpert": ".client",
+    "Expert": ".protocol", "ExpertCallError": ".protocol", "MoEError": ".protocol",
     "ExpertBackend": ".server", "ExpertServer": ".server", "ServerConfig": ".server",
 })

@@ -34,7 +34,7 @@ from nat.swarm import Records
 from p2p.dht.records import KeyLike, ValueWithExpiration
 
 from ..proto import moe_pb2 as pb
-from .client import Expert
+from .protocol import Expert
 from .grid import parse_subkey, prefix_key
 
 log = logging.getLogger(__name__)

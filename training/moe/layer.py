@@ -38,8 +38,8 @@ import trio
 from p2p.errors import ConfigError
 
 from .beam_search import Beam, BeamSearcher
-from .client import Expert, ExpertCallError, ExpertClient, MoEError
-from .server import Kind, KindValue
+from .client import ExpertClient
+from .protocol import Expert, ExpertCallError, Kind, KindValue, MoEError
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +96,10 @@ class _Job:
 
 
 async def _call_all(client: ExpertClient, jobs: list[_Job], kind: KindValue, tensors_of: Any, samples: int,
-                    k_min: int, deadline: float, after_k_min: float, report: CallReport) -> None:
+                    k_min: int, timeout: float, after_k_min: float, report: CallReport) -> None:
     """Every job's call at once, one exchange per server and ``max_rows`` (:meth:`ExpertClient.call_many`), until each
-    sample has ``k_min`` answers (+ ``after_k_min``) or ``deadline``."""
+    sample has ``k_min`` answers (+ ``after_k_min``) or ``timeout`` (seconds from now: the caller is a worker
+    thread, whose clock is not the loop's)."""
     need = torch.zeros(samples, dtype=torch.int64)
     for job in jobs:
         need[job.rows] += 1
@@ -107,16 +108,17 @@ async def _call_all(client: ExpertClient, jobs: list[_Job], kind: KindValue, ten
     enough = trio.Event()
     exchanges = _exchanges(jobs, client.config.max_rows)
     pending = len(exchanges)
-    started = time.monotonic()
+    started = trio.current_time()
+    deadline = started + max(0.0, timeout)
 
     async with trio.open_nursery() as nursery:
-        nursery.cancel_scope.deadline = trio.current_time() + max(0.0, deadline - time.monotonic())
+        nursery.cancel_scope.deadline = deadline
 
         async def one_server(group: list[_Job]) -> None:
             nonlocal pending
             results = await client.call_many([job.expert for job in group], kind,
                                              [tensors_of(job) for job in group],
-                                             timeout=max(1e-3, deadline - time.monotonic()))
+                                             timeout=max(1e-3, deadline - trio.current_time()))
             for job, result in zip(group, results):
                 if isinstance(result, ExpertCallError):
                     report.failed.append(str(result))
@@ -141,7 +143,7 @@ async def _call_all(client: ExpertClient, jobs: list[_Job], kind: KindValue, ten
             nursery.start_soon(one_server, group)
     report.late = report.asked - report.answered - len(report.failed)
     report.below_k_min = int((got < need).sum()) + int((need == 0).sum())
-    report.calls_s += time.monotonic() - started
+    report.calls_s += trio.current_time() - started
 
 
 class _MoECall(torch.autograd.Function):
@@ -155,7 +157,7 @@ class _MoECall(torch.autograd.Function):
         report = layer.last_report
         assert report is not None
         client.blocking(_call_all, client, jobs, Kind.FORWARD, lambda job: [xc[job.rows]], x.shape[0],
-                        cfg.k_min, deadline, cfg.timeout_after_k_min, report)
+                        cfg.k_min, deadline - time.monotonic(), cfg.timeout_after_k_min, report)
         answered = [job for job in jobs if job.result is not None]
         if not answered:
             raise MoEError(f"no expert answered for any of {x.shape[0]} samples ({report.asked} asked: "
@@ -168,7 +170,7 @@ class _MoECall(torch.autograd.Function):
             if job.result.shape[1:] != out_row:
                 report.failed.append(f"expert {job.expert}: rows of {list(job.result.shape[1:])}, "
                                      f"others {list(out_row)}")
-                client.ban(job.expert, report.failed[-1])
+                client.blocking_sync(client.ban, job.expert, ExpertCallError(report.failed[-1]))
                 job.result = None
                 continue
             outputs[job.rows, job.slots] = job.result
@@ -188,7 +190,7 @@ class _MoECall(torch.autograd.Function):
         report = CallReport(samples=x.shape[0])
         client.blocking(_call_all, client, jobs, Kind.BACKWARD,
                         lambda job: [xc[job.rows], gc[job.rows, job.slots]], x.shape[0], cfg.k_min,
-                        time.monotonic() + cfg.backward_timeout, cfg.timeout_after_k_min, report)
+                        cfg.backward_timeout, cfg.timeout_after_k_min, report)
         layer.last_backward = report
         if report.failed or report.late:
             log.warning("MoE backward: %d of %d experts did not answer (their gradients are left out): %s",
@@ -226,7 +228,8 @@ class RemoteMixtureOfExperts(torch.nn.Module):
         deadline = started + cfg.forward_timeout
         grid_scores = self.gate(x).split(self.grid_size, dim=-1)
         report = self.last_report = CallReport(samples=x.shape[0])
-        beams = self.client.blocking(self._search, [s.detach() for s in grid_scores], deadline)
+        # this is a worker thread: its deadline is on its own clock, and the loop gets what is left of it
+        beams = self.client.blocking(self._search, [s.detach() for s in grid_scores], deadline - time.monotonic())
         report.search_s = time.monotonic() - started
         jobs = _plan(beams, self.client.config.max_rows)
         if not jobs:
@@ -259,9 +262,9 @@ class RemoteMixtureOfExperts(torch.nn.Module):
         mixed: torch.Tensor = (weights.view(shape) * outputs).sum(dim=1)
         return mixed
 
-    async def _search(self, grid_scores: list[torch.Tensor], deadline: float) -> list[list[Beam]]:
+    async def _search(self, grid_scores: list[torch.Tensor], timeout: float) -> list[list[Beam]]:
         beams: list[list[Beam]] = [[] for _ in range(grid_scores[0].shape[0])]
-        with trio.move_on_after(max(0.0, deadline - time.monotonic())):
+        with trio.move_on_after(max(0.0, timeout)):
             beams = await self.searcher.search(grid_scores, self.config.k_best, self.config.beam_size)
         return beams
 

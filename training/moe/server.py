@@ -30,7 +30,6 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeAlias
 
 import torch
 import trio
@@ -41,24 +40,15 @@ from averaging.errors import AllreduceProtocolError
 from averaging.finite import tensor_finite
 from averaging.wire import FrameReader, frame
 from nat import Swarm
-from p2p.errors import ConfigError, DedlocError
+from p2p.errors import ConfigError
 from p2p.trio_util import finish_quietly
 
 from ..proto import moe_pb2 as pb
 from .grid import ExpertUid, coordinate_subkey
+from .protocol import (MAX_EXPERTS, MAX_REQUEST_HEADER, PROTOCOL, ExpertFailed, Kind, KindValue, Overloaded, Status,
+                       StatusValue)
 
 log = logging.getLogger(__name__)
-
-PROTOCOL = "/dedloc/moe/expert/1.0.0"
-#: Most experts in one exchange, and most bytes of its request (1024 uids of up to ~60 bytes with their
-#: row counts: a client joins many batches' calls to a busy server into one exchange).
-MAX_EXPERTS = 1024
-MAX_REQUEST_HEADER = 64 * 1024
-Kind = pb.ExpertRequest.Kind
-Status = pb.ExpertResponse.Status
-KindValue: TypeAlias = pb.ExpertRequest.Kind.ValueType
-StatusValue: TypeAlias = pb.ExpertResponse.Status.ValueType
-
 
 @dataclass
 class ServerConfig:
@@ -97,14 +87,6 @@ class ServerConfig:
                               f"({self.max_batch_size})")
         if self.expiration <= self.update_period:
             raise ConfigError("experts: expiration must be longer than update_period (records would lapse)")
-
-
-class ExpertFailed(DedlocError):
-    """The expert's forward or backward raised, or returned something unusable."""
-
-
-class Overloaded(DedlocError):
-    """The expert's queue is full."""
 
 
 class _Abandoned(Exception):
@@ -577,4 +559,4 @@ class ExpertServer:
         return True
 
 
-__all__ = ["MAX_EXPERTS", "MAX_REQUEST_HEADER", "PROTOCOL", "ExpertBackend", "ExpertFailed", "ExpertServer", "Overloaded", "ServerConfig"]
+__all__ = ["ExpertBackend", "ExpertServer", "ServerConfig"]
