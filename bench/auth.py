@@ -35,13 +35,14 @@ sys.path.insert(0, str(ROOT))
 
 from nacl.signing import SigningKey  # noqa: E402
 
+from harness import HIVEMIND_PYTHON  # noqa: E402
 from p2p.auth import AuthConfig, Authenticator, verify_pass  # noqa: E402
 from p2p.authority import AllowList, Authority, SecretCheck  # noqa: E402
 from p2p.config import NodeConfig  # noqa: E402
 from p2p.node import Node  # noqa: E402
 from p2p.proto import auth_pb2 as pb  # noqa: E402
 
-HIVEMIND_PY = ROOT / ".venv-hivemind" / "bin" / "python"
+HIVEMIND_PY = HIVEMIND_PYTHON
 
 
 def stats(values: list[float]) -> dict[str, float]:

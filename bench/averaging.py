@@ -50,9 +50,7 @@ import json
 import math
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -67,8 +65,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from nat.lab import Lab, Shape, cleanup_stale  # noqa: E402
+from harness import HIVEMIND_PYTHON, Worker, open_worker  # noqa: E402
 
-HIVEMIND_PY = REPO / ".venv-hivemind" / "bin" / "python"
 READY_TIMEOUT_S = 120.0
 QUIT_TIMEOUT_S = 10.0
 LISTEN_PORT = 4001
@@ -89,7 +87,7 @@ class System:
 
 SYSTEMS = {
     "dedloc": System("dedloc", Path(sys.executable), REPO / "bench" / "averaging_peer.py"),
-    "hivemind": System("hivemind", HIVEMIND_PY, REPO / "bench" / "averaging_hivemind_peer.py"),
+    "hivemind": System("hivemind", HIVEMIND_PYTHON, REPO / "bench" / "averaging_hivemind_peer.py"),
 }
 
 
@@ -105,40 +103,6 @@ class PeerSpec:
     @property
     def shape(self) -> Shape | None:
         return Shape(self.up, self.down) if self.up > 0 and self.down > 0 else None
-
-
-class Worker:
-    """A worker process and its JSON-lines pipes."""
-
-    def __init__(self, name: str, proc: trio.Process) -> None:
-        self.name = name
-        self.proc = proc
-        self.buffer = b""
-        self.peer_id = ""
-        self.addrs: list[str] = []
-
-    async def send(self, message: dict[str, Any]) -> None:
-        assert self.proc.stdin is not None
-        await self.proc.stdin.send_all((json.dumps(message) + "\n").encode())
-
-    async def receive(self, timeout: float) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        with trio.fail_after(timeout):
-            while b"\n" not in self.buffer:
-                data = await self.proc.stdout.receive_some(1 << 16)
-                if not data:
-                    raise EOFError(f"{self.name} exited (rc={self.proc.returncode})")
-                self.buffer += data
-        line, self.buffer = self.buffer.split(b"\n", 1)
-        result: dict[str, Any] = json.loads(line)
-        return result
-
-    def kill(self) -> None:
-        if self.proc.returncode is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                self.proc.kill()
 
 
 @dataclass
@@ -157,22 +121,13 @@ class Swarm:
     async def spawn(self, name: str, spec: PeerSpec, extra: Sequence[str]) -> Worker:
         listen = "/ip4/127.0.0.1/tcp/0"
         argv = [str(self.system.python), str(self.system.script), *extra]
-        log = open(self.log_dir / f"{self.system.name}-{name}.log", "ab")
-        kwargs: dict[str, Any] = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                                      start_new_session=True)
+        spawn = None
         if self.lab is not None:
             host = self.lab.hosts.get(name) or await self.lab.public_host(name, delay_ms=0, shape=spec.shape)
             listen = f"/ip4/{host.ip}/tcp/{LISTEN_PORT}"
-            proc = await host.spawn([*argv, "--listen", listen], **kwargs)
-        else:
-            proc = await trio.lowlevel.open_process([*argv, "--listen", listen], **kwargs)
-        log.close()
-        worker = Worker(name, proc)
-        ready = await worker.receive(READY_TIMEOUT_S)
-        if not ready.get("ready"):
-            raise RuntimeError(f"{name}: {ready}")
-        worker.peer_id, worker.addrs = ready["peer_id"], ready["addrs"]
-        return worker
+            spawn = host.spawn
+        return await open_worker(name, [*argv, "--listen", listen], log=self.log_dir / f"{self.system.name}-{name}.log",
+                                 ready_timeout=READY_TIMEOUT_S, spawn=spawn)
 
     async def start_boot(self) -> None:
         self.boot = await self.spawn("boot", PeerSpec(), ["--boot"])

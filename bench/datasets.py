@@ -41,7 +41,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -56,6 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from nat.lab import Lab, NatKind, Shape, cleanup_stale  # noqa: E402
+from harness import Worker, open_worker  # noqa: E402
 
 PREFIX = "dldata"
 WORK = Path(os.environ.get("DEDLOC_BENCH_DATA", "/var/tmp/dedloc-bench-datasets"))
@@ -105,40 +105,6 @@ def check_files(directory: Path, digests: dict[str, str]) -> tuple[int, int]:
 
 # ---------------------------------------------------------------------- workers
 
-class Worker:
-    """A worker process and its JSON-lines pipes."""
-
-    def __init__(self, name: str, proc: trio.Process) -> None:
-        self.name = name
-        self.proc = proc
-        self.buffer = b""
-        self.peer_id = ""
-        self.addrs: list[str] = []
-
-    async def send(self, message: dict[str, Any]) -> None:
-        assert self.proc.stdin is not None
-        await self.proc.stdin.send_all((json.dumps(message) + "\n").encode())
-
-    async def receive(self, timeout: float) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        with trio.fail_after(timeout):
-            while b"\n" not in self.buffer:
-                data = await self.proc.stdout.receive_some(1 << 16)
-                if not data:
-                    raise EOFError(f"{self.name} exited (rc={self.proc.returncode})")
-                self.buffer += data
-        line, self.buffer = self.buffer.split(b"\n", 1)
-        result: dict[str, Any] = json.loads(line)
-        return result
-
-    def kill(self) -> None:
-        if self.proc.returncode is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                self.proc.kill()
-
-
 @dataclass
 class Topology:
     lab: Lab
@@ -180,15 +146,7 @@ class Run:
 
 
 async def spawn(host: Any, name: str, argv: list[str], log_dir: Path) -> Worker:
-    log = open(log_dir / f"{name}.log", "ab")
-    proc = await host.spawn(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, start_new_session=True)
-    log.close()
-    worker = Worker(name, proc)
-    ready = await worker.receive(READY_TIMEOUT_S)
-    if not ready.get("ready"):
-        raise RuntimeError(f"{name}: {ready}")
-    worker.peer_id, worker.addrs = ready["peer_id"], ready["addrs"]
-    return worker
+    return await open_worker(name, argv, log=log_dir / f"{name}.log", ready_timeout=READY_TIMEOUT_S, spawn=host.spawn)
 
 
 async def one_run(top: Topology, args: argparse.Namespace, system: str, scenario: str, src: Path,

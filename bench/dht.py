@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import signal
 import subprocess
@@ -47,6 +46,8 @@ from pathlib import Path
 from typing import Any, IO
 
 import trio
+
+from harness import HIVEMIND_PYTHON, kill_group
 
 REPO = Path(__file__).resolve().parent.parent
 OP_TIMEOUT_S = 10.0  # the worker's own limit per op
@@ -88,7 +89,7 @@ SYSTEMS: dict[str, System] = {
     "hivemind": System(
         "hivemind",
         [".venv-hivemind/bin/python", "bench/dht_hivemind_peer.py"],
-        [REPO / ".venv-hivemind/bin/python", REPO / "bench/dht_hivemind_peer.py"],
+        [HIVEMIND_PYTHON, REPO / "bench/dht_hivemind_peer.py"],
         "run bench/setup_hivemind.sh first",
     ),
 }
@@ -222,13 +223,6 @@ class Worker:
     def kill(self) -> None:
         """SIGKILL the worker's whole process group (its DHT child and daemon too)."""
         kill_group(self.proc.pid)
-
-
-def kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 async def spawn(system: System, index: int, initial: list[str], seed: int, log_dir: Path, nursery: trio.Nursery) -> Worker:

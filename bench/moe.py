@@ -25,51 +25,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-WORKERS = {"dedloc": (ROOT / ".venv" / "bin" / "python", ROOT / "bench" / "moe_peer.py"),
-           "hivemind": (ROOT / ".venv-hivemind" / "bin" / "python", ROOT / "bench" / "moe_hivemind_peer.py")}
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # imported by path too (tests), not only run
+from harness import PYTHON, ROOT, hivemind_python, run_json  # noqa: E402
+
+WORKERS: dict[str, tuple[Callable[[], Path], Path]] = {
+    "dedloc": (lambda: PYTHON, ROOT / "bench" / "moe_peer.py"),
+    "hivemind": (hivemind_python, ROOT / "bench" / "moe_hivemind_peer.py")}
 
 
 def run_worker(system: str, experts: int, args: argparse.Namespace, expert_cls: str) -> dict[str, Any]:
     python, script = WORKERS[system]
-    command = [str(python), str(script), "--experts", str(experts), "--servers", str(args.servers),
-               "--searches", str(args.searches),
-               "--seconds", str(args.seconds), "--expert-cls", expert_cls]
+    command: list[str | Path] = [python(), script, "--experts", str(experts), "--servers", str(args.servers),
+               "--searches", str(args.searches), "--seconds", str(args.seconds), "--expert-cls", expert_cls]
     if system == "dedloc":
         command += ["--gc", args.gc]
-    # Output to files, not pipes: hivemind's DHT processes outlive the worker holding what it inherited,
-    # so a pipe would not end with it. Its own session: what it started is killed with it.
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=err, text=True, start_new_session=True)
-        try:
-            process.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)  # the worker if still running, and what it left behind
-            except ProcessLookupError:
-                pass
-            process.wait()
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-    lines = [line for line in stdout.splitlines() if line.startswith("{")]
-    if not lines:
-        said = [line for line in stderr.splitlines() if "Failed to open TCP stream" not in line]  # py-libp2p's noise
-        raise RuntimeError(f"{system} worker ({experts} experts, {expert_cls}) gave no result (exit code "
-                           f"{process.returncode}, limit {args.timeout:.0f} s): " + "\n".join(said[-40:]))
-    result: dict[str, Any] = json.loads(lines[-1])
-    return result
+    return run_json(command, timeout=args.timeout, what=f"{system} worker ({experts} experts, {expert_cls})")
 
 
 def spread(values: list[float]) -> dict[str, float]:

@@ -30,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from harness import start_relay  # noqa: E402
 from p2p.trio_util import read_lines  # noqa: E402
 
 PY = sys.executable
@@ -40,19 +41,6 @@ Spawn = Callable[..., Awaitable[trio.Process]]
 
 async def local_spawn(argv: list[str], **kwargs: Any) -> trio.Process:
     return await trio.lowlevel.open_process(argv, cwd=str(REPO), **kwargs)
-
-
-async def loopback_relay() -> tuple[trio.Process, str]:
-    process = await local_spawn([PY, "-m", "nat.cli", "relay", "--ephemeral", "--json", "--listen",
-                                 "/ip4/127.0.0.1/tcp/0", "--status-interval", "0", "--no-port-mapping",
-                                 "--allow-private"], stdout=subprocess.PIPE)
-    assert process.stdout is not None
-    with trio.fail_after(60):
-        async for line in read_lines(process.stdout):
-            event = json.loads(line)
-            if event.get("event") == "listening":
-                return process, next(a for a in event["addrs"] if "/ip4/127.0.0.1/" in a)
-    raise RuntimeError("the relay exited")
 
 
 async def lines_of(process: trio.Process) -> Any:
@@ -129,7 +117,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
             results["dmoe"] = await dmoe_run(args, await on(experts), await on(trainers), boot, "/ip4/0.0.0.0/tcp/0")
     else:
-        relay, boot = await loopback_relay()
+        relay, boot = await start_relay(python=Path(PY))
         try:
             results["dmoe"] = await dmoe_run(args, local_spawn, local_spawn, boot, "/ip4/127.0.0.1/tcp/0")
         finally:

@@ -41,6 +41,7 @@ SCRIPTS = {"dedloc": ROOT / "bench" / "moe_gpu_peer.py", "hivemind": ROOT / "ben
 sys.path.insert(0, str(ROOT / "bench"))
 
 from gpu_training import GpuSampler  # noqa: E402
+from harness import HIVEMIND_PYTHON, kill_group  # noqa: E402
 
 
 def read_line(process: subprocess.Popen[str], deadline: float, what: str, err: IO[str]) -> dict[str, Any]:
@@ -88,10 +89,7 @@ class Side:
 
     def __exit__(self, *exc: object) -> None:
         for process in self.processes:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)  # hivemind's p2pd daemons and server processes too
-            except ProcessLookupError:
-                pass
+            kill_group(process.pid)  # hivemind's p2pd daemons and server processes too
             process.wait()
         for err in self.errs:
             err.close()
@@ -140,7 +138,7 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=120.0, help="most seconds a server or a client's warm-up may take")
     p.add_argument("--systems", default="dedloc,hivemind")
     p.add_argument("--python-dedloc", default=str(ROOT / ".venv" / "bin" / "python"))
-    p.add_argument("--python-hivemind", default=str(ROOT / ".venv-hivemind" / "bin" / "python"))
+    p.add_argument("--python-hivemind", default=str(HIVEMIND_PYTHON))
     p.add_argument("--path-dedloc", default="")
     p.add_argument("--path-hivemind", default="")
     p.add_argument("--json", metavar="OUT")

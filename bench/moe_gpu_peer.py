@@ -28,11 +28,8 @@ sys.path.insert(0, str(ROOT))
 from libp2p.peer.id import ID  # noqa: E402
 from multiaddr import Multiaddr  # noqa: E402
 
-from nat import NatConfig, Peer, PeerConfig  # noqa: E402
-from nat.autorelay import AutoRelayConfig  # noqa: E402
-from nat.port_mapping import PortMappingConfig  # noqa: E402
+from nat import Peer, PeerConfig  # noqa: E402
 from p2p.dht import DHTConfig, DHTMode  # noqa: E402
-from p2p.node import NodeConfig  # noqa: E402
 from training.moe import (Expert, ExpertBackend, ExpertCallError, ExpertClient, ExpertServer,  # noqa: E402
                           RemoteExpert, ServerConfig)
 from training.moe.experts import FeedforwardBlock  # noqa: E402
@@ -42,10 +39,12 @@ from moe_common import call_loop, server_parser  # noqa: E402
 
 
 def config(server: bool) -> PeerConfig:
-    nat = NatConfig(allow_private=True, port_mapping=PortMappingConfig(enabled=False), relay_service=False,
-                    autorelay=AutoRelayConfig(enabled=False))
-    return PeerConfig(node=NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"]), nat=nat,
-                      dht=DHTConfig(mode=DHTMode.SERVER if server else DHTMode.CLIENT), exchange_interval=None)
+    """A loopback peer (PeerConfig.loopback) without autorelay or peer exchange: nothing but the bench's work."""
+    c = PeerConfig.loopback()
+    c.nat.autorelay.enabled = False
+    c.dht = DHTConfig(mode=DHTMode.SERVER if server else DHTMode.CLIENT)
+    c.exchange_interval = None
+    return c
 
 
 async def serve(args: argparse.Namespace) -> None:

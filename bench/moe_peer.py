@@ -34,12 +34,9 @@ sys.path.insert(0, str(ROOT))
 from libp2p.peer.id import ID  # noqa: E402
 from multiaddr import Multiaddr  # noqa: E402
 
-from nat import NatConfig, Peer, PeerConfig  # noqa: E402
-from nat.autorelay import AutoRelayConfig  # noqa: E402
-from nat.port_mapping import PortMappingConfig  # noqa: E402
+from nat import Peer, PeerConfig  # noqa: E402
 from p2p.collector import PauseRecorder, settle  # noqa: E402
 from p2p.dht import DHTConfig, DHTMode  # noqa: E402
-from p2p.node import NodeConfig  # noqa: E402
 from training.moe import (ClientConfig, Expert, ExpertBackend, ExpertCallError, ExpertClient,  # noqa: E402
                           ExpertServer, RemoteExpert, ServerConfig)
 from training.moe.beam_search import BeamSearcher  # noqa: E402
@@ -54,12 +51,12 @@ SLACK = 0.25
 
 
 def config(boot: list[str], server: bool = False, cache: bool = True) -> PeerConfig:
-    nat = NatConfig(allow_private=True, port_mapping=PortMappingConfig(enabled=False), relay_service=False,
-                    autorelay=AutoRelayConfig(enabled=False))
-    return PeerConfig(node=NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], initial_peers=boot), nat=nat,
-                      dht=DHTConfig(mode=DHTMode.SERVER if server else DHTMode.CLIENT, bootstrap_timeout=20.0,
-                                    cache=cache),
-                      exchange_interval=None)
+    """A loopback peer (PeerConfig.loopback) without autorelay or peer exchange: nothing but the bench's work."""
+    c = PeerConfig.loopback(initial_peers=boot)
+    c.nat.autorelay.enabled = False
+    c.dht = DHTConfig(mode=DHTMode.SERVER if server else DHTMode.CLIENT, bootstrap_timeout=20.0, cache=cache)
+    c.exchange_interval = None
+    return c
 
 
 class Hang(torch.nn.Module):

@@ -57,8 +57,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from harness import HIVEMIND_PYTHON  # noqa: E402
 DEDLOC_PY = ROOT / ".venv" / "bin" / "python"
-HIVEMIND_PY = ROOT / ".venv-hivemind" / "bin" / "python"
+HIVEMIND_PY = HIVEMIND_PYTHON
 
 
 def _read_json(process: subprocess.Popen[str], key: str, timeout: float) -> dict[str, Any]:
