@@ -9,6 +9,12 @@
   failure over inside an ``ExceptionGroup``; a group holding exactly one exception is unwrapped
   here for tests marked ``xfail(raises=...)``, so that ``raises=`` is checked against the
   failure itself and any other failure (a timeout, a dead peer) fails the test.
+* **Two workers, the labs one at a time.** ``make test`` runs the suite on two pytest-xdist
+  workers (CI has two cores) with ``--dist loadgroup``: every test that builds namespace labs,
+  talks to js-libp2p, or bounds real elapsed time (markers ``slow``, ``interop``, ``realtime``,
+  or the namespace lab's skip condition) goes in one group (:data:`SERIAL_GROUP`), which one
+  worker runs in order, while the other worker takes the rest: two labs never share the machine,
+  and the quick tests run beside them.
 """
 
 from __future__ import annotations
@@ -38,6 +44,25 @@ def _leaves(error: BaseException) -> Generator[BaseException]:
             yield from _leaves(inner)
     else:
         yield error
+
+
+#: the xdist group of the tests that run one after another (see the module docstring)
+SERIAL_GROUP = "serial"
+SERIAL_MARKERS = ("slow", "interop", "realtime")
+
+
+def serial(item: pytest.Item) -> bool:
+    """Whether ``item`` runs in :data:`SERIAL_GROUP`: one of SERIAL_MARKERS, or the lab's skip condition."""
+    if any(item.get_closest_marker(name) is not None for name in SERIAL_MARKERS):
+        return True
+    return any(str(mark.kwargs.get("reason", "")).startswith("netlab:") for mark in item.iter_markers("skipif"))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the group into each test's id
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if serial(item):
+            item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
 
 
 @pytest.hookimpl(wrapper=True)
