@@ -496,3 +496,113 @@ def test_a_closed_swarms_authority_retracts_any_entry_and_nobody_else_can_sign_a
     opened.add(retraction)
     assert [s.path for s in opened.shards()] == ["a.txt", "b.txt"]
     assert "a swarm that has none" in opened.refused[-1][1]
+
+
+def test_garbled_headers_and_entries_are_refused_each_with_its_reason() -> None:
+    """Every check of Header.parse and Entry.parse on its own, matched on its whole message."""
+    import re
+
+    from libp2p.crypto.secp256k1 import create_new_key_pair
+
+    from training.datasets.manifest import MAX_ENTRIES, MAX_SHARDS_PER_ENTRY, sign
+    from training.datasets.pieces import MAX_PIECE_SIZE, MAX_PIECES, MIN_PIECE_SIZE
+
+    me, other = signer(), signer()
+    ok = dict(name="wiki", schema="text", piece_size=PIECE, creator=me.peer_id.to_bytes(), created=NOW)
+
+    def header(**changes: object) -> bytes:
+        return sign(me, "header", pb.Header(**{**ok, **changes}).SerializeToString())  # type: ignore[arg-type]
+
+    size_rule = f"(a power of two from {MIN_PIECE_SIZE} to {MAX_PIECE_SIZE})"
+    secp = create_new_key_pair()
+    for raw, why in [
+        (b"\xff", "a signed header that does not parse: "),
+        (sign(me, "header", b"\xff"), "a header that does not parse: "),
+        (header(creator=b"\x01"), f"a header naming 2 as creator, signed by {me.peer_id}"),
+        (header(name="../x"), "a header with an invalid name '../x'"),
+        (header(schema="csv"), "a header with an unknown schema 'csv'"),
+        (header(piece_size=MIN_PIECE_SIZE // 2), f"a header with a piece size of {MIN_PIECE_SIZE // 2} bytes {size_rule}"),
+        (header(piece_size=MAX_PIECE_SIZE * 2), f"a header with a piece size of {MAX_PIECE_SIZE * 2} bytes {size_rule}"),
+        (header(piece_size=PIECE + 1), f"a header with a piece size of {PIECE + 1} bytes"),
+        (header(created=float("nan")), "a header with a bad time or text field"),
+        (header(text_field="t" * 101), "a header with a bad time or text field"),
+        (pb.Signed(body=b"", public_key=b"junk", signature=b"", kind="header").SerializeToString(),
+         "the header's public key does not parse"),
+        (pb.Signed(body=b"", public_key=secp.public_key.serialize(), signature=b"", kind="header").SerializeToString(),
+         "the header is not signed with an Ed25519 key"),
+        (pb.Signed(body=header(), public_key=me.public_key, signature=b"short", kind="header").SerializeToString(),
+         "the header's signature does not match its content"),
+    ]:
+        with pytest.raises(ManifestError, match="^" + re.escape(why)):
+            Header.parse(raw)
+    # the edges that pass: the smallest and largest piece sizes, a text field of 100, an empty one read as "text"
+    assert Header.parse(header(piece_size=MIN_PIECE_SIZE)).piece_size == MIN_PIECE_SIZE
+    assert Header.parse(header(piece_size=MAX_PIECE_SIZE)).piece_size == MAX_PIECE_SIZE
+    h = Header.parse(header(text_field="t" * 100))
+    assert (h.name, h.schema, h.creator, h.created, h.text_field) == ("wiki", "text", me.peer_id, NOW, "t" * 100)
+    assert Header.parse(header(text_field="")).text_field == "text"
+    assert Header.make(me, "wiki", "jsonl", piece_size=PIECE, now=NOW, text_field="body").text_field == "body"
+    with pytest.raises(DatasetError, match=r"^schema 'csv': use one of text, jsonl, parquet$"):
+        Header.make(me, "wiki", "csv", piece_size=PIECE, now=NOW)
+    with pytest.raises(DatasetError, match=r"^dataset name '\.x': use 1-64 letters, digits, '\.', '_' or '-', "
+                                           r"starting with a letter or digit$"):
+        Header.make(me, ".x", "text", piece_size=PIECE, now=NOW)
+
+    hd = Header.make(me, "wiki", "text", piece_size=PIECE, now=NOW)
+    good_shard = pb.Shard(path="a.txt", size=10, root=bytes(32))
+    base = dict(dataset=hd.id, author=me.peer_id.to_bytes(), created=NOW, shards=[good_shard])
+
+    def entry(by: KeySigner = me, **changes: object) -> bytes:
+        return sign(by, "entry", pb.Entry(**{**base, **changes}).SerializeToString())  # type: ignore[arg-type]
+
+    for raw, why in [
+        (sign(me, "entry", b"\xff"), "an entry that does not parse: "),
+        (entry(dataset=bytes(32)), "an entry of another dataset"),
+        (entry(author=b"\x01"), f"an entry naming 2 as author, signed by {me.peer_id}"),
+        (entry(other), f"an entry naming {me.peer_id} as author, signed by {other.peer_id}"),
+        (entry(shards=[good_shard] * (MAX_SHARDS_PER_ENTRY + 1)),
+         f"an entry with {MAX_SHARDS_PER_ENTRY + 1} shards (at most {MAX_SHARDS_PER_ENTRY})"),
+        (entry(retract=[bytes(32)] * (MAX_ENTRIES + 1)), "an entry with 1 shards"),
+        (entry(shards=[]), "an empty entry"),
+        (entry(created=float("inf")), "an entry with a bad time"),
+        (entry(shards=[pb.Shard(path="a.txt", size=10, root=bytes(31))]), "shard 'a.txt': a root of 31 bytes"),
+        (entry(shards=[pb.Shard(path="a.txt", size=0, root=bytes(32))]), f"shard 'a.txt': 0 bytes (1 to {MAX_PIECES} pieces)"),
+        (entry(shards=[pb.Shard(path="a.txt", size=PIECE * MAX_PIECES + 1, root=bytes(32))]),
+         f"shard 'a.txt': {PIECE * MAX_PIECES + 1} bytes"),
+        (entry(retract=[b"short"]), "a retraction of something that is not an entry id"),
+    ]:
+        with pytest.raises(ManifestError, match="^" + re.escape(why)):
+            Entry.parse(raw, hd)
+    # the edges that pass: as many shards as allowed, the most pieces, a path of 255 characters
+    most = Entry.parse(entry(shards=[pb.Shard(path=f"{i}.txt", size=PIECE * MAX_PIECES, root=bytes(32))
+                                     for i in range(MAX_SHARDS_PER_ENTRY)]), hd)
+    assert len(most.shards) == MAX_SHARDS_PER_ENTRY and most.shards[0].pieces(PIECE) == MAX_PIECES
+    long = "d/" * 126 + "abc"
+    assert len(long) == 255 and Entry.parse(entry(shards=[pb.Shard(path=long, size=1, root=bytes(32))]), hd)
+    with pytest.raises(ManifestError, match="is not a plain relative path"):
+        Entry.parse(entry(shards=[pb.Shard(path=long + "d", size=1, root=bytes(32))]), hd)
+    e = Entry.parse(entry(retract=[bytes(32)]), hd)
+    assert (e.dataset, e.author, e.created, e.retract) == (hd.id, me.peer_id, NOW, (bytes(32),))
+
+
+def test_authors_are_credited_per_live_shard_and_names_resolve_to_one_dataset() -> None:
+    creator, a, b = signer(), signer(), signer()
+    header = Header.make(creator, "wiki", "text", piece_size=PIECE, now=NOW)
+    manifest = Manifest(header)
+    manifest.add(Entry.make(a, header, [Shard("1.txt", 10, bytes(32)), Shard("2.txt", 10, b"\x01" * 32)], now=NOW).signed)
+    manifest.add(Entry.make(b, header, [Shard("3.txt", 10, b"\x02" * 32)], now=NOW).signed)
+    assert manifest.authors() == {a.peer_id: 2, b.peer_id: 1}
+    newer = Header.make(creator, "wiki", "text", piece_size=PIECE, now=NOW + 5)
+    assert resolve([header, newer], "wiki") == newer  # one creator's: the newest
+    assert resolve([header, newer], header.id.hex()[:8]) == header
+    assert resolve([header, newer], f"wiki@{str(creator.peer_id)[-6:]}") == newer
+    rival = Header.make(a, "wiki", "text", piece_size=PIECE, now=NOW)
+    with pytest.raises(DatasetError, match=r"^2 datasets are named 'wiki', by different creators: name one as "):
+        resolve([newer, rival], "wiki")
+    with pytest.raises(DatasetError, match=r"^no dataset 'nope' in the swarm \(`dedloc dataset list` shows those "
+                                           r"there are\)$"):
+        resolve([header], "nope")
+    with pytest.raises(DatasetError, match=r"^shards of 2 formats \(jsonl, text\); a dataset holds one$"):
+        schema_of(["a.txt", "b.jsonl"])
+    with pytest.raises(DatasetError, match=r"^shards of 0 formats \(none\); a dataset holds one$"):
+        schema_of([])

@@ -236,3 +236,134 @@ def test_schema_violation_rejected_conforming_accepted() -> None:
     with pytest.raises(SchemaViolation, match="odd"):
         s.store(rec(b"even-2", b"abc", NOW + 1), NOW)
     assert s.store(rec("unconstrained", b"\xff", NOW + 1), NOW)
+
+
+def test_every_forgery_is_refused_with_its_own_reason() -> None:
+    """Each check of verify_record, matched on its whole message (a person reads why a store failed)."""
+    from libp2p.crypto.secp256k1 import create_new_key_pair
+
+    from p2p.dht.records import ContentMismatch, content_subkey
+
+    kp, other = new_identity(), new_identity()
+    pid, other_pid = peer_id_of(kp), peer_id_of(other)
+    sub = owned("peer", pid)
+    good = sign_record(kp.private_key, "run", b"v", NOW + 10, subkey=sub)
+    mismatch = f"^signature of owner {pid} does not match the record$"
+    secp = create_new_key_pair()
+    cases: list[tuple[DHTRecord, str]] = [
+        (dataclasses.replace(good, value=b"evil"), mismatch),
+        (dataclasses.replace(good, expiration=NOW + 11), mismatch),
+        (dataclasses.replace(good, signature=b"short"), mismatch),
+        (dataclasses.replace(good, owner_public_key=b"junk"), "^owner public key does not parse$"),
+        (dataclasses.replace(good, owner_public_key=secp.public_key.serialize()), "^owner public key is not Ed25519$"),
+        (sign_record(other.private_key, "run", b"v", NOW + 10, subkey=sub),
+         f"^record is signed by another peer than its owner {pid}$"),
+        (rec("run", b"v", NOW + 10, subkey=sub), f"^record for owner {pid} is not signed; sign it with sign_record$"),
+        (dataclasses.replace(good, signature=b""), f"^record for owner {pid} is not signed"),
+        (dataclasses.replace(good, owner_public_key=b""), f"^record for owner {pid} is not signed"),
+        (dataclasses.replace(good, subkey=DHTKey.encode("peer")), r"^record has a signature but no \[owner:...\] marker$"),
+        (dataclasses.replace(rec("run", b"v", NOW + 10), signature=b"x" * 64),
+         r"^record has a signature but no \[owner:...\] marker$"),
+        (dataclasses.replace(rec("run", b"v", NOW + 10), owner_public_key=b"k"),
+         r"^record has a signature but no \[owner:...\] marker$"),
+        (dataclasses.replace(good, key=DHTKey.encode(owned("run", other_pid))), "^key and subkey name different owners$"),
+        (rec("run", b"v", NOW + 10, subkey="peer[owner:0OIl]"), "^malformed owner marker in key "),
+    ]
+    s = LocalStore()
+    for bad, why in cases:
+        with pytest.raises(InvalidSignature, match=why):
+            s.store(bad, NOW)
+    # a content-addressed subkey holds exactly the value it names, whoever stores it
+    named = content_subkey(b"data", "shard")
+    assert named == "shard[sha256:" + __import__("hashlib").sha256(b"data").hexdigest() + "]"
+    assert s.store(rec("blobs", b"data", NOW + 10, subkey=named), NOW)
+    with pytest.raises(ContentMismatch, match="^the value is not the one its content-addressed subkey names$"):
+        s.store(rec("blobs", b"other", NOW + 10, subkey=named), NOW)
+    with pytest.raises(ContentMismatch, match=r"^malformed content marker in subkey "):
+        s.store(rec("blobs", b"data", NOW + 10, subkey="x[sha256:beef]"), NOW)
+    assert s.get("run", NOW) is None
+
+
+def test_found_gives_the_value_or_the_subkeys_with_the_latest_expiration() -> None:
+    s = LocalStore()
+    s.store(rec("plain", b"v", NOW + 5), NOW)
+    s.store(rec("dict", b"a", NOW + 7, subkey="a"), NOW)
+    s.store(rec("dict", b"b", NOW + 9, subkey="b"), NOW)
+    assert s.found(DHTKey.encode("plain"), NOW) == (b"v", NOW + 5)
+    assert s.found(DHTKey.encode("dict"), NOW) == ({"a": (b"a", NOW + 7), "b": (b"b", NOW + 9)}, NOW + 9)
+    assert s.found(DHTKey.encode("dict"), NOW + 8) == ({"b": (b"b", NOW + 9)}, NOW + 9)
+    assert s.found(DHTKey.encode("absent"), NOW) is None
+    assert sorted(s.keys()) == sorted([DHTKey.encode("plain"), DHTKey.encode("dict")])
+
+
+def test_too_many_origins_at_once_are_refused_until_old_ones_age_out() -> None:
+    s = LocalStore(max_origins=3, origin_window=60)
+    for i in range(3):
+        assert s.store(rec(f"k{i}", b"v", NOW + 100), NOW, origin=f"peer{i}")
+    with pytest.raises(StoreQuotaExceeded, match="^too many peers are storing at once; try again later$"):
+        s.store(rec("k9", b"v", NOW + 100), NOW + 1, origin="peer9")
+    assert s.store(rec("k0b", b"v", NOW + 100), NOW + 1, origin="peer0")  # a known origin is still counted
+    assert s.store(rec("k9", b"v", NOW + 100), NOW + 61, origin="peer9")  # the old ones' windows ended
+    one = LocalStore(max_stores_per_origin=1, origin_window=60)
+    one.store(rec("a", b"v", NOW + 90), NOW, origin="peer9")
+    with pytest.raises(StoreQuotaExceeded, match=r"^peer peer9 sent over 1 stores in 60s; try again later$"):
+        one.store(rec("b", b"v", NOW + 90), NOW + 59.9, origin="peer9")
+    assert one.store(rec("b", b"v", NOW + 90), NOW + 60, origin="peer9")  # the window is 60 s exactly
+
+
+def test_a_full_key_evicts_its_soonest_expiring_subkey_and_refuses_a_tie() -> None:
+    s = LocalStore(max_subkeys_per_key=2)
+    s.store(rec("run", b"v", NOW + 50, subkey="a"), NOW)  # the smallest subkey lives longest
+    s.store(rec("run", b"v", NOW + 20, subkey="z"), NOW)
+    with pytest.raises(StoreFull, match="^key already has 2 longer-lived subkeys$"):
+        s.store(rec("run", b"v", NOW + 20, subkey="m"), NOW)  # as long as the soonest: refused
+    assert s.store(rec("run", b"v", NOW + 21, subkey="m"), NOW)
+    got = s.get("run", NOW)
+    assert isinstance(got, dict) and set(got) == {"a", "m"}
+
+
+def test_a_replaced_record_frees_its_bytes_and_a_known_key_needs_no_new_slot() -> None:
+    one = rec("k", b"x" * 100, NOW + 10, subkey="a").size
+    s = LocalStore(max_bytes=one, max_keys=1)
+    assert s.store(rec("k", b"x" * 100, NOW + 10, subkey="a"), NOW)
+    assert s.store(rec("k", b"y" * 100, NOW + 20, subkey="a"), NOW)  # its own bytes are freed first
+    assert s.bytes_used == one
+    plain = LocalStore(max_bytes=rec("p", b"x" * 100, NOW + 10).size, max_keys=1)
+    assert plain.store(rec("p", b"x" * 100, NOW + 10), NOW)
+    assert plain.store(rec("p", b"y" * 100, NOW + 20), NOW)
+    keyed = LocalStore(max_keys=1)
+    assert keyed.store(rec("k", b"v", NOW + 10, subkey="a"), NOW)
+    assert keyed.store(rec("k", b"v", NOW + 10, subkey="b"), NOW)  # the same key: no new key slot
+    with pytest.raises(StoreFull, match="^store is full of records that outlive this one; retry later$"):
+        keyed.store(rec("other", b"v", NOW + 5), NOW)
+    exact = LocalStore(max_bytes=one)
+    assert exact.store(rec("k", b"x" * 100, NOW + 10, subkey="a"), NOW)  # exactly max_bytes fits
+    with pytest.raises(RecordTooLarge, match=f"^record of {one + 1} bytes exceeds max_bytes$"):
+        exact.store(rec("k", b"x" * 101, NOW + 11, subkey="a"), NOW)
+
+
+def test_the_expiry_heap_is_compacted_and_counts_stay_true() -> None:
+    s = LocalStore()
+    for i in range(5):
+        s.store(rec(f"k{i}", b"v", NOW + 1000), NOW)
+    for t in range(1, 2100):  # one key replaced again and again: each leaves a stale heap entry
+        assert s.store(rec("k0", b"v", NOW + 1000 + t), NOW)
+    assert s._count == len(s) == 5
+    assert len(s._heap) <= 2 * 5 + 1024 + 1
+    s.expire(NOW + 1001)
+    assert s.get("k1", NOW + 1001) is None and s.get("k0", NOW + 1001) == b"v" and s._count == 1
+
+
+def test_schema_messages_say_which_key_and_what_rule() -> None:
+    schema = Schema()
+    schema.declare("progress", message=DHTRecordPB, subkeys=True, max_size=20)
+    schema.declare("plain", subkeys=False)
+    s = LocalStore(schema=schema)
+    assert s.store(rec("progress/a", DHTRecordPB(key=b"x" * 16).SerializeToString(), NOW + 1, subkey="p"), NOW)
+    for bad, why in [(rec("progress/a", b"x" * 21, NOW + 1, subkey="p"), "^key 'progress/a': value of 21 bytes > 20$"),
+                     (rec("progress/a", b"\x0a\x05", NOW + 1), "^key 'progress/a': subkeys are required$"),
+                     (rec("plain/a", b"v", NOW + 1, subkey="p"), "^key 'plain/a': subkeys are forbidden$"),
+                     (rec("progress/a", b"\xff\xff", NOW + 1, subkey="p"),
+                      "^key 'progress/a': value is not a DHTRecord: ")]:
+        with pytest.raises(SchemaViolation, match=why):
+            s.store(bad, NOW)
