@@ -288,3 +288,55 @@ def test_failures_are_routed_around(network: Network) -> None:
     finally:
         network.dead = set()
         network.pruned = False
+
+
+def test_removing_a_cached_replacement_and_group_counts_after_removal() -> None:
+    local = DHTID.from_peer(make_ids(1, 20)[0])
+    table = RoutingTable(local, k=2, replacement_cache_size=2, max_per_ip_group=2, max_per_ip_group_total=2)
+    ids = peers_in_bucket(local, 255, 4, seed=21)
+    g = ip_group("5.6.7.8")
+    assert table.add(ids[0], ip_group=g, now=0).status is AddStatus.ADDED
+    assert table.add(ids[1], ip_group=g, now=0).status is AddStatus.ADDED
+    assert table.add(ids[2], now=1).status is AddStatus.CACHED
+    assert table.add(ids[3], now=2).status is AddStatus.CACHED
+    assert table.remove(ids[2]) is None  # a cached replacement: dropped from the cache, nothing promoted
+    assert [c.peer_id for c in table.replacements(255)] == [ids[3]] and ids[2] not in table
+    # removing a contact frees exactly one slot of its group, in the bucket and in the table
+    assert table.remove(ids[0]) is not None  # ids[3] (no group) promoted
+    assert table.remove(ids[3]) is None
+    assert table.add(ids[0], ip_group=g, now=3).status is AddStatus.ADDED  # the group had one slot free again
+    assert table.add(ids[2], ip_group=g, now=3).reason == f"ip group {g} limit reached in bucket 255"
+    table.remove(ids[1])
+    table.remove(ids[0])
+    assert table.get(ids[0]) is None and table.get(ids[1]) is None
+    for pid in ids[:2]:  # both slots of the group are free again, in the bucket and the table
+        assert table.add(pid, ip_group=g, now=4).status is AddStatus.ADDED
+    assert table.bucket(255) == [table.get(ids[0]), table.get(ids[1])]
+
+
+def test_refresh_at_exactly_the_interval_and_the_lowest_bucket_considered() -> None:
+    local = DHTID.from_peer(make_ids(1, 30)[0])
+    table = RoutingTable(local, rng=random.Random(31))
+    (near,) = peers_in_bucket(local, 250, 1, seed=32)
+    table.add(near, now=0)
+    stale = table.stale_buckets(now=60, refresh_interval=60)  # touched exactly one interval ago: stale
+    assert sorted(local.bucket_index(t) for t in stale) == list(range(249, 256))
+    assert table.stale_buckets(now=59.9, refresh_interval=60) != [] and \
+        250 not in [local.bucket_index(t) for t in table.stale_buckets(now=59.9, refresh_interval=60)]
+    table.touch(local, now=61)  # our own id is in no bucket: nothing changes
+    assert len(table.stale_buckets(now=61, refresh_interval=60)) == 7
+    table.touch(table.random_id_in_bucket(0), now=61)  # bucket 0 is below the lowest considered
+    assert len(table.stale_buckets(now=61, refresh_interval=60)) == 7
+    assert table.nearest(local) == [table.get(near)]  # count defaults to k
+
+
+def test_a_lookup_skips_its_own_id_the_sender_and_peers_it_knows() -> None:
+    ids = make_ids(6, 40)
+    local = DHTID.from_peer(ids[0])
+    target = DHTID.from_peer(ids[5])
+    lookup = Lookup(target, 3, 1, [PeerInfo(ids[1])], local=local, exclude=[ids[4]])
+    assert [p.peer_id for p in lookup.next_queries()] == [ids[1]]
+    added = lookup.on_response(ids[1], [PeerInfo(ids[0]), PeerInfo(ids[1]), PeerInfo(ids[2]), PeerInfo(ids[2]),
+                                        PeerInfo(ids[4]), PeerInfo(ids[3])])
+    assert added == 2  # not ourselves, not the sender, not the excluded, each new one once
+    assert repr(DHTID(255)) == "DHTID(" + "0" * 62 + "ff)"

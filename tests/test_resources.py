@@ -104,6 +104,51 @@ def test_limits_and_usage_name_everything_and_bad_configs_are_refused() -> None:
         ResourceConfig(rates={"dht": Rate(0, 1)}).validate()
 
 
+def test_limits_report_every_cap_by_its_name_and_refusals_are_counted_by_theirs() -> None:
+    admission = AdmissionConfig(max_handshaking=11, max_handshaking_per_address=12, max_handshaking_per_subnet=13,
+                                handshake_timeout=14.0, max_connections=15, max_connections_per_address=16,
+                                max_connections_per_subnet=17)
+    rm = ResourceManager(ResourceConfig(admission=admission, max_connections_per_peer=21, max_inbound_streams=22,
+                                        max_inbound_streams_per_peer=23, max_inbound_streams_per_protocol=24,
+                                        max_inbound_streams_per_peer_protocol=25, max_memory=1 << 20,
+                                        max_memory_per_peer=1 << 19, rates={"dht": Rate(5.0, 7)}))
+    assert rm.limits() == {
+        "handshaking": 11, "handshaking_per_address": 12, "handshaking_per_subnet": 13, "handshake_timeout_s": 14.0,
+        "inbound_connections": 15, "inbound_connections_per_address": 16, "inbound_connections_per_subnet": 17,
+        "connections_per_peer": 21, "inbound_streams": 22, "inbound_streams_per_peer": 23,
+        "inbound_streams_per_protocol": 24, "inbound_streams_per_peer_protocol": 25,
+        "memory_bytes": 1 << 20, "memory_bytes_per_peer": 1 << 19, "rate.dht_per_s": 5.0, "rate.dht_burst": 7}
+    rm.count_refusal("relay", "reservations per address")
+    rm.count_refusal("relay", "reservations per address")
+    assert rm.refusal_counts()["service.relay.reservations_per_address"] == 2
+    # a service's usage is shown until its undo; an undo of a replaced registration leaves the new one
+    undo_old = rm.register_service("relay", lambda: {"reservations": 1})
+    rm.register_service("relay", lambda: {"reservations": 2})
+    undo_old()
+    assert rm.usage()["relay.reservations"] == 2
+    undo_new = rm.register_service("relay", lambda: {"reservations": 3})
+    undo_new()
+    assert "relay.reservations" not in rm.usage()
+
+
+def test_memory_refusals_name_the_budget_that_was_short() -> None:
+    rm = ResourceManager(ResourceConfig(max_memory=1000, max_memory_per_peer=600))
+    a, b = rm.memory_account("A"), rm.memory_account("B")
+    assert a.reserve(600) == 600  # exactly the peer's budget: nothing refused
+    assert rm.refused == {}
+    assert b.reserve(400) == 400  # exactly the system's: nothing refused
+    assert rm.refused == {}
+    assert a.reserve(1) == 0
+    assert rm.refused == {"system.bytes_in_flight": 1}
+    a.close()
+    assert b.reserve(201) == 200  # the peer's 600, with the system's room to spare
+    assert rm.refused == {"system.bytes_in_flight": 1, "peer.bytes_in_flight": 1}
+    edge = ResourceManager(ResourceConfig(max_memory=1000, max_memory_per_peer=500))
+    assert edge.memory_account("B").reserve(400) == 400
+    assert edge.memory_account("A").reserve(600) == 500  # the system's budget exactly reached: the peer's was short
+    assert edge.refused == {"peer.bytes_in_flight": 1}
+
+
 # ---------------------------------------------------------------------- on loopback
 
 
