@@ -132,6 +132,79 @@ def test_config_is_checked() -> None:
         AdmissionConfig(max_handshaking=-1).validate()
 
 
+def test_each_refusal_is_described_to_the_refused_peer() -> None:
+    from p2p.admission import describe_refusal, is_admission_refusal
+
+    texts = {
+        "handshaking_per_address": "too many connections still handshaking from your address",
+        "handshaking_per_subnet": "too many connections still handshaking from your subnet",
+        "handshaking_total": "too many connections still handshaking",
+        "connections_per_address": "too many connections from your address",
+        "connections_per_subnet": "too many connections from your subnet",
+        "connections_total": "too many connections",
+        "evicted": "evicted: your address or subnet held the most unfinished handshakes, or yours had stalled",
+        "handshake_deadline": "the handshake took too long",
+    }
+    assert set(texts) == {r.value for r in Refusal}
+    for reason, text in texts.items():
+        assert is_admission_refusal(reason) and describe_refusal(reason) == f"{text} ({reason})"
+    assert not is_admission_refusal("over the limit of 2 streams") and describe_refusal("other words") == "other words"
+
+
+def test_config_errors_name_the_setting() -> None:
+    for field in ("max_handshaking", "max_handshaking_per_address", "max_handshaking_per_subnet", "max_connections",
+                  "max_connections_per_address", "max_connections_per_subnet", "backlog"):
+        with pytest.raises(ConfigError, match=f"^admission {field} must be >= 0, got -1$"):
+            AdmissionConfig(**{field: -1}).validate()  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="^admission handshake_timeout must be positive, got 0$"):
+        AdmissionConfig(handshake_timeout=0).validate()
+    for bad in (dict(stalled_after=0.0), dict(stall_memory=0.0)):
+        with pytest.raises(ConfigError, match="^admission stalled_after and stall_memory must be positive$"):
+            AdmissionConfig(**bad).validate()  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="^admission max_tracked_subnets must be at least 1$"):
+        AdmissionConfig(max_tracked_subnets=0).validate()
+    with pytest.raises(ConfigError, match="^admission backlog must be at least 1$"):
+        AdmissionConfig(backlog=0).validate()
+    AdmissionConfig(max_handshaking=0, max_connections=0, max_tracked_subnets=1, backlog=1).validate()
+
+
+def test_zero_caps_are_no_limit_and_each_cap_refuses_at_exactly_its_value() -> None:
+    free = Admission(AdmissionConfig(max_handshaking=0, max_handshaking_per_address=0, max_handshaking_per_subnet=0,
+                                     max_connections=0, max_connections_per_address=0, max_connections_per_subnet=0))
+    assert all(free.admit("10.0.0.1", 0.0)[0] for _ in range(50)) and free.refused == {}
+    adm = Admission(AdmissionConfig(max_connections_per_subnet=2, max_handshaking_per_address=8))
+    for ip in ("10.0.0.1", "10.0.0.2"):
+        ticket = adm.admit(ip, 0.0)[0]
+        assert ticket is not None
+        adm.authenticated(ticket)
+    assert adm.admit("10.0.0.3", 0.0)[0] is None and adm.last_refusal is Refusal.CONNECTIONS_PER_SUBNET
+    assert adm.metrics() == {"inbound": 2, "handshaking": 0, "admitted": 2, "addresses": 2,
+                             **{f"refused.{r.value}": int(r is Refusal.CONNECTIONS_PER_SUBNET) for r in Refusal}}
+
+
+def test_deadlines_and_closes_count_stalls_once_and_the_record_is_bounded() -> None:
+    adm = Admission(AdmissionConfig(max_tracked_subnets=2, stall_memory=10.0))
+    a, b, c = (adm.admit(ip, 0.0)[0] for ip in ("10.0.1.1", "10.0.2.1", "10.0.3.1"))
+    assert a is not None and b is not None and c is not None
+    adm.timed_out(a)
+    adm.timed_out(a)  # the deadline's second call: counted, but the handshake went once
+    adm.release(a)  # closing it after its deadline is no second stall
+    assert adm.stalls == {"10.0.1.0/24": 1.0} and adm.refused[Refusal.HANDSHAKE_DEADLINE] == 2
+    adm.release(b)  # closed unfinished: a stall
+    adm.stalls["10.0.2.0/24"] = 3.0
+    adm.release(c)  # a third subnet: the least-stalled one is forgotten
+    assert adm.stalls == {"10.0.2.0/24": 3.0, "10.0.3.0/24": 1.0}
+    done = adm.admit("10.0.4.1", 0.0)[0]
+    assert done is not None
+    adm.authenticated(done)
+    adm.timed_out(done)  # an authenticated connection has no handshake deadline
+    assert adm.refused[Refusal.HANDSHAKE_DEADLINE] == 2
+    adm.admit("10.0.5.1", 10.0)  # one stall_memory later: halved
+    assert adm.stalls == {"10.0.2.0/24": 1.5, "10.0.3.0/24": 0.5}
+    adm.admit("10.0.5.1", 75.0)  # six more halvings: 1.5/64 stays, 0.5/64 (< 0.01) is forgotten
+    assert adm.stalls == {"10.0.2.0/24": 1.5 / 64}
+
+
 # ---------------------------------------------------------------------- on loopback
 
 
