@@ -174,7 +174,7 @@ class Averager:
         config = config or AveragerConfig()
         config.validate()
         averager = cls(peer, config)
-        undo = averager.matchmaker.install()
+        joins = averager.matchmaker.install()
         registration = peer.set_stream_handler(PROTOCOL, averager._on_stream)
         watching = peer.observe(averager._external)
         try:
@@ -188,7 +188,7 @@ class Averager:
             averager._background = None
             watching.remove()
             registration.remove()
-            undo()
+            joins.remove()
 
     # ------------------------------------------------------------------ role
 

@@ -47,6 +47,7 @@ from libp2p.peer.id import ID
 from nat import Swarm
 from p2p.dht import owned
 from p2p.errors import ConfigError, DedlocError
+from p2p.hooks import Registration
 from p2p.rpc import CallContext, PeerDisconnectedError
 
 from .errors import AllreduceProtocolError, MatchmakingError
@@ -134,11 +135,11 @@ class Matchmaker:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def install(self) -> Callable[[], None]:
-        """Serve ``avg.join``; returns the undo."""
+    def install(self) -> Registration:
+        """Serve ``avg.join`` until the registration is removed."""
         rpc = self.peer.rpc
         rpc.add_unary(f"{JOIN_METHOD}.{self.prefix}", pb.JoinRequest, self._on_join)
-        return lambda: rpc.remove(f"{JOIN_METHOD}.{self.prefix}")
+        return Registration(lambda: rpc.remove(f"{JOIN_METHOD}.{self.prefix}"))
 
     # ------------------------------------------------------------------ looking for a group
 

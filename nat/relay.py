@@ -172,12 +172,12 @@ class RelayService:
     def install(self) -> Registration:
         """Serve HOP; the relay's slots show in the node's resource usage (``dedloc status``)."""
         handler = self._node.set_stream_handler(HOP_PROTOCOL, self._on_hop)
-        unregister = self._node.resources.register_service(
+        shown = self._node.resources.register_service(
             "relay", lambda: {"reservations": len(self.admission.slots), "circuits": self.admission.circuit_count})
 
         def undo() -> None:
             handler.remove()
-            unregister()
+            shown.remove()
 
         return Registration(undo)
 

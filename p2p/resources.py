@@ -51,6 +51,7 @@ from enum import StrEnum
 
 from .admission import Admission, AdmissionConfig
 from .errors import ConfigError, DedlocError
+from .hooks import Registration
 
 
 class Scope(StrEnum):
@@ -354,15 +355,15 @@ class ResourceManager:
 
     # ------------------------------------------------------------------ reporting
 
-    def register_service(self, name: str, usage: Callable[[], Mapping[str, int]]) -> Callable[[], None]:
-        """Show a service's own counts (the relay's reservations) in :meth:`usage`; returns the undo."""
+    def register_service(self, name: str, usage: Callable[[], Mapping[str, int]]) -> Registration:
+        """Show a service's own counts (the relay's reservations) in :meth:`usage` until it is removed."""
         self._services[name] = usage
 
         def undo() -> None:
             if self._services.get(name) is usage:
                 del self._services[name]
 
-        return undo
+        return Registration(undo)
 
     def limits(self) -> dict[str, float]:
         c = self.config

@@ -124,10 +124,10 @@ def test_limits_report_every_cap_by_its_name_and_refusals_are_counted_by_theirs(
     # a service's usage is shown until its undo; an undo of a replaced registration leaves the new one
     undo_old = rm.register_service("relay", lambda: {"reservations": 1})
     rm.register_service("relay", lambda: {"reservations": 2})
-    undo_old()
+    undo_old.remove()
     assert rm.usage()["relay.reservations"] == 2
     undo_new = rm.register_service("relay", lambda: {"reservations": 3})
-    undo_new()
+    undo_new.remove()
     assert "relay.reservations" not in rm.usage()
 
 

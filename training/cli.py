@@ -417,7 +417,7 @@ async def backbone(peer: Peer, args: argparse.Namespace, dashboard: Dashboard | 
     async def snapshot() -> TrainingState:
         return latest if latest is not None else TrainingState(-1, [], None, {}, None)
 
-    uninstall = StateServer(peer, args.run_id, snapshot).install()
+    serving = StateServer(peer, args.run_id, snapshot).install()
     saved = -1
     names = list(getattr(args, "datasets", None) or [])
     try:
@@ -456,7 +456,7 @@ async def backbone(peer: Peer, args: argparse.Namespace, dashboard: Dashboard | 
                         peer.node.emit(Checkpointed(step=latest.step, path=str(path), source=str(sources[0])))
                 await trio.sleep(args.report_every)
     finally:
-        uninstall()
+        serving.remove()
 
 
 async def cmd_backbone(args: argparse.Namespace, out: Output) -> int:

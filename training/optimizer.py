@@ -60,6 +60,7 @@ from averaging import (AllreduceConfig, Averager, AveragerConfig, Group, Matchma
 from nat import Swarm
 
 from p2p.errors import ConfigError
+from p2p.hooks import Registration
 from . import policy
 from .accumulator import GradientAccumulator
 from .policy import AverageStep, CatchUp, JoinBegunRound, Rules, TakeStateFromAhead, Trainer, Wait
@@ -221,8 +222,8 @@ class CollaborativeOptimizer:
             opt = cls(peer, optimizer, config, averager, scheduler, scaler)
             opt._nursery = nursery
             # an auxiliary peer's parameters are not current: it serves no state and needs none
-            uninstall = (StateServer(peer, config.run_id, opt._snapshot).install() if not opt.auxiliary
-                         else (lambda: None))
+            serving = (StateServer(peer, config.run_id, opt._snapshot).install() if not opt.auxiliary
+                       else Registration(lambda: None))
             try:
                 progress = await opt._sync()
                 if opt.auxiliary:  # it helps from the next round on, not with rounds gone by
@@ -233,7 +234,7 @@ class CollaborativeOptimizer:
                 yield opt
                 await opt.finish()
             finally:
-                uninstall()
+                serving.remove()
                 nursery.cancel_scope.cancel()
 
     # ------------------------------------------------------------------ progress

@@ -34,6 +34,7 @@ from averaging.tensor_stream import TensorStreamError, receive_tensors, send_ten
 from averaging.wire import FrameReader, frame
 from nat import Swarm
 from p2p.errors import DedlocError
+from p2p.hooks import Registration
 from p2p.trio_util import finish_quietly
 
 from .proto import training_pb2 as pb
@@ -119,9 +120,9 @@ class StateServer:
         self.snapshot = snapshot
         self.served = 0
 
-    def install(self) -> Callable[[], None]:
-        registration = self.peer.set_stream_handler(STATE_PROTOCOL, self._on_stream)
-        return registration.remove
+    def install(self) -> Registration:
+        """Serve the training state until the registration is removed."""
+        return self.peer.set_stream_handler(STATE_PROTOCOL, self._on_stream)
 
     async def _on_stream(self, stream: INetStream) -> None:
         reader = FrameReader(stream)
