@@ -367,3 +367,82 @@ def test_schema_messages_say_which_key_and_what_rule() -> None:
                       "^key 'progress/a': value is not a DHTRecord: ")]:
         with pytest.raises(SchemaViolation, match=why):
             s.store(bad, NOW)
+
+
+def test_key_errors_and_edges_say_what_is_wrong() -> None:
+    import sys
+
+    with pytest.raises(InvalidKey, match="^DHT keys and subkeys must be str, bytes or int, not float$"):
+        DHTKey.encode(1.5)
+    with pytest.raises(InvalidKey, match="^DHT keys and subkeys must be str, bytes or int, not bool$"):
+        DHTKey.encode(True)
+    lone = "\ud800"  # a lone surrogate: encodable only with surrogatepass, and refused on the way back
+    assert DHTKey.encode(lone) == DHTKey.encode("")[:1] + lone.encode("utf-8", "surrogatepass")
+    with pytest.raises(InvalidKey, match="^str DHT key is not valid UTF-8$"):
+        DHTKey.decode(DHTKey.encode(lone))
+    limit = sys.get_int_max_str_digits()
+    if limit:
+        with pytest.raises(InvalidKey, match="^integer DHT key is too large: "):
+            DHTKey.encode(10 ** (limit + 1))
+    tag_int = DHTKey.encode(0)[:1]
+    for bad in (tag_int + b"-0", tag_int + b"007", b"\x09abc", tag_int + b"x" * 40):
+        with pytest.raises(InvalidKey, match="^malformed canonical DHT key " + __import__("re").escape(repr(bad[:32])) + "$"):
+            DHTKey.decode(bad)
+    assert DHTKey.decode(DHTKey.encode("ü")) == "ü"
+    pid = peer_id_of(new_identity())
+    assert owned(b"name", pid) == b"name[owner:" + pid.to_base58().encode() + b"]"
+    with pytest.raises(InvalidKey, match="^only str and bytes keys can carry an owner marker$"):
+        owned(5, pid)
+
+
+def test_size_and_time_refusals_name_the_limit_and_what_to_do() -> None:
+    s = LocalStore(max_key_size=10, max_value_size=100, max_expiration_ahead=3600)
+    assert s.store(rec("k" * 9, b"v", NOW + 1), NOW)  # 9 characters and the tag: exactly 10 bytes
+    assert s.store(rec("d", b"v", NOW + 1, subkey="s" * 9), NOW)
+    for bad in (rec("k" * 10, b"v", NOW + 1), rec("d", b"v", NOW + 1, subkey="s" * 10)):
+        with pytest.raises(RecordTooLarge, match="^key or subkey longer than 10 bytes$"):
+            s.store(bad, NOW)
+    with pytest.raises(RecordTooLarge, match="^value of 101 bytes exceeds the limit of 100; store a reference to the "
+                                             "data instead$"):
+        s.store(rec("k", b"x" * 101, NOW + 1), NOW)
+    with pytest.raises(ExpirationTooFar, match=rf"^expiration {NOW + 3601} is more than 3600s ahead; re-publish "
+                                               "periodically instead$"):
+        s.store(rec("k", b"v", NOW + 3601), NOW)
+
+
+def test_an_expired_subkey_makes_room_under_its_own_key() -> None:
+    s = LocalStore(max_subkeys_per_key=2)
+    s.store(rec("run", b"v", NOW + 5, subkey="old"), NOW)
+    s.store(rec("run", b"v", NOW + 50, subkey="kept"), NOW)
+    # at NOW + 10 "old" is gone: the new subkey takes its place without evicting "kept"
+    assert s.store(rec("run", b"v", NOW + 40, subkey="new"), NOW + 10)
+    got = s.get("run", NOW + 10)
+    assert isinstance(got, dict) and set(got) == {"kept", "new"}
+    # a plain value replaces an expired one even when it expires sooner than the old one did
+    s.store(rec("p", b"a", NOW + 20), NOW)
+    assert s.store(rec("p", b"b", NOW + 30), NOW + 25) and s.get("p", NOW + 25) == b"b"
+
+
+def test_making_room_skips_stale_heap_entries_evicts_subkeys_and_spares_its_own_key() -> None:
+    one, sub = rec("a", b"x" * 50, NOW + 10).size, rec("b", b"x" * 50, NOW + 20, subkey="s").size
+    s = LocalStore(max_bytes=2 * one + sub)
+    s.store(rec("a", b"x" * 50, NOW + 10), NOW)
+    s.store(rec("a", b"y" * 50, NOW + 60), NOW)  # "a" replaced: its NOW + 10 heap entry is stale
+    s.store(rec("b", b"x" * 50, NOW + 20, subkey="s"), NOW)  # a subkey record, the soonest live one
+    s.store(rec("c", b"x" * 50, NOW + 30), NOW)
+    assert s.bytes_used == 2 * one + sub
+    # full: the newcomer evicts the soonest live record ("b"/"s"), not "a" (its stale entry comes first)
+    assert s.store(rec("d", b"x" * 50, NOW + 40), NOW)
+    assert s.get("b", NOW) is None and s.get("a", NOW) == b"y" * 50 and s.get("c", NOW) == b"x" * 50
+    # one that expires exactly with the soonest ("c" at NOW + 30) displaces nothing
+    with pytest.raises(StoreFull, match="^store is full of records that outlive this one; retry later$"):
+        s.store(rec("e", b"x" * 50, NOW + 30), NOW)
+    # a new subkey never evicts another subkey of its own key to make room
+    size = rec("g", b"x" * 50, NOW + 5, subkey="s1").size
+    own = LocalStore(max_bytes=2 * size)
+    own.store(rec("g", b"x" * 50, NOW + 5, subkey="s1"), NOW)
+    own.store(rec("h", b"x" * 50, NOW + 50, subkey="s1"), NOW)
+    with pytest.raises(StoreFull):
+        own.store(rec("g", b"x" * 50, NOW + 60, subkey="s2"), NOW)
+    got = own.get("g", NOW)
+    assert isinstance(got, dict) and set(got) == {"s1"}

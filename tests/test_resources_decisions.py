@@ -1,0 +1,137 @@
+"""The resource manager's pure decisions (p2p/resources.py): limits, refusals and their counts, memory
+budgets, rates, with no socket (tests/test_resources.py holds each limit on loopback). These are the
+tests ``make mutate`` runs against the module."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2p.admission import AdmissionConfig
+from p2p.errors import ConfigError
+from p2p.resources import Rate, ResourceConfig, ResourceLimitExceeded, ResourceManager, Scope
+
+
+def test_streams_are_capped_per_peer_per_protocol_and_in_all_and_given_back() -> None:
+    rm = ResourceManager(ResourceConfig(max_inbound_streams=6, max_inbound_streams_per_peer=3,
+                                        max_inbound_streams_per_protocol=4, max_inbound_streams_per_peer_protocol=2))
+    a = [rm.open_stream("A", "/x"), rm.open_stream("A", "/x")]
+    with pytest.raises(ResourceLimitExceeded, match="over the limit of 2 inbound streams per peer for /x") as e:
+        rm.open_stream("A", "/x")
+    assert e.value.scope is Scope.PEER_PROTOCOL
+    a.append(rm.open_stream("A", "/y"))
+    with pytest.raises(ResourceLimitExceeded, match="3 inbound streams per peer"):
+        rm.open_stream("A", "/z")
+    b = [rm.open_stream("B", "/x"), rm.open_stream("B", "/x")]
+    with pytest.raises(ResourceLimitExceeded, match="4 inbound streams for /x"):
+        rm.open_stream("C", "/x")
+    rm.open_stream("C", "/y")
+    with pytest.raises(ResourceLimitExceeded, match="6 inbound streams in all"):
+        rm.open_stream("C", "/y")
+    assert rm.refused == {"peer_protocol.inbound_streams": 1, "peer.inbound_streams": 1,
+                          "protocol.inbound_streams": 1, "system.inbound_streams": 1}
+    for grant in a + b:
+        rm.close_stream(grant)
+        rm.close_stream(grant)  # twice is once
+    assert rm.usage()["inbound_streams"] == 1 and rm.open_stream("C", "/x").open
+
+
+def test_connections_per_peer() -> None:
+    rm = ResourceManager(ResourceConfig(max_connections_per_peer=2))
+    rm.open_connection("A")
+    rm.open_connection("A")
+    with pytest.raises(ResourceLimitExceeded, match="2 connections per peer"):
+        rm.open_connection("A")
+    rm.open_connection("B")
+    rm.close_connection("A")
+    rm.open_connection("A")
+    assert rm.usage()["peers_connected_in"] == 2
+
+
+def test_memory_is_granted_up_to_the_peer_and_system_budgets() -> None:
+    rm = ResourceManager(ResourceConfig(max_memory=1000, max_memory_per_peer=600))
+    a, a2, b = rm.memory_account("A"), rm.memory_account("A"), rm.memory_account("B")
+    assert a.reserve(400) == 400
+    assert a2.reserve(400) == 200  # the peer's 600 in all, over two connections
+    assert b.reserve(600) == 400  # the system's 1000
+    assert b.reserve(1) == 0
+    assert rm.refused["peer.bytes_in_flight"] == 1 and rm.refused["system.bytes_in_flight"] == 2
+    a.close()
+    assert rm.usage()["memory_bytes"] == 600 and b.reserve(500) == 200  # now the peer's own 600
+    a2.release(10_000)  # never more than it holds
+    b.close()
+    assert rm.usage()["memory_bytes"] == 0 and rm.usage()["busiest_peer_memory_bytes"] == 0
+
+
+def test_rates_are_token_buckets_per_service_and_peer() -> None:
+    rm = ResourceManager(ResourceConfig(rates={"dht": Rate(10.0, 3)}, max_tracked_peers=2))
+    for _ in range(3):
+        rm.allow("dht", "A", now=100.0)
+    with pytest.raises(ResourceLimitExceeded, match="10 dht requests a second per peer"):
+        rm.allow("dht", "A", now=100.0)
+    rm.allow("dht", "B", now=100.0)  # another peer has its own bucket
+    rm.allow("dht", "A", now=100.1)  # 0.1 s refills one
+    with pytest.raises(ResourceLimitExceeded):
+        rm.allow("dht", "A", now=100.1)
+    rm.allow("identify", "A", now=100.1)  # a service without a rate is not limited
+    rm.allow("dht", "C", now=100.2)  # a third peer: the least recently used bucket goes
+    assert len(rm._buckets) == 2 and rm.refused["service.dht_requests_a_second_per_peer"] == 2
+
+
+def test_limits_and_usage_name_everything_and_bad_configs_are_refused() -> None:
+    rm = ResourceManager()
+    rm.register_service("relay", lambda: {"reservations": 3})
+    limits, usage = rm.limits(), rm.usage()
+    for key in ("handshaking_per_address", "connections_per_peer", "inbound_streams_per_peer_protocol",
+                "memory_bytes_per_peer", "rate.dht_per_s", "rate.relay.reserve_burst", "rate.autonat.dial_back_per_s"):
+        assert key in limits, key
+    assert usage["relay.reservations"] == 3 and "admission.refused.handshaking_per_address" in usage
+    assert limits["memory_bytes"] >= 128 << 20
+    with pytest.raises(ConfigError):
+        ResourceConfig(max_inbound_streams=-1).validate()
+    with pytest.raises(ConfigError):
+        ResourceConfig(rates={"dht": Rate(0, 1)}).validate()
+
+
+def test_limits_report_every_cap_by_its_name_and_refusals_are_counted_by_theirs() -> None:
+    admission = AdmissionConfig(max_handshaking=11, max_handshaking_per_address=12, max_handshaking_per_subnet=13,
+                                handshake_timeout=14.0, max_connections=15, max_connections_per_address=16,
+                                max_connections_per_subnet=17)
+    rm = ResourceManager(ResourceConfig(admission=admission, max_connections_per_peer=21, max_inbound_streams=22,
+                                        max_inbound_streams_per_peer=23, max_inbound_streams_per_protocol=24,
+                                        max_inbound_streams_per_peer_protocol=25, max_memory=1 << 20,
+                                        max_memory_per_peer=1 << 19, rates={"dht": Rate(5.0, 7)}))
+    assert rm.limits() == {
+        "handshaking": 11, "handshaking_per_address": 12, "handshaking_per_subnet": 13, "handshake_timeout_s": 14.0,
+        "inbound_connections": 15, "inbound_connections_per_address": 16, "inbound_connections_per_subnet": 17,
+        "connections_per_peer": 21, "inbound_streams": 22, "inbound_streams_per_peer": 23,
+        "inbound_streams_per_protocol": 24, "inbound_streams_per_peer_protocol": 25,
+        "memory_bytes": 1 << 20, "memory_bytes_per_peer": 1 << 19, "rate.dht_per_s": 5.0, "rate.dht_burst": 7}
+    rm.count_refusal("relay", "reservations per address")
+    rm.count_refusal("relay", "reservations per address")
+    assert rm.refusal_counts()["service.relay.reservations_per_address"] == 2
+    # a service's usage is shown until its undo; an undo of a replaced registration leaves the new one
+    undo_old = rm.register_service("relay", lambda: {"reservations": 1})
+    rm.register_service("relay", lambda: {"reservations": 2})
+    undo_old.remove()
+    assert rm.usage()["relay.reservations"] == 2
+    undo_new = rm.register_service("relay", lambda: {"reservations": 3})
+    undo_new.remove()
+    assert "relay.reservations" not in rm.usage()
+
+
+def test_memory_refusals_name_the_budget_that_was_short() -> None:
+    rm = ResourceManager(ResourceConfig(max_memory=1000, max_memory_per_peer=600))
+    a, b = rm.memory_account("A"), rm.memory_account("B")
+    assert a.reserve(600) == 600  # exactly the peer's budget: nothing refused
+    assert rm.refused == {}
+    assert b.reserve(400) == 400  # exactly the system's: nothing refused
+    assert rm.refused == {}
+    assert a.reserve(1) == 0
+    assert rm.refused == {"system.bytes_in_flight": 1}
+    a.close()
+    assert b.reserve(201) == 200  # the peer's 600, with the system's room to spare
+    assert rm.refused == {"system.bytes_in_flight": 1, "peer.bytes_in_flight": 1}
+    edge = ResourceManager(ResourceConfig(max_memory=1000, max_memory_per_peer=500))
+    assert edge.memory_account("B").reserve(400) == 400
+    assert edge.memory_account("A").reserve(600) == 500  # the system's budget exactly reached: the peer's was short
+    assert edge.refused == {"peer.bytes_in_flight": 1}
