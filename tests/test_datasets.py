@@ -606,3 +606,49 @@ def test_authors_are_credited_per_live_shard_and_names_resolve_to_one_dataset() 
         schema_of(["a.txt", "b.jsonl"])
     with pytest.raises(DatasetError, match=r"^shards of 0 formats \(none\); a dataset holds one$"):
         schema_of([])
+
+
+def test_an_authority_retraction_is_refused_with_its_reason() -> None:
+    import re
+
+    from nacl.signing import SigningKey
+
+    from training.datasets.manifest import AUTHORITY_RETRACTION, parse_authority_retraction, sign_by_authority
+
+    creator = signer()
+    key, other = SigningKey.generate(), SigningKey.generate()
+    authority = bytes(key.verify_key)
+    header = Header.make(creator, "wiki", "text", piece_size=PIECE, now=NOW)
+    books = Header.make(creator, "books", "text", piece_size=PIECE, now=NOW)
+    good = sign_by_authority(key, header, [bytes(32)], now=NOW)
+    assert parse_authority_retraction(good, header, authority) == (bytes(32),)
+    body = pb.Entry.FromString(pb.Signed.FromString(good).body)
+    assert body.created == NOW and body.retract == [bytes(32)]
+
+    def signed(entry: pb.Entry) -> bytes:
+        """``entry`` signed by the authority as sign_by_authority signs (one of its retract ids malformed)."""
+        from training.datasets.manifest import _payload
+
+        raw = entry.SerializeToString()
+        return pb.Signed(body=raw, public_key=authority, signature=key.sign(_payload(AUTHORITY_RETRACTION, raw)).signature,
+                         kind=AUTHORITY_RETRACTION).SerializeToString()
+
+    for raw, auth, why in [
+        (b"\xff", authority, "an authority's retraction that does not parse: "),
+        (good, None, "a retraction by an authority, in a swarm that has none"),
+        (sign_by_authority(other, header, [bytes(32)], now=NOW), authority,
+         "a retraction signed by another key than the swarm's authority"),
+        (pb.Signed(body=pb.Signed.FromString(good).body, public_key=authority, signature=bytes(64),
+                   kind=AUTHORITY_RETRACTION).SerializeToString(), authority,
+         "the authority's retraction's signature does not match its content"),
+        (sign_by_authority(key, books, [bytes(32)], now=NOW), authority,
+         "an authority's retraction of another dataset, or of nothing"),
+        (sign_by_authority(key, header, [], now=NOW), authority,
+         "an authority's retraction of another dataset, or of nothing"),
+        (sign_by_authority(key, header, [b"short"], now=NOW), authority,
+         "an authority's retraction of another dataset, or of nothing"),
+        (signed(pb.Entry(dataset=header.id, retract=[bytes(32), b"x"])), authority,
+         "an authority's retraction of another dataset, or of nothing"),
+    ]:
+        with pytest.raises(ManifestError, match="^" + re.escape(why)):
+            parse_authority_retraction(raw, header, auth)
