@@ -199,7 +199,8 @@ class MemoryAccount:
         return granted
 
     def release(self, amount: int) -> None:
-        amount = min(amount, self.held)
+        """Give back up to ``amount`` bytes (never more than held; a negative amount gives back nothing)."""
+        amount = max(0, min(amount, self.held))
         self.held -= amount
         self.manager._release_memory(self.peer, amount)
 

@@ -192,3 +192,76 @@ def test_deadlines_and_closes_count_stalls_once_and_the_record_is_bounded() -> N
     assert adm.stalls == {"10.0.2.0/24": 1.5, "10.0.3.0/24": 0.5}
     adm.admit("10.0.5.1", 75.0)  # six more halvings: 1.5/64 stays, 0.5/64 (< 0.01) is forgotten
     assert adm.stalls == {"10.0.2.0/24": 1.5 / 64}
+
+
+def test_edges_of_admission_settings_zone_ids_and_the_stall_record() -> None:
+    AdmissionConfig(handshake_timeout=0.5, stalled_after=0.5, stall_memory=0.5).validate()
+    assert prefixes("fe80::1%eth0") == ("fe80::/56", "fe80::/48")
+    assert prefixes("10.1.2.3") == ("10.1.2.3/32", "10.1.2.0/24")
+    adm = Admission(AdmissionConfig(max_tracked_subnets=2, stall_memory=10.0))
+    adm.stalls = {"10.0.1.0/24": 5.0, "10.0.9.0/24": 1.0}  # the least stalled sorts last by name
+    t = adm.admit("10.0.5.1", 0.0)[0]
+    assert t is not None
+    adm.release(t)  # closed unfinished: a third subnet, the least stalled is forgotten
+    assert adm.stalls == {"10.0.1.0/24": 5.0, "10.0.5.0/24": 1.0}
+    adm.stalls = {"a": 0.02, "b": 0.0199}
+    adm.admit("10.0.6.1", 10.0)  # halved: 0.01 is kept, under it forgotten
+    assert adm.stalls == {"a": 0.01}
+
+
+def test_a_full_connection_table_evicts_a_handshake_and_closes_give_back_their_counts() -> None:
+    adm = Admission(AdmissionConfig(max_connections=3, max_connections_per_address=2, max_handshaking=0,
+                                    stalled_after=1.0))
+    done = [adm.admit(ip, 0.0)[0] for ip in ("10.0.0.1", "10.0.1.1")]
+    for ticket in done:
+        assert ticket is not None
+        adm.authenticated(ticket)
+    stalled = adm.admit("10.0.2.1", 0.0)[0]  # still handshaking
+    assert stalled is not None
+    newcomer, evicted = adm.admit("10.0.3.1", 1.0)  # full: the stalled handshake yields (exactly stalled_after)
+    assert newcomer is not None and evicted == [stalled] and stalled.evicted
+    assert adm.refused[Refusal.EVICTED] == 1 and adm.stalls == {"10.0.2.0/24": 1.0}
+    adm.authenticated(stalled)  # an evicted handshake does not become authenticated
+    assert not stalled.authenticated and adm.metrics()["handshaking"] == 1
+    adm.release(stalled)  # the listener closes the evicted connection
+    adm.authenticated(newcomer)
+    full, evicted = adm.admit("10.0.5.1", 1.6)  # three established, no handshake to take over: refused
+    assert full is None and evicted == [] and adm.last_refusal is Refusal.CONNECTIONS_TOTAL
+    assert adm.metrics()["inbound"] == 3
+    adm.release(done[0])
+    again, evicted = adm.admit("10.0.4.1", 1.7)  # a close frees its place
+    assert again is not None and evicted == []
+    # per-address counts come back with each close, and are forgotten at zero
+    per = Admission(AdmissionConfig(max_connections_per_address=2, max_connections_per_subnet=3))
+    a, b = per.admit("10.9.0.1", 0.0)[0], per.admit("10.9.0.1", 0.0)[0]
+    assert a is not None and b is not None and per.admit("10.9.0.1", 0.0)[0] is None
+    per.release(a)
+    c = per.admit("10.9.0.1", 0.0)[0]
+    assert c is not None
+    d = per.admit("10.9.0.2", 0.0)[0]
+    assert d is not None and per.admit("10.9.0.3", 0.0)[0] is None  # the subnet's 3
+    for ticket in (b, c, d):
+        per.release(ticket)
+    assert per._address == {} and per._subnet == {} and per._hs_address == {} and per._hs_subnet == {}
+    assert per.metrics()["inbound"] == 0 and per.metrics()["addresses"] == 0
+    assert per.refused[Refusal.CONNECTIONS_PER_ADDRESS] == 1 and per.refused[Refusal.CONNECTIONS_PER_SUBNET] == 1
+    e = per.admit("10.9.0.1", 0.0)[0]
+    assert e is not None
+    per.authenticated(e)
+    assert per._hs_address == {} and per._hs_subnet == {} and per._address == {"10.9.0.1/32": 1}
+
+
+def test_the_largest_holder_yields_and_the_worst_staller_goes_first() -> None:
+    adm = Admission(AdmissionConfig(max_handshaking=4, max_handshaking_per_address=8, max_handshaking_per_subnet=8,
+                                    stalled_after=100.0))
+    big = [adm.admit("10.0.0.1", float(i))[0] for i in range(2)]
+    small = adm.admit("10.0.1.1", 2.0)[0]
+    other = adm.admit("10.0.2.1", 3.0)[0]
+    assert all(big) and small is not None and other is not None
+    # the newcomer's subnet would hold 1: the biggest (2) yields its oldest
+    newcomer, evicted = adm.admit("10.0.3.1", 4.0)
+    assert newcomer is not None and evicted == [big[0]]
+    # a staller's handshake yields to a subnet that never stalled, the worst staller first
+    adm.stalls = {"10.0.1.0/24": 3.0, "10.0.2.0/24": 1.0}
+    fresh, evicted = adm.admit("10.0.4.1", 5.0)
+    assert fresh is not None and evicted == [small]

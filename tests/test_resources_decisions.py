@@ -135,3 +135,90 @@ def test_memory_refusals_name_the_budget_that_was_short() -> None:
     assert edge.memory_account("B").reserve(400) == 400
     assert edge.memory_account("A").reserve(600) == 500  # the system's budget exactly reached: the peer's was short
     assert edge.refused == {"peer.bytes_in_flight": 1}
+
+
+def test_the_default_rates_and_memory_budget_are_the_documented_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    from p2p.resources import default_max_memory, default_rates
+
+    assert default_rates() == {
+        "streams": Rate(200.0, 500), "dht": Rate(200.0, 400), "rpc": Rate(500.0, 1000), "identify": Rate(2.0, 8),
+        "autonat": Rate(0.2, 4), "autonat.address": Rate(1.0, 16), "autonat.dial_back": Rate(0.2, 4),
+        "dcutr": Rate(1.0, 4), "relay.reserve": Rate(0.5, 4), "relay.connect": Rate(10.0, 32),
+        "auth.issue": Rate(0.2, 4)}
+    sizes = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 4 << 20}  # 16 GiB: an eighth is 2 GiB
+    monkeypatch.setattr("os.sysconf", lambda name: sizes[name])
+    assert default_max_memory() == 2 << 30
+    sizes["SC_PHYS_PAGES"] = 1 << 16  # 256 MiB: an eighth is under the floor of 128 MiB
+    assert default_max_memory() == 128 << 20
+
+    def unknown(name: str) -> int:
+        raise ValueError(name)
+
+    monkeypatch.setattr("os.sysconf", unknown)
+    assert default_max_memory() == 1 << 30  # 8 GiB assumed
+
+
+def test_every_setting_is_checked_by_name() -> None:
+    ResourceConfig(max_tracked_peers=1, alarm_interval=60.0, rates={"x": Rate(0.1, 1)}, max_inbound_streams=0).validate()
+    for name in ("max_connections_per_peer", "max_inbound_streams", "max_inbound_streams_per_peer",
+                 "max_inbound_streams_per_protocol", "max_inbound_streams_per_peer_protocol", "max_memory",
+                 "max_memory_per_peer"):
+        with pytest.raises(ConfigError, match=f"^resources {name} must be >= 0, got -1$"):
+            ResourceConfig(**{name: -1}).validate()  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="^resources max_tracked_peers must be at least 1$"):
+        ResourceConfig(max_tracked_peers=0).validate()
+    for bad in (0.0, 60.5):
+        with pytest.raises(ConfigError, match=rf"^resources alarm_interval must be in \(0, 60\] seconds, got {bad}$"):
+            ResourceConfig(alarm_interval=bad).validate()
+    for rate in (Rate(0.0, 1), Rate(1.0, 0)):
+        with pytest.raises(ConfigError, match=rf"^rate dht needs per_second > 0 and burst >= 1, got "):
+            ResourceConfig(rates={"dht": rate}).validate()
+    with pytest.raises(ConfigError, match="^admission backlog must be at least 1$"):
+        ResourceConfig(admission=AdmissionConfig(backlog=0)).validate()
+
+
+def test_limits_hit_between_two_counts_and_the_muxers_stream_rate() -> None:
+    from p2p.resources import limits_hit
+
+    assert limits_hit({"a": 1, "b": 2}, {"a": 3, "b": 2, "c": 1}) == [("a", 2), ("c", 1)]
+    assert limits_hit({}, {}) == []
+    rm = ResourceManager(ResourceConfig(rates={"streams": Rate(1.0, 1)}))
+    assert rm.stream_open_refusal("A", 10.0) is None
+    assert rm.stream_open_refusal("A", 10.0) == "over the limit of 1 streams requests a second per peer"
+    assert rm.stream_open_refusal("B", 10.0) is None  # another peer's bucket
+    assert rm.stream_open_refusal("A", 11.0) is None  # a second later: refilled
+
+
+def test_closing_gives_back_exactly_what_was_held() -> None:
+    rm = ResourceManager(ResourceConfig(max_memory=1000, max_memory_per_peer=1000))
+    rm.open_connection("A")
+    rm.open_connection("A")
+    rm.close_connection("A")
+    assert rm.usage()["peers_connected_in"] == 1
+    rm.close_connection("A")
+    assert rm.usage()["peers_connected_in"] == 0 and rm._connections == {}
+    grants = [rm.open_stream("A", "/x"), rm.open_stream("A", "/x"), rm.open_stream("B", "/x")]
+    assert rm.usage()["busiest_peer_streams"] == 2
+    rm.close_stream(grants[0])
+    assert rm._streams == {"A": 1, "B": 1} and rm._peer_protocol_streams == {("A", "/x"): 1, ("B", "/x"): 1}
+    for g in grants[1:]:
+        rm.close_stream(g)
+    assert rm._streams == {} and rm._protocol_streams == {} and rm.usage()["busiest_peer_streams"] == 0
+    account = rm.memory_account("A")
+    assert account.reserve(300) == 300
+    account.release(1)
+    assert account.held == 299 and rm.memory == 299 and rm._memory == {"A": 299}
+    account.release(0)
+    account.release(-5)  # nothing: never a negative release
+    assert account.held == 299 and rm.memory == 299
+    assert account.reserve(1) == 1 and account.held == 300
+    account.close()
+    assert account.held == 0 and rm.memory == 0 and rm._memory == {}
+    usage = ResourceManager().usage()
+    assert {k: usage[k] for k in ("peers_connected_in", "inbound_streams", "memory_bytes", "busiest_peer_streams",
+                                  "busiest_peer_memory_bytes")} == dict.fromkeys(
+        ("peers_connected_in", "inbound_streams", "memory_bytes", "busiest_peer_streams", "busiest_peer_memory_bytes"), 0)
+    error = ResourceLimitExceeded(Scope.SERVICE, "relay requests", 2.5, what="")
+    assert str(error) == "over the limit of 2.5 relay requests" and error.reason == "service.relay_requests"
+    assert str(ResourceLimitExceeded(Scope.PROTOCOL, "inbound streams", 3, what="/p")) == \
+        "over the limit of 3 inbound streams for /p"
