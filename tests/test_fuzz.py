@@ -327,7 +327,7 @@ def test_a_trainer_survives_garbage_on_averaging_matchmaking_and_state(inputs: l
             async def snapshot() -> TrainingState:
                 return state
 
-            uninstall = StateServer(target, "fuzz-run", snapshot).install()
+            serving = StateServer(target, "fuzz-run", snapshot).install()
             cfg = averager_config(2, prefix="fuzz-run")
             async with Averager.open(target, cfg) as averager, Averager.open(honest, cfg) as other:
                 for protocol, data, structured in inputs:
@@ -354,6 +354,6 @@ def test_a_trainer_survives_garbage_on_averaging_matchmaking_and_state(inputs: l
                     nursery.start_soon(averager.step, x)
                     nursery.start_soon(other.step, y)
                 assert torch.allclose(x[0], torch.full((100,), 0.5))
-            uninstall()
+            serving.remove()
 
     trio.run(main)

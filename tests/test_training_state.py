@@ -75,7 +75,7 @@ async def test_a_download_refuses_bad_states_and_takes_the_next_peer() -> None:
         with pytest.raises(StateDownloadError, match="trains run 'run'"):
             await download_state(asker, "other-run", ids[3:], 0, fresh_params)
         for u in undo:
-            u()
+            u.remove()
 
 
 def test_load_state_leaves_everything_as_it_was_when_the_optimizer_refuses() -> None:
