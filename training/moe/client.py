@@ -186,13 +186,16 @@ class ExpertClient:
     async def _slot(self, server: ID) -> AsyncIterator[None]:
         """One of ``server``'s slots for the time of the block, waited for in line (rule 2 of
         :mod:`.calls`)."""
-        woken = trio.Event()
+        woken = trio.Event()  # set by the release that hands this waiter its slot
+        held = self._table.acquire(server, woken)
         try:
-            if not self._table.acquire(server, woken):
+            if not held:
                 await woken.wait()
             yield
         finally:
-            if not self._table.withdraw(server, woken):  # it held the slot: give it back, maybe to the next
+            # it holds the slot when it got one at once or was handed one (even if cancelled before it
+            # woke); only a waiter still in line is withdrawn (a scan of the line: on cancellation only)
+            if held or woken.is_set() or not self._table.withdraw(server, woken):
                 following = self._table.release(server)
                 if following is not None:
                     following.set()
