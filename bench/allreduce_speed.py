@@ -32,7 +32,6 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,6 +41,9 @@ import trio
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
+sys.path.insert(0, str(BENCH))
+
+from harness import Spawned, run_json, stop_all  # noqa: E402
 
 
 def _driver() -> Any:
@@ -56,9 +58,9 @@ def _driver() -> Any:
 
 def data_plane(mib: int) -> float:
     """One Node stream's throughput to a Node in another process, MB/s."""
-    out = subprocess.run([sys.executable, str(BENCH / "throughput.py"), "--mib", str(mib), "--streams", "1",
-                          "--no-relay", "--json"], capture_output=True, text=True, timeout=300, check=True)
-    return float(json.loads(out.stdout.strip().splitlines()[-1])["node_1"])
+    result = run_json([sys.executable, BENCH / "throughput.py", "--mib", str(mib), "--streams", "1", "--no-relay",
+                       "--json"], timeout=300, what="bench/throughput.py")
+    return float(result["node_1"])
 
 
 def _free_port() -> int:
@@ -70,21 +72,14 @@ def _free_port() -> int:
 def gloo(peers: int, mbytes: float, rounds: int) -> dict[str, float]:
     """``peers`` gloo processes all-reducing ``mbytes`` MB: min/median seconds of the slowest rank."""
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, __file__, "--gloo-rank", str(r), "--gloo-world", str(peers),
-                               "--gloo-port", str(port), "--gloo-elements", str(int(mbytes * 1e6 / 4)),
-                               "--rounds", str(rounds)], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    ranks = [Spawned([sys.executable, __file__, "--gloo-rank", str(r), "--gloo-world", str(peers),
+                      "--gloo-port", str(port), "--gloo-elements", str(int(mbytes * 1e6 / 4)), "--rounds", str(rounds)],
+                     env={**os.environ, "OMP_NUM_THREADS": "1"})
              for r in range(peers)]
-    times = []
     try:
-        for p in procs:
-            out, _ = p.communicate(timeout=600)
-            if p.returncode != 0:
-                raise RuntimeError(f"gloo rank exited {p.returncode}")
-            times.append(json.loads(out.strip().splitlines()[-1])["times"])
+        times = [rank.wait_for("times", 600)["times"] for rank in ranks]
     finally:
-        for p in procs:
-            p.kill()
+        stop_all(ranks, grace=5)
     slowest = [max(ts) for ts in zip(*times)]
     return {"min_s": min(slowest), "median_s": statistics.median(slowest)}
 

@@ -47,8 +47,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import random
 import statistics
 import sys

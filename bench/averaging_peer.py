@@ -47,11 +47,8 @@ from averaging_data import max_error, tensor_of, weight_of, worker_parser  # noq
 from averaging import AllreduceConfig, Averager, AveragerConfig, MatchmakingConfig  # noqa: E402
 from averaging.bandwidth import BandwidthConfig  # noqa: E402
 from averaging.errors import AveragingError  # noqa: E402
-from nat import NatConfig, Peer, PeerConfig  # noqa: E402
+from nat import Peer, PeerConfig  # noqa: E402
 from nat.autorelay import AutoRelayConfig  # noqa: E402
-from nat.port_mapping import PortMappingConfig  # noqa: E402
-from p2p import NodeConfig  # noqa: E402
-from p2p.dht import DHTConfig  # noqa: E402
 from p2p.dht.events import DHTMode  # noqa: E402
 from p2p.hooks import Reachability  # noqa: E402
 
@@ -62,13 +59,8 @@ PROFILE = os.environ.get("DEDLOC_BENCH_PROFILE")
 
 
 def peer_config(listen: str, initial: list[str], boot: bool) -> PeerConfig:
-    return PeerConfig(
-        node=NodeConfig(listen=[listen], initial_peers=initial, bootstrap_timeout=30.0),
-        nat=NatConfig(allow_private=True, port_mapping=PortMappingConfig(enabled=False), relay_service=boot,
-                      autorelay=AutoRelayConfig(enabled=False)),
-        dht=DHTConfig(mode=DHTMode.SERVER, bootstrap_timeout=30.0),
-        exchange_interval=None,
-    )
+    return PeerConfig.loopback(relay=boot, initial_peers=initial, listen=listen, dht=DHTMode.SERVER, exchange=False,
+                               bootstrap_timeout=30.0, autorelay=AutoRelayConfig(enabled=False))
 
 
 class Lines:

@@ -43,7 +43,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, IO
+from typing import Any
 
 import trio
 

@@ -20,7 +20,6 @@ import logging
 import math
 import sys
 import time
-from contextlib import AsyncExitStack
 from typing import Any
 
 STARTED = time.perf_counter()

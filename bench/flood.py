@@ -60,7 +60,9 @@ import trio
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 
+import harness  # noqa: E402
 from google.protobuf.empty_pb2 import Empty  # noqa: E402
 from google.protobuf.json_format import MessageToDict  # noqa: E402
 from google.protobuf.struct_pb2 import Struct  # noqa: E402
@@ -74,7 +76,6 @@ from p2p.dht.proto import dht_pb2  # noqa: E402
 from p2p.dht.protocol import FIND  # noqa: E402
 from p2p.multistream import encode  # noqa: E402
 from p2p.rpc import RPC_PROTOCOL  # noqa: E402
-from p2p.trio_util import read_lines  # noqa: E402
 
 KEY = "flood-bench"
 #: `dedloc status` answers callers on loopback only: asked over IPv4 loopback in either mode
@@ -119,17 +120,10 @@ NET6 = Net(socket.AF_INET6, "ip6", "fd00::1", "fd00:ffff:1::1", "fd00:2::2", "fd
 
 
 async def start_relay(net: Net, port: int) -> tuple[trio.Process, str]:
-    proc = await trio.lowlevel.open_process(
-        [sys.executable, "-X", "faulthandler", "-m", "nat.cli", "relay", "--ephemeral", "--json", "--listen", net.listen(net.relay, port),
-         *([] if net.relay == LOCAL else ["--listen", f"/ip4/{LOCAL}/tcp/{port}"]),  # for `status`
-         "--status-interval", "0", "--no-port-mapping"], stdout=subprocess.PIPE, cwd=str(REPO))
-    assert proc.stdout is not None
-    with trio.fail_after(60):
-        async for line in read_lines(proc.stdout):
-            event = json.loads(line)
-            if event.get("event") == "listening":
-                return proc, event["addrs"][0]
-    raise RuntimeError("the relay exited")
+    """The relay on ``net``'s address (and on 127.0.0.1 for `status`), private addresses not counted
+    as reachable, as a public relay runs; faulthandler on, for a hang's stacks."""
+    listen = [net.listen(net.relay, port), *([] if net.relay == LOCAL else [f"/ip4/{LOCAL}/tcp/{port}"])]
+    return await harness.start_relay(listen=listen, allow_private=False, python_flags=("-X", "faulthandler"))
 
 
 def rss_mib(pid: int) -> float:

@@ -29,23 +29,21 @@ process. Nothing leaves 127.0.0.1; the whole run takes a few minutes.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER = ROOT / "bench" / "gpu_training_peer.py"
 sys.path.insert(0, str(ROOT / "bench"))
 
-from training import _read_json, stop  # noqa: E402  (bench/training.py: a worker's JSON line, with a deadline)
+from harness import Spawned, spawn_relay, stop_all  # noqa: E402
 
 
 class GpuSampler:
@@ -86,55 +84,43 @@ def peer_args(args: argparse.Namespace, mode: str, steps: int, index: int) -> li
             "--steps", str(steps), "--index", str(index), "--peers", "2", "--timeout", str(args.timeout)]
 
 
-def _worker_failed(error: RuntimeError, workers: list[subprocess.Popen[str]], logs: list[IO[bytes]]) -> RuntimeError:
+def _worker_failed(error: RuntimeError, workers: list[Spawned]) -> RuntimeError:
     """``error`` with what each worker said on stderr (its last lines) and how it ended: a worker
     that dies must say why in the bench's own failure, not in a stream nobody kept."""
     parts = [str(error)]
-    for index, (worker, log) in enumerate(zip(workers, logs)):
+    for index, worker in enumerate(workers):
         try:
-            worker.wait(timeout=5)  # one that closed its output is ending: its exit code
+            worker.process.wait(timeout=5)  # one that closed its output is ending: its exit code
         except subprocess.TimeoutExpired:
             pass
-        log.seek(0)
-        tail = log.read().decode(errors="replace").splitlines()[-25:]
-        parts.append(f"-- peer {index}: exit code {worker.poll()}; the last of its stderr:\n" + "\n".join(tail))
+        parts.append(f"-- peer {index}: exit code {worker.process.poll()}; the last of its stderr:\n{worker.said()}")
     return RuntimeError("\n".join(parts))
 
 
 def run_setup(args: argparse.Namespace, mode: str, steps: int) -> dict[str, Any]:
-    processes: list[subprocess.Popen[str]] = []
-    started = time.perf_counter()
-    with contextlib.ExitStack() as files:
-        # each worker's stderr: on the terminal with --verbose, else kept in a file for a failure's message
-        logs = [files.enter_context(tempfile.TemporaryFile()) for _ in range(2)]
-        stderr: list[Any] = [None, None] if args.verbose else logs
-        try:
-            return _run_setup(args, mode, steps, processes, started, stderr, logs)
-        finally:
-            stop(processes)
+    spawned: list[Spawned] = []
+    try:
+        return _run_setup(args, mode, steps, spawned, time.perf_counter())
+    finally:
+        stop_all(spawned)
 
 
-def _run_setup(args: argparse.Namespace, mode: str, steps: int, processes: list[subprocess.Popen[str]],
-               started: float, stderr: list[Any], logs: list[IO[bytes]]) -> dict[str, Any]:
+def _run_setup(args: argparse.Namespace, mode: str, steps: int, spawned: list[Spawned], started: float) -> dict[str, Any]:
+    keep = not args.verbose  # each worker's stderr: on the terminal with --verbose, else kept for a failure's message
     with GpuSampler() as gpu:
         if mode == "alone":
-            workers = [subprocess.Popen(peer_args(args, mode, steps, 0), cwd=ROOT, stdout=subprocess.PIPE,
-                                        stderr=stderr[0], text=True)]
+            workers = [Spawned(peer_args(args, mode, steps, 0), what="peer 0", keep_stderr=keep)]
         else:
-            relay = subprocess.Popen([sys.executable, "-m", "training.commands", "relay", "--listen",
-                                      "/ip4/127.0.0.1/tcp/0", "--allow-private", "--ephemeral", "--json",
-                                      "--status-interval", "0"], cwd=ROOT, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True)
-            processes.append(relay)
-            boot = next(a for a in _read_json(relay, "addrs", 60)["addrs"] if "/ip4/127.0.0.1/" in a)
-            workers = [subprocess.Popen([*peer_args(args, mode, steps, i), "--initial-peers", boot], cwd=ROOT,
-                                        stdout=subprocess.PIPE, stderr=stderr[i], text=True)
+            relay, boot = spawn_relay()
+            spawned.append(relay)
+            workers = [Spawned([*peer_args(args, mode, steps, i), "--initial-peers", boot], what=f"peer {i}",
+                               keep_stderr=keep)
                        for i in range(2)]
-        processes += workers
+        spawned += workers
         try:
-            results = [_read_json(w, "wall", args.timeout) for w in workers]
+            results = [w.wait_for("wall", args.timeout) for w in workers]
         except RuntimeError as e:
-            raise _worker_failed(e, workers, logs) from None
+            raise _worker_failed(e, workers) from None
     wall = max(r["wall"] for r in results)
     rounds = [r for res in results for r in res["rounds"]]
     elapsed = [r["elapsed"] for r in rounds]

@@ -10,11 +10,16 @@ on loopback as the bootstrap node; find the other systems' interpreters. Each
 is here once:
 
 - :func:`run_json`: a one-shot worker, blocking; its last JSON line, or a
-  RuntimeError that quotes its stderr.
+  RuntimeError that quotes its stderr (:func:`json_result` reads what a worker
+  run elsewhere, e.g. on a lab host, printed, the same way).
 - :class:`Worker` and :func:`open_worker`: a long-lived worker speaking JSON lines
   on stdin/stdout, in its own session (:meth:`Worker.kill` kills the group).
+- :class:`Spawned` and :func:`stop_all`: the same for a blocking bench that
+  runs several workers at once (their lines read by a thread each);
+  :func:`first_json`: a trio helper process's first line.
 - :func:`kill_group`.
-- :func:`start_relay`: ``dedloc relay`` on loopback and its address.
+- :func:`start_relay` (trio) and :func:`spawn_relay` (blocking): ``dedloc
+  relay`` and its address; :func:`relay_argv` is the one command line.
 - :data:`PYTHON`, :data:`HIVEMIND_PYTHON`, :func:`hivemind_python`.
 
 Peers made inside a bench's own process use ``PeerConfig.loopback()``.
@@ -22,15 +27,19 @@ Peers made inside a bench's own process use ``PeerConfig.loopback()``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import trio
 
@@ -65,11 +74,21 @@ def tail(text: str, noise: Iterable[str] = NOISE, lines: int = TAIL_LINES) -> st
     return "\n".join(kept[-lines:])
 
 
+def json_result(stdout: str, stderr: str, returncode: int | None, *, what: str, timeout: float) -> dict[str, Any]:
+    """The last line of a worker's ``stdout`` that is a JSON object; RuntimeError with its exit code
+    and the tail of its ``stderr`` when there is none."""
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        raise RuntimeError(f"{what} gave no result (exit code {returncode}, limit {timeout:.0f} s): "
+                           + tail(stderr))
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
 def run_json(argv: Sequence[str | Path], *, timeout: float, what: str, env: Mapping[str, str] | None = None,
              cwd: Path = ROOT) -> dict[str, Any]:
     """Run a one-shot worker in its own session for at most ``timeout`` s, kill its process group, and
-    return the last line of its stdout that is a JSON object; RuntimeError with its exit code and the
-    tail of its stderr when there is none.
+    return the last line of its stdout that is a JSON object (:func:`json_result`).
 
     Output goes to files, not pipes: hivemind's DHT processes outlive the worker holding what they
     inherited, so a pipe would not end with it."""
@@ -86,12 +105,100 @@ def run_json(argv: Sequence[str | Path], *, timeout: float, what: str, env: Mapp
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read(), err.read()
-    lines = [line for line in stdout.splitlines() if line.startswith("{")]
-    if not lines:
-        raise RuntimeError(f"{what} gave no result (exit code {process.returncode}, limit {timeout:.0f} s): "
-                           + tail(stderr))
-    result: dict[str, Any] = json.loads(lines[-1])
-    return result
+    return json_result(stdout, stderr, process.returncode, what=what, timeout=timeout)
+
+
+class Spawned:
+    """A worker of a blocking bench, in its own session, whose stdout lines a thread reads: several
+    run at once and each is waited for with a deadline (:meth:`wait_for`), a silent one included.
+    ``keep_stderr``: its stderr goes to a file that a failure quotes (:meth:`said`)."""
+
+    def __init__(self, argv: Sequence[str | Path], *, what: str | None = None, stderr: Any = None,
+                 keep_stderr: bool = False, stdin: Any = None, env: Mapping[str, str] | None = None,
+                 cwd: Path = ROOT) -> None:
+        self.argv = [str(a) for a in argv]
+        self.what = what or " ".join(self.argv[1:3])
+        self.log: IO[str] | None = tempfile.TemporaryFile("w+") if keep_stderr else None
+        self.process = subprocess.Popen(self.argv, cwd=cwd, env=None if env is None else dict(env), stdin=stdin,
+                                        stdout=subprocess.PIPE, stderr=self.log if keep_stderr else stderr,
+                                        text=True, start_new_session=True)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        stdout = self.process.stdout
+        assert stdout is not None
+
+        def read() -> None:
+            for line in stdout:
+                self.lines.put(line)
+            self.lines.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
+
+    def said(self) -> str:
+        """The tail of its stderr (with ``keep_stderr``; else empty)."""
+        if self.log is None or self.log.closed:
+            return ""
+        self.log.seek(0)
+        return tail(self.log.read())
+
+    def wait_for(self, key: str | None, timeout: float) -> dict[str, Any]:
+        """The next JSON line holding ``key`` (None: any); RuntimeError at ``timeout`` or when the worker's
+        output ends, quoting its stderr."""
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
+                break
+            if line is None:
+                raise RuntimeError(f"{self.what} ended (exit code {self.process.wait()}) without "
+                                   f"{'a ' + repr(key) if key else 'a JSON'} line\n{self.said()}".rstrip())
+            line = line.strip()
+            if line.startswith("{"):
+                message: dict[str, Any] = json.loads(line)
+                if key is None or key in message:
+                    return message
+        raise RuntimeError(f"{self.what}: no {key or 'JSON'!s} line within {timeout:.0f} s\n{self.said()}".rstrip())
+
+    def send(self, line: str) -> None:
+        """A line to its stdin (``stdin=subprocess.PIPE``)."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+
+    def stop(self, grace: float = 20.0) -> None:
+        """SIGTERM, then its process group's SIGKILL ``grace`` s later."""
+        stop_all([self], grace)
+
+
+def stop_all(workers: Iterable[Spawned], grace: float = 20.0) -> None:
+    """Terminate every worker at once, then kill what has not exited ``grace`` s later."""
+    workers = list(workers)
+    for w in workers:
+        if w.process.poll() is None:
+            w.process.terminate()
+    deadline = time.monotonic() + grace
+    for w in workers:
+        try:
+            w.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        kill_group(w.process.pid)
+        w.process.wait()
+        if w.log is not None:
+            w.log.close()
+
+
+async def first_json(process: trio.Process, what: str, timeout: float = 60.0) -> dict[str, Any]:
+    """The first line a trio child process prints, parsed: how the benches' helpers say they are ready."""
+    assert process.stdout is not None
+    line = b""
+    with trio.fail_after(timeout):
+        while b"\n" not in line:
+            chunk = await process.stdout.receive_some(4096)
+            if not chunk:
+                raise RuntimeError(f"{what} process exited (rc={process.returncode}) before it was ready")
+            line += chunk
+    return dict(json.loads(line.split(b"\n", 1)[0]))
 
 
 class Worker:
@@ -103,6 +210,8 @@ class Worker:
         self.buffer = b""
         self.peer_id = ""
         self.addrs: list[str] = []
+        #: the worker's first line (``{"ready": true, ...}``), with whatever else it announced
+        self.hello: dict[str, Any] = {}
 
     async def send(self, message: dict[str, Any]) -> None:
         assert self.proc.stdin is not None
@@ -126,14 +235,15 @@ class Worker:
             kill_group(self.proc.pid)
 
 
-async def open_worker(name: str, argv: Sequence[str | Path], *, log: Path, ready_timeout: float,
+async def open_worker(name: str, argv: Sequence[str | Path], *, log: Path | None, ready_timeout: float,
                       spawn: Any = None, env: Mapping[str, str] | None = None) -> Worker:
-    """Start a :class:`Worker` in its own session (stderr appended to ``log``) and wait for its first line,
-    ``{"ready": true, "peer_id": ..., "addrs": [...]}``. ``spawn``: a lab host's ``spawn`` (it runs the
-    worker in the host's namespace), else a local process."""
+    """Start a :class:`Worker` in its own session (stderr appended to ``log``; None: the bench's own) and
+    wait for its first line, ``{"ready": true, "peer_id": ..., "addrs": [...]}``. ``spawn``: a lab host's
+    ``spawn`` (it runs the worker in the host's namespace), else a local process."""
     start = spawn or trio.lowlevel.open_process
     extra: dict[str, Any] = {} if env is None else {"env": dict(env)}
-    with open(log, "ab") as err:
+    with contextlib.ExitStack() as files:
+        err = None if log is None else files.enter_context(open(log, "ab"))
         proc = await start([str(a) for a in argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                            start_new_session=True, **extra)
     worker = Worker(name, proc)
@@ -145,19 +255,40 @@ async def open_worker(name: str, argv: Sequence[str | Path], *, log: Path, ready
     if not ready.get("ready"):
         worker.kill()
         raise RuntimeError(f"{name}: {ready}")
-    worker.peer_id, worker.addrs = ready.get("peer_id", ""), ready.get("addrs", [])
+    worker.hello, worker.peer_id, worker.addrs = ready, ready.get("peer_id", ""), ready.get("addrs", [])
     return worker
 
 
-async def start_relay(*, python: Path = PYTHON, listen: str = "/ip4/127.0.0.1/tcp/0", timeout: float = 60.0,
-                      spawn: Any = None, stderr: Any = None) -> tuple[trio.Process, str]:
-    """``dedloc relay`` (ephemeral, no port mapping, no status page) and the first of its addresses on
-    ``listen``'s interface; the caller kills it (:func:`kill_group`)."""
-    start = spawn or trio.lowlevel.open_process
-    process = await start([str(python), "-m", "nat.cli", "relay", "--ephemeral", "--json", "--listen", listen,
-                           "--status-interval", "0", "--no-port-mapping", "--allow-private"],
-                          cwd=str(ROOT), stdout=subprocess.PIPE, stderr=stderr, start_new_session=True)
+def relay_argv(*, python: Path = PYTHON, listen: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
+               allow_private: bool = True, python_flags: Sequence[str] = ()) -> list[str]:
+    """``dedloc relay`` as a bench runs it: ephemeral, JSON events, no port mapping, no status lines;
+    ``allow_private``: loopback and lab addresses count as reachable."""
+    return [str(python), *python_flags, "-m", "nat.cli", "relay", "--ephemeral", "--json",
+            *(a for address in listen for a in ("--listen", address)),
+            "--status-interval", "0", "--no-port-mapping", *(["--allow-private"] if allow_private else [])]
+
+
+def relay_address(event: dict[str, Any], listen: str, announce: str | None = None) -> str | None:
+    """The address to dial from a relay's ``listening`` event (None for any other event): the one on
+    ``listen``'s interface, or on ``announce`` (a lab host's address, when it listens on 0.0.0.0)."""
+    if event.get("event") != "listening":
+        return None
+    if announce is not None:
+        port = listen.split("/tcp/")[1].split("/")[0]
+        return f"/ip4/{announce}/tcp/{port}/p2p/{event['peer_id']}"
     host = listen.split("/")[2]
+    return next(str(a) for a in event["addrs"] if f"/{host}/" in a)
+
+
+async def start_relay(*, python: Path = PYTHON, listen: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
+                      announce: str | None = None, allow_private: bool = True, python_flags: Sequence[str] = (),
+                      timeout: float = 60.0, spawn: Any = None, stderr: Any = None) -> tuple[trio.Process, str]:
+    """:func:`relay_argv` started (``spawn``: a lab host's, else a local process in its own session) and
+    its address (:func:`relay_address` on the first of ``listen``); the caller kills it (:func:`kill_group`)."""
+    start = spawn or trio.lowlevel.open_process
+    process = await start(relay_argv(python=python, listen=listen, allow_private=allow_private,
+                                     python_flags=python_flags),
+                          cwd=str(ROOT), stdout=subprocess.PIPE, stderr=stderr, start_new_session=True)
     buffer = b""
     assert process.stdout is not None
     try:
@@ -169,15 +300,26 @@ async def start_relay(*, python: Path = PYTHON, listen: str = "/ip4/127.0.0.1/tc
                 buffer += data
                 *lines, buffer = buffer.split(b"\n")
                 for line in lines:
-                    if not line.startswith(b"{"):
-                        continue
-                    event = json.loads(line)
-                    if event.get("event") == "listening":
-                        return process, next(a for a in event["addrs"] if f"/{host}/" in a)
+                    if line.startswith(b"{") and (address := relay_address(json.loads(line), listen[0], announce)):
+                        return process, address
     except BaseException:
         kill_group(process.pid)
         raise
 
 
-__all__ = ["HIVEMIND_PYTHON", "PYTHON", "ROOT", "Worker", "hivemind_python", "kill_group", "open_worker",
-           "run_json", "start_relay", "tail"]
+def spawn_relay(*, python: Path = PYTHON, listen: str = "/ip4/127.0.0.1/tcp/0",
+                timeout: float = 60.0) -> tuple[Spawned, str]:
+    """:func:`start_relay` for a blocking bench: the relay (stop it with the workers) and its address."""
+    relay = Spawned(relay_argv(python=python, listen=(listen,)), stderr=subprocess.DEVNULL)
+    try:
+        address = relay_address(relay.wait_for("addrs", timeout), listen)
+        if address is None:
+            raise RuntimeError("the relay's first line with addresses was no `listening` event")
+        return relay, address
+    except BaseException:
+        relay.stop(grace=0)
+        raise
+
+
+__all__ = ["HIVEMIND_PYTHON", "PYTHON", "ROOT", "Spawned", "Worker", "first_json", "hivemind_python", "json_result", "kill_group",
+           "open_worker", "relay_address", "relay_argv", "run_json", "spawn_relay", "start_relay", "stop_all", "tail"]

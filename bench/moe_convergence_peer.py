@@ -77,24 +77,20 @@ def dense(args: argparse.Namespace) -> None:
 
 
 async def dmoe(args: argparse.Namespace) -> None:
-    from nat import NatConfig, Peer, PeerConfig
+    from nat import Peer, PeerConfig
     from nat.autorelay import AutoRelayConfig
-    from nat.port_mapping import PortMappingConfig
-    from p2p.dht import DHTConfig, DHTMode
-    from p2p.node import NodeConfig
+    from p2p.dht import DHTMode
     from training.moe import ClientConfig, ExpertClient, MoEConfig, MoEError, RemoteMixtureOfExperts
 
     torch.set_num_threads(1)
     x, y, xt, yt = dataset()
-    nat = NatConfig(allow_private=True, port_mapping=PortMappingConfig(enabled=False),
-                    autorelay=AutoRelayConfig(enabled=False))
     samples = [0]
     failed = [0]
     started = time.perf_counter()
 
     async def trainer(index: int, ready: trio.Event) -> None:
-        config = PeerConfig(node=NodeConfig(listen=[args.listen], initial_peers=args.initial_peers), nat=nat,
-                            dht=DHTConfig(mode=DHTMode.CLIENT, bootstrap_timeout=30.0), exchange_interval=None)
+        config = PeerConfig.loopback(initial_peers=args.initial_peers, listen=args.listen, dht=DHTMode.CLIENT,
+                                     exchange=False, bootstrap_timeout=30.0, autorelay=AutoRelayConfig(enabled=False))
         async with Peer.open(config) as peer, ExpertClient.open(peer, ClientConfig(ban_time=10.0)) as client:
             torch.manual_seed(index)
             moe = RemoteMixtureOfExperts(client, in_features=HIDDEN, grid_size=GRID, uid_prefix="ffn",

@@ -26,93 +26,63 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import select
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = {"dedloc": ROOT / "bench" / "moe_gpu_peer.py", "hivemind": ROOT / "bench" / "moe_gpu_hivemind_peer.py"}
 sys.path.insert(0, str(ROOT / "bench"))
 
 from gpu_training import GpuSampler  # noqa: E402
-from harness import HIVEMIND_PYTHON, kill_group  # noqa: E402
-
-
-def read_line(process: subprocess.Popen[str], deadline: float, what: str, err: IO[str]) -> dict[str, Any]:
-    """The next JSON line a worker prints, by ``deadline`` (its stderr's tail in the error otherwise)."""
-    assert process.stdout is not None
-    while True:
-        left = deadline - time.monotonic()
-        ready, _, _ = select.select([process.stdout], [], [], max(0.0, left))
-        line = process.stdout.readline() if ready else ""
-        if line.startswith("{"):
-            result: dict[str, Any] = json.loads(line)
-            return result
-        if line:
-            continue
-        err.seek(0)
-        tail = [s for s in err.read().splitlines() if "Failed to open TCP stream" not in s][-30:]
-        state = "timed out" if left <= 0 or not ready else f"exited ({process.poll()})"
-        raise RuntimeError(f"{what}: no answer ({state}):\n" + "\n".join(tail))
+from harness import HIVEMIND_PYTHON, Spawned, stop_all  # noqa: E402
 
 
 class Side:
-    """One system's processes for one case; all of them killed on the way out (their own sessions)."""
+    """One system's processes for one case; all of them killed on the way out (their own sessions:
+    hivemind's p2pd daemons and server processes too)."""
 
     def __init__(self, system: str, args: argparse.Namespace) -> None:
         self.system, self.args = system, args
-        self.processes: list[subprocess.Popen[str]] = []
-        self.errs: list[IO[str]] = []
+        self.workers: list[Spawned] = []
         path = getattr(args, f"path_{system}")
         self.env = dict(os.environ, PYTHONUNBUFFERED="1")
         if path:
             self.env["PYTHONPATH"] = path + os.pathsep + self.env.get("PYTHONPATH", "")
         self.python = getattr(args, f"python_{system}")
 
-    def start(self, *extra: str) -> subprocess.Popen[str]:
-        err = tempfile.TemporaryFile("w+")
-        process = subprocess.Popen([self.python, str(SCRIPTS[self.system]), *extra], cwd=ROOT, env=self.env,
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
-                                   start_new_session=True)
-        self.processes.append(process)
-        self.errs.append(err)
-        return process
+    def start(self, what: str, *extra: str) -> Spawned:
+        worker = Spawned([self.python, SCRIPTS[self.system], *extra], what=f"{self.system} {what}", env=self.env,
+                         stdin=subprocess.PIPE, keep_stderr=True)
+        self.workers.append(worker)
+        return worker
 
     def __enter__(self) -> Side:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for process in self.processes:
-            kill_group(process.pid)  # hivemind's p2pd daemons and server processes too
-            process.wait()
-        for err in self.errs:
-            err.close()
+        stop_all(self.workers, grace=0)
 
 
 def run_case(system: str, batch: int, args: argparse.Namespace) -> dict[str, Any]:
     with Side(system, args) as side:
-        server = side.start("--serve", "--device", args.device, "--experts", str(args.experts),
+        server = side.start("server", "--serve", "--device", args.device, "--experts", str(args.experts),
                             "--hidden", str(args.hidden), "--max-batch", str(args.max_batch))
-        where = read_line(server, time.monotonic() + args.timeout, f"{system} server", side.errs[0])
-        clients = [side.start("--client", json.dumps(where), "--experts", str(args.experts), "--hidden",
+        where = server.wait_for(None, args.timeout)
+        clients = [side.start(f"client {i}", "--client", json.dumps(where), "--experts", str(args.experts), "--hidden",
                               str(args.hidden), "--batch", str(batch), "--callers", str(args.callers),
                               "--seconds", str(args.seconds), "--index", str(i)) for i in range(args.clients)]
         deadline = time.monotonic() + args.timeout
-        for i, client in enumerate(clients):
-            read_line(client, deadline, f"{system} client {i} (warm-up)", side.errs[i + 1])
+        for client in clients:  # warmed up
+            client.wait_for(None, deadline - time.monotonic())
         with GpuSampler() as gpu:
             for client in clients:  # the start signal
-                assert client.stdin is not None
-                client.stdin.write("go\n")
-                client.stdin.flush()
+                client.send("go")
             deadline = time.monotonic() + args.seconds + args.timeout
-            results = [read_line(c, deadline, f"{system} client {i}", side.errs[i + 1]) for i, c in enumerate(clients)]
+            results = [c.wait_for(None, deadline - time.monotonic()) for c in clients]
         pairs = sum(r["pairs"] for r in results)
         elapsed = max(r["elapsed_s"] for r in results)
         return {"samples_per_s": pairs * batch / elapsed, "pairs_per_s": pairs / elapsed,

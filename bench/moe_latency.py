@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -45,6 +44,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from nat.lab import Host, Lab, netns_unavailable_reason  # noqa: E402
+from harness import json_result, run_json  # noqa: E402
 from wan import relay_on  # noqa: E402  (`dedloc relay` on a lab host, on port 4001)
 
 PY = sys.executable
@@ -54,18 +54,12 @@ PUBLIC_NET = "11.0.0.0/15"
 
 
 async def worker(host: Host | None, argv: list[str], timeout: float) -> dict[str, Any]:
+    """bench/moe_latency_peer.py run to its end, here or on a lab host: its JSON result."""
     command = [PY, WORKER, *argv]
-    with trio.fail_after(timeout):
-        if host is None:
-            done = await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False, cwd=str(REPO))
-            rc, out, err = done.returncode, done.stdout.decode(), done.stderr.decode()
-        else:
-            rc, out, err = await host.run(command, timeout=timeout)
-    lines = [line for line in out.splitlines() if line.startswith("{")]
-    if rc != 0 or not lines:
-        raise RuntimeError(f"trainer failed ({rc}): {err[-2000:]}")
-    result: dict[str, Any] = json.loads(lines[-1])
-    return result
+    if host is None:
+        return await trio.to_thread.run_sync(lambda: run_json(command, timeout=timeout, what="the trainer"))
+    rc, out, err = await host.run(command, timeout=timeout)
+    return json_result(out, err, rc, what="the trainer", timeout=timeout)
 
 
 async def tcp_counters(ns: str) -> dict[str, int]:

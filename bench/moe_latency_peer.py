@@ -117,19 +117,15 @@ def local(args: argparse.Namespace) -> dict[str, float]:
 
 
 async def remote(args: argparse.Namespace) -> dict[str, Any]:
-    from nat import NatConfig, Peer, PeerConfig
+    from nat import Peer, PeerConfig
     from nat.autorelay import AutoRelayConfig
-    from nat.port_mapping import PortMappingConfig
-    from p2p.dht import DHTConfig, DHTMode
-    from p2p.node import NodeConfig
+    from p2p.dht import DHTMode
     from p2p.collector import settle
     from training.moe import ClientConfig, ExpertClient, MoEConfig, MoEError, RemoteMixtureOfExperts
 
     torch.set_num_threads(1)
-    nat = NatConfig(allow_private=True, port_mapping=PortMappingConfig(enabled=False),
-                    autorelay=AutoRelayConfig(enabled=False))
-    config = PeerConfig(node=NodeConfig(listen=["/ip4/0.0.0.0/tcp/0"], initial_peers=args.initial_peers), nat=nat,
-                        dht=DHTConfig(mode=DHTMode.CLIENT, bootstrap_timeout=30.0), exchange_interval=None)
+    config = PeerConfig.loopback(initial_peers=args.initial_peers, listen="/ip4/0.0.0.0/tcp/0", dht=DHTMode.CLIENT,
+                                 exchange=False, bootstrap_timeout=30.0, autorelay=AutoRelayConfig(enabled=False))
     target = torch.randn(args.batch, args.hidden)
     async with Peer.open(config) as peer, ExpertClient.open(peer, ClientConfig(max_threads=args.concurrency + 4,
                                                                   max_streams_per_server=args.streams,

@@ -41,10 +41,10 @@ from training.moe import (ClientConfig, Expert, ExpertBackend, ExpertCallError, 
                           ExpertServer, RemoteExpert, ServerConfig)
 from training.moe.beam_search import BeamSearcher  # noqa: E402
 from training.moe.experts import FeedforwardBlock, Identity  # noqa: E402
-from p2p.trio_util import read_lines  # noqa: E402
 from training.moe.grid import ExpertUid  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
+from harness import first_json  # noqa: E402
 from moe_common import assignment, parser, percentile, search_figures  # noqa: E402
 
 SLACK = 0.25
@@ -205,12 +205,8 @@ async def serve_in_process(kind: str, boot: list[str], args: argparse.Namespace
     process = await trio.lowlevel.open_process(
         [sys.executable, __file__, "--serve", kind, "--boot", *boot, "--hidden", str(args.hidden), "--expert-cls",
          args.expert_cls, "--gc", args.gc], stdout=subprocess.PIPE)
-    assert process.stdout is not None
-    with trio.fail_after(60):
-        async for line in read_lines(process.stdout):
-            info = json.loads(line)
-            return process, (ID.from_base58(info["peer_id"]), tuple(Multiaddr(a) for a in info["addrs"]))
-    raise RuntimeError(f"the {kind} server exited")
+    info = await first_json(process, f"the {kind} server")
+    return process, (ID.from_base58(info["peer_id"]), tuple(Multiaddr(a) for a in info["addrs"]))
 
 
 async def serve(args: argparse.Namespace) -> None:

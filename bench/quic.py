@@ -91,12 +91,10 @@ import argparse
 import functools
 import json
 import logging
-import os
 import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import multiaddr
 import trio
@@ -107,6 +105,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.transport.quic.config import QUICTransportConfig
 
+from harness import first_json  # noqa: E402
 from transfer import PROTOCOL as SINK_PROTOCOL  # noqa: E402
 from transfer import Read, Write, sink, source, tcp_sink  # noqa: E402
 
@@ -212,15 +211,7 @@ async def bench(args: argparse.Namespace) -> tuple[dict[str, float], dict[str, s
         [sys.executable, __file__, "--serve", *sys.argv[1:]], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL
     )
     try:
-        assert proc.stdout is not None
-        with trio.fail_after(SETUP_TIMEOUT):
-            line = b""
-            while not line.endswith(b"\n"):
-                chunk = await proc.stdout.receive_some(4096)
-                if not chunk:
-                    raise RuntimeError("receiver process died")
-                line += chunk
-        info = json.loads(line)
+        info = await first_json(proc, "receiver", SETUP_TIMEOUT)
 
         async def timed(label: str, run: Callable[[], Awaitable[None]]) -> None:
             started = time.perf_counter()

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from averaging.tensor_stream import receive_tensor, send_tensor  # noqa: E402
 from p2p import Node, NodeConfig  # noqa: E402
-from transfer import first_json_line  # noqa: E402
+from harness import first_json  # noqa: E402
 
 PROTOCOL = "/dedloc/bench/echo-tensor/1.0.0"
 MAX_BYTES = 1 << 30
@@ -103,7 +103,7 @@ async def bench(mib: int, rounds: int) -> dict[str, float]:
         [sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL
     )
     try:
-        info = await first_json_line(proc, "echo")
+        info = await first_json(proc, "echo")
         sock = await trio.open_tcp_stream("127.0.0.1", info["tcp_port"])
         async with sock:
             tcp = await _rounds(_TcpStream(sock), tensor, rounds)

@@ -27,7 +27,6 @@ import argparse
 import functools
 import json
 import logging
-import os
 import struct
 import subprocess
 from collections import deque
@@ -42,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from p2p import Node, NodeConfig  # noqa: E402
 from nat.circuit import RelayClient  # noqa: E402
 from p2p.noise import NoiseCodec  # noqa: E402
-from transfer import PROTOCOL, first_json_line, sink, source, tcp_sink  # noqa: E402
+from harness import first_json, start_relay  # noqa: E402
+from transfer import PROTOCOL, sink, source, tcp_sink  # noqa: E402
 
 
 async def _sink(read, write) -> None:
@@ -133,19 +133,14 @@ async def bench(total_mib: int, streams: int, relayed: bool) -> dict[str, float]
     relay_proc = None
     if relayed:
         # The relay is a third process: `dedloc relay`, as people run it.
-        relay_proc = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "nat.cli", "relay", "--ephemeral", "--json", "--listen", "/ip4/127.0.0.1/tcp/0",
-             "--status-interval", "0", "--no-port-mapping", "--allow-private"],
-            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, cwd=str(Path(__file__).resolve().parent.parent),
-        )
-        listening = await first_json_line(relay_proc, "relay")
-        relay_args = ["--relay", listening["addrs"][0]]
+        relay_proc, relay = await start_relay()
+        relay_args = ["--relay", relay]
     proc = await trio.lowlevel.open_process(
         [sys.executable, __file__, "--serve", "--chunk-kib", str(CHUNK // 1024), *relay_args],
         stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
     )
     try:
-        info = await first_json_line(proc, "receiver")
+        info = await first_json(proc, "receiver")
 
         async def raw_tcp(size: int) -> None:
             sock = await trio.open_tcp_stream("127.0.0.1", info["tcp_port"])

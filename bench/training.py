@@ -47,50 +47,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import queue
 import statistics
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from harness import HIVEMIND_PYTHON  # noqa: E402
+from harness import HIVEMIND_PYTHON, Spawned, spawn_relay, stop_all  # noqa: E402
 DEDLOC_PY = ROOT / ".venv" / "bin" / "python"
 HIVEMIND_PY = HIVEMIND_PYTHON
-
-
-def _read_json(process: subprocess.Popen[str], key: str, timeout: float) -> dict[str, Any]:
-    """The first JSON line of ``process`` holding ``key``; RuntimeError at ``timeout`` (a silent
-    worker included: its lines are read by a thread, waited for here with a deadline)."""
-    assert process.stdout is not None
-    lines = _LINES.get(process.pid)
-    if lines is None:
-        lines = _LINES[process.pid] = queue.Queue()
-        stdout = process.stdout
-        threading.Thread(target=lambda: [lines.put(line) for line in stdout] + [lines.put(None)],
-                         daemon=True).start()
-    deadline = time.monotonic() + timeout
-    while (left := deadline - time.monotonic()) > 0:
-        try:
-            line = lines.get(timeout=left)
-        except queue.Empty:
-            break
-        if line is None:
-            break
-        line = line.strip()
-        if line.startswith("{"):
-            message = json.loads(line)
-            if key in message:
-                return message
-    raise RuntimeError(f"no {key!r} line within {timeout:.0f} s from {process.args}")
-
-
-#: the lines of each worker, read by a thread (pid -> queue; None: end of output)
-_LINES: dict[int, queue.Queue[str | None]] = {}
 
 
 def worker_args(args: argparse.Namespace, index: int, peers: int) -> list[str]:
@@ -101,44 +68,27 @@ def worker_args(args: argparse.Namespace, index: int, peers: int) -> list[str]:
 
 def run_once(system: str, peers: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     """One run of ``peers`` workers; each worker's result."""
-    processes: list[subprocess.Popen[str]] = []
+    spawned: list[Spawned] = []
     try:
         if system == "dedloc":
-            relay = subprocess.Popen([str(DEDLOC_PY), "-m", "training.commands", "relay", "--listen", "/ip4/127.0.0.1/tcp/0",
-                                      "--allow-private", "--ephemeral", "--json", "--status-interval", "0"],
-                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-            processes.append(relay)
-            listening = _read_json(relay, "addrs", 60)
-            boot = next(a for a in listening["addrs"] if "/ip4/127.0.0.1/" in a)
-            workers = [subprocess.Popen([str(DEDLOC_PY), str(ROOT / "bench" / "training_peer.py"),
-                                         *worker_args(args, i, peers), "--initial-peers", boot],
-                                        cwd=ROOT, stdout=subprocess.PIPE, stderr=args.worker_stderr, text=True)
+            relay, boot = spawn_relay(python=DEDLOC_PY)
+            spawned.append(relay)
+            workers = [Spawned([DEDLOC_PY, ROOT / "bench" / "training_peer.py", *worker_args(args, i, peers),
+                                "--initial-peers", boot], stderr=args.worker_stderr)
                        for i in range(peers)]
         else:
-            first = subprocess.Popen([str(HIVEMIND_PY), str(ROOT / "bench" / "training_hivemind_peer.py"),
-                                      *worker_args(args, 0, peers)],
-                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=args.worker_stderr, text=True)
-            processes.append(first)
-            maddrs = _read_json(first, "maddrs", 120)["maddrs"]
-            workers = [first] + [subprocess.Popen(
-                [str(HIVEMIND_PY), str(ROOT / "bench" / "training_hivemind_peer.py"), *worker_args(args, i, peers),
-                 "--initial-peers", maddrs[0]], cwd=ROOT, stdout=subprocess.PIPE, stderr=args.worker_stderr, text=True)
-                for i in range(1, peers)]
-        processes += workers[1:] if system == "hivemind" else workers
-        return [_read_json(w, "wall", args.timeout) for w in workers]
+            first = Spawned([HIVEMIND_PY, ROOT / "bench" / "training_hivemind_peer.py", *worker_args(args, 0, peers)],
+                            stderr=args.worker_stderr)
+            spawned.append(first)
+            maddrs = first.wait_for("maddrs", 120)["maddrs"]
+            workers = [first] + [Spawned([HIVEMIND_PY, ROOT / "bench" / "training_hivemind_peer.py",
+                                          *worker_args(args, i, peers), "--initial-peers", maddrs[0]],
+                                         stderr=args.worker_stderr)
+                                 for i in range(1, peers)]
+        spawned += workers[1:] if system == "hivemind" else workers
+        return [w.wait_for("wall", args.timeout) for w in workers]
     finally:
-        stop(processes)
-
-
-def stop(processes: list[subprocess.Popen[str]]) -> None:
-    """Terminate every process; kill what has not exited 20 s later."""
-    for p in processes:
-        p.terminate()
-    for p in processes:
-        try:
-            p.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            p.kill()
+        stop_all(spawned)
 
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, float]:

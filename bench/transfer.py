@@ -9,7 +9,6 @@ py-libp2p hosts. Imports nothing of dedloc: a benchmark of py-libp2p alone
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 from collections.abc import Awaitable, Callable
@@ -71,16 +70,3 @@ async def tcp_sink(stream: trio.SocketStream, chunk: int) -> None:
             await sink(read, stream.send_all, chunk)
         except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError, struct.error):
             return
-
-
-async def first_json_line(proc: trio.Process, what: str, timeout: float = 60.0) -> dict[str, Any]:
-    """The first line a child process prints, parsed: how benchmark helpers say they are ready."""
-    assert proc.stdout is not None
-    with trio.fail_after(timeout):
-        line = b""
-        while b"\n" not in line:
-            chunk = await proc.stdout.receive_some(4096)
-            if not chunk:
-                raise RuntimeError(f"{what} process died")
-            line += chunk
-    return dict(json.loads(line.split(b"\n", 1)[0]))

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -45,10 +44,11 @@ import trio
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "interop"))
+sys.path.insert(0, str(REPO / "bench"))
 
+from harness import Worker, json_result, open_worker, start_relay, tail  # noqa: E402
 from jspeer import JsPeer, js_unavailable_reason, open_js_peer, open_js_relay  # noqa: E402
 from nat.lab import Host, Lab, NatKind  # noqa: E402
-from p2p.trio_util import read_lines  # noqa: E402
 
 PREFIX = "dwan"
 PY = sys.executable
@@ -59,33 +59,17 @@ DEDLOC_PORT, JS_PORT = 4001, 4002
 PUBLIC_NET = "11.0.0.0/15"
 
 
-async def dedloc_listener(host: Host, *args: str) -> tuple[trio.Process, dict[str, str]]:
-    """A wan_peer.py listener (``listen PORT`` unless told) and the JSON line it announces itself with."""
-    process = await host.spawn([PY, WORKER, *(args or ("listen", str(DEDLOC_PORT)))], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE)
-    assert process.stdout is not None
-    line = b""
-    with trio.fail_after(60):
-        while b"\n" not in line:
-            chunk = await process.stdout.receive_some(4096)
-            if not chunk:
-                raise RuntimeError("the dedloc listener exited")
-            line += chunk
-    return process, dict(json.loads(line))
+async def dedloc_listener(host: Host, *args: str) -> Worker:
+    """A wan_peer.py listener (``listen PORT`` unless told); what it announced is its ``hello``. It serves
+    until its stdin closes."""
+    return await open_worker("the dedloc listener", [PY, WORKER, *(args or ("listen", str(DEDLOC_PORT)))],
+                             log=None, ready_timeout=60, spawn=host.spawn)
 
 
 async def relay_on(host: Host) -> tuple[trio.Process, str]:
-    """``dedloc relay`` on a lab host, and its address."""
-    process = await host.spawn([PY, "-m", "nat.cli", "relay", "--ephemeral", "--json", "--listen",
-                                f"/ip4/0.0.0.0/tcp/{DEDLOC_PORT}", "--status-interval", "0", "--no-port-mapping"],
-                               stdout=subprocess.PIPE, cwd=str(REPO))
-    assert process.stdout is not None
-    with trio.fail_after(60):
-        async for line in read_lines(process.stdout):
-            event = json.loads(line)
-            if event.get("event") == "listening":
-                return process, f"/ip4/{host.ip}/tcp/{DEDLOC_PORT}/p2p/{event['peer_id']}"
-    raise RuntimeError("the relay exited")
+    """``dedloc relay`` on a lab host, on port 4001 of every interface, and its address there."""
+    return await start_relay(listen=(f"/ip4/0.0.0.0/tcp/{DEDLOC_PORT}",), announce=host.ip, allow_private=False,
+                             spawn=host.spawn)
 
 
 async def nat_rounds(lab: Lab, args: argparse.Namespace) -> list[dict[str, float]]:
@@ -95,19 +79,16 @@ async def nat_rounds(lab: Lab, args: argparse.Namespace) -> list[dict[str, float
     a = await lab.peer("na", NatKind.EIM_PRESERVING, listen_port=DEDLOC_PORT, delay_ms=args.delay_ms, loss_pct=loss)
     b = await lab.peer("nb", NatKind.EIM_PRESERVING, listen_port=DEDLOC_PORT, delay_ms=args.delay_ms, loss_pct=loss)
     _, relay = await relay_on(relay_host)
-    listener, announced = await dedloc_listener(a, "nat-listen", relay, str(DEDLOC_PORT))
+    listener = await dedloc_listener(a, "nat-listen", relay, str(DEDLOC_PORT))
     rows = []
     try:
         for i in range(args.rounds):
-            result = await b.run([PY, WORKER, "nat-dial", relay, announced["circuit"], str(DEDLOC_PORT + 10 + i)],
-                                 timeout=120)
-            found = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-            if not found:
-                raise RuntimeError(f"nat-dial round {i}: no result; stderr: {result.stderr[-2000:]}")
-            rows.append(found[0])
+            rc, out, err = await b.run([PY, WORKER, "nat-dial", relay, listener.hello["circuit"],
+                                        str(DEDLOC_PORT + 10 + i)], timeout=120)
+            rows.append(json_result(out, err, rc, what=f"nat-dial round {i}", timeout=120))
     finally:
-        assert listener.stdin is not None
-        await listener.stdin.aclose()
+        assert listener.proc.stdin is not None
+        await listener.proc.stdin.aclose()
     return rows
 
 
@@ -115,7 +96,7 @@ async def dedloc_dials(host: Host, addr: str, rounds: int) -> list[dict[str, flo
     result = await host.run([PY, WORKER, "dial", addr, str(rounds)], timeout=60 + 20 * rounds)
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     if len(rows) != rounds:
-        raise RuntimeError(f"dedloc dialer: {len(rows)} of {rounds} rounds; stderr: {result.stderr[-2000:]}")
+        raise RuntimeError(f"dedloc dialer: {len(rows)} of {rounds} rounds; stderr: {tail(result.stderr)}")
     return rows
 
 
@@ -154,8 +135,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         a = await lab.public_host("a", delay_ms=args.delay_ms, loss_pct=loss)
         b = await lab.public_host("b", delay_ms=args.delay_ms, loss_pct=loss)
         results["mechanism"] = lab.mechanism
-        listener, announced = await dedloc_listener(a)
-        dedloc_id = announced["peer_id"]
+        listener = await dedloc_listener(a)
+        dedloc_id = listener.peer_id
         dedloc_addr = f"/ip4/{a.ip}/tcp/{DEDLOC_PORT}/p2p/{dedloc_id}"
         try:
             async with open_js_relay(a.spawn, ["--port", str(JS_PORT)]) as js_listener, \
@@ -175,8 +156,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     print(f"  {name:16} connected {results[name]['connected']['median_rtt']:.1f} RTT, "
                           f"first pong {results[name]['first_pong']['median_rtt']:.1f} RTT", flush=True)
         finally:
-            assert listener.stdin is not None
-            await listener.stdin.aclose()
+            assert listener.proc.stdin is not None
+            await listener.proc.stdin.aclose()
         rows = await nat_rounds(lab, args)
         results["nat"] = {key: summary(rows, f"{key}_s", rtt) for key in ("relayed", "first_pong", "direct")}
         results["nat"]["rounds"] = rows

@@ -1,6 +1,6 @@
 """One dedloc peer of bench/wan.py, inside a lab namespace; JSON lines on stdout.
 
-    wan_peer.py listen PORT            -> {"peer_id": ...}, then serves until stdin closes
+    wan_peer.py listen PORT            -> {"ready": true, "peer_id": ...}, then serves until stdin closes
     wan_peer.py dial ADDR ROUNDS       -> per round {"connected_s": .., "first_pong_s": ..}
     wan_peer.py nat-listen RELAY PORT  -> {"peer_id": .., "circuit": ..} once it holds a slot on RELAY,
                                           then serves until stdin closes
@@ -41,7 +41,7 @@ def say(**fields: object) -> None:
 
 async def listen(port: int) -> None:
     async with Node.open(NodeConfig(listen=[f"/ip4/0.0.0.0/tcp/{port}"])) as node:
-        say(peer_id=node.peer_id.to_base58())
+        say(ready=True, peer_id=node.peer_id.to_base58())
         stdin = trio.lowlevel.FdStream(0)
         while await stdin.receive_some(1024):  # until the driver closes our stdin
             pass
@@ -76,7 +76,7 @@ async def nat_listen(relay: str, port: int) -> None:
         with trio.fail_after(60):
             while not (circuits := [a for a in peer.addrs if is_relayed(a)]):
                 await trio.sleep(0.05)
-        say(peer_id=peer.peer_id.to_base58(), circuit=str(circuits[0]))
+        say(ready=True, peer_id=peer.peer_id.to_base58(), circuit=str(circuits[0]))
         stdin = trio.lowlevel.FdStream(0)
         while await stdin.receive_some(1024):
             pass

@@ -148,17 +148,22 @@ class PeerConfig:
         )
 
     @classmethod
-    def loopback(cls, *, relay: bool = False, initial_peers: Sequence[str] = (), **nat: Any) -> PeerConfig:
-        """A swarm on one machine (tests, benchmarks, the demo's loopback mode): listens on 127.0.0.1,
-        counts it as reachable, asks no router; ``relay``: the swarm's relay and DHT bootstrap.
-        ``nat``: further :class:`NatConfig` settings."""
+    def loopback(cls, *, relay: bool = False, initial_peers: Sequence[str] = (), listen: str = "/ip4/127.0.0.1/tcp/0",
+                 dht: DHTMode | None = None, exchange: bool = True, bootstrap_timeout: float = 10.0,
+                 **nat: Any) -> PeerConfig:
+        """A swarm on one machine (tests, benchmarks, the demo's loopback mode) or in a lab's network
+        namespaces (``listen`` on ``/ip4/0.0.0.0/tcp/0`` there): private addresses count as reachable,
+        no router is asked. ``relay``: the swarm's relay and DHT bootstrap; ``dht``: the DHT's mode
+        (a server for the relay, AUTO for the others); ``exchange``: meet peers' peers every second
+        (never for the relay). ``nat``: further :class:`NatConfig` settings, over these."""
+        settings: dict[str, Any] = {"allow_private": True, "port_mapping": PortMappingConfig(enabled=False),
+                                    "relay_service": relay, "autorelay": AutoRelayConfig(enabled=not relay)}
         return cls(
-            node=NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], initial_peers=list(initial_peers),
-                            bootstrap_timeout=10.0, dial_timeout=5.0),
-            nat=NatConfig(allow_private=True, port_mapping=PortMappingConfig(enabled=False), relay_service=relay,
-                          autorelay=AutoRelayConfig(enabled=not relay), **nat),
-            dht=DHTConfig(mode=DHTMode.SERVER if relay else DHTMode.AUTO, bootstrap_timeout=10.0),
-            exchange_interval=None if relay else 1.0,
+            node=NodeConfig(listen=[listen], initial_peers=list(initial_peers), bootstrap_timeout=bootstrap_timeout,
+                            dial_timeout=5.0),
+            nat=NatConfig(**{**settings, **nat}),
+            dht=DHTConfig(mode=dht or (DHTMode.SERVER if relay else DHTMode.AUTO), bootstrap_timeout=bootstrap_timeout),
+            exchange_interval=1.0 if exchange and not relay else None,
         )
 
     @classmethod

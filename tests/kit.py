@@ -9,6 +9,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -117,6 +120,53 @@ async def collect_events(proc: trio.Process, kinds: Sequence[str], into: list[di
         if isinstance(event, dict) and event.get("event") in kinds:
             into.append(event)
     await proc.wait()
+
+
+class ProcessLines:
+    """A blocking child's stdout, read by a thread from the start (so nothing is lost to a partial read):
+    wait for an event line by polling with a deadline, then take the whole output at the end."""
+
+    def __init__(self, process: subprocess.Popen[str]) -> None:
+        assert process.stdout is not None
+        self.lines: list[str] = []
+        self._changed = threading.Condition()
+        stdout = process.stdout
+
+        def read() -> None:
+            for line in stdout:
+                with self._changed:
+                    self.lines.append(line)
+                    self._changed.notify_all()
+
+        self._thread = threading.Thread(target=read, daemon=True)
+        self._thread.start()
+
+    def events(self) -> list[dict[str, Any]]:
+        with self._changed:
+            lines = list(self.lines)
+        return [json.loads(line) for line in lines if line.startswith("{")]
+
+    def wait_for(self, predicate: Callable[[dict[str, Any]], bool], timeout: float) -> bool:
+        """Whether an event line satisfying ``predicate`` came within ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not any(predicate(e) for e in self.events()):
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._thread.is_alive():
+                    return any(predicate(e) for e in self.events())
+                self._changed.wait(min(left, 1.0))
+        return True
+
+    def join(self, timeout: float) -> str:
+        """All of stdout, once the child closed it (within ``timeout`` s)."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the child's stdout still open after {timeout} s")
+        return "".join(self.lines)
+
+
+def lines_of(process: subprocess.Popen[str]) -> ProcessLines:
+    return ProcessLines(process)
 
 
 #: set to 1 (CI does) to fail the namespace tests where the lab is unusable, instead of skipping them

@@ -10,6 +10,7 @@ command line gets one JSON answer line; events are not printed. Commands:
     {"cmd": "wait_mode", "timeout": s}     until the NAT layer decided (public, relayed or client)
     {"cmd": "connect", "addrs": [...]}     dial a peer (by its advertised addresses)
     {"cmd": "wait_direct", "peer": id, "timeout": s}   until a direct connection exists
+    {"cmd": "wait_relay_retired", "peer": id}  until no relayed connection to the peer is left
     {"cmd": "send", "peer": id, "mib": n}  push n MiB through a stream, checked by sha256
     {"cmd": "metrics"}                     the funnel
     {"cmd": "wait_mapping", "timeout": s}  until the NAT's mapping is classified
@@ -145,6 +146,10 @@ def _direct(node: Node, peer: ID) -> bool:
     return any(not is_relayed_conn(c) for c in node.network.get_connections(peer))
 
 
+def _relayed(node: Node, peer: ID) -> bool:
+    return any(is_relayed_conn(c) for c in node.network.get_connections(peer))
+
+
 async def _handle_dht(node: Node, nat: NatService, holder: DHTHolder, nursery: trio.Nursery,
                       request: dict[str, Any]) -> dict[str, Any]:
     cmd = request["cmd"]
@@ -193,6 +198,13 @@ async def _handle(node: Node, nat: NatService, request: dict[str, Any]) -> dict[
             while not _direct(node, peer):
                 await trio.sleep(0.05)
         return {"direct": _direct(node, peer), "elapsed": time.monotonic() - started}
+    if cmd == "wait_relay_retired":  # DCUtR closes the relayed connection a grace period after the direct one
+        peer = ID.from_base58(request["peer"])
+        started = time.monotonic()
+        with trio.move_on_after(request.get("timeout", 10)):
+            while _relayed(node, peer):
+                await trio.sleep(0.05)
+        return {"retired": not _relayed(node, peer), "elapsed": time.monotonic() - started}
     if cmd == "send":
         peer = ID.from_base58(request["peer"])
         payload = os.urandom(request.get("mib", 1) * 1024 * 1024)

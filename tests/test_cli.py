@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
-import time
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from p2p import Node, NodeConfig
 from p2p.trio_util import read_lines
 
 from .conftest import open_nodes
-from .kit import requires_root_netns
+from .kit import lines_of, requires_root_netns
 
 DEDLOC = [sys.executable, "-m", "training.commands"]  # the entry point's module
 
@@ -299,6 +300,8 @@ def test_two_trainers_and_a_backbone_train_keep_the_curve_and_checkpoint(tmp_pat
         [*DEDLOC, "backbone", "--listen", "/ip4/127.0.0.1/tcp/0", "--allow-private", "--ephemeral", "--json",
          "--status-interval", "0", "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "4", *run_args],
         stdout=subprocess.PIPE, text=True)
+    stack = contextlib.ExitStack()
+    helper: subprocess.Popen[str] | None = None
     try:
         assert backbone.stdout is not None
         addr = None
@@ -308,11 +311,14 @@ def test_two_trainers_and_a_backbone_train_keep_the_curve_and_checkpoint(tmp_pat
                 addr = next(a for a in event["addrs"] if "/ip4/127.0.0.1/" in a)
                 break
         assert addr is not None
+        helper_err_file = stack.enter_context(tempfile.TemporaryFile("w+"))
         helper = subprocess.Popen(
             [*DEDLOC, "train", "--auxiliary", "--initial-peers", addr, "--listen", "/ip4/127.0.0.1/tcp/0",
              "--allow-private", "--ephemeral", "--json", "--status-interval", "0", "--max-steps", "20", *run_args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(3)  # the helper first: it is there from the first step on
+            stdout=subprocess.PIPE, stderr=helper_err_file, text=True)
+        helper_lines = lines_of(helper)
+        # the helper first, so that it is there from the first step on: its first status says it is in the run
+        assert helper_lines.wait_for(lambda e: e.get("event") == "training_status", 60), "the helper never joined"
         trainers = [subprocess.Popen(
             [*DEDLOC, "train", "--initial-peers", addr, "--listen", "/ip4/127.0.0.1/tcp/0", "--allow-private",
              "--ephemeral", "--json", "--status-interval", "0", "--max-steps", "20", "--data-seed", str(i),
@@ -320,13 +326,18 @@ def test_two_trainers_and_a_backbone_train_keep_the_curve_and_checkpoint(tmp_pat
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
         outputs = [t.communicate(timeout=240) for t in trainers]
         try:
-            helped, helper_err = helper.communicate(timeout=30)
+            helper.wait(timeout=30)
         except subprocess.TimeoutExpired:
             helper.terminate()
-            helped, helper_err = helper.communicate(timeout=30)
+            helper.wait(timeout=30)
+        helped = helper_lines.join(timeout=10)
+        helper_err_file.seek(0)
+        helper_err = helper_err_file.read()
     finally:
-        backbone.terminate()
-        backbone.wait(timeout=30)
+        for process in (backbone, *([helper] if helper is not None else [])):
+            process.terminate()
+            process.wait(timeout=30)
+        stack.close()
     for trainer, (out, err) in zip(trainers, outputs):
         assert trainer.returncode == 0, err
         events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]

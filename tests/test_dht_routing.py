@@ -11,7 +11,7 @@ import pytest
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
-from p2p.dht.routing import AddStatus, DHTID, Lookup, PeerInfo, RoutingTable, ip_group
+from p2p.dht.routing import AddResult, AddStatus, DHTID, Lookup, PeerInfo, RoutingTable, ip_group
 
 
 def make_ids(n: int, seed: int) -> list[ID]:
@@ -340,3 +340,160 @@ def test_a_lookup_skips_its_own_id_the_sender_and_peers_it_knows() -> None:
                                         PeerInfo(ids[4]), PeerInfo(ids[3])])
     assert added == 2  # not ourselves, not the sender, not the excluded, each new one once
     assert repr(DHTID(255)) == "DHTID(" + "0" * 62 + "ff)"
+
+
+def test_defaults_are_kademlias_and_the_diversity_limits() -> None:
+    """k = 20 (Kademlia's), a replacement cache of k, 2 contacts of one /24 per bucket and 10 per table,
+    and a table made without an rng still draws refresh ids."""
+    local = DHTID.from_peer(make_ids(1, 50)[0])
+    table = RoutingTable(local)
+    assert (table.k, table.replacement_cache_size, table.max_per_ip_group, table.max_per_ip_group_total,
+            table.max_failures) == (20, 20, 2, 10, 3)
+    ids = peers_in_bucket(local, 255, 22, seed=51)
+    for t, pid in enumerate(ids[:20]):
+        assert table.add(pid, now=t).status is AddStatus.ADDED
+    cached = table.add(ids[20], now=20)
+    assert (cached.status, cached.reason, cached.ping_candidate) == (AddStatus.CACHED, "bucket full", table.get(ids[0]))
+    assert local.bucket_index(table.random_id_in_bucket(200)) == 200
+
+
+def test_every_refusal_says_why() -> None:
+    ids = make_ids(3, 52)
+    local = DHTID.from_peer(ids[0])
+    table = RoutingTable(local, k=1, replacement_cache_size=0)
+    assert table.add(ids[0], now=0) == AddResult(AddStatus.REJECTED, "local id")
+    assert table.add(ids[1], DHTID.from_peer(ids[2]), now=0) == AddResult(AddStatus.REJECTED,
+                                                                          "dht id does not match peer id")
+    assert table.add(ids[1], DHTID.from_peer(ids[1]), now=0) == AddResult(AddStatus.ADDED)
+    (other,) = [p for p in peers_in_bucket(local, table.bucket_of(DHTID.from_peer(ids[1])), 2, seed=53)
+                if p != ids[1]][:1]
+    assert table.add(other, now=1) == AddResult(AddStatus.REJECTED, "bucket full")  # no cache: refused outright
+    table.replacement_cache_size = 1
+    assert table.add(other, now=1).status is AddStatus.CACHED  # a cache of one holds one
+    assert table.remove(make_ids(1, 54)[0]) is None  # unknown: nothing to drop, nothing promoted
+    assert table.mark_failed(make_ids(1, 54)[0]) is False
+
+
+def test_a_refreshed_contact_keeps_or_takes_addresses_and_its_failures_start_over() -> None:
+    local = DHTID.from_peer(make_ids(1, 55)[0])
+    table = RoutingTable(local, max_failures=3)
+    (pid,) = peers_in_bucket(local, 255, 1, seed=56)
+    first, second = Multiaddr("/ip4/8.8.8.8/tcp/1"), Multiaddr("/ip4/8.8.8.8/tcp/2")
+    table.add(pid, addrs=[first], now=5)
+    contact = table.get(pid)
+    assert contact is not None and (contact.addrs, contact.last_seen, contact.failures) == ((first,), 5, 0)
+    assert contact.info == PeerInfo(pid, (first,))
+    table.mark_failed(pid)
+    table.mark_failed(pid)
+    assert table.add(pid, now=6) == AddResult(AddStatus.UPDATED)  # no addresses given: the known ones stay
+    assert (contact.addrs, contact.last_seen, contact.failures) == ((first,), 6, 0)
+    table.add(pid, addrs=[second], now=7)
+    assert contact.addrs == (second,)
+    table.mark_failed(pid)
+    table.mark_failed(pid)
+    assert table.mark_failed(pid) is True and pid not in table  # three in a row after the reset, not five
+
+
+def test_the_replacement_cache_keeps_the_newest_and_a_returning_peer_moves_to_its_end() -> None:
+    local = DHTID.from_peer(make_ids(1, 57)[0])
+    table = RoutingTable(local, k=1, replacement_cache_size=2)
+    ids = peers_in_bucket(local, 255, 4, seed=58)
+    table.add(ids[0], now=0)
+    for t, pid in enumerate(ids[1:3], start=1):
+        assert table.add(pid, now=t).status is AddStatus.CACHED
+    assert table.add(ids[1], now=3).status is AddStatus.CACHED  # seen again: now the newest
+    assert [c.peer_id for c in table.replacements(255)] == [ids[2], ids[1]]
+    table.add(ids[3], now=4)  # over the cache's size: the oldest goes
+    assert [c.peer_id for c in table.replacements(255)] == [ids[1], ids[3]]
+    assert table.remove(ids[0]) == table.get(ids[3])  # the most recently seen is promoted
+    assert [c.peer_id for c in table.replacements(255)] == [ids[1]]
+
+
+def test_promotion_skips_a_replacement_whose_group_is_full_in_the_bucket_or_the_table() -> None:
+    """A replacement is cached while its group has room; by the time a slot frees, others of its group
+    may have filled it: the newest replacement that still fits is promoted, not the newest."""
+    g2, g3, g5 = ip_group("2.2.2.2"), ip_group("3.3.3.3"), ip_group("5.5.5.5")
+    for per_bucket, total in ((2, 10), (5, 2)):  # the bucket's limit binds, then the table's
+        local = DHTID.from_peer(make_ids(1, 59)[0])
+        table = RoutingTable(local, k=3, replacement_cache_size=4, max_per_ip_group=per_bucket,
+                             max_per_ip_group_total=total)
+        a, b, x, d, c1, c2 = peers_in_bucket(local, 255, 6, seed=60)
+        table.add(a, ip_group=ip_group("1.1.1.1"), now=0)
+        table.add(b, ip_group=g2, now=0)
+        table.add(x, ip_group=g5, now=0)
+        for t, (pid, group) in enumerate(((d, g3), (c1, g2), (c2, g2)), start=1):
+            assert table.add(pid, ip_group=group, now=t).status is AddStatus.CACHED
+        assert table.remove(x) == table.get(c2)  # the newest fits: g2 now holds 2
+        assert table.remove(a) == table.get(d)  # c1 (g2, at its limit) is passed over for the older d
+        assert [c.peer_id for c in table.replacements(255)] == [c1]
+        assert table.remove(b) is None or table.get(c1) is not None  # one g2 slot free: c1 fits again
+        assert c1 in table
+        # a replacement left in the cache while the bucket had room is taken out of the cache when added
+        table.remove(c2)
+        assert c1 in table and table.replacements(255) == []
+
+
+def test_a_table_without_groups_promotes_any_replacement() -> None:
+    local = DHTID.from_peer(make_ids(1, 61)[0])
+    table = RoutingTable(local, k=1, replacement_cache_size=1)
+    a, b = peers_in_bucket(local, 255, 2, seed=62)
+    table.add(a, now=0)
+    table.add(b, now=1)
+    assert table.remove(a) == table.get(b)
+
+
+def test_a_cached_peer_added_once_its_group_has_room_leaves_the_cache() -> None:
+    """A replacement whose group was full when a slot freed stays cached beside the free slot; added
+    once its group has room, it is a contact and no longer a replacement."""
+    g = ip_group("7.7.7.7")
+    local = DHTID.from_peer(make_ids(1, 63)[0])
+    table = RoutingTable(local, k=2, replacement_cache_size=2, max_per_ip_group_total=1)
+    a, b, c = peers_in_bucket(local, 255, 3, seed=64)
+    (elsewhere,) = peers_in_bucket(local, 254, 1, seed=65)
+    table.add(a, now=0)
+    table.add(b, now=0)
+    assert table.add(c, ip_group=g, now=1).status is AddStatus.CACHED
+    assert table.add(elsewhere, ip_group=g, now=1).status is AddStatus.ADDED  # g's one slot in the table
+    assert table.remove(b) is None  # c does not fit: the slot stays free, c stays cached
+    assert [r.peer_id for r in table.replacements(255)] == [c]
+    table.remove(elsewhere)
+    assert table.add(c, ip_group=g, now=2).status is AddStatus.ADDED
+    assert c in table and table.replacements(255) == []
+
+
+def test_lookups_and_answers_refresh_buckets_down_to_bucket_zero() -> None:
+    """A contact in bucket 1 puts bucket 0 among those refreshed; a lookup of an id there, or an answer
+    from a contact, counts as the bucket's refresh."""
+    (pid,) = make_ids(1, 66)
+    local = DHTID(DHTID.from_peer(pid) ^ 0b10)  # the peer lands in our bucket 1
+    table = RoutingTable(local, rng=random.Random(67))
+    table.add(pid, now=0)
+    assert table.bucket_of(DHTID.from_peer(pid)) == 1
+    stale = sorted(local.bucket_index(t) for t in table.stale_buckets(now=60, refresh_interval=60))
+    assert stale == list(range(0, 256))
+    table.touch(DHTID(int(local) ^ 1), now=61)  # bucket 0
+    assert 0 not in [local.bucket_index(t) for t in table.stale_buckets(now=61, refresh_interval=60)]
+    table.mark_seen(pid, now=100)
+    assert 1 not in [local.bucket_index(t) for t in table.stale_buckets(now=120, refresh_interval=60)]
+    table.mark_seen(make_ids(1, 68)[0], now=100)  # not a contact: nothing happens
+
+
+def test_relayed_addresses_are_not_grouped_by_their_relay() -> None:
+    """A relayed peer is observed at its relay's address: grouping it there would let one relay's
+    peers fill only two slots of a bucket, so relayed addresses are exempt, wherever the circuit is."""
+    relay = make_ids(1, 69)[0].to_base58()
+    assert ip_group(f"/ip4/8.8.8.8/tcp/4001/p2p/{relay}/p2p-circuit") is None
+    assert ip_group(Multiaddr(f"/ip4/8.8.8.8/tcp/4001/p2p/{relay}/p2p-circuit")) is None
+    assert ip_group(f"/ip4/8.8.8.8/tcp/4001/p2p/{relay}") == "8.8.8.0/24"
+
+
+def test_the_table_wide_group_count_falls_by_one_per_contact_removed() -> None:
+    g = ip_group("9.9.9.9")
+    local = DHTID.from_peer(make_ids(1, 70)[0])
+    table = RoutingTable(local, max_per_ip_group_total=2)
+    a, b, c, d = (peers_in_bucket(local, index, 1, seed=71)[0] for index in (255, 254, 253, 252))
+    assert table.add(a, ip_group=g, now=0).status is AddStatus.ADDED
+    assert table.add(b, ip_group=g, now=0).status is AddStatus.ADDED
+    table.remove(a)
+    assert table.add(c, ip_group=g, now=1).status is AddStatus.ADDED  # one slot freed in the table
+    assert table.add(d, ip_group=g, now=1) == AddResult(AddStatus.REJECTED, f"ip group {g} limit reached in table")

@@ -181,7 +181,8 @@ async def run_cell(lab: Lab, relay_addr: str | list[str], index: int, cell: Cell
                 cell.direct = waited["direct"]
                 if cell.direct:
                     cell.time_to_direct = connect["elapsed"] + waited["elapsed"]
-                    await trio.sleep(3)  # the relayed connection is retired after a grace period
+                    # the relayed connection is retired after a grace period (2 s): polled, not slept
+                    await b.ask("wait_relay_retired", peer=a.peer_id, timeout=10)
             sent = await b.ask("send", peer=a.peer_id, mib=4, timeout=60)
             cell.sent_ok, cell.path = sent["ok"], sent["path"]
             metrics = await a.ask("metrics")

@@ -47,6 +47,7 @@ from .state import StateDownloadError, StateServer, TrainingState, download_stat
 
 if TYPE_CHECKING:
     from nat.dashboard import Dashboard
+    from p2p import Node
 
     from .datasets import Datasets
 
@@ -205,18 +206,8 @@ async def _train(peer: Peer, args: argparse.Namespace, dashboard: Dashboard | No
         if opt.downloads:
             node.emit(_downloaded(opt))
 
-        async def status_loop() -> None:
-            while True:
-                await trio.sleep(args.report_every)
-                p = opt.progress
-                if p is not None:
-                    node.emit(TrainingStatus(
-                        step=p.step, swarm_samples=p.samples, target=p.target,
-                        swarm_samples_per_second=p.samples_per_second, samples_per_second=opt.samples_per_second,
-                        loss=opt.loss, swarm_loss=p.loss, peers=p.peers, eta=p.eta, local_samples=opt.samples))
-
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(status_loop)
+            nursery.start_soon(status_loop, opt, node, args.report_every)
             downloads = opt.downloads
             while args.max_steps == 0 or opt.local_step < args.max_steps:
                 n, loss = await trio.to_thread.run_sync(forward_backward)
@@ -257,11 +248,27 @@ async def assist(peer: Peer, args: argparse.Namespace, dashboard: Dashboard | No
     """An auxiliary peer of the run (``--auxiliary``): no batches; it joins every step's round with
     weight 0 and reduces a part of the gradients (the model is built only for its shapes)."""
     _, model, optimizer, _ = await trio.to_thread.run_sync(build, args)  # off the event loop
-    async with CollaborativeOptimizer.open(peer, optimizer, training_config(args)) as opt, observed(opt, dashboard):
+    async with CollaborativeOptimizer.open(peer, optimizer, training_config(args)) as opt, observed(opt, dashboard), \
+            trio.open_nursery() as nursery:
+        nursery.start_soon(status_loop, opt, peer.node, args.report_every)
         while args.max_steps == 0 or opt.local_step < args.max_steps:
             report = await opt.assist()
             if report is not None:
                 peer.node.emit(_step_event(report, None))
+        nursery.cancel_scope.cancel()
+
+
+async def status_loop(opt: CollaborativeOptimizer, node: Node, every: float) -> None:
+    """A training_status event every ``every`` s once the swarm's progress is known (a trainer's and an
+    auxiliary peer's alike: the first one says the peer is in the run)."""
+    while True:
+        await trio.sleep(every)
+        p = opt.progress
+        if p is not None:
+            node.emit(TrainingStatus(
+                step=p.step, swarm_samples=p.samples, target=p.target,
+                swarm_samples_per_second=p.samples_per_second, samples_per_second=opt.samples_per_second,
+                loss=opt.loss, swarm_loss=p.loss, peers=p.peers, eta=p.eta, local_samples=opt.samples))
 
 
 def _step_event(report: StepReport, loss: float | None) -> GlobalStepDone:

@@ -76,19 +76,16 @@ def ip_group(addr: Multiaddr | str | ipaddress.IPv4Address | ipaddress.IPv6Addre
     return None and are not limited, so LAN and single-host test clusters work;
     so do DNS names and relayed addresses, which cannot be grouped without I/O.
     """
-    ip: ipaddress.IPv4Address | ipaddress.IPv6Address | None = None
+    ip: ipaddress.IPv4Address | ipaddress.IPv6Address | None
     if isinstance(addr, (ipaddress.IPv4Address, ipaddress.IPv6Address)):
         ip = addr
     elif isinstance(addr, str) and not addr.startswith("/"):
         ip = ipaddress.ip_address(addr)
     else:
-        ma = Multiaddr(addr) if isinstance(addr, str) else addr
-        for proto, value in ma.items():
-            if proto.name == "p2p-circuit":
-                return None
-            if proto.name in ("ip4", "ip6"):
-                ip = ipaddress.ip_address(str(value))
-                break
+        parts = list((Multiaddr(addr) if isinstance(addr, str) else addr).items())
+        if any(proto.name == "p2p-circuit" for proto, _ in parts):
+            return None  # observed at its relay's address (which comes first): not the peer's own
+        ip = next((ipaddress.ip_address(str(value)) for proto, value in parts if proto.name in ("ip4", "ip6")), None)
     if ip is None:
         return None
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
@@ -396,13 +393,15 @@ class Lookup:
         self.queries = 0
         self._add_candidates(seeds, limit=None)
 
-    def _add_candidates(self, peers: Iterable[PeerInfo], limit: int | None, sender: ID | None = None) -> int:
+    def _add_candidates(self, peers: Iterable[PeerInfo], limit: int | None) -> int:
+        """New candidates, at most ``limit``: never ourselves, an excluded peer or one already known
+        (the peer answering is one: it was queried)."""
         added = 0
         for peer in peers:
             if limit is not None and added >= limit:
                 break
             pid = peer.peer_id
-            if pid == sender or pid in self._excluded or pid in self._peers or peer.dht_id == self._local:
+            if pid in self._excluded or pid in self._peers or peer.dht_id == self._local:
                 continue
             self._peers[pid] = peer
             self._state[pid] = _State.NEW
@@ -439,7 +438,7 @@ class Lookup:
         if self._stopped or self._state.get(peer) is not _State.IN_FLIGHT:
             return 0  # unsolicited, a late duplicate, or after stop()
         self._state[peer] = _State.RESPONDED
-        return self._add_candidates(closer_peers, limit=self.k, sender=peer)
+        return self._add_candidates(closer_peers, limit=self.k)
 
     def on_failure(self, peer: ID) -> None:
         """``peer`` timed out or errored; it is dropped from the result and never retried."""
