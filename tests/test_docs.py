@@ -53,3 +53,62 @@ def test_cli_doc_has_every_command_and_option() -> None:
     _, sub = build_parser()
     for name in sub.choices:
         assert f"### `dedloc {name}`" in text
+
+
+#: names the docs quote from other projects (go-libp2p's resource manager), not from this code
+FOREIGN_NAMES = {"libp2p.rcmgr"}
+
+
+def _code_text() -> str:
+    files = [p for d in (*PACKAGES, "bench", "tests", "interop", ".ci") for p in (ROOT / d).rglob("*")
+             if p.suffix in (".py", ".proto", ".mjs", ".sh") and "node_modules" not in p.parts]
+    return "\n".join(p.read_text(errors="replace") for p in files) + (ROOT / "Makefile").read_text()
+
+
+def test_every_name_the_docs_quote_is_still_in_the_code() -> None:
+    """A class, function, setting or event the docs quote in backticks (`Averager.step`, `max_join_bytes`,
+    `training_status`) that no file of the code names any more is a statement that stopped being true:
+    renamed or gone. (Only names of four characters or more with an underscore, a dot or a capital:
+    plain words in backticks are commands and values.)"""
+    code = _code_text()
+    stale: dict[str, set[str]] = {}
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for match in re.finditer(r"`([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)(?:\(\))?`", doc.read_text()):
+            name = match.group(1)
+            last = name.rsplit(".", 1)[-1]
+            if len(last) < 4 or name in FOREIGN_NAMES or not re.search(r"[_.A-Z]", name):
+                continue
+            if not re.search(r"\b" + re.escape(last) + r"\b", code):
+                stale.setdefault(doc.name, set()).add(name)
+    assert not stale, f"the docs quote names the code no longer has: {stale}"
+
+
+def test_every_path_the_docs_quote_exists() -> None:
+    """`p2p/dht/routing.py`, `bench/harness.py`: a quoted path (with a folder) that is gone is stale."""
+    missing: dict[str, set[str]] = {}
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for match in re.finditer(r"`((?:[A-Za-z0-9_.-]+/)+[A-Za-z0-9_.-]+\.(?:py|md|proto|mjs|sh|toml|lock))`",
+                                 doc.read_text()):
+            path = match.group(1)
+            if not (ROOT / path).exists() and not any((ROOT / d / path).exists() for d in (*PACKAGES, "docs")):
+                missing.setdefault(doc.name, set()).add(path)
+    assert not missing, f"the docs quote paths that are gone: {missing}"
+
+
+#: options the docs quote of other tools (pip, pytest)
+FOREIGN_OPTIONS = {"--no-cache-dir", "--no-deps", "--require-hashes", "--dist", "--durations"}
+
+
+def test_every_option_the_docs_quote_is_a_commands_or_a_benchs() -> None:
+    """An option in the README or docs/ (`--report-every`, a bench's `--delays`) that neither a
+    command (docs/CLI.md, generated from the parsers) nor a bench or CI script takes any more."""
+    known = set(re.findall(r"(--[a-z][a-z0-9-]*)", (ROOT / "docs" / "CLI.md").read_text()))
+    scripts = [*(ROOT / "bench").glob("*.py"), *(p for p in (ROOT / ".ci").iterdir() if p.is_file())]
+    for script in scripts:
+        known |= set(re.findall(r"[\"'](--[a-z][a-z0-9-]*)[\"']", script.read_text()))
+    unknown: dict[str, set[str]] = {}
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        quoted = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", doc.read_text()))
+        if quoted - known - FOREIGN_OPTIONS:
+            unknown[doc.name] = quoted - known - FOREIGN_OPTIONS
+    assert not unknown, f"the docs quote options nothing takes: {unknown}"
