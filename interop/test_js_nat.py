@@ -23,7 +23,14 @@ public js peer dials a dedloc peer behind a NAT right after it started, before
 its AutoNAT confirmed its address. js announces its TCP address only once
 confirmed, so our first upgrade (we are the inbound side) has nothing to dial;
 when js's confirmation arrives, js pushes identify, the addresses we know
-change and our upgrade runs again: it must end direct.
+change and our upgrade runs again: it must end direct. The same again with js's
+identify push off (rust-libp2p's default) and our peer behind a symmetric NAT:
+it must end direct within 3 s of js's announcement. (Measured before and after
+our upgrade learned to ask the peer again while it has nothing to dial: 0.73 and
+0.6-0.7 s. In this lab js itself gets through soon after its address is
+confirmed, so this cell guards the goal, not our re-identify; that is
+``tests/test_holepunch.py``'s test of an upgrade with nothing to dial, against a
+peer that never dials.)
 
 Root (namespaces), node 22 and interop/node_modules with @libp2p/dcutr and
 @libp2p/autonat-v2 (``bash interop/setup.sh``); slow: about 2 min.
@@ -48,6 +55,9 @@ pytestmark = [pytest.mark.interop, pytest.mark.slow, requires_root_netns, pytest
 PACKAGES = ("@libp2p/dcutr", "@libp2p/autonat-v2", "@libp2p/circuit-relay-v2")
 LAB_PREFIX = "/ip4/11."  # PUBLIC_NET, 11.0.0.0/15: only inside the lab's namespaces
 OURS = (NatKind.PUBLIC, NatKind.EIM_PRESERVING)
+#: the late case: direct within this many seconds of js's announcement, pushed or not (our upgrade asks
+#: the peer again while it has nothing to dial: nat/holepunch.py's reidentify_after)
+LATE_GOAL_S = 3.0
 
 
 def expect_direct(js: NatKind, ours: NatKind) -> bool:
@@ -59,6 +69,8 @@ class JsCell:
     js: NatKind
     ours: NatKind
     js_dials: bool = False
+    #: js pushes identify when its addresses change (off: rust-libp2p's default)
+    push: bool = True
     connected: bool = False
     first_path: str = "-"
     direct: bool = False
@@ -74,7 +86,7 @@ class JsCell:
     @property
     def name(self) -> str:
         arrow = "js -> dedloc" if self.js_dials else "dedloc -> js"
-        return f"js {self.js.name} / dedloc {self.ours.name} ({arrow})"
+        return f"js {self.js.name} / dedloc {self.ours.name} ({arrow}{'' if self.push else ', no identify push'})"
 
 
 @pytest.fixture
@@ -134,7 +146,7 @@ async def run_cell(lab: Lab, relay_addr: str, index: int, cell: JsCell) -> None:
         async with open_js_peer(spawn=js_host.spawn, script=NATPEER_SCRIPT, start_timeout=60, default_timeout=40,
                                 env={"DEBUG": JS_DEBUG},
                                 argv=["--listen", f"/ip4/0.0.0.0/tcp/{PORT}", "--relay", relay_addr,
-                                      "--lab-prefix", LAB_PREFIX]) as js:
+                                      "--lab-prefix", LAB_PREFIX, *([] if cell.push else ["--no-identify-push"])]) as js:
             js_events, js_peer = js.events, js
             ours = await agent.ask("wait_mode", timeout=40)
             if cell.js_dials:
@@ -195,6 +207,7 @@ async def run_cell(lab: Lab, relay_addr: str, index: int, cell: JsCell) -> None:
 async def test_js_libp2p_behind_each_nat_kind(js_nat_available: None) -> None:
     cells = [JsCell(js, ours) for js in ALL_KINDS for ours in OURS]
     cells.append(JsCell(NatKind.PUBLIC, NatKind.EIM_PRESERVING, js_dials=True))
+    cells.append(JsCell(NatKind.PUBLIC, NatKind.SYMMETRIC, js_dials=True, push=False))
     async with Lab(prefix="djn", public_net=PUBLIC_NET) as lab:
         _, relay_addr = await start_relay(lab)
         limiter = trio.CapacityLimiter(PARALLEL_CELLS)
@@ -225,11 +238,14 @@ async def test_js_libp2p_behind_each_nat_kind(js_nat_available: None) -> None:
             problems.append(f"{c.name}: not connected ({c.detail})")
         elif c.direct != expect_direct(c.js, c.ours):
             problems.append(f"{c.name}: {'direct' if c.direct else 'relayed'}, expected otherwise ({c.detail})")
-    late = cells[-1]
-    if late.late_by is not None and late.after_announce is not None:
-        print(f"late address: js announced its address {late.late_by:.1f} s after it dialed through the relay; "
-              f"direct {late.after_announce:.2f} s later")
-    if late.connected and (late.first_path != "relayed" or late.late_by is None or late.late_by < 1.0):
-        problems.append(f"{late.name}: not the late case (first path {late.first_path}, js's address announced "
-                        f"{late.late_by} s after its dial)")
+    for late in cells[-2:]:
+        if late.late_by is not None and late.after_announce is not None:
+            print(f"late address{'' if late.push else ', no identify push'}: js announced its address "
+                  f"{late.late_by:.1f} s after it dialed through the relay; direct {late.after_announce:.2f} s later")
+        if late.connected and (late.first_path != "relayed" or late.late_by is None or late.late_by < 1.0):
+            problems.append(f"{late.name}: not the late case (first path {late.first_path}, js's address announced "
+                            f"{late.late_by} s after its dial)")
+        elif late.direct and late.after_announce is not None and late.after_announce > LATE_GOAL_S:
+            problems.append(f"{late.name}: direct {late.after_announce:.2f} s after js announced its address, "
+                            f"over the goal of {LATE_GOAL_S:g} s ({late.detail})")
     assert not problems, "\n".join(problems)

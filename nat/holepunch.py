@@ -75,6 +75,14 @@ class HolePunchConfig:
     retry_backoff: float = 2.0
     retry_poll: float = 1.0
     retry_idle: float = 30.0
+    #: An upgrade that found nothing to dial (the peer advertised no public address yet) asks the
+    #: peer who it is again (identify) ``reidentify_after`` seconds later, doubling, at most
+    #: ``reidentify_times`` times, and runs again at once when its addresses changed: a peer that
+    #: confirms its address late and does not push it (rust-libp2p's default, js-libp2p without
+    #: identifyPush) would otherwise wait for ``retry_idle``. 0.5 s doubling asks at most 2 a
+    #: second, the identify rate every peer grants (p2p/resources.py).
+    reidentify_after: float = 0.5
+    reidentify_times: int = 6
 
     def validate(self) -> None:
         if self.attempts < 1:
@@ -83,6 +91,8 @@ class HolePunchConfig:
             raise ConfigError("hole punch timeouts must be positive")
         if self.retries < 0 or self.retry_backoff < 0 or self.retry_poll <= 0 or self.retry_idle <= 0:
             raise ConfigError("hole punch retries must not be negative and retry_poll and retry_idle must be positive")
+        if self.reidentify_after <= 0 or self.reidentify_times < 0:
+            raise ConfigError("hole punch reidentify_after must be positive and reidentify_times not negative")
 
 
 class PunchMethod(StrEnum):
@@ -101,6 +111,8 @@ class PunchResult:
     method: PunchMethod
     attempts: int
     elapsed: float
+    #: No address to dial: the peer's store held no public one and it offered none in CONNECT.
+    nothing_to_dial: bool = False
 
 
 @dataclass
@@ -112,6 +124,8 @@ class HolePunchStats:
     failures: int = 0
     #: Upgrades tried again after an address changed (each also counts in attempts/successes/failures).
     retries: int = 0
+    #: Identifies asked again because an upgrade found nothing to dial.
+    reidentified: int = 0
     #: Seconds from the relayed connection's start to a working direct one, per success.
     time_to_direct: list[float] = field(default_factory=list)
     #: go-libp2p's holepunch labels: direct dials (reversals) by outcome; upgrades by
@@ -119,6 +133,75 @@ class HolePunchStats:
     #: or ``receiver``; outcome ``success``, ``failed`` or ``no_suitable_address``.
     direct_dials: Counter[str] = field(default_factory=Counter)
     outcomes: Counter[tuple[str, int, str]] = field(default_factory=Counter)
+
+
+class NoAddressToPunch(RemoteProtocolError):
+    """The peer offered no public address in CONNECT: a round has nothing to dial."""
+
+
+@dataclass
+class RetrySchedule:
+    """When :meth:`HolePuncher.keep_upgrading` runs an upgrade again, and when it asks the peer again
+    who it is, as a pure function of the last outcome and the time (passed in).
+
+    After an upgrade that dialed and failed: again once the addresses changed but not before
+    ``retry_backoff`` (doubling), or after ``retry_idle`` (doubling) without a change. After one that
+    found nothing to dial: identify the peer at ``reidentify_after`` (doubling, ``reidentify_times``
+    at most) and run again as soon as the addresses changed (no dial was made, so there is nothing
+    to back off from). ``retries`` upgrades again at most, in all.
+    """
+
+    config: HolePunchConfig
+    tries_left: int
+    delay: float
+    idle: float
+    earliest: float = 0.0
+    deadline: float = 0.0
+    next_identify: float | None = None
+    identify_gap: float = 0.0
+    identifies_left: int = 0
+
+    @classmethod
+    def start(cls, config: HolePunchConfig) -> RetrySchedule:
+        return cls(config, config.retries, config.retry_backoff, config.retry_idle)
+
+    def after(self, nothing_to_dial: bool, now: float) -> bool:
+        """An upgrade ended relayed at ``now``; False when no retry is left."""
+        if self.tries_left <= 0:
+            return False
+        self.earliest = now if nothing_to_dial else now + self.delay
+        self.deadline = now + self.idle
+        self.next_identify = None
+        if nothing_to_dial and self.config.reidentify_times > 0:
+            self.identify_gap, self.identifies_left = self.config.reidentify_after, self.config.reidentify_times
+            self.next_identify = now + self.identify_gap
+        return True
+
+    def wake(self, now: float) -> float:
+        """When to look again: the next poll of the addresses, or the next identify if sooner."""
+        poll = now + self.config.retry_poll
+        return poll if self.next_identify is None else min(poll, self.next_identify)
+
+    def identify_due(self, now: float) -> bool:
+        return self.next_identify is not None and now >= self.next_identify
+
+    def identified(self, now: float) -> None:
+        self.identifies_left -= 1
+        self.identify_gap *= 2
+        self.next_identify = now + self.identify_gap if self.identifies_left > 0 else None
+
+    def retry_due(self, now: float, changed: bool) -> str | None:
+        """Why to run the upgrade again now (None: not yet)."""
+        if changed and now >= self.earliest:
+            return "addresses changed"
+        if now >= self.deadline:
+            return f"nothing changed in {self.idle:.0f} s"
+        return None
+
+    def retried(self) -> None:
+        self.tries_left -= 1
+        self.delay *= 2
+        self.idle *= 2
 
 
 class HolePuncher:
@@ -142,6 +225,7 @@ class HolePuncher:
         s = self.stats
         return {"punch_attempts": s.attempts, "punch_successes": s.successes, "punch_first_try": s.first_try_successes,
                 "reversals": s.reversals, "punch_failures": s.failures, "punch_retries": s.retries,
+                "punch_reidentified": s.reidentified,
                 "time_to_direct": list(s.time_to_direct)}
 
     def _offer(self) -> list[bytes]:
@@ -160,28 +244,34 @@ class HolePuncher:
         seen = self._addresses(peer)
         result = await self.upgrade(peer, relayed, started)
         report(result)
-        delay, idle = self.config.retry_backoff, self.config.retry_idle
-        for _ in range(self.config.retries):
-            if result.conn is not None:
-                return
-            earliest = trio.current_time() + delay
-            deadline = trio.current_time() + idle
+        schedule = RetrySchedule.start(self.config)
+        while result.conn is None and schedule.after(result.nothing_to_dial, trio.current_time()):
             while True:
-                await trio.sleep(self.config.retry_poll)
+                await trio.sleep_until(schedule.wake(trio.current_time()))
                 relayed = self._relayed_only(peer)
                 if relayed is None:
                     return  # closed, or direct by other means
+                if schedule.identify_due(trio.current_time()):
+                    schedule.identified(trio.current_time())
+                    await self._reidentify(peer)
                 now = self._addresses(peer)
-                if (now != seen and trio.current_time() >= earliest) or trio.current_time() >= deadline:
+                why = schedule.retry_due(trio.current_time(), now != seen)
+                if why is not None:
                     break
-            why = "addresses changed" if now != seen else f"nothing changed in {idle:.0f} s"
             seen = now
-            delay *= 2
-            idle *= 2
+            schedule.retried()
             self.stats.retries += 1
             log.info("retrying the upgrade of the relayed connection to %s: %s", peer, why)
             result = await self.upgrade(peer, relayed, started)
             report(result)
+
+    async def _reidentify(self, peer: ID) -> None:
+        """Ask the peer who it is again: what it listens on now goes to the peer store."""
+        self.stats.reidentified += 1
+        try:
+            await self._node.identify(peer, timeout=self.config.dial_timeout)
+        except Exception as e:  # gone, or busy with another identify: the schedule asks again
+            log.debug("identify of %s while upgrading failed: %s", peer, e)
 
     def _relayed_only(self, peer: ID) -> INetConn | None:
         """The relayed connection to ``peer`` if that is all there is."""
@@ -209,10 +299,11 @@ class HolePuncher:
         stats = self.stats
         rounds = 0
         try:
-            direct = await self._reverse(peer)
+            direct, dialed = await self._reverse(peer)
             log.debug("upgrade to %s: reversal %s after %.2f s", peer, "worked" if direct else "found nothing",
                       trio.current_time() - started)
             stats.direct_dials["success" if direct is not None else "failed"] += 1
+            offered = True
             if direct is not None:
                 stats.reversals += 1
             else:
@@ -220,6 +311,10 @@ class HolePuncher:
                     stats.attempts += 1
                     try:
                         direct = await self._punch_round(peer, relayed)
+                    except NoAddressToPunch as e:  # another round now would hear the same: wait for news
+                        log.info("hole punch with %s: %s", peer, e)
+                        offered = False
+                        break
                     except (RemoteProtocolError, trio.TooSlowError, Exception) as e:
                         log.info("hole punch round %d with %s failed after %.2f s: %r", rounds, peer,
                                  trio.current_time() - started, e)
@@ -229,11 +324,13 @@ class HolePuncher:
                             stats.first_try_successes += 1
                         break
             elapsed = trio.current_time() - started
+            nothing_to_dial = direct is None and not dialed and not offered
             if rounds:
-                stats.outcomes[("initiator", rounds, "success" if direct is not None else "failed")] += 1
+                outcome = "success" if direct is not None else "no_suitable_address" if not offered else "failed"
+                stats.outcomes[("initiator", rounds, outcome)] += 1
             if direct is None:
                 stats.failures += 1
-                return PunchResult(None, PunchMethod.NONE, rounds, elapsed)
+                return PunchResult(None, PunchMethod.NONE, rounds, elapsed, nothing_to_dial=nothing_to_dial)
             stats.successes += 1
             stats.time_to_direct.append(elapsed)
             if self._nursery is not None:
@@ -242,17 +339,18 @@ class HolePuncher:
         finally:
             self._busy.discard(peer)
 
-    async def _reverse(self, peer: ID) -> INetConn | None:
-        """Dial the peer's public addresses directly (it may be public or port-mapped)."""
+    async def _reverse(self, peer: ID) -> tuple[INetConn | None, int]:
+        """Dial the peer's public addresses directly (it may be public or port-mapped): the connection,
+        and how many addresses there were to dial."""
         targets = [a for a in self._node.known_addrs(peer) if reachable_tcp(a, allow_private=self.config.allow_private)]
         targets = targets[:MAX_PUNCH_ADDRS]  # identify stores up to 1000: we would dial them all, one by one
         for addr in targets:
             with trio.move_on_after(self.config.dial_timeout):
                 try:
-                    return await self._node.network.dial_addr(without_peer_id(addr), peer)
+                    return await self._node.network.dial_addr(without_peer_id(addr), peer), len(targets)
                 except Exception:
                     continue
-        return None
+        return None, len(targets)
 
     async def _punch_round(self, peer: ID, relayed: INetConn) -> INetConn | None:
         # lazily: CONNECT rides with the protocol proposal (a relayed round trip saved)
@@ -270,7 +368,7 @@ class HolePuncher:
         finally:
             await finish_quietly(stream.close)
         if not theirs:
-            raise RemoteProtocolError(f"{peer} offered no public address to punch to")
+            raise NoAddressToPunch(f"{peer} offered no public address to punch to")
         await trio.sleep(rtt / 2)
         direct = await self._dial_any(peer, theirs, responder=True, rtt=rtt)
         if direct is None:

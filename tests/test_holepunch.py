@@ -24,14 +24,14 @@ from multiaddr import Multiaddr
 
 from nat.circuit import RelayClient
 from p2p.addresses import is_relayed_conn
-from nat.holepunch import MAX_PUNCH_ADDRS, PROTOCOL, HolePunchConfig, HolePuncher, PunchResult
+from nat.holepunch import MAX_PUNCH_ADDRS, PROTOCOL, HolePunchConfig, HolePuncher, PunchResult, RetrySchedule
 from nat.proto import holepunch_pb2 as pb
 from nat.relay import RelayService
 from p2p.wire import read_message
 from p2p import Node
 from p2p.addresses import reachable_tcp, without_peer_id
 from p2p.dialer import dial_simultaneous
-from p2p.errors import DialError
+from p2p.errors import ConfigError, DialError
 from p2p.resources import Rate
 from p2p.varint import encode_varint
 from p2p.trio_util import finish_quietly
@@ -175,7 +175,8 @@ async def test_private_addresses_are_not_dialed_without_allow_private():
         b.record_dials()
         assert (await b.puncher.upgrade(a.node.peer_id, b.relayed)).conn is None
         assert b.puncher.stats.reversals == 0 and b.puncher.stats.failures == 1
-        assert b.puncher.stats.attempts == 2  # both rounds ran, and failed: a offered nothing public
+        # one round: a offered nothing public, and another round at once would hear the same
+        assert b.puncher.stats.attempts == 1
         assert b.dials == [] and a.dials == []
         assert not b.relayed.is_closed  # a failed upgrade keeps the relayed connection
 
@@ -209,7 +210,11 @@ async def test_leader_dials_what_the_peer_offers_filtered_and_capped():
     ],
     ids=["sync-instead-of-connect", "sync-with-addrs", "oversized", "garbled", "truncated", "nothing-usable"],
 )
-async def test_leader_survives_a_peer_that_answers_badly(answer):
+async def test_leader_survives_a_peer_that_answers_badly(answer, request):
+    """Every bad answer fails its round and the next round runs; a CONNECT that offers nothing usable
+    (a truncated one parses as a CONNECT with no address) ends the upgrade after one round, as having
+    nothing to dial (the schedule then asks the peer again, rather than another round at once)."""
+    nothing_offered = request.node.callspec.id in ("truncated", "nothing-usable")
     async with relayed_pair(install_a=False) as (a, b):
         exchanges = 0
 
@@ -222,9 +227,11 @@ async def test_leader_survives_a_peer_that_answers_badly(answer):
 
         a.node.set_stream_handler(PROTOCOL, bad_peer)
         b.record_dials()
-        assert (await b.puncher.upgrade(a.node.peer_id, b.relayed)).conn is None
+        result = await b.puncher.upgrade(a.node.peer_id, b.relayed)
+        assert result.conn is None and result.nothing_to_dial is nothing_offered
         assert b.dials == []
-        assert exchanges == 2 and b.puncher.stats.attempts == 2 and b.puncher.stats.failures == 1
+        rounds = 1 if nothing_offered else 2
+        assert exchanges == rounds and b.puncher.stats.attempts == rounds and b.puncher.stats.failures == 1
         assert not b.relayed.is_closed
         assert await b.node.ping(a.node.peer_id) > 0
 
@@ -390,6 +397,55 @@ async def test_an_upgrade_without_addresses_is_tried_again_when_they_arrive():
         assert [r.conn is None for r in results] == [True, False]  # nothing to dial at first; then direct
         assert not is_relayed_conn(results[1].conn)  # type: ignore[arg-type]
         assert b.puncher.stats.retries == 1 and b.puncher.metrics()["punch_retries"] == 1
+
+
+async def test_an_upgrade_with_nothing_to_dial_asks_the_peer_again_and_goes_direct_without_a_push():
+    """The peer's address is there only if asked (rust-libp2p pushes no listen-address change, nor does
+    js-libp2p without identifyPush): the first upgrade has nothing to dial, so the leader identifies
+    the peer again within ``reidentify_after`` and, its addresses changed, upgrades at once (no
+    backoff: nothing was dialed), long before ``retry_idle``."""
+    async with relayed_pair(allow_private=True) as (a, b):
+        config = b.puncher.config
+        config.retry_backoff, config.retry_idle, config.reidentify_after = 5.0, 60.0, 0.2
+        results: list[PunchResult] = []
+        with trio.fail_after(10):
+            await b.puncher.keep_upgrading(a.node.peer_id, trio.current_time(), results.append)
+        assert [(r.conn is None, r.nothing_to_dial) for r in results] == [(True, True), (False, False)]
+        assert results[1].elapsed < 3.0  # not retry_backoff's 5 s, nor retry_idle's 60
+        assert b.puncher.stats.reidentified == 1 and b.puncher.metrics()["punch_reidentified"] == 1
+        assert b.puncher.stats.outcomes[("initiator", 1, "no_suitable_address")] == 1
+
+
+def test_the_retry_schedule_after_nothing_to_dial_and_after_a_failed_dial() -> None:
+    config = HolePunchConfig(retries=2, retry_backoff=2.0, retry_poll=1.0, retry_idle=30.0, reidentify_after=0.5,
+                             reidentify_times=2)
+    schedule = RetrySchedule.start(config)
+    # nothing to dial at t=10: ask at 10.5, then 11.5, then no more; a change counts at once
+    assert schedule.after(True, 10.0)
+    assert schedule.wake(10.0) == 10.5 and not schedule.identify_due(10.4) and schedule.identify_due(10.5)
+    schedule.identified(10.5)
+    assert schedule.next_identify == 11.5 and schedule.wake(10.6) == 11.5
+    schedule.identified(11.5)
+    assert schedule.next_identify is None and schedule.wake(12.0) == 13.0
+    assert schedule.retry_due(10.1, changed=True) == "addresses changed"
+    assert schedule.retry_due(39.9, changed=False) is None
+    assert schedule.retry_due(40.0, changed=False) == "nothing changed in 30 s"
+    schedule.retried()
+    # a dial that failed at t=50: a change counts only from 52 (backoff doubled: 4 s after the next)
+    assert schedule.after(False, 50.0)
+    assert schedule.next_identify is None and not schedule.identify_due(1e9)
+    assert schedule.retry_due(53.9, changed=True) is None
+    assert schedule.retry_due(54.0, changed=True) == "addresses changed"
+    assert schedule.retry_due(109.9, changed=False) is None and schedule.retry_due(110.0, changed=False)
+    schedule.retried()
+    assert not schedule.after(True, 120.0)  # two retries, all there were
+
+
+def test_no_reidentify_when_turned_off() -> None:
+    schedule = RetrySchedule.start(HolePunchConfig(reidentify_times=0))
+    assert schedule.after(True, 0.0) and schedule.next_identify is None
+    with pytest.raises(ConfigError, match="reidentify_after must be positive"):
+        HolePunchConfig(reidentify_after=0).validate()
 
 
 async def test_an_upgrade_is_tried_again_only_after_retry_idle_while_nothing_changes():

@@ -17,7 +17,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.io.exceptions import ConnectionClosedError
 from libp2p.peer.id import ID
 
-from p2p.noise import MAX_MESSAGE, MAX_PLAINTEXT, NoiseCodec, NoiseError, NoiseSession, NoiseTransport
+from p2p.noise import MAX_MESSAGE, MAX_PLAINTEXT, OWN_MESSAGE, TAG_SIZE, NoiseCodec, NoiseError, NoiseSession, NoiseTransport
 
 KEY_A = bytes(range(32))
 KEY_B = bytes(range(100, 132))
@@ -98,9 +98,34 @@ def test_parts_of_every_buffer_type_are_sealed_back_to_back():
     parts = [kinds[i % 3](raw[lo:hi]) for i, (lo, hi) in enumerate(zip(cuts, cuts[1:]))]
     a, b = codec_pair()
     wire = a.encrypt(*parts)
-    # Message boundaries depend only on the total, not on how it was cut.
-    assert [len(m) for m in spec_messages(wire)] == [len(m) for m in spec_messages(codec_pair()[0].encrypt(raw))]
+    # Parts are packed back to back, except that a part of OWN_MESSAGE bytes or more starts a message
+    expected, pending = [], 0
+    for part in parts:
+        left = len(part)
+        if left >= OWN_MESSAGE and pending:
+            expected.append(pending)
+            pending = 0
+        while left:
+            take = min(left, MAX_PLAINTEXT - pending)
+            pending, left = pending + take, left - take
+            if pending == MAX_PLAINTEXT:
+                expected.append(pending)
+                pending = 0
+    expected += [pending] if pending else []
+    assert [len(m) - TAG_SIZE for m in spec_messages(wire)] == expected
     assert opened(b, wire) == raw
+
+
+def test_a_yamux_header_before_a_big_body_is_sealed_alone_and_the_body_in_place():
+    """A 12-byte header and a 100 KiB body: the header is one message, the body starts the next (no
+    copy joins them); a small body still rides with its header."""
+    a, b = codec_pair()
+    body = bytes(range(256)) * 400
+    wire = a.encrypt(b"H" * 12, body)
+    assert [len(m) - TAG_SIZE for m in spec_messages(wire)] == [12, MAX_PLAINTEXT, len(body) - MAX_PLAINTEXT]
+    assert opened(b, wire) == b"H" * 12 + body
+    small = a.encrypt(b"H" * 12, body[:OWN_MESSAGE - 1])
+    assert [len(m) - TAG_SIZE for m in spec_messages(small)] == [12 + OWN_MESSAGE - 1]
 
 
 def test_non_byte_memoryview_is_read_as_its_bytes():

@@ -37,6 +37,7 @@ from p2p.yamux import (
     TYPE_GO_AWAY,
     TYPE_PING,
     TYPE_WINDOW_UPDATE,
+    WHOLE_PIECE,
     FrameParser,
     StreamAbortedError,
     StreamStalledError,
@@ -727,6 +728,26 @@ async def test_fin_read_drains_the_buffer_then_eof_and_writing_goes_on():
         assert 2 not in conn.streams  # both sides closed: forgotten
         with pytest.raises(MuxedStreamClosed):
             await stream.write(b"more")
+
+
+async def test_a_big_piece_is_read_as_it_came_and_small_ones_are_gathered():
+    """A read of n bytes returns a received piece of WHOLE_PIECE bytes or more alone, the very object
+    (no copy; the caller reads again), and gathers small pieces up to n; read() takes all there is."""
+    async with raw_peer() as (conn, raw):
+        await raw.send(frame(TYPE_DATA, SYN, 2, 3), b"abc")
+        stream = await conn.accept_stream()
+        assert await stream.read(3) == b"abc"
+        big, other = bytes(WHOLE_PIECE), b"x" * (WHOLE_PIECE + 1)
+        stream.on_data(big)
+        stream.on_data(other)
+        assert await stream.read(1 << 20) is big
+        assert await stream.read(WHOLE_PIECE) == b"x" * WHOLE_PIECE  # bigger than asked: cut
+        for piece in (b"a", b"bc", b"def"):
+            stream.on_data(piece)
+        assert await stream.read(1 << 20) == b"x" + b"abcdef"
+        stream.on_data(big)
+        stream.on_data(b"tail")
+        assert await stream.read() == big + b"tail"
 
 
 async def test_fin_on_a_window_update_and_data_after_fin_is_a_protocol_error():

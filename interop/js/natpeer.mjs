@@ -4,7 +4,7 @@
 // interop/test_js_nat.py puts it behind each NAT kind of nat/lab.py, against a
 // dedloc peer, through a dedloc relay.
 //
-//   node js/natpeer.mjs --listen /ip4/0.0.0.0/tcp/4001 --relay <relay multiaddr> --lab-prefix /ip4/11.0.
+//   node js/natpeer.mjs --listen /ip4/0.0.0.0/tcp/4001 --relay <relay multiaddr> --lab-prefix /ip4/11.0. [--no-identify-push]
 //
 // It dials the relay, asks for a reservation (listening on /p2p-circuit), and
 // prints {"event":"listening","peer_id":...,"addrs":[...]} once started. Then
@@ -53,12 +53,14 @@ function errorInfo (err) {
 }
 
 function parseArgs (argv) {
-  const out = { listen: '/ip4/0.0.0.0/tcp/4001', relay: null, labPrefix: null }
+  const out = { listen: '/ip4/0.0.0.0/tcp/4001', relay: null, labPrefix: null, identifyPush: true }
   for (let i = 0; i < argv.length; i++) {
     const arg = argv[i]
     if (arg === '--listen') out.listen = argv[++i]
     else if (arg === '--relay') out.relay = argv[++i]
     else if (arg === '--lab-prefix') out.labPrefix = argv[++i]
+    // rust-libp2p's default, and js-libp2p without the service: address changes are never pushed
+    else if (arg === '--no-identify-push') out.identifyPush = false
     else throw new Error(`unknown argument ${arg}`)
   }
   if (out.relay == null || out.labPrefix == null) throw new Error('--relay and --lab-prefix are required')
@@ -83,7 +85,7 @@ try {
     nodeInfo: { userAgent: AGENT_VERSION },
     services: {
       identify: identify(),
-      identifyPush: identifyPush(),
+      ...(args.identifyPush ? { identifyPush: identifyPush() } : {}),
       ping: ping(),
       dcutr: dcutr(),
       autoNAT: autoNATv2()
