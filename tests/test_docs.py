@@ -101,9 +101,10 @@ FOREIGN_OPTIONS = {"--no-cache-dir", "--no-deps", "--require-hashes", "--dist", 
 
 def test_every_option_the_docs_quote_is_a_commands_or_a_benchs() -> None:
     """An option in the README or docs/ (`--report-every`, a bench's `--delays`) that neither a
-    command (docs/CLI.md, generated from the parsers) nor a bench or CI script takes any more."""
+    command (docs/CLI.md, generated from the parsers) nor a bench, CI or interop script takes any more."""
     known = set(re.findall(r"(--[a-z][a-z0-9-]*)", (ROOT / "docs" / "CLI.md").read_text()))
-    scripts = [*(ROOT / "bench").glob("*.py"), *(p for p in (ROOT / ".ci").iterdir() if p.is_file())]
+    scripts = [*(ROOT / "bench").glob("*.py"), *(p for p in (ROOT / ".ci").iterdir() if p.is_file()),
+               *(ROOT / "interop" / "js").glob("*.mjs")]
     for script in scripts:
         known |= set(re.findall(r"[\"'](--[a-z][a-z0-9-]*)[\"']", script.read_text()))
     unknown: dict[str, set[str]] = {}
