@@ -23,7 +23,7 @@ from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
 from . import multistream
-from .addresses import is_relayed, peer_id_of, rank_for_dial, split_circuit, without_peer_id
+from .addresses import Scope, is_relayed, peer_id_of, rank_for_dial, scope_of, split_circuit, without_peer_id
 from .errors import AddressError, DialError
 from .libp2p_host import tcp_remote_address
 from .trio_util import finish_quietly
@@ -46,6 +46,7 @@ async def dial(
     addrs: list[Multiaddr],
     *,
     stagger: float = 0.25,
+    stagger_local: float | None = None,
     timeout: float = 10.0,
     circuit: CircuitDialer | None = None,
     source: Callable[[Multiaddr], tuple[str, int] | None] | None = None,
@@ -53,7 +54,9 @@ async def dial(
     """Connect to ``peer_id`` trying ``addrs`` best-first; the first success wins.
 
     Each address gets ``stagger`` seconds of head start before the next one is
-    started in parallel, and a failure starts the next one at once. Losing
+    started in parallel (a private or loopback one ``stagger_local``, when given: the
+    LAN address a NATed peer advertises is no address of ours to reach), and a failure
+    starts the next one at once. Losing
     attempts are cancelled. Relayed addresses rank last and go to ``circuit``
     (skipped without one). ``source`` picks the local (ip, port) to dial from
     (our listen port, so that the peer observes our NAT's mapping of it).
@@ -91,7 +94,10 @@ async def dial(
             for addr in ranked:
                 failed = trio.Event()
                 nursery.start_soon(attempt, addr, failed, nursery.cancel_scope)
-                with trio.move_on_after(stagger):
+                head = stagger
+                if stagger_local is not None and scope_of(addr) in (Scope.PRIVATE, Scope.LOOPBACK):
+                    head = stagger_local
+                with trio.move_on_after(head):
                     await failed.wait()
     if winner:
         return winner[0]

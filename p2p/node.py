@@ -361,6 +361,7 @@ class Node:
                 peer_id,
                 candidates,
                 stagger=self.config.dial_stagger,
+                stagger_local=self.config.dial_stagger_local,
                 timeout=timeout or self.config.dial_timeout,
                 circuit=self._circuit_dialer,
                 source=self.listen_source if from_listen_port else None,

@@ -105,7 +105,7 @@ async def test_unreachable_peer_gives_clear_error_per_address():
 async def test_dead_first_address_falls_through_at_once():
     """A refused address must start the next attempt at once, not after the stagger."""
     async with open_nodes(1, listen=[LOOPBACK6]) as (a,):
-        async with open_nodes(1, dial_stagger=60.0) as (b,):
+        async with open_nodes(1, dial_stagger=60.0, dial_stagger_local=60.0) as (b,):
             store = b.host.get_peerstore()
             live = str(a.addrs[0]).split("/p2p/")[0]
             from multiaddr import Multiaddr
@@ -114,6 +114,27 @@ async def test_dead_first_address_falls_through_at_once():
             with trio.fail_after(30):  # 60 s stagger: finishing at all proves the fall-through
                 await b.connect(a.peer_id)
             assert a.peer_id in b.connected_peers()
+
+
+async def test_a_local_address_that_hangs_holds_the_next_back_only_briefly():
+    """A NATed peer advertises its LAN address too, where nobody of its answers us: a private or
+    loopback address gets ``dial_stagger_local`` of head start, not the whole stagger, so its next
+    address (a relayed one, in the NAT lab) is not held back."""
+    async with open_nodes(1) as (a,):
+        async with open_nodes(1, dial_stagger=60.0) as (b,):
+            silent = trio.socket.socket()
+            with silent:  # listens, never speaks: a handshake with it hangs until the dial timeout
+                await silent.bind(("127.0.0.1", 0))
+                silent.listen(8)
+                port = silent.getsockname()[1]
+                from multiaddr import Multiaddr
+
+                live = str(a.addrs[0]).split("/p2p/")[0]
+                b.host.get_peerstore().add_addrs(a.peer_id, [Multiaddr(f"/ip4/127.0.0.1/tcp/{port}"), Multiaddr(live)], 60)
+                started = trio.current_time()
+                with trio.fail_after(30):
+                    await b.connect(a.peer_id)
+                assert trio.current_time() - started < 5  # not the 60 s stagger
 
 
 async def test_success_does_not_wait_for_the_stagger():
