@@ -18,10 +18,11 @@ Every case writes ``--chunk-kib`` chunks and the raw receiver reads that much
 at a time.
 
 Each one-stream case also reports the CPU each side spent per MB (the sender's
-process time, the receiver's from /proc): on a shared machine the wall clock
-swings by a third between runs, the CPU much less, and the busier side bounds
-the rate. ``cpu_ratio_node_to_sealed_1`` is the node's rate against the sealed
-one's by that measure (the network layer issue's goal: >= 0.8).
+process time, the receiver's from /proc): the busier side bounds the rate, and
+it shows which side a change helped. ``cpu_ratio_node_to_sealed_1`` is the
+node's rate against the sealed one's by that measure (the network layer issue's
+goal: >= 0.8). On a shared machine both measures swing between runs: repeat
+and compare medians.
 
 Wire format of one transfer (both paths): 8-byte big-endian length, the bytes,
 then the receiver answers with the 8-byte count it got.
@@ -170,8 +171,7 @@ async def bench(total_mib: int, streams: int, relayed: bool) -> dict[str, float]
             with trio.fail_after(600):
                 await run()
             results[label] = total / (time.perf_counter() - started) / 1e6
-            # CPU per MB on each side: less noisy on a shared machine than the wall clock, and
-            # the busier side bounds the rate (each side has a core of its own here)
+            # CPU per MB on each side: the busier side bounds the rate (each has a core of its own here)
             results[f"{label}_cpu_send_us_per_mb"] = (time.process_time() - sent_cpu) / total * 1e12
             results[f"{label}_cpu_recv_us_per_mb"] = (cpu_seconds(proc.pid) - received_cpu) / total * 1e12
 
