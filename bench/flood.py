@@ -72,6 +72,7 @@ from p2p import Node, NodeConfig  # noqa: E402
 from p2p.dht import DHT, DHTConfig  # noqa: E402
 from p2p.dht.events import DHTMode  # noqa: E402
 from nat.circuit import RelayClient  # noqa: E402
+from nat.lab import cpu_seconds  # noqa: E402
 from p2p.dht.proto import dht_pb2  # noqa: E402
 from p2p.dht.protocol import FIND  # noqa: E402
 from p2p.multistream import encode  # noqa: E402
@@ -131,11 +132,6 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / 100  # utime + stime, clock ticks
 
 
 #: Seconds each phase of the honest attempts took (connect, ping, reserve, dht), for the JSON.

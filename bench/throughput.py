@@ -34,7 +34,6 @@ import argparse
 import functools
 import json
 import logging
-import os
 import struct
 import subprocess
 from collections import deque
@@ -48,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from p2p import Node, NodeConfig  # noqa: E402
 from nat.circuit import RelayClient  # noqa: E402
+from nat.lab import cpu_seconds  # noqa: E402
 from p2p.noise import NoiseCodec  # noqa: E402
 from harness import first_json, start_relay  # noqa: E402
 from transfer import PROTOCOL, sink, source, tcp_sink  # noqa: E402
@@ -131,12 +131,6 @@ async def serve(relay: str | None) -> None:
 
 
 # ---------------------------------------------------------------- sender
-
-
-def cpu_seconds(pid: int) -> float:
-    """A process's user + system CPU seconds so far (/proc, clock ticks of 10 ms)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def bench(total_mib: int, streams: int, relayed: bool) -> dict[str, float]:

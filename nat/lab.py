@@ -145,6 +145,7 @@ __all__ = [
     "RunResult",
     "Shape",
     "cleanup_stale",
+    "cpu_seconds",
     "netem_unavailable_reason",
     "netns_unavailable_reason",
     "router_ruleset",
@@ -165,6 +166,12 @@ class NetlabError(DedlocError, RuntimeError):
 
 class NetlabTimeout(NetlabError):
     """A lab command did not finish within its timeout (it was killed)."""
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (from /proc; OSError once it is gone)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 class NatKind(enum.Enum):
@@ -439,10 +446,9 @@ class Lab:
         if self._wire is None:
             return 0.0
         try:
-            fields = Path(f"/proc/{self._wire.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return cpu_seconds(self._wire.pid)
         except OSError:
             return 0.0
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
     @property
     def mechanism(self) -> str:

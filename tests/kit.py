@@ -165,10 +165,6 @@ class ProcessLines:
         return "".join(self.lines)
 
 
-def lines_of(process: subprocess.Popen[str]) -> ProcessLines:
-    return ProcessLines(process)
-
-
 #: set to 1 (CI does) to fail the namespace tests where the lab is unusable, instead of skipping them
 NETLAB_REQUIRED_ENV = "DEDLOC_NETLAB_REQUIRED"
 

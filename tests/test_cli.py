@@ -20,7 +20,7 @@ from p2p import Node, NodeConfig
 from p2p.trio_util import read_lines
 
 from .conftest import open_nodes
-from .kit import lines_of, requires_root_netns
+from .kit import ProcessLines, requires_root_netns
 
 DEDLOC = [sys.executable, "-m", "training.commands"]  # the entry point's module
 
@@ -316,7 +316,7 @@ def test_two_trainers_and_a_backbone_train_keep_the_curve_and_checkpoint(tmp_pat
             [*DEDLOC, "train", "--auxiliary", "--initial-peers", addr, "--listen", "/ip4/127.0.0.1/tcp/0",
              "--allow-private", "--ephemeral", "--json", "--status-interval", "0", "--max-steps", "20", *run_args],
             stdout=subprocess.PIPE, stderr=helper_err_file, text=True)
-        helper_lines = lines_of(helper)
+        helper_lines = ProcessLines(helper)
         # the helper first, so that it is there from the first step on: its first status says it is in the run
         assert helper_lines.wait_for(lambda e: e.get("event") == "training_status", 60), "the helper never joined"
         trainers = [subprocess.Popen(
