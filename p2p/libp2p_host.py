@@ -487,6 +487,11 @@ class _Multiselect(Multiselect):
                         raise MultiselectError(str(e)) from e
         except trio.TooSlowError:
             raise MultiselectError("handshake read timeout") from None
+        except UnicodeDecodeError as e:
+            # py-libp2p's reader decodes every line unchecked; a proposal that is not UTF-8 (often
+            # a lazy opener's first message behind a refused proposal) would otherwise escape the
+            # stream handler and take the whole Node down. It costs the stream (reset), no more.
+            raise MultiselectError(f"a proposal that is not UTF-8: {e}") from None
 
     async def _accept(self, communicator: IMultiselectCommunicator, protocol: TProtocol) -> StreamHandlerFn | None:
         """Acquire the stream and echo ``protocol``; the handler, wrapped to give the stream back."""

@@ -177,6 +177,22 @@ async def test_a_lazy_stream_to_a_node_that_lacks_the_protocol_fails_on_first_re
     assert await b.ping(a.peer_id) > 0  # the connection is fine
 
 
+async def test_data_that_follows_a_refused_proposal_is_not_taken_for_a_protocol_name(node_pair: tuple[Node, Node]) -> None:
+    """A lazy opener's first message rides behind its proposal; refused, the listener reads that
+    message as the next proposal. Seen in CI: a datasets request (protobuf, not UTF-8) to a peer
+    whose handler had just been removed crashed that peer's whole Node (a UnicodeDecodeError out of
+    py-libp2p's reader). It must cost only the stream."""
+    a, b = node_pair
+    message = b"\n\x13\n\x08\x04\x7f\x00\x00\x01\x06\xb1\xf8\x11\x07$\x0c\xf8LoW\n"  # as CI saw them
+    stream = await b.new_stream(a.peer_id, "/no/such/1.0.0")
+    await stream.write(bytes([len(message)]) + message)
+    with trio.fail_after(10), pytest.raises((ProtocolNotSupportedError, RemoteProtocolError)):
+        await stream.read()
+    with trio.fail_after(10):
+        assert await b.ping(a.peer_id) > 0  # a is still up, the connection too
+        assert await a.ping(b.peer_id) > 0
+
+
 async def test_streams_carry_data_both_ways_lazily_and_eagerly(node_pair: tuple[Node, Node]) -> None:
     a, b = node_pair
 
