@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -104,12 +105,25 @@ class CircuitConnection(IRawConnection):
     circuit address, so everything above knows the connection is relayed.
     """
 
-    def __init__(self, stream: INetStream, *, initiator: bool, relay_addr: Multiaddr) -> None:
+    def __init__(self, stream: INetStream, *, initiator: bool, relay_addr: Multiaddr,
+                 answer: Callable[[], Awaitable[None]] | None = None) -> None:
         self.stream = stream
         self.is_initiator = initiator
         self._addr = relay_addr
+        #: The relay's answer to a CONNECT written without waiting for it (see
+        #: :meth:`RelayClient.dial`): read and checked in front of the first bytes.
+        self._answer = answer
+        #: Why the relay refused, once the answer said so.
+        self.refusal: RelayError | None = None
 
     async def read(self, n: int | None = None) -> bytes:
+        if self._answer is not None:
+            answer, self._answer = self._answer, None
+            try:
+                await answer()
+            except RelayError as e:
+                self.refusal = e
+                raise
         try:
             return await self.stream.read(n)
         except EOFError:
@@ -275,23 +289,32 @@ class RelayClient:
         except DialError as e:
             raise RelayError(f"cannot reach relay {relay}: {e}") from e
         stream = await self._node.new_stream(relay, HOP_PROTOCOL)
+
+        async def answer() -> None:
+            try:
+                reply = await read_message(stream, pb.HopMessage, timeout=self._timeout)
+            except Exception as e:
+                raise RelayError(f"relay {relay} did not answer a CONNECT to {target}: {e}") from e
+            if reply.type != pb.HopMessage.STATUS or reply.status != pb.OK:
+                raise RelayError(f"relay {relay} could not connect us to {target}: {describe_status(reply.status)}",
+                                 reply.status)
+
+        # The CONNECT and the security handshake's first message go out together, without
+        # waiting for the relay's answer (read in front of the first bytes back): a relay reads
+        # the CONNECT and not a byte more (the spec's readers are unbuffered for this), and ours
+        # forwards the rest behind its STOP, so the handshake's first round trip rides on the
+        # relay's: the dialer holds a relayed connection one round trip through the relay after it
+        # asks, not two.
+        raw = CircuitConnection(stream, initiator=True, relay_addr=Multiaddr(f"/p2p/{relay}/p2p-circuit"),
+                                answer=answer)
         try:
             with trio.fail_after(self._timeout):
                 await write_message(stream, pb.HopMessage(type=pb.HopMessage.CONNECT, peer=pb.Peer(id=target.to_bytes())))
-                reply = await read_message(stream, pb.HopMessage, timeout=self._timeout)
-        except Exception as e:
-            await finish_quietly(stream.reset)
-            raise RelayError(f"relay {relay} did not answer a CONNECT to {target}: {e}") from e
-        if reply.type != pb.HopMessage.STATUS or reply.status != pb.OK:
-            await finish_quietly(stream.reset)
-            raise RelayError(f"relay {relay} could not connect us to {target}: {describe_status(reply.status)}",
-                             reply.status)
-        raw = CircuitConnection(stream, initiator=True, relay_addr=Multiaddr(f"/p2p/{relay}/p2p-circuit"))
-        try:
-            with trio.fail_after(self._timeout):
                 conn = await self._node.host.upgrade_outbound_connection(raw, target)
         except Exception as e:
             await finish_quietly(stream.reset)
+            if raw.refusal is not None:
+                raise raw.refusal from e
             raise RelayError(f"relayed connection to {target} via {relay} failed to upgrade: {e}") from e
         self.counts["relayed_out"] += 1
         return conn

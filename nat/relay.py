@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -296,40 +296,55 @@ class RelayService:
             if stop is None:
                 await self._status(stream, pb.CONNECTION_FAILED, "target did not accept", kind="connection")
                 return
-            try:
-                await write_message(stream, pb.HopMessage(type=pb.HopMessage.STATUS, status=pb.OK, limit=self.limit))
-            except Exception:
-                await finish_quietly(stop.reset)
-                await finish_quietly(stream.reset)
-                return
-            self.stats.circuits_total += 1
-            self.stats.responses[("connection", "OK")] += 1
-            await self._bridge(stream, stop)
+            await self._bridge(stream, stop, accepted=lambda: self._accepted(stream, stop, target))
         finally:
             self.admission.close_circuit(source, target)
 
     async def _open_stop(self, source: ID, target: ID) -> INetStream | None:
-        stop: INetStream | None = None
+        """A STOP stream to ``target`` with its CONNECT written (the answer is :meth:`_accepted`'s)."""
         with trio.move_on_after(self.config.connect_timeout):
             try:
                 stop = await self._node.new_stream(target, STOP_PROTOCOL)
                 await write_message(
                     stop, pb.StopMessage(type=pb.StopMessage.CONNECT, peer=pb.Peer(id=source.to_bytes()), limit=self.limit)
                 )
-                reply = await read_message(stop, pb.StopMessage, timeout=self.config.connect_timeout)
+                return stop
             except Exception as e:
                 log.info("STOP to %s failed: %s", target, e)
-            else:
-                if reply.type == pb.StopMessage.STATUS and reply.status == pb.OK:
-                    return stop
-        if stop is not None:
-            await finish_quietly(stop.reset)
         return None
+
+    async def _accepted(self, hop: INetStream, stop: INetStream, target: ID) -> bool:
+        """Read the target's answer to the STOP and pass it to the source: OK (the circuit is
+        up) or CONNECTION_FAILED (the HOP stream is then closed)."""
+        try:
+            reply = await read_message(stop, pb.StopMessage, timeout=self.config.connect_timeout)
+            ok = reply.type == pb.StopMessage.STATUS and reply.status == pb.OK
+        except Exception as e:
+            log.info("STOP to %s failed: %s", target, e)
+            ok = False
+        if not ok:
+            await self._status(hop, pb.CONNECTION_FAILED, "target did not accept", kind="connection")
+            return False
+        try:
+            await write_message(hop, pb.HopMessage(type=pb.HopMessage.STATUS, status=pb.OK, limit=self.limit))
+        except Exception:
+            return False
+        self.stats.circuits_total += 1
+        self.stats.responses[("connection", "OK")] += 1
+        return True
 
     # ---------------------------------------------------------------- bridging
 
-    async def _bridge(self, a: INetStream, b: INetStream) -> None:
-        """Copy bytes both ways until both sides end; reset both on a limit or a failure."""
+    async def _bridge(self, a: INetStream, b: INetStream, accepted: Callable[[], Awaitable[bool]]) -> None:
+        """Copy bytes both ways until both sides end; reset both on a limit or a failure.
+
+        ``a``'s bytes go to ``b`` at once, behind the STOP's CONNECT, before ``b`` accepts: a
+        source that writes its security handshake's first message with its CONNECT (as ours
+        do) saves a round trip through the relay, and a target reads its STOP message and not
+        a byte more (the spec's readers are unbuffered for this). ``b``'s bytes go to ``a``
+        only once ``accepted`` has answered ``a`` OK, so the source reads its answer first; a
+        refusal ends the circuit (``b`` reset, ``a`` closed behind its answer).
+        """
         cfg = self.config
         failed = False
 
@@ -367,7 +382,12 @@ class RelayService:
         with trio.move_on_after(cfg.circuit_duration or float("inf")) as scope:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(pump, a, b)
-                nursery.start_soon(pump, b, a)
+                if await accepted():
+                    nursery.start_soon(pump, b, a)
+                else:
+                    nursery.cancel_scope.cancel()
+                    await finish_quietly(b.reset)
+                    return
         if scope.cancelled_caught:
             self.stats.limits_hit["duration"] += 1
         if failed or scope.cancelled_caught:

@@ -499,6 +499,86 @@ async def test_client_facing_a_relay_that_refuses_or_drops(answer, status, words
         assert await b.ping(relay.peer_id) > 0
 
 
+@pytest.mark.parametrize(
+    ("answer", "status", "words"),
+    [
+        (frame(pb.HopMessage(type=pb.HopMessage.STATUS, status=pb.NO_RESERVATION)), pb.NO_RESERVATION, "NO_RESERVATION"),
+        (frame(pb.HopMessage(type=pb.HopMessage.RESERVE)), pb.UNUSED, "could not connect"),
+        (None, 0, "did not answer"),
+        (b"\x04\xff\xff\xff\xff", 0, "garbled"),
+        (b"", 0, "did not answer"),
+    ],
+    ids=["no-reservation", "not-a-status", "reset", "garbled", "silent-close"],
+)
+async def test_a_dial_whose_connect_the_relay_refuses_or_drops_says_so(answer, status, words):
+    """The dialer writes its CONNECT and its handshake without waiting: the relay's answer is
+    still what a failed dial reports, not a handshake that broke."""
+    async with open_nodes(3) as (relay, a, target):
+        seen = _fake_relay(relay, answer)
+        client = RelayClient(a, RelayClientConfig(timeout=5))
+        await a.connect(relay.addrs[0])
+        with trio.fail_after(10), pytest.raises(RelayError) as info:
+            await client.dial(Multiaddr(f"{relay.addrs[0]}/p2p-circuit"), target.peer_id)
+        assert info.value.status == status and words in str(info.value)
+        assert [pb.HopMessage.FromString(m).type for m in seen] == [pb.HopMessage.CONNECT]
+        assert await a.ping(relay.peer_id) > 0
+
+
+async def test_the_dialer_writes_its_handshake_behind_the_connect_before_the_relay_answers():
+    """One round trip through the relay saved: the security handshake's first message rides
+    with the CONNECT (read here before any answer is sent)."""
+    async with open_nodes(3) as (relay, a, target):
+        early: list[bytes] = []
+
+        async def handler(stream: INetStream) -> None:
+            await read_message(stream, pb.HopMessage)
+            with trio.move_on_after(5):
+                early.append(await stream.read(1 << 16))
+            await stream.write(frame(pb.HopMessage(type=pb.HopMessage.STATUS, status=pb.NO_RESERVATION)))
+            await stream.close()
+
+        relay.set_stream_handler(HOP_PROTOCOL, handler)
+        client = RelayClient(a, RelayClientConfig(timeout=10))
+        await a.connect(relay.addrs[0])
+        with trio.fail_after(10), pytest.raises(RelayError, match="NO_RESERVATION"):
+            await client.dial(Multiaddr(f"{relay.addrs[0]}/p2p-circuit"), target.peer_id)
+        assert early and len(early[0]) >= 32, "no handshake bytes came with the CONNECT"
+
+
+@pytest.mark.parametrize("accept", [True, False], ids=["accepted", "refused"])
+async def test_the_relay_forwards_the_sources_first_bytes_behind_the_stop_before_the_target_answers(accept):
+    """The relay's half of the saved round trip: what the source wrote behind its CONNECT
+    reaches the target right behind the STOP's CONNECT; the source reads the relay's answer
+    before anything from the target, and a refusal ends the circuit with CONNECTION_FAILED."""
+    async with relay_net(2) as net:
+        a, b = net.peers
+        await b.client.reserve(net.relay.peer_id)
+        early: list[bytes] = []
+
+        async def stop_handler(stream: INetStream) -> None:
+            msg = await read_message(stream, pb.StopMessage)
+            assert msg.type == pb.StopMessage.CONNECT
+            with trio.move_on_after(5):
+                early.append(await stream.read(1 << 16))
+            status = pb.OK if accept else pb.PERMISSION_DENIED
+            await stream.write(frame(pb.StopMessage(type=pb.StopMessage.STATUS, status=status)) + b"from the target")
+            await stream.close()
+
+        b.node.set_stream_handler(STOP_PROTOCOL, stop_handler)
+        hop = await a.node.new_stream(net.relay.peer_id, HOP_PROTOCOL)
+        await hop.write(frame(pb.HopMessage(type=pb.HopMessage.CONNECT, peer=pb.Peer(id=b.node.peer_id.to_bytes())))
+                        + b"hello, early")
+        with trio.fail_after(10):
+            reply = await read_message(hop, pb.HopMessage)
+            rest = await read_to_end(hop)
+        assert early == [b"hello, early"]
+        if accept:
+            assert reply.status == pb.OK and rest == b"from the target"
+        else:
+            assert reply.status == pb.CONNECTION_FAILED and rest == b""
+            await wait_until(lambda: net.service.metrics()["circuits"] == 0, timeout=5)
+
+
 async def test_reservation_with_forged_voucher_and_foreign_addresses():
     """A relay may lie in its reservation: the voucher is checked, other peers' addresses are dropped."""
     async with open_nodes(3) as (relay, b, other):
