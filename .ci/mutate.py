@@ -39,6 +39,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "p2p/resources.py": ("tests/test_resources_decisions.py",),
     "p2p/dht/records.py": ("tests/test_dht_records.py",),
     "p2p/dht/routing.py": ("tests/test_dht_routing.py",),
+    "p2p/dht/traversal.py": ("tests/test_dht_traversal.py",),
+    "p2p/dht/serving.py": ("tests/test_dht_serving.py",),
     "training/moe/calls.py": ("tests/test_moe_calls.py",),
     "training/moe/protocol.py": ("tests/test_moe_calls.py",),
 }

@@ -293,7 +293,8 @@ async def test_lookups_survive_peers_that_lie_in_find_replies() -> None:
                 liars.append(node)
                 # Make every honest peer route to the liar, as if it were a close server.
                 for dht in dhts:
-                    dht._add_contact(node.peer_id, node.addrs, None)
+                    dht.table.add(node.peer_id, addrs=node.addrs, ip_group=None, now=trio.current_time())
+                    dht.node.add_addrs(node.peer_id, node.addrs)
             assert await dhts[1].store("target", b"truth", later())
             for dht in dhts:
                 dht.cache.expire(later(10_000))

@@ -41,7 +41,7 @@ from multiaddr import Multiaddr
 
 from ..addresses import is_relayed, parse_peer_addr, without_peer_id
 from ..dialer import live_connection, remote_addr
-from ..errors import ConfigError, DedlocError, RemoteProtocolError
+from ..errors import ConfigError, DedlocError
 from ..hooks import ExternalAddresses, Observers, Reachability, Registration, SwarmObserver
 from ..node import Node
 from ..trio_util import unwrap_single_group
@@ -61,7 +61,9 @@ from .records import (
     owner_of,
     sign_record,
 )
-from .routing import AddStatus, DHTID, Lookup, PeerInfo, RoutingTable, ip_group
+from . import serving
+from .routing import AddResult, AddStatus, DHTID, Lookup, PeerInfo, RoutingTable
+from .traversal import Search, Traversal
 
 log = logging.getLogger(__name__)
 
@@ -126,20 +128,6 @@ class DHTConfig:
         return LocalStore(max_value_size=self.max_value_size, max_expiration_ahead=self.max_expiration_ahead,
                           max_stores_per_origin=self.max_stores_per_origin, max_bytes=self.max_bytes,
                           schema=self.schema)
-
-
-@dataclass
-class _Search:
-    """One key's (or target's) part of a traversal."""
-
-    lookup: Lookup
-    key: bytes | None = None
-    #: Stop as soon as any valid record was found (reads that accept any copy).
-    first_found: bool = False
-    #: Valid records merged with the store's own rules (newest expiration wins, per subkey).
-    found: LocalStore | None = None
-    holders: set[ID] = field(default_factory=set)
-    lacking: list[PeerInfo] = field(default_factory=list)
 
 
 class DHT:
@@ -341,7 +329,7 @@ class DHT:
         wanted = {key: DHTKey.encode(key) for key in keys}
         now = self._clock()
         result: dict[KeyLike, ValueWithExpiration | None] = {}
-        searches: dict[KeyLike, _Search] = {}
+        searches: dict[KeyLike, Search] = {}
         for key, raw in wanted.items():
             if not latest:
                 local = self._local_value(raw, now)
@@ -349,7 +337,7 @@ class DHT:
                     result[key] = local
                     continue
             parallel = max(self.config.alpha, self.config.replicas) if latest else None
-            search = _Search(self._lookup(DHTID.from_key(raw), self.config.replicas, parallel=parallel), raw,
+            search = Search(self._lookup(DHTID.from_key(raw), self.config.replicas, parallel=parallel), raw,
                              first_found=not latest, found=LocalStore(max_value_size=self.config.max_value_size,
                                                                       max_expiration_ahead=self.config.max_expiration_ahead))
             if self.server and search.found is not None:
@@ -375,7 +363,7 @@ class DHT:
     async def find_peers(self, target: int | ID, count: int | None = None) -> list[PeerInfo]:
         """The servers closest to ``target`` (an id in the key space, or a peer's id)."""
         t = DHTID.from_peer(target) if isinstance(target, ID) else DHTID(target)
-        search = _Search(self._lookup(t, count or self.config.k))
+        search = Search(self._lookup(t, count or self.config.k))
         started = trio.current_time()
         with trio.move_on_after(self.config.op_timeout) as scope:
             await self._traverse([search])
@@ -396,70 +384,29 @@ class DHT:
         return self._sender_cache[1]
 
     async def _on_find(self, request: pb.FindRequest, ctx: CallContext) -> pb.FindResponse:
-        try:
-            wire.check_batch(len(request.queries), "queries")
-            targets = [wire.query_target(q) for q in request.queries]
-            for q in request.queries:
-                if q.key:
-                    DHTKey.decode(q.key)
-        except (RemoteProtocolError, DHTError) as e:
-            raise wire.BadDHTRequest(str(e)) from None
+        serving.check_find(request)
         self._admit(ctx.peer_id, request.sender)
         self.served["find"] += 1
-        now = self._clock()
-        budget = self.node.config.max_message_size // 2
-        response = pb.FindResponse(server=self.server)
-        for query, target in zip(request.queries, targets):
-            result = response.results.add()
-            if query.key and self.server:
-                for rec in self.storage.records_at(query.key, now):
-                    if rec.size > budget:
-                        result.truncated = True
-                        continue
-                    budget -= rec.size
-                    result.records.append(rec.to_pb())
-            if not (query.first_copy and result.records):
-                result.closer.extend(wire.peer_entry(c) for c in self.table.nearest(target, exclude=[ctx.peer_id]))
-        return response
+        return serving.answer_find(request, ctx.peer_id, table=self.table, storage=self.storage, server=self.server,
+                                   now=self._clock(), budget=self.node.config.max_message_size // 2)
 
     async def _on_store(self, request: pb.StoreRequest, ctx: CallContext) -> pb.StoreResponse:
-        try:
-            wire.check_batch(len(request.records), "records")
-        except RemoteProtocolError as e:
-            raise wire.BadDHTRequest(str(e)) from None
+        serving.check_store(request)
         self._admit(ctx.peer_id, request.sender)
         self.served["store"] += 1
-        now = self._clock()
-        response = pb.StoreResponse(server=self.server)
-        for raw in request.records:
-            result = response.results.add()
-            if not self.server:
-                result.status, result.error = pb.StoreResult.REJECTED, "this peer is a DHT client and stores nothing"
-                continue
-            try:
-                stored = self.storage.store(DHTRecord.from_pb(raw), now, origin=ctx.peer_id)
-            except DHTError as e:
-                result.status, result.error = pb.StoreResult.REJECTED, str(e)
-            else:
-                result.status = pb.StoreResult.STORED if stored else pb.StoreResult.STALE
-        return response
+        return serving.answer_store(request, ctx.peer_id, storage=self.storage, server=self.server, now=self._clock())
 
     def _admit(self, peer_id: ID, sender: pb.Sender) -> None:
-        """Route to a caller only if it says it serves and came over a direct connection from where it claims to listen."""
-        if not sender.server:
-            return
-        if peer_id in self.table:
-            self.table.mark_seen(peer_id, trio.current_time())
-            return
-        observed = self._direct_remote(peer_id)
-        if observed is None:
-            return
-        addrs = wire.same_host(wire.decode_addrs(sender.addrs, direct_only=True), observed)
-        if addrs:
-            self._add_contact(peer_id, addrs, ip_group(observed))
+        """A caller that says it serves, over a direct connection from where it claims to listen, may join the table."""
+        if sender.server:
+            self._added(serving.admit_caller(self.table, peer_id, sender, self._direct_remote(peer_id),
+                                             trio.current_time()), peer_id)
 
-    def _add_contact(self, peer_id: ID, addrs: Sequence[Multiaddr], group: str | None) -> None:
-        result = self.table.add(peer_id, addrs=addrs, ip_group=group, now=trio.current_time())
+    def _added(self, added: tuple[AddResult, list[Multiaddr]] | None, peer_id: ID) -> None:
+        """Act on the table's verdict: a new contact gets our records; a full bucket's oldest contact is pinged."""
+        if added is None:
+            return
+        result, addrs = added
         if result.status is AddStatus.ADDED:
             self.node.add_addrs(peer_id, addrs)
             if self.server and len(self.storage):
@@ -509,17 +456,9 @@ class DHT:
     def _answered(self, peer_id: ID, server: bool) -> None:
         if not server:
             self._why[peer_id] = "it answered as a DHT client"
-            self.table.remove(peer_id)
-            return
-        if peer_id in self.table:
-            self.table.mark_seen(peer_id, trio.current_time())
-            return
-        observed = self._direct_remote(peer_id)
-        if observed is None:
-            return  # reached through a relay: not a server anyone could dial
-        addrs = [a for a in self.node.known_addrs(peer_id) if not is_relayed(a)][: wire.MAX_ADDRS]
-        if addrs:
-            self._add_contact(peer_id, addrs, ip_group(observed))
+        observed = None if not server or peer_id in self.table else self._direct_remote(peer_id)
+        known = self.node.known_addrs(peer_id) if observed is not None else []
+        self._added(serving.admit_answerer(self.table, peer_id, server, observed, known, trio.current_time()), peer_id)
 
     def _direct_remote(self, peer_id: ID) -> Multiaddr | None:
         """Where our live direct connection to ``peer_id`` comes from; None if none (or only relayed)."""
@@ -555,76 +494,38 @@ class DHT:
         self.table.touch(target, trio.current_time())
         return Lookup(target, width, parallel or self.config.alpha, seeds, local=self.local_id)
 
-    async def _traverse(self, searches: list[_Search]) -> None:
-        """Drive several lookups at once; one RPC per peer per round carries every query for it.
+    async def _traverse(self, searches: list[Search]) -> None:
+        """Drive several lookups at once (:class:`.traversal.Traversal` decides; this sends).
 
         Returns as soon as every lookup is done. Calls still under way then (a
         reader stopped at the first copy) finish in the background instead of
         being cancelled: cancelling resets their streams, and the next calls to
         those peers would pay for opening new ones.
         """
-        send, receive = trio.open_memory_channel[tuple[PeerInfo, list[_Search], pb.FindResponse | None]](math.inf)
+        traversal = Traversal(searches, k=self.config.k, max_records=self.storage.max_subkeys_per_key)
+        send, receive = trio.open_memory_channel[tuple[PeerInfo, list[Search], pb.FindResponse | None]](math.inf)
 
-        async def ask(peer: PeerInfo, batch: list[_Search]) -> None:
-            queries = [pb.Query(key=s.key, first_copy=s.first_found) if s.key is not None
-                       else wire.target_query(s.lookup.target) for s in batch]
-            response = await self._find(peer, queries)
+        async def ask(peer: PeerInfo, batch: list[Search]) -> None:
+            response = await self._find(peer, [s.query() for s in batch])
             try:
                 send.send_nowait((peer, batch, response))
             except (trio.ClosedResourceError, trio.BrokenResourceError):
                 pass  # the traversal is over (done, timed out or cancelled)
 
-        def launch() -> int:
-            wanted: dict[ID, tuple[PeerInfo, list[_Search]]] = {}
-            for s in searches:
-                for peer in s.lookup.next_queries():
-                    wanted.setdefault(peer.peer_id, (peer, []))[1].append(s)
-            launched = 0
-            for peer, batch in wanted.values():
-                for start in range(0, len(batch), wire.MAX_BATCH):
-                    self._nursery.start_soon(ask, peer, batch[start:start + wire.MAX_BATCH])
-                    launched += 1
-            return launched
+        def launch() -> None:
+            for peer, batch in traversal.requests():
+                self._nursery.start_soon(ask, peer, batch)
 
         with send, receive:
-            in_flight = launch()
-            while in_flight and not all(s.lookup.done for s in searches):
+            launch()
+            while not traversal.done:
                 peer, batch, response = await receive.receive()
-                in_flight -= 1
-                for i, search in enumerate(batch):
-                    if response is None:
-                        search.lookup.on_failure(peer.peer_id)
-                    else:
-                        self._take(search, peer, response.results[i])
-                in_flight += launch()
-
-    def _take(self, search: _Search, peer: PeerInfo, result: pb.FindResult) -> None:
-        held = False
-        if search.key is not None and search.found is not None:
-            now = self._clock()
-            for raw in result.records[: self.storage.max_subkeys_per_key]:
-                try:
-                    rec = DHTRecord.from_pb(raw)
-                    if rec.key != search.key:
-                        continue  # an answer to a question we did not ask
-                    search.found.store(rec, now)  # every rule a store applies, signatures included
-                    held = True
-                except DHTError as e:
-                    log.debug("DHT: dropped a bad record from %s: %s", peer.peer_id, e)
-        if held and search.first_found:
-            search.holders.add(peer.peer_id)
-            search.lookup.on_response(peer.peer_id, ())
-            search.lookup.stop()
-            return
-        search.lookup.on_response(peer.peer_id, wire.decode_peers(result.closer, self.config.k))
-        if held:
-            search.holders.add(peer.peer_id)
-        elif search.key is not None:
-            search.lacking.append(peer)
+                traversal.on_reply(peer, batch, response, self._clock())
+                launch()
 
     async def _refresh(self, *targets: DHTID) -> None:
         """Node lookups that fill and refresh the table (ourselves: our neighbourhood)."""
-        await self._traverse([_Search(self._lookup(t, self.config.k)) for t in targets])
+        await self._traverse([Search(self._lookup(t, self.config.k)) for t in targets])
 
     # ------------------------------------------------------------------ replication
 
@@ -641,7 +542,7 @@ class DHT:
             by_key[rec.key].append(i)
         # All `replicas` closest must answer anyway: ask that many at once (one round when the table knows them).
         parallel = max(self.config.alpha, self.config.replicas)
-        searches = {key: _Search(self._lookup(DHTID.from_key(key), self.config.replicas, parallel=parallel))
+        searches = {key: Search(self._lookup(DHTID.from_key(key), self.config.replicas, parallel=parallel))
                     for key in by_key}
         await self._traverse(list(searches.values()))
         stored = [False] * len(records)
@@ -686,7 +587,7 @@ class DHT:
             return True
         return int(self.local_id) ^ int(target) < int(closest[self.config.replicas - 1]) ^ int(target)
 
-    def _cache(self, search: _Search, now: float) -> None:
+    def _cache(self, search: Search, now: float) -> None:
         assert search.found is not None and search.key is not None
         records = search.found.records_at(search.key, now)
         for rec in records:

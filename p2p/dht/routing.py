@@ -12,6 +12,7 @@ lookups at peers that cannot be reached.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import hashlib
 import heapq
@@ -21,6 +22,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import chain
 
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
@@ -299,11 +301,11 @@ class RoutingTable:
         """The ``count`` (default k) contacts closest to ``target`` by XOR distance, closest first."""
         skip = set(exclude)
         t = int(target)
-        return heapq.nsmallest(
-            self.k if count is None else count,
-            (c for c in self if c.peer_id not in skip),
-            key=lambda c: int(c.dht_id) ^ t,
-        )
+        n = self.k if count is None else count
+        contacts = chain.from_iterable(b.contacts.values() for b in self._buckets if b.contacts)
+        # The n + |exclude| closest, then the excluded taken out: the same n, without testing every contact.
+        closest = heapq.nsmallest(n + len(skip), contacts, key=lambda c: c.dht_id ^ t)
+        return [c for c in closest if c.peer_id not in skip][:n] if skip else closest
 
     def stale_buckets(self, now: float, refresh_interval: float) -> list[DHTID]:
         """One random id inside each bucket not touched for ``refresh_interval``: look them up.
@@ -354,6 +356,13 @@ class _State(enum.Enum):
     FAILED = 3
 
 
+@dataclass(slots=True)
+class _Candidate:
+    info: PeerInfo
+    distance: int
+    state: _State = _State.NEW
+
+
 class Lookup:
     """An iterative parallel Kademlia lookup, sans-I/O.
 
@@ -371,6 +380,9 @@ class Lookup:
     (``PeerInfo``), so a liar cannot place fake contacts near the target
     without grinding keys. Fake far-away contacts only cost queries that fail,
     and can never displace the honest closer peers once those are known.
+
+    Candidates are kept sorted by distance, so each step reads the first k live ones
+    instead of ranking them all (at ten thousand peers, ranking was most of a lookup's CPU).
     """
 
     def __init__(
@@ -387,9 +399,10 @@ class Lookup:
         self.k, self.alpha = k, alpha
         self._local = local
         self._excluded = set(exclude)
-        self._peers: dict[ID, PeerInfo] = {}
-        self._state: dict[ID, _State] = {}
+        self._by_peer: dict[ID, _Candidate] = {}
+        self._sorted: list[_Candidate] = []  # by distance to the target, closest first
         self._stopped = False
+        self.in_flight = 0
         self.queries = 0
         self._add_candidates(seeds, limit=None)
 
@@ -397,25 +410,27 @@ class Lookup:
         """New candidates, at most ``limit``: never ourselves, an excluded peer or one already known
         (the peer answering is one: it was queried)."""
         added = 0
+        t = int(self.target)
         for peer in peers:
             if limit is not None and added >= limit:
                 break
             pid = peer.peer_id
-            if pid in self._excluded or pid in self._peers or peer.dht_id == self._local:
+            if pid in self._excluded or pid in self._by_peer or peer.dht_id == self._local:
                 continue
-            self._peers[pid] = peer
-            self._state[pid] = _State.NEW
+            candidate = _Candidate(peer, int(peer.dht_id) ^ t)
+            self._by_peer[pid] = candidate
+            bisect.insort(self._sorted, candidate, key=_distance)
             added += 1
         return added
 
-    def _closest_live(self) -> list[ID]:
-        t = int(self.target)
-        live = (pid for pid, s in self._state.items() if s is not _State.FAILED)
-        return heapq.nsmallest(self.k, live, key=lambda pid: int(self._peers[pid].dht_id) ^ t)
-
-    @property
-    def in_flight(self) -> int:
-        return sum(1 for s in self._state.values() if s is _State.IN_FLIGHT)
+    def _closest_live(self) -> list[_Candidate]:
+        out: list[_Candidate] = []
+        for candidate in self._sorted:
+            if candidate.state is not _State.FAILED:
+                out.append(candidate)
+                if len(out) == self.k:
+                    break
+        return out
 
     def next_queries(self) -> list[PeerInfo]:
         """Peers to query now (marked in flight); empty when alpha are already in flight or done."""
@@ -423,27 +438,32 @@ class Lookup:
             return []
         budget = self.alpha - self.in_flight
         out: list[PeerInfo] = []
-        for pid in self._closest_live():
+        for candidate in self._closest_live():
             if budget <= 0:
                 break
-            if self._state[pid] is _State.NEW:
-                self._state[pid] = _State.IN_FLIGHT
-                out.append(self._peers[pid])
+            if candidate.state is _State.NEW:
+                candidate.state = _State.IN_FLIGHT
+                out.append(candidate.info)
                 budget -= 1
+        self.in_flight += len(out)
         self.queries += len(out)
         return out
 
     def on_response(self, peer: ID, closer_peers: Iterable[PeerInfo]) -> int:
         """``peer`` answered with ``closer_peers``; returns how many new candidates were taken."""
-        if self._stopped or self._state.get(peer) is not _State.IN_FLIGHT:
+        candidate = self._by_peer.get(peer)
+        if self._stopped or candidate is None or candidate.state is not _State.IN_FLIGHT:
             return 0  # unsolicited, a late duplicate, or after stop()
-        self._state[peer] = _State.RESPONDED
+        candidate.state = _State.RESPONDED
+        self.in_flight -= 1
         return self._add_candidates(closer_peers, limit=self.k)
 
     def on_failure(self, peer: ID) -> None:
         """``peer`` timed out or errored; it is dropped from the result and never retried."""
-        if self._state.get(peer) is _State.IN_FLIGHT:
-            self._state[peer] = _State.FAILED
+        candidate = self._by_peer.get(peer)
+        if candidate is not None and candidate.state is _State.IN_FLIGHT:
+            candidate.state = _State.FAILED
+            self.in_flight -= 1
 
     def stop(self) -> None:
         """End early (e.g. a value lookup found its value); in-flight replies are then ignored."""
@@ -453,10 +473,18 @@ class Lookup:
     def done(self) -> bool:
         if self._stopped:
             return True
-        return all(self._state[pid] is _State.RESPONDED for pid in self._closest_live())
+        return all(c.state is _State.RESPONDED for c in self._closest_live())
 
     def result(self) -> list[PeerInfo]:
         """The (up to) k closest peers that answered, closest first."""
-        t = int(self.target)
-        ok = (pid for pid, s in self._state.items() if s is _State.RESPONDED)
-        return [self._peers[pid] for pid in heapq.nsmallest(self.k, ok, key=lambda p: int(self._peers[p].dht_id) ^ t)]
+        out: list[PeerInfo] = []
+        for candidate in self._sorted:
+            if candidate.state is _State.RESPONDED:
+                out.append(candidate.info)
+                if len(out) == self.k:
+                    break
+        return out
+
+
+def _distance(candidate: _Candidate) -> int:
+    return candidate.distance

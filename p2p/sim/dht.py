@@ -1,0 +1,384 @@
+"""The DHT at internet scale: thousands of peers running the project's routing table, lookups,
+traversal, serving rules and record store over the modelled network of :mod:`.network`.
+
+What runs here is the DHT's own sans-I/O code (:mod:`p2p.dht.routing`, :mod:`p2p.dht.traversal`,
+:mod:`p2p.dht.serving`, :mod:`p2p.dht.records`); this module only delivers its messages
+(after the modelled delays, or never) and plays the I/O shell's small schedule
+(:class:`p2p.dht.DHT`: join by pinging the initial peers then looking up our own id and three
+far buckets; refresh stale buckets every maintenance pass; ping a full bucket's oldest contact).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from libp2p.peer.id import ID
+from multiaddr import Multiaddr
+
+from ..dht import protocol as wire
+from ..dht.dht import DHTConfig
+from ..dht.proto import dht_pb2 as pb
+from ..dht.records import DHTKey, DHTRecord, LocalStore
+from ..dht.routing import AddResult, AddStatus, DHTID, Lookup, PeerInfo, RoutingTable
+from ..dht.serving import admit_answerer, admit_caller, answer_find, answer_store, check_find, check_store
+from ..dht.traversal import Search, Traversal
+from .engine import Engine
+from .network import Kind, NetworkModel, Place
+
+#: Wall-clock time of the simulation's start (records' expirations are wall-clock).
+EPOCH = 1_800_000_000.0
+#: A connection costs this many round trips before the first request (TCP, then Noise with
+#: the muxer agreed inside it: the network layer's measured 2.1).
+CONNECT_RTTS = 2.0
+
+
+@dataclass
+class SimPeer:
+    index: int
+    peer_id: ID
+    dht_id: DHTID
+    addr: Multiaddr
+    place: Place
+    kind: Kind
+    table: RoutingTable
+    storage: LocalStore
+    joined: float
+    alive: bool = True
+    connected: set[int] = field(default_factory=set)
+    pinging: set[ID] = field(default_factory=set)
+
+    @property
+    def server(self) -> bool:
+        return self.kind is not Kind.UNREACHABLE
+
+    @property
+    def answers(self) -> bool:
+        return self.alive and self.kind is Kind.PUBLIC
+
+
+@dataclass
+class DHTSimConfig:
+    peers: int = 1000
+    seed: int = 0
+    dht: DHTConfig = field(default_factory=lambda: DHTConfig(replicas=20))
+    #: Initial peers everyone joins through (they answer and never leave, as public bootstrap nodes).
+    bootstrap: int = 4
+    #: The first ``peers`` join at random times within this many seconds.
+    join_spread_s: float = 600.0
+    #: Sessions end (lengths drawn from the model) and each peer that leaves is replaced by a
+    #: new one, keeping the size; False: a static network.
+    churn: bool = True
+
+
+class DHTSim:
+    """``peers`` DHT peers on :class:`NetworkModel`; :meth:`run` advances simulated time."""
+
+    def __init__(self, config: DHTSimConfig, model: NetworkModel | None = None) -> None:
+        self.config = config
+        self.model = model or NetworkModel().calibrate(config.seed)
+        self.rng = random.Random(config.seed)
+        self.engine = Engine()
+        self.peers: list[SimPeer] = []
+        self.by_id: dict[ID, SimPeer] = {}
+        self.calls = 0
+        self.timeouts = 0
+        self._next_ip = 0
+        self._senders: dict[int, pb.Sender] = {}
+        for _ in range(config.bootstrap):
+            self._spawn(kind=Kind.PUBLIC, at=0.0, session=None)
+        for _ in range(config.peers - config.bootstrap):
+            self._spawn(kind=None, at=self.rng.uniform(0, config.join_spread_s), session=-1.0)
+
+    # ------------------------------------------------------------------ peers
+
+    @property
+    def now(self) -> float:
+        return self.engine.now
+
+    def wall(self) -> float:
+        return EPOCH + self.engine.now
+
+    def _spawn(self, *, kind: Kind | None, at: float, session: float | None) -> None:
+        """A peer joins ``at`` seconds from now; ``session``: None stays, -1 draws its length."""
+        self.engine.at(at, self._join, kind, session)
+
+    def _join(self, kind: Kind | None, session: float | None) -> None:
+        rng = self.rng
+        peer_id = ID(b"\x00\x24" + rng.randbytes(36))  # an identity multihash: no key needed
+        self._next_ip += 1
+        n = self._next_ip
+        addr = Multiaddr(f"/ip4/{11 + (n >> 16) % 200}.{(n >> 8) & 255}.{n & 255}.{rng.randrange(1, 255)}/tcp/4001")
+        dht_id = DHTID.from_peer(peer_id)
+        peer = SimPeer(len(self.peers), peer_id, dht_id, addr, self.model.place(rng), kind or self.model.kind(rng),
+                       RoutingTable(dht_id, k=self.config.dht.k, rng=random.Random(rng.random())),
+                       self.config.dht.local_store(), joined=self.now)
+        self.peers.append(peer)
+        self.by_id[peer_id] = peer
+        if peer.index >= self.config.bootstrap:
+            self._bootstrap(peer)
+        if session is not None and self.config.churn:
+            length = self.model.session_s(rng) if session < 0 else session
+            self.engine.at(length, self._leave, peer)
+        self.engine.at(self.config.dht.maintenance_interval * (0.5 + rng.random()), self._maintain, peer)
+
+    def _leave(self, peer: SimPeer) -> None:
+        peer.alive = False
+        if self.config.churn:
+            self._spawn(kind=None, at=0.0, session=-1.0)
+
+    def _sender(self, peer: SimPeer) -> pb.Sender:
+        sender = self._senders.get(peer.index)
+        if sender is None:
+            sender = pb.Sender(server=peer.server, addrs=wire.encode_addrs([peer.addr]) if peer.server else [])
+            self._senders[peer.index] = sender
+        return sender
+
+    # ------------------------------------------------------------------ the I/O shell's schedule
+
+    def _bootstrap(self, peer: SimPeer) -> None:
+        seeds = [self.peers[i] for i in range(self.config.bootstrap)]
+        pending = len(seeds)
+
+        def pinged(_: pb.FindResponse | None) -> None:
+            nonlocal pending
+            pending -= 1
+            if pending == 0 and len(peer.table):
+                targets = [peer.dht_id, *(peer.table.random_id_in_bucket(i) for i in (255, 254, 253))]
+                self.refresh(peer, targets, lambda: None)
+
+        for seed in seeds:
+            self.find(peer, seed.peer_id, [wire.target_query(peer.dht_id)], pinged)
+
+    def _maintain(self, peer: SimPeer) -> None:
+        if not peer.alive:
+            return
+        cfg = self.config.dht
+        peer.storage.expire(self.wall())
+        stale = peer.table.stale_buckets(self.now, cfg.refresh_interval)[:8]
+        if stale:
+            self.refresh(peer, stale, lambda: None)
+        self.engine.at(cfg.maintenance_interval, self._maintain, peer)
+
+    def _added(self, peer: SimPeer, added: tuple[AddResult, list[Multiaddr]] | None) -> None:
+        if added is None:
+            return
+        result = added[0]
+        if result.status is AddStatus.CACHED and result.ping_candidate is not None:
+            oldest = result.ping_candidate.peer_id
+            if oldest not in peer.pinging:
+                peer.pinging.add(oldest)
+
+                def checked(response: pb.FindResponse | None) -> None:
+                    peer.pinging.discard(oldest)
+                    if response is None:
+                        peer.table.remove(oldest)
+
+                self.find(peer, oldest, [wire.target_query(peer.dht_id)], checked)
+
+    # ------------------------------------------------------------------ calls
+
+    def find(self, a: SimPeer, target: ID, queries: list[pb.Query], done: Callable[[pb.FindResponse | None], None]) -> None:
+        """``a`` calls ``dht.find`` on ``target``: the answer after the modelled delays, or None at the RPC timeout."""
+        self.calls += 1
+        timeout = self.config.dht.rpc_timeout
+        b = self.by_id.get(target)
+        request = pb.FindRequest(sender=self._sender(a), queries=queries)
+        if b is None or not b.alive or (b.kind is Kind.UNREACHABLE and b.index not in a.connected):
+            self.engine.at(timeout, self._failed, a, target, done)
+            return
+        rtt = self.model.rtt(a.place, b.place)
+        setup = 0.0 if b.index in a.connected else CONNECT_RTTS * rtt
+        a.connected.add(b.index)
+        b.connected.add(a.index)
+        there = setup + self.model.one_way(a.place, b.place, self.rng)
+        if b.kind is Kind.SILENT or there >= timeout:
+            self.engine.at(timeout, self._failed, a, target, done)
+            return
+        self.engine.at(there, self._serve, a, b, request, done, self.now + timeout)
+
+    def _serve(self, a: SimPeer, b: SimPeer, request: pb.FindRequest, done: Callable[[pb.FindResponse | None], None],
+               deadline: float) -> None:
+        if not b.alive:
+            self.engine.at(deadline - self.now, self._failed, a, b.peer_id, done)
+            return
+        check_find(request)
+        self._added(b, admit_caller(b.table, a.peer_id, request.sender, a.addr, self.now))
+        response = answer_find(request, a.peer_id, table=b.table, storage=b.storage, server=b.server,
+                               now=self.wall(), budget=2 * 1024 * 1024)
+        back = self.model.one_way(b.place, a.place, self.rng)
+        if self.now + back >= deadline:
+            self.engine.at(deadline - self.now, self._failed, a, b.peer_id, done)
+        else:
+            self.engine.at(back, self._answered, a, b, response, done)
+
+    def _answered(self, a: SimPeer, b: SimPeer, response: pb.FindResponse, done: Callable[[pb.FindResponse | None], None]) -> None:
+        if not a.alive:
+            return
+        self._added(a, admit_answerer(a.table, b.peer_id, response.server, b.addr, [b.addr], self.now))
+        done(response)
+
+    def _failed(self, a: SimPeer, target: ID, done: Callable[[pb.FindResponse | None], None]) -> None:
+        self.timeouts += 1
+        if not a.alive:
+            return
+        a.table.mark_failed(target)
+        done(None)
+
+    def store_at(self, a: SimPeer, target: ID, records: list[DHTRecord], done: Callable[[bool], None]) -> None:
+        """``a`` calls ``dht.store`` on ``target`` (same delays and failures as :meth:`find`)."""
+        b = self.by_id.get(target)
+        timeout = self.config.dht.rpc_timeout
+        if b is None or not b.answers or (b.kind is Kind.UNREACHABLE and b.index not in a.connected):
+            self.engine.at(timeout, done, False)
+            return
+        rtt = self.model.rtt(a.place, b.place)
+        setup = 0.0 if b.index in a.connected else CONNECT_RTTS * rtt
+        a.connected.add(b.index)
+        b.connected.add(a.index)
+        there = setup + self.model.one_way(a.place, b.place, self.rng)
+        back = self.model.one_way(b.place, a.place, self.rng)
+        request = pb.StoreRequest(sender=self._sender(a), records=[r.to_pb() for r in records])
+
+        def serve() -> None:
+            if not b.alive:
+                self.engine.at(timeout - there, done, False)
+                return
+            check_store(request)
+            response = answer_store(request, a.peer_id, storage=b.storage, server=b.server, now=self.wall())
+            ok = all(r.status != pb.StoreResult.REJECTED for r in response.results)
+            self.engine.at(back, done, ok) if there + back < timeout else self.engine.at(timeout - there, done, False)
+
+        self.engine.at(there, serve)
+
+    # ------------------------------------------------------------------ operations
+
+    def _lookup(self, peer: SimPeer, target: DHTID, width: int, parallel: int | None = None) -> Lookup:
+        cfg = self.config.dht
+        seeds = [c.info for c in peer.table.nearest(target, cfg.k)]
+        peer.table.touch(target, self.now)
+        return Lookup(target, width, parallel or cfg.alpha, seeds, local=peer.dht_id)
+
+    def traverse(self, peer: SimPeer, searches: list[Search], finished: Callable[[], None]) -> None:
+        """Drive ``searches`` with the DHT's :class:`Traversal`, as ``DHT._traverse`` does."""
+        traversal = Traversal(searches, k=self.config.dht.k, max_records=peer.storage.max_subkeys_per_key)
+        over = False
+
+        def launch() -> None:
+            for info, batch in traversal.requests():
+                self.find(peer, info.peer_id, [s.query() for s in batch], _bound(reply, info, batch))
+
+        def reply(info: PeerInfo, batch: list[Search], response: pb.FindResponse | None) -> None:
+            nonlocal over
+            if over:
+                return
+            if response is not None and len(response.results) != len(batch):
+                response = None
+            traversal.on_reply(info, batch, response, self.wall())
+            if traversal.done:
+                over = True
+                finished()
+            else:
+                launch()
+
+        launch()
+        if traversal.done and not over:
+            over = True
+            finished()
+
+    def refresh(self, peer: SimPeer, targets: list[DHTID], finished: Callable[[], None]) -> None:
+        self.traverse(peer, [Search(self._lookup(peer, t, self.config.dht.k)) for t in targets], finished)
+
+    def get(self, peer: SimPeer, key: bytes, finished: Callable[[float, bool], None]) -> None:
+        """A first-copy read of ``key``; ``finished(seconds, found)``."""
+        started = self.now
+        cfg = self.config.dht
+        found = LocalStore(max_value_size=cfg.max_value_size, max_expiration_ahead=cfg.max_expiration_ahead)
+        search = Search(self._lookup(peer, DHTID.from_key(key), cfg.replicas), key, first_found=True, found=found)
+        self.traverse(peer, [search],
+                      lambda: finished(self.now - started, found.found(key, self.wall()) is not None))
+
+    def store(self, peer: SimPeer, record: DHTRecord, finished: Callable[[float, list[ID]], None]) -> None:
+        """Replicate ``record`` to the ``replicas`` closest servers found; ``finished(seconds, holders)``."""
+        started = self.now
+        cfg = self.config.dht
+        search = Search(self._lookup(peer, DHTID.from_key(record.key), cfg.replicas, max(cfg.alpha, cfg.replicas)))
+
+        def found() -> None:
+            replicas = [p.peer_id for p in search.lookup.result()[: cfg.replicas]]
+            holders: list[ID] = []
+            pending = len(replicas)
+            if not pending:
+                finished(self.now - started, holders)
+            for target in replicas:
+                def one(ok: bool, target: ID = target) -> None:
+                    nonlocal pending
+                    pending -= 1
+                    if ok:
+                        holders.append(target)
+                    if pending == 0:
+                        finished(self.now - started, holders)
+                self.store_at(peer, target, [record], one)
+
+        self.traverse(peer, [search], found)
+
+    def run(self, until: float) -> None:
+        self.engine.run(until)
+
+    # ------------------------------------------------------------------ what the network looks like
+
+    def live_servers(self) -> list[SimPeer]:
+        return [p for p in self.peers if p.answers]
+
+    def closest(self, target: int, count: int, among: list[SimPeer]) -> list[SimPeer]:
+        return heapq.nsmallest(count, among, key=lambda p: int(p.dht_id) ^ target)
+
+    def health(self, sample: int = 300) -> dict[str, float]:
+        """RFM19's measures on a sample of live servers: unreachable entries in bucket 0 (CPL 0)
+        and in non-full buckets, and how many know all (or fewer than 18) of their 20 closest."""
+        servers = self.live_servers()
+        rng = random.Random(self.config.seed + 1)
+        chosen = rng.sample(servers, min(sample, len(servers)))
+        cpl0: list[float] = []
+        nonfull: list[float] = []
+        all20 = under18 = 0
+        for p in chosen:
+            b0 = p.table.bucket(255)
+            if b0:
+                cpl0.append(sum(not self._reachable(c.peer_id) for c in b0) / len(b0))
+            for index in range(256):
+                entries = p.table.bucket(index)
+                if 0 < len(entries) < p.table.k:
+                    nonfull.extend(float(not self._reachable(c.peer_id)) for c in entries)
+            truth = self.closest(int(p.dht_id), 20, [s for s in servers if s is not p])
+            known = sum(s.peer_id in p.table for s in truth)
+            all20 += known == len(truth)
+            under18 += known < 18
+        n = max(1, len(chosen))
+        return {
+            "unreachable_in_bucket_0": statistics.fmean(cpl0) if cpl0 else 0.0,
+            "unreachable_in_non_full": statistics.fmean(nonfull) if nonfull else 0.0,
+            "know_all_20_closest": all20 / n,
+            "know_under_18_closest": under18 / n,
+            "sampled": float(len(chosen)),
+        }
+
+    def _reachable(self, peer_id: ID) -> bool:
+        peer = self.by_id.get(peer_id)
+        return peer is not None and peer.answers
+
+
+def _bound(reply: Callable[[PeerInfo, list[Search], pb.FindResponse | None], None], info: PeerInfo,
+           batch: list[Search]) -> Callable[[pb.FindResponse | None], None]:
+    return lambda response: reply(info, batch, response)
+
+
+def make_record(rng: random.Random, now_wall: float) -> DHTRecord:
+    return DHTRecord.make(f"key-{rng.getrandbits(64):016x}", b"v" * 64, now_wall + 3600)
+
+
+def raw_key(record: DHTRecord) -> bytes:
+    return record.key if isinstance(record.key, bytes) else DHTKey.encode(record.key)
