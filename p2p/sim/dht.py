@@ -185,20 +185,24 @@ class DHTSim:
         """``a`` calls ``dht.find`` on ``target``: the answer after the modelled delays, or None at the RPC timeout."""
         self.calls += 1
         timeout = self.config.dht.rpc_timeout
-        b = self.by_id.get(target)
         request = pb.FindRequest(sender=self._sender(a), queries=queries)
-        if b is None or not b.alive or (b.kind is Kind.UNREACHABLE and b.index not in a.connected):
-            self.engine.at(timeout, self._failed, a, target, done)
-            return
-        rtt = self.model.rtt(a.place, b.place)
-        setup = 0.0 if b.index in a.connected else CONNECT_RTTS * rtt
-        a.connected.add(b.index)
-        b.connected.add(a.index)
-        there = setup + self.model.one_way(a.place, b.place, self.rng)
-        if b.kind is Kind.SILENT or there >= timeout:
+        b, there = self._reach(a, target)
+        if b is None or b.kind is Kind.SILENT or there >= timeout:
             self.engine.at(timeout, self._failed, a, target, done)
             return
         self.engine.at(there, self._serve, a, b, request, done, self.now + timeout)
+
+    def _reach(self, a: SimPeer, target: ID) -> tuple[SimPeer | None, float]:
+        """The peer a call reaches and when its request arrives (a new connection first costs
+        ``CONNECT_RTTS``); None when no dial gets through (gone, or behind a NAT with no
+        connection from it)."""
+        b = self.by_id.get(target)
+        if b is None or not b.alive or (b.kind is Kind.UNREACHABLE and b.index not in a.connected):
+            return None, 0.0
+        setup = 0.0 if b.index in a.connected else CONNECT_RTTS * self.model.rtt(a.place, b.place)
+        a.connected.add(b.index)
+        b.connected.add(a.index)
+        return b, setup + self.model.one_way(a.place, b.place, self.rng)
 
     def _serve(self, a: SimPeer, b: SimPeer, request: pb.FindRequest, done: Callable[[pb.FindResponse | None], None],
                deadline: float) -> None:
@@ -230,16 +234,11 @@ class DHTSim:
 
     def store_at(self, a: SimPeer, target: ID, records: list[DHTRecord], done: Callable[[bool], None]) -> None:
         """``a`` calls ``dht.store`` on ``target`` (same delays and failures as :meth:`find`)."""
-        b = self.by_id.get(target)
         timeout = self.config.dht.rpc_timeout
-        if b is None or not b.answers or (b.kind is Kind.UNREACHABLE and b.index not in a.connected):
+        b, there = self._reach(a, target)
+        if b is None or not b.answers:
             self.engine.at(timeout, done, False)
             return
-        rtt = self.model.rtt(a.place, b.place)
-        setup = 0.0 if b.index in a.connected else CONNECT_RTTS * rtt
-        a.connected.add(b.index)
-        b.connected.add(a.index)
-        there = setup + self.model.one_way(a.place, b.place, self.rng)
         back = self.model.one_way(b.place, a.place, self.rng)
         request = pb.StoreRequest(sender=self._sender(a), records=[r.to_pb() for r in records])
 
