@@ -71,6 +71,15 @@ def test_a_client_answers_contacts_but_no_records() -> None:
     assert not response.server and not response.results[0].records and len(response.results[0].closer) == 1
 
 
+def test_the_byte_budget_is_spent_record_by_record() -> None:
+    me, caller = ids(2, seed=10)
+    records = [DHTRecord.make("k", b"z" * 100, NOW + 60, subkey=f"s{i}") for i in range(3)]
+    storage = store_with(*records)
+    response = answer_find(find(pb.Query(key=DHTKey.encode("k"))), caller, table=table_of(me, []), storage=storage,
+                           server=True, now=NOW, budget=2 * records[0].size + 1)
+    assert len(response.results[0].records) == 2 and response.results[0].truncated
+
+
 def test_records_over_the_byte_budget_are_left_out_and_the_result_says_so() -> None:
     me, caller = ids(2, seed=3)
     big = DHTRecord.make("k", b"x" * 1000, NOW + 60, subkey="a")
@@ -89,7 +98,7 @@ def test_records_over_the_byte_budget_are_left_out_and_the_result_says_so() -> N
 def test_malformed_finds_are_refused_before_anything_is_read(query: pb.Query) -> None:
     with pytest.raises(wire.BadDHTRequest):
         check_find(find(query))
-    with pytest.raises(wire.BadDHTRequest, match="queries"):
+    with pytest.raises(wire.BadDHTRequest, match=rf"^{wire.MAX_BATCH + 1} queries in one call"):
         check_find(find(*[pb.Query(key=DHTKey.encode("k"))] * (wire.MAX_BATCH + 1)))
     check_find(find(*[pb.Query(key=DHTKey.encode("k"))] * wire.MAX_BATCH))
 
@@ -100,19 +109,34 @@ def test_stores_are_answered_record_by_record() -> None:
     request = pb.StoreRequest(records=[DHTRecord.make("k", b"older", NOW + 60).to_pb(),
                                        DHTRecord.make("j", b"fresh", NOW + 60).to_pb(),
                                        DHTRecord.make("i", b"too far", NOW + 10 * 24 * 3600).to_pb()])
-    statuses = [r.status for r in answer_store(request, caller, storage=storage, server=True, now=NOW).results]
-    assert statuses == [pb.StoreResult.STALE, pb.StoreResult.STORED, pb.StoreResult.REJECTED]
+    response = answer_store(request, caller, storage=storage, server=True, now=NOW)
+    assert response.server
+    assert [r.status for r in response.results] == [pb.StoreResult.STALE, pb.StoreResult.STORED, pb.StoreResult.REJECTED]
+    assert "expiration" in response.results[2].error
     client = answer_store(request, caller, storage=LocalStore(), server=False, now=NOW)
-    assert not client.server and all(r.status == pb.StoreResult.REJECTED and "client" in r.error for r in client.results)
-    with pytest.raises(wire.BadDHTRequest, match="records"):
+    assert not client.server and len(client.results) == 3
+    assert all(r.status == pb.StoreResult.REJECTED and r.error == "this peer is a DHT client and stores nothing"
+               for r in client.results)
+    with pytest.raises(wire.BadDHTRequest, match=rf"^{wire.MAX_BATCH + 1} records in one call"):
         check_store(pb.StoreRequest(records=[request.records[0]] * (wire.MAX_BATCH + 1)))
     check_store(pb.StoreRequest(records=[request.records[0]] * wire.MAX_BATCH))
+
+
+def test_stores_count_against_the_callers_quota() -> None:
+    caller, other = ids(2, seed=8)
+    storage = LocalStore(max_stores_per_origin=1)
+    one = pb.StoreRequest(records=[DHTRecord.make("a", b"1", NOW + 60).to_pb()])
+    two = pb.StoreRequest(records=[DHTRecord.make("b", b"2", NOW + 60).to_pb()])
+    assert answer_store(one, caller, storage=storage, server=True, now=NOW).results[0].status == pb.StoreResult.STORED
+    assert answer_store(two, caller, storage=storage, server=True, now=NOW).results[0].status == pb.StoreResult.REJECTED
+    assert answer_store(two, other, storage=storage, server=True, now=NOW).results[0].status == pb.StoreResult.STORED
 
 
 def test_a_caller_is_admitted_only_as_a_server_on_the_address_it_came_from() -> None:
     me, caller = ids(2, seed=5)
     observed = Multiaddr("/ip4/8.8.8.8/tcp/5555")
-    claims = pb.Sender(server=True, addrs=wire.encode_addrs([Multiaddr("/ip4/8.8.8.8/tcp/4001"),
+    circuit = Multiaddr(f"/ip4/8.8.8.8/tcp/4002/p2p/{ids(1, seed=9)[0]}/p2p-circuit")
+    claims = pb.Sender(server=True, addrs=wire.encode_addrs([circuit, Multiaddr("/ip4/8.8.8.8/tcp/4001"),
                                                              Multiaddr("/ip4/1.2.3.4/tcp/4001")]))
     assert admit_caller(table_of(me, []), caller, pb.Sender(server=False), observed, NOW) is None
     assert admit_caller(table_of(me, []), caller, claims, None, NOW) is None  # relayed: no one could dial it
@@ -122,7 +146,9 @@ def test_a_caller_is_admitted_only_as_a_server_on_the_address_it_came_from() -> 
     added = admit_caller(table, caller, claims, observed, NOW)
     assert added is not None and added[0].status is AddStatus.ADDED
     assert [str(a) for a in added[1]] == ["/ip4/8.8.8.8/tcp/4001"] and caller in table
-    assert table.get(caller) is not None and table.get(caller).ip_group == "8.8.8.0/24"  # type: ignore[union-attr]
+    contact = table.get(caller)
+    assert contact is not None and contact.ip_group == "8.8.8.0/24" and contact.last_seen == NOW
+    assert [str(a) for a in contact.addrs] == ["/ip4/8.8.8.8/tcp/4001"]
     assert admit_caller(table, caller, claims, observed, NOW + 5) is None  # known: only marked seen
     assert table.get(caller).last_seen == NOW + 5  # type: ignore[union-attr]
 
@@ -137,5 +163,8 @@ def test_an_answer_as_a_client_removes_the_peer_and_a_direct_server_joins() -> N
     assert admit_answerer(table, peer, True, direct, [relayed], NOW) is None  # nothing direct to dial
     added = admit_answerer(table, peer, True, direct, [relayed, direct], NOW)
     assert added is not None and added[0].status is AddStatus.ADDED and added[1] == [direct]
+    contact = table.get(peer)
+    assert contact is not None and contact.ip_group == "9.9.9.0/24" and contact.last_seen == NOW
+    assert contact.addrs == (direct,)
     assert admit_answerer(table, peer, True, direct, [direct], NOW + 3) is None
     assert table.get(peer).last_seen == NOW + 3  # type: ignore[union-attr]

@@ -3,7 +3,10 @@ peer carrying every search's query, replies taken by the store's rules, failures
 
 from __future__ import annotations
 
+import logging
 import random
+
+import pytest
 
 from libp2p.peer.id import ID
 
@@ -46,6 +49,7 @@ def test_searches_that_want_the_same_peer_share_one_request_in_order() -> None:
     assert t.in_flight == 2 and not t.done
     assert [q.key for q in (s.query() for s in requests[0][1])] == [a.key, b.key]
     assert t.requests() == []  # alpha (2) in flight for each: nothing more now
+    assert t.in_flight == 2
 
 
 def test_a_target_search_asks_for_its_target_and_a_key_search_for_its_key() -> None:
@@ -70,6 +74,7 @@ def test_a_failed_call_fails_the_peer_in_every_search_it_carried_and_the_travers
     ((peer, batch),) = t.requests()
     t.on_reply(peer, batch, None, NOW)
     assert t.in_flight == 0 and t.done
+    assert a.lookup.done and b.lookup.done  # the peer failed in both: no one left to wait for
     assert a.lookup.result() == [] and b.lookup.result() == []
 
 
@@ -83,16 +88,32 @@ def test_closer_peers_are_followed_and_bounded_by_k() -> None:
     assert len(asked) == 2 and asked <= {str(o) for o in others[:4]}  # only k of the reply's peers are taken
 
 
-def test_records_are_taken_by_the_stores_rules_and_foreign_or_bad_ones_dropped() -> None:
+def test_a_reply_is_read_only_up_to_k_peers() -> None:
+    """Parsing is bounded too: entries past the first k are not read, even when the first k
+    bring nothing new (here: the answering peer itself, which the lookup ignores)."""
+    first, *others = ids(6, seed=5)
+    s = search_for(None, [PeerInfo(first)], k=4)
+    t = Traversal([s], k=4, max_records=10)
+    ((peer, batch),) = t.requests()
+    t.on_reply(peer, batch, reply(pb.FindResult(closer=entries([first] * 4 + others))), NOW)
+    assert t.requests() == [] and t.done
+
+
+def test_records_are_taken_by_the_stores_rules_and_foreign_or_bad_ones_dropped(caplog: pytest.LogCaptureFixture) -> None:
     holder, empty = ids(2, seed=2)
     s = search_for("key", [PeerInfo(holder), PeerInfo(empty)], k=2, alpha=2)
     t = Traversal([s], k=2, max_records=10)
     good = DHTRecord.make("key", b"v1", NOW + 60).to_pb()
     foreign = DHTRecord.make("other", b"x", NOW + 60).to_pb()
+    forged = DHTRecord.make("key", b"bad", NOW + 60).to_pb()
+    forged.signature = b"junk"  # a signature on a record that names no owner: refused by the store's rules
     expired = DHTRecord.make("key", b"old", NOW - 1).to_pb()
     by_peer = {str(p.peer_id): (p, batch) for p, batch in t.requests()}
     p, batch = by_peer[str(holder)]
-    t.on_reply(p, batch, reply(pb.FindResult(records=[foreign, expired, good])), NOW)
+    with caplog.at_level(logging.DEBUG, logger="p2p.dht.traversal"):
+        t.on_reply(p, batch, reply(pb.FindResult(records=[foreign, expired, forged, good])), NOW)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"DHT: dropped a bad record from {holder}: ") and len(line) > 60
     p, batch = by_peer[str(empty)]
     t.on_reply(p, batch, reply(pb.FindResult(records=[foreign])), NOW)  # holds nothing of ours
     assert t.done
@@ -107,9 +128,12 @@ def test_a_first_copy_read_stops_at_the_first_valid_record() -> None:
     s = search_for("key", [PeerInfo(a), PeerInfo(b), PeerInfo(c)], first_found=True, k=3, alpha=3)
     t = Traversal([s], k=3, max_records=10)
     requests = t.requests()
-    peer, batch = requests[0]
+    (empty, empty_batch), (peer, batch) = requests[0], requests[1]
+    t.on_reply(empty, empty_batch, reply(pb.FindResult()), NOW)
+    assert not t.done and not s.lookup.done  # no copy yet: go on
     t.on_reply(peer, batch, reply(pb.FindResult(records=[DHTRecord.make("key", b"v", NOW + 60).to_pb()])), NOW)
     assert t.done and s.lookup.done and s.holders == {peer.peer_id}
+    assert {p.peer_id for p in s.lookup.result()} == {empty.peer_id, peer.peer_id}
     assert t.requests() == []
 
 
