@@ -36,9 +36,10 @@ def _decoded(raw: bytes) -> tuple[Multiaddr, bool] | None:
     try:
         addr = Multiaddr(raw)
         str(addr)  # py-multiaddr parses bytes lazily: force it, so garbage fails here
+        relayed = is_relayed(addr)  # walks the protocols: some garbage that prints fails only here
     except Exception:
         return None
-    return addr, is_relayed(addr)
+    return addr, relayed
 
 
 def decode_addr(raw: bytes) -> Multiaddr | None:
