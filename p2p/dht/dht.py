@@ -398,9 +398,9 @@ class DHT:
 
     def _admit(self, peer_id: ID, sender: pb.Sender) -> None:
         """A caller that says it serves, over a direct connection from where it claims to listen, may join the table."""
-        if sender.server:
-            self._added(serving.admit_caller(self.table, peer_id, sender, self._direct_remote(peer_id),
-                                             trio.current_time()), peer_id)
+        # where the connection came from is looked up only when it can matter: a server not yet in the table
+        observed = self._direct_remote(peer_id) if sender.server and peer_id not in self.table else None
+        self._added(serving.admit_caller(self.table, peer_id, sender, observed, trio.current_time()), peer_id)
 
     def _added(self, added: tuple[AddResult, list[Multiaddr]] | None, peer_id: ID) -> None:
         """Act on the table's verdict: a new contact gets our records; a full bucket's oldest contact is pinged."""

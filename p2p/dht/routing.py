@@ -356,6 +356,10 @@ class _State(enum.Enum):
     FAILED = 3
 
 
+_LIVE = frozenset({_State.NEW, _State.IN_FLIGHT, _State.RESPONDED})
+_ANSWERED = frozenset({_State.RESPONDED})
+
+
 @dataclass(slots=True)
 class _Candidate:
     info: PeerInfo
@@ -423,14 +427,18 @@ class Lookup:
             added += 1
         return added
 
-    def _closest_live(self) -> list[_Candidate]:
+    def _closest(self, states: frozenset[_State]) -> list[_Candidate]:
+        """The (up to) k closest candidates in one of ``states``, closest first."""
         out: list[_Candidate] = []
         for candidate in self._sorted:
-            if candidate.state is not _State.FAILED:
+            if candidate.state in states:
                 out.append(candidate)
                 if len(out) == self.k:
                     break
         return out
+
+    def _closest_live(self) -> list[_Candidate]:
+        return self._closest(_LIVE)
 
     def next_queries(self) -> list[PeerInfo]:
         """Peers to query now (marked in flight); empty when alpha are already in flight or done."""
@@ -477,13 +485,7 @@ class Lookup:
 
     def result(self) -> list[PeerInfo]:
         """The (up to) k closest peers that answered, closest first."""
-        out: list[PeerInfo] = []
-        for candidate in self._sorted:
-            if candidate.state is _State.RESPONDED:
-                out.append(candidate.info)
-                if len(out) == self.k:
-                    break
-        return out
+        return [c.info for c in self._closest(_ANSWERED)]
 
 
 def _distance(candidate: _Candidate) -> int:
