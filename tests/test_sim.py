@@ -12,7 +12,7 @@ from libp2p.peer.id import ID
 
 from p2p.dht.routing import DHTID
 from p2p.sim import calibration as cal
-from p2p.sim.dht import DHTSim, DHTSimConfig, make_record, raw_key
+from p2p.sim.dht import DHTSim, DHTSimConfig, make_record
 from p2p.sim.engine import Engine
 from p2p.sim.network import Kind, NetworkModel
 
@@ -82,17 +82,17 @@ def test_values_stored_by_the_dhts_own_code_are_found_again(joined: DHTSim) -> N
         return lambda _, holders: stored.__setitem__(key, holders)
 
     for r in records:
-        joined.store(rng.choice(live), r, keep(raw_key(r)))
+        joined.store(rng.choice(live), r, keep(r.key))
     joined.run(joined.now + 60)
     assert len(stored) == 10
     servers = joined.live_servers()
     for r in records:
-        holders = stored[raw_key(r)]
-        truth = joined.closest(int(DHTID.from_key(raw_key(r))), 20, servers)
+        holders = stored[r.key]
+        truth = joined.closest(int(DHTID.from_key(r.key)), 20, servers)
         assert sum(t.peer_id in holders for t in truth) >= 15
     got: list[tuple[float, bool]] = []
     for r in records:
-        joined.get(rng.choice(live), raw_key(r), lambda s, found: got.append((s, found)))
+        joined.get(rng.choice(live), r.key, lambda s, found: got.append((s, found)))
     joined.run(joined.now + 60)
     assert len(got) == 10 and all(found for _, found in got)
     # the timeout bounds every call: nothing waits for a silent peer past it

@@ -22,7 +22,7 @@ from multiaddr import Multiaddr
 from ..dht import protocol as wire
 from ..dht.dht import DHTConfig
 from ..dht.proto import dht_pb2 as pb
-from ..dht.records import DHTKey, DHTRecord, LocalStore
+from ..dht.records import DHTRecord, LocalStore
 from ..dht.routing import AddResult, AddStatus, DHTID, Lookup, PeerInfo, RoutingTable
 from ..dht.serving import admit_answerer, admit_caller, answer_find, answer_store, check_find, check_store
 from ..dht.traversal import Search, Traversal
@@ -236,7 +236,7 @@ class DHTSim:
         """``a`` calls ``dht.store`` on ``target`` (same delays and failures as :meth:`find`)."""
         timeout = self.config.dht.rpc_timeout
         b, there = self._reach(a, target)
-        if b is None or not b.answers:
+        if b is None or not b.answers or there >= timeout:
             self.engine.at(timeout, done, False)
             return
         back = self.model.one_way(b.place, a.place, self.rng)
@@ -248,8 +248,10 @@ class DHTSim:
                 return
             check_store(request)
             response = answer_store(request, a.peer_id, storage=b.storage, server=b.server, now=self.wall())
-            ok = all(r.status != pb.StoreResult.REJECTED for r in response.results)
-            self.engine.at(back, done, ok) if there + back < timeout else self.engine.at(timeout - there, done, False)
+            if there + back >= timeout:  # stored, but the answer comes after the caller gave up
+                self.engine.at(timeout - there, done, False)
+            else:
+                self.engine.at(back, done, all(r.status != pb.StoreResult.REJECTED for r in response.results))
 
         self.engine.at(there, serve)
 
@@ -378,6 +380,3 @@ def _bound(reply: Callable[[PeerInfo, list[Search], pb.FindResponse | None], Non
 def make_record(rng: random.Random, now_wall: float) -> DHTRecord:
     return DHTRecord.make(f"key-{rng.getrandbits(64):016x}", b"v" * 64, now_wall + 3600)
 
-
-def raw_key(record: DHTRecord) -> bytes:
-    return record.key if isinstance(record.key, bytes) else DHTKey.encode(record.key)
