@@ -417,3 +417,27 @@ async def test_writers_republish_to_the_servers_now_closest() -> None:
         reader.cache.expire(later(10_000))
         found = await reader.get("survivor", latest=True, timeout=10)
         assert found is not None and found.value == b"v"
+
+
+async def test_silent_peers_do_not_hold_lookups_for_their_rpc_timeout() -> None:
+    """A peer that accepts the call and never answers (10% of the simulated internet's) costs a
+    lookup the reply timer's short wait, not the RPC timeout: py-libp2p's Kademlia hung every
+    lookup on one such peer, and ours waited the whole timeout whenever one was among the k closest."""
+
+    async def never(request: pb.FindRequest, ctx: CallContext) -> pb.FindResponse:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async with swarm(8, rpc_timeout=6.0) as dhts:
+        for silent in dhts[1:3]:
+            silent.node.rpc.remove(wire.FIND)
+            silent.node.rpc.add_unary(wire.FIND, pb.FindRequest, never)
+        reader = dhts[6]
+        assert all(s.node.peer_id in reader.table for s in dhts[1:3])  # among the k closest of any key
+        assert reader.replies.slow_after < 1.0  # loopback replies came in ms
+        for attempt in range(3):
+            started = trio.current_time()
+            assert await reader.get(f"absent-{attempt}") is None  # a lookup that runs to its end
+            assert await reader.store(f"key-{attempt}", b"v", later())
+            assert trio.current_time() - started < 3.0  # both; one silent peer waited for was 6 s
+        assert await dhts[7].get("key-0") is not None

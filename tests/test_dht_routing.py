@@ -497,3 +497,43 @@ def test_the_table_wide_group_count_falls_by_one_per_contact_removed() -> None:
     table.remove(a)
     assert table.add(c, ip_group=g, now=1).status is AddStatus.ADDED  # one slot freed in the table
     assert table.add(d, ip_group=g, now=1) == AddResult(AddStatus.REJECTED, f"ip group {g} limit reached in table")
+
+
+def test_a_slow_peer_frees_its_slot_and_the_lookup_stops_waiting_but_takes_its_late_answer() -> None:
+    ids = sorted(make_ids(8, 23), key=lambda p: DHTID.from_peer(p) ^ 0)  # closest to 0 first
+    lookup = Lookup(DHTID(0), 3, 2, [PeerInfo(p) for p in ids[:3]])
+    a, b = lookup.next_queries()
+    assert (a.peer_id, b.peer_id) == (ids[0], ids[1]) and lookup.in_flight == 2
+    lookup.on_slow(ids[0])  # silent so far: its slot goes to the next candidate
+    assert lookup.in_flight == 1
+    (c,) = lookup.next_queries()
+    assert c.peer_id == ids[2] and lookup.in_flight == 2
+    lookup.on_slow(ids[0])  # twice is once
+    lookup.on_slow(ids[5])  # never asked: nothing
+    assert lookup.in_flight == 2
+    lookup.on_response(ids[1], [])
+    lookup.on_response(ids[2], [])
+    # the slow peer is no longer waited for: the two that answered are the k closest live
+    assert lookup.in_flight == 0 and lookup.done
+    assert [p.peer_id for p in lookup.result()] == [ids[1], ids[2]]
+    # its late answer counts (no slot given back twice) and brings a closer peer to ask
+    closer = next(p for p in make_ids(200, 24) if DHTID.from_peer(p) ^ 0 < DHTID.from_peer(ids[0]) ^ 0)
+    assert lookup.on_response(ids[0], [PeerInfo(closer)]) == 1
+    assert lookup.in_flight == 0 and not lookup.done
+    assert [p.peer_id for p in lookup.result()] == [ids[0], ids[1], ids[2]]
+    (d,) = lookup.next_queries()
+    assert d.peer_id == closer
+
+
+def test_a_slow_peer_that_then_fails_is_dropped_without_giving_its_slot_back_twice() -> None:
+    ids = make_ids(4, 25)
+    lookup = Lookup(DHTID(0), 4, 1, [PeerInfo(p) for p in ids])
+    (first,) = lookup.next_queries()
+    lookup.on_slow(first.peer_id)
+    (second,) = lookup.next_queries()
+    lookup.on_failure(first.peer_id)
+    assert lookup.in_flight == 1  # the second's query is still the one in flight
+    assert lookup.on_response(first.peer_id, []) == 0  # failed: a reply after that is ignored
+    assert lookup.next_queries() == []
+    lookup.on_response(second.peer_id, [])
+    assert first.peer_id not in [p.peer_id for p in lookup.result()]

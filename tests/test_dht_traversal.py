@@ -14,7 +14,7 @@ from p2p.dht import protocol as wire
 from p2p.dht.proto import dht_pb2 as pb
 from p2p.dht.records import DHTKey, DHTRecord, LocalStore
 from p2p.dht.routing import DHTID, Lookup, PeerInfo
-from p2p.dht.traversal import Search, Traversal
+from p2p.dht.traversal import ReplyTimer, Search, Traversal
 
 NOW = 1_000_000.0
 
@@ -148,3 +148,36 @@ def test_records_past_the_limit_are_not_read() -> None:
     assert s.found is not None and s.key is not None
     value = s.found.found(s.key, NOW)
     assert value is not None and isinstance(value.value, dict) and len(value.value) == 1
+
+
+def test_a_slow_peer_is_reported_to_every_search_it_carried_and_its_late_reply_still_read() -> None:
+    seeds = sorted((PeerInfo(p) for p in ids(2, 7)), key=lambda i: int(i.dht_id))  # closest to 0 first
+    a, b = search_for(None, seeds, alpha=1), search_for(None, seeds, alpha=1)
+    t = Traversal([a, b], k=4, max_records=10)
+    ((peer, batch),) = t.requests()
+    assert peer == seeds[0] and batch == [a, b]
+    t.on_slow(peer, batch)
+    assert t.in_flight == 1 and not t.done  # the call itself is still under way
+    ((second, again),) = t.requests()  # each search asks the next peer meanwhile
+    assert second == seeds[1] and again == [a, b] and t.in_flight == 2
+    t.on_reply(second, again, reply(pb.FindResult(), pb.FindResult()), NOW)
+    assert t.done  # nobody waits for the slow peer
+    t.on_reply(peer, batch, reply(pb.FindResult(), pb.FindResult()), NOW)  # its late reply is read
+    assert t.in_flight == 0
+    assert [p.peer_id for p in a.lookup.result()] == [s.peer_id for s in seeds] == [p.peer_id for p in b.lookup.result()]
+
+
+def test_the_reply_timer_follows_tcps_retransmission_rule_within_its_bounds() -> None:
+    timer = ReplyTimer(floor=0.25, ceiling=3.0)
+    assert timer.slow_after == 1.0  # before any reply
+    timer.observe(0.2)  # srtt 0.2, rttvar 0.1
+    assert timer.slow_after == pytest.approx(0.6)
+    timer.observe(0.2)  # rttvar 0.75 * 0.1 + 0
+    assert timer.slow_after == pytest.approx(0.2 + 4 * 0.075)
+    for _ in range(60):
+        timer.observe(0.01)
+    assert timer.slow_after == 0.25  # the floor
+    for _ in range(3):
+        timer.observe(10.0)
+    assert timer.slow_after == 3.0  # the ceiling
+    assert ReplyTimer(initial=2.0).slow_after == 2.0

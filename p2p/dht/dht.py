@@ -63,7 +63,7 @@ from .records import (
 )
 from . import serving
 from .routing import AddResult, AddStatus, DHTID, Lookup, PeerInfo, RoutingTable
-from .traversal import Search, Traversal
+from .traversal import ReplyTimer, Search, Traversal
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +158,8 @@ class DHT:
         self._mine: dict[tuple[bytes, bytes | None], DHTRecord] = {}
         self._last_republish = trio.current_time()
         self._pinging: set[ID] = set()
+        #: when a lookup stops waiting for a peer's reply (its call goes on to rpc_timeout)
+        self.replies = ReplyTimer(ceiling=config.rpc_timeout)
         self._sender_cache: tuple[float, pb.Sender] | None = None
         #: Why the last call to a peer failed (for bootstrap's error); bounded, oldest first out.
         self._why: dict[ID, str] = {}
@@ -436,9 +438,11 @@ class DHT:
         if peer.addrs and live_connection(self.node.network, peer.peer_id) is None:
             self.node.add_addrs(peer.peer_id, peer.addrs)
         request = pb.FindRequest(sender=self._sender(), queries=queries)
+        started = trio.current_time()
         try:
             response = await self.node.rpc.call(peer.peer_id, wire.FIND, request, pb.FindResponse,
                                                 timeout=self.config.rpc_timeout)
+            self.replies.observe(trio.current_time() - started)
         except (RpcError, DedlocError) as e:
             log.debug("DHT find on %s failed: %s", peer.peer_id, e)
             self._why[peer.peer_id] = str(e)
@@ -497,20 +501,32 @@ class DHT:
     async def _traverse(self, searches: list[Search]) -> None:
         """Drive several lookups at once (:class:`.traversal.Traversal` decides; this sends).
 
-        Returns as soon as every lookup is done. Calls still under way then (a
-        reader stopped at the first copy) finish in the background instead of
-        being cancelled: cancelling resets their streams, and the next calls to
-        those peers would pay for opening new ones.
+        A call not answered within ``self.replies.slow_after`` is reported slow: the lookups
+        stop waiting for it and ask the next peers, while the call goes on (a late answer is
+        still taken). Returns as soon as every lookup is done. Calls still under way then (a
+        reader stopped at the first copy, a slow peer) finish in the background instead of
+        being cancelled: cancelling resets their streams, and the next calls to those peers
+        would pay for opening new ones.
         """
         traversal = Traversal(searches, k=self.config.k, max_records=self.storage.max_subkeys_per_key)
-        send, receive = trio.open_memory_channel[tuple[PeerInfo, list[Search], pb.FindResponse | None]](math.inf)
+        send, receive = trio.open_memory_channel[tuple[bool, PeerInfo, list[Search], pb.FindResponse | None]](math.inf)
 
-        async def ask(peer: PeerInfo, batch: list[Search]) -> None:
-            response = await self._find(peer, [s.query() for s in batch])
+        def tell(answered: bool, peer: PeerInfo, batch: list[Search], response: pb.FindResponse | None) -> None:
             try:
-                send.send_nowait((peer, batch, response))
+                send.send_nowait((answered, peer, batch, response))
             except (trio.ClosedResourceError, trio.BrokenResourceError):
                 pass  # the traversal is over (done, timed out or cancelled)
+
+        async def slow(peer: PeerInfo, batch: list[Search], after: float) -> None:
+            await trio.sleep(after)
+            tell(False, peer, batch, None)
+
+        async def ask(peer: PeerInfo, batch: list[Search]) -> None:
+            async with trio.open_nursery() as timer:
+                timer.start_soon(slow, peer, batch, self.replies.slow_after)
+                response = await self._find(peer, [s.query() for s in batch])
+                timer.cancel_scope.cancel()
+            tell(True, peer, batch, response)
 
         def launch() -> None:
             for peer, batch in traversal.requests():
@@ -519,8 +535,11 @@ class DHT:
         with send, receive:
             launch()
             while not traversal.done:
-                peer, batch, response = await receive.receive()
-                traversal.on_reply(peer, batch, response, self._clock())
+                answered, peer, batch, response = await receive.receive()
+                if answered:
+                    traversal.on_reply(peer, batch, response, self._clock())
+                else:
+                    traversal.on_slow(peer, batch)
                 launch()
 
     async def _refresh(self, *targets: DHTID) -> None:

@@ -354,10 +354,14 @@ class _State(enum.Enum):
     IN_FLIGHT = 1
     RESPONDED = 2
     FAILED = 3
+    #: asked, no answer yet, and past the caller's short timeout: its slot is free and the lookup
+    #: no longer waits for it, but a late answer is still taken
+    SLOW = 4
 
 
 _LIVE = frozenset({_State.NEW, _State.IN_FLIGHT, _State.RESPONDED})
 _ANSWERED = frozenset({_State.RESPONDED})
+_ASKED = frozenset({_State.IN_FLIGHT, _State.SLOW})
 
 
 @dataclass(slots=True)
@@ -376,6 +380,13 @@ class Lookup:
     non-failed ones, at most ``alpha`` in flight; it ends when those k closest
     have all answered (or there is no one left to ask). ``result()`` is the k
     closest that answered.
+
+    A peer that has not answered within the caller's short timeout is reported with
+    ``on_slow``: it gives up its slot and the lookup stops waiting for it (as a failed
+    one), but the call goes on to the RPC timeout and a late answer is still taken.
+    Without this a silent peer (one that accepts the connection and never answers)
+    among the k closest held every lookup that met it for the whole RPC timeout
+    (libtorrent's DHT has the same short timeout for the same reason).
 
     Defences against lying peers: no peer is ever queried twice; a reply may add
     at most ``k`` new candidates (later entries are dropped), and its references to
@@ -460,18 +471,27 @@ class Lookup:
     def on_response(self, peer: ID, closer_peers: Iterable[PeerInfo]) -> int:
         """``peer`` answered with ``closer_peers``; returns how many new candidates were taken."""
         candidate = self._by_peer.get(peer)
-        if self._stopped or candidate is None or candidate.state is not _State.IN_FLIGHT:
+        if self._stopped or candidate is None or candidate.state not in _ASKED:
             return 0  # unsolicited, a late duplicate, or after stop()
+        if candidate.state is _State.IN_FLIGHT:
+            self.in_flight -= 1
         candidate.state = _State.RESPONDED
-        self.in_flight -= 1
         return self._add_candidates(closer_peers, limit=self.k)
+
+    def on_slow(self, peer: ID) -> None:
+        """``peer`` is past the short timeout: free its slot and stop waiting for it (its call goes on)."""
+        candidate = self._by_peer.get(peer)
+        if candidate is not None and candidate.state is _State.IN_FLIGHT:
+            candidate.state = _State.SLOW
+            self.in_flight -= 1
 
     def on_failure(self, peer: ID) -> None:
         """``peer`` timed out or errored; it is dropped from the result and never retried."""
         candidate = self._by_peer.get(peer)
-        if candidate is not None and candidate.state is _State.IN_FLIGHT:
+        if candidate is not None and candidate.state in _ASKED:
+            if candidate.state is _State.IN_FLIGHT:
+                self.in_flight -= 1
             candidate.state = _State.FAILED
-            self.in_flight -= 1
 
     def stop(self) -> None:
         """End early (e.g. a value lookup found its value); in-flight replies are then ignored."""

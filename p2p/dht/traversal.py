@@ -44,6 +44,36 @@ class Search:
         return wire.target_query(self.lookup.target)
 
 
+class ReplyTimer:
+    """How long a lookup waits for a reply before it asks someone else: TCP's retransmission
+    timer (RFC 6298: smoothed reply time plus four deviations, 1 s before the first sample)
+    over this peer's ``dht.find`` replies, within ``[floor, ceiling]``.
+
+    A reply past it is still taken (:meth:`Lookup.on_slow`); the call itself ends at the RPC
+    timeout. A fixed short timeout would be too short on a slow link or too long on a fast one.
+    """
+
+    def __init__(self, *, floor: float = 0.25, ceiling: float = 3.0, initial: float = 1.0) -> None:
+        self.floor, self.ceiling = floor, ceiling
+        self._initial = initial
+        self._srtt: float | None = None
+        self._rttvar = 0.0
+
+    def observe(self, seconds: float) -> None:
+        """A reply took ``seconds`` from request to answer."""
+        if self._srtt is None:
+            self._srtt, self._rttvar = seconds, seconds / 2
+        else:
+            self._rttvar = 0.75 * self._rttvar + 0.25 * abs(self._srtt - seconds)
+            self._srtt = 0.875 * self._srtt + 0.125 * seconds
+
+    @property
+    def slow_after(self) -> float:
+        """Seconds without a reply after which the asked peer is treated as slow."""
+        timeout = self._initial if self._srtt is None else self._srtt + 4 * self._rttvar
+        return min(self.ceiling, max(self.floor, timeout))
+
+
 #: One ``dht.find`` to send: the peer and the searches whose queries it carries (in order).
 Request = tuple[PeerInfo, list[Search]]
 
@@ -79,6 +109,12 @@ class Traversal:
                 out.append((peer, batch[start:start + wire.MAX_BATCH]))
         self.in_flight += len(out)
         return out
+
+    def on_slow(self, peer: PeerInfo, batch: list[Search]) -> None:
+        """``peer`` has not answered a request from :meth:`requests` within :attr:`ReplyTimer.slow_after`:
+        the searches it carried stop waiting for it (its reply, if it comes, is still taken)."""
+        for search in batch:
+            search.lookup.on_slow(peer.peer_id)
 
     def on_reply(self, peer: PeerInfo, batch: list[Search], response: pb.FindResponse | None, now: float) -> None:
         """``peer``'s reply to a request from :meth:`requests` (None: it failed or timed out);

@@ -25,7 +25,7 @@ from ..dht.proto import dht_pb2 as pb
 from ..dht.records import DHTRecord, LocalStore
 from ..dht.routing import AddResult, AddStatus, DHTID, Lookup, PeerInfo, RoutingTable
 from ..dht.serving import admit_answerer, admit_caller, answer_find, answer_store, check_find, check_store
-from ..dht.traversal import Search, Traversal
+from ..dht.traversal import ReplyTimer, Search, Traversal
 from .engine import Engine
 from .network import Kind, NetworkModel, Place
 
@@ -50,6 +50,7 @@ class SimPeer:
     alive: bool = True
     connected: set[int] = field(default_factory=set)
     pinging: set[ID] = field(default_factory=set)
+    replies: ReplyTimer = field(default_factory=ReplyTimer)
 
     @property
     def server(self) -> bool:
@@ -190,7 +191,7 @@ class DHTSim:
         if b is None or b.kind is Kind.SILENT or there >= timeout:
             self.engine.at(timeout, self._failed, a, target, done)
             return
-        self.engine.at(there, self._serve, a, b, request, done, self.now + timeout)
+        self.engine.at(there, self._serve, a, b, request, done, self.now, self.now + timeout)
 
     def _reach(self, a: SimPeer, target: ID) -> tuple[SimPeer | None, float]:
         """The peer a call reaches and when its request arrives (a new connection first costs
@@ -205,7 +206,7 @@ class DHTSim:
         return b, setup + self.model.one_way(a.place, b.place, self.rng)
 
     def _serve(self, a: SimPeer, b: SimPeer, request: pb.FindRequest, done: Callable[[pb.FindResponse | None], None],
-               deadline: float) -> None:
+               sent: float, deadline: float) -> None:
         if not b.alive:
             self.engine.at(deadline - self.now, self._failed, a, b.peer_id, done)
             return
@@ -217,11 +218,13 @@ class DHTSim:
         if self.now + back >= deadline:
             self.engine.at(deadline - self.now, self._failed, a, b.peer_id, done)
         else:
-            self.engine.at(back, self._answered, a, b, response, done)
+            self.engine.at(back, self._answered, a, b, response, done, sent)
 
-    def _answered(self, a: SimPeer, b: SimPeer, response: pb.FindResponse, done: Callable[[pb.FindResponse | None], None]) -> None:
+    def _answered(self, a: SimPeer, b: SimPeer, response: pb.FindResponse, done: Callable[[pb.FindResponse | None], None],
+                  sent: float) -> None:
         if not a.alive:
             return
+        a.replies.observe(self.now - sent)
         self._added(a, admit_answerer(a.table, b.peer_id, response.server, b.addr, [b.addr], self.now))
         done(response)
 
@@ -264,13 +267,21 @@ class DHTSim:
         return Lookup(target, width, parallel or cfg.alpha, seeds, local=peer.dht_id)
 
     def traverse(self, peer: SimPeer, searches: list[Search], finished: Callable[[], None]) -> None:
-        """Drive ``searches`` with the DHT's :class:`Traversal`, as ``DHT._traverse`` does."""
+        """Drive ``searches`` with the DHT's :class:`Traversal`, as ``DHT._traverse`` does (slow
+        peers reported after the peer's :class:`ReplyTimer`, their calls going on)."""
         traversal = Traversal(searches, k=self.config.dht.k, max_records=peer.storage.max_subkeys_per_key)
         over = False
 
         def launch() -> None:
             for info, batch in traversal.requests():
-                self.find(peer, info.peer_id, [s.query() for s in batch], _bound(reply, info, batch))
+                answered = [False]
+                self.find(peer, info.peer_id, [s.query() for s in batch], _bound(reply, info, batch, answered))
+                self.engine.at(peer.replies.slow_after, slow, info, batch, answered)
+
+        def slow(info: PeerInfo, batch: list[Search], answered: list[bool]) -> None:
+            if not over and not answered[0]:
+                traversal.on_slow(info, batch)
+                launch()
 
         def reply(info: PeerInfo, batch: list[Search], response: pb.FindResponse | None) -> None:
             nonlocal over
@@ -373,8 +384,11 @@ class DHTSim:
 
 
 def _bound(reply: Callable[[PeerInfo, list[Search], pb.FindResponse | None], None], info: PeerInfo,
-           batch: list[Search]) -> Callable[[pb.FindResponse | None], None]:
-    return lambda response: reply(info, batch, response)
+           batch: list[Search], answered: list[bool]) -> Callable[[pb.FindResponse | None], None]:
+    def bound(response: pb.FindResponse | None) -> None:
+        answered[0] = True
+        reply(info, batch, response)
+    return bound
 
 
 def make_record(rng: random.Random, now_wall: float) -> DHTRecord:
