@@ -8,9 +8,10 @@ average after d = ceil(log_m n) rounds, and a failure costs only its group.
 
 A peer's place is d - 1 digits in base m, its *group key*: peers with the
 same key meet (matchmaking under ``<prefix>.matchmaking.<key>``). After a
-round the oldest digit is dropped and the peer's index in the group (the
-order every member agrees on) is appended, like hivemind's group bits but
-in base m. With d = 2 and m = 4, sixteen peers keyed 0, 1, 2, 3 (four each)
+round (a failed one too: the group's order was agreed when it was fixed, and
+a group that kept its key would fall out of the grid's phase) the oldest
+digit is dropped and the peer's index in the group is appended, like
+hivemind's group bits but in base m. With d = 2 and m = 4, sixteen peers keyed 0, 1, 2, 3 (four each)
 average in four groups; each group's members then carry the indexes 0..3,
 so the second round's groups hold one member of every first-round group:
 the exact average. Sans-I/O: the averager asks for the key and reports the

@@ -117,6 +117,33 @@ def test_nearest_is_exact() -> None:
         assert [c.peer_id for c in table.nearest(target, 5, exclude=want[:3])] == want[3:8]
 
 
+def test_nearest_is_exact_for_targets_in_every_tier_of_buckets() -> None:
+    ids = make_ids(3000, 26)
+    local = DHTID.from_peer(ids[0])
+    table = RoutingTable(local, k=4)
+    for pid in ids[1:]:
+        table.add(pid, now=0)
+    held = list(table)
+    assert 30 < len(held) < 200  # full buckets far away, sparse ones near us
+    rng = random.Random(27)
+    near = [DHTID(int(local) ^ rng.getrandbits(bits)) for bits in (0, 1, 3, 8, 12, 20)]  # 0 bits: ourselves
+    targets = [DHTID(rng.getrandbits(256)) for _ in range(20)] + near + [c.dht_id for c in held[:10]]
+    for target in targets:
+        want = sorted(held, key=lambda c: c.dht_id ^ target)
+        for count in (1, 4, 10, 25):
+            assert table.nearest(target, count) == want[:count], (target, count)
+        skipped = [c.peer_id for c in want[:2]]
+        assert table.nearest(target, 6, exclude=skipped) == want[2:8]
+    assert table.nearest(local, 1000) == sorted(held, key=lambda c: c.dht_id ^ local)
+    # emptying the buckets nearest us, one contact at a time (no replacements: the far buckets'
+    # caches are full, the near ones' empty): every tier still found
+    for gone in sorted(held, key=lambda c: c.dht_id ^ local)[:8]:
+        assert table.remove(gone.peer_id) is None
+        left = list(table)
+        for target in (local, near[3], held[-1].dht_id):
+            assert table.nearest(target, 6) == sorted(left, key=lambda c: c.dht_id ^ target)[:6]
+
+
 def test_refresh_ids_fall_into_stale_buckets() -> None:
     local = DHTID.from_peer(make_ids(1, 9)[0])
     table = RoutingTable(local, rng=random.Random(10))

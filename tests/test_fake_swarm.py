@@ -8,13 +8,16 @@ from __future__ import annotations
 import copy
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
 import torch
 import trio
 
 from averaging import AllreduceConfig, Averager, MatchmakingConfig, RoundReport
-from averaging.errors import MatchmakingError
+from averaging.errors import MatchmakingError, PartialAverageError
+from averaging.group import Group
+from averaging.moshpit import MoshpitConfig
 from nat import Peer, Swarm
 from training import StepReport, TrainingConfig
 
@@ -172,3 +175,57 @@ async def test_the_device_staging_path_averages_like_the_host_path(compression: 
                 assert torch.allclose(tensors[0].double(), exact[0], atol=tolerance)
                 assert torch.allclose(tensors[1].double(), exact[1], atol=1e-5)  # small: stays float32
     assert len(staged) == 6
+
+
+async def test_a_moshpit_group_whose_round_failed_still_moves_on_the_grid() -> None:
+    """A member dies mid-round in a strict step: the survivors' round fails (their values kept) and
+    they still take their next group key from the order fixed with the group. Staying on the old
+    key left them out of the grid's phase (bench/scale.py's Moshpit simulation found it)."""
+    async with fake_swarms(4) as peers:
+        size = 1_000_000
+        data = [[torch.full((size,), float(i + 1))] for i in range(4)]
+        cfg = config(4, allreduce=AllreduceConfig(chunk_elements=16 * 1024, stall_timeout=2.0, timeout=30.0),
+                     moshpit=MoshpitConfig(group_size=4, dims=3, initial=(1, 2)))
+        results: list[RoundReport | BaseException] = [RuntimeError("not run")] * 3
+        averagers = [Averager.open(p, cfg) for p in peers]
+        async with averagers[0] as a0, averagers[1] as a1, averagers[2] as a2, averagers[3] as doomed:
+            groups: list[Group] = []
+            for averager in (a0, a1, a2):
+                original = averager.matchmake
+
+                async def matchmake(*args: Any, original: Any = original, **kwargs: Any) -> Group:
+                    group: Group = await original(*args, **kwargs)
+                    groups.append(group)
+                    return group
+
+                averager.matchmake = matchmake  # type: ignore[method-assign]
+
+            async def one(i: int, averager: Averager) -> None:
+                try:
+                    results[i] = await averager.step(data[i])
+                except PartialAverageError as e:
+                    results[i] = e
+
+            async def dies() -> None:
+                with trio.CancelScope() as scope:
+                    async with trio.open_nursery() as inner:
+                        async def doomed_step() -> None:
+                            try:
+                                await doomed.step(data[3])
+                            except* Exception:
+                                pass
+                        inner.start_soon(doomed_step)
+                        await wait_until(lambda: doomed._rounds, 30)
+                        peers[3].kill()
+                        scope.cancel()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(dies)
+                for i, averager in enumerate((a0, a1, a2)):
+                    nursery.start_soon(one, i, averager)
+            assert all(isinstance(r, PartialAverageError) for r in results), results
+            assert all(bool((data[i][0] == float(i + 1)).all()) for i in range(3))  # strict: values kept
+            for averager in (a0, a1, a2):
+                group = next(g for g in groups if g.me.peer_id == averager.peer.peer_id)
+                assert group.size == 4
+                assert averager.grid is not None and averager.grid.digits == (2, group.my_index)

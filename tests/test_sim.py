@@ -12,7 +12,7 @@ from libp2p.peer.id import ID
 
 from p2p.dht.routing import DHTID
 from p2p.sim import calibration as cal
-from p2p.sim.dht import DHTSim, DHTSimConfig, make_record
+from p2p.sim.dht import DHTSim, DHTSimConfig, Stored, make_record
 from p2p.sim.engine import Engine
 from p2p.sim.network import Kind, NetworkModel
 
@@ -78,8 +78,8 @@ def test_values_stored_by_the_dhts_own_code_are_found_again(joined: DHTSim) -> N
     stored: dict[bytes, list[ID]] = {}
     records = [make_record(rng, joined.wall()) for _ in range(10)]
 
-    def keep(key: bytes) -> Callable[[float, list[ID]], None]:
-        return lambda _, holders: stored.__setitem__(key, holders)
+    def keep(key: bytes) -> Callable[[Stored], None]:
+        return lambda done: stored.__setitem__(key, done.holders)
 
     for r in records:
         joined.store(rng.choice(live), r, keep(r.key))

@@ -22,7 +22,6 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
-from itertools import chain
 
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
@@ -78,18 +77,25 @@ def ip_group(addr: Multiaddr | str | ipaddress.IPv4Address | ipaddress.IPv6Addre
     return None and are not limited, so LAN and single-host test clusters work;
     so do DNS names and relayed addresses, which cannot be grouped without I/O.
     """
-    ip: ipaddress.IPv4Address | ipaddress.IPv6Address | None
     if isinstance(addr, (ipaddress.IPv4Address, ipaddress.IPv6Address)):
-        ip = addr
-    elif isinstance(addr, str) and not addr.startswith("/"):
-        ip = ipaddress.ip_address(addr)
-    else:
-        parts = list((Multiaddr(addr) if isinstance(addr, str) else addr).items())
-        if any(proto.name == "p2p-circuit" for proto, _ in parts):
-            return None  # observed at its relay's address (which comes first): not the peer's own
-        ip = next((ipaddress.ip_address(str(value)) for proto, value in parts if proto.name in ("ip4", "ip6")), None)
-    if ip is None:
-        return None
+        return _ip_group(addr)
+    if isinstance(addr, str) and not addr.startswith("/"):
+        return _ip_group(ipaddress.ip_address(addr))
+    return _multiaddr_group((Multiaddr(addr) if isinstance(addr, str) else addr).to_bytes())
+
+
+@lru_cache(maxsize=65536)
+def _multiaddr_group(raw: bytes) -> str | None:
+    # Cached by the address's bytes: every new contact's observed address is grouped, and
+    # parsing a multiaddr is ~90 us (most of admitting a contact, at scale).
+    parts = list(Multiaddr(raw).items())
+    if any(proto.name == "p2p-circuit" for proto, _ in parts):
+        return None  # observed at its relay's address (which comes first): not the peer's own
+    ip = next((ipaddress.ip_address(str(value)) for proto, value in parts if proto.name in ("ip4", "ip6")), None)
+    return None if ip is None else _ip_group(ip)
+
+
+def _ip_group(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
     if not ip.is_global:
@@ -188,6 +194,7 @@ class RoutingTable:
         self._rng = rng or random.Random()
         self._buckets = [_Bucket() for _ in range(ID_BITS)]
         self._where: dict[ID, int] = {}  # peer -> bucket index, for contacts only
+        self._lowest = ID_BITS  # the lowest non-empty bucket (ID_BITS: none)
         self._groups: Counter[str] = Counter()
 
     def bucket_of(self, dht_id: int) -> int:
@@ -239,6 +246,7 @@ class RoutingTable:
         bucket.replacements.pop(contact.peer_id, None)
         bucket.contacts[contact.peer_id] = contact
         self._where[contact.peer_id] = index
+        self._lowest = min(self._lowest, index)
         if contact.ip_group is not None:
             bucket.groups[contact.ip_group] += 1
             self._groups[contact.ip_group] += 1
@@ -266,6 +274,8 @@ class RoutingTable:
                 del bucket.replacements[candidate.peer_id]
                 self._insert(index, candidate)
                 return candidate
+        if not bucket.contacts and index == self._lowest:
+            self._lowest = next((i for i in range(index + 1, ID_BITS) if self._buckets[i].contacts), ID_BITS)
         return None
 
     def mark_seen(self, peer_id: ID, now: float) -> None:
@@ -298,14 +308,40 @@ class RoutingTable:
             self._buckets[index].last_touched = now
 
     def nearest(self, target: int, count: int | None = None, exclude: Iterable[ID] = ()) -> list[Contact]:
-        """The ``count`` (default k) contacts closest to ``target`` by XOR distance, closest first."""
+        """The ``count`` (default k) contacts closest to ``target`` by XOR distance, closest first.
+
+        Buckets are read in tiers of strictly growing distance, so most calls rank one bucket,
+        not the table: with ``h`` the bucket ``target`` falls in, bucket ``h``'s contacts are
+        all closer than ``2**h``, those of buckets below ``h`` all within ``[2**h, 2**(h+1))``,
+        and each bucket above ``h`` is wholly farther than the one before it.
+        """
         skip = set(exclude)
         t = int(target)
         n = self.k if count is None else count
-        contacts = chain.from_iterable(b.contacts.values() for b in self._buckets if b.contacts)
-        # The n + |exclude| closest, then the excluded taken out: the same n, without testing every contact.
-        closest = heapq.nsmallest(n + len(skip), contacts, key=lambda c: c.dht_id ^ t)
-        return [c for c in closest if c.peer_id not in skip][:n] if skip else closest
+        out: list[Contact] = []
+        for tier in self._tiers(self.bucket_of(t)):
+            contacts = [c for b in tier if b.contacts for c in b.contacts.values() if c.peer_id not in skip]
+            if not contacts:
+                continue
+            want = n - len(out)
+            if len(contacts) <= want:
+                contacts.sort(key=lambda c: c.dht_id ^ t)
+                out.extend(contacts)
+            else:
+                out.extend(heapq.nsmallest(want, contacts, key=lambda c: c.dht_id ^ t))
+            if len(out) >= n:
+                break
+        return out
+
+    def _tiers(self, h: int) -> Iterator[list[_Bucket]]:
+        """Buckets grouped by distance to a target in bucket ``h``, nearest group first (see :meth:`nearest`)."""
+        buckets, lowest = self._buckets, self._lowest
+        if h >= 0:
+            yield [buckets[h]]
+            if lowest < h:
+                yield buckets[lowest:h]
+        for index in range(max(h + 1, lowest), ID_BITS):
+            yield [buckets[index]]
 
     def stale_buckets(self, now: float, refresh_interval: float) -> list[DHTID]:
         """One random id inside each bucket not touched for ``refresh_interval``: look them up.
@@ -317,7 +353,7 @@ class RoutingTable:
         """
         if not self._where:
             return []
-        lowest = max(0, min(self._where.values()) - 1)
+        lowest = max(0, self._lowest - 1)
         out: list[DHTID] = []
         for i in range(lowest, ID_BITS):
             touched = self._buckets[i].last_touched

@@ -10,6 +10,7 @@ far buckets; refresh stale buckets every maintenance pass; ping a full bucket's 
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import random
 import statistics
@@ -22,8 +23,8 @@ from multiaddr import Multiaddr
 from ..dht import protocol as wire
 from ..dht.dht import DHTConfig
 from ..dht.proto import dht_pb2 as pb
-from ..dht.records import DHTRecord, LocalStore
-from ..dht.routing import AddResult, AddStatus, DHTID, Lookup, PeerInfo, RoutingTable
+from ..dht.records import DHTRecord, LocalStore, ValueWithExpiration
+from ..dht.routing import ID_BITS, AddResult, AddStatus, DHTID, Lookup, PeerInfo, RoutingTable
 from ..dht.serving import admit_answerer, admit_caller, answer_find, answer_store, check_find, check_store
 from ..dht.traversal import ReplyTimer, Search, Traversal
 from .engine import Engine
@@ -61,6 +62,15 @@ class SimPeer:
         return self.alive and self.kind is Kind.PUBLIC
 
 
+@dataclass(frozen=True)
+class Stored:
+    """What a simulated store did: its whole time, its lookup's part, and who took the record."""
+
+    seconds: float
+    lookup_s: float
+    holders: list[ID]
+
+
 @dataclass
 class DHTSimConfig:
     peers: int = 1000
@@ -73,6 +83,16 @@ class DHTSimConfig:
     #: Sessions end (lengths drawn from the model) and each peer that leaves is replaced by a
     #: new one, keeping the size; False: a static network.
     churn: bool = True
+    #: Start from a network at steady state instead of joins: every peer online at once with its
+    #: routing table filled from the true population (random contacts of each bucket's range, up to
+    #: k, buckets last refreshed at random times) and the rest of a session found under way. A
+    #: join costs a peer ~17 lookups (its own id, three far buckets, then refreshing every bucket
+    #: it has not touched), ~300 calls: 10,000 joins do not fit the bench's minutes. Peers that
+    #: come later (churn) join through the I/O shell's schedule as in a cold start.
+    warm: bool = False
+    #: Lookups stop waiting for a peer past its :class:`ReplyTimer` (the DHT's behaviour);
+    #: False: they wait for every reply up to the RPC timeout (before the fix, for comparison).
+    reply_timer: bool = True
 
 
 class DHTSim:
@@ -89,10 +109,36 @@ class DHTSim:
         self.timeouts = 0
         self._next_ip = 0
         self._senders: dict[int, pb.Sender] = {}
+        if config.warm:
+            self._warm_start()
+            return
         for _ in range(config.bootstrap):
             self._spawn(kind=Kind.PUBLIC, at=0.0, session=None)
         for _ in range(config.peers - config.bootstrap):
             self._spawn(kind=None, at=self.rng.uniform(0, config.join_spread_s), session=-1.0)
+
+    def _warm_start(self) -> None:
+        """``config.warm``: the whole network online at time 0 with filled tables."""
+        cfg, rng = self.config, self.rng
+        for i in range(cfg.peers):
+            self._join(Kind.PUBLIC if i < cfg.bootstrap else None, None if i < cfg.bootstrap else -2.0)
+        servers = sorted((int(p.dht_id), p.index) for p in self.peers if p.server)
+        ids = [i for i, _ in servers]
+        k, interval = cfg.dht.k, cfg.dht.refresh_interval
+        for peer in self.peers:
+            local, table = int(peer.dht_id), peer.table
+            for index in range(ID_BITS - 1, -1, -1):
+                low = ((local >> (index + 1)) << (index + 1)) | ((local & (1 << index)) ^ (1 << index))
+                start, end = bisect.bisect_left(ids, low), bisect.bisect_left(ids, low + (1 << index))
+                if start == end:
+                    if len(ids) * 2.0 ** (index - ID_BITS) < 0.01:
+                        break  # ranges this small hold nobody from here down
+                    continue
+                chosen = rng.sample(range(start, end), min(end - start, 2 * k))
+                for j in chosen:  # k contacts, k more in the replacement cache
+                    other = self.peers[servers[j][1]]
+                    table.add(other.peer_id, other.dht_id, (other.addr,), None, now=0.0)
+                table.touch(table.random_id_in_bucket(index), -rng.uniform(0, interval))
 
     # ------------------------------------------------------------------ peers
 
@@ -119,10 +165,12 @@ class DHTSim:
                        self.config.dht.local_store(), joined=self.now)
         self.peers.append(peer)
         self.by_id[peer_id] = peer
-        if peer.index >= self.config.bootstrap:
+        if peer.index >= self.config.bootstrap and not (self.config.warm and self.now == 0.0):
             self._bootstrap(peer)
         if session is not None and self.config.churn:
-            length = self.model.session_s(rng) if session < 0 else session
+            # -1: a new session; -2: one found under way (the warm start's); else its length
+            length = self.model.session_s(rng) if session == -1 else \
+                self.model.residual_session_s(rng) if session == -2 else session
             self.engine.at(length, self._leave, peer)
         self.engine.at(self.config.dht.maintenance_interval * (0.5 + rng.random()), self._maintain, peer)
 
@@ -276,20 +324,24 @@ class DHTSim:
             for info, batch in traversal.requests():
                 answered = [False]
                 self.find(peer, info.peer_id, [s.query() for s in batch], _bound(reply, info, batch, answered))
-                self.engine.at(peer.replies.slow_after, slow, info, batch, answered)
+                if self.config.reply_timer:
+                    self.engine.at(peer.replies.slow_after, slow, info, batch, answered)
 
         def slow(info: PeerInfo, batch: list[Search], answered: list[bool]) -> None:
             if not over and not answered[0]:
                 traversal.on_slow(info, batch)
-                launch()
+                settle()
 
         def reply(info: PeerInfo, batch: list[Search], response: pb.FindResponse | None) -> None:
-            nonlocal over
             if over:
                 return
             if response is not None and len(response.results) != len(batch):
                 response = None
             traversal.on_reply(info, batch, response, self.wall())
+            settle()
+
+        def settle() -> None:  # after every event, as DHT._traverse's loop: done, or ask the next peers
+            nonlocal over
             if traversal.done:
                 over = True
                 finished()
@@ -306,25 +358,40 @@ class DHTSim:
 
     def get(self, peer: SimPeer, key: bytes, finished: Callable[[float, bool], None]) -> None:
         """A first-copy read of ``key``; ``finished(seconds, found)``."""
+        self.read(peer, key, lambda seconds, value: finished(seconds, value is not None))
+
+    def read(self, peer: SimPeer, key: bytes, finished: Callable[[float, ValueWithExpiration | None], None], *,
+             latest: bool = False) -> None:
+        """A read of ``key`` as ``DHT.get`` does it (``latest``: every replica asked, answers merged;
+        else the first copy); ``finished(seconds, value)``."""
         started = self.now
         cfg = self.config.dht
         found = LocalStore(max_value_size=cfg.max_value_size, max_expiration_ahead=cfg.max_expiration_ahead)
-        search = Search(self._lookup(peer, DHTID.from_key(key), cfg.replicas), key, first_found=True, found=found)
-        self.traverse(peer, [search],
-                      lambda: finished(self.now - started, found.found(key, self.wall()) is not None))
+        parallel = max(cfg.alpha, cfg.replicas) if latest else None
+        if peer.server:
+            held = peer.storage.records_at(key, self.wall())
+            if held and not latest:  # DHT.get answers a first-copy read from its own store
+                finished(0.0, peer.storage.found(key, self.wall()))
+                return
+            for rec in held:
+                found.store(rec, self.wall())
+        search = Search(self._lookup(peer, DHTID.from_key(key), cfg.replicas, parallel), key,
+                        first_found=not latest, found=found)
+        self.traverse(peer, [search], lambda: finished(self.now - started, found.found(key, self.wall())))
 
-    def store(self, peer: SimPeer, record: DHTRecord, finished: Callable[[float, list[ID]], None]) -> None:
-        """Replicate ``record`` to the ``replicas`` closest servers found; ``finished(seconds, holders)``."""
+    def store(self, peer: SimPeer, record: DHTRecord, finished: Callable[[Stored], None]) -> None:
+        """Replicate ``record`` to the ``replicas`` closest servers found, as ``DHT.store`` does."""
         started = self.now
         cfg = self.config.dht
         search = Search(self._lookup(peer, DHTID.from_key(record.key), cfg.replicas, max(cfg.alpha, cfg.replicas)))
 
         def found() -> None:
+            looked = self.now - started
             replicas = [p.peer_id for p in search.lookup.result()[: cfg.replicas]]
             holders: list[ID] = []
             pending = len(replicas)
             if not pending:
-                finished(self.now - started, holders)
+                finished(Stored(self.now - started, looked, holders))
             for target in replicas:
                 def one(ok: bool, target: ID = target) -> None:
                     nonlocal pending
@@ -332,7 +399,7 @@ class DHTSim:
                     if ok:
                         holders.append(target)
                     if pending == 0:
-                        finished(self.now - started, holders)
+                        finished(Stored(self.now - started, looked, holders))
                 self.store_at(peer, target, [record], one)
 
         self.traverse(peer, [search], found)

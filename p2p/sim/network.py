@@ -114,6 +114,14 @@ class NetworkModel:
         """How long a newly joined peer stays (Weibull through the measured churn points)."""
         return self.sessions.scale_h * 3600 * rng.weibullvariate(1.0, self.sessions.shape)
 
+    def residual_session_s(self, rng: random.Random) -> float:
+        """How much longer a peer found online in a network at steady state stays: a session drawn
+        by its length (long ones are likelier to be under way; for a Weibull the length-biased
+        length is ``scale * Gamma(1 + 1/shape) ** (1/shape)``), then a uniform point in it."""
+        shape = self.sessions.shape
+        length = self.sessions.scale_h * 3600 * rng.gammavariate(1 + 1 / shape, 1.0) ** (1 / shape)
+        return float(rng.random() * length)
+
     def rtt(self, a: Place, b: Place) -> float:
         return self.path_inflation * self._fibre[a.region][b.region] + a.access_s + b.access_s
 

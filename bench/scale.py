@@ -1,0 +1,242 @@
+"""Internet scale, simulated on the project's own code: the DHT at thousands of peers.
+
+    .venv/bin/python bench/scale.py [--peers 1000,3000,10000] [--stores 100] [--gets 300]
+        [--settle 900] [--join 600] [--seed 0] [--no-compare] [--json OUT]
+
+Each size runs :class:`p2p.sim.dht.DHTSim` (the DHT's routing table, lookups, traversal,
+serving rules and record store, driven by a virtual clock over the network model of
+``p2p/sim/network.py``, calibrated to the IPFS measurements in ``p2p/sim/calibration.py``):
+the peers join over ``--join`` seconds through four bootstrap peers, sessions end and
+new peers replace them (churn), and after ``--settle`` simulated seconds the bench
+
+* measures the routing tables as RFM19's crawl did (unreachable entries in bucket 0 and in
+  the non-full buckets, peers that know all / fewer than 18 of their 20 closest), beside
+  the crawl's figures: the calibration check (within 5 points);
+* stores ``--stores`` records (replicas = 20, as IPFS's provider records) from random live
+  peers and counts how many of the 20 closest live servers took each;
+* reads each back ``--gets`` times in all (first copy, as an IPFS content lookup) from random
+  live peers: p50 / p95 / mean seconds beside IPFS's 0.62 s mean;
+* counts the *stalled* lookups: a get, or a store's lookup, that took the RPC timeout (3 s)
+  or longer, which is what one silent peer among the closest did before the reply timer.
+
+With compare on (the default) the smallest size runs a second time with lookups that wait
+for every reply (``DHTSimConfig.reply_timer=False``: the DHT before the fix), so the table
+shows what the simulation found. Simulated seconds cost CPU seconds; each size prints both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from averaging.matchmaking import MatchmakingConfig  # noqa: E402
+from averaging.moshpit import GridPosition, expected_rounds, rounds_to_average  # noqa: E402
+from averaging.sim.matchmaking import MatchmakingSim, Outcome, summary  # noqa: E402
+from averaging.sim.moshpit import Grouping, MoshpitSimConfig, Positions, simulate  # noqa: E402
+from p2p.dht.routing import DHTID  # noqa: E402
+from p2p.sim import calibration as cal  # noqa: E402
+from p2p.sim.dht import DHTSim, DHTSimConfig, Stored, make_record  # noqa: E402
+
+#: The issue's goals for the same operations.
+GOAL_LOOKUP_P50_S = 0.3
+GOAL_LOOKUP_P95_S = 1.0
+GOAL_REPLICAS = 19
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def dht_at(peers: int, args: argparse.Namespace, *, reply_timer: bool = True) -> dict[str, Any]:
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    sim = DHTSim(DHTSimConfig(peers=peers, seed=args.seed, join_spread_s=args.join, reply_timer=reply_timer,
+                              warm=not args.cold))
+    sim.run(args.settle)
+    health = sim.health(sample=args.sample)
+    rng = random.Random(args.seed + 7)
+    stores: list[tuple[bytes, Stored]] = []
+    records = [make_record(rng, sim.wall()) for _ in range(args.stores)]
+    timeout = sim.config.dht.rpc_timeout
+    live = [p for p in sim.peers if p.alive]
+    for i, record in enumerate(records):  # a store every 0.2 s
+        sim.engine.at(i * 0.2, sim.store, rng.choice(live), record,
+                      lambda done, key=record.key: stores.append((key, done)))
+    gets: list[tuple[float, bool]] = []
+    for i in range(args.gets):  # gets of what was stored 10 s earlier at least, ten a second
+        record = records[i % len(records)]
+        sim.engine.at(10.0 + (i % len(records)) * 0.2 + (i // len(records)) * 0.05, sim.get, rng.choice(live),
+                      record.key, lambda seconds, found: gets.append((seconds, found)))
+    sim.run(sim.now + 10.0 + args.stores * 0.2 + sim.config.dht.op_timeout)
+    servers = sim.live_servers()
+    replicas = [sum(t.peer_id in done.holders for t in sim.closest(int(DHTID.from_key(key)), 20, servers))
+                for key, done in stores]
+    lookups = [s for s, _ in gets]
+    return {
+        "peers": peers,
+        "start": "cold" if args.cold else "warm",
+        "reply_timer": reply_timer,
+        "health": health,
+        "lookup_p50_s": percentile(lookups, 0.5),
+        "lookup_p95_s": percentile(lookups, 0.95),
+        "lookup_mean_s": statistics.fmean(lookups) if lookups else float("nan"),
+        "found": sum(f for _, f in gets) / max(1, len(gets)),
+        "gets": len(gets),
+        "store_p50_s": percentile([d.seconds for _, d in stores], 0.5),
+        "store_replicas_median": statistics.median(replicas) if replicas else float("nan"),
+        "store_replicas_mean": statistics.fmean(replicas) if replicas else float("nan"),
+        "store_replicas_p5": percentile([float(r) for r in replicas], 0.05),
+        "stores": len(stores),
+        "stalled_lookups": sum(s >= timeout for s in lookups) + sum(d.lookup_s >= timeout for _, d in stores),
+        "calls": sim.calls,
+        "timeouts": sim.timeouts,
+        "simulated_s": sim.now,
+        "cpu_s": time.process_time() - cpu0,
+        "wall_s": time.perf_counter() - wall0,
+    }
+
+
+FAILURE_RATES = (0.0, 0.001, 0.002, 0.004)
+CASES = (("grid, first keys from peer ids", Grouping.GRID, Positions.PEER_IDS),
+         ("grid, full (each cell m peers)", Grouping.GRID, Positions.FULL),
+         ("random groups of m", Grouping.RANDOM, Positions.PEER_IDS))
+
+
+def moshpit(args: argparse.Namespace) -> dict[str, Any]:
+    """The distance to the global average per round, per failure rate and case, and matchmaking."""
+    n, m, d = args.moshpit_peers, args.group_size, args.dims
+    out: dict[str, Any] = {"peers": n, "group_size": m, "dims": d, "exact_rounds": rounds_to_average(n, m), "cases": []}
+    for rate in FAILURE_RATES:
+        for name, grouping, positions in CASES:
+            if positions is Positions.FULL and m ** d != n:
+                continue
+            run = simulate(MoshpitSimConfig(peers=n, group_size=m, dims=d, failure_rate=rate, rounds=args.moshpit_rounds,
+                                            grouping=grouping, positions=positions, seed=args.seed))
+            out["cases"].append({"case": name, "failure_rate": rate, "rounds_to_1e-6": run.rounds_to(1e-6),
+                                 "distance": run.distance, "failed_groups": run.failed_groups, "groups": run.groups,
+                                 "alone": run.alone, "expected_rounds": expected_rounds(n, m, rate)})
+    if not args.no_matchmaking:
+        cpu0 = time.process_time()
+        sim = DHTSim(DHTSimConfig(peers=n, seed=args.seed, warm=True, churn=False))
+        sim.run(60.0)
+        world = MatchmakingSim(sim, MatchmakingConfig(target_size=m, min_size=2, gather_time=3.0, timeout=30.0))
+        outcomes: list[Outcome] = []
+        world.round({pid: GridPosition.initial(m, d, pid.to_bytes()).key for pid in world.peers}, 2.0, outcomes.extend)
+        sim.run(sim.now + 60.0)
+        out["matchmaking"] = {**summary(outcomes), "cpu_s": time.process_time() - cpu0}
+    return out
+
+
+def moshpit_table(mp: dict[str, Any]) -> str:
+    lines = [f"Moshpit, {mp['peers']} peers in groups of m = {mp['group_size']}, d = {mp['dims']} "
+             f"(exact in {mp['exact_rounds']} rounds on a full grid without failures): distance to the global "
+             "average (mean squared, over the start's) after each round; a group with a failed member keeps "
+             "its values (strict step) and moves on the grid", "",
+             "| failure rate | case | rounds to 1e-6 | after 1 / 2 / 3 / 4 / 5 rounds | groups failed | alone | "
+             "expected rounds (Appendix C) |", "|---|---|---|---|---|---|---|"]
+    for c in mp["cases"]:
+        after = " / ".join(f"{x:.1e}" for x in c["distance"][1:6])
+        lines.append(f"| {100 * c['failure_rate']:.1f}% | {c['case']} | {c['rounds_to_1e-6']} | {after} "
+                     f"| {c['failed_groups']} of {c['groups']} | {c['alone']} | {c['expected_rounds']:.2f} |")
+    if "matchmaking" in mp:
+        g = mp["matchmaking"]
+        lines += ["", f"matchmaking over the simulated DHT ({g['peers']:.0f} peers: the live ones that answer; "
+                  "declarations under each cell's key, joins to leaders): a group after "
+                  f"{g['formed_p50_s']:.1f} s median, {g['formed_p95_s']:.1f} s p95, {g['formed_max_s']:.1f} s at most; "
+                  f"{100 * g['without_group']:.1f}% without a group by the 30 s deadline; "
+                  f"mean group size {g['group_size_mean']:.1f} ({g['cpu_s']:.0f} s CPU)"]
+    return "\n".join(lines)
+
+
+def calibration_rows(health: dict[str, float]) -> list[tuple[str, float, float]]:
+    return [("unreachable entries in bucket 0", health["unreachable_in_bucket_0"], cal.UNREACHABLE_IN_BUCKET_0),
+            ("unreachable entries in non-full buckets", health["unreachable_in_non_full"], cal.UNREACHABLE_IN_NON_FULL),
+            ("peers that know all 20 closest", health["know_all_20_closest"], cal.KNOW_ALL_20_CLOSEST),
+            ("peers that know < 18 of 20 closest", health["know_under_18_closest"], cal.KNOW_UNDER_18_CLOSEST)]
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = ["routing-table health (RFM19's measures) beside the IPFS crawl (28 crawls, 2022-04):", "",
+             "| measure | " + " | ".join(f"{r['peers']} peers" for r in results["dht"]) + " | IPFS |",
+             "|---|" + "---|" * (len(results["dht"]) + 1)]
+    for i, (name, _, anchor) in enumerate(calibration_rows(results["dht"][0]["health"])):
+        cells = [f"{100 * calibration_rows(r['health'])[i][1]:.1f}%" for r in results["dht"]]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {100 * anchor:.1f}% |")
+    lines += ["", "operations (replicas = 20, 10% silent peers, 26% unreachable, churn):", "",
+              "| peers | reply timer | lookup p50 / p95 / mean | found | store p50 | replicas of the 20 closest: median / mean / p5 | stalled | CPU for simulated |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in results["dht"] + results.get("before", []):
+        lines.append(f"| {r['peers']} | {'on' if r['reply_timer'] else 'off (before)'} "
+                     f"| {r['lookup_p50_s']:.3f} / {r['lookup_p95_s']:.3f} / {r['lookup_mean_s']:.3f} s "
+                     f"| {100 * r['found']:.0f}% | {r['store_p50_s']:.2f} s "
+                     f"| {r['store_replicas_median']:g} / {r['store_replicas_mean']:.1f} / {r['store_replicas_p5']:g} "
+                     f"| {r['stalled_lookups']} of {r['gets'] + r['stores']} "
+                     f"| {r['cpu_s']:.0f} s for {r['simulated_s']:.0f} s |")
+    lines += ["", f"goals: lookup p50 <= {GOAL_LOOKUP_P50_S} s, p95 <= {GOAL_LOOKUP_P95_S} s (IPFS mean "
+              f"{cal.IPFS_LOOKUP_MEAN_S} s); replicas >= {GOAL_REPLICAS} of 20 (IPFS {cal.IPFS_STORE_HOLDERS_MEAN}); "
+              "no stalled lookup"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--peers", default="1000,3000,10000", help="sizes, comma-separated")
+    p.add_argument("--stores", type=int, default=100)
+    p.add_argument("--gets", type=int, default=300)
+    p.add_argument("--settle", type=float, default=120.0, help="simulated seconds before measuring")
+    p.add_argument("--cold", action="store_true",
+                   help="start from joins (every peer within --join s) instead of a network at steady state; "
+                        "use --settle 900 with it")
+    p.add_argument("--join", type=float, default=600.0, help="with --cold: the peers join within this many seconds")
+    p.add_argument("--sample", type=int, default=200, help="peers whose routing tables are measured")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-compare", action="store_true", help="skip the run without the reply timer")
+    p.add_argument("--moshpit-peers", type=int, default=1000)
+    p.add_argument("--group-size", type=int, default=10, help="Moshpit's m")
+    p.add_argument("--dims", type=int, default=3, help="Moshpit's d (m ** d cells)")
+    p.add_argument("--moshpit-rounds", type=int, default=20)
+    p.add_argument("--no-matchmaking", action="store_true", help="skip matchmaking over the simulated DHT")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    sizes = [int(x) for x in args.peers.split(",")]
+    results: dict[str, Any] = {"command": " ".join(sys.argv), "dht": []}
+    for n in sizes:
+        print(f"dht: {n} peers ...", file=sys.stderr, flush=True)
+        results["dht"].append(dht_at(n, args))
+        r = results["dht"][-1]
+        print(f"  lookup p50 {r['lookup_p50_s']:.3f} s, p95 {r['lookup_p95_s']:.3f} s; replicas median "
+              f"{r['store_replicas_median']:g}; stalled {r['stalled_lookups']}; {r['cpu_s']:.0f} s CPU",
+              file=sys.stderr, flush=True)
+    if not args.no_compare:
+        print(f"dht: {sizes[0]} peers without the reply timer ...", file=sys.stderr, flush=True)
+        results["before"] = [dht_at(sizes[0], args, reply_timer=False)]
+    print(f"moshpit: {args.moshpit_peers} peers ...", file=sys.stderr, flush=True)
+    results["moshpit"] = moshpit(args)
+    largest = results["dht"][-1]
+    results["summary"] = {f"dht.{k}": largest[k] for k in
+                          ("lookup_p50_s", "lookup_p95_s", "store_replicas_median", "stalled_lookups")}
+    results["summary"]["dht.peers"] = largest["peers"]
+    worst = [c for c in results["moshpit"]["cases"] if c["case"] == CASES[0][0] and c["failure_rate"] == FAILURE_RATES[-1]]
+    results["summary"]["moshpit.rounds_to_1e-6"] = worst[0]["rounds_to_1e-6"] if worst else None
+    results["summary"]["moshpit.peers"] = args.moshpit_peers
+    if "matchmaking" in results["moshpit"]:
+        results["summary"]["moshpit.matchmaking_p50_s"] = results["moshpit"]["matchmaking"]["formed_p50_s"]
+        results["summary"]["moshpit.without_group"] = results["moshpit"]["matchmaking"]["without_group"]
+    print(table(results))
+    print()
+    print(moshpit_table(results["moshpit"]))
+    if args.json:
+        args.json.write_text(json.dumps({**results, **results["summary"]}, indent=1))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
