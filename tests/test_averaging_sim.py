@@ -3,10 +3,15 @@ failed round, and the baseline of random groups; bench/scale.py prints the whole
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import pytest
 
-from averaging.moshpit import rounds_to_average
+from averaging.matchmaking import MatchmakingConfig
+from averaging.moshpit import GridPosition, rounds_to_average
+from averaging.sim.matchmaking import MatchmakingSim, Outcome, summary
 from averaging.sim.moshpit import Grouping, MoshpitSimConfig, Positions, simulate
+from p2p.sim.dht import DHTSim, DHTSimConfig
 
 
 def test_a_full_grid_reaches_the_exact_average_in_d_rounds_and_random_groups_do_not() -> None:
@@ -36,3 +41,30 @@ def test_first_keys_from_peer_ids_fill_cells_unevenly() -> None:
     run = simulate(MoshpitSimConfig(peers=1000, group_size=10, dims=3, rounds=6))
     assert run.groups > 6 * 100  # cells over m split into more groups
     assert run.alone > 0 and run.distance[3] > 1e-4  # not exact in d rounds
+
+
+def test_matchmaking_over_the_simulated_dht_forms_whole_groups_under_each_key() -> None:
+    sim = DHTSim(DHTSimConfig(peers=150, seed=12, warm=True, churn=False))
+    sim.run(20)
+    world = MatchmakingSim(sim, MatchmakingConfig(target_size=5, min_size=2, gather_time=2.0, timeout=30.0))
+    cells = {pid: GridPosition.initial(5, 3, pid.to_bytes()).key for pid in world.peers}
+    outcomes: list[Outcome] = []
+    world.round(cells, 1.0, outcomes.extend)
+    sim.run(sim.now + 60)
+    assert len(outcomes) == len(world.peers) > 100
+    formed = [o for o in outcomes if o.group is not None]
+    assert len(formed) >= 0.85 * len(outcomes)
+    views: dict[bytes, set[tuple[bytes, ...]]] = defaultdict(set)
+    reported: dict[bytes, int] = defaultdict(int)
+    for o in formed:
+        assert o.group is not None
+        members = tuple(m.peer_id.to_bytes() for m in o.group.members)
+        views[o.group.group_id].add(members)
+        reported[o.group.group_id] += 1
+        assert o.group.members[o.group.my_index].peer_id == sim.peers[o.peer].peer_id
+        assert len({cells[m.peer_id] for m in o.group.members}) == 1  # one cell's peers
+        assert 2 <= o.group.size <= 5 and any(m.role.reduces for m in o.group.members)
+    assert all(len(v) == 1 for v in views.values())  # every member holds the same group
+    assert all(reported[g] == len(next(iter(v))) for g, v in views.items())  # and each of them got it
+    figures = summary(outcomes)
+    assert figures["formed_p95_s"] < 30 and 0 <= figures["without_group"] <= 0.15

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import pytest
 from libp2p.peer.id import ID
 
+from p2p.dht.records import DHTKey, DHTRecord
 from p2p.dht.routing import DHTID
 from p2p.sim import calibration as cal
 from p2p.sim.dht import DHTSim, DHTSimConfig, Stored, make_record
@@ -97,3 +98,56 @@ def test_values_stored_by_the_dhts_own_code_are_found_again(joined: DHTSim) -> N
     assert len(got) == 10 and all(found for _, found in got)
     # the timeout bounds every call: nothing waits for a silent peer past it
     assert max(s for s, _ in got) < joined.config.dht.op_timeout
+
+
+def test_a_warm_start_holds_steady_state_tables_from_the_true_population() -> None:
+    sim = DHTSim(DHTSimConfig(peers=300, seed=5, warm=True))
+    servers = [p for p in sim.peers if p.server]
+    assert len(sim.peers) == 300 and all(p.alive for p in sim.peers) and sim.calls == 0
+    assert all(c.peer_id not in {u.peer_id for u in sim.peers if not u.server} for p in sim.peers for c in p.table)
+    health = sim.health(sample=60)
+    assert health["know_all_20_closest"] > 0.7  # the nearest buckets are small: most known whole
+    far = [p.table.bucket(255) for p in servers]
+    assert all(len(b) == 20 for b in far)  # the far half's bucket full (and its cache too)
+    # buckets were last refreshed at random times over the past interval: refreshes come spread out
+    stale_now = statistics.fmean(len(p.table.stale_buckets(0.0, sim.config.dht.refresh_interval)) for p in servers)
+    stale_later = statistics.fmean(len(p.table.stale_buckets(300.0, sim.config.dht.refresh_interval)) for p in servers)
+    assert stale_now + 2 < stale_later  # (the empty buckets below the lowest held one are stale at once)
+    # peers found online leave later than fresh sessions would (a session under way is a long one)
+    rng = random.Random(6)
+    residual = statistics.median(sim.model.residual_session_s(rng) for _ in range(4000))
+    fresh = statistics.median(sim.model.session_s(rng) for _ in range(4000))
+    assert residual > fresh
+
+
+def test_silent_peers_stall_lookups_only_without_the_reply_timer() -> None:
+    """What the simulation found: one silent peer among a lookup's closest held it for the RPC
+    timeout. Stores look up the 20 closest with 20 queries at once, so most meet one."""
+    stalled = {}
+    for timer in (False, True):
+        sim = DHTSim(DHTSimConfig(peers=150, seed=8, warm=True, churn=False, reply_timer=timer))
+        sim.run(30)
+        rng = random.Random(9)
+        done: list[Stored] = []
+        for i in range(20):
+            sim.engine.at(i * 0.2, sim.store, rng.choice(sim.peers), make_record(rng, sim.wall()), done.append)
+        sim.run(sim.now + 40)
+        assert len(done) == 20
+        stalled[timer] = sum(d.lookup_s >= sim.config.dht.rpc_timeout for d in done)
+    assert stalled[False] >= 10 and stalled[True] == 0, stalled
+
+
+def test_latest_reads_merge_every_replicas_subkeys() -> None:
+    sim = DHTSim(DHTSimConfig(peers=120, seed=10, warm=True, churn=False))
+    sim.run(10)
+    rng = random.Random(11)
+    writers = rng.sample([p for p in sim.peers if p.kind is not Kind.SILENT], 5)
+    key = DHTKey.encode("shared")
+    for i, w in enumerate(writers):
+        sim.store(w, DHTRecord(key, b"v%d" % i, sim.wall() + 600, DHTKey.encode(f"w{i}")), lambda _: None)
+    sim.run(sim.now + 20)
+    seen: list[object] = []
+    sim.read(rng.choice(sim.peers), key, lambda _, value: seen.append(value), latest=True)
+    sim.run(sim.now + 20)
+    assert len(seen) == 1 and seen[0] is not None
+    assert len(seen[0].value) == 5  # type: ignore[attr-defined]

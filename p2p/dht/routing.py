@@ -310,19 +310,23 @@ class RoutingTable:
     def nearest(self, target: int, count: int | None = None, exclude: Iterable[ID] = ()) -> list[Contact]:
         """The ``count`` (default k) contacts closest to ``target`` by XOR distance, closest first.
 
-        Buckets are read in tiers of strictly growing distance, so most calls rank one bucket,
-        not the table: with ``h`` the bucket ``target`` falls in, bucket ``h``'s contacts are
-        all closer than ``2**h``, those of buckets below ``h`` all within ``[2**h, 2**(h+1))``,
-        and each bucket above ``h`` is wholly farther than the one before it.
+        Buckets are read in order of distance, each wholly closer than the next, so a call ranks
+        one or two buckets, not the table. With ``d = target ^ local`` and ``h`` its top bit (the
+        bucket ``target`` falls in): bucket ``h``'s contacts are all closer than ``2**h``; those
+        of a bucket ``b < h`` are within ``[2**h, 2**(h+1))`` with bit ``b`` of their distance
+        the opposite of ``d``'s, so walking ``b`` down from ``h - 1`` the buckets where ``d`` has a
+        1 come first (nearest first) and those where it has a 0 last (farthest first); each
+        bucket above ``h`` is farther than the one below it.
         """
         skip = set(exclude)
         t = int(target)
         n = self.k if count is None else count
         out: list[Contact] = []
-        for tier in self._tiers(self.bucket_of(t)):
-            contacts = [c for b in tier if b.contacts for c in b.contacts.values() if c.peer_id not in skip]
-            if not contacts:
+        for bucket in self._in_order(t ^ int(self.local)):
+            if not bucket.contacts:
                 continue
+            contacts = [c for c in bucket.contacts.values() if c.peer_id not in skip] if skip else \
+                list(bucket.contacts.values())
             want = n - len(out)
             if len(contacts) <= want:
                 contacts.sort(key=lambda c: c.dht_id ^ t)
@@ -333,15 +337,19 @@ class RoutingTable:
                 break
         return out
 
-    def _tiers(self, h: int) -> Iterator[list[_Bucket]]:
-        """Buckets grouped by distance to a target in bucket ``h``, nearest group first (see :meth:`nearest`)."""
-        buckets, lowest = self._buckets, self._lowest
+    def _in_order(self, d: int) -> Iterator[_Bucket]:
+        """The buckets nearest first for a target at distance ``d`` from us (see :meth:`nearest`)."""
+        buckets, lowest, h = self._buckets, self._lowest, d.bit_length() - 1
         if h >= 0:
-            yield [buckets[h]]
-            if lowest < h:
-                yield buckets[lowest:h]
-        for index in range(max(h + 1, lowest), ID_BITS):
-            yield [buckets[index]]
+            yield buckets[h]
+            for b in range(h - 1, lowest - 1, -1):
+                if d >> b & 1:
+                    yield buckets[b]
+            for b in range(lowest, h):
+                if not d >> b & 1:
+                    yield buckets[b]
+        for b in range(max(h + 1, lowest), ID_BITS):
+            yield buckets[b]
 
     def stale_buckets(self, now: float, refresh_interval: float) -> list[DHTID]:
         """One random id inside each bucket not touched for ``refresh_interval``: look them up.
