@@ -562,5 +562,17 @@ def test_a_slow_peer_that_then_fails_is_dropped_without_giving_its_slot_back_twi
     assert lookup.in_flight == 1  # the second's query is still the one in flight
     assert lookup.on_response(first.peer_id, []) == 0  # failed: a reply after that is ignored
     assert lookup.next_queries() == []
+    lookup.on_failure(ids[0] if ids[0] not in (first.peer_id, second.peer_id) else make_ids(1, 99)[0])
+    lookup.on_failure(make_ids(1, 98)[0])  # never a candidate: nothing
+    assert lookup.in_flight == 1
     lookup.on_response(second.peer_id, [])
     assert first.peer_id not in [p.peer_id for p in lookup.result()]
+
+
+def test_answers_after_stop_are_ignored_even_from_asked_peers() -> None:
+    ids = make_ids(6, 28)
+    lookup = Lookup(DHTID(0), 4, 2, [PeerInfo(p) for p in ids[:2]])
+    a, b = lookup.next_queries()
+    lookup.stop()
+    assert lookup.on_response(a.peer_id, [PeerInfo(p) for p in ids[2:]]) == 0
+    assert lookup.result() == [] and lookup.done and lookup.next_queries() == []

@@ -174,6 +174,8 @@ def test_the_reply_timer_follows_tcps_retransmission_rule_within_its_bounds() ->
     assert timer.slow_after == pytest.approx(0.6)
     timer.observe(0.2)  # rttvar 0.75 * 0.1 + 0
     assert timer.slow_after == pytest.approx(0.2 + 4 * 0.075)
+    timer.observe(0.4)  # rttvar 0.75 * 0.075 + 0.25 * 0.2, srtt 0.875 * 0.2 + 0.125 * 0.4
+    assert timer.slow_after == pytest.approx(0.225 + 4 * 0.10625)
     for _ in range(60):
         timer.observe(0.01)
     assert timer.slow_after == 0.25  # the floor
@@ -181,3 +183,19 @@ def test_the_reply_timer_follows_tcps_retransmission_rule_within_its_bounds() ->
         timer.observe(10.0)
     assert timer.slow_after == 3.0  # the ceiling
     assert ReplyTimer(initial=2.0).slow_after == 2.0
+
+
+def test_lookups_go_wide_only_where_round_trips_are_long() -> None:
+    timer = ReplyTimer()
+    assert timer.typical is None and timer.parallelism(10, 3, 0.05) == 10  # nothing known: the internet's
+    for seconds in (0.4, 0.3, 0.005):  # a start under load, then the machine's own
+        timer.observe(seconds)
+    assert timer.typical == 0.3 and timer.parallelism(10, 3, 0.05) == 10
+    for _ in range(2):
+        timer.observe(0.004)
+    assert timer.typical == 0.005 and timer.parallelism(10, 3, 0.05) == 3  # the median forgets the burst
+    for _ in range(16):
+        timer.observe(0.12)  # paths across the internet
+    assert timer.typical == 0.12 and timer.parallelism(10, 3, 0.05) == 10  # only the last 16 count
+    timer.observe(0.05)
+    assert timer.parallelism(10, 3, 0.05) == 10 and timer.parallelism(10, 3, 0.2) == 3

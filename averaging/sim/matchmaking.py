@@ -31,7 +31,7 @@ from p2p.sim.network import Kind
 
 from ..formation import (Accept, Action, Admit, AskToJoin, AwaitJoins, Defer, Done, Fail, Fix, Formation,
                          FormationRules, HandOver, JoinAnswer, Joined, JoinOutcome, Phase, Read, Redirect, Redirected,
-                         Refused, Reject, Sleep, answer_admitted)
+                         Refused, Reject, Sleep, Unreachable, answer_admitted)
 from ..group import Group, Member, Role
 from ..matchmaking import MatchmakingConfig
 from ..proto import averaging_pb2 as pb
@@ -62,7 +62,7 @@ class SimMatchmaker:
     def __init__(self, world: MatchmakingSim, peer: SimPeer) -> None:
         self.world, self.peer = world, peer
         role = Role.FULL if peer.kind is Kind.PUBLIC else Role.SENDER
-        addr = peer.addr if peer.kind is Kind.PUBLIC else Multiaddr(f"/ip4/11.255.0.1/tcp/4001/p2p-circuit")
+        addr = peer.addr if peer.kind is Kind.PUBLIC else Multiaddr("/ip4/11.255.0.1/tcp/4001/p2p-circuit")
         self.me = Member(peer.peer_id, (addr,), role, SCHEMA, 10e6, 10e6, 1.0, peer.kind is Kind.PUBLIC)
         self.formation: Formation | None = None
         self.lead: _Lead | None = None
@@ -95,7 +95,7 @@ class SimMatchmaker:
         formation, sim = self.formation, self.world.sim
         assert formation is not None
         if isinstance(action, Read):
-            def read(_: float, value: ValueWithExpiration | None) -> None:
+            def read(_: float, value: ValueWithExpiration | None, __: bool) -> None:
                 led = formation.phase is Phase.LEADING
                 nxt = formation.on_declarations(self._candidates(value), sim.now)
                 if formation.phase is Phase.LEADING and not led:
@@ -230,7 +230,7 @@ class MatchmakingSim:
         target = self.peers.get(leader.peer_id)
         a = asker.peer
         if target is None or not target.peer.alive:
-            sim.engine.at(sim.config.dht.rpc_timeout, outcome, Refused("no answer"))
+            sim.engine.at(sim.config.dht.rpc_timeout, outcome, Unreachable("gone"))  # as a failed dial
             return
         b = target.peer
         legs = 2 if b.kind is Kind.UNREACHABLE else 1  # through its relay

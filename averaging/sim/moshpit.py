@@ -7,8 +7,10 @@ under the same key in groups of at most ``m`` (matchmaking's target size; a key 
 peers forms several groups, one with a single peer forms none), a group's order is its
 members' peer ids (:class:`averaging.group.Group`), and a round with a failed member is
 partial, so with ``Averager.step``'s default (``strict=True``) nobody in that group changes
-its values or advances its key: it tries again (DeDLOC's Appendix C). The global mean is
-therefore kept exactly and the distance to it can only shrink.
+its values (DeDLOC's Appendix C: the step is redone), while every member still moves on the
+grid with its agreed index (``advance_after_failure``; False: the averager before this was
+found, which kept the key). The global mean is therefore kept exactly and the distance to it
+can only shrink.
 
 The network is left out on purpose: this is the arithmetic of who averages with whom.
 Matchmaking's time at that size runs over the simulated DHT elsewhere.

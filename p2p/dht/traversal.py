@@ -12,6 +12,8 @@ run the same decisions.
 from __future__ import annotations
 
 import logging
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 from libp2p.peer.id import ID
@@ -44,6 +46,10 @@ class Search:
         return wire.target_query(self.lookup.target)
 
 
+#: Replies whose median says whether round trips are long (:meth:`ReplyTimer.parallelism`).
+RECENT_REPLIES = 16
+
+
 class ReplyTimer:
     """How long a lookup waits for a reply before it asks someone else: TCP's retransmission
     timer (RFC 6298: smoothed reply time plus four deviations, 1 s before the first sample)
@@ -58,14 +64,30 @@ class ReplyTimer:
         self._initial = initial
         self._srtt: float | None = None
         self._rttvar = 0.0
+        self._recent: deque[float] = deque(maxlen=RECENT_REPLIES)
 
     def observe(self, seconds: float) -> None:
         """A reply took ``seconds`` from request to answer."""
+        self._recent.append(seconds)
         if self._srtt is None:
             self._srtt, self._rttvar = seconds, seconds / 2
         else:
             self._rttvar = 0.75 * self._rttvar + 0.25 * abs(self._srtt - seconds)
             self._srtt = 0.875 * self._srtt + 0.125 * seconds
+
+    @property
+    def typical(self) -> float | None:
+        """The median of the last replies' times (None before the first reply)."""
+        return statistics.median(self._recent) if self._recent else None
+
+    def parallelism(self, wide: int, near: int, near_rtt: float) -> int:
+        """Queries a lookup keeps in flight: ``wide`` hides round trips on the internet; where the
+        typical reply comes back within ``near_rtt`` (a LAN, one machine) there are none to hide,
+        and every query more only costs the peers CPU, so ``near``. The median of recent replies,
+        not the smoothed time: a burst of load (a swarm starting on one machine) must not hold
+        the smoothed figure, which forgets slowly, above the line for the next minutes."""
+        typical = self.typical
+        return near if typical is not None and typical < near_rtt else wide
 
     @property
     def slow_after(self) -> float:

@@ -64,11 +64,13 @@ class SimPeer:
 
 @dataclass(frozen=True)
 class Stored:
-    """What a simulated store did: its whole time, its lookup's part, and who took the record."""
+    """What a simulated store did: its whole time, its lookup's part, who took the record, and
+    whether its lookup waited for a query until that query's timeout (see :meth:`DHTSim.traverse`)."""
 
     seconds: float
     lookup_s: float
     holders: list[ID]
+    stalled: bool = False
 
 
 @dataclass
@@ -197,7 +199,7 @@ class DHTSim:
             pending -= 1
             if pending == 0 and len(peer.table):
                 targets = [peer.dht_id, *(peer.table.random_id_in_bucket(i) for i in (255, 254, 253))]
-                self.refresh(peer, targets, lambda: None)
+                self.refresh(peer, targets, lambda _: None)
 
         for seed in seeds:
             self.find(peer, seed.peer_id, [wire.target_query(peer.dht_id)], pinged)
@@ -209,7 +211,7 @@ class DHTSim:
         peer.storage.expire(self.wall())
         stale = peer.table.stale_buckets(self.now, cfg.refresh_interval)[:8]
         if stale:
-            self.refresh(peer, stale, lambda: None)
+            self.refresh(peer, stale, lambda _: None)
         self.engine.at(cfg.maintenance_interval, self._maintain, peer)
 
     def _added(self, peer: SimPeer, added: tuple[AddResult, list[Multiaddr]] | None) -> None:
@@ -312,31 +314,40 @@ class DHTSim:
         cfg = self.config.dht
         seeds = [c.info for c in peer.table.nearest(target, cfg.k)]
         peer.table.touch(target, self.now)
-        return Lookup(target, width, parallel or cfg.alpha, seeds, local=peer.dht_id)
+        return Lookup(target, width, parallel or self._alpha(peer), seeds, local=peer.dht_id)
 
-    def traverse(self, peer: SimPeer, searches: list[Search], finished: Callable[[], None]) -> None:
+    def _alpha(self, peer: SimPeer) -> int:
+        cfg = self.config.dht
+        return peer.replies.parallelism(cfg.alpha, cfg.alpha_near, cfg.near_rtt)
+
+    def traverse(self, peer: SimPeer, searches: list[Search], finished: Callable[[bool], None]) -> None:
         """Drive ``searches`` with the DHT's :class:`Traversal`, as ``DHT._traverse`` does (slow
-        peers reported after the peer's :class:`ReplyTimer`, their calls going on)."""
+        peers reported after the peer's :class:`ReplyTimer`, their calls going on).
+        ``finished(stalled)``: whether it waited for a query until that query's timeout (the
+        failure a silent peer caused: it held the lookup for the whole RPC timeout)."""
         traversal = Traversal(searches, k=self.config.dht.k, max_records=peer.storage.max_subkeys_per_key)
-        over = False
+        over = stalled = False
 
         def launch() -> None:
             for info, batch in traversal.requests():
-                answered = [False]
-                self.find(peer, info.peer_id, [s.query() for s in batch], _bound(reply, info, batch, answered))
+                state = [False, False]  # answered, reported slow
+                self.find(peer, info.peer_id, [s.query() for s in batch], _bound(reply, info, batch, state))
                 if self.config.reply_timer:
-                    self.engine.at(peer.replies.slow_after, slow, info, batch, answered)
+                    self.engine.at(peer.replies.slow_after, slow, info, batch, state)
 
-        def slow(info: PeerInfo, batch: list[Search], answered: list[bool]) -> None:
-            if not over and not answered[0]:
+        def slow(info: PeerInfo, batch: list[Search], state: list[bool]) -> None:
+            if not over and not state[0]:
+                state[1] = True
                 traversal.on_slow(info, batch)
                 settle()
 
-        def reply(info: PeerInfo, batch: list[Search], response: pb.FindResponse | None) -> None:
+        def reply(info: PeerInfo, batch: list[Search], response: pb.FindResponse | None, was_slow: bool) -> None:
+            nonlocal stalled
             if over:
                 return
             if response is not None and len(response.results) != len(batch):
                 response = None
+            stalled = stalled or (response is None and not was_slow)  # every failure comes at the timeout
             traversal.on_reply(info, batch, response, self.wall())
             settle()
 
@@ -344,54 +355,55 @@ class DHTSim:
             nonlocal over
             if traversal.done:
                 over = True
-                finished()
+                finished(stalled)
             else:
                 launch()
 
         launch()
         if traversal.done and not over:
             over = True
-            finished()
+            finished(stalled)
 
-    def refresh(self, peer: SimPeer, targets: list[DHTID], finished: Callable[[], None]) -> None:
+    def refresh(self, peer: SimPeer, targets: list[DHTID], finished: Callable[[bool], None]) -> None:
         self.traverse(peer, [Search(self._lookup(peer, t, self.config.dht.k)) for t in targets], finished)
 
-    def get(self, peer: SimPeer, key: bytes, finished: Callable[[float, bool], None]) -> None:
-        """A first-copy read of ``key``; ``finished(seconds, found)``."""
-        self.read(peer, key, lambda seconds, value: finished(seconds, value is not None))
+    def get(self, peer: SimPeer, key: bytes, finished: Callable[[float, bool, bool], None]) -> None:
+        """A first-copy read of ``key``; ``finished(seconds, found, stalled)`` (see :meth:`traverse`)."""
+        self.read(peer, key, lambda seconds, value, stalled: finished(seconds, value is not None, stalled))
 
-    def read(self, peer: SimPeer, key: bytes, finished: Callable[[float, ValueWithExpiration | None], None], *,
+    def read(self, peer: SimPeer, key: bytes, finished: Callable[[float, ValueWithExpiration | None, bool], None], *,
              latest: bool = False) -> None:
         """A read of ``key`` as ``DHT.get`` does it (``latest``: every replica asked, answers merged;
-        else the first copy); ``finished(seconds, value)``."""
+        else the first copy); ``finished(seconds, value, stalled)``."""
         started = self.now
         cfg = self.config.dht
         found = LocalStore(max_value_size=cfg.max_value_size, max_expiration_ahead=cfg.max_expiration_ahead)
-        parallel = max(cfg.alpha, cfg.replicas) if latest else None
+        parallel = max(self._alpha(peer), cfg.replicas) if latest else None
         if peer.server:
             held = peer.storage.records_at(key, self.wall())
             if held and not latest:  # DHT.get answers a first-copy read from its own store
-                finished(0.0, peer.storage.found(key, self.wall()))
+                finished(0.0, peer.storage.found(key, self.wall()), False)
                 return
             for rec in held:
                 found.store(rec, self.wall())
         search = Search(self._lookup(peer, DHTID.from_key(key), cfg.replicas, parallel), key,
                         first_found=not latest, found=found)
-        self.traverse(peer, [search], lambda: finished(self.now - started, found.found(key, self.wall())))
+        self.traverse(peer, [search],
+                      lambda stalled: finished(self.now - started, found.found(key, self.wall()), stalled))
 
     def store(self, peer: SimPeer, record: DHTRecord, finished: Callable[[Stored], None]) -> None:
         """Replicate ``record`` to the ``replicas`` closest servers found, as ``DHT.store`` does."""
         started = self.now
         cfg = self.config.dht
-        search = Search(self._lookup(peer, DHTID.from_key(record.key), cfg.replicas, max(cfg.alpha, cfg.replicas)))
+        search = Search(self._lookup(peer, DHTID.from_key(record.key), cfg.replicas, max(self._alpha(peer), cfg.replicas)))
 
-        def found() -> None:
+        def found(stalled: bool) -> None:
             looked = self.now - started
             replicas = [p.peer_id for p in search.lookup.result()[: cfg.replicas]]
             holders: list[ID] = []
             pending = len(replicas)
             if not pending:
-                finished(Stored(self.now - started, looked, holders))
+                finished(Stored(self.now - started, looked, holders, stalled))
             for target in replicas:
                 def one(ok: bool, target: ID = target) -> None:
                     nonlocal pending
@@ -399,7 +411,7 @@ class DHTSim:
                     if ok:
                         holders.append(target)
                     if pending == 0:
-                        finished(Stored(self.now - started, looked, holders))
+                        finished(Stored(self.now - started, looked, holders, stalled))
                 self.store_at(peer, target, [record], one)
 
         self.traverse(peer, [search], found)
@@ -450,11 +462,11 @@ class DHTSim:
         return peer is not None and peer.answers
 
 
-def _bound(reply: Callable[[PeerInfo, list[Search], pb.FindResponse | None], None], info: PeerInfo,
-           batch: list[Search], answered: list[bool]) -> Callable[[pb.FindResponse | None], None]:
+def _bound(reply: Callable[[PeerInfo, list[Search], pb.FindResponse | None, bool], None], info: PeerInfo,
+           batch: list[Search], state: list[bool]) -> Callable[[pb.FindResponse | None], None]:
     def bound(response: pb.FindResponse | None) -> None:
-        answered[0] = True
-        reply(info, batch, response)
+        state[0] = True
+        reply(info, batch, response, state[1])
     return bound
 
 
