@@ -88,9 +88,9 @@ class DHTConfig:
     #: of a lookup in a large swarm open a connection first; with three in flight, reads at 3,000
     #: simulated peers took 0.29 s median, with ten 0.17 s (bench/scale.py, docs/SCALE.md).
     alpha: int = 10
-    #: ... and ``alpha_near`` while our replies come back within ``near_rtt`` s (smoothed): with no
-    #: round trips to hide, ten in flight only cost the peers CPU (bench/dht.py, 32 peers on one
-    #: machine: a read 2.1 ms with three, 7.3 ms with ten).
+    #: ... and ``alpha_near`` while our replies come back within ``near_rtt`` s (the median of the
+    #: last 16): with no round trips to hide, ten in flight only cost the peers CPU (bench/dht.py,
+    #: 32 peers on one machine: a read 2.3 ms with three, 7.3 ms with ten).
     alpha_near: int = 3
     near_rtt: float = 0.05
     #: Servers each value is stored at.
