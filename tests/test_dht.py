@@ -434,10 +434,10 @@ async def test_silent_peers_do_not_hold_lookups_for_their_rpc_timeout() -> None:
             silent.node.rpc.add_unary(wire.FIND, pb.FindRequest, never)
         reader = dhts[6]
         assert all(s.node.peer_id in reader.table for s in dhts[1:3])  # among the k closest of any key
-        assert reader.replies.slow_after < 1.0  # loopback replies came in ms
+        assert reader.replies.slow_after == 1.0  # loopback replies came in ms: RFC 6298's floor
         for attempt in range(3):
             started = trio.current_time()
             assert await reader.get(f"absent-{attempt}") is None  # a lookup that runs to its end
             assert await reader.store(f"key-{attempt}", b"v", later())
-            assert trio.current_time() - started < 3.0  # both; one silent peer waited for was 6 s
+            assert trio.current_time() - started < 4.5  # both; one silent peer waited for was 6 s each
         assert await dhts[7].get("key-0") is not None

@@ -134,7 +134,8 @@ def test_silent_peers_stall_lookups_only_without_the_reply_timer() -> None:
         sim.run(sim.now + 40)
         assert len(done) == 20
         stalled[timer] = sum(d.stalled for d in done)
-        assert stalled[timer] == sum(d.lookup_s >= sim.config.dht.rpc_timeout for d in done)  # here, the same
+        if not timer:  # without it, each stall is a lookup that took the whole RPC timeout
+            assert stalled[timer] == sum(d.lookup_s >= sim.config.dht.rpc_timeout for d in done)
     assert stalled[False] >= 10 and stalled[True] == 0, stalled
 
 

@@ -53,13 +53,15 @@ RECENT_REPLIES = 16
 class ReplyTimer:
     """How long a lookup waits for a reply before it asks someone else: TCP's retransmission
     timer (RFC 6298: smoothed reply time plus four deviations, 1 s before the first sample)
-    over this peer's ``dht.find`` replies, within ``[floor, ceiling]``.
+    over this peer's ``dht.find`` replies, within ``[floor, ceiling]``. The floor is RFC 6298's
+    1 s: with 0.25 s, a loaded machine's replies (CI's, a swarm on one host) passed it, and a
+    latest read or a store could end without the replica that was only busy.
 
     A reply past it is still taken (:meth:`Lookup.on_slow`); the call itself ends at the RPC
     timeout. A fixed short timeout would be too short on a slow link or too long on a fast one.
     """
 
-    def __init__(self, *, floor: float = 0.25, ceiling: float = 3.0, initial: float = 1.0) -> None:
+    def __init__(self, *, floor: float = 1.0, ceiling: float = 3.0, initial: float = 1.0) -> None:
         self.floor, self.ceiling = floor, ceiling
         self._initial = initial
         self._srtt: float | None = None
