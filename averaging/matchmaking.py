@@ -45,7 +45,7 @@ import trio
 from libp2p.peer.id import ID
 
 from nat import Swarm
-from p2p.dht import owned
+from p2p.dht import ValueWithExpiration, owned
 from p2p.errors import ConfigError, DedlocError
 from p2p.hooks import Registration
 from p2p.rpc import CallContext, PeerDisconnectedError
@@ -243,25 +243,8 @@ class Matchmaker:
         found = await self.peer.dht.get(self._key, latest=True,
                                         timeout=max(0.5, min(5.0, formation.deadline - trio.current_time())))
         now = self.clock()
-        for peer, expiration in list(self._unreachable.items()):
-            if expiration <= now:
-                del self._unreachable[peer]
-        me = formation.me
-        members: dict[ID, Member] = {me.peer_id: me}
-        if found is not None and isinstance(found.value, dict):
-            for entry in found.value.values():
-                if not isinstance(entry.value, bytes) or not entry.value:
-                    continue  # not ours to read, or withdrawn
-                try:
-                    msg = pb.Declaration()
-                    msg.ParseFromString(entry.value)
-                    member = Member.from_wire(msg)
-                except Exception as e:  # a peer's garbage costs it only its entry
-                    log.debug("skipping a malformed declaration: %r", e)
-                    continue
-                if member.schema == me.schema and member.expiration > now:
-                    members.setdefault(member.peer_id, member)
-        return list(members.values())
+        forget_expired(self._unreachable, now)
+        return declared_members(found, formation.me, now)
 
     async def _join(self, formation: Formation, declared: Member) -> JoinOutcome:
         """Ask the leader ``declared`` to let us join (at its declared addresses: a relayed leader is
@@ -344,6 +327,33 @@ class Matchmaker:
                     lead.answered.set()
             answer = answer_admitted(member, lead.group, lead.redirect)
         return _response(answer)
+
+
+def forget_expired(unreachable: dict[ID, float], now: float) -> None:
+    """Drop the unreachable leaders whose declaration (as seen then) has expired: they may be back."""
+    for peer, expiration in list(unreachable.items()):
+        if expiration <= now:
+            del unreachable[peer]
+
+
+def declared_members(found: ValueWithExpiration | None, me: Member, now: float) -> list[Member]:
+    """The live declarations in a read of a formation's key that share ``me``'s match key, ``me``
+    included: withdrawn (empty) entries skipped, and a peer's garbage costs it only its entry."""
+    members: dict[ID, Member] = {me.peer_id: me}
+    if found is not None and isinstance(found.value, dict):
+        for entry in found.value.values():
+            if not isinstance(entry.value, bytes) or not entry.value:
+                continue  # not ours to read, or withdrawn
+            try:
+                msg = pb.Declaration()
+                msg.ParseFromString(entry.value)
+                member = Member.from_wire(msg)
+            except Exception as e:
+                log.debug("skipping a malformed declaration: %r", e)
+                continue
+            if member.schema == me.schema and member.expiration > now:
+                members.setdefault(member.peer_id, member)
+    return list(members.values())
 
 
 def _response(answer: JoinAnswer) -> pb.JoinResponse:

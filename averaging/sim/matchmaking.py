@@ -33,8 +33,7 @@ from ..formation import (Accept, Action, Admit, AskToJoin, AwaitJoins, Defer, Do
                          FormationRules, HandOver, JoinAnswer, Joined, JoinOutcome, Phase, Read, Redirect, Redirected,
                          Refused, Reject, Sleep, Unreachable, answer_admitted)
 from ..group import Group, Member, Role
-from ..matchmaking import MatchmakingConfig
-from ..proto import averaging_pb2 as pb
+from ..matchmaking import MatchmakingConfig, declared_members, forget_expired
 
 SCHEMA = b"moshpit-sim"
 
@@ -157,21 +156,11 @@ class SimMatchmaker:
                 reply(answer_admitted(member, group, redirect))
 
     def _candidates(self, found: ValueWithExpiration | None) -> list[Member]:
-        now = self.world.sim.wall()
-        for peer, expiration in list(self.unreachable.items()):
-            if expiration <= now:
-                del self.unreachable[peer]
+        """What the Matchmaker takes from a read of the cell's key (its own functions)."""
         assert self.formation is not None
-        members: dict[ID, Member] = {self.me.peer_id: self.formation.me}
-        if found is not None and isinstance(found.value, dict):
-            for entry in found.value.values():
-                if isinstance(entry.value, bytes) and entry.value:
-                    msg = pb.Declaration()
-                    msg.ParseFromString(entry.value)
-                    member = Member.from_wire(msg)
-                    if member.schema == SCHEMA and member.expiration > now:
-                        members.setdefault(member.peer_id, member)
-        return list(members.values())
+        now = self.world.sim.wall()
+        forget_expired(self.unreachable, now)
+        return declared_members(found, self.formation.me, now)
 
     # ------------------------------------------------------------------ answering joins
 
