@@ -153,3 +153,16 @@ def test_latest_reads_merge_every_replicas_subkeys() -> None:
     sim.run(sim.now + 20)
     assert len(seen) == 1 and seen[0] is not None
     assert len(seen[0].value) == 5  # type: ignore[attr-defined]
+    # each replica holding one subkey of its own: only a read that asks them all sees five
+    split = DHTKey.encode("split")
+    holders = sim.closest(int(DHTID.from_key(split)), 5, sim.live_servers())
+    for i, holder in enumerate(holders):
+        holder.storage.store(DHTRecord(split, b"v%d" % i, sim.wall() + 600, DHTKey.encode(f"w{i}")), sim.wall())
+    reader = next(p for p in sim.peers if p.kind is Kind.PUBLIC and p not in holders)
+    merged: list[object] = []
+    first: list[object] = []
+    sim.read(reader, split, lambda _, value, __: merged.append(value), latest=True)
+    sim.read(reader, split, lambda _, value, __: first.append(value))
+    sim.run(sim.now + 20)
+    assert len(first) == 1 and len(first[0].value) == 1  # type: ignore[attr-defined]  # the first copy
+    assert len(merged) == 1 and len(merged[0].value) == 5  # type: ignore[attr-defined]
