@@ -1,7 +1,7 @@
 """Internet scale, simulated on the project's own code: the DHT at thousands of peers.
 
     .venv/bin/python bench/scale.py [--peers 1000,3000,10000] [--stores 100] [--gets 300]
-        [--settle 900] [--join 600] [--seed 0] [--no-compare] [--json OUT]
+        [--settle 900] [--join 600] [--seed 0] [--rules dedloc,kad-dht-2022] [--no-compare] [--json OUT]
 
 Each size runs :class:`p2p.sim.dht.DHTSim` (the DHT's routing table, lookups, traversal,
 serving rules and record store, driven by a virtual clock over the network model of
@@ -45,7 +45,7 @@ from averaging.sim.matchmaking import MatchmakingSim, Outcome, summary  # noqa: 
 from averaging.sim.moshpit import Grouping, MoshpitSimConfig, Positions, simulate  # noqa: E402
 from p2p.dht.routing import DHTID  # noqa: E402
 from p2p.sim import calibration as cal  # noqa: E402
-from p2p.sim.dht import DHTSim, DHTSimConfig, SimPeer, Stored, make_record  # noqa: E402
+from p2p.sim.dht import DHTSim, DHTSimConfig, Rules, SimPeer, Stored, make_record  # noqa: E402
 
 #: The issue's goals for the same operations.
 GOAL_LOOKUP_P50_S = 0.3
@@ -58,10 +58,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-def dht_at(peers: int, args: argparse.Namespace, *, reply_timer: bool = True) -> dict[str, Any]:
+def dht_at(peers: int, args: argparse.Namespace, *, reply_timer: bool = True, rules: Rules = Rules.DEDLOC) -> dict[str, Any]:
     cpu0, wall0 = time.process_time(), time.perf_counter()
     sim = DHTSim(DHTSimConfig(peers=peers, seed=args.seed, join_spread_s=args.join, reply_timer=reply_timer,
-                              warm=not args.cold))
+                              warm=not args.cold, rules=rules))
     sim.run(args.settle)
     health = sim.health(sample=args.sample)
     rng = random.Random(args.seed + 7)
@@ -89,6 +89,7 @@ def dht_at(peers: int, args: argparse.Namespace, *, reply_timer: bool = True) ->
     return {
         "peers": peers,
         "start": "cold" if args.cold else "warm",
+        "rules": rules.value,
         "reply_timer": reply_timer,
         "health": health,
         "lookup_p50_s": percentile(lookups, 0.5),
@@ -166,7 +167,8 @@ def moshpit_table(mp: dict[str, Any]) -> str:
 
 
 def calibration_rows(health: dict[str, float]) -> list[tuple[str, float, float]]:
-    return [("unreachable entries in bucket 0", health["unreachable_in_bucket_0"], cal.UNREACHABLE_IN_BUCKET_0),
+    return [("unreachable among all peers in the tables", health["unreachable_in_tables"], cal.UNREACHABLE_SHARE),
+            ("unreachable entries in bucket 0", health["unreachable_in_bucket_0"], cal.UNREACHABLE_IN_BUCKET_0),
             ("unreachable entries in non-full buckets", health["unreachable_in_non_full"], cal.UNREACHABLE_IN_NON_FULL),
             ("peers that know all 20 closest", health["know_all_20_closest"], cal.KNOW_ALL_20_CLOSEST),
             ("peers that know < 18 of 20 closest", health["know_under_18_closest"], cal.KNOW_UNDER_18_CLOSEST)]
@@ -174,17 +176,17 @@ def calibration_rows(health: dict[str, float]) -> list[tuple[str, float, float]]
 
 def table(results: dict[str, Any]) -> str:
     lines = ["routing-table health (RFM19's measures) beside the IPFS crawl (28 crawls, 2022-04):", "",
-             "| measure | " + " | ".join(f"{r['peers']} peers" for r in results["dht"]) + " | IPFS |",
+             "| measure | " + " | ".join(f"{r['peers']} peers, {r['rules']}" for r in results["dht"]) + " | IPFS |",
              "|---|" + "---|" * (len(results["dht"]) + 1)]
     for i, (name, _, anchor) in enumerate(calibration_rows(results["dht"][0]["health"])):
         cells = [f"{100 * calibration_rows(r['health'])[i][1]:.1f}%" for r in results["dht"]]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {100 * anchor:.1f}% |")
     lines += ["", "operations (replicas = 20, 10% silent peers, 26% unreachable, churn):", "",
-              "| peers | reply timer | lookup p50 / p95 / mean | found | store p50 | replicas of the 20 closest: median / mean / p5 "
+              "| peers | rules | reply timer | lookup p50 / p95 / mean | found | store p50 | replicas of the 20 closest: median / mean / p5 "
               "| stalled (waited a query's timeout) | took 3 s or more | CPU for simulated |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["dht"] + results.get("before", []):
-        lines.append(f"| {r['peers']} | {'on' if r['reply_timer'] else 'off (before)'} "
+        lines.append(f"| {r['peers']} | {r['rules']} | {'on' if r['reply_timer'] else 'off (before)'} "
                      f"| {r['lookup_p50_s']:.3f} / {r['lookup_p95_s']:.3f} / {r['lookup_mean_s']:.3f} s "
                      f"| {100 * r['found']:.0f}% | {r['store_p50_s']:.2f} s "
                      f"| {r['store_replicas_median']:g} / {r['store_replicas_mean']:.1f} / {r['store_replicas_p5']:g} "
@@ -208,6 +210,9 @@ def main() -> None:
     p.add_argument("--join", type=float, default=600.0, help="with --cold: the peers join within this many seconds")
     p.add_argument("--sample", type=int, default=200, help="peers whose routing tables are measured")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rules", default="dedloc",
+                   help="whose routing-table rules, comma-separated: dedloc, kad-dht-2022 (go-libp2p-kad-dht's, "
+                        "as the crawl met them: the calibration check)")
     p.add_argument("--no-compare", action="store_true", help="skip the run without the reply timer")
     p.add_argument("--moshpit-peers", type=int, default=1000)
     p.add_argument("--group-size", type=int, default=10, help="Moshpit's m")
@@ -218,19 +223,21 @@ def main() -> None:
     args = p.parse_args()
     sizes = [int(x) for x in args.peers.split(",")]
     results: dict[str, Any] = {"command": " ".join(sys.argv), "dht": []}
+    rules = [Rules(x) for x in args.rules.split(",")]
     for n in sizes:
-        print(f"dht: {n} peers ...", file=sys.stderr, flush=True)
-        results["dht"].append(dht_at(n, args))
-        r = results["dht"][-1]
-        print(f"  lookup p50 {r['lookup_p50_s']:.3f} s, p95 {r['lookup_p95_s']:.3f} s; replicas median "
-              f"{r['store_replicas_median']:g}; stalled {r['stalled_lookups']}; {r['cpu_s']:.0f} s CPU",
-              file=sys.stderr, flush=True)
+        for rule in rules:
+            print(f"dht: {n} peers, {rule.value} ...", file=sys.stderr, flush=True)
+            results["dht"].append(dht_at(n, args, rules=rule))
+            r = results["dht"][-1]
+            print(f"  lookup p50 {r['lookup_p50_s']:.3f} s, p95 {r['lookup_p95_s']:.3f} s; replicas median "
+                  f"{r['store_replicas_median']:g}; stalled {r['stalled_lookups']}; {r['cpu_s']:.0f} s CPU",
+                  file=sys.stderr, flush=True)
     if not args.no_compare:
         print(f"dht: {sizes[0]} peers without the reply timer ...", file=sys.stderr, flush=True)
         results["before"] = [dht_at(sizes[0], args, reply_timer=False)]
     print(f"moshpit: {args.moshpit_peers} peers ...", file=sys.stderr, flush=True)
     results["moshpit"] = moshpit(args)
-    largest = results["dht"][-1]
+    largest = [r for r in results["dht"] if r["rules"] == rules[0].value][-1]
     results["summary"] = {f"dht.{k}": largest[k] for k in
                           ("lookup_p50_s", "lookup_p95_s", "store_replicas_median", "stalled_lookups")}
     results["summary"]["dht.peers"] = largest["peers"]

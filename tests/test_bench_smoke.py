@@ -233,12 +233,14 @@ def test_moe_bench_ratios_are_n_a_where_a_figure_was_not_measured() -> None:
 
 
 def test_scale_bench_runs_a_few_hundred_peers_within_a_minute(tmp_path: Path) -> None:
-    """bench/scale.py at CI's size: the DHT simulation with and without the reply timer, Moshpit's cases
+    """bench/scale.py at CI's size: the DHT simulation with and without the reply timer and with the
+    calibration's twin of go-libp2p-kad-dht's rules, Moshpit's cases
     and matchmaking over the simulated DHT, and the JSON keys the scale issue's goals are read from."""
     out = tmp_path / "scale.json"
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "scale.py"), "--peers", "300", "--stores", "30", "--gets", "60",
-         "--settle", "60", "--moshpit-peers", "125", "--group-size", "5", "--moshpit-rounds", "10", "--json", str(out)],
+         "--settle", "60", "--rules", "dedloc,kad-dht-2022", "--moshpit-peers", "125", "--group-size", "5",
+         "--moshpit-rounds", "10", "--json", str(out)],
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -247,5 +249,7 @@ def test_scale_bench_runs_a_few_hundred_peers_within_a_minute(tmp_path: Path) ->
     assert figures["dht.store_replicas_median"] >= 15 and figures["dht.stalled_lookups"] >= 0
     assert figures["moshpit.rounds_to_1e-6"] is not None and figures["moshpit.peers"] == 125
     assert 0 <= figures["moshpit.without_group"] < 0.5
-    assert [r["reply_timer"] for r in figures["dht"] + figures["before"]] == [True, False]
-    assert "| 300 | on |" in result.stdout and "IPFS" in result.stdout and "random groups of m" in result.stdout
+    assert [(r["rules"], r["reply_timer"]) for r in figures["dht"] + figures["before"]] == \
+        [("dedloc", True), ("kad-dht-2022", True), ("dedloc", False)]
+    assert "| 300 | dedloc | on |" in result.stdout and "| 300 peers, kad-dht-2022 |" in result.stdout
+    assert "IPFS" in result.stdout and "random groups of m" in result.stdout

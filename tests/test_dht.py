@@ -399,6 +399,19 @@ async def test_refresh_fills_a_thin_routing_table() -> None:
                 await trio.sleep(0.05)
 
 
+async def test_maintenance_drops_a_contact_that_left() -> None:
+    """A peer leaves a quiet swarm (no lookups): every table still holds it until maintenance
+    pings the contacts that have not answered for ``check_after``."""
+    async with swarm(4, maintenance_interval=0.2, check_after=1.0, rpc_timeout=1.0) as dhts:
+        gone = dhts[3]
+        assert all(gone.node.peer_id in d.table for d in dhts[:3])
+        await gone.node.host.close()
+        with trio.fail_after(10):
+            while any(gone.node.peer_id in d.table for d in dhts[:3]):
+                await trio.sleep(0.05)
+        assert all(len(d.table) == 2 for d in dhts[:3])  # the ones that answer stay
+
+
 async def test_writers_republish_to_the_servers_now_closest() -> None:
     """Both replicas of a value die; the writer's republish puts it on the servers now closest."""
     async with swarm(7, replicas=2, maintenance_interval=0.2, republish_interval=0.5, rpc_timeout=1.0) as dhts:

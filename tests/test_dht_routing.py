@@ -73,11 +73,14 @@ def test_full_bucket_caches_replacement_and_remove_promotes() -> None:
     promoted = table.remove(ids[2])
     assert promoted is not None and promoted.peer_id == ids[5]
     assert table.remove(ids[3]) is None and len(table) == 3
-    # mark_seen resets failures; a given dht id must match; the local id is refused.
+    # An answer resets failures; a call from the peer does not (it proves the peer is up, not
+    # that we reach it); a given dht id must match; the local id is refused.
     table.mark_failed(ids[0])
-    table.mark_seen(ids[0], now=20)
+    table.mark_seen(ids[0], now=19, answered=False)
     c = table.get(ids[0])
-    assert c is not None and c.failures == 0 and c.last_seen == 20
+    assert c is not None and c.failures == 1 and c.last_seen == 19 and c.answered == 10
+    table.mark_seen(ids[0], now=20)
+    assert c.failures == 0 and c.last_seen == 20 and c.answered == 20
     assert table.add(ids[7], DHTID(1), now=0).status is AddStatus.REJECTED
     assert table.add(make_ids(1, 1)[0], now=0).reason == "local id"
 
@@ -576,3 +579,16 @@ def test_answers_after_stop_are_ignored_even_from_asked_peers() -> None:
     lookup.stop()
     assert lookup.on_response(a.peer_id, [PeerInfo(p) for p in ids[2:]]) == 0
     assert lookup.result() == [] and lookup.done and lookup.next_queries() == []
+
+
+def test_contacts_that_have_not_answered_for_a_while_are_listed_longest_quiet_first() -> None:
+    local = DHTID.from_peer(make_ids(1, 60)[0])
+    table = RoutingTable(local, k=20)
+    ids = make_ids(4, 61)
+    for t, pid in enumerate(ids):
+        table.add(pid, now=float(t))
+    table.mark_seen(ids[0], now=50, answered=False)  # it called us: still quiet
+    table.mark_seen(ids[1], now=50)  # it answered
+    assert [c.peer_id for c in table.unanswered(now=10, after=8)] == [ids[0], ids[2]]
+    assert [c.peer_id for c in table.unanswered(now=10, after=7)] == [ids[0], ids[2], ids[3]]
+    assert table.unanswered(now=10, after=11) == []

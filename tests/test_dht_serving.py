@@ -149,8 +149,12 @@ def test_a_caller_is_admitted_only_as_a_server_on_the_address_it_came_from() -> 
     contact = table.get(caller)
     assert contact is not None and contact.ip_group == "8.8.8.0/24" and contact.last_seen == NOW
     assert [str(a) for a in contact.addrs] == ["/ip4/8.8.8.8/tcp/4001"]
+    table.mark_failed(caller)
     assert admit_caller(table, caller, claims, observed, NOW + 5) is None  # known: only marked seen
     assert table.get(caller).last_seen == NOW + 5  # type: ignore[union-attr]
+    # ... and its calls do not clear the failures of our calls to it: one that calls and never
+    # answers (silent, or unreachable) is still evicted after max_failures
+    assert table.get(caller).failures == 1 and table.get(caller).answered == NOW  # type: ignore[union-attr]
 
 
 def test_an_answer_as_a_client_removes_the_peer_and_a_direct_server_joins() -> None:

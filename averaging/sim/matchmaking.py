@@ -223,9 +223,8 @@ class MatchmakingSim:
             return
         b = target.peer
         legs = 2 if b.kind is Kind.UNREACHABLE else 1  # through its relay
-        setup = 0.0 if b.index in a.connected else 2.0 * legs * sim.model.rtt(a.place, b.place)
-        a.connected.add(b.index)
-        b.connected.add(a.index)
+        setup = 0.0 if sim.connected(a, b) else 2.0 * legs * sim.model.rtt(a.place, b.place)
+        sim.use(a, b)
         there = setup + legs * sim.model.one_way(a.place, b.place, sim.rng)
         member = asker.formation.me if asker.formation is not None else asker.me
 

@@ -126,6 +126,9 @@ class Contact:
     ip_group: str | None
     last_seen: float
     failures: int = 0
+    #: When it last answered a call of ours (or joined the table): a peer that only calls us
+    #: proves it is alive, not that we can reach it.
+    answered: float = 0.0
 
     @property
     def info(self) -> PeerInfo:
@@ -221,7 +224,7 @@ class RoutingTable:
         existing = bucket.contacts.get(peer_id)
         if existing is not None:  # keeps the group it was admitted under
             existing.addrs = tuple(addrs) or existing.addrs
-            existing.last_seen, existing.failures = now, 0
+            existing.last_seen, existing.failures, existing.answered = now, 0, now
             bucket.contacts.move_to_end(peer_id)
             return AddResult(AddStatus.UPDATED)
         if ip_group is not None:
@@ -229,7 +232,7 @@ class RoutingTable:
                 return AddResult(AddStatus.REJECTED, f"ip group {ip_group} limit reached in bucket {index}")
             if self._groups[ip_group] >= self.max_per_ip_group_total:
                 return AddResult(AddStatus.REJECTED, f"ip group {ip_group} limit reached in table")
-        contact = Contact(peer_id, derived, tuple(addrs), ip_group, now)
+        contact = Contact(peer_id, derived, tuple(addrs), ip_group, now, answered=now)
         if len(bucket.contacts) < self.k:
             self._insert(index, contact)
             return AddResult(AddStatus.ADDED)
@@ -278,14 +281,18 @@ class RoutingTable:
             self._lowest = next((i for i in range(index + 1, ID_BITS) if self._buckets[i].contacts), ID_BITS)
         return None
 
-    def mark_seen(self, peer_id: ID, now: float) -> None:
-        """The peer answered: it becomes the most recently seen of its bucket."""
+    def mark_seen(self, peer_id: ID, now: float, *, answered: bool = True) -> None:
+        """The peer answered a call of ours (``answered``), or called us: it becomes the most
+        recently seen of its bucket. Only an answer clears its failures: a peer that calls us
+        and never answers (silent, or unreachable) must still be evicted after ``max_failures``."""
         index = self._where.get(peer_id)
         if index is None:
             return
         bucket = self._buckets[index]
         contact = bucket.contacts[peer_id]
-        contact.last_seen, contact.failures = now, 0
+        contact.last_seen = now
+        if answered:
+            contact.failures, contact.answered = 0, now
         bucket.contacts.move_to_end(peer_id)
         bucket.last_touched = now
 
@@ -350,6 +357,13 @@ class RoutingTable:
                     yield buckets[b]
         for b in range(max(h + 1, lowest), ID_BITS):
             yield buckets[b]
+
+    def unanswered(self, now: float, after: float) -> list[Contact]:
+        """Contacts that have not answered a call of ours for ``after`` seconds, longest first:
+        ping them, and drop those that do not answer. Lookups rarely ask the contacts of the
+        near buckets, so without this a peer that left stays there (and is handed to others)."""
+        quiet = [c for b in self._buckets for c in b.contacts.values() if now - c.answered >= after]
+        return sorted(quiet, key=lambda c: c.answered)
 
     def stale_buckets(self, now: float, refresh_interval: float) -> list[DHTID]:
         """One random id inside each bucket not touched for ``refresh_interval``: look them up.

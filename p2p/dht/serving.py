@@ -90,7 +90,7 @@ def admit_caller(table: RoutingTable, caller: ID, sender: pb.Sender, observed: M
     if not sender.server:
         return None
     if caller in table:
-        table.mark_seen(caller, now)
+        table.mark_seen(caller, now, answered=False)
         return None
     if observed is None:
         return None

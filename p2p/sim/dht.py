@@ -11,7 +11,9 @@ far buckets; refresh stale buckets every maintenance pass; ping a full bucket's 
 from __future__ import annotations
 
 import bisect
+import enum
 import heapq
+import math
 import random
 import statistics
 from collections.abc import Callable
@@ -37,6 +39,27 @@ EPOCH = 1_800_000_000.0
 CONNECT_RTTS = 2.0
 
 
+class Rules(enum.Enum):
+    """Whose routing-table rules the peers follow.
+
+    ``DEDLOC``: this project's (:class:`RoutingTable`'s defaults and the I/O shell's schedule).
+    ``KAD_DHT_2022``: go-libp2p-kad-dht's as the RFM19 crawl (2022-04) met them, to check the
+    network model against the crawl with the protocol the crawl measured: a full bucket rejects
+    a newcomer (no replacement cache, nobody pinged: ``kbucket.TryAddPeer`` replaces only peers
+    marked replaceable while bootstrapping); a peer that fails one query leaves the table
+    (``peerStoppedDHT``); and every refresh interval each entry without a successful query for
+    ``ln(1/k) / ln(1 - alpha/k)`` refresh intervals (43 min at k 20, alpha 10) is pinged and
+    dropped if it does not answer (``rtRefreshManager.pingAndEvictPeers``). Everything else
+    (lookups, admission of callers and answerers, refresh of stale buckets) is the same code:
+    go-libp2p-kad-dht too adds a server that queries it (``handleNewMessage``: ``peerFound``)
+    and one that answered a query. Not modelled: a newcomer's minutes in client mode before
+    AutoNAT lets it serve.
+    """
+
+    DEDLOC = "dedloc"
+    KAD_DHT_2022 = "kad-dht-2022"
+
+
 @dataclass
 class SimPeer:
     index: int
@@ -49,7 +72,8 @@ class SimPeer:
     storage: LocalStore
     joined: float
     alive: bool = True
-    connected: set[int] = field(default_factory=set)
+    #: Open connections: the other peer's index, and when the connection was last used.
+    connections: dict[int, float] = field(default_factory=dict)
     pinging: set[ID] = field(default_factory=set)
     replies: ReplyTimer = field(default_factory=ReplyTimer)
 
@@ -95,6 +119,18 @@ class DHTSimConfig:
     #: Lookups stop waiting for a peer past its :class:`ReplyTimer` (the DHT's behaviour);
     #: False: they wait for every reply up to the RPC timeout (before the fix, for comparison).
     reply_timer: bool = True
+    #: Whose routing-table rules (see :class:`Rules`).
+    rules: Rules = Rules.DEDLOC
+
+    @property
+    def check_after_s(self) -> float:
+        """How long a contact may go without answering before it is pinged: ``DHTConfig.check_after``,
+        or :attr:`Rules.KAD_DHT_2022`'s ``successfulOutboundQueryGracePeriod`` (its dht.go's
+        ``maxLastSuccessfulOutboundThreshold``)."""
+        if self.rules is Rules.DEDLOC:
+            return self.dht.check_after
+        k, alpha = self.dht.k, self.dht.alpha
+        return math.log(1 / k) / math.log(1 - alpha / k) * self.dht.refresh_interval
 
 
 class DHTSim:
@@ -140,6 +176,9 @@ class DHTSim:
                 for j in chosen:  # k contacts, k more in the replacement cache
                     other = self.peers[servers[j][1]]
                     table.add(other.peer_id, other.dht_id, (other.addr,), None, now=0.0)
+                    contact = table.get(other.peer_id)
+                    if contact is not None:  # last answered at some point of the check interval
+                        contact.answered = -rng.uniform(0, cfg.check_after_s)
                 table.touch(table.random_id_in_bucket(index), -rng.uniform(0, interval))
 
     # ------------------------------------------------------------------ peers
@@ -163,7 +202,7 @@ class DHTSim:
         addr = Multiaddr(f"/ip4/{11 + (n >> 16) % 200}.{(n >> 8) & 255}.{n & 255}.{rng.randrange(1, 255)}/tcp/4001")
         dht_id = DHTID.from_peer(peer_id)
         peer = SimPeer(len(self.peers), peer_id, dht_id, addr, self.model.place(rng), kind or self.model.kind(rng),
-                       RoutingTable(dht_id, k=self.config.dht.k, rng=random.Random(rng.random())),
+                       self._table(dht_id),
                        self.config.dht.local_store(), joined=self.now)
         self.peers.append(peer)
         self.by_id[peer_id] = peer
@@ -175,6 +214,14 @@ class DHTSim:
                 self.model.residual_session_s(rng) if session == -2 else session
             self.engine.at(length, self._leave, peer)
         self.engine.at(self.config.dht.maintenance_interval * (0.5 + rng.random()), self._maintain, peer)
+
+    def _table(self, dht_id: DHTID) -> RoutingTable:
+        rng = random.Random(self.rng.random())
+        if self.config.rules is Rules.KAD_DHT_2022:  # no diversity limits either: off by default there
+            return RoutingTable(dht_id, k=self.config.dht.k, replacement_cache_size=0, max_failures=1,
+                                max_per_ip_group=self.config.dht.k, max_per_ip_group_total=ID_BITS * self.config.dht.k,
+                                rng=rng)
+        return RoutingTable(dht_id, k=self.config.dht.k, rng=rng)
 
     def _leave(self, peer: SimPeer) -> None:
         peer.alive = False
@@ -212,7 +259,21 @@ class DHTSim:
         stale = peer.table.stale_buckets(self.now, cfg.refresh_interval)[:8]
         if stale:
             self.refresh(peer, stale, lambda _: None)
+        if self.config.rules is Rules.DEDLOC:
+            self._check_quiet(peer, cfg.checks_per_pass)
+        elif stale:  # go-libp2p-kad-dht: every quiet contact, with each refresh
+            self._check_quiet(peer, None)
         self.engine.at(cfg.maintenance_interval, self._maintain, peer)
+
+    def _check_quiet(self, peer: SimPeer, limit: int | None) -> None:
+        """Ping the contacts quiet for ``check_after_s`` (``DHT._check_contact``); drop those that do not answer."""
+        quiet = peer.table.unanswered(self.now, self.config.check_after_s)[:limit]
+        for target in (c.peer_id for c in quiet):
+            def checked(response: pb.FindResponse | None, target: ID = target) -> None:
+                if response is None:
+                    peer.table.remove(target)
+
+            self.find(peer, target, [wire.target_query(peer.dht_id)], checked)
 
     def _added(self, peer: SimPeer, added: tuple[AddResult, list[Multiaddr]] | None) -> None:
         if added is None:
@@ -248,12 +309,23 @@ class DHTSim:
         ``CONNECT_RTTS``); None when no dial gets through (gone, or behind a NAT with no
         connection from it)."""
         b = self.by_id.get(target)
-        if b is None or not b.alive or (b.kind is Kind.UNREACHABLE and b.index not in a.connected):
+        if b is None or not b.alive:
             return None, 0.0
-        setup = 0.0 if b.index in a.connected else CONNECT_RTTS * self.model.rtt(a.place, b.place)
-        a.connected.add(b.index)
-        b.connected.add(a.index)
+        open_ = self.connected(a, b)
+        if b.kind is Kind.UNREACHABLE and not open_:
+            return None, 0.0
+        setup = 0.0 if open_ else CONNECT_RTTS * self.model.rtt(a.place, b.place)
+        self.use(a, b)
         return b, setup + self.model.one_way(a.place, b.place, self.rng)
+
+    def connected(self, a: SimPeer, b: SimPeer) -> bool:
+        """Whether ``a`` holds a connection to ``b`` (opened by either; connections stay open,
+        as the Node closes none for being idle)."""
+        return b.index in a.connections
+
+    def use(self, a: SimPeer, b: SimPeer) -> None:
+        """A message between ``a`` and ``b``: their connection is open (opened now, if it was not)."""
+        a.connections[b.index] = b.connections[a.index] = self.now
 
     def _serve(self, a: SimPeer, b: SimPeer, request: pb.FindRequest, done: Callable[[pb.FindResponse | None], None],
                sent: float, deadline: float) -> None:
@@ -429,7 +501,8 @@ class DHTSim:
 
     def health(self, sample: int = 300) -> dict[str, float]:
         """RFM19's measures on a sample of live servers: unreachable entries in bucket 0 (CPL 0)
-        and in non-full buckets, and how many know all (or fewer than 18) of their 20 closest."""
+        and in non-full buckets, and how many know all (or fewer than 18) of their 20 closest; and
+        the crawl's share of unreachable peers among all those found in the live servers' tables."""
         servers = self.live_servers()
         rng = random.Random(self.config.seed + 1)
         chosen = rng.sample(servers, min(sample, len(servers)))
@@ -449,7 +522,9 @@ class DHTSim:
             all20 += known == len(truth)
             under18 += known < 18
         n = max(1, len(chosen))
+        everyone = {c.peer_id for p in servers for c in p.table}
         return {
+            "unreachable_in_tables": sum(not self._reachable(i) for i in everyone) / max(1, len(everyone)),
             "unreachable_in_bucket_0": statistics.fmean(cpl0) if cpl0 else 0.0,
             "unreachable_in_non_full": statistics.fmean(nonfull) if nonfull else 0.0,
             "know_all_20_closest": all20 / n,
