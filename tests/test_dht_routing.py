@@ -73,12 +73,12 @@ def test_full_bucket_caches_replacement_and_remove_promotes() -> None:
     promoted = table.remove(ids[2])
     assert promoted is not None and promoted.peer_id == ids[5]
     assert table.remove(ids[3]) is None and len(table) == 3
-    # An answer resets failures; a call from the peer does not (it proves the peer is up, not
+    # Seen resets failures; only an answer moves `answered` (a call proves the peer is up, not
     # that we reach it); a given dht id must match; the local id is refused.
     table.mark_failed(ids[0])
     table.mark_seen(ids[0], now=19, answered=False)
     c = table.get(ids[0])
-    assert c is not None and c.failures == 1 and c.last_seen == 19 and c.answered == 10
+    assert c is not None and c.failures == 0 and c.last_seen == 19 and c.answered == 10
     table.mark_seen(ids[0], now=20)
     assert c.failures == 0 and c.last_seen == 20 and c.answered == 20
     assert table.add(ids[7], DHTID(1), now=0).status is AddStatus.REJECTED

@@ -283,16 +283,18 @@ class RoutingTable:
 
     def mark_seen(self, peer_id: ID, now: float, *, answered: bool = True) -> None:
         """The peer answered a call of ours (``answered``), or called us: it becomes the most
-        recently seen of its bucket. Only an answer clears its failures: a peer that calls us
-        and never answers (silent, or unreachable) must still be evicted after ``max_failures``."""
+        recently seen of its bucket, and its failures are forgiven (Kademlia's rule: a busy peer
+        on a loaded machine misses a timeout and still calls). Only an answer moves ``answered``:
+        a peer that calls us and never answers (silent, or unreachable) is caught by the check of
+        quiet contacts (:meth:`unanswered`)."""
         index = self._where.get(peer_id)
         if index is None:
             return
         bucket = self._buckets[index]
         contact = bucket.contacts[peer_id]
-        contact.last_seen = now
+        contact.last_seen, contact.failures = now, 0
         if answered:
-            contact.failures, contact.answered = 0, now
+            contact.answered = now
         bucket.contacts.move_to_end(peer_id)
         bucket.last_touched = now
 
