@@ -434,7 +434,7 @@ class DHT:
                 self._nursery.start_soon(self._check_oldest, oldest)
 
     async def _check_contact(self, peer_id: ID) -> None:
-        """A contact quiet for ``check_after``: it stays if it still answers."""
+        """A contact that may be gone (quiet for ``check_after``, or a full bucket's oldest): it stays if it answers."""
         with trio.move_on_after(self.config.rpc_timeout * 2):
             if not await self._ping(peer_id):
                 self.table.remove(peer_id)
@@ -442,8 +442,7 @@ class DHT:
     async def _check_oldest(self, peer_id: ID) -> None:
         """Kademlia's rule for a full bucket: the oldest contact stays if it still answers."""
         try:
-            if not await self._ping(peer_id):
-                self.table.remove(peer_id)  # promotes the newest replacement
+            await self._check_contact(peer_id)  # a dead one's removal promotes the newest replacement
         finally:
             self._pinging.discard(peer_id)
 

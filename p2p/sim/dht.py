@@ -72,8 +72,8 @@ class SimPeer:
     storage: LocalStore
     joined: float
     alive: bool = True
-    #: Open connections: the other peer's index, and when the connection was last used.
-    connections: dict[int, float] = field(default_factory=dict)
+    #: Open connections, by the other peer's index.
+    connected: set[int] = field(default_factory=set)
     pinging: set[ID] = field(default_factory=set)
     replies: ReplyTimer = field(default_factory=ReplyTimer)
 
@@ -267,13 +267,17 @@ class DHTSim:
 
     def _check_quiet(self, peer: SimPeer, limit: int | None) -> None:
         """Ping the contacts quiet for ``check_after_s`` (``DHT._check_contact``); drop those that do not answer."""
-        quiet = peer.table.unanswered(self.now, self.config.check_after_s)[:limit]
-        for target in (c.peer_id for c in quiet):
-            def checked(response: pb.FindResponse | None, target: ID = target) -> None:
-                if response is None:
-                    peer.table.remove(target)
+        for contact in peer.table.unanswered(self.now, self.config.check_after_s)[:limit]:
+            self._check_contact(peer, contact.peer_id)
 
-            self.find(peer, target, [wire.target_query(peer.dht_id)], checked)
+    def _check_contact(self, peer: SimPeer, target: ID, then: Callable[[], None] = lambda: None) -> None:
+        """``DHT._check_contact``: ping ``target``; drop it if it does not answer."""
+        def checked(response: pb.FindResponse | None) -> None:
+            if response is None:
+                peer.table.remove(target)
+            then()
+
+        self.find(peer, target, [wire.target_query(peer.dht_id)], checked)
 
     def _added(self, peer: SimPeer, added: tuple[AddResult, list[Multiaddr]] | None) -> None:
         if added is None:
@@ -283,13 +287,7 @@ class DHTSim:
             oldest = result.ping_candidate.peer_id
             if oldest not in peer.pinging:
                 peer.pinging.add(oldest)
-
-                def checked(response: pb.FindResponse | None) -> None:
-                    peer.pinging.discard(oldest)
-                    if response is None:
-                        peer.table.remove(oldest)
-
-                self.find(peer, oldest, [wire.target_query(peer.dht_id)], checked)
+                self._check_contact(peer, oldest, lambda: peer.pinging.discard(oldest))
 
     # ------------------------------------------------------------------ calls
 
@@ -321,11 +319,12 @@ class DHTSim:
     def connected(self, a: SimPeer, b: SimPeer) -> bool:
         """Whether ``a`` holds a connection to ``b`` (opened by either; connections stay open,
         as the Node closes none for being idle)."""
-        return b.index in a.connections
+        return b.index in a.connected
 
     def use(self, a: SimPeer, b: SimPeer) -> None:
         """A message between ``a`` and ``b``: their connection is open (opened now, if it was not)."""
-        a.connections[b.index] = b.connections[a.index] = self.now
+        a.connected.add(b.index)
+        b.connected.add(a.index)
 
     def _serve(self, a: SimPeer, b: SimPeer, request: pb.FindRequest, done: Callable[[pb.FindResponse | None], None],
                sent: float, deadline: float) -> None:
