@@ -33,8 +33,10 @@ LOOKING                 handed over                                  (as a timer
 LEADING                 declarations read                            we still lead                 LEADING, (tick)
 ======================  ===========================================  ============================  =====================
 
-Ready: a member that may reduce is in the group, and it has ``target``
-members, or ``min_size`` once ``gather_time`` passed since we began leading.
+Ready: a member that may reduce is in the group, and it has its capacity
+(``target`` members, or up to ``min_size - 1`` more when the declarations last
+read would leave that few behind: :meth:`Formation.capacity`), or ``min_size``
+once ``gather_time`` passed since we began leading.
 "Refused" and "unreachable" leaders are skipped: refusals for two poll
 intervals (a peer that was not leading a moment ago may lead now), an
 unreachable leader while the declaration we saw lives (a killed leader's
@@ -49,7 +51,7 @@ phase                  condition                            answer
 LOOKING                first ask                            Defer (answer once we know)
 LOOKING                asked again                          Reject("not leading")
 FOLLOWING              -                                    Redirect(our leader)
-LEADING                the group is fixed or full           Reject("group full")
+LEADING                the group is fixed or at capacity    Reject("group full")
 LEADING                otherwise                            Admit (answer when it closes)
 closed (after Admit)   in the group it closed with          Accept(group)
 closed (after Admit)   it closed handing over to L          Redirect(L)
@@ -234,7 +236,7 @@ class Formation:
     #: the leader our followers were handed over to (their answer), while they wait
     redirect: ID | None = None
     group: Group | None = None
-    #: what the last read showed (for the failure message)
+    #: what the last read showed: how many declared (the capacity, the failure message), whether any reduces
     last_seen: int = 0
     reducers_seen: bool = False
 
@@ -295,9 +297,19 @@ class Formation:
 
     # ------------------------------------------------------------------ leading
 
+    def capacity(self) -> int:
+        """How many members our group takes: ``target``, or up to ``min_size - 1`` more when the
+        declarations last read would leave that few behind, too few for a group of their own. The
+        scale simulation (bench/scale.py) found every peer left without a group at 1,000 peers in
+        a Moshpit cell of m + 1: ten formed a full group and the eleventh failed alone each round."""
+        left = self.last_seen % self.rules.target
+        if self.last_seen > self.rules.target and 0 < left < self.rules.min_size:
+            return self.rules.target + left
+        return self.rules.target
+
     def ready(self, now: float) -> bool:
         size = 1 + len(self.followers)
-        return self._reducer() and (size >= self.rules.target or (
+        return self._reducer() and (size >= self.capacity() or (
             size >= self.rules.min_size and now - self.leading_since >= self.rules.gather_time))
 
     def on_tick(self, now: float) -> Action:
@@ -315,11 +327,12 @@ class Formation:
         """Leading: a join arrived or the wait ended: a full group is fixed, else the declarations are
         read again (is there a better leader now?)."""
         assert self.phase is Phase.LEADING
-        if 1 + len(self.followers) >= self.rules.target or now >= self.deadline:
+        if 1 + len(self.followers) >= self.capacity() or now >= self.deadline:
             return self.on_tick(now)
         return Read()
 
     def _check_leader(self, candidates: list[Member], now: float) -> Action:
+        self.last_seen = len(candidates)
         others = sorted((m for m in candidates if m.accepts_joins), key=leader_rank)
         if others and others[0].peer_id != self.me.peer_id:
             # hand the followers over rather than split the swarm, and follow them there even if
@@ -331,7 +344,7 @@ class Formation:
         return self.on_tick(now)
 
     def _fix(self) -> Fix:
-        members = sorted([self.me, *list(self.followers.values())[: self.rules.target - 1]],
+        members = sorted([self.me, *list(self.followers.values())[: self.capacity() - 1]],
                          key=lambda m: m.peer_id.to_bytes())
         return Fix(tuple(members))
 
@@ -364,7 +377,7 @@ class Formation:
         if self.phase is Phase.FOLLOWING:
             assert self.following is not None
             return Redirect(self.following.peer_id)
-        if self.phase is Phase.FIXED or 1 + len(self.followers) >= self.rules.target:
+        if self.phase is Phase.FIXED or 1 + len(self.followers) >= self.capacity():
             return Reject("group full")
         self.followers[member.peer_id] = member
         return Admit()

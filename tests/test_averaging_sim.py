@@ -63,8 +63,25 @@ def test_matchmaking_over_the_simulated_dht_forms_whole_groups_under_each_key() 
         reported[o.group.group_id] += 1
         assert o.group.members[o.group.my_index].peer_id == sim.peers[o.peer].peer_id
         assert len({cells[m.peer_id] for m in o.group.members}) == 1  # one cell's peers
-        assert 2 <= o.group.size <= 5 and any(m.role.reduces for m in o.group.members)
+        assert 2 <= o.group.size <= 5 + 1 and any(m.role.reduces for m in o.group.members)  # + min_size - 1
     assert all(len(v) == 1 for v in views.values())  # every member holds the same group
     assert all(reported[g] == len(next(iter(v))) for g, v in views.items())  # and each of them got it
     figures = summary(outcomes)
     assert figures["formed_p95_s"] < 30 and 0 <= figures["without_group"] <= 0.15
+
+
+def test_a_cell_of_one_more_than_the_target_leaves_nobody_alone() -> None:
+    """What bench/scale.py found at 1,000 peers: a cell of m + 1 peers formed a full group of m
+    and left one alone each round (min_size 2). In cells of 6 with a target of 5, every peer gets a
+    group now; before, one peer in six (~17%) had none."""
+    sim = DHTSim(DHTSimConfig(peers=150, seed=12, warm=True, churn=False))
+    sim.run(20)
+    world = MatchmakingSim(sim, MatchmakingConfig(target_size=5, min_size=2, gather_time=2.0, timeout=30.0))
+    cells = {pid: f"cell{i // 6}" for i, pid in enumerate(sorted(world.peers, key=lambda p: p.to_bytes()))}
+    cells = {pid: key for pid, key in cells.items() if sum(k == key for k in cells.values()) == 6}
+    outcomes: list[Outcome] = []
+    world.round(cells, 1.0, outcomes.extend)
+    sim.run(sim.now + 60)
+    assert len(outcomes) == len(cells) >= 96
+    assert summary(outcomes)["without_group"] <= 0.03
+    assert max(o.group.size for o in outcomes if o.group is not None) == 6

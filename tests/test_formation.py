@@ -152,6 +152,30 @@ def test_a_full_group_is_fixed_at_once_sorted_by_peer_id() -> None:
     assert isinstance(done, Done) and f.phase is Phase.FIXED
 
 
+def test_a_full_group_takes_the_one_peer_it_would_leave_alone() -> None:
+    """A cell of target + 1 (bench/scale.py, 1,000 peers, m = 10: every peer left without a group
+    was the eleventh of such a cell): the leader that read them all takes one more rather than leave
+    one peer, too few for a group, to fail alone; with target + min_size it keeps to the target."""
+    E = member(5)
+    f = formation(A)
+    assert f.on_declarations([A, B, C, D], 0.0) == AwaitJoins(POLL)  # 4 declared, target 3, min 2
+    assert f.capacity() == 4
+    assert f.on_join(C) == Admit() and f.on_join(B) == Admit()
+    assert f.on_woken(0.1) == Read()  # 3 of 4: not full yet
+    assert f.on_declarations([A, B, C, D], 0.2) == AwaitJoins(POLL)
+    assert f.on_join(D) == Admit()
+    assert f.on_woken(0.3) == Fix((A, B, C, D))
+    g = formation(A)
+    g.on_declarations([A, B, C, D, E], 0.0)  # 5 = 3 + 2: the two left form a group of their own
+    assert g.capacity() == 3
+    assert g.on_join(B) == Admit() and g.on_join(C) == Admit() and g.on_join(D) == Reject("group full")
+    assert g.on_woken(0.1) == Fix((A, B, C))
+    late = formation(A)
+    late.on_declarations([A, B, C, D], 0.0)
+    late.on_join(B)
+    assert late.on_tick(3.0) == Fix((A, B))  # who declared and never came delays the group by gather_time at most
+
+
 def test_min_size_is_fixed_once_gather_time_passed() -> None:
     f = leading(at=10.0)
     f.on_join(B)
