@@ -1,7 +1,8 @@
 """Internet scale, simulated on the project's own code: the DHT at thousands of peers.
 
     .venv/bin/python bench/scale.py [--peers 1000,3000,10000] [--stores 100] [--gets 300]
-        [--settle 900] [--join 600] [--seed 0] [--rules dedloc,kad-dht-2022] [--no-compare] [--json OUT]
+        [--settle 900] [--join 600] [--seed 0] [--rules dedloc,kad-dht-2022] [--crawl 300] [--no-compare]
+        [--json OUT]
 
 Each size runs :class:`p2p.sim.dht.DHTSim` (the DHT's routing table, lookups, traversal,
 serving rules and record store, driven by a virtual clock over the network model of
@@ -11,7 +12,8 @@ new peers replace them (churn), and after ``--settle`` simulated seconds the ben
 
 * measures the routing tables as RFM19's crawl did (unreachable entries in bucket 0 and in
   the non-full buckets, peers that know all / fewer than 18 of their 20 closest), beside
-  the crawl's figures: the calibration check (within 5 points);
+  the crawl's figures: the calibration check (within 5 points); with ``--crawl S`` the tables
+  are read over S simulated seconds, each at its own moment, as the crawl read them;
 * stores ``--stores`` records (replicas = 20, as IPFS's provider records) from random live
   peers and counts how many of the 20 closest live servers took each;
 * reads each back ``--gets`` times in all (first copy, as an IPFS content lookup) from random
@@ -63,7 +65,7 @@ def dht_at(peers: int, args: argparse.Namespace, *, reply_timer: bool = True, ru
     sim = DHTSim(DHTSimConfig(peers=peers, seed=args.seed, join_spread_s=args.join, reply_timer=reply_timer,
                               warm=not args.cold, rules=rules))
     sim.run(args.settle)
-    health = sim.health(sample=args.sample)
+    health = sim.crawl(args.crawl, sample=args.sample)
     rng = random.Random(args.seed + 7)
     stores: list[tuple[bytes, Stored]] = []
     records = [make_record(rng, sim.wall()) for _ in range(args.stores)]
@@ -209,6 +211,9 @@ def main() -> None:
                         "use --settle 900 with it")
     p.add_argument("--join", type=float, default=600.0, help="with --cold: the peers join within this many seconds")
     p.add_argument("--sample", type=int, default=200, help="peers whose routing tables are measured")
+    p.add_argument("--crawl", type=float, default=0.0,
+                   help="read the routing tables over this many simulated seconds, as one crawl does (RFM19's "
+                        "Nebula: 5-10 min); 0: at one instant")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rules", default="dedloc",
                    help="whose routing-table rules, comma-separated: dedloc, kad-dht-2022 (go-libp2p-kad-dht's, "

@@ -182,6 +182,22 @@ def test_a_peer_that_left_leaves_every_table_once_its_contacts_check_it() -> Non
     assert not any(gone.peer_id in p.table for p in holders)
 
 
+def test_a_silent_caller_leaves_every_table_at_the_next_check() -> None:
+    """What tracing the lookups of 3 s or more found (bench/scale.py, 1,000 peers after two
+    hours): each met two to four waves of unanswered candidates, 70% of them silent peers that
+    call (they accept connections and never answer), handed out for the 20 minutes before the
+    quiet check. A caller that has not answered yet is checked at the next maintenance pass."""
+    sim = DHTSim(DHTSimConfig(peers=80, seed=15, warm=True, churn=False))
+    sim.run(1.0)
+    sim._join(Kind.SILENT, None)
+    silent = sim.peers[-1]
+    sim.run(11.0)  # its join: four pings, then lookups of its own id and three far buckets
+    holders = [p for p in sim.peers if p.alive and silent.peer_id in p.table]
+    assert len(holders) >= 10
+    sim.run(11.0 + 2 * sim.config.dht.maintenance_interval + sim.config.dht.rpc_timeout)
+    assert [p for p in holders if silent.peer_id in p.table] == []
+
+
 def test_the_kad_dht_2022_twin_rejects_newcomers_to_a_full_bucket_and_drops_at_one_failure() -> None:
     sim = DHTSim(DHTSimConfig(peers=60, seed=14, warm=True, churn=False, rules=Rules.KAD_DHT_2022))
     peer = sim.peers[5]

@@ -17,6 +17,7 @@ import enum
 import hashlib
 import heapq
 import ipaddress
+import math
 import random
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator
@@ -126,8 +127,9 @@ class Contact:
     ip_group: str | None
     last_seen: float
     failures: int = 0
-    #: When it last answered a call of ours (or joined the table): a peer that only calls us
-    #: proves it is alive, not that we can reach it.
+    #: When it last answered a call of ours, or joined the table answering; -inf for a caller that
+    #: has not answered yet: a peer that only calls us proves it is alive, not that we can reach it
+    #: (:meth:`RoutingTable.unanswered` lists it at once, so the next maintenance pass checks it).
     answered: float = 0.0
 
     @property
@@ -211,8 +213,10 @@ class RoutingTable:
         ip_group: str | None = None,
         *,
         now: float,
+        answered: bool = True,
     ) -> AddResult:
-        """Insert or refresh a contact seen alive at ``now``. A given ``dht_id`` is checked, not trusted."""
+        """Insert or refresh a contact seen alive at ``now``: it answered a call of ours
+        (``answered``), or called us. A given ``dht_id`` is checked, not trusted."""
         derived = DHTID.from_peer(peer_id)
         if dht_id is not None and dht_id != derived:
             return AddResult(AddStatus.REJECTED, "dht id does not match peer id")
@@ -224,7 +228,9 @@ class RoutingTable:
         existing = bucket.contacts.get(peer_id)
         if existing is not None:  # keeps the group it was admitted under
             existing.addrs = tuple(addrs) or existing.addrs
-            existing.last_seen, existing.failures, existing.answered = now, 0, now
+            existing.last_seen, existing.failures = now, 0
+            if answered:
+                existing.answered = now
             bucket.contacts.move_to_end(peer_id)
             return AddResult(AddStatus.UPDATED)
         if ip_group is not None:
@@ -232,7 +238,7 @@ class RoutingTable:
                 return AddResult(AddStatus.REJECTED, f"ip group {ip_group} limit reached in bucket {index}")
             if self._groups[ip_group] >= self.max_per_ip_group_total:
                 return AddResult(AddStatus.REJECTED, f"ip group {ip_group} limit reached in table")
-        contact = Contact(peer_id, derived, tuple(addrs), ip_group, now, answered=now)
+        contact = Contact(peer_id, derived, tuple(addrs), ip_group, now, answered=now if answered else -math.inf)
         if len(bucket.contacts) < self.k:
             self._insert(index, contact)
             return AddResult(AddStatus.ADDED)
@@ -363,7 +369,10 @@ class RoutingTable:
     def unanswered(self, now: float, after: float) -> list[Contact]:
         """Contacts that have not answered a call of ours for ``after`` seconds, longest first:
         ping them, and drop those that do not answer. Lookups rarely ask the contacts of the
-        near buckets, so without this a peer that left stays there (and is handed to others)."""
+        near buckets, so without this a peer that left stays there (and is handed to others).
+        A caller that has not answered yet is listed at once, first: a silent peer that calls
+        (it accepts connections and never answers) was handed to every lookup near it for the
+        whole ``after``, and lookups met two or three of them one after another (bench/scale.py)."""
         quiet = [c for b in self._buckets for c in b.contacts.values() if now - c.answered >= after]
         return sorted(quiet, key=lambda c: c.answered)
 

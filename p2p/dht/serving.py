@@ -97,7 +97,7 @@ def admit_caller(table: RoutingTable, caller: ID, sender: pb.Sender, observed: M
     addrs = wire.same_host(wire.decode_addrs(sender.addrs, direct_only=True), observed)
     if not addrs:
         return None
-    return table.add(caller, addrs=addrs, ip_group=ip_group(observed), now=now), addrs
+    return table.add(caller, addrs=addrs, ip_group=ip_group(observed), now=now, answered=False), addrs
 
 
 def admit_answerer(table: RoutingTable, peer: ID, server: bool, observed: Multiaddr | None,

@@ -332,7 +332,12 @@ class DHTSim:
             self.engine.at(deadline - self.now, self._failed, a, b.peer_id, done)
             return
         check_find(request)
-        self._added(b, admit_caller(b.table, a.peer_id, request.sender, a.addr, self.now))
+        added = admit_caller(b.table, a.peer_id, request.sender, a.addr, self.now)
+        if added is not None and self.config.rules is Rules.KAD_DHT_2022:
+            contact = b.table.get(a.peer_id)  # go-libp2p-kad-dht: a new entry counts as queried when added
+            if contact is not None and contact.answered == -math.inf:
+                contact.answered = self.now
+        self._added(b, added)
         response = answer_find(request, a.peer_id, table=b.table, storage=b.storage, server=b.server,
                                now=self.wall(), budget=2 * 1024 * 1024)
         back = self.model.one_way(b.place, a.place, self.rng)
@@ -499,31 +504,66 @@ class DHTSim:
         return heapq.nsmallest(count, among, key=lambda p: int(p.dht_id) ^ target)
 
     def health(self, sample: int = 300) -> dict[str, float]:
-        """RFM19's measures on a sample of live servers: unreachable entries in bucket 0 (CPL 0)
-        and in non-full buckets, and how many know all (or fewer than 18) of their 20 closest; and
-        the crawl's share of unreachable peers among all those found in the live servers' tables."""
+        """RFM19's measures on a sample of live servers, at this instant: unreachable entries in
+        bucket 0 (CPL 0) and in non-full buckets, and how many know all (or fewer than 18) of their
+        20 closest; and the crawl's share of unreachable peers among all those found in the live
+        servers' tables."""
         servers = self.live_servers()
         rng = random.Random(self.config.seed + 1)
+        tables = {p.peer_id: _snapshot(p.table) for p in servers}
         chosen = rng.sample(servers, min(sample, len(servers)))
+        return self._measures(chosen, servers, tables, self._reachable)
+
+    def crawl(self, seconds: float, sample: int = 300) -> dict[str, float]:
+        """:meth:`health`'s measures as one crawl takes them, over ``seconds`` of simulated time
+        (RFM19's Nebula: "one run takes ~5-10 min"): every peer is visited at its own moment of the
+        window; a live server visited gives its table as it is then and joins the crawl's population;
+        each one's 20 closest are taken from that population (peers that joined during the crawl
+        among them), and an entry is unreachable when the crawl could not visit it."""
+        if seconds <= 0:
+            return self.health(sample)
+        rng = random.Random(self.config.seed + 2)
+        slots = 60
+        slot_of: dict[int, int] = {}
+        visited: dict[ID, SimPeer] = {}
+        tables: dict[ID, dict[int, list[ID]]] = {}
+
+        def visit(slot: int) -> None:
+            for peer in self.peers:  # those that joined since too
+                if slot_of.setdefault(peer.index, rng.randrange(slots)) == slot and peer.answers:
+                    visited[peer.peer_id] = peer
+                    tables[peer.peer_id] = _snapshot(peer.table)
+
+        for slot in range(slots):
+            self.engine.at(seconds * (slot + 0.5) / slots, visit, slot)
+        self.run(self.now + seconds)
+        servers = list(visited.values())
+        chosen = random.Random(self.config.seed + 1).sample(servers, min(sample, len(servers)))
+        return self._measures(chosen, servers, tables, lambda peer_id: peer_id in visited)
+
+    def _measures(self, chosen: list[SimPeer], servers: list[SimPeer], tables: dict[ID, dict[int, list[ID]]],
+                  reachable: Callable[[ID], bool]) -> dict[str, float]:
+        k = self.config.dht.k
         cpl0: list[float] = []
         nonfull: list[float] = []
         all20 = under18 = 0
         for p in chosen:
-            b0 = p.table.bucket(255)
+            table = tables[p.peer_id]
+            b0 = table.get(ID_BITS - 1, [])
             if b0:
-                cpl0.append(sum(not self._reachable(c.peer_id) for c in b0) / len(b0))
-            for index in range(256):
-                entries = p.table.bucket(index)
-                if 0 < len(entries) < p.table.k:
-                    nonfull.extend(float(not self._reachable(c.peer_id)) for c in entries)
+                cpl0.append(sum(not reachable(c) for c in b0) / len(b0))
+            for entries in table.values():
+                if 0 < len(entries) < k:
+                    nonfull.extend(float(not reachable(c)) for c in entries)
+            known = {c for entries in table.values() for c in entries}
             truth = self.closest(int(p.dht_id), 20, [s for s in servers if s is not p])
-            known = sum(s.peer_id in p.table for s in truth)
-            all20 += known == len(truth)
-            under18 += known < 18
+            count = sum(s.peer_id in known for s in truth)
+            all20 += count == len(truth)
+            under18 += count < 18
         n = max(1, len(chosen))
-        everyone = {c.peer_id for p in servers for c in p.table}
+        everyone = {c for table in tables.values() for entries in table.values() for c in entries}
         return {
-            "unreachable_in_tables": sum(not self._reachable(i) for i in everyone) / max(1, len(everyone)),
+            "unreachable_in_tables": sum(not reachable(i) for i in everyone) / max(1, len(everyone)),
             "unreachable_in_bucket_0": statistics.fmean(cpl0) if cpl0 else 0.0,
             "unreachable_in_non_full": statistics.fmean(nonfull) if nonfull else 0.0,
             "know_all_20_closest": all20 / n,
@@ -534,6 +574,11 @@ class DHTSim:
     def _reachable(self, peer_id: ID) -> bool:
         peer = self.by_id.get(peer_id)
         return peer is not None and peer.answers
+
+
+def _snapshot(table: RoutingTable) -> dict[int, list[ID]]:
+    """A routing table's contacts by bucket index (non-empty buckets only), as a crawl reads them."""
+    return {i: ids for i in range(ID_BITS) if (ids := [c.peer_id for c in table.bucket(i)])}
 
 
 def _bound(reply: Callable[[PeerInfo, list[Search], pb.FindResponse | None, bool], None], info: PeerInfo,
