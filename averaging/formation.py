@@ -87,6 +87,9 @@ class FormationRules:
     min_size: int
     gather_time: float
     poll_interval: float
+    #: take up to ``min_size - 1`` more than ``target`` rather than leave that few alone
+    #: (:meth:`Formation.capacity`); off where the caller said how many come: that group is fixed at once
+    absorb_remainder: bool = True
 
 
 # ---------------------------------------------------------------------------- what came of a join we asked
@@ -239,6 +242,9 @@ class Formation:
     #: what the last read showed: how many declared (the capacity, the failure message), whether any reduces
     last_seen: int = 0
     reducers_seen: bool = False
+    #: LEADING: the peers known to be declared (the last read's, our followers, and whoever asked
+    #: to join since: its declaration may not have reached the replicas we read)
+    declared: set[ID] = field(default_factory=set)
 
     # ------------------------------------------------------------------ looking and following
 
@@ -264,6 +270,7 @@ class Formation:
             self.leading_since = now
             self.followers = {}
             self.redirect = None
+            self.declared = {m.peer_id for m in candidates}
             return self.on_tick(now)
         self.phase = Phase.FOLLOWING
         self.following = leader
@@ -299,11 +306,12 @@ class Formation:
 
     def capacity(self) -> int:
         """How many members our group takes: ``target``, or up to ``min_size - 1`` more when the
-        declarations last read would leave that few behind, too few for a group of their own. The
+        peers known to be declared would leave that few behind, too few for a group of their own. The
         scale simulation (bench/scale.py) found every peer left without a group at 1,000 peers in
         a Moshpit cell of m + 1: ten formed a full group and the eleventh failed alone each round."""
-        left = self.last_seen % self.rules.target
-        if self.last_seen > self.rules.target and 0 < left < self.rules.min_size:
+        declared = len(self.declared)
+        left = declared % self.rules.target
+        if self.rules.absorb_remainder and declared > self.rules.target and 0 < left < self.rules.min_size:
             return self.rules.target + left
         return self.rules.target
 
@@ -333,6 +341,7 @@ class Formation:
 
     def _check_leader(self, candidates: list[Member], now: float) -> Action:
         self.last_seen = len(candidates)
+        self.declared = {m.peer_id for m in candidates} | set(self.followers) | {self.me.peer_id}
         others = sorted((m for m in candidates if m.accepts_joins), key=leader_rank)
         if others and others[0].peer_id != self.me.peer_id:
             # hand the followers over rather than split the swarm, and follow them there even if
@@ -377,6 +386,8 @@ class Formation:
         if self.phase is Phase.FOLLOWING:
             assert self.following is not None
             return Redirect(self.following.peer_id)
+        if self.phase is Phase.LEADING:
+            self.declared.add(member.peer_id)
         if self.phase is Phase.FIXED or 1 + len(self.followers) >= self.capacity():
             return Reject("group full")
         self.followers[member.peer_id] = member

@@ -12,8 +12,9 @@ with its matchmaking deadline. Then, until the deadline:
    senders before peers with relayed addresses only (:func:`leader_rank`),
    skipping those that turned it away this time;
 3. if that is itself, it leads: it accepts joins (the ``avg.join`` RPC) until
-   the group has ``target_size`` members, or has ``min_size`` and
-   ``gather_time`` passed; then it fixes the group (members sorted by peer id,
+   the group has ``target_size`` members (up to ``min_size - 1`` more when the
+   declarations it read would leave that few alone, too few for a group), or
+   has ``min_size`` and ``gather_time`` passed; then it fixes the group (members sorted by peer id,
    a random group id) and answers every waiting join with it;
 4. otherwise it asks the leader to join and waits for the group (or a
    redirect to another leader, or a refusal, after which it looks again).
@@ -64,7 +65,8 @@ JOIN_METHOD = "avg.join"
 
 @dataclass(frozen=True)
 class MatchmakingConfig:
-    """``target_size``: members wanted; ``min_size``: fewest to start with;
+    """``target_size``: members wanted (a group takes up to ``min_size - 1`` more rather than leave
+    that few alone); ``min_size``: fewest to start with;
     ``gather_time``: how long a leader waits for more once ``min_size`` joined;
     ``timeout``: the matchmaking deadline; ``poll_interval``: how often the
     DHT is read again while looking for a leader."""
@@ -162,7 +164,8 @@ class Matchmaker:
         dht = self.peer.dht
         await dht.store(key, declared.to_wire().SerializeToString(), declared.expiration,
                         subkey=owned("member", me.peer_id), timeout=min(10.0, self.config.timeout))
-        rules = FormationRules(target, self.config.min_size, self.config.gather_time, self.config.poll_interval)
+        rules = FormationRules(target, self.config.min_size, self.config.gather_time, self.config.poll_interval,
+                               absorb_remainder=expected is None)
         formation = self._formation = Formation(declared, rules, deadline, self._unreachable)
         try:
             action = formation.start(trio.current_time())

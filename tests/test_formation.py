@@ -174,6 +174,15 @@ def test_a_full_group_takes_the_one_peer_it_would_leave_alone() -> None:
     late.on_declarations([A, B, C, D], 0.0)
     late.on_join(B)
     assert late.on_tick(3.0) == Fix((A, B))  # who declared and never came delays the group by gather_time at most
+    unread = formation(A)
+    unread.on_declarations([A, B, C], 0.0)  # D's declaration had not reached the replicas read
+    assert unread.on_join(B) == Admit() and unread.on_join(D) == Admit() and unread.on_join(C) == Admit()
+    assert unread.capacity() == 4 and unread.on_woken(0.1) == Fix((A, B, C, D))
+    told = formation(A, FormationRules(target=3, min_size=2, gather_time=3.0, poll_interval=POLL,
+                                       absorb_remainder=False))  # the caller said 3 come: fixed at once
+    told.on_declarations([A, B, C, D], 0.0)
+    assert told.capacity() == 3 and told.on_join(B) == Admit() and told.on_join(C) == Admit()
+    assert told.on_woken(0.1) == Fix((A, B, C))
 
 
 def test_min_size_is_fixed_once_gather_time_passed() -> None:
@@ -250,10 +259,11 @@ def test_joins_asked_of_us_in_each_phase() -> None:
     assert f.on_join(C) == Redirect(A.peer_id)  # following A
     lead = leading(rules=FormationRules(target=2, min_size=2, gather_time=3.0, poll_interval=POLL))
     assert lead.on_join(B) == Admit()
-    assert lead.on_join(C) == Reject("group full")
-    lead.on_tick(0.1)
+    assert lead.on_join(C) == Admit()  # asking, it is declared: one more than the target, not left alone
+    assert lead.on_join(D) == Reject("group full")  # four: two groups of two
+    assert lead.on_tick(0.1) == Fix((A, B))
     lead.fixed(group_of(A, B, me=A))
-    assert lead.on_join(D) == Reject("group full")
+    assert lead.on_join(member(5)) == Reject("group full")
     failed = leading()
     failed.on_tick(DEADLINE)
     assert failed.on_join(B) == Reject("not matching now")
