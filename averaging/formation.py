@@ -239,7 +239,7 @@ class Formation:
     #: the leader our followers were handed over to (their answer), while they wait
     redirect: ID | None = None
     group: Group | None = None
-    #: what the last read showed: how many declared (the capacity, the failure message), whether any reduces
+    #: what the last read before leading or following showed (for the failure message)
     last_seen: int = 0
     reducers_seen: bool = False
     #: LEADING: the peers known to be declared (the last read's, our followers, and whoever asked
@@ -310,10 +310,9 @@ class Formation:
         scale simulation (bench/scale.py) found every peer left without a group at 1,000 peers in
         a Moshpit cell of m + 1: ten formed a full group and the eleventh failed alone each round."""
         declared = len(self.declared)
-        left = declared % self.rules.target
-        if self.rules.absorb_remainder and declared > self.rules.target and 0 < left < self.rules.min_size:
-            return self.rules.target + left
-        return self.rules.target
+        left = declared % self.rules.target if declared > self.rules.target else 0
+        absorb = self.rules.absorb_remainder and left < self.rules.min_size
+        return self.rules.target + left if absorb else self.rules.target
 
     def ready(self, now: float) -> bool:
         size = 1 + len(self.followers)
@@ -340,7 +339,6 @@ class Formation:
         return Read()
 
     def _check_leader(self, candidates: list[Member], now: float) -> Action:
-        self.last_seen = len(candidates)
         self.declared = {m.peer_id for m in candidates} | set(self.followers) | {self.me.peer_id}
         others = sorted((m for m in candidates if m.accepts_joins), key=leader_rank)
         if others and others[0].peer_id != self.me.peer_id:

@@ -176,8 +176,11 @@ def test_a_full_group_takes_the_one_peer_it_would_leave_alone() -> None:
     assert late.on_tick(3.0) == Fix((A, B))  # who declared and never came delays the group by gather_time at most
     unread = formation(A)
     unread.on_declarations([A, B, C], 0.0)  # D's declaration had not reached the replicas read
-    assert unread.on_join(B) == Admit() and unread.on_join(D) == Admit() and unread.on_join(C) == Admit()
-    assert unread.capacity() == 4 and unread.on_woken(0.1) == Fix((A, B, C, D))
+    assert unread.on_join(B) == Admit() and unread.on_join(D) == Admit()
+    assert unread.on_woken(0.1) == Read()
+    assert unread.on_declarations([A, B, C], 0.2) == AwaitJoins(POLL)  # still not there: D is a follower
+    assert unread.on_join(C) == Admit()
+    assert unread.capacity() == 4 and unread.on_woken(0.3) == Fix((A, B, C, D))
     told = formation(A, FormationRules(target=3, min_size=2, gather_time=3.0, poll_interval=POLL,
                                        absorb_remainder=False))  # the caller said 3 come: fixed at once
     told.on_declarations([A, B, C, D], 0.0)
