@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/scale.py [--peers 1000,3000,10000] [--stores 100] [--gets 300]
         [--settle 900] [--join 600] [--seed 0] [--rules dedloc,kad-dht-2022] [--crawl 300] [--no-compare]
-        [--json OUT]
+        [--jobs 2] [--json OUT]
 
 Each size runs :class:`p2p.sim.dht.DHTSim` (the DHT's routing table, lookups, traversal,
 serving rules and record store, driven by a virtual clock over the network model of
@@ -32,10 +32,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
 import time
+from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -224,24 +226,33 @@ def main() -> None:
     p.add_argument("--dims", type=int, default=3, help="Moshpit's d (m ** d cells)")
     p.add_argument("--moshpit-rounds", type=int, default=20)
     p.add_argument("--no-matchmaking", action="store_true", help="skip matchmaking over the simulated DHT")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                   help="processes: the runs are independent (default: 2, or 1 on one core)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     sizes = [int(x) for x in args.peers.split(",")]
     results: dict[str, Any] = {"command": " ".join(sys.argv), "dht": []}
     rules = [Rules(x) for x in args.rules.split(",")]
-    for n in sizes:
-        for rule in rules:
-            print(f"dht: {n} peers, {rule.value} ...", file=sys.stderr, flush=True)
-            results["dht"].append(dht_at(n, args, rules=rule))
-            r = results["dht"][-1]
-            print(f"  lookup p50 {r['lookup_p50_s']:.3f} s, p95 {r['lookup_p95_s']:.3f} s; replicas median "
-                  f"{r['store_replicas_median']:g}; stalled {r['stalled_lookups']}; {r['cpu_s']:.0f} s CPU",
-                  file=sys.stderr, flush=True)
-    if not args.no_compare:
-        print(f"dht: {sizes[0]} peers without the reply timer ...", file=sys.stderr, flush=True)
-        results["before"] = [dht_at(sizes[0], args, reply_timer=False)]
-    print(f"moshpit: {args.moshpit_peers} peers ...", file=sys.stderr, flush=True)
-    results["moshpit"] = moshpit(args)
+    # Each run is its own seeded simulation: they go to ``--jobs`` processes, biggest first, and
+    # the results are the same as one after another (the 10,000 peers take most of one core).
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        runs: list[tuple[str, Future[dict[str, Any]]]] = []
+        for n in sorted(sizes, reverse=True):
+            for rule in rules:
+                runs.append((f"dht: {n} peers, {rule.value}", pool.submit(dht_at, n, args, rules=rule)))
+        before = None if args.no_compare else pool.submit(dht_at, sizes[0], args, reply_timer=False)
+        mosh = pool.submit(moshpit, args)
+        done = {name: future.result() for name, future in runs}
+        for n in sizes:
+            for rule in rules:
+                r = done[f"dht: {n} peers, {rule.value}"]
+                results["dht"].append(r)
+                print(f"dht: {n} peers, {rule.value}: lookup p50 {r['lookup_p50_s']:.3f} s, "
+                      f"p95 {r['lookup_p95_s']:.3f} s; replicas median {r['store_replicas_median']:g}; "
+                      f"stalled {r['stalled_lookups']}; {r['cpu_s']:.0f} s CPU", file=sys.stderr, flush=True)
+        if before is not None:
+            results["before"] = [before.result()]
+        results["moshpit"] = mosh.result()
     largest = [r for r in results["dht"] if r["rules"] == rules[0].value][-1]
     results["summary"] = {f"dht.{k}": largest[k] for k in
                           ("lookup_p50_s", "lookup_p95_s", "store_replicas_median", "stalled_lookups")}
