@@ -236,16 +236,13 @@ def main() -> None:
     # Each run is its own seeded simulation: they go to ``--jobs`` processes, biggest first, and
     # the results are the same as one after another (the 10,000 peers take most of one core).
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        runs: list[tuple[str, Future[dict[str, Any]]]] = []
-        for n in sorted(sizes, reverse=True):
-            for rule in rules:
-                runs.append((f"dht: {n} peers, {rule.value}", pool.submit(dht_at, n, args, rules=rule)))
+        runs: dict[tuple[int, Rules], Future[dict[str, Any]]] = {
+            (n, rule): pool.submit(dht_at, n, args, rules=rule) for n in sorted(sizes, reverse=True) for rule in rules}
         before = None if args.no_compare else pool.submit(dht_at, sizes[0], args, reply_timer=False)
         mosh = pool.submit(moshpit, args)
-        done = {name: future.result() for name, future in runs}
         for n in sizes:
             for rule in rules:
-                r = done[f"dht: {n} peers, {rule.value}"]
+                r = runs[n, rule].result()
                 results["dht"].append(r)
                 print(f"dht: {n} peers, {rule.value}: lookup p50 {r['lookup_p50_s']:.3f} s, "
                       f"p95 {r['lookup_p95_s']:.3f} s; replicas median {r['store_replicas_median']:g}; "

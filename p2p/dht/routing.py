@@ -228,10 +228,7 @@ class RoutingTable:
         existing = bucket.contacts.get(peer_id)
         if existing is not None:  # keeps the group it was admitted under
             existing.addrs = tuple(addrs) or existing.addrs
-            existing.last_seen, existing.failures = now, 0
-            if answered:
-                existing.answered = now
-            bucket.contacts.move_to_end(peer_id)
+            self.mark_seen(peer_id, now, answered=answered)
             return AddResult(AddStatus.UPDATED)
         if ip_group is not None:
             if bucket.groups[ip_group] >= self.max_per_ip_group:

@@ -509,10 +509,10 @@ class DHTSim:
         20 closest; and the crawl's share of unreachable peers among all those found in the live
         servers' tables."""
         servers = self.live_servers()
-        rng = random.Random(self.config.seed + 1)
-        tables = {p.peer_id: _snapshot(p.table) for p in servers}
-        chosen = rng.sample(servers, min(sample, len(servers)))
-        return self._measures(chosen, servers, tables, self._reachable)
+        chosen = random.Random(self.config.seed + 1).sample(servers, min(sample, len(servers)))
+        tables = {p.peer_id: _snapshot(p.table) for p in chosen}
+        everyone = {c.peer_id for p in servers for c in p.table}
+        return self._measures(chosen, servers, tables, everyone, self._reachable)
 
     def crawl(self, seconds: float, sample: int = 300) -> dict[str, float]:
         """:meth:`health`'s measures as one crawl takes them, over ``seconds`` of simulated time
@@ -539,10 +539,13 @@ class DHTSim:
         self.run(self.now + seconds)
         servers = list(visited.values())
         chosen = random.Random(self.config.seed + 1).sample(servers, min(sample, len(servers)))
-        return self._measures(chosen, servers, tables, lambda peer_id: peer_id in visited)
+        everyone = {c for table in tables.values() for entries in table.values() for c in entries}
+        return self._measures(chosen, servers, tables, everyone, lambda peer_id: peer_id in visited)
 
     def _measures(self, chosen: list[SimPeer], servers: list[SimPeer], tables: dict[ID, dict[int, list[ID]]],
-                  reachable: Callable[[ID], bool]) -> dict[str, float]:
+                  everyone: set[ID], reachable: Callable[[ID], bool]) -> dict[str, float]:
+        """The measures over ``chosen`` (their ``tables``, as read) against the population ``servers``;
+        ``everyone``: all peers found in the tables read."""
         k = self.config.dht.k
         cpl0: list[float] = []
         nonfull: list[float] = []
@@ -561,7 +564,6 @@ class DHTSim:
             all20 += count == len(truth)
             under18 += count < 18
         n = max(1, len(chosen))
-        everyone = {c for table in tables.values() for entries in table.values() for c in entries}
         return {
             "unreachable_in_tables": sum(not reachable(i) for i in everyone) / max(1, len(everyone)),
             "unreachable_in_bucket_0": statistics.fmean(cpl0) if cpl0 else 0.0,
