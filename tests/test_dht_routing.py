@@ -59,11 +59,13 @@ def test_full_bucket_caches_replacement_and_remove_promotes() -> None:
     for t, pid in enumerate(ids[:4]):
         assert table.add(pid, now=t).status is AddStatus.ADDED
     assert table.add(ids[0], now=10).status is AddStatus.UPDATED  # ids[1] is now least recently seen
-    res = table.add(ids[4], now=11)
+    res = table.add(ids[4], now=11)  # all four answered within good_for: none is pinged
+    assert res.status is AddStatus.CACHED and res.ping_candidate is None
+    res = table.add(ids[4], now=901)  # ids[1] was seen 900 s ago: questionable
     assert res.status is AddStatus.CACHED and res.ping_candidate is not None
     assert res.ping_candidate.peer_id == ids[1]
-    table.add(ids[5], now=12)
-    table.add(ids[6], now=13)  # cache is bounded: ids[4] falls out
+    table.add(ids[5], now=902)
+    table.add(ids[6], now=903)  # cache is bounded: ids[4] falls out
     assert [c.peer_id for c in table.replacements(255)] == [ids[5], ids[6]]
     assert len(table) == 4 and ids[4] not in table
     # The ping candidate is dead: three failures evict it, and the newest replacement takes its place.
@@ -372,6 +374,25 @@ def test_a_lookup_skips_its_own_id_the_sender_and_peers_it_knows() -> None:
     assert repr(DHTID(255)) == "DHTID(" + "0" * 62 + "ff)"
 
 
+def test_a_full_bucket_pings_only_a_contact_not_known_good() -> None:
+    """BEP 5: good = answered us once, and answered or called within good_for. A caller that never
+    answered is pinged even when newest; one that answered and called 899 s ago is not."""
+    local = DHTID.from_peer(make_ids(1, 60)[0])
+    table = RoutingTable(local, k=3, good_for=900)
+    ids = peers_in_bucket(local, 255, 5, seed=61)
+    table.add(ids[0], now=0)
+    table.add(ids[1], now=1, answered=False)
+    table.add(ids[2], now=2)
+    candidate = table.add(ids[3], now=3).ping_candidate
+    assert candidate is not None and candidate.peer_id == ids[1]  # ids[0] is older, and good
+    table.mark_seen(ids[1], 4)  # it answered
+    assert table.add(ids[3], now=5).ping_candidate is None
+    table.mark_seen(ids[0], 100, answered=False)  # a call from a contact that answered before: still good
+    assert table.add(ids[4], now=899).ping_candidate is None
+    candidate = table.add(ids[4], now=904).ping_candidate  # ids[2] seen 902 s ago; ids[0] 804 s ago
+    assert candidate is not None and candidate.peer_id == ids[2]
+
+
 def test_defaults_are_kademlias_and_the_diversity_limits() -> None:
     """k = 20 (Kademlia's), a replacement cache of k, 2 contacts of one /24 per bucket and 10 per table,
     and a table made without an rng still draws refresh ids."""
@@ -382,8 +403,9 @@ def test_defaults_are_kademlias_and_the_diversity_limits() -> None:
     ids = peers_in_bucket(local, 255, 22, seed=51)
     for t, pid in enumerate(ids[:20]):
         assert table.add(pid, now=t).status is AddStatus.ADDED
-    cached = table.add(ids[20], now=20)
+    cached = table.add(ids[20], now=900)
     assert (cached.status, cached.reason, cached.ping_candidate) == (AddStatus.CACHED, "bucket full", table.get(ids[0]))
+    assert table.good_for == 900.0
     assert local.bucket_index(table.random_id_in_bucket(200)) == 200
 
 
@@ -592,3 +614,9 @@ def test_contacts_that_have_not_answered_for_a_while_are_listed_longest_quiet_fi
     assert [c.peer_id for c in table.unanswered(now=10, after=8)] == [ids[0], ids[2]]
     assert [c.peer_id for c in table.unanswered(now=10, after=7)] == [ids[0], ids[2], ids[3]]
     assert table.unanswered(now=10, after=11) == []
+    late, early = make_ids(2, 62)
+    table.add(late, now=9, answered=False)  # callers that never answered: first, earliest joined first,
+    table.add(early, now=5, answered=False)  # once new_after has passed since they joined
+    assert [c.peer_id for c in table.unanswered(now=10, after=11, new_after=6)] == []
+    assert [c.peer_id for c in table.unanswered(now=11, after=12, new_after=6)] == [early]
+    assert [c.peer_id for c in table.unanswered(now=15, after=8, new_after=6)] == [early, late, ids[0], ids[2], ids[3]]

@@ -154,11 +154,12 @@ def test_a_caller_is_admitted_only_as_a_server_on_the_address_it_came_from() -> 
     assert admit_caller(table, caller, claims, observed, NOW + 5) is None  # known: only marked seen
     assert table.get(caller).last_seen == NOW + 5  # type: ignore[union-attr]
     # ... and its call is no answer: one that calls and never answers (silent, or unreachable)
-    # has not answered yet, so the next check of quiet contacts pings it, first
+    # has not answered yet, so the check of quiet contacts pings it, first, new_after its joining
     assert table.get(caller).answered == -math.inf  # type: ignore[union-attr]
-    assert [c.peer_id for c in table.unanswered(NOW + 5, 1200.0)] == [caller]
-    table.mark_seen(caller, NOW + 6)  # it answered the check
-    assert table.unanswered(NOW + 6, 1200.0) == []
+    assert table.unanswered(NOW + 5, 1200.0, new_after=60.0) == []
+    assert [c.peer_id for c in table.unanswered(NOW + 60, 1200.0, new_after=60.0)] == [caller]
+    table.mark_seen(caller, NOW + 61)  # it answered the check (or a call of ours)
+    assert table.unanswered(NOW + 61, 1200.0, new_after=60.0) == []
 
 
 def test_an_answer_as_a_client_removes_the_peer_and_a_direct_server_joins() -> None:

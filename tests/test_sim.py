@@ -186,7 +186,8 @@ def test_a_silent_caller_leaves_every_table_at_the_next_check() -> None:
     """What tracing the lookups of 3 s or more found (bench/scale.py, 1,000 peers after two
     hours): each met two to four waves of unanswered candidates, 70% of them silent peers that
     call (they accept connections and never answer), handed out for the 20 minutes before the
-    quiet check. A caller that has not answered yet is checked at the next maintenance pass."""
+    quiet check. A caller that has not answered yet is checked at the first maintenance pass
+    ``check_new_after`` after it joined."""
     sim = DHTSim(DHTSimConfig(peers=80, seed=15, warm=True, churn=False))
     sim.run(1.0)
     sim._join(Kind.SILENT, None)
@@ -194,15 +195,16 @@ def test_a_silent_caller_leaves_every_table_at_the_next_check() -> None:
     sim.run(11.0)  # its join: four pings, then lookups of its own id and three far buckets
     holders = [p for p in sim.peers if p.alive and silent.peer_id in p.table]
     assert len(holders) >= 10
-    sim.run(11.0 + 2 * sim.config.dht.maintenance_interval + sim.config.dht.rpc_timeout)
+    cfg = sim.config.dht
+    sim.run(11.0 + cfg.check_new_after + 2 * cfg.maintenance_interval + cfg.rpc_timeout)
     assert [p for p in holders if silent.peer_id in p.table] == []
 
 
 def test_a_crawl_over_minutes_counts_peers_that_joined_after_it_read_a_table() -> None:
     """RFM19's crawl read ~15,000 tables over 5 to 10 minutes: a peer that joined meanwhile is
     among the 20 closest of tables read before it came. ``DHTSim.crawl`` reads each table at its
-    own moment of the window; ten joins during 300 s take "know all 20" from 85% at one instant
-    after the crawl to 39%."""
+    own moment of the window; ten joins during 300 s take "know all 20" from 88% at one instant
+    after the crawl to 50%."""
     sim = DHTSim(DHTSimConfig(peers=100, seed=16, warm=True, churn=False))
     sim.run(1.0)
     for i in range(10):
@@ -210,7 +212,7 @@ def test_a_crawl_over_minutes_counts_peers_that_joined_after_it_read_a_table() -
     during = sim.crawl(300.0, sample=100)
     after = sim.health(sample=100)
     assert sim.now == 301.0
-    assert during["know_all_20_closest"] < 0.5 and after["know_all_20_closest"] > 0.8
+    assert during["know_all_20_closest"] <= 0.6 and after["know_all_20_closest"] > 0.8
 
 
 def test_the_kad_dht_2022_twin_rejects_newcomers_to_a_full_bucket_and_drops_at_one_failure() -> None:

@@ -113,6 +113,9 @@ class DHTConfig:
     #: which lookups rarely ask: at 1,000 simulated peers after two hours of churn, 38% of the
     #: peers in the tables were unreachable, 21% with it (bench/scale.py, docs/SCALE.md).
     check_after: float = 1200.0
+    #: A caller that has never answered us is pinged this long after it joined the table (a silent
+    #: peer that calls was handed to every lookup near it), unless one of our calls hears it answer first.
+    check_new_after: float = 60.0
     checks_per_pass: int = 16
     #: Records are re-published this often by their writer and by their replicas.
     republish_interval: float = 600.0
@@ -134,7 +137,7 @@ class DHTConfig:
         if self.mode not in tuple(DHTMode):
             raise ConfigError(f"DHT mode must be auto, server or client, got {self.mode!r}")
         for name in ("rpc_timeout", "near_rtt", "op_timeout", "bootstrap_timeout", "maintenance_interval",
-                     "refresh_interval", "check_after", "republish_interval", "max_expiration_ahead"):
+                     "refresh_interval", "check_after", "check_new_after", "republish_interval", "max_expiration_ahead"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"DHT {name} must be positive, got {getattr(self, name)}")
 
@@ -687,7 +690,8 @@ class DHT:
             if stale:
                 with trio.move_on_after(self.config.op_timeout):
                     await self._refresh(*stale)
-            quiet = self.table.unanswered(trio.current_time(), self.config.check_after)[: self.config.checks_per_pass]
+            quiet = self.table.unanswered(trio.current_time(), self.config.check_after,
+                                          self.config.check_new_after)[: self.config.checks_per_pass]
             if quiet:
                 async with trio.open_nursery() as nursery:
                     for contact in quiet:

@@ -129,8 +129,11 @@ class Contact:
     failures: int = 0
     #: When it last answered a call of ours, or joined the table answering; -inf for a caller that
     #: has not answered yet: a peer that only calls us proves it is alive, not that we can reach it
-    #: (:meth:`RoutingTable.unanswered` lists it at once, so the next maintenance pass checks it).
+    #: (:meth:`RoutingTable.unanswered` lists it ``new_after`` seconds after it joined, so a
+    #: maintenance pass checks it unless one of our calls heard it answer first).
     answered: float = 0.0
+    #: When it joined the table.
+    added: float = 0.0
 
     @property
     def info(self) -> PeerInfo:
@@ -147,7 +150,7 @@ class AddStatus(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class AddResult:
     """What ``add`` did. On CACHED, ``ping_candidate`` is the bucket's least-recently-seen
-    contact: the I/O layer pings it and calls ``mark_failed`` if it is dead, which (after
+    questionable contact (see :meth:`RoutingTable.is_good`; None when all are good): the I/O layer pings it and calls ``mark_failed`` if it is dead, which (after
     enough failures) evicts it and promotes the newcomer from the replacement cache."""
 
     status: AddStatus
@@ -174,7 +177,8 @@ class RoutingTable:
 
     Full buckets follow Kademlia's rule of preferring old live contacts (long
     uptime predicts more uptime, and flooding newcomers cannot push them out):
-    newcomers wait in a bounded replacement cache. Diversity: at most
+    newcomers wait in a bounded replacement cache, and the least recently seen
+    contact not known good (:meth:`is_good`) is pinged to make room. Diversity: at most
     ``max_per_ip_group`` contacts of one IP group per bucket and
     ``max_per_ip_group_total`` in the whole table.
     """
@@ -188,6 +192,7 @@ class RoutingTable:
         max_per_ip_group_total: int = 10,
         replacement_cache_size: int | None = None,
         max_failures: int = 3,
+        good_for: float = 900.0,
         rng: random.Random | None = None,
     ) -> None:
         self.local = local
@@ -196,6 +201,7 @@ class RoutingTable:
         self.max_per_ip_group_total = max_per_ip_group_total
         self.replacement_cache_size = k if replacement_cache_size is None else replacement_cache_size
         self.max_failures = max_failures
+        self.good_for = good_for
         self._rng = rng or random.Random()
         self._buckets = [_Bucket() for _ in range(ID_BITS)]
         self._where: dict[ID, int] = {}  # peer -> bucket index, for contacts only
@@ -235,7 +241,8 @@ class RoutingTable:
                 return AddResult(AddStatus.REJECTED, f"ip group {ip_group} limit reached in bucket {index}")
             if self._groups[ip_group] >= self.max_per_ip_group_total:
                 return AddResult(AddStatus.REJECTED, f"ip group {ip_group} limit reached in table")
-        contact = Contact(peer_id, derived, tuple(addrs), ip_group, now, answered=now if answered else -math.inf)
+        contact = Contact(peer_id, derived, tuple(addrs), ip_group, now, answered=now if answered else -math.inf,
+                          added=now)
         if len(bucket.contacts) < self.k:
             self._insert(index, contact)
             return AddResult(AddStatus.ADDED)
@@ -245,7 +252,15 @@ class RoutingTable:
         bucket.replacements[peer_id] = contact
         while len(bucket.replacements) > self.replacement_cache_size:
             bucket.replacements.popitem(last=False)
-        return AddResult(AddStatus.CACHED, "bucket full", next(iter(bucket.contacts.values())))
+        questionable = next((c for c in bucket.contacts.values() if not self.is_good(c, now)), None)
+        return AddResult(AddStatus.CACHED, "bucket full", questionable)
+
+    def is_good(self, contact: Contact, now: float) -> bool:
+        """BEP 5's good node: it has answered a call of ours, and answered or called us within
+        ``good_for`` (15 minutes there). A full bucket pings only its questionable contacts when a
+        newcomer arrives: pinging the oldest on every arrival was a quarter of the calls of 100
+        real peers joining (tests/test_dht_churn.py), almost all to contacts that had just answered."""
+        return contact.answered > -math.inf and now - contact.last_seen < self.good_for
 
     def _insert(self, index: int, contact: Contact) -> None:
         bucket = self._buckets[index]
@@ -365,15 +380,19 @@ class RoutingTable:
         for b in range(max(h + 1, lowest), ID_BITS):
             yield buckets[b]
 
-    def unanswered(self, now: float, after: float) -> list[Contact]:
+    def unanswered(self, now: float, after: float, new_after: float = 0.0) -> list[Contact]:
         """Contacts that have not answered a call of ours for ``after`` seconds, longest first:
         ping them, and drop those that do not answer. Lookups rarely ask the contacts of the
         near buckets, so without this a peer that left stays there (and is handed to others).
-        A caller that has not answered yet is listed at once, first: a silent peer that calls
-        (it accepts connections and never answers) was handed to every lookup near it for the
-        whole ``after``, and lookups met two or three of them one after another (bench/scale.py)."""
-        quiet = [c for b in self._buckets for c in b.contacts.values() if now - c.answered >= after]
-        return sorted(quiet, key=lambda c: c.answered)
+
+        A caller that has never answered is listed first, ``new_after`` seconds after it joined:
+        a silent peer that calls (it accepts connections and never answers) was handed to every
+        lookup near it for the whole ``after``, and lookups met two or three of them one after
+        another (bench/scale.py). The short wait spares the ping when one of our own calls hears
+        it answer meanwhile."""
+        quiet = [c for b in self._buckets for c in b.contacts.values()
+                 if (now - c.added >= new_after if c.answered == -math.inf else now - c.answered >= after)]
+        return sorted(quiet, key=lambda c: (c.answered, c.added))
 
     def stale_buckets(self, now: float, refresh_interval: float) -> list[DHTID]:
         """One random id inside each bucket not touched for ``refresh_interval``: look them up.

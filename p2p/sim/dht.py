@@ -267,7 +267,7 @@ class DHTSim:
 
     def _check_quiet(self, peer: SimPeer, limit: int | None) -> None:
         """Ping the contacts quiet for ``check_after_s`` (``DHT._check_contact``); drop those that do not answer."""
-        for contact in peer.table.unanswered(self.now, self.config.check_after_s)[:limit]:
+        for contact in peer.table.unanswered(self.now, self.config.check_after_s, self.config.dht.check_new_after)[:limit]:
             self._check_contact(peer, contact.peer_id)
 
     def _check_contact(self, peer: SimPeer, target: ID, then: Callable[[], None] = lambda: None) -> None:
