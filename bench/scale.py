@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/scale.py [--peers 1000,3000,10000] [--stores 100] [--gets 300]
         [--settle 900] [--join 600] [--seed 0] [--rules dedloc,kad-dht-2022] [--crawl 300] [--no-compare]
-        [--jobs 2] [--json OUT]
+        [--survive 7200] [--jobs 2] [--json OUT]
 
 Each size runs :class:`p2p.sim.dht.DHTSim` (the DHT's routing table, lookups, traversal,
 serving rules and record store, driven by a virtual clock over the network model of
@@ -26,6 +26,13 @@ new peers replace them (churn), and after ``--settle`` simulated seconds the ben
 With compare on (the default) the smallest size runs a second time with lookups that wait
 for every reply (``DHTSimConfig.reply_timer=False``: the DHT before the fix), so the table
 shows what the simulation found. Simulated seconds cost CPU seconds; each size prints both.
+
+With ``--survive S`` the smallest size also keeps ``--stores`` records (a day's expiration)
+through S simulated seconds of churn, twice: with the DHT's replication (hand-over to a server
+new to a replica's table, republish under the Kademlia paper's rule) and without (records stay
+where their store put them). Every 10 minutes it counts the holders among the current 20
+closest live servers; at the end it reads each record back, and reports the copies of a
+record sent per hour by hand-overs and by every store.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from averaging.matchmaking import MatchmakingConfig  # noqa: E402
 from averaging.moshpit import GridPosition, expected_rounds, rounds_to_average  # noqa: E402
 from averaging.sim.matchmaking import MatchmakingSim, Outcome, summary  # noqa: E402
 from averaging.sim.moshpit import Grouping, MoshpitSimConfig, Positions, simulate  # noqa: E402
+from p2p.dht.records import DHTRecord  # noqa: E402
 from p2p.dht.routing import DHTID  # noqa: E402
 from p2p.sim import calibration as cal  # noqa: E402
 from p2p.sim.dht import DHTSim, DHTSimConfig, Rules, SimPeer, Stored, make_record  # noqa: E402
@@ -116,6 +124,63 @@ def dht_at(peers: int, args: argparse.Namespace, *, reply_timer: bool = True, ru
         "cpu_s": time.process_time() - cpu0,
         "wall_s": time.perf_counter() - wall0,
     }
+
+
+def survival(peers: int, args: argparse.Namespace, *, replication: bool) -> dict[str, Any]:
+    """``--survive``: records kept through churn, with or without the DHT's replication."""
+    cpu0 = time.process_time()
+    sim = DHTSim(DHTSimConfig(peers=peers, seed=args.seed, warm=True, replication=replication))
+    sim.run(args.settle)
+    rng = random.Random(args.seed + 11)
+    records = [DHTRecord.make(f"kept-{rng.getrandbits(64):016x}", b"v" * 64, sim.wall() + 86400)
+               for _ in range(args.stores)]
+
+    def online() -> SimPeer:
+        while not (peer := rng.choice(sim.peers)).alive:
+            pass
+        return peer
+
+    for i, record in enumerate(records):
+        sim.engine.at(i * 0.2, lambda r=record: sim.store(online(), r, lambda _: None))
+    sim.run(sim.now + args.stores * 0.2 + sim.config.dht.op_timeout)
+    handed, copies, start = sim.handed_over, sim.copies_sent, sim.now
+    snapshots: list[dict[str, float]] = []
+    while True:
+        servers = sim.live_servers()
+        held = [sim.holders(r.key, servers) for r in records]
+        snapshots.append({"t_s": sim.now - start, "mean": statistics.fmean(held),
+                          "p5": percentile([float(h) for h in held], 0.05), "min": float(min(held))})
+        if sim.now - start >= args.survive:
+            break
+        sim.run(sim.now + min(600.0, args.survive - (sim.now - start)))
+    hours = (sim.now - start) / 3600
+    reads: list[bool] = []
+    for record in records:
+        sim.get(online(), record.key, lambda _, found, __: reads.append(found))
+    sim.run(sim.now + sim.config.dht.op_timeout)
+    return {"peers": peers, "replication": replication, "records": len(records), "seconds": sim.now - start,
+            "snapshots": snapshots, "found": sum(reads) / max(1, len(reads)),
+            "handed_over_per_record_hour": (sim.handed_over - handed) / len(records) / hours,
+            "copies_per_record_hour": (sim.copies_sent - copies) / len(records) / hours,
+            "cpu_s": time.process_time() - cpu0}
+
+
+def survival_table(runs: list[dict[str, Any]]) -> str:
+    shown = [i for i, snap in enumerate(runs[0]["snapshots"])
+             if snap["t_s"] % 1800 < 1 or i == len(runs[0]["snapshots"]) - 1]  # each half hour, and the end
+    lines = [f"records kept through churn ({runs[0]['peers']} peers, {runs[0]['records']} records, "
+             f"{runs[0]['seconds'] / 3600:.1f} h): holders among the current 20 closest live servers, "
+             "mean / p5 / min", "",
+             "| replication | " + " | ".join(f"{runs[0]['snapshots'][i]['t_s'] / 60:.0f} min" for i in shown)
+             + " | found at the end | hand-over copies / record / h | all copies / record / h | CPU |",
+             "|---|" + "---|" * (len(shown) + 4)]
+    for r in runs:
+        cells = " | ".join(f"{r['snapshots'][i]['mean']:.1f} / {r['snapshots'][i]['p5']:g} / {r['snapshots'][i]['min']:g}"
+                           for i in shown)
+        lines.append(f"| {'on' if r['replication'] else 'off'} | {cells} | {100 * r['found']:.0f}% "
+                     f"| {r['handed_over_per_record_hour']:.0f} | {r['copies_per_record_hour']:.0f} "
+                     f"| {r['cpu_s']:.0f} s |")
+    return "\n".join(lines)
 
 
 FAILURE_RATES = (0.0, 0.001, 0.002, 0.004)
@@ -226,6 +291,9 @@ def main() -> None:
     p.add_argument("--dims", type=int, default=3, help="Moshpit's d (m ** d cells)")
     p.add_argument("--moshpit-rounds", type=int, default=20)
     p.add_argument("--no-matchmaking", action="store_true", help="skip matchmaking over the simulated DHT")
+    p.add_argument("--survive", type=float, default=0.0,
+                   help="simulated seconds of churn the smallest size keeps --stores records through, with and "
+                        "without the DHT's replication; 0: skip")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                    help="processes: the runs are independent (default: 2, or 1 on one core)")
     p.add_argument("--json", type=Path)
@@ -240,6 +308,7 @@ def main() -> None:
             (n, rule): pool.submit(dht_at, n, args, rules=rule) for n in sorted(sizes, reverse=True) for rule in rules}
         before = None if args.no_compare else pool.submit(dht_at, sizes[0], args, reply_timer=False)
         mosh = pool.submit(moshpit, args)
+        kept = [pool.submit(survival, sizes[0], args, replication=on) for on in (True, False)] if args.survive else []
         for n in sizes:
             for rule in rules:
                 r = runs[n, rule].result()
@@ -250,6 +319,8 @@ def main() -> None:
         if before is not None:
             results["before"] = [before.result()]
         results["moshpit"] = mosh.result()
+        if kept:
+            results["survival"] = [f.result() for f in kept]
     largest = [r for r in results["dht"] if r["rules"] == rules[0].value][-1]
     results["summary"] = {f"dht.{k}": largest[k] for k in
                           ("lookup_p50_s", "lookup_p95_s", "store_replicas_median", "stalled_lookups")}
@@ -263,6 +334,9 @@ def main() -> None:
     print(table(results))
     print()
     print(moshpit_table(results["moshpit"]))
+    if "survival" in results:
+        print()
+        print(survival_table(results["survival"]))
     if args.json:
         args.json.write_text(json.dumps({**results, **results["summary"]}, indent=1))
         print(f"wrote {args.json}")

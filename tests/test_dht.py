@@ -401,8 +401,11 @@ async def test_refresh_fills_a_thin_routing_table() -> None:
 
 async def test_maintenance_drops_a_contact_that_left() -> None:
     """A peer leaves a quiet swarm (no lookups): every table still holds it until maintenance
-    pings the contacts that have not answered for ``check_after``."""
-    async with swarm(4, maintenance_interval=0.2, check_after=1.0, rpc_timeout=1.0) as dhts:
+    pings the contacts that have not answered for ``check_after``, and the callers that never
+    answered once ``check_new_after`` has passed since they joined (the last peer to join is
+    only a caller in some tables: with the default 60 s grace it would still be there)."""
+    async with swarm(4, maintenance_interval=0.2, check_after=1.0, check_new_after=1.0,
+                     rpc_timeout=1.0) as dhts:
         gone = dhts[3]
         assert all(gone.node.peer_id in d.table for d in dhts[:3])
         await gone.node.host.close()
@@ -430,6 +433,30 @@ async def test_writers_republish_to_the_servers_now_closest() -> None:
         reader.cache.expire(later(10_000))
         found = await reader.get("survivor", latest=True, timeout=10)
         assert found is not None and found.value == b"v"
+
+
+async def test_a_replica_a_store_reached_lately_leaves_that_key_out_of_its_republish() -> None:
+    """The Kademlia paper's republish rule (section 2.5): the store that reached a replica went to
+    the key's other replicas too, so within the republish interval it does not hand the key over;
+    after it, it does. A writer's republish stores its own records once, not again as a
+    hand-over. Every replica handing every key to every other each interval cost 2,678 copies of
+    a record per hour under simulated churn (docs/SCALE.md, finding 8)."""
+    async with swarm(3, replicas=3, republish_interval=1.0, maintenance_interval=3600.0) as dhts:
+        writer, a, b = dhts
+        assert await writer.store("k", b"v", later())
+
+        def served() -> list[int]:
+            return [d.served["store"] for d in dhts]
+
+        await trio.sleep(1.1)  # the store's notes are older than the interval now
+        before = served()
+        await writer._republish(time.time())
+        assert served() == [before[0], before[1] + 1, before[2] + 1]  # stored again, not handed over too
+        await a._republish(time.time())
+        assert served() == [before[0], before[1] + 1, before[2] + 1]  # the writer's store just reached it
+        await trio.sleep(1.1)
+        await a._republish(time.time())
+        assert served() == [before[0] + 1, before[1] + 1, before[2] + 2]  # none lately: to the other two
 
 
 async def test_silent_peers_do_not_hold_lookups_for_their_rpc_timeout() -> None:

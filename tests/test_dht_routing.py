@@ -391,6 +391,9 @@ def test_a_full_bucket_pings_only_a_contact_not_known_good() -> None:
     assert table.add(ids[4], now=899).ping_candidate is None
     candidate = table.add(ids[4], now=904).ping_candidate  # ids[2] seen 902 s ago; ids[0] 804 s ago
     assert candidate is not None and candidate.peer_id == ids[2]
+    spared = table.add(ids[4], now=905, ping=False)  # a caller that will not ping: cached, nothing to ping
+    assert spared.status is AddStatus.CACHED and spared.ping_candidate is None
+    assert ids[4] in [c.peer_id for c in table.replacements(255)]
 
 
 def test_defaults_are_kademlias_and_the_diversity_limits() -> None:

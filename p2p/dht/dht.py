@@ -27,11 +27,12 @@ keep it). What lives here is what needs the network or a clock:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -61,7 +62,7 @@ from .records import (
     owner_of,
     sign_record,
 )
-from . import serving
+from . import replication, serving
 from .routing import AddResult, AddStatus, DHTID, Lookup, PeerInfo, RoutingTable
 from .traversal import ReplyTimer, Search, Traversal
 
@@ -174,6 +175,7 @@ class DHT:
                                 max_expiration_ahead=config.max_expiration_ahead)
         self._mine: dict[tuple[bytes, bytes | None], DHTRecord] = {}
         self._last_republish = trio.current_time()
+        self._stores_seen = replication.StoresSeen()
         self._pinging: set[ID] = set()
         #: when a lookup stops waiting for a peer's reply (its call goes on to rpc_timeout)
         self.replies = ReplyTimer(ceiling=config.rpc_timeout)
@@ -413,7 +415,9 @@ class DHT:
         serving.check_store(request)
         self._admit(ctx.peer_id, request.sender)
         self.served["store"] += 1
-        return serving.answer_store(request, ctx.peer_id, storage=self.storage, server=self.server, now=self._clock())
+        response = serving.answer_store(request, ctx.peer_id, storage=self.storage, server=self.server, now=self._clock())
+        self._stores_seen.note(request, response, trio.current_time())
+        return response
 
     def _admit(self, peer_id: ID, sender: pb.Sender) -> None:
         """A caller that says it serves, over a direct connection from where it claims to listen, may join the table."""
@@ -428,8 +432,8 @@ class DHT:
         result, addrs = added
         if result.status is AddStatus.ADDED:
             self.node.add_addrs(peer_id, addrs)
-            if self.server and len(self.storage):
-                self._nursery.start_soon(self._hand_over, [peer_id])
+            if self.server and len(self.storage):  # one copy is enough: the nearest replica sends it
+                self._nursery.start_soon(functools.partial(self._hand_over, [peer_id], nearest_only=trio.current_time()))
         elif result.status is AddStatus.CACHED and result.ping_candidate is not None:
             oldest = result.ping_candidate.peer_id
             if oldest not in self._pinging:
@@ -597,7 +601,8 @@ class DHT:
             replicas = search.lookup.result()[: self.config.replicas]
             for peer in replicas:
                 plan[peer.peer_id].extend(by_key[key])
-            if self.server and self._among_closest(DHTID.from_key(key), [p.dht_id for p in replicas]):
+            if self.server and replication.is_replica(self.local_id, int(DHTID.from_key(key)), [p.dht_id for p in replicas],
+                                                      self.config.replicas):
                 for i in by_key[key]:
                     try:
                         if self.storage.store(records[i], now):
@@ -625,12 +630,6 @@ class DHT:
                 raise StoreRejected(f"every replica refused the record: {'; '.join(errors[i][:3])}")
         return stored
 
-    def _among_closest(self, target: int, closest: Sequence[DHTID]) -> bool:
-        """Whether we are one of a key's replicas, given the closest other servers we know (closest first)."""
-        if len(closest) < self.config.replicas:
-            return True
-        return int(self.local_id) ^ int(target) < int(closest[self.config.replicas - 1]) ^ int(target)
-
     def _cache(self, search: Search, now: float) -> None:
         assert search.found is not None and search.key is not None
         records = search.found.records_at(search.key, now)
@@ -643,24 +642,17 @@ class DHT:
             nearest = min(search.lacking, key=lambda p: int(p.dht_id) ^ int(search.lookup.target))
             self._nursery.start_soon(self._store_at, nearest.peer_id, records)
 
-    async def _hand_over(self, peers: Sequence[ID], *, only_new: bool = True) -> None:
-        """Send our records to those of ``peers`` now among their keys' closest servers.
+    async def _hand_over(self, peers: Sequence[ID], skip: Collection[bytes] = frozenset(), *,
+                         nearest_only: float | None = None) -> None:
+        """Send our records to those of ``peers`` now among their keys' closest servers
+        (:func:`.replication.hand_over` decides), but for the keys in ``skip`` (and, given
+        ``nearest_only``, those a nearer replica we know as good hands over).
 
         Runs when a server joins (it may be closer to our keys than some
         replicas) and on republish; duplicates are harmless (the newer expiration wins).
         """
-        now = self._clock()
-        plan: dict[ID, list[DHTRecord]] = defaultdict(list)
-        wanted = set(peers)
-        for key in self.storage.keys()[:50_000]:
-            target = int(DHTID.from_key(key))
-            others = self.table.nearest(target, self.config.replicas)
-            if not self._among_closest(target, [c.dht_id for c in others]):
-                continue  # we are no longer a replica: not ours to spread
-            records = self.storage.records_at(key, now)
-            for contact in others[: self.config.replicas - 1]:
-                if contact.peer_id in wanted:
-                    plan[contact.peer_id].extend(records)
+        plan = replication.hand_over(self.table, self.storage, peers, replicas=self.config.replicas,
+                                     now=self._clock(), skip=skip, nearest_only=nearest_only)
         async with trio.open_nursery() as nursery:
             for peer_id, records in plan.items():
                 nursery.start_soon(self._store_at, peer_id, records)
@@ -697,13 +689,21 @@ class DHT:
                     for contact in quiet:
                         nursery.start_soon(self._check_contact, contact.peer_id)
             if trio.current_time() - self._last_republish >= self.config.republish_interval:
-                self._last_republish = trio.current_time()
-                if self._mine:
-                    with trio.move_on_after(self.config.op_timeout):
-                        await self._replicate(list(self._mine.values()), now)
-                if self.server:
-                    with trio.move_on_after(self.config.op_timeout):
-                        await self._hand_over([c.peer_id for c in self.table])
+                await self._republish(now)
+
+    async def _republish(self, now: float) -> None:
+        """Store our own records again, then hand the rest of what we hold over to the contacts
+        now among their keys' closest, but for the keys a store reached lately (the Kademlia
+        paper's rule: that store went to the other replicas too) and the ones we just stored."""
+        self._last_republish = trio.current_time()
+        if self._mine:
+            with trio.move_on_after(self.config.op_timeout):
+                await self._replicate(list(self._mine.values()), now)
+        if self.server:
+            skip = self._stores_seen.recent(self.config.republish_interval, trio.current_time())
+            skip.update(key for key, _ in self._mine)
+            with trio.move_on_after(self.config.op_timeout):
+                await self._hand_over([c.peer_id for c in self.table], skip=skip)
 
     # ------------------------------------------------------------------ introspection
 

@@ -220,9 +220,12 @@ class RoutingTable:
         *,
         now: float,
         answered: bool = True,
+        ping: bool = True,
     ) -> AddResult:
         """Insert or refresh a contact seen alive at ``now``: it answered a call of ours
-        (``answered``), or called us. A given ``dht_id`` is checked, not trusted."""
+        (``answered``), or called us. A given ``dht_id`` is checked, not trusted. ``ping=False``:
+        a caller that will not ping a full bucket's questionable contact spares the search for
+        it (the simulator's warm start fills millions of replacement caches)."""
         derived = DHTID.from_peer(peer_id)
         if dht_id is not None and dht_id != derived:
             return AddResult(AddStatus.REJECTED, "dht id does not match peer id")
@@ -252,7 +255,12 @@ class RoutingTable:
         bucket.replacements[peer_id] = contact
         while len(bucket.replacements) > self.replacement_cache_size:
             bucket.replacements.popitem(last=False)
-        questionable = next((c for c in bucket.contacts.values() if not self.is_good(c, now)), None)
+        if not ping:
+            return AddResult(AddStatus.CACHED, "bucket full")
+        # the first not good (:meth:`is_good`, inlined: this runs at every newcomer to a full bucket)
+        good_for, never = self.good_for, -math.inf
+        questionable = next((c for c in bucket.contacts.values()
+                             if c.answered == never or now - c.last_seen >= good_for), None)
         return AddResult(AddStatus.CACHED, "bucket full", questionable)
 
     def is_good(self, contact: Contact, now: float) -> bool:

@@ -5,7 +5,9 @@ What runs here is the DHT's own sans-I/O code (:mod:`p2p.dht.routing`, :mod:`p2p
 :mod:`p2p.dht.serving`, :mod:`p2p.dht.records`); this module only delivers its messages
 (after the modelled delays, or never) and plays the I/O shell's small schedule
 (:class:`p2p.dht.DHT`: join by pinging the initial peers then looking up our own id and three
-far buckets; refresh stale buckets every maintenance pass; ping a full bucket's oldest contact).
+far buckets; refresh stale buckets every maintenance pass; ping a full bucket's questionable
+contact; hand our records over to a server new to the table, and on each republish re-store our
+own records and hand over to every contact, as :mod:`p2p.dht.replication` decides).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ..dht import protocol as wire
 from ..dht.dht import DHTConfig
 from ..dht.proto import dht_pb2 as pb
 from ..dht.records import DHTRecord, LocalStore, ValueWithExpiration
+from ..dht.replication import StoresSeen, hand_over, is_replica
 from ..dht.routing import ID_BITS, AddResult, AddStatus, DHTID, Lookup, PeerInfo, RoutingTable
 from ..dht.serving import admit_answerer, admit_caller, answer_find, answer_store, check_find, check_store
 from ..dht.traversal import ReplyTimer, Search, Traversal
@@ -76,6 +79,10 @@ class SimPeer:
     connected: set[int] = field(default_factory=set)
     pinging: set[ID] = field(default_factory=set)
     replies: ReplyTimer = field(default_factory=ReplyTimer)
+    #: Records this peer stored (``DHT._mine``): re-stored at each republish.
+    mine: dict[tuple[bytes, bytes | None], DHTRecord] = field(default_factory=dict)
+    last_republish: float = 0.0
+    stores_seen: StoresSeen = field(default_factory=StoresSeen)
 
     @property
     def server(self) -> bool:
@@ -121,6 +128,10 @@ class DHTSimConfig:
     reply_timer: bool = True
     #: Whose routing-table rules (see :class:`Rules`).
     rules: Rules = Rules.DEDLOC
+    #: Records move as the DHT moves them after a store: a server hands its records over to a
+    #: server new to its table and, every ``republish_interval``, to every contact now among their
+    #: keys' closest; a writer re-stores its own. False: records stay where their store put them.
+    replication: bool = True
 
     @property
     def check_after_s(self) -> float:
@@ -145,6 +156,9 @@ class DHTSim:
         self.by_id: dict[ID, SimPeer] = {}
         self.calls = 0
         self.timeouts = 0
+        #: Records sent by hand-overs, and by every store (one per record per receiving peer).
+        self.handed_over = 0
+        self.copies_sent = 0
         self._next_ip = 0
         self._senders: dict[int, pb.Sender] = {}
         if config.warm:
@@ -175,10 +189,17 @@ class DHTSim:
                 chosen = rng.sample(range(start, end), min(end - start, 2 * k))
                 for j in chosen:  # k contacts, k more in the replacement cache
                     other = self.peers[servers[j][1]]
-                    table.add(other.peer_id, other.dht_id, (other.addr,), None, now=0.0)
-                    contact = table.get(other.peer_id)
-                    if contact is not None:  # last answered at some point of the check interval
-                        contact.answered = -rng.uniform(0, cfg.check_after_s)
+                    table.add(other.peer_id, other.dht_id, (other.addr,), None, now=0.0, ping=False)
+                silent = {self.peers[servers[j][1]].peer_id for j in chosen
+                          if self.peers[servers[j][1]].kind is Kind.SILENT}
+                for contact in table.bucket(index) + table.replacements(index):
+                    if contact.peer_id in silent and cfg.rules is Rules.DEDLOC:
+                        # It never answered: it is in our table only as a caller, checked
+                        # check_new_after from when it came (a moment of the last pass or two).
+                        contact.answered = -math.inf
+                        contact.added = -rng.uniform(0, cfg.dht.check_new_after + cfg.dht.maintenance_interval)
+                    else:  # last answered (and last seen) at some point of the check interval
+                        contact.answered = contact.last_seen = -rng.uniform(0, cfg.check_after_s)
                 table.touch(table.random_id_in_bucket(index), -rng.uniform(0, interval))
 
     # ------------------------------------------------------------------ peers
@@ -204,6 +225,9 @@ class DHTSim:
         peer = SimPeer(len(self.peers), peer_id, dht_id, addr, self.model.place(rng), kind or self.model.kind(rng),
                        self._table(dht_id),
                        self.config.dht.local_store(), joined=self.now)
+        # A peer found online by the warm start last republished at some moment of the interval.
+        peer.last_republish = self.now - (self.rng.uniform(0, self.config.dht.republish_interval)
+                                          if self.config.warm and self.now == 0.0 else 0.0)
         self.peers.append(peer)
         self.by_id[peer_id] = peer
         if peer.index >= self.config.bootstrap and not (self.config.warm and self.now == 0.0):
@@ -263,7 +287,31 @@ class DHTSim:
             self._check_quiet(peer, cfg.checks_per_pass)
         elif stale:  # go-libp2p-kad-dht: every quiet contact, with each refresh
             self._check_quiet(peer, None)
+        if self.config.replication and self.now - peer.last_republish >= cfg.republish_interval:
+            self.republish(peer)
         self.engine.at(cfg.maintenance_interval, self._maintain, peer)
+
+    def republish(self, peer: SimPeer) -> None:
+        """``DHT._republish``: our own live records stored again, then the rest of what we hold
+        handed over to every contact now among their keys' closest (but the keys a store reached
+        within the interval: :class:`StoresSeen`)."""
+        peer.last_republish = self.now
+        wall = self.wall()
+        peer.mine = {k: r for k, r in peer.mine.items() if r.expiration > wall}
+        for record in peer.mine.values():
+            self.store(peer, record, lambda _: None, own=False)
+        if peer.server and len(peer.storage):  # but the keys whose store reached it lately, and its own
+            skip = peer.stores_seen.recent(self.config.dht.republish_interval, self.now)
+            skip.update(key for key, _ in peer.mine)
+            self._hand_over(peer, [c.peer_id for c in peer.table], skip)
+
+    def _hand_over(self, peer: SimPeer, to: list[ID], skip: set[bytes] | None = None, *,
+                   nearest_only: float | None = None) -> None:
+        plan = hand_over(peer.table, peer.storage, to, replicas=self.config.dht.replicas, now=self.wall(),
+                         skip=skip or set(), nearest_only=nearest_only)
+        for target, records in plan.items():
+            self.handed_over += len(records)
+            self.store_at(peer, target, records, lambda _: None)
 
     def _check_quiet(self, peer: SimPeer, limit: int | None) -> None:
         """Ping the contacts quiet for ``check_after_s`` (``DHT._check_contact``); drop those that do not answer."""
@@ -279,11 +327,14 @@ class DHTSim:
 
         self.find(peer, target, [wire.target_query(peer.dht_id)], checked)
 
-    def _added(self, peer: SimPeer, added: tuple[AddResult, list[Multiaddr]] | None) -> None:
+    def _added(self, peer: SimPeer, added: tuple[AddResult, list[Multiaddr]] | None, other: ID) -> None:
         if added is None:
             return
         result = added[0]
-        if result.status is AddStatus.CACHED and result.ping_candidate is not None:
+        if result.status is AddStatus.ADDED:
+            if self.config.replication and peer.server and len(peer.storage):
+                self._hand_over(peer, [other], nearest_only=self.now)
+        elif result.status is AddStatus.CACHED and result.ping_candidate is not None:
             oldest = result.ping_candidate.peer_id
             if oldest not in peer.pinging:
                 peer.pinging.add(oldest)
@@ -337,7 +388,7 @@ class DHTSim:
             contact = b.table.get(a.peer_id)  # go-libp2p-kad-dht: a new entry counts as queried when added
             if contact is not None and contact.answered == -math.inf:
                 contact.answered = self.now
-        self._added(b, added)
+        self._added(b, added, a.peer_id)
         response = answer_find(request, a.peer_id, table=b.table, storage=b.storage, server=b.server,
                                now=self.wall(), budget=2 * 1024 * 1024)
         back = self.model.one_way(b.place, a.place, self.rng)
@@ -351,7 +402,7 @@ class DHTSim:
         if not a.alive:
             return
         a.replies.observe(self.now - sent)
-        self._added(a, admit_answerer(a.table, b.peer_id, response.server, b.addr, [b.addr], self.now))
+        self._added(a, admit_answerer(a.table, b.peer_id, response.server, b.addr, [b.addr], self.now), b.peer_id)
         done(response)
 
     def _failed(self, a: SimPeer, target: ID, done: Callable[[pb.FindResponse | None], None]) -> None:
@@ -364,6 +415,7 @@ class DHTSim:
     def store_at(self, a: SimPeer, target: ID, records: list[DHTRecord], done: Callable[[bool], None]) -> None:
         """``a`` calls ``dht.store`` on ``target`` (same delays and failures as :meth:`find`)."""
         timeout = self.config.dht.rpc_timeout
+        self.copies_sent += len(records)
         b, there = self._reach(a, target)
         if b is None or not b.answers or there >= timeout:
             self.engine.at(timeout, done, False)
@@ -377,6 +429,7 @@ class DHTSim:
                 return
             check_store(request)
             response = answer_store(request, a.peer_id, storage=b.storage, server=b.server, now=self.wall())
+            b.stores_seen.note(request, response, self.now)
             if there + back >= timeout:  # stored, but the answer comes after the caller gave up
                 self.engine.at(timeout - there, done, False)
             else:
@@ -467,16 +520,23 @@ class DHTSim:
         self.traverse(peer, [search],
                       lambda stalled: finished(self.now - started, found.found(key, self.wall()), stalled))
 
-    def store(self, peer: SimPeer, record: DHTRecord, finished: Callable[[Stored], None]) -> None:
-        """Replicate ``record`` to the ``replicas`` closest servers found, as ``DHT.store`` does."""
+    def store(self, peer: SimPeer, record: DHTRecord, finished: Callable[[Stored], None], *, own: bool = True) -> None:
+        """Replicate ``record`` to the ``replicas`` closest servers found, as ``DHT.store`` does
+        (``own``: it is ours to republish)."""
         started = self.now
+        if own:
+            peer.mine[(record.key, record.subkey)] = record
         cfg = self.config.dht
         search = Search(self._lookup(peer, DHTID.from_key(record.key), cfg.replicas, max(self._alpha(peer), cfg.replicas)))
 
         def found(stalled: bool) -> None:
             looked = self.now - started
-            replicas = [p.peer_id for p in search.lookup.result()[: cfg.replicas]]
+            closest = search.lookup.result()[: cfg.replicas]
+            replicas = [p.peer_id for p in closest]
             holders: list[ID] = []
+            if peer.server and is_replica(peer.dht_id, int(DHTID.from_key(record.key)), [p.dht_id for p in closest],
+                                          cfg.replicas):
+                peer.storage.store(record, self.wall())  # as DHT._replicate: we are one of its replicas
             pending = len(replicas)
             if not pending:
                 finished(Stored(self.now - started, looked, holders, stalled))
@@ -502,6 +562,12 @@ class DHTSim:
 
     def closest(self, target: int, count: int, among: list[SimPeer]) -> list[SimPeer]:
         return heapq.nsmallest(count, among, key=lambda p: int(p.dht_id) ^ target)
+
+    def holders(self, key: bytes, servers: list[SimPeer] | None = None) -> int:
+        """How many of the ``replicas`` live servers closest to ``key`` now hold a live record of it."""
+        wall = self.wall()
+        closest = self.closest(int(DHTID.from_key(key)), self.config.dht.replicas, servers or self.live_servers())
+        return sum(bool(p.storage.records_at(key, wall)) for p in closest)
 
     def health(self, sample: int = 300) -> dict[str, float]:
         """RFM19's measures on a sample of live servers, at this instant: unreachable entries in
