@@ -10,7 +10,7 @@ import random
 from libp2p.peer.id import ID
 
 from p2p.dht.proto import dht_pb2 as pb
-from p2p.dht.records import DHTRecord, LocalStore
+from p2p.dht.records import DHTKey, DHTRecord, LocalStore
 from p2p.dht.replication import StoresSeen, hand_over, is_replica
 from p2p.dht.routing import DHTID, RoutingTable
 
@@ -35,26 +35,31 @@ def test_we_replicate_a_key_while_fewer_than_replicas_others_are_nearer() -> Non
     assert not is_replica(DHTID(30), target, [DHTID(10), DHTID(20), DHTID(30)], replicas=3)  # a tie is not nearer
 
 
-def setup(replicas: int = 3) -> tuple[RoutingTable, LocalStore, DHTRecord, list[ID]]:
-    """A server that is the nearest of a key's replicas, with the others in its table (all answered at 0)."""
-    ids = make_ids(12, seed=4)
+def setup() -> tuple[RoutingTable, LocalStore, DHTRecord, list[ID]]:
+    """A server that is the nearest of a key's 3 replicas, with 39 others in its table (all
+    answered at 0); its store holds first a record of a key it does not replicate, then that one."""
+    ids = make_ids(40, seed=4)
     rec = DHTRecord.make("the-key", b"v", NOW + 600)
     order = by_distance(rec.key, ids)
     table = RoutingTable(DHTID.from_peer(order[0]), k=20)
     for pid in order[1:]:
         table.add(pid, now=0.0)
+    far = next(DHTRecord.make(f"far-{i}", b"f", NOW + 600) for i in range(100)
+               if order[0] not in by_distance(DHTKey.encode(f"far-{i}"), ids)[:3])
     store = LocalStore()
-    assert store.store(rec, NOW)
+    assert store.store(far, NOW) and store.store(rec, NOW)
     return table, store, rec, order[1:]
 
 
 def test_a_server_hands_a_key_over_only_to_its_other_replicas() -> None:
     table, store, rec, others = setup()
     plan = hand_over(table, store, others, replicas=3, now=NOW)
-    assert set(plan) == set(others[:2])  # with us, the three nearest
-    assert all(records == [rec] for records in plan.values())
+    assert plan == {others[0]: [rec], others[1]: [rec]}  # with us, the three nearest; not the far key
     assert hand_over(table, store, others[2:], replicas=3, now=NOW) == {}  # not among the nearest
     assert hand_over(table, store, others, replicas=3, now=NOW, skip={rec.key}) == {}  # a store came lately
+    far_key = store.keys()[0]
+    assert hand_over(table, store, others, replicas=3, now=NOW, skip={far_key}) == plan  # the next key still goes
+    assert hand_over(table, store, others, replicas=3, now=NOW, max_keys=1) == {}  # only the far key looked at
 
 
 def test_a_server_no_longer_among_a_keys_replicas_does_not_spread_it() -> None:
@@ -69,9 +74,9 @@ def test_a_newcomer_gets_a_key_from_its_nearest_good_replica_only() -> None:
     table, store, rec, others = setup()
     newcomer = others[1]
     # we are the nearest replica: we send it
-    assert set(hand_over(table, store, [newcomer], replicas=3, now=NOW, nearest_only=10.0)) == {newcomer}
+    assert hand_over(table, store, [newcomer], replicas=3, now=NOW, nearest_only=10.0) == {newcomer: [rec]}
     # the second nearest does not, while the nearest answers (good) ...
-    first = next(p for p in make_ids(12, seed=4) if DHTID.from_peer(p) == table.local)
+    first = next(p for p in make_ids(40, seed=4) if DHTID.from_peer(p) == table.local)
     second = RoutingTable(DHTID.from_peer(others[0]), k=20)
     for pid in [first, *others[1:]]:
         second.add(pid, now=0.0)
@@ -80,10 +85,31 @@ def test_a_newcomer_gets_a_key_from_its_nearest_good_replica_only() -> None:
     contact = second.get(first)
     assert contact is not None
     contact.answered = -math.inf
-    assert set(hand_over(second, store, [newcomer], replicas=3, now=NOW, nearest_only=10.0)) == {newcomer}
+    assert hand_over(second, store, [newcomer], replicas=3, now=NOW, nearest_only=10.0) == {newcomer: [rec]}
     # and without the rule (a republish) it sends whatever the nearer one does
     contact.answered = 0.0
-    assert set(hand_over(second, store, [newcomer], replicas=3, now=NOW)) == {newcomer}
+    assert hand_over(second, store, [newcomer], replicas=3, now=NOW) == {newcomer: [rec]}
+
+
+def test_a_key_a_nearer_good_replica_hands_over_does_not_stop_the_next() -> None:
+    """Two keys, the newcomer among both's replicas: we are the nearest replica of the second only."""
+    ids = make_ids(40, seed=9)
+    a, b = DHTRecord.make("key-a", b"a", NOW + 600), DHTRecord.make("key-b", b"b", NOW + 600)
+    for name in (f"key-b{i}" for i in range(2000)):
+        b = DHTRecord.make(name, b"b", NOW + 600)
+        near_a, near_b = by_distance(a.key, ids)[:3], by_distance(b.key, ids)[:3]
+        if near_a[1] == near_b[0] and near_a[2] == near_b[1]:
+            break  # key-b's nearest is key-a's second: we are key-a's second and key-b's first
+    else:
+        raise AssertionError("no such pair of keys")
+    me, newcomer = near_b[0], near_b[1]
+    table = RoutingTable(DHTID.from_peer(me), k=20)
+    for pid in ids:
+        if pid != me:
+            table.add(pid, now=0.0)
+    store = LocalStore()
+    assert store.store(a, NOW) and store.store(b, NOW)
+    assert hand_over(table, store, [newcomer], replicas=3, now=NOW, nearest_only=10.0) == {newcomer: [b]}
 
 
 def test_stores_seen_notes_the_keys_a_store_reached_and_forgets_them_after_the_interval() -> None:
