@@ -92,6 +92,7 @@ def test_link_trace_reads_rates_per_host(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(320)  # the run's own limit, not pytest's 120 s hang guard
 def test_allreduce_speed_bench_writes_the_goals_figures(tmp_path: Path) -> None:
     """bench/allreduce_speed.py at a small size: dedloc's round beside the data plane and gloo, and the JSON
     keys the issue's goals are read from."""
@@ -162,6 +163,7 @@ def test_moe_gpu_bench_runs_its_server_and_clients_on_a_cpu(tmp_path: Path) -> N
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(320)  # the run's own limit, not pytest's 120 s hang guard
 def test_moe_convergence_bench_writes_curves_and_a_gap(tmp_path: Path) -> None:
     """bench/moe_convergence.py on loopback, tiny: trainers through remote experts, a server killed at
     half, the dense baseline; the curves and the gap exist (the accuracies are read by people)."""
@@ -172,6 +174,7 @@ def test_moe_convergence_bench_writes_curves_and_a_gap(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(420)  # the run's own limit, not pytest's 120 s hang guard
 def test_moe_latency_bench_writes_the_ratio(tmp_path: Path) -> None:
     """bench/moe_latency.py, tiny, in the lab (root): one process, DMoE at 0 and 50 ms, the ratio."""
     from nat.lab import netns_unavailable_reason
@@ -186,6 +189,7 @@ def test_moe_latency_bench_writes_the_ratio(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(420)  # the run's own limit, not pytest's 120 s hang guard
 def test_datasets_bench_moves_a_dataset_and_survives_its_faults(tmp_path: Path) -> None:
     """bench/datasets.py, tiny, in the lab (root): dedloc (libtorrent's venv is the bench's own), one NATed peer
     of three, a lying seeder and a killed one; the keys the issue names."""
@@ -232,6 +236,7 @@ def test_moe_bench_ratios_are_n_a_where_a_figure_was_not_measured() -> None:
     assert moe.shown(None, 2) == "n/a" and moe.shown(0.8333, 2) == "0.83"
 
 
+@pytest.mark.timeout(200)  # the run's own limit, not pytest's 120 s hang guard
 def test_scale_bench_runs_a_few_hundred_peers_within_a_minute(tmp_path: Path) -> None:
     """bench/scale.py at CI's size: the DHT simulation with and without the reply timer and with the
     calibration's twin of go-libp2p-kad-dht's rules, Moshpit's cases, matchmaking over the
