@@ -257,10 +257,7 @@ class RoutingTable:
             bucket.replacements.popitem(last=False)
         if not ping:
             return AddResult(AddStatus.CACHED, "bucket full")
-        # the first not good (:meth:`is_good`, inlined: this runs at every newcomer to a full bucket)
-        good_for, never = self.good_for, -math.inf
-        questionable = next((c for c in bucket.contacts.values()
-                             if c.answered == never or now - c.last_seen >= good_for), None)
+        questionable = next((c for c in bucket.contacts.values() if not self.is_good(c, now)), None)
         return AddResult(AddStatus.CACHED, "bucket full", questionable)
 
     def is_good(self, contact: Contact, now: float) -> bool:
