@@ -1,9 +1,9 @@
-"""100 DHT peers in 4 processes; a quarter die mid-run and 25 new ones join: reads still succeed.
+"""60 DHT peers in 3 processes; a quarter die mid-run and 20 new ones join: reads still succeed.
 
-Each process is ``bench/dht_peer.py --nodes 25`` (real Nodes on loopback,
+Each process is ``bench/dht_peer.py --nodes 20`` (real Nodes on loopback,
 driven by JSON lines). Values are stored with the default 5 replicas; then,
-while reads are under way, 25 random peers (never the bootstrap peer) are shut
-down and a fifth process adds 25 fresh peers. The test prints the success rate
+while reads are under way, 15 random peers (never the bootstrap peer) are shut
+down and a fourth process adds 20 fresh peers. The test prints the success rate
 it measured and requires at least 97% (losing all 5 replicas of a key to a
 random quarter of the peers has a probability of about 0.1%).
 """
@@ -25,9 +25,11 @@ import trio
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parent.parent
-PER_PROCESS = 25
-PROCESSES = 4
-KEYS = 200
+# 60 peers, not 100: starting the three later processes at once took 80 s of CI's two cores
+# (each DHT join dials and handshakes with dozens of peers), most of the test's 220 s.
+PER_PROCESS = 20
+PROCESSES = 3
+KEYS = 150
 CONCURRENCY = 8
 
 
@@ -125,7 +127,7 @@ async def test_reads_survive_a_quarter_of_the_peers_dying_and_new_ones_joining()
                 alive.extend((newcomers, i) for i in range(PER_PROCESS))
 
             nursery.start_soon(churn)
-            reads = [("get", k, v) for k, v in values.items()] * 3
+            reads = [("get", k, v) for k, v in values.items()] * 2
             rng.shuffle(reads)
             results = await _run(rng, reads, lambda: alive, halfway=(len(reads) // 4, halfway))
             ok = sum(1 for (_, _, v), r in zip(reads, results) if r["ok"] and r["value"] == v)
