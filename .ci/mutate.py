@@ -41,7 +41,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "p2p/dht/routing.py": ("tests/test_dht_routing.py",),
     "p2p/dht/traversal.py": ("tests/test_dht_traversal.py",),
     "p2p/dht/serving.py": ("tests/test_dht_serving.py",),
-    "p2p/dht/replication.py": ("tests/test_dht_replication.py",),
+    "p2p/dht/replication.py": ("tests/test_dht_replication.py", "tests/test_dht_maintenance.py"),
+    "p2p/dht/maintenance.py": ("tests/test_dht_maintenance.py",),
     "training/moe/calls.py": ("tests/test_moe_calls.py",),
     "training/moe/protocol.py": ("tests/test_moe_calls.py",),
 }

@@ -62,7 +62,7 @@ from .records import (
     owner_of,
     sign_record,
 )
-from . import replication, serving
+from . import maintenance, replication, serving
 from .routing import AddResult, AddStatus, DHTID, Lookup, PeerInfo, RoutingTable
 from .traversal import ReplyTimer, Search, Traversal
 
@@ -276,7 +276,7 @@ class DHT:
             await trio.sleep(delay)
             delay = min(2 * delay, 2.0)
         if len(self.table):
-            await self._refresh(self.local_id, *[self.table.random_id_in_bucket(i) for i in (255, 254, 253)])
+            await self._refresh(*maintenance.join_targets(self.table))
         else:
             log.info("DHT: no initial peers, starting a new DHT")
         self.node.emit(DHTJoined(mode=DHTMode.SERVER if self.server else DHTMode.CLIENT, peers=len(self.table),
@@ -432,13 +432,13 @@ class DHT:
         result, addrs = added
         if result.status is AddStatus.ADDED:
             self.node.add_addrs(peer_id, addrs)
-            if self.server and len(self.storage):  # one copy is enough: the nearest replica sends it
-                self._nursery.start_soon(functools.partial(self._hand_over, [peer_id], nearest_only=trio.current_time()))
-        elif result.status is AddStatus.CACHED and result.ping_candidate is not None:
-            oldest = result.ping_candidate.peer_id
-            if oldest not in self._pinging:
-                self._pinging.add(oldest)
-                self._nursery.start_soon(self._check_oldest, oldest)
+        then = maintenance.after_add(result, server=self.server, holds_records=bool(len(self.storage)),
+                                     pinging=self._pinging)
+        if then.hand_over:  # one copy is enough: the nearest replica sends it
+            self._nursery.start_soon(functools.partial(self._hand_over, [peer_id], nearest_only=trio.current_time()))
+        if then.ping is not None:
+            self._pinging.add(then.ping)
+            self._nursery.start_soon(self._check_oldest, then.ping)
 
     async def _check_contact(self, peer_id: ID) -> None:
         """A contact that may be gone (quiet for ``check_after``, or a full bucket's oldest): it stays if it answers."""
@@ -678,17 +678,19 @@ class DHT:
                 if len(self.table):  # as when joining: our neighbourhood, through whoever answered
                     with trio.move_on_after(self.config.op_timeout):
                         await self._refresh(self.local_id)
-            stale = self.table.stale_buckets(trio.current_time(), self.config.refresh_interval)[:8]
-            if stale:
-                with trio.move_on_after(self.config.op_timeout):
-                    await self._refresh(*stale)
-            quiet = self.table.unanswered(trio.current_time(), self.config.check_after,
-                                          self.config.check_new_after)[: self.config.checks_per_pass]
-            if quiet:
+            cfg = self.config
+            plan = maintenance.plan_pass(self.table, trio.current_time(), refresh_interval=cfg.refresh_interval,
+                                         check_after=cfg.check_after, check_new_after=cfg.check_new_after,
+                                         checks=cfg.checks_per_pass, last_republish=self._last_republish,
+                                         republish_interval=cfg.republish_interval)
+            if plan.refresh:
+                with trio.move_on_after(cfg.op_timeout):
+                    await self._refresh(*plan.refresh)
+            if plan.check:
                 async with trio.open_nursery() as nursery:
-                    for contact in quiet:
-                        nursery.start_soon(self._check_contact, contact.peer_id)
-            if trio.current_time() - self._last_republish >= self.config.republish_interval:
+                    for peer_id in plan.check:
+                        nursery.start_soon(self._check_contact, peer_id)
+            if plan.republish:
                 await self._republish(now)
 
     async def _republish(self, now: float) -> None:
@@ -700,8 +702,8 @@ class DHT:
             with trio.move_on_after(self.config.op_timeout):
                 await self._replicate(list(self._mine.values()), now)
         if self.server:
-            skip = self._stores_seen.recent(self.config.republish_interval, trio.current_time())
-            skip.update(key for key, _ in self._mine)
+            skip = replication.republish_skip(self._stores_seen, [key for key, _ in self._mine],
+                                              self.config.republish_interval, trio.current_time())
             with trio.move_on_after(self.config.op_timeout):
                 await self._hand_over([c.peer_id for c in self.table], skip=skip)
 

@@ -86,3 +86,12 @@ class StoresSeen:
 
     def __len__(self) -> int:
         return len(self._at)
+
+
+def republish_skip(seen: StoresSeen, own: Iterable[bytes], interval: float, now: float) -> set[bytes]:
+    """The keys a republish's hand-over leaves out: those a store reached within ``interval``
+    (:class:`StoresSeen`: it went to the other replicas too) and our ``own`` (the republish has
+    just stored them again, at every replica)."""
+    skip = seen.recent(interval, now)
+    skip.update(own)
+    return skip

@@ -26,10 +26,11 @@ from multiaddr import Multiaddr
 
 from ..dht import protocol as wire
 from ..dht.dht import DHTConfig
+from ..dht.maintenance import after_add, join_targets, plan_pass
 from ..dht.proto import dht_pb2 as pb
 from ..dht.records import DHTRecord, LocalStore, ValueWithExpiration
-from ..dht.replication import StoresSeen, hand_over, is_replica
-from ..dht.routing import ID_BITS, AddResult, AddStatus, DHTID, Lookup, PeerInfo, RoutingTable
+from ..dht.replication import StoresSeen, hand_over, is_replica, republish_skip
+from ..dht.routing import ID_BITS, AddResult, DHTID, Lookup, PeerInfo, RoutingTable
 from ..dht.serving import admit_answerer, admit_caller, answer_find, answer_store, check_find, check_store
 from ..dht.traversal import ReplyTimer, Search, Traversal
 from .engine import Engine
@@ -269,8 +270,7 @@ class DHTSim:
             nonlocal pending
             pending -= 1
             if pending == 0 and len(peer.table):
-                targets = [peer.dht_id, *(peer.table.random_id_in_bucket(i) for i in (255, 254, 253))]
-                self.refresh(peer, targets, lambda _: None)
+                self.refresh(peer, join_targets(peer.table), lambda _: None)
 
         for seed in seeds:
             self.find(peer, seed.peer_id, [wire.target_query(peer.dht_id)], pinged)
@@ -280,14 +280,17 @@ class DHTSim:
             return
         cfg = self.config.dht
         peer.storage.expire(self.wall())
-        stale = peer.table.stale_buckets(self.now, cfg.refresh_interval)[:8]
-        if stale:
-            self.refresh(peer, stale, lambda _: None)
-        if self.config.rules is Rules.DEDLOC:
-            self._check_quiet(peer, cfg.checks_per_pass)
-        elif stale:  # go-libp2p-kad-dht: every quiet contact, with each refresh
-            self._check_quiet(peer, None)
-        if self.config.replication and self.now - peer.last_republish >= cfg.republish_interval:
+        ours = self.config.rules is Rules.DEDLOC  # the twin: every quiet contact, with each refresh
+        plan = plan_pass(peer.table, self.now, refresh_interval=cfg.refresh_interval,
+                         check_after=self.config.check_after_s, check_new_after=cfg.check_new_after,
+                         checks=cfg.checks_per_pass if ours else None, last_republish=peer.last_republish,
+                         republish_interval=cfg.republish_interval if self.config.replication else None)
+        if plan.refresh:
+            self.refresh(peer, plan.refresh, lambda _: None)
+        if ours or plan.refresh:
+            for target in plan.check:
+                self._check_contact(peer, target)
+        if plan.republish:
             self.republish(peer)
         self.engine.at(cfg.maintenance_interval, self._maintain, peer)
 
@@ -301,8 +304,8 @@ class DHTSim:
         for record in peer.mine.values():
             self.store(peer, record, lambda _: None, own=False)
         if peer.server and len(peer.storage):  # but the keys whose store reached it lately, and its own
-            skip = peer.stores_seen.recent(self.config.dht.republish_interval, self.now)
-            skip.update(key for key, _ in peer.mine)
+            skip = republish_skip(peer.stores_seen, [key for key, _ in peer.mine], self.config.dht.republish_interval,
+                                  self.now)
             self._hand_over(peer, [c.peer_id for c in peer.table], skip)
 
     def _hand_over(self, peer: SimPeer, to: list[ID], skip: set[bytes] | None = None, *,
@@ -312,11 +315,6 @@ class DHTSim:
         for target, records in plan.items():
             self.handed_over += len(records)
             self.store_at(peer, target, records, lambda _: None)
-
-    def _check_quiet(self, peer: SimPeer, limit: int | None) -> None:
-        """Ping the contacts quiet for ``check_after_s`` (``DHT._check_contact``); drop those that do not answer."""
-        for contact in peer.table.unanswered(self.now, self.config.check_after_s, self.config.dht.check_new_after)[:limit]:
-            self._check_contact(peer, contact.peer_id)
 
     def _check_contact(self, peer: SimPeer, target: ID, then: Callable[[], None] = lambda: None) -> None:
         """``DHT._check_contact``: ping ``target``; drop it if it does not answer."""
@@ -330,15 +328,13 @@ class DHTSim:
     def _added(self, peer: SimPeer, added: tuple[AddResult, list[Multiaddr]] | None, other: ID) -> None:
         if added is None:
             return
-        result = added[0]
-        if result.status is AddStatus.ADDED:
-            if self.config.replication and peer.server and len(peer.storage):
-                self._hand_over(peer, [other], nearest_only=self.now)
-        elif result.status is AddStatus.CACHED and result.ping_candidate is not None:
-            oldest = result.ping_candidate.peer_id
-            if oldest not in peer.pinging:
-                peer.pinging.add(oldest)
-                self._check_contact(peer, oldest, lambda: peer.pinging.discard(oldest))
+        then = after_add(added[0], server=peer.server, holds_records=bool(len(peer.storage)), pinging=peer.pinging)
+        if then.hand_over and self.config.replication:
+            self._hand_over(peer, [other], nearest_only=self.now)
+        if then.ping is not None:
+            oldest = then.ping
+            peer.pinging.add(oldest)
+            self._check_contact(peer, oldest, lambda: peer.pinging.discard(oldest))
 
     # ------------------------------------------------------------------ calls
 

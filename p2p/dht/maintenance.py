@@ -1,0 +1,76 @@
+"""What the DHT does on its own, sans-I/O: each maintenance pass, and the table's verdict on a peer.
+
+The I/O shell (:class:`.dht.DHT`) runs a pass every ``maintenance_interval`` and acts on every
+:meth:`.routing.RoutingTable.add`; the simulator (``p2p/sim/dht.py``) does the same on its
+virtual clock. Both ask these functions what to do, so the schedule's decisions (which buckets
+to refresh, which contacts to check, whether to republish, whom a new contact makes us call)
+and what a join looks up are the same code; only the timers and the calls differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from libp2p.peer.id import ID
+
+from .routing import DHTID, AddResult, AddStatus, RoutingTable
+
+#: Stale buckets refreshed per pass: each refresh is a lookup, and a table that was idle for a
+#: while (a laptop waking up) has them all stale at once; the rest wait for the next pass.
+MAX_REFRESH_PER_PASS = 8
+
+
+def join_targets(table: RoutingTable) -> list[DHTID]:
+    """What a join looks up once an initial peer answered: our own id (our neighbourhood, who then
+    know us) and a random id in each of the three farthest buckets (half, a quarter and an eighth
+    of the network: the table's far end filled at once rather than at the first refresh)."""
+    return [table.local, *(table.random_id_in_bucket(i) for i in (255, 254, 253))]
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One maintenance pass: look up ``refresh`` (a random id in each stale bucket), ping the
+    contacts in ``check`` and drop those that do not answer, and republish if ``republish``."""
+
+    refresh: list[DHTID]
+    check: list[ID]
+    republish: bool
+
+
+def plan_pass(table: RoutingTable, now: float, *, refresh_interval: float, check_after: float,
+              check_new_after: float, checks: int | None, last_republish: float,
+              republish_interval: float | None) -> Pass:
+    """The pass due at ``now`` (the table's clock): the stale buckets (at most
+    :data:`MAX_REFRESH_PER_PASS`), up to ``checks`` (None: all) contacts quiet for ``check_after``
+    or new callers unchecked for ``check_new_after`` (:meth:`RoutingTable.unanswered`), and the
+    republish once ``republish_interval`` (None: never) has passed since ``last_republish``."""
+    quiet = table.unanswered(now, check_after, check_new_after)
+    return Pass(
+        refresh=table.stale_buckets(now, refresh_interval)[:MAX_REFRESH_PER_PASS],
+        check=[c.peer_id for c in (quiet if checks is None else quiet[:checks])],
+        republish=republish_interval is not None and now - last_republish >= republish_interval,
+    )
+
+
+@dataclass(frozen=True)
+class AfterAdd:
+    """What the table's verdict on a peer asks of us: ``hand_over`` (it is a new contact, and we
+    are a server holding records: give it those it is now among the closest for, if we are their
+    nearest replica it knows as good), ``ping`` (a full bucket's questionable contact, to be
+    pinged and dropped if it does not answer: Kademlia's rule before a newcomer takes its place)."""
+
+    hand_over: bool = False
+    ping: ID | None = None
+
+
+def after_add(result: AddResult, *, server: bool, holds_records: bool, pinging: Collection[ID]) -> AfterAdd:
+    """The follow-up of :meth:`RoutingTable.add`'s ``result``; ``pinging``: contacts already being
+    pinged (one ping each at a time, however many newcomers wait for its bucket)."""
+    if result.status is AddStatus.ADDED:
+        return AfterAdd(hand_over=server and holds_records)
+    if result.status is AddStatus.CACHED and result.ping_candidate is not None:
+        oldest = result.ping_candidate.peer_id
+        if oldest not in pinging:
+            return AfterAdd(ping=oldest)
+    return AfterAdd()

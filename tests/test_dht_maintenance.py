@@ -1,0 +1,116 @@
+"""What the DHT does on its own (``p2p/dht/maintenance.py``, sans-I/O): each maintenance pass, and
+the follow-up of the table's verdict on a peer. The real DHT and the simulator both run these;
+the real Nodes' tests (test_dht) and the simulation's (test_sim) show the effects."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from libp2p.peer.id import ID
+
+from p2p.dht.maintenance import MAX_REFRESH_PER_PASS, AfterAdd, after_add, join_targets, plan_pass
+from p2p.dht.proto import dht_pb2 as pb
+from p2p.dht.records import DHTRecord
+from p2p.dht.replication import StoresSeen, republish_skip
+from p2p.dht.routing import AddResult, AddStatus, Contact, DHTID, RoutingTable
+
+
+def make_ids(n: int, seed: int) -> list[ID]:
+    rng = random.Random(seed)
+    return [ID(b"\x00\x24" + rng.randbytes(36)) for _ in range(n)]
+
+
+def table_of(ids: list[ID], now: float) -> RoutingTable:
+    table = RoutingTable(DHTID.from_peer(ids[0]), k=20, rng=random.Random(1))
+    for pid in ids[1:]:
+        table.add(pid, now=now)
+    return table
+
+
+def test_a_pass_refreshes_the_stale_buckets_at_most_eight_at_a_time() -> None:
+    table = table_of(make_ids(200, seed=1), now=0.0)
+    assert len(table.stale_buckets(700.0, 600.0)) > MAX_REFRESH_PER_PASS == 8
+    due = plan_pass(table, 700.0, refresh_interval=600.0, check_after=1200.0, check_new_after=60.0, checks=4,
+                    last_republish=0.0, republish_interval=3600.0)
+    buckets = [table.bucket_of(int(t)) for t in table.stale_buckets(700.0, 600.0)]  # a random id in each
+    assert [table.bucket_of(int(t)) for t in due.refresh] == buckets[:8]
+    fresh = plan_pass(table, 100.0, refresh_interval=600.0, check_after=1200.0, check_new_after=60.0, checks=4,
+                      last_republish=0.0, republish_interval=3600.0)
+    # the buckets filled at 0 are fresh; only empty ones that were never looked up remain
+    assert len(fresh.refresh) < len(buckets)
+    assert all(not table.bucket(table.bucket_of(int(t))) for t in fresh.refresh)
+
+
+def test_a_pass_checks_the_quietest_contacts_up_to_its_limit() -> None:
+    ids = make_ids(30, seed=2)
+    table = table_of(ids, now=0.0)
+    table.mark_seen(ids[1], 1000.0)  # answered lately: not quiet
+    quiet = [c.peer_id for c in table.unanswered(1300.0, 1200.0, 60.0)]
+    assert ids[1] not in quiet and len(quiet) > 4
+    due = plan_pass(table, 1300.0, refresh_interval=600.0, check_after=1200.0, check_new_after=60.0, checks=4,
+                    last_republish=0.0, republish_interval=3600.0)
+    assert due.check == quiet[:4]
+    every = plan_pass(table, 1300.0, refresh_interval=600.0, check_after=1200.0, check_new_after=60.0, checks=None,
+                      last_republish=0.0, republish_interval=3600.0)
+    assert every.check == quiet  # the kad-dht twin: all of them
+    early = plan_pass(table, 1000.0, refresh_interval=600.0, check_after=1200.0, check_new_after=60.0, checks=4,
+                      last_republish=0.0, republish_interval=3600.0)
+    assert early.check == []
+
+
+def test_a_caller_that_never_answered_is_checked_soon_after_it_came() -> None:
+    ids = make_ids(10, seed=3)
+    table = table_of(ids[:-1], now=0.0)
+    table.add(ids[-1], now=500.0, answered=False)  # it called us
+    at = {now: plan_pass(table, now, refresh_interval=600.0, check_after=1200.0, check_new_after=60.0, checks=4,
+                         last_republish=0.0, republish_interval=3600.0).check for now in (550.0, 560.0)}
+    assert at == {550.0: [], 560.0: [ids[-1]]}
+
+
+@pytest.mark.parametrize(("last", "now", "interval", "due"), [
+    (0.0, 3599.0, 3600.0, False), (0.0, 3600.0, 3600.0, True), (100.0, 3650.0, 3600.0, False),
+    (0.0, 9999.0, None, False),  # the simulator without replication
+])
+def test_a_pass_republishes_once_the_interval_passed(last: float, now: float, interval: float | None,
+                                                     due: bool) -> None:
+    table = table_of(make_ids(5, seed=4), now=now)
+    assert plan_pass(table, now, refresh_interval=600.0, check_after=1200.0, check_new_after=60.0, checks=4,
+                     last_republish=last, republish_interval=interval).republish is due
+
+
+def contact(pid: ID) -> Contact:
+    return Contact(pid, DHTID.from_peer(pid), (), None, 0.0)
+
+
+def test_a_new_contact_gets_our_records_only_from_a_server_that_holds_some() -> None:
+    added = AddResult(AddStatus.ADDED)
+    assert after_add(added, server=True, holds_records=True, pinging=set()) == AfterAdd(hand_over=True)
+    assert after_add(added, server=False, holds_records=True, pinging=set()) == AfterAdd()
+    assert after_add(added, server=True, holds_records=False, pinging=set()) == AfterAdd()
+
+
+def test_a_full_buckets_questionable_contact_is_pinged_once_at_a_time() -> None:
+    old = make_ids(1, seed=5)[0]
+    cached = AddResult(AddStatus.CACHED, "bucket full", contact(old))
+    assert after_add(cached, server=True, holds_records=True, pinging=set()) == AfterAdd(ping=old)
+    assert after_add(cached, server=True, holds_records=True, pinging={old}) == AfterAdd()
+    assert after_add(AddResult(AddStatus.CACHED, "bucket full"), server=True, holds_records=True,
+                     pinging=set()) == AfterAdd()  # all good: nobody to ping
+    for other in (AddResult(AddStatus.UPDATED), AddResult(AddStatus.REJECTED, "local id")):
+        assert after_add(other, server=True, holds_records=True, pinging=set()) == AfterAdd()
+
+
+def test_a_republish_leaves_out_keys_a_store_reached_lately_and_its_own() -> None:
+    seen = StoresSeen()
+    a, b = DHTRecord.make("a", b"1", 2e9), DHTRecord.make("b", b"2", 2e9)
+    seen.note(pb.StoreRequest(records=[a.to_pb()]), pb.StoreResponse(results=[pb.StoreResult()]), now=100.0)
+    assert republish_skip(seen, [b.key], 600.0, now=650.0) == {a.key, b.key}
+    assert republish_skip(seen, [b.key], 600.0, now=700.0) == {b.key}  # the note is older than the interval
+
+
+def test_a_join_looks_up_our_own_id_then_the_three_farthest_buckets() -> None:
+    table = table_of(make_ids(50, seed=6), now=0.0)
+    first, *far = join_targets(table)
+    assert first == table.local
+    assert [table.bucket_of(int(t)) for t in far] == [255, 254, 253]
