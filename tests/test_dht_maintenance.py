@@ -9,7 +9,8 @@ import random
 import pytest
 from libp2p.peer.id import ID
 
-from p2p.dht.maintenance import MAX_REFRESH_PER_PASS, AfterAdd, after_add, join_targets, plan_pass
+from p2p.dht.maintenance import (MAX_REFRESH_PER_PASS, AfterAdd, after_add, join_targets, republish_due, to_check,
+                                  to_refresh)
 from p2p.dht.proto import dht_pb2 as pb
 from p2p.dht.records import DHTRecord
 from p2p.dht.replication import StoresSeen, republish_skip
@@ -31,15 +32,13 @@ def table_of(ids: list[ID], now: float) -> RoutingTable:
 def test_a_pass_refreshes_the_stale_buckets_at_most_eight_at_a_time() -> None:
     table = table_of(make_ids(200, seed=1), now=0.0)
     assert len(table.stale_buckets(700.0, 600.0)) > MAX_REFRESH_PER_PASS == 8
-    due = plan_pass(table, 700.0, refresh_interval=600.0, check_after=1200.0, check_new_after=60.0, checks=4,
-                    last_republish=0.0, republish_interval=3600.0)
+    due = to_refresh(table, 700.0, 600.0)
     buckets = [table.bucket_of(int(t)) for t in table.stale_buckets(700.0, 600.0)]  # a random id in each
-    assert [table.bucket_of(int(t)) for t in due.refresh] == buckets[:8]
-    fresh = plan_pass(table, 100.0, refresh_interval=600.0, check_after=1200.0, check_new_after=60.0, checks=4,
-                      last_republish=0.0, republish_interval=3600.0)
+    assert [table.bucket_of(int(t)) for t in due] == buckets[:8]
+    fresh = to_refresh(table, 100.0, 600.0)
     # the buckets filled at 0 are fresh; only empty ones that were never looked up remain
-    assert len(fresh.refresh) < len(buckets)
-    assert all(not table.bucket(table.bucket_of(int(t))) for t in fresh.refresh)
+    assert len(fresh) < len(buckets)
+    assert all(not table.bucket(table.bucket_of(int(t))) for t in fresh)
 
 
 def test_a_pass_checks_the_quietest_contacts_up_to_its_limit() -> None:
@@ -48,23 +47,17 @@ def test_a_pass_checks_the_quietest_contacts_up_to_its_limit() -> None:
     table.mark_seen(ids[1], 1000.0)  # answered lately: not quiet
     quiet = [c.peer_id for c in table.unanswered(1300.0, 1200.0, 60.0)]
     assert ids[1] not in quiet and len(quiet) > 4
-    due = plan_pass(table, 1300.0, refresh_interval=600.0, check_after=1200.0, check_new_after=60.0, checks=4,
-                    last_republish=0.0, republish_interval=3600.0)
-    assert due.check == quiet[:4]
-    every = plan_pass(table, 1300.0, refresh_interval=600.0, check_after=1200.0, check_new_after=60.0, checks=None,
-                      last_republish=0.0, republish_interval=3600.0)
-    assert every.check == quiet  # the kad-dht twin: all of them
-    early = plan_pass(table, 1000.0, refresh_interval=600.0, check_after=1200.0, check_new_after=60.0, checks=4,
-                      last_republish=0.0, republish_interval=3600.0)
-    assert early.check == []
+    assert to_check(table, 1300.0, check_after=1200.0, check_new_after=60.0, checks=4) == quiet[:4]
+    every = to_check(table, 1300.0, check_after=1200.0, check_new_after=60.0, checks=None)
+    assert every == quiet  # the kad-dht twin: all of them
+    assert to_check(table, 1000.0, check_after=1200.0, check_new_after=60.0, checks=4) == []
 
 
 def test_a_caller_that_never_answered_is_checked_soon_after_it_came() -> None:
     ids = make_ids(10, seed=3)
     table = table_of(ids[:-1], now=0.0)
     table.add(ids[-1], now=500.0, answered=False)  # it called us
-    at = {now: plan_pass(table, now, refresh_interval=600.0, check_after=1200.0, check_new_after=60.0, checks=4,
-                         last_republish=0.0, republish_interval=3600.0).check for now in (550.0, 560.0)}
+    at = {now: to_check(table, now, check_after=1200.0, check_new_after=60.0, checks=4) for now in (550.0, 560.0)}
     assert at == {550.0: [], 560.0: [ids[-1]]}
 
 
@@ -74,9 +67,7 @@ def test_a_caller_that_never_answered_is_checked_soon_after_it_came() -> None:
 ])
 def test_a_pass_republishes_once_the_interval_passed(last: float, now: float, interval: float | None,
                                                      due: bool) -> None:
-    table = table_of(make_ids(5, seed=4), now=now)
-    assert plan_pass(table, now, refresh_interval=600.0, check_after=1200.0, check_new_after=60.0, checks=4,
-                     last_republish=last, republish_interval=interval).republish is due
+    assert republish_due(now, last, interval) is due
 
 
 def contact(pid: ID) -> Contact:

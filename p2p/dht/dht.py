@@ -679,18 +679,17 @@ class DHT:
                     with trio.move_on_after(self.config.op_timeout):
                         await self._refresh(self.local_id)
             cfg = self.config
-            plan = maintenance.plan_pass(self.table, trio.current_time(), refresh_interval=cfg.refresh_interval,
-                                         check_after=cfg.check_after, check_new_after=cfg.check_new_after,
-                                         checks=cfg.checks_per_pass, last_republish=self._last_republish,
-                                         republish_interval=cfg.republish_interval)
-            if plan.refresh:
+            stale = maintenance.to_refresh(self.table, trio.current_time(), cfg.refresh_interval)
+            if stale:
                 with trio.move_on_after(cfg.op_timeout):
-                    await self._refresh(*plan.refresh)
-            if plan.check:
+                    await self._refresh(*stale)
+            quiet = maintenance.to_check(self.table, trio.current_time(), check_after=cfg.check_after,
+                                         check_new_after=cfg.check_new_after, checks=cfg.checks_per_pass)
+            if quiet:
                 async with trio.open_nursery() as nursery:
-                    for peer_id in plan.check:
+                    for peer_id in quiet:
                         nursery.start_soon(self._check_contact, peer_id)
-            if plan.republish:
+            if maintenance.republish_due(trio.current_time(), self._last_republish, cfg.republish_interval):
                 await self._republish(now)
 
     async def _republish(self, now: float) -> None:

@@ -2,8 +2,8 @@
 
 The I/O shell (:class:`.dht.DHT`) runs a pass every ``maintenance_interval`` and acts on every
 :meth:`.routing.RoutingTable.add`; the simulator (``p2p/sim/dht.py``) does the same on its
-virtual clock. Both ask these functions what to do, so the schedule's decisions (which buckets
-to refresh, which contacts to check, whether to republish, whom a new contact makes us call)
+virtual clock. Both ask these functions what to do, so the schedule's decisions (which buckets to refresh,
+which contacts to check, whether to republish, whom a new contact makes us call)
 and what a join looks up are the same code; only the timers and the calls differ.
 """
 
@@ -28,29 +28,26 @@ def join_targets(table: RoutingTable) -> list[DHTID]:
     return [table.local, *(table.random_id_in_bucket(i) for i in (255, 254, 253))]
 
 
-@dataclass(frozen=True)
-class Pass:
-    """One maintenance pass: look up ``refresh`` (a random id in each stale bucket), ping the
-    contacts in ``check`` and drop those that do not answer, and republish if ``republish``."""
+# A pass is three decisions, each taken when the shell reaches it: the real DHT awaits its refresh
+# before it picks the contacts to check, so a quiet contact the refresh heard answer is spared.
 
-    refresh: list[DHTID]
-    check: list[ID]
-    republish: bool
+def to_refresh(table: RoutingTable, now: float, refresh_interval: float) -> list[DHTID]:
+    """A random id in each bucket not looked up for ``refresh_interval`` (at most
+    :data:`MAX_REFRESH_PER_PASS`, nearest first: :meth:`RoutingTable.stale_buckets`)."""
+    return table.stale_buckets(now, refresh_interval)[:MAX_REFRESH_PER_PASS]
 
 
-def plan_pass(table: RoutingTable, now: float, *, refresh_interval: float, check_after: float,
-              check_new_after: float, checks: int | None, last_republish: float,
-              republish_interval: float | None) -> Pass:
-    """The pass due at ``now`` (the table's clock): the stale buckets (at most
-    :data:`MAX_REFRESH_PER_PASS`), up to ``checks`` (None: all) contacts quiet for ``check_after``
-    or new callers unchecked for ``check_new_after`` (:meth:`RoutingTable.unanswered`), and the
-    republish once ``republish_interval`` (None: never) has passed since ``last_republish``."""
+def to_check(table: RoutingTable, now: float, *, check_after: float, check_new_after: float,
+             checks: int | None) -> list[ID]:
+    """Up to ``checks`` (None: all) contacts to ping and drop if they do not answer: quiet for
+    ``check_after``, or callers unchecked for ``check_new_after`` (:meth:`RoutingTable.unanswered`)."""
     quiet = table.unanswered(now, check_after, check_new_after)
-    return Pass(
-        refresh=table.stale_buckets(now, refresh_interval)[:MAX_REFRESH_PER_PASS],
-        check=[c.peer_id for c in (quiet if checks is None else quiet[:checks])],
-        republish=republish_interval is not None and now - last_republish >= republish_interval,
-    )
+    return [c.peer_id for c in (quiet if checks is None else quiet[:checks])]
+
+
+def republish_due(now: float, last_republish: float, republish_interval: float | None) -> bool:
+    """Whether ``republish_interval`` (None: never) has passed since ``last_republish``."""
+    return republish_interval is not None and now - last_republish >= republish_interval
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from multiaddr import Multiaddr
 
 from ..dht import protocol as wire
 from ..dht.dht import DHTConfig
-from ..dht.maintenance import after_add, join_targets, plan_pass
+from ..dht.maintenance import after_add, join_targets, republish_due, to_check, to_refresh
 from ..dht.proto import dht_pb2 as pb
 from ..dht.records import DHTRecord, LocalStore, ValueWithExpiration
 from ..dht.replication import StoresSeen, hand_over, is_replica, republish_skip
@@ -280,17 +280,15 @@ class DHTSim:
             return
         cfg = self.config.dht
         peer.storage.expire(self.wall())
-        ours = self.config.rules is Rules.DEDLOC  # the twin: every quiet contact, with each refresh
-        plan = plan_pass(peer.table, self.now, refresh_interval=cfg.refresh_interval,
-                         check_after=self.config.check_after_s, check_new_after=cfg.check_new_after,
-                         checks=cfg.checks_per_pass if ours else None, last_republish=peer.last_republish,
-                         republish_interval=cfg.republish_interval if self.config.replication else None)
-        if plan.refresh:
-            self.refresh(peer, plan.refresh, lambda _: None)
-        if ours or plan.refresh:
-            for target in plan.check:
+        stale = to_refresh(peer.table, self.now, cfg.refresh_interval)
+        if stale:
+            self.refresh(peer, stale, lambda _: None)
+        ours = self.config.rules is Rules.DEDLOC
+        if ours or stale:  # the twin: every quiet contact, with each refresh
+            for target in to_check(peer.table, self.now, check_after=self.config.check_after_s,
+                                   check_new_after=cfg.check_new_after, checks=cfg.checks_per_pass if ours else None):
                 self._check_contact(peer, target)
-        if plan.republish:
+        if republish_due(self.now, peer.last_republish, cfg.republish_interval if self.config.replication else None):
             self.republish(peer)
         self.engine.at(cfg.maintenance_interval, self._maintain, peer)
 
