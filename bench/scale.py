@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/scale.py [--peers 1000,3000,10000] [--stores 100] [--gets 300]
         [--settle 900] [--join 600] [--seed 0] [--rules dedloc,kad-dht-2022] [--crawl 300] [--no-compare]
-        [--survive 7200] [--jobs 2] [--json OUT]
+        [--survive 7200] [--shared-group-share 0.05] [--shared-groups 1] [--jobs 2] [--json OUT]
 
 Each size runs :class:`p2p.sim.dht.DHTSim` (the DHT's routing table, lookups, traversal,
 serving rules and record store, driven by a virtual clock over the network model of
@@ -58,6 +58,7 @@ from p2p.dht.records import DHTRecord  # noqa: E402
 from p2p.dht.routing import DHTID  # noqa: E402
 from p2p.sim import calibration as cal  # noqa: E402
 from p2p.sim.dht import DHTSim, DHTSimConfig, Rules, SimPeer, Stored, make_record  # noqa: E402
+from p2p.sim.network import NetworkModel  # noqa: E402
 
 #: The issue's goals for the same operations.
 GOAL_LOOKUP_P50_S = 0.3
@@ -72,8 +73,10 @@ def percentile(values: list[float], q: float) -> float:
 
 def dht_at(peers: int, args: argparse.Namespace, *, reply_timer: bool = True, rules: Rules = Rules.DEDLOC) -> dict[str, Any]:
     cpu0, wall0 = time.process_time(), time.perf_counter()
+    share, groups = getattr(args, "shared_group_share", 0.0), getattr(args, "shared_groups", 1)
+    model = NetworkModel(shared_group_share=share, shared_groups=groups).calibrate(args.seed)
     sim = DHTSim(DHTSimConfig(peers=peers, seed=args.seed, join_spread_s=args.join, reply_timer=reply_timer,
-                              warm=not args.cold, rules=rules))
+                              warm=not args.cold, rules=rules), model)
     sim.run(args.settle)
     health = sim.crawl(args.crawl, sample=args.sample)
     rng = random.Random(args.seed + 7)
@@ -103,6 +106,8 @@ def dht_at(peers: int, args: argparse.Namespace, *, reply_timer: bool = True, ru
         "start": "cold" if args.cold else "warm",
         "rules": rules.value,
         "reply_timer": reply_timer,
+        "shared_group_share": share,
+        "shared_groups": groups,
         "health": health,
         "lookup_p50_s": percentile(lookups, 0.5),
         "lookup_p95_s": percentile(lookups, 0.95),
@@ -285,6 +290,11 @@ def main() -> None:
     p.add_argument("--rules", default="dedloc",
                    help="whose routing-table rules, comma-separated: dedloc, kad-dht-2022 (go-libp2p-kad-dht's, "
                         "as the crawl met them: the calibration check)")
+    p.add_argument("--shared-group-share", type=float, default=0.0,
+                   help="share of peers whose address falls in one of --shared-groups IP groups (many peer IDs "
+                        "on one cloud IP or /16): what a table's diversity filter counts together; 0: every peer "
+                        "alone in its group (no measurement of the public network's share is at hand)")
+    p.add_argument("--shared-groups", type=int, default=1, help="how many shared IP groups (at most 65,536)")
     p.add_argument("--no-compare", action="store_true", help="skip the run without the reply timer")
     p.add_argument("--moshpit-peers", type=int, default=1000)
     p.add_argument("--group-size", type=int, default=10, help="Moshpit's m")

@@ -415,6 +415,30 @@ async def test_maintenance_drops_a_contact_that_left() -> None:
         assert all(len(d.table) == 2 for d in dhts[:3])  # the ones that answer stay
 
 
+async def test_maintenance_checks_only_contacts_its_refresh_did_not_hear() -> None:
+    """A pass refreshes first and picks the contacts to check after: a quiet contact that
+    answered the refresh's lookups is not pinged again. With no refresh due, the same quiet
+    contacts are checked (the check is there to be skipped)."""
+
+    async def checked(refresh_interval: float) -> list[ID]:
+        async with swarm(3, maintenance_interval=0.5, refresh_interval=refresh_interval, check_after=0.45,
+                         check_new_after=0.45, rpc_timeout=1.0) as dhts:
+            watched, seen = dhts[0], []
+            check = watched._check_contact
+
+            async def counted(peer_id: ID) -> None:
+                seen.append(peer_id)
+                await check(peer_id)
+
+            watched._check_contact = counted  # type: ignore[method-assign]
+            await trio.sleep(2.6)  # five passes
+            assert len(watched.table) == 2
+            return list(seen)  # not the closing's: a peer that left is quiet, and checked
+
+    assert await checked(refresh_interval=0.001) == []  # every pass refreshes
+    assert len(await checked(refresh_interval=3600.0)) >= 4
+
+
 async def test_writers_republish_to_the_servers_now_closest() -> None:
     """Both replicas of a value die; the writer's republish puts it on the servers now closest."""
     async with swarm(7, replicas=2, maintenance_interval=0.2, republish_interval=0.5, rpc_timeout=1.0) as dhts:

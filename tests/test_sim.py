@@ -270,3 +270,32 @@ def test_the_kad_dht_2022_twin_rejects_newcomers_to_a_full_bucket_and_drops_at_o
     victim = peer.table.bucket(255)[0].peer_id
     assert peer.table.mark_failed(victim) and victim not in peer.table
     assert round(sim.config.check_after_s) == 2593  # ln(1/20) / ln(1 - 10/20) refresh intervals
+
+
+def test_the_kad_dht_2022_twin_holds_at_most_three_peers_of_one_ip_group() -> None:
+    """go-ipfs's WAN table (go-libp2p-kad-dht v0.15's ``dual.New``, the crawl's version) has
+    kbucket's diversity filter on: at most 2 peers of one IP group per common prefix length, 3
+    in the whole table. With a tenth of the peers in one shared group (many peer IDs on one cloud
+    IP or /16), each table holds at most 3 of them, so fewer peers know all 20 of their closest;
+    with every peer alone in its group (the model's default) the filter leaves the tables whole."""
+
+    def run(share: float) -> DHTSim:
+        model = NetworkModel(shared_group_share=share).calibrate(15)
+        sim = DHTSim(DHTSimConfig(peers=300, seed=15, warm=True, churn=False, rules=Rules.KAD_DHT_2022), model)
+        sim.run(600.0)
+        return sim
+
+    alone, shared = run(0.0), run(0.1)
+    assert len({p.ip_group for p in alone.peers}) == len(alone.peers)
+    groups = [p.ip_group for p in shared.peers]
+    common = max(set(groups), key=groups.count)
+    members = {p.peer_id for p in shared.peers if p.ip_group == common}
+    assert len(members) >= 20
+    held = [sum(m in p.table for m in members) for p in shared.peers if p.alive and p.server]
+    assert max(held) == 3
+    for peer in shared.peers:
+        for index in range(256):
+            assert sum(c.ip_group == common for c in peer.table.bucket(index)) <= 2
+    know_alone = alone.health(sample=200)["know_all_20_closest"]
+    know_shared = shared.health(sample=200)["know_all_20_closest"]
+    assert know_alone - know_shared > 0.2, (know_alone, know_shared)

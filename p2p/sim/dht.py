@@ -30,7 +30,7 @@ from ..dht.maintenance import after_add, join_targets, republish_due, to_check, 
 from ..dht.proto import dht_pb2 as pb
 from ..dht.records import DHTRecord, LocalStore, ValueWithExpiration
 from ..dht.replication import StoresSeen, hand_over, is_replica, republish_skip
-from ..dht.routing import ID_BITS, AddResult, DHTID, Lookup, PeerInfo, RoutingTable
+from ..dht.routing import ID_BITS, AddResult, DHTID, Lookup, PeerInfo, RoutingTable, ip_group
 from ..dht.serving import admit_answerer, admit_caller, answer_find, answer_store, check_find, check_store
 from ..dht.traversal import ReplyTimer, Search, Traversal
 from .engine import Engine
@@ -56,12 +56,23 @@ class Rules(enum.Enum):
     dropped if it does not answer (``rtRefreshManager.pingAndEvictPeers``). Everything else
     (lookups, admission of callers and answerers, refresh of stale buckets) is the same code:
     go-libp2p-kad-dht too adds a server that queries it (``handleNewMessage``: ``peerFound``)
-    and one that answered a query. Not modelled: a newcomer's minutes in client mode before
-    AutoNAT lets it serve.
+    and one that answered a query. Its diversity filter (:data:`KAD_DHT_2022_PER_GROUP`) is the
+    table's own; what it does depends on how many peers share an IP group
+    (``NetworkModel.shared_group_share``). Not modelled: a newcomer's minutes in client mode
+    before AutoNAT lets it serve.
     """
 
     DEDLOC = "dedloc"
     KAD_DHT_2022 = "kad-dht-2022"
+
+
+#: go-ipfs's WAN DHT (go-libp2p-kad-dht v0.15 ``dual.New``, the version of the 2022 crawls) turns
+#: on kbucket's peer diversity filter (``RoutingTablePeerDiversityFilter``) with
+#: ``maxPrefixCountPerCpl = 2`` and ``maxPrefixCount = 3``: at most 2 peers of one IP group per
+#: common prefix length and 3 in the whole table (a group, ``peerdiversity.Filter.ipGroupKey``: an
+#: IPv4 /16, or a legacy class A /8, or an IPv6 address's ASN). A plain ``dht.New`` has no filter.
+KAD_DHT_2022_PER_GROUP_PER_CPL = 2
+KAD_DHT_2022_PER_GROUP = 3
 
 
 @dataclass
@@ -84,6 +95,8 @@ class SimPeer:
     mine: dict[tuple[bytes, bytes | None], DHTRecord] = field(default_factory=dict)
     last_republish: float = 0.0
     stores_seen: StoresSeen = field(default_factory=StoresSeen)
+    #: Its address's diversity group (:func:`ip_group`), as the peers it calls observe it.
+    ip_group: str | None = None
 
     @property
     def server(self) -> bool:
@@ -161,6 +174,7 @@ class DHTSim:
         self.handed_over = 0
         self.copies_sent = 0
         self._next_ip = 0
+        self._group_rng = random.Random(config.seed ^ 0x5EED)
         self._senders: dict[int, pb.Sender] = {}
         if config.warm:
             self._warm_start()
@@ -190,7 +204,7 @@ class DHTSim:
                 chosen = rng.sample(range(start, end), min(end - start, 2 * k))
                 for j in chosen:  # k contacts, k more in the replacement cache
                     other = self.peers[servers[j][1]]
-                    table.add(other.peer_id, other.dht_id, (other.addr,), None, now=0.0, ping=False)
+                    table.add(other.peer_id, other.dht_id, (other.addr,), other.ip_group, now=0.0, ping=False)
                 silent = {self.peers[servers[j][1]].peer_id for j in chosen
                           if self.peers[servers[j][1]].kind is Kind.SILENT}
                 for contact in table.bucket(index) + table.replacements(index):
@@ -222,10 +236,14 @@ class DHTSim:
         self._next_ip += 1
         n = self._next_ip
         addr = Multiaddr(f"/ip4/{11 + (n >> 16) % 200}.{(n >> 8) & 255}.{n & 255}.{rng.randrange(1, 255)}/tcp/4001")
+        if self.model.shared_group_share > 0:  # its own generator: the seeded run stays the same without
+            shared = self.model.shared_group(self._group_rng)
+            if shared is not None:  # one of a few shared groups (one /24 here, as the DHT groups)
+                addr = Multiaddr(f"/ip4/12.{shared >> 8}.{shared & 255}.1/tcp/{1024 + n % 60_000}")
         dht_id = DHTID.from_peer(peer_id)
         peer = SimPeer(len(self.peers), peer_id, dht_id, addr, self.model.place(rng), kind or self.model.kind(rng),
                        self._table(dht_id),
-                       self.config.dht.local_store(), joined=self.now)
+                       self.config.dht.local_store(), joined=self.now, ip_group=ip_group(addr))
         # A peer found online by the warm start last republished at some moment of the interval.
         peer.last_republish = self.now - (self.rng.uniform(0, self.config.dht.republish_interval)
                                           if self.config.warm and self.now == 0.0 else 0.0)
@@ -242,10 +260,10 @@ class DHTSim:
 
     def _table(self, dht_id: DHTID) -> RoutingTable:
         rng = random.Random(self.rng.random())
-        if self.config.rules is Rules.KAD_DHT_2022:  # no diversity limits either: off by default there
+        if self.config.rules is Rules.KAD_DHT_2022:
             return RoutingTable(dht_id, k=self.config.dht.k, replacement_cache_size=0, max_failures=1,
-                                max_per_ip_group=self.config.dht.k, max_per_ip_group_total=ID_BITS * self.config.dht.k,
-                                rng=rng)
+                                max_per_ip_group=KAD_DHT_2022_PER_GROUP_PER_CPL,
+                                max_per_ip_group_total=KAD_DHT_2022_PER_GROUP, rng=rng)
         return RoutingTable(dht_id, k=self.config.dht.k, rng=rng)
 
     def _leave(self, peer: SimPeer) -> None:

@@ -79,6 +79,12 @@ class NetworkModel:
     access_median_s: float = 0.008
     #: Measured path over the fibre minimum, set by :meth:`calibrate` so that the median round trip is ``median_rtt_s``.
     path_inflation: float = 1.0
+    #: *Assumed*, 0 by default (no measurement here): the share of peers whose address falls in
+    #: one of ``shared_groups`` IP groups, as many peer IDs behind one cloud IP, one provider's
+    #: /16 or one IPv6 ASN do. A routing table's diversity filter counts such peers together
+    #: (go-libp2p-kad-dht's WAN table: at most 3 per group); every other peer is alone in its group.
+    shared_group_share: float = 0.0
+    shared_groups: int = 1
 
     def __post_init__(self) -> None:
         self._fibre = [[2 * max(MIN_PATH_KM, _great_circle_km(a, b)) / KM_PER_MS / 1000 for b in self.regions]
@@ -109,6 +115,12 @@ class NetworkModel:
         if x < self.unreachable_share + self.silent_share:
             return Kind.SILENT
         return Kind.PUBLIC
+
+    def shared_group(self, rng: random.Random) -> int | None:
+        """The shared IP group a new peer's address falls in (see ``shared_group_share``), or None."""
+        if rng.random() >= self.shared_group_share:
+            return None
+        return rng.randrange(self.shared_groups)
 
     def session_s(self, rng: random.Random) -> float:
         """How long a newly joined peer stays (Weibull through the measured churn points)."""
