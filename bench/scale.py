@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/scale.py [--peers 1000,3000,10000] [--stores 100] [--gets 300]
         [--settle 900] [--join 600] [--seed 0] [--rules dedloc,kad-dht-2022] [--crawl 300] [--no-compare]
-        [--survive 7200] [--shared-group-share 0.05] [--shared-groups 1] [--jobs 2] [--json OUT]
+        [--survive 7200] [--shared-group-share 0.05] [--shared-groups 1]
+        [--lookups-per-hour 20] [--jobs 2] [--json OUT]
 
 Each size runs :class:`p2p.sim.dht.DHTSim` (the DHT's routing table, lookups, traversal,
 serving rules and record store, driven by a virtual clock over the network model of
@@ -75,8 +76,9 @@ def dht_at(peers: int, args: argparse.Namespace, *, reply_timer: bool = True, ru
     cpu0, wall0 = time.process_time(), time.perf_counter()
     share, groups = getattr(args, "shared_group_share", 0.0), getattr(args, "shared_groups", 1)
     model = NetworkModel(shared_group_share=share, shared_groups=groups).calibrate(args.seed)
+    load = getattr(args, "lookups_per_hour", 0.0)
     sim = DHTSim(DHTSimConfig(peers=peers, seed=args.seed, join_spread_s=args.join, reply_timer=reply_timer,
-                              warm=not args.cold, rules=rules), model)
+                              warm=not args.cold, rules=rules, lookups_per_hour=load), model)
     sim.run(args.settle)
     health = sim.crawl(args.crawl, sample=args.sample)
     rng = random.Random(args.seed + 7)
@@ -108,6 +110,7 @@ def dht_at(peers: int, args: argparse.Namespace, *, reply_timer: bool = True, ru
         "reply_timer": reply_timer,
         "shared_group_share": share,
         "shared_groups": groups,
+        "lookups_per_hour": load,
         "health": health,
         "lookup_p50_s": percentile(lookups, 0.5),
         "lookup_p95_s": percentile(lookups, 0.95),
@@ -295,6 +298,9 @@ def main() -> None:
                         "on one cloud IP or /16): what a table's diversity filter counts together; 0: every peer "
                         "alone in its group (no measurement of the public network's share is at hand)")
     p.add_argument("--shared-groups", type=int, default=1, help="how many shared IP groups (at most 65,536)")
+    p.add_argument("--lookups-per-hour", type=float, default=0.0,
+                   help="lookups of random keys each peer makes per hour besides its maintenance (a content-routing "
+                        "load; no measurement of the public network's rate is at hand); 0: maintenance only")
     p.add_argument("--no-compare", action="store_true", help="skip the run without the reply timer")
     p.add_argument("--moshpit-peers", type=int, default=1000)
     p.add_argument("--group-size", type=int, default=10, help="Moshpit's m")

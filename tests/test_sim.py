@@ -299,3 +299,18 @@ def test_the_kad_dht_2022_twin_holds_at_most_three_peers_of_one_ip_group() -> No
     know_alone = alone.health(sample=200)["know_all_20_closest"]
     know_shared = shared.health(sample=200)["know_all_20_closest"]
     assert know_alone - know_shared > 0.2, (know_alone, know_shared)
+
+
+def test_a_content_routing_load_finds_far_contacts_that_left_sooner() -> None:
+    """The twin's full bucket 0 takes no newcomer, so a contact that left stays in it until a query
+    to it fails or its 43-minute check. Lookups of random keys (``lookups_per_hour``, the content
+    routing the simulated peers otherwise do not do) ask the far contacts nearest each key first,
+    and so find the ones that left sooner: fewer of bucket 0's entries are unreachable."""
+
+    def unreachable_in_bucket_0(load: float) -> float:
+        sim = DHTSim(DHTSimConfig(peers=150, seed=17, warm=True, rules=Rules.KAD_DHT_2022, lookups_per_hour=load))
+        sim.run(1200.0)
+        return sim.health(sample=150)["unreachable_in_bucket_0"]
+
+    idle, busy = unreachable_in_bucket_0(0.0), unreachable_in_bucket_0(30.0)
+    assert busy < idle / 3, (idle, busy)  # 11.8% and 2.1%

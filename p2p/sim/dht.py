@@ -146,6 +146,10 @@ class DHTSimConfig:
     #: server new to its table and, every ``republish_interval``, to every contact now among their
     #: keys' closest; a writer re-stores its own. False: records stay where their store put them.
     replication: bool = True
+    #: Lookups of random keys each peer makes per hour besides its maintenance: the content-routing
+    #: load (provides, finds) the public DHT's servers carry, whose first queries go to the far
+    #: contacts nearest each key and so find the ones that left. *Unmeasured*; 0: maintenance only.
+    lookups_per_hour: float = 0.0
 
     @property
     def check_after_s(self) -> float:
@@ -175,6 +179,7 @@ class DHTSim:
         self.copies_sent = 0
         self._next_ip = 0
         self._group_rng = random.Random(config.seed ^ 0x5EED)
+        self._load_rng = random.Random(config.seed ^ 0x10AD)  # its own: the seeded run stays the same without
         self._senders: dict[int, pb.Sender] = {}
         if config.warm:
             self._warm_start()
@@ -257,6 +262,8 @@ class DHTSim:
                 self.model.residual_session_s(rng) if session == -2 else session
             self.engine.at(length, self._leave, peer)
         self.engine.at(self.config.dht.maintenance_interval * (0.5 + rng.random()), self._maintain, peer)
+        if self.config.lookups_per_hour > 0:
+            self.engine.at(self._load_rng.expovariate(self.config.lookups_per_hour / 3600), self._content_lookup, peer)
 
     def _table(self, dht_id: DHTID) -> RoutingTable:
         rng = random.Random(self.rng.random())
@@ -309,6 +316,13 @@ class DHTSim:
         if republish_due(self.now, peer.last_republish, cfg.republish_interval if self.config.replication else None):
             self.republish(peer)
         self.engine.at(cfg.maintenance_interval, self._maintain, peer)
+
+    def _content_lookup(self, peer: SimPeer) -> None:
+        """One lookup of a random key (``lookups_per_hour``), then the next after a random wait."""
+        if not peer.alive:
+            return
+        self.refresh(peer, [DHTID(self._load_rng.getrandbits(ID_BITS))], lambda _: None)
+        self.engine.at(self._load_rng.expovariate(self.config.lookups_per_hour / 3600), self._content_lookup, peer)
 
     def republish(self, peer: SimPeer) -> None:
         """``DHT._republish``: our own live records stored again, then the rest of what we hold
