@@ -74,11 +74,10 @@ def percentile(values: list[float], q: float) -> float:
 
 def dht_at(peers: int, args: argparse.Namespace, *, reply_timer: bool = True, rules: Rules = Rules.DEDLOC) -> dict[str, Any]:
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    share, groups = getattr(args, "shared_group_share", 0.0), getattr(args, "shared_groups", 1)
-    model = NetworkModel(shared_group_share=share, shared_groups=groups).calibrate(args.seed)
-    load = getattr(args, "lookups_per_hour", 0.0)
+    model = NetworkModel(shared_group_share=args.shared_group_share, shared_groups=args.shared_groups)
     sim = DHTSim(DHTSimConfig(peers=peers, seed=args.seed, join_spread_s=args.join, reply_timer=reply_timer,
-                              warm=not args.cold, rules=rules, lookups_per_hour=load), model)
+                              warm=not args.cold, rules=rules, lookups_per_hour=args.lookups_per_hour),
+                 model.calibrate(args.seed))
     sim.run(args.settle)
     health = sim.crawl(args.crawl, sample=args.sample)
     rng = random.Random(args.seed + 7)
@@ -108,9 +107,9 @@ def dht_at(peers: int, args: argparse.Namespace, *, reply_timer: bool = True, ru
         "start": "cold" if args.cold else "warm",
         "rules": rules.value,
         "reply_timer": reply_timer,
-        "shared_group_share": share,
-        "shared_groups": groups,
-        "lookups_per_hour": load,
+        "shared_group_share": args.shared_group_share,
+        "shared_groups": args.shared_groups,
+        "lookups_per_hour": args.lookups_per_hour,
         "health": health,
         "lookup_p50_s": percentile(lookups, 0.5),
         "lookup_p95_s": percentile(lookups, 0.95),

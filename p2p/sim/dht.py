@@ -263,7 +263,7 @@ class DHTSim:
             self.engine.at(length, self._leave, peer)
         self.engine.at(self.config.dht.maintenance_interval * (0.5 + rng.random()), self._maintain, peer)
         if self.config.lookups_per_hour > 0:
-            self.engine.at(self._load_rng.expovariate(self.config.lookups_per_hour / 3600), self._content_lookup, peer)
+            self._next_content_lookup(peer)
 
     def _table(self, dht_id: DHTID) -> RoutingTable:
         rng = random.Random(self.rng.random())
@@ -322,6 +322,9 @@ class DHTSim:
         if not peer.alive:
             return
         self.refresh(peer, [DHTID(self._load_rng.getrandbits(ID_BITS))], lambda _: None)
+        self._next_content_lookup(peer)
+
+    def _next_content_lookup(self, peer: SimPeer) -> None:
         self.engine.at(self._load_rng.expovariate(self.config.lookups_per_hour / 3600), self._content_lookup, peer)
 
     def republish(self, peer: SimPeer) -> None:
