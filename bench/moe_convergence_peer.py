@@ -120,7 +120,9 @@ async def dmoe(args: argparse.Namespace) -> None:
                 ban_time): a sample whose chosen experts were all on the killed server fails until the
                 failed calls banned them, and on a loaded machine calls that timed out can ban every
                 expert (no live expert found) until the bans end. CI runs failed so with 0.5 s between
-                attempts, and once with 4 attempts 4 s apart under three CI runs at once."""
+                attempts, and once with 4 attempts 4 s apart under three CI runs at once; once more (at
+                9b5fa78) for the whole 60 s, with an error that did not say why: the layer's error now
+                tells banned experts, failed DHT reads and a search cut by the timeout apart."""
                 with trio.move_on_after(60.0):
                     while True:
                         try:

@@ -281,10 +281,56 @@ async def test_nothing_live_is_a_clear_error() -> None:
         async with ExpertClient.open(client_peer) as client:
             layer = RemoteMixtureOfExperts(client, in_features=HID, grid_size=(4, 4), uid_prefix="none",
                                            config=MoEConfig(k_best=2, forward_timeout=3.0))
-            with pytest.raises(MoEError, match="no live expert"):
+            with pytest.raises(MoEError, match=r"^no live expert under 'none' \(grid 4x4\): no server declares one$"):
                 await client.run(lambda: layer(torch.randn(2, HID)))
             with pytest.raises(ValueError, match="input must be"):
                 await client.run(lambda: layer(torch.randn(2, HID + 1)))
+
+
+async def test_a_search_that_finds_only_banned_experts_says_so() -> None:
+    """Every expert found left out after failures is not "nobody is there": the error says how many
+    were found, for how long they are left out and the latest failure (a bench's evaluation after a
+    server was killed once failed for a minute with only "no live expert" to go on)."""
+    async with swarm("ffn.0.[0:2]") as sw:
+        peer = sw.peers[0]
+        async with ExpertClient.open(sw.client, ClientConfig(ban_time=60.0)) as client:
+            layer = RemoteMixtureOfExperts(client, in_features=HID, grid_size=(1, 2), uid_prefix="ffn",
+                                           config=MoEConfig(k_best=2, forward_timeout=3.0))
+            await client.run(lambda: layer(torch.randn(2, HID)))
+            for uid in ("ffn.0.0", "ffn.0.1"):
+                client.ban(Expert(uid, peer.peer_id), ExpertCallError(f"expert {uid}: it broke"))
+            with pytest.raises(MoEError, match=r"^no live expert under 'ffn' \(grid 1x2\): the 2 experts it found are "
+                                               r"all left out after failed calls \(for ban_time 60 s; the latest "
+                                               r"failure: expert ffn.0.1: it broke\)$"):
+                await client.run(lambda: layer(torch.randn(2, HID)))
+            assert layer.searcher.last.left_out == {"ffn.0.0", "ffn.0.1"} and layer.searcher.last.unread == 0
+
+
+class _HangingDHT:
+    """A DHT whose reads never answer (a peer whose table holds only silent contacts)."""
+
+    async def get_many(self, keys: list[Any], latest: bool = False, *, timeout: float | None = None) -> dict[Any, Any]:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+
+async def test_a_search_whose_reads_hang_says_so_and_not_that_nobody_is_there() -> None:
+    """A DHT read that runs past read_timeout is "unknown", not "empty": not cached, and named in the
+    error; a search cut by forward_timeout says that instead."""
+    async with swarm("ffn.0.[0:2]") as sw:
+        async with ExpertClient.open(sw.client) as client:
+            layer = RemoteMixtureOfExperts(client, in_features=HID, grid_size=(1, 2), uid_prefix="ffn",
+                                           config=MoEConfig(k_best=2, forward_timeout=2.0))
+            layer.searcher.dht = _HangingDHT()  # type: ignore[assignment]
+            layer.searcher.read_timeout = 0.2
+            with pytest.raises(MoEError, match=r"^no live expert under 'ffn' \(grid 1x2\): the DHT read of 1 "
+                                               r"prefixes failed or ran past read_timeout 0.2 s$"):
+                await client.run(lambda: layer(torch.randn(2, HID)))
+            assert layer.searcher.last.unread == 1 and not layer.searcher._cache
+            layer.searcher.read_timeout = 5.0
+            with pytest.raises(MoEError, match=r"^no live expert under 'ffn' \(grid 1x2\): the search did not finish "
+                                               r"within [12]\.\d s \(forward_timeout\)$"):
+                await client.run(lambda: layer(torch.randn(2, HID)))
 
 
 async def test_checkpoints_survive_a_restart(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ out counts as "no live expert there" for the search and is not cached.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -104,6 +105,16 @@ class SearchStats:
     cache_hits: int = 0
 
 
+@dataclass
+class SearchOutcome:
+    """What the last search met, for an error that says why it found nobody: prefixes whose DHT
+    read failed or timed out (not "empty": unknown), and the experts it found but left out
+    (``usable`` said no: banned after a failure)."""
+
+    unread: int = 0
+    left_out: set[str] = field(default_factory=set)
+
+
 class BeamSearcher:
     """Beam search for one layer's grid ``prefix`` of ``grid_size`` (see the module docstring)."""
 
@@ -121,6 +132,7 @@ class BeamSearcher:
         #: prefix coords -> (what it holds, monotonic time read)
         self._cache: dict[tuple[int, ...], tuple[Successors, float]] = {}
         self.stats = SearchStats()
+        self.last = SearchOutcome()
 
     async def successors(self, prefixes: Sequence[tuple[int, ...]]) -> dict[tuple[int, ...], Successors]:
         """What each prefix holds: from the cache while fresh, else one ``get_many`` for all the others."""
@@ -149,6 +161,8 @@ class BeamSearcher:
                 out[p] = parse_successors(value)
                 if key in found:  # read (present or absent); a timed-out read is not remembered
                     self._cache[p] = (out[p], now)
+                else:
+                    self.last.unread += 1
         return out
 
     async def search(self, grid_scores: Sequence[torch.Tensor], k: int, beam_size: int | None = None) -> list[list[Beam]]:
@@ -161,16 +175,26 @@ class BeamSearcher:
         scores = [s.detach().float().cpu() for s in grid_scores]
         beams: list[list[Beam]] = [[Beam(0.0, ())] for _ in range(batch)]
         self.stats.searches += 1
+        outcome = self.last = SearchOutcome()
+        usable = None if self.usable is None else functools.partial(_noting, self.usable, outcome.left_out)
         for dim in range(len(self.grid_size)):
             last = dim == len(self.grid_size) - 1
             wanted = [b.coords for sample in beams for b in sample]
             live = await self.successors(wanted)
             beams = [select(scores[dim][i], beams[i], live, k if last else width,
-                            self.usable if last else None, self.prefix if last else None) for i in range(batch)]
+                            usable if last else None, self.prefix if last else None) for i in range(batch)]
         return beams
 
     def forget(self) -> None:
         self._cache.clear()
 
 
-__all__ = ["Beam", "BeamSearcher", "SearchStats", "Successors", "parse_successors", "select"]
+def _noting(usable: Callable[[Expert], bool], left_out: set[str], expert: Expert) -> bool:
+    """``usable(expert)``, noting the uid of one it leaves out."""
+    if usable(expert):
+        return True
+    left_out.add(expert.uid)
+    return False
+
+
+__all__ = ["Beam", "BeamSearcher", "SearchOutcome", "SearchStats", "Successors", "parse_successors", "select"]

@@ -229,12 +229,12 @@ class RemoteMixtureOfExperts(torch.nn.Module):
         grid_scores = self.gate(x).split(self.grid_size, dim=-1)
         report = self.last_report = CallReport(samples=x.shape[0])
         # this is a worker thread: its deadline is on its own clock, and the loop gets what is left of it
-        beams = self.client.blocking(self._search, [s.detach() for s in grid_scores], deadline - time.monotonic())
+        search_timeout = deadline - time.monotonic()
+        beams = self.client.blocking(self._search, [s.detach() for s in grid_scores], search_timeout)
         report.search_s = time.monotonic() - started
         jobs = _plan(beams, self.client.config.max_rows)
         if not jobs:
-            raise MoEError(f"no live expert under {self.searcher.prefix!r} "
-                           f"(grid {'x'.join(map(str, self.grid_size))}) within the timeout")
+            raise MoEError(self._nobody_found(beams is _CUT, search_timeout))
         coords = torch.zeros(x.shape[0], cfg.k_best, len(self.grid_size), dtype=torch.int64)
         chosen = torch.zeros(x.shape[0], cfg.k_best, dtype=torch.bool)
         for i, sample in enumerate(beams):
@@ -263,10 +263,30 @@ class RemoteMixtureOfExperts(torch.nn.Module):
         return mixed
 
     async def _search(self, grid_scores: list[torch.Tensor], timeout: float) -> list[list[Beam]]:
-        beams: list[list[Beam]] = [[] for _ in range(grid_scores[0].shape[0])]
+        """The search's beams; :data:`_CUT` (no beams) when it ran past ``timeout``."""
         with trio.move_on_after(max(0.0, timeout)):
-            beams = await self.searcher.search(grid_scores, self.config.k_best, self.config.beam_size)
-        return beams
+            return await self.searcher.search(grid_scores, self.config.k_best, self.config.beam_size)
+        return _CUT
+
+    def _nobody_found(self, cut: bool, timeout: float) -> str:
+        """Why a search found no expert to call, from what it met (a DHT read that failed is not
+        "nobody is there", and neither is a grid whose every expert is banned)."""
+        where = f"no live expert under {self.searcher.prefix!r} (grid {'x'.join(map(str, self.grid_size))}): "
+        outcome = self.searcher.last
+        if cut:
+            return where + f"the search did not finish within {max(0.0, timeout):.1f} s (forward_timeout)"
+        if outcome.left_out:
+            latest = self.client.stats.reasons[-1:] or ["none recorded"]
+            return where + (f"the {len(outcome.left_out)} experts it found are all left out after failed calls "
+                            f"(for ban_time {self.client.config.ban_time:g} s; the latest failure: {latest[0]})")
+        if outcome.unread:
+            return where + (f"the DHT read of {outcome.unread} prefixes failed or ran past read_timeout "
+                            f"{self.searcher.read_timeout:g} s")
+        return where + "no server declares one"
+
+
+#: what :meth:`RemoteMixtureOfExperts._search` returns when it ran out of time (compared by identity)
+_CUT: list[list[Beam]] = []
 
 
 def _plan(beams: list[list[Beam]], max_rows: int) -> list[_Job]:
