@@ -11,10 +11,12 @@
   failure itself and any other failure (a timeout, a dead peer) fails the test.
 * **Two workers, the labs one at a time.** ``make test`` runs the suite on two pytest-xdist
   workers (CI has two cores) with ``--dist loadgroup``: every test that builds namespace labs,
-  talks to js-libp2p, or bounds real elapsed time (markers ``slow``, ``interop``, ``realtime``,
-  or the namespace lab's skip condition) goes in one group (:data:`SERIAL_GROUP`), which one
-  worker runs in order, while the other worker takes the rest: two labs never share the machine,
-  and the quick tests run beside them.
+  talks to js-libp2p, or bounds real elapsed time (markers ``lab``, ``interop``, ``realtime``,
+  or a lab's skip condition: the namespace lab's, miniupnpd's) goes in one group
+  (:data:`SERIAL_GROUP`), which one worker runs in order, while both workers share the rest: two
+  labs never share the machine, and the other tests run beside them. ``slow`` alone (long, on
+  loopback) is not a reason to wait in that line: with every slow test in it, the group was the
+  whole run's wall time (1,275 of 1,309 s) while the other worker idled.
 """
 
 from __future__ import annotations
@@ -48,14 +50,16 @@ def _leaves(error: BaseException) -> Generator[BaseException]:
 
 #: the xdist group of the tests that run one after another (see the module docstring)
 SERIAL_GROUP = "serial"
-SERIAL_MARKERS = ("slow", "interop", "realtime")
+SERIAL_MARKERS = ("lab", "interop", "realtime")
+#: the skip reasons of the labs' conditions (tests/kit.py's requires_root_netns, test_port_mapping's needs_lab)
+LAB_REASONS = ("netlab:", "miniupnpd lab:")
 
 
 def serial(item: pytest.Item) -> bool:
-    """Whether ``item`` runs in :data:`SERIAL_GROUP`: one of SERIAL_MARKERS, or the lab's skip condition."""
+    """Whether ``item`` runs in :data:`SERIAL_GROUP`: one of SERIAL_MARKERS, or a lab's skip condition."""
     if any(item.get_closest_marker(name) is not None for name in SERIAL_MARKERS):
         return True
-    return any(str(mark.kwargs.get("reason", "")).startswith("netlab:") for mark in item.iter_markers("skipif"))
+    return any(str(mark.kwargs.get("reason", "")).startswith(LAB_REASONS) for mark in item.iter_markers("skipif"))
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the group into each test's id

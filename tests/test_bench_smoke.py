@@ -161,6 +161,7 @@ def test_moe_gpu_bench_runs_its_server_and_clients_on_a_cpu(tmp_path: Path) -> N
 
 
 @pytest.mark.slow
+@pytest.mark.realtime  # its calls' timeouts and bans are wall-clock: alone, not beside a lab (tests/ci_rules.py)
 @pytest.mark.timeout(320)  # the run's own limit, not pytest's 120 s hang guard
 def test_moe_convergence_bench_writes_curves_and_a_gap(tmp_path: Path) -> None:
     """bench/moe_convergence.py on loopback, tiny: trainers through remote experts, a server killed at
@@ -172,6 +173,7 @@ def test_moe_convergence_bench_writes_curves_and_a_gap(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.lab
 @pytest.mark.timeout(420)  # the run's own limit, not pytest's 120 s hang guard
 def test_moe_latency_bench_writes_the_ratio(tmp_path: Path) -> None:
     """bench/moe_latency.py, tiny, in the lab (root): one process, DMoE at 0 and 50 ms, the ratio."""
@@ -187,6 +189,7 @@ def test_moe_latency_bench_writes_the_ratio(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.lab
 @pytest.mark.timeout(420)  # the run's own limit, not pytest's 120 s hang guard
 def test_datasets_bench_moves_a_dataset_and_survives_its_faults(tmp_path: Path) -> None:
     """bench/datasets.py, tiny, in the lab (root): dedloc (libtorrent's venv is the bench's own), one NATed peer

@@ -202,7 +202,7 @@ async def test_dht_store_and_get_against_a_running_relay():
 
 def test_demo_forms_a_swarm_uses_the_dht_averages_exactly_and_trains():
     result = run("demo", "--network", "loopback", "--peers", "3", "--duration", "100", "--train-time", "45",
-                 timeout=240)
+                 "--until-shown", timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "swarm formed: 3 peers and the bootstrap node" in result.stdout
     assert "dht get demo:greeting   → hello, DHT" in result.stdout
@@ -216,7 +216,39 @@ def test_demo_forms_a_swarm_uses_the_dht_averages_exactly_and_trains():
     # averaged in global steps, and the swarm's loss fell by a fifth at least
     assert "every one of the 3 peers averaged in them; the swarm's loss fell" in result.stdout
     assert "trainer-1 step" in result.stdout and "PARTIAL" not in result.stdout
+    assert "of the 45: ending it (--until-shown)" in result.stdout
     assert "Traceback" not in result.stderr
+
+
+def test_the_demo_has_shown_training_only_once_every_trainer_fetched_stepped_and_the_loss_fell():
+    """`demo --until-shown` ends the training at the first moment its verdict would pass, never before."""
+    from training.demo import LOSS_FALL, STEPS_WANTED, _Training
+
+    said: list[str] = []
+    training = _Training({})
+
+    def status(loss: float) -> None:
+        training.on_event("trainer-1", {"event": "training_status", "step": 1, "swarm_loss": loss, "swarm_samples": 1,
+                                        "target": 2, "swarm_samples_per_second": 1.0, "peers": 2}, said.append, 2)
+
+    def step(name: str) -> None:
+        training.on_event(name, {"event": "global_step", "averaged": True, "missed": False, "complete": True,
+                                 "step": 1, "samples": 2, "local_samples": 1, "group_size": 2, "elapsed": 0.1},
+                          said.append, 2)
+
+    status(4.0)
+    for _ in range(STEPS_WANTED):
+        step("trainer-1")
+    step("trainer-2")
+    status(4.0 * LOSS_FALL)  # not below the fall yet
+    training.fetched.update({"trainer-1", "trainer-2"})
+    assert not training.shown(2)
+    status(4.0 * LOSS_FALL - 0.01)
+    assert not training.shown(2)  # trainer-2 has one step with the others, not two
+    step("trainer-2")
+    assert training.shown(2) and not training.shown(3)
+    training.fetched.discard("trainer-2")
+    assert not training.shown(2)
 
 
 @pytest.mark.slow
@@ -224,7 +256,7 @@ def test_demo_forms_a_swarm_uses_the_dht_averages_exactly_and_trains():
 @requires_root_netns
 def test_demo_as_root_runs_the_swarm_behind_namespace_nats():
     """`make demo` as root: every node in its own namespace, peers behind four kinds of NAT."""
-    result = run("demo", "--peers", "4", "--duration", "120", "--train-time", "60", timeout=330)
+    result = run("demo", "--peers", "4", "--duration", "120", "--train-time", "60", "--until-shown", timeout=330)
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "network: namespaces" in out and "in network namespaces (peer-1 public" in out

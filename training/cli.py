@@ -486,7 +486,7 @@ async def cmd_demo(args: argparse.Namespace, out: Output) -> int:
     if not out.json_mode:
         print(f"network: {network} ({why})", flush=True)
     return await run_demo(peers=args.peers, duration=args.duration, train_time=args.train_time, out=out,
-                          network=network)
+                          network=network, until_shown=args.until_shown)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -203,6 +203,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
                    help="longest the swarm may take to form and average (default: %(default)s)")
     p.add_argument("--train-time", type=float, default=150.0, metavar="SECONDS",
                    help="how long the peers train together (0: no training) (default: %(default)s)")
+    p.add_argument("--until-shown", action="store_true",
+                   help="end the training as soon as it has shown what it shows (every trainer fetched the data "
+                   "from the swarm and averaged in global steps, the loss fell by a fifth), --train-time at most: "
+                   "for scripts and tests")
     p.add_argument("--json", action="store_true", help="print the nodes' events as JSON lines")
     p.set_defaults(func="training.cli:cmd_demo")
     return parser, sub

@@ -20,7 +20,8 @@ a value, and the peers average tensors: peer *i* holds the value *i* every
 round, so the demo checks each round's result against the exact mean of the
 group's values. Then the averaging peers stop and as many ``dedloc train``
 peers (the same roles) train the example model (:mod:`training.mlm`) together
-for ``train_time`` seconds; the demo prints the run's progress and succeeds
+for ``train_time`` seconds (with ``until_shown``, only until it has shown that:
+scripts and the tests); the demo prints the run's progress and succeeds
 when the swarm took global steps together and its loss fell.
 """
 
@@ -245,17 +246,20 @@ STEPS_WANTED = 5
 
 
 async def run_demo(*, peers: int, duration: float, out: Any, train_time: float = 0.0,
-                   network: str = "loopback") -> int:
+                   network: str = "loopback", until_shown: bool = False) -> int:
     """Start a bootstrap node and ``peers`` peers; 0 once they formed a swarm, used the DHT, averaged
-    (and trained, with ``train_time``). ``network``: "loopback" or "namespaces" (the NAT lab, as root)."""
+    (and trained, with ``train_time``: at most that long with ``until_shown``, which ends the training
+    once the verdict holds). ``network``: "loopback" or "namespaces" (the NAT lab, as root)."""
     if peers < 2:
         print("demo: need at least two peers (averaging takes two)", file=sys.stderr)
         return 2
     async with _network(network, peers) as where:
-        return await _run_demo(where, peers=peers, duration=duration, out=out, train_time=train_time)
+        return await _run_demo(where, peers=peers, duration=duration, out=out, train_time=train_time,
+                               until_shown=until_shown)
 
 
-async def _run_demo(where: _Network, *, peers: int, duration: float, out: Any, train_time: float) -> int:
+async def _run_demo(where: _Network, *, peers: int, duration: float, out: Any, train_time: float,
+                    until_shown: bool) -> int:
     say = _Say(out.json_mode)
     members: dict[str, _Member] = {}
     names: dict[str, str] = {}  # peer id -> name
@@ -366,6 +370,8 @@ async def _run_demo(where: _Network, *, peers: int, duration: float, out: Any, t
                 say(f"{member.name:>9} error: {event['message']}")
             if mesh_complete():
                 meshed.set()
+            if training.shown(peers):
+                shown.set()
 
     async def start(nursery: trio.Nursery, name: str, *args: str, index: int = 0) -> _Member:
         process = await where.spawn(name, _command(*args, "--json", *where.options(name, index), "--ephemeral"))
@@ -378,7 +384,7 @@ async def _run_demo(where: _Network, *, peers: int, duration: float, out: Any, t
         return member
 
     training = _Training(names)
-    published = trio.Event()
+    published, shown = trio.Event(), trio.Event()
 
     async def training_phase() -> bool:
         """Stop the averaging peers; train the example model with as many train peers for train_time."""
@@ -411,7 +417,11 @@ async def _run_demo(where: _Network, *, peers: int, duration: float, out: Any, t
                 starters.start_soon(partial(start, nursery_ref[0], f"trainer-{i}", "train", "--initial-peers",
                                             boot_ref[0], "--data-seed", str(i), "--workdir",
                                             str(workdir / f"trainer-{i}"), *run, index=i))
-        await trio.sleep(train_time)  # train the whole time: the loss goes on falling
+        started = trio.current_time()
+        with trio.move_on_after(train_time):  # train the whole time (the loss goes on falling), or until shown
+            await (shown.wait() if until_shown else trio.sleep_forever())
+            say(f"training: shown after {trio.current_time() - started:.0f} s of the {train_time:g}: ending it "
+                "(--until-shown)")
         return training.verdict(say, peers)
 
     nursery_ref: list[trio.Nursery] = []
@@ -497,6 +507,16 @@ class _Training:
             source = self.names.get(event.get("source", ""), "a peer")
             say(f"{name:>9} took the swarm's state at step {event['step']} from {source} in {event.get('seconds', 0):.2f} s")
 
+    def trained(self, peers: int) -> bool:
+        """Steps were taken together by every one of ``peers`` trainers, and the swarm's loss fell."""
+        fell = len(self.losses) >= 2 and self.losses[-1][1] < LOSS_FALL * self.losses[0][1]
+        return fell and len(self.steps) == peers and min(self.steps.values()) >= 2 and \
+            max(self.steps.values()) >= STEPS_WANTED
+
+    def shown(self, peers: int) -> bool:
+        """What :meth:`verdict` wants, all of it: every trainer fetched the dataset, and :meth:`trained`."""
+        return len(self.fetched) >= peers and self.trained(peers)
+
     def verdict(self, say: _Say, peers: int) -> bool:
         """Whether the swarm trained on data it carried: every trainer fetched the dataset from the swarm,
         steps were taken together by every peer, the loss fell."""
@@ -504,9 +524,7 @@ class _Training:
             say(f"data: only {sorted(self.fetched)} fetched the whole dataset from the swarm")
             return False
         say(f"data: every one of the {peers} trainers fetched the dataset from the swarm")
-        fell = len(self.losses) >= 2 and self.losses[-1][1] < LOSS_FALL * self.losses[0][1]
-        if fell and len(self.steps) == peers and min(self.steps.values()) >= 2 and \
-                max(self.steps.values()) >= STEPS_WANTED:
+        if self.trained(peers):
             (s0, l0), (s1, l1) = self.losses[0], self.losses[-1]
             say(f"training: {max(self.steps.values())} global steps, every one of the {peers} peers averaged in "
                 f"them; the swarm's loss fell {l0:.3f} (step {s0}) -> {l1:.3f} (step {s1})")
