@@ -239,28 +239,28 @@ def test_moe_bench_ratios_are_n_a_where_a_figure_was_not_measured() -> None:
 
 @pytest.mark.timeout(200)  # the run's own limit, not pytest's 120 s hang guard
 def test_scale_bench_runs_a_few_hundred_peers_within_a_minute(tmp_path: Path) -> None:
-    """bench/scale.py at CI's size: the DHT simulation with and without the reply timer and with the
+    """bench/scale.py at CI's size (150 peers, 125 in Moshpit: 300 took 49 s of CPU, this 30): the DHT simulation with and without the reply timer and with the
     calibration's twin of go-libp2p-kad-dht's rules, Moshpit's cases, matchmaking over the
     simulated DHT, records kept through churn with and without replication, and the JSON keys the
     scale issue's goals are read from."""
     out = tmp_path / "scale.json"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "scale.py"), "--peers", "300", "--stores", "30", "--gets", "60",
+        [sys.executable, str(ROOT / "bench" / "scale.py"), "--peers", "150", "--stores", "30", "--gets", "60",
          "--settle", "60", "--rules", "dedloc,kad-dht-2022", "--moshpit-peers", "125", "--group-size", "5",
          "--moshpit-rounds", "10", "--survive", "300", "--json", str(out)],
         capture_output=True, text=True, timeout=180,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     figures = json.loads(out.read_text())
-    assert figures["dht.peers"] == 300 and 0 < figures["dht.lookup_p50_s"] <= figures["dht.lookup_p95_s"]
+    assert figures["dht.peers"] == 150 and 0 < figures["dht.lookup_p50_s"] <= figures["dht.lookup_p95_s"]
     assert figures["dht.store_replicas_median"] >= 15 and figures["dht.stalled_lookups"] >= 0
     assert figures["moshpit.rounds_to_1e-6"] is not None and figures["moshpit.peers"] == 125
     assert 0 <= figures["moshpit.without_group"] < 0.5
     assert [(r["rules"], r["reply_timer"]) for r in figures["dht"] + figures["before"]] == \
         [("dedloc", True), ("kad-dht-2022", True), ("dedloc", False)]
-    assert "| 300 | dedloc | on |" in result.stdout and "| 300 peers, kad-dht-2022 |" in result.stdout
+    assert "| 150 | dedloc | on |" in result.stdout and "| 150 peers, kad-dht-2022 |" in result.stdout
     assert "IPFS" in result.stdout and "random groups of m" in result.stdout
     kept = {r["replication"]: r for r in figures["survival"]}
     assert kept[True]["handed_over_per_record_hour"] > 0 == kept[False]["handed_over_per_record_hour"]
     assert [round(s["t_s"]) for s in kept[True]["snapshots"]] == [0, 300]
-    assert "records kept through churn (300 peers" in result.stdout
+    assert "records kept through churn (150 peers" in result.stdout

@@ -308,9 +308,9 @@ def test_a_content_routing_load_finds_far_contacts_that_left_sooner() -> None:
     and so find the ones that left sooner: fewer of bucket 0's entries are unreachable."""
 
     def unreachable_in_bucket_0(load: float) -> float:
-        sim = DHTSim(DHTSimConfig(peers=150, seed=17, warm=True, rules=Rules.KAD_DHT_2022, lookups_per_hour=load))
+        sim = DHTSim(DHTSimConfig(peers=100, seed=17, warm=True, rules=Rules.KAD_DHT_2022, lookups_per_hour=load))
         sim.run(1200.0)
-        return sim.health(sample=150)["unreachable_in_bucket_0"]
+        return sim.health(sample=100)["unreachable_in_bucket_0"]
 
     idle, busy = unreachable_in_bucket_0(0.0), unreachable_in_bucket_0(30.0)
-    assert busy < idle / 3, (idle, busy)  # 11.8% and 2.1%
+    assert busy < idle / 3, (idle, busy)  # 13.5% and 3.3% (11.8% and 2.1% at 150 peers: 18 s of CPU, this 11)
