@@ -56,6 +56,7 @@ from averaging.moshpit import GridPosition, expected_rounds, rounds_to_average  
 from averaging.sim.matchmaking import MatchmakingSim, Outcome, summary  # noqa: E402
 from averaging.sim.moshpit import Grouping, MoshpitSimConfig, Positions, simulate  # noqa: E402
 from p2p.dht.records import DHTRecord  # noqa: E402
+from p2p.errors import ConfigError  # noqa: E402
 from p2p.dht.routing import DHTID  # noqa: E402
 from p2p.sim import calibration as cal  # noqa: E402
 from p2p.sim.dht import DHTSim, DHTSimConfig, Rules, SimPeer, Stored, make_record  # noqa: E402
@@ -313,6 +314,10 @@ def main() -> None:
                    help="processes: the runs are independent (default: 2, or 1 on one core)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
+    try:  # the settings' own checks, before any process starts
+        NetworkModel(shared_group_share=args.shared_group_share, shared_groups=args.shared_groups)
+    except ConfigError as e:
+        p.error(str(e))
     sizes = [int(x) for x in args.peers.split(",")]
     results: dict[str, Any] = {"command": " ".join(sys.argv), "dht": []}
     rules = [Rules(x) for x in args.rules.split(",")]

@@ -301,6 +301,23 @@ def test_the_kad_dht_2022_twin_holds_at_most_three_peers_of_one_ip_group() -> No
     assert know_alone - know_shared > 0.2, (know_alone, know_shared)
 
 
+@pytest.mark.parametrize(("settings", "says"), [
+    ({"shared_groups": 65_537}, "shared_groups is from 1 to 65,536; got 65537"),
+    ({"shared_groups": 0}, "shared_groups is from 1 to 65,536; got 0"),
+    ({"shared_group_share": 1.5}, "shared_group_share is a share, from 0 to 1; got 1.5"),
+    ({"loss": -0.1}, "loss is a probability, from 0 to below 1; got -0.1"),
+    ({"loss": 1.0}, "loss is a probability, from 0 to below 1; got 1.0"),
+    ({"unreachable_share": 0.7, "silent_share": 0.4}, "unreachable_share and silent_share add up to more than 1"),
+])
+def test_a_network_model_with_settings_outside_their_range_says_which(settings: dict[str, float], says: str) -> None:
+    """Not a multiaddr's error from deep in a run (``--shared-groups 70000`` failed so in bench/scale.py)."""
+    from p2p.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"^network model: {says}$"):
+        NetworkModel(**settings)  # type: ignore[arg-type]
+    NetworkModel(shared_groups=65_536, shared_group_share=1.0, loss=0.999)
+
+
 def test_a_content_routing_load_finds_far_contacts_that_left_sooner() -> None:
     """The twin's full bucket 0 takes no newcomer, so a contact that left stays in it until a query
     to it fails or its 43-minute check. Lookups of random keys (``lookups_per_hour``, the content

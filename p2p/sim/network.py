@@ -9,6 +9,7 @@ import random
 import statistics
 from dataclasses import dataclass, field
 
+from ..errors import ConfigError
 from . import calibration as cal
 
 
@@ -84,9 +85,19 @@ class NetworkModel:
     #: /16 or one IPv6 ASN do. A routing table's diversity filter counts such peers together
     #: (go-libp2p-kad-dht's WAN table: at most 3 per group); every other peer is alone in its group.
     shared_group_share: float = 0.0
+    #: at most 65,536: a shared group is one /24 of 12.0.0.0/8 in the simulated addresses
     shared_groups: int = 1
 
     def __post_init__(self) -> None:
+        for name in ("unreachable_share", "silent_share", "shared_group_share"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"network model: {name} is a share, from 0 to 1; got {getattr(self, name)}")
+        if not 0.0 <= self.loss < 1.0:  # a message lost every time would be sent again for ever
+            raise ConfigError(f"network model: loss is a probability, from 0 to below 1; got {self.loss}")
+        if self.unreachable_share + self.silent_share > 1.0:
+            raise ConfigError("network model: unreachable_share and silent_share add up to more than 1")
+        if not 1 <= self.shared_groups <= 65_536:
+            raise ConfigError(f"network model: shared_groups is from 1 to 65,536; got {self.shared_groups}")
         self._fibre = [[2 * max(MIN_PATH_KM, _great_circle_km(a, b)) / KM_PER_MS / 1000 for b in self.regions]
                        for a in self.regions]
         self._weights = [r.share for r in self.regions]
