@@ -230,11 +230,12 @@ class RemoteMixtureOfExperts(torch.nn.Module):
         report = self.last_report = CallReport(samples=x.shape[0])
         # this is a worker thread: its deadline is on its own clock, and the loop gets what is left of it
         search_timeout = deadline - time.monotonic()
-        beams = self.client.blocking(self._search, [s.detach() for s in grid_scores], search_timeout)
+        found = self.client.blocking(self._search, [s.detach() for s in grid_scores], search_timeout)
         report.search_s = time.monotonic() - started
+        beams = found or []
         jobs = _plan(beams, self.client.config.max_rows)
         if not jobs:
-            raise MoEError(self._nobody_found(beams is _CUT, search_timeout))
+            raise MoEError(self._nobody_found(found is None, search_timeout))
         coords = torch.zeros(x.shape[0], cfg.k_best, len(self.grid_size), dtype=torch.int64)
         chosen = torch.zeros(x.shape[0], cfg.k_best, dtype=torch.bool)
         for i, sample in enumerate(beams):
@@ -262,11 +263,11 @@ class RemoteMixtureOfExperts(torch.nn.Module):
         mixed: torch.Tensor = (weights.view(shape) * outputs).sum(dim=1)
         return mixed
 
-    async def _search(self, grid_scores: list[torch.Tensor], timeout: float) -> list[list[Beam]]:
-        """The search's beams; :data:`_CUT` (no beams) when it ran past ``timeout``."""
+    async def _search(self, grid_scores: list[torch.Tensor], timeout: float) -> list[list[Beam]] | None:
+        """The search's beams; None when it ran past ``timeout``."""
         with trio.move_on_after(max(0.0, timeout)):
             return await self.searcher.search(grid_scores, self.config.k_best, self.config.beam_size)
-        return _CUT
+        return None
 
     def _nobody_found(self, cut: bool, timeout: float) -> str:
         """Why a search found no expert to call, from what it met (a DHT read that failed is not
@@ -283,10 +284,6 @@ class RemoteMixtureOfExperts(torch.nn.Module):
             return where + (f"the DHT read of {outcome.unread} prefixes failed or ran past read_timeout "
                             f"{self.searcher.read_timeout:g} s")
         return where + "no server declares one"
-
-
-#: what :meth:`RemoteMixtureOfExperts._search` returns when it ran out of time (compared by identity)
-_CUT: list[list[Beam]] = []
 
 
 def _plan(beams: list[list[Beam]], max_rows: int) -> list[_Job]:
