@@ -127,6 +127,9 @@ def test_4_a_busy_expert_is_left_out_briefly_a_broken_one_long() -> None:
         assert not broken.busy
         assert t.ban("ffn.1", A, broken, 300.0) == 30.0
     assert t.banned("ffn.1", A, 329.9) and not t.banned("ffn.1", A, 330.0)
+    t.ban("ffn.2", A, ExpertCallError("e"), 400.0)
+    assert t.ban_left("ffn.2", A, 410.0) == 20.0 and t.ban_left("ffn.2", A, 430.0) == 0.0  # what an error says
+    assert t.ban_left("ffn.3", A, 410.0) == 0.0
 
 
 def test_4_bans_are_bounded_and_the_oldest_half_forgotten() -> None:

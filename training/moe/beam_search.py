@@ -112,7 +112,7 @@ class SearchOutcome:
     (``usable`` said no: banned after a failure)."""
 
     unread: int = 0
-    left_out: set[str] = field(default_factory=set)
+    left_out: set[Expert] = field(default_factory=set)
 
 
 class BeamSearcher:
@@ -134,8 +134,10 @@ class BeamSearcher:
         self.stats = SearchStats()
         self.last = SearchOutcome()
 
-    async def successors(self, prefixes: Sequence[tuple[int, ...]]) -> dict[tuple[int, ...], Successors]:
-        """What each prefix holds: from the cache while fresh, else one ``get_many`` for all the others."""
+    async def successors(self, prefixes: Sequence[tuple[int, ...]],
+                         outcome: SearchOutcome | None = None) -> dict[tuple[int, ...], Successors]:
+        """What each prefix holds: from the cache while fresh, else one ``get_many`` for all the others
+        (a prefix whose read failed holds nothing here, and counts in ``outcome.unread``)."""
         now = time.monotonic()
         out: dict[tuple[int, ...], Successors] = {}
         missing: list[tuple[int, ...]] = []
@@ -161,8 +163,8 @@ class BeamSearcher:
                 out[p] = parse_successors(value)
                 if key in found:  # read (present or absent); a timed-out read is not remembered
                     self._cache[p] = (out[p], now)
-                else:
-                    self.last.unread += 1
+                elif outcome is not None:
+                    outcome.unread += 1
         return out
 
     async def search(self, grid_scores: Sequence[torch.Tensor], k: int, beam_size: int | None = None) -> list[list[Beam]]:
@@ -180,7 +182,7 @@ class BeamSearcher:
         for dim in range(len(self.grid_size)):
             last = dim == len(self.grid_size) - 1
             wanted = [b.coords for sample in beams for b in sample]
-            live = await self.successors(wanted)
+            live = await self.successors(wanted, outcome)
             beams = [select(scores[dim][i], beams[i], live, k if last else width,
                             usable if last else None, self.prefix if last else None) for i in range(batch)]
         return beams
@@ -189,11 +191,11 @@ class BeamSearcher:
         self._cache.clear()
 
 
-def _noting(usable: Callable[[Expert], bool], left_out: set[str], expert: Expert) -> bool:
-    """``usable(expert)``, noting the uid of one it leaves out."""
+def _noting(usable: Callable[[Expert], bool], left_out: set[Expert], expert: Expert) -> bool:
+    """``usable(expert)``, noting one it leaves out."""
     if usable(expert):
         return True
-    left_out.add(expert.uid)
+    left_out.add(expert)
     return False
 
 

@@ -301,13 +301,17 @@ class CallTable(Generic[S, W, P]):
         return seconds
 
     def banned(self, uid: str, server: ID, now: float) -> bool:
+        return self.ban_left(uid, server, now) > 0
+
+    def ban_left(self, uid: str, server: ID, now: float) -> float:
+        """Seconds until the expert is back in searches (0 when it is not left out)."""
         until = self._bans.get((uid, server))
         if until is None:
-            return False
+            return 0.0
         if until <= now:
             del self._bans[(uid, server)]
-            return False
-        return True
+            return 0.0
+        return until - now
 
 
 __all__ = ["CallTable", "ClientConfig", "Joined", "new_stream_tries"]

@@ -269,6 +269,10 @@ class RemoteMixtureOfExperts(torch.nn.Module):
             return await self.searcher.search(grid_scores, self.config.k_best, self.config.beam_size)
         return None
 
+    async def _first_back(self, experts: set[Expert]) -> float:
+        """Seconds until the first of ``experts`` is back in searches (the bans are the loop's)."""
+        return min(self.client.ban_left(e) for e in experts)
+
     def _nobody_found(self, cut: bool, timeout: float) -> str:
         """Why a search found no expert to call, from what it met (a DHT read that failed is not
         "nobody is there", and neither is a grid whose every expert is banned)."""
@@ -278,8 +282,9 @@ class RemoteMixtureOfExperts(torch.nn.Module):
             return where + f"the search did not finish within {max(0.0, timeout):.1f} s (forward_timeout)"
         if outcome.left_out:
             latest = self.client.stats.reasons[-1:] or ["none recorded"]
+            back = self.client.blocking(self._first_back, outcome.left_out)
             return where + (f"the {len(outcome.left_out)} experts it found are all left out after failed calls "
-                            f"(for ban_time {self.client.config.ban_time:g} s; the latest failure: {latest[0]})")
+                            f"(the first is back in searches in {back:.1f} s; the latest failure: {latest[0]})")
         if outcome.unread:
             return where + (f"the DHT read of {outcome.unread} prefixes failed or ran past read_timeout "
                             f"{self.searcher.read_timeout:g} s")
