@@ -73,9 +73,14 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
+def network_model(args: argparse.Namespace) -> NetworkModel:
+    """The simulated internet the flags describe (its ConfigError names a bad setting)."""
+    return NetworkModel(shared_group_share=args.shared_group_share, shared_groups=args.shared_groups)
+
+
 def dht_at(peers: int, args: argparse.Namespace, *, reply_timer: bool = True, rules: Rules = Rules.DEDLOC) -> dict[str, Any]:
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    model = NetworkModel(shared_group_share=args.shared_group_share, shared_groups=args.shared_groups)
+    model = network_model(args)
     sim = DHTSim(DHTSimConfig(peers=peers, seed=args.seed, join_spread_s=args.join, reply_timer=reply_timer,
                               warm=not args.cold, rules=rules, lookups_per_hour=args.lookups_per_hour),
                  model.calibrate(args.seed))
@@ -314,8 +319,8 @@ def main() -> None:
                    help="processes: the runs are independent (default: 2, or 1 on one core)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    try:  # the settings' own checks, before any process starts
-        NetworkModel(shared_group_share=args.shared_group_share, shared_groups=args.shared_groups)
+    try:  # the settings' own checks, before any process starts (each run builds its own model)
+        network_model(args)
     except ConfigError as e:
         p.error(str(e))
     sizes = [int(x) for x in args.peers.split(",")]
