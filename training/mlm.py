@@ -79,7 +79,7 @@ def load_tokenizer(path: Path) -> Any:
     """The tokenizer file as transformers' fast tokenizer (what its data collator wants)."""
     from transformers import PreTrainedTokenizerFast
 
-    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+    return PreTrainedTokenizerFast(
         tokenizer_file=str(path), pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
         mask_token="[MASK]")
 
@@ -127,7 +127,8 @@ def build_model(tokenizer: Any, *, seed: int = 0, **config: Any) -> torch.nn.Mod
     from transformers import AlbertForMaskedLM
 
     torch.manual_seed(seed)
-    return AlbertForMaskedLM(albert_config(len(tokenizer), **config))
+    model: torch.nn.Module = AlbertForMaskedLM(albert_config(len(tokenizer), **config))
+    return model
 
 
 class MaskedBatches:
