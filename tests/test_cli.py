@@ -320,6 +320,11 @@ def test_dht_store_refuses_a_ttl_that_is_not_positive(capsys: pytest.CaptureFixt
         assert code == 2 and "--ttl: must be a positive number of seconds" in err
 
 
+#: the global steps of the two-trainers test: each averaged by all three (it ran 20; every one of
+#: them was averaged by all three, and 12 show the same at half the cost)
+TRAINERS_STEPS = 12
+
+
 @pytest.mark.slow
 def test_two_trainers_and_a_backbone_train_keep_the_curve_and_checkpoint(tmp_path: Path) -> None:
     """`dedloc backbone` as the run's public node, two `dedloc train` peers through it (--json), one
@@ -346,14 +351,15 @@ def test_two_trainers_and_a_backbone_train_keep_the_curve_and_checkpoint(tmp_pat
         helper_err_file = stack.enter_context(tempfile.TemporaryFile("w+"))
         helper = subprocess.Popen(
             [*DEDLOC, "train", "--auxiliary", "--initial-peers", addr, "--listen", "/ip4/127.0.0.1/tcp/0",
-             "--allow-private", "--ephemeral", "--json", "--status-interval", "0", "--max-steps", "20", *run_args],
+             "--allow-private", "--ephemeral", "--json", "--status-interval", "0", "--max-steps", str(TRAINERS_STEPS),
+             *run_args],
             stdout=subprocess.PIPE, stderr=helper_err_file, text=True)
         helper_lines = ProcessLines(helper)
         # the helper first, so that it is there from the first step on: its first status says it is in the run
         assert helper_lines.wait_for(lambda e: e.get("event") == "training_status", 60), "the helper never joined"
         trainers = [subprocess.Popen(
             [*DEDLOC, "train", "--initial-peers", addr, "--listen", "/ip4/127.0.0.1/tcp/0", "--allow-private",
-             "--ephemeral", "--json", "--status-interval", "0", "--max-steps", "20", "--data-seed", str(i),
+             "--ephemeral", "--json", "--status-interval", "0", "--max-steps", str(TRAINERS_STEPS), "--data-seed", str(i),
              *(["--amp"] if i else []), *run_args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
         outputs = [t.communicate(timeout=240) for t in trainers]
@@ -375,16 +381,20 @@ def test_two_trainers_and_a_backbone_train_keep_the_curve_and_checkpoint(tmp_pat
         events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         steps = [e for e in events if e["event"] == "global_step"]
         status = [e for e in events if e["event"] == "training_status"]
-        assert steps and steps[-1]["step"] == 19 and "Traceback" not in err
+        assert steps and steps[-1]["step"] == TRAINERS_STEPS - 1 and "Traceback" not in err
         together = [e for e in steps if e["averaged"] and e["group_size"] == 3 and e["complete"]]
-        assert len(together) >= 10, ([(e["step"], e["group_size"], e["summary"]) for e in steps], helper_err[-3000:])
+        print(f"a trainer: {len(steps)} steps, {len(together)} of them averaged by all three")
+        assert len(together) >= TRAINERS_STEPS // 2, (
+            [(e["step"], e["group_size"], e["summary"]) for e in steps], helper_err[-3000:])
         assert status and all(0 <= e["swarm_samples"] and e["target"] == 256 for e in status)
+        print(f"a trainer's loss: {steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f}")
         assert steps[-1]["loss"] < 0.8 * steps[0]["loss"]  # the model learns
     curve = [json.loads(line) for line in (checkpoints / "curve.jsonl").read_text().splitlines()]
     assert len(curve) >= 5 and curve[-1]["step"] > curve[0]["step"]
     assert all(c["loss"] is not None for c in curve[1:])
     assisted = [json.loads(line) for line in helped.splitlines() if line.startswith("{")]
-    assert len([e for e in assisted if e["event"] == "global_step" and e["averaged"] and e["local_samples"] == 0]) >= 10
+    helped_steps = [e for e in assisted if e["event"] == "global_step" and e["averaged"] and e["local_samples"] == 0]
+    assert len(helped_steps) >= TRAINERS_STEPS // 2
     contributions = json.loads((checkpoints / "contributions.json").read_text())
     trainers = {p: c for p, c in contributions.items() if c["samples"] > 0}
     assert len(trainers) == 2 and all(c["samples"] >= 256 and c["auxiliary_steps"] == 0 for c in trainers.values())
