@@ -4,6 +4,12 @@ A newcomer knows only its initial peers. Until the DHT lands, it asks them (and
 then everyone it meets) for the peers they are connected to, and dials those.
 Answers are untrusted input: the counts are capped, unparsable entries are
 skipped, and a peer can only make us dial addresses, never lose state.
+
+The rounds slow down while they learn nothing (:func:`next_wait`): a swarm whose
+members all know each other asked each of them every interval forever (on a
+loopback swarm of n peers, n² asks a second, each ranking every address of every
+connection). A round comes at once again when a peer connects to us, and at the
+interval while some peer we learnt of could not be reached.
 """
 
 from __future__ import annotations
@@ -36,6 +42,15 @@ MAX_ADDRS_PER_PEER = 8
 #: one dial of a peer learnt through the exchange (all its addresses racing)
 DIAL_TIMEOUT = 15.0
 MAX_GREETING = 280
+#: the longest wait between rounds, in intervals (each quiet round doubles the wait up to it)
+MAX_BACKOFF = 16
+
+
+def next_wait(interval: float, quiet_rounds: int) -> float:
+    """Seconds until the next round after ``quiet_rounds`` rounds in a row that met nobody new, left
+    no learnt peer unreached and saw no new connection: ``interval``, doubling with each quiet round,
+    at most :data:`MAX_BACKOFF` intervals."""
+    return interval * min(1 << min(max(quiet_rounds, 0), 8), MAX_BACKOFF)
 
 
 class PeerExchange:
@@ -113,7 +128,12 @@ class PeerExchange:
 
     async def exchange_once(self) -> int:
         """Ask every connected peer for more peers, dial the new ones; return how many."""
-        new = 0
+        met, _ = await self._exchange()
+        return met
+
+    async def _exchange(self) -> tuple[int, int]:
+        """One round: (peers met, peers learnt of that could not be reached)."""
+        new = unreached = 0
         for peer in self.node.connected_peers():
             try:
                 found = await self.ask(peer)
@@ -127,6 +147,7 @@ class PeerExchange:
                     await self.node.connect(rank_for_dial(with_peer_id(a, pid) for a in addrs), timeout=DIAL_TIMEOUT)
                     new += 1
                 except DedlocError as e:
+                    unreached += 1
                     log.debug("could not reach %s learnt from %s: %s", pid, peer, e)
         if self.greeting is not None:
             for peer in self.node.connected_peers():
@@ -136,10 +157,25 @@ class PeerExchange:
                         await self.greet(peer, self.greeting)
                     except (RpcError, DedlocError, trio.TooSlowError) as e:
                         log.debug("greeting %s failed: %s", peer, e)
-        return new
+        return new, unreached
 
     async def run(self, interval: float) -> None:
-        """Exchange peers forever, every ``interval`` seconds (give it a nursery)."""
+        """Exchange peers forever (give it a nursery): every ``interval`` seconds while rounds meet
+        someone, slower while they do not (:func:`next_wait`), at once when a peer connects to us."""
+        quiet = 0
+        seen: set[ID] = set()
         while True:
-            await self.exchange_once()
-            await trio.sleep(interval)
+            fresh = bool(set(self.node.connected_peers()) - seen)
+            met, unreached = await self._exchange()
+            seen = set(self.node.connected_peers())
+            quiet = 0 if fresh or met or unreached else quiet + 1
+            await self._wait(next_wait(interval, quiet), interval, seen)
+
+    async def _wait(self, seconds: float, interval: float, seen: set[ID]) -> None:
+        """Sleep ``seconds``, looking every ``interval`` for a peer that connected meanwhile (it is
+        greeted and asked at once, not after a long quiet wait)."""
+        deadline = trio.current_time() + seconds
+        while (left := deadline - trio.current_time()) > 0:
+            await trio.sleep(min(interval, left))
+            if any(p not in seen for p in self.node.connected_peers()):
+                return

@@ -3,7 +3,7 @@ import trio
 from multiaddr import Multiaddr
 
 from p2p import events as ev
-from p2p.peer_exchange import PeerExchange
+from p2p.peer_exchange import MAX_BACKOFF, PeerExchange, next_wait
 from p2p.proto.peer_exchange_pb2 import PeerRecord, PeersRequest, PeersResponse
 
 from .conftest import open_nodes
@@ -68,3 +68,59 @@ async def test_a_peer_reachable_only_through_its_relay_is_shared_with_its_relaye
         addrs = [str(x) for x in found[a.peer_id]]
         assert str(circuit) in addrs and addrs[-1] == str(circuit), addrs  # relayed last
         assert any("p2p-circuit" not in x for x in addrs)
+
+
+def test_the_rounds_slow_down_while_quiet_up_to_sixteen_intervals() -> None:
+    assert [next_wait(0.5, q) for q in range(7)] == [0.5, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0]
+    assert next_wait(5.0, 10_000) == 5.0 * MAX_BACKOFF
+
+
+async def test_a_meshed_swarm_asks_less_and_still_greets_a_newcomer_at_once() -> None:
+    """Three nodes that all know each other: each used to ask each other every interval forever. Their
+    rounds slow down; yet a fourth node that connects to one of them is greeted within an interval,
+    not after the long wait (the demo's swarm forms by those greetings)."""
+    interval = 0.2
+    async with open_nodes(4) as (a, b, c, newcomer):
+        asked = 0
+        exchanges = [PeerExchange(n, greeting=f"hello from {i}") for i, n in enumerate((a, b, c))]
+        for exchange in exchanges:
+            exchange.serve()
+        PeerExchange(newcomer).serve()
+
+        async def counting(request: PeersRequest, ctx) -> PeersResponse:  # type: ignore[no-untyped-def]
+            nonlocal asked
+            asked += 1
+            return await exchanges[0]._handle_peers(request, ctx)
+
+        a.rpc.remove("px.peers")
+        a.rpc.add_unary("px.peers", PeersRequest, counting)
+        rounds = 0
+        first_round = exchanges[0]._exchange
+
+        async def counted_round() -> tuple[int, int]:
+            nonlocal rounds
+            result = await first_round()
+            rounds += 1
+            return result
+
+        exchanges[0]._exchange = counted_round  # type: ignore[method-assign]
+        await b.connect(a.addrs[0])
+        await c.connect(a.addrs[0])
+        async with trio.open_nursery() as nursery:
+            for exchange in exchanges:
+                nursery.start_soon(exchange.run, interval)
+            await wait_until(lambda: len(b.connected_peers()) == 2 and len(c.connected_peers()) == 2)
+            await trio.sleep(2.0)  # quiet rounds: the waits grow to 8 x 0.2 s and more
+            asked = 0
+            await trio.sleep(4.0)
+            # every 0.2 s, b and c would have asked a 40 times in 4 s; slowed down, a few times each
+            assert asked <= 8, asked
+            seen_rounds = rounds
+            await wait_until(lambda: rounds > seen_rounds)  # a's round just ended: its next is >= 1.6 s away
+            async with newcomer.events() as events:
+                await newcomer.connect(a.addrs[0])
+                with trio.fail_after(1.5):  # within an interval or two (0.2 s), not the 3.2 s wait
+                    async for event in events:
+                        if isinstance(event, ev.Message) and event.text == "hello from 0":
+                            break
+            nursery.cancel_scope.cancel()
