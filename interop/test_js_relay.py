@@ -10,7 +10,8 @@ connection), run in the lab's public namespace, and the peers are the same
 relay, answering js's STOP) and DCUtR over a js-relayed connection are checked
 against another implementation, cell by cell.
 
-Covered: all 28 pairs of ``nat.lab.ALL_KINDS`` (row A = dialed peer, column
+Covered: the sample pairs of ``nat.lab.ALL_KINDS`` (``SAMPLE_PAIRS``: every NAT
+kind, each path; all 28 with ``DEDLOC_FULL_MATRIX=1``; row A = dialed peer, column
 B = dialer), ``PARALLEL_CELLS`` at a time, with the same assertions as the
 dedloc-relay matrix: always connected; direct where ``expect_direct`` (a public
 side, or both endpoint-independent); relay-only when a symmetric NAT meets a
@@ -45,7 +46,6 @@ they skip with the reason otherwise (fail with DEDLOC_INTEROP_REQUIRED=1).
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import time
@@ -58,7 +58,7 @@ from jspeer import NODE_MODULES, js_unavailable_reason, open_js_relay
 from nat.circuit import RelayClient
 from p2p.addresses import is_relayed_conn
 from p2p import Node, NodeConfig
-from nat.lab import ALL_KINDS, Lab
+from nat.lab import Lab
 from tests.kit import requires_root_netns
 from tests.nat_agent import SINK, push_checked, sink
 from tests.test_nat_matrix import (
@@ -68,6 +68,7 @@ from tests.test_nat_matrix import (
     PUBLIC_NET,
     Cell,
     funnel_summary,
+    matrix_pairs,
     path_problems,
     render,
     run_cell,
@@ -146,8 +147,7 @@ async def test_js_relay_loopback(js_relay_available: None) -> None:
 @pytest.mark.timeout(600)
 @requires_root_netns
 async def test_nat_matrix_js_relay(js_relay_available: None) -> None:
-    pairs = list(itertools.combinations_with_replacement(ALL_KINDS, 2))
-    cells = [Cell(a, b) for a, b in pairs]
+    cells = [Cell(a, b) for a, b in matrix_pairs()]
     async with Lab(prefix="djr", public_net=PUBLIC_NET) as lab:
         host = await lab.public_host("relay", delay_ms=25)
         extra = os.environ.get("DEDLOC_JS_RELAY_ARGS", "").split()  # debugging aid, see the module docstring
