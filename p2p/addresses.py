@@ -71,10 +71,16 @@ def peer_id_of(addr: Multiaddr) -> ID | None:
     if raw is None:
         return None
     try:
-        multihash.decode(raw)
+        multihash.decode(raw)  # the usual form: the peer id's own bytes
+        return ID(raw)
+    except Exception:
+        pass
+    text = None  # a CIDv1 (/p2p/bafz...): as py-multiaddr renders it, in base58
+    try:
+        text = [str(v) for p, v in addr.items() if p.name == "p2p"][-1]
+        return ID.from_base58(text)
     except Exception as e:
-        raise AddressError(f"address {addr.to_bytes().hex()} has an invalid peer id {raw.hex()}") from e
-    return ID(raw)
+        raise AddressError(f"address {addr.to_bytes().hex()} has an invalid peer id {text or raw.hex()!r}") from e
 
 
 def parse_peer_addr(text: str | Multiaddr, *, what: str = "peer address") -> tuple[Multiaddr, ID]:
@@ -142,10 +148,13 @@ def _parts(addr: Multiaddr) -> list[tuple[str, bytes]]:
     return [(proto.name, raw) for _, proto, _, raw in bytes_iter(addr.to_bytes())]
 
 
-def _scope(first: tuple[str, bytes] | None) -> Scope:
-    if first is None:
+def _scope(parts: list[tuple[str, bytes]]) -> Scope:
+    """The scope of the first IP or DNS name among ``parts``."""
+    for name, raw in parts:
+        if name in ("ip4", "ip6", "dns", "dns4", "dns6", "dnsaddr"):
+            break
+    else:
         return Scope.UNKNOWN
-    name, raw = first
     if name in ("ip4", "ip6"):
         ip = ipaddress.IPv4Address(raw) if name == "ip4" else ipaddress.IPv6Address(raw)
         if ip.is_loopback:
@@ -153,15 +162,12 @@ def _scope(first: tuple[str, bytes] | None) -> Scope:
         if ip.is_private or ip.is_link_local or ip.is_unspecified or not ip.is_global:  # incl. CGNAT 100.64/10
             return Scope.PRIVATE
         return Scope.PUBLIC
-    if name in ("dns", "dns4", "dns6", "dnsaddr"):
-        return Scope.PUBLIC if raw != b"localhost" else Scope.LOOPBACK
-    return Scope.UNKNOWN
+    return Scope.PUBLIC if raw != b"localhost" else Scope.LOOPBACK  # a DNS name
 
 
 def scope_of(addr: Multiaddr) -> Scope:
     """Where the address's first part (an IP or a DNS name) can be reached from."""
-    first = next(bytes_iter(addr.to_bytes()), None)
-    return _scope(None if first is None else (first[1].name, first[3]))
+    return _scope(_parts(addr))
 
 
 def ip_and_tcp_port(addr: Multiaddr) -> tuple[str, int] | None:
@@ -194,7 +200,7 @@ def dial_rank(addr: Multiaddr) -> tuple[bool, Scope, bool]:
     """Sort key: direct before relayed, public before private before loopback, IPv4 first."""
     parts = _parts(addr)
     names = {name for name, _ in parts}
-    return (CIRCUIT in names, _scope(parts[0] if parts else None), "ip6" in names)
+    return (CIRCUIT in names, _scope(parts), "ip6" in names)
 
 
 def rank_for_dial(addrs: Iterable[Multiaddr]) -> list[Multiaddr]:

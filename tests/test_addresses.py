@@ -37,6 +37,17 @@ def test_circuit_address_names_the_target_not_the_relay():
     assert str(peer_id_of(addr)) == PID
 
 
+def test_a_peer_id_written_as_a_cid_is_the_same_peer():
+    """``/p2p/bafz...`` (a CIDv1, as newer libp2p peers print ids) holds the CID's bytes, not the peer
+    id's: read from the bytes alone it is no peer id, so it is read as py-multiaddr renders it."""
+    import cid
+    from libp2p.peer.id import ID
+
+    v1 = cid.make_cid(1, "libp2p-key", ID.from_base58(PID).to_bytes()).encode("base32").decode()
+    assert str(peer_id_of(Multiaddr(f"/ip4/1.2.3.4/tcp/1/p2p/{v1}"))) == PID
+    assert without_peer_id(Multiaddr(f"/ip4/1.2.3.4/tcp/1/p2p/{v1}")) == Multiaddr("/ip4/1.2.3.4/tcp/1")
+
+
 def test_ranking_direct_before_relayed_public_before_private():
     addrs = [
         Multiaddr(f"/ip4/1.2.3.4/tcp/1/p2p/{RELAY}/p2p-circuit/p2p/{PID}"),
