@@ -70,17 +70,25 @@ def peer_id_of(addr: Multiaddr) -> ID | None:
             raw = value
     if raw is None:
         return None
-    try:
-        multihash.decode(raw)  # the usual form: the peer id's own bytes
-        return ID(raw)
-    except Exception:
-        pass
+    peer_id = peer_id_from_bytes(raw)  # the usual form: the peer id's own bytes
+    if peer_id is not None:
+        return peer_id
     text = None  # a CIDv1 (/p2p/bafz...): as py-multiaddr renders it, in base58
     try:
         text = [str(v) for p, v in addr.items() if p.name == "p2p"][-1]
         return ID.from_base58(text)
     except Exception as e:
         raise AddressError(f"address {addr.to_bytes().hex()} has an invalid peer id {text or raw.hex()!r}") from e
+
+
+def peer_id_from_bytes(raw: bytes) -> ID | None:
+    """The peer id whose bytes ``raw`` are, or None: ``ID()`` itself accepts any bytes, so the
+    multihash is checked first."""
+    try:
+        multihash.decode(raw)
+    except Exception:
+        return None
+    return ID(raw)
 
 
 def parse_peer_addr(text: str | Multiaddr, *, what: str = "peer address") -> tuple[Multiaddr, ID]:

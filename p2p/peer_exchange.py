@@ -165,7 +165,7 @@ class PeerExchange:
         quiet = 0
         seen: set[ID] = set()
         while True:
-            fresh = bool(set(self.node.connected_peers()) - seen)
+            fresh = self._someone_new(seen)
             met, unreached = await self._exchange()
             seen = set(self.node.connected_peers())
             quiet = 0 if fresh or met or unreached else quiet + 1
@@ -177,5 +177,9 @@ class PeerExchange:
         deadline = trio.current_time() + seconds
         while (left := deadline - trio.current_time()) > 0:
             await trio.sleep(min(interval, left))
-            if any(p not in seen for p in self.node.connected_peers()):
+            if self._someone_new(seen):
                 return
+
+    def _someone_new(self, seen: set[ID]) -> bool:
+        """Whether a peer not in ``seen`` is connected now."""
+        return any(p not in seen for p in self.node.connected_peers())

@@ -15,11 +15,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from functools import lru_cache
 
-import multihash
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
-from .addresses import is_relayed
+from .addresses import is_relayed, peer_id_from_bytes
 from .errors import RemoteProtocolError
 
 #: Longest peer id accepted: an identity multihash of an Ed25519 key is 38 bytes, sha256 ones 34.
@@ -69,19 +68,11 @@ def decode_addrs(raw: Iterable[bytes], *, limit: int, direct_only: bool = False)
 
 @lru_cache(maxsize=16384)
 def decode_peer_id(raw: bytes) -> ID | None:
-    """A binary peer id from a peer, or None: it must be a well-formed multihash of at most 64 bytes.
-
-    ``ID()`` itself accepts any bytes, so the multihash is checked first.
-    """
+    """A binary peer id from a peer, or None: it must be a well-formed multihash of at most 64 bytes
+    (:func:`peer_id_from_bytes`)."""
     if not 0 < len(raw) <= MAX_PEER_ID:
         return None
-    try:
-        multihash.decode(raw)
-        peer_id = ID(raw)
-        peer_id.to_base58()
-    except Exception:
-        return None
-    return peer_id
+    return peer_id_from_bytes(raw)
 
 
 def require_peer_id(raw: bytes, what: str) -> ID:
