@@ -122,7 +122,10 @@ async def dmoe(args: argparse.Namespace) -> None:
                 expert (no live expert found) until the bans end. CI runs failed so with 0.5 s between
                 attempts, and once with 4 attempts 4 s apart under three CI runs at once; once more (at
                 9b5fa78) for the whole 60 s, with an error that did not say why: the layer's error now
-                tells banned experts, failed DHT reads and a search cut by the timeout apart."""
+                tells banned experts, failed DHT reads and a search cut by the timeout apart, and the
+                next such failure (at e2c5b0c) named the cause: the search read the trainer's DHT
+                cache, whose copy of ffn.0, taken before the server of ffn.0.[6:8] declared, held only
+                the killed server's six for its records' 90 s; it reads past that cache now."""
                 with trio.move_on_after(60.0):
                     while True:
                         try:

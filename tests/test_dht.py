@@ -169,6 +169,21 @@ async def test_found_values_are_cached_near_the_reader() -> None:
                 await trio.sleep(0.05)
 
 
+
+async def test_a_read_past_the_cache_sees_subkeys_written_since() -> None:
+    """A client's cached copy of a dictionary lives as long as its records and lacks every subkey
+    written since; ``cached=False`` reads the replicas instead (a server's own store stays first)."""
+    async with swarm(4, modes=["server", "server", "server", "client"]) as dhts:
+        reader = dhts[3]
+        assert await dhts[0].store("prefix", b"a", later(), subkey="0")
+        first = await reader.get("prefix")
+        assert first is not None and set(first.value) == {"0"}  # type: ignore[arg-type]
+        assert await dhts[1].store("prefix", b"b", later(), subkey="1")
+        stale = await reader.get("prefix")
+        assert stale is not None and set(stale.value) == {"0"}  # type: ignore[arg-type]  # the cache's copy
+        fresh = await reader.get_many(["prefix"], cached=False)
+        assert fresh["prefix"] is not None and set(fresh["prefix"].value) == {"0", "1"}  # type: ignore[arg-type]
+
 async def test_a_joining_server_receives_the_records_it_is_now_closest_to() -> None:
     async with swarm(4, replicas=2) as dhts:
         for i in range(40):

@@ -13,6 +13,7 @@ import torch
 import trio
 
 from nat import Peer
+from p2p.dht import DHTMode
 from p2p.errors import ConfigError
 from training.moe import (ClientConfig, Expert, ExpertBackend, ExpertCallError, ExpertClient, ExpertServer,
                           MoEConfig, MoEError, RemoteExpert, RemoteMixtureOfExperts, ServerConfig)
@@ -311,7 +312,8 @@ async def test_a_search_that_finds_only_banned_experts_says_so() -> None:
 class _HangingDHT:
     """A DHT whose reads never answer (a peer whose table holds only silent contacts)."""
 
-    async def get_many(self, keys: list[Any], latest: bool = False, *, timeout: float | None = None) -> dict[Any, Any]:
+    async def get_many(self, keys: list[Any], latest: bool = False, *, timeout: float | None = None,
+                       cached: bool = True) -> dict[Any, Any]:
         await trio.sleep_forever()
         raise AssertionError("unreachable")
 
@@ -598,6 +600,30 @@ async def test_a_server_that_starts_after_the_first_search_is_found_soon() -> No
                         except MoEError:
                             await trio.sleep(0.2)
                 assert y.shape == (2, HID)
+
+
+async def test_a_server_that_joins_a_live_prefix_is_found_soon() -> None:
+    """A server declaring under a prefix that others already hold is found once the search's own
+    copy is past cache_ttl: the search reads past the DHT's cache (a copy read before the new
+    server declared hid it for the records' whole lifetime, 90 s: a bench whose first server of
+    ffn.0.* was killed found no other expert under ffn.0 for a minute)."""
+    async with swarm("join.0.[0:2]", real=True) as sw:  # the trainer a DHT client, as a volunteer's laptop
+        async with Peer.open(loopback_peer_config(initial_peers=sw.boot, dht=DHTMode.CLIENT)) as trainer, \
+                ExpertClient.open(trainer) as client:
+            layer = RemoteMixtureOfExperts(client, in_features=HID, grid_size=(1, 4), uid_prefix="join",
+                                           config=MoEConfig(k_best=4, cache_ttl=0.5))
+            with trio.fail_after(20):
+                while True:  # until the first server's records are found
+                    try:
+                        await client.run(lambda: layer(torch.randn(2, HID)))
+                        break
+                    except MoEError:
+                        await trio.sleep(0.2)
+            assert layer.last_report is not None and layer.last_report.asked == 2
+            async with sw.another_peer() as peer, ExpertServer.open(peer, backends("join.0.[2:4]")):
+                await trio.sleep(0.6)  # past the search's cache_ttl
+                await client.run(lambda: layer(torch.randn(2, HID)))
+                assert layer.last_report is not None and layer.last_report.asked == 4
 
 
 async def test_one_exchange_carries_several_experts_each_answered_on_its_own() -> None:

@@ -331,21 +331,27 @@ class DHT:
         elapsed = trio.current_time() - started
         self._query_observers.notify(lambda o: o(kind, elapsed, outcome), f"a {kind} query")
 
-    async def get(self, key: KeyLike, latest: bool = False, *,
-                  timeout: float | None = None) -> ValueWithExpiration | None:
+    async def get(self, key: KeyLike, latest: bool = False, *, timeout: float | None = None,
+                  cached: bool = True) -> ValueWithExpiration | None:
         """The value under ``key``, or None if no live one was found.
 
         ``latest=False`` returns the first copy found (a local one, if any);
         ``latest=True`` asks every replica and merges: the newest expiration of
         the plain value, or of each subkey of a dictionary. A dictionary comes
         back as ``{subkey: ValueWithExpiration}``.
-        """
-        return (await self.get_many([key], latest=latest, timeout=timeout))[key]
 
-    async def get_many(self, keys: Iterable[KeyLike], latest: bool = False, *,
-                       timeout: float | None = None) -> dict[KeyLike, ValueWithExpiration | None]:
-        """Many gets in one traversal (shared RPCs). For Learning@home's expert lookup,
-        store each prefix of an expert uid as a dictionary key whose subkeys are the
+        ``cached=False`` (with ``latest=False``) skips this peer's cache of
+        records it read before: a cached copy lives as long as its records (a
+        dictionary's may lack every subkey written since), so a caller that
+        keeps copies with a lifetime of its own reads past it, as the MoE beam
+        search does. A replica's own store is still read first.
+        """
+        return (await self.get_many([key], latest=latest, timeout=timeout, cached=cached))[key]
+
+    async def get_many(self, keys: Iterable[KeyLike], latest: bool = False, *, timeout: float | None = None,
+                       cached: bool = True) -> dict[KeyLike, ValueWithExpiration | None]:
+        """Many gets in one traversal (shared RPCs), as :meth:`get` does one. For Learning@home's
+        expert lookup, store each prefix of an expert uid as a dictionary key whose subkeys are the
         next coordinate, then ``get_many`` every prefix of a layer at once."""
         wanted = {key: DHTKey.encode(key) for key in keys}
         now = self._clock()
@@ -353,7 +359,7 @@ class DHT:
         searches: dict[KeyLike, Search] = {}
         for key, raw in wanted.items():
             if not latest:
-                local = self._local_value(raw, now)
+                local = self._local_value(raw, now, cached)
                 if local is not None:
                     result[key] = local
                     continue
@@ -577,12 +583,12 @@ class DHT:
 
     # ------------------------------------------------------------------ replication
 
-    def _local_value(self, raw: bytes, now: float) -> ValueWithExpiration | None:
+    def _local_value(self, raw: bytes, now: float, cached: bool = True) -> ValueWithExpiration | None:
         if self.server:
             value = self.storage.found(raw, now)
             if value is not None:
                 return value
-        return self.cache.found(raw, now)
+        return self.cache.found(raw, now) if cached else None
 
     async def _replicate(self, records: Sequence[DHTRecord], now: float) -> list[bool]:
         by_key: dict[bytes, list[int]] = defaultdict(list)

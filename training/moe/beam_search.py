@@ -8,7 +8,10 @@ experts with d rounds of DHT reads of at most ``beam_size`` keys per sample
 (O(k log N) lookups), and only ever among experts that some server declared.
 
 The rounds of a whole batch read the union of its samples' prefixes in one
-``get_many`` (one traversal). Every prefix read is cached for ``cache_ttl``
+``get_many`` (one traversal), past the DHT's own cache of what it read (a
+copy kept for the records' lifetime, 90 s, lacking every server that declared
+under the prefix since: it once hid every live expert of a prefix whose first
+server had died). Every prefix read is cached here for ``cache_ttl``
 seconds (its records live ``expiration`` on the servers, refreshed every
 ``update_period``), so a warm search reads nothing; a prefix found empty only
 ``empty_ttl`` (servers that start are found soon); a read that fails or times
@@ -154,7 +157,7 @@ class BeamSearcher:
             self.stats.keys_read += len(keys)
             found: Mapping[KeyLike, ValueWithExpiration | None] = {}
             with trio.move_on_after(self.read_timeout):
-                found = await self.dht.get_many(list(keys), timeout=self.read_timeout)
+                found = await self.dht.get_many(list(keys), timeout=self.read_timeout, cached=False)
             now = time.monotonic()
             if len(self._cache) > 100_000:
                 self._cache.clear()  # bounded; a grid this size is re-read
