@@ -264,3 +264,18 @@ def test_scale_bench_runs_a_few_hundred_peers_within_a_minute(tmp_path: Path) ->
     assert kept[True]["handed_over_per_record_hour"] > 0 == kept[False]["handed_over_per_record_hour"]
     assert [round(s["t_s"]) for s in kept[True]["snapshots"]] == [0, 300]
     assert "records kept through churn (150 peers" in result.stdout
+
+
+def test_prefix_freshness_bench_finds_the_path_copies_misses_and_none_now(tmp_path: Path) -> None:
+    """bench/prefix_freshness.py at 150 peers (9 s): on the same simulated network, first-copy reads of
+    an expert prefix miss servers when reads leave copies of dictionaries on their path (the DHT
+    before), and none now."""
+    figures = run_bench(tmp_path, "prefix_freshness.py", "--peers", "150", "--servers", "8", "--join-every", "5",
+                        timeout=120)
+    runs = {r["mode"]: r for r in figures["runs"]}
+    assert list(runs) == ["first copy, the DHT now", "first copy, as before", "first copy, no path copies",
+                          "merged (latest)"]
+    assert all(r["reads"] > 300 for r in runs.values())
+    assert runs["first copy, as before"]["reads_missing"] > 0
+    assert runs["first copy, the DHT now"]["reads_missing"] == runs["merged (latest)"]["reads_missing"] == 0
+

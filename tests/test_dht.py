@@ -170,6 +170,30 @@ async def test_found_values_are_cached_near_the_reader() -> None:
 
 
 
+async def test_a_dictionary_found_is_not_copied_near_the_reader() -> None:
+    """A read leaves a copy of a plain value on its path, never of a dictionary: the writers of its
+    other subkeys store to the replicas, and the copy would hide them from the readers that meet it."""
+    async with swarm(12, replicas=2) as dhts:
+        assert await dhts[0].store("prefix", b"a", later(), subkey="0")
+        assert await dhts[0].store("popular", b"v", later())
+        raws = [DHTKey.encode(k) for k in ("prefix", "popular")]
+
+        def holding(raw: bytes) -> int:
+            return sum(1 for d in dhts if d.storage.records_at(raw, time.time()))
+
+        before = [holding(raw) for raw in raws]
+        reader = next(d for d in dhts if not any(d.storage.records_at(raw, time.time()) for raw in raws))
+        for key, raw in zip(("prefix", "popular"), raws):
+            for holder in dhts:  # the reader goes through peers that lack it to find it
+                if holder.storage.records_at(raw, time.time()):
+                    reader.table.remove(holder.node.peer_id)
+            assert (await reader.get(key)) is not None
+        with trio.fail_after(10):
+            while holding(raws[1]) <= before[1]:  # the plain value's copy, sent after the dictionary's would be
+                await trio.sleep(0.05)
+        assert holding(raws[0]) == before[0]
+
+
 async def test_a_read_past_the_cache_sees_subkeys_written_since() -> None:
     """A client's cached copy of a dictionary lives as long as its records and lacks every subkey
     written since; ``cached=False`` reads the replicas instead (a server's own store stays first)."""

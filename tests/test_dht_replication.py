@@ -11,8 +11,8 @@ from libp2p.peer.id import ID
 
 from p2p.dht.proto import dht_pb2 as pb
 from p2p.dht.records import DHTKey, DHTRecord, LocalStore
-from p2p.dht.replication import StoresSeen, hand_over, is_replica
-from p2p.dht.routing import DHTID, RoutingTable
+from p2p.dht.replication import StoresSeen, hand_over, is_replica, path_copy
+from p2p.dht.routing import DHTID, PeerInfo, RoutingTable
 
 NOW = 1_800_000_000.0
 
@@ -122,3 +122,21 @@ def test_stores_seen_notes_the_keys_a_store_reached_and_forgets_them_after_the_i
     assert seen.recent(600.0, now=650.0) == {a.key}  # a refused store did not reach us
     assert seen.recent(600.0, now=700.0) == set()
     assert len(seen) == 0  # dropped, not only hidden
+
+
+def test_a_read_leaves_a_copy_of_a_plain_value_on_its_path_never_of_a_dictionary() -> None:
+    """The copy goes to the peer nearest the key that the read met lacking it, once someone held it;
+    a dictionary's never (its writers' later stores would not reach that copy: simulated, 61.6% of
+    reads of an expert prefix missed a server with such copies, bench/prefix_freshness.py)."""
+    key = DHTKey.encode("popular")
+    target = int(DHTID.from_key(key))
+    lacking = [PeerInfo(p) for p in make_ids(6, 3)]
+    nearest = min(lacking, key=lambda p: int(p.dht_id) ^ target)
+    holder = make_ids(1, 4)
+    plain = [DHTRecord(key, b"v", NOW + 60)]
+    entries = [DHTRecord(key, b"a", NOW + 60, DHTKey.encode("0")), DHTRecord(key, b"b", NOW + 60, DHTKey.encode("1"))]
+    assert path_copy(plain, lacking, holder, target) == nearest
+    assert path_copy(entries, lacking, holder, target) is None
+    assert path_copy(entries, lacking, holder, target, dictionaries=True) == nearest  # the rule before
+    assert path_copy(plain, lacking, [], target) is None  # found nowhere but here: nothing to copy
+    assert path_copy(plain, [], holder, target) is None and path_copy([], lacking, holder, target) is None

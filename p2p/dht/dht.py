@@ -644,8 +644,8 @@ class DHT:
                 self.cache.store(rec, now)
             except DHTError:
                 pass
-        if search.lacking and search.holders:
-            nearest = min(search.lacking, key=lambda p: int(p.dht_id) ^ int(search.lookup.target))
+        nearest = replication.path_copy(records, search.lacking, search.holders, int(search.lookup.target))
+        if nearest is not None:
             self._nursery.start_soon(self._store_at, nearest.peer_id, records)
 
     async def _hand_over(self, peers: Sequence[ID], skip: Collection[bytes] = frozenset(), *,

@@ -29,7 +29,7 @@ from ..dht.dht import DHTConfig
 from ..dht.maintenance import after_add, join_targets, republish_due, to_check, to_refresh
 from ..dht.proto import dht_pb2 as pb
 from ..dht.records import DHTRecord, LocalStore, ValueWithExpiration
-from ..dht.replication import StoresSeen, hand_over, is_replica, republish_skip
+from ..dht.replication import StoresSeen, hand_over, is_replica, path_copy, republish_skip
 from ..dht.routing import ID_BITS, AddResult, DHTID, Lookup, PeerInfo, RoutingTable, ip_group
 from ..dht.serving import admit_answerer, admit_caller, answer_find, answer_store, check_find, check_store
 from ..dht.traversal import ReplyTimer, Search, Traversal
@@ -530,9 +530,12 @@ class DHTSim:
         self.read(peer, key, lambda seconds, value, stalled: finished(seconds, value is not None, stalled))
 
     def read(self, peer: SimPeer, key: bytes, finished: Callable[[float, ValueWithExpiration | None, bool], None], *,
-             latest: bool = False) -> None:
+             latest: bool = False, leave_copy: bool = False, copy_dictionaries: bool = False) -> None:
         """A read of ``key`` as ``DHT.get`` does it (``latest``: every replica asked, answers merged;
-        else the first copy); ``finished(seconds, value, stalled)``."""
+        else the first copy); ``finished(seconds, value, stalled)``. ``leave_copy``: it leaves a copy
+        where :func:`~p2p.dht.replication.path_copy` says, as ``DHT._cache`` does (off by default:
+        the scale figures were measured without it); ``copy_dictionaries``: a dictionary's too, as
+        the DHT did before that rule (for the comparison)."""
         started = self.now
         cfg = self.config.dht
         found = LocalStore(max_value_size=cfg.max_value_size, max_expiration_ahead=cfg.max_expiration_ahead)
@@ -546,8 +549,17 @@ class DHTSim:
                 found.store(rec, self.wall())
         search = Search(self._lookup(peer, DHTID.from_key(key), cfg.replicas, parallel), key,
                         first_found=not latest, found=found)
-        self.traverse(peer, [search],
-                      lambda stalled: finished(self.now - started, found.found(key, self.wall()), stalled))
+
+        def done(stalled: bool) -> None:
+            value = found.found(key, self.wall())
+            records = found.records_at(key, self.wall())
+            nearest = path_copy(records, search.lacking, search.holders, int(search.lookup.target),
+                                dictionaries=copy_dictionaries) if leave_copy else None
+            if nearest is not None:
+                self.store_at(peer, nearest.peer_id, records, lambda ok: None)
+            finished(self.now - started, value, stalled)
+
+        self.traverse(peer, [search], done)
 
     def store(self, peer: SimPeer, record: DHTRecord, finished: Callable[[Stored], None], *, own: bool = True) -> None:
         """Replicate ``record`` to the ``replicas`` closest servers found, as ``DHT.store`` does
