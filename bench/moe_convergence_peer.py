@@ -125,7 +125,7 @@ async def dmoe(args: argparse.Namespace) -> None:
                 tells banned experts, failed DHT reads and a search cut by the timeout apart, and the
                 next such failure (at e2c5b0c) named the cause: the search read the trainer's DHT
                 cache, whose copy of ffn.0, taken before the server of ffn.0.[6:8] declared, held only
-                the killed server's six for its records' 90 s; it reads past that cache now."""
+                the killed server's six for its records' 90 s; the DHT keeps no copy of a dictionary now."""
                 with trio.move_on_after(60.0):
                     while True:
                         try:

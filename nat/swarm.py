@@ -30,14 +30,14 @@ from p2p.rpc import Rpc
 class Records(Protocol):
     """The DHT as the upper layers use it (:class:`p2p.dht.DHT` is one)."""
 
-    async def get(self, key: KeyLike, latest: bool = False, *, timeout: float | None = None,
-                  cached: bool = True) -> ValueWithExpiration | None: ...
+    async def get(self, key: KeyLike, latest: bool = False, *,
+                  timeout: float | None = None) -> ValueWithExpiration | None: ...
 
     async def store(self, key: KeyLike, value: bytes, expiration: float, subkey: KeyLike | None = None,
                     *, timeout: float | None = None) -> bool: ...
 
-    async def get_many(self, keys: Iterable[KeyLike], latest: bool = False, *, timeout: float | None = None,
-                       cached: bool = True) -> dict[KeyLike, ValueWithExpiration | None]: ...
+    async def get_many(self, keys: Iterable[KeyLike], latest: bool = False, *,
+                       timeout: float | None = None) -> dict[KeyLike, ValueWithExpiration | None]: ...
 
 
 @runtime_checkable

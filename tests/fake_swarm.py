@@ -110,8 +110,8 @@ class FakeRecords:
         self._data: dict[KeyLike, dict[KeyLike | None, tuple[bytes, float]]] = {}
         self.stores = 0
 
-    async def get(self, key: KeyLike, latest: bool = False, *, timeout: float | None = None,
-                  cached: bool = True) -> ValueWithExpiration | None:
+    async def get(self, key: KeyLike, latest: bool = False, *,
+                  timeout: float | None = None) -> ValueWithExpiration | None:
         await trio.lowlevel.checkpoint()
         now = time.time()
         entries = {sub: v for sub, v in self._data.get(key, {}).items() if v[1] > now}
@@ -124,8 +124,8 @@ class FakeRecords:
             sub: ValueWithExpiration(v, e) for sub, (v, e) in entries.items() if sub is not None}
         return ValueWithExpiration(found, max(v.expiration for v in found.values()))
 
-    async def get_many(self, keys: Iterable[KeyLike], latest: bool = False, *, timeout: float | None = None,
-                       cached: bool = True) -> dict[KeyLike, ValueWithExpiration | None]:
+    async def get_many(self, keys: Iterable[KeyLike], latest: bool = False, *,
+                       timeout: float | None = None) -> dict[KeyLike, ValueWithExpiration | None]:
         return {key: await self.get(key, latest, timeout=timeout) for key in keys}
 
     async def store(self, key: KeyLike, value: bytes, expiration: float, subkey: KeyLike | None = None,

@@ -194,19 +194,26 @@ async def test_a_dictionary_found_is_not_copied_near_the_reader() -> None:
         assert holding(raws[0]) == before[0]
 
 
-async def test_a_read_past_the_cache_sees_subkeys_written_since() -> None:
-    """A client's cached copy of a dictionary lives as long as its records and lacks every subkey
-    written since; ``cached=False`` reads the replicas instead (a server's own store stays first)."""
+async def test_a_reader_keeps_a_plain_value_it_read_never_a_dictionary() -> None:
+    """A client answers a first-copy read of a plain value it read before from its own copy; it
+    keeps no copy of a dictionary, whose other writers' later subkeys a copy would hide for the
+    records' lifetime (a trainer's copy of an expert prefix once hid every live expert)."""
     async with swarm(4, modes=["server", "server", "server", "client"]) as dhts:
         reader = dhts[3]
         assert await dhts[0].store("prefix", b"a", later(), subkey="0")
         first = await reader.get("prefix")
         assert first is not None and set(first.value) == {"0"}  # type: ignore[arg-type]
+        assert not reader.cache.records_at(DHTKey.encode("prefix"), time.time())
         assert await dhts[1].store("prefix", b"b", later(), subkey="1")
-        stale = await reader.get("prefix")
-        assert stale is not None and set(stale.value) == {"0"}  # type: ignore[arg-type]  # the cache's copy
-        fresh = await reader.get_many(["prefix"], cached=False)
-        assert fresh["prefix"] is not None and set(fresh["prefix"].value) == {"0", "1"}  # type: ignore[arg-type]
+        fresh = await reader.get("prefix")
+        assert fresh is not None and set(fresh.value) == {"0", "1"}  # type: ignore[arg-type]
+        assert await dhts[0].store("plain", b"v1", later(60))
+        assert (await reader.get("plain")).value == b"v1"  # type: ignore[union-attr]
+        assert reader.cache.records_at(DHTKey.encode("plain"), time.time())
+        assert await dhts[0].store("plain", b"v2", later(120))
+        assert (await reader.get("plain")).value == b"v1"  # type: ignore[union-attr]  # its own copy
+        assert (await reader.get("plain", latest=True)).value == b"v2"  # type: ignore[union-attr]
+
 
 async def test_a_joining_server_receives_the_records_it_is_now_closest_to() -> None:
     async with swarm(4, replicas=2) as dhts:

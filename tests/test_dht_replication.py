@@ -11,7 +11,7 @@ from libp2p.peer.id import ID
 
 from p2p.dht.proto import dht_pb2 as pb
 from p2p.dht.records import DHTKey, DHTRecord, LocalStore
-from p2p.dht.replication import StoresSeen, hand_over, is_replica, path_copy
+from p2p.dht.replication import StoresSeen, copyable, hand_over, is_replica, path_copy
 from p2p.dht.routing import DHTID, PeerInfo, RoutingTable
 
 NOW = 1_800_000_000.0
@@ -135,6 +135,7 @@ def test_a_read_leaves_a_copy_of_a_plain_value_on_its_path_never_of_a_dictionary
     holder = make_ids(1, 4)
     plain = [DHTRecord(key, b"v", NOW + 60)]
     entries = [DHTRecord(key, b"a", NOW + 60, DHTKey.encode("0")), DHTRecord(key, b"b", NOW + 60, DHTKey.encode("1"))]
+    assert copyable(plain) and not copyable(entries) and not copyable([])
     assert path_copy(plain, lacking, holder, target) == nearest
     assert path_copy(entries, lacking, holder, target) is None
     assert path_copy(entries, lacking, holder, target, dictionaries=True) == nearest  # the rule before

@@ -312,8 +312,7 @@ async def test_a_search_that_finds_only_banned_experts_says_so() -> None:
 class _HangingDHT:
     """A DHT whose reads never answer (a peer whose table holds only silent contacts)."""
 
-    async def get_many(self, keys: list[Any], latest: bool = False, *, timeout: float | None = None,
-                       cached: bool = True) -> dict[Any, Any]:
+    async def get_many(self, keys: list[Any], latest: bool = False, *, timeout: float | None = None) -> dict[Any, Any]:
         await trio.sleep_forever()
         raise AssertionError("unreachable")
 
@@ -604,9 +603,9 @@ async def test_a_server_that_starts_after_the_first_search_is_found_soon() -> No
 
 async def test_a_server_that_joins_a_live_prefix_is_found_soon() -> None:
     """A server declaring under a prefix that others already hold is found once the search's own
-    copy is past cache_ttl: the search reads past the DHT's cache (a copy read before the new
-    server declared hid it for the records' whole lifetime, 90 s: a bench whose first server of
-    ffn.0.* was killed found no other expert under ffn.0 for a minute)."""
+    copy is past cache_ttl: the trainer's DHT keeps no copy of a dictionary (one read before the
+    new server declared hid it for the records' whole lifetime, 90 s: a bench whose first server
+    of ffn.0.* was killed found no other expert under ffn.0 for a minute)."""
     async with swarm("join.0.[0:2]", real=True) as sw:  # the trainer a DHT client, as a volunteer's laptop
         async with Peer.open(loopback_peer_config(initial_peers=sw.boot, dht=DHTMode.CLIENT)) as trainer, \
                 ExpertClient.open(trainer) as client:

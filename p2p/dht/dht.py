@@ -120,7 +120,8 @@ class DHTConfig:
     checks_per_pass: int = 16
     #: Records are re-published this often by their writer and by their replicas.
     republish_interval: float = 600.0
-    #: Keep found values locally and at the closest queried peer that lacked them.
+    #: Keep found plain values locally and at the closest queried peer that lacked them
+    #: (never a dictionary: :func:`.replication.copyable`).
     cache: bool = True
     #: Limits of the local store (see :class:`LocalStore`).
     max_value_size: int = 64 * 1024
@@ -331,27 +332,23 @@ class DHT:
         elapsed = trio.current_time() - started
         self._query_observers.notify(lambda o: o(kind, elapsed, outcome), f"a {kind} query")
 
-    async def get(self, key: KeyLike, latest: bool = False, *, timeout: float | None = None,
-                  cached: bool = True) -> ValueWithExpiration | None:
+    async def get(self, key: KeyLike, latest: bool = False, *,
+                  timeout: float | None = None) -> ValueWithExpiration | None:
         """The value under ``key``, or None if no live one was found.
 
-        ``latest=False`` returns the first copy found (a local one, if any);
+        ``latest=False`` returns the first copy found (a local one, if any: a
+        plain value read before, which a read keeps, or a replica's own);
         ``latest=True`` asks every replica and merges: the newest expiration of
         the plain value, or of each subkey of a dictionary. A dictionary comes
-        back as ``{subkey: ValueWithExpiration}``.
-
-        ``cached=False`` (with ``latest=False``) skips this peer's cache of
-        records it read before: a cached copy lives as long as its records (a
-        dictionary's may lack every subkey written since), so a caller that
-        keeps copies with a lifetime of its own reads past it, as the MoE beam
-        search does. A replica's own store is still read first.
+        back as ``{subkey: ValueWithExpiration}``, and a read keeps no copy of
+        one (:func:`.replication.copyable`).
         """
-        return (await self.get_many([key], latest=latest, timeout=timeout, cached=cached))[key]
+        return (await self.get_many([key], latest=latest, timeout=timeout))[key]
 
-    async def get_many(self, keys: Iterable[KeyLike], latest: bool = False, *, timeout: float | None = None,
-                       cached: bool = True) -> dict[KeyLike, ValueWithExpiration | None]:
-        """Many gets in one traversal (shared RPCs), as :meth:`get` does one. For Learning@home's
-        expert lookup, store each prefix of an expert uid as a dictionary key whose subkeys are the
+    async def get_many(self, keys: Iterable[KeyLike], latest: bool = False, *,
+                       timeout: float | None = None) -> dict[KeyLike, ValueWithExpiration | None]:
+        """Many gets in one traversal (shared RPCs). For Learning@home's expert lookup,
+        store each prefix of an expert uid as a dictionary key whose subkeys are the
         next coordinate, then ``get_many`` every prefix of a layer at once."""
         wanted = {key: DHTKey.encode(key) for key in keys}
         now = self._clock()
@@ -359,7 +356,7 @@ class DHT:
         searches: dict[KeyLike, Search] = {}
         for key, raw in wanted.items():
             if not latest:
-                local = self._local_value(raw, now, cached)
+                local = self._local_value(raw, now)
                 if local is not None:
                     result[key] = local
                     continue
@@ -583,12 +580,12 @@ class DHT:
 
     # ------------------------------------------------------------------ replication
 
-    def _local_value(self, raw: bytes, now: float, cached: bool = True) -> ValueWithExpiration | None:
+    def _local_value(self, raw: bytes, now: float) -> ValueWithExpiration | None:
         if self.server:
             value = self.storage.found(raw, now)
             if value is not None:
                 return value
-        return self.cache.found(raw, now) if cached else None
+        return self.cache.found(raw, now)
 
     async def _replicate(self, records: Sequence[DHTRecord], now: float) -> list[bool]:
         by_key: dict[bytes, list[int]] = defaultdict(list)
@@ -639,6 +636,8 @@ class DHT:
     def _cache(self, search: Search, now: float) -> None:
         assert search.found is not None and search.key is not None
         records = search.found.records_at(search.key, now)
+        if not replication.copyable(records):
+            return  # a dictionary: a copy would hide the subkeys its other writers store later
         for rec in records:
             try:
                 self.cache.store(rec, now)

@@ -1,7 +1,7 @@
 """Which records go where, sans-I/O: whether we are one of a key's replicas, what a server
 hands over to peers now among its keys' closest, which keys it need not hand over at its
-republish because a store of them reached it lately (:class:`StoresSeen`), and where a read
-leaves a copy of what it found (:func:`path_copy`).
+republish because a store of them reached it lately (:class:`StoresSeen`), and what a read
+keeps a copy of, and where (:func:`copyable`, :func:`path_copy`).
 
 The DHT's I/O shell (:class:`.dht.DHT`) sends what these decide when a server joins its table
 and on each republish; the simulator (``p2p/sim``) sends it over its modelled network, so that
@@ -28,19 +28,28 @@ def is_replica(local: DHTID, target: int, closest: Sequence[DHTID], replicas: in
     return int(local) ^ target < int(closest[replicas - 1]) ^ target
 
 
+def copyable(records: Sequence[DHTRecord]) -> bool:
+    """Whether a copy of a key's ``records`` that its writers' later stores never reach (a
+    reader's own cache, a peer on its lookup's path) stays true to the key: a plain value's does,
+    a dictionary's does not.
+
+    A plain value has one writer, and a copy of it is a version of that writer's value until it
+    expires. A dictionary's subkeys come from many writers, whose later stores go to the replicas:
+    a copy is a snapshot that hides every writer since from the first-copy reads that meet it, for
+    the records' lifetime. Simulated (bench/prefix_freshness.py, 1,000 peers, 16 expert servers
+    declaring under one prefix, 4 reads a second): with copies of dictionaries left on the path,
+    61.6% of the reads missed a server, 5.4 of them on average; none without. A trainer's own
+    cache once held a prefix's snapshot that lacked every live expert (a CI run's MoE bench)."""
+    return bool(records) and all(r.subkey is None for r in records)
+
+
 def path_copy(records: Sequence[DHTRecord], lacking: Sequence[PeerInfo], holders: Collection[ID],
               target: int, *, dictionaries: bool = False) -> PeerInfo | None:
     """Where a read leaves a copy of the ``records`` it found (Kademlia's caching along the
-    path): the peer nearest ``target`` that its lookup met lacking them, once someone held them.
-
-    Never a dictionary's (records with subkeys): its subkeys come from many writers, whose later
-    stores go to the replicas, never to a copy on the path; a first-copy read that meets that copy
-    first misses every writer since, for the records' lifetime. Simulated (bench/prefix_freshness.py,
-    1,000 peers, 16 expert servers declaring under one prefix, 4 reads a second): 61.6% of the reads
-    missed a server, 5.4 of them on average, with such copies; none without. A plain value has one
-    writer, and a copy of it is a version of that writer's value until it expires. ``dictionaries``:
-    copy them too, as the DHT did before (the simulator's comparison)."""
-    if not records or not lacking or not holders or (not dictionaries and any(r.subkey is not None for r in records)):
+    path): the peer nearest ``target`` that its lookup met lacking them, once someone held them;
+    never for records that are not :func:`copyable`. ``dictionaries``: copy a dictionary's too,
+    as the DHT did before (the simulator's comparison)."""
+    if not records or not lacking or not holders or not (dictionaries or copyable(records)):
         return None
     return min(lacking, key=lambda p: int(p.dht_id) ^ target)
 

@@ -8,10 +8,10 @@ experts with d rounds of DHT reads of at most ``beam_size`` keys per sample
 (O(k log N) lookups), and only ever among experts that some server declared.
 
 The rounds of a whole batch read the union of its samples' prefixes in one
-``get_many`` (one traversal), past the DHT's own cache of what it read (a
-copy kept for the records' lifetime, 90 s, lacking every server that declared
-under the prefix since: it once hid every live expert of a prefix whose first
-server had died). Every prefix read is cached here for ``cache_ttl``
+``get_many`` (one traversal). The DHT keeps no copy of a dictionary it read
+(:func:`p2p.dht.replication.copyable`: one kept for the records' 90 s, lacking
+every server that declared under the prefix since, once hid every live expert
+of a prefix whose first server had died). Every prefix read is cached here for ``cache_ttl``
 seconds (its records live ``expiration`` on the servers, refreshed every
 ``update_period``), so a warm search reads nothing; a prefix found empty only
 ``empty_ttl`` (servers that start are found soon); a read that fails or times
@@ -21,10 +21,9 @@ A read takes the first copy found, not every replica's merged (``latest``):
 that cost cold searches 2.5-5x (bench/moe.py, 256 experts: p50 105 -> 270 ms,
 and 530 ms with a tenth of the servers dead) against hivemind's 430 ms. The
 first copy is a replica's since reads stopped leaving copies of dictionaries on
-their path (:func:`p2p.dht.replication.path_copy`): such a copy, a snapshot the
-prefix's writers never update, made 61.6% of first-copy reads miss a server
-(bench/prefix_freshness.py: 1,000 simulated peers, 16 servers joining one
-prefix), and none miss one now.
+their path: such a copy, a snapshot the prefix's writers never update, made
+61.6% of first-copy reads miss a server (bench/prefix_freshness.py: 1,000
+simulated peers, 16 servers joining one prefix), and none miss one now.
 
 :func:`select` is the pure step (scores and live prefixes in, beams out);
 :class:`BeamSearcher` does the reads.
@@ -166,7 +165,7 @@ class BeamSearcher:
             self.stats.keys_read += len(keys)
             found: Mapping[KeyLike, ValueWithExpiration | None] = {}
             with trio.move_on_after(self.read_timeout):
-                found = await self.dht.get_many(list(keys), timeout=self.read_timeout, cached=False)
+                found = await self.dht.get_many(list(keys), timeout=self.read_timeout)
             now = time.monotonic()
             if len(self._cache) > 100_000:
                 self._cache.clear()  # bounded; a grid this size is re-read
