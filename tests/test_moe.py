@@ -793,6 +793,29 @@ async def test_a_caller_that_half_closes_after_its_request_still_gets_its_answer
             assert torch.allclose(out, server.backends["ffn.0.0"].module(x), atol=1e-5)
 
 
+async def test_a_server_that_cannot_be_reached_has_every_expert_left_out_after_one_call() -> None:
+    """Incident 4's second part through the client: a call that finds no connection to its server
+    leaves out every expert of that server (a killed server's other experts took the slots of the
+    samples that chose them until each had failed a call of its own); a live server's stay in."""
+    async with swarm("ffn.0.[0:2]", "ffn.1.[0:3]") as sw:
+        live, dead = sw.peers[0].peer_id, sw.peers[1].peer_id
+        async with ExpertClient.open(sw.client) as client:
+            sw.kill(1)
+            (failed,) = await client.call_many([Expert("ffn.1.0", dead)], Kind.FORWARD, [[torch.randn(2, HID)]],
+                                               timeout=5)  # the layer's path
+            assert isinstance(failed, ExpertCallError) and "DialError" in str(failed)
+            assert failed.unreachable and not failed.busy
+            assert all(client.banned(f"ffn.1.{i}", dead) for i in range(3))
+            with pytest.raises(ExpertCallError, match="DialError") as single:
+                await client.forward(Expert("ffn.1.1", dead), torch.randn(2, HID))
+            assert single.value.unreachable
+            assert not client.banned("ffn.0.0", live)
+            assert 29.0 < client.ban_left(Expert("ffn.1.2", dead)) <= 30.0  # ban_time, as the one called
+            results = await client.call_many([Expert("ffn.0.0", live)], Kind.FORWARD, [[torch.randn(2, HID)]],
+                                             timeout=5)
+            assert not isinstance(results[0], ExpertCallError)  # the live server answers on
+
+
 async def test_a_busy_expert_is_left_out_briefly_and_a_broken_one_for_ban_time() -> None:
     """Incident 4 of training/moe/calls.py through the client: an expert whose queue is full answers
     OVERLOADED and is left out ``overload_ban_time`` (a long ban of every busy expert of a small grid

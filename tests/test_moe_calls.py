@@ -12,7 +12,7 @@ import torch
 import trio
 from libp2p.peer.id import ID
 
-from p2p.errors import ConfigError, DedlocError
+from p2p.errors import ConfigError, DedlocError, DialError
 from p2p.multistream import PeerRefused
 from p2p.resources import ResourceLimitExceeded, Scope
 from training.moe.calls import MAX_BANS, CallTable, ClientConfig, new_stream_tries
@@ -130,6 +130,27 @@ def test_4_a_busy_expert_is_left_out_briefly_a_broken_one_long() -> None:
     t.ban("ffn.2", A, ExpertCallError("e"), 400.0)
     assert t.ban_left("ffn.2", A, 410.0) == 20.0 and t.ban_left("ffn.2", A, 430.0) == 0.0  # what an error says
     assert t.ban_left("ffn.3", A, 410.0) == 0.0
+
+
+def test_4_an_unreachable_server_has_every_expert_left_out() -> None:
+    """A call that could not connect to its server (a DialError, wrapped or not) leaves out every
+    expert of that server, as long as the one called; other failures leave out the one alone."""
+    t = table(ban_time=30.0)
+    unreachable = failure(DialError("could not connect to it"), "expert ffn.0", 5.0)
+    assert unreachable.unreachable and t.ban("ffn.0", A, unreachable, 100.0) == 30.0
+    assert t.banned("ffn.7", A, 100.5) and not t.banned("ffn.7", B, 100.5)
+    assert t.ban_left("ffn.7", A, 110.0) == 20.0 and not t.banned("ffn.7", A, 130.0)
+    wrapped = RuntimeError()
+    wrapped.__cause__ = DialError("no route")
+    assert failure(wrapped, "e", 1.0).unreachable
+    for other in (failure(OSError("connection reset"), "e", 1.0), failure(trio.TooSlowError(), "e", 1.0),
+                  status_error("e", Status.FAILED, "boom")):
+        assert not other.unreachable
+        t.ban("ffn.1", B, other, 200.0)
+    assert t.banned("ffn.1", B, 200.5) and not t.banned("ffn.2", B, 200.5)
+    t.ban("ffn.3", B, ExpertCallError("e"), 300.0)  # the later of its own ban and its server's
+    t.ban("ffn.4", B, ExpertCallError("e", unreachable=True), 320.0)
+    assert t.ban_left("ffn.3", B, 325.0) == 25.0
 
 
 def test_4_bans_are_bounded_and_the_oldest_half_forgotten() -> None:

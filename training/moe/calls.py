@@ -25,7 +25,10 @@ replays each in milliseconds:
 4. A long ban of every busy expert of a small grid emptied it: an expert that
    said it was overloaded, or whose node refused the stream over a limit, is
    left out ``overload_ban_time``; one that failed otherwise ``ban_time``
-   (:meth:`CallTable.ban`).
+   (:meth:`CallTable.ban`). A killed server's experts stayed in the searches
+   until each had failed a call of its own, and took slots of the samples that
+   chose them: a call that could not reach its server at all (no connection)
+   leaves out every expert of that server.
 5. A wrong answer's stream was kept for the next call: only a stream whose
    answer was read whole and accepted is kept (the shell calls :meth:`keep`
    only then; the table never keeps a stream it was not given back).
@@ -154,7 +157,8 @@ class CallTable(Generic[S, W, P]):
         self.config = config
         self._servers: dict[ID, _Server[S, W, P]] = {}
         #: (uid, server) -> the time until which it is left out
-        self._bans: dict[tuple[str, ID], float] = {}
+        #: (uid, server) -> when the expert is back; (None, server): every expert of an unreachable server
+        self._bans: dict[tuple[str | None, ID], float] = {}
         #: streams taken out of use since the shell last asked (rule 3)
         self._reset: list[S] = []
 
@@ -292,24 +296,31 @@ class CallTable(Generic[S, W, P]):
     # ------------------------------------------------------------------ bans (rule 4)
 
     def ban(self, uid: str, server: ID, error: ExpertCallError, now: float) -> float:
-        """Leave the expert out of searches after ``error``: the seconds it is left out."""
+        """Leave the expert out of searches after ``error`` (every expert of ``server`` when it was
+        unreachable): the seconds it is left out."""
         if len(self._bans) >= MAX_BANS:  # forget the oldest half
             for key in sorted(self._bans, key=self._bans.__getitem__)[:MAX_BANS // 2]:
                 del self._bans[key]
         seconds = self.config.overload_ban_time if error.busy else self.config.ban_time
         self._bans[(uid, server)] = now + seconds
+        if error.unreachable:
+            self._bans[(None, server)] = now + seconds
         return seconds
 
     def banned(self, uid: str, server: ID, now: float) -> bool:
         return self.ban_left(uid, server, now) > 0
 
     def ban_left(self, uid: str, server: ID, now: float) -> float:
-        """Seconds until the expert is back in searches (0 when it is not left out)."""
-        until = self._bans.get((uid, server))
+        """Seconds until the expert is back in searches (0 when it is not left out): its own ban's
+        or its server's, the later."""
+        return max(self._left((uid, server), now), self._left((None, server), now))
+
+    def _left(self, key: tuple[str | None, ID], now: float) -> float:
+        until = self._bans.get(key)
         if until is None:
             return 0.0
         if until <= now:
-            del self._bans[(uid, server)]
+            del self._bans[key]
             return 0.0
         return until - now
 

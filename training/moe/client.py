@@ -138,10 +138,11 @@ class ExpertClient:
 
     def ban(self, expert: Expert, error: ExpertCallError) -> None:
         """Count ``error`` and leave ``expert`` out of searches (:meth:`CallTable.ban`: briefly when it
-        was busy); call it in the loop."""
+        was busy, with every expert of its server when that was unreachable); call it in the loop."""
         self.stats.failed(str(error), error.timed_out)
         seconds = self._table.ban(expert.uid, expert.peer_id, error, trio.current_time())
-        log.info("expert %s left out for %.0f s: %s", expert, seconds, error)
+        log.info("expert %s%s left out for %.0f s: %s", expert, " and every expert of its server (unreachable)"
+                 if error.unreachable else "", seconds, error)
 
     # ------------------------------------------------------------------ calls
 
@@ -308,8 +309,8 @@ class ExpertClient:
                     results = await self._join(server, kind, _Part(experts, tensors, rows), timeout)
         except Exception as e:  # the stream's own errors too (reset, a dial's failure): the server is unreachable
             error = failure(e, what, timeout)
-            results = [ExpertCallError(f"expert {expert}: {error}", busy=error.busy, timed_out=error.timed_out)
-                       for expert in experts]
+            results = [ExpertCallError(f"expert {expert}: {error}", busy=error.busy, timed_out=error.timed_out,
+                                       unreachable=error.unreachable) for expert in experts]
         for expert, result in zip(experts, results):
             if isinstance(result, ExpertCallError):
                 self.ban(expert, result)

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import TypeAlias, TypeVar
 
 import torch
 import trio
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
-from p2p.errors import DedlocError
+from p2p.errors import DedlocError, DialError
 from p2p.multistream import PeerRefused
 
 from ..proto import moe_pb2 as pb
@@ -56,13 +56,17 @@ class ExpertCallError(DedlocError):
 
     ``timed_out``: no answer within the call's timeout. ``busy``: the expert said it was overloaded,
     or its node refused the stream over a resource limit: busy, not broken (it is left out of
-    searches for a short while, not a long one).
+    searches for a short while, not a long one). ``unreachable``: no connection to its server could
+    be made (a :class:`~p2p.errors.DialError`): every expert of that server is left out, not this
+    one alone.
     """
 
-    def __init__(self, message: str, *, busy: bool = False, timed_out: bool = False) -> None:
+    def __init__(self, message: str, *, busy: bool = False, timed_out: bool = False,
+                 unreachable: bool = False) -> None:
         super().__init__(message)
         self.busy = busy
         self.timed_out = timed_out
+        self.unreachable = unreachable
 
 
 class MoEError(DedlocError):
@@ -144,20 +148,30 @@ def failure(e: BaseException, what: str, timeout: float) -> ExpertCallError:
         return e
     if isinstance(e, trio.TooSlowError):
         return ExpertCallError(f"{what}: no answer within {timeout:.1f} s", timed_out=True)
-    return ExpertCallError(f"{what}: {describe(e)}", busy=refused_busy(e))
+    return ExpertCallError(f"{what}: {describe(e)}", busy=refused_busy(e),
+                           unreachable=_in_chain(e, DialError) is not None)
 
 
 def refused_busy(e: BaseException) -> bool:
     """``e`` is, or was caused by, a refusal over a resource limit of the server's node (busy, not
     broken; py-libp2p may wrap it)."""
+    refusal = _in_chain(e, PeerRefused)
+    return refusal is not None and refusal.busy
+
+
+E = TypeVar("E", bound=BaseException)
+
+
+def _in_chain(e: BaseException, kind: type[E]) -> E | None:
+    """``e`` or its cause or context (or theirs: three deep, as py-libp2p wraps), if of ``kind``."""
     seen: BaseException | None = e
     for _ in range(3):
         if seen is None:
             break
-        if isinstance(seen, PeerRefused):
-            return seen.busy
+        if isinstance(seen, kind):
+            return seen
         seen = seen.__cause__ or seen.__context__
-    return False
+    return None
 
 
 def describe(e: BaseException) -> str:
