@@ -816,6 +816,31 @@ async def test_a_server_that_cannot_be_reached_has_every_expert_left_out_after_o
             assert not isinstance(results[0], ExpertCallError)  # the live server answers on
 
 
+async def test_the_search_passes_over_a_prefix_that_only_unreachable_servers_declared() -> None:
+    """With one prefix kept per dimension, a sample whose gate prefers a row whose only server died
+    would end with no expert at all (the error for the whole batch): once a call found that server
+    unreachable, the search passes over its prefix and keeps the next."""
+    async with swarm("ffn.0.[0:2]", "ffn.1.[0:2]") as sw:
+        dead = sw.peers[0].peer_id
+        async with ExpertClient.open(sw.client) as client:
+            layer = RemoteMixtureOfExperts(client, in_features=HID, grid_size=(2, 2), uid_prefix="ffn",
+                                           config=MoEConfig(k_best=1, beam_size=1, forward_timeout=5.0))
+            with torch.no_grad():
+                layer.gate.weight.zero_()
+                layer.gate.bias.copy_(torch.tensor([10.0, 0.0, 5.0, 0.0]))  # row 0 first, then column 0
+            x = torch.randn(2, HID)
+            await client.run(lambda: layer(x))
+            assert layer.last_report is not None and layer.last_report.answered == 1
+            sw.kill(0)
+            (failed,) = await client.call_many([Expert("ffn.0.0", dead)], Kind.FORWARD, [[x]], timeout=5)
+            assert isinstance(failed, ExpertCallError) and failed.unreachable
+            y = await client.run(lambda: layer(x))
+            assert y.shape == (2, HID) and layer.last_report is not None and not layer.last_report.failed
+            with torch.no_grad():
+                want = sw.servers[1].backends["ffn.1.0"].module(x)
+            assert torch.allclose(y, want, atol=1e-5)  # row 1's best, the one expert each sample has
+
+
 async def test_a_busy_expert_is_left_out_briefly_and_a_broken_one_for_ban_time() -> None:
     """Incident 4 of training/moe/calls.py through the client: an expert whose queue is full answers
     OVERLOADED and is left out ``overload_ban_time`` (a long ban of every busy expert of a small grid

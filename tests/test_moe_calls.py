@@ -139,7 +139,8 @@ def test_4_an_unreachable_server_has_every_expert_left_out() -> None:
     unreachable = failure(DialError("could not connect to it"), "expert ffn.0", 5.0)
     assert unreachable.unreachable and t.ban("ffn.0", A, unreachable, 100.0) == 30.0
     assert t.banned("ffn.7", A, 100.5) and not t.banned("ffn.7", B, 100.5)
-    assert t.ban_left("ffn.7", A, 110.0) == 20.0 and not t.banned("ffn.7", A, 130.0)
+    assert t.ban_left("ffn.7", A, 110.0) == 20.0 and t.unreachable(A, 110.0) and not t.unreachable(B, 110.0)
+    assert not t.banned("ffn.7", A, 130.0) and not t.unreachable(A, 130.0)
     wrapped = RuntimeError()
     wrapped.__cause__ = DialError("no route")
     assert failure(wrapped, "e", 1.0).unreachable
@@ -147,7 +148,7 @@ def test_4_an_unreachable_server_has_every_expert_left_out() -> None:
                   status_error("e", Status.FAILED, "boom")):
         assert not other.unreachable
         t.ban("ffn.1", B, other, 200.0)
-    assert t.banned("ffn.1", B, 200.5) and not t.banned("ffn.2", B, 200.5)
+    assert t.banned("ffn.1", B, 200.5) and not t.banned("ffn.2", B, 200.5) and not t.unreachable(B, 200.5)
     t.ban("ffn.3", B, ExpertCallError("e"), 300.0)  # the later of its own ban and its server's
     t.ban("ffn.4", B, ExpertCallError("e", unreachable=True), 320.0)
     assert t.ban_left("ffn.3", B, 325.0) == 25.0

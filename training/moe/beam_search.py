@@ -25,6 +25,11 @@ their path: such a copy, a snapshot the prefix's writers never update, made
 61.6% of first-copy reads miss a server (bench/prefix_freshness.py: 1,000
 simulated peers, 16 servers joining one prefix), and none miss one now.
 
+Experts banned after a failed call (``usable``) are left out at the last
+dimension; before it, a prefix that only unreachable servers declared
+(``reachable``: a call found no connection to them) is passed over, so that a
+sample's beams do not end with no expert where another row has live ones.
+
 :func:`select` is the pure step (scores and live prefixes in, beams out);
 :class:`BeamSearcher` does the reads.
 """
@@ -40,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 import trio
 from google.protobuf.message import DecodeError
+from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
 from nat.swarm import Records
@@ -131,7 +137,8 @@ class BeamSearcher:
 
     def __init__(self, dht: Records, prefix: str, grid_size: Sequence[int], *, cache_ttl: float = 15.0,
                  empty_ttl: float = 2.0, read_timeout: float = 5.0,
-                 usable: Callable[[Expert], bool] | None = None) -> None:
+                 usable: Callable[[Expert], bool] | None = None,
+                 reachable: Callable[[ID], bool] | None = None) -> None:
         self.dht = dht
         self.prefix = prefix
         self.grid_size = tuple(grid_size)
@@ -140,6 +147,9 @@ class BeamSearcher:
         self.empty_ttl = min(empty_ttl, cache_ttl)
         self.read_timeout = read_timeout
         self.usable = usable
+        #: whether a server can be reached: a prefix only unreachable servers declared is passed over
+        #: before the last dimension (its beam would end with no expert)
+        self.reachable = reachable
         #: prefix coords -> (what it holds, monotonic time read)
         self._cache: dict[tuple[int, ...], tuple[Successors, float]] = {}
         self.stats = SearchStats()
@@ -190,13 +200,18 @@ class BeamSearcher:
         self.stats.searches += 1
         outcome = self.last = SearchOutcome()
         usable = None if self.usable is None else functools.partial(_noting, self.usable, outcome.left_out)
+        reachable = None if self.reachable is None else functools.partial(_noting, self._reaches, outcome.left_out)
         for dim in range(len(self.grid_size)):
             last = dim == len(self.grid_size) - 1
             wanted = [b.coords for sample in beams for b in sample]
             live = await self.successors(wanted, outcome)
             beams = [select(scores[dim][i], beams[i], live, k if last else width,
-                            usable if last else None, self.prefix if last else None) for i in range(batch)]
+                            usable if last else reachable, self.prefix if last else None) for i in range(batch)]
         return beams
+
+    def _reaches(self, expert: Expert) -> bool:
+        assert self.reachable is not None
+        return self.reachable(expert.peer_id)
 
     def forget(self) -> None:
         self._cache.clear()

@@ -315,6 +315,10 @@ class CallTable(Generic[S, W, P]):
         or its server's, the later."""
         return max(self._left((uid, server), now), self._left((None, server), now))
 
+    def unreachable(self, server: ID, now: float) -> bool:
+        """Whether every expert of ``server`` is left out now (a call found no connection to it)."""
+        return self._left((None, server), now) > 0
+
     def _left(self, key: tuple[str | None, ID], now: float) -> float:
         until = self._bans.get(key)
         if until is None:

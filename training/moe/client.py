@@ -132,6 +132,10 @@ class ExpertClient:
         """Whether the expert is left out of searches now (call it in the loop)."""
         return self._table.banned(uid, peer_id, trio.current_time())
 
+    def unreachable(self, peer_id: ID) -> bool:
+        """Whether every expert of server ``peer_id`` is left out now, as unreachable (in the loop)."""
+        return self._table.unreachable(peer_id, trio.current_time())
+
     def ban_left(self, expert: Expert) -> float:
         """Seconds until ``expert`` is back in searches (0 when it is not left out); in the loop."""
         return self._table.ban_left(expert.uid, expert.peer_id, trio.current_time())

@@ -216,7 +216,8 @@ class RemoteMixtureOfExperts(torch.nn.Module):
         self.grid_size = tuple(grid_size)
         self.gate = torch.nn.Linear(in_features, sum(self.grid_size))
         self.searcher = BeamSearcher(client.peer.dht, uid_prefix, self.grid_size, cache_ttl=self.config.cache_ttl,
-                                     usable=lambda e: not client.banned(e.uid, e.peer_id))
+                                     usable=lambda e: not client.banned(e.uid, e.peer_id),
+                                     reachable=lambda p: not client.unreachable(p))
         self.last_report: CallReport | None = None
         self.last_backward: CallReport | None = None
 
