@@ -6,6 +6,9 @@ edge and show the message: every message says what went wrong *and* what to do.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+E = TypeVar("E", bound=BaseException)
 
 #: How the gate's refusal of a stream begins (the reason follows): what the opener recognises.
 UNAUTHENTICATED = "unauthenticated: "
@@ -60,3 +63,17 @@ class RemoteProtocolError(DedlocError):
     that callers can tell a faulty or hostile peer (leave it out, try another)
     from a broken local setup (a :class:`ConfigError`, a missing route).
     """
+
+
+def cause_of(error: BaseException, kind: type[E], depth: int) -> E | None:
+    """``error`` or the first of its causes (or contexts), ``depth`` looked at in all, that is a
+    ``kind``: py-libp2p wraps our errors, once or twice, in its own bare ones."""
+    seen: BaseException | None = error
+    for _ in range(depth):
+        if seen is None:
+            return None
+        if isinstance(seen, kind):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+

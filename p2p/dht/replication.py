@@ -51,7 +51,7 @@ def path_copy(records: Sequence[DHTRecord], lacking: Sequence[PeerInfo], holders
     as the DHT did before (the simulator's comparison)."""
     if not records or not lacking or not holders or not (dictionaries or copyable(records)):
         return None
-    return min(lacking, key=lambda p: int(p.dht_id) ^ target)
+    return min(lacking, key=lambda p: p.dht_id.xor_distance(target))
 
 
 def hand_over(table: RoutingTable, storage: LocalStore, peers: Iterable[ID], *, replicas: int, now: float,

@@ -13,6 +13,7 @@ import trio
 from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
 
+from ..errors import cause_of
 from ..multistream import PeerRefused
 from .errors import PeerDisconnectedError, ResourceLimitError
 from .framing import Decoded, FrameDecoder
@@ -38,14 +39,7 @@ _READ_ERRORS: tuple[type[BaseException], ...] = (PeerRefused, *TRANSPORT_ERRORS)
 
 def _refusal(error: BaseException) -> PeerRefused | None:
     """The peer's refusal of the stream (over one of its limits) behind a read's error, if any."""
-    seen: BaseException | None = error
-    for _ in range(4):  # py-libp2p wraps it once or twice
-        if seen is None:
-            return None
-        if isinstance(seen, PeerRefused):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
+    return cause_of(error, PeerRefused, 4)
 
 
 class RpcStream(Protocol):

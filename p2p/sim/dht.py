@@ -551,13 +551,13 @@ class DHTSim:
                         first_found=not latest, found=found)
 
         def done(stalled: bool) -> None:
-            value = found.found(key, self.wall())
-            records = found.records_at(key, self.wall())
-            nearest = path_copy(records, search.lacking, search.holders, int(search.lookup.target),
-                                dictionaries=copy_dictionaries) if leave_copy else None
-            if nearest is not None:
-                self.store_at(peer, nearest.peer_id, records, lambda ok: None)
-            finished(self.now - started, value, stalled)
+            if leave_copy:
+                records = found.records_at(key, self.wall())
+                nearest = path_copy(records, search.lacking, search.holders, int(search.lookup.target),
+                                    dictionaries=copy_dictionaries)
+                if nearest is not None:
+                    self.store_at(peer, nearest.peer_id, records, lambda ok: None)
+            finished(self.now - started, found.found(key, self.wall()), stalled)
 
         self.traverse(peer, [search], done)
 

@@ -200,7 +200,9 @@ class BeamSearcher:
         self.stats.searches += 1
         outcome = self.last = SearchOutcome()
         usable = None if self.usable is None else functools.partial(_noting, self.usable, outcome.left_out)
-        reachable = None if self.reachable is None else functools.partial(_noting, self._reaches, outcome.left_out)
+        reaches = self.reachable
+        reachable = None if reaches is None else functools.partial(_noting, lambda e: reaches(e.peer_id),
+                                                                    outcome.left_out)
         for dim in range(len(self.grid_size)):
             last = dim == len(self.grid_size) - 1
             wanted = [b.coords for sample in beams for b in sample]
@@ -208,10 +210,6 @@ class BeamSearcher:
             beams = [select(scores[dim][i], beams[i], live, k if last else width,
                             usable if last else reachable, self.prefix if last else None) for i in range(batch)]
         return beams
-
-    def _reaches(self, expert: Expert) -> bool:
-        assert self.reachable is not None
-        return self.reachable(expert.peer_id)
 
     def forget(self) -> None:
         self._cache.clear()

@@ -156,7 +156,6 @@ class CallTable(Generic[S, W, P]):
     def __init__(self, config: ClientConfig) -> None:
         self.config = config
         self._servers: dict[ID, _Server[S, W, P]] = {}
-        #: (uid, server) -> the time until which it is left out
         #: (uid, server) -> when the expert is back; (None, server): every expert of an unreachable server
         self._bans: dict[tuple[str | None, ID], float] = {}
         #: streams taken out of use since the shell last asked (rule 3)

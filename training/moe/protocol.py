@@ -14,14 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeAlias, TypeVar
+from typing import TypeAlias
 
 import torch
 import trio
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
-from p2p.errors import DedlocError, DialError
+from p2p.errors import DedlocError, DialError, cause_of
 from p2p.multistream import PeerRefused
 
 from ..proto import moe_pb2 as pb
@@ -149,29 +149,14 @@ def failure(e: BaseException, what: str, timeout: float) -> ExpertCallError:
     if isinstance(e, trio.TooSlowError):
         return ExpertCallError(f"{what}: no answer within {timeout:.1f} s", timed_out=True)
     return ExpertCallError(f"{what}: {describe(e)}", busy=refused_busy(e),
-                           unreachable=_in_chain(e, DialError) is not None)
+                           unreachable=cause_of(e, DialError, 3) is not None)
 
 
 def refused_busy(e: BaseException) -> bool:
     """``e`` is, or was caused by, a refusal over a resource limit of the server's node (busy, not
     broken; py-libp2p may wrap it)."""
-    refusal = _in_chain(e, PeerRefused)
+    refusal = cause_of(e, PeerRefused, 3)
     return refusal is not None and refusal.busy
-
-
-E = TypeVar("E", bound=BaseException)
-
-
-def _in_chain(e: BaseException, kind: type[E]) -> E | None:
-    """``e`` or its cause or context (or theirs: three deep, as py-libp2p wraps), if of ``kind``."""
-    seen: BaseException | None = e
-    for _ in range(3):
-        if seen is None:
-            break
-        if isinstance(seen, kind):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
 
 
 def describe(e: BaseException) -> str:
