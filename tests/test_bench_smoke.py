@@ -279,3 +279,22 @@ def test_prefix_freshness_bench_finds_the_path_copies_misses_and_none_now(tmp_pa
     assert runs["first copy, as before"]["reads_missing"] > 0
     assert runs["first copy, the DHT now"]["reads_missing"] == runs["merged (latest)"]["reads_missing"] == 0
 
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_gpu_session_script_runs_its_steps_at_cpu_sizes(tmp_path: Path) -> None:
+    """bench/gpu_session.sh, the one prepared run of a lent GPU machine, with this interpreter's packages
+    and at CPU sizes: each step's command still takes the options the script gives it (a bench's renamed
+    option fails here, not in the machine's 15 minutes), and each writes what the GPU issue reads."""
+    import os
+
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, GPU_SESSION_DEVICE="cpu",
+               GPU_SESSION_INSTALL="0", GPU_SESSION_MOE_SYSTEMS="dedloc")
+    result = subprocess.run(["bash", str(ROOT / "bench" / "gpu_session.sh"), "env", "tests", "allreduce", "moe"],
+                            env=env, capture_output=True, text=True, timeout=220)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    summary = (tmp_path / "summary.txt").read_text()
+    assert all(f"{step} rc=0" in summary for step in ("env", "tests", "allreduce", "moe")), summary
+    assert json.loads((tmp_path / "allreduce_speed.json").read_text())["two_peers"]["seconds"] > 0
+    assert json.loads((tmp_path / "moe_gpu.json").read_text())["dedloc"]["samples_per_s"] > 0

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The GPU issue's measurements in one prepared run on a lent machine ("What a GPU volunteer gets").
+#
+# Here first: bash bench/gpu_wheels.sh (the wheels the machine cannot fetch, into .whl/). Then one call
+# of the device tool:
+#   run(command="bash bench/gpu_session.sh", carry=[".whl"], timeout_s=540)
+# Each step writes its log and JSON under $OUT as it ends, so a call stopped at its limit still brings
+# back the steps that finished; a rerun names only the steps it wants:
+#   run(command="bash bench/gpu_session.sh moe", carry=[".whl"], timeout_s=300)
+#
+# Steps (in this order by default; each under its own time limit):
+#   env        the card, the driver, torch, the cores (nvidia-smi, torch.cuda)
+#   tests      the CUDA-only tests and the Noise and staging tests (pytest)
+#   training   bench/gpu_training.py: alone, 2 peers synchronous, 2 peers with delayed updates
+#   allreduce  bench/allreduce_speed.py: 2 peers, 40 and 400 MB, against the data plane and gloo
+#   moe        bench/moe_gpu.py: one expert server on the GPU, dedloc's against hivemind's
+#
+# A rehearsal on a CPU (the same installs and commands at small sizes): bash bench/gpu_wheels.sh 3.11,
+# then GPU_SESSION_DEVICE=cpu PYTHON=<a Python with torch, numpy, scipy and pytest> bash bench/gpu_session.sh
+# GPU_SESSION_INSTALL=0 uses PYTHON's own packages instead of the wheels, and GPU_SESSION_MOE_SYSTEMS=dedloc
+# leaves hivemind out: tests/test_bench_smoke.py runs the steps so with .venv's Python, so that a bench's
+# renamed option fails here and not on the machine's time.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}
+PY=${PYTHON:-python3}
+DEVICE=${GPU_SESSION_DEVICE:-cuda}
+SITE=${GPU_SESSION_SITE:-/tmp/dedloc-site}
+MOE_SYSTEMS=${GPU_SESSION_MOE_SYSTEMS:-dedloc,hivemind}
+STEPS=("$@")
+[[ ${#STEPS[@]} -gt 0 ]] || STEPS=(env tests training allreduce moe)
+mkdir -p "$OUT"
+SUMMARY=$OUT/summary.txt
+FAILED=()
+
+install() {  # install NAME: .whl/both and .whl/NAME into $SITE/NAME, once
+    [[ -f $SITE/$1/.done ]] && return 0
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE/$1" \
+        .whl/both/*.whl ".whl/$1"/*.whl && touch "$SITE/$1/.done"
+}
+
+step() {  # step NAME LIMIT_S COMMAND...: the command's output in $OUT/NAME.log; its status and time in the summary
+    local name=$1 limit=$2; shift 2
+    local start=$SECONDS
+    echo "== $name (limit ${limit}s): $*"
+    timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    [[ $rc == 0 ]] || FAILED+=("$name")
+    echo "$name rc=$rc ${limit}s-limit $((SECONDS - start))s" | tee -a "$SUMMARY"
+    tail -n 25 "$OUT/$name.log"
+}
+
+if [[ ${GPU_SESSION_INSTALL:-1} == 0 ]]; then
+    export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+elif install dedloc && install hivemind; then
+    export PYTHONPATH=$PWD:$SITE/dedloc PYTHONUNBUFFERED=1
+else
+    echo "gpu_session: the wheels did not install: run bash bench/gpu_wheels.sh here and carry .whl" >&2
+    exit 2
+fi
+echo "gpu_session: $(date -u +%FT%TZ), device $DEVICE, steps ${STEPS[*]}" | tee -a "$SUMMARY"
+
+if [[ $DEVICE == cpu ]]; then  # a rehearsal: every step at a size a CPU does in seconds
+    TRAINING=(--device cpu --size tiny --micro 4 --seq 32 --target 32 --steps 2 --dpu-steps 3 --timeout 150)
+    ALLREDUCE=(--peers 2 --mbytes 4 --rounds 1 --data-plane-mib 16)
+    MOE=(--device cpu --hidden 64 --experts 2 --batches 16 --clients 1 --callers 1 --seconds 2 --repeats 1 --timeout 60)
+    TESTS=(-x -q tests/test_averaging_core.py -k "device or pool")
+else
+    TRAINING=()
+    ALLREDUCE=(--peers 2 --mbytes 40,400 --rounds 3)
+    MOE=(--device cuda --batches 64,1024 --clients 8 --callers 4 --seconds 10 --repeats 2)
+    TESTS=(-q tests/test_averaging_core.py tests/test_noise.py tests/test_cli.py -k "cuda or device or pool or refuses or noise or seal")
+fi
+
+for name in "${STEPS[@]}"; do
+    case $name in
+    env)
+        step env 60 bash -c "nvidia-smi; nproc; free -g; \"$PY\" -c 'import sys, torch; print(sys.version);
+print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name())'" ;;
+    tests)
+        step tests 180 "$PY" -m pytest -p no:cacheprovider "${TESTS[@]}" ;;
+    training)
+        step training 330 "$PY" bench/gpu_training.py "${TRAINING[@]}" --json "$OUT/gpu_training.json" ;;
+    allreduce)
+        step allreduce 240 "$PY" bench/allreduce_speed.py "${ALLREDUCE[@]}" --json "$OUT/allreduce_speed.json" ;;
+    moe)
+        step moe 300 "$PY" bench/moe_gpu.py "${MOE[@]}" --systems "$MOE_SYSTEMS" --python-dedloc "$PY" --python-hivemind "$PY" \
+            --path-dedloc "$SITE/dedloc" --path-hivemind "$SITE/hivemind" --json "$OUT/moe_gpu.json" ;;
+    *)
+        echo "gpu_session: no step $name (env tests training allreduce moe)" >&2; exit 2 ;;
+    esac
+done
+echo "gpu_session: done $(date -u +%FT%TZ)${FAILED[*]:+, failed: ${FAILED[*]}}" | tee -a "$SUMMARY"
+[[ ${#FAILED[@]} == 0 ]]
