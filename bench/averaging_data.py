@@ -65,4 +65,6 @@ def worker_parser(doc: str | None) -> argparse.ArgumentParser:
     parser.add_argument("--chunk-elements", type=int, default=None, help="dedloc: AllreduceConfig.chunk_elements")
     parser.add_argument("--check-stride", type=int, default=1, help="check every n-th value of the result")
     parser.add_argument("--max-chunks-ahead", type=int, default=None, help="dedloc: AllreduceConfig.max_chunks_ahead")
+    parser.add_argument("--crypto-threads", type=int, default=None,
+                        help="dedloc: NoiseConfig.crypto_threads (default: chosen by the cores)")
     return parser

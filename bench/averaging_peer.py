@@ -51,6 +51,7 @@ from nat import Peer, PeerConfig  # noqa: E402
 from nat.autorelay import AutoRelayConfig  # noqa: E402
 from p2p.dht.events import DHTMode  # noqa: E402
 from p2p.hooks import Reachability  # noqa: E402
+from p2p.noise import NoiseConfig  # noqa: E402
 
 MBIT = 1e6 / 8  # bytes per second
 READY_WAIT_S = 60.0
@@ -58,9 +59,11 @@ READY_WAIT_S = 60.0
 PROFILE = os.environ.get("DEDLOC_BENCH_PROFILE")
 
 
-def peer_config(listen: str, initial: list[str], boot: bool) -> PeerConfig:
-    return PeerConfig.loopback(relay=boot, initial_peers=initial, listen=listen, dht=DHTMode.SERVER, exchange=False,
-                               bootstrap_timeout=30.0, autorelay=AutoRelayConfig(enabled=False))
+def peer_config(listen: str, initial: list[str], boot: bool, crypto_threads: int | None = None) -> PeerConfig:
+    config = PeerConfig.loopback(relay=boot, initial_peers=initial, listen=listen, dht=DHTMode.SERVER, exchange=False,
+                                 bootstrap_timeout=30.0, autorelay=AutoRelayConfig(enabled=False))
+    config.node.noise = NoiseConfig(crypto_threads=crypto_threads)
+    return config
 
 
 class Lines:
@@ -132,7 +135,7 @@ def tuning(args: argparse.Namespace) -> dict[str, int]:
 
 async def main(args: argparse.Namespace) -> None:
     lines = Lines(sys.stdout)
-    async with Peer.open(peer_config(args.listen, args.initial_peers, args.boot)) as peer:
+    async with Peer.open(peer_config(args.listen, args.initial_peers, args.boot, args.crypto_threads)) as peer:
         me = str(peer.peer_id)
         if args.boot:
             lines.send({"ready": True, "addrs": [str(a) for a in peer.addrs], "peer_id": me})

@@ -12,7 +12,9 @@
 #   env        the card, the driver, torch, the cores (nvidia-smi, torch.cuda)
 #   tests      the CUDA-only tests and the Noise and staging tests (pytest)
 #   training   bench/gpu_training.py: alone, 2 peers synchronous, 2 peers with delayed updates
-#   allreduce  bench/allreduce_speed.py: 2 peers, 40 and 400 MB, against the data plane and gloo
+#   allreduce  bench/allreduce_speed.py: 2 peers, 40 and 400 MB, against the data plane and gloo, each node
+#              sealing and opening on the crypto threads its cores allow (p2p.noise.crypto_threads_for)
+#   allreduce-loop  the same at 400 MB with every node's crypto on its event loop (--crypto-threads 0)
 #   moe        bench/moe_gpu.py: one expert server on the GPU, dedloc's against hivemind's
 #
 # A rehearsal on a CPU (the same installs and commands at small sizes): bash bench/gpu_wheels.sh 3.11,
@@ -28,7 +30,7 @@ DEVICE=${GPU_SESSION_DEVICE:-cuda}
 SITE=${GPU_SESSION_SITE:-/tmp/dedloc-site}
 MOE_SYSTEMS=${GPU_SESSION_MOE_SYSTEMS:-dedloc,hivemind}
 STEPS=("$@")
-[[ ${#STEPS[@]} -gt 0 ]] || STEPS=(env tests training allreduce moe)
+[[ ${#STEPS[@]} -gt 0 ]] || STEPS=(env tests training allreduce allreduce-loop moe)
 mkdir -p "$OUT"
 SUMMARY=$OUT/summary.txt
 FAILED=()
@@ -63,13 +65,16 @@ echo "gpu_session: $(date -u +%FT%TZ), device $DEVICE, steps ${STEPS[*]}" | tee 
 if [[ $DEVICE == cpu ]]; then  # a rehearsal: every step at a size a CPU does in seconds
     TRAINING=(--device cpu --size tiny --micro 4 --seq 32 --target 32 --steps 2 --dpu-steps 3 --timeout 150)
     ALLREDUCE=(--peers 2 --mbytes 4 --rounds 1 --data-plane-mib 16)
+    LOOP=(--peers 2 --mbytes 4 --rounds 1 --data-plane-mib 16 --no-gloo --crypto-threads 0)
     MOE=(--device cpu --hidden 64 --experts 2 --batches 16 --clients 1 --callers 1 --seconds 2 --repeats 1 --timeout 60)
     TESTS=(-x -q tests/test_averaging_core.py -k "device or pool")
 else
     TRAINING=()
     ALLREDUCE=(--peers 2 --mbytes 40,400 --rounds 3)
+    LOOP=(--peers 2 --mbytes 400 --rounds 3 --no-gloo --crypto-threads 0)
     MOE=(--device cuda --batches 64,1024 --clients 8 --callers 4 --seconds 10 --repeats 2)
-    TESTS=(-q tests/test_averaging_core.py tests/test_noise.py tests/test_cli.py -k "cuda or device or pool or refuses or noise or seal")
+    TESTS=(-q tests/test_averaging_core.py tests/test_noise.py tests/test_node.py tests/test_cli.py
+           -k "cuda or device or pool or refuses or noise or seal")
 fi
 
 for name in "${STEPS[@]}"; do
@@ -83,11 +88,13 @@ print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_
         step training 330 "$PY" bench/gpu_training.py "${TRAINING[@]}" --json "$OUT/gpu_training.json" ;;
     allreduce)
         step allreduce 240 "$PY" bench/allreduce_speed.py "${ALLREDUCE[@]}" --json "$OUT/allreduce_speed.json" ;;
+    allreduce-loop)
+        step allreduce-loop 150 "$PY" bench/allreduce_speed.py "${LOOP[@]}" --json "$OUT/allreduce_loop.json" ;;
     moe)
         step moe 300 "$PY" bench/moe_gpu.py "${MOE[@]}" --systems "$MOE_SYSTEMS" --python-dedloc "$PY" --python-hivemind "$PY" \
             --path-dedloc "$SITE/dedloc" --path-hivemind "$SITE/hivemind" --json "$OUT/moe_gpu.json" ;;
     *)
-        echo "gpu_session: no step $name (env tests training allreduce moe)" >&2; exit 2 ;;
+        echo "gpu_session: no step $name (env tests training allreduce allreduce-loop moe)" >&2; exit 2 ;;
     esac
 done
 echo "gpu_session: done $(date -u +%FT%TZ)${FAILED[*]:+, failed: ${FAILED[*]}}" | tee -a "$SUMMARY"

@@ -46,6 +46,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from p2p import Node, NodeConfig  # noqa: E402
+from p2p.noise import NoiseConfig  # noqa: E402
 from nat.circuit import RelayClient  # noqa: E402
 from nat.lab import cpu_seconds  # noqa: E402
 from p2p.noise import NoiseCodec  # noqa: E402
@@ -91,7 +92,7 @@ def _sealed(stream: trio.SocketStream, codec: NoiseCodec):
 # ---------------------------------------------------------------- receiver process
 
 
-async def serve(relay: str | None) -> None:
+async def serve(relay: str | None, noise: NoiseConfig) -> None:
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
 
     async def on_tcp(stream: trio.SocketStream) -> None:
@@ -109,7 +110,7 @@ async def serve(relay: str | None) -> None:
         tcp_port = listeners[0].socket.getsockname()[1]
         listeners = await nursery.start(functools.partial(trio.serve_tcp, on_sealed, 0, host="127.0.0.1"))
         sealed_port = listeners[0].socket.getsockname()[1]
-        async with Node.open(NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"])) as node:
+        async with Node.open(NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], noise=noise)) as node:
 
             async def on_stream(stream) -> None:
                 await _sink(stream.read, stream.write)
@@ -133,7 +134,7 @@ async def serve(relay: str | None) -> None:
 # ---------------------------------------------------------------- sender
 
 
-async def bench(total_mib: int, streams: int, relayed: bool) -> dict[str, float]:
+async def bench(total_mib: int, streams: int, relayed: bool, noise: NoiseConfig) -> dict[str, float]:
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     total = total_mib * 1024 * 1024
     results: dict[str, float] = {}
@@ -144,7 +145,8 @@ async def bench(total_mib: int, streams: int, relayed: bool) -> dict[str, float]
         relay_proc, relay = await start_relay()
         relay_args = ["--relay", relay]
     proc = await trio.lowlevel.open_process(
-        [sys.executable, __file__, "--serve", "--chunk-kib", str(CHUNK // 1024), *relay_args],
+        [sys.executable, __file__, "--serve", "--chunk-kib", str(CHUNK // 1024), *relay_args,
+         *(["--crypto-threads", str(noise.crypto_threads)] if noise.crypto_threads is not None else [])],
         stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
     )
     try:
@@ -181,7 +183,7 @@ async def bench(total_mib: int, streams: int, relayed: bool) -> dict[str, float]
         await timed("sealed_1", lambda: sealed_tcp(total))
         await timed(f"sealed_{streams}", lambda: parallel(sealed_tcp, streams))
 
-        async with Node.open(NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"])) as node:
+        async with Node.open(NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], noise=noise)) as node:
             peer = await node.connect(info["node"])
 
             async def node_stream(size: int) -> None:
@@ -194,7 +196,7 @@ async def bench(total_mib: int, streams: int, relayed: bool) -> dict[str, float]
             await timed(f"node_{streams}", lambda: parallel(node_stream, streams))
 
         if info["circuit"]:
-            async with Node.open(NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"])) as node:
+            async with Node.open(NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], noise=noise)) as node:
                 RelayClient(node).install()
                 peer = await node.connect(info["circuit"])
 
@@ -222,14 +224,16 @@ def main() -> None:
     parser.add_argument("--chunk-kib", type=int, default=CHUNK // 1024, help="write size (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     parser.add_argument("--no-relay", action="store_true", help="skip the relayed case")
+    parser.add_argument("--crypto-threads", type=int, default=None,
+                        help="NoiseConfig.crypto_threads of both nodes (default: chosen by the cores)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--relay", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     CHUNK = args.chunk_kib * 1024
     if args.serve:
-        trio.run(serve, args.relay)
+        trio.run(serve, args.relay, NoiseConfig(crypto_threads=args.crypto_threads))
         return
-    r = trio.run(bench, args.mib, args.streams, not args.no_relay)
+    r = trio.run(bench, args.mib, args.streams, not args.no_relay, NoiseConfig(crypto_threads=args.crypto_threads))
     n = args.streams
     for path in ("sealed", "node"):
         for k in (1, n):

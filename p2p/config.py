@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .addresses import parse_multiaddr, parse_peer_addr
 from .errors import ConfigError
+from .noise import NoiseConfig
 from .resources import ResourceConfig
 from .yamux import YamuxConfig
 
@@ -46,6 +47,8 @@ class NodeConfig:
     rpc_timeout: float = 30.0
     #: Stream multiplexing limits: windows, write timeout, keepalive, stream caps.
     yamux: YamuxConfig = field(default_factory=YamuxConfig)
+    #: Where connections seal and open their bytes: the event loop, or worker threads on a host with cores to spare.
+    noise: NoiseConfig = field(default_factory=NoiseConfig)
     #: Every limit on what peers may take (``p2p/resources.py``): admission before the handshake,
     #: connections, streams and bytes in flight per peer and in all, request rates per service.
     resources: ResourceConfig = field(default_factory=ResourceConfig)
@@ -72,6 +75,7 @@ class NodeConfig:
             raise ConfigError(f"dial_stagger and dial_stagger_local must be >= 0, got {self.dial_stagger} "
                               f"and {self.dial_stagger_local}")
         self.yamux.validate()
+        self.noise.validate()
         self.resources.validate()
         if self.max_message_size < 1024:
             raise ConfigError(f"max_message_size must be at least 1024 bytes, got {self.max_message_size}")

@@ -111,7 +111,7 @@ from .resources import ResourceLimitExceeded, ResourceManager
 from .varint import encode_varint
 from .trio_util import finish_quietly
 from .noise import PROTOCOL_ID as NOISE_PROTOCOL_ID
-from .noise import NoiseSession, NoiseTransport
+from .noise import NoiseConfig, NoiseSession, NoiseTransport
 from .yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from .yamux import YamuxConfig, YamuxConnection
 
@@ -125,6 +125,7 @@ def build_host(
     listen: list[Multiaddr],
     *,
     yamux: YamuxConfig,
+    noise_config: NoiseConfig,
     dial_timeout: float,
     advertised: Callable[[list[Multiaddr]], list[Multiaddr]],
     max_addrs: int,
@@ -136,7 +137,7 @@ def build_host(
     and ``get_addrs`` report (the Node's address policy). Call
     :func:`started` once the host runs.
     """
-    noise = NoiseTransport(key_pair, muxers=(YAMUX_PROTOCOL_ID,))
+    noise = NoiseTransport(key_pair, muxers=(YAMUX_PROTOCOL_ID,), config=noise_config)
     host = new_host(
         key_pair=key_pair,
         sec_opt={NOISE_PROTOCOL_ID: noise},

@@ -137,7 +137,7 @@ class Node:
         holder: list[Node] = []
         resources = ResourceManager(config.resources)
         host = build_host(
-            key_pair, listen, yamux=config.yamux, dial_timeout=config.dial_timeout,
+            key_pair, listen, yamux=config.yamux, noise_config=config.noise, dial_timeout=config.dial_timeout,
             advertised=lambda candidates: holder[0]._advertised(candidates) if holder else candidates,
             max_addrs=MAX_LISTEN_ADDRS + 8, resources=resources,
         )

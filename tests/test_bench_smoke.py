@@ -291,10 +291,11 @@ def test_the_gpu_session_script_runs_its_steps_at_cpu_sizes(tmp_path: Path) -> N
 
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, GPU_SESSION_DEVICE="cpu",
                GPU_SESSION_INSTALL="0", GPU_SESSION_MOE_SYSTEMS="dedloc")
-    result = subprocess.run(["bash", str(ROOT / "bench" / "gpu_session.sh"), "env", "tests", "allreduce", "moe"],
+    result = subprocess.run(["bash", str(ROOT / "bench" / "gpu_session.sh"), "env", "tests", "allreduce", "allreduce-loop", "moe"],
                             env=env, capture_output=True, text=True, timeout=220)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     summary = (tmp_path / "summary.txt").read_text()
-    assert all(f"{step} rc=0" in summary for step in ("env", "tests", "allreduce", "moe")), summary
+    assert all(f"{step} rc=0" in summary for step in ("env", "tests", "allreduce", "allreduce-loop", "moe")), summary
     assert json.loads((tmp_path / "allreduce_speed.json").read_text())["two_peers"]["seconds"] > 0
+    assert json.loads((tmp_path / "allreduce_loop.json").read_text())["crypto_threads"] == 0
     assert json.loads((tmp_path / "moe_gpu.json").read_text())["dedloc"]["samples_per_s"] > 0

@@ -370,3 +370,33 @@ async def test_an_observer_that_raises_is_removed_and_the_others_still_hear() ->
         await wait_until(lambda: len(counting.opened) == 2, 5)
         assert Broken.calls == 1  # removed after the first failure
         assert {i.peer_id for i in counting.opened} == {b.peer_id, c.peer_id}
+
+
+async def test_nodes_that_seal_and_open_on_worker_threads_carry_bulk_bytes_intact():
+    """NodeConfig.noise reaches every connection: with crypto threads (as a host with spare cores
+    chooses), a bulk stream each way arrives whole and in order, and the node's pool did the work."""
+    import random
+
+    from p2p.noise import MAX_MESSAGE, NoiseConfig
+
+    async with open_nodes(2, noise=NoiseConfig(crypto_threads=2, offload_bytes=MAX_MESSAGE)) as (a, b):
+        await b.connect(a.addrs[0])
+        payload = random.Random(3).randbytes(6 * 1024 * 1024 + 5)
+
+        async def echo(stream):
+            got = bytearray()
+            while len(got) < len(payload):
+                got += await stream.read(1 << 20)
+            await stream.write(bytes(got[::-1]))
+
+        a.set_stream_handler("/test/bulk/1", echo)
+        stream = await b.new_stream(a.peer_id, "/test/bulk/1")
+        back = bytearray()
+        with trio.fail_after(30):
+            await stream.write(payload)
+            while len(back) < len(payload):
+                back += await stream.read(1 << 20)
+        assert back == payload[::-1]
+        # the node's Noise transport (p2p.libp2p_host.build_host) and its pool, behind py-libp2p's upgrader
+        pools = [n.host.get_network().upgrader.security_multistream._noise.crypto for n in (a, b)]
+        assert all(pool.threads == 2 and pool.offloaded > 0 for pool in pools)

@@ -17,7 +17,21 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.io.exceptions import ConnectionClosedError
 from libp2p.peer.id import ID
 
-from p2p.noise import MAX_MESSAGE, MAX_PLAINTEXT, OWN_MESSAGE, TAG_SIZE, NoiseCodec, NoiseError, NoiseSession, NoiseTransport
+from p2p.errors import ConfigError
+from p2p.noise import (
+    MAX_MESSAGE,
+    MAX_PLAINTEXT,
+    OWN_MESSAGE,
+    TAG_SIZE,
+    CryptoPool,
+    NoiseCodec,
+    NoiseConfig,
+    NoiseError,
+    NoiseSession,
+    NoiseTransport,
+    crypto_threads_for,
+    spans,
+)
 
 KEY_A = bytes(range(32))
 KEY_B = bytes(range(100, 132))
@@ -285,6 +299,69 @@ def test_nonce_limit():
     _, c = codec_pair(a=2**64 - 1)
     with pytest.raises(NoiseError, match="exhausted"):
         c.feed(len(sealed).to_bytes(2, "big") + sealed)
+    # ... also for the second of two messages one read brings, the first being the last usable.
+    cipher = ChaCha20Poly1305(KEY_A)
+    two = b"".join(len(m).to_bytes(2, "big") + m
+                   for m in (cipher.encrypt(spec_nonce(last), b"last", None), cipher.encrypt(spec_nonce(0), b"over", None)))
+    _, d = codec_pair(a=last)
+    with pytest.raises(NoiseError, match="exhausted"):
+        d.feed(two)
+
+
+# ---------------------------------------------------------------------------- sealing and opening in ranges
+
+
+@pytest.mark.parametrize("cores, threads", [(1, 0), (2, 0), (3, 0), (4, 1), (8, 2), (15, 3), (16, 4), (64, 4)])
+def test_crypto_threads_are_chosen_by_the_cores_a_process_may_use(cores, threads):
+    """None on the 2-core machine (the loop and the compute fill it: a thread hop would only cost),
+    then one per 4 cores, at most 4."""
+    assert crypto_threads_for(cores) == threads
+    assert NoiseConfig(crypto_threads=3).threads() == 3 and NoiseConfig(crypto_threads=0).threads() == 0
+
+
+def test_a_noise_config_out_of_range_says_which_setting():
+    with pytest.raises(ConfigError, match="crypto_threads"):
+        NoiseConfig(crypto_threads=-1).validate()
+    with pytest.raises(ConfigError, match="offload_bytes"):
+        NoiseConfig(offload_bytes=1000).validate()
+    with pytest.raises(ConfigError, match="crypto_threads"):
+        CryptoPool(NoiseConfig(crypto_threads=65))
+
+
+@pytest.mark.parametrize("count, parts", [(0, 4), (1, 4), (5, 2), (16, 4), (17, 3), (3, 8)])
+def test_spans_cover_every_message_once_in_order(count, parts):
+    ranges = spans(count, parts)
+    assert [i for lo, hi in ranges for i in range(lo, hi)] == list(range(count))
+    assert len(ranges) <= max(1, min(parts, count)) and all(hi > lo for lo, hi in ranges if count)
+
+
+def test_a_write_sealed_in_ranges_in_any_order_is_the_same_wire_bytes():
+    whole_codec, _ = codec_pair()
+    a, b = codec_pair()
+    payload = random.Random(1).randbytes(5 * MAX_PLAINTEXT + 99)
+    whole = whole_codec.encrypt(b"header", payload)
+    sealing = a.plan_seal(b"header", payload)
+    for lo, hi in reversed(spans(sealing.count, 3)):
+        sealing.seal(lo, hi)
+    assert sealing.out == whole and sealing.count == 7
+    opening = b.take(sealing.out)
+    for lo, hi in reversed(spans(opening.count, 3)):
+        opening.open(lo, hi)
+    assert b"".join(opening.plaintext()) == b"header" + payload
+    assert opened(b, a.encrypt(b"next")) == b"next"  # both planned their nonces: the next write follows
+
+
+def test_a_garbled_message_opened_in_another_range_fails_the_codec_with_its_number():
+    a, b = codec_pair()
+    wire = bytearray(a.encrypt(random.Random(2).randbytes(4 * MAX_PLAINTEXT)))
+    wire[3 * (2 + MAX_MESSAGE) + 10] ^= 1  # inside the fourth message
+    opening = b.take(wire)
+    opening.open(2, 4)
+    opening.open(0, 2)
+    with pytest.raises(NoiseError, match="#3 failed authentication"):
+        opening.plaintext()
+    with pytest.raises(NoiseError, match="#3 failed"):
+        b.feed(a.encrypt(b"after"))
 
 
 # ---------------------------------------------------------------------------- NoiseSession over a pipe
@@ -317,7 +394,7 @@ class Pipe:
         return ConnectionType.DIRECT
 
 
-def session(raw: Pipe, codec: NoiseCodec, *, is_initiator: bool) -> NoiseSession:
+def session(raw: Pipe, codec: NoiseCodec, *, is_initiator: bool, crypto: CryptoPool | None = None) -> NoiseSession:
     local, remote = create_new_key_pair(), create_new_key_pair()
     return NoiseSession(
         raw,
@@ -327,7 +404,13 @@ def session(raw: Pipe, codec: NoiseCodec, *, is_initiator: bool) -> NoiseSession
         remote_peer=ID.from_pubkey(remote.public_key),
         is_initiator=is_initiator,
         remote_public_key=remote.public_key,
+        crypto=crypto,
     )
+
+
+def threaded() -> CryptoPool:
+    """A pool that seals and opens every write and read of a message or more on 2 worker threads."""
+    return CryptoPool(NoiseConfig(crypto_threads=2, offload_bytes=MAX_MESSAGE))
 
 
 def session_and_wire(**codec_nonces: int) -> tuple[NoiseSession, trio.abc.Stream, NoiseCodec]:
@@ -337,11 +420,13 @@ def session_and_wire(**codec_nonces: int) -> tuple[NoiseSession, trio.abc.Stream
     return session(Pipe(ours), a, is_initiator=True), theirs, b
 
 
-async def test_session_round_trip_both_ways():
+@pytest.mark.parametrize("pools", [(None, None), ("threads", "threads")], ids=["on the loop", "on threads"])
+async def test_session_round_trip_both_ways(pools):
     left, right = trio.testing.memory_stream_pair()
     a_codec, b_codec = codec_pair()
-    a = session(Pipe(left), a_codec, is_initiator=True)
-    b = session(Pipe(right), b_codec, is_initiator=False)
+    a_pool, b_pool = (threaded() if p else None for p in pools)
+    a = session(Pipe(left), a_codec, is_initiator=True, crypto=a_pool)
+    b = session(Pipe(right), b_codec, is_initiator=False, crypto=b_pool)
     payload = random.Random(5).randbytes(2 * 1024 * 1024 + 1)
 
     async def drain(s: NoiseSession, n: int) -> bytes:
@@ -361,6 +446,8 @@ async def test_session_round_trip_both_ways():
         nursery.start_soon(collect, "b", b)
         nursery.start_soon(collect, "a", a)
     assert results["b"] == payload and results["a"] == payload[::-1]
+    if a_pool is not None and b_pool is not None:  # both ends sealed and opened on their threads
+        assert a_pool.offloaded >= 2 and b_pool.offloaded >= 2
 
 
 async def test_session_read_n_never_returns_more_than_asked():
@@ -429,13 +516,16 @@ async def test_session_write_to_a_closed_pipe_raises_noise_error_and_breaks():
         await s.write(b"y")
 
 
-async def test_session_concurrent_writers_keep_nonce_order():
-    """Writes are serialised before sealing: the receiver opens every message in order.
+@pytest.mark.parametrize("pool", [None, "threads"], ids=["on the loop", "on threads"])
+async def test_session_concurrent_writers_keep_nonce_order(pool):
+    """Writes are serialised before sealing: the receiver opens every message in order, also when
+    each write is sealed on worker threads while the next writer waits.
 
     A lockstep pipe makes every write wait for the reader, so writers really overlap."""
     ours, wire = trio.testing.lockstep_stream_pair()
     mine, codec = codec_pair()
-    s = session(Pipe(ours), mine, is_initiator=True)
+    crypto = threaded() if pool else None
+    s = session(Pipe(ours), mine, is_initiator=True, crypto=crypto)
     chunks = {i: bytes([i]) * (MAX_PLAINTEXT * 3 + i) for i in range(8)}
     got = bytearray()
 
@@ -458,6 +548,7 @@ async def test_session_concurrent_writers_keep_nonce_order():
         seen.add(i)
         pos += len(chunks[i])
     assert seen == set(chunks)
+    assert crypto is None or crypto.offloaded == len(chunks)
 
 
 async def test_session_close_closes_the_raw_connection():
