@@ -73,7 +73,7 @@ else
     ALLREDUCE=(--peers 2 --mbytes 40,400 --rounds 3)
     LOOP=(--peers 2 --mbytes 400 --rounds 3 --no-gloo --crypto-threads 0)
     MOE=(--device cuda --batches 64,1024 --clients 8 --callers 4 --seconds 10 --repeats 2)
-    TESTS=(-q tests/test_averaging_core.py tests/test_noise.py tests/test_node.py tests/test_cli.py
+    TESTS=(-q tests/test_averaging_core.py tests/test_averaging.py tests/test_noise.py tests/test_node.py tests/test_cli.py
            -k "cuda or device or pool or refuses or noise or seal")
 fi
 

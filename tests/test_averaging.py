@@ -85,6 +85,34 @@ async def test_a_group_averages_exactly_with_weights() -> None:
         assert data[0][2].dtype == torch.float64
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize("compression", [Compression.NONE, Compression.FLOAT16])
+async def test_tensors_on_a_device_are_averaged_in_place_on_it(device: str, compression: Compression) -> None:
+    """The round's device path end to end between real peers: tensors on ``device`` (a GPU's go through
+    page-locked staging, averaging/staging.py) come back averaged, on that device, in the same
+    tensors, within the codec's error; the CPU case checks this test itself where no GPU is."""
+    async with open_peers(2) as everyone:
+        peers = everyone[1:]
+        await public(peers)
+        torch.manual_seed(2)
+        data = [[torch.randn(400_000, device=device), torch.randn(3, 7, device=device)] for _ in peers]
+        ids = [[t.data_ptr() for t in d] for d in data]
+        exact = [sum(d[k].double().cpu() for d in data) / 2 for k in range(2)]
+        cfg = config(2, allreduce=AllreduceConfig(chunk_elements=64 * 1024, stall_timeout=5.0, timeout=30.0,
+                                                  compression=compression, min_compress_elements=1000))
+        async with Averager.open(peers[0], cfg) as a0, Averager.open(peers[1], cfg) as a1:
+            reports = await step_all([a0, a1], data, [1.0, 1.0])
+        tolerance = 1e-5 if compression is Compression.NONE else 1e-2
+        for report, tensors, before in zip(reports, data, ids):
+            assert isinstance(report, RoundReport) and report.complete, report
+            assert [t.data_ptr() for t in tensors] == before and all(t.device.type == device for t in tensors)
+            for k, t in enumerate(tensors):
+                assert torch.allclose(t.double().cpu(), exact[k], atol=tolerance), k
+
+
 async def test_compressed_round_moves_fewer_bytes_within_the_codec_error() -> None:
     async with open_peers(3) as everyone:
         peers = everyone[1:]
