@@ -67,6 +67,7 @@ __all__ = [
     "NoiseConfig",
     "crypto_threads_for",
     "spans",
+    "usable_cores",
     "MAX_MESSAGE",
     "MAX_PLAINTEXT",
     "PROTOCOL_ID",
@@ -92,6 +93,8 @@ MAX_MUXERS = 16
 
 _LENGTH = struct.Struct(">H")
 _NONCE = struct.Struct("<4xQ")
+#: cgroup v2's CPU quota of this process's group (read by :meth:`NoiseConfig.threads`)
+CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"
 #: The spec reserves nonce 2^64-1; a connection must end before reaching it.
 _NONCE_LIMIT = 2**64 - 1
 
@@ -117,10 +120,17 @@ class NoiseConfig:
     offload_bytes: int = 256 * 1024
 
     def threads(self) -> int:
-        """The worker threads to use on this machine."""
+        """The worker threads to use on this machine (by the cores it may keep busy: its CPU
+        affinity, capped by a cgroup v2 quota, as a container's limit is)."""
         if self.crypto_threads is not None:
             return self.crypto_threads
-        return crypto_threads_for(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+        affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        try:
+            with open(CGROUP_CPU_MAX) as f:
+                cpu_max: str | None = f.read()
+        except OSError:
+            cpu_max = None
+        return crypto_threads_for(usable_cores(affinity, cpu_max))
 
     def validate(self) -> None:
         if self.crypto_threads is not None and not 0 <= self.crypto_threads <= 64:
@@ -128,6 +138,16 @@ class NoiseConfig:
         if self.offload_bytes < MAX_MESSAGE:
             raise ConfigError(f"noise.offload_bytes must be at least one message ({MAX_MESSAGE} bytes), "
                               f"got {self.offload_bytes}")
+
+
+def usable_cores(affinity: int, cpu_max: str | None) -> int:
+    """The cores a process may keep busy: its CPU ``affinity``, capped by a cgroup v2 quota
+    (``cpu.max``: ``"QUOTA PERIOD"`` in microseconds, ``"max PERIOD"`` for none), rounded up. A
+    container on a 64-core host with a quota of 2 CPUs has 64 cores in its affinity and 2 to use."""
+    quota, _, period = (cpu_max or "").strip().partition(" ")
+    if quota.isdigit() and period.isdigit() and int(period) > 0:
+        return max(1, min(affinity, -(-int(quota) // int(period))))
+    return max(1, affinity)
 
 
 def crypto_threads_for(cores: int) -> int:

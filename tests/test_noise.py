@@ -31,6 +31,7 @@ from p2p.noise import (
     NoiseTransport,
     crypto_threads_for,
     spans,
+    usable_cores,
 )
 
 KEY_A = bytes(range(32))
@@ -317,6 +318,15 @@ def test_crypto_threads_are_chosen_by_the_cores_a_process_may_use(cores, threads
     then one per 4 cores, at most 4."""
     assert crypto_threads_for(cores) == threads
     assert NoiseConfig(crypto_threads=3).threads() == 3 and NoiseConfig(crypto_threads=0).threads() == 0
+
+
+@pytest.mark.parametrize("affinity, cpu_max, cores", [
+    (16, None, 16), (16, "max 100000\n", 16), (64, "200000 100000\n", 2), (64, "150000 100000", 2),
+    (4, "800000 100000", 4), (8, "50000 100000", 1), (8, "garbled", 8), (8, "", 8), (0, None, 1),
+])
+def test_usable_cores_are_the_affinity_capped_by_a_cgroup_quota(affinity, cpu_max, cores):
+    """A container with 2 CPUs of quota on a 64-core host must choose as a 2-core machine does."""
+    assert usable_cores(affinity, cpu_max) == cores
 
 
 def test_a_noise_config_out_of_range_says_which_setting():
