@@ -4,8 +4,9 @@
 # Here first: bash bench/gpu_wheels.sh (the wheels the machine cannot fetch, into .whl/). Then one call
 # of the device tool:
 #   run(command="bash bench/gpu_session.sh", carry=[".whl"], timeout_s=540)
-# Each step writes its log and JSON under $OUT as it ends, so a call stopped at its limit still brings
-# back the steps that finished; a rerun names only the steps it wants:
+# Each step writes its log and JSON in $WORK; as each step ends, $WORK is packed into $OUT/session.tgz
+# (a call brings back at most 8 files from $OUT) beside $OUT/summary.txt, so a call stopped at its limit
+# still brings back the steps that finished; a rerun names only the steps it wants:
 #   run(command="bash bench/gpu_session.sh moe", carry=[".whl"], timeout_s=300)
 #
 # Steps (in this order by default; each under its own time limit):
@@ -16,6 +17,8 @@
 #              sealing and opening on the crypto threads its cores allow (p2p.noise.crypto_threads_for)
 #   allreduce-loop  the same at 400 MB with every node's crypto on its event loop (--crypto-threads 0)
 #   moe        bench/moe_gpu.py: one expert server on the GPU, dedloc's against hivemind's
+#   moe-profile  dedloc's server alone at 1024 rows with its event loop under cProfile (written every 2 s:
+#              bench/moe_gpu_peer.py, DEDLOC_BENCH_PROFILE), where its time goes on the GPU host
 #
 # A rehearsal on a CPU (the same installs and commands at small sizes): bash bench/gpu_wheels.sh 3.11,
 # then GPU_SESSION_DEVICE=cpu PYTHON=<a Python with torch, numpy, scipy and pytest> bash bench/gpu_session.sh
@@ -30,8 +33,9 @@ DEVICE=${GPU_SESSION_DEVICE:-cuda}
 SITE=${GPU_SESSION_SITE:-/tmp/dedloc-site}
 MOE_SYSTEMS=${GPU_SESSION_MOE_SYSTEMS:-dedloc,hivemind}
 STEPS=("$@")
-[[ ${#STEPS[@]} -gt 0 ]] || STEPS=(env tests training allreduce allreduce-loop moe)
-mkdir -p "$OUT"
+[[ ${#STEPS[@]} -gt 0 ]] || STEPS=(env tests training allreduce allreduce-loop moe moe-profile)
+WORK=${GPU_SESSION_WORK:-/tmp/gpu-session}
+mkdir -p "$OUT" "$WORK"
 SUMMARY=$OUT/summary.txt
 FAILED=()
 
@@ -41,21 +45,28 @@ install() {  # install NAME: .whl/both and .whl/NAME into $SITE/NAME, once
         .whl/both/*.whl ".whl/$1"/*.whl && touch "$SITE/$1/.done"
 }
 
-step() {  # step NAME LIMIT_S COMMAND...: the command's output in $OUT/NAME.log; its status and time in the summary
+pack() {  # $WORK (and the summary) into $OUT/session.tgz, replaced whole: never half written
+    cp "$SUMMARY" "$WORK/" && tar -czf "$OUT/session.tgz.part" -C "$WORK" . && mv "$OUT/session.tgz.part" "$OUT/session.tgz"
+}
+
+step() {  # step NAME LIMIT_S COMMAND...: the command's output in $WORK/NAME.log; its status and time in the summary
     local name=$1 limit=$2; shift 2
     local start=$SECONDS
     echo "== $name (limit ${limit}s): $*"
-    timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    timeout --kill-after=10 "$limit" "$@" > "$WORK/$name.log" 2>&1
     local rc=$?
     [[ $rc == 0 ]] || FAILED+=("$name")
     echo "$name rc=$rc ${limit}s-limit $((SECONDS - start))s" | tee -a "$SUMMARY"
-    tail -n 25 "$OUT/$name.log"
+    tail -n 25 "$WORK/$name.log"
+    pack
 }
 
 if [[ ${GPU_SESSION_INSTALL:-1} == 0 ]]; then
     export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+    DEDLOC_SITE="" HIVEMIND_SITE=""
 elif install dedloc && install hivemind; then
     export PYTHONPATH=$PWD:$SITE/dedloc PYTHONUNBUFFERED=1
+    DEDLOC_SITE=$SITE/dedloc HIVEMIND_SITE=$SITE/hivemind
 else
     echo "gpu_session: the wheels did not install: run bash bench/gpu_wheels.sh here and carry .whl" >&2
     exit 2
@@ -67,12 +78,14 @@ if [[ $DEVICE == cpu ]]; then  # a rehearsal: every step at a size a CPU does in
     ALLREDUCE=(--peers 2 --mbytes 4 --rounds 1 --data-plane-mib 16)
     LOOP=(--peers 2 --mbytes 4 --rounds 1 --data-plane-mib 16 --no-gloo --crypto-threads 0)
     MOE=(--device cpu --hidden 64 --experts 2 --batches 16 --clients 1 --callers 1 --seconds 2 --repeats 1 --timeout 60)
+    PROFILED=(--device cpu --hidden 64 --experts 2 --batches 16 --clients 1 --callers 1 --seconds 3 --timeout 60)
     TESTS=(-x -q tests/test_averaging_core.py -k "device or pool")
 else
     TRAINING=()
     ALLREDUCE=(--peers 2 --mbytes 40,400 --rounds 3)
     LOOP=(--peers 2 --mbytes 400 --rounds 3 --no-gloo --crypto-threads 0)
     MOE=(--device cuda --batches 64,1024 --clients 8 --callers 4 --seconds 10 --repeats 2)
+    PROFILED=(--device cuda --batches 1024 --clients 8 --callers 4 --seconds 10)
     TESTS=(-q tests/test_averaging_core.py tests/test_averaging.py tests/test_noise.py tests/test_node.py tests/test_cli.py
            -k "cuda or device or pool or refuses or noise or seal")
 fi
@@ -85,17 +98,26 @@ print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_
     tests)
         step tests 180 "$PY" -m pytest -p no:cacheprovider "${TESTS[@]}" ;;
     training)
-        step training 330 "$PY" bench/gpu_training.py "${TRAINING[@]}" --json "$OUT/gpu_training.json" ;;
+        step training 330 "$PY" bench/gpu_training.py "${TRAINING[@]}" --json "$WORK/gpu_training.json" ;;
     allreduce)
-        step allreduce 240 "$PY" bench/allreduce_speed.py "${ALLREDUCE[@]}" --json "$OUT/allreduce_speed.json" ;;
+        step allreduce 240 "$PY" bench/allreduce_speed.py "${ALLREDUCE[@]}" --json "$WORK/allreduce_speed.json" ;;
     allreduce-loop)
-        step allreduce-loop 150 "$PY" bench/allreduce_speed.py "${LOOP[@]}" --json "$OUT/allreduce_loop.json" ;;
+        step allreduce-loop 150 "$PY" bench/allreduce_speed.py "${LOOP[@]}" --json "$WORK/allreduce_loop.json" ;;
     moe)
         step moe 300 "$PY" bench/moe_gpu.py "${MOE[@]}" --systems "$MOE_SYSTEMS" --python-dedloc "$PY" --python-hivemind "$PY" \
-            --path-dedloc "$SITE/dedloc" --path-hivemind "$SITE/hivemind" --json "$OUT/moe_gpu.json" ;;
+            --path-dedloc "$DEDLOC_SITE" --path-hivemind "$HIVEMIND_SITE" --json "$WORK/moe_gpu.json" ;;
+    moe-profile)
+        mkdir -p "$WORK/moe-profile"
+        DEDLOC_BENCH_PROFILE=$WORK/moe-profile step moe-profile 120 "$PY" bench/moe_gpu.py "${PROFILED[@]}" \
+            --systems dedloc --python-dedloc "$PY" --path-dedloc "$DEDLOC_SITE" --json "$WORK/moe_profiled.json"
+        "$PY" -c "import pstats, glob, sys
+for f in sorted(glob.glob(sys.argv[1] + '/*.prof')):
+    print('==', f); pstats.Stats(f).sort_stats('tottime').print_stats(25)" "$WORK/moe-profile" > "$WORK/moe-profile.txt" 2>&1
+        head -n 60 "$WORK/moe-profile.txt" ;;
     *)
-        echo "gpu_session: no step $name (env tests training allreduce allreduce-loop moe)" >&2; exit 2 ;;
+        echo "gpu_session: no step $name (env tests training allreduce allreduce-loop moe moe-profile)" >&2; exit 2 ;;
     esac
 done
 echo "gpu_session: done $(date -u +%FT%TZ)${FAILED[*]:+, failed: ${FAILED[*]}}" | tee -a "$SUMMARY"
+pack
 [[ ${#FAILED[@]} == 0 ]]

@@ -9,12 +9,18 @@ addresses as one JSON line, then serves until killed. --client: a peer with an E
 threads each run forward and backward of --batch rows through RemoteExpert, to the experts in turn.
 It warms up (one call per expert), prints ``{"ready": ...}``, waits for a line on stdin, calls for
 --seconds and prints ``{"pairs": ..., "elapsed_s": ..., "failed": ...}``.
+
+``DEDLOC_BENCH_PROFILE=DIR`` (--serve only): the server's event loop runs under cProfile, its
+statistics written to DIR/server-<pid>.prof every 2 s (the bench kills the server without notice).
+Only the loop's thread is profiled: the batches' torch work runs in a worker thread.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -59,7 +65,19 @@ async def serve(args: argparse.Namespace) -> None:
         name = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
         print(json.dumps({"peer_id": peer.peer_id.to_base58(), "addrs": [str(a) for a in peer.addrs],
                           "device_name": name}), flush=True)
+        if folder := os.environ.get("DEDLOC_BENCH_PROFILE"):
+            await profile_loop(Path(folder) / f"server-{os.getpid()}.prof")
         await trio.sleep_forever()
+
+
+async def profile_loop(path: Path) -> None:
+    """Profile this thread (the event loop) from now on, writing the statistics so far every 2 s."""
+    profile = cProfile.Profile()
+    profile.enable()
+    while True:
+        await trio.sleep(2.0)
+        profile.dump_stats(path)  # stops the profile to take its statistics
+        profile.enable()
 
 
 async def client_main(args: argparse.Namespace) -> None:

@@ -286,16 +286,25 @@ def test_prefix_freshness_bench_finds_the_path_copies_misses_and_none_now(tmp_pa
 def test_the_gpu_session_script_runs_its_steps_at_cpu_sizes(tmp_path: Path) -> None:
     """bench/gpu_session.sh, the one prepared run of a lent GPU machine, with this interpreter's packages
     and at CPU sizes: each step's command still takes the options the script gives it (a bench's renamed
-    option fails here, not in the machine's 15 minutes), and each writes what the GPU issue reads."""
+    option fails here, not in the machine's 15 minutes), each writes what the GPU issue reads, and all of
+    it comes back packed in one file (a device call returns at most 8)."""
     import os
+    import tarfile
 
-    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, GPU_SESSION_DEVICE="cpu",
+    out, work = tmp_path / "out", tmp_path / "work"
+    steps = ("env", "tests", "allreduce", "allreduce-loop", "moe", "moe-profile")
+    env = dict(os.environ, OUT=str(out), GPU_SESSION_WORK=str(work), PYTHON=sys.executable, GPU_SESSION_DEVICE="cpu",
                GPU_SESSION_INSTALL="0", GPU_SESSION_MOE_SYSTEMS="dedloc")
-    result = subprocess.run(["bash", str(ROOT / "bench" / "gpu_session.sh"), "env", "tests", "allreduce", "allreduce-loop", "moe"],
+    result = subprocess.run(["bash", str(ROOT / "bench" / "gpu_session.sh"), *steps],
                             env=env, capture_output=True, text=True, timeout=220)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    summary = (tmp_path / "summary.txt").read_text()
-    assert all(f"{step} rc=0" in summary for step in ("env", "tests", "allreduce", "allreduce-loop", "moe")), summary
-    assert json.loads((tmp_path / "allreduce_speed.json").read_text())["two_peers"]["seconds"] > 0
-    assert json.loads((tmp_path / "allreduce_loop.json").read_text())["crypto_threads"] == 0
-    assert json.loads((tmp_path / "moe_gpu.json").read_text())["dedloc"]["samples_per_s"] > 0
+    summary = (out / "summary.txt").read_text()
+    assert all(f"{step} rc=0" in summary for step in steps), summary
+    assert sorted(p.name for p in out.iterdir()) == ["session.tgz", "summary.txt"]
+    with tarfile.open(out / "session.tgz") as packed:
+        names = set(packed.getnames())
+    assert {"./allreduce_speed.json", "./allreduce_loop.json", "./moe_gpu.json", "./moe-profile.txt"} <= names
+    assert json.loads((work / "allreduce_speed.json").read_text())["two_peers"]["seconds"] > 0
+    assert json.loads((work / "allreduce_loop.json").read_text())["crypto_threads"] == 0
+    assert json.loads((work / "moe_gpu.json").read_text())["dedloc"]["samples_per_s"] > 0
+    assert "ncalls" in (work / "moe-profile.txt").read_text()  # the server's loop was profiled
