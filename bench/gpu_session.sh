@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # The GPU issue's measurements in one prepared run on a lent machine ("What a GPU volunteer gets").
 #
-# Here first: bash bench/gpu_wheels.sh (the wheels the machine cannot fetch, into .whl/). Then one call
-# of the device tool:
-#   run(command="bash bench/gpu_session.sh", carry=[".whl"], timeout_s=540)
+# Here first: bash bench/gpu_wheels.sh (the wheels the machine cannot fetch, into .whl/). The session has
+# 15 minutes of device time, the machine's start (1-2 min) included, and one call may run 10: two calls,
+# the second at once while the machine is warm (it goes back 30 s after a call), each step's own limit
+# bounding a hang:
+#   run(command="bash bench/gpu_session.sh env tests training allreduce allreduce-loop", carry=[".whl"], timeout_s=420)
+#   run(command="bash bench/gpu_session.sh moe moe-profile", carry=[".whl"], timeout_s=330)
+# (expected here from the CPU rehearsal and the last H100 run: ~5 min and ~4 min), then give_back.
 # Each step writes its log and JSON in $WORK; as each step ends, $WORK is packed into $OUT/session.tgz
 # (a call brings back at most 8 files from $OUT) beside $OUT/summary.txt, so a call stopped at its limit
-# still brings back the steps that finished; a rerun names only the steps it wants:
-#   run(command="bash bench/gpu_session.sh moe", carry=[".whl"], timeout_s=300)
+# still brings back the steps that finished (and the second call's package holds the first's results:
+# $WORK stays on the warm machine); a rerun names only the steps it wants.
 #
 # Steps (in this order by default; each under its own time limit):
 #   env        the card, the driver, torch, the cores (nvidia-smi, torch.cuda)
@@ -56,6 +60,12 @@ step() {  # step NAME LIMIT_S COMMAND...: the command's output in $WORK/NAME.log
     timeout --kill-after=10 "$limit" "$@" > "$WORK/$name.log" 2>&1
     local rc=$?
     [[ $rc == 0 ]] || FAILED+=("$name")
+    if [[ $rc != 0 && $DEVICE != cpu ]]; then
+        # A bench stopped by its limit leaves its workers behind (each in a session of its own, so that the
+        # bench can kill their groups): on the lent machine, which runs nothing else, end them before the
+        # next step. Never in a rehearsal, where other tests' workers may be running beside this one.
+        pkill -9 -f "bench/[a-z_]*peer\.py|nat\.cli relay|p2pd" 2>/dev/null
+    fi
     echo "$name rc=$rc ${limit}s-limit $((SECONDS - start))s" | tee -a "$SUMMARY"
     tail -n 25 "$WORK/$name.log"
     pack
@@ -84,7 +94,7 @@ else
     TRAINING=()
     ALLREDUCE=(--peers 2 --mbytes 40,400 --rounds 3)
     LOOP=(--peers 2 --mbytes 400 --rounds 3 --no-gloo --crypto-threads 0)
-    MOE=(--device cuda --batches 64,1024 --clients 8 --callers 4 --seconds 10 --repeats 2)
+    MOE=(--device cuda --batches 64,1024 --clients 8 --callers 4 --seconds 8 --repeats 2)
     PROFILED=(--device cuda --batches 1024 --clients 8 --callers 4 --seconds 10)
     TESTS=(-q tests/test_averaging_core.py tests/test_averaging.py tests/test_noise.py tests/test_node.py tests/test_cli.py
            -k "cuda or device or pool or refuses or noise or seal")
@@ -96,19 +106,19 @@ for name in "${STEPS[@]}"; do
         step env 60 bash -c "nvidia-smi; nproc; free -g; \"$PY\" -c 'import sys, torch; print(sys.version);
 print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name())'" ;;
     tests)
-        step tests 180 "$PY" -m pytest -p no:cacheprovider "${TESTS[@]}" ;;
+        step tests 120 "$PY" -m pytest -p no:cacheprovider "${TESTS[@]}" ;;
     training)
-        step training 330 "$PY" bench/gpu_training.py "${TRAINING[@]}" --json "$WORK/gpu_training.json" ;;
+        step training 300 "$PY" bench/gpu_training.py "${TRAINING[@]}" --json "$WORK/gpu_training.json" ;;
     allreduce)
-        step allreduce 240 "$PY" bench/allreduce_speed.py "${ALLREDUCE[@]}" --json "$WORK/allreduce_speed.json" ;;
+        step allreduce 150 "$PY" bench/allreduce_speed.py "${ALLREDUCE[@]}" --json "$WORK/allreduce_speed.json" ;;
     allreduce-loop)
-        step allreduce-loop 150 "$PY" bench/allreduce_speed.py "${LOOP[@]}" --json "$WORK/allreduce_loop.json" ;;
+        step allreduce-loop 90 "$PY" bench/allreduce_speed.py "${LOOP[@]}" --json "$WORK/allreduce_loop.json" ;;
     moe)
-        step moe 300 "$PY" bench/moe_gpu.py "${MOE[@]}" --systems "$MOE_SYSTEMS" --python-dedloc "$PY" --python-hivemind "$PY" \
+        step moe 240 "$PY" bench/moe_gpu.py "${MOE[@]}" --systems "$MOE_SYSTEMS" --python-dedloc "$PY" --python-hivemind "$PY" \
             --path-dedloc "$DEDLOC_SITE" --path-hivemind "$HIVEMIND_SITE" --json "$WORK/moe_gpu.json" ;;
     moe-profile)
         mkdir -p "$WORK/moe-profile"
-        DEDLOC_BENCH_PROFILE=$WORK/moe-profile step moe-profile 120 "$PY" bench/moe_gpu.py "${PROFILED[@]}" \
+        DEDLOC_BENCH_PROFILE=$WORK/moe-profile step moe-profile 80 "$PY" bench/moe_gpu.py "${PROFILED[@]}" \
             --systems dedloc --python-dedloc "$PY" --path-dedloc "$DEDLOC_SITE" --json "$WORK/moe_profiled.json"
         "$PY" -c "import pstats, glob, sys
 for f in sorted(glob.glob(sys.argv[1] + '/*.prof')):
