@@ -5,9 +5,9 @@
 # 15 minutes of device time, the machine's start (1-2 min) included, and one call may run 10: two calls,
 # the second at once while the machine is warm (it goes back 30 s after a call), each step's own limit
 # bounding a hang:
-#   run(command="bash bench/gpu_session.sh env tests training allreduce allreduce-loop", carry=[".whl"], timeout_s=420)
+#   run(command="bash bench/gpu_session.sh env tests net-tests training allreduce allreduce-loop", carry=[".whl"], timeout_s=450)
 #   run(command="bash bench/gpu_session.sh moe moe-profile", carry=[".whl"], timeout_s=330)
-# (expected here from the CPU rehearsal and the last H100 run: ~5 min and ~4 min), then give_back.
+# (expected here from the CPU rehearsal and the last H100 run: ~5.5 min and ~4 min), then give_back.
 # Each step writes its log and JSON in $WORK; as each step ends, $WORK is packed into $OUT/session.tgz
 # (a call brings back at most 8 files from $OUT) beside $OUT/summary.txt, so a call stopped at its limit
 # still brings back the steps that finished (and the second call's package holds the first's results:
@@ -16,6 +16,8 @@
 # Steps (in this order by default; each under its own time limit):
 #   env        the card, the driver, torch, the cores (nvidia-smi, torch.cuda)
 #   tests      the CUDA-only tests and the Noise and staging tests (pytest)
+#   net-tests  the network layer's and averaging's loopback tests on 8 workers, every node sealing and
+#              opening on the crypto threads the machine's cores allow (CI's 2 cores never do)
 #   training   bench/gpu_training.py: alone, 2 peers synchronous, 2 peers with delayed updates
 #   allreduce  bench/allreduce_speed.py: 2 peers, 40 and 400 MB, against the data plane and gloo, each node
 #              sealing and opening on the crypto threads its cores allow (p2p.noise.crypto_threads_for)
@@ -37,7 +39,7 @@ DEVICE=${GPU_SESSION_DEVICE:-cuda}
 SITE=${GPU_SESSION_SITE:-/tmp/dedloc-site}
 MOE_SYSTEMS=${GPU_SESSION_MOE_SYSTEMS:-dedloc,hivemind}
 STEPS=("$@")
-[[ ${#STEPS[@]} -gt 0 ]] || STEPS=(env tests training allreduce allreduce-loop moe moe-profile)
+[[ ${#STEPS[@]} -gt 0 ]] || STEPS=(env tests net-tests training allreduce allreduce-loop moe moe-profile)
 WORK=${GPU_SESSION_WORK:-/tmp/gpu-session}
 mkdir -p "$OUT" "$WORK"
 SUMMARY=$OUT/summary.txt
@@ -90,6 +92,7 @@ if [[ $DEVICE == cpu ]]; then  # a rehearsal: every step at a size a CPU does in
     MOE=(--device cpu --hidden 64 --experts 2 --batches 16 --clients 1 --callers 1 --seconds 2 --repeats 1 --timeout 60)
     PROFILED=(--device cpu --hidden 64 --experts 2 --batches 16 --clients 1 --callers 1 --seconds 3 --timeout 60)
     TESTS=(-x -q tests/test_averaging_core.py -k "device or pool")
+    NET_TESTS=(-q tests/test_noise.py)
 else
     TRAINING=()
     ALLREDUCE=(--peers 2 --mbytes 40,400 --rounds 3)
@@ -98,6 +101,8 @@ else
     PROFILED=(--device cuda --batches 1024 --clients 8 --callers 4 --seconds 10)
     TESTS=(-q tests/test_averaging_core.py tests/test_averaging.py tests/test_noise.py tests/test_node.py tests/test_cli.py
            -k "cuda or device or pool or refuses or noise or seal")
+    NET_TESTS=(-q -n 8 tests/test_noise.py tests/test_node.py tests/test_rpc_node.py tests/test_tensor_stream.py
+               tests/test_relay.py tests/test_averaging.py tests/test_moe.py)
 fi
 
 for name in "${STEPS[@]}"; do
@@ -107,6 +112,8 @@ for name in "${STEPS[@]}"; do
 print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name())'" ;;
     tests)
         step tests 120 "$PY" -m pytest -p no:cacheprovider "${TESTS[@]}" ;;
+    net-tests)
+        step net-tests 150 "$PY" -m pytest -p no:cacheprovider "${NET_TESTS[@]}" ;;
     training)
         step training 300 "$PY" bench/gpu_training.py "${TRAINING[@]}" --json "$WORK/gpu_training.json" ;;
     allreduce)
@@ -125,7 +132,7 @@ for f in sorted(glob.glob(sys.argv[1] + '/*.prof')):
     print('==', f); pstats.Stats(f).sort_stats('tottime').print_stats(25)" "$WORK/moe-profile" > "$WORK/moe-profile.txt" 2>&1
         head -n 60 "$WORK/moe-profile.txt" ;;
     *)
-        echo "gpu_session: no step $name (env tests training allreduce allreduce-loop moe moe-profile)" >&2; exit 2 ;;
+        echo "gpu_session: no step $name (env tests net-tests training allreduce allreduce-loop moe moe-profile)" >&2; exit 2 ;;
     esac
 done
 echo "gpu_session: done $(date -u +%FT%TZ)${FAILED[*]:+, failed: ${FAILED[*]}}" | tee -a "$SUMMARY"

@@ -292,7 +292,7 @@ def test_the_gpu_session_script_runs_its_steps_at_cpu_sizes(tmp_path: Path) -> N
     import tarfile
 
     out, work = tmp_path / "out", tmp_path / "work"
-    steps = ("env", "tests", "allreduce", "allreduce-loop", "moe", "moe-profile")
+    steps = ("env", "tests", "net-tests", "allreduce", "allreduce-loop", "moe", "moe-profile")
     env = dict(os.environ, OUT=str(out), GPU_SESSION_WORK=str(work), PYTHON=sys.executable, GPU_SESSION_DEVICE="cpu",
                GPU_SESSION_INSTALL="0", GPU_SESSION_MOE_SYSTEMS="dedloc")
     result = subprocess.run(["bash", str(ROOT / "bench" / "gpu_session.sh"), *steps],
