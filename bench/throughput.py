@@ -46,10 +46,9 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from p2p import Node, NodeConfig  # noqa: E402
-from p2p.noise import NoiseConfig  # noqa: E402
 from nat.circuit import RelayClient  # noqa: E402
 from nat.lab import cpu_seconds  # noqa: E402
-from p2p.noise import NoiseCodec  # noqa: E402
+from p2p.noise import NoiseCodec, NoiseConfig  # noqa: E402
 from harness import first_json, start_relay  # noqa: E402
 from transfer import PROTOCOL, sink, source, tcp_sink  # noqa: E402
 
