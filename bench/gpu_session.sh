@@ -5,7 +5,7 @@
 # 15 minutes of device time, the machine's start (1-2 min) included, and one call may run 10: two calls,
 # the second at once while the machine is warm (it goes back 30 s after a call), each step's own limit
 # bounding a hang:
-#   run(command="bash bench/gpu_session.sh env tests net-tests training allreduce allreduce-loop", carry=[".whl"], timeout_s=450)
+#   run(command="bash bench/gpu_session.sh env tests net-tests training allreduce allreduce-loop noise-threads", carry=[".whl"], timeout_s=450)
 #   run(command="bash bench/gpu_session.sh moe moe-profile", carry=[".whl"], timeout_s=330)
 # (expected here from the CPU rehearsal and the last H100 run: ~5.5 min and ~4 min), then give_back.
 # Each step writes its log and JSON in $WORK; as each step ends, $WORK is packed into $OUT/session.tgz
@@ -22,6 +22,8 @@
 #   allreduce  bench/allreduce_speed.py: 2 peers, 40 and 400 MB, against the data plane and gloo, each node
 #              sealing and opening on the crypto threads its cores allow (p2p.noise.crypto_threads_for)
 #   allreduce-loop  the same at 400 MB with every node's crypto on its event loop (--crypto-threads 0)
+#   noise-threads  bench/noise_threads.py: what a thread hop costs the loop and a write there (the facts
+#              behind NoiseConfig's offload_bytes and split_bytes, measured on 2 cores)
 #   moe        bench/moe_gpu.py: one expert server on the GPU, dedloc's against hivemind's
 #   moe-profile  dedloc's server alone at 1024 rows with its event loop under cProfile (written every 2 s:
 #              bench/moe_gpu_peer.py, DEDLOC_BENCH_PROFILE), where its time goes on the GPU host
@@ -39,7 +41,7 @@ DEVICE=${GPU_SESSION_DEVICE:-cuda}
 SITE=${GPU_SESSION_SITE:-/tmp/dedloc-site}
 MOE_SYSTEMS=${GPU_SESSION_MOE_SYSTEMS:-dedloc,hivemind}
 STEPS=("$@")
-[[ ${#STEPS[@]} -gt 0 ]] || STEPS=(env tests net-tests training allreduce allreduce-loop moe moe-profile)
+[[ ${#STEPS[@]} -gt 0 ]] || STEPS=(env tests net-tests training allreduce allreduce-loop noise-threads moe moe-profile)
 WORK=${GPU_SESSION_WORK:-/tmp/gpu-session}
 mkdir -p "$OUT" "$WORK"
 SUMMARY=$OUT/summary.txt
@@ -89,6 +91,7 @@ if [[ $DEVICE == cpu ]]; then  # a rehearsal: every step at a size a CPU does in
     TRAINING=(--device cpu --size tiny --micro 4 --seq 32 --target 32 --steps 2 --dpu-steps 3 --timeout 150)
     ALLREDUCE=(--peers 2 --mbytes 4 --rounds 1 --data-plane-mib 16)
     LOOP=(--peers 2 --mbytes 4 --rounds 1 --data-plane-mib 16 --no-gloo --crypto-threads 0)
+    HOPS=(--sizes 256 --threads 0,1 --writes 5)
     MOE=(--device cpu --hidden 64 --experts 2 --batches 16 --clients 1 --callers 1 --seconds 2 --repeats 1 --timeout 60)
     PROFILED=(--device cpu --hidden 64 --experts 2 --batches 16 --clients 1 --callers 1 --seconds 3 --timeout 60)
     TESTS=(-x -q tests/test_averaging_core.py -k "device or pool")
@@ -97,6 +100,7 @@ else
     TRAINING=()
     ALLREDUCE=(--peers 2 --mbytes 40,400 --rounds 3)
     LOOP=(--peers 2 --mbytes 400 --rounds 3 --no-gloo --crypto-threads 0)
+    HOPS=()
     MOE=(--device cuda --batches 64,1024 --clients 8 --callers 4 --seconds 8 --repeats 2)
     PROFILED=(--device cuda --batches 1024 --clients 8 --callers 4 --seconds 10)
     TESTS=(-q tests/test_averaging_core.py tests/test_averaging.py tests/test_noise.py tests/test_node.py tests/test_cli.py
@@ -120,6 +124,8 @@ print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_
         step allreduce 150 "$PY" bench/allreduce_speed.py "${ALLREDUCE[@]}" --json "$WORK/allreduce_speed.json" ;;
     allreduce-loop)
         step allreduce-loop 90 "$PY" bench/allreduce_speed.py "${LOOP[@]}" --json "$WORK/allreduce_loop.json" ;;
+    noise-threads)
+        step noise-threads 60 "$PY" bench/noise_threads.py "${HOPS[@]}" --json "$WORK/noise_threads.json" ;;
     moe)
         step moe 240 "$PY" bench/moe_gpu.py "${MOE[@]}" --systems "$MOE_SYSTEMS" --python-dedloc "$PY" --python-hivemind "$PY" \
             --path-dedloc "$DEDLOC_SITE" --path-hivemind "$HIVEMIND_SITE" --json "$WORK/moe_gpu.json" ;;
@@ -132,7 +138,8 @@ for f in sorted(glob.glob(sys.argv[1] + '/*.prof')):
     print('==', f); pstats.Stats(f).sort_stats('tottime').print_stats(25)" "$WORK/moe-profile" > "$WORK/moe-profile.txt" 2>&1
         head -n 60 "$WORK/moe-profile.txt" ;;
     *)
-        echo "gpu_session: no step $name (env tests net-tests training allreduce allreduce-loop moe moe-profile)" >&2; exit 2 ;;
+        echo "gpu_session: no step $name (env tests net-tests training allreduce allreduce-loop noise-threads moe moe-profile)" >&2
+        exit 2 ;;
     esac
 done
 echo "gpu_session: done $(date -u +%FT%TZ)${FAILED[*]:+, failed: ${FAILED[*]}}" | tee -a "$SUMMARY"

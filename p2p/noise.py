@@ -79,6 +79,7 @@ __all__ = [
     "Opening",
     "Sealing",
     "crypto_threads_for",
+    "pieces",
     "spans",
     "usable_cores",
 ]
@@ -119,9 +120,15 @@ class NoiseConfig:
     #: Worker threads for the node's sealing and opening, all connections together; None: chosen by
     #: the cores this process may use (:func:`crypto_threads_for`); 0: all on the event loop.
     crypto_threads: int | None = None
-    #: The smallest write or read whose messages leave the loop: below it a thread hop (~0.1 ms)
-    #: costs more than the cipher's work it frees (64 KiB take ~20 us).
-    offload_bytes: int = 256 * 1024
+    #: The smallest write or read whose messages leave the loop. A thread hop (``trio.to_thread``)
+    #: costs the loop ~90 us of its own CPU on the 2-core machine (``bench/noise_threads.py``): a
+    #: 256 KiB seal on a thread left the loop 80 of its 90 us, a 768 KiB one 100 of 263 us, 1 MiB
+    #: 101 of 349 us; and a write waits the hop's latency too (768 KiB: 473 us against 263).
+    offload_bytes: int = 768 * 1024
+    #: A batch goes to several threads only in ranges of at least this many bytes: each range is one
+    #: more hop on the loop (1 MiB on 2 threads cost the loop 197 us against 101 on one; 4 MiB on 2
+    #: threads took 1.1 ms against 1.7 on one, for 362 us of the loop against 292).
+    split_bytes: int = 2 * 1024 * 1024
 
     def threads(self) -> int:
         """The worker threads to use on this machine (by the cores it may keep busy: its CPU
@@ -139,9 +146,10 @@ class NoiseConfig:
     def validate(self) -> None:
         if self.crypto_threads is not None and not 0 <= self.crypto_threads <= 64:
             raise ConfigError(f"noise.crypto_threads must be from 0 to 64 (or None: by cores), got {self.crypto_threads}")
-        if self.offload_bytes < MAX_MESSAGE:
-            raise ConfigError(f"noise.offload_bytes must be at least one message ({MAX_MESSAGE} bytes), "
-                              f"got {self.offload_bytes}")
+        for name in ("offload_bytes", "split_bytes"):
+            if getattr(self, name) < MAX_MESSAGE:
+                raise ConfigError(f"noise.{name} must be at least one message ({MAX_MESSAGE} bytes), "
+                                  f"got {getattr(self, name)}")
 
 
 def usable_cores(affinity: int, cpu_max: str | None) -> int:
@@ -159,10 +167,16 @@ def crypto_threads_for(cores: int) -> int:
     per 4 cores, at most 4.
 
     Measured on 2 cores (``bench/allreduce_speed.py --crypto-threads``): one thread per node made
-    one stream 1,506 -> 820 MB/s and the 2-peer round of 400 MB 0.81 -> 1.10 s, the hops and
-    threads taking the cores the loops needed. Above 4 cores the rule is unmeasured: the GPU
+    one stream 1,506 -> 820 MB/s and the 2-peer round of 400 MB 0.81 -> 1.10 s (0.87 -> 1.17 s with
+    the offload sizes since), the hops and threads taking the cores the loops needed. Above 4 cores the rule is unmeasured: the GPU
     host's run (``bench/gpu_session.sh``) measures it against ``crypto_threads=0``."""
     return 0 if cores < 4 else min(4, cores // 4)
+
+
+def pieces(size: int, threads: int, split_bytes: int) -> int:
+    """How many threads a batch of ``size`` bytes is split across: one per ``split_bytes``, at most
+    ``threads``, at least one."""
+    return max(1, min(threads, size // split_bytes))
 
 
 def spans(count: int, parts: int) -> list[tuple[int, int]]:
@@ -174,13 +188,15 @@ def spans(count: int, parts: int) -> list[tuple[int, int]]:
 class CryptoPool:
     """The I/O edge of :class:`NoiseConfig`: runs a batch's ``work(lo, hi)`` over its ``count``
     messages, on the loop when the pool has no threads or the batch is under ``offload_bytes``,
-    else split across the worker threads (one ``trio.to_thread`` call per range, the node's
-    threads bounded by one limiter) while the loop goes on. One pool serves a node's connections."""
+    else on worker threads while the loop goes on: one, or for a big batch one per ``split_bytes``
+    (one ``trio.to_thread`` call per range; the node's threads bounded by one limiter, so that
+    batches of several connections run side by side). One pool serves a node's connections."""
 
     def __init__(self, config: NoiseConfig) -> None:
         config.validate()
         self.threads = config.threads()
         self.offload_bytes = config.offload_bytes
+        self.split_bytes = config.split_bytes
         self._limiter = trio.CapacityLimiter(self.threads) if self.threads else None
         #: batches that ran on threads (a test's and a bench's view)
         self.offloaded = 0
@@ -190,7 +206,7 @@ class CryptoPool:
             work(0, count)
             return
         self.offloaded += 1
-        ranges = spans(count, self.threads)
+        ranges = spans(count, pieces(size, self.threads, self.split_bytes))
         if len(ranges) == 1:
             await trio.to_thread.run_sync(work, 0, count, limiter=self._limiter)
             return

@@ -292,7 +292,7 @@ def test_the_gpu_session_script_runs_its_steps_at_cpu_sizes(tmp_path: Path) -> N
     import tarfile
 
     out, work = tmp_path / "out", tmp_path / "work"
-    steps = ("env", "tests", "net-tests", "allreduce", "allreduce-loop", "moe", "moe-profile")
+    steps = ("env", "tests", "net-tests", "allreduce", "allreduce-loop", "noise-threads", "moe", "moe-profile")
     env = dict(os.environ, OUT=str(out), GPU_SESSION_WORK=str(work), PYTHON=sys.executable, GPU_SESSION_DEVICE="cpu",
                GPU_SESSION_INSTALL="0", GPU_SESSION_MOE_SYSTEMS="dedloc")
     result = subprocess.run(["bash", str(ROOT / "bench" / "gpu_session.sh"), *steps],
@@ -306,5 +306,7 @@ def test_the_gpu_session_script_runs_its_steps_at_cpu_sizes(tmp_path: Path) -> N
     assert {"./allreduce_speed.json", "./allreduce_loop.json", "./moe_gpu.json", "./moe-profile.txt"} <= names
     assert json.loads((work / "allreduce_speed.json").read_text())["two_peers"]["seconds"] > 0
     assert json.loads((work / "allreduce_loop.json").read_text())["crypto_threads"] == 0
+    hops = json.loads((work / "noise_threads.json").read_text())["cases"]
+    assert [(c["kib"], c["threads"]) for c in hops] == [(256, 0), (256, 1)] and all(c["latency_us"] > 0 for c in hops)
     assert json.loads((work / "moe_gpu.json").read_text())["dedloc"]["samples_per_s"] > 0
     assert "ncalls" in (work / "moe-profile.txt").read_text()  # the server's loop was profiled

@@ -30,6 +30,7 @@ from p2p.noise import (
     NoiseSession,
     NoiseTransport,
     crypto_threads_for,
+    pieces,
     spans,
     usable_cores,
 )
@@ -334,8 +335,19 @@ def test_a_noise_config_out_of_range_says_which_setting():
         NoiseConfig(crypto_threads=-1).validate()
     with pytest.raises(ConfigError, match="offload_bytes"):
         NoiseConfig(offload_bytes=1000).validate()
+    with pytest.raises(ConfigError, match="split_bytes"):
+        NoiseConfig(split_bytes=1000).validate()
     with pytest.raises(ConfigError, match="crypto_threads"):
         CryptoPool(NoiseConfig(crypto_threads=65))
+
+
+@pytest.mark.parametrize("size, threads, parts", [
+    (768 * 1024, 4, 1), (2 * 1024 * 1024, 4, 1), (4 * 1024 * 1024, 4, 2), (64 * 1024 * 1024, 4, 4),
+    (4 * 1024 * 1024, 1, 1), (0, 4, 1),
+])
+def test_a_batch_is_split_across_threads_only_in_ranges_of_split_bytes(size, threads, parts):
+    """Each range is one thread hop on the loop: a write of a few MiB goes to one thread."""
+    assert pieces(size, threads, 2 * 1024 * 1024) == parts
 
 
 @pytest.mark.parametrize("count, parts", [(0, 4), (1, 4), (5, 2), (16, 4), (17, 3), (3, 8)])
@@ -419,8 +431,8 @@ def session(raw: Pipe, codec: NoiseCodec, *, is_initiator: bool, crypto: CryptoP
 
 
 def threaded() -> CryptoPool:
-    """A pool that seals and opens every write and read of a message or more on 2 worker threads."""
-    return CryptoPool(NoiseConfig(crypto_threads=2, offload_bytes=MAX_MESSAGE))
+    """A pool that seals and opens every write and read of a message or more, split across 2 worker threads."""
+    return CryptoPool(NoiseConfig(crypto_threads=2, offload_bytes=MAX_MESSAGE, split_bytes=MAX_MESSAGE))
 
 
 def session_and_wire(**codec_nonces: int) -> tuple[NoiseSession, trio.abc.Stream, NoiseCodec]:
