@@ -80,3 +80,18 @@ def test_ranking_direct_before_relayed_public_before_private():
 def test_config_validation(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         NodeConfig(**kwargs).validate()
+
+
+def test_an_ip6zone_address_from_a_peer_is_dropped_not_misread():
+    """py-multiaddr reads /ip6zone/'s value as empty, so the zone's bytes parse as more parts (here a
+    public IPv4 that would rank a link-local address first): such an address from a peer is dropped."""
+    from p2p.addresses import Scope, scope_of
+    from p2p.untrusted import decode_addr, decode_addrs
+
+    zoned = Multiaddr("/ip6zone/eth0/ip6/fe80::1/tcp/4001").to_bytes()
+    misread = Multiaddr(zoned)
+    assert [p.name for p in misread.protocols()][:2] == ["ip6zone", "ip4"]  # the library's misreading
+    assert scope_of(misread) is Scope.PUBLIC  # what it would have made of a link-local address
+    assert decode_addr(zoned) is None
+    plain = Multiaddr("/ip6/fe80::1/tcp/4001")
+    assert decode_addrs([zoned, plain.to_bytes()], limit=4) == [plain]
