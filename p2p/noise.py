@@ -112,9 +112,9 @@ class NoiseConfig:
     with everything else the node does, so a peer that sends and receives S bytes at once (an
     all-reduce) does twice the work of one stream's sender or receiver on that core. The cipher
     releases the GIL (two threads seal 1.57x as fast as one on 2 cores), so a host with cores to
-    spare seals and opens big writes and reads on worker threads, split across them, while the
-    loop goes on; a 2-core machine keeps it all on the loop, where a thread hop would only add its
-    cost (:func:`crypto_threads_for`).
+    spare seals and opens big writes and reads on worker threads (a very big one split across
+    them) while the loop goes on; a 2-core machine keeps it all on the loop, where a thread hop
+    would only add its cost (:func:`crypto_threads_for`).
     """
 
     #: Worker threads for the node's sealing and opening, all connections together; None: chosen by
