@@ -9,9 +9,9 @@
 #   run(command="bash bench/gpu_session.sh moe moe-profile", carry=[".whl"], timeout_s=330)
 # (expected here from the CPU rehearsal and the last H100 run: ~5.5 min and ~4 min), then give_back.
 # Each step writes its log and JSON in $WORK; as each step ends, $WORK is packed into $OUT/session.tgz
-# (a call brings back at most 8 files from $OUT) beside $OUT/summary.txt, so a call stopped at its limit
-# still brings back the steps that finished (and the second call's package holds the first's results:
-# $WORK stays on the warm machine); a rerun names only the steps it wants.
+# (a call brings back at most 8 files from $OUT) beside a copy of the summary, so a call stopped at its
+# limit still brings back the steps that finished (and the second call's package and summary hold the
+# first's too: $WORK stays on the warm machine); a rerun names only the steps it wants.
 #
 # Steps (in this order by default; each under its own time limit):
 #   env        the card, the driver, torch, the cores (nvidia-smi, torch.cuda)
@@ -44,7 +44,7 @@ STEPS=("$@")
 [[ ${#STEPS[@]} -gt 0 ]] || STEPS=(env tests net-tests training allreduce allreduce-loop noise-threads moe moe-profile)
 WORK=${GPU_SESSION_WORK:-/tmp/gpu-session}
 mkdir -p "$OUT" "$WORK"
-SUMMARY=$OUT/summary.txt
+SUMMARY=$WORK/summary.txt  # kept in $WORK: a second call on the warm machine adds to the first's
 FAILED=()
 
 install() {  # install NAME: .whl/both and .whl/NAME into $SITE/NAME, once
@@ -53,8 +53,9 @@ install() {  # install NAME: .whl/both and .whl/NAME into $SITE/NAME, once
         .whl/both/*.whl ".whl/$1"/*.whl && touch "$SITE/$1/.done"
 }
 
-pack() {  # $WORK (and the summary) into $OUT/session.tgz, replaced whole: never half written
-    cp "$SUMMARY" "$WORK/" && tar -czf "$OUT/session.tgz.part" -C "$WORK" . && mv "$OUT/session.tgz.part" "$OUT/session.tgz"
+pack() {  # the summary into $OUT, and $WORK into $OUT/session.tgz, replaced whole: never half written
+    cp "$SUMMARY" "$OUT/summary.txt" && tar -czf "$OUT/session.tgz.part" -C "$WORK" . \
+        && mv "$OUT/session.tgz.part" "$OUT/session.tgz"
 }
 
 step() {  # step NAME LIMIT_S COMMAND...: the command's output in $WORK/NAME.log; its status and time in the summary
