@@ -26,7 +26,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from p2p.noise import MAX_MESSAGE, CryptoPool, NoiseCodec, NoiseConfig  # noqa: E402
+from p2p.noise import MAX_MESSAGE, CryptoPool, NoiseCodec, NoiseConfig, process_cores  # noqa: E402
 
 
 async def case(size: int, threads: int, writes: int) -> dict[str, float]:
@@ -54,9 +54,9 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             print(f"{kib:6d} KiB, {threads} threads: {figures['latency_us']:7.0f} us a write "
                   f"({figures['mb_per_s']:5.0f} MB/s in series), loop CPU {figures['loop_cpu_us']:6.0f} us a write",
                   flush=True)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = process_cores()
     results = {"cores": cores, "chosen_threads": NoiseConfig().threads(), "cases": cases}
-    print(f"{cores} cores; a node here chooses {results['chosen_threads']} crypto threads")
+    print(f"{cores} cores to use; a node here chooses {results['chosen_threads']} crypto threads")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return results

@@ -76,4 +76,3 @@ def cause_of(error: BaseException, kind: type[E], depth: int) -> E | None:
             return seen
         seen = seen.__cause__ or seen.__context__
     return None
-

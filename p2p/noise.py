@@ -80,6 +80,7 @@ __all__ = [
     "Sealing",
     "crypto_threads_for",
     "pieces",
+    "process_cores",
     "spans",
     "usable_cores",
 ]
@@ -98,7 +99,7 @@ MAX_MUXERS = 16
 
 _LENGTH = struct.Struct(">H")
 _NONCE = struct.Struct("<4xQ")
-#: cgroup v2's CPU quota of this process's group (read by :meth:`NoiseConfig.threads`)
+#: cgroup v2's CPU quota of this process's group (read by :func:`process_cores`)
 CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"
 #: The spec reserves nonce 2^64-1; a connection must end before reaching it.
 _NONCE_LIMIT = 2**64 - 1
@@ -131,17 +132,8 @@ class NoiseConfig:
     split_bytes: int = 2 * 1024 * 1024
 
     def threads(self) -> int:
-        """The worker threads to use on this machine (by the cores it may keep busy: its CPU
-        affinity, capped by a cgroup v2 quota, as a container's limit is)."""
-        if self.crypto_threads is not None:
-            return self.crypto_threads
-        affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        try:
-            with open(CGROUP_CPU_MAX) as f:
-                cpu_max: str | None = f.read()
-        except OSError:
-            cpu_max = None
-        return crypto_threads_for(usable_cores(affinity, cpu_max))
+        """The worker threads to use on this machine (by :func:`process_cores`)."""
+        return self.crypto_threads if self.crypto_threads is not None else crypto_threads_for(process_cores())
 
     def validate(self) -> None:
         if self.crypto_threads is not None and not 0 <= self.crypto_threads <= 64:
@@ -150,6 +142,18 @@ class NoiseConfig:
             if getattr(self, name) < MAX_MESSAGE:
                 raise ConfigError(f"noise.{name} must be at least one message ({MAX_MESSAGE} bytes), "
                                   f"got {getattr(self, name)}")
+
+
+def process_cores() -> int:
+    """The cores this process may keep busy: its CPU affinity, capped by a cgroup v2 quota, as a
+    container's limit is (:func:`usable_cores` on what the machine says)."""
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        with open(CGROUP_CPU_MAX) as f:
+            cpu_max: str | None = f.read()
+    except OSError:
+        cpu_max = None
+    return usable_cores(affinity, cpu_max)
 
 
 def usable_cores(affinity: int, cpu_max: str | None) -> int:
@@ -526,20 +530,13 @@ class NoiseSession(BaseSession):
                 if self._codec.buffered:
                     raise NoiseError(f"connection closed in the middle of a Noise message ({self._codec.buffered} bytes)")
                 return []
-            try:
+            # A garbled message breaks the channel, and so does a cancel once the read's nonces are taken.
+            with self._breaks_on_failure():
                 opening = self._codec.take(data)
-            except NoiseError as e:
-                self._broken = e
-                raise
-            if not opening.count:
-                continue
-            with self._breaks_on_failure():  # the read's nonces are taken: a cancel here breaks the channel
+                if not opening.count:
+                    continue
                 await self._crypto.run(opening.open, opening.count, opening.size)
-            try:
                 pieces = opening.plaintext()
-            except NoiseError as e:
-                self._broken = e
-                raise
             if pieces:
                 return pieces
 
