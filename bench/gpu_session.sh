@@ -24,7 +24,8 @@
 #   allreduce-loop  the same at 400 MB with every node's crypto on its event loop (--crypto-threads 0)
 #   noise-threads  bench/noise_threads.py: what a thread hop costs the loop and a write there (the facts
 #              behind NoiseConfig's offload_bytes and split_bytes, measured on 2 cores)
-#   moe        bench/moe_gpu.py: one expert server on the GPU, dedloc's against hivemind's
+#   moe        bench/moe_gpu.py: one expert server on the GPU, dedloc's (one process, and 4: serve-experts
+#              --processes 4) against hivemind's
 #   moe-profile  dedloc's server alone at 1024 rows with its event loop under cProfile (written every 2 s:
 #              bench/moe_gpu_peer.py, DEDLOC_BENCH_PROFILE), where its time goes on the GPU host
 #
@@ -93,7 +94,8 @@ if [[ $DEVICE == cpu ]]; then  # a rehearsal: every step at a size a CPU does in
     ALLREDUCE=(--peers 2 --mbytes 4 --rounds 1 --data-plane-mib 16)
     LOOP=(--peers 2 --mbytes 4 --rounds 1 --data-plane-mib 16 --no-gloo --crypto-threads 0)
     HOPS=(--sizes 256 --threads 0,1 --writes 5)
-    MOE=(--device cpu --hidden 64 --experts 2 --batches 16 --clients 1 --callers 1 --seconds 2 --repeats 1 --timeout 60)
+    MOE=(--device cpu --hidden 64 --experts 2 --batches 16 --clients 1 --callers 1 --seconds 2 --repeats 1 --timeout 60
+         --server-processes 1,2)
     PROFILED=(--device cpu --hidden 64 --experts 2 --batches 16 --clients 1 --callers 1 --seconds 3 --timeout 60)
     TESTS=(-x -q tests/test_averaging_core.py -k "device or pool")
     NET_TESTS=(-q tests/test_noise.py)
@@ -102,7 +104,8 @@ else
     ALLREDUCE=(--peers 2 --mbytes 40,400 --rounds 3)
     LOOP=(--peers 2 --mbytes 400 --rounds 3 --no-gloo --crypto-threads 0)
     HOPS=()
-    MOE=(--device cuda --batches 64,1024 --clients 8 --callers 4 --seconds 8 --repeats 2)
+    # dedloc's server as one process and as 4 (serve-experts --processes): 12 cases of ~18 s
+    MOE=(--device cuda --batches 64,1024 --clients 8 --callers 4 --seconds 6 --repeats 2 --server-processes 1,4)
     PROFILED=(--device cuda --batches 1024 --clients 8 --callers 4 --seconds 10)
     TESTS=(-q tests/test_averaging_core.py tests/test_averaging.py tests/test_noise.py tests/test_node.py tests/test_cli.py
            -k "cuda or device or pool or refuses or noise or seal")

@@ -1,7 +1,7 @@
 """One expert server on a GPU: dedloc's against hivemind.moe 1.1.12's Server, same device, same experts, one run.
 
     .venv/bin/python bench/moe_gpu.py [--device cuda] [--experts 16] [--hidden 1024] [--batches 64,1024]
-        [--clients 8] [--callers 4] [--seconds 15] [--repeats 1] [--json OUT]
+        [--clients 8] [--callers 4] [--seconds 15] [--repeats 1] [--server-processes 1,4] [--json OUT]
     .venv/bin/python bench/moe_gpu.py --device cpu --hidden 256 --batches 64 --clients 2 --seconds 3   (a CPU)
 
 For each batch size, each side (alternating, --repeats times): a server process hosting --experts ffn
@@ -13,10 +13,14 @@ RemoteExpert to the experts in turn. The clients warm up, wait for one start sig
 batch / seconds, all clients together), pairs/s, the GPU's mean utilization (nvidia-smi, every 0.5 s)
 and dedloc / hivemind. This is hivemind's own benchmark_throughput.py setup (16 ffn experts of hidden
 1024, clients on the same host; it published 28,581 samples/s with 128 clients x batch 2048 on a
-GTX 1080 Ti), scaled to one machine's cores.
+GTX 1080 Ti), scaled to one machine's cores. hivemind's Server serves from 8 handler processes per
+expert (its num_handlers default: 128 here) beside its Go daemon; ``--server-processes 1,4`` runs
+dedloc's both as one process and as 4 (`serve-experts --processes 4`: a peer each, every 4th expert,
+the clients calling each expert at its own process), each case named apart ("dedloc", "dedloc x4").
 
-``--json OUT`` writes ``cases`` (per batch: each side's samples/s min/median, the ratio) and
-``dedloc.samples_per_s`` / ``hivemind.samples_per_s`` (the largest batch's medians). Where each
+``--json OUT`` writes ``cases`` (per batch: each variant's samples/s min/median, ``ratio`` for
+one-process dedloc over hivemind and ``ratios`` for every dedloc variant) and ``dedloc.samples_per_s`` /
+``dedloc x4.samples_per_s`` / ``hivemind.samples_per_s`` (the largest batch's medians). Where each
 side's packages come from: ``--python-dedloc``/``--python-hivemind`` and ``--path-dedloc``/``--path-hivemind``
 (prepended to PYTHONPATH; a GPU machine with no venvs). Nothing leaves 127.0.0.1.
 """
@@ -67,11 +71,20 @@ class Side:
         stop_all(self.workers, grace=0)
 
 
-def run_case(system: str, batch: int, args: argparse.Namespace) -> dict[str, Any]:
+def label(system: str, processes: int) -> str:
+    """A variant's name in the output: "dedloc", "dedloc x4" (its server in 4 processes), "hivemind"."""
+    return system if processes == 1 else f"{system} x{processes}"
+
+
+def run_case(system: str, batch: int, args: argparse.Namespace, processes: int = 1) -> dict[str, Any]:
     with Side(system, args) as side:
-        server = side.start("server", "--serve", "--device", args.device, "--experts", str(args.experts),
-                            "--hidden", str(args.hidden), "--max-batch", str(args.max_batch))
-        where = server.wait_for(None, args.timeout)
+        servers = [side.start(f"server {i}", "--serve", "--device", args.device, "--experts", str(args.experts),
+                              "--hidden", str(args.hidden), "--max-batch", str(args.max_batch),
+                              *(["--shard", f"{i}/{processes}"] if processes > 1 else []))
+                   for i in range(processes)]
+        deadline = time.monotonic() + args.timeout
+        wheres = [server.wait_for(None, deadline - time.monotonic()) for server in servers]
+        where = wheres[0] if processes == 1 else wheres
         clients = [side.start(f"client {i}", "--client", json.dumps(where), "--experts", str(args.experts), "--hidden",
                               str(args.hidden), "--batch", str(batch), "--callers", str(args.callers),
                               "--seconds", str(args.seconds), "--index", str(i)) for i in range(args.clients)]
@@ -87,7 +100,7 @@ def run_case(system: str, batch: int, args: argparse.Namespace) -> dict[str, Any
         elapsed = max(r["elapsed_s"] for r in results)
         return {"samples_per_s": pairs * batch / elapsed, "pairs_per_s": pairs / elapsed,
                 "failed": sum(r.get("failed", 0) for r in results), "gpu_util_mean": gpu.mean,
-                "device": where.get("device_name", args.device)}
+                "device": wheres[0].get("device_name", args.device), "server_processes": processes}
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -107,29 +120,40 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--timeout", type=float, default=120.0, help="most seconds a server or a client's warm-up may take")
     p.add_argument("--systems", default="dedloc,hivemind")
+    p.add_argument("--server-processes", default="1", metavar="N[,N...]",
+                   help="dedloc: its server in N processes, a peer each hosting every N-th expert (serve-experts "
+                   "--processes N); a case per N, each named 'dedloc xN' beside 'dedloc' (1)")
     p.add_argument("--python-dedloc", default=str(ROOT / ".venv" / "bin" / "python"))
     p.add_argument("--python-hivemind", default=str(HIVEMIND_PYTHON))
     p.add_argument("--path-dedloc", default="")
     p.add_argument("--path-hivemind", default="")
     p.add_argument("--json", metavar="OUT")
     args = p.parse_args()
-    systems = args.systems.split(",")
+    counts = [int(n) for n in args.server_processes.split(",")]
+    if any(not 1 <= n <= args.experts for n in counts):
+        p.error(f"--server-processes: each count must be 1..--experts ({args.experts})")
+    variants = [(s, n) for s in args.systems.split(",") for n in (counts if s == "dedloc" else [1])]
+    systems = [label(s, n) for s, n in variants]
     batches = [int(b) for b in args.batches.split(",")]
     cases: dict[str, Any] = {}
     for batch in batches:
         runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
         for repeat in range(args.repeats):
-            for system in systems:
-                run = run_case(system, batch, args)
+            for (name, processes), system in zip(variants, systems):
+                run = run_case(name, batch, args, processes)
                 runs[system].append(run)
                 gpu = "" if run["gpu_util_mean"] is None else f", GPU {run['gpu_util_mean']:.0f}% busy"
                 print(f"batch {batch:5d} {system:9s} #{repeat + 1}: {run['samples_per_s']:9.0f} samples/s, "
                       f"{run['pairs_per_s']:7.1f} fwd+bwd/s, {run['failed']} failed{gpu} ({run['device']})", flush=True)
         case: dict[str, Any] = {s: {"samples_per_s": spread([r["samples_per_s"] for r in runs[s]]), "runs": runs[s]}
                                 for s in systems}
-        if set(systems) >= {"dedloc", "hivemind"}:
-            case["ratio"] = (case["dedloc"]["samples_per_s"]["median"] / case["hivemind"]["samples_per_s"]["median"])
-            print(f"batch {batch:5d}: dedloc / hivemind = {case['ratio']:.2f} (medians)", flush=True)
+        if "hivemind" in systems:
+            theirs = case["hivemind"]["samples_per_s"]["median"]
+            case["ratios"] = {s: case[s]["samples_per_s"]["median"] / theirs for s in systems if s != "hivemind"}
+            if "dedloc" in case["ratios"]:
+                case["ratio"] = case["ratios"]["dedloc"]
+            for s, ratio in case["ratios"].items():
+                print(f"batch {batch:5d}: {s} / hivemind = {ratio:.2f} (medians)", flush=True)
         cases[str(batch)] = case
     result: dict[str, Any] = {"device": args.device, "experts": args.experts, "hidden": args.hidden,
                               "clients": args.clients, "callers": args.callers, "seconds": args.seconds,

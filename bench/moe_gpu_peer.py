@@ -3,9 +3,11 @@
     python bench/moe_gpu_peer.py --serve --device cuda --experts 16 --hidden 1024
     python bench/moe_gpu_peer.py --client '<the server's JSON line>' --batch 1024 --callers 4 --seconds 15
 
---serve: a peer on 127.0.0.1 hosting --experts ffn experts (FeedforwardBlock, hivemind's ffn) of --hidden on
+--serve: a peer on 127.0.0.1 hosting --experts ffn experts (with --shard I/N, every N-th of them from the I-th,
+as process I of `dedloc serve-experts --processes N` does) (FeedforwardBlock, hivemind's ffn) of --hidden on
 --device, each with Adam, batched by ExpertServer up to --max-batch rows; prints its peer id and
-addresses as one JSON line, then serves until killed. --client: a peer with an ExpertClient; --callers
+addresses as one JSON line, then serves until killed. --client (one server's line, or a JSON list of the lines of a sharded server's processes): a peer with
+an ExpertClient; --callers
 threads each run forward and backward of --batch rows through RemoteExpert, to the experts in turn.
 It warms up (one call per expert), prints ``{"ready": ...}``, waits for a line on stdin, calls for
 --seconds and prints ``{"pairs": ..., "elapsed_s": ..., "failed": ...}``.
@@ -38,7 +40,8 @@ from nat import Peer, PeerConfig  # noqa: E402
 from p2p.dht import DHTConfig, DHTMode  # noqa: E402
 from training.moe import (Expert, ExpertBackend, ExpertCallError, ExpertClient, ExpertServer,  # noqa: E402
                           RemoteExpert, ServerConfig)
-from training.moe.experts import FeedforwardBlock  # noqa: E402
+from training.moe.experts import FeedforwardBlock, expert_seed  # noqa: E402
+from training.moe.processes import shard  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
 from moe_common import call_loop, server_parser  # noqa: E402
@@ -54,17 +57,19 @@ def config(server: bool) -> PeerConfig:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    torch.manual_seed(0)
+    index, count = (int(n) for n in args.shard.split("/"))
+    uids = shard([f"ffn.0.{j}" for j in range(args.experts)], index, count)
     backends = []
-    for j in range(args.experts):
+    for uid in uids:
+        torch.manual_seed(expert_seed(0, uid))
         module = FeedforwardBlock(args.hidden)
-        backends.append(ExpertBackend(f"ffn.0.{j}", module, torch.optim.Adam(module.parameters(), 1e-4, fused=True),
+        backends.append(ExpertBackend(uid, module, torch.optim.Adam(module.parameters(), 1e-4, fused=True),
                                       (args.hidden,), device=args.device))
     server_config = ServerConfig(max_batch_size=args.max_batch, max_request_rows=args.max_batch)
     async with Peer.open(config(server=True)) as peer, ExpertServer.open(peer, backends, server_config):
         name = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
         print(json.dumps({"peer_id": peer.peer_id.to_base58(), "addrs": [str(a) for a in peer.addrs],
-                          "device_name": name}), flush=True)
+                          "device_name": name, "uids": uids}), flush=True)
         if folder := os.environ.get("DEDLOC_BENCH_PROFILE"):
             await profile_loop(Path(folder) / f"server-{os.getpid()}.prof")
         await trio.sleep_forever()
@@ -81,10 +86,11 @@ async def profile_loop(path: Path) -> None:
 
 
 async def client_main(args: argparse.Namespace) -> None:
-    where = json.loads(args.client)
-    at = (ID.from_base58(where["peer_id"]), tuple(Multiaddr(a) for a in where["addrs"]))
+    servers = json.loads(args.client)  # one server's line, or a list of them (--shard: each hosts its uids)
+    hosts = {uid: (ID.from_base58(s["peer_id"]), tuple(Multiaddr(a) for a in s["addrs"]))
+             for s in (servers if isinstance(servers, list) else [servers]) for uid in s["uids"]}
     async with Peer.open(config(server=False)) as peer, ExpertClient.open(peer) as client:
-        experts = [RemoteExpert(client, Expert(f"ffn.0.{j}", *at)) for j in range(args.experts)]
+        experts = [RemoteExpert(client, Expert(f"ffn.0.{j}", *hosts[f"ffn.0.{j}"])) for j in range(args.experts)]
         for expert in experts:  # warm-up: the connection, each expert's first batch
             x = torch.randn(args.batch, args.hidden, requires_grad=True)
             await client.run(lambda: expert(x).sum().backward())

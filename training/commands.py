@@ -128,7 +128,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     g.add_argument("--update-period", type=float, default=30.0, metavar="SECONDS",
                    help="how often the experts are declared in the DHT (each declaration lives 3x this)")
     g.add_argument("--checkpoint-dir", default=None, help="save and load the experts here (default: none)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the experts' initial weights")
+    g.add_argument("--seed", type=int, default=0, help="seed of the experts' initial weights (each expert's "
+                   "from it and its uid)")
+    g.add_argument("--processes", type=int, default=1, metavar="N",
+                   help="serve the experts from N processes, a peer each (its own identity: --identity's file, "
+                   "then FILE.1, FILE.2 ...; fixed --listen and --metrics ports + 1, + 2 ...), each hosting every "
+                   "N-th expert on --device: for a GPU host whose cores one process's network loop cannot keep "
+                   "busy (default: %(default)s)")
     p.set_defaults(func="training.moe.cli:cmd_serve_experts")
 
     p = sub.add_parser("dataset", help="datasets carried by the swarm: create, add, get, seed, list, show",

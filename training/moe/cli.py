@@ -14,32 +14,46 @@ from nat.dashboard import Dashboard
 from p2p.errors import ConfigError
 from p2p.output import Output
 
-from .experts import PRESETS
-from .grid import UidError, expand_pattern
+from .experts import PRESETS, expert_seed
+from .grid import ExpertUid, UidError, expand_pattern
+from .processes import serve_in_processes, shard
 from .server import ExpertBackend, ExpertServer, ServerConfig
 
 
-def build_backends(args: argparse.Namespace) -> list[ExpertBackend]:
+def expert_uids(args: argparse.Namespace) -> list[ExpertUid]:
+    """The uids this process hosts: --expert-pattern's, or a child's :func:`~.processes.shard` of them."""
     try:
         uids = expand_pattern(args.expert_pattern)
     except UidError as e:
         raise ConfigError(str(e)) from None
+    place = getattr(args, "shard", None)
+    return uids if place is None else shard(uids, *place)
+
+
+def check_options(args: argparse.Namespace) -> str:
+    """The options' errors, before anything starts; the device the experts go on."""
     if args.hidden_dim < 1:
         raise ConfigError("--hidden-dim must be positive")
     if not (args.lr > 0):
         raise ConfigError("--lr must be positive")
     if args.threads < 0:
         raise ConfigError("--threads must be 0 (torch's default: every core) or more")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = args.device
+    device: str = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device {device}: this torch sees no CUDA device")
-    torch.manual_seed(args.seed)
+    return device
+
+
+def build_backends(args: argparse.Namespace) -> list[ExpertBackend]:
+    uids = expert_uids(args)
+    device = check_options(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     out = []
     for uid in uids:
+        torch.manual_seed(expert_seed(args.seed, str(uid)))  # the same weights in one process or many
         module = PRESETS[args.expert_cls](args.hidden_dim)
         # fused: one kernel for every parameter; a small batch's backward took 2.8 ms with the
         # per-parameter loop and 1.4 ms fused (hidden 256, 8 rows, one CPU thread), most of it the step
@@ -49,6 +63,10 @@ def build_backends(args: argparse.Namespace) -> list[ExpertBackend]:
 
 
 async def cmd_serve_experts(args: argparse.Namespace, out: Output) -> int:
+    if getattr(args, "processes", 1) != 1:
+        uids = expert_uids(args)  # a bad pattern or option fails here, before any child starts
+        check_options(args)
+        return await serve_in_processes(args, out, len(uids))
     backends = build_backends(args)  # a bad pattern or device fails before the peer starts
     config = ServerConfig(max_batch_size=args.max_batch_size, min_batch_size=args.min_batch_size,
                           max_wait=args.max_wait,
@@ -59,7 +77,9 @@ async def cmd_serve_experts(args: argparse.Namespace, out: Output) -> int:
     async def serve(peer: Peer, dashboard: Dashboard | None) -> None:
         async with ExpertServer.open(peer, backends, config):
             if not out.json_mode:
-                print(f"serving {len(backends)} {args.expert_cls} experts ({args.expert_pattern}, hidden "
+                place = getattr(args, "shard", None)
+                part = "" if place is None else f", process {place[0]} of {place[1]}"
+                print(f"serving {len(backends)} {args.expert_cls} experts ({args.expert_pattern}{part}, hidden "
                       f"{args.hidden_dim}) on {backends[0].device}", flush=True)
             await trio.sleep_forever()
 

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 
 import torch
 from torch import nn
+
+
+def expert_seed(seed: int, uid: str) -> int:
+    """The torch seed of one expert's initial weights: a function of the server's --seed and the uid
+    alone, so that a grid split over processes (``serve-experts --processes``) or hosted in another
+    order starts from the same weights."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{uid}".encode(), digest_size=8).digest(), "big") >> 1
 
 
 def gelu_fast(x: torch.Tensor) -> torch.Tensor:
