@@ -98,6 +98,10 @@ TABLE: list[tuple[str, str]] = [
     # bad settings
     ("average --initial-peers {open} --ephemeral --size -5", "--size must be positive"),
     ("serve-experts --expert-pattern bad[ --initial-peers {open} --ephemeral", "expert pattern 'bad['"),
+    ("serve-experts --expert-pattern ffn.[0:2] --processes 3 --initial-peers {open} --ephemeral",
+     "--processes 3: more processes than the 2 experts"),
+    ("serve-experts --expert-pattern ffn.[0:2] --processes 2 --min-batch-size 9 --max-batch-size 8 "
+     "--initial-peers {open} --ephemeral", "min_batch_size (9) exceeds max_batch_size (8)"),
     ("backbone --listen /ip4/127.0.0.1/tcp/{busy} --ephemeral --checkpoint-dir {tmp}/ckpt", "Address already in use"),
 ]
 

@@ -63,16 +63,16 @@ def build_backends(args: argparse.Namespace) -> list[ExpertBackend]:
 
 
 async def cmd_serve_experts(args: argparse.Namespace, out: Output) -> int:
-    if getattr(args, "processes", 1) != 1:
-        uids = expert_uids(args)  # a bad pattern or option fails here, before any child starts
-        check_options(args)
-        return await serve_in_processes(args, out, len(uids))
-    backends = build_backends(args)  # a bad pattern or device fails before the peer starts
     config = ServerConfig(max_batch_size=args.max_batch_size, min_batch_size=args.min_batch_size,
                           max_wait=args.max_wait,
                           checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
                           update_period=args.update_period, expiration=args.update_period * 3)
     config.validate()
+    if getattr(args, "processes", 1) != 1:
+        uids = expert_uids(args)  # a bad pattern or option fails here, before any child starts
+        check_options(args)
+        return await serve_in_processes(args, out, len(uids))
+    backends = build_backends(args)  # a bad pattern or device fails before the peer starts
 
     async def serve(peer: Peer, dashboard: Dashboard | None) -> None:
         async with ExpertServer.open(peer, backends, config):
