@@ -38,6 +38,8 @@ def server_parser() -> argparse.ArgumentParser:
     p.add_argument("--callers", type=int, default=4)
     p.add_argument("--seconds", type=float, default=15.0)
     p.add_argument("--index", type=int, default=0)
+    p.add_argument("--expert-cls", choices=("ffn", "nop"), default="ffn",
+                   help="--serve: the experts (nop: x * a parameter, the serving stack alone)")
     p.add_argument("--shard", default="0/1", metavar="I/N",
                    help="--serve: host every N-th expert from the I-th (dedloc's serve-experts --processes N)")
     return p

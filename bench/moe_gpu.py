@@ -80,6 +80,7 @@ def run_case(system: str, batch: int, args: argparse.Namespace, processes: int =
     with Side(system, args) as side:
         servers = [side.start(f"server {i}", "--serve", "--device", args.device, "--experts", str(args.experts),
                               "--hidden", str(args.hidden), "--max-batch", str(args.max_batch),
+                              "--expert-cls", args.expert_cls,
                               *(["--shard", f"{i}/{processes}"] if processes > 1 else []))
                    for i in range(processes)]
         deadline = time.monotonic() + args.timeout
@@ -100,7 +101,8 @@ def run_case(system: str, batch: int, args: argparse.Namespace, processes: int =
         elapsed = max(r["elapsed_s"] for r in results)
         return {"samples_per_s": pairs * batch / elapsed, "pairs_per_s": pairs / elapsed,
                 "failed": sum(r.get("failed", 0) for r in results), "gpu_util_mean": gpu.mean,
-                "device": wheres[0].get("device_name", args.device), "server_processes": processes}
+                "device": wheres[0].get("device_name", args.device), "server_processes": processes,
+                "module": wheres[0].get("module", args.expert_cls)}
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -111,6 +113,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
     p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--expert-cls", choices=("ffn", "nop"), default="ffn",
+                   help="ffn (hivemind's benchmark) or nop (x * a parameter: the serving stack alone, both sides)")
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--batches", default="64,1024", help="rows per call: comma-separated")
     p.add_argument("--max-batch", type=int, default=4096, help="most rows in one server batch (both sides)")
@@ -155,7 +159,8 @@ def main() -> None:
             for s, ratio in case["ratios"].items():
                 print(f"batch {batch:5d}: {s} / hivemind = {ratio:.2f} (medians)", flush=True)
         cases[str(batch)] = case
-    result: dict[str, Any] = {"device": args.device, "experts": args.experts, "hidden": args.hidden,
+    result: dict[str, Any] = {"device": args.device, "experts": args.experts, "expert_cls": args.expert_cls,
+                              "hidden": args.hidden,
                               "clients": args.clients, "callers": args.callers, "seconds": args.seconds,
                               "cases": cases}
     largest = cases[str(max(batches))]

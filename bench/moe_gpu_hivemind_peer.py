@@ -4,11 +4,12 @@ bench/moe_gpu_peer.py.
     python bench/moe_gpu_hivemind_peer.py --serve --device cuda --experts 16 --hidden 1024
     python bench/moe_gpu_hivemind_peer.py --client '<the server's JSON line>' --batch 1024 --callers 4
 
---serve: hivemind's Server.create with --experts ffn experts of --hidden on --device (Adam, its
-default optimizer; max_batch_size --max-batch), its DHT on 127.0.0.1; prints its peer id and
-addresses as one JSON line. --client: a client-mode DHT joined to the server, RemoteExperts for its
-experts, --callers threads each running forward and backward of --batch rows, the experts in turn;
-warm-up, ``{"ready": ...}``, a line on stdin, --seconds of calls, ``{"pairs": ..., "elapsed_s": ...}``.
+--serve: hivemind's Server.create with --experts experts of --expert-cls (ffn, nop) of --hidden on
+--device (Adam, its default optimizer; max_batch_size --max-batch), its DHT on 127.0.0.1; prints its
+peer id and addresses as one JSON line. --client: a client-mode DHT joined to the server,
+RemoteExperts for its experts, --callers threads each running forward and backward of --batch rows,
+the experts in turn; warm-up, ``{"ready": ...}``, a line on stdin, --seconds of calls,
+``{"pairs": ..., "elapsed_s": ...}``.
 A call that never returns is not waited for past --seconds + 30 s (RemoteExpert has no timeout).
 One JSON line per message on stdout (fd 1 is kept for them; hivemind's logs go to stderr).
 """
@@ -45,8 +46,8 @@ def main() -> None:
     uids = [f"ffn.0.{j}" for j in range(args.experts)]
     if args.serve:
         torch.manual_seed(0)
-        server = Server.create(expert_uids=uids, expert_cls="ffn", hidden_dim=args.hidden, max_batch_size=args.max_batch,
-                               device=args.device, start=True, **NETWORK_KWARGS)
+        server = Server.create(expert_uids=uids, expert_cls=args.expert_cls, hidden_dim=args.hidden,
+                               max_batch_size=args.max_batch, device=args.device, start=True, **NETWORK_KWARGS)
         server.ready.wait(120)
         name = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
         say({"peer_id": server.dht.peer_id.to_base58(), "addrs": [str(a) for a in server.dht.get_visible_maddrs()],

@@ -3,14 +3,15 @@
     python bench/moe_gpu_peer.py --serve --device cuda --experts 16 --hidden 1024
     python bench/moe_gpu_peer.py --client '<the server's JSON line>' --batch 1024 --callers 4 --seconds 15
 
---serve: a peer on 127.0.0.1 hosting --experts ffn experts (with --shard I/N, every N-th of them from the I-th,
-as process I of `dedloc serve-experts --processes N` does) (FeedforwardBlock, hivemind's ffn) of --hidden on
---device, each with Adam, batched by ExpertServer up to --max-batch rows; prints its peer id and
-addresses as one JSON line, then serves until killed. --client (one server's line, or a JSON list of the lines of a sharded server's processes): a peer with
-an ExpertClient; --callers
-threads each run forward and backward of --batch rows through RemoteExpert, to the experts in turn.
-It warms up (one call per expert), prints ``{"ready": ...}``, waits for a line on stdin, calls for
---seconds and prints ``{"pairs": ..., "elapsed_s": ..., "failed": ...}``.
+--serve: a peer on 127.0.0.1 hosting --experts experts of --expert-cls (ffn: FeedforwardBlock, hivemind's
+ffn; nop: the serving stack alone) of --hidden on --device, each with Adam (with --shard I/N, every N-th
+of them from the I-th, as process I of `dedloc serve-experts --processes N` does), batched by
+ExpertServer up to --max-batch rows; prints its peer id, addresses and uids as one JSON line, then
+serves until killed. --client (one server's line, or a JSON list of the lines of a sharded server's
+processes): a peer with an ExpertClient; --callers threads each run forward and backward of --batch
+rows through RemoteExpert, to the experts in turn. It warms up (one call per expert), prints
+``{"ready": ...}``, waits for a line on stdin, calls for --seconds and prints
+``{"pairs": ..., "elapsed_s": ..., "failed": ...}``.
 
 ``DEDLOC_BENCH_PROFILE=DIR`` (--serve only): the server's event loop runs under cProfile, its
 statistics written to DIR/server-<pid>.prof every 2 s (the bench kills the server without notice).
@@ -40,7 +41,7 @@ from nat import Peer, PeerConfig  # noqa: E402
 from p2p.dht import DHTConfig, DHTMode  # noqa: E402
 from training.moe import (Expert, ExpertBackend, ExpertCallError, ExpertClient, ExpertServer,  # noqa: E402
                           RemoteExpert, ServerConfig)
-from training.moe.experts import FeedforwardBlock, expert_seed  # noqa: E402
+from training.moe.experts import PRESETS, expert_seed  # noqa: E402
 from training.moe.processes import shard  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
@@ -62,14 +63,15 @@ async def serve(args: argparse.Namespace) -> None:
     backends = []
     for uid in uids:
         torch.manual_seed(expert_seed(0, uid))
-        module = FeedforwardBlock(args.hidden)
+        module = PRESETS[args.expert_cls](args.hidden)
         backends.append(ExpertBackend(uid, module, torch.optim.Adam(module.parameters(), 1e-4, fused=True),
                                       (args.hidden,), device=args.device))
     server_config = ServerConfig(max_batch_size=args.max_batch, max_request_rows=args.max_batch)
     async with Peer.open(config(server=True)) as peer, ExpertServer.open(peer, backends, server_config):
         name = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
         print(json.dumps({"peer_id": peer.peer_id.to_base58(), "addrs": [str(a) for a in peer.addrs],
-                          "device_name": name, "uids": uids}), flush=True)
+                          "device_name": name, "uids": uids, "module": type(backends[0].module).__name__}),
+              flush=True)
         if folder := os.environ.get("DEDLOC_BENCH_PROFILE"):
             await profile_loop(Path(folder) / f"server-{os.getpid()}.prof")
         await trio.sleep_forever()

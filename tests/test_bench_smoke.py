@@ -154,12 +154,13 @@ def test_moe_bench_writes_the_goals_figures(tmp_path: Path) -> None:
 def test_moe_gpu_bench_runs_its_server_and_clients_on_a_cpu(tmp_path: Path) -> None:
     """bench/moe_gpu.py, dedloc's side, on the CPU (the GPU figure needs a GPU machine): a server process,
     two client processes started together, the samples/s it writes; then the server as two processes
-    (--server-processes: each hosting half of the experts, the clients calling each at its own)."""
+    (--server-processes: each hosting half of the experts, the clients calling each at its own). The
+    nop experts (the serving stack alone; the GPU session's rehearsal runs the ffn ones)."""
     figures = run_bench(tmp_path, "moe_gpu.py", "--systems", "dedloc", "--device", "cpu", "--hidden", "64",
                         "--batches", "16", "--clients", "2", "--callers", "2", "--seconds", "1",
-                        "--server-processes", "1,2", timeout=180)
+                        "--server-processes", "1,2", "--expert-cls", "nop", timeout=180)
     run = figures["cases"]["16"]["dedloc"]["runs"][0]
-    assert figures["dedloc"]["samples_per_s"] > 0 and run["failed"] == 0
+    assert figures["dedloc"]["samples_per_s"] > 0 and run["failed"] == 0 and run["module"] == "Identity"
     split = figures["cases"]["16"]["dedloc x2"]["runs"][0]
     assert figures["dedloc x2"]["samples_per_s"] > 0 and split["failed"] == 0 and split["server_processes"] == 2
 
