@@ -45,6 +45,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "p2p/dht/maintenance.py": ("tests/test_dht_maintenance.py",),
     "training/moe/calls.py": ("tests/test_moe_calls.py",),
     "training/moe/protocol.py": ("tests/test_moe_calls.py",),
+    "training/moe/shards.py": ("tests/test_moe_shards.py",),
 }
 
 KILLED = {"killed", "timeout"}

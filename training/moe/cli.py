@@ -16,12 +16,13 @@ from p2p.output import Output
 
 from .experts import PRESETS, expert_seed
 from .grid import ExpertUid, UidError, expand_pattern
-from .processes import serve_in_processes, shard
+from .processes import serve_in_processes
+from .shards import shard
 from .server import ExpertBackend, ExpertServer, ServerConfig
 
 
 def expert_uids(args: argparse.Namespace) -> list[ExpertUid]:
-    """The uids this process hosts: --expert-pattern's, or a child's :func:`~.processes.shard` of them."""
+    """The uids this process hosts: --expert-pattern's, or a child's :func:`~.shards.shard` of them."""
     try:
         uids = expand_pattern(args.expert_pattern)
     except UidError as e:
