@@ -5,9 +5,10 @@
 # 15 minutes of device time, the machine's start (1-2 min) included, and one call may run 10: two calls,
 # the second at once while the machine is warm (it goes back 30 s after a call), each step's own limit
 # bounding a hang:
-#   run(command="bash bench/gpu_session.sh env tests net-tests training allreduce allreduce-loop noise-threads", carry=[".whl"], timeout_s=450)
-#   run(command="bash bench/gpu_session.sh moe moe-profile", carry=[".whl"], timeout_s=330)
-# (expected here from the CPU rehearsal and the last H100 run: ~5.5 min and ~4 min), then give_back.
+#   run(command="bash bench/gpu_session.sh env tests net-tests training allreduce allreduce-loop noise-threads moe-profile", carry=[".whl"], timeout_s=450)
+#   run(command="bash bench/gpu_session.sh moe", carry=[".whl"], timeout_s=330)
+# (expected here from the CPU rehearsal and the last H100 run: ~6 min and ~4.5 min: the moe step's 12 cases,
+# dedloc's server as one process and as 4 beside hivemind's, at ~18 s each), then give_back.
 # Each step writes its log and JSON in $WORK; as each step ends, $WORK is packed into $OUT/session.tgz
 # (a call brings back at most 8 files from $OUT) beside a copy of the summary, so a call stopped at its
 # limit still brings back the steps that finished (and the second call's package and summary hold the
@@ -131,7 +132,7 @@ print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_
     noise-threads)
         step noise-threads 60 "$PY" bench/noise_threads.py "${HOPS[@]}" --json "$WORK/noise_threads.json" ;;
     moe)
-        step moe 240 "$PY" bench/moe_gpu.py "${MOE[@]}" --systems "$MOE_SYSTEMS" --python-dedloc "$PY" --python-hivemind "$PY" \
+        step moe 300 "$PY" bench/moe_gpu.py "${MOE[@]}" --systems "$MOE_SYSTEMS" --python-dedloc "$PY" --python-hivemind "$PY" \
             --path-dedloc "$DEDLOC_SITE" --path-hivemind "$HIVEMIND_SITE" --json "$WORK/moe_gpu.json" ;;
     moe-profile)
         mkdir -p "$WORK/moe-profile"
