@@ -88,16 +88,21 @@ async def test_a_child_that_dies_stops_the_others_and_the_command_fails(tmp_path
         [sys.executable, "-m", "training.commands", "serve-experts", "--expert-pattern", "ffn.[0:4]",
          "--processes", "2", "--hidden-dim", str(HID), "--initial-peers", BOOT, "--bootstrap-timeout", "60",
          "--listen", "/ip4/127.0.0.1/tcp/0", "--ephemeral", "--device", "cpu", "--threads", "1",
-         "--duration", "90"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+         "--duration", "90", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    events: list[dict[str, Any]] = []
     try:
-        with trio.fail_after(30):
-            while len(children := children_of(server.pid)) < 2:
-                await trio.sleep(0.1)
-        os.kill(children[0], signal.SIGKILL)
-        with trio.fail_after(30):
-            await server.wait()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(collect_events, server, ["expert_process_exited"], events)
+            with trio.fail_after(30):
+                while len(children := children_of(server.pid)) < 2:
+                    await trio.sleep(0.1)
+            os.kill(children[0], signal.SIGKILL)
+            with trio.fail_after(30):
+                await server.wait()
         assert server.returncode not in (0, None)
+        (exited,) = events
+        assert exited["returncode"] == -signal.SIGKILL and exited["processes"] == 2 and "ts" in exited
         with trio.fail_after(10):
             while any(Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
                       for pid in children):

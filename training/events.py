@@ -108,3 +108,32 @@ class Checkpointed(Event):
 
     def human(self) -> str:
         return f"checkpoint of step {self.step} saved to {self.path} (from {self.source[-8:]})"
+
+
+@dataclass
+class ExpertProcesses(Event):
+    """``serve-experts --processes``: the server starts its children, a peer each (their own events follow)."""
+
+    processes: int
+    experts: int
+    pattern: str
+    event: str = field(init=False, default="expert_processes")
+
+    def human(self) -> str:
+        each = self.experts // self.processes
+        more = "+" if self.experts % self.processes else ""
+        return f"serving {self.pattern} in {self.processes} processes (a peer each, {each}{more} experts per process)"
+
+
+@dataclass
+class ExpertProcessExited(Event):
+    """A child of ``serve-experts --processes`` ended by itself: the others are stopped, the command fails."""
+
+    index: int
+    processes: int
+    returncode: int
+    event: str = field(init=False, default="expert_process_exited")
+
+    def human(self) -> str:
+        return (f"serve-experts: process {self.index} of {self.processes} exited with status {self.returncode}; "
+                "stopping the others")

@@ -35,6 +35,7 @@ import trio
 
 from p2p.output import Output
 
+from ..events import ExpertProcesses, ExpertProcessExited
 from .shards import check_processes, child_args, decode_args, encode_args
 
 #: How long a child may take to save its checkpoints and close after SIGTERM before it is killed.
@@ -59,9 +60,7 @@ async def serve_in_processes(args: argparse.Namespace, out: Output, experts: int
     check_processes(count, experts)
     children = [child_args(args, i, count) for i in range(count)]  # every port and path checked before any starts
     status = 0
-    out.info(f"serving {args.expert_pattern} in {count} processes (a peer each, {experts // count}"
-             f"{'+' if experts % count else ''} experts per process)", event="expert_processes", processes=count,
-             experts=experts, pattern=args.expert_pattern)
+    out.event(ExpertProcesses(processes=count, experts=experts, pattern=args.expert_pattern))
 
     async with trio.open_nursery() as nursery:
         async def child(index: int) -> None:
@@ -71,9 +70,7 @@ async def serve_in_processes(args: argparse.Namespace, out: Output, experts: int
                                           deliver_cancel=_stop, stdout=None, stderr=None)
             if not nursery.cancel_scope.cancel_called:  # ended by itself: the server is incomplete, so stop
                 status = done.returncode if done.returncode > 0 else 1
-                out.info(f"serve-experts: process {index} of {count} exited with status {done.returncode}; "
-                         "stopping the others", event="expert_process_exit", index=index,
-                         returncode=done.returncode)
+                out.event(ExpertProcessExited(index=index, processes=count, returncode=done.returncode))
                 nursery.cancel_scope.cancel()
 
         async def stop_on_signal() -> None:
