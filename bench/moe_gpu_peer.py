@@ -42,7 +42,7 @@ from p2p.dht import DHTConfig, DHTMode  # noqa: E402
 from training.moe import (Expert, ExpertBackend, ExpertCallError, ExpertClient, ExpertServer,  # noqa: E402
                           RemoteExpert, ServerConfig)
 from training.moe.experts import PRESETS, expert_seed  # noqa: E402
-from training.moe.processes import shard  # noqa: E402
+from training.moe.shards import shard  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
 from moe_common import call_loop, server_parser  # noqa: E402
