@@ -112,3 +112,21 @@ async def test_a_child_that_dies_stops_the_others_and_the_command_fails(tmp_path
             server.kill()
         for pid in children_of(server.pid):
             os.kill(pid, signal.SIGKILL)
+
+
+async def test_the_servers_duration_stops_every_child_and_exits_cleanly() -> None:
+    """--duration is the parent's: when it passes, every child is stopped as by SIGTERM and the command
+    exits 0 (were it each child's, the first to end would look like a crash and fail the command)."""
+    server = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "training.commands", "serve-experts", "--expert-pattern", "ffn.[0:2]",
+         "--processes", "2", "--hidden-dim", str(HID), "--initial-peers", BOOT, "--bootstrap-timeout", "60",
+         "--listen", "/ip4/127.0.0.1/tcp/0", "--ephemeral", "--device", "cpu", "--threads", "1",
+         "--duration", "6"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with trio.fail_after(40):
+            await server.wait()
+        assert server.returncode == 0
+    finally:
+        if server.returncode is None:
+            server.kill()

@@ -63,6 +63,7 @@ def test_each_child_gets_its_share_its_identity_and_its_ports(tmp_path: Path) ->
     assert first.listen == args.listen and second.listen == ["/ip4/0.0.0.0/tcp/4002", "/ip6/::/tcp/4002"]
     assert second.announce == ["/ip4/203.0.113.7/tcp/4002"] and second.metrics == ":9101"
     assert first.processes == second.processes == 1 and args.processes == 2  # the server's own are untouched
+    assert parsed("--expert-pattern", "ffn.[0:2]", "--duration", "5").duration == 5 and second.duration is None
     mine = [str(u) for u in expert_uids(first)], [str(u) for u in expert_uids(second)]
     assert mine == (["ffn.0.0", "ffn.0.2", "ffn.1.1"], ["ffn.0.1", "ffn.1.0", "ffn.1.2"])
     back = decode_args(encode_args(second))  # what the child reads on its stdin

@@ -54,15 +54,18 @@ async def _stop(process: trio.Process) -> None:
 
 async def serve_in_processes(args: argparse.Namespace, out: Output, experts: int) -> int:
     """Run ``args.processes`` children of ``python -m training.moe.processes``, each serving its
-    share of the ``experts`` uids (:func:`.shards.child_args`), until one ends (its exit status) or
-    Ctrl-C / SIGTERM (0)."""
+    share of the ``experts`` uids (:func:`.shards.child_args`), until one ends by itself (its exit
+    status, or 1: the server is incomplete), or ``--duration``, Ctrl-C or SIGTERM (0)."""
     count = int(args.processes)
     check_processes(count, experts)
     children = [child_args(args, i, count) for i in range(count)]  # every port and path checked before any starts
     status = 0
     out.event(ExpertProcesses(processes=count, experts=experts, pattern=args.expert_pattern))
 
+    duration = getattr(args, "duration", None)
     async with trio.open_nursery() as nursery:
+        nursery.cancel_scope.deadline = trio.current_time() + (duration if duration is not None else float("inf"))
+
         async def child(index: int) -> None:
             nonlocal status
             done = await trio.run_process([sys.executable, "-m", "training.moe.processes"],

@@ -73,9 +73,11 @@ def child_metrics(endpoint: str | None, index: int) -> str | None:
 
 def child_args(args: argparse.Namespace, index: int, count: int) -> argparse.Namespace:
     """The options of process ``index`` of ``count``: the server's, with its share of the experts, its
-    own identity, and its own ports where the server's are fixed (listen, announce, metrics: + index)."""
+    own identity, its own ports where the server's are fixed (listen, announce, metrics: + index), and
+    no ``--duration`` (the parent keeps it)."""
     child = argparse.Namespace(**vars(args))
     child.processes = 1
+    child.duration = None  # the parent's --duration stops them all, as SIGTERM does: each child's would end one
     child.shard = [index, count]
     child.identity = child_identity(Path(args.identity), index)
     if args.listen:
