@@ -39,10 +39,9 @@ from multiaddr import Multiaddr  # noqa: E402
 
 from nat import Peer, PeerConfig  # noqa: E402
 from p2p.dht import DHTConfig, DHTMode  # noqa: E402
-from training.moe import (Expert, ExpertBackend, ExpertCallError, ExpertClient, ExpertServer,  # noqa: E402
-                          RemoteExpert, ServerConfig)
-from training.moe.experts import PRESETS, expert_seed  # noqa: E402
-from training.moe.shards import shard  # noqa: E402
+from training.moe import (Expert, ExpertCallError, ExpertClient, ExpertServer, RemoteExpert,  # noqa: E402
+                          ServerConfig)
+from training.moe.cli import build_backends  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
 from moe_common import call_loop, server_parser  # noqa: E402
@@ -59,13 +58,11 @@ def config(server: bool) -> PeerConfig:
 
 async def serve(args: argparse.Namespace) -> None:
     index, count = (int(n) for n in args.shard.split("/"))
-    uids = shard([f"ffn.0.{j}" for j in range(args.experts)], index, count)
-    backends = []
-    for uid in uids:
-        torch.manual_seed(expert_seed(0, uid))
-        module = PRESETS[args.expert_cls](args.hidden)
-        backends.append(ExpertBackend(uid, module, torch.optim.Adam(module.parameters(), 1e-4, fused=True),
-                                      (args.hidden,), device=args.device))
+    # the experts `serve-experts --expert-pattern ffn.0.[0:E] --processes N` hosts in process I, built by its code
+    backends = build_backends(argparse.Namespace(
+        expert_pattern=f"ffn.0.[0:{args.experts}]", shard=[index, count], expert_cls=args.expert_cls,
+        hidden_dim=args.hidden, lr=1e-4, device=args.device, seed=0, threads=0))
+    uids = [str(b.uid) for b in backends]
     server_config = ServerConfig(max_batch_size=args.max_batch, max_request_rows=args.max_batch)
     async with Peer.open(config(server=True)) as peer, ExpertServer.open(peer, backends, server_config):
         name = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
