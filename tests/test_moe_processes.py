@@ -7,14 +7,20 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import trio
 
 from nat import Peer
+from p2p.errors import DedlocError
 from training.moe import ExpertClient, MoEConfig, MoEError, RemoteMixtureOfExperts
+
+from training.moe.protocol import PROTOCOL
 
 from .kit import collect_events, loopback_peer_config
 
@@ -36,46 +42,63 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
+@asynccontextmanager
+async def serving(boot: str, pattern: str, *options: str,
+                  kinds: Sequence[str]) -> AsyncIterator[tuple[trio.Process, list[dict[str, Any]]]]:
+    """`dedloc serve-experts --processes 2` on loopback, its ``kinds`` of events collected; on leaving,
+    SIGTERM and its exit (killed if it outlives the block)."""
+    server = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "training.commands", "serve-experts", "--expert-pattern", pattern,
+         "--processes", "2", "--hidden-dim", str(HID), "--initial-peers", boot, "--listen",
+         "/ip4/127.0.0.1/tcp/0", "--ephemeral", "--allow-private", "--device", "cpu", "--threads", "1",
+         *options, "--duration", "90", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    events: list[dict[str, Any]] = []
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(collect_events, server, kinds, events)
+            yield server, events
+            server.send_signal(signal.SIGTERM)
+            with trio.fail_after(30):
+                await server.wait()
+    finally:
+        if server.returncode is None:
+            server.kill()
+
+
+async def forward_through_every_expert(client: ExpertClient, layer: RemoteMixtureOfExperts, x: torch.Tensor,
+                                       experts: int) -> torch.Tensor:
+    """``layer(x)`` once every one of its ``experts`` answers (every child has started and declared its share)."""
+    with trio.fail_after(60):
+        while True:
+            y: torch.Tensor | None
+            try:
+                y = await client.run(lambda: layer(x))
+            except MoEError:
+                y = None
+            if y is not None and layer.last_report is not None and layer.last_report.answered == experts:
+                return y
+            await trio.sleep(0.5)
+
+
 async def test_two_processes_serve_one_grid_that_a_layer_uses_and_stop_together(tmp_path: Path) -> None:
     """`serve-experts --processes 2` as a user runs it: two peers (two peer ids), each declaring its
     half of the grid; a layer's forward and backward reach both; SIGTERM to the command stops both,
     each saving its checkpoints."""
     async with Peer.open(loopback_peer_config(relay=True)) as relay:
         boot = str(relay.addrs[0])
-        server = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "training.commands", "serve-experts", "--expert-pattern", "ffn.[0:2].[0:3]",
-             "--processes", "2", "--hidden-dim", str(HID), "--initial-peers", boot, "--listen",
-             "/ip4/127.0.0.1/tcp/0", "--ephemeral", "--allow-private", "--device", "cpu", "--threads", "1",
-             "--checkpoint-dir", str(tmp_path), "--duration", "90", "--json"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        events: list[dict[str, Any]] = []
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(collect_events, server, ["listening", "expert_processes"], events)
-                async with Peer.open(loopback_peer_config(initial_peers=[boot])) as peer, \
-                        ExpertClient.open(peer) as client:
-                    layer = RemoteMixtureOfExperts(client, in_features=HID, grid_size=(2, 3), uid_prefix="ffn",
-                                                   config=MoEConfig(k_best=6, cache_ttl=0.1))
-                    x = torch.randn(4, HID, requires_grad=True)
-                    with trio.fail_after(60):
-                        while True:  # until both children have started and declared their halves
-                            try:
-                                y = await client.run(lambda: layer(x))
-                            except MoEError:
-                                y = None
-                            if y is not None and layer.last_report is not None and layer.last_report.answered == 6:
-                                break
-                            await trio.sleep(0.5)
-                    await client.run(lambda: layer(x).sum().backward())  # every expert of both halves steps
-                    assert y.shape == (4, HID) and x.grad is not None
-                    listening = {e["peer_id"] for e in events if e["event"] == "listening"}
-                    assert len(listening) == 2
-                server.send_signal(signal.SIGTERM)
-                with trio.fail_after(30):
-                    await server.wait()
-        finally:
-            if server.returncode is None:
-                server.kill()
+        async with serving(boot, "ffn.[0:2].[0:3]", "--checkpoint-dir", str(tmp_path),
+                           kinds=["listening", "expert_processes"]) as (server, events):
+            async with Peer.open(loopback_peer_config(initial_peers=[boot])) as peer, \
+                    ExpertClient.open(peer) as client:
+                layer = RemoteMixtureOfExperts(client, in_features=HID, grid_size=(2, 3), uid_prefix="ffn",
+                                               config=MoEConfig(k_best=6, cache_ttl=0.1))
+                x = torch.randn(4, HID, requires_grad=True)
+                y = await forward_through_every_expert(client, layer, x, 6)
+                await client.run(lambda: layer(x).sum().backward())  # every expert of both halves steps
+                assert y.shape == (4, HID) and x.grad is not None
+                listening = {e["peer_id"] for e in events if e["event"] == "listening"}
+                assert len(listening) == 2
     assert server.returncode == 0
     assert [e for e in events if e["event"] == "expert_processes"][0]["processes"] == 2
     saved = {path.stem: torch.load(path, weights_only=True) for path in tmp_path.glob("ffn.*.pt")}
@@ -130,3 +153,42 @@ async def test_the_servers_duration_stops_every_child_and_exits_cleanly() -> Non
     finally:
         if server.returncode is None:
             server.kill()
+
+
+async def test_in_a_closed_run_each_process_gets_its_own_pass_and_refuses_an_outsider(tmp_path: Path) -> None:
+    """`--processes 2` with `--authority`: each child is a peer of its own, so each proves the user's secret
+    for its own peer id and holds its own pass (the authority issues one per peer id, not per user); a
+    member's layer reaches the experts of both, and each refuses a peer without a pass."""
+    from nat.peer import AuthSettings
+    from p2p.authority import ALLOWLIST_FILE, AllowList
+
+    allowlist = AllowList(tmp_path / ALLOWLIST_FILE)
+    secrets = {u: allowlist.add(u) for u in ("experts", "trainer")}
+    allowlist.save()
+    (tmp_path / "secret").write_text(secrets["experts"].hex())
+    relay_config = loopback_peer_config(relay=True)
+    relay_config.auth = AuthSettings(authority_dir=tmp_path)
+    async with Peer.open(relay_config) as relay:
+        assert relay.authenticator is not None
+        key = relay.authenticator.config.authority
+        boot = str(relay.addrs[0])
+        async with serving(boot, "ffn.[0:4]", "--authority", key.hex(), "--username", "experts", "--secret-file",
+                           str(tmp_path / "secret"), kinds=["listening"]) as (server, events):
+            member = loopback_peer_config(initial_peers=[boot])
+            member.auth = AuthSettings(authority=key, username="trainer", secret=secrets["trainer"])
+            async with Peer.open(member) as peer, ExpertClient.open(peer) as client:
+                layer = RemoteMixtureOfExperts(client, in_features=HID, grid_size=(4,), uid_prefix="ffn",
+                                               config=MoEConfig(k_best=4, cache_ttl=0.1))
+                y = await forward_through_every_expert(client, layer, torch.randn(3, HID), 4)
+                assert y.shape == (3, HID)
+                assert len({e["peer_id"] for e in events if e["event"] == "listening"}) == 2
+            outsider_config = loopback_peer_config(initial_peers=[boot])
+            outsider_config.dht = None
+            async with Peer.open(outsider_config) as outsider:
+                for listening in (e for e in events if e["event"] == "listening"):
+                    child = await outsider.node.connect(listening["addrs"][0])
+                    outsider.node.closed_swarm.clear()  # as a script that ignores being told: the child's gate refuses
+                    with pytest.raises(DedlocError, match="unauthenticated"):
+                        stream = await outsider.node.new_stream(child, PROTOCOL, lazy=False)
+                        await stream.read(1)
+    assert server.returncode == 0
