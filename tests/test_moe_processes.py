@@ -43,22 +43,28 @@ def children_of(pid: int) -> list[int]:
 
 
 @asynccontextmanager
-async def serving(boot: str, pattern: str, *options: str,
-                  kinds: Sequence[str]) -> AsyncIterator[tuple[trio.Process, list[dict[str, Any]]]]:
+async def serving(boot: str, pattern: str, *options: str, kinds: Sequence[str],
+                  ctrl_c: bool = False) -> AsyncIterator[tuple[trio.Process, list[dict[str, Any]]]]:
     """`dedloc serve-experts --processes 2` on loopback, its ``kinds`` of events collected; on leaving,
-    SIGTERM and its exit (killed if it outlives the block)."""
+    SIGTERM to the command (as systemd stops it) or, with ``ctrl_c``, SIGINT to its process group (as a
+    terminal's Ctrl-C reaches the parent and every child at once), and its exit (killed if it outlives
+    the block)."""
     server = await trio.lowlevel.open_process(
         [sys.executable, "-m", "training.commands", "serve-experts", "--expert-pattern", pattern,
          "--processes", "2", "--hidden-dim", str(HID), "--initial-peers", boot, "--listen",
          "/ip4/127.0.0.1/tcp/0", "--ephemeral", "--allow-private", "--device", "cpu", "--threads", "1",
          *options, "--duration", "90", "--json"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
     events: list[dict[str, Any]] = []
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(collect_events, server, kinds, events)
             yield server, events
-            server.send_signal(signal.SIGTERM)
+            if server.returncode is None:
+                if ctrl_c:
+                    os.killpg(server.pid, signal.SIGINT)
+                else:
+                    server.send_signal(signal.SIGTERM)
             with trio.fail_after(30):
                 await server.wait()
     finally:
@@ -81,14 +87,15 @@ async def forward_through_every_expert(client: ExpertClient, layer: RemoteMixtur
             await trio.sleep(0.5)
 
 
-async def test_two_processes_serve_one_grid_that_a_layer_uses_and_stop_together(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ctrl_c", [False, True], ids=["sigterm", "ctrl-c"])
+async def test_two_processes_serve_one_grid_that_a_layer_uses_and_stop_together(tmp_path: Path, ctrl_c: bool) -> None:
     """`serve-experts --processes 2` as a user runs it: two peers (two peer ids), each declaring its
-    half of the grid; a layer's forward and backward reach both; SIGTERM to the command stops both,
-    each saving its checkpoints."""
+    half of the grid; a layer's forward and backward reach both; SIGTERM to the command, or Ctrl-C in
+    its terminal, stops both, each saving its checkpoints, with one process's exit status (0; 130)."""
     async with Peer.open(loopback_peer_config(relay=True)) as relay:
         boot = str(relay.addrs[0])
         async with serving(boot, "ffn.[0:2].[0:3]", "--checkpoint-dir", str(tmp_path),
-                           kinds=["listening", "expert_processes"]) as (server, events):
+                           kinds=["listening", "expert_processes"], ctrl_c=ctrl_c) as (server, events):
             async with Peer.open(loopback_peer_config(initial_peers=[boot])) as peer, \
                     ExpertClient.open(peer) as client:
                 layer = RemoteMixtureOfExperts(client, in_features=HID, grid_size=(2, 3), uid_prefix="ffn",
@@ -99,11 +106,44 @@ async def test_two_processes_serve_one_grid_that_a_layer_uses_and_stop_together(
                 assert y.shape == (4, HID) and x.grad is not None
                 listening = {e["peer_id"] for e in events if e["event"] == "listening"}
                 assert len(listening) == 2
-    assert server.returncode == 0
+    assert server.returncode == (130 if ctrl_c else 0)
     assert [e for e in events if e["event"] == "expert_processes"][0]["processes"] == 2
     saved = {path.stem: torch.load(path, weights_only=True) for path in tmp_path.glob("ffn.*.pt")}
     assert len(saved) == 6  # every expert saved by the child hosting it, each updated by the backward
     assert all(int(state["updates"]) >= 1 for state in saved.values()), {k: v["updates"] for k, v in saved.items()}
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+async def test_children_whose_parent_is_killed_save_their_experts_and_stop(tmp_path: Path) -> None:
+    """SIGKILL to the command (the OOM killer, say) gives it no chance to stop its children: each reads
+    EOF on its stdin, its lifeline, and stops as SIGTERM stops it, saving its experts, instead of
+    serving on as an orphan."""
+    async with Peer.open(loopback_peer_config(relay=True)) as relay:
+        boot = str(relay.addrs[0])
+        async with serving(boot, "ffn.[0:4]", "--checkpoint-dir", str(tmp_path), kinds=[]) as (server, _):
+            async with Peer.open(loopback_peer_config(initial_peers=[boot])) as peer, \
+                    ExpertClient.open(peer) as client:
+                layer = RemoteMixtureOfExperts(client, in_features=HID, grid_size=(4,), uid_prefix="ffn",
+                                               config=MoEConfig(k_best=4, cache_ttl=0.1))
+                await forward_through_every_expert(client, layer, torch.randn(2, HID), 4)
+            children = children_of(server.pid)
+            assert len(children) == 2
+            server.kill()
+            try:
+                with trio.fail_after(30):
+                    while any(alive(pid) for pid in children):
+                        await trio.sleep(0.1)
+            finally:  # orphans left by a broken lifeline would serve on
+                for pid in filter(alive, children):
+                    os.kill(pid, signal.SIGKILL)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"ffn.{i}.pt" for i in range(4)]
 
 
 async def test_a_child_that_dies_stops_the_others_and_the_command_fails(tmp_path: Path) -> None:
@@ -127,8 +167,7 @@ async def test_a_child_that_dies_stops_the_others_and_the_command_fails(tmp_path
         (exited,) = events
         assert exited["returncode"] == -signal.SIGKILL and exited["processes"] == 2 and "ts" in exited
         with trio.fail_after(10):
-            while any(Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
-                      for pid in children):
+            while any(alive(pid) for pid in children):
                 await trio.sleep(0.1)
     finally:
         if server.returncode is None:

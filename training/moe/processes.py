@@ -23,13 +23,26 @@ nursery with one ``run_process`` per child.
 A child that ends stops the others, and the command exits with its status (a
 supervisor such as systemd restarts the whole server); Ctrl-C or SIGTERM stops
 every child as SIGTERM stops one server: each saves its checkpoints first.
+
+Why each child runs in a process group of its own: a terminal's Ctrl-C signals
+its whole foreground group, so a child in the parent's group got SIGINT from
+the terminal and, while it saved its experts, SIGTERM from its parent, which
+killed it mid-save (measured: 2 of 4 checkpoints left as ``.partial``). In a
+group of its own only the parent hears the terminal, and each child is told
+once. Why the stdin pipe stays open: it is the child's lifeline. A parent killed
+where it could not stop its children (SIGKILL, the OOM killer, a closed
+terminal's SIGHUP) closes it, and the child, reading EOF, stops as SIGTERM
+stops it instead of serving on as an orphan nobody supervises.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
+import subprocess
 import sys
+from functools import partial
 
 import trio
 
@@ -68,12 +81,20 @@ async def serve_in_processes(args: argparse.Namespace, out: Output, experts: int
 
         async def child(index: int) -> None:
             nonlocal status
-            done = await trio.run_process([sys.executable, "-m", "training.moe.processes"],
-                                          stdin=encode_args(children[index]), check=False,
-                                          deliver_cancel=_stop, stdout=None, stderr=None)
+            async with trio.open_nursery() as running:
+                process: trio.Process = await running.start(partial(
+                    trio.run_process, [sys.executable, "-m", "training.moe.processes"], stdin=subprocess.PIPE,
+                    check=False, deliver_cancel=_stop, stdout=None, stderr=None, process_group=0))
+                assert process.stdin is not None
+                try:  # its options, one line; the pipe then stays open as its lifeline (the module's docstring)
+                    await process.stdin.send_all(encode_args(children[index]) + b"\n")
+                except trio.BrokenResourceError:
+                    pass  # it has already ended: its status says why
             if not nursery.cancel_scope.cancel_called:  # ended by itself: the server is incomplete, so stop
-                status = done.returncode if done.returncode > 0 else 1
-                out.event(ExpertProcessExited(index=index, processes=count, returncode=done.returncode))
+                returncode = process.returncode
+                assert returncode is not None
+                status = returncode if returncode > 0 else 1
+                out.event(ExpertProcessExited(index=index, processes=count, returncode=returncode))
                 nursery.cancel_scope.cancel()
 
         async def stop_on_signal() -> None:
@@ -87,19 +108,38 @@ async def serve_in_processes(args: argparse.Namespace, out: Output, experts: int
     return status
 
 
+async def stop_when_orphaned(lifeline: int) -> None:
+    """Wait for EOF on ``lifeline`` (the parent's end of the child's stdin closes when it exits, however
+    it exits), then stop this process as SIGTERM stops a server: its experts are saved."""
+    async with trio.lowlevel.FdStream(os.dup(lifeline)) as stream:
+        while await stream.receive_some():
+            pass
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+async def serve_as_child(args: argparse.Namespace, out: Output) -> int:
+    """A child: the one-process server (training.moe.cli), stopped if its parent goes."""
+    from .cli import cmd_serve_experts
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stop_when_orphaned, sys.stdin.fileno())
+        status = await cmd_serve_experts(args, out)
+        nursery.cancel_scope.cancel()
+    return status
+
+
 def main() -> int:
-    """A child: its options on stdin, then the one-process server (training.moe.cli)."""
+    """A child: its options, one line on stdin (the pipe stays open: :func:`stop_when_orphaned`), then
+    :func:`serve_as_child`."""
     from p2p.commands import run_command
     from p2p.errors import ConfigError
 
-    from .cli import cmd_serve_experts
-
     try:
-        args = decode_args(sys.stdin.buffer.read())
+        args = decode_args(sys.stdin.buffer.readline())
     except ConfigError as e:
         print(f"dedloc: error: {e}", file=sys.stderr)
         return 2
-    return run_command(args, cmd_serve_experts)
+    return run_command(args, serve_as_child)
 
 
 if __name__ == "__main__":
