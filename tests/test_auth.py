@@ -118,6 +118,27 @@ async def test_passholders_talk_and_an_outsider_is_refused_by_every_protocol(tmp
             await alice.ping(outsider.peer_id, timeout=5)
 
 
+async def test_a_hello_stream_cut_short_is_no_verdict_and_a_garbled_one_is(tmp_path: Path) -> None:
+    """A Hello whose stream is reset (the connection it rode closed: two peers that dial each other at
+    once keep one of the two) says nothing of the peer's pass: alice keeps bob's good verdict, and bob
+    may still speak to her. Found so: a trainer that met a server both ways was refused by it for
+    30 s (`serve-experts --processes` in a closed run). A garbled Hello is a verdict: refused."""
+    auth, _ = authority(tmp_path)
+    async with member(auth, "alice") as alice, member(auth, "bob") as bob:
+        await bob.connect(str(alice.addrs[0]))
+        assert await bob.ping(alice.peer_id, timeout=5) > 0
+        assert alice.authenticator is not None
+        stream = await bob.new_stream(alice.peer_id, PROTOCOL, lazy=False)
+        await stream.reset()
+        await trio.sleep(0.5)  # alice's handler reads the reset
+        assert alice.authenticator.token_of(bob.peer_id) is not None, alice.authenticator.refused
+        assert await bob.ping(alice.peer_id, timeout=5) > 0
+        stream = await bob.new_stream(alice.peer_id, PROTOCOL, lazy=False)
+        await stream.write(b"\x05garbl")
+        await wait_until(lambda: alice.authenticator is not None and alice.authenticator.token_of(bob.peer_id) is None, 5)
+        assert any(k.startswith("bad Hello") for k in alice.authenticator.refused), alice.authenticator.refused
+
+
 async def test_a_copied_pass_is_useless_without_its_peers_key(tmp_path: Path) -> None:
     """Replay of a token: mallory presents alice's pass on its own connection; Noise proved mallory's
     peer id, the pass names alice's: refused, and the connection closed."""
