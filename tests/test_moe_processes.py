@@ -95,7 +95,7 @@ async def test_two_processes_serve_one_grid_that_a_layer_uses_and_stop_together(
     async with Peer.open(loopback_peer_config(relay=True)) as relay:
         boot = str(relay.addrs[0])
         async with serving(boot, "ffn.[0:2].[0:3]", "--checkpoint-dir", str(tmp_path),
-                           kinds=["listening", "expert_processes"], ctrl_c=ctrl_c) as (server, events):
+                           kinds=["listening", "expert_processes", "experts_serving"], ctrl_c=ctrl_c) as (server, events):
             async with Peer.open(loopback_peer_config(initial_peers=[boot])) as peer, \
                     ExpertClient.open(peer) as client:
                 layer = RemoteMixtureOfExperts(client, in_features=HID, grid_size=(2, 3), uid_prefix="ffn",
@@ -106,6 +106,9 @@ async def test_two_processes_serve_one_grid_that_a_layer_uses_and_stop_together(
                 assert y.shape == (4, HID) and x.grad is not None
                 listening = {e["peer_id"] for e in events if e["event"] == "listening"}
                 assert len(listening) == 2
+                ready = sorted((e["process"], e["processes"], e["experts"]) for e in events
+                               if e["event"] == "experts_serving")
+                assert ready == [(0, 2, 3), (1, 2, 3)]  # each child says when its half is declared
     assert server.returncode == (130 if ctrl_c else 0)
     assert [e for e in events if e["event"] == "expert_processes"][0]["processes"] == 2
     saved = {path.stem: torch.load(path, weights_only=True) for path in tmp_path.glob("ffn.*.pt")}

@@ -111,6 +111,26 @@ class Checkpointed(Event):
 
 
 @dataclass
+class ExpertsServing(Event):
+    """``serve-experts`` (or one child of ``--processes``): its experts are declared and answer calls.
+    ``process`` is the child's index, of ``processes``; 0 of 1 for one process."""
+
+    experts: int
+    expert_cls: str
+    pattern: str
+    hidden_dim: int
+    device: str
+    process: int = 0
+    processes: int = 1
+    event: str = field(init=False, default="experts_serving")
+
+    def human(self) -> str:
+        part = "" if self.processes == 1 else f", process {self.process} of {self.processes}"
+        return (f"serving {self.experts} {self.expert_cls} experts ({self.pattern}{part}, hidden {self.hidden_dim}) "
+                f"on {self.device}")
+
+
+@dataclass
 class ExpertProcesses(Event):
     """``serve-experts --processes``: the server starts its children, a peer each (their own events follow)."""
 

@@ -14,6 +14,7 @@ from nat.dashboard import Dashboard
 from p2p.errors import ConfigError
 from p2p.output import Output
 
+from ..events import ExpertsServing
 from .experts import PRESETS, expert_seed
 from .grid import ExpertUid, UidError, expand_pattern
 from .processes import serve_in_processes
@@ -77,11 +78,10 @@ async def cmd_serve_experts(args: argparse.Namespace, out: Output) -> int:
 
     async def serve(peer: Peer, dashboard: Dashboard | None) -> None:
         async with ExpertServer.open(peer, backends, config):
-            if not out.json_mode:
-                place = getattr(args, "shard", None)
-                part = "" if place is None else f", process {place[0]} of {place[1]}"
-                print(f"serving {len(backends)} {args.expert_cls} experts ({args.expert_pattern}{part}, hidden "
-                      f"{args.hidden_dim}) on {backends[0].device}", flush=True)
+            place = getattr(args, "shard", None) or (0, 1)
+            out.event(ExpertsServing(experts=len(backends), expert_cls=args.expert_cls, pattern=args.expert_pattern,
+                                     hidden_dim=args.hidden_dim, device=str(backends[0].device),
+                                     process=place[0], processes=place[1]))
             await trio.sleep_forever()
 
     return await run_peer(args, out, config=peer_config(args, relay=False), work=serve, role="experts")
