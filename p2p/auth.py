@@ -44,8 +44,6 @@ from typing import Protocol
 
 import trio
 from libp2p.abc import INetConn, INetStream
-from libp2p.network.stream.exceptions import StreamClosed, StreamReset
-from libp2p.stream_muxer.exceptions import MuxedStreamClosed, MuxedStreamReset
 from libp2p.peer.id import ID
 from nacl.exceptions import BadSignatureError
 from nacl.signing import VerifyKey
@@ -53,6 +51,7 @@ from nacl.signing import VerifyKey
 from .errors import UNAUTHENTICATED, DedlocError, ProtocolNotSupportedError, RemoteProtocolError
 from .hooks import ConnectionInfo, Registration, SwarmObserver
 from .proto import auth_pb2 as pb
+from .rpc.stream import TRANSPORT_ERRORS
 from .trio_util import finish_quietly, start_cancellable
 from .wire import read_message, write_message
 
@@ -66,12 +65,6 @@ SIGNING_DOMAIN = b"dedloc-access-token\n"
 #: Protocols a peer may open before its pass checked out: this one, the authority's issuing one, and
 #: identify (how to reach it; it carries nothing of the run).
 PRE_AUTH = frozenset({PROTOCOL, ISSUE_PROTOCOL, "/ipfs/id/1.0.0", "/ipfs/id/push/1.0.0"})
-
-
-#: How a Hello's stream fails when it, or its connection, is cut (py-libp2p's NetStream reports the
-#: muxer's reset as StreamReset): no verdict on the peer, unlike a Hello that arrives broken.
-_CUT_SHORT = (StreamReset, StreamClosed, MuxedStreamReset, MuxedStreamClosed, trio.ClosedResourceError,
-              trio.BrokenResourceError)
 
 
 class AuthError(DedlocError):
@@ -256,7 +249,7 @@ class Authenticator(SwarmObserver):
         peer = stream.muxed_conn.peer_id
         try:
             hello = await read_message(stream, pb.Hello, timeout=self.config.verdict_timeout)
-        except _CUT_SHORT as e:
+        except TRANSPORT_ERRORS as e:
             # reset, or its connection ended (of two that peers dialing each other at once opened, one
             # is closed): that says nothing of the peer's pass, and must not undo a verdict another
             # connection's Hello gave; the Hello on the connection that stays decides
