@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -30,6 +29,7 @@ from p2p.output import Output
 from p2p.admission import AdmissionConfig
 from p2p.collector import settle
 from p2p.resources import Rate
+from p2p.trio_util import cancel_on_sigterm
 from p2p.config import NodeConfig
 from p2p.errors import CLOSED_SWARM_HINT, ConfigError
 from p2p.hooks import PathKind
@@ -67,14 +67,9 @@ async def _serve(duration: float | None, status_every: float, report: Callable[[
             await trio.sleep(status_every)
             report()
 
-    async def stop_on_sigterm(cancel: trio.CancelScope) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM) as signals:
-            async for _ in signals:
-                cancel.cancel()
-
     with trio.move_on_after(duration if duration is not None else float("inf")):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(stop_on_sigterm, nursery.cancel_scope)
+            nursery.start_soon(cancel_on_sigterm, nursery.cancel_scope)
             if status_every > 0:
                 nursery.start_soon(reporting)
             await trio.sleep_forever()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+import signal
 from contextlib import contextmanager
 
 import trio
@@ -52,6 +53,14 @@ def start_cancellable(nursery: trio.Nursery, job: Callable[[], Awaitable[object]
 
     nursery.start_soon(run)
     return scope
+
+
+async def cancel_on_sigterm(scope: trio.CancelScope) -> None:
+    """Cancel ``scope`` at each SIGTERM (how systemd or a parent stops a command: as Ctrl-C does, its
+    cleanup runs, and it exits 0)."""
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        async for _ in signals:
+            scope.cancel()
 
 
 class Mutex:

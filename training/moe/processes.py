@@ -47,6 +47,7 @@ from functools import partial
 import trio
 
 from p2p.output import Output
+from p2p.trio_util import cancel_on_sigterm
 
 from ..events import ExpertProcesses, ExpertProcessExited
 from .shards import check_processes, child_args, decode_args, encode_args
@@ -97,12 +98,7 @@ async def serve_in_processes(args: argparse.Namespace, out: Output, experts: int
                 out.event(ExpertProcessExited(index=index, processes=count, returncode=returncode))
                 nursery.cancel_scope.cancel()
 
-        async def stop_on_signal() -> None:
-            with trio.open_signal_receiver(signal.SIGTERM) as signals:
-                async for _ in signals:
-                    nursery.cancel_scope.cancel()
-
-        nursery.start_soon(stop_on_signal)
+        nursery.start_soon(cancel_on_sigterm, nursery.cancel_scope)
         for i in range(count):
             nursery.start_soon(child, i)
     return status
