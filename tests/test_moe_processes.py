@@ -19,7 +19,6 @@ import trio
 from nat import Peer
 from p2p.errors import DedlocError
 from training.moe import ExpertClient, MoEConfig, MoEError, RemoteMixtureOfExperts
-
 from training.moe.protocol import PROTOCOL
 
 from .kit import collect_events, loopback_peer_config
@@ -28,18 +27,31 @@ HID = 8
 BOOT = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
 
 
+def stat_of(pid: int) -> list[str] | None:
+    """``/proc/PID/stat``'s fields after the command's name (state, parent pid, ...); None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
 def children_of(pid: int) -> list[int]:
-    """The pids whose parent is ``pid`` (from /proc)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
-    return found
+    """The pids whose parent is ``pid``."""
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and (stat := stat_of(int(e))) and int(stat[1]) == pid]
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not yet reaped, does not)."""
+    stat = stat_of(pid)
+    return stat is not None and stat[0] != "Z"
+
+
+def serve_experts(pattern: str, boot: str, *options: str, duration: float = 90) -> list[str]:
+    """`dedloc serve-experts --processes 2` of ``pattern`` on loopback, joining through ``boot``."""
+    return [sys.executable, "-m", "training.commands", "serve-experts", "--expert-pattern", pattern,
+            "--processes", "2", "--hidden-dim", str(HID), "--initial-peers", boot, "--listen",
+            "/ip4/127.0.0.1/tcp/0", "--ephemeral", "--allow-private", "--device", "cpu", "--threads", "1",
+            *options, "--duration", f"{duration:g}"]
 
 
 @asynccontextmanager
@@ -49,12 +61,8 @@ async def serving(boot: str, pattern: str, *options: str, kinds: Sequence[str],
     SIGTERM to the command (as systemd stops it) or, with ``ctrl_c``, SIGINT to its process group (as a
     terminal's Ctrl-C reaches the parent and every child at once), and its exit (killed if it outlives
     the block)."""
-    server = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "training.commands", "serve-experts", "--expert-pattern", pattern,
-         "--processes", "2", "--hidden-dim", str(HID), "--initial-peers", boot, "--listen",
-         "/ip4/127.0.0.1/tcp/0", "--ephemeral", "--allow-private", "--device", "cpu", "--threads", "1",
-         *options, "--duration", "90", "--json"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+    server = await trio.lowlevel.open_process(serve_experts(pattern, boot, *options, "--json"), stdout=subprocess.PIPE,
+                                              stderr=subprocess.DEVNULL, start_new_session=True)
     events: list[dict[str, Any]] = []
     try:
         async with trio.open_nursery() as nursery:
@@ -116,14 +124,6 @@ async def test_two_processes_serve_one_grid_that_a_layer_uses_and_stop_together(
     assert all(int(state["updates"]) >= 1 for state in saved.values()), {k: v["updates"] for k, v in saved.items()}
 
 
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, ended but not yet reaped, does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 async def test_children_whose_parent_is_killed_save_their_experts_and_stop(tmp_path: Path) -> None:
     """SIGKILL to the command (the OOM killer, say) gives it no chance to stop its children: each reads
     EOF on its stdin, its lifeline, and stops as SIGTERM stops it, saving its experts, instead of
@@ -150,12 +150,8 @@ async def test_children_whose_parent_is_killed_save_their_experts_and_stop(tmp_p
 
 
 async def test_a_child_that_dies_stops_the_others_and_the_command_fails(tmp_path: Path) -> None:
-    server = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "training.commands", "serve-experts", "--expert-pattern", "ffn.[0:4]",
-         "--processes", "2", "--hidden-dim", str(HID), "--initial-peers", BOOT, "--bootstrap-timeout", "60",
-         "--listen", "/ip4/127.0.0.1/tcp/0", "--ephemeral", "--device", "cpu", "--threads", "1",
-         "--duration", "90", "--json"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    server = await trio.lowlevel.open_process(serve_experts("ffn.[0:4]", BOOT, "--bootstrap-timeout", "60", "--json"),
+                                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     events: list[dict[str, Any]] = []
     try:
         async with trio.open_nursery() as nursery:
@@ -182,12 +178,8 @@ async def test_a_child_that_dies_stops_the_others_and_the_command_fails(tmp_path
 async def test_the_servers_duration_stops_every_child_and_exits_cleanly() -> None:
     """--duration is the parent's: when it passes, every child is stopped as by SIGTERM and the command
     exits 0 (were it each child's, the first to end would look like a crash and fail the command)."""
-    server = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "training.commands", "serve-experts", "--expert-pattern", "ffn.[0:2]",
-         "--processes", "2", "--hidden-dim", str(HID), "--initial-peers", BOOT, "--bootstrap-timeout", "60",
-         "--listen", "/ip4/127.0.0.1/tcp/0", "--ephemeral", "--device", "cpu", "--threads", "1",
-         "--duration", "6"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = await trio.lowlevel.open_process(serve_experts("ffn.[0:2]", BOOT, "--bootstrap-timeout", "60", duration=6),
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         with trio.fail_after(40):
             await server.wait()
