@@ -81,6 +81,14 @@ class _Slot:
     expire: float
 
 
+#: The answers that mean one of the relay's limits was hit (its reservation and circuit caps): the
+#: node's resource manager counts these beside its own, and a burst of them is the operator's ERROR
+#: line. The others (no reservation for the target, a target that did not accept, a malformed or
+#: unexpected message, a request over a relayed connection) are a peer's mistake or a peer gone,
+#: everyday on a public relay: the relay's own counters keep them (``refused.*`` in its metrics).
+LIMIT_STATUSES = frozenset({pb.RESERVATION_REFUSED, pb.RESOURCE_LIMIT_EXCEEDED})
+
+
 @dataclass(frozen=True)
 class Refusal:
     """Why a request was refused: the spec's status code and a reason for the counters."""
@@ -234,7 +242,7 @@ class RelayService:
             if kind:
                 self.stats.rejections[(kind, reason)] += 1
             self.stats.refused[reason] += 1
-            if not counted:
+            if not counted and status in LIMIT_STATUSES:
                 self._node.resources.count_refusal("relay", reason)
         with trio.move_on_after(2):
             try:

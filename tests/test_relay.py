@@ -199,6 +199,9 @@ async def test_connect_to_peer_without_reservation():
         assert info.value.status == pb.NO_RESERVATION and "NO_RESERVATION" in str(info.value)
         assert b.node.peer_id not in a.node.connected_peers()
         assert net.service.stats.refused["no reservation"] == 1
+        # A peer gone (or never reserved) is everyday on a public relay, not a limit hit: it is not
+        # one of the node's refusals, whose bursts are the operator's ERROR line.
+        assert net.relay.resources.refusal_counts() == {}
 
 
 async def test_reservation_refused_when_relay_is_full():
@@ -212,6 +215,7 @@ async def test_reservation_refused_when_relay_is_full():
         assert net.relay.peer_id not in c.client.reservations
         assert c.client.metrics()["reservation_failures"] == 1
         assert net.service.stats.refused == {"too many reservations": 1}
+        assert net.relay.resources.refusal_counts() == {"service.relay.too_many_reservations": 1}
         # A peer that holds a slot may refresh it while the relay is full.
         await a.client.reserve(net.relay.peer_id)
         assert net.service.metrics()["reservations"] == 2
