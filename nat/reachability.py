@@ -7,7 +7,7 @@ mean; ``tests/test_nat_decisions.py`` checks every rule without a node.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -17,6 +17,7 @@ from multiaddr import Multiaddr
 from p2p.addresses import without_peer_id
 from p2p.hooks import Reachability
 from p2p.addresses import tcp_port
+from p2p.resources import Rate
 
 
 class NatMode(StrEnum):
@@ -64,6 +65,10 @@ class AddressVerdicts:
         elif reachable is False:
             verdicts.failed.add(server)
 
+    def reached(self, addr: Multiaddr) -> bool:
+        verdicts = self._by_addr.get(without_peer_id(addr))
+        return verdicts is not None and bool(verdicts.ok)
+
     def failures(self, addr: Multiaddr) -> int:
         verdicts = self._by_addr.get(without_peer_id(addr))
         return 0 if verdicts is None else len(verdicts.failed)
@@ -75,6 +80,55 @@ class AddressVerdicts:
     def refuted(self, min_failures: int) -> list[Multiaddr]:
         """Addresses no server reached and at least ``min_failures`` failed to."""
         return [a for a, v in self._by_addr.items() if not v.ok and len(v.failed) >= min_failures]
+
+
+class ServerBudget:
+    """How many AutoNAT requests each server takes from us now: a token bucket per server at the
+    rate servers let one peer ask (``p2p/resources.py``'s ``autonat`` rate, 12 a minute and 4 at
+    once; go-libp2p's servers allow 12 a minute), so that our checks are never refused as a flood,
+    nor shown as one in an honest server's log. Time is passed in."""
+
+    def __init__(self, rate: Rate) -> None:
+        self.rate = rate
+        self._spent: dict[ID, tuple[float, float]] = {}  # server -> (tokens, at); absent: a full bucket
+
+    def _tokens(self, server: ID, now: float) -> float:
+        tokens, at = self._spent.get(server, (float(self.rate.burst), now))
+        return min(float(self.rate.burst), tokens + max(0.0, now - at) * self.rate.per_second)
+
+    def available(self, server: ID, now: float) -> int:
+        return int(self._tokens(server, now) + 1e-9)
+
+    def spend(self, server: ID, now: float) -> None:
+        self._spent[server] = (self._tokens(server, now) - 1.0, now)
+        # Buckets that have filled up again say nothing a missing one does not: drop them, so that
+        # what is kept is bounded by the requests of the last burst / per_second seconds.
+        for full in [o for o in self._spent if self._tokens(o, now) >= self.rate.burst]:
+            del self._spent[full]
+
+
+def plan_probes(candidates: Sequence[Multiaddr], servers: Sequence[ID], verdicts: AddressVerdicts,
+                budget: Mapping[ID, int], min_failures: int) -> dict[ID, list[Multiaddr]]:
+    """Which server to ask about which address in this check (each request carries one address).
+
+    An address no server has reached goes to as many servers not yet asked about it as it still
+    lacks failures for a verdict (``min_failures``, at most all the ``servers``); one that a server
+    reached needs nothing more (a nonce-verified dial-back cannot be faked). Each server is asked at
+    most ``budget`` times, those with the most left first so that the load spreads; what is left
+    over waits for the next check. The addresses keep their order (the likeliest first)."""
+    needed = min(min_failures, len(servers))
+    left = {s: budget.get(s, 0) for s in servers}
+    rank = {s: i for i, s in enumerate(servers)}
+    plan: dict[ID, list[Multiaddr]] = {}
+    for addr in candidates:
+        if verdicts.reached(addr):
+            continue
+        fresh = sorted((s for s in servers if left[s] > 0 and not verdicts.asked(addr, s)),
+                       key=lambda s: (-left[s], rank[s]))
+        for server in fresh[: max(0, needed - verdicts.failures(addr))]:
+            plan.setdefault(server, []).append(addr)
+            left[server] -= 1
+    return plan
 
 
 def judge_reachability(current: Reachability, verdicts: AddressVerdicts, candidates: Collection[Multiaddr],

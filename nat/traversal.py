@@ -41,6 +41,7 @@ from p2p import Node
 from p2p.addresses import is_relayed, is_relayed_conn, reachable_tcp, without_peer_id
 from p2p.dialer import live_connection
 from p2p.errors import ConfigError, DedlocError
+from p2p.resources import Rate, default_rates
 from p2p.hooks import (
     ConnectionInfo,
     Direction,
@@ -58,7 +59,8 @@ from .autorelay import AutoRelay, AutoRelayConfig
 from .circuit import HOP_PROTOCOL, RelayClient, RelayClientConfig
 from .holepunch import HolePunchConfig, HolePuncher, PunchResult
 from .port_mapping import PortMappingConfig, PortMappingUnavailable, map_port
-from .reachability import AddressVerdicts, MappingKind, NatMode, classify_mapping, judge_reachability, select_mode
+from .reachability import (AddressVerdicts, MappingKind, NatMode, ServerBudget, classify_mapping, judge_reachability,
+                           plan_probes, select_mode)
 from .relay import RelayConfig, RelayService
 from .relay_discovery import RelayDiscoveryConfig
 
@@ -90,6 +92,10 @@ class NatConfig:
     min_failures: int = 3
     #: AutoNAT servers asked per check.
     servers_per_check: int = 4
+    #: How often we ask one AutoNAT server: what a server lets one peer ask (``p2p/resources.py``'s
+    #: ``autonat`` rate, 12 a minute and 4 at once), so that a host with many addresses is never
+    #: refused or logged as a flood; addresses over it wait for the next check.
+    server_pace: Rate = field(default_factory=lambda: default_rates()["autonat"])
     #: Treat private addresses like public ones (LAN swarms, tests on one machine).
     allow_private: bool = False
 
@@ -105,6 +111,7 @@ class NatConfig:
             raise ConfigError("min_failures and servers_per_check must be at least 1")
         if self.recheck_interval <= 0:
             raise ConfigError("recheck_interval must be positive")
+        self.server_pace.validate("server_pace")
 
     def resolved(self) -> NatConfig:
         """A copy with ``allow_private`` passed down to the protocols that dial; the caller's stays as it was."""
@@ -132,6 +139,7 @@ class NatService(SwarmObserver):
         self.mapping = MappingKind.UNKNOWN
         self.mode = NatMode.STARTING
         self.verdicts = AddressVerdicts()
+        self._budget = ServerBudget(config.server_pace)
         self._listen_views: dict[ID, Multiaddr] = {}
         self._protocols: dict[ID, set[str]] = {}
         self._identified: dict[ID, float] = {}
@@ -310,10 +318,13 @@ class NatService(SwarmObserver):
     async def _check(self) -> None:
         candidates = self._candidates()
         servers = self._servers()[: self.config.servers_per_check]
-        if servers and candidates:
+        now = trio.current_time()
+        plan = plan_probes(candidates, servers, self.verdicts, {s: self._budget.available(s, now) for s in servers},
+                           self.config.min_failures)
+        if plan:
             async with trio.open_nursery() as nursery:
-                for server in servers:
-                    nursery.start_soon(self._ask, server, candidates)
+                for server, addrs in plan.items():
+                    nursery.start_soon(self._ask, server, addrs)
         before = self.reachability
         self.reachability = judge_reachability(before, self.verdicts, candidates, len(servers), self.config.min_failures)
         self._publish()
@@ -322,11 +333,10 @@ class NatService(SwarmObserver):
             self.autorelay.wake()  # the relay loop decides on relays (and client mode) from it
         self._update_mode()
 
-    async def _ask(self, server: ID, candidates: list[Multiaddr]) -> None:
-        # One request per candidate: the server dials only the first address it accepts.
-        for addr in candidates:
-            if self.verdicts.asked(addr, server):
-                continue
+    async def _ask(self, server: ID, addrs: list[Multiaddr]) -> None:
+        # One request per address (the server dials only the first address it accepts), one at a time.
+        for addr in addrs:
+            self._budget.spend(server, trio.current_time())
             try:
                 result = await self.autonat.check(server, [addr])
             except AutoNATError as e:

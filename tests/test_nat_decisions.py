@@ -6,11 +6,13 @@ from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
 from nat.proto import circuit_pb2 as pb
-from nat.reachability import AddressVerdicts, MappingKind, NatMode, classify_mapping, judge_reachability, select_mode
+from nat.reachability import (AddressVerdicts, MappingKind, NatMode, ServerBudget, classify_mapping, judge_reachability,
+                              plan_probes, select_mode)
 from nat.relay import RelayAdmission, RelayConfig, Refusal
 from p2p.addresses import reachable_tcp
 from p2p.hooks import Reachability
 from p2p.identity import new_identity, peer_id_of
+from p2p.resources import Rate, default_rates
 
 A = Multiaddr("/ip4/93.184.216.34/tcp/4001")  # data only: no packet is sent (TEST-NET ranges do not count as public)
 B = Multiaddr("/ip4/93.184.216.34/tcp/5555")
@@ -45,6 +47,55 @@ def test_no_servers_changes_nothing_and_no_candidates_means_private() -> None:
     v = AddressVerdicts()
     assert judge_reachability(Reachability.UNKNOWN, v, [A], servers=0, min_failures=3) == Reachability.UNKNOWN
     assert judge_reachability(Reachability.UNKNOWN, v, [], servers=2, min_failures=3) == Reachability.PRIVATE
+
+
+def test_each_address_goes_to_as_many_servers_as_its_verdict_needs_within_their_budgets() -> None:
+    s1, s2, s3, s4 = peers(4)
+    addrs = [Multiaddr(f"/ip4/93.184.216.34/tcp/{4000 + i}") for i in range(6)]
+    v = AddressVerdicts()
+    full = {s: 4 for s in (s1, s2, s3, s4)}
+    plan = plan_probes(addrs, [s1, s2, s3, s4], v, full, min_failures=3)
+    # 6 addresses at 3 servers each is 18 requests; 4 servers take 4 each: 16 fit, so the sixth address
+    # gets one server now and the rest at a later check. No server is asked more than 4 times.
+    assert sorted(len(a) for a in plan.values()) == [4, 4, 4, 4]
+    asked = {a: [s for s, mine in plan.items() if a in mine] for a in addrs}
+    assert [len(asked[a]) for a in addrs] == [3, 3, 3, 3, 3, 1]  # the likeliest first, each to 3 servers
+    assert all(mine == sorted(mine, key=addrs.index) for mine in plan.values())  # in order at each server
+    # The load spreads: the first address went to the first three, the second starts with the fourth.
+    assert asked[addrs[0]] == [s1, s2, s3] and s4 in asked[addrs[1]]
+    # Reached once: asked of nobody more. Failed at two: one more server. Failed at all it needs: nobody.
+    v.record(addrs[0], s1, True)
+    v.record(addrs[1], s1, False)
+    v.record(addrs[1], s2, False)
+    for s in (s1, s2, s3, s4):
+        v.record(addrs[2], s, False)
+    plan = plan_probes(addrs[:3], [s1, s2, s3, s4], v, full, min_failures=3)
+    assert plan == {s3: [addrs[1]]}
+    # Fewer servers than min_failures: each address goes to all of them; none with budget: nothing.
+    assert plan_probes(addrs[3:4], [s1, s2], AddressVerdicts(), full, min_failures=3) == {s1: [addrs[3]], s2: [addrs[3]]}
+    assert plan_probes(addrs, [s1, s2], AddressVerdicts(), {s1: 0}, min_failures=3) == {}
+    assert plan_probes(addrs, [], AddressVerdicts(), full, min_failures=3) == {}
+    # A server that could not tell (None) may be asked again.
+    v2 = AddressVerdicts()
+    v2.record(addrs[0], s1, None)
+    assert plan_probes(addrs[:1], [s1], v2, full, min_failures=1) == {s1: [addrs[0]]}
+
+
+def test_the_budget_is_what_a_server_lets_one_peer_ask() -> None:
+    s1, s2 = peers(2)
+    rate = default_rates()["autonat"]
+    assert rate == Rate(0.2, 4)  # the server's default, which the client's default pace mirrors
+    budget = ServerBudget(rate)
+    assert budget.available(s1, 100.0) == 4
+    for _ in range(4):
+        budget.spend(s1, 100.0)
+    assert budget.available(s1, 100.0) == 0 and budget.available(s2, 100.0) == 4
+    assert budget.available(s1, 104.9) == 0 and budget.available(s1, 105.0) == 1  # one every 5 s
+    assert budget.available(s1, 1000.0) == 4  # never more than the burst
+    budget.spend(s1, 105.0)
+    assert budget.available(s1, 105.0) == 0 and budget.available(s1, 110.0) == 1
+    budget.spend(s2, 200.0)
+    assert list(budget._spent) == [s2]  # s1 filled up again: forgotten, memory stays bounded
 
 
 def test_mapping_classification() -> None:

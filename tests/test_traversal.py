@@ -175,6 +175,32 @@ async def test_autonat_confirms_the_listen_address_and_the_peer_goes_public():
         assert server_nat.metrics()["autonat_server.dial_back_ok"] >= 1
 
 
+async def test_a_host_with_many_addresses_paces_its_checks_to_what_a_server_lets_one_peer_ask():
+    """Six listen addresses (a home PC: IPv4, IPv6 and their observed forms) against one server at
+    its default rate (4 at once, then one every 5 s): every request fits it, none is refused and
+    none is an ERROR line in the server's log; the addresses over the burst wait for a later check."""
+    async with AsyncExitStack() as stack:
+        server, server_nat, _ = await stack.enter_async_context(nat_node(nat_config(allow_private=True)))
+        listen = [f"/ip4/127.0.0.{i}/tcp/0" for i in range(1, 7)]
+        b, b_nat, _ = await stack.enter_async_context(nat_node(nat_config(allow_private=True), listen=listen))
+        assert len(b_nat._candidates()) >= 6
+        await b.connect(server.addrs[0])
+        await wait_until(lambda: b_nat.reachability == "public" and b_nat.metrics()["dial_backs"] >= 4)
+        await trio.sleep(1.0)  # the length of a negative check: no fifth request within the burst
+        assert b_nat.metrics()["dial_backs"] == 4 and b_nat.verdicts.confirmed()
+        assert "service.autonat_requests_a_second_per_peer" not in server.resources.refusal_counts()
+        assert server_nat.metrics()["autonat_server.requests"] == 4
+        # A second server arrives (a check at once): the addresses left go to it alone (two listen
+        # addresses, and what the servers observed), the first having no budget left for us yet.
+        other, other_nat, _ = await stack.enter_async_context(nat_node(nat_config(allow_private=True)))
+        await b.connect(other.addrs[0])
+        await wait_until(lambda: other_nat.metrics()["autonat_server.requests"] >= 2)
+        await trio.sleep(1.0)
+        assert server_nat.metrics()["autonat_server.requests"] == 4
+        assert 2 <= other_nat.metrics()["autonat_server.requests"] <= 4
+        assert not server.resources.refusal_counts() and not other.resources.refusal_counts()
+
+
 async def test_refused_relay_and_refuted_addresses_end_in_client_mode():
     async with AsyncExitStack() as stack:
         fake = await stack.enter_async_context(Node.open(loopback_config()))
