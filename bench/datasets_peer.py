@@ -87,14 +87,13 @@ async def run(peer: Peer, datasets: Datasets, command: dict[str, Any]) -> None:
             await datasets.create(command["name"], Path(command["dir"]))
             say(op="seeding", seconds=time.monotonic() - started)
         elif op == "corrupt":
-            for held in datasets.held.values():
-                read = held.local.read_piece
+            read = datasets._read_piece  # a liar skips its own check of what it sends
 
-                def corrupt(root: bytes, index: int, read: Any = read) -> bytes | None:
-                    data = read(root, index)
-                    return None if data is None else bytes([data[0] ^ 0xFF]) + data[1:]
+            async def corrupt(held: Any, root: bytes, index: int) -> bytes | None:
+                data = await read(held, root, index)
+                return None if data is None else bytes([data[0] ^ 0xFF]) + data[1:]
 
-                held.local.read_piece = corrupt  # type: ignore[method-assign]
+            datasets._read_piece = corrupt  # type: ignore[method-assign]
             say(op="corrupting")
         elif op == "get":
             async with trio.open_nursery() as nursery:

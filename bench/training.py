@@ -145,8 +145,8 @@ def main() -> None:
           f"{args.repeats} runs; matchmaking time {args.matchmaking_time:g} s) ==")
     print(f"{'system':10} {'peers':>5} {'samples/s (median)':>19} {'overhead/step min / median':>27}")
     for key, row in table.items():
-        system, peers = key.split("/")
-        print(f"{system:10} {peers:>5} {row['samples_per_s_median']:>19.0f} "
+        system, swarm_size = key.split("/")
+        print(f"{system:10} {swarm_size:>5} {row['samples_per_s_median']:>19.0f} "
               f"{row['overhead_s_min']:>12.2f} / {row['overhead_s_median']:.2f} s")
     ratios: dict[str, float] = {}
     for system in systems:

@@ -423,6 +423,37 @@ def test_a_shard_reaches_its_path_only_whole_and_checked_and_a_restart_resumes(t
     assert LocalDataset.open(tmp_path / "d", manifest).pieces_of(s.root) == set()
 
 
+def test_a_piece_is_checked_again_as_it_is_read_to_be_served(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A file edited, cut short or rotted after it was checked: never served, its shard no longer held."""
+    rng = random.Random(2)
+    data = {"a.txt": rng.randbytes(3 * PIECE), "b.txt": rng.randbytes(2 * PIECE + 7)}
+    (tmp_path / "d").mkdir()
+    for name, content in data.items():
+        (tmp_path / "d" / name).write_bytes(content)
+    local, manifest = make_local(tmp_path / "d", data)
+    a, b = sorted(manifest.shards(), key=lambda s: s.path)
+    assert local.whole == {a.root, b.root} and local.read_piece(a.root, 2) == data["a.txt"][2 * PIECE:]
+    with (tmp_path / "d" / "a.txt").open("r+b") as f:  # edited in place, the same size: only the hash tells
+        f.seek(PIECE + 5)
+        f.write(b"EDITED")
+    assert local.read_piece(a.root, 0) == data["a.txt"][:PIECE]  # a piece not touched still reads
+    with caplog.at_level("WARNING", logger="training.datasets.store"):
+        assert local.read_piece(a.root, 1) is None
+    assert "a.txt: piece 1 does not match its hash: the file changed on disk since it was checked: " \
+           "no longer seeding it" in caplog.text
+    assert a.root not in local.whole and local.pieces_of(a.root) == set() and local.bitfield(a.root) is None
+    assert local.read_piece(a.root, 0) is None and local.discarded == 1
+    at = local.locate_piece(b.root, 2)
+    assert at is not None and at.length == 7
+    (tmp_path / "d" / "b.txt").write_bytes(data["b.txt"][:-3])  # cut short
+    assert local.read_piece(b.root, 2) is None and b.root not in local.whole
+    assert not local.lost(at, "again")  # found once: a second read's failure changes nothing
+    assert local.discarded == 2
+    # Checking the directory again takes back what matches.
+    (tmp_path / "d" / "b.txt").write_bytes(data["b.txt"])
+    assert LocalDataset.load(tmp_path / "d").whole == {b.root}
+
+
 def test_a_directory_of_another_dataset_is_refused(tmp_path: Path) -> None:
     make_local(tmp_path / "d", {"s.txt": b"x" * 100})
     with pytest.raises(DatasetError, match="holds another dataset"):

@@ -116,14 +116,13 @@ async def test_a_seeder_that_sends_corrupt_pieces_is_banned_named_and_nothing_ba
             Datasets.open(liar, DatasetsConfig(piece_size=PIECE)) as dl, Datasets.open(fetcher) as df:
         local = await dh.create("corpus", tmp_path / "src")
         await dl.get("corpus", tmp_path / "liar")
-        held = dl.held[local.manifest.header.id].local
-        read = held.read_piece
+        read = dl._read_piece  # a liar skips its own check of what it sends
 
-        def corrupt(root: bytes, index: int) -> bytes | None:
-            data = read(root, index)
+        async def corrupt(held: Any, root: bytes, index: int) -> bytes | None:
+            data = await read(held, root, index)
             return None if data is None else bytes([data[0] ^ 0xFF]) + data[1:]
 
-        held.read_piece = corrupt  # type: ignore[method-assign]
+        dl._read_piece = corrupt  # type: ignore[method-assign]
         await announced(df, local.manifest.header.id, 2)
         from training.datasets.events import SeederBanned
 
@@ -141,6 +140,38 @@ async def test_a_seeder_that_sends_corrupt_pieces_is_banned_named_and_nothing_ba
         assert list(report.banned) == [liar.peer_id] and "does not match its hash" in report.banned[liar.peer_id]
         assert [e.peer_id for e in banned] == [str(liar.peer_id)]
         assert liar.peer_id not in report.sources  # not one byte of it counted, none written
+
+
+@pytest.mark.timeout(90)
+async def test_a_seeder_whose_file_changed_on_disk_stops_serving_it_and_is_never_banned(tmp_path: Path) -> None:
+    """The creator edits a shard after publishing it (or its disk rots it): it sends none of the changed
+    pieces, so no fetcher bans it; the shard leaves its tracker record; the others still come from it."""
+    expected = corpus(tmp_path / "src")
+    async with swarm(3) as (_, (creator, other, fetcher)), \
+            Datasets.open(creator, DatasetsConfig(piece_size=PIECE)) as dc, \
+            Datasets.open(other, DatasetsConfig(piece_size=PIECE, upload_rate=3e6)) as do, \
+            Datasets.open(fetcher) as df:
+        local = await dc.create("corpus", tmp_path / "src")
+        did = local.manifest.header.id
+        await do.get("corpus", tmp_path / "other")
+        edited = next(s for s in local.manifest.shards() if s.path == "part-1.txt")
+        with (tmp_path / "src" / "part-1.txt").open("r+b") as f:  # every piece, in place, the same size
+            for offset in range(0, edited.size, PIECE):
+                f.seek(offset)
+                f.write(b"#")
+        await announced(df, did, 2)
+        report = await df.get("corpus", tmp_path / "got")
+        assert same_files(tmp_path / "got", expected)
+        assert report.banned == {} and creator.peer_id in report.sources
+        assert edited.root not in dc.held[did].local.whole
+
+        async def creator_record() -> Any:
+            return next(i for i in await df.seeders(did) if i.peer_id == creator.peer_id)
+
+        with trio.fail_after(20):
+            while edited.root in (await creator_record()).whole:
+                await trio.sleep(0.2)
+        assert len((await creator_record()).whole) == 2
 
 
 @pytest.mark.timeout(90)

@@ -59,7 +59,7 @@ from .manifest import (
     sign_by_authority,
 )
 from .picker import Pacer, UploadSlots
-from .store import LocalDataset
+from .store import LocalDataset, read_checked
 
 if TYPE_CHECKING:
     from .fetch import FetchConfig, FetchReport
@@ -523,7 +523,7 @@ class Datasets:
             await stream.write(frame(pb.Answer(status=pb.Answer.OK, have=have)))
             return
         data = (local.read_leaves(request.shard) if request.kind == pb.Request.LEAVES
-                else local.read_piece(request.shard, request.index))
+                else await self._read_piece(held, request.shard, request.index))
         if data is None:
             await stream.write(frame(pb.Answer(status=pb.Answer.NOT_FOUND, reason="not holding that")))
             return
@@ -539,6 +539,20 @@ class Datasets:
         self.bytes_served += len(data)
         if held.served - held.announced_served >= self.config.announce_served:
             held.changed.set()  # the record says what we served (credit for data)
+
+    async def _read_piece(self, held: _Held, root: bytes, index: int) -> bytes | None:
+        """A piece to serve, read and checked again in a worker thread (``store.read_checked``: the
+        loop goes on with the other streams meanwhile); one that no longer matches is no longer held,
+        and the tracker record is refreshed to say so."""
+        at = held.local.locate_piece(root, index)
+        if at is None:
+            return None
+        data = await trio.to_thread.run_sync(read_checked, at)
+        if isinstance(data, str):
+            if held.local.lost(at, data):
+                self.announce_soon(held.local.manifest.header.id)
+            return None
+        return data
 
     @asynccontextmanager
     async def _sending_slot(self, held: int) -> AsyncIterator[None]:

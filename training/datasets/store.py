@@ -13,14 +13,23 @@ path only when every piece did. A restart resumes from what is on disk: whole
 shards are checked against their roots, the pieces of part files against
 their leaves (a piece torn by a crash fails and is fetched again).
 
+Every piece is checked again as it is read to be served (:func:`read_checked`): a
+file edited, truncated or rotted on disk since it was checked would otherwise be
+sent, every fetcher would ban us for it, and we would never know. A piece that no
+longer matches takes its shard out of what we hold and serve (:meth:`LocalDataset.lost`),
+with a warning that names the file; checking the directory again (``dedloc dataset
+seed DIR``, or a restart) takes back what still matches.
+
 Synchronous file I/O (a piece is a page-cache write of at most a few MiB);
-the callers run the whole-directory checks in a worker thread.
+the callers run the whole-directory checks, and the serving reads with their
+hash, in a worker thread.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from .manifest import DatasetError, Manifest, ManifestError, Shard
@@ -43,6 +52,34 @@ def from_bits(bits: bytes, count: int) -> set[int] | None:
     if not bits:
         return None
     return {i for i in range(min(count, len(bits) * 8)) if bits[i // 8] & (0x80 >> (i % 8))}
+
+
+@dataclass(frozen=True)
+class PieceAt:
+    """Where a held piece lies on disk (its shard's file or part file) and the hash it must match."""
+
+    root: bytes
+    index: int
+    path: Path
+    offset: int
+    length: int
+    leaf: bytes
+
+
+def read_checked(at: PieceAt) -> bytes | str:
+    """The piece's bytes, or why they are not the piece any more (changed, truncated, unreadable).
+    Thread-safe: only the file is read (hashlib releases the GIL while it hashes)."""
+    try:
+        with at.path.open("rb") as f:
+            f.seek(at.offset)
+            data = f.read(at.length)
+    except OSError as e:
+        return f"unreadable ({e.strerror or e})"
+    if len(data) != at.length:
+        return f"piece {at.index} is cut short ({len(data)} of {at.length} bytes): the file changed on disk"
+    if leaf(data) != at.leaf:
+        return f"piece {at.index} does not match its hash: the file changed on disk since it was checked"
+    return data
 
 
 class LocalDataset:
@@ -202,10 +239,11 @@ class LocalDataset:
         leaves = self.leaves.get(root)
         return None if leaves is None else b"".join(leaves)
 
-    def read_piece(self, root: bytes, index: int) -> bytes | None:
-        """A piece we hold (checked when it was written), or None."""
+    def locate_piece(self, root: bytes, index: int) -> PieceAt | None:
+        """Where a piece we hold lies, and its hash (None: not held)."""
         shard = self.shards.get(root)
-        if shard is None or not 0 <= index < piece_count(shard.size, self.piece_size):
+        leaves = self.leaves.get(root)
+        if shard is None or leaves is None or not 0 <= index < min(len(leaves), piece_count(shard.size, self.piece_size)):
             return None
         if root in self.whole:
             path = self.path(shard)
@@ -214,14 +252,36 @@ class LocalDataset:
         else:
             return None
         offset, length = piece_span(index, shard.size, self.piece_size)
-        try:
-            with path.open("rb") as f:
-                f.seek(offset)
-                data = f.read(length)
-        except OSError as e:
-            log.warning("reading %s: %s", path, e)
+        return PieceAt(root, index, path, offset, length, leaves[index])
+
+    def read_piece(self, root: bytes, index: int) -> bytes | None:
+        """A piece we hold, read and checked again (:func:`read_checked`), or None (not held, or no longer)."""
+        at = self.locate_piece(root, index)
+        if at is None:
             return None
-        return data if len(data) == length else None
+        data = read_checked(at)
+        if isinstance(data, str):
+            self.lost(at, data)
+            return None
+        return data
+
+    def lost(self, at: PieceAt, why: str) -> bool:
+        """A piece we held failed its check as it was read to be served: a whole shard is no longer held
+        (which of its other pieces still match, only checking the file again says), a piece of a part
+        file no longer held. False when that was known already (another read found it first)."""
+        shard = self.shards.get(at.root)
+        if shard is None or self.locate_piece(at.root, at.index) != at:
+            return False
+        if at.root in self.whole:
+            self.whole.discard(at.root)
+            self.have[at.root] = set()
+            log.warning("%s: %s: no longer seeding it (check it again with `dedloc dataset seed %s`)",
+                        at.path, why, self.directory)
+        else:
+            self.have[at.root].discard(at.index)
+            log.warning("%s: %s: no longer seeding that piece", at.path, why)
+        self.discarded += 1
+        return True
 
     # ------------------------------------------------------------------ fetching
 
