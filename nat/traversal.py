@@ -205,6 +205,10 @@ class NatService(SwarmObserver):
     def connection_closed(self, info: ConnectionInfo) -> None:
         if info.kind == PathKind.DIRECT and live_connection(self.node.network, info.peer_id) is None:
             self._listen_views.pop(info.peer_id, None)
+            # Gone: its next connection is identified again at once (a relay restarted within the
+            # minute is then reserved on as soon as it is back, not at autorelay's next poll, and
+            # what it serves now is read anew).
+            self._identified.pop(info.peer_id, None)
             self.autorelay.lost(info.peer_id, "disconnected")
             self._notify()
 

@@ -118,6 +118,24 @@ async def test_peer_behind_a_relay_reserves_advertises_and_is_reachable_by_id():
         assert b_nat.metrics()["bytes_relayed"] > 0
 
 
+async def test_a_relay_back_within_the_minute_is_reserved_on_at_once():
+    """The relay restarts (or the link drops) and b reaches it again: b identifies it anew and reserves
+    at once, not at autorelay's next poll (5 s) as when the last identify (under a minute old) stood."""
+    async with AsyncExitStack() as stack:
+        relay, relay_nat, _ = await stack.enter_async_context(nat_node(nat_config(relay_service=True, autonat_server=False)))
+        b, b_nat, b_seen = await stack.enter_async_context(nat_node())
+        await b.connect(relay.addrs[0])
+        await wait_until(lambda: b_nat.relay_client.reservations)
+        await b.disconnect(relay.peer_id)
+        await wait_until(lambda: not b_nat.relay_client.reservations and of_type(b_seen, nev.RelayLost))
+        await trio.sleep(0.2)  # autorelay's pass after the loss is over: it sleeps until its next poll
+        await b.connect(relay.addrs[0])
+        back = trio.current_time()
+        await wait_until(lambda: b_nat.relay_client.reservations, timeout=10)
+        assert trio.current_time() - back < 2.0
+        assert len(of_type(b_seen, nev.RelayReserved)) == 2
+
+
 async def test_a_node_that_listens_nowhere_is_reachable_only_through_its_relay_slot():
     """``listen=[]`` (``dedloc peer --no-listen``): behind a NAT that maps nothing. It dials out, AutoNAT finds
     no address to confirm, it reserves a slot, advertises only the circuit, and others reach it there."""
