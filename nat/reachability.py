@@ -7,6 +7,7 @@ mean; ``tests/test_nat_decisions.py`` checks every rule without a node.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -43,35 +44,66 @@ class MappingKind(StrEnum):
 
 @dataclass
 class _Verdicts:
-    ok: set[ID] = field(default_factory=set)
-    failed: set[ID] = field(default_factory=set)
+    ok: dict[ID, float] = field(default_factory=dict)  # server -> when it answered
+    failed: dict[ID, float] = field(default_factory=dict)
 
 
 class AddressVerdicts:
-    """AutoNAT answers per candidate address: which servers reached it, which failed to."""
+    """AutoNAT answers per candidate address: which servers reached it, which failed to, and when.
 
-    def __init__(self) -> None:
+    An answer is fresh for ``ttl`` seconds, then stale: the address is asked again (an address once
+    confirmed can be lost: the ISP hands out a new IP, the router forgets a mapping), while the stale
+    answer still counts until a fresh one about that address comes, or it is ``3 * ttl`` old
+    (go-libp2p's tracker: probed again after an hour, results kept three). Given no times, every
+    answer stays fresh. A server's newer answer replaces its older one.
+    """
+
+    def __init__(self, ttl: float = math.inf) -> None:
+        self.ttl = ttl
         self._by_addr: dict[Multiaddr, _Verdicts] = {}
 
-    def asked(self, addr: Multiaddr, server: ID) -> bool:
-        verdicts = self._by_addr.get(without_peer_id(addr))
-        return verdicts is not None and (server in verdicts.ok or server in verdicts.failed)
+    def _fresh(self, at: float, now: float | None) -> bool:
+        return now is None or now - at < self.ttl
 
-    def record(self, addr: Multiaddr, server: ID, reachable: bool | None) -> None:
-        """One server's answer (None: it could not tell, and counts for neither)."""
+    def asked(self, addr: Multiaddr, server: ID, now: float | None = None) -> bool:
+        """Whether ``server`` answered about ``addr`` (by ``now``: and its answer is still fresh)."""
+        verdicts = self._by_addr.get(without_peer_id(addr))
+        if verdicts is None:
+            return False
+        at = verdicts.ok.get(server, verdicts.failed.get(server))
+        return at is not None and self._fresh(at, now)
+
+    def record(self, addr: Multiaddr, server: ID, reachable: bool | None, now: float = 0.0) -> None:
+        """One server's answer at ``now`` (None: it could not tell, and counts for neither); the
+        address's stale answers give way to it."""
+        if reachable is None:
+            return
         verdicts = self._by_addr.setdefault(without_peer_id(addr), _Verdicts())
-        if reachable is True:
-            verdicts.ok.add(server)
-        elif reachable is False:
-            verdicts.failed.add(server)
+        for answers in (verdicts.ok, verdicts.failed):
+            for other, at in list(answers.items()):
+                if other == server or not self._fresh(at, now):
+                    del answers[other]
+        (verdicts.ok if reachable else verdicts.failed)[server] = now
 
-    def reached(self, addr: Multiaddr) -> bool:
-        verdicts = self._by_addr.get(without_peer_id(addr))
-        return verdicts is not None and bool(verdicts.ok)
+    def expire(self, now: float) -> None:
+        """Forget answers ``3 * ttl`` old, and addresses left with none."""
+        for addr, verdicts in list(self._by_addr.items()):
+            for answers in (verdicts.ok, verdicts.failed):
+                for server, at in list(answers.items()):
+                    if now - at >= 3 * self.ttl:
+                        del answers[server]
+            if not verdicts.ok and not verdicts.failed:
+                del self._by_addr[addr]
 
-    def failures(self, addr: Multiaddr) -> int:
+    def reached(self, addr: Multiaddr, now: float | None = None) -> bool:
+        """Whether a dial-back reached ``addr`` (by ``now``: one still fresh)."""
         verdicts = self._by_addr.get(without_peer_id(addr))
-        return 0 if verdicts is None else len(verdicts.failed)
+        return verdicts is not None and any(self._fresh(at, now) for at in verdicts.ok.values())
+
+    def failures(self, addr: Multiaddr, now: float | None = None) -> int:
+        """Servers that failed to reach ``addr`` (by ``now``: with a fresh answer)."""
+        verdicts = self._by_addr.get(without_peer_id(addr))
+        return 0 if verdicts is None else sum(1 for at in verdicts.failed.values() if self._fresh(at, now))
 
     def confirmed(self) -> list[Multiaddr]:
         """Addresses one nonce-verified dial-back reached (a server cannot fake a success)."""
@@ -108,12 +140,13 @@ class ServerBudget:
 
 
 def plan_probes(candidates: Sequence[Multiaddr], servers: Sequence[ID], verdicts: AddressVerdicts,
-                budget: Mapping[ID, int], min_failures: int) -> dict[ID, list[Multiaddr]]:
+                budget: Mapping[ID, int], min_failures: int, now: float | None = None) -> dict[ID, list[Multiaddr]]:
     """Which server to ask about which address in this check (each request carries one address).
 
     An address no server has reached goes to as many servers not yet asked about it as it still
     lacks failures for a verdict (``min_failures``, at most all the ``servers``); one that a server
-    reached needs nothing more (a nonce-verified dial-back cannot be faked). Each server is asked at
+    reached needs nothing more (a nonce-verified dial-back cannot be faked). Answers count here only
+    while fresh at ``now`` (:class:`AddressVerdicts`): a stale one is asked again. Each server is asked at
     most ``budget`` times, those with the most left first so that the load spreads; what is left
     over waits for the next check. The addresses keep their order (the likeliest first)."""
     needed = min(min_failures, len(servers))
@@ -121,11 +154,11 @@ def plan_probes(candidates: Sequence[Multiaddr], servers: Sequence[ID], verdicts
     rank = {s: i for i, s in enumerate(servers)}
     plan: dict[ID, list[Multiaddr]] = {}
     for addr in candidates:
-        if verdicts.reached(addr):
+        if verdicts.reached(addr, now):
             continue
-        fresh = sorted((s for s in servers if left[s] > 0 and not verdicts.asked(addr, s)),
+        fresh = sorted((s for s in servers if left[s] > 0 and not verdicts.asked(addr, s, now)),
                        key=lambda s: (-left[s], rank[s]))
-        for server in fresh[: max(0, needed - verdicts.failures(addr))]:
+        for server in fresh[: max(0, needed - verdicts.failures(addr, now))]:
             plan.setdefault(server, []).append(addr)
             left[server] -= 1
     return plan

@@ -88,6 +88,10 @@ class NatConfig:
     port_mapping: PortMappingConfig = field(default_factory=PortMappingConfig)
     #: Re-check reachability this often (seconds), and sooner when the network changes.
     recheck_interval: float = 300.0
+    #: An AutoNAT answer is trusted this long, then the address is asked again (a confirmed address can
+    #: be lost: a new IP from the ISP, a router that forgot its mapping); a stale answer still counts
+    #: until a fresh one comes, or for three times this long (go-libp2p: an hour, and three).
+    verdict_ttl: float = 3600.0
     #: Servers that must fail to reach an address before it counts as unreachable (at most: all we have).
     min_failures: int = 3
     #: AutoNAT servers asked per check.
@@ -109,8 +113,8 @@ class NatConfig:
         self.port_mapping.validate()
         if self.min_failures < 1 or self.servers_per_check < 1:
             raise ConfigError("min_failures and servers_per_check must be at least 1")
-        if self.recheck_interval <= 0:
-            raise ConfigError("recheck_interval must be positive")
+        if self.recheck_interval <= 0 or self.verdict_ttl <= 0:
+            raise ConfigError("recheck_interval and verdict_ttl must be positive")
         self.server_pace.validate("server_pace")
 
     def resolved(self) -> NatConfig:
@@ -138,7 +142,7 @@ class NatService(SwarmObserver):
         self.reachability = Reachability.UNKNOWN
         self.mapping = MappingKind.UNKNOWN
         self.mode = NatMode.STARTING
-        self.verdicts = AddressVerdicts()
+        self.verdicts = AddressVerdicts(ttl=config.verdict_ttl)
         self._budget = ServerBudget(config.server_pace)
         self._listen_views: dict[ID, Multiaddr] = {}
         self._protocols: dict[ID, set[str]] = {}
@@ -323,8 +327,9 @@ class NatService(SwarmObserver):
         candidates = self._candidates()
         servers = self._servers()[: self.config.servers_per_check]
         now = trio.current_time()
+        self.verdicts.expire(now)
         plan = plan_probes(candidates, servers, self.verdicts, {s: self._budget.available(s, now) for s in servers},
-                           self.config.min_failures)
+                           self.config.min_failures, now)
         if plan:
             async with trio.open_nursery() as nursery:
                 for server, addrs in plan.items():
@@ -347,7 +352,7 @@ class NatService(SwarmObserver):
                 log.debug("AutoNAT via %s: %s", server, e)
                 return
             self._dial_backs += 1
-            self.verdicts.record(addr, server, result.reachable)
+            self.verdicts.record(addr, server, result.reachable, trio.current_time())
 
     # ---------------------------------------------------------------- relays and mode
 

@@ -16,6 +16,7 @@ from p2p.resources import Rate, default_rates
 
 A = Multiaddr("/ip4/93.184.216.34/tcp/4001")  # data only: no packet is sent (TEST-NET ranges do not count as public)
 B = Multiaddr("/ip4/93.184.216.34/tcp/5555")
+C = Multiaddr("/ip4/93.184.216.34/tcp/6666")
 
 
 def peers(n: int) -> list[ID]:
@@ -80,6 +81,42 @@ def test_each_address_goes_to_as_many_servers_as_its_verdict_needs_within_their_
     v2 = AddressVerdicts()
     v2.record(addrs[0], s1, None)
     assert plan_probes(addrs[:1], [s1], v2, full, min_failures=1) == {s1: [addrs[0]]}
+
+
+def test_answers_go_stale_and_are_asked_again_while_they_still_count() -> None:
+    s1, s2 = peers(2)
+    v = AddressVerdicts(ttl=3600.0)
+    v.record(A, s1, True, now=0.0)
+    assert v.reached(A, now=3599.0) and v.asked(A, s1, now=3599.0)
+    # Stale: asked again, while it still counts for what we advertise and conclude.
+    assert not v.reached(A, now=3600.0) and not v.asked(A, s1, now=3600.0) and v.reached(A)
+    assert v.confirmed() == [A]
+    assert plan_probes([A], [s1, s2], v, {s1: 4, s2: 4}, min_failures=2, now=3600.0) == {s1: [A], s2: [A]}
+    assert plan_probes([A], [s1, s2], v, {s1: 4, s2: 4}, min_failures=2, now=100.0) == {}
+    # A fresh answer about the address replaces the stale ones: the address is lost.
+    v.record(A, s2, False, now=3700.0)
+    assert v.confirmed() == [] and v.failures(A) == 1 and v.failures(A, now=3700.0) == 1
+    assert plan_probes([A], [s1, s2], v, {s1: 4, s2: 4}, min_failures=2, now=3700.0) == {s1: [A]}
+    # A server's newer answer replaces its own older one, fresh or not.
+    v.record(B, s1, True, now=3700.0)
+    v.record(B, s1, False, now=3701.0)
+    assert B not in v.confirmed() and v.failures(B) == 1
+    # A stale failure is asked again too (a NAT that opened up: a new router, a mapping added).
+    assert plan_probes([A], [s1, s2], v, {s1: 4, s2: 4}, min_failures=1, now=3700.0 + 3600.0) == {s1: [A]}
+    # Kept three ttl at most: then forgotten, address and all.
+    v.record(C, s1, True, now=3700.0 + 3 * 3600.0 - 2)
+    v.expire(3700.0 + 3 * 3600.0 - 1)
+    assert v.failures(A) == 1 and v.confirmed() == [C]
+    v.expire(3700.0 + 3 * 3600.0)
+    assert v.failures(A) == 0 and not v.asked(A, s2) and v.failures(B) == 1
+    v.expire(3701.0 + 3 * 3600.0)
+    assert v.refuted(1) == [] and v.confirmed() == [C]
+    v.expire(3700.0 + 6 * 3600.0)
+    assert v.confirmed() == [] and not v._by_addr  # nothing kept of addresses with no answer left
+    # Without times, as before: every answer stays fresh.
+    plain = AddressVerdicts()
+    plain.record(A, s1, True)
+    assert plain.reached(A, now=1e9) and plain.asked(A, s1, now=1e9)
 
 
 def test_the_budget_is_what_a_server_lets_one_peer_ask() -> None:

@@ -219,6 +219,32 @@ async def test_a_host_with_many_addresses_paces_its_checks_to_what_a_server_lets
         assert not server.resources.refusal_counts() and not other.resources.refusal_counts()
 
 
+async def test_a_confirmed_address_is_asked_again_and_dropped_once_it_is_lost():
+    """A port mapping the router forgot, an IP the ISP took back: once its answer is stale (``verdict_ttl``)
+    the address is asked again, and when the dial-backs now fail it is no longer confirmed, advertised
+    or public. (Before, one confirmation held for the life of the process.)"""
+    async with AsyncExitStack() as stack:
+        server, server_nat, _ = await stack.enter_async_context(nat_node(nat_config(allow_private=True)))
+        b, b_nat, b_seen = await stack.enter_async_context(
+            nat_node(nat_config(allow_private=True, min_failures=1, verdict_ttl=3.0, recheck_interval=0.5)))
+        await b.connect(server.addrs[0])
+        await wait_until(lambda: b_nat.reachability == "public")
+        listen = without_peer_id(b.addrs[0])
+        assert b_nat.confirmed == [listen]
+
+        async def never_reachable(stream: INetStream) -> None:  # the mapping is gone
+            await read_message(stream, apb.Message)
+            response = apb.DialResponse(status=apb.DialResponse.OK, addrIdx=0, dialStatus=apb.E_DIAL_ERROR)
+            await write_message(stream, apb.Message(dialResponse=response))
+            await stream.close()
+
+        server.set_stream_handler(DIAL_REQUEST, never_reachable)
+        # Asked again once stale (3 s), well before the stale answer would be forgotten (9 s).
+        await wait_until(lambda: b_nat.reachability == "private", timeout=7.5)
+        assert b_nat.confirmed == [] and listen not in [without_peer_id(a) for a in b.addrs]
+        assert [e.reachability for e in of_type(b_seen, nev.ReachabilityChanged)][-2:] == ["public", "private"]
+
+
 async def test_refused_relay_and_refuted_addresses_end_in_client_mode():
     async with AsyncExitStack() as stack:
         fake = await stack.enter_async_context(Node.open(loopback_config()))
