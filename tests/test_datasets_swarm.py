@@ -8,7 +8,7 @@ import random
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import trio
@@ -17,10 +17,12 @@ from nat import Peer
 from tests.conftest import loopback_config
 from tests.kit import loopback_peer_config, wait_until
 from training.datasets import DatasetError, Datasets, DatasetsConfig, FetchConfig, NoSeeders
+from training.datasets.events import DatasetProgress, SeederBanned
 from training.datasets.picker import TableConfig
 from training.datasets.service import DatasetSwarm
 
 PIECE = 32 * 1024
+T = TypeVar("T")
 
 
 def corpus(directory: Path, shards: int = 3, size: int = 400_000, seed: int = 0) -> dict[str, bytes]:
@@ -79,6 +81,31 @@ async def announced(datasets: Datasets, dataset: bytes, n: int) -> None:
             await trio.sleep(0.2)
 
 
+def lie(datasets: Datasets) -> None:
+    """Make ``datasets`` a liar: every piece it serves has a byte flipped (it skips its own check of what it sends)."""
+    read = datasets._read_piece
+
+    async def corrupt(held: Any, root: bytes, index: int) -> bytes | None:
+        data = await read(held, root, index)
+        return None if data is None else bytes([data[0] ^ 0xFF]) + data[1:]
+
+    datasets._read_piece = corrupt  # type: ignore[method-assign]
+
+
+def recorded(peer: Peer, kind: type[T]) -> list[T]:
+    """The events of ``kind`` that ``peer``'s node emits from now on."""
+    seen: list[T] = []
+    emit = peer.node.emit
+
+    def recording(event: Any) -> None:
+        if isinstance(event, kind):
+            seen.append(event)
+        emit(event)
+
+    peer.node.emit = recording  # type: ignore[method-assign]
+    return seen
+
+
 @pytest.mark.timeout(90)
 async def test_two_downloaders_fetch_from_two_seeders_and_trade_pieces(tmp_path: Path) -> None:
     expected = corpus(tmp_path / "src")
@@ -116,30 +143,31 @@ async def test_a_seeder_that_sends_corrupt_pieces_is_banned_named_and_nothing_ba
             Datasets.open(liar, DatasetsConfig(piece_size=PIECE)) as dl, Datasets.open(fetcher) as df:
         local = await dh.create("corpus", tmp_path / "src")
         await dl.get("corpus", tmp_path / "liar")
-        read = dl._read_piece  # a liar skips its own check of what it sends
-
-        async def corrupt(held: Any, root: bytes, index: int) -> bytes | None:
-            data = await read(held, root, index)
-            return None if data is None else bytes([data[0] ^ 0xFF]) + data[1:]
-
-        dl._read_piece = corrupt  # type: ignore[method-assign]
+        lie(dl)
         await announced(df, local.manifest.header.id, 2)
-        from training.datasets.events import SeederBanned
-
-        banned: list[SeederBanned] = []
-        emit = fetcher.node.emit
-
-        def recording(event: Any) -> None:
-            if isinstance(event, SeederBanned):
-                banned.append(event)
-            emit(event)
-
-        fetcher.node.emit = recording  # type: ignore[method-assign]
+        banned = recorded(fetcher, SeederBanned)
         report = await df.get("corpus", tmp_path / "got")
         assert same_files(tmp_path / "got", expected)
         assert list(report.banned) == [liar.peer_id] and "does not match its hash" in report.banned[liar.peer_id]
         assert [e.peer_id for e in banned] == [str(liar.peer_id)]
         assert liar.peer_id not in report.sources  # not one byte of it counted, none written
+
+
+@pytest.mark.timeout(90)
+async def test_a_download_whose_only_seeder_lies_says_so_while_it_waits_and_gives_up_naming_it(tmp_path: Path) -> None:
+    corpus(tmp_path / "src")
+    async with swarm(2) as (_, (liar, fetcher)), \
+            Datasets.open(liar, DatasetsConfig(piece_size=PIECE)) as dl, Datasets.open(fetcher) as df:
+        local = await dl.create("corpus", tmp_path / "src")
+        lie(dl)
+        await announced(df, local.manifest.header.id, 1)
+        progress = recorded(fetcher, DatasetProgress)
+        config = FetchConfig(no_seeder_timeout=3.0, progress_interval=0.5)
+        with pytest.raises(NoSeeders, match="does not match its hash"):
+            await df.get("corpus", tmp_path / "got", config=config, seed=False)
+        last = progress[-1]
+        assert last.seeders == 0 and last.banned == 1 and last.human().endswith("| 0 seeders (1 banned)")
+        assert not (tmp_path / "got" / "part-0.txt").exists()
 
 
 @pytest.mark.timeout(90)

@@ -43,12 +43,15 @@ class DatasetProgress(Event):
     seeders: int
     shards_done: int
     shards: int
+    #: seeders banned for a bad piece (with none connected, why the download waits)
+    banned: int = 0
     event: str = field(init=False, default="dataset_progress")
 
     def human(self) -> str:
         return (f"{self.name} {_bar(self.held, self.total)} {_mib(min(self.held, self.total))}/{_mib(self.total)} "
                 f"| {self.rate * 8 / 1e6:.1f} Mbit/s | {self.shards_done}/{self.shards} shards "
-                f"| {self.seeders} seeder{'s' if self.seeders != 1 else ''}")
+                f"| {self.seeders} seeder{'s' if self.seeders != 1 else ''}"
+                + (f" ({self.banned} banned)" if self.banned else ""))
 
 
 @dataclass

@@ -359,7 +359,7 @@ class Download:
         return ev.DatasetProgress(name=self.name, held=self.local.held_bytes, total=sum(s.size for s in self.shards),
                                   rate=self.rate(trio.current_time()), seeders=self.table.count(SeederState.CONNECTED),
                                   shards_done=sum(1 for s in self.shards if s.root in self.local.whole),
-                                  shards=len(self.shards))
+                                  shards=len(self.shards), banned=len(self.report.banned))
 
     async def _progress(self) -> None:
         while True:
