@@ -269,8 +269,7 @@ class LocalDataset:
         """A piece we held failed its check as it was read to be served: a whole shard is no longer held
         (which of its other pieces still match, only checking the file again says), a piece of a part
         file no longer held. False when that was known already (another read found it first)."""
-        shard = self.shards.get(at.root)
-        if shard is None or self.locate_piece(at.root, at.index) != at:
+        if self.locate_piece(at.root, at.index) != at:
             return False
         if at.root in self.whole:
             self.whole.discard(at.root)
