@@ -205,14 +205,15 @@ class NatService(SwarmObserver):
             self._nursery.start_soon(self._upgrade, info.peer_id, trio.current_time())
         elif info.kind == PathKind.DIRECT:
             self._nursery.start_soon(self._learn, info.peer_id)
+            if HOP_PROTOCOL in self._protocols.get(info.peer_id, ()):
+                # A relay we know back (restarted, or the link dropped): reserve at once, not at
+                # autorelay's next poll, as when it is identified anew (at most once a minute: a
+                # re-identify at every reconnection tripled a 16-peer swarm's CPU).
+                self.autorelay.wake()
 
     def connection_closed(self, info: ConnectionInfo) -> None:
         if info.kind == PathKind.DIRECT and live_connection(self.node.network, info.peer_id) is None:
             self._listen_views.pop(info.peer_id, None)
-            # Gone: its next connection is identified again at once (a relay restarted within the
-            # minute is then reserved on as soon as it is back, not at autorelay's next poll, and
-            # what it serves now is read anew).
-            self._identified.pop(info.peer_id, None)
             self.autorelay.lost(info.peer_id, "disconnected")
             self._notify()
 
