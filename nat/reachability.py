@@ -47,6 +47,12 @@ class _Verdicts:
     ok: dict[ID, float] = field(default_factory=dict)  # server -> when it answered
     failed: dict[ID, float] = field(default_factory=dict)
 
+    def drop(self, gone: Callable[[ID, float], bool]) -> None:
+        """Forget the answers ``gone(server, when)`` picks, of either kind."""
+        for answers in (self.ok, self.failed):
+            for server in [s for s, at in answers.items() if gone(s, at)]:
+                del answers[server]
+
 
 class AddressVerdicts:
     """AutoNAT answers per candidate address: which servers reached it, which failed to, and when.
@@ -79,19 +85,13 @@ class AddressVerdicts:
         if reachable is None:
             return
         verdicts = self._by_addr.setdefault(without_peer_id(addr), _Verdicts())
-        for answers in (verdicts.ok, verdicts.failed):
-            for other, at in list(answers.items()):
-                if other == server or not self._fresh(at, now):
-                    del answers[other]
+        verdicts.drop(lambda other, at: other == server or not self._fresh(at, now))
         (verdicts.ok if reachable else verdicts.failed)[server] = now
 
     def expire(self, now: float) -> None:
         """Forget answers ``3 * ttl`` old, and addresses left with none."""
         for addr, verdicts in list(self._by_addr.items()):
-            for answers in (verdicts.ok, verdicts.failed):
-                for server, at in list(answers.items()):
-                    if now - at >= 3 * self.ttl:
-                        del answers[server]
+            verdicts.drop(lambda _, at: now - at >= 3 * self.ttl)
             if not verdicts.ok and not verdicts.failed:
                 del self._by_addr[addr]
 
@@ -126,7 +126,7 @@ class ServerBudget:
 
     def _tokens(self, server: ID, now: float) -> float:
         tokens, at = self._spent.get(server, (float(self.rate.burst), now))
-        return min(float(self.rate.burst), tokens + max(0.0, now - at) * self.rate.per_second)
+        return self.rate.refill(tokens, max(0.0, now - at))
 
     def available(self, server: ID, now: float) -> int:
         return int(self._tokens(server, now) + 1e-9)

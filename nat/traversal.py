@@ -138,7 +138,7 @@ class NatService(SwarmObserver):
         self.relay_service = RelayService(node, config.relay) if config.relay_service else None
         self.puncher = HolePuncher(node, self.punch_addrs, config.hole_punch)
         self.autorelay = AutoRelay(node, self.relay_client, config.autorelay,
-                                   is_relay=lambda p: HOP_PROTOCOL in self._protocols.get(p, ()), changed=self._publish)
+                                   is_relay=self._is_relay, changed=self._publish)
         self.reachability = Reachability.UNKNOWN
         self.mapping = MappingKind.UNKNOWN
         self.mode = NatMode.STARTING
@@ -205,11 +205,15 @@ class NatService(SwarmObserver):
             self._nursery.start_soon(self._upgrade, info.peer_id, trio.current_time())
         elif info.kind == PathKind.DIRECT:
             self._nursery.start_soon(self._learn, info.peer_id)
-            if HOP_PROTOCOL in self._protocols.get(info.peer_id, ()):
+            if self._is_relay(info.peer_id):
                 # A relay we know back (restarted, or the link dropped): reserve at once, not at
                 # autorelay's next poll, as when it is identified anew (at most once a minute: a
                 # re-identify at every reconnection tripled a 16-peer swarm's CPU).
                 self.autorelay.wake()
+
+    def _is_relay(self, peer: ID) -> bool:
+        """Whether ``peer`` serves circuit relay v2, as its last identify said."""
+        return HOP_PROTOCOL in self._protocols.get(peer, ())
 
     def connection_closed(self, info: ConnectionInfo) -> None:
         if info.kind == PathKind.DIRECT and live_connection(self.node.network, info.peer_id) is None:

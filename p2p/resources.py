@@ -102,6 +102,10 @@ class Rate:
         if not self.per_second > 0 or self.burst < 1:
             raise ConfigError(f"rate {name} needs per_second > 0 and burst >= 1, got {self}")
 
+    def refill(self, tokens: float, elapsed: float) -> float:
+        """A bucket's ``tokens`` after ``elapsed`` seconds of refilling: never more than ``burst``."""
+        return min(float(self.burst), tokens + elapsed * self.per_second)
+
 
 def default_rates() -> dict[str, Rate]:
     return {
@@ -338,7 +342,7 @@ class ResourceManager:
             bucket = _Bucket(float(rate.burst), now)
             while len(self._buckets) >= self.config.max_tracked_peers:
                 del self._buckets[next(iter(self._buckets))]
-        bucket.tokens = min(float(rate.burst), bucket.tokens + (now - bucket.at) * rate.per_second)
+        bucket.tokens = rate.refill(bucket.tokens, now - bucket.at)
         bucket.at = now
         self._buckets[key] = bucket
         if bucket.tokens < 1.0 - 1e-9:
