@@ -16,7 +16,7 @@ from .lazy import exports
 if TYPE_CHECKING:
     from .addresses import parse_multiaddr, parse_peer_addr, rank_for_dial
     from .config import NodeConfig
-    from .errors import AddressError, BootstrapError, ConfigError, DedlocError, DialError, IdentityError
+    from .errors import AddressError, BootstrapError, ConfigError, DedlocError, DialBackoffError, DialError, IdentityError
     from .identify import PeerIdentity
     from .node import Node
 
@@ -25,6 +25,7 @@ __all__ = [
     "BootstrapError",
     "ConfigError",
     "DedlocError",
+    "DialBackoffError",
     "DialError",
     "IdentityError",
     "Node",
@@ -44,6 +45,7 @@ __getattr__, __dir__ = exports(__name__, {
     "BootstrapError": ".errors",
     "ConfigError": ".errors",
     "DedlocError": ".errors",
+    "DialBackoffError": ".errors",
     "DialError": ".errors",
     "IdentityError": ".errors",
     "PeerIdentity": ".identify",

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .addresses import parse_multiaddr, parse_peer_addr
+from .dial_backoff import BackoffConfig
 from .errors import ConfigError
 from .noise import NoiseConfig
 from .resources import ResourceConfig
@@ -41,6 +42,9 @@ class NodeConfig:
     #: is not ours (a NATed peer advertises its LAN address too) must not hold back the next,
     #: its relayed address, for the whole stagger (bench: the NAT matrix's relayed connection).
     dial_stagger_local: float = 0.05
+    #: How long an address whose dial failed is left alone (``p2p/dial_backoff.py``: go-libp2p's
+    #: per-address swarm backoff, 5 s growing to 5 min); bootstrapping and rejoining keep their own pace.
+    dial_backoff: BackoffConfig = field(default_factory=BackoffConfig)
     #: Largest single RPC message, in bytes; larger ones are refused before buffering.
     max_message_size: int = 4 * 1024 * 1024
     #: Deadline of RPC calls that set none.
@@ -74,6 +78,7 @@ class NodeConfig:
         if self.dial_stagger < 0 or self.dial_stagger_local < 0:
             raise ConfigError(f"dial_stagger and dial_stagger_local must be >= 0, got {self.dial_stagger} "
                               f"and {self.dial_stagger_local}")
+        self.dial_backoff.validate()
         self.yamux.validate()
         self.noise.validate()
         self.resources.validate()

@@ -50,6 +50,7 @@ async def dial(
     timeout: float = 10.0,
     circuit: CircuitDialer | None = None,
     source: Callable[[Multiaddr], tuple[str, int] | None] | None = None,
+    on_failure: Callable[[str, str], None] | None = None,
 ) -> tuple[INetConn, Multiaddr]:
     """Connect to ``peer_id`` trying ``addrs`` best-first; the first success wins.
 
@@ -60,6 +61,7 @@ async def dial(
     attempts are cancelled. Relayed addresses rank last and go to ``circuit``
     (skipped without one). ``source`` picks the local (ip, port) to dial from
     (our listen port, so that the peer observes our NAT's mapping of it).
+    ``on_failure(addr, why)`` hears of each address tried that failed (timed out included).
     Raises :class:`DialError` listing every failure.
     """
     existing = live_connection(network, peer_id)
@@ -81,6 +83,8 @@ async def dial(
                 conn = await network.dial_addr(without_peer_id(addr), peer_id, source=bind)
         except Exception as e:  # every failure is reported, none is fatal alone
             failures.append((str(addr), _describe(e)))
+            if on_failure is not None:
+                on_failure(*failures[-1])
             failed.set()
             return
         if winner:  # lost a photo finish: keep the first connection only
@@ -103,7 +107,10 @@ async def dial(
         return winner[0]
     if deadline.cancelled_caught:
         pending = {str(a) for a in ranked} - {f[0] for f in failures}
-        failures.extend((a, f"timed out after {timeout:g}s") for a in sorted(pending))
+        for a in sorted(pending):
+            failures.append((a, f"timed out after {timeout:g}s"))
+            if on_failure is not None:
+                on_failure(*failures[-1])
     raise DialError(f"could not connect to {peer_id}", failures)
 
 

@@ -52,6 +52,11 @@ class StreamOpenError(DedlocError, ConnectionError):
     """A stream could not be opened on an existing connection."""
 
 
+class DialBackoffError(DialError):
+    """Every address of the peer failed lately and waits out its backoff (``p2p/dial_backoff.py``):
+    nothing was dialed. ``attempts`` says, per address, for how long more."""
+
+
 class BootstrapError(DialError):
     """None of the configured initial peers could be reached."""
 

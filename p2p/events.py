@@ -132,6 +132,17 @@ class ClosedSwarm(Event):
 
 
 @dataclass
+class Rejoining(Event):
+    """Every connection closed: the node dials its initial peers again until one answers."""
+
+    initial_peers: int
+    event: str = field(init=False, default="rejoining")
+
+    def human(self) -> str:
+        return f"cut off from every peer: dialing the {self.initial_peers} initial peer{'s' if self.initial_peers != 1 else ''} again"
+
+
+@dataclass
 class Closed(Event):
     peer_id: ID
     event: str = field(init=False, default="closed")

@@ -70,6 +70,14 @@ moves (``tests/test_node.py`` and ``interop/`` pin the behaviour):
   ignores: a relay started on a port that another process held ran on, listening
   nowhere, and said only "no direct address". :func:`check_listening` fails the
   node's start instead, with the operating system's reason for each address.
+* **Listeners outliving the host.** Its listener serves from a trio system task of its
+  own, cancelled only by ``listener.close()``; the swarm calls that in the ``finally`` of
+  its service after it was cancelled, where the first ``await`` (closing a connection)
+  raises ``Cancelled`` again, so the listeners were never closed: a closed Node went on
+  accepting and answering on its port for the life of the process (found when a node
+  restarted on its port in the same process shared it, through ``SO_REUSEPORT``, with its
+  dead self, which took every other connection and closed it). :func:`close_listeners`
+  closes them, shielded, as the node leaves.
 * **Dialing** is not here: ``p2p/dialer.py`` replaces ``Swarm.dial_peer`` (a
   250 ms stall on every successful connect) and is a module of its own.
 
@@ -192,6 +200,17 @@ async def started(host: IHost, get_addrs: Callable[[], list[Multiaddr]],
     host.get_addrs = get_addrs  # type: ignore[method-assign]
     network.register_notifee(_Notifee(connected, disconnected))
     host.set_stream_handler(IDENTIFY_PROTOCOL, _identify_handler(host, resources))
+
+
+async def close_listeners(host: IHost, *, timeout: float = 5.0) -> None:
+    """Stop accepting connections (see the module's "Listeners outliving the host"): shielded,
+    so that it runs however the node is left, and within ``timeout``."""
+    with trio.CancelScope(shield=True), trio.move_on_after(timeout):
+        for listener in list(getattr(host.get_network(), "listeners", {}).values()):
+            try:
+                await listener.close()
+            except Exception as e:  # a listener that cannot close is logged, the others still close
+                log.warning("could not close a listener: %s", e)
 
 
 def check_listening(host: IHost, listen: Sequence[Multiaddr]) -> None:

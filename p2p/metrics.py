@@ -111,6 +111,8 @@ class _NodeCollector(Collector):
         for (transport, error, ip_version), n in sorted(self._node.dial_errors.items()):
             errors.add_metric([transport, error, ip_version], n)
         yield errors
+        yield CounterMetricFamily("dedloc_swarm_dials_backed_off", "Dials not made: every address of the peer "
+                                  "failed lately and waits out its backoff", value=self._node.dials_backed_off)
         peers = GaugeMetricFamily("dedloc_swarm_peers", "Peers with at least one open connection, by path",
                                   labels=["path"])
         paths = self._node.peers_by_path()

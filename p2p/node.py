@@ -33,13 +33,15 @@ from .admission import Admission
 from .addresses import (is_relayed, parse_multiaddr, parse_peer_addr, rank_for_dial, tcp_port, with_peer_id,
                         without_peer_id)
 from .config import NodeConfig
+from .dial_backoff import DialBackoff
 from .dialer import CircuitDialer, backoff_delays, classify_dial_error, dial, live_connection, remote_addr
-from .errors import CLOSED_SWARM_HINT, BootstrapError, ConfigError, DedlocError, DialError, ProtocolNotSupportedError, StreamOpenError
+from .errors import (CLOSED_SWARM_HINT, BootstrapError, ConfigError, DedlocError, DialBackoffError, DialError,
+                     ProtocolNotSupportedError, StreamOpenError)
 from .hooks import ConnectionInfo, Direction, ExternalAddresses, Observers, PathKind, Reachability, Registration, SwarmObserver
 from .identify import MAX_LISTEN_ADDRS, PeerIdentity, identify
 from .identity import load_or_create_identity, new_identity, peer_id_of
 from .auth import PRE_AUTH, PROTOCOL as AUTH_PROTOCOL, AuthError, Authenticator
-from .libp2p_host import build_host, check_listening, set_gate, started
+from .libp2p_host import build_host, check_listening, close_listeners, set_gate, started
 from .noise import NoiseSession
 from .proto import auth_pb2 as auth_pb
 from .wire import read_message, write_message
@@ -95,6 +97,14 @@ class Node:
         #: Failed attempts of our dials, by (transport, error class, ip version): go-libp2p's
         #: ``libp2p_swarm_dial_errors_total`` labels (:func:`p2p.dialer.classify_dial_error`).
         self.dial_errors: Counter[tuple[str, str, str]] = Counter()
+        #: Addresses whose dials failed lately, held back for a while (``p2p/dial_backoff.py``).
+        self.backoff = DialBackoff(config.dial_backoff)
+        #: Calls of :meth:`connect` refused at once because every address was held back.
+        self.dials_backed_off = 0
+        #: The dial under way to each peer: one at a time, later callers wait for it (go-libp2p's dial sync).
+        self._dialing: dict[ID, trio.Event] = {}
+        self._rejoining = False
+        self._closing = False
         self.rpc = Rpc(self.new_stream, max_message_size=config.max_message_size, default_timeout=config.rpc_timeout,
                        admit=self._admit_call)
 
@@ -169,7 +179,9 @@ class Node:
                             for sub in node._subscribers:
                                 sub.send.close()
                     finally:
+                        node._closing = True  # the connections that close now are no cut-off
                         nursery.cancel_scope.cancel()
+                        await close_listeners(host)
         except OSError as e:
             if listening:  # a failure inside the block (a DialError is an OSError too): not ours to rename
                 raise
@@ -302,6 +314,7 @@ class Node:
 
     async def _connected(self, conn: INetConn) -> None:
         info = _connection_info(conn)
+        self.backoff.clear(info.peer_id)  # it answered, whoever dialed: its addresses start afresh
         self._observers.notify(lambda o: o.connection_opened(info), "a connection opened")
         self.emit(ev.ConnectionOpened(peer_id=info.peer_id, addr=str(info.addr), direction=info.direction, kind=info.kind))
 
@@ -310,6 +323,36 @@ class Node:
         self.rpc.forget_peer(info.peer_id)
         self._observers.notify(lambda o: o.connection_closed(info), "a connection closed")
         self.emit(ev.ConnectionClosed(peer_id=info.peer_id, addr=str(info.addr), kind=info.kind))
+        if self.config.initial_peers and not self._rejoining and not self._closing:
+            self._rejoining = True
+            self._nursery.start_soon(self._rejoin)
+
+    async def _rejoin(self) -> None:
+        """Cut off from every peer (our relay restarted, the link dropped): dial the initial peers
+        again at once, at :meth:`bootstrap`'s pace, until any connection stands.
+
+        Before, nothing but the DHT's maintenance (every 30 s) went back to them, so a peer reachable
+        only through its relay stayed unreachable for up to that long after the relay came back.
+        Runs after any connection closes, at most one at a time. Each round first waits (from
+        ``initial_backoff``, doubling to ``max_backoff``) and ends the task if a connection stands:
+        a peer that dials us back ends it, and one that accepts and closes at once is not dialed in a loop.
+        """
+        try:
+            started: float | None = None
+            for delay in backoff_delays(self.config.initial_backoff, self.config.max_backoff):
+                await trio.sleep(delay)  # also between rounds that reached a peer which closed at once
+                if self.connections():
+                    return
+                if started is None:
+                    started = trio.current_time()
+                    log.info("cut off from every peer: dialing the %d initial peers again", len(self.config.initial_peers))
+                    self.emit(ev.Rejoining(initial_peers=len(self.config.initial_peers)))
+                try:
+                    await self.bootstrap()
+                except BootstrapError as e:
+                    log.warning("still cut off from every peer after %.0f s: %s", trio.current_time() - started, e)
+        finally:
+            self._rejoining = False
 
     async def _log_limits_hit(self) -> None:
         """Every ``alarm_interval`` seconds, one ERROR line per limit hit since the last look, naming it
@@ -327,7 +370,7 @@ class Node:
     # ------------------------------------------------------------------ connections
 
     async def connect(self, target: str | Multiaddr | ID | Sequence[str | Multiaddr], *, timeout: float | None = None,
-                      from_listen_port: bool = False) -> ID:
+                      from_listen_port: bool = False, force: bool = False) -> ID:
         """Make sure a connection to a peer exists; return its peer id.
 
         ``target`` is a full multiaddr ending in ``/p2p/<id>``, several of one peer
@@ -339,6 +382,11 @@ class Node:
         sees our NAT's mapping of the port others must reach us on. Used for
         relays and bootstrap nodes, which do not dial us back at the same moment
         (two peers dialing each other this way would collide in a simultaneous open).
+
+        One dial of a peer runs at a time: a second call waits for the first and dials only if it
+        failed. An address whose dial failed lately is not dialed again until its backoff ends
+        (:attr:`backoff`); when that holds every address, :class:`DialBackoffError` is raised at once,
+        saying for how long. ``force`` dials them anyway (a caller with a retry pace of its own).
         """
         if isinstance(target, ID):
             peer_id, addrs = target, []
@@ -349,12 +397,31 @@ class Node:
             addrs, peer_id = [a for a, _ in parsed], parsed[0][1]
         if peer_id == self.peer_id:
             raise DialError(f"refusing to dial ourselves ({peer_id})")
+        limit = timeout or self.config.dial_timeout
+        with trio.move_on_after(limit) as waiting:
+            while (under_way := self._dialing.get(peer_id)) is not None:
+                await under_way.wait()
+        if waiting.cancelled_caught:
+            raise DialError(f"could not connect to {peer_id}: another dial of it was still under way after {limit:g}s")
         if live_connection(self.network, peer_id) is not None:
             return peer_id
         candidates = addrs + [with_peer_id(a, peer_id) for a in self.known_addrs(peer_id)]
         if not candidates:
             raise DialError(f"no address known for {peer_id}: give a full multiaddr")
+        if not force:
+            free, held = self.backoff.split(peer_id, dict.fromkeys(map(str, candidates)), trio.current_time())
+            if not free:
+                self.dials_backed_off += 1
+                raise DialBackoffError(f"not dialing {peer_id}: each of its addresses failed lately",
+                                       [(h.addr, h.reason()) for h in held])
+            candidates = [a for a in candidates if str(a) in free]
+
+        def failed(addr: str, why: str) -> None:
+            self.dial_errors[classify_dial_error(addr, why)] += 1
+            self.backoff.failed(peer_id, addr, trio.current_time())
+
         started = time.perf_counter()
+        done = self._dialing[peer_id] = trio.Event()
         try:
             conn, used = await dial(
                 self.network,
@@ -362,14 +429,14 @@ class Node:
                 candidates,
                 stagger=self.config.dial_stagger,
                 stagger_local=self.config.dial_stagger_local,
-                timeout=timeout or self.config.dial_timeout,
+                timeout=limit,
                 circuit=self._circuit_dialer,
                 source=self.listen_source if from_listen_port else None,
+                on_failure=failed,
             )
-        except DialError as e:
-            for addr, why in e.attempts:
-                self.dial_errors[classify_dial_error(addr, why)] += 1
-            raise
+        finally:
+            del self._dialing[peer_id]
+            done.set()
         self.add_addrs(peer_id, [used])
         self.emit(ev.PeerConnected(peer_id=peer_id, addr=str(used), elapsed=time.perf_counter() - started))
         return peer_id
@@ -486,6 +553,7 @@ class Node:
                         addr,
                         timeout=min(self.config.dial_timeout, max(0.1, deadline - trio.current_time())),
                         from_listen_port=attempt < 3 or attempt % 2 == 1,
+                        force=True,  # this loop is its own backoff
                     )
                     reached.set()
                     return

@@ -18,7 +18,7 @@ from averaging.metrics import AveragingMetrics, partial_reason
 from nat import Peer
 from nat.dashboard import Dashboard
 from p2p.dialer import classify_dial_error
-from p2p.errors import ConfigError, DialError
+from p2p.errors import ConfigError, DialBackoffError, DialError
 from p2p.identity import new_identity, peer_id_of
 from p2p.http import HttpConfig, HttpServer, Response, parse_endpoint
 from p2p.metrics import blocked_labels, limit_labels
@@ -39,7 +39,7 @@ DOCS = Path(__file__).resolve().parent.parent / "docs" / "OPERATORS.md"
 #: Every family docs/OPERATORS.md lists, by the node that shows it in the test's swarm.
 SWARM = ["libp2p_swarm_connections_opened_total", "libp2p_swarm_connections_closed_total",
          "libp2p_swarm_connection_duration_seconds", "libp2p_swarm_handshake_latency_seconds",
-         "libp2p_swarm_dial_errors_total", "dedloc_swarm_peers"]
+         "libp2p_swarm_dial_errors_total", "dedloc_swarm_dials_backed_off_total", "dedloc_swarm_peers"]
 RCMGR = ["libp2p_rcmgr_connections", "libp2p_rcmgr_streams", "libp2p_rcmgr_memory", "libp2p_rcmgr_blocked_resources",
          "libp2p_rcmgr_limit"]
 NAT = ["libp2p_holepunch_direct_dials_total", "libp2p_holepunch_outcomes_total", "libp2p_autonat_reachability_status",
@@ -199,8 +199,11 @@ async def test_a_three_node_swarm_shows_every_documented_family_with_its_figures
         # a dial that works (a handshake to time) and one that cannot (a dial error)
         other = await stack.enter_async_context(Node.open(loopback_config()))
         await a.node.connect(str(other.addrs[0]))
+        nowhere = f"/ip4/127.0.0.1/tcp/1/p2p/{peer_id_of(new_identity())}"
         with pytest.raises(DialError):
-            await a.node.connect(f"/ip4/127.0.0.1/tcp/1/p2p/{peer_id_of(new_identity())}", timeout=2)
+            await a.node.connect(nowhere, timeout=2)
+        with pytest.raises(DialBackoffError):
+            await a.node.connect(nowhere, timeout=2)  # not dialed: its address waits out its backoff
         cfg = averager_config(2)
         async with Averager.open(a, cfg) as av_a, Averager.open(b, cfg) as av_b:
             with AveragingMetrics(d_a.registry).install(av_a), AveragingMetrics(d_b.registry).install(av_b):
@@ -241,6 +244,7 @@ async def test_a_three_node_swarm_shows_every_documented_family_with_its_figures
     assert value(fa, "libp2p_swarm_connections_opened_total", dir="outbound") >= 1
     assert value(fa, "libp2p_swarm_handshake_latency_seconds_count") >= 1
     assert value(fa, "libp2p_swarm_dial_errors_total", transport="tcp", ip_version="ip4") == 1
+    assert value(fa, "dedloc_swarm_dials_backed_off_total") == 1
     assert value(r, "libp2p_relaysvc_status") == 1
     # a and b reserve a slot while their reachability is unknown: every slot granted was answered OK
     assert value(r, "libp2p_relaysvc_reservations_total", type="opened") >= 1

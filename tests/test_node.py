@@ -7,12 +7,13 @@ import socket
 import pytest
 import trio
 
-from p2p import BootstrapError, DialError, Node
+from p2p import BootstrapError, DialBackoffError, DialError, Node
+from p2p.dial_backoff import BackoffConfig
 from p2p.errors import ProtocolNotSupportedError
 from p2p import events as ev
 
 from .conftest import LOOPBACK6, loopback_config, open_nodes
-from .kit import wait_until
+from .kit import record_events, wait_until
 
 
 @pytest.mark.realtime  # a loopback ping under 5 s
@@ -189,6 +190,153 @@ async def test_bootstrap_retries_until_a_late_peer_comes_up(tmp_path):
             ) as node:
                 assert late_pid in node.connected_peers()
         nursery.cancel_scope.cancel()
+
+
+async def test_rejoining_a_peer_that_closes_every_connection_at_once_is_paced():
+    """An initial peer that accepts and closes at once (shutting down, refusing us) is dialed at the
+    bootstrap's pace, not again the moment each connection closes."""
+    from p2p.hooks import SwarmObserver
+
+    async with open_nodes(1) as (closer,):
+        dropped: list[object] = []
+
+        class DropEveryone(SwarmObserver):
+            def connection_opened(self, info):
+                dropped.append(info.peer_id)
+                closer._nursery.start_soon(closer.disconnect, info.peer_id)
+
+        async with Node.open(loopback_config(initial_peers=[str(closer.addrs[0])], initial_backoff=0.5,
+                                             max_backoff=1.0), bootstrap=False) as node:
+            with closer.observe(DropEveryone()):
+                await node.connect(closer.addrs[0])
+                await trio.sleep(2.5)
+            # dials at 0 s, then ~0.5 s after the first close, then each second: 3 (a loop made 8)
+            assert 2 <= len(dropped) <= 4, len(dropped)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _identity(path) -> str:
+    async with Node.open(loopback_config(identity_path=path)) as probe:
+        return str(probe.peer_id)
+
+
+async def test_a_closed_node_stops_listening():
+    """py-libp2p's listener serves from a system task that its swarm's shutdown never cancelled: a
+    closed node answered on its port for the life of the process (``close_listeners``)."""
+    async with open_nodes(1) as (a,):
+        port = int(str(a.listen_addrs[0]).split("/")[4])
+    with trio.fail_after(5), pytest.raises(OSError):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        await stream.send_all(b"\x13/multistream/1.0.0\n")
+        await stream.receive_some(100)  # a zombie listener answers with its header
+        raise AssertionError("the closed node's port answered")
+
+
+async def test_a_peer_whose_dial_failed_is_not_dialed_again_until_its_backoff_ends(tmp_path):
+    """A fetcher whose tracker listed a seeder that had left dialed it through the relay 16 times in
+    30 s; now a failed address waits out its backoff, and a call that finds every address waiting
+    fails at once, saying so, without a packet sent."""
+    dead = f"/ip4/127.0.0.1/tcp/{_free_port()}/p2p/{await _identity(tmp_path / 'gone.key')}"
+    async with open_nodes(1, dial_backoff=BackoffConfig(base=0.6, coef=0, max=0.6)) as (a,):
+        with pytest.raises(DialError, match="could not connect") as first:
+            await a.connect(dead)
+        assert not isinstance(first.value, DialBackoffError)
+        dialed = sum(a.dial_errors.values())
+        for target in (dead, first.value.attempts[0][0]):
+            with pytest.raises(DialBackoffError, match=r"backed off for 0\.\d s more after 1 failed dial"):
+                with trio.fail_after(0.2):
+                    await a.connect(target)
+        assert sum(a.dial_errors.values()) == dialed and a.dials_backed_off == 2
+        await trio.sleep(0.6)
+        with pytest.raises(DialError, match="could not connect") as again:
+            await a.connect(dead)  # its wait is over: dialed again
+        assert not isinstance(again.value, DialBackoffError) and sum(a.dial_errors.values()) == dialed + 1
+        with pytest.raises(DialError, match="could not connect"):
+            await a.connect(dead, force=True)  # a caller with its own pace dials regardless
+
+
+async def test_a_peer_back_that_reaches_us_is_dialed_again_at_once(tmp_path):
+    """Its connection to us clears its addresses' backoff: it is up, whoever dialed."""
+    key, listen = tmp_path / "back.key", f"/ip4/127.0.0.1/tcp/{_free_port()}"
+    target = f"{listen}/p2p/{await _identity(key)}"
+    async with open_nodes(1) as (a,):
+        with pytest.raises(DialError):
+            await a.connect(target)
+        assert len(a.backoff) == 1
+        async with Node.open(loopback_config(identity_path=key, listen=[listen])) as back:
+            await back.connect(a.addrs[0])
+            await wait_until(lambda: not len(a.backoff), timeout=5)
+            await a.disconnect(back.peer_id)
+            await wait_until(lambda: not a.connected_peers(), timeout=5)
+            with trio.fail_after(5):
+                assert await a.connect(target) == back.peer_id
+
+
+async def test_callers_of_one_peer_share_one_dial(tmp_path, monkeypatch):
+    """Five tasks that want the same peer at once (RPCs to a peer not connected yet) dial it once:
+    one connection, not five raced and four closed; toward a dead peer, one failure for all."""
+    async with open_nodes(2) as (a, b):
+        dials: list[str] = []
+        real = a.network.dial_addr
+
+        async def counting(addr, peer_id, **kwargs):
+            dials.append(str(addr))
+            return await real(addr, peer_id, **kwargs)
+
+        monkeypatch.setattr(a.network, "dial_addr", counting)
+        async with trio.open_nursery() as nursery:
+            for _ in range(5):
+                nursery.start_soon(a.connect, b.addrs[0])
+        assert len(dials) == 1 and len(a.network.get_connections(b.peer_id)) == 1
+
+        dials.clear()
+        dead = f"/ip4/127.0.0.1/tcp/{_free_port()}/p2p/{await _identity(tmp_path / 'dead.key')}"
+        failures: list[DialError] = []
+
+        async def doomed() -> None:
+            try:
+                await a.connect(dead)
+            except DialError as e:
+                failures.append(e)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(5):
+                nursery.start_soon(doomed)
+        assert len(dials) == 1 and len(failures) == 5
+        assert sum(isinstance(e, DialBackoffError) for e in failures) == 4
+
+
+async def test_a_node_cut_off_from_every_peer_dials_its_initial_peers_again_at_once(tmp_path):
+    """The relay restarts (or the link drops): every connection closes. The node dials its initial
+    peers again at the bootstrap's pace until one answers; before, only the DHT's maintenance
+    (every 30 s) went back to them, and a peer reachable only through its relay stayed unreachable."""
+    key, listen = tmp_path / "boot.key", f"/ip4/127.0.0.1/tcp/{_free_port()}"
+    boot_config = loopback_config(identity_path=key, listen=[listen])
+    async with trio.open_nursery() as nursery:
+        leave = trio.Event()
+
+        async def first_life(task_status=trio.TASK_STATUS_IGNORED) -> None:
+            async with Node.open(boot_config) as boot:
+                task_status.started(str(boot.addrs[0]))
+                await leave.wait()
+
+        initial = await nursery.start(first_life)
+        async with Node.open(loopback_config(initial_peers=[initial], initial_backoff=0.2, max_backoff=0.5)) as node:
+            seen = record_events(node)
+            leave.set()  # the bootstrap node goes away
+            await wait_until(lambda: not node.connected_peers(), timeout=10)
+            await trio.sleep(1.5)  # down a while: the node's dials fail meanwhile, and go on
+            assert [e.initial_peers for e in seen if isinstance(e, ev.Rejoining)] == [1]
+            async with Node.open(boot_config) as again:
+                back = trio.current_time()
+                await wait_until(lambda: again.peer_id in node.connected_peers(), timeout=10)
+                assert trio.current_time() - back < 2.5
+                await wait_until(lambda: node.peer_id in again.connected_peers(), timeout=5)
 
 
 async def test_unknown_protocol_is_a_clear_error(node_pair):
