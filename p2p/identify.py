@@ -67,7 +67,8 @@ async def identify(open_stream: Callable[[ID, str], Awaitable[INetStream]], peer
 
     js-libp2p serves one inbound identify stream per connection and resets a second
     one, and py-libp2p's host identifies every new connection by itself: a reset stream
-    is tried again (three times, 0.1, 0.2 and 0.4 s later), within ``timeout``.
+    is tried again (three times, 0.1, 0.2 and 0.4 s later), within ``timeout``; then
+    :class:`IdentifyError` (a leaving node resets it too: ``p2p/libp2p_host.py``).
     """
     with trio.fail_after(timeout):
         for attempt in range(4):
@@ -77,9 +78,9 @@ async def identify(open_stream: Callable[[ID, str], Awaitable[INetStream]], peer
                 session = getattr(getattr(stream, "muxed_conn", None), "secured_conn", None)
                 local = session.local_address() if isinstance(session, NoiseSession) else None
                 break
-            except StreamReset:
+            except StreamReset as e:
                 if attempt == 3:
-                    raise
+                    raise IdentifyError(f"{peer_id} reset its identify stream {attempt + 1} times: {e}") from e
             finally:
                 await finish_quietly(stream.close)
             await trio.sleep(0.1 * 2**attempt)

@@ -366,7 +366,11 @@ def _identify_handler(host: IHost, resources: ResourceManager) -> Callable[[INet
             await finish_quietly(stream.reset)
             return
         remote = stream.get_remote_address()  # None on a relayed connection (nat/circuit.py)
-        message = _mk_identify_protobuf(host, _remote_address_to_multiaddr(remote)).SerializeToString()
+        try:
+            message = _mk_identify_protobuf(host, _remote_address_to_multiaddr(remote)).SerializeToString()
+        except OSError:  # our listeners' sockets closing as the node leaves (close_listeners): nothing to say
+            await finish_quietly(stream.reset)
+            return
         try:
             await stream.write(encode_varint(len(message)) + message)
         except Exception:

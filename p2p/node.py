@@ -205,7 +205,7 @@ class Node:
     def _host_addrs(self) -> list[Multiaddr]:
         """What identify advertises: our advertised addresses with our /p2p suffix."""
         out: list[Multiaddr] = []
-        for addr in self._advertised(list(self.host.get_transport_addrs())):
+        for addr in self._advertised(self.listen_addrs):
             full = with_peer_id(without_peer_id(addr), self.peer_id)
             if full not in out:
                 out.append(full)
@@ -213,8 +213,11 @@ class Node:
 
     @property
     def listen_addrs(self) -> list[Multiaddr]:
-        """The sockets this node listens on (unspecified IPs not expanded)."""
-        return list(self.host.get_transport_addrs())
+        """The sockets this node listens on (unspecified IPs not expanded); none once they close."""
+        try:
+            return list(self.host.get_transport_addrs())
+        except OSError:  # a listener's socket closed under us as the node leaves (close_listeners)
+            return []
 
     @property
     def listen_ports(self) -> set[int]:

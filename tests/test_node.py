@@ -9,7 +9,7 @@ import trio
 
 from p2p import BootstrapError, DialBackoffError, DialError, Node
 from p2p.dial_backoff import BackoffConfig
-from p2p.errors import ProtocolNotSupportedError
+from p2p.errors import DedlocError, ProtocolNotSupportedError
 from p2p import events as ev
 
 from .conftest import LOOPBACK6, loopback_config, open_nodes
@@ -235,6 +235,23 @@ async def test_a_closed_node_stops_listening():
         await stream.send_all(b"\x13/multistream/1.0.0\n")
         await stream.receive_some(100)  # a zombie listener answers with its header
         raise AssertionError("the closed node's port answered")
+
+
+async def test_addresses_asked_while_the_listeners_close_are_none_not_an_error(node_pair, monkeypatch):
+    """As a node leaves, its listeners' sockets close while a peer's identify may still be answered:
+    py-libp2p's ``get_transport_addrs`` then raised EBADF out of the identify handler and out of
+    ``dedloc status`` (seen in CI once listeners were closed)."""
+    a, b = node_pair
+
+    def closing() -> list[object]:
+        raise OSError(9, "Bad file descriptor")
+
+    monkeypatch.setattr(a.host, "get_transport_addrs", closing)
+    assert a.listen_addrs == [] and a.addrs == [] and a.listen_ports == set()
+    with pytest.raises(DedlocError):
+        await b.identify(a.peer_id, timeout=5)  # a leaving node resets identify, and nothing fails in it
+    monkeypatch.undo()
+    assert await b.ping(a.peer_id) > 0 and (await b.identify(a.peer_id)).peer_id == a.peer_id
 
 
 async def test_a_peer_whose_dial_failed_is_not_dialed_again_until_its_backoff_ends(tmp_path):
