@@ -7,7 +7,10 @@ change (a new connection, a verdict, a lost relay) and otherwise every few
 seconds; the composing service decides when slots are wanted. When connected
 peers offer too few relays, a *peer source* (go-libp2p's name; the composed
 :class:`nat.Peer` plugs in the DHT's relay records, ``nat/relay_discovery.py``)
-names more, which are dialed and asked for a slot.
+names more, which are dialed and asked for a slot. A relay that held our slot and went away
+(restarted, or the link dropped) is dialed again first, for ``lost_relay_memory`` seconds, the
+Node's dial backoff pacing the attempts (``p2p/dial_backoff.py``): before, a peer that was not cut
+off from every peer (so not rejoining its initial peers) waited for the peer source, up to 30 s.
 """
 
 from __future__ import annotations
@@ -45,14 +48,16 @@ class AutoRelayConfig:
     peer_source_interval: float = 30.0
     #: Seconds to reach one relay the peer source named.
     dial_timeout: float = 10.0
+    #: How long a relay that held our slot and went away is dialed again (as long as a reservation lasts).
+    lost_relay_memory: float = 3600.0
 
     def validate(self) -> None:
         if self.max_relays < 1:
             raise ConfigError("autorelay max_relays must be at least 1")
         if self.refresh_before <= 0 or self.poll_interval <= 0 or self.peer_source_interval <= 0 \
-                or self.dial_timeout <= 0:
-            raise ConfigError("autorelay refresh_before, poll_interval, peer_source_interval and dial_timeout "
-                              "must be positive")
+                or self.dial_timeout <= 0 or self.lost_relay_memory <= 0:
+            raise ConfigError("autorelay refresh_before, poll_interval, peer_source_interval, dial_timeout and "
+                              "lost_relay_memory must be positive")
 
 
 #: Candidate relays beyond our connections: given the ids to leave out, (id, addresses) pairs.
@@ -74,6 +79,8 @@ class AutoRelay:
         self._source_asked = -float("inf")
         #: Relays reached through the peer source (the funnel's ``relays_discovered``).
         self.discovered = 0
+        #: Relays that held our slot and went away, and when (dialed again by :meth:`_from_lost`).
+        self._lost: dict[ID, float] = {}
 
     def use_peer_source(self, source: PeerSource | None) -> None:
         """Where to find relays when our connections offer too few (None: nowhere else)."""
@@ -88,6 +95,7 @@ class AutoRelay:
         """A relay holding our slot went away: withdraw its addresses at once."""
         if relay in self._client.reservations:
             self._client.drop(relay)
+            self._lost[relay] = trio.current_time()
             self._node.emit(nev.RelayLost(relay=relay, reason=reason))
             self._changed()
 
@@ -115,7 +123,31 @@ class AutoRelay:
             if relay != self._node.peer_id and relay not in client.reservations and self._is_relay(relay):
                 await self._reserve(relay, refresh=False)
         if len(client.reservations) < self.config.max_relays:
+            await self._from_lost()
+        if len(client.reservations) < self.config.max_relays:
             await self._from_peer_source()
+
+    async def _from_lost(self) -> None:
+        """Dial the relays that held our slot and went away, the latest lost first, and reserve again.
+
+        Each pass tries each; an address that failed waits out its backoff in the Node (a relay
+        still down costs no packet until then), so a pass every ``poll_interval`` is cheap."""
+        client = self._client
+        now = trio.current_time()
+        for relay, since in sorted(self._lost.items(), key=lambda item: -item[1]):
+            if relay in client.reservations or now - since > self.config.lost_relay_memory:
+                del self._lost[relay]
+                continue
+            if len(client.reservations) >= self.config.max_relays:
+                return
+            try:
+                # from the listen port: a relay is also an observer of our NAT's mapping
+                await self._node.connect(relay, timeout=self.config.dial_timeout, from_listen_port=True)
+            except DedlocError as e:
+                log.debug("relay %s that held our slot is still unreachable: %s", relay, e)
+                continue
+            if await self._reserve(relay, refresh=False) is not None:
+                del self._lost[relay]
 
     async def _from_peer_source(self) -> None:
         """Dial relays the peer source names that we are not connected to, and reserve on them."""

@@ -24,7 +24,7 @@ from nat.traversal import NatConfig, NatService
 from p2p.wire import read_message, write_message
 from p2p import Node
 from p2p import events as ev
-from p2p.addresses import is_relayed, without_peer_id
+from p2p.addresses import is_relayed, peer_id_of, without_peer_id
 from p2p.node import MAX_LISTEN_ADDRS
 from p2p.varint import encode_varint
 
@@ -134,6 +134,43 @@ async def test_a_relay_back_within_the_minute_is_reserved_on_at_once():
         await wait_until(lambda: b_nat.relay_client.reservations, timeout=10)
         assert trio.current_time() - back < 2.0
         assert len(of_type(b_seen, nev.RelayReserved)) == 2
+
+
+async def test_a_relay_that_restarts_is_dialed_again_and_reserved_on_by_a_peer_with_other_connections(tmp_path):
+    """b lost its slot when the relay restarted, but keeps a connection to c: it is not cut off, so it
+    does not rejoin initial peers, and no peer source names relays here. The relay that held its slot
+    is dialed again (the Node's backoff pacing it) and b reserves there once it is back."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        listen = f"/ip4/127.0.0.1/tcp/{sock.getsockname()[1]}"
+    relay_config = loopback_config(identity_path=tmp_path / "relay.key", listen=[listen])
+
+    async def relay_life(leave: trio.Event, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        async with Node.open(relay_config) as relay, \
+                NatService.attach(relay, nat_config(relay_service=True, autonat_server=False)):
+            task_status.started(relay.addrs[0])
+            await leave.wait()
+
+    async with AsyncExitStack() as stack:
+        b, b_nat, b_seen = await stack.enter_async_context(nat_node())
+        c, _, _ = await stack.enter_async_context(nat_node())
+        async with trio.open_nursery() as nursery:
+            first = trio.Event()
+            relay_addr = await nursery.start(relay_life, first)
+            await b.connect(relay_addr)
+            await b.connect(c.addrs[0])
+            await wait_until(lambda: b_nat.relay_client.reservations)
+            first.set()
+            await wait_until(lambda: of_type(b_seen, nev.RelayLost), timeout=15)
+            await trio.sleep(1.0)  # down a while: b's dial of it fails, and waits out its backoff
+            assert b.has_connection(c.peer_id) and not b.has_connection(peer_id_of(relay_addr))
+            second = trio.Event()
+            await nursery.start(relay_life, second)
+            await wait_until(lambda: b_nat.relay_client.reservations, timeout=20)
+            assert len(of_type(b_seen, nev.RelayReserved)) == 2
+            second.set()
 
 
 async def test_a_node_that_listens_nowhere_is_reachable_only_through_its_relay_slot():
