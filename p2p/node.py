@@ -332,7 +332,7 @@ class Node:
 
     async def _rejoin(self) -> None:
         """Cut off from every peer (our relay restarted, the link dropped): dial the initial peers
-        again at once, at :meth:`bootstrap`'s pace, until any connection stands.
+        again, at :meth:`bootstrap`'s pace, until any connection stands.
 
         Before, nothing but the DHT's maintenance (every 30 s) went back to them, so a peer reachable
         only through its relay stayed unreachable for up to that long after the relay came back.
@@ -401,7 +401,8 @@ class Node:
         if peer_id == self.peer_id:
             raise DialError(f"refusing to dial ourselves ({peer_id})")
         limit = timeout or self.config.dial_timeout
-        with trio.move_on_after(limit) as waiting:
+        deadline = trio.current_time() + limit  # waiting for another dial of the peer included
+        with trio.move_on_at(deadline) as waiting:
             while (under_way := self._dialing.get(peer_id)) is not None:
                 await under_way.wait()
         if waiting.cancelled_caught:
@@ -417,7 +418,8 @@ class Node:
                 self.dials_backed_off += 1
                 raise DialBackoffError(f"not dialing {peer_id}: each of its addresses failed lately",
                                        [(h.addr, h.reason()) for h in held])
-            candidates = [a for a in candidates if str(a) in free]
+            keep = set(free)
+            candidates = [a for a in candidates if str(a) in keep]
 
         def failed(addr: str, why: str) -> None:
             self.dial_errors[classify_dial_error(addr, why)] += 1
@@ -432,7 +434,7 @@ class Node:
                 candidates,
                 stagger=self.config.dial_stagger,
                 stagger_local=self.config.dial_stagger_local,
-                timeout=limit,
+                timeout=max(0.1, deadline - trio.current_time()),
                 circuit=self._circuit_dialer,
                 source=self.listen_source if from_listen_port else None,
                 on_failure=failed,
