@@ -46,6 +46,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "training/moe/calls.py": ("tests/test_moe_calls.py",),
     "training/moe/protocol.py": ("tests/test_moe_calls.py",),
     "training/moe/shards.py": ("tests/test_moe_shards.py",),
+    "p2p/dial_backoff.py": ("tests/test_dial_backoff.py",),
 }
 
 KILLED = {"killed", "timeout"}

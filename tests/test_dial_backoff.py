@@ -73,8 +73,42 @@ def test_the_table_is_bounded_and_drops_the_oldest_failure_first() -> None:
     assert len(backoff) == 2
 
 
-@pytest.mark.parametrize("config", [BackoffConfig(base=-1), BackoffConfig(coef=-1), BackoffConfig(base=10, max=5),
-                                    BackoffConfig(max_entries=0)])
+def test_what_expiry_or_the_bound_drops_leaves_the_peer_index_true() -> None:
+    """A peer's addresses are found through an index: one dropped by expiry or by the bound is out of
+    it too, and the rest of that peer's addresses stay in it."""
+    backoff = DialBackoff(BackoffConfig(base=5, coef=0, max=10))
+    backoff.failed("x", A, 0)
+    backoff.failed("x", B, 20)
+    backoff.expire(30)  # A's wait ended at 5: forgotten; B's at 25: kept
+    assert len(backoff) == 1
+    backoff.clear("x")  # B goes too, and the index names no A that is gone
+    assert len(backoff) == 0 and backoff.split("x", [A, B], 30) == ([A, B], [])
+    backoff.failed("y", A, 0)
+    backoff.expire(100)
+    backoff.clear("y")
+
+
+def test_the_table_at_its_bound_keeps_every_entry_and_forgets_the_expired_only_past_it() -> None:
+    backoff = DialBackoff(BackoffConfig(base=5, coef=0, max=10, max_entries=2))
+    backoff.failed("a", A, 0)
+    backoff.failed("b", A, 400)  # a's entry is long expired, but the table is not over its bound
+    assert len(backoff) == 2
+    backoff.failed("c", A, 400)  # now it is: the expired one goes, no live one
+    assert len(backoff) == 2 and backoff.split("b", [A], 401)[1] and backoff.split("c", [A], 401)[1]
+
+
+@pytest.mark.parametrize("config", [BackoffConfig(base=0, coef=0, max=0), BackoffConfig(max_entries=1)])
+def test_the_edges_of_the_settings_are_usable(config: BackoffConfig) -> None:
+    config.validate()  # base=0 coef=0 max=0: no backoff at all (bench/departed_peer.py's comparison)
+    backoff = DialBackoff(config)
+    backoff.failed("x", A, 0)
+    assert len(backoff) == 1
+
+
+@pytest.mark.parametrize("config", [BackoffConfig(base=-1), BackoffConfig(coef=-1), BackoffConfig(base=10, max=5)])
 def test_unusable_settings_are_refused(config: BackoffConfig) -> None:
-    with pytest.raises(ConfigError, match="dial backoff"):
+    with pytest.raises(ConfigError, match=r"^dial backoff needs 0 <= base <= max and coef >= 0, got base=-?\d+(\.\d+)?, "
+                                          r"coef=-?\d+(\.\d+)?, max=\d+(\.\d+)?$"):
         config.validate()
+    with pytest.raises(ConfigError, match=r"^dial backoff max_entries must be positive, got 0$"):
+        BackoffConfig(max_entries=0).validate()
