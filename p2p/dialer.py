@@ -74,6 +74,11 @@ async def dial(
     failures: list[tuple[str, str]] = []
     winner: list[tuple[INetConn, Multiaddr]] = []
 
+    def fail(addr: str, why: str) -> None:
+        failures.append((addr, why))
+        if on_failure is not None:
+            on_failure(addr, why)
+
     async def attempt(addr: Multiaddr, failed: trio.Event, cancel: trio.CancelScope) -> None:
         try:
             if is_relayed(addr) and circuit is not None:
@@ -82,9 +87,7 @@ async def dial(
                 bind = source(addr) if source is not None else None
                 conn = await network.dial_addr(without_peer_id(addr), peer_id, source=bind)
         except Exception as e:  # every failure is reported, none is fatal alone
-            failures.append((str(addr), _describe(e)))
-            if on_failure is not None:
-                on_failure(*failures[-1])
+            fail(str(addr), _describe(e))
             failed.set()
             return
         if winner:  # lost a photo finish: keep the first connection only
@@ -108,9 +111,7 @@ async def dial(
     if deadline.cancelled_caught:
         pending = {str(a) for a in ranked} - {f[0] for f in failures}
         for a in sorted(pending):
-            failures.append((a, f"timed out after {timeout:g}s"))
-            if on_failure is not None:
-                on_failure(*failures[-1])
+            fail(a, f"timed out after {timeout:g}s")
     raise DialError(f"could not connect to {peer_id}", failures)
 
 
