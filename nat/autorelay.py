@@ -140,13 +140,9 @@ class AutoRelay:
                 continue
             if len(client.reservations) >= self.config.max_relays:
                 return
-            try:
-                # from the listen port: a relay is also an observer of our NAT's mapping
-                await self._node.connect(relay, timeout=self.config.dial_timeout, from_listen_port=True)
-            except DedlocError as e:
-                log.debug("relay %s that held our slot is still unreachable: %s", relay, e)
-                continue
-            if await self._reserve(relay, refresh=False) is not None:
+            if live_connection(self._node.network, relay) is not None:
+                continue  # connected: _keep's pass over our connections asks it, once
+            if await self._dial_and_reserve(relay, relay, "that held our slot", logging.DEBUG):
                 del self._lost[relay]
 
     async def _from_peer_source(self) -> None:
@@ -167,15 +163,19 @@ class AutoRelay:
                 return
             if relay in exclude or live_connection(self._node.network, relay) is not None:
                 continue
-            try:
-                # from the listen port: a relay is also an observer of our NAT's mapping
-                await self._node.connect([with_peer_id(a, relay) for a in addrs], timeout=self.config.dial_timeout,
-                                         from_listen_port=True)
-            except DedlocError as e:
-                log.info("relay %s from the peer source unreachable: %s", relay, e)
-                continue
-            if await self._reserve(relay, refresh=False) is not None:
+            if await self._dial_and_reserve([with_peer_id(a, relay) for a in addrs], relay, "from the peer source",
+                                            logging.INFO):
                 self.discovered += 1
+
+    async def _dial_and_reserve(self, target: ID | list[Multiaddr], relay: ID, which: str, level: int) -> bool:
+        """Dial a relay we are not connected to and ask it for a slot; whether we got one. From the
+        listen port: a relay is also an observer of our NAT's mapping."""
+        try:
+            await self._node.connect(target, timeout=self.config.dial_timeout, from_listen_port=True)
+        except DedlocError as e:
+            log.log(level, "relay %s %s unreachable: %s", relay, which, e)
+            return False
+        return await self._reserve(relay, refresh=False) is not None
 
     async def _reserve(self, relay: ID, *, refresh: bool) -> Reservation | None:
         try:
