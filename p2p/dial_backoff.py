@@ -45,15 +45,19 @@ class Held:
     addr: str
     tries: int
     left: float
+    #: why its last dial failed (what the caller would have met, had it dialed)
+    last: str = ""
 
     def reason(self) -> str:
-        return f"backed off for {self.left:.1f} s more after {self.tries} failed dial{'s' if self.tries != 1 else ''}"
+        said = f"backed off for {self.left:.1f} s more after {self.tries} failed dial{'s' if self.tries != 1 else ''}"
+        return f"{said} (last: {self.last})" if self.last else said
 
 
 @dataclass
 class _Entry:
     tries: int
     until: float
+    last: str
 
 
 class DialBackoff:
@@ -79,19 +83,19 @@ class DialBackoff:
         for addr in addrs:
             entry = self._entries.get((peer, addr))
             if entry is not None and entry.until > now:
-                held.append(Held(addr, entry.tries, entry.until - now))
+                held.append(Held(addr, entry.tries, entry.until - now, entry.last))
             else:
                 free.append(addr)
         return free, held
 
-    def failed(self, peer: Hashable, addr: str, now: float) -> None:
-        """A dial of ``addr`` failed at ``now``: it waits longer than the last time (within ``max``)."""
+    def failed(self, peer: Hashable, addr: str, now: float, why: str = "") -> None:
+        """A dial of ``addr`` failed at ``now`` (``why``): it waits longer than the last time (within ``max``)."""
         key = (peer, addr)
         entry = self._entries.pop(key, None)  # put back last, where the newest failure goes
         if entry is not None and now >= entry.until + self.config.max:
             entry = None  # failed long ago: a new start, as go-libp2p's cleanup forgets such entries
         tries = entry.tries if entry is not None else 0
-        self._entries[key] = _Entry(tries + 1, now + self.delay(tries))  # the newest entry is last
+        self._entries[key] = _Entry(tries + 1, now + self.delay(tries), why)  # the newest entry is last
         self._by_peer.setdefault(peer, set()).add(addr)
         if len(self._entries) > self.config.max_entries:
             self.expire(now)

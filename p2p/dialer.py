@@ -12,6 +12,7 @@ which has no such stall. ``tests/test_dialer.py`` pins the behaviour.
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -50,7 +51,7 @@ async def dial(
     timeout: float = 10.0,
     circuit: CircuitDialer | None = None,
     source: Callable[[Multiaddr], tuple[str, int] | None] | None = None,
-    on_failure: Callable[[str, str], None] | None = None,
+    on_failure: Callable[[str, str, bool], None] | None = None,
 ) -> tuple[INetConn, Multiaddr]:
     """Connect to ``peer_id`` trying ``addrs`` best-first; the first success wins.
 
@@ -61,7 +62,8 @@ async def dial(
     attempts are cancelled. Relayed addresses rank last and go to ``circuit``
     (skipped without one). ``source`` picks the local (ip, port) to dial from
     (our listen port, so that the peer observes our NAT's mapping of it).
-    ``on_failure(addr, why)`` hears of each address tried that failed (timed out included).
+    ``on_failure(addr, why, timed_out)`` hears of each address tried that failed; ``timed_out`` says
+    it was still trying when ``timeout`` ended (it did not fail: the time did).
     Raises :class:`DialError` listing every failure.
     """
     existing = live_connection(network, peer_id)
@@ -74,10 +76,10 @@ async def dial(
     failures: list[tuple[str, str]] = []
     winner: list[tuple[INetConn, Multiaddr]] = []
 
-    def fail(addr: str, why: str) -> None:
+    def fail(addr: str, why: str, timed_out: bool = False) -> None:
         failures.append((addr, why))
         if on_failure is not None:
-            on_failure(addr, why)
+            on_failure(addr, why, timed_out)
 
     async def attempt(addr: Multiaddr, failed: trio.Event, cancel: trio.CancelScope) -> None:
         try:
@@ -85,7 +87,16 @@ async def dial(
                 conn = await circuit(addr, peer_id)
             else:
                 bind = source(addr) if source is not None else None
-                conn = await network.dial_addr(without_peer_id(addr), peer_id, source=bind)
+                try:
+                    conn = await network.dial_addr(without_peer_id(addr), peer_id, source=bind)
+                except Exception as e:
+                    if bind is None or not source_port_taken(e):
+                        raise
+                    # Our own socket still holds this 4-tuple (a dial of the same peer from the
+                    # listen port closed a moment ago: TIME_WAIT for a minute). Nothing is wrong
+                    # with the peer: dial it from a fresh port, which only loses one observation
+                    # of our NAT's mapping of the listen port.
+                    conn = await network.dial_addr(without_peer_id(addr), peer_id, source=None)
         except Exception as e:  # every failure is reported, none is fatal alone
             fail(str(addr), _describe(e))
             failed.set()
@@ -111,8 +122,22 @@ async def dial(
     if deadline.cancelled_caught:
         pending = {str(a) for a in ranked} - {f[0] for f in failures}
         for a in sorted(pending):
-            fail(a, f"timed out after {timeout:g}s")
+            fail(a, f"timed out after {timeout:.2g}s", True)
     raise DialError(f"could not connect to {peer_id}", failures)
+
+
+def source_port_taken(error: BaseException) -> bool:
+    """Whether a dial from a bound source port failed because that (source, destination) pair is
+    in use by one of our own sockets (``EADDRNOTAVAIL`` from ``connect``, ``EADDRINUSE`` from
+    ``bind``), however deep py-libp2p wrapped the ``OSError``."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno in (errno.EADDRNOTAVAIL, errno.EADDRINUSE):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 def _one_circuit_per_relay(network: INetworkService, addrs: list[Multiaddr]) -> list[Multiaddr]:

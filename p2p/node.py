@@ -421,9 +421,17 @@ class Node:
             keep = set(free)
             candidates = [a for a in candidates if str(a) in keep]
 
-        def failed(addr: str, why: str) -> None:
+        # A dial the caller's time cut short did not fail: go-libp2p adds no backoff for a dial whose
+        # context ended, only for one whose transport gave up (its dial timeout). A caller with less
+        # time than ours (a 2 s probe of a relay on a lossy link) must not hold the address back for
+        # the callers that come after it with time enough.
+        cut_short = limit < self.config.dial_timeout
+
+        def failed(addr: str, why: str, timed_out: bool) -> None:
             self.dial_errors[classify_dial_error(addr, why)] += 1
-            self.backoff.failed(peer_id, addr, trio.current_time())
+            log.debug("dial of %s failed: %s", addr, why)
+            if not (timed_out and cut_short):
+                self.backoff.failed(peer_id, addr, trio.current_time(), why)
 
         started = time.perf_counter()
         done = self._dialing[peer_id] = trio.Event()
@@ -569,17 +577,13 @@ class Node:
                 await trio.sleep(delay)
 
         deadline = trio.current_time() + self.config.bootstrap_timeout
-        async with trio.open_nursery() as attempts:
-            for addr, _ in targets:
-                attempts.start_soon(keep_trying, addr, deadline)
-            with trio.move_on_at(deadline):
-                await reached.wait()
-            if reached.is_set():
-                # The others go on in the node's nursery until their own deadline.
-                attempts.cancel_scope.cancel()
-                for addr, pid in targets:
-                    if live_connection(self.network, pid) is None:
-                        self._nursery.start_soon(keep_trying, addr, deadline)
+        # In the node's nursery, so that the first answer leaves the other dials running: they were
+        # cancelled and started again, and a dial cut off after its TCP handshake left its 4-tuple in
+        # TIME_WAIT, so the new one from the listen port met EADDRNOTAVAIL (seen in the NAT lab).
+        for addr, _ in targets:
+            self._nursery.start_soon(keep_trying, addr, deadline)
+        with trio.move_on_at(deadline):
+            await reached.wait()
         if not reached.is_set():
             raise BootstrapError(
                 f"none of the {len(targets)} initial peers could be reached within "

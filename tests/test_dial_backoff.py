@@ -32,6 +32,17 @@ def test_only_the_addresses_that_failed_of_that_peer_are_held_in_the_order_given
     assert Held(B, 3, 0.25).reason() == "backed off for 0.2 s more after 3 failed dials"
 
 
+def test_a_held_address_says_why_its_last_dial_failed() -> None:
+    """A caller refused by the backoff hears what it would have met: CI showed "backed off after 1
+    failed dial" of a relay and nothing more, so nobody could tell what had failed."""
+    backoff = DialBackoff()
+    backoff.failed("x", A, 0, "connection refused")
+    backoff.failed("x", A, 5, "timed out after 10s")
+    (held,) = backoff.split("x", [A], 6)[1]
+    assert held.last == "timed out after 10s"
+    assert held.reason() == "backed off for 5.0 s more after 2 failed dials (last: timed out after 10s)"
+
+
 def test_an_answer_from_the_peer_clears_every_address_of_it_and_no_other() -> None:
     backoff = DialBackoff()
     for peer in ("x", "y"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import socket
 
 import pytest
@@ -275,6 +276,80 @@ async def test_a_peer_whose_dial_failed_is_not_dialed_again_until_its_backoff_en
         assert not isinstance(again.value, DialBackoffError) and sum(a.dial_errors.values()) == dialed + 1
         with pytest.raises(DialError, match="could not connect"):
             await a.connect(dead, force=True)  # a caller with its own pace dials regardless
+
+
+async def test_a_dial_cut_short_by_its_caller_holds_nothing_back_one_that_ran_its_time_does(tmp_path):
+    """A caller with less time than the node's dial timeout (a probe) did not see the address fail,
+    only its own time end; as go-libp2p adds no backoff for a dial whose context ended, that holds
+    nothing back (CI: one short dial of a relay on a lossy link, and a 30 s connect through that relay
+    was refused at once). A dial that ran the node's whole dial timeout did fail, and says so."""
+    pid = await _identity(tmp_path / "mute.key")
+    held_open: list[trio.SocketStream] = []
+
+    async def mute(stream: trio.SocketStream) -> None:  # accepts, never answers the handshake
+        held_open.append(stream)
+        await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        (listener,) = await nursery.start(functools.partial(trio.serve_tcp, mute, 0, host="127.0.0.1"))
+        target = f"/ip4/127.0.0.1/tcp/{listener.socket.getsockname()[1]}/p2p/{pid}"
+        async with open_nodes(1, dial_timeout=1.0) as (a,):
+            with pytest.raises(DialError, match=r"timed out after 0\.3s"):
+                await a.connect(target, timeout=0.3)
+            assert len(a.backoff) == 0
+            with pytest.raises(DialError, match=r"timed out after 1s"):
+                await a.connect(target)
+            with pytest.raises(DialBackoffError, match=r"after 1 failed dial \(last: timed out after 1s\)"):
+                await a.connect(target, timeout=5)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_dial_from_the_listen_port_whose_pair_is_taken_goes_out_from_a_fresh_port():
+    """A dial from our listen port to a peer we just left (or are still connected to from that port)
+    is refused by our own kernel: the (source, destination) pair is held, in TIME_WAIT for a minute
+    (``EADDRNOTAVAIL``). In the NAT lab a peer met it at start (its bootstrap's dial of one relay was
+    cut off once the other answered, then dialed again); it was recorded as a failure of the relay,
+    and a circuit dial through that relay was refused for 5 s. Now such a dial goes out from a
+    fresh port at once, and nothing is held against the peer."""
+    async with open_nodes(2) as (a, b):
+        target_port = int(str(b.listen_addrs[0]).split("/")[4])
+        ip, port = a.listen_source(b.listen_addrs[0]) or ("", 0)
+        holder = socket.socket()  # our own socket on the pair the dial would use
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        holder.bind(("127.0.0.1" if ip == "0.0.0.0" else ip, port))
+        holder.connect(("127.0.0.1", target_port))
+        try:
+            with trio.fail_after(5):
+                await a.connect(b.addrs[0], from_listen_port=True)
+            (conn,) = a.network.get_connections(b.peer_id)
+            assert len(a.backoff) == 0 and sum(a.dial_errors.values()) == 0
+        finally:
+            holder.close()
+
+
+async def test_the_first_initial_peer_to_answer_leaves_the_dials_of_the_others_running(monkeypatch):
+    """Bootstrap returns at the first answer and goes on dialing the rest; it used to cancel their
+    dials and start them again, and a dial cut off past its TCP handshake, from the listen port,
+    left a pair in TIME_WAIT that the new dial then met (EADDRNOTAVAIL, a relay held back)."""
+    async with open_nodes(2) as (fast, slow):
+        config = loopback_config(initial_peers=[str(fast.addrs[0]), str(slow.addrs[0])])
+        async with Node.open(config, bootstrap=False) as node:
+            dials: list[str] = []
+            real = node.network.dial_addr
+
+            async def slow_to_reach(addr, peer_id, **kwargs):
+                dials.append(str(peer_id))
+                if peer_id == slow.peer_id:
+                    await trio.sleep(0.3)
+                return await real(addr, peer_id, **kwargs)
+
+            monkeypatch.setattr(node.network, "dial_addr", slow_to_reach)
+            with trio.fail_after(5):
+                await node.bootstrap()
+                assert node.connected_peers() == [fast.peer_id]
+                await wait_until(lambda: len(node.connected_peers()) == 2, timeout=5)
+            assert dials.count(str(slow.peer_id)) == 1, dials
 
 
 async def test_a_peer_back_that_reaches_us_is_dialed_again_at_once(tmp_path):
