@@ -231,7 +231,17 @@ class NatService(SwarmObserver):
         return reachable_tcp(addr, allow_private=self.config.allow_private)
 
     def _candidates(self) -> list[Multiaddr]:
-        """Addresses others might reach us at: public interfaces, what observers saw, port mappings."""
+        """Addresses others might reach us at: public interfaces, port mappings, and what observers
+        saw of connections that used our listen port (as go-libp2p keys observations by the local
+        address they were made on).
+
+        Of a connection from an ephemeral port (a dial that did not bind the listen port) only the
+        IP counts: nothing listens on the port an observer saw, so asking AutoNAT servers to dial it
+        cannot succeed, and each such address cost three dial-backs that time out (10 s each). Behind
+        an endpoint-dependent (symmetric) NAT, what observers saw of the listen port is no address
+        either: the NAT made each of them a mapping for that observer only. A
+        trainer behind a symmetric NAT that had met its swarm waited 31 s for its verdict, and the
+        averager does not declare a role before it: it missed the swarm's first steps."""
         out: list[Multiaddr] = []
         ports = self.node.listen_ports
 
@@ -244,8 +254,10 @@ class NatService(SwarmObserver):
             add(addr)
         for addr in self.node.addrs:
             add(addr)
+        if self.mapping is not MappingKind.DEPENDENT:  # else each observer saw a mapping for it alone
+            for addr in self._listen_views.values():
+                add(addr)
         for addr in list(self._listen_views.values()) + self.node.observed_addrs():
-            add(addr)
             items = list(addr.items())
             for port in ports:  # a port-preserving NAT maps our listen port to itself
                 add(Multiaddr(f"/{items[0][0].name}/{items[0][1]}/tcp/{port}"))
@@ -348,16 +360,23 @@ class NatService(SwarmObserver):
         self._update_mode()
 
     async def _ask(self, server: ID, addrs: list[Multiaddr]) -> None:
-        # One request per address (the server dials only the first address it accepts), one at a time.
-        for addr in addrs:
-            self._budget.spend(server, trio.current_time())
-            try:
-                result = await self.autonat.check(server, [addr])
-            except AutoNATError as e:
-                log.debug("AutoNAT via %s: %s", server, e)
-                return
-            self._dial_backs += 1
-            self.verdicts.record(addr, server, result.reachable, trio.current_time())
+        """One request per address (the server dials only the first address it accepts), all at
+        once: the plan gives a server no more than its budget, within the requests a server lets one
+        peer have open (4). One after the other, a peer behind a symmetric NAT with three addresses
+        to refute waited three dial-back timeouts (10 s each, the NAT drops the SYN) for its verdict."""
+        async with trio.open_nursery() as nursery:
+            for addr in addrs:
+                self._budget.spend(server, trio.current_time())
+                nursery.start_soon(self._ask_one, server, addr)
+
+    async def _ask_one(self, server: ID, addr: Multiaddr) -> None:
+        try:
+            result = await self.autonat.check(server, [addr])
+        except AutoNATError as e:
+            log.debug("AutoNAT via %s: %s", server, e)
+            return
+        self._dial_backs += 1
+        self.verdicts.record(addr, server, result.reachable, trio.current_time())
 
     # ---------------------------------------------------------------- relays and mode
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.kit import requires_root_netns
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -227,6 +229,14 @@ def run_bench(tmp_path: Path, script: str, *args: str, timeout: float) -> dict: 
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     figures: dict = json.loads(out.read_text())  # type: ignore[type-arg]
     return figures
+
+
+@pytest.mark.slow
+@requires_root_netns
+def test_nat_verdict_bench_times_each_nat_kind(tmp_path: Path) -> None:
+    figures = run_bench(tmp_path, "nat_verdict.py", "--rounds", "1", timeout=240)
+    assert set(figures) == {"SYMMETRIC", "EIM_CHANGING", "EIM_PRESERVING"}
+    assert all(row["no_verdict"] == 0 and row["median_s"] is not None for row in figures.values()), figures
 
 
 def test_moe_bench_ratios_are_n_a_where_a_figure_was_not_measured() -> None:

@@ -20,6 +20,7 @@ from nat.circuit import HOP_PROTOCOL
 from p2p.addresses import is_relayed_conn
 from nat.proto import autonat_v2_pb2 as apb
 from nat.proto import circuit_pb2 as cpb
+from nat.reachability import MappingKind
 from nat.traversal import NatConfig, NatService
 from p2p.wire import read_message, write_message
 from p2p import Node
@@ -221,12 +222,14 @@ async def test_autonat_confirms_the_listen_address_and_the_peer_goes_public():
         assert changed[-1].reachability == "public" and changed[-1].confirmed == [str(listen)]
         await wait_until(lambda: b_nat.mode == "public")
         assert of_type(b_seen, nev.ModeChanged)[-1].mode == "public"
-        # What the server observed (the ephemeral port) was checked, refuted and is not advertised.
+        # What the server observed (the ephemeral port: nothing listens there) is neither asked
+        # about nor advertised: each such address cost three dial-backs that time out behind a NAT.
         (observed,) = b.observed_addrs()
-        assert observed != listen and b_nat.verdicts.failures(observed) >= 1 and observed not in b_nat.confirmed
+        assert observed != listen and observed not in b_nat._candidates() and not b_nat.verdicts.failures(observed)
+        assert observed not in b_nat.confirmed
         assert [without_peer_id(a) for a in b.addrs] == [listen]  # no circuit either, being public
         metrics = b_nat.metrics()
-        assert metrics["dial_backs"] >= 2 and metrics["confirmed"] == [str(listen)]
+        assert metrics["dial_backs"] == 1 and metrics["confirmed"] == [str(listen)]  # the listen address alone
         assert server_nat.metrics()["autonat_server.dial_back_ok"] >= 1
 
 
@@ -254,6 +257,47 @@ async def test_a_host_with_many_addresses_paces_its_checks_to_what_a_server_lets
         assert server_nat.metrics()["autonat_server.requests"] == 4
         assert 2 <= other_nat.metrics()["autonat_server.requests"] <= 4
         assert not server.resources.refusal_counts() and not other.resources.refusal_counts()
+
+
+async def test_behind_a_symmetric_nat_what_observers_saw_of_the_listen_port_is_not_asked_about():
+    """An endpoint-dependent NAT gives each destination its own mapping of the listen port: no one
+    but that observer can use it, and asking servers to dial each such address cost a peer three
+    dial-back timeouts apiece. Only the guess that the NAT kept the listen port is asked about then."""
+    async with nat_node(nat_config(allow_private=True)) as (b, b_nat, _):
+        port = next(iter(b.listen_ports))
+        seen = {f"observer-{i}": Multiaddr(f"/ip4/127.0.0.9/tcp/{40001 + i}") for i in range(2)}
+        b_nat._listen_views.update(seen)  # type: ignore[arg-type]  # how two observers saw the listen port
+        b_nat.mapping = MappingKind.INDEPENDENT_CHANGED
+        assert set(seen.values()) <= set(b_nat._candidates())
+        b_nat.mapping = MappingKind.DEPENDENT
+        candidates = b_nat._candidates()
+        assert not set(seen.values()) & set(candidates)
+        assert Multiaddr(f"/ip4/127.0.0.9/tcp/{port}") in candidates
+
+
+async def test_one_server_is_asked_about_several_addresses_at_once(monkeypatch):
+    """Within what a server lets one peer have open (4), the requests go at once: one after the
+    other, a peer behind a NAT (every dial-back times out, 10 s) waited three timeouts for its verdict."""
+    async with AsyncExitStack() as stack:
+        server, server_nat, _ = await stack.enter_async_context(nat_node(nat_config(allow_private=True)))
+        assert server_nat.autonat_server is not None
+        open_now, most = [0], [0]
+
+        async def slow_dial_back(peer, target, nonce):  # a NAT that drops the SYN, shortened
+            open_now[0] += 1
+            most[0] = max(most[0], open_now[0])
+            try:
+                await trio.sleep(0.5)
+            finally:
+                open_now[0] -= 1
+            return apb.E_DIAL_ERROR
+
+        monkeypatch.setattr(server_nat.autonat_server, "_dial_back", slow_dial_back)
+        listen = [f"/ip4/127.0.0.{i}/tcp/0" for i in range(1, 4)]
+        b, b_nat, _ = await stack.enter_async_context(nat_node(nat_config(allow_private=True), listen=listen))
+        await b.connect(server.addrs[0])
+        await wait_until(lambda: b_nat.metrics()["dial_backs"] >= 3, timeout=10)
+        assert most[0] >= 3
 
 
 async def test_a_confirmed_address_is_asked_again_and_dropped_once_it_is_lost():
