@@ -9,8 +9,8 @@ import random
 import pytest
 from libp2p.peer.id import ID
 
-from p2p.dht.maintenance import (MAX_REFRESH_PER_PASS, AfterAdd, after_add, join_targets, republish_due, to_check,
-                                  to_refresh)
+from p2p.dht.maintenance import (MAX_REFRESH_PER_PASS, AfterAdd, after_add, check_when_closed, join_targets,
+                                  republish_due, to_check, to_refresh)
 from p2p.dht.proto import dht_pb2 as pb
 from p2p.dht.records import DHTRecord
 from p2p.dht.replication import StoresSeen, republish_skip
@@ -39,6 +39,18 @@ def test_a_pass_refreshes_the_stale_buckets_at_most_eight_at_a_time() -> None:
     # the buckets filled at 0 are fresh; only empty ones that were never looked up remain
     assert len(fresh) < len(buckets)
     assert all(not table.bucket(table.bucket_of(int(t))) for t in fresh)
+
+
+def test_a_closed_connection_calls_for_a_check_of_a_contact_left_unconnected_within_the_limit() -> None:
+    ids = make_ids(6, seed=5)
+    table = table_of(ids[:5], now=0.0)
+    contact, stranger = ids[1], ids[5]
+    assert check_when_closed(table, contact, connected=False, checking=(), checks=2)
+    assert not check_when_closed(table, stranger, connected=False, checking=(), checks=2)  # no contact of ours
+    assert not check_when_closed(table, contact, connected=True, checking=(), checks=2)  # another one stands
+    assert not check_when_closed(table, contact, connected=False, checking={contact}, checks=2)  # checked now
+    assert check_when_closed(table, contact, connected=False, checking={ids[2]}, checks=2)
+    assert not check_when_closed(table, contact, connected=False, checking={ids[2], ids[3]}, checks=2)  # limit
 
 
 def test_a_pass_checks_the_quietest_contacts_up_to_its_limit() -> None:

@@ -45,6 +45,14 @@ def to_check(table: RoutingTable, now: float, *, check_after: float, check_new_a
     return [c.peer_id for c in (quiet if checks is None else quiet[:checks])]
 
 
+def check_when_closed(table: RoutingTable, peer: ID, *, connected: bool, checking: Collection[ID],
+                      checks: int) -> bool:
+    """Whether a connection to ``peer`` that closed calls for a check of it (ping it, drop it if it
+    does not answer): it is a contact of ours, no connection to it is left, it is not being checked,
+    and fewer than ``checks`` are (a flood of closing connections asks little)."""
+    return peer in table and not connected and peer not in checking and len(checking) < checks
+
+
 def republish_due(now: float, last_republish: float, republish_interval: float | None) -> bool:
     """Whether ``republish_interval`` (None: never) has passed since ``last_republish``."""
     return republish_interval is not None and now - last_republish >= republish_interval
