@@ -231,6 +231,17 @@ def run_bench(tmp_path: Path, script: str, *args: str, timeout: float) -> dict: 
     return figures
 
 
+def test_departed_peer_bench_counts_the_relay_s_connects_both_ways() -> None:
+    """bench/departed_peer.py at 8 s (17 s of wall time, under a second of CPU: it mostly waits)."""
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "departed_peer.py"), "--seconds", "8", "--every", "2",
+                             "--json"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    for run in ("backoff", "no_backoff"):
+        assert figures[run]["attempts"] >= 3 and figures[run]["connects_at_relay"] >= 1, figures
+    assert "ratio_connects" in figures
+
+
 @pytest.mark.slow
 @requires_root_netns
 def test_nat_verdict_bench_times_each_nat_kind(tmp_path: Path) -> None:
