@@ -28,7 +28,7 @@ from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
 from p2p import Node
-from p2p.addresses import is_relayed, reachable_tcp, without_peer_id
+from p2p.addresses import ip_family, is_relayed, reachable_tcp, without_peer_id
 from p2p.errors import ConfigError, DedlocError, RemoteProtocolError
 from p2p.hooks import Metrics, Registration
 from p2p.resources import ResourceLimitExceeded
@@ -82,7 +82,14 @@ class DialResult:
 
 
 class AutoNATError(DedlocError):
-    """A reachability check could not be made (the server refused, broke the protocol, timed out)."""
+    """A reachability check could not be made (the server refused, broke the protocol, timed out).
+
+    ``status``: the server's response status when it answered without a verdict (``E_DIAL_REFUSED``:
+    no address it would dial; ``E_REQUEST_REJECTED``: over its limits), else None."""
+
+    def __init__(self, message: str, status: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def _ip(addr: Multiaddr) -> str:
@@ -153,7 +160,9 @@ class AutoNATServer:
             return
         # addrIdx is the place in the request (garbage entries count), among the first MAX_ADDRS.
         parsed = ((i, decode_addr(bytes(raw))) for i, raw in enumerate(list(request.addrs)[:MAX_ADDRS]))
-        found = next(((i, a) for i, a in parsed if a is not None and reachable_tcp(a, allow_private=self.config.allow_private)), None)
+        families = self._families()
+        found = next(((i, a) for i, a in parsed if a is not None and reachable_tcp(a, allow_private=self.config.allow_private)
+                      and ip_family(a) in families), None)
         if found is None:
             self.counts["refused"] += 1
             await self._respond(stream, pb.DialResponse.E_DIAL_REFUSED)
@@ -186,6 +195,14 @@ class AutoNATServer:
         while len(self.verdicts) > MAX_VERDICTS:
             del self.verdicts[next(iter(self.verdicts))]
         await self._respond(stream, pb.DialResponse.OK, index, status)
+
+    def _families(self) -> set[str | None]:
+        """The address families we can dial back: IPv4 (a NAT lets us dial out), and IPv6 where this host
+        has an acceptable IPv6 address (a global one; any, when private ones are allowed). A server with
+        no IPv6 refuses an IPv6 address (the spec's E_DIAL_REFUSED): its failed dial would tell the
+        client it is unreachable there, when it only cannot be judged from here."""
+        six = any(reachable_tcp(a, allow_private=self.config.allow_private) for a in self._node.interface_addrs("ip6"))
+        return {"ip4", "ip6"} if six else {"ip4"}
 
     async def _dial_back(self, peer: ID, target: Multiaddr, nonce: int) -> int:
         """Dial ``target`` on a new connection and hand over the nonce there."""
@@ -290,7 +307,7 @@ class AutoNATClient:
         response = msg.dialResponse
         if response.status != pb.DialResponse.OK:
             name = pb.DialResponse.ResponseStatus.Name(response.status) if response.status in pb.DialResponse.ResponseStatus.values() else str(response.status)
-            raise AutoNATError(f"{server} gave no verdict: {name}")
+            raise AutoNATError(f"{server} gave no verdict: {name}", status=name)
         if response.addrIdx >= len(addrs):
             raise AutoNATError(f"{server} answered for address #{response.addrIdx} of {len(addrs)}")
         addr = addrs[response.addrIdx]

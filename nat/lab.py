@@ -77,6 +77,12 @@ dependent (conntrack): only replies to flows the inside opened come in.
 * UDP_BLOCKED: EIM_PRESERVING plus ``meta l4proto udp drop`` first in forward, so
   no UDP crosses the router in either direction (QUIC must fail, TCP works).
 
+IPv6 (a lab with ``public_net6``): global addresses, no translation. The filter is
+``inet``, so a router's IPv6 gets the same stateful filter (FIREWALLED, what home
+routers do) unless the host asked for OPEN (new IPv6 flows from ``wan`` to ``lan``
+accepted); neighbour discovery reaches the router on ``wan``. Hosts with NONE have
+IPv6 on but no global address or route (an IPv6 dial fails at once, ENETUNREACH).
+
 Delay and loss (tc netem)
 -------------------------
 ``delay_ms`` is the one-way delay of the host's access link (the link between
@@ -138,6 +144,7 @@ from .delay_line import QUEUE_LIMIT as WIRE_QUEUE_LIMIT
 __all__ = [
     "ALL_KINDS",
     "Host",
+    "Ipv6",
     "Lab",
     "NatKind",
     "NetlabError",
@@ -202,6 +209,23 @@ class NatKind(enum.Enum):
 
 
 ALL_KINDS: tuple[NatKind, ...] = tuple(NatKind)
+
+
+class Ipv6(enum.Enum):
+    """A host's IPv6, in a lab with ``public_net6``.
+
+    NONE: IPv6 is on but there is no global address or route (a dial of an IPv6 address fails at
+    once, as on an IPv4-only line). OPEN: a global address that anyone can dial (a public host; a
+    home router that lets IPv6 in). FIREWALLED: a global address behind the router's stateful
+    filter, the same as its IPv4 gets, without translation (what home routers do, RFC 6092).
+    """
+
+    NONE = "none"
+    OPEN = "open"
+    FIREWALLED = "firewalled"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)
@@ -271,13 +295,15 @@ def _run_sync(argv: Sequence[str], *, timeout: float = COMMAND_TIMEOUT, input: b
 
 
 def router_ruleset(
-    kind: NatKind, *, inside_ip: str | None = None, wan_ip: str | None = None, listen_port: int | None = None
+    kind: NatKind, *, inside_ip: str | None = None, wan_ip: str | None = None, listen_port: int | None = None,
+    open_ipv6: bool = False,
 ) -> str:
     """The nftables ruleset (``nft -f`` text) of a router of ``kind``.
 
     ``kind`` is the router's behaviour: for DOUBLE pass EIM_PRESERVING for both
     the home router and the CGNAT. EIM_CHANGING needs ``inside_ip``, ``wan_ip``
-    and ``listen_port``.
+    and ``listen_port``. The filter is ``inet``: IPv6 gets the same stateful filter
+    as IPv4 (and no translation), unless ``open_ipv6`` lets new IPv6 flows in.
     """
     if kind is NatKind.PUBLIC:
         raise ValueError("a PUBLIC peer has no router")
@@ -315,10 +341,14 @@ def router_ruleset(
         "    ct state invalid drop",
         "    ct state established,related accept",
         '    iifname "lan" oifname "wan" accept',
+        *(['    iifname "wan" oifname "lan" meta nfproto ipv6 accept'] if open_ipv6 else []),
         "  }",
         "  chain input {",
         "    type filter hook input priority filter; policy accept;",
         '    iifname "wan" ct state established,related accept',
+        # IPv6's neighbour discovery (its ARP) is no reply to anything: without it the core cannot
+        # find the router's address, and nothing comes back to it (RFC 4890 lets it through)
+        '    iifname "wan" icmpv6 type { nd-neighbor-solicit, nd-neighbor-advert } accept',
         '    iifname "wan" drop',
         "  }",
         "}",
@@ -349,6 +379,9 @@ class Host:
     delay_ms: float = 0.0
     routers: tuple[str, ...] = ()  # router namespaces, innermost first
     shape: Shape | None = None
+    ipv6: Ipv6 = Ipv6.NONE
+    #: its global IPv6 address (OPEN or FIREWALLED), seen as is by the internet: IPv6 has no NAT here
+    ip6: str | None = None
 
     @property
     def public_port(self) -> int | None:
@@ -387,7 +420,8 @@ class Host:
         raise NetlabTimeout(f"nothing {'bound' if udp else 'listening'} on port {port} in {self.ns} after {timeout:g} s")
 
     def __repr__(self) -> str:
-        return f"Host({self.name!r}, {self.kind}, ip={self.ip}, public_ip={self.public_ip}, ns={self.ns!r})"
+        six = f", ip6={self.ip6} ({self.ipv6})" if self.ip6 else ""
+        return f"Host({self.name!r}, {self.kind}, ip={self.ip}, public_ip={self.public_ip}{six}, ns={self.ns!r})"
 
 
 @dataclass(eq=False)
@@ -395,6 +429,8 @@ class _Link:
     index: int
     core_ip: str
     far_ip: str
+    core_ip6: str | None = None
+    far_ip6: str | None = None
 
 
 @dataclass(eq=False)
@@ -403,12 +439,19 @@ class Lab:
 
     ``netem``: None = delay/loss by netem where the kernel has sch_netem, else by the
     userspace wire; True = require netem; False = always the wire.
+
+    ``public_net6`` (an IPv6 /48 or larger; None: no IPv6 anywhere, the default) gives the core
+    IPv6 and each host the ``ipv6`` it asks for (:class:`Ipv6`; by default OPEN for a public host,
+    FIREWALLED behind a router, NONE behind a DOUBLE NAT). Access link i is the /64 number i of it
+    (core ``::1``, far side ``::2``); the LAN behind a router on link i is the /64 number
+    0x8000 + i (router ``::1``, peer ``::2``), routed by the core to the router's ``wan``.
     """
 
     prefix: str = "dlab"
     loss_pct: float = 0.0
     netem: bool | None = None
     public_net: str = "198.18.0.0/15"
+    public_net6: str | None = None
     command_timeout: float = COMMAND_TIMEOUT
     cleanup_timeout: float = CLEANUP_TIMEOUT
     id: str = field(init=False)
@@ -434,6 +477,12 @@ class Lab:
         if not isinstance(net, ipaddress.IPv4Network) or net.prefixlen > 16:
             raise ConfigError(f"public_net must be an IPv4 network of /16 or larger: {self.public_net}")
         self._link_net, self._routed_net = net.subnets(prefixlen_diff=1)
+        self._net6: ipaddress.IPv6Network | None = None
+        if self.public_net6 is not None:
+            net6 = ipaddress.ip_network(self.public_net6)
+            if not isinstance(net6, ipaddress.IPv6Network) or net6.prefixlen > 48:
+                raise ConfigError(f"public_net6 must be an IPv6 network of /48 or larger: {self.public_net6}")
+            self._net6 = net6
         # <prefix>-<pid>-<random>: the pid lets cleanup_stale skip labs of live processes.
         self.id = f"{self.prefix}-{os.getpid()}-{secrets.token_hex(2)}"
 
@@ -484,7 +533,7 @@ class Lab:
             else:
                 self.netem = True
         try:
-            self.core = await self._new_ns("inet", forward=True)
+            self.core = await self._new_ns("inet", forward=True, ipv6=self._net6 is not None)
             await self._nft(self.core, CORE_RULESET)
         except BaseException:
             await self.close()
@@ -544,14 +593,15 @@ class Lab:
 
     async def public_host(
         self, name: str, *, delay_ms: float = 25.0, loss_pct: float | None = None, shape: Shape | None = None,
-        wire: bool = False,
+        wire: bool = False, ipv6: Ipv6 | None = None,
     ) -> Host:
         """A host with a public address straight on the core (a relay, a bootstrap node).
 
         ``wire``: its link goes through the userspace wire even at zero delay (where the lab has no
         netem). A bench that compares delays then compares the delay alone: the wire's hop costs
         CPU (a Python process moving every packet) that a plain veth at zero delay does not."""
-        return await self._direct(name, NatKind.PUBLIC, None, delay_ms, loss_pct, shape, wire=wire)
+        return await self._direct(name, NatKind.PUBLIC, None, delay_ms, loss_pct, shape, wire=wire,
+                                  ipv6=self._ipv6_of(NatKind.PUBLIC, ipv6))
 
     async def peer(
         self,
@@ -562,32 +612,37 @@ class Lab:
         delay_ms: float = 50.0,
         loss_pct: float | None = None,
         shape: Shape | None = None,
+        ipv6: Ipv6 | None = None,
     ) -> Host:
-        """A peer behind a router of ``kind`` (PUBLIC: no router); ``shape`` limits its access link."""
+        """A peer behind a router of ``kind`` (PUBLIC: no router); ``shape`` limits its access link;
+        ``ipv6`` its IPv6 in a lab with ``public_net6`` (see :class:`Lab`)."""
         if not 1 <= listen_port <= 65535 - PORT_SHIFT:
             raise ValueError(f"listen_port out of range: {listen_port}")
+        six = self._ipv6_of(kind, ipv6)
         if kind is NatKind.PUBLIC:
-            return await self._direct(name, kind, listen_port, delay_ms, loss_pct, shape)
+            return await self._direct(name, kind, listen_port, delay_ms, loss_pct, shape, ipv6=six)
         self._check_name(name)
         loss = self.loss_pct if loss_pct is None else loss_pct
-        host_ns = await self._new_ns(name, forward=False)
-        router = await self._new_ns(f"{name}-r", forward=True)
+        v6 = self._net6 is not None
+        host_ns = await self._new_ns(name, forward=False, ipv6=v6)
+        router = await self._new_ns(f"{name}-r", forward=True, ipv6=v6)
         if kind is NatKind.FIREWALL:
             link = await self._core_link(router, "wan", delay_ms, loss, shape)
             routed = _nth24(self._routed_net, link.index)
             gw, ip = str(routed[1]), str(routed[2])
             await self._ip(self.core, "route", "add", str(routed), "via", link.far_ip)
             await self._lan(router, gw, host_ns, ip, 24)
-            await self._nft(router, router_ruleset(kind))
-            return self._add(Host(self, name, kind, host_ns, ip, ip, listen_port, delay_ms, (router,), shape))
+            ip6 = await self._lan6(router, host_ns, link, six)
+            await self._nft(router, router_ruleset(kind, open_ipv6=six is Ipv6.OPEN))
+            return self._add(Host(self, name, kind, host_ns, ip, ip, listen_port, delay_ms, (router,), shape, six, ip6))
         self._lans += 1
         n = self._lans
         if n > 254:
             raise NetlabError("too many NATed peers in one lab (254)")
         gw, ip = f"10.{n}.0.1", f"10.{n}.0.2"
         if kind is NatKind.DOUBLE:
-            cgnat = await self._new_ns(f"{name}-cg", forward=True)
-            link = await self._core_link(cgnat, "wan", delay_ms, loss, shape)
+            cgnat = await self._new_ns(f"{name}-cg", forward=True)  # no IPv6 through a carrier's NAT here
+            link = await self._core_link(cgnat, "wan", delay_ms, loss, shape, ipv6=False)
             carrier_gw, home_wan = f"100.64.{n}.1", f"100.64.{n}.2"
             await self._veth(cgnat, "lan", router, "wan")
             await self._addr(cgnat, "lan", f"{carrier_gw}/24")
@@ -597,12 +652,15 @@ class Lab:
             await self._lan(router, gw, host_ns, ip, 24)
             await self._nft(router, router_ruleset(NatKind.EIM_PRESERVING))
             routers: tuple[str, ...] = (router, cgnat)
+            ip6 = None
         else:
             link = await self._core_link(router, "wan", delay_ms, loss, shape)
             await self._lan(router, gw, host_ns, ip, 24)
-            await self._nft(router, router_ruleset(kind, inside_ip=ip, wan_ip=link.far_ip, listen_port=listen_port))
+            ip6 = await self._lan6(router, host_ns, link, six)
+            await self._nft(router, router_ruleset(kind, inside_ip=ip, wan_ip=link.far_ip, listen_port=listen_port,
+                                                   open_ipv6=six is Ipv6.OPEN))
             routers = (router,)
-        return self._add(Host(self, name, kind, host_ns, ip, link.far_ip, listen_port, delay_ms, routers, shape))
+        return self._add(Host(self, name, kind, host_ns, ip, link.far_ip, listen_port, delay_ms, routers, shape, six, ip6))
 
     async def spawn_in(self, ns: str, argv: Sequence[str], **kwargs: Any) -> trio.Process:
         """Start ``argv`` in lab namespace ``ns`` (a host's or a router's)."""
@@ -648,12 +706,30 @@ class Lab:
         shape: Shape | None,
         *,
         wire: bool = False,
+        ipv6: Ipv6 = Ipv6.NONE,
     ) -> Host:
         self._check_name(name)
-        ns = await self._new_ns(name, forward=False)
+        ns = await self._new_ns(name, forward=False, ipv6=self._net6 is not None)
         loss = self.loss_pct if loss_pct is None else loss_pct
-        link = await self._core_link(ns, "eth0", delay_ms, loss, shape, wire=wire)
-        return self._add(Host(self, name, kind, ns, link.far_ip, link.far_ip, listen_port, delay_ms, (), shape))
+        link = await self._core_link(ns, "eth0", delay_ms, loss, shape, wire=wire, ipv6=ipv6 is not Ipv6.NONE)
+        return self._add(Host(self, name, kind, ns, link.far_ip, link.far_ip, listen_port, delay_ms, (), shape,
+                              ipv6, link.far_ip6))
+
+    def _ipv6_of(self, kind: NatKind, asked: Ipv6 | None) -> Ipv6:
+        """A host's IPv6: what was asked, else the default for its kind (see :class:`Lab`)."""
+        if self._net6 is None:
+            if asked not in (None, Ipv6.NONE):
+                raise ConfigError(f"ipv6={asked} needs a lab with public_net6")
+            return Ipv6.NONE
+        if kind is NatKind.DOUBLE:
+            if asked not in (None, Ipv6.NONE):
+                raise ConfigError("IPv6 behind a DOUBLE NAT is not modelled")
+            return Ipv6.NONE
+        if kind is NatKind.PUBLIC and asked is Ipv6.FIREWALLED:
+            raise ConfigError("a PUBLIC host has no router to filter its IPv6: ask for a FIREWALL peer")
+        if asked is not None:
+            return asked
+        return Ipv6.OPEN if kind is NatKind.PUBLIC else Ipv6.FIREWALLED
 
     async def _x(self, argv: Sequence[str], input: bytes | None = None) -> RunResult:
         return await _run(argv, timeout=self.command_timeout, input=input)
@@ -661,18 +737,21 @@ class Lab:
     async def _ip(self, ns: str, *args: str) -> None:
         await self._x(["ip", "-n", ns, *args])
 
-    async def _new_ns(self, role: str, *, forward: bool) -> str:
+    async def _new_ns(self, role: str, *, forward: bool, ipv6: bool = False) -> str:
+        """A namespace; ``ipv6``: with IPv6 on (no duplicate address detection, which holds a new
+        address back for a second; no router advertisements), else off."""
         ns = f"{self.id}-{role}"
         await self._x(["ip", "netns", "add", ns])
         self.namespaces.append(ns)  # before configuring: close() must delete it whatever fails next
         await self._ip(ns, "link", "set", "lo", "up")
+        six = [
+            "net.ipv6.conf.all.disable_ipv6=0", "net.ipv6.conf.default.disable_ipv6=0",
+            "net.ipv6.conf.all.accept_dad=0", "net.ipv6.conf.default.accept_dad=0",
+            "net.ipv6.conf.all.accept_ra=0", "net.ipv6.conf.default.accept_ra=0",
+            f"net.ipv6.conf.all.forwarding={int(forward)}",
+        ] if ipv6 else ["net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1"]
         await self._x(
-            [
-                "ip", "netns", "exec", ns, "sysctl", "-qw",
-                f"net.ipv4.ip_forward={int(forward)}",
-                "net.ipv6.conf.all.disable_ipv6=1",
-                "net.ipv6.conf.default.disable_ipv6=1",
-            ]
+            ["ip", "netns", "exec", ns, "sysctl", "-qw", f"net.ipv4.ip_forward={int(forward)}", *six]
         )  # fmt: skip
         return ns
 
@@ -684,6 +763,18 @@ class Lab:
         await self._ip(ns, "addr", "add", cidr, "dev", ifname)
         await self._ip(ns, "link", "set", ifname, "up")
 
+    async def _lan6(self, router: str, host_ns: str, link: _Link, ipv6: Ipv6) -> str | None:
+        """The IPv6 LAN behind ``router`` on ``link`` (the routed /64 0x8000 + i); the host's address."""
+        if ipv6 is Ipv6.NONE or self._net6 is None or link.far_ip6 is None:
+            return None
+        routed = _nth64(self._net6, 0x8000 + link.index)
+        gw, ip = str(routed[1]), str(routed[2])
+        await self._ip(self.core, "-6", "route", "add", str(routed), "via", link.far_ip6)
+        await self._ip(router, "-6", "addr", "add", f"{gw}/64", "dev", "lan", "nodad")
+        await self._ip(host_ns, "-6", "addr", "add", f"{ip}/64", "dev", "eth0", "nodad")
+        await self._ip(host_ns, "-6", "route", "add", "default", "via", gw)
+        return ip
+
     async def _lan(self, router: str, gw: str, host_ns: str, ip: str, plen: int) -> None:
         await self._veth(router, "lan", host_ns, "eth0")
         await self._addr(router, "lan", f"{gw}/{plen}")
@@ -692,12 +783,16 @@ class Lab:
 
     async def _core_link(
         self, ns: str, ifname: str, delay_ms: float, loss_pct: float, shape: Shape | None = None,
-        *, wire: bool = False,
+        *, wire: bool = False, ipv6: bool = True,
     ) -> _Link:
+        """Access link i between the core and ``ns``; with IPv6 too where the lab has it and ``ipv6``."""
         self._links += 1
         i = self._links
         net = _nth24(self._link_net, i)
         link = _Link(i, str(net[1]), str(net[2]))
+        if self._net6 is not None and ipv6:
+            net6 = _nth64(self._net6, i)
+            link.core_ip6, link.far_ip6 = str(net6[1]), str(net6[2])
         core_if = f"l{i}"
         if not self.netem and (delay_ms > 0 or loss_pct > 0 or wire):
             await self._wire_link(self.core, core_if, ns, ifname, delay_ms, loss_pct, seed=i)
@@ -706,6 +801,10 @@ class Lab:
         await self._addr(self.core, core_if, f"{link.core_ip}/24")
         await self._addr(ns, ifname, f"{link.far_ip}/24")
         await self._ip(ns, "route", "add", "default", "via", link.core_ip)
+        if link.core_ip6 is not None and link.far_ip6 is not None:
+            await self._ip(self.core, "-6", "addr", "add", f"{link.core_ip6}/64", "dev", core_if, "nodad")
+            await self._ip(ns, "-6", "addr", "add", f"{link.far_ip6}/64", "dev", ifname, "nodad")
+            await self._ip(ns, "-6", "route", "add", "default", "via", link.core_ip6)
         await self._qdiscs(self.core, core_if, delay_ms, loss_pct, shape.tbf(shape.down_mbit) if shape else None)
         await self._qdiscs(ns, ifname, delay_ms, loss_pct, shape.tbf(shape.up_mbit) if shape else None)
         return link
@@ -761,6 +860,13 @@ class Lab:
 
     async def _nft(self, ns: str, ruleset: str) -> None:
         await self._x(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=ruleset.encode())
+
+
+def _nth64(net: ipaddress.IPv6Network, i: int) -> ipaddress.IPv6Network:
+    """The ``i``-th /64 of ``net``."""
+    if net.prefixlen > 64 or i >= 1 << (64 - net.prefixlen):
+        raise NetlabError(f"{net} has no /64 number {i}")
+    return ipaddress.IPv6Network((int(net.network_address) + (i << 64), 64))
 
 
 def _nth24(net: ipaddress.IPv4Network, i: int) -> ipaddress.IPv4Network:

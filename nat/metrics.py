@@ -61,6 +61,8 @@ class NatMetrics(Collector):
         received = CounterMetricFamily("libp2p_autonat_received_dial_response", "Count of dial responses for client",
                                        labels=["response_status"])
         received.add_metric(["OK"], m.get("dial_backs", 0))  # type: ignore[arg-type]
+        received.add_metric(["E_DIAL_REFUSED"], m.get("autonat_refused", 0))  # type: ignore[arg-type]
+        received.add_metric(["E_REQUEST_REJECTED"], m.get("autonat_rejected", 0))  # type: ignore[arg-type]
         yield received
         server = nat.autonat_server
         if server is None:

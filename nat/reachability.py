@@ -15,9 +15,8 @@ from enum import StrEnum
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
-from p2p.addresses import without_peer_id
+from p2p.addresses import ip_family, tcp_port, without_peer_id
 from p2p.hooks import Reachability
-from p2p.addresses import tcp_port
 from p2p.resources import Rate
 
 
@@ -140,23 +139,26 @@ class ServerBudget:
 
 
 def plan_probes(candidates: Sequence[Multiaddr], servers: Sequence[ID], verdicts: AddressVerdicts,
-                budget: Mapping[ID, int], min_failures: int, now: float | None = None) -> dict[ID, list[Multiaddr]]:
+                budget: Mapping[ID, int], min_failures: int, now: float | None = None,
+                judges: Callable[[ID, Multiaddr], bool] | None = None) -> dict[ID, list[Multiaddr]]:
     """Which server to ask about which address in this check (each request carries one address).
 
     An address no server has reached goes to as many servers not yet asked about it as it still
-    lacks failures for a verdict (``min_failures``, at most all the ``servers``); one that a server
+    lacks failures for a verdict (``min_failures``, at most all the servers that ``judges`` it: one
+    without an IPv6 address cannot dial ours, and refuses); one that a server
     reached needs nothing more (a nonce-verified dial-back cannot be faked). Answers count here only
     while fresh at ``now`` (:class:`AddressVerdicts`): a stale one is asked again. Each server is asked at
     most ``budget`` times, those with the most left first so that the load spreads; what is left
     over waits for the next check. The addresses keep their order (the likeliest first)."""
-    needed = min(min_failures, len(servers))
     left = {s: budget.get(s, 0) for s in servers}
     rank = {s: i for i, s in enumerate(servers)}
     plan: dict[ID, list[Multiaddr]] = {}
     for addr in candidates:
         if verdicts.reached(addr, now):
             continue
-        fresh = sorted((s for s in servers if left[s] > 0 and not verdicts.asked(addr, s, now)),
+        able = [s for s in servers if judges is None or judges(s, addr)]
+        needed = min(min_failures, len(able))
+        fresh = sorted((s for s in able if left[s] > 0 and not verdicts.asked(addr, s, now)),
                        key=lambda s: (-left[s], rank[s]))
         for server in fresh[: max(0, needed - verdicts.failures(addr, now))]:
             plan.setdefault(server, []).append(addr)
@@ -165,14 +167,21 @@ def plan_probes(candidates: Sequence[Multiaddr], servers: Sequence[ID], verdicts
 
 
 def judge_reachability(current: Reachability, verdicts: AddressVerdicts, candidates: Collection[Multiaddr],
-                       servers: int, min_failures: int) -> Reachability:
-    """Public once any address is confirmed; private once every candidate failed at enough servers
-    (``min_failures``, at most all the ``servers`` we have), or when we have servers but no candidate;
-    otherwise what it was (too few answers to change our mind)."""
-    if verdicts.confirmed():
+                       servers: int, min_failures: int, family: str = "ip4") -> Reachability:
+    """Whether every peer can dial us, judged in the one address ``family`` every peer can dial
+    (IPv4: about half of home lines have IPv6, the rest dial IPv4 only).
+
+    Public once an address of ``family`` is confirmed; private once every candidate of ``family``
+    failed at enough servers (``min_failures``, at most all the ``servers`` that can judge that family),
+    or when we have servers but no such candidate; otherwise what it was (too few answers to change
+    our mind). An address of the other family, confirmed, is advertised but makes nobody public: a
+    peer reached over IPv6 only keeps its relay slots, or IPv4-only peers lose it (libp2p/specs#614:
+    one IPv6 success made a node public and it dropped its relays); unconfirmed, it holds up no
+    verdict (a swarm may have no server that can dial it)."""
+    if any(ip_family(a) == family for a in verdicts.confirmed()):
         return Reachability.PUBLIC
     needed = min(min_failures, servers)
-    if servers and all(verdicts.failures(c) >= needed for c in candidates):
+    if servers and all(verdicts.failures(c) >= needed for c in candidates if ip_family(c) == family):
         return Reachability.PRIVATE
     return current
 
@@ -181,9 +190,14 @@ def classify_mapping(listen_views: Mapping[ID, Multiaddr], own_addrs: Iterable[M
                      listen_ports: Collection[int | None], public: Callable[[Multiaddr], bool]) -> MappingKind | None:
     """Our NAT's mapping of the listen port, from what each peer observed of connections that used it.
 
-    None when no observation is public (nothing to conclude yet: keep the last verdict).
+    None when no observation is public (nothing to conclude yet: keep the last verdict). IPv4's
+    views are judged when there are any (the NAT is IPv4's: a dual-stack peer's IPv6 view is its own
+    address, and beside its IPv4 mapping read as two mappings, endpoint dependence), else IPv6's.
     """
-    views = {without_peer_id(v) for v in listen_views.values() if public(v)}
+    public_views = [without_peer_id(v) for v in listen_views.values() if public(v)]
+    family = "ip4" if any(ip_family(v) == "ip4" for v in public_views) else "ip6"
+    observers = [v for v in listen_views.values() if ip_family(v) == family]
+    views = {v for v in public_views if ip_family(v) == family}
     if not views:
         return None
     if len(views) > 1:
@@ -191,7 +205,7 @@ def classify_mapping(listen_views: Mapping[ID, Multiaddr], own_addrs: Iterable[M
     (mapped,) = views
     if any(without_peer_id(a) == mapped for a in own_addrs):
         return MappingKind.NONE
-    if len(listen_views) < 2:
+    if len(observers) < 2:
         return MappingKind.UNKNOWN
     if tcp_port(mapped) in listen_ports:
         return MappingKind.INDEPENDENT_PRESERVED
@@ -201,11 +215,13 @@ def classify_mapping(listen_views: Mapping[ID, Multiaddr], own_addrs: Iterable[M
 def select_mode(reachability: Reachability, confirmed: Iterable[Multiaddr], relays: Iterable[ID],
                 *, relays_tried: bool) -> tuple[NatMode, str] | None:
     """Public, relayed, or client (only once a pass over the relays found no slot); None: too early to say."""
-    relays = list(relays)
+    relays, confirmed = list(relays), list(confirmed)
     if reachability == Reachability.PUBLIC:
         return NatMode.PUBLIC, "reachable at " + ", ".join(map(str, confirmed))
+    # not public, yet confirmed: reached in a family not every peer has (IPv6), so the others need a relay
+    also = "; directly only at " + ", ".join(map(str, confirmed)) if confirmed else ""
     if relays:
-        return NatMode.RELAYED, "reachable through " + ", ".join(map(str, relays))
+        return NatMode.RELAYED, "reachable through " + ", ".join(map(str, relays)) + also
     if reachability == Reachability.PRIVATE and relays_tried:
-        return NatMode.CLIENT, "not reachable and no relay accepted us: dialing out only"
+        return NatMode.CLIENT, "not reachable and no relay accepted us: dialing out only" + also
     return None

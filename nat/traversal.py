@@ -29,6 +29,7 @@ and the Node's external view is reset.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import ExitStack, asynccontextmanager
 from dataclasses import dataclass, field, replace
@@ -38,8 +39,8 @@ from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
 from p2p import Node
-from p2p.addresses import is_relayed, is_relayed_conn, reachable_tcp, without_peer_id
-from p2p.dialer import live_connection
+from p2p.addresses import ip_family, is_relayed, is_relayed_conn, reachable_tcp, without_peer_id
+from p2p.dialer import live_connection, remote_addr
 from p2p.errors import ConfigError, DedlocError
 from p2p.resources import Rate, default_rates
 from p2p.hooks import (
@@ -102,6 +103,10 @@ class NatConfig:
     server_pace: Rate = field(default_factory=lambda: default_rates()["autonat"])
     #: Treat private addresses like public ones (LAN swarms, tests on one machine).
     allow_private: bool = False
+    #: The address family every peer of the swarm can dial: a confirmed address of it makes us public
+    #: (DHT server, relay slots dropped). A peer confirmed only in the other family advertises that
+    #: address and keeps its relay slots. "ip6" only for a swarm with no IPv4 at all.
+    public_family: str = "ip4"
 
     def validate(self) -> None:
         self.relay.validate()
@@ -115,6 +120,8 @@ class NatConfig:
             raise ConfigError("min_failures and servers_per_check must be at least 1")
         if self.recheck_interval <= 0 or self.verdict_ttl <= 0:
             raise ConfigError("recheck_interval and verdict_ttl must be positive")
+        if self.public_family not in ("ip4", "ip6"):
+            raise ConfigError(f"public_family must be 'ip4' or 'ip6', not {self.public_family!r}")
         self.server_pace.validate("server_pace")
 
     def resolved(self) -> NatConfig:
@@ -151,6 +158,8 @@ class NatService(SwarmObserver):
         # The reachability loop's wake-up; it replaces its own, so it never waits on a stale one.
         self._changed = trio.Event()
         self._dial_backs = 0
+        #: Checks a server answered without a verdict, by its status (E_DIAL_REFUSED, E_REQUEST_REJECTED).
+        self._no_verdict: Counter[str] = Counter()
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -320,7 +329,7 @@ class NatService(SwarmObserver):
                 method=result.method,
                 attempts=result.attempts,
                 elapsed=result.elapsed,
-                addr=None if result.conn is None else str(result.conn.get_transport_addresses()[0]),
+                addr=None if result.conn is None else str(remote_addr(result.conn)),
             ))
 
         await self.puncher.keep_upgrading(peer, opened, report)
@@ -329,6 +338,19 @@ class NatService(SwarmObserver):
 
     def _servers(self) -> list[ID]:
         return [p for p in self.node.connected_peers() if DIAL_REQUEST in self._protocols.get(p, ())]
+
+    def _judges(self, server: ID, addr: Multiaddr) -> bool:
+        """Whether ``server`` can dial ``addr``: see :meth:`_judges_family`."""
+        return self._judges_family(server, ip_family(addr))
+
+    def _judges_family(self, server: ID, family: str | None) -> bool:
+        """Whether ``server`` can dial addresses of ``family``: it advertises a public address of it
+        (a server with no IPv6 address refuses to judge ours, rightly). A server whose addresses we
+        do not know is asked about IPv4 only, which every server dials."""
+        known = [a for a in self.node.known_addrs(server) if self._public(a)]
+        if not known:
+            return family == "ip4"
+        return any(ip_family(a) == family for a in known)
 
     async def _reachability_loop(self) -> None:
         while True:
@@ -346,13 +368,15 @@ class NatService(SwarmObserver):
         now = trio.current_time()
         self.verdicts.expire(now)
         plan = plan_probes(candidates, servers, self.verdicts, {s: self._budget.available(s, now) for s in servers},
-                           self.config.min_failures, now)
+                           self.config.min_failures, now, self._judges)
         if plan:
             async with trio.open_nursery() as nursery:
                 for server, addrs in plan.items():
                     nursery.start_soon(self._ask, server, addrs)
         before = self.reachability
-        self.reachability = judge_reachability(before, self.verdicts, candidates, len(servers), self.config.min_failures)
+        family = self.config.public_family
+        judging = sum(1 for s in servers if self._judges_family(s, family))
+        self.reachability = judge_reachability(before, self.verdicts, candidates, judging, self.config.min_failures, family)
         self._publish()
         if self.reachability != before:
             self.node.emit(nev.ReachabilityChanged(self.reachability, self.mapping, [str(a) for a in self.confirmed]))
@@ -374,6 +398,8 @@ class NatService(SwarmObserver):
             result = await self.autonat.check(server, [addr])
         except AutoNATError as e:
             log.debug("AutoNAT via %s: %s", server, e)
+            if e.status is not None:
+                self._no_verdict[e.status] += 1
             return
         self._dial_backs += 1
         self.verdicts.record(addr, server, result.reachable, trio.current_time())
@@ -436,6 +462,9 @@ class NatService(SwarmObserver):
             "reservation_failures": client["reservation_failures"],
             "relays_discovered": self.autorelay.discovered,
             "dial_backs": self._dial_backs,
+            # asked what it would not dial (no IPv6 there), or over its limits: each a request wasted
+            "autonat_refused": self._no_verdict["E_DIAL_REFUSED"],
+            "autonat_rejected": self._no_verdict["E_REQUEST_REJECTED"],
             **self.puncher.metrics(),
             "bytes_direct": direct,
             "bytes_relayed": relayed,

@@ -192,6 +192,13 @@ def tcp_port(addr: Multiaddr) -> int | None:
     return None if found is None else found[1]
 
 
+def ip_family(addr: Multiaddr) -> str | None:
+    """``"ip4"`` or ``"ip6"``: the family of an address's first part, if it is an IP (None for a DNS name)."""
+    items = list(addr.items())
+    name = items[0][0].name if items else None
+    return name if name in ("ip4", "ip6") else None
+
+
 def reachable_tcp(addr: Multiaddr, *, allow_private: bool = False) -> bool:
     """A direct TCP address (``/ip4|ip6/…/tcp/…``, no circuit) in public scope, or any scope if allowed.
 

@@ -202,6 +202,7 @@ async def dial_simultaneous(network: INetworkService, addr: Multiaddr, peer_id: 
     except BaseException:
         await finish_quietly(raw.close)
         raise
+    tcp_remote_address(getattr(raw, "stream", None))  # IPv6 too: else the punched connection has no address
     addresses = raw.get_transport_addresses()
     if multistream.complete_messages(first) < 2:
         # Silence, or a multistream header alone (py-libp2p's listener sends it unasked):

@@ -49,7 +49,10 @@ moves (``tests/test_node.py`` and ``interop/`` pin the behaviour):
   let every IPv6 connection past its caps unseen (found by ``bench/flood.py --ipv6``:
   2,000 stalled handshakes from 400 /48s, not one refused), identify observed nothing
   and ``dedloc status`` refused ``::1``. :func:`tcp_remote_address` reads the socket
-  itself and caches the answer on the stream, where py-libp2p's own method then finds it.
+  itself and caches the answer on the stream, where py-libp2p's own method then finds it:
+  at admission for inbound connections, before the handshake for dialed ones (else the
+  connection's transport addresses were empty: the dialer and the NAT lab's IPv6 peers
+  could not tell where a direct IPv6 connection went).
 * **Stream refusals.** Its listener's multistream-select (``Multiselect``) echoes
   any protocol it has a handler for, so a stream over a limit could only be reset
   after it was accepted: the opener read a bare reset. :class:`_Multiselect`
@@ -431,6 +434,9 @@ class _Security(SecurityMultistream):
         self._noise = noise
 
     async def secure_outbound(self, conn: IRawConnection, peer_id: ID) -> ISecureConn:
+        # an IPv6 dial's remote address, read and cached before the swarm records the connection's
+        # transport addresses from it (inbound ones are read at admission)
+        tcp_remote_address(getattr(conn, "stream", None))
         lazy = multistream.LazySelect(conn, NOISE_PROTOCOL_ID)
         try:
             secure = await self._noise.secure_outbound(conn, peer_id, handshake_over=cast(IRawConnection, lazy))
@@ -438,6 +444,10 @@ class _Security(SecurityMultistream):
             raise MultiselectClientError(f"security negotiation: {e}") from e
         setattr(secure, "negotiated_security_protocol", NOISE_PROTOCOL_ID)
         return secure
+
+    async def secure_inbound(self, conn: IRawConnection) -> ISecureConn:
+        tcp_remote_address(getattr(conn, "stream", None))  # a dial as the responder (a punch): as above
+        return await super().secure_inbound(conn)
 
 
 class _Muxers(MuxerMultistream):

@@ -219,6 +219,12 @@ class Node:
         except OSError:  # a listener's socket closed under us as the node leaves (close_listeners)
             return []
 
+    def interface_addrs(self, family: str) -> list[Multiaddr]:
+        """This host's own IP addresses of ``family`` (``"ip4"`` or ``"ip6"``, as ``/<family>/<ip>/tcp/0``;
+        no link-local IPv6), whatever we listen on: which networks a dial from here can reach."""
+        unspecified = Multiaddr(f"/{family}/{'0.0.0.0' if family == 'ip4' else '::'}/tcp/0")
+        return [a for a in _expand_unspecified(unspecified) if a != unspecified]
+
     @property
     def listen_ports(self) -> set[int]:
         """The TCP ports of :attr:`listen_addrs`: a connection that uses one on our side shows

@@ -6,10 +6,10 @@ It runs a :class:`nat.Peer` with the NAT layer at its defaults (what `dedloc pee
 runs), bootstraps through the relay, and serves a checksum sink. Each
 command line gets one JSON answer line; events are not printed. Commands:
 
-    {"cmd": "state"}                       mode, reachability, mapping, addrs
+    {"cmd": "state"}                       mode, reachability, mapping, addrs, confirmed
     {"cmd": "wait_mode", "timeout": s}     until the NAT layer decided (public, relayed or client)
     {"cmd": "connect", "addrs": [...]}     dial a peer (by its advertised addresses)
-    {"cmd": "wait_direct", "peer": id, "timeout": s}   until a direct connection exists
+    {"cmd": "wait_direct", "peer": id, "timeout": s}   until a direct connection exists (and its remote address)
     {"cmd": "wait_relay_retired", "peer": id}  until no relayed connection to the peer is left
     {"cmd": "send", "peer": id, "mib": n}  push n MiB through a stream, checked by sha256
     {"cmd": "metrics"}                     the funnel
@@ -146,6 +146,15 @@ def _direct(node: Node, peer: ID) -> bool:
     return any(not is_relayed_conn(c) for c in node.network.get_connections(peer))
 
 
+def _direct_addr(node: Node, peer: ID) -> str | None:
+    """The remote address of a direct connection to ``peer``, if there is one."""
+    for conn in node.network.get_connections(peer):
+        if not is_relayed_conn(conn):
+            addrs = conn.get_transport_addresses()
+            return str(addrs[0]) if addrs else "?"
+    return None
+
+
 def _relayed(node: Node, peer: ID) -> bool:
     return any(is_relayed_conn(c) for c in node.network.get_connections(peer))
 
@@ -179,7 +188,8 @@ async def _handle_dht(node: Node, nat: NatService, holder: DHTHolder, nursery: t
 async def _handle(node: Node, nat: NatService, request: dict[str, Any]) -> dict[str, Any]:
     cmd = request["cmd"]
     if cmd == "state":
-        return {"mode": nat.mode, "reachability": nat.reachability, "mapping": nat.mapping, "addrs": [str(a) for a in node.addrs]}
+        return {"mode": nat.mode, "reachability": nat.reachability, "mapping": nat.mapping, "addrs": [str(a) for a in node.addrs],
+                "confirmed": [str(a) for a in nat.confirmed]}
     if cmd == "wait_mode":
         with trio.move_on_after(request.get("timeout", 30)):
             while nat.mode == "starting" or not node.addrs:
@@ -197,7 +207,7 @@ async def _handle(node: Node, nat: NatService, request: dict[str, Any]) -> dict[
         with trio.move_on_after(request.get("timeout", 20)):
             while not _direct(node, peer):
                 await trio.sleep(0.05)
-        return {"direct": _direct(node, peer), "elapsed": time.monotonic() - started}
+        return {"direct": _direct(node, peer), "addr": _direct_addr(node, peer), "elapsed": time.monotonic() - started}
     if cmd == "wait_relay_retired":  # DCUtR closes the relayed connection a grace period after the direct one
         peer = ID.from_base58(request["peer"])
         started = time.monotonic()
@@ -250,7 +260,7 @@ async def main(args: argparse.Namespace) -> None:
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     # What `dedloc peer` runs (the composed object), with the DHT opened on request instead of at start.
     config = PeerConfig(
-        node=NodeConfig(listen=[args.listen], initial_peers=list(args.relay), dial_timeout=10, bootstrap_timeout=30),
+        node=NodeConfig(listen=args.listen or ["/ip4/0.0.0.0/tcp/4001"], initial_peers=list(args.relay), dial_timeout=10, bootstrap_timeout=30),
         nat=NatConfig(relay_service=args.serve_relay, recheck_interval=30),
         dht=None,
         exchange_interval=None,
@@ -295,7 +305,7 @@ async def _serve_commands(node: Node, nat: NatService, holder: DHTHolder, nurser
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--listen", default="/ip4/0.0.0.0/tcp/4001")
+    parser.add_argument("--listen", action="append", default=[], help="repeatable (default /ip4/0.0.0.0/tcp/4001)")
     parser.add_argument("--relay", action="append", default=[], help="a relay/bootstrap node (repeatable)")
     parser.add_argument("--serve-relay", action="store_true")
     parser.add_argument("--dht", choices=["auto", "server", "client"], default=None,

@@ -353,6 +353,21 @@ async def test_private_addresses_are_refused_unless_allowed():
         assert server.metrics()["refused"] == 1 and server.metrics()["dial_backs"] == 0
 
 
+async def test_an_ipv6_address_is_judged_only_by_a_server_with_ipv6(monkeypatch):
+    async with autonat_pair() as (s, server, c, client):
+        six = Multiaddr(f"/ip6/::1/tcp/{closed_port()}")  # this host has ::1: the server dials it
+        result = await client.check(s.peer_id, [six])
+        assert result.reachable is False and server.metrics()["dial_backs"] == 1
+        # a host without IPv6: the server refuses rather than report a failure it cannot judge
+        monkeypatch.setattr(s, "interface_addrs", lambda family: [] if family == "ip6" else [Multiaddr("/ip4/127.0.0.1/tcp/0")])
+        with pytest.raises(AutoNATError, match="E_DIAL_REFUSED"):
+            await client.check(s.peer_id, [six])
+        assert server.metrics()["refused"] == 1 and server.metrics()["dial_backs"] == 1
+        # an IPv4 address after it in the same request is still judged
+        result = await client.check(s.peer_id, [six, listen_addr(c)])
+        assert result.addr == listen_addr(c) and result.reachable is True
+
+
 async def test_client_rejects_an_empty_check():
     async with autonat_pair() as (s, server, c, client):
         with pytest.raises(AutoNATError, match="no address"):

@@ -201,3 +201,72 @@ def test_each_mode_says_why_in_full() -> None:
         NatMode.RELAYED, f"reachable through {r1}, {r2}")
     assert select_mode(Reachability.PRIVATE, [], [], relays_tried=True) == (
         NatMode.CLIENT, "not reachable and no relay accepted us: dialing out only")
+
+
+# ---------------------------------------------------------------------- dual stack
+
+SIX = Multiaddr("/ip6/2606:2800:220:1::1/tcp/4001")  # data only, as A
+SIX_OTHER = Multiaddr("/ip6/2606:2800:220:1::1/tcp/5001")
+
+
+def test_an_ipv6_confirmation_alone_makes_nobody_public() -> None:
+    s1, s2, s3 = peers(3)
+    v = AddressVerdicts()
+    v.record(SIX, s1, True)
+    # reached over IPv6 only: still unknown while IPv4 is unjudged (IPv4-only peers may not reach us)
+    assert judge_reachability(Reachability.UNKNOWN, v, [A, SIX], servers=3, min_failures=3) == Reachability.UNKNOWN
+    for s in (s1, s2, s3):
+        v.record(A, s, False)
+    # every IPv4 candidate refuted: private, though the IPv6 address is confirmed (and advertised)
+    assert judge_reachability(Reachability.UNKNOWN, v, [A, SIX], servers=3, min_failures=3) == Reachability.PRIVATE
+    assert v.confirmed() == [SIX]
+    # an IPv4 confirmation makes us public
+    v.record(B, s1, True)
+    assert judge_reachability(Reachability.PRIVATE, v, [A, B, SIX], servers=3, min_failures=3) == Reachability.PUBLIC
+    # a swarm with no IPv4 judges IPv6
+    w = AddressVerdicts()
+    w.record(SIX, s1, True)
+    assert judge_reachability(Reachability.UNKNOWN, w, [SIX], servers=3, min_failures=3, family="ip6") == Reachability.PUBLIC
+
+
+def test_an_unjudged_ipv6_candidate_holds_up_no_verdict() -> None:
+    s1, s2, s3 = peers(3)
+    v = AddressVerdicts()
+    for s in (s1, s2, s3):
+        v.record(A, s, False)
+    # no server could dial the IPv6 address (none has IPv6): the IPv4 verdict stands alone
+    assert judge_reachability(Reachability.UNKNOWN, v, [A, SIX, SIX_OTHER], servers=3, min_failures=3) == Reachability.PRIVATE
+
+
+def test_an_address_goes_only_to_servers_that_can_dial_its_family() -> None:
+    s1, s2, s3 = peers(3)
+    has_six = {s1}
+    judges = lambda s, addr: not str(addr).startswith("/ip6/") or s in has_six  # noqa: E731
+    plan = plan_probes([A, SIX], [s1, s2, s3], AddressVerdicts(), {s: 4 for s in (s1, s2, s3)}, min_failures=3,
+                       judges=judges)
+    assert sorted(plan, key=str) == sorted([s1, s2, s3], key=str)
+    assert all(A in addrs for addrs in plan.values())
+    assert [s for s, addrs in plan.items() if SIX in addrs] == [s1]  # the one server with IPv6, once
+    # once it answered, nobody else is asked: one failure is all a verdict can get here
+    v = AddressVerdicts()
+    v.record(SIX, s1, False)
+    again = plan_probes([SIX], [s1, s2, s3], v, {s: 4 for s in (s1, s2, s3)}, min_failures=3, judges=judges)
+    assert again == {}
+
+
+def test_a_dual_stack_peers_ipv6_view_is_not_a_second_mapping() -> None:
+    p1, p2, p3 = peers(3)
+    own = [Multiaddr("/ip4/192.168.1.2/tcp/4001"), SIX]
+    # two observers saw the IPv4 mapping, one saw our own IPv6 address: the IPv4 NAT preserves the port
+    assert classify_mapping({p1: A, p2: A, p3: SIX}, own, {4001}, public) == MappingKind.INDEPENDENT_PRESERVED
+    assert classify_mapping({p1: A, p3: SIX}, own, {4001}, public) == MappingKind.UNKNOWN
+    # an IPv6-only peer: its views are judged
+    assert classify_mapping({p3: SIX}, [SIX], {4001}, public) == MappingKind.NONE
+
+
+def test_a_peer_reached_over_ipv6_only_says_so_in_its_mode() -> None:
+    (relay,) = peers(1)
+    assert select_mode(Reachability.PRIVATE, [SIX], [relay], relays_tried=False) == (
+        NatMode.RELAYED, f"reachable through {relay}; directly only at {SIX}")
+    assert select_mode(Reachability.PRIVATE, [SIX], [], relays_tried=True) == (
+        NatMode.CLIENT, f"not reachable and no relay accepted us: dialing out only; directly only at {SIX}")

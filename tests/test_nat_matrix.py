@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import trio
 
-from nat.lab import ALL_KINDS, Host, Lab, NatKind
+from nat.lab import ALL_KINDS, Host, Ipv6, Lab, NatKind
 from p2p.trio_util import read_lines
 from tests.kit import requires_root_netns
 
@@ -98,11 +98,12 @@ class Agent:
         return reply
 
 
-async def start_agent(host: Host, relay_addr: str | list[str]) -> Agent:
+async def start_agent(host: Host, relay_addr: str | list[str], *, listen: list[str] | None = None) -> Agent:
     # DEDLOC_AGENT_LOGS=dir keeps each agent's debug log there.
     logs = os.environ.get("DEDLOC_AGENT_LOGS")
     proc = await host.spawn(
-        [sys.executable, "-m", "tests.nat_agent", "--listen", f"/ip4/0.0.0.0/tcp/{PORT}"]
+        [sys.executable, "-m", "tests.nat_agent"]
+        + [arg for addr in (listen or [f"/ip4/0.0.0.0/tcp/{PORT}"]) for arg in ("--listen", addr)]
         + [arg for addr in ([relay_addr] if isinstance(relay_addr, str) else relay_addr) for arg in ("--relay", addr)]
         + (["--verbose"] if logs else []),
         stderr=open(os.path.join(logs, f"{host.ns}.log"), "wb") if logs else None,
@@ -116,11 +117,13 @@ async def start_agent(host: Host, relay_addr: str | list[str]) -> Agent:
     return agent
 
 
-async def start_relay(lab: Lab, name: str = "relay", *, loss_pct: float | None = None) -> tuple[Host, str]:
-    relay = await lab.public_host(name, delay_ms=25, loss_pct=loss_pct)
+async def start_relay(lab: Lab, name: str = "relay", *, loss_pct: float | None = None,
+                      listen: list[str] | None = None, ipv6: Ipv6 | None = None) -> tuple[Host, str]:
+    relay = await lab.public_host(name, delay_ms=25, loss_pct=loss_pct, ipv6=ipv6)
     proc = await relay.spawn(
-        [sys.executable, "-m", "nat.cli", "relay", "--ephemeral", "--json", "--listen", f"/ip4/0.0.0.0/tcp/{PORT}",
-         "--status-interval", "0", "--no-port-mapping"],
+        [sys.executable, "-m", "nat.cli", "relay", "--ephemeral", "--json"]
+        + [arg for addr in (listen or [f"/ip4/0.0.0.0/tcp/{PORT}"]) for arg in ("--listen", addr)]
+        + ["--status-interval", "0", "--no-port-mapping"],
         stdout=subprocess.PIPE,
         cwd=str(ROOT),
     )

@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 import trio
 
-from nat.lab import Host, Lab, NatKind, NetlabTimeout, Shape, cleanup_stale, netem_unavailable_reason
+from nat.lab import Host, Ipv6, Lab, NatKind, NetlabTimeout, Shape, cleanup_stale, netem_unavailable_reason
+from p2p.errors import ConfigError
 
 from .kit import requires_root_netns
 
@@ -425,6 +426,62 @@ async def test_a_link_without_delay_can_go_through_the_wire_and_loses_nothing() 
                                        timeout=STEP)
         assert rc == 0, err
         assert int(out.strip()) == 100
+
+
+# -- IPv6 -------------------------------------------------------------------------
+
+LISTEN6 = """
+import socket, sys, time
+s = socket.socket(socket.AF_INET6)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("::", int(sys.argv[1])))
+s.listen()
+while True:
+    c, peer = s.accept()
+    c.sendall((peer[0] + "\\n").encode())
+    c.close()
+"""
+CONNECT6 = """
+import socket, sys
+s = socket.socket(socket.AF_INET6)
+s.settimeout(2)
+try:
+    s.connect((sys.argv[1], int(sys.argv[2])))
+    print(s.recv(100).decode().strip())
+except OSError as e:
+    print(type(e).__name__, e.errno)
+"""
+
+
+async def test_ipv6_open_firewalled_and_none() -> None:
+    """``public_net6``: global IPv6 addresses without translation; OPEN takes new flows in,
+    FIREWALLED only replies (the router's filter, as for IPv4), NONE has no route at all."""
+    async with Lab(prefix=PREFIX, netem=False, public_net6="2011:dd::/48") as lab:
+        relay = await lab.public_host("relay", delay_ms=0)
+        open_ = await lab.peer("o", NatKind.EIM_PRESERVING, delay_ms=0, ipv6=Ipv6.OPEN)
+        walled = await lab.peer("w", NatKind.SYMMETRIC, delay_ms=0)
+        none = await lab.peer("n", NatKind.EIM_PRESERVING, delay_ms=0, ipv6=Ipv6.NONE)
+        double = await lab.peer("d", NatKind.DOUBLE, delay_ms=0)
+        assert relay.ipv6 is Ipv6.OPEN and walled.ipv6 is Ipv6.FIREWALLED  # the defaults
+        assert none.ip6 is None and double.ip6 is None and double.ipv6 is Ipv6.NONE
+        assert relay.ip6 and open_.ip6 and walled.ip6
+        for host in (relay, open_, walled):
+            await host.spawn([sys.executable, "-S", "-c", LISTEN6, "7201"], stdout=subprocess.DEVNULL)
+            await host.wait_listening(7201)
+
+        async def connect(src: Host, ip: str) -> str:
+            rc, out, err = await src.run([sys.executable, "-S", "-c", CONNECT6, ip, "7201"], timeout=STEP)
+            assert rc == 0, err
+            return out.strip()
+
+        assert await connect(walled, relay.ip6) == walled.ip6  # out, as is: no NAT on IPv6
+        assert await connect(relay, open_.ip6) == relay.ip6  # in, through an open router
+        assert await connect(relay, walled.ip6) == "TimeoutError None"  # in, dropped by the filter
+        assert await connect(walled, open_.ip6) == walled.ip6
+        assert await connect(none, relay.ip6) == "OSError 101"  # ENETUNREACH: no IPv6 route, at once
+    with pytest.raises(ConfigError):
+        async with Lab(prefix=PREFIX, netem=False) as plain:
+            await plain.peer("x", NatKind.EIM_PRESERVING, ipv6=Ipv6.OPEN)
 
 
 # -- cleanup ----------------------------------------------------------------------

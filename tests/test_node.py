@@ -72,6 +72,10 @@ async def test_ipv6_loopback():
         assert "/ip6/::1/" in str(a.addrs[0])
         await b.connect(a.addrs[0])
         assert await b.ping(a.peer_id) > 0
+        # both ends know where the connection goes (py-libp2p reads no IPv6 address by itself)
+        dialed, accepted = b.network.get_connections(a.peer_id)[0], a.network.get_connections(b.peer_id)[0]
+        assert str(dialed.get_transport_addresses()[0]).startswith("/ip6/::1/tcp/")
+        assert str(accepted.get_transport_addresses()[0]).startswith("/ip6/::1/tcp/")
 
 
 async def test_identity_file_keeps_peer_id_across_restarts(tmp_path):
