@@ -445,10 +445,6 @@ class _Security(SecurityMultistream):
         setattr(secure, "negotiated_security_protocol", NOISE_PROTOCOL_ID)
         return secure
 
-    async def secure_inbound(self, conn: IRawConnection) -> ISecureConn:
-        tcp_remote_address(getattr(conn, "stream", None))  # a dial as the responder (a punch): as above
-        return await super().secure_inbound(conn)
-
 
 class _Muxers(MuxerMultistream):
     """Muxer negotiation that builds our :class:`YamuxConnection` with our config; the dialer
