@@ -177,7 +177,7 @@ async def test_a_seeder_whose_file_changed_on_disk_stops_serving_it_and_is_never
     expected = corpus(tmp_path / "src")
     async with swarm(3) as (_, (creator, other, fetcher)), \
             Datasets.open(creator, DatasetsConfig(piece_size=PIECE)) as dc, \
-            Datasets.open(other, DatasetsConfig(piece_size=PIECE, upload_rate=3e6)) as do, \
+            Datasets.open(other, DatasetsConfig(piece_size=PIECE, upload_rate=3e5)) as do, \
             Datasets.open(fetcher) as df:
         local = await dc.create("corpus", tmp_path / "src")
         did = local.manifest.header.id
@@ -188,6 +188,8 @@ async def test_a_seeder_whose_file_changed_on_disk_stops_serving_it_and_is_never
                 f.seek(offset)
                 f.write(b"#")
         await announced(df, did, 2)
+        # `other` is paced to 300 KB/s (its burst 75 KB) so that it cannot hand over all 1.2 MB before
+        # the creator's connection is up: at 3 MB/s (a 750 KB burst) it did, in 0.18 s, in a loaded CI run
         report = await df.get("corpus", tmp_path / "got")
         assert same_files(tmp_path / "got", expected)
         assert report.banned == {} and creator.peer_id in report.sources
