@@ -266,7 +266,7 @@ def test_a_dual_stack_peers_ipv6_view_is_not_a_second_mapping() -> None:
 
 def test_a_peer_reached_over_ipv6_only_says_so_in_its_mode() -> None:
     (relay,) = peers(1)
-    assert select_mode(Reachability.PRIVATE, [SIX], [relay], relays_tried=False) == (
-        NatMode.RELAYED, f"reachable through {relay}; directly only at {SIX}")
+    assert select_mode(Reachability.PRIVATE, [SIX, SIX_OTHER], [relay], relays_tried=False) == (
+        NatMode.RELAYED, f"reachable through {relay}; directly only at {SIX}, {SIX_OTHER}")
     assert select_mode(Reachability.PRIVATE, [SIX], [], relays_tried=True) == (
         NatMode.CLIENT, f"not reachable and no relay accepted us: dialing out only; directly only at {SIX}")
