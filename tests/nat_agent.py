@@ -46,7 +46,7 @@ from nat.peer import Peer, PeerConfig
 from nat.traversal import NatConfig, NatService
 from p2p import Node, NodeConfig
 from p2p.dht import DHT, DHTConfig
-from p2p.dialer import live_connection
+from p2p.dialer import live_connection, remote_addr
 
 SINK = "/dedloc/test/sink/1.0.0"
 
@@ -142,17 +142,14 @@ async def _connect(node: Node, addrs: list[Multiaddr], timeout: float) -> ID:
     return peer
 
 
-def _direct(node: Node, peer: ID) -> bool:
-    return any(not is_relayed_conn(c) for c in node.network.get_connections(peer))
-
-
 def _direct_addr(node: Node, peer: ID) -> str | None:
     """The remote address of a direct connection to ``peer``, if there is one."""
-    for conn in node.network.get_connections(peer):
-        if not is_relayed_conn(conn):
-            addrs = conn.get_transport_addresses()
-            return str(addrs[0]) if addrs else "?"
-    return None
+    conn = next((c for c in node.network.get_connections(peer) if not is_relayed_conn(c)), None)
+    return None if conn is None else str(remote_addr(conn))
+
+
+def _direct(node: Node, peer: ID) -> bool:
+    return _direct_addr(node, peer) is not None
 
 
 def _relayed(node: Node, peer: ID) -> bool:
