@@ -166,6 +166,19 @@ def plan_probes(candidates: Sequence[Multiaddr], servers: Sequence[ID], verdicts
     return plan
 
 
+def server_judges(family: str | None, server_addrs: Iterable[Multiaddr], public: Callable[[Multiaddr], bool]) -> bool:
+    """Whether an AutoNAT server can dial our addresses of ``family``, from the addresses it advertises.
+
+    IPv4: every server (one behind a NAT dials out through it, and a server accepts IPv4 from
+    anyone). IPv6: only one that advertises a public IPv6 address; one without refuses
+    (``E_DIAL_REFUSED``), and asking it spends a request for nothing. Asking about IPv4 only servers
+    that advertised a public IPv4 address left a swarm whose servers sit behind NATs, with public
+    IPv6 beside them, with nobody to judge IPv4 at all."""
+    if family == "ip4":
+        return True
+    return family is not None and any(ip_family(a) == family and public(a) for a in server_addrs)
+
+
 def judge_reachability(current: Reachability, verdicts: AddressVerdicts, candidates: Collection[Multiaddr],
                        servers: int, min_failures: int, family: str = "ip4") -> Reachability:
     """Whether every peer can dial us, judged in the one address ``family`` every peer can dial

@@ -61,7 +61,7 @@ from .circuit import HOP_PROTOCOL, RelayClient, RelayClientConfig
 from .holepunch import HolePunchConfig, HolePuncher, PunchResult
 from .port_mapping import PortMappingConfig, PortMappingUnavailable, map_port
 from .reachability import (AddressVerdicts, MappingKind, NatMode, ServerBudget, classify_mapping, judge_reachability,
-                           plan_probes, select_mode)
+                           plan_probes, select_mode, server_judges)
 from .relay import RelayConfig, RelayService
 from .relay_discovery import RelayDiscoveryConfig
 
@@ -344,13 +344,8 @@ class NatService(SwarmObserver):
         return self._judges_family(server, ip_family(addr))
 
     def _judges_family(self, server: ID, family: str | None) -> bool:
-        """Whether ``server`` can dial addresses of ``family``: it advertises a public address of it
-        (a server with no IPv6 address refuses to judge ours, rightly). A server whose addresses we
-        do not know is asked about IPv4 only, which every server dials."""
-        known = [a for a in self.node.known_addrs(server) if self._public(a)]
-        if not known:
-            return family == "ip4"
-        return any(ip_family(a) == family for a in known)
+        """Whether ``server`` can dial addresses of ``family``: see :func:`server_judges`."""
+        return server_judges(family, self.node.known_addrs(server), self._public)
 
     async def _reachability_loop(self) -> None:
         while True:

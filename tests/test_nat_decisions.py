@@ -7,7 +7,7 @@ from multiaddr import Multiaddr
 
 from nat.proto import circuit_pb2 as pb
 from nat.reachability import (AddressVerdicts, MappingKind, NatMode, ServerBudget, classify_mapping, judge_reachability,
-                              plan_probes, select_mode)
+                              plan_probes, select_mode, server_judges)
 from nat.relay import RelayAdmission, RelayConfig, Refusal
 from p2p.addresses import reachable_tcp
 from p2p.hooks import Reachability
@@ -252,6 +252,22 @@ def test_an_address_goes_only_to_servers_that_can_dial_its_family() -> None:
     v.record(SIX, s1, False)
     again = plan_probes([SIX], [s1, s2, s3], v, {s: 4 for s in (s1, s2, s3)}, min_failures=3, judges=judges)
     assert again == {}
+
+
+def test_every_server_judges_ipv4_and_only_one_with_public_ipv6_judges_ipv6() -> None:
+    public = lambda a: reachable_tcp(a, allow_private=False)  # noqa: E731
+    natted_with_six = [Multiaddr("/ip4/192.168.1.7/tcp/4001"), Multiaddr("/ip6/2606:4700::7/tcp/4001")]
+    public_four = [Multiaddr("/ip4/8.8.8.8/tcp/4001")]
+    lan_six = [Multiaddr("/ip4/8.8.8.8/tcp/4001"), Multiaddr("/ip6/fd00::7/tcp/4001")]
+    # IPv4: every server dials out, behind a NAT or not, or whatever it advertises (nothing known)
+    for addrs in (natted_with_six, public_four, lan_six, []):
+        assert server_judges("ip4", addrs, public)
+    # IPv6: only a server that advertises a public IPv6 address
+    assert server_judges("ip6", natted_with_six, public)
+    assert not server_judges("ip6", public_four, public)
+    assert not server_judges("ip6", lan_six, public)  # a unique-local address is no route to ours
+    assert not server_judges("ip6", [], public)
+    assert not server_judges(None, natted_with_six, public)
 
 
 def test_a_dual_stack_peers_ipv6_view_is_not_a_second_mapping() -> None:
