@@ -41,6 +41,7 @@ from libp2p.peer.id import ID
 
 from nat import Swarm
 from p2p.errors import ConfigError
+from p2p.rpc.stream import TRANSPORT_ERRORS
 from p2p.trio_util import finish_quietly
 
 from .bandwidth import TransferClock
@@ -129,10 +130,16 @@ class _Counter:
             await self._changed.wait()
 
 
-def _describe(error: BaseException) -> str:
-    """The first real error inside nested exception groups, named."""
+def _innermost(error: BaseException) -> BaseException:
+    """The first real error inside nested exception groups (a nursery wraps even one)."""
     while isinstance(error, BaseExceptionGroup) and error.exceptions:
         error = error.exceptions[0]
+    return error
+
+
+def _describe(error: BaseException) -> str:
+    """The first real error inside nested exception groups, named."""
+    error = _innermost(error)
     return f"{type(error).__name__}: {error}"
 
 
@@ -493,10 +500,14 @@ class AllreduceRound:
 
     async def _read_chunks(self, stream: INetStream, reader: FrameReader, sender: int, reduction: PartReduction,
                            mine: Sequence[Region], buffer: _ChunkBuffer) -> None:
+        """Read a sender's chunks while its averages go back. Either direction failing drops the
+        sender: a sender that left shows first in whichever of the two touches its stream next, and
+        a failed write-back that only cancelled the reads left its chunks awaited until the round's
+        timeout, holding up every member's part here."""
         clock = self._clock(self.download)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._write_back, stream, sender)
-            try:
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._write_back, stream, sender)
                 for k, span in enumerate(mine):
                     with trio.fail_after(self.config.stall_timeout) as watchdog:
                         reader.watch(watchdog, self.config.stall_timeout)
@@ -504,16 +515,14 @@ class AllreduceRound:
                     clock.add(len(payload), time.perf_counter())
                     values = decode(payload, span.codec, span.end - span.start)
                     self._dispatch(reduction.add(sender, k, values))
-            except trio.TooSlowError:
-                self._dispatch(reduction.drop(sender, f"stalled for {self.config.stall_timeout:.0f} s"))
-                nursery.cancel_scope.cancel()
-                await finish_quietly(stream.reset)
-            except Exception as e:
-                self._dispatch(reduction.drop(sender, _describe(e)))
-                nursery.cancel_scope.cancel()
-                await finish_quietly(stream.reset)
-                if not isinstance(e, (AllreduceProtocolError, OSError, EOFError)):
-                    log.info("stream from member %d failed: %r", sender, e)
+        except Exception as e:
+            error = _innermost(e)
+            stalled = isinstance(error, trio.TooSlowError)
+            self._dispatch(reduction.drop(sender, f"stalled for {self.config.stall_timeout:.0f} s" if stalled
+                                          else _describe(error)))
+            await finish_quietly(stream.reset)
+            if not isinstance(error, (trio.TooSlowError, AllreduceProtocolError, *TRANSPORT_ERRORS)):
+                log.info("stream from member %d failed: %r", sender, error)
 
     async def _write_back(self, stream: INetStream, sender: int) -> None:
         receive = self._receivers[sender]
@@ -592,12 +601,10 @@ class AllreduceRound:
                     self._take(part, k, values, contributors, head.note.split("; ") if head.note else [])
                     got += 1
                     returned.advance(got)
-        except trio.TooSlowError:
-            outcome.not_averaged = (f"chunks {got}..{len(spans) - 1} kept own values: the reducer stalled for "
-                                    f"{2 * self.config.stall_timeout:.0f} s")
-            await finish_quietly(stream.reset)
         except Exception as e:
-            outcome.not_averaged = f"chunks {got}..{len(spans) - 1} kept own values: {_describe(e)}"
+            why = (f"the reducer stalled for {2 * self.config.stall_timeout:.0f} s"
+                   if isinstance(_innermost(e), trio.TooSlowError) else _describe(e))
+            outcome.not_averaged = f"chunks {got}..{len(spans) - 1} kept own values: {why}"
             await finish_quietly(stream.reset)
         else:
             await finish_quietly(stream.close)
