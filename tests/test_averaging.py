@@ -399,6 +399,21 @@ async def test_a_peer_dying_mid_round_is_reported_never_silent() -> None:
                 assert not report.complete, "a silent partial average"
 
 
+async def three_in_a_round(size: int, stall_timeout: float) -> list[RoundReport]:
+    """One non-strict round of three public peers in chunks of 16 Ki values; every peer's report."""
+    async with open_peers(3) as everyone:
+        peers = everyone[1:]
+        await public(peers)
+        data = [[torch.full((size,), float(i + 1))] for i in range(3)]
+        cfg = config(3, allreduce=AllreduceConfig(chunk_elements=16 * 1024, stall_timeout=stall_timeout, timeout=30.0))
+        async with Averager.open(peers[0], cfg) as a0, Averager.open(peers[1], cfg) as a1, \
+                Averager.open(peers[2], cfg) as a2:
+            results = await step_all([a0, a1, a2], data, [1.0, 1.0, 1.0], strict=False)
+    reports = [r for r in results if isinstance(r, RoundReport)]
+    assert len(reports) == 3, results
+    return reports
+
+
 async def test_a_write_back_that_breaks_drops_its_sender_at_once(monkeypatch: pytest.MonkeyPatch,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     """The first average a reducer sends back meets a broken stream, while that sender's chunks are
@@ -414,17 +429,8 @@ async def test_a_write_back_that_breaks_drops_its_sender_at_once(monkeypatch: py
         await real_write(stream, head, payload)
 
     monkeypatch.setattr(allreduce, "_write_chunk", write)
-    async with open_peers(3) as everyone:
-        peers = everyone[1:]
-        await public(peers)
-        data = [[torch.full((1_000_000,), float(i + 1))] for i in range(3)]
-        cfg = config(3, allreduce=AllreduceConfig(chunk_elements=16 * 1024, stall_timeout=5.0, timeout=30.0))
-        async with Averager.open(peers[0], cfg) as a0, Averager.open(peers[1], cfg) as a1, \
-                Averager.open(peers[2], cfg) as a2:
-            results = await step_all([a0, a1, a2], data, [1.0, 1.0, 1.0], strict=False)
+    reports = await three_in_a_round(1_000_000, stall_timeout=5.0)
     assert broken, "no average was written back"
-    reports = [r for r in results if isinstance(r, RoundReport)]
-    assert len(reports) == 3, results
     for report in reports:
         assert report.elapsed < 15.0, report.summary()
         assert not any("timed out" in n for n in report.notes), report.notes
@@ -447,18 +453,9 @@ async def test_a_reducer_that_stops_answering_is_reported_as_stalled(monkeypatch
         await real_write_back(self, stream, sender)
 
     monkeypatch.setattr(allreduce.AllreduceRound, "_write_back", write_back)
-    async with open_peers(3) as everyone:
-        peers = everyone[1:]
-        await public(peers)
-        data = [[torch.full((300_000,), float(i + 1))] for i in range(3)]
-        cfg = config(3, allreduce=AllreduceConfig(chunk_elements=16 * 1024, stall_timeout=2.0, timeout=30.0))
-        async with Averager.open(peers[0], cfg) as a0, Averager.open(peers[1], cfg) as a1, \
-                Averager.open(peers[2], cfg) as a2:
-            results = await step_all([a0, a1, a2], data, [1.0, 1.0, 1.0], strict=False)
+    reports = await three_in_a_round(300_000, stall_timeout=2.0)
     assert held
     reducer, sender = held[0]
-    reports = [r for r in results if isinstance(r, RoundReport)]
-    assert len(reports) == 3, results
     held_back = [p for r in reports if r.my_index == sender  # the sender's own report
                  for p in r.parts if p.reducer.to_base58() == reducer]
     assert len(held_back) == 1, [r.summary() for r in reports]
