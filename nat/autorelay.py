@@ -101,21 +101,27 @@ class AutoRelay:
 
     async def run(self, wanted: Callable[[], bool], after_pass: Callable[[], None]) -> None:
         """Forever: while ``wanted()``, keep reservations; call ``after_pass`` after each pass."""
+        was_wanted = True
         while True:
             self._wake = trio.Event()
-            if self.config.enabled and wanted():
-                await self._keep()
+            want = self.config.enabled and wanted()
+            if want:
+                # Back from public: every slot is renewed at once. A public peer renews none and
+                # advertises none, and a relay that filled up took such slots back (``RelayAdmission.
+                # reclaim_candidates``): one kept on trust would be advertised and reach nobody.
+                await self._keep(renew_all=not was_wanted)
+            was_wanted = want
             after_pass()
             with trio.move_on_after(self.config.poll_interval):
                 await self._wake.wait()
 
-    async def _keep(self) -> None:
+    async def _keep(self, *, renew_all: bool = False) -> None:
         client = self._client
         now = time.time()  # reservation expiries are wall-clock times from the relay
         for relay, rsvp in list(client.reservations.items()):
             if live_connection(self._node.network, relay) is None:
                 self.lost(relay, "disconnected")
-            elif rsvp.expire - now < min(self.config.refresh_before, (rsvp.expire - rsvp.reserved_at) / 4):
+            elif renew_all or rsvp.expire - now < min(self.config.refresh_before, (rsvp.expire - rsvp.reserved_at) / 4):
                 await self._reserve(relay, refresh=True)
         for relay in self._node.connected_peers():
             if len(client.reservations) >= self.config.max_relays:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -27,10 +28,17 @@ class ReachabilityChanged(Event):
 
 @dataclass
 class RelayReserved(Event):
+    """A slot on ``relay`` until ``expire`` (unix seconds, the relay's clock), renewed before it ends."""
+
     relay: ID
     expire: float
     addrs: list[str]
     event: str = field(init=False, default="relay_reserved")
+
+    def human(self) -> str:
+        until = time.strftime("%H:%M:%S", time.localtime(self.expire))
+        where = f": reachable at {self.addrs[0]}" if self.addrs else ""
+        return f"relay slot on {self.relay}{where} (held until {until}, renewed before then)"
 
 
 @dataclass

@@ -125,6 +125,10 @@ class NatMetrics(Collector):
         for limit in ("data", "duration"):
             limits.add_metric([limit], s.limits_hit.get(limit, 0))
         yield limits
+        reclaimed = CounterMetricFamily("dedloc_relaysvc_reservations_reclaimed",
+                                        "Slots taken back, when full, from holders that no longer advertise them")
+        reclaimed.add_metric([], s.reclaimed)
+        yield reclaimed
 
     def _dedloc(self, m: Metrics) -> Iterator[Metric]:
         nat = self._nat

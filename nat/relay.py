@@ -18,18 +18,19 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 import trio
 from libp2p.abc import INetStream
 from libp2p.peer.envelope import Envelope, make_unsigned
 from libp2p.peer.id import ID
+from multiaddr import Multiaddr
 
 from p2p import Node
-from p2p.addresses import is_relayed, is_relayed_conn, with_peer_id, without_peer_id
+from p2p.addresses import is_relayed, is_relayed_conn, split_circuit, with_peer_id, without_peer_id
 from p2p.dialer import live_connection
-from p2p.errors import ConfigError, RemoteProtocolError
+from p2p.errors import AddressError, ConfigError, RemoteProtocolError
 from p2p.hooks import Registration
 from p2p.resources import ResourceLimitExceeded
 from p2p.trio_util import finish_quietly
@@ -62,6 +63,15 @@ class RelayConfig:
     circuit_bandwidth: int = 0
     #: Time for the target to accept a circuit (STOP exchange).
     connect_timeout: float = 10.0
+    #: When every slot is taken: holders asked (identify, at once) whether they still advertise an
+    #: address through us, longest held first, and how long each answer lasts. A holder that no
+    #: longer does (it became public) gives its slot to the newcomer.
+    #: A slot younger than ``reclaim_grace`` seconds is never asked about (its holder may not have
+    #: published the address yet).
+    reclaim_checks: int = 8
+    reclaim_timeout: float = 3.0
+    reclaim_recheck: float = 300.0
+    reclaim_grace: float = 30.0
 
     def validate(self) -> None:
         for name in ("max_reservations", "max_reservations_per_ip", "reservation_ttl", "max_circuits", "max_circuits_per_peer"):
@@ -70,8 +80,11 @@ class RelayConfig:
         for name in ("circuit_duration", "circuit_data", "circuit_bandwidth"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"relay {name} must not be negative (0 means no limit)")
-        if self.connect_timeout <= 0:
-            raise ConfigError("relay connect_timeout must be positive")
+        if self.connect_timeout <= 0 or self.reclaim_timeout <= 0 or self.reclaim_recheck < 0 or self.reclaim_grace < 0:
+            raise ConfigError("relay connect_timeout and reclaim_timeout must be positive, reclaim_recheck and "
+                              "reclaim_grace not negative")
+        if self.reclaim_checks < 0:
+            raise ConfigError("relay reclaim_checks must not be negative (0: never reclaim a slot)")
 
 
 @dataclass
@@ -79,6 +92,24 @@ class _Slot:
     peer: ID
     ip: str
     expire: float
+    #: when the slot was first granted (renewals keep it), and when its holder last said it uses it
+    since: float = 0.0
+    used_at: float = -float("inf")
+
+
+def advertises_through(listen_addrs: Iterable[Multiaddr], relay: ID) -> bool:
+    """Whether a peer's advertised addresses include one through ``relay`` (``/p2p/<relay>/p2p-circuit``).
+
+    A peer advertises its relayed addresses only while it is not publicly reachable (``Node._advertised``):
+    one that no longer lists ours holds a slot nobody can use it by."""
+    for addr in listen_addrs:
+        if is_relayed(addr):
+            try:
+                if split_circuit(addr)[1] == relay:
+                    return True
+            except AddressError:
+                continue
+    return False
 
 
 #: The answers that mean one of the relay's limits was hit (its reservation and circuit caps): the
@@ -113,14 +144,44 @@ class RelayAdmission:
 
     def reserve(self, peer: ID, ip: str, now: float) -> Refusal | int:
         """A slot (new or refreshed) until the returned expiry (unix seconds), or the refusal."""
-        if peer not in self.slots:
+        old = self.slots.get(peer)
+        if old is None:
             if len(self.slots) >= self.config.max_reservations:
                 return Refusal(pb.RESERVATION_REFUSED, "too many reservations")
             if sum(1 for s in self.slots.values() if s.ip == ip) >= self.config.max_reservations_per_ip:
                 return Refusal(pb.RESERVATION_REFUSED, "too many reservations from one IP")
         expire = int(now) + self.config.reservation_ttl
-        self.slots[peer] = _Slot(peer, ip, expire)
+        # a renewal is a holder using its slot (a public peer does not renew)
+        self.slots[peer] = _Slot(peer, ip, expire, since=now) if old is None else \
+            _Slot(peer, ip, expire, since=old.since, used_at=now)
         return expire
+
+    def reclaim_candidates(self, now: float, newcomer: ID) -> list[ID]:
+        """Every slot is taken and ``newcomer`` holds none: the holders to ask whether they still
+        use theirs, at most ``reclaim_checks``, longest held first, skipping those that said so (or
+        renewed) within ``reclaim_recheck`` seconds and those granted within ``reclaim_grace``.
+
+        Peers reserve before their NAT verdict (a NATed peer is reachable at once), so a public one
+        holds a slot it stopped advertising; with no way to give it back in relay v2 but to
+        disconnect, a relay's slots filled with public peers within the hour and turned NATed
+        newcomers away (3 public peers on a 3-slot relay left a 4th, NATed, reachable by nobody)."""
+        if newcomer in self.slots or len(self.slots) < self.config.max_reservations:
+            return []
+        fresh = [s for s in self.slots.values()
+                 if now - s.used_at >= self.config.reclaim_recheck and now - s.since >= self.config.reclaim_grace]
+        return [s.peer for s in sorted(fresh, key=lambda s: s.since)][: self.config.reclaim_checks]
+
+    def heard(self, peer: ID, uses: bool, now: float) -> bool:
+        """What a holder's addresses said (:func:`advertises_through`): its slot is kept (and not
+        asked about again for ``reclaim_recheck``) or reclaimed; whether it was reclaimed."""
+        slot = self.slots.get(peer)
+        if slot is None:
+            return False
+        if uses:
+            slot.used_at = now
+            return False
+        del self.slots[peer]
+        return True
 
     def open_circuit(self, source: ID, target: ID) -> Refusal | None:
         """Count a circuit from ``source`` to ``target``, or say why not; :meth:`close_circuit` undoes it."""
@@ -150,6 +211,8 @@ class RelayStats:
     """What a relay has served; ``dedloc relay`` reports it."""
 
     reservations: int = 0
+    #: slots taken back from holders that stopped advertising an address through us
+    reclaimed: int = 0
     circuits: int = 0
     circuits_total: int = 0
     bytes_relayed: int = 0
@@ -198,6 +261,7 @@ class RelayService:
             "circuits": self.admission.circuit_count,
             "circuits_total": s.circuits_total,
             "bytes_relayed": s.bytes_relayed,
+            "reclaimed": s.reclaimed,
         }
         out.update({f"refused.{reason}": n for reason, n in s.refused.items()})
         out.update({f"limits_hit.{limit}": n for limit, n in s.limits_hit.items()})
@@ -253,6 +317,7 @@ class RelayService:
 
     async def _reserve(self, stream: INetStream, peer: ID) -> None:
         self._sweep()
+        await self._reclaim(peer)
         renewal = peer in self.admission.slots
         expire = self.admission.reserve(peer, _remote_ip(stream), time.time())
         if isinstance(expire, Refusal):
@@ -281,6 +346,30 @@ class RelayService:
         key = self._node.host.get_private_key()
         signature = key.sign(make_unsigned(VOUCHER_DOMAIN, VOUCHER_PAYLOAD_TYPE, payload))
         return Envelope(key.get_public_key(), VOUCHER_PAYLOAD_TYPE, payload, signature).marshal_envelope()
+
+    async def _reclaim(self, newcomer: ID) -> None:
+        """Full: ask the longest holders at once whether they still advertise an address through us,
+        and free the slots of those that do not (:meth:`RelayAdmission.reclaim_candidates`). A holder
+        that does not answer in time keeps its slot."""
+        candidates = self.admission.reclaim_candidates(time.time(), newcomer)
+        if not candidates:
+            return
+        me = self._node.peer_id
+
+        async def ask(holder: ID) -> None:
+            with trio.move_on_after(self.config.reclaim_timeout):
+                try:
+                    info = await self._node.identify(holder, timeout=self.config.reclaim_timeout)
+                except Exception as e:
+                    log.debug("relay: could not ask %s about its slot: %s", holder, e)
+                    return
+                if self.admission.heard(holder, advertises_through(info.listen_addrs, me), time.time()):
+                    self.stats.reclaimed += 1
+                    log.info("relay: reclaimed the slot of %s (it no longer advertises an address through us)", holder)
+
+        async with trio.open_nursery() as nursery:
+            for holder in candidates:
+                nursery.start_soon(ask, holder)
 
     def _sweep(self) -> None:
         network = self._node.network

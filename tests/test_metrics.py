@@ -50,7 +50,7 @@ RELAY = ["libp2p_relaysvc_status", "libp2p_relaysvc_reservations_total",
          "libp2p_relaysvc_reservation_request_response_status_total", "libp2p_relaysvc_reservation_rejections_total",
          "libp2p_relaysvc_connections_total", "libp2p_relaysvc_connection_request_response_status_total",
          "libp2p_relaysvc_connection_rejections_total", "libp2p_relaysvc_data_transferred_bytes_total",
-         "dedloc_relaysvc_slots", "dedloc_relaysvc_circuits_cut_total"]
+         "dedloc_relaysvc_slots", "dedloc_relaysvc_circuits_cut_total", "dedloc_relaysvc_reservations_reclaimed_total"]
 DHT = ["dedloc_dht_query_duration_seconds", "dedloc_dht_queries_total", "dedloc_dht_server",
        "dedloc_dht_routing_table_peers", "dedloc_dht_records", "dedloc_dht_stored_bytes",
        "dedloc_dht_inbound_requests_total"]

@@ -8,7 +8,7 @@ from multiaddr import Multiaddr
 from nat.proto import circuit_pb2 as pb
 from nat.reachability import (AddressVerdicts, MappingKind, NatMode, ServerBudget, classify_mapping, judge_reachability,
                               plan_probes, select_mode, server_judges)
-from nat.relay import RelayAdmission, RelayConfig, Refusal
+from nat.relay import RelayAdmission, RelayConfig, Refusal, advertises_through
 from p2p.addresses import reachable_tcp
 from p2p.hooks import Reachability
 from p2p.identity import new_identity, peer_id_of
@@ -179,6 +179,37 @@ def test_relay_admission_limits_and_expiry() -> None:
     # Expired slots and slots of disconnected peers go at the next sweep.
     admission.sweep(1065.0, connected=lambda p: p != c)
     assert set(admission.slots) == {a}
+
+
+def test_a_full_relay_asks_its_longest_holders_and_frees_the_slots_nobody_is_told_of() -> None:
+    a, b, c, d, relay = peers(5)
+    admission = RelayAdmission(RelayConfig(max_reservations=3, reservation_ttl=3600, reclaim_checks=2,
+                                           reclaim_recheck=300.0, reclaim_grace=30.0))
+    for i, p in enumerate((a, b, c)):
+        assert isinstance(admission.reserve(p, f"198.51.100.{i}", now=1000.0 + i), int)
+    assert admission.reclaim_candidates(1010.0, d) == []  # every slot within its grace
+    assert admission.reclaim_candidates(1040.0, a) == []  # a holder asks again: a renewal, never refused
+    # the longest held first, at most reclaim_checks
+    assert admission.reclaim_candidates(1040.0, d) == [a, b]
+    assert not admission.heard(a, True, now=1040.0)  # a still advertises us: kept, and not asked for a while
+    assert admission.reclaim_candidates(1041.0, d) == [b, c]
+    assert admission.heard(b, False, now=1041.0)  # b does not: its slot is free
+    assert b not in admission.slots and not admission.heard(b, False, now=1041.0)
+    assert admission.reclaim_candidates(1041.0, d) == []  # not full any more
+    assert isinstance(admission.reserve(d, "198.51.100.9", now=1041.0), int)
+    assert admission.reclaim_candidates(1341.0, b) == [a, c]  # a's answer is 300 s old: asked again
+    # a renewal counts as use, and keeps the slot's age
+    assert isinstance(admission.reserve(c, "198.51.100.2", now=1341.0), int)
+    assert admission.slots[c].since == 1002.0
+    assert admission.reclaim_candidates(1341.0, b) == [a, d]
+    # what a holder advertises: an address through this relay, not another's
+    through = Multiaddr(f"/ip4/198.51.100.7/tcp/4001/p2p/{relay}/p2p-circuit")
+    other = Multiaddr(f"/ip4/198.51.100.8/tcp/4001/p2p/{a}/p2p-circuit")
+    direct = Multiaddr("/ip4/198.51.100.9/tcp/4001")
+    assert advertises_through([direct, through], relay)
+    assert not advertises_through([direct, other], relay)
+    assert not advertises_through([Multiaddr("/p2p-circuit")], relay)  # names no relay: skipped
+    assert not advertises_through([], relay)
 
 
 def test_failures_are_counted_per_address_and_refuted_needs_no_confirmation() -> None:

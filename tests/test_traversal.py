@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -21,6 +22,7 @@ from p2p.addresses import is_relayed_conn
 from nat.proto import autonat_v2_pb2 as apb
 from nat.proto import circuit_pb2 as cpb
 from nat.reachability import MappingKind
+from nat.relay import RelayConfig
 from nat.traversal import NatConfig, NatService
 from p2p.wire import read_message, write_message
 from p2p import Node
@@ -94,6 +96,10 @@ async def test_peer_behind_a_relay_reserves_advertises_and_is_reachable_by_id():
                          and any(e.mode == "relayed" for e in of_type(b_seen, nev.ModeChanged)))
         (reserved,) = of_type(b_seen, nev.RelayReserved)
         assert reserved.relay == str(relay.peer_id) and reserved.expire > 0
+        # its line says where and until when, not "expire=1.8e+09"
+        held = time.strftime("%H:%M:%S", time.localtime(reserved.expire))
+        assert reserved.human() == (f"relay slot on {relay.peer_id}: reachable at {reserved.addrs[0]} "
+                                    f"(held until {held}, renewed before then)")
         (circuit,) = circuit_addrs(b)
         assert str(circuit) == f"{without_peer_id(relay.addrs[0])}/p2p/{relay.peer_id}/p2p-circuit/p2p/{b.peer_id}"
         assert reserved.addrs == [str(circuit).rsplit("/p2p/", 1)[0]]
@@ -191,6 +197,44 @@ async def test_a_node_that_listens_nowhere_is_reachable_only_through_its_relay_s
         assert is_relayed_conn(conn)
         assert await c.ping(b.peer_id) > 0
         assert not is_relayed_conn(b.network.get_connections(relay.peer_id)[0])  # it dialed out directly
+
+
+async def test_a_full_relay_takes_back_slots_from_peers_that_went_public_and_they_renew_when_back(monkeypatch):
+    """Peers reserve before their verdict (a NATed one is reachable at once), so two that went public
+    hold both slots of a relay, advertising neither. A peer that listens nowhere still gets a slot: the
+    full relay asks the holders (identify) and frees those not advertised. A holder that stops being
+    public renews its slot at once, rather than advertise one the relay took back."""
+    back_to_private: set[str] = set()
+    wants = NatService._wants_relays
+    monkeypatch.setattr(NatService, "_wants_relays",
+                        lambda self: str(self.node.peer_id) in back_to_private or wants(self))
+    async with AsyncExitStack() as stack:
+        relay, relay_nat, _ = await stack.enter_async_context(nat_node(nat_config(
+            relay_service=True, autonat_server=False, relay=RelayConfig(max_reservations=2, reclaim_grace=0.0))))
+        server, _, _ = await stack.enter_async_context(nat_node(nat_config(allow_private=True)))
+        holders = []
+        for _ in range(2):
+            p, p_nat, _ = await stack.enter_async_context(nat_node(nat_config(allow_private=True)))
+            await p.connect(relay.addrs[0])  # the relay judges nobody: the slot comes first
+            await wait_until(lambda: p_nat.relay_client.reservations)
+            await p.connect(server.addrs[0])
+            holders.append((p, p_nat))
+        await wait_until(lambda: all(n.mode == "public" for _, n in holders))
+        assert relay_nat.relay_service is not None and set(relay_nat.relay_service.admission.slots) == {p.peer_id for p, _ in holders}
+        assert all(not circuit_addrs(p) for p, _ in holders)
+
+        b, b_nat, _ = await stack.enter_async_context(nat_node(listen=[]))
+        await b.connect(relay.addrs[0])
+        await wait_until(lambda: circuit_addrs(b))
+        assert b_nat.mode == "relayed"
+        assert relay_nat.metrics()["relay.reclaimed"] == 2
+        assert set(relay_nat.relay_service.admission.slots) == {b.peer_id}
+
+        # one holder is no longer public: its autorelay renews the slot it still thinks it has
+        p, p_nat = holders[0]
+        back_to_private.add(str(p.peer_id))
+        p_nat.autorelay.wake()
+        await wait_until(lambda: p.peer_id in relay_nat.relay_service.admission.slots)
 
 
 async def test_relay_loss_is_reported_and_its_address_withdrawn():
