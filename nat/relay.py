@@ -239,6 +239,8 @@ class RelayService:
         self.config.validate()
         self.admission = RelayAdmission(self.config)
         self.stats = RelayStats()
+        #: set while a reclaim asks the holders (:meth:`_reclaim`)
+        self._reclaiming: trio.Event | None = None
 
     def install(self) -> Registration:
         """Serve HOP; the relay's slots show in the node's resource usage (``dedloc status``)."""
@@ -350,26 +352,37 @@ class RelayService:
     async def _reclaim(self, newcomer: ID) -> None:
         """Full: ask the longest holders at once whether they still advertise an address through us,
         and free the slots of those that do not (:meth:`RelayAdmission.reclaim_candidates`). A holder
-        that does not answer in time keeps its slot."""
+        that does not answer in time keeps its slot, and is not asked again for ``reclaim_recheck``
+        (a request for a slot costs the relay at most ``reclaim_checks`` questions, each holder one in
+        that time, however many newcomers ask). One reclaim runs at a time; requests meanwhile wait for it."""
+        if self._reclaiming is not None:
+            await self._reclaiming.wait()
+            return
         candidates = self.admission.reclaim_candidates(time.time(), newcomer)
         if not candidates:
             return
+        self._reclaiming = done = trio.Event()
         me = self._node.peer_id
 
         async def ask(holder: ID) -> None:
+            uses = True
             with trio.move_on_after(self.config.reclaim_timeout):
                 try:
                     info = await self._node.identify(holder, timeout=self.config.reclaim_timeout)
+                    uses = advertises_through(info.listen_addrs, me)
                 except Exception as e:
                     log.debug("relay: could not ask %s about its slot: %s", holder, e)
-                    return
-                if self.admission.heard(holder, advertises_through(info.listen_addrs, me), time.time()):
-                    self.stats.reclaimed += 1
-                    log.info("relay: reclaimed the slot of %s (it no longer advertises an address through us)", holder)
+            if self.admission.heard(holder, uses, time.time()):
+                self.stats.reclaimed += 1
+                log.info("relay: reclaimed the slot of %s (it no longer advertises an address through us)", holder)
 
-        async with trio.open_nursery() as nursery:
-            for holder in candidates:
-                nursery.start_soon(ask, holder)
+        try:
+            async with trio.open_nursery() as nursery:
+                for holder in candidates:
+                    nursery.start_soon(ask, holder)
+        finally:
+            self._reclaiming = None
+            done.set()
 
     def _sweep(self) -> None:
         network = self._node.network

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import trio
 from libp2p.abc import INetConn, INetStream
+from libp2p.identity.identify.identify import ID as IDENTIFY_PROTOCOL
 from libp2p.peer.envelope import Envelope, make_unsigned, unmarshal_envelope
 from multiaddr import Multiaddr
 
@@ -219,6 +220,61 @@ async def test_reservation_refused_when_relay_is_full():
         # A peer that holds a slot may refresh it while the relay is full.
         await a.client.reserve(net.relay.peer_id)
         assert net.service.metrics()["reservations"] == 2
+
+
+async def fill_with_a_silent_holder(net: Net) -> list[float]:
+    """The relay's two slots taken by peers 0 and 1, peer 0 never answering identify; when it was asked."""
+    silent, a = net.peers[:2]
+    asked: list[float] = []
+
+    async def never_answers(stream: INetStream) -> None:
+        asked.append(time.monotonic())
+        await trio.sleep(5)
+
+    silent.node.host.set_stream_handler(IDENTIFY_PROTOCOL, never_answers)
+    await silent.client.reserve(net.relay.peer_id)
+    await a.client.reserve(net.relay.peer_id)
+    return asked
+
+
+async def test_a_full_relay_reclaims_unadvertised_slots_and_asks_a_silent_holder_once():
+    """Full: the holders are asked (identify) whether they advertise an address through the relay.
+    These bare nodes advertise none, so a newcomer gets the slot of one; a holder that does not answer
+    in time keeps its slot and is not asked again for reclaim_recheck, however many newcomers come."""
+    config = RelayConfig(max_reservations=2, reclaim_grace=0.0, reclaim_timeout=0.5)
+    async with relay_net(4, config) as net:
+        silent, a, b, c = net.peers
+        asked = await fill_with_a_silent_holder(net)
+        await b.client.reserve(net.relay.peer_id)  # a's slot is taken back, the silent one's kept
+        assert set(net.service.admission.slots) == {silent.node.peer_id, b.node.peer_id}
+        assert net.service.stats.reclaimed == 1 and len(asked) == 1
+        await c.client.reserve(net.relay.peer_id)  # b's slot now; the silent holder is not asked again
+        assert set(net.service.admission.slots) == {silent.node.peer_id, c.node.peer_id}
+        assert net.service.stats.reclaimed == 2 and len(asked) == 1
+        assert net.service.metrics()["reclaimed"] == 2
+
+
+async def test_newcomers_at_once_share_one_reclaim():
+    """Two newcomers ask a full relay at the same moment: the holders are asked once, not once per
+    newcomer, and the one slot freed goes to one of them."""
+    config = RelayConfig(max_reservations=2, reclaim_grace=0.0, reclaim_timeout=0.5)
+    async with relay_net(4, config) as net:
+        silent, a, b, c = net.peers
+        asked = await fill_with_a_silent_holder(net)
+        refused: list[RelayError] = []
+
+        async def newcomer(peer: Peer) -> None:
+            try:
+                await peer.client.reserve(net.relay.peer_id)
+            except RelayError as e:
+                refused.append(e)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(newcomer, b)
+            nursery.start_soon(newcomer, c)
+        assert len(asked) == 1 and net.service.stats.reclaimed == 1
+        assert len(refused) == 1 and refused[0].status == pb.RESERVATION_REFUSED
+        assert len(net.service.admission.slots) == 2 and silent.node.peer_id in net.service.admission.slots
 
 
 async def test_reservations_per_ip_are_limited():
