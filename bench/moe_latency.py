@@ -134,7 +134,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     if base:
         for key, r in results["dmoe"].items():
             ratios[f"ratio_{key}_to_0ms"] = r["samples_per_s"] / base
-        ratios["dmoe_0ms_to_local"] = base / local["samples_per_s"]
+        if local["samples_per_s"]:  # 0 only where no step ended in the window and its grace
+            ratios["dmoe_0ms_to_local"] = base / local["samples_per_s"]
     results["latency"] = ratios
     print("\n" + "\n".join(f"{k}: {v:.2f}" for k, v in ratios.items()))
     if "ratio_200ms_to_0ms" in ratios:

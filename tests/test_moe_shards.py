@@ -11,7 +11,7 @@ import torch
 
 from p2p.errors import AddressError, ConfigError
 from training.commands import build_parser
-from training.moe.cli import build_backends, expert_uids
+from training.moe.cli import build_backends, expert_uids, torch_threads
 from training.moe.experts import expert_seed
 from training.moe.shards import (check_processes, child_args, child_identity, child_metrics, decode_args,
                                  encode_args, shard, shifted_port)
@@ -85,6 +85,21 @@ def test_an_experts_initial_weights_do_not_depend_on_the_process_that_hosts_it()
         assert all(torch.equal(p, q) for p, q in zip(b.module.parameters(), whole[str(b.uid)].module.parameters()))
     assert not torch.equal(whole["ffn.0"].module.ffn.weight, whole["ffn.1"].module.ffn.weight)
     assert expert_seed(0, "ffn.1") != expert_seed(1, "ffn.1") and 0 <= expert_seed(0, "ffn.1") < 1 << 63
+
+
+def test_a_servers_torch_threads_are_its_share_of_the_cores_it_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--threads 0: the cores a container's quota leaves (not the host's count, torch's default),
+    shared among --processes; a number given is kept."""
+    assert torch_threads(0, 8, 1) == 8 and torch_threads(0, 8, 2) == 4 and torch_threads(0, 2, 4) == 1
+    assert torch_threads(3, 8, 2) == 3
+    monkeypatch.setattr("training.moe.cli.process_cores", lambda: 6)
+    before = torch.get_num_threads()
+    try:
+        build_backends(child_args(parsed("--expert-pattern", "ffn.[0:4]", "--hidden-dim", str(HID), "--device", "cpu"),
+                                  0, 3))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_the_plans_edges_and_what_its_errors_say(tmp_path: Path) -> None:

@@ -117,8 +117,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     g.add_argument("--lr", type=float, default=1e-3, help="each expert's Adam learning rate (default: %(default)s)")
     g.add_argument("--device", default="auto", help="auto (a GPU if torch sees one), cpu, cuda, cuda:1 ...")
     g.add_argument("--threads", type=int, default=0, metavar="N",
-                   help="torch's CPU threads (default: torch's own, every core; less where other processes share "
-                   "the cores: threads that outnumber the cores spin in each other's way)")
+                   help="torch's CPU threads per process (default 0: the cores this process may use, a container's "
+                   "quota included, shared among --processes; less where other programs share the cores: threads "
+                   "that outnumber the cores spin in each other's way)")
     g.add_argument("--max-batch-size", type=int, default=4096, metavar="ROWS", help="largest batch per expert")
     g.add_argument("--min-batch-size", type=int, default=1, metavar="ROWS",
                    help="a smaller batch waits up to --max-wait for more rows before it computes (for callers "
