@@ -30,7 +30,10 @@ our upgrade learned to ask the peer again while it has nothing to dial: 0.73 and
 0.6-0.7 s. In this lab js itself gets through soon after its address is
 confirmed, so this cell guards the goal, not our re-identify; that is
 ``tests/test_holepunch.py``'s test of an upgrade with nothing to dial, against a
-peer that never dials.)
+peer that never dials.) Since our upgrade asks the peer who it is beside its
+first round and dials what it hears (js's identify lists the address it listens
+on before its AutoNAT confirmed it), both cells go direct before js announces:
+about 2.2 s after js's dial, in the first upgrade; that passes too.
 
 Root (namespaces), node 22 and interop/node_modules with @libp2p/dcutr and
 @libp2p/autonat-v2 (``bash interop/setup.sh``); slow: about 2 min.
@@ -242,7 +245,13 @@ async def test_js_libp2p_behind_each_nat_kind(js_nat_available: None) -> None:
         if late.late_by is not None and late.after_announce is not None:
             print(f"late address{'' if late.push else ', no identify push'}: js announced its address "
                   f"{late.late_by:.1f} s after it dialed through the relay; direct {late.after_announce:.2f} s later")
-        if late.connected and (late.first_path != "relayed" or late.late_by is None or late.late_by < 1.0):
+        elif late.direct and late.late_by is None and late.time_to_direct is not None:
+            # our upgrade asks js who it is beside its first round and dials what it heard: direct
+            # before js's AutoNAT confirmed the address (js listens on it already)
+            print(f"late address{'' if late.push else ', no identify push'}: direct {late.time_to_direct:.2f} s "
+                  "after js dialed through the relay, before js announced its address")
+        if late.connected and (late.first_path != "relayed" or (late.late_by is None and not late.direct)
+                               or (late.late_by is not None and late.late_by < 1.0)):
             problems.append(f"{late.name}: not the late case (first path {late.first_path}, js's address announced "
                             f"{late.late_by} s after its dial)")
         elif late.direct and late.after_announce is not None and late.after_announce > LATE_GOAL_S:

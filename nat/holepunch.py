@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -268,10 +268,16 @@ class HolePuncher:
     async def _reidentify(self, peer: ID) -> None:
         """Ask the peer who it is again: what it listens on now goes to the peer store."""
         self.stats.reidentified += 1
+        await self._identify(peer)
+
+    async def _identify(self, peer: ID, done: trio.Event | None = None) -> None:
         try:
             await self._node.identify(peer, timeout=self.config.dial_timeout)
         except Exception as e:  # gone, or busy with another identify: the schedule asks again
             log.debug("identify of %s while upgrading failed: %s", peer, e)
+        finally:
+            if done is not None:
+                done.set()
 
     def _relayed_only(self, peer: ID) -> INetConn | None:
         """The relayed connection to ``peer`` if that is all there is."""
@@ -304,29 +310,65 @@ class HolePuncher:
                       trio.current_time() - started)
             stats.direct_dials["success" if direct is not None else "failed"] += 1
             offered = True
+            late = False  # the reversal, tried again during the punch: it went direct
+            punched = False
+            identified = trio.Event()
+
+            async def reverse_late() -> INetConn | None:
+                """The reversal again, if the first dialed nothing: it ran as the connection opened,
+                before identify told us the peer's addresses. We ask the peer who it is beside the
+                first round's exchange (py-libp2p's own identify, started with the connection, takes
+                two round trips more than ours: its stream costs them), wait for the answer, and dial
+                what it told us, beside the punch (:meth:`_punch_round`). A peer that listens where we
+                can reach it is dialed so: a punch cannot reach it (we dial as the Noise responder,
+                which only TCP simultaneous open completes, and it answers a dial on its listen socket
+                as the responder too: both wait out the dial timeout), and it stayed relayed. go-libp2p
+                waits for identify before its first dial instead: a round trip more for every punch."""
+                nonlocal dialed, late
+                if dialed:
+                    return None
+                with trio.move_on_after(self.config.dial_timeout):
+                    await identified.wait()
+                dialed = len(self._addresses(peer)[1])  # tried once, even if the punch wins meanwhile
+                found, _ = await self._reverse(peer)
+                if dialed:
+                    stats.direct_dials["success" if found is not None else "failed"] += 1
+                if found is not None:
+                    stats.reversals += 1
+                    late = True
+                return found
+
             if direct is not None:
                 stats.reversals += 1
             else:
-                for rounds in range(1, self.config.attempts + 1):
-                    stats.attempts += 1
-                    try:
-                        direct = await self._punch_round(peer, relayed)
-                    except NoAddressToPunch as e:  # another round now would hear the same: wait for news
-                        log.info("hole punch with %s: %s", peer, e)
-                        offered = False
-                        break
-                    except (RemoteProtocolError, trio.TooSlowError, Exception) as e:
-                        log.info("hole punch round %d with %s failed after %.2f s: %r", rounds, peer,
-                                 trio.current_time() - started, e)
-                        direct = None
-                    if direct is not None:
-                        if rounds == 1:
-                            stats.first_try_successes += 1
-                        break
+                async with trio.open_nursery() as asking:
+                    asking.start_soon(self._identify, peer, identified)
+                    for rounds in range(1, self.config.attempts + 1):
+                        stats.attempts += 1
+                        try:
+                            direct = await self._punch_round(peer, relayed, reverse_late)
+                        except NoAddressToPunch as e:  # another round now would hear the same: wait for news
+                            log.info("hole punch with %s: %s", peer, e)
+                            offered = False
+                        except (RemoteProtocolError, trio.TooSlowError, Exception) as e:
+                            log.info("hole punch round %d with %s failed after %.2f s: %r", rounds, peer,
+                                     trio.current_time() - started, e)
+                            direct = None
+                        if direct is None:
+                            direct = await reverse_late()  # the exchange failed before it could
+                        if direct is not None:
+                            if not late:
+                                punched = True
+                                if rounds == 1:
+                                    stats.first_try_successes += 1
+                            break
+                        if not offered:
+                            break
+                    asking.cancel_scope.cancel()
             elapsed = trio.current_time() - started
             nothing_to_dial = direct is None and not dialed and not offered
             if rounds:
-                outcome = "success" if direct is not None else "no_suitable_address" if not offered else "failed"
+                outcome = "success" if punched else "no_suitable_address" if not offered else "failed"
                 stats.outcomes[("initiator", rounds, outcome)] += 1
             if direct is None:
                 stats.failures += 1
@@ -335,7 +377,7 @@ class HolePuncher:
             stats.time_to_direct.append(elapsed)
             if self._nursery is not None:
                 self._nursery.start_soon(self._retire, relayed)
-            return PunchResult(direct, PunchMethod.PUNCH if rounds else PunchMethod.REVERSAL, rounds, elapsed)
+            return PunchResult(direct, PunchMethod.PUNCH if punched else PunchMethod.REVERSAL, rounds, elapsed)
         finally:
             self._busy.discard(peer)
 
@@ -352,7 +394,13 @@ class HolePuncher:
                     continue
         return None, len(targets)
 
-    async def _punch_round(self, peer: ID, relayed: INetConn) -> INetConn | None:
+    async def _punch_round(self, peer: ID, relayed: INetConn,
+                           reverse: Callable[[], Awaitable[INetConn | None]]) -> INetConn | None:
+        """CONNECT and SYNC over ``relayed``, then two dials at once, the first to get a direct
+        connection winning: the punch (ours to the addresses the peer offered, half a round trip after
+        SYNC) and ``reverse`` (the upgrade's late reversal, a connection if it went direct). The
+        reversal does not delay the punch: an address identify told us may be filtered, and its dial
+        then waits out the dial timeout."""
         # lazily: CONNECT rides with the protocol proposal (a relayed round trip saved)
         stream = await self._node.new_stream_on(relayed, PROTOCOL, lazy=True)
         try:
@@ -367,18 +415,38 @@ class HolePuncher:
                 await write_message(stream, pb.HolePunch(type=pb.HolePunch.SYNC))
         finally:
             await finish_quietly(stream.close)
+        synced = trio.current_time()
+        won: list[INetConn] = []
+
+        async def punch() -> None:
+            await trio.sleep_until(synced + rtt / 2)
+            direct = await self._dial_any(peer, theirs, responder=True, rtt=rtt)
+            if direct is None:
+                # The peer's SYN may have reached our listener first (a NAT that filters by
+                # mapping only, a mapped port): then the punched connection came in, and our
+                # own connect found the address pair taken.
+                inbound = next((c for c in self._node.network.get_connections(peer) if not is_relayed_conn(c)), None)
+                if inbound is not None:
+                    direct = await self._proven(peer, inbound)
+            if direct is not None:
+                won.append(direct)
+                race.cancel_scope.cancel()
+
+        async def reversal() -> None:
+            direct = await reverse()
+            if direct is not None:
+                won.append(direct)
+                race.cancel_scope.cancel()
+
+        async with trio.open_nursery() as race:
+            race.start_soon(reversal)
+            if theirs:
+                race.start_soon(punch)
+        if won:
+            return won[0]
         if not theirs:
             raise NoAddressToPunch(f"{peer} offered no public address to punch to")
-        await trio.sleep(rtt / 2)
-        direct = await self._dial_any(peer, theirs, responder=True, rtt=rtt)
-        if direct is None:
-            # The peer's SYN may have reached our listener first (a NAT that filters by
-            # mapping only, a mapped port): then the punched connection came in, and our
-            # own connect found the address pair taken.
-            inbound = next((c for c in self._node.network.get_connections(peer) if not is_relayed_conn(c)), None)
-            if inbound is not None:
-                direct = await self._proven(peer, inbound)
-        return direct
+        return None
 
     # ---------------------------------------------------------------- the outbound side (A) answers
 

@@ -24,7 +24,8 @@ from multiaddr import Multiaddr
 
 from nat.circuit import RelayClient
 from p2p.addresses import is_relayed_conn
-from nat.holepunch import MAX_PUNCH_ADDRS, PROTOCOL, HolePunchConfig, HolePuncher, PunchResult, RetrySchedule
+from nat.holepunch import (MAX_PUNCH_ADDRS, PROTOCOL, HolePunchConfig, HolePuncher, PunchMethod, PunchResult,
+                           RetrySchedule)
 from nat.proto import holepunch_pb2 as pb
 from nat.relay import RelayService
 from p2p.wire import read_message
@@ -90,6 +91,16 @@ async def relayed_pair(*, allow_private: bool = False, install_a: bool = True) -
         assert is_relayed_conn(side_a.relayed) and is_relayed_conn(side_b.relayed)
         yield side_a, side_b
         nursery.cancel_scope.cancel()
+
+
+#: A peer id to write a relayed address with (no such relay runs).
+SOME_RELAY = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+
+
+def relayed_only(candidates: list[Multiaddr]) -> list[Multiaddr]:
+    """What a peer advertises that knows no direct address of its own yet: a relayed one (py-libp2p's
+    identify sends the listen sockets when the list is empty, as go-libp2p does)."""
+    return [Multiaddr(f"/ip4/127.0.0.1/tcp/9/p2p/{SOME_RELAY}/p2p-circuit")]
 
 
 def frame(message: pb.HolePunch) -> bytes:
@@ -239,6 +250,7 @@ async def test_leader_survives_a_peer_that_answers_badly(answer, request):
 async def test_one_upgrade_per_peer_at_a_time():
     async with relayed_pair(allow_private=True) as (a, b):
         a.offer = [PUBLIC[0]]
+        a.node._advertised = relayed_only  # type: ignore[method-assign]  # no reversal: the punch is dialed
         release = trio.Event()
         calls = []
 
@@ -373,6 +385,35 @@ async def test_reversal_dials_few_of_hundreds_of_advertised_addresses():
         assert set(dialed) <= set(bogus)
 
 
+async def test_an_upgrade_asks_who_the_peer_is_beside_the_first_round_and_reverses_when_it_can():
+    """The relayed connection has just opened and nothing has told b the peer's addresses (py-libp2p's
+    own identify is off here, and slower than a round's exchange where it is on): the reversal finds
+    nothing. The upgrade asks the peer who it is beside the first round's exchange, and after the
+    exchange reverses to the address it heard, in the same round: no punch that cannot reach a
+    listening peer (both ends wait as the Noise responder for the dial timeout), no retry."""
+    async with relayed_pair(allow_private=True) as (a, b):
+        b.puncher.config.retry_backoff = 30.0
+        peer = a.node.peer_id
+        assert not [x for x in b.node.known_addrs(peer) if reachable_tcp(x, allow_private=True)]
+        reverse, reversals = b.puncher._reverse, []
+
+        async def recorded(peer_id: ID) -> tuple[INetConn | None, int]:
+            found = await reverse(peer_id)
+            reversals.append(found)
+            return found
+
+        b.puncher._reverse = recorded  # type: ignore[method-assign]
+        results: list[PunchResult] = []
+        with trio.fail_after(10):
+            await b.puncher.keep_upgrading(peer, trio.current_time(), results.append)
+        (result,) = results
+        assert [dialed for _, dialed in reversals] == [0, 1]
+        assert result.conn is not None and not is_relayed_conn(result.conn)
+        assert result.method == PunchMethod.REVERSAL and result.attempts == 1 and result.elapsed < 3.0
+        assert b.puncher.stats.reversals == 1 and b.puncher.stats.direct_dials == {"failed": 1, "success": 1}
+        assert b.puncher.stats.reidentified == 0  # that identify is no retry's
+
+
 async def test_an_upgrade_without_addresses_is_tried_again_when_they_arrive():
     """The peer's addresses arrive after the relayed connection opened (here an identify once
     the first upgrade failed; js-libp2p announces its address only once its AutoNAT
@@ -381,13 +422,15 @@ async def test_an_upgrade_without_addresses_is_tried_again_when_they_arrive():
     async with relayed_pair(allow_private=True) as (a, b):
         b.puncher.config.retry_backoff, b.puncher.config.retry_poll = 0.2, 0.05
         peer = a.node.peer_id
-        # a offers nothing in DCUtR (it does not know its address yet) and b knows none of a's:
-        # the first try can dial nothing
+        # a offers nothing in DCUtR and advertises nothing yet (it does not know its address), and b
+        # knows none of a's: b's identify before the first try learns nothing, so it can dial nothing
+        a.node._advertised = relayed_only  # type: ignore[method-assign]
         assert not a.offer and not [x for x in b.node.known_addrs(peer) if reachable_tcp(x, allow_private=True)]
         results: list[PunchResult] = []
 
         async def addresses_arrive() -> None:
             await wait_until(lambda: results)
+            del a.node._advertised
             await b.node.identify(peer)
 
         with trio.fail_after(30):
@@ -408,8 +451,15 @@ async def test_an_upgrade_with_nothing_to_dial_asks_the_peer_again_and_goes_dire
         config = b.puncher.config
         config.retry_backoff, config.retry_idle, config.reidentify_after = 5.0, 60.0, 0.2
         results: list[PunchResult] = []
+        a.node._advertised = relayed_only  # type: ignore[method-assign]  # its address: not yet
+
+        def report(result: PunchResult) -> None:
+            results.append(result)
+            if "_advertised" in vars(a.node):
+                del a.node._advertised  # now known, but a tells nobody unless asked
+
         with trio.fail_after(10):
-            await b.puncher.keep_upgrading(a.node.peer_id, trio.current_time(), results.append)
+            await b.puncher.keep_upgrading(a.node.peer_id, trio.current_time(), report)
         assert [(r.conn is None, r.nothing_to_dial) for r in results] == [(True, True), (False, False)]
         assert results[1].elapsed < 3.0  # not retry_backoff's 5 s, nor retry_idle's 60
         assert b.puncher.stats.reidentified == 1 and b.puncher.metrics()["punch_reidentified"] == 1

@@ -199,6 +199,26 @@ async def test_a_node_that_listens_nowhere_is_reachable_only_through_its_relay_s
         assert not is_relayed_conn(b.network.get_connections(relay.peer_id)[0])  # it dialed out directly
 
 
+async def test_a_peer_reached_through_its_relay_slot_dials_the_caller_directly_when_it_can():
+    """c reaches b (no listen socket) through b's relay slot, before c's own verdict: b's upgrade
+    reverses the connection (dials c's address) in its first round. Its first reversal runs before
+    identify has told b c's addresses; it then went on to punch, which cannot complete against a peer
+    that listens (both ends wait as the Noise responder for the 5 s dial timeout), and the connection
+    stayed relayed (seen in a CI run of the loopback demo: no averaged step in 45 s)."""
+    async with AsyncExitStack() as stack:
+        relay, _, _ = await stack.enter_async_context(nat_node(nat_config(relay_service=True, allow_private=True)))
+        b, b_nat, b_seen = await stack.enter_async_context(nat_node(nat_config(allow_private=True), listen=[]))
+        await b.connect(relay.addrs[0])
+        await wait_until(lambda: b.addrs)
+        c, c_nat, _ = await stack.enter_async_context(nat_node(nat_config(allow_private=True)))
+        assert c_nat.reachability == "unknown"
+        await c.connect(b.addrs)
+        await wait_until(lambda: [e for e in of_type(b_seen, nev.HolePunched) if e.success], timeout=10)
+        (punched,) = of_type(b_seen, nev.HolePunched)
+        assert punched.method == "reversal" and punched.peer_id == c.peer_id and punched.elapsed < 3.0
+        assert any(not is_relayed_conn(x) for x in b.network.get_connections(c.peer_id))
+
+
 async def test_a_full_relay_takes_back_slots_from_peers_that_went_public_and_they_renew_when_back(monkeypatch):
     """Peers reserve before their verdict (a NATed one is reachable at once), so two that went public
     hold both slots of a relay, advertising neither. A peer that listens nowhere still gets a slot: the

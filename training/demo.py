@@ -120,9 +120,12 @@ class _Loopback:
         if index and index == self.peers:
             return ["--client", "--listen", LOOPBACK]
         if index and self.relayed is not None and index == self.peers - 1:
-            # no --allow-private: 127.0.0.1 is no public address to it, so AutoNAT finds it
-            # private and it reserves a slot on the relay, as behind a NAT
-            return ["--no-listen"]
+            # no listen socket: AutoNAT has nothing to dial back, so it is private and reserves a
+            # slot on the relay, as behind a NAT. --allow-private all the same: the others' 127.0.0.1
+            # stands for their public addresses, and without it a connection another peer opened
+            # to it through the relay had no address to upgrade to (its DCUtR reversal skips
+            # 127.0.0.1 as no public address: it stayed relayed, and a CI run's demo averaged nothing)
+            return ["--allow-private", "--no-listen"]
         # with --allow-private 127.0.0.1 counts as reachable: the peers serve the DHT once AutoNAT
         # has confirmed them (they are DHT clients until then)
         return ["--allow-private", "--listen", LOOPBACK]
