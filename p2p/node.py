@@ -452,6 +452,7 @@ class Node:
                 circuit=self._circuit_dialer,
                 source=self.listen_source if from_listen_port else None,
                 on_failure=failed,
+                limit=limit,
             )
         finally:
             del self._dialing[peer_id]

@@ -308,6 +308,34 @@ async def test_a_dial_cut_short_by_its_caller_holds_nothing_back_one_that_ran_it
         nursery.cancel_scope.cancel()
 
 
+async def test_a_timed_out_dial_reports_its_callers_whole_time(tmp_path):
+    """The time a connect waited for another dial of the same peer is part of its limit, and its error
+    names the limit the caller gave, not what was left of it for the dial (a loaded CI machine read
+    "timed out after 0.29s" for a connect of 0.3 s)."""
+    pid = await _identity(tmp_path / "mute.key")
+
+    async def mute(stream: trio.SocketStream) -> None:  # accepts, never answers the handshake
+        await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        (listener,) = await nursery.start(functools.partial(trio.serve_tcp, mute, 0, host="127.0.0.1"))
+        target = f"/ip4/127.0.0.1/tcp/{listener.socket.getsockname()[1]}/p2p/{pid}"
+        async with open_nodes(1, dial_timeout=5.0) as (a,):
+            errors: list[str] = []
+
+            async def connect(timeout: float) -> None:
+                with pytest.raises(DialError) as caught:
+                    await a.connect(target, timeout=timeout)
+                errors.append(str(caught.value))
+
+            async with trio.open_nursery() as dials:
+                dials.start_soon(connect, 0.4)
+                await trio.sleep(0.05)
+                dials.start_soon(connect, 0.8)  # waits for the first, then dials for what is left (~0.35 s)
+            assert "timed out after 0.4s" in errors[0] and "timed out after 0.8s" in errors[1], errors
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_dial_from_the_listen_port_whose_pair_is_taken_goes_out_from_a_fresh_port():
     """A dial from our listen port to a peer we just left (or are still connected to from that port)
     is refused by our own kernel: the (source, destination) pair is held, in TIME_WAIT for a minute
