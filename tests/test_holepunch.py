@@ -389,8 +389,7 @@ async def test_an_upgrade_asks_who_the_peer_is_beside_the_first_round_and_revers
     """The relayed connection has just opened and nothing has told b the peer's addresses (py-libp2p's
     own identify is off here, and slower than a round's exchange where it is on): the reversal finds
     nothing. The upgrade asks the peer who it is beside the first round's exchange, and after the
-    exchange reverses to the address it heard, in the same round: no punch that cannot reach a
-    listening peer (both ends wait as the Noise responder for the dial timeout), no retry."""
+    exchange reverses to the address it heard, in the same round: no retry."""
     async with relayed_pair(allow_private=True) as (a, b):
         b.puncher.config.retry_backoff = 30.0
         peer = a.node.peer_id

@@ -202,9 +202,9 @@ async def test_a_node_that_listens_nowhere_is_reachable_only_through_its_relay_s
 async def test_a_peer_reached_through_its_relay_slot_dials_the_caller_directly_when_it_can():
     """c reaches b (no listen socket) through b's relay slot, before c's own verdict: b's upgrade
     reverses the connection (dials c's address) in its first round. Its first reversal runs before
-    identify has told b c's addresses; it then went on to punch, which cannot complete against a peer
-    that listens (both ends wait as the Noise responder for the 5 s dial timeout), and the connection
-    stayed relayed (seen in a CI run of the loopback demo: no averaged step in 45 s)."""
+    identify has told b c's addresses; it then went on to punch, whose dial to a listening c failed its
+    security handshake round after round, and the connection stayed relayed (seen in a CI run of the
+    loopback demo: no averaged step in 45 s)."""
     async with AsyncExitStack() as stack:
         relay, _, _ = await stack.enter_async_context(nat_node(nat_config(relay_service=True, allow_private=True)))
         b, b_nat, b_seen = await stack.enter_async_context(nat_node(nat_config(allow_private=True), listen=[]))
