@@ -330,8 +330,9 @@ class HolePuncher:
                     return None
                 with trio.move_on_after(self.config.dial_timeout):
                     await identified.wait()
-                dialed = len(self._addresses(peer)[1])  # tried once, even if the punch wins meanwhile
-                found, _ = await self._reverse(peer)
+                targets = self._reverse_targets(peer)
+                dialed = len(targets)  # tried once, even if the punch wins meanwhile
+                found, _ = await self._reverse(peer, targets)
                 if dialed:
                     stats.direct_dials["success" if found is not None else "failed"] += 1
                 if found is not None:
@@ -382,11 +383,16 @@ class HolePuncher:
         finally:
             self._busy.discard(peer)
 
-    async def _reverse(self, peer: ID) -> tuple[INetConn | None, int]:
-        """Dial the peer's public addresses directly (it may be public or port-mapped): the connection,
-        and how many addresses there were to dial."""
+    def _reverse_targets(self, peer: ID) -> list[Multiaddr]:
+        """The peer's public addresses a reversal dials, at most MAX_PUNCH_ADDRS (identify stores up
+        to 1000: we would dial them all, one by one)."""
         targets = [a for a in self._node.known_addrs(peer) if reachable_tcp(a, allow_private=self.config.allow_private)]
-        targets = targets[:MAX_PUNCH_ADDRS]  # identify stores up to 1000: we would dial them all, one by one
+        return targets[:MAX_PUNCH_ADDRS]
+
+    async def _reverse(self, peer: ID, targets: list[Multiaddr] | None = None) -> tuple[INetConn | None, int]:
+        """Dial the peer's public addresses (``targets``, else :meth:`_reverse_targets`) directly (it may
+        be public or port-mapped): the connection, and how many addresses there were to dial."""
+        targets = self._reverse_targets(peer) if targets is None else targets
         for addr in targets:
             with trio.move_on_after(self.config.dial_timeout):
                 try:

@@ -396,8 +396,8 @@ async def test_an_upgrade_asks_who_the_peer_is_beside_the_first_round_and_revers
         assert not [x for x in b.node.known_addrs(peer) if reachable_tcp(x, allow_private=True)]
         reverse, reversals = b.puncher._reverse, []
 
-        async def recorded(peer_id: ID) -> tuple[INetConn | None, int]:
-            found = await reverse(peer_id)
+        async def recorded(peer_id: ID, targets: list[Multiaddr] | None = None) -> tuple[INetConn | None, int]:
+            found = await reverse(peer_id, targets)
             reversals.append(found)
             return found
 
