@@ -200,9 +200,9 @@ async def test_dht_store_and_get_against_a_running_relay():
             await relay.wait()
 
 
-def test_demo_forms_a_swarm_uses_the_dht_averages_exactly_and_trains():
+def test_demo_forms_a_swarm_uses_the_dht_averages_exactly_and_trains(tmp_path: Path):
     result = run("demo", "--network", "loopback", "--peers", "3", "--duration", "100", "--train-time", "45",
-                 "--until-shown", timeout=240)
+                 "--until-shown", timeout=240, env={**os.environ, "TMPDIR": str(tmp_path)})
     assert result.returncode == 0, result.stdout + result.stderr
     assert "swarm formed: 3 peers and the bootstrap node" in result.stdout
     assert "dht get demo:greeting   → hello, DHT" in result.stdout
@@ -218,6 +218,8 @@ def test_demo_forms_a_swarm_uses_the_dht_averages_exactly_and_trains():
     assert "trainer-1 step" in result.stdout and "PARTIAL" not in result.stdout
     assert "of the 45: ending it (--until-shown)" in result.stdout
     assert "Traceback" not in result.stderr
+    # the corpus, tokenizer and trainers' state it made for the training went with it
+    assert not list(tmp_path.glob("dedloc-demo-*")), list(tmp_path.iterdir())
 
 
 def test_the_demo_has_shown_training_only_once_every_trainer_fetched_stepped_and_the_loss_fell():

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -399,6 +400,7 @@ async def _run_demo(where: _Network, *, peers: int, duration: float, out: Any, t
             for member in averagers:
                 await member.process.wait()
         workdir = Path(tempfile.mkdtemp(prefix="dedloc-demo-"))
+        workdirs.append(workdir)
         from .mlm import prepare
 
         prepared = await trio.to_thread.run_sync(lambda: prepare(workdir))
@@ -429,6 +431,7 @@ async def _run_demo(where: _Network, *, peers: int, duration: float, out: Any, t
 
     nursery_ref: list[trio.Nursery] = []
     boot_ref: list[str] = []
+    workdirs: list[Path] = []  # the training phase's corpus, tokenizer and trainers' state: removed at the end
     say(f"starting a bootstrap node and {peers} peers {where.describe(peers)}; Ctrl-C stops")
     senders = ", ".join(n for n in (client, relayed) if n) or "none"
     ok = False
@@ -468,6 +471,8 @@ async def _run_demo(where: _Network, *, peers: int, duration: float, out: Any, t
         for member in members.values():
             with trio.CancelScope(shield=True), trio.move_on_after(10):
                 await member.process.wait()
+        for workdir in workdirs:  # a demo leaves nothing behind: each run made its own
+            shutil.rmtree(workdir, ignore_errors=True)
     if ok:
         return 0
     if wrong:
