@@ -16,13 +16,19 @@
   (:data:`SERIAL_GROUP`), which one worker runs in order, while both workers share the rest: two
   labs never share the machine, and the other tests run beside them. ``slow`` alone (long, on
   loopback) is not a reason to wait in that line: with every slow test in it, the group was the
-  whole run's wall time (1,275 of 1,309 s) while the other worker idled.
+  whole run's wall time (1,275 of 1,309 s) while the other worker idled. The group is written into
+  each test's id by xdist; a pytest where that fails (9.2 with xdist 3.8) would spread the group
+  silently, so a serial test whose id lacks it fails at setup instead (:class:`_GroupCheck`).
+* **Where the time went.** The suite must stay under 20 minutes on CI's two cores; the end of a
+  run says how many seconds the serial line and the shared tests took (setup, call and teardown)
+  and the files that cost the most (:func:`time_summary`), so a run over the budget names where.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Generator
+from collections import Counter
+from collections.abc import Generator, Iterable
 
 import pytest
 
@@ -69,6 +75,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
 
 
+def ungrouped(items: Iterable[pytest.Item]) -> list[str]:
+    """The serial tests whose id lacks ``@serial``: pytest-xdist's loadgroup reads a test's group from
+    its id, which its worker rewrites during collection; a pytest whose ids it cannot rewrite (9.2,
+    pytest-dev/pytest-xdist#1386) leaves every group spread over the workers, and says nothing."""
+    return [item.nodeid for item in items if serial(item) and not item.nodeid.endswith("@" + SERIAL_GROUP)]
+
+
+class _GroupCheck:
+    """On a loadgroup worker: a serial test whose id lacks its group fails (see :func:`ungrouped`)
+    instead of running beside whatever the other worker runs. (Refused at collection, a worker
+    crashes, and xdist reports the crash without the reason.)"""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        if ungrouped([item]):
+            pytest.fail(f"--dist loadgroup is not grouping: {item.nodeid} lacks '@{SERIAL_GROUP}' in its id, so it "
+                        f"would share the machine with another lab (pytest {pytest.__version__}; "
+                        "pytest-dev/pytest-xdist#1386: pyproject.toml keeps pytest < 9.2)", pytrace=False)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, "loadgroup", False):  # set on xdist's workers under --dist loadgroup
+        config.pluginmanager.register(_GroupCheck(), "dedloc-group-check")
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
     try:
@@ -101,3 +132,30 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report.longrepr = (f"skipped in a run that requires every test ({NO_SKIPS_ENV}=1): {reason}\n"
                        f"(a skip CI expects goes in tests/ci_rules.py EXPECTED_SKIPS, with why)")
     return report
+
+
+def time_summary(reports: Iterable[pytest.TestReport], top: int = 8) -> list[str]:
+    """Lines on where a run's time went: the serial line's seconds and the shared tests', each with
+    its count, then the ``top`` costliest files (every phase of every test counted)."""
+    lines: dict[str, float] = Counter()
+    counts: dict[str, set[str]] = {"serial": set(), "shared": set()}
+    files: Counter[str] = Counter()
+    for report in reports:
+        nodeid = report.nodeid
+        line = "serial" if nodeid.endswith("@" + SERIAL_GROUP) else "shared"
+        lines[line] += report.duration
+        counts[line].add(nodeid)
+        files[nodeid.split("::")[0]] += report.duration
+    out = [f"serial line {lines['serial']:.0f} s ({len(counts['serial'])} tests), shared "
+           f"{lines['shared']:.0f} s ({len(counts['shared'])} tests): {sum(lines.values()):.0f} s in all"]
+    out += [f"{seconds:7.0f} s  {name}" for name, seconds in files.most_common(top)]
+    return out
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    reports = [r for key in ("passed", "failed", "skipped", "xfailed", "xpassed", "error")
+               for r in terminalreporter.stats.get(key, []) if isinstance(r, pytest.TestReport)]
+    if reports:
+        terminalreporter.write_sep("=", "where the time went (tests/ci_rules.py)")
+        for line in time_summary(reports):
+            terminalreporter.write_line(line)
