@@ -143,6 +143,21 @@ class Rejoining(Event):
 
 
 @dataclass
+class AddressesPushed(Event):
+    """What we advertise changed and we told the connected peers that serve identify/push."""
+
+    addrs: list[str]
+    #: peers told, and peers whose push failed (timed out, stream refused)
+    peers: int
+    failed: int
+    event: str = field(init=False, default="addresses_pushed")
+
+    def human(self) -> str:
+        failed = f" ({self.failed} could not be told)" if self.failed else ""
+        return f"our addresses changed: told {self.peers} connected peer{'s' if self.peers != 1 else ''}{failed}"
+
+
+@dataclass
 class Closed(Event):
     peer_id: ID
     event: str = field(init=False, default="closed")

@@ -26,9 +26,19 @@ from multiaddr import Multiaddr
 
 from .errors import RemoteProtocolError
 from .noise import NoiseSession
+from .varint import encode_varint
 from .trio_util import finish_quietly
 from .untrusted import decode_addr, decode_addrs
 
+#: libp2p identify/push: the identify message, sent unasked when it changes; no answer.
+PUSH_PROTOCOL = "/ipfs/id/push/1.0.0"
+#: One push's time to open its stream and write (a peer that stalls is left with what it had).
+PUSH_TIMEOUT = 5.0
+#: After a change of what we advertise, how long to wait for the next before pushing: a verdict, a relay
+#: slot and the addresses they bring come within moments of each other; one push says them all.
+PUSH_DELAY = 0.25
+#: Pushes under way at once.
+PUSH_CONCURRENCY = 16
 MAX_IDENTIFY_SIZE = 64 * 1024
 #: Most self-reported listen addresses taken from one answer: the peer chooses how many it sends.
 MAX_LISTEN_ADDRS = 32
@@ -92,6 +102,21 @@ async def identify(open_stream: Callable[[ID, str], Awaitable[INetStream]], peer
     info = verify_identify(peer_id, msg)
     info.local_addr = local
     return info
+
+
+async def push_identify(open_stream: Callable[[ID, str], Awaitable[INetStream]], peer_id: ID, message: bytes, *,
+                        timeout: float = PUSH_TIMEOUT) -> None:
+    """Tell a connected peer our identify ``message`` unasked (identify/push, as go- and js-libp2p do when
+    their addresses change): varint-prefixed on a stream of its own, which we close; the peer answers
+    nothing and replaces what it knew of us. Raises what opening or writing raised, or ``trio.TooSlowError``."""
+    with trio.fail_after(timeout):
+        stream = await open_stream(peer_id, PUSH_PROTOCOL)
+        try:
+            await stream.write(encode_varint(len(message)) + message)
+        except BaseException:
+            await finish_quietly(stream.reset)
+            raise
+        await finish_quietly(stream.close)
 
 
 def verify_identify(peer_id: ID, msg: Identify) -> PeerIdentity:

@@ -357,6 +357,13 @@ def _install_admission(swarm: Any, resources: ResourceManager) -> None:
     swarm.upgrade_inbound_raw_conn = upgraded
 
 
+def identify_message(host: IHost, remote: tuple[str, int] | None = None) -> bytes:
+    """Our identify message as py-libp2p builds it (protocols, advertised addresses, signed peer record),
+    with ``remote`` as the observed address (none for a push, or on a relayed connection). Raises
+    ``OSError`` while our listeners close."""
+    return bytes(_mk_identify_protobuf(host, _remote_address_to_multiaddr(remote)).SerializeToString())
+
+
 def _identify_handler(host: IHost, resources: ResourceManager) -> Callable[[INetStream], Awaitable[None]]:
     """Answer identify as py-libp2p does (its message, varint-prefixed), with the observed
     address of this stream's connection: its TCP remote, or none when relayed. A peer over
@@ -370,7 +377,7 @@ def _identify_handler(host: IHost, resources: ResourceManager) -> Callable[[INet
             return
         remote = stream.get_remote_address()  # None on a relayed connection (nat/circuit.py)
         try:
-            message = _mk_identify_protobuf(host, _remote_address_to_multiaddr(remote)).SerializeToString()
+            message = identify_message(host, remote)
         except OSError:  # our listeners' sockets closing as the node leaves (close_listeners): nothing to say
             await finish_quietly(stream.reset)
             return

@@ -38,15 +38,17 @@ from .dialer import CircuitDialer, backoff_delays, classify_dial_error, dial, li
 from .errors import (CLOSED_SWARM_HINT, BootstrapError, ConfigError, DedlocError, DialBackoffError, DialError,
                      ProtocolNotSupportedError, StreamOpenError)
 from .hooks import ConnectionInfo, Direction, ExternalAddresses, Observers, PathKind, Reachability, Registration, SwarmObserver
-from .identify import MAX_LISTEN_ADDRS, PeerIdentity, identify
+from .identify import (MAX_LISTEN_ADDRS, PUSH_CONCURRENCY, PUSH_DELAY, PUSH_PROTOCOL, PeerIdentity, identify,
+                       push_identify)
 from .identity import load_or_create_identity, new_identity, peer_id_of
 from .auth import PRE_AUTH, PROTOCOL as AUTH_PROTOCOL, AuthError, Authenticator
-from .libp2p_host import build_host, check_listening, close_listeners, set_gate, started
+from .libp2p_host import build_host, check_listening, close_listeners, identify_message, set_gate, started
 from .noise import NoiseSession
 from .proto import auth_pb2 as auth_pb
 from .wire import read_message, write_message
 from .resources import ResourceLimitExceeded, ResourceManager, limits_hit
 from .rpc import RPC_PROTOCOL, Rpc
+from .rpc.stream import TRANSPORT_ERRORS
 from .trio_util import finish_quietly, unwrap_single_group
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,8 @@ NEGOTIATE_TIMEOUT = 10.0
 ADDR_TTL = 3600
 EVENT_BUFFER = 1024
 RPC_SWEEP_INTERVAL = 10.0
+#: What a push to a peer may fail with: out of time, the connection gone, a broken stream.
+PUSH_ERRORS: tuple[type[BaseException], ...] = (trio.TooSlowError, DedlocError, *TRANSPORT_ERRORS)
 #: Bound on distinct observed addresses kept: peers choose what they report.
 MAX_OBSERVED_ADDRS = 64
 
@@ -105,6 +109,8 @@ class Node:
         self._dialing: dict[ID, trio.Event] = {}
         self._rejoining = False
         self._closing = False
+        #: set when what we advertise may have changed (:meth:`_push_addresses`)
+        self._push_wanted = trio.Event()
         self.rpc = Rpc(self.new_stream, max_message_size=config.max_message_size, default_timeout=config.rpc_timeout,
                        admit=self._admit_call)
 
@@ -166,6 +172,7 @@ class Node:
                     node._serve_closed_swarm_notice()
                     nursery.start_soon(node._sweep_idle_rpc_streams)
                     nursery.start_soon(node._log_limits_hit)
+                    nursery.start_soon(node._push_addresses)
                     try:
                         if bootstrap and config.initial_peers:
                             await node.bootstrap()
@@ -303,6 +310,61 @@ class Node:
         if external != self._external:
             self._external = external
             self._observers.notify(lambda o: o.external_changed(external), "an external change")
+            self._push_wanted.set()
+
+    async def _push_addresses(self) -> None:
+        """Tell the connected peers when what we advertise changes (identify/push).
+
+        A peer learns our addresses from identify when it connects; a verdict or a relay slot that
+        comes later (a NATed peer's ``/p2p-circuit`` addresses, a confirmed public one) reached it
+        only if it asked again, so peer exchange handed on, and hole punches dialed, what we
+        advertised at connection time. Each change is pushed once, :data:`PUSH_DELAY` after it,
+        to the peers that serve the protocol (go- and js-libp2p push on the same occasion).
+        """
+        pushed = self._host_addrs()
+        while True:
+            await self._push_wanted.wait()
+            await trio.sleep(PUSH_DELAY)
+            self._push_wanted = trio.Event()
+            addrs = self._host_addrs()
+            if addrs == pushed:
+                continue
+            pushed = addrs
+            try:
+                message = identify_message(self.host)
+            except OSError:  # our listeners closing: the node is leaving
+                continue
+            targets = [p for p in self.connected_peers() if PUSH_PROTOCOL in self._protocols_of(p)]
+            failed: list[ID] = []
+            limiter = trio.CapacityLimiter(PUSH_CONCURRENCY)
+
+            async def push(peer: ID) -> None:
+                async with limiter:
+                    try:
+                        await push_identify(self._stream_on_live, peer, message)
+                    except PUSH_ERRORS as e:
+                        log.debug("identify push to %s failed: %s", peer, e)
+                        failed.append(peer)
+
+            async with trio.open_nursery() as pushes:
+                for peer in targets:
+                    pushes.start_soon(push, peer)
+            self.emit(ev.AddressesPushed(addrs=[str(a) for a in rank_for_dial(addrs)], peers=len(targets) - len(failed),
+                                         failed=len(failed)))
+
+    async def _stream_on_live(self, peer_id: ID, protocol: str) -> INetStream:
+        """A ``protocol`` stream (proposed lazily) on a connection we hold to ``peer_id``; never a dial."""
+        conn = live_connection(self.network, peer_id)
+        if conn is None:
+            raise DedlocError(f"no connection to {peer_id} any more")
+        return await self.new_stream_on(conn, protocol, lazy=True)
+
+    def _protocols_of(self, peer_id: ID) -> list[str]:
+        """The protocols ``peer_id`` listed in its identify (none before it answered)."""
+        try:
+            return [str(p) for p in self.host.get_peerstore().get_protocols(peer_id)]
+        except PeerStoreError:
+            return []
 
     def observe(self, observer: SwarmObserver) -> Registration:
         """Tell ``observer`` about every connection and external change until the handle is removed.

@@ -7,6 +7,7 @@ import socket
 
 import pytest
 import trio
+from multiaddr import Multiaddr
 
 from p2p import BootstrapError, DialBackoffError, DialError, Node
 from p2p.dial_backoff import BackoffConfig
@@ -47,6 +48,28 @@ async def test_identify_says_which_of_our_connections_was_observed(node_pair):
     assert f"/tcp/{info.local_addr[1]}" in str(info.observed_addr)  # loopback: no NAT, the same port
     (conn,) = b.network.get_connections(a.peer_id)
     assert info.local_addr == conn.muxed_conn.secured_conn.local_address()
+
+
+async def test_a_change_of_what_we_advertise_is_pushed_to_connected_peers(node_pair):
+    """A relay slot (or a verdict) that comes after a peer identified us reaches it unasked (identify/push),
+    once per change: its peer store then dials and hands on what we advertise now."""
+    from p2p.hooks import ExternalAddresses, Reachability
+    from p2p.identify import PUSH_DELAY
+
+    a, b = node_pair
+    await wait_until(lambda: "/ipfs/id/push/1.0.0" in a._protocols_of(b.peer_id), 10, what="b identified")
+    events = record_events(a)
+    circuit = Multiaddr(f"/ip4/127.0.0.9/tcp/4001/p2p/{b.peer_id}/p2p-circuit")
+    a.set_external(ExternalAddresses(reachability=Reachability.PRIVATE, relayed=(circuit,), judged=True))
+    known = await wait_until(lambda: [x for x in b.known_addrs(a.peer_id) if "p2p-circuit" in str(x)], 5,
+                             what="b to hear of a's relayed address")
+    assert str(known[0]).startswith(str(circuit))
+    (pushed,) = [e for e in events if isinstance(e, ev.AddressesPushed)]
+    assert pushed.peers == 1 and pushed.failed == 0 and any("p2p-circuit" in x for x in pushed.addrs)
+    # a verdict that leaves what we advertise as it was is no change to push
+    a.set_external(ExternalAddresses(reachability=Reachability.UNKNOWN, relayed=(circuit,), judged=True))
+    await trio.sleep(PUSH_DELAY + 0.5)
+    assert len([e for e in events if isinstance(e, ev.AddressesPushed)]) == 1
 
 
 async def test_addresses_carry_peer_id_and_expand_nothing_on_loopback():
