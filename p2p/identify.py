@@ -110,13 +110,18 @@ async def push_identify(open_stream: Callable[[ID, str], Awaitable[INetStream]],
     their addresses change): varint-prefixed on a stream of its own, which we close; the peer answers
     nothing and replaces what it knew of us. Raises what opening or writing raised, or ``trio.TooSlowError``."""
     with trio.fail_after(timeout):
-        stream = await open_stream(peer_id, PUSH_PROTOCOL)
-        try:
-            await stream.write(encode_varint(len(message)) + message)
-        except BaseException:
-            await finish_quietly(stream.reset)
-            raise
-        await finish_quietly(stream.close)
+        await send_identify(await open_stream(peer_id, PUSH_PROTOCOL), message)
+
+
+async def send_identify(stream: INetStream, message: bytes) -> None:
+    """Write an identify ``message`` (an answer or a push), varint-prefixed, and close the stream; a
+    write that fails resets it and raises."""
+    try:
+        await stream.write(encode_varint(len(message)) + message)
+    except BaseException:
+        await finish_quietly(stream.reset)
+        raise
+    await finish_quietly(stream.close)
 
 
 def verify_identify(peer_id: ID, msg: Identify) -> PeerIdentity:

@@ -119,7 +119,7 @@ from .addresses import ip_and_tcp_port, is_relayed_conn
 from .errors import DedlocError
 from .admission import Ticket
 from .resources import ResourceLimitExceeded, ResourceManager
-from .varint import encode_varint
+from .identify import send_identify
 from .trio_util import finish_quietly
 from .noise import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from .noise import NoiseConfig, NoiseSession, NoiseTransport
@@ -382,11 +382,9 @@ def _identify_handler(host: IHost, resources: ResourceManager) -> Callable[[INet
             await finish_quietly(stream.reset)
             return
         try:
-            await stream.write(encode_varint(len(message)) + message)
-        except Exception:
-            await finish_quietly(stream.reset)
+            await send_identify(stream, message)
+        except Exception:  # the asker left or reset: it asks again or goes without
             return
-        await finish_quietly(stream.close)
 
     return handle
 
