@@ -468,6 +468,47 @@ async def test_bulk_js_stops_at_our_receive_window_until_we_read(js: JsPeer, nod
     assert sent_sha.hex() == bulk.expected_sha256(down, size)
 
 
+async def test_py_pushes_a_new_protocol_to_js(js: JsPeer, node: Node) -> None:
+    """A protocol we serve after js identified us reaches js's peer store unasked: the Node pushes
+    (py-libp2p 0.8.1 pushes only when it starts listening; this was an xfail until it did)."""
+    late = "/dedloc-interop/late/1.0.0"
+    me = str(node.peer_id)
+    await js.dial(py_addr(node))
+    first = await js.identify(me, fresh=False)  # waits for js's own identify on connect
+    assert late not in first["peer_store"]["protocols"]
+
+    async def handler(stream: INetStream) -> None:
+        await stream.close()
+
+    node.set_stream_handler(late, handler)
+    protocols: list[str] = []
+    with trio.move_on_after(3):
+        while late not in protocols:
+            await trio.sleep(0.1)
+            protocols = (await js.identify(me, fresh=False))["peer_store"]["protocols"]
+    assert late in protocols
+
+
+async def test_py_pushes_a_new_address_to_js(js: JsPeer, node: Node) -> None:
+    """An address we advertise after js identified us (a relay slot's, here) reaches js's peer store
+    unasked, in the signed record js keeps (certified), as a NATed peer's circuit address must."""
+    from p2p.hooks import ExternalAddresses, Reachability
+
+    me = str(node.peer_id)
+    await js.dial(py_addr(node))
+    first = await js.identify(me, fresh=False)
+    assert not any("p2p-circuit" in a["addr"] for a in first["peer_store"]["addrs"])
+    circuit = Multiaddr(f"/ip4/127.0.0.1/tcp/4001/p2p/{js.peer_id}/p2p-circuit")  # any relay's id will do
+    node.set_external(ExternalAddresses(reachability=Reachability.PRIVATE, relayed=(circuit,), judged=True))
+    addrs: list[dict[str, Any]] = []
+    with trio.move_on_after(3):
+        while not any("p2p-circuit" in a["addr"] for a in addrs):
+            await trio.sleep(0.1)
+            addrs = (await js.identify(me, fresh=False))["peer_store"]["addrs"]
+    pushed = [a for a in addrs if "p2p-circuit" in a["addr"]]
+    assert pushed and all(a["certified"] for a in pushed), addrs
+
+
 # --------------------------------------------------------------------------- py-libp2p 0.8.1 quirks, pinned
 # Each is a strict xfail: it turns into a failure (XPASS) once py-libp2p or our
 # Node changes the behaviour, so that the note here and the workaround get revisited.
@@ -487,28 +528,3 @@ async def test_py_signed_peer_record_has_plain_transport_addrs(js: JsPeer, node:
     spr = result["fresh"]["signed_peer_record"]
     assert spr is not None and spr["addrs"], result
     assert all("/p2p/" not in a for a in spr["addrs"]), spr["addrs"]
-
-
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="py-libp2p 0.8.1 sends identify/push only when its listen addresses change, not when a "
-    "protocol handler is added: peers learn a later protocol only by identifying again",
-)
-async def test_py_pushes_a_new_protocol_to_js(js: JsPeer, node: Node) -> None:
-    late = "/dedloc-interop/late/1.0.0"
-    me = str(node.peer_id)
-    await js.dial(py_addr(node))
-    first = await js.identify(me, fresh=False)  # waits for js's own identify on connect
-    assert late not in first["peer_store"]["protocols"]
-
-    async def handler(stream: INetStream) -> None:
-        await stream.close()
-
-    node.set_stream_handler(late, handler)
-    protocols: list[str] = []
-    with trio.move_on_after(3):
-        while late not in protocols:
-            await trio.sleep(0.1)
-            protocols = (await js.identify(me, fresh=False))["peer_store"]["protocols"]
-    assert late in protocols

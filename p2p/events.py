@@ -143,18 +143,20 @@ class Rejoining(Event):
 
 
 @dataclass
-class AddressesPushed(Event):
-    """What we advertise changed and we told the connected peers that serve identify/push."""
+class IdentifyPushed(Event):
+    """What we advertise or serve changed and we told the connected peers that serve identify/push."""
 
     addrs: list[str]
+    protocols: list[str]
     #: peers told, and peers whose push failed (timed out, stream refused)
     peers: int
     failed: int
-    event: str = field(init=False, default="addresses_pushed")
+    event: str = field(init=False, default="identify_pushed")
 
     def human(self) -> str:
         failed = f" ({self.failed} could not be told)" if self.failed else ""
-        return f"our addresses changed: told {self.peers} connected peer{'s' if self.peers != 1 else ''}{failed}"
+        return (f"our addresses or protocols changed: told {self.peers} connected "
+                f"peer{'s' if self.peers != 1 else ''}{failed}")
 
 
 @dataclass

@@ -109,7 +109,7 @@ class Node:
         self._dialing: dict[ID, trio.Event] = {}
         self._rejoining = False
         self._closing = False
-        #: set when what we advertise may have changed (:meth:`_push_addresses`)
+        #: set when what we advertise or serve may have changed (:meth:`_push_identify`)
         self._push_wanted = trio.Event()
         self.rpc = Rpc(self.new_stream, max_message_size=config.max_message_size, default_timeout=config.rpc_timeout,
                        admit=self._admit_call)
@@ -172,7 +172,7 @@ class Node:
                     node._serve_closed_swarm_notice()
                     nursery.start_soon(node._sweep_idle_rpc_streams)
                     nursery.start_soon(node._log_limits_hit)
-                    nursery.start_soon(node._push_addresses)
+                    nursery.start_soon(node._push_identify)
                     try:
                         if bootstrap and config.initial_peers:
                             await node.bootstrap()
@@ -312,24 +312,25 @@ class Node:
             self._observers.notify(lambda o: o.external_changed(external), "an external change")
             self._push_wanted.set()
 
-    async def _push_addresses(self) -> None:
-        """Tell the connected peers when what we advertise changes (identify/push).
+    async def _push_identify(self) -> None:
+        """Tell the connected peers when what we advertise or serve changes (identify/push).
 
-        A peer learns our addresses from identify when it connects; a verdict or a relay slot that
-        comes later (a NATed peer's ``/p2p-circuit`` addresses, a confirmed public one) reached it
-        only if it asked again, so peer exchange handed on, and hole punches dialed, what we
-        advertised at connection time. Each change is pushed once, :data:`PUSH_DELAY` after it,
-        to the peers that serve the protocol (go- and js-libp2p push on the same occasion).
+        A peer learns our addresses and protocols from identify when it connects; a verdict or a
+        relay slot that came later (a NATed peer's ``/p2p-circuit`` addresses, a confirmed public
+        one), or a protocol served later, reached it only if it asked again: peer exchange handed
+        on, and hole punches dialed, what we advertised at connection time. Each change is pushed
+        once, :data:`PUSH_DELAY` after it, to the peers that serve the protocol, as go- and
+        js-libp2p push on the same occasions (py-libp2p 0.8.1 pushes only when it starts listening).
         """
-        pushed = self._host_addrs()
+        pushed = self._identity_now()
         while True:
             await self._push_wanted.wait()
             await trio.sleep(PUSH_DELAY)
             self._push_wanted = trio.Event()
-            addrs = self._host_addrs()
-            if addrs == pushed:
+            now = self._identity_now()
+            if now == pushed:
                 continue
-            pushed = addrs
+            pushed = now
             try:
                 message = identify_message(self.host)
             except OSError:  # our listeners closing: the node is leaving
@@ -349,8 +350,13 @@ class Node:
             async with trio.open_nursery() as pushes:
                 for peer in targets:
                     pushes.start_soon(push, peer)
-            self.emit(ev.AddressesPushed(addrs=[str(a) for a in rank_for_dial(addrs)], peers=len(targets) - len(failed),
-                                         failed=len(failed)))
+            addrs, protocols = now
+            self.emit(ev.IdentifyPushed(addrs=[str(a) for a in rank_for_dial(list(addrs))], protocols=list(protocols),
+                                        peers=len(targets) - len(failed), failed=len(failed)))
+
+    def _identity_now(self) -> tuple[tuple[Multiaddr, ...], tuple[str, ...]]:
+        """What identify says of us that may change: our advertised addresses and the protocols we serve."""
+        return tuple(self._host_addrs()), tuple(sorted(str(p) for p in self.host.get_mux().get_protocols() if p))
 
     async def _stream_on_live(self, peer_id: ID, protocol: str) -> INetStream:
         """A ``protocol`` stream (proposed lazily) on a connection we hold to ``peer_id``; never a dial."""
@@ -752,11 +758,13 @@ class Node:
                 await finish_quietly(stream.reset)
 
         self.host.set_stream_handler(TProtocol(protocol), guarded)
+        self._push_wanted.set()  # a protocol served anew: pushed to the connected peers
 
         def undo() -> None:
             handlers = self.host.get_mux().handlers  # remove ours only, not a later replacement
             if handlers.get(TProtocol(protocol)) is guarded:
                 self.host.remove_stream_handler(TProtocol(protocol))
+                self._push_wanted.set()
 
         return Registration(undo)
 

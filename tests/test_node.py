@@ -50,9 +50,9 @@ async def test_identify_says_which_of_our_connections_was_observed(node_pair):
     assert info.local_addr == conn.muxed_conn.secured_conn.local_address()
 
 
-async def test_a_change_of_what_we_advertise_is_pushed_to_connected_peers(node_pair):
-    """A relay slot (or a verdict) that comes after a peer identified us reaches it unasked (identify/push),
-    once per change: its peer store then dials and hands on what we advertise now."""
+async def test_a_change_of_what_we_advertise_or_serve_is_pushed_to_connected_peers(node_pair):
+    """A relay slot (or a verdict), or a protocol, that comes after a peer identified us reaches it unasked
+    (identify/push), once per change: its peer store then dials and hands on what we advertise now."""
     from p2p.hooks import ExternalAddresses, Reachability
     from p2p.identify import PUSH_DELAY
 
@@ -64,12 +64,23 @@ async def test_a_change_of_what_we_advertise_is_pushed_to_connected_peers(node_p
     known = await wait_until(lambda: [x for x in b.known_addrs(a.peer_id) if "p2p-circuit" in str(x)], 5,
                              what="b to hear of a's relayed address")
     assert str(known[0]).startswith(str(circuit))
-    (pushed,) = [e for e in events if isinstance(e, ev.AddressesPushed)]
+    (pushed,) = [e for e in events if isinstance(e, ev.IdentifyPushed)]
     assert pushed.peers == 1 and pushed.failed == 0 and any("p2p-circuit" in x for x in pushed.addrs)
     # a verdict that leaves what we advertise as it was is no change to push
     a.set_external(ExternalAddresses(reachability=Reachability.UNKNOWN, relayed=(circuit,), judged=True))
     await trio.sleep(PUSH_DELAY + 0.5)
-    assert len([e for e in events if isinstance(e, ev.AddressesPushed)]) == 1
+    assert len([e for e in events if isinstance(e, ev.IdentifyPushed)]) == 1
+    # a protocol served later, and then no more, reaches b the same way
+    late = "/dedloc-test/late/1.0.0"
+
+    async def handler(stream) -> None:
+        await stream.close()
+
+    served = a.set_stream_handler(late, handler)
+    await wait_until(lambda: late in b._protocols_of(a.peer_id), 5,
+                     what="b to hear a serves the late protocol")
+    served.remove()
+    await wait_until(lambda: late not in b._protocols_of(a.peer_id), 5, what="b to hear a stopped serving it")
 
 
 async def test_addresses_carry_peer_id_and_expand_nothing_on_loopback():
