@@ -110,10 +110,23 @@ class AutoRelay:
                 # advertises none, and a relay that filled up took such slots back (``RelayAdmission.
                 # reclaim_candidates``): one kept on trust would be advertised and reach nobody.
                 await self._keep(renew_all=not was_wanted)
+            else:
+                self._forget_expired()
             was_wanted = want
             after_pass()
             with trio.move_on_after(self.config.poll_interval):
                 await self._wake.wait()
+
+    def _forget_expired(self) -> None:
+        """While we are public, slots are neither renewed nor advertised (a return to private renews them
+        all); one past its expiry is held by no relay: forgotten, so that the status counts only slots a
+        relay may still hold (before, a public peer reported its first slots for the life of the process)."""
+        now = time.time()
+        for relay, rsvp in list(self._client.reservations.items()):
+            if rsvp.expire <= now:
+                self._client.drop(relay)
+                self._node.emit(nev.RelayLost(relay=relay, reason="expired while we were public (not renewed)"))
+                self._changed()
 
     async def _keep(self, *, renew_all: bool = False) -> None:
         client = self._client

@@ -257,6 +257,23 @@ async def test_a_full_relay_takes_back_slots_from_peers_that_went_public_and_the
         await wait_until(lambda: p.peer_id in relay_nat.relay_service.admission.slots)
 
 
+async def test_a_public_peer_forgets_the_slots_that_expired_unrenewed():
+    """A peer that reserved before its verdict and then went public renews nothing; once a slot's time
+    is up no relay holds it, and the peer's status stops counting it."""
+    async with AsyncExitStack() as stack:
+        relay, _, _ = await stack.enter_async_context(nat_node(nat_config(
+            relay_service=True, autonat_server=False, relay=RelayConfig(reservation_ttl=3))))
+        server, _, _ = await stack.enter_async_context(nat_node(nat_config(allow_private=True)))
+        p, p_nat, seen = await stack.enter_async_context(nat_node(nat_config(allow_private=True)))
+        await p.connect(relay.addrs[0])  # the relay judges nobody: the slot comes first
+        await wait_until(lambda: p_nat.relay_client.reservations)
+        await p.connect(server.addrs[0])
+        await wait_until(lambda: p_nat.mode == "public")
+        await wait_until(lambda: not p_nat.relay_client.reservations, 15, what="the expired slot forgotten")
+        assert p_nat.metrics()["reservations"] == 0
+        assert any("expired while we were public" in e.reason for e in of_type(seen, nev.RelayLost))
+
+
 async def test_relay_loss_is_reported_and_its_address_withdrawn():
     async with AsyncExitStack() as stack:
         b, b_nat, b_seen = await stack.enter_async_context(nat_node())
