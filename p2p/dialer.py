@@ -187,7 +187,13 @@ async def dial_simultaneous(network: INetworkService, addr: Multiaddr, peer_id: 
     """
     transport = network.transport_manager.transport_for_dialing(addr)  # type: ignore[attr-defined]
     dial_with_source = getattr(transport, "dial_with_source", None)
-    if transport is None or dial_with_source is None or source is None:
+    if source is None:
+        # No listen socket of this family to dial from: the peer's SYNs aim at the ports we offered,
+        # never at this dial's ephemeral one, so there is no simultaneous open to answer. What our
+        # SYN reaches is a listener, and we speak first (as the responder we waited for it while it
+        # waited for us: a peer with no listen socket punching a listening one failed every round).
+        return await network.dial_addr(addr, peer_id)
+    if transport is None or dial_with_source is None:
         return await network.dial_addr_as_responder(addr, peer_id, source=source)
     target = addr if peer_id_of(addr) is not None else addr.encapsulate(Multiaddr(f"/p2p/{peer_id.to_base58()}"))
     try:

@@ -17,6 +17,7 @@ from multiaddr import Multiaddr
 from nat import events as nev
 from nat.port_mapping import PortMappingConfig
 from nat.autonat import DIAL_REQUEST
+from nat.holepunch import HolePuncher
 from nat.circuit import HOP_PROTOCOL
 from p2p.addresses import is_relayed_conn
 from nat.proto import autonat_v2_pb2 as apb
@@ -203,8 +204,8 @@ async def test_a_peer_reached_through_its_relay_slot_dials_the_caller_directly_w
     """c reaches b (no listen socket) through b's relay slot, before c's own verdict: b's upgrade
     reverses the connection (dials c's address) in its first round. Its first reversal runs before
     identify has told b c's addresses; it then went on to punch, whose dial to a listening c failed its
-    security handshake round after round, and the connection stayed relayed (seen in a CI run of the
-    loopback demo: no averaged step in 45 s)."""
+    security handshake round after round (b dialed as the responder: mended, the next test), and the
+    connection stayed relayed (seen in a CI run of the loopback demo: no averaged step in 45 s)."""
     async with AsyncExitStack() as stack:
         relay, _, _ = await stack.enter_async_context(nat_node(nat_config(relay_service=True, allow_private=True)))
         b, b_nat, b_seen = await stack.enter_async_context(nat_node(nat_config(allow_private=True), listen=[]))
@@ -216,6 +217,24 @@ async def test_a_peer_reached_through_its_relay_slot_dials_the_caller_directly_w
         await wait_until(lambda: [e for e in of_type(b_seen, nev.HolePunched) if e.success], timeout=10)
         (punched,) = of_type(b_seen, nev.HolePunched)
         assert punched.method == "reversal" and punched.peer_id == c.peer_id and punched.elapsed < 3.0
+        assert any(not is_relayed_conn(x) for x in b.network.get_connections(c.peer_id))
+
+
+async def test_a_peer_without_a_listen_socket_punches_through_to_a_listening_one(monkeypatch):
+    """The same pair with no reversal to fall back on: b's punch has no listen port to dial from, so no
+    simultaneous open can happen and what its SYN reaches is c's listener, which b must speak to first.
+    b dialed as the handshake's responder instead: both waited, every round (3 rounds, 15 s, relayed)."""
+    monkeypatch.setattr(HolePuncher, "_reverse_targets", lambda self, peer: [])
+    async with AsyncExitStack() as stack:
+        relay, _, _ = await stack.enter_async_context(nat_node(nat_config(relay_service=True, allow_private=True)))
+        b, _, b_seen = await stack.enter_async_context(nat_node(nat_config(allow_private=True), listen=[]))
+        await b.connect(relay.addrs[0])
+        await wait_until(lambda: b.addrs)
+        c, _, _ = await stack.enter_async_context(nat_node(nat_config(allow_private=True)))
+        await c.connect(b.addrs)
+        await wait_until(lambda: of_type(b_seen, nev.HolePunched), timeout=30)
+        (punched,) = of_type(b_seen, nev.HolePunched)
+        assert punched.success and punched.method == "punch" and punched.attempts == 1, punched
         assert any(not is_relayed_conn(x) for x in b.network.get_connections(c.peer_id))
 
 
