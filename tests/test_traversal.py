@@ -200,6 +200,18 @@ async def test_a_node_that_listens_nowhere_is_reachable_only_through_its_relay_s
         assert not is_relayed_conn(b.network.get_connections(relay.peer_id)[0])  # it dialed out directly
 
 
+async def c_reaches_b_through_b_s_relay_slot(stack: AsyncExitStack) -> tuple[Node, Node, NatService, list[ev.Event]]:
+    """A relay, b with no listen socket holding a slot on it, and c (listening, its verdict not in yet)
+    connected to b through the slot: (b, c, c's NAT layer, b's events)."""
+    relay, _, _ = await stack.enter_async_context(nat_node(nat_config(relay_service=True, allow_private=True)))
+    b, _, b_seen = await stack.enter_async_context(nat_node(nat_config(allow_private=True), listen=[]))
+    await b.connect(relay.addrs[0])
+    await wait_until(lambda: b.addrs)
+    c, c_nat, _ = await stack.enter_async_context(nat_node(nat_config(allow_private=True)))
+    await c.connect(b.addrs)
+    return b, c, c_nat, b_seen
+
+
 async def test_a_peer_reached_through_its_relay_slot_dials_the_caller_directly_when_it_can():
     """c reaches b (no listen socket) through b's relay slot, before c's own verdict: b's upgrade
     reverses the connection (dials c's address) in its first round. Its first reversal runs before
@@ -207,13 +219,8 @@ async def test_a_peer_reached_through_its_relay_slot_dials_the_caller_directly_w
     security handshake round after round (b dialed as the responder: mended, the next test), and the
     connection stayed relayed (seen in a CI run of the loopback demo: no averaged step in 45 s)."""
     async with AsyncExitStack() as stack:
-        relay, _, _ = await stack.enter_async_context(nat_node(nat_config(relay_service=True, allow_private=True)))
-        b, b_nat, b_seen = await stack.enter_async_context(nat_node(nat_config(allow_private=True), listen=[]))
-        await b.connect(relay.addrs[0])
-        await wait_until(lambda: b.addrs)
-        c, c_nat, _ = await stack.enter_async_context(nat_node(nat_config(allow_private=True)))
+        b, c, c_nat, b_seen = await c_reaches_b_through_b_s_relay_slot(stack)
         assert c_nat.reachability == "unknown"
-        await c.connect(b.addrs)
         await wait_until(lambda: [e for e in of_type(b_seen, nev.HolePunched) if e.success], timeout=10)
         (punched,) = of_type(b_seen, nev.HolePunched)
         assert punched.method == "reversal" and punched.peer_id == c.peer_id and punched.elapsed < 3.0
@@ -226,12 +233,7 @@ async def test_a_peer_without_a_listen_socket_punches_through_to_a_listening_one
     b dialed as the handshake's responder instead: both waited, every round (3 rounds, 15 s, relayed)."""
     monkeypatch.setattr(HolePuncher, "_reverse_targets", lambda self, peer: [])
     async with AsyncExitStack() as stack:
-        relay, _, _ = await stack.enter_async_context(nat_node(nat_config(relay_service=True, allow_private=True)))
-        b, _, b_seen = await stack.enter_async_context(nat_node(nat_config(allow_private=True), listen=[]))
-        await b.connect(relay.addrs[0])
-        await wait_until(lambda: b.addrs)
-        c, _, _ = await stack.enter_async_context(nat_node(nat_config(allow_private=True)))
-        await c.connect(b.addrs)
+        b, c, _, b_seen = await c_reaches_b_through_b_s_relay_slot(stack)
         await wait_until(lambda: of_type(b_seen, nev.HolePunched), timeout=30)
         (punched,) = of_type(b_seen, nev.HolePunched)
         assert punched.success and punched.method == "punch" and punched.attempts == 1, punched
