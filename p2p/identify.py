@@ -34,6 +34,8 @@ from .untrusted import decode_addr, decode_addrs
 PUSH_PROTOCOL = "/ipfs/id/push/1.0.0"
 #: One push's time to open its stream and write (a peer that stalls is left with what it had).
 PUSH_TIMEOUT = 5.0
+#: The time a peer's push has to arrive whole once its stream is open.
+PUSH_READ_TIMEOUT = 10.0
 #: After a change of what we advertise, how long to wait for the next before pushing: a verdict, a relay
 #: slot and the addresses they bring come within moments of each other; one push says them all.
 PUSH_DELAY = 0.25

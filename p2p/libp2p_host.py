@@ -37,6 +37,11 @@ moves (``tests/test_node.py`` and ``interop/`` pin the behaviour):
   ``interop/test_js_nat.py``). :func:`_identify_handler` reports the stream's
   own connection's remote TCP address, and nothing on a relayed connection,
   where there is nothing to observe (the field is optional).
+* **Identify push, taken.** Its handler reads up to 1 MiB, at any rate, and logs each push it
+  cannot parse at ERROR: a peer could fill our log. :func:`_identify_push_handler` takes a push
+  within the peer's identify rate and 64 KiB, drops garbage at debug, and updates the peer store as
+  py-libp2p does. (Sending: it pushed only when it began listening; ``Node._push_identify`` pushes
+  each change of what we advertise or serve.)
 * **Admission.** Its swarm refuses inbound connections by one global count (an
   inbound limiter and its own resource manager, 300 connections, both on by
   default): a script holding 500 idle connections refused honest peers as often
@@ -101,6 +106,9 @@ from libp2p.abc import IHost, IMuxedConn, INetConn, INetStream, INetwork, INotif
 from libp2p.crypto.keys import KeyPair
 from libp2p.identity.identify.identify import ID as IDENTIFY_PROTOCOL
 from libp2p.identity.identify.identify import _mk_identify_protobuf, _remote_address_to_multiaddr
+from libp2p.identity.identify.pb.identify_pb2 import Identify
+from libp2p.identity.update import update_peerstore_from_identify
+from libp2p.utils.varint import read_length_prefixed_protobuf
 from libp2p.custom_types import TProtocol
 from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.peer.id import ID
@@ -119,7 +127,7 @@ from .addresses import ip_and_tcp_port, is_relayed_conn
 from .errors import DedlocError
 from .admission import Ticket
 from .resources import ResourceLimitExceeded, ResourceManager
-from .identify import send_identify
+from .identify import MAX_IDENTIFY_SIZE, PUSH_PROTOCOL, PUSH_READ_TIMEOUT, send_identify
 from .trio_util import finish_quietly
 from .noise import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from .noise import NoiseConfig, NoiseSession, NoiseTransport
@@ -203,6 +211,7 @@ async def started(host: IHost, get_addrs: Callable[[], list[Multiaddr]],
     host.get_addrs = get_addrs  # type: ignore[method-assign]
     network.register_notifee(_Notifee(connected, disconnected))
     host.set_stream_handler(IDENTIFY_PROTOCOL, _identify_handler(host, resources))
+    host.set_stream_handler(TProtocol(PUSH_PROTOCOL), _identify_push_handler(host, resources))
 
 
 async def close_listeners(host: IHost, *, timeout: float = 5.0) -> None:
@@ -362,6 +371,35 @@ def identify_message(host: IHost, remote: tuple[str, int] | None = None) -> byte
     with ``remote`` as the observed address (none for a push, or on a relayed connection). Raises
     ``OSError`` while our listeners close."""
     return bytes(_mk_identify_protobuf(host, _remote_address_to_multiaddr(remote)).SerializeToString())
+
+
+def _identify_push_handler(host: IHost, resources: ResourceManager) -> Callable[[INetStream], Awaitable[None]]:
+    """Take a peer's identify/push (see the module docstring): within the peer's identify rate (a
+    reset beyond it), :data:`MAX_IDENTIFY_SIZE` and :data:`PUSH_READ_TIMEOUT` at most; what it says
+    replaces what we held of it, by py-libp2p's update (which keeps a public key only if it hashes to
+    the sender, and a signed record only if it names the sender). What does not parse is dropped,
+    logged at debug: a peer cannot fill our log."""
+
+    async def handle(stream: INetStream) -> None:
+        peer = stream.muxed_conn.peer_id
+        try:
+            resources.allow("identify", str(peer), trio.current_time())
+        except ResourceLimitExceeded:
+            await finish_quietly(stream.reset)
+            return
+        message = Identify()
+        try:
+            with trio.fail_after(PUSH_READ_TIMEOUT):
+                data = await read_length_prefixed_protobuf(stream, use_varint_format=True, max_length=MAX_IDENTIFY_SIZE)
+            message.ParseFromString(data)
+        except Exception as e:  # py-libp2p's reader raises a bare Exception for a bad or oversized prefix
+            log.debug("identify push from %s dropped: %s", peer, e)
+            await finish_quietly(stream.reset)
+            return
+        await update_peerstore_from_identify(host.get_peerstore(), peer, message)
+        await finish_quietly(stream.close)
+
+    return handle
 
 
 def _identify_handler(host: IHost, resources: ResourceManager) -> Callable[[INetStream], Awaitable[None]]:

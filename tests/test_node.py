@@ -83,6 +83,48 @@ async def test_a_change_of_what_we_advertise_or_serve_is_pushed_to_connected_pee
     await wait_until(lambda: late not in b._protocols_of(a.peer_id), 5, what="b to hear a stopped serving it")
 
 
+async def test_a_garbled_oversized_or_too_frequent_push_is_dropped_quietly(node_pair, caplog):
+    """Pushes to us are untrusted input: garbage and an oversized length are reset and logged at debug
+    only (py-libp2p's handler logged each at ERROR, at any rate), and a peer pushing faster than its
+    identify rate is reset; a good push still lands, and the node serves on."""
+    import logging
+
+    from libp2p.identity.identify.pb.identify_pb2 import Identify
+    from libp2p.network.stream.exceptions import StreamEOF, StreamReset
+
+    from p2p.identify import PUSH_PROTOCOL
+    from p2p.varint import encode_varint
+
+    a, b = node_pair
+    await wait_until(lambda: PUSH_PROTOCOL in b._protocols_of(a.peer_id), 10, what="b identified a")
+
+    async def push(payload: bytes) -> bool:
+        """Whether a took it (closed the stream) rather than reset it."""
+        stream = await b.new_stream(a.peer_id, PUSH_PROTOCOL)
+        await stream.write(payload)
+        await stream.close()
+        try:
+            with trio.fail_after(5):
+                while await stream.read(1024):
+                    pass
+        except StreamReset:
+            return False
+        except StreamEOF:
+            pass
+        return True
+
+    caplog.set_level(logging.DEBUG)
+    assert not await push(b"\xff\xff\xff\xff\x0f")  # a length of 4 GiB
+    assert not await push(encode_varint(4) + b"\x0a\xff\x01\x02")  # a field longer than the message
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
+    good = Identify(listen_addrs=[Multiaddr("/ip4/127.0.0.7/tcp/4001").to_bytes()]).SerializeToString()
+    assert await push(encode_varint(len(good)) + good)
+    assert [str(x) for x in a.known_addrs(b.peer_id)] == ["/ip4/127.0.0.7/tcp/4001"]
+    taken = [await push(encode_varint(len(good)) + good) for _ in range(12)]  # the rate: 2 a second, 8 at once
+    assert taken[:3] == [True] * 3 and not all(taken), taken
+    assert await b.ping(a.peer_id) > 0
+
+
 async def test_addresses_carry_peer_id_and_expand_nothing_on_loopback():
     async with open_nodes(1) as (a,):
         assert a.addrs and all(str(x).endswith(f"/p2p/{a.peer_id}") for x in a.addrs)
