@@ -468,6 +468,18 @@ async def test_bulk_js_stops_at_our_receive_window_until_we_read(js: JsPeer, nod
     assert sent_sha.hex() == bulk.expected_sha256(down, size)
 
 
+async def js_store_until(js: JsPeer, peer: str, done: Callable[[dict[str, Any]], bool],
+                         timeout: float = 3.0) -> dict[str, Any]:
+    """js's peer-store entry for ``peer``, read every 0.1 s until ``done`` holds for it or ``timeout``
+    passed: the last read either way (js learns only from what we push: we never ask it to identify)."""
+    store = (await js.identify(peer, fresh=False))["peer_store"]
+    with trio.move_on_after(timeout):
+        while not done(store):
+            await trio.sleep(0.1)
+            store = (await js.identify(peer, fresh=False))["peer_store"]
+    return dict(store)
+
+
 async def test_py_pushes_a_new_protocol_to_js(js: JsPeer, node: Node) -> None:
     """A protocol we serve after js identified us reaches js's peer store unasked: the Node pushes
     (py-libp2p 0.8.1 pushes only when it starts listening; this was an xfail until it did)."""
@@ -481,12 +493,8 @@ async def test_py_pushes_a_new_protocol_to_js(js: JsPeer, node: Node) -> None:
         await stream.close()
 
     node.set_stream_handler(late, handler)
-    protocols: list[str] = []
-    with trio.move_on_after(3):
-        while late not in protocols:
-            await trio.sleep(0.1)
-            protocols = (await js.identify(me, fresh=False))["peer_store"]["protocols"]
-    assert late in protocols
+    store = await js_store_until(js, me, lambda store: late in store["protocols"])
+    assert late in store["protocols"]
 
 
 async def test_py_pushes_a_new_address_to_js(js: JsPeer, node: Node) -> None:
@@ -500,13 +508,9 @@ async def test_py_pushes_a_new_address_to_js(js: JsPeer, node: Node) -> None:
     assert not any("p2p-circuit" in a["addr"] for a in first["peer_store"]["addrs"])
     circuit = Multiaddr(f"/ip4/127.0.0.1/tcp/4001/p2p/{js.peer_id}/p2p-circuit")  # any relay's id will do
     node.set_external(ExternalAddresses(reachability=Reachability.PRIVATE, relayed=(circuit,), judged=True))
-    addrs: list[dict[str, Any]] = []
-    with trio.move_on_after(3):
-        while not any("p2p-circuit" in a["addr"] for a in addrs):
-            await trio.sleep(0.1)
-            addrs = (await js.identify(me, fresh=False))["peer_store"]["addrs"]
-    pushed = [a for a in addrs if "p2p-circuit" in a["addr"]]
-    assert pushed and all(a["certified"] for a in pushed), addrs
+    store = await js_store_until(js, me, lambda store: any("p2p-circuit" in a["addr"] for a in store["addrs"]))
+    pushed = [a for a in store["addrs"] if "p2p-circuit" in a["addr"]]
+    assert pushed and all(a["certified"] for a in pushed), store["addrs"]
 
 
 # --------------------------------------------------------------------------- py-libp2p 0.8.1 quirks, pinned

@@ -320,11 +320,11 @@ class HolePuncher:
                 first round's exchange (py-libp2p's own identify, started with the connection, takes
                 two round trips more than ours: its stream costs them), wait for the answer, and dial
                 what it told us, beside the punch (:meth:`_punch_round`). A peer that listens where we
-                can reach it is dialed so. The punch did not reach one: on loopback, a listening peer that
-                reached a listen-nowhere peer through its relay slot, the punch dial failed its security
-                handshake in every round and the connection stayed relayed (a reversal only after a
-                failed round: direct in 5.07 s; this one: 0.3-0.8 s). go-libp2p waits for identify
-                before its first dial instead: a round trip more for every punch."""
+                can reach it is dialed so (a reversal only after a failed round: direct in 5.07 s; this
+                one: 0.3-0.8 s). The punch reaches such a peer too since a listen-nowhere peer's punch
+                dial speaks first (:func:`p2p.dialer.dial_simultaneous`; it used to wait as the
+                responder, and every round failed). go-libp2p waits for identify before its first dial
+                instead: a round trip more for every punch."""
                 nonlocal dialed, late
                 if dialed:
                     return None

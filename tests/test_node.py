@@ -54,10 +54,10 @@ async def test_a_change_of_what_we_advertise_or_serve_is_pushed_to_connected_pee
     """A relay slot (or a verdict), or a protocol, that comes after a peer identified us reaches it unasked
     (identify/push), once per change: its peer store then dials and hands on what we advertise now."""
     from p2p.hooks import ExternalAddresses, Reachability
-    from p2p.identify import PUSH_DELAY
+    from p2p.identify import PUSH_DELAY, PUSH_PROTOCOL
 
     a, b = node_pair
-    await wait_until(lambda: "/ipfs/id/push/1.0.0" in a._protocols_of(b.peer_id), 10, what="b identified")
+    await wait_until(lambda: PUSH_PROTOCOL in a._protocols_of(b.peer_id), 10, what="b identified")
     events = record_events(a)
     circuit = Multiaddr(f"/ip4/127.0.0.9/tcp/4001/p2p/{b.peer_id}/p2p-circuit")
     a.set_external(ExternalAddresses(reachability=Reachability.PRIVATE, relayed=(circuit,), judged=True))
