@@ -47,6 +47,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "training/moe/protocol.py": ("tests/test_moe_calls.py",),
     "training/moe/shards.py": ("tests/test_moe_shards.py",),
     "p2p/dial_backoff.py": ("tests/test_dial_backoff.py",),
+    "p2p/conn_manager.py": ("tests/test_conn_manager.py",),
 }
 
 KILLED = {"killed", "timeout"}

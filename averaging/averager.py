@@ -29,7 +29,7 @@ import hashlib
 import logging
 import math
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import ExitStack, asynccontextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -346,7 +346,11 @@ class Averager:
         self._rounds[group.group_id] = round_
         self._round_started.setdefault(group.group_id, trio.Event()).set()
         try:
-            report = await round_.run()
+            with ExitStack() as kept:  # no member's connection is trimmed mid-round (p2p/conn_manager.py)
+                for member in group.members:
+                    if member.peer_id != self.peer.peer_id:
+                        kept.enter_context(self.peer.protect(member.peer_id, "averaging round"))
+                report = await round_.run()
             self.bandwidth.observe(round_.upload, round_.download, probe=probe)
         finally:
             self._rounds.pop(group.group_id, None)

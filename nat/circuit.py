@@ -171,6 +171,8 @@ class RelayClient:
         self._accept_unreserved = self.config.accept_unreserved
         #: Current reservations by relay.
         self.reservations: dict[ID, Reservation] = {}
+        #: the node's connection manager keeps each relay holding our slot connected
+        self._kept: dict[ID, Registration] = {}
         self.counts: Counter[str] = Counter({"reservations": 0, "reservation_failures": 0, "relayed_in": 0, "relayed_out": 0})
 
     def install(self) -> Registration:
@@ -181,6 +183,9 @@ class RelayClient:
         def undo() -> None:
             handler.remove()
             dialer.remove()
+            for kept in self._kept.values():
+                kept.remove()
+            self._kept.clear()
 
         return Registration(undo)
 
@@ -226,11 +231,16 @@ class RelayClient:
             voucher_ok=_voucher_ok(rsvp.voucher, relay, self._node.peer_id, rsvp.expire) if rsvp.voucher else False,
         )
         self.reservations[relay] = reservation
+        if relay not in self._kept:  # the slot lives only while this connection does
+            self._kept[relay] = self._node.protect(relay, "our relay slot")
         self.counts["reservations"] += 1
         return reservation
 
     def drop(self, relay: ID) -> None:
         self.reservations.pop(relay, None)
+        kept = self._kept.pop(relay, None)
+        if kept is not None:
+            kept.remove()
 
     def _connected_addrs(self, relay: ID) -> list[Multiaddr]:
         out: list[Multiaddr] = []

@@ -27,6 +27,7 @@ from p2p.addresses import Scope, parse_multiaddr, parse_peer_addr, peer_id_of, s
 from p2p.auth import AuthError
 from p2p.output import Output
 from p2p.admission import AdmissionConfig
+from p2p.conn_manager import ConnManagerConfig
 from p2p.collector import settle
 from p2p.resources import Rate
 from p2p.trio_util import cancel_on_sigterm
@@ -117,6 +118,12 @@ def peer_config(args: argparse.Namespace, *, relay: bool) -> PeerConfig:
     resources.max_inbound_streams_per_peer_protocol = max(1, args.max_streams_per_peer // 2)
     resources.max_memory_per_peer = args.max_memory_per_peer_mib << 20
     resources.rates.update(parse_rates(args.rate, known=set(resources.rates)))
+    config.node.connections = ConnManagerConfig(low_water=args.conn_low_water, high_water=args.conn_high_water,
+                                                grace_period=args.conn_grace)
+    try:
+        config.node.connections.validate()
+    except ConfigError as e:
+        raise ConfigError(f"--conn-low-water, --conn-high-water, --conn-grace: {e}") from e
     config.nat.allow_private = args.allow_private
     if args.no_port_mapping:
         config.nat.port_mapping = PortMappingConfig(enabled=False)

@@ -10,6 +10,7 @@ from pathlib import Path
 from collections.abc import Sequence
 
 from p2p.admission import AdmissionConfig
+from p2p.conn_manager import ConnManagerConfig
 from p2p.commands import build_parser as p2p_parser, common_options, run
 from p2p.dht.events import DHTMode
 from p2p.resources import ResourceConfig
@@ -50,6 +51,15 @@ def nat_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rate", action="append", default=[], metavar="SERVICE=PER_S[/BURST]",
                    help="requests per second one peer may make of a service, e.g. dht=200/400; services: "
                    + ", ".join(sorted(r.rates)) + " (repeatable)")
+    c = ConnManagerConfig()
+    g = p.add_argument_group("connections kept (the connection manager: p2p/conn_manager.py)")
+    g.add_argument("--conn-high-water", type=int, default=c.high_water, metavar="N",
+                   help="over this many open connections, close those of least use (a relay slot's, an averaging "
+                   "round's are kept)")
+    g.add_argument("--conn-low-water", type=int, default=c.low_water, metavar="N",
+                   help="... until this many of the others remain")
+    g.add_argument("--conn-grace", type=float, default=c.grace_period, metavar="SECONDS",
+                   help="a peer connected within this time is never closed for the count")
 
 
 def peer_options(p: argparse.ArgumentParser) -> None:

@@ -285,6 +285,9 @@ class Peer:
     def observe(self, observer: SwarmObserver) -> Registration:
         return self.node.observe(observer)
 
+    def protect(self, peer_id: ID, tag: str) -> Registration:
+        return self.node.protect(peer_id, tag)
+
     def emit(self, event: Event) -> None:
         self.node.emit(event)
 
@@ -311,6 +314,7 @@ class Peer:
         out: Metrics = {"peer_id": str(self.node.peer_id), "peers": len(self.node.connected_peers()), **self.nat.metrics()}
         out.update({f"resources.{k}": v for k, v in self.node.resources.usage().items()})
         out.update({f"limits.{k}": v for k, v in self.node.resources.limits().items()})
+        out.update({f"connections.{k}": v for k, v in self.node.connection_metrics().items()})
         if self._dht is not None:
             out.update({f"dht.{k}": v for k, v in self._dht.metrics().items()})
         return out

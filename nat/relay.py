@@ -241,6 +241,8 @@ class RelayService:
         self.stats = RelayStats()
         #: set while a reclaim asks the holders (:meth:`_reclaim`)
         self._reclaiming: trio.Event | None = None
+        #: the node's connection manager keeps each slot holder connected (:meth:`_keep_holders`)
+        self._kept: dict[ID, Registration] = {}
 
     def install(self) -> Registration:
         """Serve HOP; the relay's slots show in the node's resource usage (``dedloc status``)."""
@@ -251,8 +253,22 @@ class RelayService:
         def undo() -> None:
             handler.remove()
             shown.remove()
+            for kept in self._kept.values():
+                kept.remove()
+            self._kept.clear()
 
         return Registration(undo)
+
+    def _keep_holders(self) -> None:
+        """Protect the slot holders from the node's connection manager (``p2p/conn_manager.py``), and
+        only them: a slot lives only while its holder's connection does (a trimmed holder would be
+        unreachable until its next reservation). ``max_reservations`` bounds them."""
+        slots = self.admission.slots
+        for peer in [p for p in self._kept if p not in slots]:
+            self._kept.pop(peer).remove()
+        for peer in slots:
+            if peer not in self._kept:
+                self._kept[peer] = self._node.protect(peer, "relay slot holder")
 
     def metrics(self) -> dict[str, int | float | str]:
         """Flat name -> value (refusals and limits hit by reason), as every service's ``metrics()``."""
@@ -333,6 +349,7 @@ class RelayService:
             reservation=pb.Reservation(expire=expire, addrs=addrs, voucher=self._voucher(peer, expire)),
             limit=self.limit,
         )
+        self._keep_holders()
         self.stats.reservations += 1
         self.stats.reservation_types["renewed" if renewal else "opened"] += 1
         self.stats.responses[("reservation", "OK")] += 1
@@ -382,11 +399,13 @@ class RelayService:
                     nursery.start_soon(ask, holder)
         finally:
             self._reclaiming = None
+            self._keep_holders()
             done.set()
 
     def _sweep(self) -> None:
         network = self._node.network
         self.admission.sweep(time.time(), lambda peer: live_connection(network, peer) is not None)
+        self._keep_holders()
 
     async def _connect(self, stream: INetStream, source: ID, msg: pb.HopMessage) -> None:
         try:
@@ -406,7 +425,9 @@ class RelayService:
             if stop is None:
                 await self._status(stream, pb.CONNECTION_FAILED, "target did not accept", kind="connection")
                 return
-            await self._bridge(stream, stop, accepted=lambda: self._accepted(stream, stop, target))
+            # both ends stay connected while the circuit runs (``max_circuits`` bounds them)
+            with self._node.protect(source, "relay circuit"), self._node.protect(target, "relay circuit"):
+                await self._bridge(stream, stop, accepted=lambda: self._accepted(stream, stop, target))
         finally:
             self.admission.close_circuit(source, target)
 

@@ -2,8 +2,8 @@
 
 Averaging and training need little of the network: who we are and where we are
 reached, the RPC endpoint, stream handlers and new streams, the addresses of a
-peer learnt from a protocol, our reachability (to pick a role), events, and
-the DHT's get and store. :class:`Swarm` says exactly that much, as a
+peer learnt from a protocol, our reachability (to pick a role), events, which
+peers to keep connected, and the DHT's get and store. :class:`Swarm` says exactly that much, as a
 :class:`typing.Protocol`: :class:`nat.Peer` implements it over the real
 network, and an in-memory fake can too (``tests/fake_swarm.py`` runs
 matchmaking, all-reduce and training over one, without a socket). The upper
@@ -74,6 +74,11 @@ class Swarm(Protocol):
         ...
 
     def observe(self, observer: SwarmObserver) -> Registration: ...
+
+    def protect(self, peer_id: ID, tag: str) -> Registration:
+        """Keep the connections to ``peer_id`` open until the handle is removed (the connection
+        manager closes others' beyond its high water: ``p2p/conn_manager.py``)."""
+        ...
 
     def emit(self, event: Event) -> None: ...
 

@@ -164,6 +164,35 @@ def _config_path(argv: Sequence[str]) -> Path | None:
     return found
 
 
+#: Open files a command asks for: each connection is a socket, a relay admits 4,096 inbound ones
+#: (``--max-inbound``) and a peer keeps 192 before its connection manager trims (``--conn-high-water``),
+#: while Linux starts a process at a soft limit of 1,024; past it every accept and dial fails with
+#: EMFILE. kubo raises its daemon's limit to 8,192 the same way.
+OPEN_FILES = 8192
+
+
+def raise_open_files_limit(want: int = OPEN_FILES) -> tuple[int, int] | None:
+    """Raise this process's soft limit of open files to ``want``, or to the hard limit if that is
+    lower; never lower it. The soft limit (before, after), or None where there is no such limit.
+
+    A command's process only (:func:`run_command`): an app that embeds the Node owns its process's
+    limits and sets them itself."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX platform
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as e:  # a sandbox that forbids it: go on with the limit we have
+            logging.getLogger(__name__).info("could not raise the open files limit from %d to %d: %s", soft, target, e)
+            return soft, soft
+        return soft, target
+    return soft, soft
+
+
 def run_command(args: argparse.Namespace, func: Callable[[argparse.Namespace, Output], Any]) -> int:
     """Run a parsed command under trio; errors become one clear line and exit 1."""
     import trio  # only once a command runs: `dedloc --help` imports argparse and little else
@@ -173,6 +202,7 @@ def run_command(args: argparse.Namespace, func: Callable[[argparse.Namespace, Ou
     from .trio_util import unwrap_single_group
 
     _setup_logging(args.verbose)
+    raise_open_files_limit()
     out = Output(getattr(args, "json", False))
 
     async def command() -> int:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .addresses import parse_multiaddr, parse_peer_addr
+from .conn_manager import ConnManagerConfig
 from .dial_backoff import BackoffConfig
 from .errors import ConfigError
 from .noise import NoiseConfig
@@ -56,6 +57,9 @@ class NodeConfig:
     #: Every limit on what peers may take (``p2p/resources.py``): admission before the handshake,
     #: connections, streams and bytes in flight per peer and in all, request rates per service.
     resources: ResourceConfig = field(default_factory=ResourceConfig)
+    #: How many connections to keep, and which to close beyond that (``p2p/conn_manager.py``:
+    #: go-libp2p's connection manager, 160/192 by default).
+    connections: ConnManagerConfig = field(default_factory=ConnManagerConfig)
 
     def validate(self) -> None:
         if not self.listen and self.announce:
@@ -82,5 +86,6 @@ class NodeConfig:
         self.yamux.validate()
         self.noise.validate()
         self.resources.validate()
+        self.connections.validate()
         if self.max_message_size < 1024:
             raise ConfigError(f"max_message_size must be at least 1024 bytes, got {self.max_message_size}")

@@ -72,7 +72,25 @@ class ConnectionClosed(Event):
     peer_id: ID
     addr: str
     kind: PathKind
+    #: closed by a connection manager, ours or the peer's (``p2p/conn_manager.py``)
+    trimmed: bool = False
     event: str = field(init=False, default="connection_closed")
+
+
+@dataclass
+class ConnectionsTrimmed(Event):
+    """Over the connection manager's high water: the lowest-valued peers' connections were closed."""
+
+    closed: int
+    peers: int
+    #: connections open before, and after
+    before: int
+    after: int
+    event: str = field(init=False, default="connections_trimmed")
+
+    def human(self) -> str:
+        return (f"holding {self.before} connections, over the high water: closed {self.closed} to {self.peers} "
+                f"peers of least use ({self.after} open)")
 
 
 @dataclass

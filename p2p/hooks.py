@@ -66,6 +66,9 @@ class ConnectionInfo:
     direction: Direction
     kind: PathKind
     conn: INetConn = field(compare=False, repr=False)
+    #: (closed ones) a connection manager closed it, ours or the peer's (yamux GoAway 0x1005): the
+    #: peer is alive, not worth dialing back to check (``p2p/conn_manager.py``)
+    trimmed: bool = False
 
 
 @dataclass(frozen=True)

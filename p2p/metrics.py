@@ -119,6 +119,10 @@ class _NodeCollector(Collector):
         peers.add_metric(["direct"], paths["direct"])
         peers.add_metric(["relayed"], paths["relayed"])
         yield peers
+        yield CounterMetricFamily("dedloc_connmgr_trimmed", "Connections the connection manager closed (over its "
+                                  "high water, of least use)", value=self._node.trimmed)
+        yield GaugeMetricFamily("dedloc_connmgr_protected_peers", "Peers a service keeps connected (a relay slot, "
+                                "an averaging round)", value=self._node.conn_tags.protected_count())
 
 
 def limit_labels(name: str) -> tuple[str, str]:

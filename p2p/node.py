@@ -7,11 +7,12 @@ tasks in a nursery that lives exactly as long as the ``async with`` block.
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
 from contextlib import ExitStack, asynccontextmanager
 from dataclasses import dataclass, replace
 
@@ -33,6 +34,7 @@ from .admission import Admission
 from .addresses import (is_relayed, parse_multiaddr, parse_peer_addr, rank_for_dial, tcp_port, with_peer_id,
                         without_peer_id)
 from .config import NodeConfig
+from .conn_manager import Conn, Tags, select_to_close
 from .dial_backoff import DialBackoff
 from .dialer import CircuitDialer, backoff_delays, classify_dial_error, dial, live_connection, remote_addr
 from .errors import (CLOSED_SWARM_HINT, BootstrapError, ConfigError, DedlocError, DialBackoffError, DialError,
@@ -42,7 +44,8 @@ from .identify import (MAX_LISTEN_ADDRS, PUSH_CONCURRENCY, PUSH_DELAY, PUSH_PROT
                        push_identify)
 from .identity import load_or_create_identity, new_identity, peer_id_of
 from .auth import PRE_AUTH, PROTOCOL as AUTH_PROTOCOL, AuthError, Authenticator
-from .libp2p_host import build_host, check_listening, close_listeners, identify_message, set_gate, started
+from .libp2p_host import (build_host, check_listening, close_connections, close_listeners, identify_message, set_gate,
+                          started)
 from .noise import NoiseSession
 from .proto import auth_pb2 as auth_pb
 from .wire import read_message, write_message
@@ -50,6 +53,7 @@ from .resources import ResourceLimitExceeded, ResourceManager, limits_hit
 from .rpc import RPC_PROTOCOL, Rpc
 from .rpc.stream import TRANSPORT_ERRORS
 from .trio_util import finish_quietly, unwrap_single_group
+from .yamux import GO_AWAY_GARBAGE_COLLECTED
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +115,14 @@ class Node:
         self._closing = False
         #: set when what we advertise or serve may have changed (:meth:`_push_identify`)
         self._push_wanted = trio.Event()
+        #: Which peers services asked to keep connected, and what they are worth (:meth:`protect`,
+        #: :meth:`value_peers`): what the connection manager reads (``p2p/conn_manager.py``).
+        self.conn_tags = Tags()
+        self._valuers: list[Callable[[ID], int]] = []
+        #: when each open connection opened (trio's clock): its grace period
+        self._opened: dict[INetConn, float] = {}
+        #: connections the connection manager closed
+        self.trimmed = 0
         self.rpc = Rpc(self.new_stream, max_message_size=config.max_message_size, default_timeout=config.rpc_timeout,
                        admit=self._admit_call)
 
@@ -173,6 +185,8 @@ class Node:
                     nursery.start_soon(node._sweep_idle_rpc_streams)
                     nursery.start_soon(node._log_limits_hit)
                     nursery.start_soon(node._push_identify)
+                    if config.connections.enabled:
+                        nursery.start_soon(node._trim_connections)
                     try:
                         if bootstrap and config.initial_peers:
                             await node.bootstrap()
@@ -189,6 +203,7 @@ class Node:
                         node._closing = True  # the connections that close now are no cut-off
                         nursery.cancel_scope.cancel()
                         await close_listeners(host)
+                        await close_connections(host)
         except OSError as e:
             if listening:  # a failure inside the block (a DialError is an OSError too): not ours to rename
                 raise
@@ -390,16 +405,18 @@ class Node:
         return Registration(undo)
 
     async def _connected(self, conn: INetConn) -> None:
+        self._opened[conn] = trio.current_time()
         info = _connection_info(conn)
         self.backoff.clear(info.peer_id)  # it answered, whoever dialed: its addresses start afresh
         self._observers.notify(lambda o: o.connection_opened(info), "a connection opened")
         self.emit(ev.ConnectionOpened(peer_id=info.peer_id, addr=str(info.addr), direction=info.direction, kind=info.kind))
 
     async def _disconnected(self, conn: INetConn) -> None:
+        self._opened.pop(conn, None)
         info = _connection_info(conn)
         self.rpc.forget_peer(info.peer_id)
         self._observers.notify(lambda o: o.connection_closed(info), "a connection closed")
-        self.emit(ev.ConnectionClosed(peer_id=info.peer_id, addr=str(info.addr), kind=info.kind))
+        self.emit(ev.ConnectionClosed(peer_id=info.peer_id, addr=str(info.addr), kind=info.kind, trimmed=info.trimmed))
         if self.config.initial_peers and not self._rejoining and not self._closing:
             self._rejoining = True
             self._nursery.start_soon(self._rejoin)
@@ -430,6 +447,60 @@ class Node:
                     log.warning("still cut off from every peer after %.0f s: %s", trio.current_time() - started, e)
         finally:
             self._rejoining = False
+
+    # ------------------------------------------------------------------ the connection manager
+
+    def protect(self, peer_id: ID, tag: str) -> Registration:
+        """Keep connections to ``peer_id`` open, whatever the connection manager's count, until the
+        handle is removed (a relay holding our slot, an averaging round's members). Protections of
+        one peer under one tag count: each handle releases one."""
+        self.conn_tags.protect(peer_id, tag)
+        return Registration(lambda: self.conn_tags.unprotect(peer_id, tag))
+
+    def value_peers(self, valuer: Callable[[ID], int]) -> Registration:
+        """Let ``valuer(peer)`` say what a connected peer is worth: over the high water, the
+        connection manager closes the lowest-valued first (the DHT values its routing table's contacts)."""
+        self._valuers.append(valuer)
+        return Registration(lambda: self._valuers.remove(valuer))
+
+    def connection_metrics(self) -> dict[str, int]:
+        """The connection manager's figures (``dedloc status``: ``connections.*``)."""
+        c = self.config.connections
+        return {"open": len(self.connections()), "trimmed": self.trimmed, "protected_peers": self.conn_tags.protected_count(),
+                "low_water": c.low_water if c.enabled else 0, "high_water": c.high_water if c.enabled else 0}
+
+    async def _trim_connections(self) -> None:
+        """Every ``silence_period``: over the high water, close the connections of least use (:meth:`trim`)."""
+        while True:
+            await trio.sleep(self.config.connections.silence_period)
+            await self.trim()
+
+    async def trim(self) -> int:
+        """Close the connections :func:`p2p.conn_manager.select_to_close` picks now; how many it closed."""
+        open_now = self.connections()
+        if len(open_now) <= self.config.connections.high_water:
+            return 0  # the usual case: nothing to read
+        conns = [Conn(peer=c.muxed_conn.peer_id, opened=self._opened.get(c, trio.current_time()),
+                      busy=self.rpc.in_flight(c.muxed_conn.peer_id) + _streams_at_work(c),
+                      inbound=_connection_info(c).direction == Direction.INBOUND, handle=c)
+                 for c in open_now]
+        values: dict[Hashable, int] = {}
+        for peer in {c.peer for c in conns} if self._valuers else ():
+            assert isinstance(peer, ID)
+            values[peer] = sum(map(functools.partial(_value_of, peer=peer), self._valuers))
+        chosen = select_to_close(conns, self.conn_tags, trio.current_time(), self.config.connections, values)
+        if not chosen:
+            return 0
+        async with trio.open_nursery() as nursery:
+            for c in chosen:
+                assert isinstance(c.handle, INetConn)
+                nursery.start_soon(_close_trimmed, c.handle)
+        self.trimmed += len(chosen)
+        event = ev.ConnectionsTrimmed(closed=len(chosen), peers=len({c.peer for c in chosen}), before=len(conns),
+                                      after=len(self.connections()))
+        log.info("%s", event.human())
+        self.emit(event)
+        return len(chosen)
 
     async def _log_limits_hit(self) -> None:
         """Every ``alarm_interval`` seconds, one ERROR line per limit hit since the last look, naming it
@@ -853,10 +924,38 @@ class Node:
 
 def _connection_info(conn: INetConn) -> ConnectionInfo:
     addr = remote_addr(conn)
-    initiator = getattr(conn.muxed_conn, "is_initiator", None)
+    muxed = conn.muxed_conn
+    initiator = getattr(muxed, "is_initiator", None)
     direction = Direction.UNKNOWN if initiator is None else Direction.OUTBOUND if initiator else Direction.INBOUND
-    return ConnectionInfo(peer_id=conn.muxed_conn.peer_id, addr=addr, direction=direction,
-                          kind=PathKind.RELAYED if is_relayed(addr) else PathKind.DIRECT, conn=conn)
+    trimmed = GO_AWAY_GARBAGE_COLLECTED in (getattr(muxed, "local_go_away", None), getattr(muxed, "remote_go_away", None))
+    return ConnectionInfo(peer_id=muxed.peer_id, addr=addr, direction=direction,
+                          kind=PathKind.RELAYED if is_relayed(addr) else PathKind.DIRECT, conn=conn, trimmed=trimmed)
+
+
+def _streams_at_work(conn: INetConn) -> int:
+    """``conn``'s streams other than RPC's (whose calls under way the RPC endpoint counts, and whose
+    pooled streams wait idle for the next); one still negotiating its protocol counts."""
+    return sum(1 for stream in conn.get_streams() if stream.get_protocol() != RPC_PROTOCOL)
+
+
+def _value_of(valuer: Callable[[ID], int], peer: ID) -> int:
+    """``valuer(peer)``; one that fails counts 0 (logged): a service's bug must not stop the trimming."""
+    try:
+        return valuer(peer)
+    except Exception:
+        log.exception("a connection valuer failed for %s; counting 0", peer)
+        return 0
+
+
+async def _close_trimmed(conn: INetConn) -> None:
+    """Close ``conn`` saying GoAway 0x1005 (trimmed), so that the peer does not dial back to check on us."""
+    close = getattr(conn.muxed_conn, "close", None)
+    try:
+        if close is not None and hasattr(conn.muxed_conn, "local_go_away"):
+            await close(GO_AWAY_GARBAGE_COLLECTED)
+        await conn.close()
+    except Exception as e:  # closing is best effort: the connection may be failing already
+        log.debug("closing a trimmed connection to %s: %r", conn.muxed_conn.peer_id, e)
 
 
 def _remote(stream: INetStream) -> ID | None:

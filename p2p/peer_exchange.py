@@ -1,7 +1,8 @@
 """Peer exchange: learn the swarm's other members from the peers already known.
 
 A newcomer knows only its initial peers. Until the DHT lands, it asks them (and
-then everyone it meets) for the peers they are connected to, and dials those.
+then everyone it meets) for the peers they are connected to, and dials those, while
+it holds fewer connections than the connection manager keeps (:meth:`PeerExchange.wants_more`).
 Answers are untrusted input: the counts are capped, unparsable entries are
 skipped, and a peer can only make us dial addresses, never lose state.
 
@@ -131,16 +132,28 @@ class PeerExchange:
         met, _ = await self._exchange()
         return met
 
+    def wants_more(self) -> bool:
+        """Whether to meet more peers: while we are connected to fewer than the connection manager
+        keeps (its low water). Past it a peer met would only be trimmed again, and the next round
+        would dial it again; and with no bound a swarm of thousands was dialed whole, each round
+        dialing every peer learnt of that we held no connection to."""
+        manager = self.node.config.connections
+        return not manager.enabled or len(self.node.connected_peers()) < manager.low_water
+
     async def _exchange(self) -> tuple[int, int]:
         """One round: (peers met, peers learnt of that could not be reached)."""
         new = unreached = 0
         for peer in self.node.connected_peers():
+            if not self.wants_more():
+                break
             try:
                 found = await self.ask(peer)
             except (RpcError, DedlocError, trio.TooSlowError) as e:
                 log.debug("peer exchange with %s failed: %s", peer, e)
                 continue
             for pid, addrs in found:
+                if not self.wants_more():
+                    break
                 if live_connection(self.node.network, pid) is not None:
                     continue
                 try:  # every address it gave, best first (they race: direct ones, then relayed)

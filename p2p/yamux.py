@@ -79,6 +79,9 @@ HEADER_SIZE = HEADER.size
 TYPE_DATA, TYPE_WINDOW_UPDATE, TYPE_PING, TYPE_GO_AWAY = 0, 1, 2, 3
 SYN, ACK, FIN, RST = 1, 2, 4, 8
 GO_AWAY_NORMAL, GO_AWAY_PROTOCOL_ERROR, GO_AWAY_INTERNAL_ERROR = 0, 1, 2
+#: A connection manager closed the connection (go-libp2p's ``network.ConnGarbageCollected``: the
+#: connection error codes of libp2p/specs ride in GoAway's length field; p2p/conn_manager.py).
+GO_AWAY_GARBAGE_COLLECTED = 0x1005
 #: Every stream starts with this window in both directions (spec).
 INITIAL_WINDOW = 256 * 1024
 #: A batch of coalesced frames takes no more newcomers past this size (one seal and one write each).
@@ -93,7 +96,8 @@ _READ_SIZE = 256 * 1024
 #: receive side spent, the cipher most of the rest). Small pieces are still gathered, so many small
 #: frames cost one call.
 WHOLE_PIECE = 16 * 1024
-_GO_AWAY_REASONS = {GO_AWAY_NORMAL: "normal", GO_AWAY_PROTOCOL_ERROR: "protocol error", GO_AWAY_INTERNAL_ERROR: "internal error"}
+_GO_AWAY_REASONS = {GO_AWAY_NORMAL: "normal", GO_AWAY_PROTOCOL_ERROR: "protocol error", GO_AWAY_INTERNAL_ERROR: "internal error",
+                    GO_AWAY_GARBAGE_COLLECTED: "trimmed by its connection manager"}
 
 
 # ---------------------------------------------------------------------------- errors
@@ -497,6 +501,8 @@ class YamuxConnection(IMuxedConn):
         self._nursery: trio.Nursery | None = None
         self._error: YamuxError | None = None
         self._remote_go_away: int | None = None
+        #: the GoAway code :meth:`close` sent (None: not closed by us, or not yet)
+        self.local_go_away: int | None = None
         self._last_received = 0.0
         self.event_started = trio.Event()
         self.event_closed = trio.Event()
@@ -524,6 +530,11 @@ class YamuxConnection(IMuxedConn):
     @property
     def is_closed(self) -> bool:
         return self.event_closed.is_set()
+
+    @property
+    def remote_go_away(self) -> int | None:
+        """The code of the peer's GoAway (None: it sent none)."""
+        return self._remote_go_away
 
     @property
     def error(self) -> YamuxError | None:
@@ -583,18 +594,20 @@ class YamuxConnection(IMuxedConn):
             why = self._error or (f"{self.peer_id} is going away" if self._remote_go_away is not None else "closed")
             raise MuxedConnUnavailable(f"connection to {self.peer_id} accepts no more streams: {why}") from None
 
-    async def close(self) -> None:
-        """Say GoAway, close the secured connection, end every stream."""
+    async def close(self, code: int = GO_AWAY_NORMAL) -> None:
+        """Say GoAway with ``code`` (0, or an application's: go-libp2p's connection error codes, such
+        as 0x1005 for a connection manager's trim), close the secured connection, end every stream."""
         if self.event_closed.is_set():
             return
         if self._error is None:
+            self.local_go_away = code
             # Best effort within 1 s: ``send`` shields its write for write_timeout, so a
             # peer that stopped reading would hold up closing that long.
             with trio.move_on_after(1):
                 async with self._write_lock:
                     if self._error is None:
                         try:
-                            await self._write((frame(TYPE_GO_AWAY, 0, 0, GO_AWAY_NORMAL),))
+                            await self._write((frame(TYPE_GO_AWAY, 0, 0, code),))
                         except Exception:
                             pass
             self._fail(YamuxError(f"connection to {self.peer_id} closed locally"))

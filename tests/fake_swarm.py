@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -170,6 +171,9 @@ class FakeSwarm:
         self.observers: list[SwarmObserver] = []
         self.events: list[Event] = []
         self.known: dict[ID, list[Multiaddr]] = {}
+        #: protections held by peer (:meth:`protect`)
+        self.protected: Counter[ID] = Counter()
+        self.protections_made: list[tuple[ID, str]] = []
         self._streams: list[FakeStream] = []
         self.rpc = Rpc(self.new_stream)  # type: ignore[arg-type]
         self.set_stream_handler(RPC_PROTOCOL, self.rpc.handle_stream)
@@ -213,6 +217,16 @@ class FakeSwarm:
     def observe(self, observer: SwarmObserver) -> Registration:
         self.observers.append(observer)
         return Registration(lambda: self.observers.remove(observer))
+
+    def protect(self, peer_id: ID, tag: str) -> Registration:
+        """Nothing is ever trimmed here: the protection is only counted and logged (what a test may read)."""
+        self.protected[peer_id] += 1
+        self.protections_made.append((peer_id, tag))
+
+        def undo() -> None:
+            self.protected[peer_id] -= 1
+
+        return Registration(undo)
 
     def emit(self, event: Event) -> None:
         self.events.append(event)

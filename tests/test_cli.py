@@ -421,16 +421,25 @@ async def test_a_relay_runs_with_the_limits_given_and_status_shows_them_with_the
     """`dedloc relay --rate relay.reserve=0.05/2 --max-streams-per-peer 64`: a third reservation in a
     row is refused with the reason on the client's side, and `dedloc status` shows the limits, the
     relay's slots and the refusal by scope and reason."""
+    import resource
+
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     relay = await trio.lowlevel.open_process(
         [*DEDLOC, "relay", "--json", "--ephemeral", "--listen", "/ip4/127.0.0.1/tcp/0", "--status-interval", "0",
-         "--duration", "60", "--rate", "relay.reserve=0.05/2", "--max-streams-per-peer", "64"],
+         "--duration", "60", "--rate", "relay.reserve=0.05/2", "--max-streams-per-peer", "64",
+         "--conn-high-water", "50", "--conn-low-water", "40"],
         stdout=subprocess.PIPE,
+        # as a fresh login starts it: 1,024 open files (the command raises its own: p2p/commands.py)
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard)),
     )
     try:
         lines = (json.loads(line) async for line in read_lines(relay.stdout))
         with trio.fail_after(30):
             first = await anext(lines)
         address = first["addrs"][0]
+        limits = Path(f"/proc/{relay.pid}/limits").read_text()
+        soft_files = next(line.split()[3] for line in limits.splitlines() if line.startswith("Max open files"))
+        assert int(soft_files) == (8192 if hard == resource.RLIM_INFINITY else min(8192, hard))
         async with Node.open(NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"])) as node:
             await node.connect(address)
             client = RelayClient(node)
@@ -446,6 +455,8 @@ async def test_a_relay_runs_with_the_limits_given_and_status_shows_them_with_the
         assert status["limits.rate.relay.reserve_per_s"] == 0.05 and status["limits.rate.relay.reserve_burst"] == 2
         assert status["limits.inbound_streams_per_peer"] == 64
         assert status["limits.inbound_streams_per_peer_protocol"] == 32
+        assert status["connections.high_water"] == 50 and status["connections.low_water"] == 40
+        assert status["connections.protected_peers"] == 0 and status["connections.open"] >= 1
         assert status["resources.refused.service.relay.reserve_requests_a_second_per_peer"] == 1
         assert "resources.relay.reservations" in status and "resources.admission.inbound" in status
         text = await trio.run_process([*DEDLOC, "status", address, "--timeout", "10"], capture_stdout=True)

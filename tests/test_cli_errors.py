@@ -97,6 +97,9 @@ TABLE: list[tuple[str, str]] = [
     ("train --data {tmp}/missing --initial-peers {open} --ephemeral --max-steps 1", "{tmp}/missing"),
     # bad settings
     ("average --initial-peers {open} --ephemeral --size -5", "--size must be positive"),
+    ("relay --listen /ip4/127.0.0.1/tcp/0 --ephemeral --conn-low-water 300",
+     "--conn-low-water, --conn-high-water, --conn-grace: connection manager needs 0 < low_water <= high_water, "
+     "got low_water=300, high_water=192"),
     ("serve-experts --expert-pattern bad[ --initial-peers {open} --ephemeral", "expert pattern 'bad['"),
     ("serve-experts --expert-pattern ffn.[0:2] --processes 3 --initial-peers {open} --ephemeral",
      "--processes 3: more processes than the 2 experts"),

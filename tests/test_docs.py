@@ -56,7 +56,7 @@ def test_cli_doc_has_every_command_and_option() -> None:
 
 
 #: names the docs quote from other projects (go-libp2p's resource manager), not from this code
-FOREIGN_NAMES = {"libp2p.rcmgr"}
+FOREIGN_NAMES = {"libp2p.rcmgr", "libp2p.network.connection_pruner"}
 
 
 def _code_text() -> str:

@@ -41,7 +41,7 @@ async def test_peer_and_the_fake_both_implement_the_interface() -> None:
     """mypy checks Peer against it where the upper layers are given one; here, by name."""
     names = {n for n in dir(Swarm) if not n.startswith("_")}
     assert names == {"peer_id", "addrs", "dht", "rpc", "external", "new_stream", "set_stream_handler",
-                     "add_addrs", "observe", "emit"}
+                     "add_addrs", "observe", "protect", "emit"}
     assert all(hasattr(Peer, name) for name in names)
     async with fake_swarms(1) as (fake,):
         assert isinstance(fake, Swarm)
@@ -62,6 +62,10 @@ async def test_a_group_averages_exactly_over_the_fake_swarm() -> None:
         for tensors in data:
             for k, t in enumerate(tensors):
                 assert torch.allclose(t.double(), exact[k], atol=1e-5), k
+        # each kept its group connected for the round (no trim mid-round: p2p/conn_manager.py), and let go after
+        for me in peers:
+            assert sorted(map(str, me.protections_made)) == sorted(str((p.peer_id, "averaging round")) for p in peers if p is not me)
+            assert not +me.protected
 
 
 async def test_a_peer_that_dies_mid_round_is_reported_never_silent() -> None:

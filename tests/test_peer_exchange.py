@@ -25,6 +25,30 @@ async def test_newcomer_meets_the_swarm_through_one_peer():
         assert {a.peer_id, b.peer_id, hub.peer_id} <= set(newcomer.connected_peers())
 
 
+async def test_a_newcomer_meets_only_as_many_peers_as_its_connection_manager_keeps():
+    """Meeting is bounded by the low water: past it, a peer met would be trimmed and dialed again each
+    round, and a big swarm's peers would each dial all the others."""
+    from p2p import Node
+    from p2p.conn_manager import ConnManagerConfig
+
+    from .conftest import loopback_config
+
+    keeps = ConnManagerConfig(low_water=3, high_water=8, grace_period=60.0)
+    async with open_nodes(6) as (hub, *others), Node.open(loopback_config(connections=keeps)) as newcomer:
+        for node in (hub, *others):
+            PeerExchange(node).serve()
+        for other in others:
+            await other.connect(hub.addrs[0])
+        store = hub.host.get_peerstore()
+        await wait_until(lambda: all(o.peer_id in store.peer_ids() and store.addrs(o.peer_id) for o in others))
+        await newcomer.connect(hub.addrs[0])
+        exchange = PeerExchange(newcomer)
+        assert exchange.wants_more()
+        assert await exchange.exchange_once() == 2  # the hub, and two of the five it knows
+        assert len(newcomer.connected_peers()) == 3 and not exchange.wants_more()
+        assert await exchange.exchange_once() == 0
+
+
 async def test_greeting_arrives_as_message_event():
     async with open_nodes(2) as (a, b):
         PeerExchange(a).serve()

@@ -388,6 +388,29 @@ async def test_reservation_ends_when_the_peer_disconnects():
         assert net.service.metrics()["reservations"] == 0
 
 
+async def test_the_connection_manager_keeps_slot_holders_circuit_ends_and_our_relays():
+    """Each side protects what the slot needs (p2p/conn_manager.py): the relay its holders and a
+    circuit's two ends while it runs, the holder the relay; each protection ends with its reason."""
+    async with relay_net(2) as net:
+        a, b = net.peers
+        await b.client.reserve(net.relay.peer_id)
+        assert net.relay.conn_tags.protections(b.node.peer_id) == ["relay slot holder"]
+        assert b.node.conn_tags.protections(net.relay.peer_id) == ["our relay slot"]
+        await b.client.reserve(net.relay.peer_id)  # a refresh protects nothing twice
+        b.client.drop(net.relay.peer_id)
+        assert b.node.conn_tags.protections(net.relay.peer_id) == []
+        await b.client.reserve(net.relay.peer_id)
+        conn = await a.client.dial(net.circuit, b.node.peer_id)
+        assert net.relay.conn_tags.protections(a.node.peer_id) == ["relay circuit"]
+        assert net.relay.conn_tags.protections(b.node.peer_id) == ["relay circuit", "relay slot holder"]
+        await conn.close()
+        await wait_until(lambda: net.relay.conn_tags.protections(a.node.peer_id) == [])
+        await b.node.disconnect(net.relay.peer_id)
+        await wait_until(lambda: live_connection(net.relay.network, b.node.peer_id) is None)
+        assert net.service.metrics()["reservations"] == 0  # swept: and its protection with it
+        assert net.relay.conn_tags.protections(b.node.peer_id) == []
+
+
 async def test_target_that_refuses_stop_gives_connection_failed():
     async with relay_net(2) as net:
         a, b = net.peers

@@ -70,6 +70,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds our own listen addresses, as sent with each call, are reused before being recomputed.
 SENDER_TTL = 5.0
+#: What a routing table's contact is worth to the connection manager (``Node.value_peers``; others: 0).
+CONTACT_VALUE = 5
 
 #: ``observer(kind, seconds, outcome)``: one query this peer made (:meth:`DHT.observe_queries`).
 QueryObserver = Callable[[str, float, str], None]
@@ -222,7 +224,7 @@ class DHT:
                 node.rpc.add_unary(wire.FIND, pb.FindRequest, dht._on_find)
                 node.rpc.add_unary(wire.STORE, pb.StoreRequest, dht._on_store)
                 try:
-                    with node.observe(_FollowReachability(dht)):
+                    with node.observe(_FollowReachability(dht)), node.value_peers(dht._contact_value):
                         await dht.bootstrap()
                         nursery.start_soon(dht._maintain)
                         yield dht
@@ -450,10 +452,17 @@ class DHT:
             self._pinging.add(then.ping)
             self._nursery.start_soon(self._check_oldest, then.ping)
 
-    def _closed(self, peer_id: ID) -> None:
-        """A connection closed: if it was the last to a contact of ours, check the contact soon."""
+    def _contact_value(self, peer_id: ID) -> int:
+        """What a connected peer is worth to the connection manager: a contact of our routing table
+        more than a peer a lookup passed by (go-libp2p-kad-dht tags its contacts with 5)."""
+        return CONTACT_VALUE if peer_id in self.table else 0
+
+    def _closed(self, peer_id: ID, trimmed: bool = False) -> None:
+        """A connection closed: if it was the last to a contact of ours, check the contact soon. Not
+        when a connection manager closed it (``trimmed``, ours or the peer's): the contact is alive,
+        and dialing it to check would open the connection just trimmed."""
         delay = self.config.check_closed_after
-        if delay is None or not maintenance.check_when_closed(
+        if delay is None or trimmed or not maintenance.check_when_closed(
                 self.table, peer_id, connected=live_connection(self.node.network, peer_id) is not None,
                 checking=self._pinging, checks=self.config.checks_per_pass):
             return
@@ -760,4 +769,4 @@ class _FollowReachability(SwarmObserver):
         self._dht.set_mode(self._dht._wants_server(), f"reachability is {external.reachability}")
 
     def connection_closed(self, info: ConnectionInfo) -> None:
-        self._dht._closed(info.peer_id)
+        self._dht._closed(info.peer_id, info.trimmed)

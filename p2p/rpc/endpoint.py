@@ -11,6 +11,7 @@ to the same peer (see :mod:`p2p.rpc.pool` for why).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import TypeVar
@@ -31,7 +32,8 @@ from .errors import (
 )
 from .framing import END_FRAME, encode_call, message_header
 from .pool import StreamPool
-from .server import SERVER_IDLE_TIMEOUT, Admit, Method, StreamHandler, UnaryHandler, serve, stream_method, unary_method
+from .server import (SERVER_IDLE_TIMEOUT, Admit, Method, StreamHandler, UnaryHandler, counted, serve, stream_method,
+                     unary_method)
 from .stream import FramedStream, RpcStream
 
 #: The libp2p protocol id of the RPC layer; one call at a time per stream.
@@ -81,6 +83,8 @@ class Rpc:
         self._methods: dict[str, Method] = {}
         self._errors: dict[int, type[RemoteError]] = dict(BUILTIN_ERRORS)
         self._pool = StreamPool(idle_timeout=idle_timeout, max_idle_per_peer=max_idle_streams)
+        #: calls in flight by peer, both ways (:meth:`in_flight`)
+        self._busy: Counter[ID] = Counter()
 
     # ------------------------------------------------------------------ serving
 
@@ -138,6 +142,7 @@ class Rpc:
             max_message_size=self.max_message_size,
             default_timeout=self.default_timeout,
             admit=self.admit,
+            busy=self._busy,
         )
 
     # ------------------------------------------------------------------ calling
@@ -162,7 +167,7 @@ class Rpc:
         timeout, deadline = self._deadline(timeout)
         framed: FramedStream | None = None
         try:
-            with trio.move_on_at(deadline):
+            with trio.move_on_at(deadline), counted(self._busy, peer_id):
                 framed = await self._begin(peer_id, method, deadline, message_header(len(payload)), payload, END_FRAME)
                 response = await receive_unary(framed, response_type, self._errors)
                 released, framed = framed, None
@@ -193,21 +198,26 @@ class Rpc:
         timeout, deadline = self._deadline(timeout)
         framed: FramedStream | None = None
         try:
-            with trio.move_on_at(deadline):
-                framed = await self._begin(peer_id, method, deadline)
-            if framed is None:
-                raise RpcTimeoutError(f"{method} on {peer_id}: no stream within {timeout:.3g}s")
-            call = StreamCall(framed, method, response_type, deadline, self._errors, self.max_message_size)
-            yield call
-            if await call.finish():
-                released, framed = framed, None
-                await self._release(released)
+            with counted(self._busy, peer_id):
+                with trio.move_on_at(deadline):
+                    framed = await self._begin(peer_id, method, deadline)
+                if framed is None:
+                    raise RpcTimeoutError(f"{method} on {peer_id}: no stream within {timeout:.3g}s")
+                call = StreamCall(framed, method, response_type, deadline, self._errors, self.max_message_size)
+                yield call
+                if await call.finish():
+                    released, framed = framed, None
+                    await self._release(released)
         except PeerDisconnectedError:
             self._pool.forget(peer_id)
             raise
         finally:
             if framed is not None:
                 await framed.abort()
+
+    def in_flight(self, peer_id: ID) -> int:
+        """Calls to or from ``peer_id`` under way now (a pooled stream waiting for the next is none)."""
+        return self._busy[peer_id]
 
     async def close_idle_streams(self, *, expired_only: bool = True) -> None:
         """Close the streams kept for reuse (only those idle too long, by default).

@@ -9,7 +9,9 @@ A call that went well leaves the stream open for the client's next one.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -152,6 +154,22 @@ class Requests(Generic[Req]):
         return error
 
 
+@contextmanager
+def counted(calls: Counter[ID] | None, peer_id: ID) -> Iterator[None]:
+    """Count a call in ``calls`` (by peer) for the block: the calls in flight, what the connection
+    manager reads so as never to close a connection under one (``Rpc.in_flight``)."""
+    if calls is None:
+        yield
+        return
+    calls[peer_id] += 1
+    try:
+        yield
+    finally:
+        calls[peer_id] -= 1
+        if calls[peer_id] <= 0:
+            del calls[peer_id]
+
+
 async def serve(
     stream: RpcStream,
     peer_id: ID,
@@ -161,13 +179,15 @@ async def serve(
     default_timeout: float,
     idle_timeout: float = SERVER_IDLE_TIMEOUT,
     admit: Admit | None = None,
+    busy: Counter[ID] | None = None,
 ) -> None:
-    """Serve the calls ``peer_id`` makes on ``stream``, one after the other, then end it."""
+    """Serve the calls ``peer_id`` makes on ``stream``, one after the other, then end it. ``busy``
+    counts the calls being handled, by peer (a stream waiting for its next call is idle)."""
     framed = FramedStream(stream, peer_id, max_message_size)
     try:
         # Until a call frame names a deadline, the default one bounds the wait.
         wait = default_timeout
-        while await _serve_call(framed, methods, max_message_size, default_timeout, wait, idle_timeout, admit):
+        while await _serve_call(framed, methods, max_message_size, default_timeout, wait, idle_timeout, admit, busy):
             wait = idle_timeout
     except Exception:
         log.exception("RPC server failed on a stream from %s", peer_id)
@@ -225,6 +245,7 @@ async def _serve_call(
     wait: float,
     idle_timeout: float,
     admit: Admit | None = None,
+    busy: Counter[ID] | None = None,
 ) -> bool:
     """Serve the next call on the stream; True when the stream is ready for another."""
     peer_id = framed.peer_id
@@ -268,7 +289,7 @@ async def _serve_call(
     reply: RemoteError | None = None
     async with trio.open_nursery() as nursery:
         nursery.start_soon(watcher.run)
-        with trio.move_on_at(deadline) as timer, handler_scope:
+        with trio.move_on_at(deadline) as timer, handler_scope, counted(busy, peer_id):
             reply = await _respond(framed, method, requests, ctx, max_message_size, watcher)
         watcher.answered = True
         answered_well = not timer.cancelled_caught and reply is None and framed.broken is None
