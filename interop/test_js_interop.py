@@ -532,3 +532,30 @@ async def test_py_signed_peer_record_has_plain_transport_addrs(js: JsPeer, node:
     spr = result["fresh"]["signed_peer_record"]
     assert spr is not None and spr["addrs"], result
     assert all("/p2p/" not in a for a in spr["addrs"]), spr["addrs"]
+
+
+async def test_js_takes_a_trim_and_dials_back_when_it_wants(js: JsPeer) -> None:
+    """Our connection manager closes with yamux GoAway 0x1005 (go-libp2p's ConnGarbageCollected):
+    js-libp2p reads it as a close, not a protocol error, and its next dial to us works."""
+    from p2p import NodeConfig
+    from p2p.conn_manager import ConnManagerConfig
+    from p2p.events import ConnectionClosed
+    from tests.kit import record_events
+
+    keep_one = ConnManagerConfig(low_water=1, high_water=1, grace_period=0.0, silence_period=3600.0)
+    async with Node.open(NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], connections=keep_one)) as node, \
+            Node.open(NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"])) as other:
+        seen = record_events(node)
+        with trio.fail_after(STEP):
+            pid = await node.connect(js.addr)
+            await trio.sleep(0.05)  # js's connection is the older of the two: the one to go
+            await node.connect(other.addrs[0])
+        # identify's streams, both ways, end within moments: a stream at work keeps its peer
+        await wait_until(lambda: all(not c.get_streams() for c in node.connections()), STEP)
+        assert await node.trim() == 1 and pid not in node.connected_peers()
+        await js.wait_event(lambda e: e.get("event") == "peer:disconnect" and e.get("peer_id") == str(node.peer_id))
+        closed = await wait_until(lambda: [e.trimmed for e in seen if isinstance(e, ConnectionClosed)], STEP)
+        assert closed == [True]
+        await js.dial(py_addr(node))
+        assert 0 < await node.ping(pid, timeout=STEP) < STEP
+        assert "protocol error" not in js.stderr_tail.lower()
