@@ -397,6 +397,17 @@ def identify_message(host: IHost, remote: tuple[str, int] | None = None) -> byte
     return bytes(_mk_identify_protobuf(host, _remote_address_to_multiaddr(remote)).SerializeToString())
 
 
+async def _within_identify_rate(stream: INetStream, resources: ResourceManager) -> bool:
+    """Whether the stream's peer is within its identify rate (one request and one push share it);
+    a peer over it gets its stream reset."""
+    try:
+        resources.allow("identify", str(stream.muxed_conn.peer_id), trio.current_time())
+    except ResourceLimitExceeded:
+        await finish_quietly(stream.reset)
+        return False
+    return True
+
+
 def _identify_push_handler(host: IHost, resources: ResourceManager) -> Callable[[INetStream], Awaitable[None]]:
     """Take a peer's identify/push (see the module docstring): within the peer's identify rate (a
     reset beyond it), :data:`MAX_IDENTIFY_SIZE` and :data:`PUSH_READ_TIMEOUT` at most; what it says
@@ -406,10 +417,7 @@ def _identify_push_handler(host: IHost, resources: ResourceManager) -> Callable[
 
     async def handle(stream: INetStream) -> None:
         peer = stream.muxed_conn.peer_id
-        try:
-            resources.allow("identify", str(peer), trio.current_time())
-        except ResourceLimitExceeded:
-            await finish_quietly(stream.reset)
+        if not await _within_identify_rate(stream, resources):
             return
         message = Identify()
         try:
@@ -432,10 +440,7 @@ def _identify_handler(host: IHost, resources: ResourceManager) -> Callable[[INet
     its identify rate gets a reset."""
 
     async def handle(stream: INetStream) -> None:
-        try:
-            resources.allow("identify", str(stream.muxed_conn.peer_id), trio.current_time())
-        except ResourceLimitExceeded:
-            await finish_quietly(stream.reset)
+        if not await _within_identify_rate(stream, resources):
             return
         remote = stream.get_remote_address()  # None on a relayed connection (nat/circuit.py)
         try:
