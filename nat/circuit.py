@@ -29,6 +29,7 @@ from multiaddr import Multiaddr
 
 from p2p import Node
 from p2p.addresses import Scope, is_relayed, peer_id_of, scope_of, split_circuit, with_peer_id, without_peer_id
+from p2p.conn_manager import KeptPeers
 from p2p.errors import ConfigError, DedlocError, DialError, RemoteProtocolError
 from p2p.hooks import Metrics, Registration
 from p2p.trio_util import finish_quietly
@@ -171,8 +172,9 @@ class RelayClient:
         self._accept_unreserved = self.config.accept_unreserved
         #: Current reservations by relay.
         self.reservations: dict[ID, Reservation] = {}
-        #: the node's connection manager keeps each relay holding our slot connected
-        self._kept: dict[ID, Registration] = {}
+        #: the node's connection manager keeps each relay holding our slot connected (the slot
+        #: lives only while that connection does)
+        self._kept = KeptPeers(node.protect, "our relay slot")
         self.counts: Counter[str] = Counter({"reservations": 0, "reservation_failures": 0, "relayed_in": 0, "relayed_out": 0})
 
     def install(self) -> Registration:
@@ -183,8 +185,6 @@ class RelayClient:
         def undo() -> None:
             handler.remove()
             dialer.remove()
-            for kept in self._kept.values():
-                kept.remove()
             self._kept.clear()
 
         return Registration(undo)
@@ -231,16 +231,13 @@ class RelayClient:
             voucher_ok=_voucher_ok(rsvp.voucher, relay, self._node.peer_id, rsvp.expire) if rsvp.voucher else False,
         )
         self.reservations[relay] = reservation
-        if relay not in self._kept:  # the slot lives only while this connection does
-            self._kept[relay] = self._node.protect(relay, "our relay slot")
+        self._kept.keep(self.reservations)
         self.counts["reservations"] += 1
         return reservation
 
     def drop(self, relay: ID) -> None:
         self.reservations.pop(relay, None)
-        kept = self._kept.pop(relay, None)
-        if kept is not None:
-            kept.remove()
+        self._kept.keep(self.reservations)
 
     def _connected_addrs(self, relay: ID) -> list[Multiaddr]:
         out: list[Multiaddr] = []

@@ -29,6 +29,7 @@ from multiaddr import Multiaddr
 
 from p2p import Node
 from p2p.addresses import is_relayed, is_relayed_conn, split_circuit, with_peer_id, without_peer_id
+from p2p.conn_manager import KeptPeers
 from p2p.dialer import live_connection
 from p2p.errors import AddressError, ConfigError, RemoteProtocolError
 from p2p.hooks import Registration
@@ -242,7 +243,7 @@ class RelayService:
         #: set while a reclaim asks the holders (:meth:`_reclaim`)
         self._reclaiming: trio.Event | None = None
         #: the node's connection manager keeps each slot holder connected (:meth:`_keep_holders`)
-        self._kept: dict[ID, Registration] = {}
+        self._kept = KeptPeers(node.protect, "relay slot holder")
 
     def install(self) -> Registration:
         """Serve HOP; the relay's slots show in the node's resource usage (``dedloc status``)."""
@@ -253,8 +254,6 @@ class RelayService:
         def undo() -> None:
             handler.remove()
             shown.remove()
-            for kept in self._kept.values():
-                kept.remove()
             self._kept.clear()
 
         return Registration(undo)
@@ -263,12 +262,7 @@ class RelayService:
         """Protect the slot holders from the node's connection manager (``p2p/conn_manager.py``), and
         only them: a slot lives only while its holder's connection does (a trimmed holder would be
         unreachable until its next reservation). ``max_reservations`` bounds them."""
-        slots = self.admission.slots
-        for peer in [p for p in self._kept if p not in slots]:
-            self._kept.pop(peer).remove()
-        for peer in slots:
-            if peer not in self._kept:
-                self._kept[peer] = self._node.protect(peer, "relay slot holder")
+        self._kept.keep(self.admission.slots)
 
     def metrics(self) -> dict[str, int | float | str]:
         """Flat name -> value (refusals and limits hit by reason), as every service's ``metrics()``."""

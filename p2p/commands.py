@@ -171,26 +171,25 @@ def _config_path(argv: Sequence[str]) -> Path | None:
 OPEN_FILES = 8192
 
 
-def raise_open_files_limit(want: int = OPEN_FILES) -> tuple[int, int] | None:
+def raise_open_files_limit(want: int = OPEN_FILES) -> None:
     """Raise this process's soft limit of open files to ``want``, or to the hard limit if that is
-    lower; never lower it. The soft limit (before, after), or None where there is no such limit.
+    lower; never lower it (nor fail: where the platform has no such limit, or forbids raising it,
+    the command goes on with the one it has).
 
     A command's process only (:func:`run_command`): an app that embeds the Node owns its process's
     limits and sets them itself."""
     try:
         import resource
     except ImportError:  # not a POSIX platform
-        return None
+        return
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = want if hard == resource.RLIM_INFINITY else min(want, hard)
-    if soft != resource.RLIM_INFINITY and soft < target:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        except (ValueError, OSError) as e:  # a sandbox that forbids it: go on with the limit we have
-            logging.getLogger(__name__).info("could not raise the open files limit from %d to %d: %s", soft, target, e)
-            return soft, soft
-        return soft, target
-    return soft, soft
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as e:  # a sandbox that forbids it
+        logging.getLogger(__name__).info("could not raise the open files limit from %d to %d: %s", soft, target, e)
 
 
 def run_command(args: argparse.Namespace, func: Callable[[argparse.Namespace, Output], Any]) -> int:

@@ -40,10 +40,14 @@ The state is plain data with the time passed in, so it is tested without sockets
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from .errors import ConfigError
+from .hooks import Registration
+
+P = TypeVar("P", bound=Hashable)
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,27 @@ class Tags:
     def __len__(self) -> int:
         """How many peers have a protection or a value."""
         return len(self._protected.keys() | self._values.keys())
+
+
+class KeptPeers(Generic[P]):
+    """Protections held in step with a set of peers that changes (a relay's slot holders, the relays
+    holding our slots): :meth:`keep` protects the peers new to the set and releases those gone."""
+
+    def __init__(self, protect: Callable[[P, str], Registration], tag: str) -> None:
+        self._protect = protect
+        self._tag = tag
+        self._held: dict[P, Registration] = {}
+
+    def keep(self, peers: Iterable[P]) -> None:
+        """Protect exactly ``peers``: those new now, and no longer those gone."""
+        wanted = set(peers)
+        for peer in [p for p in self._held if p not in wanted]:
+            self._held.pop(peer).remove()
+        for peer in wanted - self._held.keys():
+            self._held[peer] = self._protect(peer, self._tag)
+
+    def clear(self) -> None:
+        self.keep(())
 
 
 def select_to_close(conns: Sequence[Conn], tags: Tags, now: float, config: ConnManagerConfig,

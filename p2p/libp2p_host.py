@@ -103,7 +103,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from contextvars import ContextVar
 from typing import Any, cast
 
@@ -138,7 +138,7 @@ from .trio_util import finish_quietly
 from .noise import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from .noise import NoiseConfig, NoiseSession, NoiseTransport
 from .yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
-from .yamux import YamuxConfig, YamuxConnection
+from .yamux import GO_AWAY_NORMAL, YamuxConfig, YamuxConnection
 
 ConnectionCallback = Callable[[INetConn], Awaitable[None]]
 
@@ -231,21 +231,22 @@ async def close_listeners(host: IHost, *, timeout: float = 5.0) -> None:
                 log.warning("could not close a listener: %s", e)
 
 
-async def close_connections(host: IHost, *, timeout: float = 5.0) -> None:
-    """Close every connection at once (see the module's "Closing one connection at a time"): shielded,
-    so that it runs however the node is left, and within ``timeout``."""
-    network = host.get_network()
-    conns = [c for conns in list(network.connections.values()) for c in list(conns)]
+async def close_connections(conns: Iterable[INetConn], *, code: int = GO_AWAY_NORMAL, timeout: float = 5.0) -> None:
+    """Close ``conns`` at once, our yamux saying GoAway ``code`` (see the module's "Closing one connection
+    at a time"; a trim's is 0x1005): shielded, so that it runs however the node is left, and within
+    ``timeout``. Best effort: one that cannot close is logged, the others still close."""
     with trio.CancelScope(shield=True), trio.move_on_after(timeout):
         async with trio.open_nursery() as nursery:
-            for conn in conns:
-                nursery.start_soon(_close_quietly, conn)
+            for conn in list(conns):
+                nursery.start_soon(_close_quietly, conn, code)
 
 
-async def _close_quietly(conn: INetConn) -> None:
+async def _close_quietly(conn: INetConn, code: int) -> None:
     try:
+        if isinstance(conn.muxed_conn, YamuxConnection):
+            await conn.muxed_conn.close(code)  # py-libp2p's close below says no code
         await conn.close()
-    except Exception as e:  # one that cannot close is logged, the others still close
+    except Exception as e:  # the connection may be failing already
         log.debug("closing a connection to %s: %r", conn.muxed_conn.peer_id, e)
 
 

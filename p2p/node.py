@@ -7,7 +7,6 @@ tasks in a nursery that lives exactly as long as the ``async with`` block.
 
 from __future__ import annotations
 
-import functools
 import logging
 import secrets
 import time
@@ -15,6 +14,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
 from contextlib import ExitStack, asynccontextmanager
 from dataclasses import dataclass, replace
+from typing import cast
 
 import ifaddr
 import trio
@@ -203,7 +203,7 @@ class Node:
                         node._closing = True  # the connections that close now are no cut-off
                         nursery.cancel_scope.cancel()
                         await close_listeners(host)
-                        await close_connections(host)
+                        await close_connections(node.connections())
         except OSError as e:
             if listening:  # a failure inside the block (a DialError is an OSError too): not ours to rename
                 raise
@@ -484,17 +484,13 @@ class Node:
                       busy=self.rpc.in_flight(c.muxed_conn.peer_id) + _streams_at_work(c),
                       inbound=_connection_info(c).direction == Direction.INBOUND, handle=c)
                  for c in open_now]
-        values: dict[Hashable, int] = {}
-        for peer in {c.peer for c in conns} if self._valuers else ():
-            assert isinstance(peer, ID)
-            values[peer] = sum(map(functools.partial(_value_of, peer=peer), self._valuers))
+        peers: set[ID] = {c.muxed_conn.peer_id for c in open_now}
+        values: dict[Hashable, int] = {peer: sum(_value_of(valuer, peer) for valuer in self._valuers) for peer in peers}
         chosen = select_to_close(conns, self.conn_tags, trio.current_time(), self.config.connections, values)
         if not chosen:
             return 0
-        async with trio.open_nursery() as nursery:
-            for c in chosen:
-                assert isinstance(c.handle, INetConn)
-                nursery.start_soon(_close_trimmed, c.handle)
+        # GoAway 0x1005 says "trimmed", so that the peer does not dial back to check on us
+        await close_connections((cast(INetConn, c.handle) for c in chosen), code=GO_AWAY_GARBAGE_COLLECTED)
         self.trimmed += len(chosen)
         event = ev.ConnectionsTrimmed(closed=len(chosen), peers=len({c.peer for c in chosen}), before=len(conns),
                                       after=len(self.connections()))
@@ -945,17 +941,6 @@ def _value_of(valuer: Callable[[ID], int], peer: ID) -> int:
     except Exception:
         log.exception("a connection valuer failed for %s; counting 0", peer)
         return 0
-
-
-async def _close_trimmed(conn: INetConn) -> None:
-    """Close ``conn`` saying GoAway 0x1005 (trimmed), so that the peer does not dial back to check on us."""
-    close = getattr(conn.muxed_conn, "close", None)
-    try:
-        if close is not None and hasattr(conn.muxed_conn, "local_go_away"):
-            await close(GO_AWAY_GARBAGE_COLLECTED)
-        await conn.close()
-    except Exception as e:  # closing is best effort: the connection may be failing already
-        log.debug("closing a trimmed connection to %s: %r", conn.muxed_conn.peer_id, e)
 
 
 def _remote(stream: INetStream) -> ID | None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from p2p.conn_manager import Conn, ConnManagerConfig, Tags, select_to_close
+from p2p.conn_manager import Conn, ConnManagerConfig, KeptPeers, Tags, select_to_close
 from p2p.errors import ConfigError
+from p2p.hooks import Registration
 
 CONFIG = ConnManagerConfig(low_water=2, high_water=4, grace_period=10.0, silence_period=1.0)
 NOW = 100.0
@@ -149,3 +150,21 @@ def test_the_defaults_are_go_libp2p_s() -> None:
     assert (c.low_water, c.high_water, c.grace_period, c.silence_period, c.enabled) == (160, 192, 60.0, 10.0, True)
     ConnManagerConfig(low_water=3, high_water=3, grace_period=0.0).validate()
     ConnManagerConfig(low_water=1, high_water=1, grace_period=0.0, silence_period=0.5).validate()  # the edges
+
+
+def test_kept_peers_protects_those_new_to_the_set_and_releases_those_gone() -> None:
+    tags = Tags()
+
+    def protect(peer: str, tag: str) -> Registration:
+        tags.protect(peer, tag)
+        return Registration(lambda: tags.unprotect(peer, tag))
+
+    kept = KeptPeers(protect, "slot")
+    kept.keep(["a", "b"])
+    kept.keep(["a", "b", "c"])  # a and b are not protected twice
+    assert [tags.protections(p) for p in "abc"] == [["slot"], ["slot"], ["slot"]]
+    kept.keep({"b", "c"}.__iter__())  # any iterable, read once
+    tags.unprotect("b", "slot")
+    assert not tags.is_protected("a") and not tags.is_protected("b") and tags.is_protected("c")
+    kept.clear()
+    assert tags.protected_count() == 0
