@@ -77,7 +77,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     g.add_argument("--device", default="auto",
                    help="where the model computes: auto (a GPU if torch sees one, else the CPU), cpu, cuda, cuda:1 ...")
     g.add_argument("--amp", action="store_true",
-                   help="mixed precision: float16 with a loss scaler on a GPU, bfloat16 on a CPU")
+                   help="mixed precision: float16 with a loss scaler on a GPU, bfloat16 on a CPU (slower than "
+                        "float32 on a CPU without bfloat16 instructions: the train command warns)")
     g.add_argument("--auxiliary", action="store_true",
                    help="help the run average without training (a CPU-only machine): join every step's "
                    "round with weight 0 and reduce a part of the gradients; the peer must be reachable")
