@@ -3,7 +3,6 @@
 import json
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -118,13 +117,9 @@ def test_gpu_training_bench_runs_on_a_cpu(tmp_path: Path) -> None:
     out = tmp_path / "gpu.json"
     command = [sys.executable, str(ROOT / "bench" / "gpu_training.py"), "--device", "cpu", "--size", "tiny",
                "--micro", "8", "--seq", "16", "--target", "32", "--steps", "2", "--dpu-steps", "3", "--json", str(out)]
+    # No second try: the failure once in a few runs (a peer that caught up by taking the swarm's state
+    # reached its last step with nothing measured, and its result asserted) is mended in the bench.
     result = subprocess.run(command, capture_output=True, text=True, timeout=400)
-    if result.returncode != 0:
-        # Once in a few CI runs a worker of this five-process bench died within seconds, its
-        # stderr then thrown away; the bench now puts each worker's stderr in its failure. Run
-        # again once, and keep the first failure in the report as a warning, not lost.
-        warnings.warn(f"bench/gpu_training.py failed once, ran again:\n{result.stderr[-6000:]}", stacklevel=1)
-        result = subprocess.run(command, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     figures = json.loads(out.read_text())
     assert figures["allreduce_mb_per_s"] > 0
