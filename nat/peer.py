@@ -315,6 +315,7 @@ class Peer:
         out.update({f"resources.{k}": v for k, v in self.node.resources.usage().items()})
         out.update({f"limits.{k}": v for k, v in self.node.resources.limits().items()})
         out.update({f"connections.{k}": v for k, v in self.node.connection_metrics().items()})
+        out.update({f"peer_store.{k}": v for k, v in self.node.peer_store_metrics().items()})
         if self._dht is not None:
             out.update({f"dht.{k}": v for k, v in self._dht.metrics().items()})
         return out

@@ -10,6 +10,7 @@ from .conn_manager import ConnManagerConfig
 from .dial_backoff import BackoffConfig
 from .errors import ConfigError
 from .noise import NoiseConfig
+from .peer_store import KNOWN_PEERS
 from .resources import ResourceConfig
 from .yamux import YamuxConfig
 
@@ -60,6 +61,9 @@ class NodeConfig:
     #: How many connections to keep, and which to close beyond that (``p2p/conn_manager.py``:
     #: go-libp2p's connection manager, 160/192 by default).
     connections: ConnManagerConfig = field(default_factory=ConnManagerConfig)
+    #: Peers the peer store remembers besides ourselves and the connected (``p2p/peer_store.py``:
+    #: past it, those without an address, expired, or least recently heard of are forgotten).
+    known_peers: int = KNOWN_PEERS
 
     def validate(self) -> None:
         if not self.listen and self.announce:
@@ -87,5 +91,7 @@ class NodeConfig:
         self.noise.validate()
         self.resources.validate()
         self.connections.validate()
+        if self.known_peers < 10:
+            raise ConfigError(f"known_peers must be at least 10, got {self.known_peers}")
         if self.max_message_size < 1024:
             raise ConfigError(f"max_message_size must be at least 1024 bytes, got {self.max_message_size}")

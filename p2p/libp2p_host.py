@@ -29,6 +29,12 @@ moves (``tests/test_node.py`` and ``interop/`` pin the behaviour):
   unconfirmed observed addresses.
 * **Peer store cap.** Its automatic identify stores up to 1000 self-reported
   addresses per peer; :func:`_cap_peer_addrs` keeps ``max_addrs``.
+* **Peer store eviction.** Its peer store holds at most 1,000 peers and, at the bound, evicts
+  first the entries without an address, which our own is (it holds our key pair): the 1,001st
+  peer learnt (a DHT lookup in a swarm of thousands learns that many) took our keys away, and
+  identify answered no one from then on. :func:`_bound_peer_store` applies ``p2p/peer_store.py``'s
+  rule instead: ourselves, connected and dialing peers are kept; of the rest at most
+  ``known_peers``.
 * **Identify's observed address.** Its handler reports ``/p2p/<relay>/p2p-circuit``
   as the observed address whenever the peer has *any* relayed connection to us
   (even when asked over a direct one). js-libp2p 3.x throws on an observed
@@ -103,7 +109,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from contextvars import ContextVar
 from typing import Any, cast
 
@@ -132,6 +138,7 @@ from . import multistream
 from .addresses import ip_and_tcp_port, is_relayed_conn
 from .errors import DedlocError
 from .admission import Ticket
+from .peer_store import Entry, low_water, to_forget
 from .resources import ResourceLimitExceeded, ResourceManager
 from .identify import MAX_IDENTIFY_SIZE, PUSH_PROTOCOL, PUSH_READ_TIMEOUT, send_identify
 from .trio_util import finish_quietly
@@ -155,12 +162,17 @@ def build_host(
     advertised: Callable[[list[Multiaddr]], list[Multiaddr]],
     max_addrs: int,
     resources: ResourceManager,
+    known_peers: int,
+    keep: Callable[[], Collection[ID]],
+    forgot: Callable[[int], None],
 ) -> IHost:
     """A py-libp2p host with dedloc's data plane and every correction above applied.
 
     ``advertised`` maps the transport's listen addresses to what identify
-    and ``get_addrs`` report (the Node's address policy). Call
-    :func:`started` once the host runs.
+    and ``get_addrs`` report (the Node's address policy). ``keep``: the peers the
+    peer store never forgets besides us (connected, dialing); ``forgot`` hears
+    how many it forgot (:func:`_bound_peer_store`). Call :func:`started` once
+    the host runs.
     """
     noise = NoiseTransport(key_pair, muxers=(YAMUX_PROTOCOL_ID,), config=noise_config)
     host = new_host(
@@ -186,6 +198,8 @@ def build_host(
     network.retry_config = RetryConfig(max_retries=0)  # type: ignore[attr-defined]
     network._select_connection = _oldest_direct_first  # type: ignore[attr-defined]
     _cap_peer_addrs(host.get_peerstore(), max_addrs)
+    me = host.get_id()
+    _bound_peer_store(host.get_peerstore(), lambda: {me, *keep()}, known_peers, forgot)
     return host
 
 
@@ -476,6 +490,30 @@ def tcp_remote_address(conn: Any) -> tuple[str, int] | None:
         return found
     getter = getattr(conn, "get_remote_address", None)
     return cast("tuple[str, int] | None", getter()) if getter is not None else None
+
+
+def _bound_peer_store(peerstore: Any, keep: Callable[[], Collection[ID]], limit: int,
+                      forgot: Callable[[int], None]) -> None:
+    """Forget peers by ``p2p/peer_store.py``'s rule instead of py-libp2p's eviction (see the module docstring).
+
+    Its ``add_addrs`` calls ``_enforce_peer_limit`` whenever the store holds more than ``max_peers``
+    entries; this one instance's method is replaced, and ``max_peers`` moves to where the next check
+    is due: ``limit`` entries at first, then ``limit - low_water(limit)`` entries past what remained
+    (connected peers count in the store's size, not in the rule's).
+    """
+
+    def enforce() -> None:
+        entries = [Entry(pid, bool(data.addrs), data.is_expired(), data.last_identified)
+                   for pid, data in peerstore.peer_data_map.items()]
+        gone = to_forget(entries, keep(), limit)
+        for pid in gone:
+            peerstore.clear_peerdata(pid)
+        peerstore.max_peers = len(peerstore.peer_data_map) + limit - low_water(limit)
+        if gone:
+            forgot(len(gone))
+
+    peerstore._enforce_peer_limit = enforce
+    peerstore.max_peers = limit
 
 
 def _cap_peer_addrs(peerstore: Any, max_addrs: int) -> None:

@@ -123,6 +123,11 @@ class _NodeCollector(Collector):
                                   "high water, of least use)", value=self._node.trimmed)
         yield GaugeMetricFamily("dedloc_connmgr_protected_peers", "Peers a service keeps connected (a relay slot, "
                                 "an averaging round)", value=self._node.conn_tags.protected_count())
+        store = self._node.peer_store_metrics()
+        yield GaugeMetricFamily("dedloc_peerstore_peers", "Peers the peer store holds (addresses, keys, protocols)",
+                                value=store["known"])
+        yield CounterMetricFamily("dedloc_peerstore_forgotten", "Peers the peer store forgot (over its bound: "
+                                  "without addresses, expired, least recently heard of first)", value=store["forgotten"])
 
 
 def limit_labels(name: str) -> tuple[str, str]:

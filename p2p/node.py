@@ -123,6 +123,8 @@ class Node:
         self._opened: dict[INetConn, float] = {}
         #: connections the connection manager closed
         self.trimmed = 0
+        #: peers the peer store forgot (``p2p/peer_store.py``)
+        self.forgotten_peers = 0
         self.rpc = Rpc(self.new_stream, max_message_size=config.max_message_size, default_timeout=config.rpc_timeout,
                        admit=self._admit_call)
 
@@ -167,7 +169,9 @@ class Node:
         host = build_host(
             key_pair, listen, yamux=config.yamux, noise_config=config.noise, dial_timeout=config.dial_timeout,
             advertised=lambda candidates: holder[0]._advertised(candidates) if holder else candidates,
-            max_addrs=MAX_LISTEN_ADDRS + 8, resources=resources,
+            max_addrs=MAX_LISTEN_ADDRS + 8, resources=resources, known_peers=config.known_peers,
+            keep=lambda: holder[0]._kept_in_peer_store() if holder else (),
+            forgot=lambda n: holder[0]._forgot(n) if holder else None,
         )
         bootstrap_error: BootstrapError | None = None
         listening = False
@@ -468,6 +472,18 @@ class Node:
         c = self.config.connections
         return {"open": len(self.connections()), "trimmed": self.trimmed, "protected_peers": self.conn_tags.protected_count(),
                 "low_water": c.low_water if c.enabled else 0, "high_water": c.high_water if c.enabled else 0}
+
+    def _kept_in_peer_store(self) -> set[ID]:
+        """The peers the peer store never forgets besides us: connected and dialing ones."""
+        return {*self.network.connections, *self._dialing}
+
+    def _forgot(self, n: int) -> None:
+        self.forgotten_peers += n
+
+    def peer_store_metrics(self) -> dict[str, int]:
+        """The peer store's figures (``dedloc status``: ``peer_store.*``)."""
+        return {"known": len(self.host.get_peerstore().peer_ids()), "forgotten": self.forgotten_peers,
+                "limit": self.config.known_peers}
 
     async def _trim_connections(self) -> None:
         """Every ``silence_period``: over the high water, close the connections of least use (:meth:`trim`)."""

@@ -471,6 +471,8 @@ async def test_a_relay_runs_with_the_limits_given_and_status_shows_them_with_the
         assert status["limits.inbound_streams_per_peer_protocol"] == 32
         assert status["connections.high_water"] == 50 and status["connections.low_water"] == 40
         assert status["connections.protected_peers"] == 0 and status["connections.open"] >= 1
+        assert status["peer_store.limit"] == 1000 and status["peer_store.known"] >= 2
+        assert status["peer_store.forgotten"] == 0
         assert status["resources.refused.service.relay.reserve_requests_a_second_per_peer"] == 1
         assert "resources.relay.reservations" in status and "resources.admission.inbound" in status
         text = await trio.run_process([*DEDLOC, "status", address, "--timeout", "10"], capture_stdout=True)

@@ -40,7 +40,8 @@ DOCS = Path(__file__).resolve().parent.parent / "docs" / "OPERATORS.md"
 SWARM = ["libp2p_swarm_connections_opened_total", "libp2p_swarm_connections_closed_total",
          "libp2p_swarm_connection_duration_seconds", "libp2p_swarm_handshake_latency_seconds",
          "libp2p_swarm_dial_errors_total", "dedloc_swarm_dials_backed_off_total", "dedloc_swarm_peers",
-         "dedloc_connmgr_trimmed_total", "dedloc_connmgr_protected_peers"]
+         "dedloc_connmgr_trimmed_total", "dedloc_connmgr_protected_peers", "dedloc_peerstore_peers",
+         "dedloc_peerstore_forgotten_total"]
 RCMGR = ["libp2p_rcmgr_connections", "libp2p_rcmgr_streams", "libp2p_rcmgr_memory", "libp2p_rcmgr_blocked_resources",
          "libp2p_rcmgr_limit"]
 NAT = ["libp2p_holepunch_direct_dials_total", "libp2p_holepunch_outcomes_total", "libp2p_autonat_reachability_status",
@@ -248,6 +249,7 @@ async def test_a_three_node_swarm_shows_every_documented_family_with_its_figures
     assert value(fa, "dedloc_swarm_dials_backed_off_total") == 1
     assert value(fa, "dedloc_connmgr_trimmed_total") == 0  # three peers: far below the high water
     assert value(fa, "dedloc_connmgr_protected_peers") >= 1  # the relay holding a's slot
+    assert value(fa, "dedloc_peerstore_peers") >= 2 and value(fa, "dedloc_peerstore_forgotten_total") == 0
     assert value(r, "libp2p_relaysvc_status") == 1
     # a and b reserve a slot while their reachability is unknown: every slot granted was answered OK
     assert value(r, "libp2p_relaysvc_reservations_total", type="opened") >= 1
