@@ -225,10 +225,28 @@ class NatService(SwarmObserver):
         return HOP_PROTOCOL in self._protocols.get(peer, ())
 
     def connection_closed(self, info: ConnectionInfo) -> None:
+        now = trio.current_time()
         if info.kind == PathKind.DIRECT and live_connection(self.node.network, info.peer_id) is None:
             self._listen_views.pop(info.peer_id, None)
+            if now - self._identified.get(info.peer_id, -1e9) >= IDENTIFY_EVERY:
+                self._identified.pop(info.peer_id, None)
+                self._protocols.pop(info.peer_id, None)
             self.autorelay.lost(info.peer_id, "disconnected")
             self._notify()
+        self._forget_stale(now)
+
+    def _forget_stale(self, now: float) -> None:
+        """Forget the peers that left whose last identify is ``IDENTIFY_EVERY`` old: met again, they
+        are identified again anyway. Within that time a peer back (a relay restarted) is known at once
+        by its protocols, with no identify (:meth:`_learn` skips it). Before, both maps kept every peer
+        ever met: a relay's visitors grew them by one entry each, for good (``bench/relay_soak.py``)."""
+        while self._identified:
+            peer, at = next(iter(self._identified.items()))
+            if now - at < IDENTIFY_EVERY:
+                return
+            del self._identified[peer]
+            if live_connection(self.node.network, peer) is None:
+                self._protocols.pop(peer, None)
 
     # ---------------------------------------------------------------- addresses
 
@@ -284,7 +302,8 @@ class NatService(SwarmObserver):
         now = trio.current_time()
         if now - self._identified.get(peer, -1e9) < IDENTIFY_EVERY:
             return
-        self._identified[peer] = now
+        self._identified.pop(peer, None)
+        self._identified[peer] = now  # last: the dict stays in the order of identifies (_forget_stale)
         # py-libp2p identifies every new connection by itself, and js-libp2p resets a
         # second identify stream on a connection while one is open: retry, briefly.
         for attempt in range(3):

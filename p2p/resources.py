@@ -340,6 +340,7 @@ class ResourceManager:
         bucket = self._buckets.pop(key, None)  # re-inserted last: the dict is in least-recently-used order
         if bucket is None:
             bucket = _Bucket(float(rate.burst), now)
+            self._forget_full_buckets(now)
             while len(self._buckets) >= self.config.max_tracked_peers:
                 del self._buckets[next(iter(self._buckets))]
         bucket.tokens = rate.refill(bucket.tokens, now - bucket.at)
@@ -349,6 +350,21 @@ class ResourceManager:
             raise self.refuse(ResourceLimitExceeded(Scope.SERVICE, f"{service} requests a second per peer",
                                                     rate.per_second))
         bucket.tokens -= 1.0
+
+    def _forget_full_buckets(self, now: float, at_most: int = 2) -> None:
+        """Drop up to ``at_most`` of the least recently used buckets that have refilled to their
+        burst: such a bucket is what a fresh one would be, so forgetting it changes no verdict, and the
+        map holds the peers of the last refill time, not every peer ever seen (a relay's visitors
+        left three buckets each, kept up to ``max_tracked_peers``)."""
+        for _ in range(at_most):
+            oldest = next(iter(self._buckets.items()), None)
+            if oldest is None:
+                return
+            (service, _peer), bucket = oldest
+            rate = self.config.rates.get(service)
+            if rate is not None and rate.refill(bucket.tokens, now - bucket.at) < rate.burst:
+                return
+            del self._buckets[oldest[0]]
 
     def stream_open_refusal(self, peer: str, now: float) -> str | None:
         """The ``streams`` rate as yamux asks it: None to admit a stream, else the limit, in words."""

@@ -77,6 +77,22 @@ def test_rates_are_token_buckets_per_service_and_peer() -> None:
     assert len(rm._buckets) == 2 and rm.refused["service.dht_requests_a_second_per_peer"] == 2
 
 
+def test_a_bucket_refilled_to_its_burst_is_forgotten_and_one_still_refilling_is_kept() -> None:
+    """A full bucket is what a fresh one would be: forgetting it changes no verdict, and the map then
+    holds the peers of the last refill time, not every peer ever seen (a relay's visitors left three
+    buckets each, up to max_tracked_peers: 65,536)."""
+    rm = ResourceManager(ResourceConfig(rates={"dht": Rate(10.0, 3)}))
+    for _ in range(3):
+        rm.allow("dht", "A", now=100.0)  # A spent its burst
+    rm.allow("dht", "B", now=100.1)  # a newcomer: A, one token back of three, is kept
+    rm.allow("dht", "A", now=100.1)
+    with pytest.raises(ResourceLimitExceeded):
+        rm.allow("dht", "A", now=100.1)  # still limited: its bucket was not forgotten
+    for i in range(1000):  # visitors a second apart, each full again before the next comes
+        rm.allow("dht", f"visitor {i}", now=200.0 + i)
+    assert len(rm._buckets) <= 2
+
+
 def test_limits_and_usage_name_everything_and_bad_configs_are_refused() -> None:
     rm = ResourceManager()
     rm.register_service("relay", lambda: {"reservations": 3})

@@ -547,3 +547,31 @@ async def test_metrics_are_the_funnel_and_serialise():
         relay_metrics = relay_nat.metrics()
         assert relay_metrics["relay.reservations"] == 1 and not any(k.startswith("autonat_server.") for k in relay_metrics)
         assert nev.NatStatus(metrics=metrics).to_json().startswith('{"event":"nat_status"')
+
+
+async def test_what_a_node_learnt_of_peers_that_left_is_forgotten_once_their_identify_is_stale(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relay's visitors come, are identified and leave: their protocols and identify times are kept
+    while a returning peer would not be identified again (``IDENTIFY_EVERY``, 1 s here), then
+    forgotten; a peer still connected keeps its protocols however old its identify. Before, both
+    maps grew by one entry per peer ever met (``bench/relay_soak.py``)."""
+    monkeypatch.setattr("nat.traversal.IDENTIFY_EVERY", 1.0)
+    async with nat_node(nat_config(relay_service=True, autonat_server=False)) as (relay, nat, _), \
+            Node.open(loopback_config()) as stays:
+        await stays.connect(relay.addrs[0])
+        await wait_until(lambda: stays.peer_id in nat._protocols, what="the relay identified the peer that stays")
+        for _ in range(12):
+            async with Node.open(loopback_config()) as visitor:
+                await visitor.connect(relay.addrs[0])
+                await wait_until(lambda: visitor.peer_id in nat._protocols, what="the relay identified the visitor")
+        assert len(nat._protocols) >= 13  # within IDENTIFY_EVERY: a visitor back would be known at once
+        # the peer that stays was identified long ago (the reachability pass would identify it again)
+        nat._identified = {stays.peer_id: -1e9, **{p: t for p, t in nat._identified.items() if p != stays.peer_id}}
+        await trio.sleep(1.1)
+        async with Node.open(loopback_config()) as last:  # a close after that forgets the stale ones
+            await last.connect(relay.addrs[0])
+            await wait_until(lambda: last.peer_id in nat._protocols, what="the relay identified the last visitor")
+        await wait_until(lambda: set(nat._protocols) <= {stays.peer_id, last.peer_id}, timeout=5,
+                         what="the visitors forgotten")
+        assert stays.peer_id in nat._protocols  # connected: kept
+        assert set(nat._identified) <= {stays.peer_id, last.peer_id}
