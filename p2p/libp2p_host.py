@@ -23,7 +23,9 @@ moves (``tests/test_node.py`` and ``interop/`` pin the behaviour):
 * **Retries and auto-connect.** The swarm's per-address retries are off (retry
   policy lives in ``Node.bootstrap``'s backoff) and its auto-connector, which
   dials peer-store entries to keep 150 connections, is stopped: whom to connect
-  to is the app's decision.
+  to is the app's decision. What the swarm still tells it of each disconnect is
+  dropped: it kept every peer that ever disconnected (its pruning runs in the loop
+  stopped), one entry per visitor of a relay, for good (``bench/relay_soak.py``).
 * **Advertised addresses.** ``get_addrs`` is replaced: py-libp2p's cuts
   ``/p2p-circuit`` addresses at the relay's ``/p2p`` and adds identify's
   unconfirmed observed addresses.
@@ -228,6 +230,9 @@ async def started(host: IHost, get_addrs: Callable[[], list[Multiaddr]],
             if sock is not None:
                 sock.listen(resources.config.admission.backlog)  # listen() again on a listening socket resizes its queue
     await network.auto_connector.stop()  # type: ignore[attr-defined]
+    # the swarm still tells the stopped auto-connector of every disconnect, and it kept each peer's time
+    # for good (its pruning runs in the loop stopped above): a relay's every visitor, one entry each
+    network.auto_connector.record_disconnect = _ignore_disconnect  # type: ignore[attr-defined]
     host.get_addrs = get_addrs  # type: ignore[method-assign]
     network.register_notifee(_Notifee(connected, disconnected))
     host.set_stream_handler(IDENTIFY_PROTOCOL, _identify_handler(host, resources))
@@ -490,6 +495,10 @@ def tcp_remote_address(conn: Any) -> tuple[str, int] | None:
         return found
     getter = getattr(conn, "get_remote_address", None)
     return cast("tuple[str, int] | None", getter()) if getter is not None else None
+
+
+def _ignore_disconnect(peer_id: ID) -> None:
+    """The stopped auto-connector's ``record_disconnect``: nothing to remember (see :func:`started`)."""
 
 
 def _bound_peer_store(peerstore: Any, keep: Callable[[], Collection[ID]], limit: int,

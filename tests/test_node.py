@@ -763,3 +763,16 @@ async def test_a_node_with_many_connections_closes_them_all_at_once() -> None:
         took = trio.current_time() - started
         assert took < 2.0, f"closing 60 connections took {took:.2f} s (one by one: about 0.1 s each)"
         await wait_until(lambda: all(not o.connections() for o in others), timeout=10)
+
+
+async def test_peers_that_came_and_left_leave_nothing_in_the_stopped_auto_connector():
+    """py-libp2p's swarm tells its auto-connector (stopped: whom to dial is ours to decide) of every
+    disconnect, and it kept each peer's time for good: one entry per visitor of a relay."""
+    async with open_nodes(1) as (relay,):
+        for _ in range(5):
+            async with Node.open(loopback_config()) as visitor:
+                await visitor.connect(relay.addrs[0])
+                await wait_until(lambda: visitor.peer_id in relay.connected_peers(), what="the relay saw the visitor")
+        await wait_until(lambda: not relay.connected_peers(), what="the visitors gone")
+        await trio.sleep(0.2)  # the swarm's disconnect notices run in tasks of their own
+        assert relay.network.auto_connector._recent_disconnects == {}
