@@ -48,6 +48,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "training/moe/shards.py": ("tests/test_moe_shards.py",),
     "p2p/dial_backoff.py": ("tests/test_dial_backoff.py",),
     "p2p/conn_manager.py": ("tests/test_conn_manager.py",),
+    "p2p/peer_store.py": ("tests/test_peer_store.py",),
 }
 
 KILLED = {"killed", "timeout"}

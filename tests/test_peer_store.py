@@ -1,22 +1,15 @@
-"""What the peer store remembers: the rule (p2p/peer_store.py), and a real Node that learns more
+"""What the peer store remembers: the rule (p2p/peer_store.py), pure. A real Node that learns more
 peers than the bound and still answers identify with its own keys (py-libp2p 0.8.1's own eviction
-took them away at the 1,001st peer)."""
+took them away at the 1,001st peer) is in tests/test_node.py."""
 
 from __future__ import annotations
 
 import pytest
-import trio
-from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
-from multiaddr import Multiaddr
 
 from p2p import NodeConfig
 from p2p.errors import ConfigError
-from p2p.peer_store import KNOWN_PEERS, Entry, low_water, to_forget
-
-from .conftest import open_nodes
-
-pytestmark = pytest.mark.timeout(60)
+from p2p.peer_store import Entry, low_water, to_forget
 
 
 def _id(i: int) -> ID:
@@ -59,27 +52,3 @@ def test_without_an_address_first_then_expired_then_least_recently_heard_of() ->
 def test_a_limit_below_ten_is_refused() -> None:
     with pytest.raises(ConfigError, match="known_peers"):
         NodeConfig(known_peers=5).validate()
-
-
-async def test_a_node_that_learns_more_peers_than_its_bound_keeps_its_keys_and_its_connected_peers() -> None:
-    """1,500 peers learnt (as a DHT lookup in a big swarm learns them), at the default bound: the
-    store stays within it, the node still answers identify with its own key (py-libp2p's eviction
-    took that key at the 1,001st peer, and identify failed for every peer after), and what it knows
-    of a connected peer stays."""
-    async with open_nodes(3) as (a, b, c):
-        await b.connect(a.addrs[0])
-        store = a.host.get_peerstore()
-        with trio.fail_after(10):
-            while not (store.has_peer(b.peer_id) and store.get_protocols(b.peer_id)):  # a identified b
-                await trio.sleep(0.02)
-        for i in range(1500):
-            peer = ID.from_pubkey(create_new_key_pair().public_key)
-            a.add_addrs(peer, [Multiaddr(f"/ip4/10.0.{i // 250}.{i % 250}/tcp/4001")])
-        known = a.peer_store_metrics()
-        assert known["forgotten"] >= 500 and known["limit"] == KNOWN_PEERS
-        assert known["known"] <= KNOWN_PEERS + 2  # ourselves and b besides the bound
-        assert a.host.get_public_key() is not None
-        assert store.get_protocols(b.peer_id) and store.pubkey(b.peer_id)  # connected: kept whole
-        await c.connect(a.addrs[0])
-        info = await c.identify(a.peer_id)  # a peer met after the flood learns who a is
-        assert info.public_key_valid and info.protocols
