@@ -228,15 +228,15 @@ class NatService(SwarmObserver):
         now = trio.current_time()
         if info.kind == PathKind.DIRECT and live_connection(self.node.network, info.peer_id) is None:
             self._listen_views.pop(info.peer_id, None)
-            if now - self._identified.get(info.peer_id, -1e9) >= IDENTIFY_EVERY:
-                self._identified.pop(info.peer_id, None)
+            if info.peer_id not in self._identified:  # its identify time forgotten while it was connected
                 self._protocols.pop(info.peer_id, None)
             self.autorelay.lost(info.peer_id, "disconnected")
             self._notify()
         self._forget_stale(now)
 
     def _forget_stale(self, now: float) -> None:
-        """Forget the peers that left whose last identify is ``IDENTIFY_EVERY`` old: met again, they
+        """Forget the peers that left whose last identify is ``IDENTIFY_EVERY`` old (the dict is in the
+        order of identifies: the stale ones come first, a peer just closed among them): met again, they
         are identified again anyway. Within that time a peer back (a relay restarted) is known at once
         by its protocols, with no identify (:meth:`_learn` skips it). Before, both maps kept every peer
         ever met: a relay's visitors grew them by one entry each, for good (``bench/relay_soak.py``)."""
