@@ -457,7 +457,9 @@ def _identify_push_handler(host: IHost, resources: ResourceManager) -> Callable[
 def _identify_handler(host: IHost, resources: ResourceManager) -> Callable[[INetStream], Awaitable[None]]:
     """Answer identify as py-libp2p does (its message, varint-prefixed), with the observed
     address of this stream's connection: its TCP remote, or none when relayed. A peer over
-    its identify rate gets a reset."""
+    its identify rate gets a reset. An answer we cannot build is logged at ERROR and the stream reset:
+    a handler's exception would leave the node's nursery and end the node (a full peer store did so
+    at every relay's ~1,000th visitor, see :mod:`p2p.peer_store`)."""
 
     async def handle(stream: INetStream) -> None:
         if not await _within_identify_rate(stream, resources):
@@ -466,6 +468,10 @@ def _identify_handler(host: IHost, resources: ResourceManager) -> Callable[[INet
         try:
             message = identify_message(host, remote)
         except OSError:  # our listeners' sockets closing as the node leaves (close_listeners): nothing to say
+            await finish_quietly(stream.reset)
+            return
+        except Exception:  # a fault of ours (py-libp2p's PeerStoreError killed the node): said loudly, not fatal
+            log.error("could not build our identify answer for %s", stream.muxed_conn.peer_id, exc_info=True)
             await finish_quietly(stream.reset)
             return
         try:

@@ -354,6 +354,9 @@ class Node:
                 message = identify_message(self.host)
             except OSError:  # our listeners closing: the node is leaving
                 continue
+            except Exception:  # a fault of ours: said loudly, and this push skipped, not the node ended
+                log.error("could not build our identify push", exc_info=True)
+                continue
             targets = [p for p in self.connected_peers() if PUSH_PROTOCOL in self._protocols_of(p)]
             failed: list[ID] = []
             limiter = trio.CapacityLimiter(PUSH_CONCURRENCY)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import socket
 
 import pytest
@@ -90,7 +91,6 @@ async def test_a_garbled_oversized_or_too_frequent_push_is_dropped_quietly(node_
     """Pushes to us are untrusted input: garbage and an oversized length are reset and logged at debug
     only (py-libp2p's handler logged each at ERROR, at any rate), and a peer pushing faster than its
     identify rate is reset; a good push still lands, and the node serves on."""
-    import logging
 
     from libp2p.identity.identify.pb.identify_pb2 import Identify
     from libp2p.network.stream.exceptions import StreamEOF, StreamReset
@@ -336,6 +336,33 @@ async def test_addresses_asked_while_the_listeners_close_are_none_not_an_error(n
         await b.identify(a.peer_id, timeout=5)  # a leaving node resets identify, and nothing fails in it
     monkeypatch.undo()
     assert await b.ping(a.peer_id) > 0 and (await b.identify(a.peer_id)).peer_id == a.peer_id
+
+
+async def test_an_identify_answer_or_push_we_cannot_build_is_logged_and_the_node_serves_on(node_pair, monkeypatch, caplog):
+    """A fault of ours while building identify (py-libp2p's ``PeerStoreError`` did it, from a full peer
+    store) is logged at ERROR and resets that one stream; it used to leave the handler, the node's
+    nursery, and end the node. A push we cannot build is skipped the same way."""
+    import p2p.libp2p_host
+    from p2p.hooks import ExternalAddresses, Reachability
+    from p2p.identify import PUSH_DELAY, PUSH_PROTOCOL
+
+    a, b = node_pair
+    await wait_until(lambda: PUSH_PROTOCOL in a._protocols_of(b.peer_id), 10, what="b identified")
+
+    def broken(*args: object) -> object:
+        raise RuntimeError("our own bug")
+
+    monkeypatch.setattr(p2p.libp2p_host, "_mk_identify_protobuf", broken)
+    with caplog.at_level(logging.ERROR, logger="p2p"):
+        with pytest.raises(DedlocError):
+            await b.identify(a.peer_id, timeout=5)
+        circuit = Multiaddr(f"/ip4/127.0.0.9/tcp/4001/p2p/{b.peer_id}/p2p-circuit")
+        a.set_external(ExternalAddresses(reachability=Reachability.PRIVATE, relayed=(circuit,), judged=True))
+        await wait_until(lambda: [r for r in caplog.records if "identify push" in r.getMessage()], PUSH_DELAY + 5,
+                         what="the push's error")
+    assert [r for r in caplog.records if "identify answer" in r.getMessage() and r.levelno == logging.ERROR]
+    monkeypatch.undo()
+    assert await a.ping(b.peer_id) > 0 and (await b.identify(a.peer_id)).peer_id == a.peer_id
 
 
 async def test_a_peer_whose_dial_failed_is_not_dialed_again_until_its_backoff_ends(tmp_path):
