@@ -52,14 +52,13 @@ from p2p.hooks import (
     Reachability,
     SwarmObserver,
 )
-from p2p.addresses import tcp_port
 
 from . import events as nev
 from .autonat import DIAL_REQUEST, AutoNATClient, AutoNATConfig, AutoNATError, AutoNATServer
 from .autorelay import AutoRelay, AutoRelayConfig
 from .circuit import HOP_PROTOCOL, RelayClient, RelayClientConfig
 from .holepunch import HolePunchConfig, HolePuncher, PunchResult
-from .port_mapping import PortMappingConfig, PortMappingUnavailable, map_port
+from .port_mapping import PortMappingConfig, PortMappingUnavailable, map_port, mappable_port
 from .reachability import (AddressVerdicts, MappingKind, NatMode, ServerBudget, classify_mapping, judge_reachability,
                            plan_probes, select_mode, server_judges)
 from .relay import RelayConfig, RelayService
@@ -435,8 +434,9 @@ class NatService(SwarmObserver):
     # ---------------------------------------------------------------- port mapping
 
     async def _port_mapping(self) -> None:
-        port = next((p for a in self.node.listen_addrs if (p := tcp_port(a)) is not None), None)
+        port = mappable_port(self.node.listen_addrs)
         if port is None:
+            log.info("no port mapping asked for: no TCP listen address off loopback, none a router could reach")
             return
         try:
             async with map_port(port, config=self.config.port_mapping) as mapping:

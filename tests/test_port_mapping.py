@@ -775,3 +775,17 @@ async def test_nothing_answers_says_what_was_tried(tmp_path: Path) -> None:
         assert elapsed < 8  # ~2 s of SSDP listening plus interpreter start-up
         with trio.fail_after(10):
             await client.process.wait()
+
+
+def test_the_port_to_map_is_one_a_router_could_reach() -> None:
+    from multiaddr import Multiaddr
+
+    def port(*addrs: str) -> int | None:
+        return pm.mappable_port([Multiaddr(a) for a in addrs])
+
+    assert port("/ip4/127.0.0.1/tcp/4001") is None
+    assert port("/ip4/127.0.0.5/tcp/4001", "/ip6/::1/tcp/4002") is None
+    assert port() is None
+    assert port("/ip4/127.0.0.1/tcp/4001", "/ip4/0.0.0.0/tcp/4003") == 4003
+    assert port("/ip6/::1/tcp/4002", "/ip4/192.168.1.20/tcp/4004", "/ip4/0.0.0.0/tcp/4005") == 4004
+    assert port("/ip6/::/tcp/4006") == 4006

@@ -580,3 +580,22 @@ async def test_what_a_node_learnt_of_peers_that_left_is_forgotten_once_their_ide
         nat._identified.pop(stays.peer_id, None)
         await stays.disconnect(relay.peer_id)
         await wait_until(lambda: stays.peer_id not in nat._protocols, timeout=5, what="the peer that stayed forgotten")
+
+
+async def test_a_node_listening_on_loopback_only_asks_no_router_for_a_port_mapping(monkeypatch, caplog):
+    """A router cannot forward to 127.0.0.1: a node that listens only there sends nothing to the LAN's
+    router (the loopback demo's peers asked it by PCP, NAT-PMP and UPnP's multicast at every start)."""
+    import logging
+
+    asked: list[int] = []
+
+    def recording_map_port(port: int, **kwargs: Any) -> Any:
+        asked.append(port)
+        raise AssertionError("a mapping was asked for")
+
+    monkeypatch.setattr("nat.traversal.map_port", recording_map_port)
+    with caplog.at_level(logging.INFO, logger="nat.traversal"):
+        async with nat_node(nat_config(port_mapping=PortMappingConfig(enabled=True))):
+            await wait_until(lambda: any("no port mapping asked for" in r.getMessage() for r in caplog.records),
+                             timeout=5, what="the port mapping task's decision")
+    assert asked == []

@@ -507,10 +507,15 @@ class _Training:
         elif kind == "global_step":
             if event["averaged"] and not event["missed"]:
                 self.steps[name] = self.steps.get(name, 0) + 1
-            if name == "trainer-1" or not event["complete"] or event["missed"]:
-                state = "missed" if event["missed"] else ("PARTIAL" if not event["complete"] else "done")
+            alone = not event["averaged"] and not event["missed"]
+            if name == "trainer-1" or not event["complete"] or event["missed"] or alone:
+                state = "missed" if event["missed"] else ("PARTIAL" if not event["complete"] else
+                                                          "alone" if alone else "done")
+                # why a step was not averaged, from every trainer: a CI run's demo had all three alone at step 0
+                # for the 30 s matchmaking timeout, and its output did not say why
+                why = f": {event['summary']}" if alone or event["missed"] or not event["complete"] else ""
                 say(f"{name:>9} step {event['step']:>3} {state}: {event['samples']} samples "
-                    f"({event['local_samples']} its own), group of {event['group_size']} in {event['elapsed']:.2f} s")
+                    f"({event['local_samples']} its own), group of {event['group_size']} in {event['elapsed']:.2f} s{why}")
         elif kind == "state_downloaded":
             source = self.names.get(event.get("source", ""), "a peer")
             say(f"{name:>9} took the swarm's state at step {event['step']} from {source} in {event.get('seconds', 0):.2f} s")

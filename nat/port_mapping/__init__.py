@@ -120,6 +120,7 @@ from .upnp import (
     _UpnpMapper,
 )
 from .mapping import (
+    mappable_port,
     PortMappingConfig,
     GatewaySupport,
     _resolve_gateway,
@@ -134,6 +135,7 @@ from .mapping import (
 )
 
 __all__ = [
+    "mappable_port",
     "PortMappingConfig",
     "Protocol",
     "Method",

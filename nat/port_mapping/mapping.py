@@ -9,7 +9,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import trio
+from multiaddr import Multiaddr
 
+from p2p.addresses import ip_and_tcp_port
 from p2p.errors import ConfigError
 from p2p.trio_util import unwrap_single_group
 
@@ -19,6 +21,23 @@ from .pcp import _PcpMapper, pcp_announce
 from .upnp import UpnpGateway, _UpnpMapper, discover_upnp
 
 log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------- which port
+
+
+def mappable_port(listen: Sequence[Multiaddr]) -> int | None:
+    """The TCP port of the first listen address a router could forward to: none on loopback.
+
+    A socket bound to 127.0.0.1 (or ``::1``) is out of the router's reach, so a mapping to it could
+    not carry one connection; asking for it only sends packets to the LAN's router (PCP, NAT-PMP,
+    UPnP's multicast search). The loopback demo's peers did, every start. An unspecified address
+    (``0.0.0.0``, ``::``) counts: it listens on the interface facing the router too."""
+    for addr in listen:
+        found = ip_and_tcp_port(addr)
+        if found is not None and not ipaddress.ip_address(found[0]).is_loopback:
+            return found[1]
+    return None
 
 
 # ---------------------------------------------------------------------- probe
