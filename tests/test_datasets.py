@@ -336,15 +336,17 @@ def test_a_seeder_that_sends_a_bad_piece_is_banned_and_its_pieces_go_to_others()
 
 
 def test_a_failing_seeder_rests_and_a_lost_one_gives_its_pieces_back() -> None:
-    p = picker([3], config=PickerConfig(pipeline=3, pipeline_start=3, max_failures=2, backoff=10.0))
-    p.update(A, 0, None)
-    p.update(B, 0, None)
+    p = picker([3, 3, 3], config=PickerConfig(pipeline=3, pipeline_start=3, max_failures=2, backoff=10.0))
+    for shard in range(3):
+        p.update(A, shard, None)
+        p.update(B, shard, None)
     k1 = p.pick(A, 0)
     assert k1 is not None
-    p.failed(A, k1, now=1.0)  # A says it has not got it: not asked of A again
+    p.failed(A, k1, now=1.0)  # A says it has not got it: nothing of that shard asked of A again
+    assert not any(k[0] == k1[0] for k in p.seeders[A].keys) and p.availability(k1) == 1
     k2 = p.pick(A, 1.0)
-    assert k2 is not None and k2 != k1
-    p.failed(A, k2, now=2.0)
+    assert k2 is not None and k2[0] != k1[0]
+    p.failed(A, k2, now=2.0)  # a second shard in a row: it rests
     assert p.pick(A, 3.0) is None and p.pick(A, 11.9) is None  # resting
     assert p.pick(A, 12.1) is not None
     k3 = p.pick(B, 12.1)
@@ -352,6 +354,29 @@ def test_a_failing_seeder_rests_and_a_lost_one_gives_its_pieces_back() -> None:
     p.update(C, 0, None)
     assert k3 is not None and k3 not in p.requested  # asked of B, which is gone: back to be asked of others
     assert p.availability(k3, 12.1) >= 1 and B not in p.seeders
+
+
+def test_a_seeder_whose_shard_changed_is_not_rested_for_the_answers_already_in_flight() -> None:
+    """A creator whose one shard changed on disk answers "not held" to every request of it in flight:
+    one failure, not one each (it rested 10 s, its other shards unasked, and a CI fetch took all from a
+    slower seeder); its other shards are still asked of it. A piece returned unused costs nothing."""
+    p = picker([4, 4], priority=[0, 1], config=PickerConfig(pipeline=4, pipeline_start=4, max_failures=2, backoff=10.0))
+    for shard in (0, 1):
+        p.update(A, shard, None)
+        p.update(B, shard, None)
+    asked = [p.pick(A, 0.0) for _ in range(4)]
+    assert all(k is not None and k[0] == 0 for k in asked)  # the first shard first
+    for key in asked:
+        assert key is not None
+        p.failed(A, key, now=1.0)
+    assert p.seeders[A].resting_until <= 1.0 and p.seeders[A].failures == 1
+    assert p.seeders[A].keys == {(1, i) for i in range(-1, 4)}
+    assert all(p.availability(k) == 1 and k not in p.requested for k in asked)  # B's to give now
+    other = p.pick(A, 1.0)
+    assert other is not None and other[0] == 1
+    p.returned(A, other)
+    assert other in p.seeders[A].keys and p.seeders[A].failures == 1 and other not in p.requested
+    assert p.pick(A, 1.0) is not None
 
 
 # ---------------------------------------------------------------------- the seeder table and the pacer

@@ -313,7 +313,7 @@ class Download:
             self._wake()
             return
         if shard.root not in self.local.leaves:
-            self.picker.failed(peer, key, now)  # asked in the endgame before the leaves came: ask again
+            self.picker.returned(peer, key)  # asked in the endgame before the leaves came: ask again
             return
         bad = self.local.check_piece(shard.root, key[1], data)
         if bad is not None:

@@ -22,7 +22,9 @@
 * a seeder that sends a **bad piece** is banned for the dataset, with the
   reason, and everything asked of it goes back to the others; one that fails
   otherwise (gone, timed out, does not have it) costs only time: its requests go
-  back, and after ``max_failures`` in a row it rests ``backoff`` seconds.
+  back; one that does not hold a piece it advertised is asked nothing more of
+  that shard (its file changed: it stopped seeding all of it), and after
+  ``max_failures`` such shards in a row it rests ``backoff`` seconds.
 
 :class:`SeederTable` is who to talk to: the seeders the tracker named, which
 are connected, which failed (retried after a backoff that doubles), which are
@@ -72,7 +74,7 @@ class PickerConfig:
     #: ... or at once, when no more than this many pieces are missing (the classic endgame: a few pieces'
     #: worth of duplicates, against a last piece that waits on the slowest stream)
     endgame_pieces: int = 4
-    #: failures in a row (not bad pieces) before a seeder rests
+    #: shards in a row a seeder said it did not hold (not bad pieces) before it rests
     max_failures: int = 3
     #: how long it rests
     backoff: float = 10.0
@@ -258,19 +260,32 @@ class PiecePicker:
         return True
 
     def failed(self, peer: ID, key: PieceKey, now: float) -> None:
-        """A request that did not come back (not found, timed out): asked of others again."""
+        """``peer`` answered that it does not hold ``key`` (a piece or leaves it advertised): asked of
+        others again, and nothing of that shard asked of it until it says it holds some again.
+
+        A holder only loses a piece when its file changed on disk, and then it stops seeding the whole
+        shard: asked piece by piece, a creator whose one shard changed answered "not held" to the
+        first requests in a row and rested ``backoff`` seconds for it, its other shards unasked (a
+        CI run's fetch then took everything from a slower seeder). The answers to what was already
+        in flight of that shard are no new failures; ``max_failures`` shards in a row, and it rests.
+        """
         self._release(peer, key)
         seeder = self.seeders.get(peer)
-        if seeder is None:
-            return
+        if seeder is None or key not in seeder.keys:
+            return  # an answer about a shard already dropped (or of a seeder gone)
+        gone = {k for k in seeder.keys if k[0] == key[0]}
+        seeder.keys -= gone
+        if seeder.banned is None:
+            self._count(gone, -1)
         seeder.failures += 1
-        if key[1] != LEAVES and key in seeder.keys:
-            seeder.keys.discard(key)  # it said it has not got it: not asked again until it says so
-            if seeder.banned is None:
-                self._count([key], -1)
         if seeder.failures >= self.config.max_failures:
             seeder.resting_until = now + self.config.backoff
             seeder.failures = 0
+
+    def returned(self, peer: ID, key: PieceKey) -> None:
+        """A request answered with nothing we can use yet (a piece before its shard's leaves): asked again,
+        of anyone, ``peer`` included, at no cost to it."""
+        self._release(peer, key)
 
     def lost(self, peer: ID) -> None:
         """``peer`` is gone (its connection died): everything asked of it goes back; what it held is forgotten
