@@ -410,11 +410,20 @@ def _install_admission(swarm: Any, resources: ResourceManager) -> None:
     swarm.upgrade_inbound_raw_conn = upgraded
 
 
-def identify_message(host: IHost, remote: tuple[str, int] | None = None) -> bytes:
+def identify_message(host: IHost, remote: tuple[str, int] | None = None, *, purpose: str) -> bytes | None:
     """Our identify message as py-libp2p builds it (protocols, advertised addresses, signed peer record),
-    with ``remote`` as the observed address (none for a push, or on a relayed connection). Raises
-    ``OSError`` while our listeners close."""
-    return bytes(_mk_identify_protobuf(host, _remote_address_to_multiaddr(remote)).SerializeToString())
+    with ``remote`` as the observed address (none for a push, or on a relayed connection); None when it
+    cannot be built. Quietly while our listeners close (``OSError``: the node is leaving, nothing to
+    say); any other fault is ours, logged at ERROR naming ``purpose`` ("answer for <peer>", "push"):
+    raised, it left the caller, the node's nursery and ended the node (py-libp2p's ``PeerStoreError``
+    from a full peer store did so at every relay's ~1,000th visitor, see :mod:`p2p.peer_store`)."""
+    try:
+        return bytes(_mk_identify_protobuf(host, _remote_address_to_multiaddr(remote)).SerializeToString())
+    except OSError:
+        return None
+    except Exception:
+        log.error("could not build our identify %s", purpose, exc_info=True)
+        return None
 
 
 async def _within_identify_rate(stream: INetStream, resources: ResourceManager) -> bool:
@@ -457,21 +466,15 @@ def _identify_push_handler(host: IHost, resources: ResourceManager) -> Callable[
 def _identify_handler(host: IHost, resources: ResourceManager) -> Callable[[INetStream], Awaitable[None]]:
     """Answer identify as py-libp2p does (its message, varint-prefixed), with the observed
     address of this stream's connection: its TCP remote, or none when relayed. A peer over
-    its identify rate gets a reset. An answer we cannot build is logged at ERROR and the stream reset:
-    a handler's exception would leave the node's nursery and end the node (a full peer store did so
-    at every relay's ~1,000th visitor, see :mod:`p2p.peer_store`)."""
+    its identify rate gets a reset, and so does a stream whose answer cannot be built
+    (:func:`identify_message`)."""
 
     async def handle(stream: INetStream) -> None:
         if not await _within_identify_rate(stream, resources):
             return
         remote = stream.get_remote_address()  # None on a relayed connection (nat/circuit.py)
-        try:
-            message = identify_message(host, remote)
-        except OSError:  # our listeners' sockets closing as the node leaves (close_listeners): nothing to say
-            await finish_quietly(stream.reset)
-            return
-        except Exception:  # a fault of ours (py-libp2p's PeerStoreError killed the node): said loudly, not fatal
-            log.error("could not build our identify answer for %s", stream.muxed_conn.peer_id, exc_info=True)
+        message = identify_message(host, remote, purpose=f"answer for {stream.muxed_conn.peer_id}")
+        if message is None:  # the node leaving, or a fault of ours (logged): this stream is reset, nothing more
             await finish_quietly(stream.reset)
             return
         try:

@@ -350,12 +350,8 @@ class Node:
             if now == pushed:
                 continue
             pushed = now
-            try:
-                message = identify_message(self.host)
-            except OSError:  # our listeners closing: the node is leaving
-                continue
-            except Exception:  # a fault of ours: said loudly, and this push skipped, not the node ended
-                log.error("could not build our identify push", exc_info=True)
+            message = identify_message(self.host, purpose="push")
+            if message is None:  # the node leaving, or a fault of ours (logged): this push skipped
                 continue
             targets = [p for p in self.connected_peers() if PUSH_PROTOCOL in self._protocols_of(p)]
             failed: list[ID] = []

@@ -508,13 +508,14 @@ class _Training:
             if event["averaged"] and not event["missed"]:
                 self.steps[name] = self.steps.get(name, 0) + 1
             alone = not event["averaged"] and not event["missed"]
-            if name == "trainer-1" or not event["complete"] or event["missed"] or alone:
+            unusual = event["missed"] or not event["complete"] or alone
+            if name == "trainer-1" or unusual:
                 state = "missed" if event["missed"] else ("PARTIAL" if not event["complete"] else
                                                           "alone" if alone else "done")
                 # why a step was not averaged, from every trainer: a CI run's demo had all three alone at step 0
                 # for the 30 s matchmaking timeout, and its output did not say why
-                why = f": {event['summary']}" if (alone or event["missed"] or not event["complete"]) and \
-                    not event["summary"].startswith("alone") else ""  # a peer alone in the run is no failure
+                why = f": {event['summary']}" if unusual and not event["summary"].startswith("alone") \
+                    else ""  # a peer alone in the run is no failure
                 say(f"{name:>9} step {event['step']:>3} {state}: {event['samples']} samples "
                     f"({event['local_samples']} its own), group of {event['group_size']} in {event['elapsed']:.2f} s{why}")
         elif kind == "state_downloaded":
