@@ -19,9 +19,10 @@ LOOKING                 timer (slept), past the deadline                        
 FOLLOWING               join answered: joined                                                      FIXED, Done(group)
 FOLLOWING               join answered: redirected to L               before the deadline           LOOKING, Read (L not skipped)
 FOLLOWING               join answered: redirected to L               past the deadline             FAILED, Fail
-FOLLOWING               join answered: refused                                                     LOOKING, Sleep(poll/2)
-FOLLOWING               join answered: unreachable                   (skipped while its            LOOKING, Sleep(poll/2)
-                                                                     declaration lives)
+FOLLOWING               join answered: refused (or the call broke    (skipped two polls)           LOOKING, Sleep(poll/2)
+                        mid-way)
+FOLLOWING               join answered: unreachable (no stream        (skipped while its            LOOKING, Sleep(poll/2)
+                        could be opened)                             declaration lives)
 LEADING                 tick                                         ready                         FIXED, Fix(members)
 LEADING                 tick                                         deadline, a group possible    FIXED, Fix(members)
 LEADING                 tick                                         deadline, no group            FAILED, Fail
@@ -40,7 +41,9 @@ once ``gather_time`` passed since we began leading.
 "Refused" and "unreachable" leaders are skipped: refusals for two poll
 intervals (a peer that was not leading a moment ago may lead now), an
 unreachable leader while the declaration we saw lives (a killed leader's
-declaration outlives it).
+declaration outlives it). A join whose call broke mid-way counts as refused, not
+unreachable: the connection dropped while the leader held the join, and the
+leader, live, would otherwise lead alone beside us until the deadline.
 
 Joins asked of us (:meth:`Formation.on_join`):
 
@@ -56,6 +59,8 @@ LEADING                otherwise                            Admit (answer when i
 closed (after Admit)   in the group it closed with          Accept(group)
 closed (after Admit)   it closed handing over to L          Redirect(L)
 closed (after Admit)   otherwise                            Reject("the group formed without you")
+LEADING (after Admit)  its call ended before the lead        (dropped from the followers:
+                       closed (cancelled, connection lost)  :meth:`on_follower_gone`)
 =====================  ===================================  ===========================
 """
 
@@ -390,6 +395,13 @@ class Formation:
             return Reject("group full")
         self.followers[member.peer_id] = member
         return Admit()
+
+    def on_follower_gone(self, member: Member) -> None:
+        """The join call of a follower we admitted ended before the group was fixed (it was
+        cancelled, or its connection dropped): it is no follower any more, unless it has joined
+        again since (a new declaration of it stands)."""
+        if self.phase is Phase.LEADING and self.followers.get(member.peer_id) is member:
+            del self.followers[member.peer_id]
 
     def failure(self, key: str, timeout: float) -> str:
         """Why no group formed (the :class:`~averaging.errors.MatchmakingError`'s message)."""

@@ -49,7 +49,7 @@ from nat import Swarm
 from p2p.dht import ValueWithExpiration, owned
 from p2p.errors import ConfigError, DedlocError
 from p2p.hooks import Registration
-from p2p.rpc import CallContext, PeerDisconnectedError
+from p2p.rpc import CallContext, PeerUnreachableError
 
 from .errors import AllreduceProtocolError, MatchmakingError
 from .formation import (Accept, Action, Admit, AskToJoin, AwaitJoins, Defer, Done, Fail, Fix, Formation,
@@ -261,8 +261,10 @@ class Matchmaker:
                 timeout=max(0.5, formation.deadline - trio.current_time()))
         except DedlocError as e:
             log.debug("join %s failed: %s", leader, e)
-            if isinstance(e, (PeerDisconnectedError, ConnectionError)):  # gone, or never reached
+            if isinstance(e, (PeerUnreachableError, ConnectionError)):  # gone, or never reached
                 return Unreachable(str(e))
+            # A call that broke mid-way (the connection dropped while the leader held our join)
+            # says nothing of whether the leader can be reached: asked again after the pause.
             return Refused(str(e))
         log.debug("join %s: %s %s", leader, pb.JoinResponse.Status.Name(response.status), response.reason)
         if response.status == pb.JoinResponse.ACCEPTED:
@@ -328,6 +330,10 @@ class Matchmaker:
                 lead.waiting -= 1
                 if not lead.waiting:
                     lead.answered.set()
+                if not lead.closed.is_set() and formation is not None:
+                    # the call broke (the joiner cancelled, its connection dropped) before the group
+                    # was fixed: a group fixed with it would wait for it and end partial
+                    formation.on_follower_gone(member)
             answer = answer_admitted(member, lead.group, lead.redirect)
         return _response(answer)
 

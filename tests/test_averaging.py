@@ -252,6 +252,64 @@ async def test_a_leader_that_died_after_declaring_does_not_hold_the_others_until
     assert took < 8.0, f"the group of the two live peers took {took:.1f} s (deadline 15 s)"
 
 
+async def test_a_join_broken_mid_call_does_not_cost_the_live_leader_for_the_round() -> None:
+    """A join whose connection drops while the leader holds it (admitted, waiting for the group
+    to close) says nothing of whether the leader can be reached: it is asked again after the
+    short refusal pause. Marked unreachable for its declaration's lifetime, as a dead leader is,
+    the live leader kept leading alone and its would-be follower led alone beside it, and both
+    failed at the deadline (the demo's three trainers once each spent step 0 alone so)."""
+    async with open_peers(2) as (_, *held):
+        await public(held)
+        leader, follower = sorted(held, key=lambda p: p.peer_id.to_bytes())
+        cfg = config(2, matchmaking=MatchmakingConfig(target_size=3, min_size=2, timeout=12.0, gather_time=2.0))
+        data = [[torch.full((10,), 1.0)], [torch.full((10,), 3.0)]]
+        async with Averager.open(leader, cfg) as lead, Averager.open(follower, cfg) as follow, \
+                trio.open_nursery() as nursery:
+            async def drop_the_join() -> None:
+                await wait_until(lambda: (lead.matchmaker._lead is not None  # noqa: SLF001
+                                          and lead.matchmaker._lead.waiting > 0), 10)  # noqa: SLF001
+                await follower.node.disconnect(leader.peer_id)
+
+            nursery.start_soon(drop_the_join)
+            started = trio.current_time()
+            reports = await step_all([lead, follow], data, [1.0, 1.0])
+            took = trio.current_time() - started
+    assert all(isinstance(r, RoundReport) and r.complete for r in reports), reports
+    assert all(torch.allclose(d[0], torch.full((10,), 2.0)) for d in data)
+    assert took < 10.0, f"the group took {took:.1f} s (deadline 12 s)"
+
+
+async def test_a_follower_that_left_before_the_group_was_fixed_is_not_in_it() -> None:
+    """A follower whose step is cancelled while the leader holds its join (admitted, gathering)
+    leaves the group before it is fixed. Kept in it, the other two waited the stall timeout
+    for its part, and the round ended partial."""
+    async with open_peers(3) as (_, *held):
+        await public(held)
+        leader, stayer, leaver = sorted(held, key=lambda p: p.peer_id.to_bytes())
+        cfg = config(3, matchmaking=MatchmakingConfig(target_size=4, min_size=2, timeout=12.0, gather_time=3.0))
+        data = [[torch.full((10,), 1.0)], [torch.full((10,), 3.0)]]
+        async with Averager.open(leader, cfg) as lead, Averager.open(stayer, cfg) as stay, \
+                Averager.open(leaver, cfg) as leave, trio.open_nursery() as nursery:
+            leaving = trio.CancelScope()
+
+            async def step_then_leave() -> None:
+                with leaving:
+                    await leave.step([torch.full((10,), 100.0)])
+
+            async def cancel_once_admitted() -> None:
+                def admitted() -> bool:
+                    formation = lead.matchmaker._formation  # noqa: SLF001
+                    return formation is not None and leaver.peer_id in formation.followers
+                await wait_until(admitted, 10)
+                leaving.cancel()
+
+            nursery.start_soon(step_then_leave)
+            nursery.start_soon(cancel_once_admitted)
+            reports = await step_all([lead, stay], data, [1.0, 1.0])
+    assert all(isinstance(r, RoundReport) and r.complete and len(r.members) == 2 for r in reports), reports
+    assert all(torch.allclose(d[0], torch.full((10,), 2.0)) for d in data)
+
+
 async def test_nan_is_refused_before_anything_is_sent() -> None:
     async with open_peers(1) as (_, peer):
         async with Averager.open(peer, config(2)) as averager:

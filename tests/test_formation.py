@@ -197,6 +197,22 @@ def test_min_size_is_fixed_once_gather_time_passed() -> None:
     assert f.on_tick(13.0) == Fix((A, B))
 
 
+def test_a_follower_whose_join_call_ended_is_not_fixed_into_the_group() -> None:
+    """Its call was cancelled, or its connection dropped, while we held it: a group fixed with it
+    would wait for its part and end partial. Once it joins again, it is a follower again."""
+    f = leading(at=10.0)
+    b_first, b_again = member(2), member(2, expiration=101.0)
+    f.on_join(b_first)
+    f.on_join(C)
+    f.on_follower_gone(b_first)
+    assert f.on_tick(13.0) == Fix((A, C))
+    g = leading(at=10.0)
+    g.on_join(b_first)
+    g.on_join(b_again)  # it came back before the first call's end was seen
+    g.on_follower_gone(b_first)
+    assert g.on_tick(13.0) == Fix((A, b_again))
+
+
 def test_the_last_wait_ends_at_the_deadline() -> None:
     f = leading(at=DEADLINE - 0.25)
     assert f.on_tick(DEADLINE - 0.25) == AwaitJoins(0.25)  # not a whole poll past it
