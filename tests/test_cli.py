@@ -253,6 +253,25 @@ def test_the_demo_has_shown_training_only_once_every_trainer_fetched_stepped_and
     assert not training.shown(2)
 
 
+def test_the_demo_says_why_a_step_was_not_averaged_unless_the_trainer_was_alone_in_the_run():
+    """A CI run's demo had all three trainers alone at step 0 for the matchmaking timeout, and its
+    output did not say why; a trainer with no other in the run is no failure (`solo`)."""
+    from training.demo import _Training
+
+    said: list[str] = []
+    training = _Training({})
+
+    def step(name: str, summary: str, solo: bool) -> None:
+        training.on_event(name, {"event": "global_step", "averaged": False, "missed": False, "complete": True,
+                                 "solo": solo, "step": 0, "samples": 2, "local_samples": 2, "group_size": 1,
+                                 "elapsed": 30.0, "summary": summary}, said.append, 3)
+
+    step("trainer-2", "no group formed (no group of at least 2 formed within 30 s)", solo=False)
+    step("trainer-3", "alone: the local gradient", solo=True)
+    assert said[0].endswith("in 30.00 s: no group formed (no group of at least 2 formed within 30 s)"), said
+    assert said[1].endswith("in 30.00 s") and "trainer-3 step   0 alone" in said[1], said
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @requires_root_netns

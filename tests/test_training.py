@@ -295,6 +295,7 @@ async def test_peers_that_stepped_alone_before_they_met_follow_the_one_furthest_
     config = TrainingConfig(run_id="split", target_batch_size=8, rejoin_after=1.0, report_interval=0.2)
     models = [make_model(), make_model()]
     joint: list[list[StepReport]] = [[], []]
+    apart: list[StepReport] = []
     async with open_peers(1) as (_, a), open_peers(1) as (_, b):
         await public([a, b])
         async with CollaborativeOptimizer.open(a, optimizer_of(models[0]), config) as opt_a, \
@@ -307,14 +308,16 @@ async def test_peers_that_stepped_alone_before_they_met_follow_the_one_furthest_
                     x, y = next(data)
                     torch.nn.functional.mse_loss(models[i](x), y).backward()
                     report = await opts[i].step(len(x))
-                    if report is not None and until is None:
-                        joint[i].append(report)
+                    if report is not None:
+                        (joint[i] if until is None else apart).append(report)
                     await trio.sleep(0.01)
 
             with trio.fail_after(30):
                 await train(0, until=3)
                 await train(1, until=1)
             assert (opt_a.local_step, opt_b.local_step) == (3, 1)
+            # alone in its run, each applied its own gradient: as expected, no failure to report
+            assert len(apart) == 4 and all(r.solo and not r.averaged and r.complete for r in apart), apart
             # the swarms meet
             b.node.add_addrs(a.peer_id, list(a.addrs))
             await b.node.connect(a.peer_id, timeout=10)

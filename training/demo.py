@@ -514,8 +514,7 @@ class _Training:
                                                           "alone" if alone else "done")
                 # why a step was not averaged, from every trainer: a CI run's demo had all three alone at step 0
                 # for the 30 s matchmaking timeout, and its output did not say why
-                why = f": {event['summary']}" if unusual and not event["summary"].startswith("alone") \
-                    else ""  # a peer alone in the run is no failure
+                why = f": {event['summary']}" if unusual and not event.get("solo") else ""  # alone in the run: no failure
                 say(f"{name:>9} step {event['step']:>3} {state}: {event['samples']} samples "
                     f"({event['local_samples']} its own), group of {event['group_size']} in {event['elapsed']:.2f} s{why}")
         elif kind == "state_downloaded":

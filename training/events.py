@@ -70,6 +70,8 @@ class GlobalStepDone(Event):
     summary: str
     elapsed: float
     missed: bool
+    #: no other peer was in the run (the local gradient, no failure)
+    solo: bool
     loss: float | None
     event: str = field(init=False, default="global_step")
 

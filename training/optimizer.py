@@ -157,6 +157,8 @@ class StepReport:
     elapsed: float
     #: the swarm had left the step when we came to its round: nothing applied, we catch up
     missed: bool = False
+    #: no other peer was in the run: the local gradient, as expected (no failure to report)
+    solo: bool = False
 
 
 class CollaborativeOptimizer:
@@ -455,7 +457,8 @@ class CollaborativeOptimizer:
         stops looking and says so (``missed``): it must catch up, not step alone.
         """
         if progress.peers <= 1:
-            return StepReport(step, progress.samples, samples, 1, False, True, "alone: the local gradient", 0.0)
+            return StepReport(step, progress.samples, samples, 1, False, True, "alone: the local gradient", 0.0,
+                              solo=True)
         summary = ""
         for attempt in range(1 + self.config.retries):
             try:
