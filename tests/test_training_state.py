@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import trio
 import torch
 
 from training.state import (StateDownloadError, StateServer, TrainingState, _join, _split, download_state,
                             load_state, snapshot_of)
 
-from .kit import open_peers
+from .kit import open_peers, wait_until
 from .test_averaging import public
 
 pytestmark = pytest.mark.timeout(120)
@@ -89,3 +90,44 @@ def test_load_state_leaves_everything_as_it_was_when_the_optimizer_refuses() -> 
         load_state(state, list(other.parameters()), other_opt, None)
     assert all(torch.equal(a, b) for a, b in zip(before, other.parameters()))
     assert other_opt.param_groups[0]["lr"] == 0.1
+
+
+async def test_a_busy_server_refuses_at_once_and_the_asker_takes_the_next_peer() -> None:
+    """Peers that join together all see the same sources first (hivemind's issue #169): a server
+    sends its state to at most ``max_uploads`` at once and refuses the others at once, and they
+    take it from the next peer instead of all sharing (and copying the state for) one."""
+    model, opt, sched = model_and_optimizer()
+    params = list(model.parameters())
+    good = snapshot_of(7, params, opt, sched, None)
+    release = trio.Event()
+    async with open_peers(4) as everyone:
+        first, second, busy, other = everyone[1:]
+        await public(everyone[1:])
+
+        async def slow_snapshot() -> TrainingState:
+            await release.wait()  # a delayed step's round still running: the first asker waits
+            return good
+
+        async def snapshot() -> TrainingState:
+            return good
+
+        busy_server = StateServer(busy, "run", slow_snapshot, max_uploads=1)
+        undo = [busy_server.install(), StateServer(other, "run", snapshot).install()]
+        fresh = [torch.zeros_like(p) for p in params]
+        got: list[TrainingState] = []
+        async with trio.open_nursery() as nursery:
+            async def ask_first() -> None:
+                got.append(await download_state(first, "run", [busy.peer_id], 5, fresh))
+
+            nursery.start_soon(ask_first)
+            await wait_until(lambda: busy_server.uploading == 1, 10)
+            with trio.fail_after(10):
+                state = await download_state(second, "run", [busy.peer_id, other.peer_id], 5, fresh)
+            assert state.source == other.peer_id.to_base58() and busy_server.refused_busy == 1
+            release.set()
+        assert got[0].step == 7 and got[0].source == busy.peer_id.to_base58()
+        assert busy_server.served == 1 and busy_server.uploading == 0
+        with pytest.raises(ValueError, match="max_uploads"):
+            StateServer(busy, "run", snapshot, max_uploads=0)
+        for u in undo:
+            u.remove()

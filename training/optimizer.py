@@ -65,7 +65,8 @@ from . import policy
 from .accumulator import GradientAccumulator
 from .policy import AverageStep, CatchUp, JoinBegunRound, Rules, TakeStateFromAhead, Trainer, Wait
 from .progress import GlobalProgress, ProgressTracker
-from .state import StateDownloadError, StateServer, TrainingState, download_state, load_state, snapshot_of
+from .state import (MAX_UPLOADS, StateDownloadError, StateServer, TrainingState, download_state, load_state,
+                    snapshot_of)
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,9 @@ class TrainingConfig:
     retries: int = 2
     #: seconds before another state download after one failed
     download_retry: float = 5.0
+    #: peers this one sends its state to at once; more are refused "busy" and ask the next peer
+    #: (peers that join together all ask the freshest one first)
+    max_state_uploads: int = MAX_UPLOADS
     #: delayed parameter updates (DeDLOC 3.2): a step's round runs in the background while the
     #: peer computes the next step's gradients, and its average is applied when the next step
     #: begins, so every gradient is exactly one step stale. The caller must compute in a worker
@@ -127,6 +131,8 @@ class TrainingConfig:
             raise ConfigError("report_interval must be > 0 and below progress_expiration")
         if self.retries < 0 or self.download_retry <= 0 or self.rejoin_after <= 0 or self.average_state_every < 0:
             raise ConfigError("retries and average_state_every must be >= 0, download_retry and rejoin_after > 0")
+        if self.max_state_uploads < 1:
+            raise ConfigError(f"max_state_uploads must be >= 1, got {self.max_state_uploads}")
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
             raise ConfigError("max_grad_norm must be a positive number")
         self.averager_config().validate()
@@ -224,7 +230,8 @@ class CollaborativeOptimizer:
             opt = cls(peer, optimizer, config, averager, scheduler, scaler)
             opt._nursery = nursery
             # an auxiliary peer's parameters are not current: it serves no state and needs none
-            serving = (StateServer(peer, config.run_id, opt._snapshot).install() if not opt.auxiliary
+            serving = (StateServer(peer, config.run_id, opt._snapshot,
+                                   max_uploads=config.max_state_uploads).install() if not opt.auxiliary
                        else Registration(lambda: None))
             try:
                 progress = await opt._sync()

@@ -111,14 +111,31 @@ def _join(value: Any, tensors: Sequence[torch.Tensor]) -> Any:
 # ---------------------------------------------------------------------- serving
 
 
-class StateServer:
-    """Serves ``snapshot()`` on the peer while installed (one stream per asker)."""
+#: States sent at once by one peer (:class:`StateServer`'s default).
+MAX_UPLOADS = 2
 
-    def __init__(self, peer: Swarm, run_id: str, snapshot: Callable[[], Awaitable[TrainingState]]) -> None:
+
+class StateServer:
+    """Serves ``snapshot()`` on the peer while installed (one stream per asker), to at most
+    ``max_uploads`` askers at once: the others are refused at once ("busy"), and ask the next peer.
+
+    Every asker sees the same sources in the same order (the freshest report first), so peers that
+    join together all ask one peer (hivemind's issue #169). Served all at once, each took a copy of
+    the parameters and the optimizer's state (three times the model, with Adam) and a share of one
+    uplink that made every download slow; refused, they spread over the swarm's peers.
+    """
+
+    def __init__(self, peer: Swarm, run_id: str, snapshot: Callable[[], Awaitable[TrainingState]], *,
+                 max_uploads: int = MAX_UPLOADS) -> None:
+        if max_uploads < 1:
+            raise ValueError(f"max_uploads must be >= 1, got {max_uploads}")
         self.peer = peer
         self.run_id = run_id
         self.snapshot = snapshot
+        self.max_uploads = max_uploads
         self.served = 0
+        self.refused_busy = 0
+        self.uploading = 0
 
     def install(self) -> Registration:
         """Serve the training state until the registration is removed."""
@@ -133,25 +150,38 @@ class StateServer:
                 await stream.write(frame(pb.StateHeader(status=pb.StateHeader.REFUSED,
                                                         reason=f"this peer trains run {self.run_id!r}")))
                 return
-            state = await self.snapshot()
-            if state.step < request.min_step:
+            if self.uploading >= self.max_uploads:
+                self.refused_busy += 1
                 await stream.write(frame(pb.StateHeader(
-                    status=pb.StateHeader.REFUSED, reason=f"at step {state.step}, behind {request.min_step}")))
+                    status=pb.StateHeader.REFUSED,
+                    reason=f"busy: sending its state to {self.uploading} peers already")))
                 return
-            tensors: list[torch.Tensor] = []
-            meta = json.dumps({"optimizer": _split(state.optimizer, tensors),
-                               "scheduler": _split(state.scheduler, tensors)})
-            body = [*state.params, *(state.pending or []), *tensors]
-            # tensor indices in the metadata count from the end of the parameters and pending gradients
-            await stream.write(frame(pb.StateHeader(status=pb.StateHeader.OK, step=state.step,
-                                                    params=len(state.params), pending=state.pending is not None,
-                                                    meta=meta)))
-            await send_tensors(stream, body)
-            self.served += 1
-            await finish_quietly(stream.close)
+            self.uploading += 1
+            try:
+                await self._send(stream, request)
+            finally:
+                self.uploading -= 1
         except (trio.TooSlowError, DedlocError, OSError, EOFError) as e:
             log.info("state request from %s failed: %s", stream.muxed_conn.peer_id, e)
             await finish_quietly(stream.reset)
+
+    async def _send(self, stream: INetStream, request: pb.StateRequest) -> None:
+        state = await self.snapshot()
+        if state.step < request.min_step:
+            await stream.write(frame(pb.StateHeader(
+                status=pb.StateHeader.REFUSED, reason=f"at step {state.step}, behind {request.min_step}")))
+            return
+        tensors: list[torch.Tensor] = []
+        meta = json.dumps({"optimizer": _split(state.optimizer, tensors),
+                           "scheduler": _split(state.scheduler, tensors)})
+        body = [*state.params, *(state.pending or []), *tensors]
+        # tensor indices in the metadata count from the end of the parameters and pending gradients
+        await stream.write(frame(pb.StateHeader(status=pb.StateHeader.OK, step=state.step,
+                                                params=len(state.params), pending=state.pending is not None,
+                                                meta=meta)))
+        await send_tensors(stream, body)
+        self.served += 1
+        await finish_quietly(stream.close)
 
 
 def snapshot_of(step: int, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, scheduler: Any,
@@ -256,5 +286,5 @@ def load_state(state: TrainingState, params: Sequence[torch.Tensor], optimizer: 
             p.copy_(value)
 
 
-__all__ = ["STATE_PROTOCOL", "StateDownloadError", "StateServer", "TrainingState", "download_state", "load_state",
+__all__ = ["MAX_UPLOADS", "STATE_PROTOCOL", "StateDownloadError", "StateServer", "TrainingState", "download_state", "load_state",
            "snapshot_of"]
