@@ -47,6 +47,7 @@ from .auth import PRE_AUTH, PROTOCOL as AUTH_PROTOCOL, AuthError, Authenticator
 from .libp2p_host import (build_host, check_listening, close_connections, close_listeners, identify_message, set_gate,
                           started)
 from .noise import NoiseSession
+from .observed import ObservedAddrs
 from .proto import auth_pb2 as auth_pb
 from .wire import read_message, write_message
 from .resources import ResourceLimitExceeded, ResourceManager, limits_hit
@@ -70,8 +71,6 @@ EVENT_BUFFER = 1024
 RPC_SWEEP_INTERVAL = 10.0
 #: What a push to a peer may fail with: out of time, the connection gone, a broken stream.
 PUSH_ERRORS: tuple[type[BaseException], ...] = (trio.TooSlowError, DedlocError, *TRANSPORT_ERRORS)
-#: Bound on distinct observed addresses kept: peers choose what they report.
-MAX_OBSERVED_ADDRS = 64
 
 
 @dataclass
@@ -95,7 +94,7 @@ class Node:
         self._nursery = nursery
         self._subscribers: list[_Subscriber] = []
         self._observers: Observers[SwarmObserver] = Observers("the swarm")
-        self._observed: dict[str, set[ID]] = {}
+        self._observed = ObservedAddrs()
         self._announce = [parse_multiaddr(a, what="announce address") for a in config.announce]
         self._circuit_dialer: CircuitDialer | None = None
         self._external = ExternalAddresses()
@@ -290,7 +289,7 @@ class Node:
         Unconfirmed: a NATed node's observed address is not dialable until
         reachability checks (``nat/``) say so.
         """
-        return [Multiaddr(a) for a, observers in self._observed.items() if len(observers) >= min_observers]
+        return self._observed.confirmed(min_observers)
 
     def _advertised(self, candidates: list[Multiaddr]) -> list[Multiaddr]:
         """What we tell peers: ``--announce`` if given; else our interface addresses unless a
@@ -897,8 +896,8 @@ class Node:
         if live_connection(self.network, peer_id) is None:
             await self.connect(peer_id)
         info = await identify(self.new_stream, peer_id, timeout=timeout)
-        if info.observed_addr is not None and len(self._observed) < MAX_OBSERVED_ADDRS:
-            self._observed.setdefault(str(info.observed_addr), set()).add(peer_id)
+        if info.observed_addr is not None:
+            self._observed.add(info.observed_addr, peer_id)
         if info.public_key_valid and info.listen_addrs:
             # What it says it listens on (relayed addresses included): how to reach it again.
             self.add_addrs(peer_id, info.listen_addrs[:MAX_LISTEN_ADDRS])
