@@ -1,12 +1,14 @@
 """A public relay's life in minutes: thousands of peers come, identify it, reserve a slot and leave.
 
     .venv/bin/python bench/relay_soak.py [--visitors 3000] [--concurrency 16] [--every 250]
-        [--duration 900] [--json OUT]
+        [--duration 900] [--dht] [--json OUT]
 
 One ``dedloc relay`` (its own process, on loopback, as an operator runs it) and ``--visitors``
 peers, each with an identity of its own, made in this process ``--concurrency`` at a time: each
 connects, identifies the relay (its public key must check), reserves a slot (the voucher the
-relay signs must check) and leaves. Every ``--every`` visitors the bench reads the relay's
+relay signs must check) and leaves; with ``--dht`` it also joins the DHT through the relay (the
+relay as the bootstrap node: its routing table meets a churn of servers living a second each),
+stores a record of its own and reads it back. Every ``--every`` visitors the bench reads the relay's
 resident memory (``/proc``) and ``dedloc status`` (its peer store, its open connections).
 Printed: the visitors that were served whole, and the first that was not; the relay's RSS and
 peer store along the way; its memory growth per 1,000 visitors over the run's second half (a
@@ -63,19 +65,24 @@ async def _drain(stream: Any) -> None:
         pass
 
 
-async def _visit(relay_addr: str, timeout: float) -> str | None:
-    """One visitor's whole visit; None when it was served whole, else what went wrong."""
+async def _visit(relay_addr: str, timeout: float, dht: bool = False) -> str | None:
+    """One visitor's whole visit; None when it was served whole, else what went wrong.
+
+    ``dht``: then it also joins the DHT through the relay (a DHT server while it stays: the
+    relay's routing table meets churn), stores a record of its own for a minute and reads it back."""
     from multiaddr import Multiaddr
 
     from nat.circuit import RelayClient
     from p2p import Node, NodeConfig
     from p2p.addresses import peer_id_of
+    from p2p.dht import DHT, DHTConfig
 
     relay = peer_id_of(Multiaddr(relay_addr))
     assert relay is not None
     try:
         with trio.fail_after(timeout):
-            async with Node.open(NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], dial_timeout=5.0)) as node:
+            async with Node.open(NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], dial_timeout=5.0,
+                                            initial_peers=[relay_addr] if dht else [])) as node:
                 await node.connect(Multiaddr(relay_addr))
                 info = await node.identify(relay, timeout=timeout)
                 if not info.public_key_valid:
@@ -83,6 +90,14 @@ async def _visit(relay_addr: str, timeout: float) -> str | None:
                 reservation = await RelayClient(node).reserve(relay)
                 if not reservation.voucher_ok:
                     return "reservation: no valid voucher"
+                if dht:
+                    async with DHT.open(node, DHTConfig(bootstrap_timeout=timeout, rpc_timeout=2.0)) as table:
+                        key = f"soak/{node.peer_id.to_base58()}"
+                        if not await table.store(key, b"here", time.time() + 60, timeout=timeout):
+                            return "dht store: no replica took it"
+                        found = await table.get(key, timeout=timeout)
+                        if found is None or found.value != b"here":
+                            return "dht get: not found"
     except Exception as e:  # what a visitor met, counted by kind
         return f"{type(e).__name__}: {str(e)[-300:]}"
     return None
@@ -115,7 +130,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 nonlocal done
                 async with limiter:
                     t0 = time.perf_counter()
-                    problem = await _visit(address, args.timeout)
+                    problem = await _visit(address, args.timeout, args.dht)
                     visit_seconds.append(time.perf_counter() - t0)
                 done += 1
                 if problem is not None:
@@ -163,6 +178,8 @@ def main() -> None:
     p.add_argument("--every", type=int, default=250, help="visitors between two readings of the relay")
     p.add_argument("--timeout", type=float, default=20.0, help="one visit's deadline, seconds")
     p.add_argument("--duration", type=float, default=900.0, help="the whole run's bound, seconds")
+    p.add_argument("--dht", action="store_true",
+                   help="each visitor also joins the DHT through the relay, stores a record and reads it")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     result = trio.run(run, args)

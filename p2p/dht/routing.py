@@ -43,7 +43,9 @@ class DHTID(int):
 
     @classmethod
     def from_key(cls, key: bytes) -> DHTID:
-        return cls(_sha256_int(bytes(key)))
+        # Not cached: a key is hashed once per operation or request, and most keys are written once
+        # (a relay's visitors' records filled the peers' cache with keys never seen again).
+        return cls(int.from_bytes(hashlib.sha256(bytes(key)).digest(), "big"))
 
     @classmethod
     def from_peer(cls, peer_id: ID) -> DHTID:
@@ -63,9 +65,10 @@ class DHTID(int):
         return f"DHTID({int(self):064x})"
 
 
-@lru_cache(maxsize=65536)
+@lru_cache(maxsize=32768)
 def _sha256_int(data: bytes) -> int:
-    # Cached because the same peers are hashed again and again (every reply lists them).
+    # Cached because the same peers are hashed again and again (every reply lists them); ~310
+    # bytes an entry, ~10 MB full: 32,768 peers is three times the largest swarm simulated.
     return int.from_bytes(hashlib.sha256(data).digest(), "big")
 
 
@@ -85,10 +88,11 @@ def ip_group(addr: Multiaddr | str | ipaddress.IPv4Address | ipaddress.IPv6Addre
     return _multiaddr_group((Multiaddr(addr) if isinstance(addr, str) else addr).to_bytes())
 
 
-@lru_cache(maxsize=65536)
+@lru_cache(maxsize=32768)
 def _multiaddr_group(raw: bytes) -> str | None:
     # Cached by the address's bytes: every new contact's observed address is grouped, and
-    # parsing a multiaddr is ~90 us (most of admitting a contact, at scale).
+    # parsing a multiaddr is ~90 us (most of admitting a contact, at scale). ~200 bytes an
+    # entry; a public node sees a new address (a new port) at nearly every inbound connection.
     parts = list(Multiaddr(raw).items())
     if any(proto.name == "p2p-circuit" for proto, _ in parts):
         return None  # observed at its relay's address (which comes first): not the peer's own
