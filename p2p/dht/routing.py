@@ -45,11 +45,11 @@ class DHTID(int):
     def from_key(cls, key: bytes) -> DHTID:
         # Not cached: a key is hashed once per operation or request, and most keys are written once
         # (a relay's visitors' records filled the peers' cache with keys never seen again).
-        return cls(int.from_bytes(hashlib.sha256(bytes(key)).digest(), "big"))
+        return cls(_sha256_int(bytes(key)))
 
     @classmethod
     def from_peer(cls, peer_id: ID) -> DHTID:
-        return cls(_sha256_int(peer_id.to_bytes()))
+        return cls(_peer_hash(peer_id.to_bytes()))
 
     def xor_distance(self, other: int) -> int:
         return int(self) ^ int(other)
@@ -65,11 +65,13 @@ class DHTID(int):
         return f"DHTID({int(self):064x})"
 
 
-@lru_cache(maxsize=32768)
 def _sha256_int(data: bytes) -> int:
-    # Cached because the same peers are hashed again and again (every reply lists them); ~310
-    # bytes an entry, ~10 MB full: 32,768 peers is three times the largest swarm simulated.
     return int.from_bytes(hashlib.sha256(data).digest(), "big")
+
+
+#: Peer ids' hashes, cached because the same peers are hashed again and again (every reply lists
+#: them); ~310 bytes an entry, ~10 MB full: 32,768 peers is three times the largest swarm simulated.
+_peer_hash = lru_cache(maxsize=32768)(_sha256_int)
 
 
 def ip_group(addr: Multiaddr | str | ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
