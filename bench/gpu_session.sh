@@ -92,12 +92,14 @@ echo "gpu_session: $(date -u +%FT%TZ), device $DEVICE, steps ${STEPS[*]}" | tee 
 
 if [[ $DEVICE == cpu ]]; then  # a rehearsal: every step at a size a CPU does in seconds
     TRAINING=(--device cpu --size tiny --micro 4 --seq 32 --target 32 --steps 2 --dpu-steps 3 --timeout 150)
-    ALLREDUCE=(--peers 2 --mbytes 4 --rounds 1 --data-plane-mib 16)
+    ALLREDUCE=(--peers 2,4 --mbytes 4 --rounds 1 --data-plane-mib 16)
     LOOP=(--peers 2 --mbytes 4 --rounds 1 --data-plane-mib 16 --no-gloo --crypto-threads 0)
     HOPS=(--sizes 256 --threads 0,1 --writes 5)
-    MOE=(--device cpu --hidden 64 --experts 2 --batches 16 --clients 1 --callers 1 --seconds 2 --repeats 1 --timeout 60
+    MOE=(--device cpu --hidden 64 --experts 2 --batches 16 --clients 2 --callers 2 --seconds 1 --repeats 1 --timeout 60
          --server-processes 1,2)
-    PROFILED=(--device cpu --hidden 64 --experts 2 --batches 16 --clients 1 --callers 1 --seconds 3 --timeout 60)
+    # the nop experts here (the serving stack alone), so that the rehearsal runs both kinds
+    PROFILED=(--device cpu --hidden 64 --experts 2 --batches 16 --clients 1 --callers 1 --seconds 3 --timeout 60
+              --expert-cls nop)
     TESTS=(-x -q tests/test_averaging_core.py -k "device or pool")
     # the step's command, not the tests again (the suite runs test_noise.py: 30-60 s on CI's 2 cores)
     NET_TESTS=(-q tests/test_noise.py -k "usable_cores or crypto_threads")
