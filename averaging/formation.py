@@ -51,6 +51,8 @@ Joins asked of us (:meth:`Formation.on_join`):
 phase                  condition                            answer
 =====================  ===================================  ===========================
 (any)                  another schema, or not forming       Reject("not matching now")
+(between rounds)       the next formation begins within a   answered by it (the shell holds
+                       poll interval                        the join; else Reject as above)
 LOOKING                first ask                            Defer (answer once we know)
 LOOKING                asked again                          Reject("not leading")
 FOLLOWING              -                                    Redirect(our leader)

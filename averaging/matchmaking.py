@@ -167,6 +167,7 @@ class Matchmaker:
         rules = FormationRules(target, self.config.min_size, self.config.gather_time, self.config.poll_interval,
                                absorb_remainder=expected is None)
         formation = self._formation = Formation(declared, rules, deadline, self._unreachable)
+        self._move()  # a join held between two rounds is answered by this formation now
         try:
             action = formation.start(trio.current_time())
             while True:
@@ -311,6 +312,16 @@ class Matchmaker:
         if member.peer_id != ctx.peer_id:
             return pb.JoinResponse(status=pb.JoinResponse.REJECTED, reason="a declaration of another peer")
         formation = self._formation
+        if formation is None:
+            # Between two rounds (our declaration for the next one may already be read, or the last
+            # one's not yet withdrawn): wait a poll interval for our next formation. Turned away
+            # at once, the joiner skipped us for two polls and led alone, and the group we formed
+            # a moment later left it out for the round (the reliability bench: one peer of six
+            # failing its step now and then, the other five averaging).
+            with trio.move_on_after(self.config.poll_interval):
+                while self._formation is None:
+                    await self._moved.wait()
+            formation = self._formation
         answer: JoinAnswer = Reject("not matching now") if formation is None else formation.on_join(member)
         if isinstance(answer, Defer):
             # answer once we lead or follow (within a poll interval)

@@ -310,6 +310,49 @@ async def test_a_follower_that_left_before_the_group_was_fixed_is_not_in_it() ->
     assert all(torch.allclose(d[0], torch.full((10,), 2.0)) for d in data)
 
 
+async def test_a_join_asked_between_two_rounds_waits_for_the_leaders_next_round() -> None:
+    """A peer asked to join between two of its rounds (its declaration read before it formed
+    anything: the last round's not yet withdrawn, or the next one's stored) holds the join until
+    its next formation begins. Turned away at once, the joiner skipped that leader for two polls
+    and led alone, the leader fixed its group without it after ``gather_time``, and the joiner
+    failed its step at the deadline (the reliability bench: one peer of six now and then)."""
+    async with open_peers(3) as (_, *held):
+        await public(held)
+        leader, joiner, third = sorted(held, key=lambda p: p.peer_id.to_bytes())
+        cfg = config(3, matchmaking=MatchmakingConfig(target_size=3, min_size=2, timeout=6.0, gather_time=0.4))
+        data = [[torch.full((10,), 1.0)], [torch.full((10,), 3.0)], [torch.full((10,), 5.0)]]
+        async with Averager.open(leader, cfg) as lead, Averager.open(joiner, cfg) as join, \
+                Averager.open(third, cfg) as other, trio.open_nursery() as nursery:
+            # the leader's declaration stands in the DHT, and it forms nothing: a step cancelled
+            # once declared (a round ended that has not withdrawn it yet reads the same)
+            planted = trio.CancelScope()
+
+            async def declare_only() -> None:
+                with planted:
+                    await lead.step([torch.zeros(10)])
+
+            nursery.start_soon(declare_only)
+            await wait_until(lambda: lead.matchmaker._formation is not None, 10)  # noqa: SLF001
+            planted.cancel()
+            await wait_until(lambda: lead.matchmaker._formation is None, 10)  # noqa: SLF001
+            reports: list[RoundReport | BaseException] = [RuntimeError("not run")]
+
+            async def joiner_step() -> None:
+                reports[0] = (await step_all([join], data[1:2], [1.0]))[0]
+
+            nursery.start_soon(joiner_step)
+
+            def asked() -> bool:  # the joiner has asked the leader (held, or turned away)
+                formation = join.matchmaker._formation  # noqa: SLF001
+                return formation is not None and (leader.peer_id in formation.refused or (
+                    formation.following is not None and formation.following.peer_id == leader.peer_id))
+            await wait_until(asked, 10)
+            others = await step_all([lead, other], [data[0], data[2]], [1.0, 1.0])
+    results = [others[0], reports[0], others[1]]
+    assert all(isinstance(r, RoundReport) and r.complete and len(r.members) == 3 for r in results), results
+    assert all(torch.allclose(d[0], torch.full((10,), 3.0)) for d in data)
+
+
 async def test_nan_is_refused_before_anything_is_sent() -> None:
     async with open_peers(1) as (_, peer):
         async with Averager.open(peer, config(2)) as averager:

@@ -67,6 +67,8 @@ class SimMatchmaker:
         self.lead: _Lead | None = None
         self.unreachable: dict[ID, float] = {}
         self.deferred: list[tuple[Member, Callable[[JoinAnswer], None], Formation]] = []
+        #: joins asked between two formations, held for a poll interval (as the Matchmaker holds them)
+        self.held: list[tuple[Member, Callable[[JoinAnswer], None]]] = []
         self.key = b""
         self.started = 0.0
         self._done: Callable[[Outcome], None] = lambda _: None
@@ -86,6 +88,9 @@ class SimMatchmaker:
 
         def stored(_: object) -> None:
             self.formation = Formation(declared, rules, self.started + cfg.timeout, self.unreachable)
+            held, self.held = self.held, []
+            for member, reply in held:  # asked between two rounds: this formation answers them
+                self._answer(member, reply, asked_again=False)
             self._perform(self.formation.start(world.sim.now))
 
         world.sim.store(self.peer, record, stored)
@@ -169,6 +174,17 @@ class SimMatchmaker:
 
     def _answer(self, member: Member, reply: Callable[[JoinAnswer], None], *, asked_again: bool) -> None:
         formation = self.formation
+        if formation is None and not asked_again:
+            self.held.append((member, reply))
+
+            def not_now() -> None:  # no formation began within a poll interval
+                for i, (_, r) in enumerate(self.held):
+                    if r is reply:
+                        del self.held[i]
+                        reply(Reject("not matching now"))
+                        return
+            self.world.sim.engine.at(self.world.config.poll_interval, not_now)
+            return
         answer: JoinAnswer = Reject("not matching now") if formation is None else \
             formation.on_join(member, asked_again=asked_again)
         if isinstance(answer, Defer):
