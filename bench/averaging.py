@@ -34,6 +34,11 @@ Setups (issue "Group all-reduce that adapts to the swarm"):
                  count of complete, partial (reported) and silently wrong
                  rounds (complete, but off the exact average), and of live
                  peers whose step raised (peer_errors: reported, no average).
+                 The first --spared peers are never killed: their private
+                 memory (USS, with their child processes': hivemind's Go
+                 daemon, its forked DHT and averager) after each round gives
+                 the soak's growth per 100 rounds after a warm-up of a tenth
+                 of the rounds (``memory``).
 
 A round's time is the all-reduce alone, the slowest member's: dedloc's
 RoundReport.elapsed; for hivemind, from a common "go" after its group formed
@@ -449,6 +454,9 @@ async def reliability(args: argparse.Namespace) -> dict[str, Any]:
             for i in range(n):
                 await swarm.add(f"p{i}", PeerSpec())
             dead: dict[int, int] = {}  # worker index -> round to restart at
+            # each process's private memory (with its children's) after every round it answered:
+            # a restarted worker starts a new series
+            memory: dict[int, list[tuple[int, float]]] = {i: [] for i in range(n)}
             for r in range(args.reliability_rounds):
                 if time.monotonic() - started > args.reliability_max_s:
                     print(f"  reliability {system.name}: stopping at the time limit after {r} rounds", flush=True)
@@ -458,17 +466,22 @@ async def reliability(args: argparse.Namespace) -> dict[str, Any]:
                     if r >= at:
                         del dead[i]
                         swarm.workers[i] = await swarm.spawn(f"p{i}", PeerSpec(), swarm.worker_args(PeerSpec()))
+                        memory[i] = []
                 restarted = time.monotonic() - round_started
                 live = [i for i in range(n) if i not in dead]
                 victim = None
-                if len(live) > 2 and rng.random() < args.kill_rate:
-                    victim = rng.choice(live)
+                killable = [i for i in live if i >= args.spared]
+                if len(live) > 2 and killable and rng.random() < args.kill_rate:
+                    victim = rng.choice(killable)
                 replies = await run_reliability_round(swarm, [swarm.workers[i] for i in live], r, victim, rng,
                                                       live, args)
                 if victim is not None:
                     counts["kills"] += 1
                     dead[victim] = r + rng.randint(1, 4)
                 counts["rounds"] += 1
+                for i, x in zip([i for i in live if i != victim], replies):
+                    if "uss_mib" in x:
+                        memory[i].append((r, float(x["uss_mib"])))
                 ok = [x for x in replies if x.get("ok")]
                 counts["peer_errors"] += len(replies) - len(ok)  # a live peer's step raised (reported, not silent)
                 steps.extend(float(x["step_s"]) for x in ok)
@@ -497,9 +510,40 @@ async def reliability(args: argparse.Namespace) -> dict[str, Any]:
         if steps:
             counts["step_s_median"] = statistics.median(steps)
             counts["allreduce_s_median"] = statistics.median(allreduces)
-        out[system.name] = counts
+        grown = memory_growth(memory, int(counts["rounds"]))
+        out[system.name] = {**counts, "memory": grown}
         print(f"reliability {system.name}: {counts}", flush=True)
+        print(f"reliability {system.name} memory: { {k: v for k, v in grown.items() if k != 'series'} }", flush=True)
     return out
+
+
+def memory_growth(memory: dict[int, list[tuple[int, float]]], rounds: int) -> dict[str, Any]:
+    """The memory of the workers that lived through the run (hivemind #654: peers' RAM grew with
+    every failed round until training stopped): their private MiB after the first tenth of the
+    rounds (the warm-up: buffers, caches, the first groups) and at the end, and the slope after
+    the warm-up, least squares, in MiB per 100 rounds."""
+    warm = max(1, rounds // 10)
+    lived = {i: [(r, m) for r, m in series if r >= warm] for i, series in memory.items()
+             if series and series[0][0] < warm and series[-1][0] >= rounds - 2}
+    slopes, first, last = [], [], []
+    kept: dict[str, list[tuple[int, float]]] = {}
+    for i, series in lived.items():
+        kept[f"p{i}"] = series[:: max(1, len(series) // 40)] + series[-1:]  # ~40 points, and the last
+    for series in lived.values():
+        if len(series) < 3:
+            continue
+        xs, ys = [float(r) for r, _ in series], [m for _, m in series]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        slopes.append(100 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0)
+        first.append(ys[0])
+        last.append(ys[-1])
+    if not slopes:
+        return {"workers": 0}
+    return {"workers": len(slopes), "warm_round": warm, "mib_after_warmup_median": round(statistics.median(first), 1),
+            "mib_at_end_median": round(statistics.median(last), 1), "mib_at_end_max": round(max(last), 1),
+            "mib_per_100_rounds_median": round(statistics.median(slopes), 3),
+            "mib_per_100_rounds_max": round(max(slopes), 3), "series": kept}
 
 
 async def run_reliability_round(swarm: Swarm, workers: list[Worker], r: int, victim: int | None,
@@ -550,7 +594,8 @@ def summary(results: dict[str, Any]) -> None:
         if f"{s}_s" in u:
             print(f"unshaped      {s:<9} {u[f'{s}_s']:.2f} s")
     for s, c in results.get("reliability", {}).items():
-        print(f"reliability   {s:<9} {c}")
+        memory = {k: v for k, v in c.get("memory", {}).items() if k != "series"}
+        print(f"reliability   {s:<9} {({**c, 'memory': memory})}")
 
 
 if __name__ == "__main__":
@@ -572,6 +617,8 @@ if __name__ == "__main__":
     parser.add_argument("--reliability-rounds", type=int, default=1000)
     parser.add_argument("--reliability-max-s", type=float, default=3600.0)
     parser.add_argument("--kill-rate", type=float, default=0.1)
+    parser.add_argument("--spared", type=int, default=1,
+                        help="reliability: the first N peers are never killed (their memory over the run is measured)")
     parser.add_argument("--tolerance", type=float, default=1e-4)
     parser.add_argument("--chunk-elements", type=int, default=None, help="dedloc's AllreduceConfig.chunk_elements")
     parser.add_argument("--max-chunks-ahead", type=int, default=None, help="dedloc's AllreduceConfig.max_chunks_ahead")

@@ -10,6 +10,7 @@ imports it too).
 from __future__ import annotations
 
 import argparse
+import os
 import zlib
 
 import torch
@@ -41,6 +42,34 @@ def max_error(result: torch.Tensor, contributors: list[str], seed: int, stride: 
         exact += tensor_of(pid, seed, result.numel())[::stride].double() * (w / total)
     err = float((picked - exact).abs().max().item())
     return err if err == err else float("inf")  # NaN counts as wrong
+
+
+def tree_uss_mib(pid: int | None = None) -> float:
+    """The memory a process and all its descendants hold alone (USS: their private pages), in MiB.
+
+    The descendants count because hivemind's networking is a child process (its Go daemon,
+    ``p2pd``) and its DHT and averager are forked ones: a soak that read the Python process alone
+    would miss where its connections live. Private pages, not the resident set: forked children
+    share their parent's pages (torch's, at least), which a sum of resident sets would count once
+    per process. Leaked memory is private either way. A process that ends while it is read counts
+    as nothing.
+    """
+    pid = os.getpid() if pid is None else pid
+    total_kib, stack, seen = 0, [pid], set()
+    while stack:
+        p = stack.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                total_kib += sum(int(line.split()[1]) for line in f if line.startswith(("Private_Clean:", "Private_Dirty:")))
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    stack.extend(int(c) for c in f.read().split())
+        except (OSError, ValueError, IndexError):
+            continue
+    return total_kib / 1024
 
 
 def worker_parser(doc: str | None) -> argparse.ArgumentParser:

@@ -31,7 +31,7 @@ from typing import Any, TextIO
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from averaging_data import max_error, tensor_of, weight_of, worker_parser  # noqa: E402
+from averaging_data import max_error, tensor_of, tree_uss_mib, weight_of, worker_parser  # noqa: E402
 
 
 def take_stdout() -> TextIO:
@@ -138,7 +138,9 @@ def main() -> None:
                 if cmd.get("op") == "quit":
                     break
                 if cmd.get("op") == "round":
-                    send(out, one_round(averager, me, cmd, args, out, inbox))
+                    reply = one_round(averager, me, cmd, args, out, inbox)
+                    reply["uss_mib"] = tree_uss_mib()  # with its Go daemon, a child process
+                    send(out, reply)
         finally:
             averager.shutdown()
     finally:

@@ -42,7 +42,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from averaging_data import max_error, tensor_of, weight_of, worker_parser  # noqa: E402
+from averaging_data import max_error, tensor_of, tree_uss_mib, weight_of, worker_parser  # noqa: E402
 
 from averaging import AllreduceConfig, Averager, AveragerConfig, MatchmakingConfig  # noqa: E402
 from averaging.bandwidth import BandwidthConfig  # noqa: E402
@@ -163,7 +163,9 @@ async def main(args: argparse.Namespace) -> None:
                 if cmd.get("op") == "quit":
                     break
                 if cmd.get("op") == "round":
-                    lines.send(await one_round(averager, cmd, args, me))
+                    reply = await one_round(averager, cmd, args, me)
+                    reply["uss_mib"] = tree_uss_mib()
+                    lines.send(reply)
 
 
 if __name__ == "__main__":

@@ -325,3 +325,37 @@ def test_the_gpu_session_script_runs_its_steps_at_cpu_sizes(tmp_path: Path) -> N
     nop = json.loads((work / "moe_profiled.json").read_text())["cases"]["16"]["dedloc"]["runs"][0]
     assert nop["failed"] == 0 and nop["module"] == "Identity"  # the profiled run: the nop experts
     assert "ncalls" in (work / "moe-profile.txt").read_text()  # the server's loop was profiled
+
+
+def test_the_reliability_soak_counts_child_processes_and_fits_the_growth_after_the_warm_up() -> None:
+    """bench/averaging.py's memory figures (hivemind #654): a peer's private memory counts its child
+    processes' (hivemind's Go daemon, its forked DHT and averager), and the growth is fitted over the
+    rounds after the warm-up, of the workers that lived through the run only."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from averaging_data import tree_uss_mib; import subprocess; "
+            "before = tree_uss_mib(); "
+            "child = subprocess.Popen([sys.executable, '-c', 'import sys, time; b = bytearray(64 << 20); "
+            "sys.stdout.write(chr(10)); sys.stdout.flush(); time.sleep(30)'], stdout=subprocess.PIPE); "
+            "child.stdout.readline(); print(tree_uss_mib() - before, tree_uss_mib(child.pid)); child.kill()")
+    result = subprocess.run([sys.executable, "-c", code, str(ROOT / "bench")], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    added, child = map(float, result.stdout.split())
+    assert added >= 60 and child >= 60, result.stdout  # the child's 64 MiB are in the parent's tree, and its own
+    import importlib.util
+
+    # bench/averaging.py by its path (the name is the averaging package's), its harness beside it
+    spec = importlib.util.spec_from_file_location("bench_averaging", ROOT / "bench" / "averaging.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "bench"))
+    sys.modules[spec.name] = bench  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+        del sys.modules[spec.name]
+    memory_growth = bench.memory_growth
+    series = {0: [(r, 100.0 + (50.0 if r < 10 else 0.02 * r)) for r in range(100)],  # a warm-up jump, then 2/100
+              1: [(r, 500.0 + 10 * r) for r in range(40)]}  # killed at round 40: not counted
+    grown = memory_growth(series, 100)
+    assert grown["workers"] == 1 and grown["warm_round"] == 10
+    assert grown["mib_per_100_rounds_median"] == pytest.approx(2.0) and grown["mib_at_end_max"] == pytest.approx(102.0)

@@ -96,7 +96,7 @@ def test_every_path_the_docs_quote_exists() -> None:
 
 
 #: options the docs quote of other tools (pip, pytest)
-FOREIGN_OPTIONS = {"--no-cache-dir", "--no-deps", "--require-hashes", "--dist", "--durations"}
+FOREIGN_OPTIONS = {"--no-cache-dir", "--no-deps", "--require-hashes", "--dist", "--durations", "--durations-min"}
 
 
 def test_every_option_the_docs_quote_is_a_commands_or_a_benchs() -> None:
