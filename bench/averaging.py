@@ -529,13 +529,10 @@ def memory_growth(memory: dict[int, list[tuple[int, float]]], rounds: int) -> di
     kept: dict[str, list[tuple[int, float]]] = {}
     for i, series in lived.items():
         kept[f"p{i}"] = series[:: max(1, len(series) // 40)] + series[-1:]  # ~40 points, and the last
-    for series in lived.values():
         if len(series) < 3:
             continue
         xs, ys = [float(r) for r, _ in series], [m for _, m in series]
-        mx, my = statistics.fmean(xs), statistics.fmean(ys)
-        sxx = sum((x - mx) ** 2 for x in xs)
-        slopes.append(100 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0)
+        slopes.append(100 * statistics.linear_regression(xs, ys).slope)  # the rounds differ: never vertical
         first.append(ys[0])
         last.append(ys[-1])
     if not slopes:

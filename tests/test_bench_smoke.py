@@ -1,9 +1,11 @@
 """The benchmark must keep running; its numbers are read by people, not asserted."""
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -179,6 +181,22 @@ def test_datasets_bench_moves_a_dataset_and_survives_its_faults(tmp_path: Path) 
     assert figures["kill.completed"] == 3
 
 
+def load_bench(name: str) -> ModuleType:
+    """bench/<name>.py as a module, by its path (bench/averaging.py's name is the averaging package's),
+    with the bench folder's modules (its harness) importable beside it, as when it runs as a script."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "bench"))
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+        del sys.modules[spec.name]
+    return module
+
+
 def run_bench(tmp_path: Path, script: str, *args: str, timeout: float) -> dict:  # type: ignore[type-arg]
     """Run bench/<script> with ``args`` and ``--json``; what it wrote (its output in the failure)."""
     out = tmp_path / "figures.json"
@@ -227,12 +245,7 @@ def test_nat_verdict_bench_times_each_nat_kind(tmp_path: Path) -> None:
 def test_moe_bench_ratios_are_n_a_where_a_figure_was_not_measured() -> None:
     """bench/moe.py with one grid size measures no ffn calls: its ratio is n/a, not a ZeroDivisionError
     after every figure was measured (``--experts 144 --servers 12`` died so)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_moe", ROOT / "bench" / "moe.py")
-    assert spec is not None and spec.loader is not None
-    moe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(moe)
+    moe = load_bench("moe")
     assert moe.ratio(2.0, 4.0) == 0.5 and moe.ratio(None, 4.0) is None and moe.ratio(2.0, 0.0) is None
     assert moe.shown(None, 2) == "n/a" and moe.shown(0.8333, 2) == "0.83"
 
@@ -340,20 +353,7 @@ def test_the_reliability_soak_counts_child_processes_and_fits_the_growth_after_t
     assert result.returncode == 0, result.stderr
     added, child = map(float, result.stdout.split())
     assert added >= 60 and child >= 60, result.stdout  # the child's 64 MiB are in the parent's tree, and its own
-    import importlib.util
-
-    # bench/averaging.py by its path (the name is the averaging package's), its harness beside it
-    spec = importlib.util.spec_from_file_location("bench_averaging", ROOT / "bench" / "averaging.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "bench"))
-    sys.modules[spec.name] = bench  # its dataclasses look their module up
-    try:
-        spec.loader.exec_module(bench)
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-        del sys.modules[spec.name]
-    memory_growth = bench.memory_growth
+    memory_growth = load_bench("averaging").memory_growth
     series = {0: [(r, 100.0 + (50.0 if r < 10 else 0.02 * r)) for r in range(100)],  # a warm-up jump, then 2/100
               1: [(r, 500.0 + 10 * r) for r in range(40)]}  # killed at round 40: not counted
     grown = memory_growth(series, 100)
