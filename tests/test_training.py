@@ -11,6 +11,7 @@ import trio
 
 from averaging import AllreduceConfig, AveragerConfig, MatchmakingConfig
 from training import CollaborativeOptimizer, StepReport, TrainingConfig
+from training.progress import ProgressTracker
 
 from nat import Peer, Swarm
 
@@ -332,6 +333,51 @@ async def test_peers_that_stepped_alone_before_they_met_follow_the_one_furthest_
         assert r.step >= 3 and r.averaged and r.complete and r.group_size == 2, r
     for p, q in zip(models[0].parameters(), models[1].parameters()):
         assert torch.equal(p, q)
+
+
+async def test_two_peers_that_missed_a_round_for_a_lone_client_ahead_go_on_at_their_step(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The demo in CI (2026-12-03): an outbound-only trainer stepped alone before it saw the others
+    and stood at step 1; the two servers at step 0 each missed their round for it, and each asked
+    the other for step 1's state, refused ("at step 0, behind 1") for the rest of the run. Now,
+    ``rejoin_after`` on with nobody that could serve that state, the miss is moot and they step.
+    (The miss is set as the round left it: a round that fails to form only on a loaded machine.)"""
+    config = TrainingConfig(run_id="moot", target_batch_size=8, rejoin_after=1.0, report_interval=0.2)
+    models = [make_model(), make_model()]
+    reports: list[list[StepReport]] = [[], []]
+    async with open_peers(3) as (_, a, b, lone):
+        await formed([a, b, lone])
+        ahead = ProgressTracker(lone, "moot", 8, client=True)
+        assert await ahead.report(1, 0, 0.0)
+        async with CollaborativeOptimizer.open(a, optimizer_of(models[0]), config) as opt_a, \
+                CollaborativeOptimizer.open(b, optimizer_of(models[1]), config) as opt_b:
+            opts = [opt_a, opt_b]
+            for opt in opts:
+                opt._missed_at = opt.clock()  # as a round that found no group leaves it, the client ahead
+
+            async def train(i: int) -> None:
+                data = batches(i, 4)
+                while opts[i].local_step < 2:
+                    x, y = next(data)
+                    torch.nn.functional.mse_loss(models[i](x), y).backward()
+                    report = await opts[i].step(len(x))
+                    if report is not None:
+                        reports[i].append(report)
+                    await trio.sleep(0.01)
+
+            with trio.fail_after(60):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(train, 0)
+                    nursery.start_soon(train, 1)
+            assert (opt_a.downloads, opt_b.downloads) == (0, 0)  # nobody had the state they missed
+    for r in reports[0] + reports[1]:
+        assert r.averaged and r.complete and r.group_size == 2, r
+    assert [r.step for r in reports[0]] == [r.step for r in reports[1]] == [0, 1]
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(p, q)
+    # each forgot its miss once, and said so (kept, it would want step 2's state at step 1)
+    moot = [r for r in caplog.records if "the round we missed is moot" in r.getMessage()]
+    assert len(moot) == 2, [r.getMessage() for r in moot]
 
 
 async def test_state_averaging_every_k_steps_pulls_drifted_peers_together() -> None:

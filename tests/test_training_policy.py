@@ -73,13 +73,46 @@ def test_a_missed_round_is_repaired_with_the_state_past_it() -> None:
     """The swarm stepped without us: the next call takes the state of the step after the missed one
     (with delayed updates our step already is that one)."""
     progress, reports = swarm(rep(A, 4, 10), rep(ME, 4, 0))
-    trainer = me(4, must_catch_up=True)
+    trainer = me(4, missed_at=T)
     assert decide(trainer, progress, reports, T, SYNC).action == CatchUp(progress)
     assert state_wanted(trainer, progress, SYNC) == 5
     assert state_wanted(trainer, progress, DELAYED) == 4
     # and a missed round overrides joining a begun one
     progress, reports = swarm(rep(A, 5, 10), rep(B, 5, 10), rep(ME, 4, 10))
-    assert decide(me(4, 10, must_catch_up=True), progress, reports, T, DELAYED).action == CatchUp(progress)
+    assert decide(me(4, 10, missed_at=T), progress, reports, T, DELAYED).action == CatchUp(progress)
+
+
+def test_a_round_missed_for_a_lone_client_ahead_is_moot_after_rejoin_after() -> None:
+    """The demo in CI, 2026-12-03: a client stepped alone before it saw the swarm; the two servers
+    at step 0 saw it ahead, each missed its round, and asked the other for step 1's state, refused
+    ("at step 0, behind 1") until the run ended. After ``rejoin_after`` with nobody that could
+    serve the state past the round, the miss is moot: they average their step."""
+    progress, reports = swarm(rep(ME, 0, 60), rep(A, 0, 50), rep(B, 1, 0, client=True))
+    assert progress.step == 0 and progress.ready
+    trainer = me(0, 60, missed_at=T - 9)
+    # at first the report ahead may be the first of a group's: take the state past the round
+    decision = decide(trainer, progress, reports, T, SYNC)
+    assert decision.action == CatchUp(progress) and decision.missed_at == T - 9
+    assert state_wanted(trainer, progress, SYNC) == 1
+    # rejoin_after later, still only the client is ahead: the miss is forgotten, the step goes on
+    decision = decide(trainer, progress, reports, T + 1, SYNC)
+    assert decision.action == AverageStep(progress, expected=2, catch_up_if_missed=True)
+    assert decision.missed_at is None
+    # a peer that can serve the state past the round holds it: catch up, however long it took
+    for ahead in (rep(C, 1, 0), rep(C, 2, 0)):
+        progress, reports = swarm(rep(ME, 0, 60), rep(A, 0, 50), rep(B, 1, 0, client=True), ahead)
+        decision = decide(trainer, progress, reports, T + 60, SYNC)
+        assert isinstance(decision.action, CatchUp) and decision.missed_at == T - 9
+    # an auxiliary peer ahead serves no state either
+    progress, reports = swarm(rep(ME, 0, 60), rep(A, 0, 50), rep(C, 1, auxiliary=True))
+    assert decide(trainer, progress, reports, T + 1, SYNC).missed_at is None
+    # with delayed updates the state wanted is our step's: a server at it holds it
+    progress, reports = swarm(rep(ME, 3, 60), rep(A, 3, 50), rep(B, 4, 0, client=True))
+    assert isinstance(decide(me(3, 60, missed_at=T - 60), progress, reports, T, DELAYED).action, CatchUp)
+    # behind the swarm's step, a download is due whatever the miss
+    progress, reports = swarm(rep(ME, 0, 60), rep(A, 1, 0), rep(B, 1, 0, client=True))
+    decision = decide(trainer, progress, reports, T + 60, SYNC)
+    assert decision.action == CatchUp(progress) and decision.missed_at == T - 9
 
 
 def test_delayed_updates_join_the_round_the_others_began() -> None:

@@ -206,8 +206,9 @@ class CollaborativeOptimizer:
         #: seconds the last state download took, and from which peer
         self.last_download: tuple[float, str] | None = None
         self._next_download = 0.0
-        #: a delayed step's round missed the swarm's: the next call takes the swarm's state
-        self._must_catch_up = False
+        #: when a round of ours missed the swarm's step (our clock): the next call takes the swarm's
+        #: state, unless the miss turns out moot (:func:`training.policy.missed_moot`)
+        self._missed_at: float | None = None
         #: since when we have had the samples but not the quorum, while a peer is ahead of us
         self._stuck_since: float | None = None
         #: whether this peer took a step or a state yet (a fresh one follows a lone peer at once)
@@ -294,6 +295,11 @@ class CollaborativeOptimizer:
             progress = await self._sync()
         decision = policy.decide(self._trainer(), progress, self.tracker.reports, self.clock(), self.rules)
         self._stuck_since = decision.stuck_since
+        if self._missed_at is not None and decision.missed_at is None:
+            log.warning("step %d: the round we missed is moot: for %.0f s nobody that could serve a state "
+                        "past it said it holds one; going on at this step", self.local_step,
+                        self.clock() - self._missed_at)
+        self._missed_at = decision.missed_at
         return await self._perform(decision.action)
 
     async def _perform(self, action: policy.Action) -> StepReport | None:
@@ -321,7 +327,7 @@ class CollaborativeOptimizer:
         """Our state as the step policy reads it."""
         return Trainer(me=self.peer.peer_id, step=self.local_step, samples=self.samples,
                        reported_samples=self._reported_samples, fresh=self._fresh,
-                       must_catch_up=self._must_catch_up, pending=self._pending is not None,
+                       missed_at=self._missed_at, pending=self._pending is not None,
                        stuck_since=self._stuck_since, next_download=self._next_download,
                        reduces=self.averager.role()[0].reduces)
 
@@ -403,7 +409,7 @@ class CollaborativeOptimizer:
                 report = replace(report, missed=True, summary=f"no samples of ours and no group ({report.summary})")
             if report.missed:  # the others stepped without us: the next call downloads their state
                 log.warning("step %d: %s", step, report.summary)
-                self._must_catch_up = True
+                self._missed_at = self.clock()
                 return report
             self._apply(grads)
             self._next_step()
@@ -552,7 +558,7 @@ class CollaborativeOptimizer:
         if reports and reports[0].missed:
             # the others applied step `step` without us: our parameters lack it; take theirs
             log.warning("step %d: %s", step, reports[0].summary)
-            self._must_catch_up = True
+            self._missed_at = self.clock()
             return reports[0]
         self._apply(grads)
         return reports[0] if reports else None
@@ -597,7 +603,7 @@ class CollaborativeOptimizer:
             self._apply(state.pending)  # the delayed step the others apply when their next one begins
         dropped = self.samples
         self._pending = None
-        self._must_catch_up = False
+        self._missed_at = None
         self._stuck_since = None
         self._fresh = False
         self.local_step = state.step - 1

@@ -15,7 +15,8 @@ row    when                                                        action
 =====  ==========================================================  ==========================
 begun  delayed updates, no missed round to repair, and the swarm   :class:`JoinBegunRound`
        moved one step past ours or a peer began our step's round
-behind the swarm's step is past ours, or we missed a round         :class:`CatchUp`
+behind the swarm's step is past ours, or we missed a round (and     :class:`CatchUp`
+       the miss is not moot: :func:`missed_moot`)
 stuck  a peer is ahead and our step has the samples but no quorum  :class:`TakeStateFromAhead`
        for ``rejoin_after`` (at once for a fresh peer); a download
        is allowed now
@@ -65,8 +66,9 @@ class Trainer:
     reported_samples: int = 0
     #: no step taken and no state downloaded yet
     fresh: bool = True
-    #: a round of ours was missed (the swarm stepped without us): take the swarm's state
-    must_catch_up: bool = False
+    #: when a round of ours was missed (the swarm stepped without us; the trainer's clock), until
+    #: the swarm's state is taken or the miss turns out moot (:func:`missed_moot`); None: none
+    missed_at: float | None = None
     #: with delayed updates: a step's round runs in the background
     pending: bool = False
     #: since when we have had the samples but no quorum while a peer is ahead (None: not stuck)
@@ -75,6 +77,11 @@ class Trainer:
     next_download: float = 0.0
     #: this peer may reduce a part of a round (not a sender)
     reduces: bool = True
+
+    @property
+    def must_catch_up(self) -> bool:
+        """A missed round is to be repaired: take the swarm's state."""
+        return self.missed_at is not None
 
 
 # ---------------------------------------------------------------------------- actions
@@ -128,6 +135,8 @@ class Decision:
     action: Action
     #: the trainer's new ``stuck_since``
     stuck_since: float | None
+    #: the trainer's new ``missed_at`` (None once the miss is moot)
+    missed_at: float | None = None
 
 
 # ---------------------------------------------------------------------------- the decision
@@ -147,22 +156,44 @@ def estimate(trainer: Trainer, progress: GlobalProgress) -> int:
 def decide(trainer: Trainer, progress: GlobalProgress, reports: Sequence[LocalProgress], now: float,
            rules: Rules) -> Decision:
     """The action after a batch (the table in the module docstring)."""
+    if missed_moot(trainer, progress, reports, now, rules):
+        trainer = replace(trainer, missed_at=None)
+    missed = trainer.missed_at
     if rules.delay_updates and not trainer.must_catch_up and (
             progress.step == trainer.step + 1 or round_began(trainer, progress, reports)):
         # With delayed updates a peer moves on when its round begins: the others just began
         # ours (they apply it when their next step begins). Join it; catching up would drop
         # our samples and download a state that lacks this very step.
         expected = expected_group(trainer.step, progress, reports, trainer.me, rules)
-        return Decision(JoinBegunRound(progress, expected), trainer.stuck_since)
+        return Decision(JoinBegunRound(progress, expected), trainer.stuck_since, missed)
     if progress.step > trainer.step or trainer.must_catch_up:
-        return Decision(CatchUp(progress), trainer.stuck_since)
+        return Decision(CatchUp(progress), trainer.stuck_since, missed)
     ahead, stuck_since = stuck_ahead(trainer, progress, reports, now, rules)
     if ahead is not None and now >= trainer.next_download:
-        return Decision(TakeStateFromAhead(ahead, trainer.step), stuck_since)
+        return Decision(TakeStateFromAhead(ahead, trainer.step), stuck_since, missed)
     if progress.step == trainer.step and progress.ready:
         expected = expected_group(trainer.step, progress, reports, trainer.me, rules)
-        return Decision(AverageStep(progress, expected, catch_up_if_missed=not rules.delay_updates), stuck_since)
-    return Decision(Wait(), stuck_since)
+        return Decision(AverageStep(progress, expected, catch_up_if_missed=not rules.delay_updates), stuck_since,
+                        missed)
+    return Decision(Wait(), stuck_since, missed)
+
+
+def missed_moot(trainer: Trainer, progress: GlobalProgress, reports: Sequence[LocalProgress], now: float,
+                rules: Rules) -> bool:
+    """Whether a missed round needs no repair after all: ``rejoin_after`` after the miss, the
+    swarm's step is still ours and no peer that could serve the state we want (not a client, not
+    auxiliary) reports its step. Then nobody holds that state to give: we stay at our step.
+
+    A round is missed when a peer reports a later step, and at first that may be a report that
+    came before its partners' (they are a moment behind it): hence the wait. But a client that
+    stepped alone before it saw the swarm is ahead for good, and serves nobody; the two peers at
+    the step that saw it each missed the round, asked each other for the state past it, and
+    refused each other for the rest of the run (the demo in CI, 2026-12-03).
+    """
+    if trainer.missed_at is None or progress.step > trainer.step or now - trainer.missed_at < rules.rejoin_after:
+        return False
+    wanted = state_wanted(trainer, progress, rules)
+    return not any(r.step >= wanted for r in reports if r.peer_id != trainer.me and not r.client and not r.auxiliary)
 
 
 def round_began(trainer: Trainer, progress: GlobalProgress, reports: Sequence[LocalProgress]) -> bool:
@@ -276,4 +307,4 @@ def assist_due(progress: GlobalProgress, assisted: int, rules: Rules) -> int | N
 
 __all__ = ["Action", "AverageStep", "CatchUp", "Decision", "JoinBegunRound", "Rules", "TakeStateFromAhead", "Trainer",
            "Wait", "assist_due", "decide", "estimate", "expected_group", "join_after_catch_up", "left_behind",
-           "missed_without_group", "needs_read", "round_began", "state_wanted", "stuck_ahead"]
+           "missed_moot", "missed_without_group", "needs_read", "round_began", "state_wanted", "stuck_ahead"]
