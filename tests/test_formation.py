@@ -232,6 +232,26 @@ def test_a_group_waits_for_a_member_that_may_reduce() -> None:
     assert g.on_tick(DEADLINE) == Fix((me, member(2, Role.AUXILIARY)))  # the deadline fixes what is possible
 
 
+def test_a_leader_of_senders_at_capacity_reads_on_and_hands_over_to_a_reducer() -> None:
+    """The auxiliary test under load (delayed updates): two trainers that may not reduce, expecting
+    a group of two, filled it and waited for the deadline without reading again, while the
+    auxiliary peer declared a moment later led alone beside them. Full without a reducer, the
+    leader reads on; the reducer it finds leads."""
+    me = member(2, Role.SENDER)
+    f = formation(me, FormationRules(target=2, min_size=2, gather_time=3.0, poll_interval=POLL))
+    assert f.on_declarations([me, member(3, Role.SENDER)], 0.0) == AwaitJoins(POLL)
+    f.on_join(member(3, Role.SENDER))
+    assert f.on_woken(0.5) == Read()  # full, but nobody may reduce: is there someone now?
+    helper = member(4, Role.AUXILIARY)
+    assert f.on_declarations([me, member(3, Role.SENDER), helper], 0.6) == HandOver(helper.peer_id)
+    assert answer_admitted(member(3, Role.SENDER), None, helper.peer_id) == Redirect(helper.peer_id)
+    # full with a reducer: fixed at once, no read
+    g = formation(me, FormationRules(target=2, min_size=2, gather_time=3.0, poll_interval=POLL))
+    g.on_declarations([me], 0.0)
+    g.on_join(helper)
+    assert g.on_woken(0.5) == Fix((me, helper))
+
+
 def test_at_the_deadline_alone_is_no_group() -> None:
     f = leading()
     assert f.on_tick(DEADLINE) == Fail() and f.phase is Phase.FAILED
