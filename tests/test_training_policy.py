@@ -41,7 +41,7 @@ def me(step: int, samples: int = 0, **kw: object) -> Trainer:
 def test_idle_a_step_short_of_its_samples_waits() -> None:
     progress, reports = swarm(rep(ME, 3, 40), rep(A, 3, 30))
     decision = decide(me(3, 40), progress, reports, T, SYNC)
-    assert decision == type(decision)(Wait(), None)
+    assert decision == type(decision)(Wait(), None, None)
 
 
 def test_ready_averages_with_every_peer_at_the_step_and_catches_up_if_missed() -> None:

@@ -135,8 +135,9 @@ class Decision:
     action: Action
     #: the trainer's new ``stuck_since``
     stuck_since: float | None
-    #: the trainer's new ``missed_at`` (None once the miss is moot)
-    missed_at: float | None = None
+    #: the trainer's new ``missed_at`` (None once the miss is moot); no default: a row that left
+    #: it out would forget a miss
+    missed_at: float | None
 
 
 # ---------------------------------------------------------------------------- the decision
@@ -193,7 +194,7 @@ def missed_moot(trainer: Trainer, progress: GlobalProgress, reports: Sequence[Lo
     if trainer.missed_at is None or progress.step > trainer.step or now - trainer.missed_at < rules.rejoin_after:
         return False
     wanted = state_wanted(trainer, progress, rules)
-    return not any(r.step >= wanted for r in reports if r.peer_id != trainer.me and not r.client and not r.auxiliary)
+    return not any(r.step >= wanted for r in reports if r.peer_id != trainer.me and r.serves_state)
 
 
 def round_began(trainer: Trainer, progress: GlobalProgress, reports: Sequence[LocalProgress]) -> bool:
@@ -229,7 +230,7 @@ def stuck_ahead(trainer: Trainer, progress: GlobalProgress, reports: Sequence[Lo
     if not trainer.fresh and now - since < rules.rejoin_after:
         return None, since
     sources = tuple(r.peer_id for r in sorted(others, key=lambda r: -r.time)
-                    if r.step >= furthest and not r.client and not r.auxiliary)
+                    if r.step >= furthest and r.serves_state)
     return replace(progress, step=furthest, sources=sources), since
 
 

@@ -71,6 +71,12 @@ class LocalProgress:
     #: it never reduces a part (client mode, relayed): peers that all are cannot form a group
     sender: bool = False
 
+    @property
+    def serves_state(self) -> bool:
+        """Whether others can download its training state: it can be dialed (not a client) and
+        has a state of its own (not auxiliary)."""
+        return not self.client and not self.auxiliary
+
     def to_wire(self) -> bytes:
         return pb.Progress(step=self.step, samples=self.samples, samples_per_second=self.samples_per_second,
                            time=self.time, client=self.client, loss=self.loss,
@@ -171,7 +177,7 @@ def global_progress(reports: Iterable[LocalProgress], target: int, now: float, *
     rate = sum(min(r.samples_per_second, 1e12) for r in live.values())
     contributors = sum(1 for r in at_step if r.samples > 0)
     sources = tuple(r.peer_id for r in sorted(live.values(), key=lambda r: -r.time)
-                    if r.step >= step and not r.client)
+                    if r.step >= step and r.serves_state)
     near = sum(1 for r in live.values() if step - 1 <= r.step <= step)
     losses = [r.loss for r in live.values() if r.loss is not None and math.isfinite(r.loss)]
     loss = sum(losses) / len(losses) if losses else None
