@@ -340,6 +340,22 @@ def test_the_gpu_session_script_runs_its_steps_at_cpu_sizes(tmp_path: Path) -> N
     assert "ncalls" in (work / "moe-profile.txt").read_text()  # the server's loop was profiled
 
 
+@pytest.mark.slow
+def test_the_reliability_bench_kills_and_restarts_peers_and_counts_every_round(tmp_path: Path) -> None:
+    """bench/averaging.py's reliability setup end to end, tiny (3 peers on loopback, 5 rounds, a kill
+    whenever three are live): real processes SIGKILLed a moment into a round and started again a few
+    rounds later, every round counted as complete, partial (reported) or failed, none silently wrong,
+    and the spared peer's memory series read."""
+    figures = run_bench(tmp_path, "averaging.py", "--systems", "dedloc", "--setups", "reliability",
+                        "--reliability-peers", "3", "--reliability-rounds", "5", "--kill-rate", "1.0",
+                        "--reliability-max-s", "240", "--log-dir", str(tmp_path / "logs"), timeout=300)
+    counts = figures["reliability"]["dedloc"]
+    assert counts["rounds"] == 5 and counts["kills"] >= 1, counts
+    assert counts["silently_wrong"] == 0 and counts["complete"] >= 1, counts
+    assert counts["complete"] + counts["partial_reported"] + counts["failed"] == 5, counts
+    assert counts["memory"]["workers"] >= 1 and counts["memory"]["mib_at_end_max"] > 0, counts["memory"]
+
+
 def test_the_reliability_soak_counts_child_processes_and_fits_the_growth_after_the_warm_up() -> None:
     """bench/averaging.py's memory figures (hivemind #654): a peer's private memory counts its child
     processes' (hivemind's Go daemon, its forked DHT and averager), and the growth is fitted over the
