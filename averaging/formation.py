@@ -37,8 +37,10 @@ LEADING                 declarations read                            we still le
 
 Ready: a member that may reduce is in the group, and it has its capacity
 (``target`` members, or up to ``min_size - 1`` more when the declarations last
-read would leave that few behind: :meth:`Formation.capacity`), or ``min_size``
-once ``gather_time`` passed since we began leading.
+read would leave that few behind, or all of the declared when those outside
+our group could form none without us: :meth:`Formation.capacity`), or ``min_size``
+once ``gather_time`` passed since we began leading (and, over ``target``, since
+the group had ``target``).
 "Refused" and "unreachable" leaders are skipped: refusals for two poll
 intervals (a peer that was not leading a moment ago may lead now), an
 unreachable leader while the declaration we saw lives (a killed leader's
@@ -252,7 +254,9 @@ class Formation:
     reducers_seen: bool = False
     #: LEADING: the peers known to be declared (the last read's, our followers, and whoever asked
     #: to join since: its declaration may not have reached the replicas we read)
-    declared: set[ID] = field(default_factory=set)
+    declared: dict[ID, Member] = field(default_factory=dict)
+    #: LEADING: when the group first had ``target`` members (a wait for stranded peers counts from it)
+    full_since: float | None = None
 
     # ------------------------------------------------------------------ looking and following
 
@@ -278,7 +282,8 @@ class Formation:
             self.leading_since = now
             self.followers = {}
             self.redirect = None
-            self.declared = {m.peer_id for m in candidates}
+            self.declared = {m.peer_id: m for m in candidates}
+            self.full_since = None
             return self.on_tick(now)
         self.phase = Phase.FOLLOWING
         self.following = leader
@@ -313,23 +318,56 @@ class Formation:
     # ------------------------------------------------------------------ leading
 
     def capacity(self) -> int:
-        """How many members our group takes: ``target``, or up to ``min_size - 1`` more when the
-        peers known to be declared would leave that few behind, too few for a group of their own. The
-        scale simulation (bench/scale.py) found every peer left without a group at 1,000 peers in
-        a Moshpit cell of m + 1: ten formed a full group and the eleventh failed alone each round."""
+        """How many members our group takes: ``target``, or more where the peers known to be
+        declared would leave some behind who cannot form a group of their own.
+
+        * Up to ``min_size - 1`` more when the declared would leave that few behind. The scale
+          simulation (bench/scale.py) found every peer left without a group at 1,000 peers in a
+          Moshpit cell of m + 1: ten formed a full group and the eleventh failed alone each round.
+        * Every declared peer when those outside our group are *stranded*: none of them can lead
+          (accepts joins) or none may reduce, so only our group can take them. In the same
+          simulation, most of the peers still left without a group were two or three senders
+          (behind NATs, reached through relays) of a cell of 12 or 13 whose leader filled its group
+          of ten with others, and the senders, who can neither lead nor reduce, failed at the deadline.
+        """
+        target = self.rules.target
         declared = len(self.declared)
-        left = declared % self.rules.target if declared > self.rules.target else 0
-        absorb = self.rules.absorb_remainder and left < self.rules.min_size
-        return self.rules.target + left if absorb else self.rules.target
+        if not self.rules.absorb_remainder or declared <= target:
+            return target
+        if not self._others_could_form():
+            return declared
+        left = declared % target
+        return target + left if left < self.rules.min_size else target
+
+    def _others_could_form(self) -> bool:
+        """Whether the declared peers outside our group could form a group without us: enough of
+        them, one that accepts joins (to lead) and one that may reduce."""
+        me = self.me.peer_id
+        outside = [m for m in self.declared.values() if m.peer_id != me and m.peer_id not in self.followers]
+        return (len(outside) >= self.rules.min_size and any(m.accepts_joins for m in outside)
+                and any(m.role.reduces for m in outside))
 
     def ready(self, now: float) -> bool:
+        """A member that may reduce is in, and the group is at capacity, or at ``min_size`` once
+        ``gather_time`` passed since we began leading; over ``target`` (so waiting for peers only
+        we can take), once ``gather_time`` passed since it was full too."""
         size = 1 + len(self.followers)
-        return self._reducer() and (size >= self.capacity() or (
-            size >= self.rules.min_size and now - self.leading_since >= self.rules.gather_time))
+        if not self._reducer() or size < self.rules.min_size:
+            return False
+        if size >= self.capacity():
+            return True
+        if size >= self.rules.target and self.full_since is not None and now - self.full_since < self.rules.gather_time:
+            return False
+        return now - self.leading_since >= self.rules.gather_time
+
+    def _note_full(self, now: float) -> None:
+        if self.full_since is None and 1 + len(self.followers) >= self.rules.target:
+            self.full_since = now
 
     def on_tick(self, now: float) -> Action:
         """Leading: fix the group if it is ready (or the deadline came with one possible), else wait."""
         assert self.phase is Phase.LEADING
+        self._note_full(now)
         if self.ready(now):
             return self._fix()
         if now >= self.deadline:
@@ -348,12 +386,13 @@ class Formation:
         in 10 under load: the trainers' round began before the auxiliary's report said its step).
         """
         assert self.phase is Phase.LEADING
+        self._note_full(now)
         if (1 + len(self.followers) >= self.capacity() and self._reducer()) or now >= self.deadline:
             return self.on_tick(now)
         return Read()
 
     def _check_leader(self, candidates: list[Member], now: float) -> Action:
-        self.declared = {m.peer_id for m in candidates} | set(self.followers) | {self.me.peer_id}
+        self.declared = {**{m.peer_id: m for m in candidates}, **self.followers, self.me.peer_id: self.me}
         others = sorted((m for m in candidates if m.accepts_joins), key=leader_rank)
         if others and others[0].peer_id != self.me.peer_id:
             # hand the followers over rather than split the swarm, and follow them there even if
@@ -399,7 +438,7 @@ class Formation:
             assert self.following is not None
             return Redirect(self.following.peer_id)
         if self.phase is Phase.LEADING:
-            self.declared.add(member.peer_id)
+            self.declared[member.peer_id] = member
         if self.phase is Phase.FIXED or 1 + len(self.followers) >= self.capacity():
             return Reject("group full")
         self.followers[member.peer_id] = member

@@ -13,8 +13,9 @@ with its matchmaking deadline. Then, until the deadline:
    skipping those that turned it away this time;
 3. if that is itself, it leads: it accepts joins (the ``avg.join`` RPC) until
    the group has ``target_size`` members (up to ``min_size - 1`` more when the
-   declarations it read would leave that few alone, too few for a group), or
-   has ``min_size`` and ``gather_time`` passed; then it fixes the group (members sorted by peer id,
+   declarations it read would leave that few alone, too few for a group; all of
+   them when those left could form no group without it: none can lead, or none
+   may reduce), or has ``min_size`` and ``gather_time`` passed; then it fixes the group (members sorted by peer id,
    a random group id) and answers every waiting join with it;
 4. otherwise it asks the leader to join and waits for the group (or a
    redirect to another leader, or a refusal, after which it looks again).
@@ -66,7 +67,7 @@ JOIN_METHOD = "avg.join"
 @dataclass(frozen=True)
 class MatchmakingConfig:
     """``target_size``: members wanted (a group takes up to ``min_size - 1`` more rather than leave
-    that few alone); ``min_size``: fewest to start with;
+    that few alone, and every declared peer that no other group could take); ``min_size``: fewest to start with;
     ``gather_time``: how long a leader waits for more once ``min_size`` joined;
     ``timeout``: the matchmaking deadline; ``poll_interval``: how often the
     DHT is read again while looking for a leader."""

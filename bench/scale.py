@@ -220,10 +220,14 @@ def moshpit(args: argparse.Namespace) -> dict[str, Any]:
         sim = DHTSim(DHTSimConfig(peers=n, seed=args.seed, warm=True, churn=False))
         sim.run(60.0)
         world = MatchmakingSim(sim, MatchmakingConfig(target_size=m, min_size=2, gather_time=3.0, timeout=30.0))
-        outcomes: list[Outcome] = []
-        world.round({pid: GridPosition.initial(m, d, pid.to_bytes()).key for pid in world.peers}, 2.0, outcomes.extend)
-        sim.run(sim.now + 60.0)
-        out["matchmaking"] = {**summary(outcomes), "cpu_s": time.process_time() - cpu0}
+        per_round: list[list[Outcome]] = []
+        grid = {pid: GridPosition.initial(m, d, pid.to_bytes()) for pid in world.peers}
+        world.rounds(grid, args.matchmaking_rounds, 2.0, args.matchmaking_period, per_round.extend)
+        sim.run(sim.now + args.matchmaking_rounds * max(30.0, args.matchmaking_period) + 60.0)
+        outcomes = [o for r in per_round for o in r]
+        out["matchmaking"] = {**summary(outcomes), "rounds": args.matchmaking_rounds,
+                              "period_s": args.matchmaking_period, "cpu_s": time.process_time() - cpu0,
+                              "per_round": [summary(r) for r in per_round]}
     return out
 
 
@@ -240,11 +244,19 @@ def moshpit_table(mp: dict[str, Any]) -> str:
                      f"| {c['failed_groups']} of {c['groups']} | {c['alone']} | {c['expected_rounds']:.2f} |")
     if "matchmaking" in mp:
         g = mp["matchmaking"]
-        lines += ["", f"matchmaking over the simulated DHT ({g['peers']:.0f} peers: the live ones that answer; "
+        rounds = int(g.get("rounds", 1))
+        who = f"{g['peers'] / rounds:.0f} peers: the live ones that answer"
+        if rounds > 1:
+            who += f"; {rounds} rounds each, {g['period_s']:g} s apart: {g['peers']:.0f} peer-rounds"
+        lines += ["", f"matchmaking over the simulated DHT ({who}; "
                   "declarations under each cell's key, joins to leaders): a group after "
                   f"{g['formed_p50_s']:.1f} s median, {g['formed_p95_s']:.1f} s p95, {g['formed_max_s']:.1f} s at most; "
-                  f"{100 * g['without_group']:.1f}% without a group by the 30 s deadline; "
+                  f"{100 * g['without_group']:.2f}% without a group by the 30 s deadline "
+                  f"({round(g['without_group'] * g['peers'])} of {g['peers']:.0f}); "
                   f"mean group size {g['group_size_mean']:.1f} ({g['cpu_s']:.0f} s CPU)"]
+        if rounds > 1:
+            lines.append("without a group, round by round: "
+                         + ", ".join(str(round(r["without_group"] * r["peers"])) for r in g["per_round"]))
     return "\n".join(lines)
 
 
@@ -312,6 +324,12 @@ def main() -> None:
     p.add_argument("--dims", type=int, default=3, help="Moshpit's d (m ** d cells)")
     p.add_argument("--moshpit-rounds", type=int, default=20)
     p.add_argument("--no-matchmaking", action="store_true", help="skip matchmaking over the simulated DHT")
+    p.add_argument("--matchmaking-rounds", type=int, default=1,
+                   help="rounds each peer matches, one after another as an averager in a loop does (the grid "
+                        "advances by its index in the group)")
+    p.add_argument("--matchmaking-period", type=float, default=40.0,
+                   help="with --matchmaking-rounds > 1: round r begins r * PERIOD s after the first (each peer within "
+                        "2 s of it, or when its previous round ended if later): a training run's global steps")
     p.add_argument("--survive", type=float, default=0.0,
                    help="simulated seconds of churn the smallest size keeps --stores records through, with and "
                         "without the DHT's replication; 0: skip")

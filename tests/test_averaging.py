@@ -353,6 +353,34 @@ async def test_a_join_asked_between_two_rounds_waits_for_the_leaders_next_round(
     assert all(torch.allclose(d[0], torch.full((10,), 3.0)) for d in data)
 
 
+async def test_senders_a_full_group_would_leave_behind_are_taken_into_it() -> None:
+    """One peer that may reduce and three that may not (a parameter-server layout), target 2: the
+    reducer's group of two left the other two senders, who could form no group without a reducer,
+    failing at the deadline. A leader whose declared peers outside its group could form none takes
+    them all."""
+    async with open_peers(4) as (_, *peers):
+        await public(peers)
+        match = MatchmakingConfig(target_size=2, min_size=2, timeout=8.0, gather_time=0.5)
+        reducer, senders = peers[0], peers[1:]
+        data = [[torch.full((10,), float(i))] for i in range(4)]
+        async with Averager.open(reducer, config(2, matchmaking=match)) as lead, AsyncExitStack() as stack:
+            others = [await stack.enter_async_context(Averager.open(p, config(2, matchmaking=match, reduces=False)))
+                      for p in senders]
+            reports: list[RoundReport | BaseException] = [RuntimeError("not run")] * 4
+
+            async def one(i: int, averager: Averager) -> None:
+                reports[i] = (await step_all([averager], data[i:i + 1], [1.0]))[0]
+
+            async with trio.open_nursery() as nursery:
+                for i, a in enumerate(others, 1):  # the senders declare first: the reducer reads all three
+                    nursery.start_soon(one, i, a)
+                await wait_until(lambda: all(a.matchmaker._formation is not None for a in others), 10)  # noqa: SLF001
+                await trio.sleep(0.3)
+                nursery.start_soon(one, 0, lead)
+    assert all(isinstance(r, RoundReport) and r.complete and len(r.members) == 4 for r in reports), reports
+    assert all(torch.allclose(d[0], torch.full((10,), 1.5)) for d in data)
+
+
 async def test_nan_is_refused_before_anything_is_sent() -> None:
     async with open_peers(1) as (_, peer):
         async with Averager.open(peer, config(2)) as averager:

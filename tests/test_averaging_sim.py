@@ -6,12 +6,14 @@ from __future__ import annotations
 from collections import defaultdict
 
 import pytest
+from libp2p.peer.id import ID
 
 from averaging.matchmaking import MatchmakingConfig
 from averaging.moshpit import GridPosition, rounds_to_average
 from averaging.sim.matchmaking import MatchmakingSim, Outcome, summary
 from averaging.sim.moshpit import Grouping, MoshpitSimConfig, Positions, simulate
 from p2p.sim.dht import DHTSim, DHTSimConfig
+from p2p.sim.network import Kind
 
 
 def test_a_full_grid_reaches_the_exact_average_in_d_rounds_and_random_groups_do_not() -> None:
@@ -85,3 +87,58 @@ def test_a_cell_of_one_more_than_the_target_leaves_nobody_alone() -> None:
     assert len(outcomes) == len(cells) >= 96
     assert summary(outcomes)["without_group"] <= 0.03
     assert max(o.group.size for o in outcomes if o.group is not None) == 6
+
+
+def test_matchmaking_round_after_round_moves_each_peer_on_the_grid_by_its_index() -> None:
+    """bench/scale.py's --matchmaking-rounds: every peer matches round after round (a training run's
+    steps, one every period), each round under the key its grid gives it after the last one."""
+    sim = DHTSim(DHTSimConfig(peers=150, seed=12, warm=True, churn=False))
+    sim.run(20)
+    world = MatchmakingSim(sim, MatchmakingConfig(target_size=5, min_size=2, gather_time=2.0, timeout=30.0))
+    grid = {pid: GridPosition.initial(5, 3, pid.to_bytes()) for pid in world.peers}
+    first = {pid: g.key for pid, g in grid.items()}
+    per_round: list[list[Outcome]] = []
+    world.rounds(grid, 3, 1.0, 40.0, per_round.extend)
+    sim.run(sim.now + 3 * 40 + 60)
+    assert [len(r) for r in per_round] == [len(world.peers)] * 3
+    by_peer: dict[ID, list[Outcome]] = {sim.peers[o.peer].peer_id: [] for o in per_round[0]}
+    for r in per_round:
+        for o in r:
+            by_peer[sim.peers[o.peer].peer_id].append(o)
+    always = 0
+    for pid, (a, b, c) in by_peer.items():
+        if a.group and b.group and c.group:
+            always += 1
+            assert grid[pid].digits == (b.group.my_index % 5, c.group.my_index % 5)  # the oldest digit dropped twice
+        elif not (a.group or b.group or c.group):
+            assert grid[pid].key == first[pid]  # without a group it stays where it was
+    assert always >= 0.8 * len(by_peer)
+    for r in per_round:
+        assert summary(r)["without_group"] <= 0.15
+        views: dict[bytes, set[tuple[bytes, ...]]] = defaultdict(set)
+        for o in r:
+            if o.group is not None:
+                views[o.group.group_id].add(tuple(m.peer_id.to_bytes() for m in o.group.members))
+        assert all(len(v) == 1 for v in views.values())  # one group, one membership, within a round
+
+
+def test_senders_a_full_group_would_leave_behind_join_it() -> None:
+    """What bench/scale.py found after the cells of m + 1: cells of 12 or 13 (m = 10) left two or
+    three senders behind NATs, who can neither lead nor reduce, without a group. Here cells of two
+    public peers and four behind NATs, target 4: the leader's group fills with three of the other
+    five, and the two left are both senders in six cells of ten: 8 of 48 peers without a group before,
+    2 now (a leader that had not read them yet fixed its group at the target)."""
+    sim = DHTSim(DHTSimConfig(peers=150, seed=12, warm=True, churn=False))
+    sim.run(20)
+    world = MatchmakingSim(sim, MatchmakingConfig(target_size=4, min_size=2, gather_time=2.0, timeout=30.0))
+    public = sorted((p for p in world.peers if world.peers[p].peer.kind is Kind.PUBLIC), key=lambda p: p.to_bytes())
+    behind = sorted((p for p in world.peers if world.peers[p].peer.kind is Kind.UNREACHABLE), key=lambda p: p.to_bytes())
+    n = min(len(public) // 2, len(behind) // 4)
+    cells = {pid: f"cell{i // 2}" for i, pid in enumerate(public[: 2 * n])}
+    cells.update({pid: f"cell{i // 4}" for i, pid in enumerate(behind[: 4 * n])})
+    outcomes: list[Outcome] = []
+    world.round(cells, 1.0, outcomes.extend)
+    sim.run(sim.now + 60)
+    assert n >= 8 and len(outcomes) == 6 * n
+    assert summary(outcomes)["without_group"] <= 0.07
+    assert max(o.group.size for o in outcomes if o.group is not None) >= 5  # over the target: the senders came

@@ -188,6 +188,47 @@ def test_a_full_group_takes_the_one_peer_it_would_leave_alone() -> None:
     assert told.on_woken(0.1) == Fix((A, B, C))
 
 
+def test_a_full_group_takes_the_senders_no_other_group_could_take() -> None:
+    """A cell of 12 or 13 with m = 10 (bench/scale.py, 1,000 peers: most of the peers still left
+    without a group): the leader filled its group of ten, and the two or three senders behind
+    NATs left over, none of whom can lead or reduce, failed at the deadline. The leader that read
+    them takes them all, and waits for them a gather_time after its group was full."""
+    E, F = member(5, Role.SENDER, leads=False), member(6, Role.SENDER, leads=False)
+    f = formation(A)
+    f.on_declarations([A, B, C, E, F], 0.0)  # target 3: B and C may lead and reduce elsewhere
+    assert f.capacity() == 3
+    assert f.on_join(B) == Admit() and f.on_join(C) == Admit()  # full: E and F are left, only senders
+    assert f.capacity() == 5
+    assert f.on_woken(4.0) == Read()  # gather_time passed since we led, but not since the group was full
+    assert f.on_declarations([A, B, C, E, F], 4.1) == AwaitJoins(POLL)
+    assert f.on_join(E) == Admit() and f.on_join(F) == Admit()
+    assert f.on_woken(4.3) == Fix((A, B, C, E, F))
+    late = formation(A)
+    late.on_declarations([A, B, C, E, F], 0.0)
+    late.on_join(B)
+    assert late.on_woken(1.0) == Read()  # two of three: not full yet
+    late.on_join(C)
+    assert late.on_woken(4.0) == Read()  # full since 4.0, not 1.0
+    assert late.on_declarations([A, B, C, E, F], 6.9) == AwaitJoins(POLL)
+    assert late.on_tick(7.0) == Fix((A, B, C))  # they never came: a gather_time longer at most
+    others = formation(A)
+    others.on_declarations([A, B, C, D, E, F], 0.0)  # D can lead E and F: a group of their own
+    others.on_join(B)
+    others.on_join(C)
+    assert others.capacity() == 3 and others.on_woken(4.0) == Fix((A, B, C))
+    lone = formation(A)
+    lone.on_declarations([A, B, C, member(7, Role.SENDER), E], 0.0)  # a sender that may lead, no reducer
+    lone.on_join(B)
+    lone.on_join(C)
+    assert lone.capacity() == 5
+    told = formation(A, FormationRules(target=3, min_size=2, gather_time=3.0, poll_interval=POLL,
+                                       absorb_remainder=False))  # the caller said 3 come
+    told.on_declarations([A, B, C, E, F], 0.0)
+    told.on_join(B)
+    told.on_join(C)
+    assert told.capacity() == 3 and told.on_woken(0.1) == Fix((A, B, C))
+
+
 def test_min_size_is_fixed_once_gather_time_passed() -> None:
     f = leading(at=10.0)
     f.on_join(B)
@@ -299,9 +340,11 @@ def test_joins_asked_of_us_in_each_phase() -> None:
     lead = leading(rules=FormationRules(target=2, min_size=2, gather_time=3.0, poll_interval=POLL))
     assert lead.on_join(B) == Admit()
     assert lead.on_join(C) == Admit()  # asking, it is declared: one more than the target, not left alone
-    assert lead.on_join(D) == Reject("group full")  # four: two groups of two
-    assert lead.on_tick(0.1) == Fix((A, B))
-    lead.fixed(group_of(A, B, me=A))
+    # four: D alone could form no group (B and C are ours), so it is taken too; before, the count
+    # of four said "two groups of two", D was turned away and C, admitted, was cut from the group
+    assert lead.on_join(D) == Admit()
+    assert lead.on_tick(0.1) == Fix((A, B, C, D))
+    lead.fixed(group_of(A, B, C, D, me=A))
     assert lead.on_join(member(5)) == Reject("group full")
     failed = leading()
     failed.on_tick(DEADLINE)

@@ -34,6 +34,7 @@ from ..formation import (Accept, Action, Admit, AskToJoin, AwaitJoins, Defer, Do
                          Refused, Reject, Sleep, Unreachable, answer_admitted)
 from ..group import Group, Member, Role
 from ..matchmaking import MatchmakingConfig, declared_members, forget_expired
+from ..moshpit import GridPosition
 
 SCHEMA = b"moshpit-sim"
 
@@ -264,6 +265,42 @@ class MatchmakingSim:
 
         for peer_id, cell in cells.items():
             self.sim.engine.at(self.sim.rng.uniform(0, start_spread_s), self.peers[peer_id].form_group, cell, done)
+
+    def rounds(self, grid: dict[ID, GridPosition], rounds: int, start_spread_s: float, period_s: float,
+               finished: Callable[[list[list[Outcome]]], None]) -> None:
+        """Every peer in ``grid`` matches ``rounds`` times, each round under its cell's key.
+
+        Round r begins ``r * period_s`` after the first, each peer within ``start_spread_s`` of it
+        (a training run's global step: the peers learn together that the swarm reached its batch),
+        or as soon as its previous round ended if that is later (its matchmaking ran long). The grid
+        advances by the peer's index in its group (it stays where it was without one), as the
+        averager's does. So joins meet peers between two of their rounds, which a single round
+        (:meth:`round`) shows only for peers that finished for good; with a short period, peers slow
+        in one round begin the next late, beside others already in it. ``finished`` gets the
+        outcomes round by round.
+        """
+        per_round: list[list[Outcome]] = [[] for _ in range(rounds)]
+        pending = len(grid) * rounds
+        sim = self.sim
+        t0 = sim.now
+
+        def start(peer_id: ID, r: int) -> None:
+            self.peers[peer_id].form_group(grid[peer_id].key, lambda outcome: done(peer_id, r, outcome))
+
+        def done(peer_id: ID, r: int, outcome: Outcome) -> None:
+            nonlocal pending
+            per_round[r].append(outcome)
+            if outcome.group is not None:
+                grid[peer_id].advance(outcome.group.my_index)
+            pending -= 1
+            if r + 1 < rounds:
+                begin = t0 + (r + 1) * period_s + sim.rng.uniform(0, start_spread_s)
+                sim.engine.at(max(0.0, begin - sim.now), start, peer_id, r + 1)
+            if pending == 0:
+                finished(per_round)
+
+        for peer_id in grid:
+            sim.engine.at(sim.rng.uniform(0, start_spread_s), start, peer_id, 0)
 
 
 def _outcome(answer: JoinAnswer, me: ID) -> JoinOutcome:
