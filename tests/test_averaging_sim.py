@@ -94,12 +94,12 @@ def test_matchmaking_round_after_round_moves_each_peer_on_the_grid_by_its_index(
     steps, one every period), each round under the key its grid gives it after the last one."""
     sim = DHTSim(DHTSimConfig(peers=150, seed=12, warm=True, churn=False))
     sim.run(20)
-    world = MatchmakingSim(sim, MatchmakingConfig(target_size=5, min_size=2, gather_time=2.0, timeout=30.0))
+    world = MatchmakingSim(sim, MatchmakingConfig(target_size=5, min_size=2, gather_time=2.0, timeout=15.0))
     grid = {pid: GridPosition.initial(5, 3, pid.to_bytes()) for pid in world.peers}
     first = {pid: g.key for pid, g in grid.items()}
     per_round: list[list[Outcome]] = []
-    world.rounds(grid, 3, 1.0, 40.0, per_round.extend)
-    sim.run(sim.now + 3 * 40 + 60)
+    world.rounds(grid, 3, 1.0, 16.0, per_round.extend)
+    sim.run(sim.now + 2 * 16 + 17)  # the last round's deadline, and its answers
     assert [len(r) for r in per_round] == [len(world.peers)] * 3
     by_peer: dict[ID, list[Outcome]] = {sim.peers[o.peer].peer_id: [] for o in per_round[0]}
     for r in per_round:
