@@ -223,7 +223,9 @@ def moshpit(args: argparse.Namespace) -> dict[str, Any]:
         per_round: list[list[Outcome]] = []
         grid = {pid: GridPosition.initial(m, d, pid.to_bytes()) for pid in world.peers}
         world.rounds(grid, args.matchmaking_rounds, 2.0, args.matchmaking_period, per_round.extend)
-        sim.run(sim.now + args.matchmaking_rounds * max(30.0, args.matchmaking_period) + 60.0)
+        # the last round begins at most (R - 1) periods in (or a 30 s round and its spread later,
+        # per round, when rounds run long), and ends within 60 s: one round ran 60 s before
+        sim.run(sim.now + (args.matchmaking_rounds - 1) * max(35.0, args.matchmaking_period) + 60.0)
         outcomes = [o for r in per_round for o in r]
         out["matchmaking"] = {**summary(outcomes), "rounds": args.matchmaking_rounds,
                               "period_s": args.matchmaking_period, "cpu_s": time.process_time() - cpu0,
