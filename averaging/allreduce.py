@@ -32,6 +32,7 @@ import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import cast
 
 import torch
@@ -42,7 +43,7 @@ from libp2p.peer.id import ID
 from nat import Swarm
 from p2p.errors import ConfigError
 from p2p.rpc.stream import TRANSPORT_ERRORS
-from p2p.trio_util import finish_quietly
+from p2p.trio_util import beside, finish_quietly
 
 from .bandwidth import TransferClock
 from .compression import Compression, Region, codec_regions, decode, encode, payload_size
@@ -506,8 +507,7 @@ class AllreduceRound:
         timeout, holding up every member's part here."""
         clock = self._clock(self.download)
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._write_back, stream, sender)
+            async with beside(partial(self._write_back, stream, sender)):
                 for k, span in enumerate(mine):
                     with trio.fail_after(self.config.stall_timeout) as watchdog:
                         reader.watch(watchdog, self.config.stall_timeout)
@@ -582,8 +582,7 @@ class AllreduceRound:
         returned = _Counter()
         got = 0
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._send_chunks, stream, part, outcome, returned)
+            async with beside(partial(self._send_chunks, stream, part, outcome, returned)):
                 for k, span in enumerate(spans):
                     # The reducer itself may wait stall_timeout for another sender
                     # before it gives up on it: be more patient than that.

@@ -218,7 +218,16 @@ def dial_rank(addr: Multiaddr) -> tuple[bool, Scope, bool]:
     return (CIRCUIT in names, _scope(parts), "ip6" in names)
 
 
+def is_unspecified(addr: Multiaddr) -> bool:
+    """Whether the address's IP is ``0.0.0.0`` or ``::``: a listen socket's "every address", never
+    one to dial (a connect to it reaches the dialer's own host)."""
+    items = list(addr.items())
+    return bool(items) and items[0][0].name in ("ip4", "ip6") and ipaddress.ip_address(str(items[0][1])).is_unspecified
+
+
 def rank_for_dial(addrs: Iterable[Multiaddr]) -> list[Multiaddr]:
-    """Unique addresses in the order a dialer should try them."""
-    unique = {a.to_bytes(): a for a in addrs}
+    """Unique addresses in the order a dialer should try them, unspecified ones (``0.0.0.0``, ``::``)
+    left out as go-libp2p's swarm leaves them: a peer with no IPv6 address advertised ``/ip6/::/…``,
+    and each dial of it reached the dialer's own host."""
+    unique = {a.to_bytes(): a for a in addrs if not is_unspecified(a)}
     return sorted(unique.values(), key=dial_rank)

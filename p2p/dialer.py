@@ -24,7 +24,7 @@ from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
 from . import multistream
-from .addresses import Scope, is_relayed, peer_id_of, rank_for_dial, scope_of, split_circuit, without_peer_id
+from .addresses import Scope, is_relayed, is_unspecified, peer_id_of, rank_for_dial, scope_of, split_circuit, without_peer_id
 from .errors import AddressError, DialError
 from .libp2p_host import tcp_remote_address
 from .trio_util import finish_quietly
@@ -74,7 +74,9 @@ async def dial(
         return existing, remote_addr(existing)
     ranked = _one_circuit_per_relay(network, [a for a in rank_for_dial(addrs) if circuit is not None or not is_relayed(a)])
     if not ranked:
-        raise DialError(f"no dialable address known for {peer_id}", [(str(a), "relayed (needs a relay client)") for a in addrs])
+        raise DialError(f"no dialable address known for {peer_id}",
+                        [(str(a), "unspecified (0.0.0.0 or ::): no address to dial" if is_unspecified(a)
+                          else "relayed (needs a relay client)") for a in addrs])
 
     failures: list[tuple[str, str]] = []
     winner: list[tuple[INetConn, Multiaddr]] = []

@@ -31,8 +31,8 @@ from multiaddr import Multiaddr
 from . import events as ev
 from . import multistream
 from .admission import Admission
-from .addresses import (is_relayed, parse_multiaddr, parse_peer_addr, rank_for_dial, tcp_port, with_peer_id,
-                        without_peer_id)
+from .addresses import (is_relayed, is_unspecified, parse_multiaddr, parse_peer_addr, rank_for_dial, tcp_port,
+                        with_peer_id, without_peer_id)
 from .config import NodeConfig
 from .conn_manager import Conn, Tags, select_to_close
 from .dial_backoff import DialBackoff
@@ -295,12 +295,14 @@ class Node:
         """What we tell peers: ``--announce`` if given; else our interface addresses unless a
         dial-back refuted them (a public relay is reachable before anyone could confirm it),
         the addresses a dial-back confirmed (a NAT's external address, a port mapping), and
-        our relayed addresses while we are not public."""
+        our relayed addresses while we are not public. A family with no interface address says
+        nothing (its ``0.0.0.0`` or ``::`` is no address)."""
         if self._announce:
             return list(self._announce)
         external = self._external
         refuted = set(external.refuted)
-        out = [a for c in candidates for a in _expand_unspecified(c) if without_peer_id(a) not in refuted]
+        out = [a for c in candidates for a in _expand_unspecified(c)
+               if without_peer_id(a) not in refuted and not is_unspecified(a)]
         out += [a for a in external.confirmed if a not in out]
         if external.reachability != Reachability.PUBLIC:
             out += [a for a in external.relayed if a not in out]
@@ -965,7 +967,8 @@ def _remote(stream: INetStream) -> ID | None:
 
 
 def _expand_unspecified(addr: Multiaddr) -> list[Multiaddr]:
-    """0.0.0.0 / :: listen addresses stand for every local address of that family."""
+    """0.0.0.0 / :: listen addresses stand for every local address of that family (the address itself
+    when there is none of that family: callers drop it)."""
     items = list(addr.items())
     if not items or items[0][0].name not in ("ip4", "ip6") or str(items[0][1]) not in ("0.0.0.0", "::"):
         return [addr]

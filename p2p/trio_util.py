@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 
 import trio
 
@@ -27,6 +27,34 @@ def unwrap_single_group() -> Iterator[None]:
         if inner is group:
             raise
         raise inner from None
+
+
+@asynccontextmanager
+async def beside(job: Callable[[], Awaitable[object]]) -> AsyncIterator[None]:
+    """Run ``job`` (a writer beside a reader, say) while the body runs; the first of the two to fail
+    ends the other, and the body waits for ``job`` when it ends first.
+
+    A failure of ``job`` reaches the caller as itself, after the body was cancelled. With a bare
+    nursery, a job that fails as an *outer* scope cancels the body (a stream reset by the peer whose
+    round ended at the same deadline as ours) leaves a ``BaseExceptionGroup`` of the error and
+    ``Cancelled``: ``except Exception`` misses it, and once the outer scope took its ``Cancelled``
+    the error escaped the round and ended the process (seen in the demo under CI's load). Here the
+    outer cancel stays a plain cancel: ``job``'s error then says nothing the cancel did not.
+    """
+    failed: list[Exception] = []
+    async with trio.open_nursery() as nursery:
+
+        async def run() -> None:
+            try:
+                await job()
+            except Exception as e:
+                failed.append(e)
+                nursery.cancel_scope.cancel()
+
+        nursery.start_soon(run)
+        yield
+    if failed:
+        raise failed[0]
 
 
 async def finish_quietly(closing: Callable[[], Awaitable[object]], *, timeout: float = 1.0) -> None:

@@ -64,6 +64,8 @@ def test_ranking_direct_before_relayed_public_before_private():
     assert ranked[4] == "/ip4/127.0.0.1/tcp/5"
     assert "p2p-circuit" in ranked[5]
     assert len(rank_for_dial(addrs + addrs)) == len(addrs)  # duplicates collapse
+    # a listen socket's "every address" is no address to dial: a connect to it reaches our own host
+    assert rank_for_dial(addrs + [Multiaddr("/ip6/::/tcp/5"), Multiaddr("/ip4/0.0.0.0/tcp/5")]) == rank_for_dial(addrs)
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ from contextlib import AsyncExitStack
 import pytest
 import torch
 import trio
+from libp2p.network.stream.exceptions import StreamReset
 
 from averaging import allreduce
 from averaging.allreduce import AllreduceConfig, RoundReport
@@ -566,6 +567,38 @@ async def test_a_write_back_that_breaks_drops_its_sender_at_once(monkeypatch: py
     assert any(broken[0] in r.left_out for r in reports), [r.summary() for r in reports]
     # nor is it a handler's failure (a WARNING with an ExceptionGroup, as the demo printed at its end)
     assert not [r.getMessage() for r in caplog.records if "handler for" in r.getMessage()]
+
+
+async def test_a_send_that_fails_as_the_round_times_out_ends_the_round_with_a_report(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every send hangs until the round's timeout, then fails as a stream the reducer reset at that
+    same deadline does (StreamReset where the round's cancel reaches the reads beside it). Each step
+    still returns its report, timed out: the error and the cancel left the round's nursery as one
+    BaseExceptionGroup, which ``except Exception`` missed, and the StreamReset ended the demo's
+    trainer (a CI run)."""
+    real_write = allreduce._write_chunk
+
+    async def write(stream, head, payload):  # type: ignore[no-untyped-def]
+        if sys._getframe(1).f_code.co_name != "_send_chunks":
+            await real_write(stream, head, payload)
+            return
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled:
+            raise StreamReset("injected: reset by the reducer at the same deadline") from None
+
+    monkeypatch.setattr(allreduce, "_write_chunk", write)
+    async with open_peers(3) as everyone:
+        peers = everyone[1:]
+        await public(peers)
+        data = [[torch.full((100_000,), float(i + 1))] for i in range(3)]
+        cfg = config(3, allreduce=AllreduceConfig(chunk_elements=16 * 1024, stall_timeout=20.0, timeout=3.0))
+        async with Averager.open(peers[0], cfg) as a0, Averager.open(peers[1], cfg) as a1, \
+                Averager.open(peers[2], cfg) as a2:
+            results = await step_all([a0, a1, a2], data, [1.0, 1.0, 1.0], strict=False)
+    for result in results:
+        assert isinstance(result, RoundReport), repr(result)
+        assert any("timed out" in n for n in result.notes), result.summary()
 
 
 async def test_a_reducer_that_stops_answering_is_reported_as_stalled(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,4 +1,4 @@
-"""The README's embedding example, run as it stands (but for the relay address) behind namespace NATs.
+"""The README's embedding example, run as it stands (but for the relay address and an error's text) behind NATs.
 
 Three copies of the program: one on a public host, two behind endpoint-independent
 NATs. Without a line about NATs, the NATed ones must reserve relay slots, use the
@@ -31,7 +31,13 @@ async def test_readme_embedding_example_behind_nat(tmp_path: Path) -> None:
     async with Lab(prefix="demb", public_net=PUBLIC_NET) as lab:
         _, relay_addr = await start_relay(lab)
         script = tmp_path / "example.py"
-        script.write_text(readme_example("embedding-example", relay_addr))
+        # The one change: an unreachable member is printed with the error's text, not its type alone,
+        # so that a failure here says why (a CI run saw both NATed copies meet DialBackoffError
+        # dialing the public one for 150 s, while it reached them: the reason was not printed).
+        code = readme_example("embedding-example", relay_addr)
+        said = 'f"unreachable ({type(e).__name__})"'
+        assert said in code, "the README's embedding example no longer prints unreachable members so"
+        script.write_text(code.replace(said, 'f"unreachable ({type(e).__name__}: {e})"'))
         hosts = {
             "pub": await lab.peer("pub", NatKind.PUBLIC, delay_ms=10),
             "n1": await lab.peer("n1", NatKind.EIM_PRESERVING, delay_ms=10),

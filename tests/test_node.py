@@ -6,6 +6,7 @@ import functools
 import logging
 import socket
 
+import ifaddr
 import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
@@ -139,6 +140,31 @@ async def test_unspecified_listen_address_is_advertised_as_real_addresses():
         assert a.addrs
         assert not any("/ip4/0.0.0.0/" in str(x) for x in a.addrs)
         assert any("/ip4/127.0.0.1/" in str(x) for x in a.addrs)
+
+
+async def test_a_family_with_no_interface_address_is_not_advertised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host without IPv6 (a namespace, a home PC with it off) listening on ``::`` advertised
+    ``/ip6/::/tcp/…``, which every dialer's connect took to its own host; and a peer that still
+    advertises one is not dialed there."""
+    real = ifaddr.get_adapters
+
+    def ipv4_only() -> list[ifaddr.Adapter]:
+        adapters = list(real())
+        for adapter in adapters:
+            adapter.ips = [ip for ip in adapter.ips if isinstance(ip.ip, str)]
+        return adapters
+
+    monkeypatch.setattr(ifaddr, "get_adapters", ipv4_only)
+    async with open_nodes(2, listen=["/ip4/0.0.0.0/tcp/0", "/ip6/::/tcp/0"]) as (a, b):
+        assert any("/ip4/127.0.0.1/" in str(x) for x in a.addrs)
+        assert not any(str(x).startswith(("/ip6/", "/ip4/0.0.0.0/")) for x in a.addrs), a.addrs
+        with pytest.raises(DialError, match="no dialable address") as failed:
+            await b.connect(f"/ip6/::/tcp/{a.listen_addrs[-1].value_for_protocol('tcp')}/p2p/{a.peer_id}")
+        assert "unspecified" in str(failed.value.attempts), failed.value.attempts
+        # nor in what identify tells a peer
+        await b.connect(a.addrs[0])
+        await wait_until(lambda: len(b.known_addrs(a.peer_id)) >= len(a.addrs), 10)
+        assert not any(str(x).startswith(("/ip6/", "/ip4/0.0.0.0/")) for x in b.known_addrs(a.peer_id))
 
 
 async def test_announce_replaces_advertised_addresses():
