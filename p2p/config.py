@@ -36,6 +36,9 @@ class NodeConfig:
     #: First retry delay for an unreachable initial peer; doubles up to ``max_backoff``.
     initial_backoff: float = 0.5
     max_backoff: float = 8.0
+    #: Each of those delays comes up to this fraction of it early, at random per peer: peers cut
+    #: off together (a relay's restart) otherwise dial back in lockstep, every handshake at once.
+    backoff_jitter: float = 0.5
     #: Time for one dial of one peer (all its addresses together).
     dial_timeout: float = 10.0
     #: Head start each address gets before the next one is tried in parallel.
@@ -83,6 +86,8 @@ class NodeConfig:
         for name in ("bootstrap_timeout", "dial_timeout", "rpc_timeout", "initial_backoff", "max_backoff"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.backoff_jitter < 1:
+            raise ConfigError(f"backoff_jitter must be in [0, 1), got {self.backoff_jitter}")
         if self.dial_stagger < 0 or self.dial_stagger_local < 0:
             raise ConfigError(f"dial_stagger and dial_stagger_local must be >= 0, got {self.dial_stagger} "
                               f"and {self.dial_stagger_local}")

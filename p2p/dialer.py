@@ -13,6 +13,7 @@ which has no such stall. ``tests/test_dialer.py`` pins the behaviour.
 from __future__ import annotations
 
 import errno
+import random
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -261,11 +262,20 @@ class _Replay(ReadWriteCloser):
         return tcp_remote_address(self._inner)  # IPv6 too (py-libp2p's answers None there)
 
 
-def backoff_delays(initial: float, maximum: float) -> Iterator[float]:
-    """Exponential backoff with a cap: initial, 2*initial, ... maximum, maximum, ..."""
+def backoff_delays(initial: float, maximum: float, *, jitter: float = 0.0,
+                   rng: random.Random | None = None) -> Iterator[float]:
+    """Exponential backoff with a cap: initial, 2*initial, ... maximum, maximum, ...
+
+    With ``jitter``, each delay is cut by up to that fraction of it, drawn from ``rng``: peers
+    cut off at one moment (their relay restarted) otherwise dial it back at the same moments,
+    all their handshakes at once (go-libp2p's backoffs jitter alike). Cut, never stretched: the
+    pace stays at most the one documented.
+    """
+    if jitter and rng is None:
+        raise ValueError("a jittered backoff needs its rng")
     delay = initial
     while True:
-        yield delay
+        yield delay if rng is None else delay * (1.0 - jitter * rng.random())
         delay = min(maximum, delay * 2)
 
 

@@ -8,10 +8,11 @@ tasks in a nursery that lives exactly as long as the ``async with`` block.
 from __future__ import annotations
 
 import logging
+import random
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterator, Sequence
 from contextlib import ExitStack, asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import cast
@@ -106,6 +107,9 @@ class Node:
         self.dial_errors: Counter[tuple[str, str, str]] = Counter()
         #: Addresses whose dials failed lately, held back for a while (``p2p/dial_backoff.py``).
         self.backoff = DialBackoff(config.dial_backoff)
+        #: Draws the jitter of bootstrap's and rejoin's retries: seeded by our peer id, so each
+        #: peer keeps its own pace from run to run, and two peers' paces differ.
+        self._jitter = random.Random(self.peer_id.to_bytes())
         #: Calls of :meth:`connect` refused at once because every address was held back.
         self.dials_backed_off = 0
         #: The dial under way to each peer: one at a time, later callers wait for it (go-libp2p's dial sync).
@@ -437,7 +441,7 @@ class Node:
         """
         try:
             started: float | None = None
-            for delay in backoff_delays(self.config.initial_backoff, self.config.max_backoff):
+            for delay in self._backoff_delays():
                 await trio.sleep(delay)  # also between rounds that reached a peer which closed at once
                 if self.connections():
                     return
@@ -702,6 +706,12 @@ class Node:
     def network(self) -> INetworkService:
         return self.host.get_network()
 
+    def _backoff_delays(self) -> Iterator[float]:
+        """Bootstrap's and rejoin's pace: ``initial_backoff`` doubling to ``max_backoff``, each delay up
+        to ``backoff_jitter`` of it early."""
+        return backoff_delays(self.config.initial_backoff, self.config.max_backoff,
+                              jitter=self.config.backoff_jitter, rng=self._jitter)
+
     async def bootstrap(self) -> None:
         """Reach the initial peers; return once one answers, keep trying the rest.
 
@@ -713,7 +723,7 @@ class Node:
         last_error: dict[str, str] = {}
 
         async def keep_trying(addr: Multiaddr, deadline: float) -> None:
-            for attempt, delay in enumerate(backoff_delays(self.config.initial_backoff, self.config.max_backoff)):
+            for attempt, delay in enumerate(self._backoff_delays()):
                 try:
                     # From the listen port, so the peer observes our NAT mapping (the NAT
                     # layer classifies it from such observations). After three failures,

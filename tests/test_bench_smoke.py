@@ -207,6 +207,16 @@ def run_bench(tmp_path: Path, script: str, *args: str, timeout: float) -> dict: 
     return figures
 
 
+def test_rejoin_bench_times_each_peer_back_after_a_restart(tmp_path: Path) -> None:
+    """bench/rejoin.py with 4 peers, the bootstrap node down 1 s, once without jitter and once with."""
+    figures = run_bench(tmp_path, "rejoin.py", "--peers", "4", "--down", "1", "--repeats", "1", "--jitters", "0,0.5",
+                        timeout=120)
+    assert set(figures["jitters"]) == {"0.0", "0.5"}
+    for summary in figures["jitters"].values():
+        assert summary["runs"][0]["back"] == 4, summary  # every peer came back by itself
+        assert 1 <= summary["burst_per_100ms"]["min"] <= 4 and summary["all_back_s"]["min"] < 30, summary
+
+
 def test_departed_peer_bench_counts_the_relay_s_connects_both_ways() -> None:
     """bench/departed_peer.py at 8 s (17 s of wall time, under a second of CPU: it mostly waits)."""
     result = subprocess.run([sys.executable, str(ROOT / "bench" / "departed_peer.py"), "--seconds", "8", "--every", "2",
