@@ -241,10 +241,10 @@ class Averager:
             # 1,000-peer simulation (bench/scale.py) its members then met nobody or the wrong peers:
             # 0.1% of members failing took a full grid from 3 rounds to 1e-6 of the average to 7.
             if self.grid is not None:
-                self.grid.advance(group.my_index)
+                self.grid.advance(group.my_index, group.group_id)
             raise
         if self.grid is not None:
-            self.grid.advance(group.my_index)
+            self.grid.advance(group.my_index, group.group_id)
             report.notes.append(f"moshpit: next group key {self.grid.key!r}")
         return report
 

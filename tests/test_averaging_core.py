@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -314,6 +315,35 @@ def test_moshpit_grid_reaches_the_exact_average_in_log_m_rounds() -> None:
     values8 = {i: float(i) for i in range(8)}
     grid8 = {i: GridPosition(2, (i % 2, i // 2 % 2)) for i in range(8)}
     assert all(v == pytest.approx(3.5) for v in _moshpit_rounds(values8, grid8, 3).values())
+
+
+def test_moshpit_groups_under_m_hand_out_every_digit_alike() -> None:
+    """Groups under m (8.6 of m = 10 on average at 1,000 peers) gave out only the low digits: the
+    cells keyed by high indexes emptied round after round, and their peers met no group. Each group's
+    indexes are now turned by an offset from its id: every digit about as often, members of one group
+    on distinct cells, and a full group still a permutation."""
+    counts = Counter()
+    for g in range(2000):
+        size = 6 + g % 4  # groups of 6..9 under m = 10
+        digits = []
+        for index in range(size):
+            position = GridPosition(10, (3, 4))
+            position.advance(index, f"group {g}".encode())
+            assert position.digits[0] == 4
+            digits.append(position.digits[1])
+        assert len(set(digits)) == size  # the group's members land on distinct cells
+        counts.update(digits)
+    mean = sum(counts.values()) / 10
+    assert len(counts) == 10 and min(counts.values()) > 0.9 * mean and max(counts.values()) < 1.1 * mean, counts
+    full = []
+    for index in range(10):
+        position = GridPosition(10, (3, 4))
+        position.advance(index, b"a full group")
+        full.append(position.digits[1])
+    assert sorted(full) == list(range(10))
+    bare = GridPosition(10, (3, 4))
+    bare.advance(7)
+    assert bare.digits == (4, 7)  # without a salt: the index, as before
 
 
 def test_moshpit_with_failures_converges_and_a_failure_stays_in_its_group() -> None:

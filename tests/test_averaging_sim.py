@@ -36,7 +36,8 @@ def test_a_group_that_failed_moves_on_with_the_grid_and_nobody_is_left_alone() -
     assert staying.alone > 100  # out of phase: alone under their old key
     assert moving.rounds_to(1e-6) is not None and staying.rounds_to(1e-6) is not None
     assert moving.rounds_to(1e-6) < staying.rounds_to(1e-6)  # type: ignore[operator]
-    assert all(b <= a * (1 + 1e-9) for a, b in zip(moving.distance, moving.distance[1:]))  # never farther
+    # never farther (but for rounding, once the distance is down at 1e-34)
+    assert all(b <= a * (1 + 1e-9) + 1e-30 for a, b in zip(moving.distance, moving.distance[1:]))
 
 
 def test_first_keys_from_peer_ids_fill_cells_unevenly() -> None:
@@ -109,7 +110,11 @@ def test_matchmaking_round_after_round_moves_each_peer_on_the_grid_by_its_index(
     for pid, (a, b, c) in by_peer.items():
         if a.group and b.group and c.group:
             always += 1
-            assert grid[pid].digits == (b.group.my_index % 5, c.group.my_index % 5)  # the oldest digit dropped twice
+            expected = GridPosition(5, tuple(int(x) for x in first[pid].split(".")))
+            for o in (a, b, c):
+                assert o.group is not None
+                expected.advance(o.group.my_index, o.group.group_id)
+            assert grid[pid].digits == expected.digits  # each round's index, turned by its group's offset
         elif not (a.group or b.group or c.group):
             assert grid[pid].key == first[pid]  # without a group it stays where it was
     assert always >= 0.8 * len(by_peer)

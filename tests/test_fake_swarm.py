@@ -17,7 +17,7 @@ import trio
 from averaging import AllreduceConfig, Averager, MatchmakingConfig, RoundReport
 from averaging.errors import MatchmakingError, PartialAverageError
 from averaging.group import Group
-from averaging.moshpit import MoshpitConfig
+from averaging.moshpit import GridPosition, MoshpitConfig
 from nat import Peer, Swarm
 from training import StepReport, TrainingConfig
 
@@ -229,7 +229,12 @@ async def test_a_moshpit_group_whose_round_failed_still_moves_on_the_grid() -> N
                     nursery.start_soon(one, i, averager)
             assert all(isinstance(r, PartialAverageError) for r in results), results
             assert all(bool((data[i][0] == float(i + 1)).all()) for i in range(3))  # strict: values kept
+            last_digits = set()
             for averager in (a0, a1, a2):
                 group = next(g for g in groups if g.me.peer_id == averager.peer.peer_id)
                 assert group.size == 4
-                assert averager.grid is not None and averager.grid.digits == (2, group.my_index)
+                expected = GridPosition(4, (1, 2))
+                expected.advance(group.my_index, group.group_id)
+                assert averager.grid is not None and averager.grid.digits == expected.digits
+                last_digits.add(expected.digits[1])
+            assert expected.digits[0] == 2 and len(last_digits) == 3  # the group's members on distinct cells

@@ -291,7 +291,7 @@ class MatchmakingSim:
             nonlocal pending
             per_round[r].append(outcome)
             if outcome.group is not None:
-                grid[peer_id].advance(outcome.group.my_index)
+                grid[peer_id].advance(outcome.group.my_index, outcome.group.group_id)
             pending -= 1
             if r + 1 < rounds:
                 begin = t0 + (r + 1) * period_s + sim.rng.uniform(0, start_spread_s)

@@ -92,7 +92,7 @@ def simulate(config: MoshpitSimConfig) -> MoshpitRun:
     start = float(((values - mean) ** 2).sum())
     distance = [1.0]
     failed_groups = groups_formed = alone = 0
-    for _ in range(config.rounds):
+    for r in range(config.rounds):
         for members in _groups(config, grid, rng):
             if len(members) < 2:
                 alone += len(members)
@@ -107,8 +107,9 @@ def simulate(config: MoshpitSimConfig) -> MoshpitRun:
                 index = torch.tensor(ordered)
                 values[index] = values[index].mean(0)
             if config.grouping is Grouping.GRID:
+                group_id = f"{r}:{ordered[0]}".encode()  # the averager's is the group's id: one per group
                 for position, peer in enumerate(ordered):
-                    grid[peer].advance(position)
+                    grid[peer].advance(position, group_id)
         distance.append(float(((values - mean) ** 2).sum()) / start)
     return MoshpitRun(config, distance, failed_groups, groups_formed, alone)
 
