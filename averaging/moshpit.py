@@ -105,7 +105,9 @@ class FailureRate:
 class MoshpitConfig:
     """Moshpit groups: ``group_size`` m, ``dims`` d (m^d cells should hold the swarm), start digits.
 
-    Every peer of a run must use the same m and d. ``initial``: this peer's
+    Every peer of a run must use the same m and d (and a release with the same turn of a
+    group's indexes, :meth:`GridPosition.advance`: peers that turn them differently still
+    group, but no longer meet the peers the grid meant). ``initial``: this peer's
     first d - 1 digits (None: from its peer id). :meth:`for_swarm` picks m
     and d for n peers and a failure rate.
     """

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .addresses import parse_multiaddr, parse_peer_addr
+from .addresses import is_unspecified, parse_multiaddr, parse_peer_addr
 from .conn_manager import ConnManagerConfig
 from .dial_backoff import BackoffConfig
 from .errors import ConfigError
@@ -80,7 +80,9 @@ class NodeConfig:
                     "or /ip6/<ip>/tcp/<port>"
                 )
         for a in self.announce:
-            parse_multiaddr(a, what="announce address")
+            if is_unspecified(parse_multiaddr(a, what="announce address")):
+                raise ConfigError(f"announce address {a} is unspecified (0.0.0.0 or ::): nobody can dial it; "
+                                  "announce the address peers reach this node at (its public IP)")
         for a in self.initial_peers:
             parse_peer_addr(a, what="initial peer")
         for name in ("bootstrap_timeout", "dial_timeout", "rpc_timeout", "initial_backoff", "max_backoff"):

@@ -173,6 +173,9 @@ async def test_a_family_with_no_interface_address_is_not_advertised(monkeypatch:
 async def test_announce_replaces_advertised_addresses():
     async with open_nodes(1, announce=["/ip4/203.0.113.7/tcp/4001"]) as (a,):
         assert [str(x) for x in a.addrs] == [f"/ip4/203.0.113.7/tcp/4001/p2p/{a.peer_id}"]
+    # an announced "every address" is no address: refused before anything starts
+    with pytest.raises(ConfigError, match="unspecified"):
+        loopback_config(announce=["/ip6/::/tcp/4001"]).validate()
 
 
 async def test_ipv6_loopback():
