@@ -252,7 +252,7 @@ class Node:
         """This host's own IP addresses of ``family`` (``"ip4"`` or ``"ip6"``, as ``/<family>/<ip>/tcp/0``;
         no link-local IPv6), whatever we listen on: which networks a dial from here can reach."""
         unspecified = Multiaddr(f"/{family}/{'0.0.0.0' if family == 'ip4' else '::'}/tcp/0")
-        return [a for a in _expand_unspecified(unspecified) if a != unspecified]
+        return _expand_unspecified(unspecified)
 
     @property
     def listen_ports(self) -> set[int]:
@@ -305,8 +305,7 @@ class Node:
             return list(self._announce)
         external = self._external
         refuted = set(external.refuted)
-        out = [a for c in candidates for a in _expand_unspecified(c)
-               if without_peer_id(a) not in refuted and not is_unspecified(a)]
+        out = [a for c in candidates for a in _expand_unspecified(c) if without_peer_id(a) not in refuted]
         out += [a for a in external.confirmed if a not in out]
         if external.reachability != Reachability.PUBLIC:
             out += [a for a in external.relayed if a not in out]
@@ -977,11 +976,11 @@ def _remote(stream: INetStream) -> ID | None:
 
 
 def _expand_unspecified(addr: Multiaddr) -> list[Multiaddr]:
-    """0.0.0.0 / :: listen addresses stand for every local address of that family (the address itself
-    when there is none of that family: callers drop it)."""
-    items = list(addr.items())
-    if not items or items[0][0].name not in ("ip4", "ip6") or str(items[0][1]) not in ("0.0.0.0", "::"):
+    """0.0.0.0 / :: listen addresses stand for every local address of that family (none when the host
+    has none of that family: the unspecified address itself is no address to give a peer)."""
+    if not is_unspecified(addr):
         return [addr]
+    items = list(addr.items())
     family6 = items[0][0].name == "ip6"
     rest = "".join(f"/{p.name}/{v}" if v is not None else f"/{p.name}" for p, v in items[1:])
     out = []
@@ -993,4 +992,4 @@ def _expand_unspecified(addr: Multiaddr) -> list[Multiaddr]:
                 out.append(Multiaddr(f"/ip6/{ip.ip[0]}{rest}"))
             elif not family6 and isinstance(ip.ip, str):
                 out.append(Multiaddr(f"/ip4/{ip.ip}{rest}"))
-    return out or [addr]
+    return out
