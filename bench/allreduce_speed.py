@@ -32,7 +32,6 @@ import argparse
 import importlib.util
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -45,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
 sys.path.insert(0, str(BENCH))
 
-from harness import Spawned, run_json, stop_all  # noqa: E402
+from harness import Spawned, free_port, run_json, stop_all  # noqa: E402
 
 from p2p.noise import NoiseConfig  # noqa: E402
 
@@ -72,15 +71,9 @@ def crypto_args(args: argparse.Namespace) -> list[str]:
     return [] if args.crypto_threads is None else ["--crypto-threads", str(args.crypto_threads)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def gloo(peers: int, mbytes: float, rounds: int) -> dict[str, float]:
     """``peers`` gloo processes all-reducing ``mbytes`` MB: min/median seconds of the slowest rank."""
-    port = _free_port()
+    port = free_port()
     ranks = [Spawned([sys.executable, __file__, "--gloo-rank", str(r), "--gloo-world", str(peers),
                       "--gloo-port", str(port), "--gloo-elements", str(int(mbytes * 1e6 / 4)), "--rounds", str(rounds)],
                      env={**os.environ, "OMP_NUM_THREADS": "1"})

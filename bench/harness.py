@@ -32,6 +32,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -58,6 +59,13 @@ def hivemind_python() -> Path:
     if not HIVEMIND_PYTHON.exists():
         sys.exit("hivemind is not installed: run `bash bench/setup_hivemind.sh` first (it creates .venv-hivemind)")
     return HIVEMIND_PYTHON
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a process that must come back at the same address)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def kill_group(pid: int) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import socket
 import statistics
 import sys
 import tempfile
@@ -29,6 +28,9 @@ from typing import Any
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import free_port  # noqa: E402
 
 from p2p import Node, NodeConfig  # noqa: E402
 from p2p import events as ev  # noqa: E402
@@ -36,12 +38,6 @@ from p2p.admission import AdmissionConfig  # noqa: E402
 from p2p.resources import ResourceConfig  # noqa: E402
 
 WINDOW = 0.1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def one_restart(peers: int, down: float, jitter: float, work: Path) -> dict[str, float]:
