@@ -328,7 +328,7 @@ def main() -> None:
     p.add_argument("--no-matchmaking", action="store_true", help="skip matchmaking over the simulated DHT")
     p.add_argument("--matchmaking-rounds", type=int, default=1,
                    help="rounds each peer matches, one after another as an averager in a loop does (the grid "
-                        "advances by its index in the group)")
+                        "advances by its index in the group, turned by the group's offset)")
     p.add_argument("--matchmaking-period", type=float, default=40.0,
                    help="with --matchmaking-rounds > 1: round r begins r * PERIOD s after the first (each peer within "
                         "2 s of it, or when its previous round ended if later): a training run's global steps")

@@ -273,7 +273,7 @@ class MatchmakingSim:
         Round r begins ``r * period_s`` after the first, each peer within ``start_spread_s`` of it
         (a training run's global step: the peers learn together that the swarm reached its batch),
         or as soon as its previous round ended if that is later (its matchmaking ran long). The grid
-        advances by the peer's index in its group (it stays where it was without one), as the
+        advances by the peer's index in its group, turned by the group's offset (it stays where it was without one), as the
         averager's does. So joins meet peers between two of their rounds, which a single round
         (:meth:`round`) shows only for peers that finished for good; with a short period, peers slow
         in one round begin the next late, beside others already in it. ``finished`` gets the
