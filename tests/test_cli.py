@@ -401,11 +401,16 @@ def test_two_trainers_and_a_backbone_train_keep_the_curve_and_checkpoint(tmp_pat
 
     losses: list[tuple[float, float]] = []
     done: dict[str, int] = {}  # each trainer's peer id -> the samples its global steps say it computed
+    brought: dict[str, int] = {}
     for i, (trainer, (out, err)) in enumerate(zip(trainers, outputs)):
         assert trainer.returncode == 0, err
         events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         steps = [e for e in events if e["event"] == "global_step"]
-        done[next(e["peer_id"] for e in events if e["event"] == "listening")] = sum(e["local_samples"] for e in steps)
+        me = next(e["peer_id"] for e in events if e["event"] == "listening")
+        done[me] = sum(e["local_samples"] for e in steps)
+        # the samples it brought to the steps it took (a missed step's are dropped: perhaps never published),
+        # less its last step's
+        brought[me] = sum(e["local_samples"] for e in steps[:-1] if not e["missed"])
         # --amp on a CPU without bfloat16 instructions is told it computes slower (5-8x here)
         assert ("--amp on this CPU" in err) == (i == 1 and not cpu_has_bfloat16()), err[-2000:]
         status = [e for e in events if e["event"] == "training_status"]
@@ -430,15 +435,18 @@ def test_two_trainers_and_a_backbone_train_keep_the_curve_and_checkpoint(tmp_pat
     helped_steps = [e for e in assisted if e["event"] == "global_step" and e["averaged"] and e["local_samples"] == 0]
     assert len(helped_steps) >= TRAINERS_STEPS // 2
     contributions = json.loads((checkpoints / "contributions.json").read_text())
-    # Each trainer is credited what it computed: its claims are the counts it reported toward each step
-    # (at most what its steps say, at least half: the last batch before a step may go unreported), and the
-    # backbone's rate limit lets an honest trainer keep most of its claim. Not a share of the run: the
+    # Each trainer is credited what it computed: its claims are the counts it brought to each step (each
+    # report says the last step's too: the slow trainer was once credited 320 of 896 samples without it;
+    # only the last step's may go unread, the trainer gone), and the backbone's rate limit lets an honest
+    # trainer keep most of its claim, up to one global batch a step. Not a share of the run: the
     # --amp trainer computes 5-8x slower than the other on a CPU without bfloat16 (96 of 2,368 samples
     # on a loaded CI machine).
     trainers = {p: c for p, c in contributions.items() if c["samples"] > 0}
     assert set(trainers) == set(done), (contributions, done)
     for peer, c in trainers.items():
-        assert done[peer] / 2 <= c["claimed"] <= done[peer] and c["samples"] >= c["claimed"] / 2, (peer, c, done)
+        print(f"a trainer did {done[peer]} samples, claimed {c['claimed']}, was credited {c['samples']}")
+        assert brought[peer] <= c["claimed"] <= done[peer], (peer, c, done, brought)
+        assert c["samples"] >= min(c["claimed"], 256 * TRAINERS_STEPS) / 2, (peer, c, done)
         assert c["auxiliary_steps"] == 0
     auxiliaries = {p: c for p, c in contributions.items() if c["auxiliary_steps"] > 0}
     assert len(auxiliaries) == 1 and all(c["samples"] == 0 and c["auxiliary_steps"] >= 5 for c in auxiliaries.values())

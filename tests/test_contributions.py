@@ -60,6 +60,28 @@ def test_a_lower_count_later_never_lowers_the_credit_and_auxiliaries_are_counted
     assert rows[helper.to_base58()] == {"samples": 0, "claimed": 0, "auxiliary_steps": 1, "username": "carol"}
 
 
+def test_the_count_a_peer_stepped_with_is_credited_though_the_next_steps_report_replaced_it_unread() -> None:
+    """A peer's last batch before a step is in its report of that step only until the next step's
+    report replaces it: a backbone reading between the two may never see it (the slow trainer of
+    the CLI test was credited 320 of its 896 samples so). Each report says what the peer brought
+    to the previous step's round, credited only for the time that step was under way."""
+    honest, quiet, liar = (peer_id_of(new_identity()) for _ in range(3))
+    board = Contributions(target=1000)
+    for t in range(4):  # step 0: 10 samples/s each, read every second
+        board.observe([report(p, 0, 10 * t, 10.0) for p in (honest, quiet, liar)], float(t))
+    # each did 5 more, the step happened at 3.5 s; the next read (4.2 s) already sees step 1
+    board.observe([LocalProgress(honest, 1, 5, 10.0, 0.0, previous=35), report(quiet, 1, 5, 10.0),
+                   LocalProgress(liar, 1, 5, 10.0, 0.0, previous=100_000)], 4.2)
+    rows = board.leaderboard()
+    assert rows[honest.to_base58()]["samples"] == rows[honest.to_base58()]["claimed"] == 35 + 5
+    assert rows[quiet.to_base58()]["samples"] == 30 + 5  # one that does not say: its last read count
+    # the liar's step 0 grows by 3 x the median rate (10/s) from its last read (3 s) to step 1's first (4.2 s)
+    assert rows[liar.to_base58()]["samples"] == 30 + 36 + 5
+    # and the same claim read again later adds nothing: step 0 was over
+    board.observe([LocalProgress(liar, 1, 5, 10.0, 0.0, previous=100_000)], 60.0)
+    assert board.leaderboard()[liar.to_base58()]["samples"] == 30 + 36 + 5
+
+
 async def test_no_peer_can_write_another_peers_progress() -> None:
     async with open_peers(2) as (relay, alice, mallory):
         tracker = ProgressTracker(alice, "credit-run", 1000)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from training.progress import LocalProgress, global_progress
+from training.progress import LocalProgress, global_progress, valid
 
 NOW = 1_000_000.0
 
@@ -64,6 +64,9 @@ def test_an_empty_swarm_reads_as_our_own_step() -> None:
 def test_wire_roundtrip_and_garbage() -> None:
     r = rep("12D3KooWabc", 3, 40)
     assert LocalProgress.from_wire("12D3KooWabc", r.to_wire()) == r
+    stepped = LocalProgress("a", 4, 8, 1.0, NOW, previous=72)  # it brought 72 samples to step 3
+    assert LocalProgress.from_wire("a", stepped.to_wire()).previous == 72
+    assert not valid(LocalProgress("a", 4, 8, 1.0, NOW, previous=-1), NOW, 60.0)
     with pytest.raises(ValueError, match="not a progress report"):
         LocalProgress.from_wire("x", b"\xff\xff\xff")
 

@@ -12,6 +12,13 @@ the median), and never beyond one global batch. An honest peer's credit follows
 its claims (a peer is never faster than a few times the swarm's typical one);
 a peer claiming 10^6 samples in a 2 s step is credited what a fast peer does in 2 s.
 
+A peer's report of a step is replaced by its report of the next one as soon as
+it steps, so the backbone may never read the count it stepped with (a slow peer
+that computes two batches a step would lose half its credit). Each report also
+carries ``previous``, the samples the peer brought to the last step's round:
+that claim is credited only for the time until the backbone first saw the next
+step, so it adds nothing a report read in time could not have.
+
 Pure: reports and times in, credits out (:class:`Contributions`); the backbone
 (``training/cli.py``'s ``Monitor``) feeds it and writes ``contributions.json``.
 """
@@ -64,17 +71,28 @@ class Contributions:
                 self.assisted.setdefault(r.peer_id, set()).add(r.step)
                 continue
             self.step_seen.setdefault(r.step, now)
-            steps = self.claims.setdefault(r.peer_id, {})
-            claim = steps.get(r.step)
-            if claim is None:
-                claim = steps[r.step] = _Claim(seen=self.step_seen[r.step])
-                allowance = float(self.slack)  # a first report may carry a batch done before we looked
-            else:
-                allowance = 0.0
-            claim.claimed = max(claim.claimed, r.samples)  # a lower count later never lowers the claim
-            allowance += limit * max(0.0, now - claim.seen)
-            claim.credited = min(float(claim.claimed), claim.credited + allowance, float(self.target))
-            claim.seen = now
+            self._claim(r.peer_id, r.step, r.samples, now, limit)
+        for r in reports:
+            if not r.auxiliary and r.previous > 0 and r.step > 0:
+                # the count it stepped with: its last report of that step may have been replaced
+                # before we read it. Credited only for the time that step was under way (until we
+                # saw the next one), so that it adds nothing a report at the step could not have.
+                self._claim(r.peer_id, r.step - 1, r.previous, min(now, self.step_seen[r.step]), limit)
+
+    def _claim(self, peer: ID, step: int, samples: int, now: float, limit: float) -> None:
+        """A peer's count toward ``step``, observed at ``now``: credited as far as ``limit`` allows."""
+        self.step_seen.setdefault(step, now)
+        steps = self.claims.setdefault(peer, {})
+        claim = steps.get(step)
+        if claim is None:
+            claim = steps[step] = _Claim(seen=self.step_seen[step])
+            allowance = float(self.slack)  # a first report may carry a batch done before we looked
+        else:
+            allowance = 0.0
+        claim.claimed = max(claim.claimed, samples)  # a lower count later never lowers the claim
+        allowance += limit * max(0.0, now - claim.seen)
+        claim.credited = min(float(claim.claimed), claim.credited + allowance, float(self.target))
+        claim.seen = max(claim.seen, now)
 
     def leaderboard(self, usernames: dict[ID, str] | None = None) -> dict[str, dict[str, object]]:
         """Peer id -> credited samples, claimed samples, auxiliary steps (and the user, in a closed run)."""

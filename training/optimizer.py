@@ -196,6 +196,9 @@ class CollaborativeOptimizer:
         #: the last step an auxiliary peer helped average (or tried to)
         self._assisted = -1
         self._reported_samples = 0  # what the last published report said
+        #: the samples this peer brought to the round of ``local_step - 1`` (published with each report,
+        #: so that the count it stepped with is read even when the step went by between two reads)
+        self._brought = 0
         self._since = clock()  # when this step's accumulation began
         self._rate = 0.0
         #: (loss, samples) of the recent batches whose caller gave a loss
@@ -259,7 +262,7 @@ class CollaborativeOptimizer:
         reported = self.samples
         role, reachable = self.averager.role()  # reachability is learned after start
         self.tracker.client, self.tracker.sender = not reachable, not role.reduces
-        await self.tracker.report(self.local_step, reported, self._rate, loss=self.loss)
+        await self.tracker.report(self.local_step, reported, self._rate, loss=self.loss, previous=self._brought)
         self._reported_samples = reported
         return await self.tracker.fetch(local_step=self.local_step)
 
@@ -412,7 +415,7 @@ class CollaborativeOptimizer:
                 self._missed_at = self.clock()
                 return report
             self._apply(grads)
-            self._next_step()
+            self._next_step(samples)
             await self._sync()  # tell the swarm at once: we left the step
             if report.averaged:
                 await self._average_state(report.group_size)
@@ -420,7 +423,7 @@ class CollaborativeOptimizer:
         applied = await self._apply_pending()  # step - 1's, averaged while we computed this one's
         if applied is not None and applied.averaged:
             await self._average_state(applied.group_size, at=step)
-        self._next_step()
+        self._next_step(samples)
         assert self._nursery is not None
         done = trio.Event()
         self._pending = (step, grads, done, [])
@@ -452,8 +455,10 @@ class CollaborativeOptimizer:
                 t.copy_(w.to(t.dtype))
         self.state_rounds += 1
 
-    def _next_step(self) -> None:
+    def _next_step(self, brought: int) -> None:
+        """On to the next step, having brought ``brought`` samples to this one's round (0: none of ours)."""
         self._fresh = False
+        self._brought = brought
         self.local_step += 1
         self.accumulator.zero()
         self._reported_samples = 0
@@ -607,7 +612,7 @@ class CollaborativeOptimizer:
         self._stuck_since = None
         self._fresh = False
         self.local_step = state.step - 1
-        self._next_step()
+        self._next_step(0)  # the samples of an old step are dropped, not brought to a round
         self.downloads += 1
         self.last_download = (time.perf_counter() - began, state.source)
         log.info("caught up: downloaded the state at step %d%s", state.step,

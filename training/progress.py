@@ -70,6 +70,9 @@ class LocalProgress:
     auxiliary: bool = False
     #: it never reduces a part (client mode, relayed): peers that all are cannot form a group
     sender: bool = False
+    #: the samples it brought to the round of ``step - 1`` (its final count there: the report of
+    #: the next step replaces that step's, maybe before anyone read its last count)
+    previous: int = 0
 
     @property
     def serves_state(self) -> bool:
@@ -81,7 +84,7 @@ class LocalProgress:
         return pb.Progress(step=self.step, samples=self.samples, samples_per_second=self.samples_per_second,
                            time=self.time, client=self.client, loss=self.loss,
                            addrs=[a.to_bytes() for a in self.addrs[:MAX_ADDRS]],
-                           auxiliary=self.auxiliary, sender=self.sender).SerializeToString()
+                           auxiliary=self.auxiliary, sender=self.sender, previous=self.previous).SerializeToString()
 
     @classmethod
     def from_wire(cls, peer_id: ID, data: bytes) -> LocalProgress:
@@ -94,7 +97,7 @@ class LocalProgress:
         loss = msg.loss if msg.HasField("loss") and math.isfinite(msg.loss) else None
         addrs = tuple(decode_addrs(msg.addrs, limit=MAX_ADDRS))
         return cls(peer_id, msg.step, msg.samples, msg.samples_per_second, msg.time, msg.client, loss, addrs,
-                   msg.auxiliary, msg.sender)
+                   msg.auxiliary, msg.sender, msg.previous)
 
 
 @dataclass(frozen=True)
@@ -146,7 +149,7 @@ class GlobalProgress:
 
 def valid(report: LocalProgress, now: float, expiration: float) -> bool:
     """Whether a report is believable at all (not its counts' size: those are capped)."""
-    return (report.step >= 0 and report.samples >= 0 and math.isfinite(report.samples_per_second)
+    return (report.step >= 0 and report.samples >= 0 and report.previous >= 0 and math.isfinite(report.samples_per_second)
             and report.samples_per_second >= 0 and math.isfinite(report.time)
             and now - expiration <= report.time <= now + MAX_CLOCK_SKEW)
 
@@ -212,13 +215,14 @@ class ProgressTracker:
         self.reports: list[LocalProgress] = []
 
     async def report(self, step: int, samples: int, samples_per_second: float, *, loss: float | None = None,
-                     timeout: float = 10.0) -> bool:
-        """Publish our progress (best effort: False when no replica took it)."""
+                     previous: int = 0, timeout: float = 10.0) -> bool:
+        """Publish our progress (best effort: False when no replica took it); ``previous``: the samples
+        we brought to the round of ``step - 1``."""
         now = self.clock()
         if loss is not None and not math.isfinite(loss):
             loss = None
         mine = LocalProgress(self.peer.peer_id, step, samples, samples_per_second, now, self.client,
-                             loss, tuple(self.peer.addrs), self.auxiliary, self.sender)
+                             loss, tuple(self.peer.addrs), self.auxiliary, self.sender, previous)
         self.own = mine
         try:
             return await self.peer.dht.store(self.key, mine.to_wire(), now + self.expiration,

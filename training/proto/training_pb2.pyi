@@ -37,6 +37,7 @@ class Progress(_message.Message):
     ADDRS_FIELD_NUMBER: _builtins.int
     AUXILIARY_FIELD_NUMBER: _builtins.int
     SENDER_FIELD_NUMBER: _builtins.int
+    PREVIOUS_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """the global step this peer accumulates gradients for"""
     samples: _builtins.int
@@ -53,6 +54,8 @@ class Progress(_message.Message):
     """only helps average (no samples, no vote on the step, no state to serve)"""
     sender: _builtins.bool
     """never reduces a part (client mode, relayed): a group of senders cannot form"""
+    previous: _builtins.int
+    """samples it brought to step - 1's round (its last count there, which the"""
     @_builtins.property
     def addrs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """where to reach it for its state (binary multiaddrs, relay circuits included)"""
@@ -69,10 +72,11 @@ class Progress(_message.Message):
         addrs: _abc.Iterable[_builtins.bytes] | None = ...,
         auxiliary: _builtins.bool = ...,
         sender: _builtins.bool = ...,
+        previous: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "loss", b"loss"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "addrs", b"addrs", "auxiliary", b"auxiliary", "client", b"client", "loss", b"loss", "samples", b"samples", "samples_per_second", b"samples_per_second", "sender", b"sender", "step", b"step", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "addrs", b"addrs", "auxiliary", b"auxiliary", "client", b"client", "loss", b"loss", "previous", b"previous", "samples", b"samples", "samples_per_second", b"samples_per_second", "sender", b"sender", "step", b"step", "time", b"time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__loss: _TypeAlias = _typing.Literal["loss"]  # noqa: Y015
     _WhichOneofArgType__loss: _TypeAlias = _typing.Literal["_loss", b"_loss"]  # noqa: Y015
