@@ -123,6 +123,45 @@ def test_an_entry_whose_path_could_leave_the_directory_is_refused(path: str) -> 
         Entry.make(me, header, [Shard(path, 10, bytes(32))], now=NOW)
 
 
+async def test_the_backbone_keeps_credit_for_shards_a_later_read_missed_and_drops_retracted_ones(tmp_path: Path) -> None:
+    """The backbone reads a dataset's manifest from the DHT at every turn; a read that missed an entry
+    (a replica behind, or cut short by its timeout: CI once read the adder's shards as 0 so) must
+    not take its author's credit back. A retraction is an entry too, and it does."""
+    from training.cli import Monitor
+
+    creator, adder = signer(), signer()
+    header = Header.make(creator, "wiki", "text", piece_size=PIECE, now=NOW)
+    first = Entry.make(creator, header, [Shard("a.txt", 10, b"\x01" * 32), Shard("b.txt", 10, b"\x02" * 32)], now=NOW)
+    added = Entry.make(adder, header, [Shard("c.txt", 10, b"\x03" * 32)], now=NOW + 1)
+    retract = Entry.make(creator, header, [], now=NOW + 2, retract=[added.id])
+
+    class Reads:  # what Datasets.find and .seeders give the backbone, read after read
+        def __init__(self) -> None:
+            self.entries: list[Entry] = []
+
+        async def find(self, name: str) -> Manifest:
+            m = Manifest(header)
+            for e in self.entries:
+                m.add(e.signed)
+            return m
+
+        async def seeders(self, dataset: bytes) -> list[object]:
+            return []
+
+    reads, monitor = Reads(), Monitor(tmp_path)
+
+    async def shards_added() -> dict[str, int]:
+        await monitor.observe_datasets(reads, ["wiki"], now=0.0)  # type: ignore[arg-type]
+        return {p: row["shards_added"] for p, row in monitor.data.leaderboard().items()}
+
+    reads.entries = [first, added]
+    assert await shards_added() == {str(creator.peer_id): 2, str(adder.peer_id): 1}
+    reads.entries = [first]  # the next read missed the adder's entry
+    assert await shards_added() == {str(creator.peer_id): 2, str(adder.peer_id): 1}
+    reads.entries = [retract]  # the creator took it out (and this read missed the rest)
+    assert await shards_added() == {str(creator.peer_id): 2}
+
+
 def test_entries_are_refused_with_their_reason_and_nothing_of_them_is_kept() -> None:
     creator, volunteer = signer(), signer()
     header = Header.make(creator, "wiki", "text", piece_size=PIECE, now=NOW)

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from p2p import Node
 
     from .datasets import Datasets
+    from .datasets.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -362,6 +363,8 @@ class Monitor:
         self.usernames: dict[ID, str] = {}
         #: Credit for data: bytes served of the run's datasets, shards added (``--datasets``).
         self.data = DataContributions()
+        #: Each dataset's manifest as every read so far made it (dataset id -> manifest).
+        self._manifests: dict[bytes, Manifest] = {}
 
     def observe(self, tracker: ProgressTracker, now: float | None = None) -> None:
         self.credits.observe(tracker.reports, time.monotonic() if now is None else now)
@@ -418,6 +421,12 @@ class Monitor:
                 log.info("backbone: reading dataset %s failed: %s", name, e)
                 continue
             did = manifest.header.id
+            # a grow-only set: a read that missed an entry (a replica behind, a read cut short by its
+            # timeout) takes no credit back; a retraction is itself an entry, and is kept too
+            known = self._manifests.get(did)
+            if known is not None:
+                manifest.merge(known)
+            self._manifests[did] = manifest
             self.data.observe_served(did, {s.peer_id: s.bytes_served for s in seeders}, now)
             self.data.observe_shards(did, manifest.authors())
 
