@@ -92,7 +92,7 @@ echo "gpu_session: $(date -u +%FT%TZ), device $DEVICE, steps ${STEPS[*]}" | tee 
 
 if [[ $DEVICE == cpu ]]; then  # a rehearsal: every step at a size a CPU does in seconds
     TRAINING=(--device cpu --size tiny --micro 4 --seq 32 --target 32 --steps 2 --dpu-steps 3 --timeout 150)
-    ALLREDUCE=(--peers 2,4 --mbytes 4 --rounds 1 --data-plane-mib 16)
+    ALLREDUCE=(--peers 2 --mbytes 4 --rounds 1 --data-plane-mib 16)  # the GPU run's peers: 4 cost CI 15 s
     LOOP=(--peers 2 --mbytes 4 --rounds 1 --data-plane-mib 16 --no-gloo --crypto-threads 0)
     HOPS=(--sizes 256 --threads 0,1 --writes 5)
     MOE=(--device cpu --hidden 64 --experts 2 --batches 16 --clients 2 --callers 2 --seconds 1 --repeats 1 --timeout 60

@@ -327,11 +327,11 @@ def test_the_gpu_session_script_runs_its_steps_at_cpu_sizes(tmp_path: Path) -> N
     with tarfile.open(out / "session.tgz") as packed:
         names = set(packed.getnames())
     assert {"./allreduce_speed.json", "./allreduce_loop.json", "./moe_gpu.json", "./moe-profile.txt"} <= names
-    # allreduce_speed: dedloc's round beside the data plane and gloo at 2 and 4 peers, the keys the issue reads
+    # allreduce_speed: dedloc's round beside the data plane and gloo at 2 peers (as on the GPU), the keys the issue reads
     speed = json.loads((work / "allreduce_speed.json").read_text())
     assert speed["two_peers"]["seconds"] > 0 and speed["two_peers"]["ratio_to_data_plane"] > 0
     assert speed["data_plane_mb_per_s"] > 0 and "four_peers_40mb" not in speed  # only from a 40 MB run
-    assert [case["peers"] for case in speed["cases"]] == [2, 4], speed["cases"]
+    assert [case["peers"] for case in speed["cases"]] == [2], speed["cases"]
     for case in speed["cases"]:
         assert case["dedloc"]["rounds"] == 1 and case["dedloc"]["max_error"] < 1e-4, case
         assert case["gloo"]["median_s"] > 0
