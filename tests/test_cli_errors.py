@@ -25,9 +25,37 @@ NOBODY_ID = "12D3KooWAcEpZFodCrgPpMU2qAk5qtpQ56tAuMnkTH17K4P48xtF"
 pytestmark = pytest.mark.timeout(300)
 
 
-def dedloc(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "training.commands", *argv], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
+class Forks:
+    """``dedloc`` command lines, each a process forked from one that imported the commands once
+    (tests/forkserver.py: a process of its own paid ~3.5 s of imports per line, 104 s for the table)."""
+
+    def __init__(self) -> None:
+        self.server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "forkserver.py")], cwd=ROOT,
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert self.server.stdout is not None
+        assert json.loads(self.server.stdout.readline()) == {"ready": True}
+
+    def __call__(self, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        assert self.server.stdin is not None and self.server.stdout is not None
+        self.server.stdin.write(json.dumps({"argv": list(argv), "timeout": timeout}) + "\n")
+        self.server.stdin.flush()
+        reply = json.loads(self.server.stdout.readline())
+        return subprocess.CompletedProcess(["dedloc", *argv], reply["rc"], reply["stdout"], reply["stderr"])
+
+    def close(self) -> None:
+        assert self.server.stdin is not None
+        self.server.stdin.close()
+        self.server.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def dedloc() -> Iterator[Forks]:
+    forks = Forks()
+    try:
+        yield forks
+    finally:
+        forks.close()
 
 
 def _relay(*extra: str) -> tuple[subprocess.Popen[str], str]:
@@ -40,7 +68,7 @@ def _relay(*extra: str) -> tuple[subprocess.Popen[str], str]:
 
 
 @pytest.fixture(scope="module")
-def places(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+def places(tmp_path_factory: pytest.TempPathFactory, dedloc: Forks) -> Iterator[dict[str, str]]:
     tmp = tmp_path_factory.mktemp("cli-errors")
     added = dedloc("authority", "add", "alice", "--dir", str(tmp / "authority"))
     assert added.returncode == 0, added.stderr
@@ -110,7 +138,8 @@ TABLE: list[tuple[str, str]] = [
 
 
 @pytest.mark.parametrize("line, says", TABLE, ids=[line.split(" {")[0][:48] for line, _ in TABLE])
-def test_a_foreseeable_failure_is_one_line_saying_what_to_do(places: dict[str, str], line: str, says: str) -> None:
+def test_a_foreseeable_failure_is_one_line_saying_what_to_do(places: dict[str, str], dedloc: Forks, line: str,
+                                                            says: str) -> None:
     argv = [part.format(**places) for part in line.split()]
     result = dedloc(*argv)
     assert result.returncode != 0, f"exit 0 for: dedloc {' '.join(argv)}\n{result.stdout}{result.stderr}"
