@@ -70,7 +70,6 @@ class Contributions:
             if r.auxiliary:
                 self.assisted.setdefault(r.peer_id, set()).add(r.step)
                 continue
-            self.step_seen.setdefault(r.step, now)
             self._claim(r.peer_id, r.step, r.samples, now, limit)
         for r in reports:
             if not r.auxiliary and r.previous > 0 and r.step > 0:
@@ -80,7 +79,8 @@ class Contributions:
                 self._claim(r.peer_id, r.step - 1, r.previous, min(now, self.step_seen[r.step]), limit)
 
     def _claim(self, peer: ID, step: int, samples: int, now: float, limit: float) -> None:
-        """A peer's count toward ``step``, observed at ``now``: credited as far as ``limit`` allows."""
+        """A peer's count toward ``step``, observed at ``now`` (the step's first sight, if it is the
+        first): credited as far as ``limit`` allows."""
         self.step_seen.setdefault(step, now)
         steps = self.claims.setdefault(peer, {})
         claim = steps.get(step)
