@@ -9,25 +9,41 @@
   failure over inside an ``ExceptionGroup``; a group holding exactly one exception is unwrapped
   here for tests marked ``xfail(raises=...)``, so that ``raises=`` is checked against the
   failure itself and any other failure (a timeout, a dead peer) fails the test.
-* **Two workers, the labs one at a time.** ``make test`` runs the suite on two pytest-xdist
-  workers (CI has two cores) with ``--dist loadgroup``: every test that builds namespace labs,
+* **The labs one at a time.** ``make test`` runs the suite on pytest-xdist workers (three on
+  CI's two cores, see below) with ``--dist loadgroup``: every test that builds namespace labs,
   talks to js-libp2p, or bounds real elapsed time (markers ``lab``, ``interop``, ``realtime``,
   or a lab's skip condition: the namespace lab's, miniupnpd's) goes in one group
-  (:data:`SERIAL_GROUP`), which one worker runs in order, while both workers share the rest: two
+  (:data:`SERIAL_GROUP`), which one worker runs in order, while the workers share the rest: two
   labs never share the machine, and the other tests run beside them. ``slow`` alone (long, on
   loopback) is not a reason to wait in that line: with every slow test in it, the group was the
   whole run's wall time (1,275 of 1,309 s) while the other worker idled. The group is written into
   each test's id by xdist; a pytest where that fails (9.2 with xdist 3.8) would spread the group
   silently, so a serial test whose id lacks it fails at setup instead (:class:`_GroupCheck`).
+* **Three workers on two cores, the serial line first in the queue for the CPU.** Under two
+  workers the tests kept both busy but used 1.5 cores: a quarter of the shared tests' seconds are
+  waits (a timeout, a peer's delay, a process starting), while the serial line is CPU-bound (0.9
+  of a core: labs of several processes). So ``make test`` runs three workers, and a worker that
+  runs a shared test lowers its own priority (:data:`SHARED_NICENESS`, which its test's processes
+  inherit): the serial line, the run's critical path, takes a core whenever it wants one, and the
+  two other workers fill what is left, overlapping each other's waits. A worker that must run a
+  serial test after a shared one (xdist hands the serial group out first, so it should not) takes
+  its priority back where it may (root, as CI runs).
+* **Longest first.** xdist hands the biggest scope (the serial group) out first, then the single
+  tests in collection order; the shared ``slow`` tests are moved to the front of that order, so the
+  run does not end on one worker still in a minute-long test while the other has nothing left
+  (the wheel's test, last in collection order, ended every run alone).
 * **Where the time went.** The suite must stay under 20 minutes on CI's two cores; the end of a
-  run says how many seconds the serial line and the shared tests took (setup, call and teardown)
-  and the files that cost the most (:func:`time_summary`), so a run over the budget names where.
+  run says how many seconds the serial line and the shared tests took (setup, call and teardown),
+  how much CPU they spent (the worker's and its reaped children's: a test whose seconds are mostly
+  waiting shows here), and the files that cost the most (:func:`time_summary`), so a run over the
+  budget names where. Each test's CPU also goes into the junit XML as its ``cpu`` property.
 """
 
 from __future__ import annotations
 
 import os
-from collections import Counter
+import resource
+from collections import defaultdict
 from collections.abc import Generator, Iterable
 
 import pytest
@@ -73,6 +89,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if serial(item):
             item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
+    # xdist's workers collect with ``dist`` set to "no" and ``loadgroup`` set instead (xdist/remote.py)
+    if getattr(config.option, "loadgroup", False) or config.getoption("dist", "no") == "loadgroup":
+        items[:] = longest_first(items)
+
+
+def longest_first(items: list[pytest.Item]) -> list[pytest.Item]:
+    """The serial group, then the shared ``slow`` tests, then the rest, each in collection order
+    (a stable sort: every worker collects the same order, which xdist requires)."""
+    def rank(item: pytest.Item) -> int:
+        if serial(item):
+            return 0
+        return 1 if item.get_closest_marker("slow") is not None else 2
+    return sorted(items, key=rank)
 
 
 def ungrouped(items: Iterable[pytest.Item]) -> list[str]:
@@ -95,9 +124,29 @@ class _GroupCheck:
                         "pytest-dev/pytest-xdist#1386: pyproject.toml keeps pytest < 9.2)", pytrace=False)
 
 
+#: the niceness of a worker while it runs shared tests (and of their processes): CFS then gives a
+#: contending serial-line process ~9 times their share of a core (weights 1024 against 110)
+SHARED_NICENESS = 10
+
+
+class _Priority:
+    """On a loadgroup worker: shared tests at :data:`SHARED_NICENESS`, serial ones at 0 where allowed."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        niceness = os.getpriority(os.PRIO_PROCESS, 0)
+        want = 0 if item.nodeid.endswith("@" + SERIAL_GROUP) else SHARED_NICENESS
+        if niceness != want:
+            try:
+                os.setpriority(os.PRIO_PROCESS, 0, want)
+            except PermissionError:  # lowering needs root: the serial test runs at the shared priority
+                pass
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if getattr(config.option, "loadgroup", False):  # set on xdist's workers under --dist loadgroup
         config.pluginmanager.register(_GroupCheck(), "dedloc-group-check")
+        config.pluginmanager.register(_Priority(), "dedloc-priority")
 
 
 @pytest.hookimpl(wrapper=True)
@@ -119,10 +168,27 @@ def skip_reason(report: pytest.TestReport) -> str:
     return str(longrepr)
 
 
+def cpu_seconds() -> float:
+    """This process's CPU time and its reaped children's (a test's subprocesses are reaped by its end)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+_CPU_AT_START = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, object, object]:
+    item.stash[_CPU_AT_START] = cpu_seconds()
+    return (yield)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, pytest.TestReport,
                                                                                               pytest.TestReport]:
     report = yield
+    if call.when == "teardown" and _CPU_AT_START in item.stash:
+        report.user_properties.append(("cpu", round(cpu_seconds() - item.stash[_CPU_AT_START], 2)))
     if os.environ.get(NO_SKIPS_ENV, "") != "1" or not report.skipped or hasattr(report, "wasxfail"):
         return report
     reason = skip_reason(report)
@@ -136,24 +202,28 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 def time_summary(reports: Iterable[pytest.TestReport], top: int = 8) -> list[str]:
     """Lines on where a run's time went: the serial line's seconds and the shared tests', each with
-    its count, then the ``top`` costliest files (every phase of every test counted)."""
-    lines: dict[str, float] = Counter()
+    its count and CPU, then the ``top`` costliest files (every phase of every test counted)."""
+    lines: defaultdict[str, float] = defaultdict(float)
+    cpu: defaultdict[str, float] = defaultdict(float)
     counts: dict[str, set[str]] = {"serial": set(), "shared": set()}
-    files: Counter[str] = Counter()
+    files: defaultdict[str, float] = defaultdict(float)
     for report in reports:
         nodeid = report.nodeid
         line = "serial" if nodeid.endswith("@" + SERIAL_GROUP) else "shared"
         lines[line] += report.duration
+        cpu[line] += sum(float(str(value)) for name, value in report.user_properties if name == "cpu")
         counts[line].add(nodeid)
         files[nodeid.split("::")[0]] += report.duration
-    out = [f"serial line {lines['serial']:.0f} s ({len(counts['serial'])} tests), shared "
-           f"{lines['shared']:.0f} s ({len(counts['shared'])} tests): {sum(lines.values()):.0f} s in all"]
-    out += [f"{seconds:7.0f} s  {name}" for name, seconds in files.most_common(top)]
+    out = [f"serial line {lines['serial']:.0f} s ({len(counts['serial'])} tests, {cpu['serial']:.0f} s of CPU), shared "
+           f"{lines['shared']:.0f} s ({len(counts['shared'])} tests, {cpu['shared']:.0f} s of CPU): "
+           f"{sum(lines.values()):.0f} s in all"]
+    costliest = sorted(files.items(), key=lambda item: -item[1])[:top]
+    out += [f"{seconds:7.0f} s  {name}" for name, seconds in costliest]
     return out
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    reports = [r for key in ("passed", "failed", "skipped", "xfailed", "xpassed", "error")
+    reports = [r for key in ("passed", "failed", "skipped", "xfailed", "xpassed", "error", "")
                for r in terminalreporter.stats.get(key, []) if isinstance(r, pytest.TestReport)]
     if reports:
         terminalreporter.write_sep("=", "where the time went (tests/ci_rules.py)")

@@ -426,9 +426,11 @@ async def test_reduces_false_makes_a_parameter_server_layout() -> None:
             assert s1.role() == (Role.SENDER, True)  # reachable, so it may lead matchmaking
             assert not server.bandwidth.measured
             reports = await step_all([server, s1, s2], data, [1.0, 2.0, 1.0])
-            # every member now declares the rates it measured in that round
+            # every member now declares the rates it measured in that round, in bytes per second: 1.6 MB
+            # on loopback, well over 100 kB/s even on a loaded machine (0.88 MB/s was seen at nice 10 beside
+            # two other workers), far under it in any other unit
             for a in (server, s1, s2):
-                assert a.bandwidth.measured and a.bandwidth.upload > 1e6 and a.bandwidth.download > 1e6
+                assert a.bandwidth.measured and a.bandwidth.upload > 1e5 and a.bandwidth.download > 1e5
         for report in reports:
             assert isinstance(report, RoundReport) and report.complete, report
             server_index = report.members.index(peers[0].peer_id)

@@ -46,6 +46,7 @@ def test_first_keys_from_peer_ids_fill_cells_unevenly() -> None:
     assert run.alone > 0 and run.distance[3] > 1e-4  # not exact in d rounds
 
 
+@pytest.mark.slow  # ≥ 15 s in CI: handed out early (tests/ci_rules.py longest_first)
 def test_matchmaking_over_the_simulated_dht_forms_whole_groups_under_each_key() -> None:
     sim = DHTSim(DHTSimConfig(peers=150, seed=12, warm=True, churn=False))
     sim.run(20)
@@ -90,6 +91,7 @@ def test_a_cell_of_one_more_than_the_target_leaves_nobody_alone() -> None:
     assert max(o.group.size for o in outcomes if o.group is not None) == 6
 
 
+@pytest.mark.slow  # ≥ 15 s in CI: handed out early (tests/ci_rules.py longest_first)
 def test_matchmaking_round_after_round_moves_each_peer_on_the_grid_by_its_index() -> None:
     """bench/scale.py's --matchmaking-rounds: every peer matches round after round (a training run's
     steps, one every period), each round under the key its grid gives it after the last one."""

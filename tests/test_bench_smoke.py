@@ -56,6 +56,7 @@ def test_quic_bench_reports_a_figure_or_a_failure():
 
 
 
+@pytest.mark.slow  # ≥ 15 s in CI: handed out early (tests/ci_rules.py longest_first)
 def test_every_bench_script_imports_the_project_packages():
     """A script's own folder is first on sys.path: a bench/averaging.py must not hide the averaging package.
 
@@ -217,6 +218,7 @@ def test_rejoin_bench_times_each_peer_back_after_a_restart(tmp_path: Path) -> No
         assert 1 <= summary["burst_per_100ms"]["min"] <= 4 and summary["all_back_s"]["min"] < 30, summary
 
 
+@pytest.mark.slow  # ≥ 15 s in CI: handed out early (tests/ci_rules.py longest_first)
 def test_departed_peer_bench_counts_the_relay_s_connects_both_ways() -> None:
     """bench/departed_peer.py at 8 s (17 s of wall time, under a second of CPU: it mostly waits)."""
     result = subprocess.run([sys.executable, str(ROOT / "bench" / "departed_peer.py"), "--seconds", "8", "--every", "2",
@@ -228,6 +230,7 @@ def test_departed_peer_bench_counts_the_relay_s_connects_both_ways() -> None:
     assert "ratio_connects" in figures
 
 
+@pytest.mark.slow  # ≥ 15 s in CI: handed out early (tests/ci_rules.py longest_first)
 def test_relay_soak_bench_serves_its_visitors_and_reads_the_relay(tmp_path: Path) -> None:
     """bench/relay_soak.py with 12 visitors, ``--dht``: each served whole (identify, a reservation, a
     record stored through the relay and read back), the relay's memory and peer store read along the
@@ -261,6 +264,7 @@ def test_moe_bench_ratios_are_n_a_where_a_figure_was_not_measured() -> None:
 
 
 @pytest.mark.timeout(200)  # the run's own limit, not pytest's 120 s hang guard
+@pytest.mark.slow  # ≥ 15 s in CI: handed out early (tests/ci_rules.py longest_first)
 def test_scale_bench_runs_a_few_hundred_peers_within_a_minute(tmp_path: Path) -> None:
     """bench/scale.py at CI's size (150 peers, 125 in Moshpit: 300 took 49 s of CPU, this 30): the DHT simulation with and without the reply timer and with the
     calibration's twin of go-libp2p-kad-dht's rules, Moshpit's cases, matchmaking over the
@@ -289,6 +293,7 @@ def test_scale_bench_runs_a_few_hundred_peers_within_a_minute(tmp_path: Path) ->
     assert "records kept through churn (150 peers" in result.stdout
 
 
+@pytest.mark.slow  # ≥ 15 s in CI: handed out early (tests/ci_rules.py longest_first)
 def test_prefix_freshness_bench_finds_the_path_copies_misses_and_none_now(tmp_path: Path) -> None:
     """bench/prefix_freshness.py at 150 peers (9 s): on the same simulated network, first-copy reads of
     an expert prefix miss servers when reads leave copies of dictionaries on their path (the DHT

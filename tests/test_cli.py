@@ -170,6 +170,7 @@ async def test_relay_and_peer_json_events():
     assert relay.returncode == 0  # SIGTERM is a clean stop
 
 
+@pytest.mark.slow  # ≥ 15 s in CI: handed out early (tests/ci_rules.py longest_first)
 async def test_dht_store_and_get_against_a_running_relay():
     relay = await trio.lowlevel.open_process(
         [*DEDLOC, "relay", "--json", "--ephemeral", "--listen", "/ip4/127.0.0.1/tcp/0", "--duration", "60"],
@@ -200,6 +201,7 @@ async def test_dht_store_and_get_against_a_running_relay():
             await relay.wait()
 
 
+@pytest.mark.slow  # ≥ 15 s in CI: handed out early (tests/ci_rules.py longest_first)
 def test_demo_forms_a_swarm_uses_the_dht_averages_exactly_and_trains(tmp_path: Path):
     """`make demo` without root: every node on loopback. Where the namespace demo runs too (root: CI),
     that test trains and this one stops after the averaging: the training stage is the same code on

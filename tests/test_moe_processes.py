@@ -96,6 +96,7 @@ async def forward_through_every_expert(client: ExpertClient, layer: RemoteMixtur
 
 
 @pytest.mark.parametrize("ctrl_c", [False, True], ids=["sigterm", "ctrl-c"])
+@pytest.mark.slow  # ≥ 15 s in CI: handed out early (tests/ci_rules.py longest_first)
 async def test_two_processes_serve_one_grid_that_a_layer_uses_and_stop_together(tmp_path: Path, ctrl_c: bool) -> None:
     """`serve-experts --processes 2` as a user runs it: two peers (two peer ids), each declaring its
     half of the grid; a layer's forward and backward reach both; SIGTERM to the command, or Ctrl-C in
@@ -124,6 +125,7 @@ async def test_two_processes_serve_one_grid_that_a_layer_uses_and_stop_together(
     assert all(int(state["updates"]) >= 1 for state in saved.values()), {k: v["updates"] for k, v in saved.items()}
 
 
+@pytest.mark.slow  # ≥ 15 s in CI: handed out early (tests/ci_rules.py longest_first)
 async def test_children_whose_parent_is_killed_save_their_experts_and_stop(tmp_path: Path) -> None:
     """SIGKILL to the command (the OOM killer, say) gives it no chance to stop its children: each reads
     EOF on its stdin, its lifeline, and stops as SIGTERM stops it, saving its experts, instead of

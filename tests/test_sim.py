@@ -217,6 +217,7 @@ def test_a_warm_table_holds_a_silent_peer_only_as_a_caller_checked_within_its_fi
     assert all(c.added > 0 and c.answered == -math.inf for c in left), [c for c in left if c.added <= 0][:2]
 
 
+@pytest.mark.slow  # ≥ 15 s in CI: handed out early (tests/ci_rules.py longest_first)
 def test_records_keep_their_holders_through_churn_with_few_copies() -> None:
     """Stored records move as the DHT moves them (``p2p/dht/replication.py``): a server new to a
     replica's table gets the key from its nearest good replica, and at each republish a replica
@@ -272,6 +273,7 @@ def test_the_kad_dht_2022_twin_rejects_newcomers_to_a_full_bucket_and_drops_at_o
     assert round(sim.config.check_after_s) == 2593  # ln(1/20) / ln(1 - 10/20) refresh intervals
 
 
+@pytest.mark.slow  # ≥ 15 s in CI: handed out early (tests/ci_rules.py longest_first)
 def test_the_kad_dht_2022_twin_holds_at_most_three_peers_of_one_ip_group() -> None:
     """go-ipfs's WAN table (go-libp2p-kad-dht v0.15's ``dual.New``, the crawl's version) has
     kbucket's diversity filter on: at most 2 peers of one IP group per common prefix length, 3

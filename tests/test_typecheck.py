@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.timeout(400)  # a cold cache: about 65 s on CI's 2 cores (torch's types; transformers is not followed)
+@pytest.mark.slow  # ≥ 15 s in CI: handed out early (tests/ci_rules.py longest_first)
 def test_packages_pass_mypy_strict(tmp_path: Path) -> None:
     pytest.importorskip("mypy")
     result = subprocess.run(
