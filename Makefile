@@ -56,7 +56,7 @@ demo: venv
 
 ## The whole suite, as CI runs it.
 test: venv lock-check system-deps interop-deps
-	$(PY) -m pytest -q -p no:cacheprovider --durations=20 -n 3 --dist loadgroup
+	$(PY) -m pytest -q -p no:cacheprovider --durations=20 -n 2 --dist loadgroup
 
 ## docs/CLI.md's reference section, from the parser (tests/test_docs.py checks it is current).
 docs: venv

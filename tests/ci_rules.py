@@ -126,7 +126,7 @@ class _GroupCheck:
 
 #: the niceness of a worker while it runs shared tests (and of their processes): CFS then gives a
 #: contending serial-line process ~9 times their share of a core (weights 1024 against 110)
-SHARED_NICENESS = 10
+SHARED_NICENESS = 0  # 10 with three workers: shared tests racing real time failed (see docs/TESTING.md)
 
 
 class _Priority:
