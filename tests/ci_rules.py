@@ -9,8 +9,8 @@
   failure over inside an ``ExceptionGroup``; a group holding exactly one exception is unwrapped
   here for tests marked ``xfail(raises=...)``, so that ``raises=`` is checked against the
   failure itself and any other failure (a timeout, a dead peer) fails the test.
-* **The labs one at a time.** ``make test`` runs the suite on pytest-xdist workers (three on
-  CI's two cores, see below) with ``--dist loadgroup``: every test that builds namespace labs,
+* **The labs one at a time.** ``make test`` runs the suite on pytest-xdist workers (two, one
+  per core of CI's machine) with ``--dist loadgroup``: every test that builds namespace labs,
   talks to js-libp2p, or bounds real elapsed time (markers ``lab``, ``interop``, ``realtime``,
   or a lab's skip condition: the namespace lab's, miniupnpd's) goes in one group
   (:data:`SERIAL_GROUP`), which one worker runs in order, while the workers share the rest: two
@@ -19,15 +19,9 @@
   whole run's wall time (1,275 of 1,309 s) while the other worker idled. The group is written into
   each test's id by xdist; a pytest where that fails (9.2 with xdist 3.8) would spread the group
   silently, so a serial test whose id lacks it fails at setup instead (:class:`_GroupCheck`).
-* **Three workers on two cores, the serial line first in the queue for the CPU.** Under two
-  workers the tests kept both busy but used 1.5 cores: a quarter of the shared tests' seconds are
-  waits (a timeout, a peer's delay, a process starting), while the serial line is CPU-bound (0.9
-  of a core: labs of several processes). So ``make test`` runs three workers, and a worker that
-  runs a shared test lowers its own priority (:data:`SHARED_NICENESS`, which its test's processes
-  inherit): the serial line, the run's critical path, takes a core whenever it wants one, and the
-  two other workers fill what is left, overlapping each other's waits. A worker that must run a
-  serial test after a shared one (xdist hands the serial group out first, so it should not) takes
-  its priority back where it may (root, as CI runs).
+* **Two workers.** Three on the two cores, the shared tests at nice 10 so the serial line kept its
+  core, ran in 15-16 minutes but starved shared tests that race real time (5 failed over two fresh
+  clones): docs/TESTING.md has the runs.
 * **Longest first.** xdist hands the biggest scope (the serial group) out first, then the single
   tests in collection order; the shared ``slow`` tests are moved to the front of that order, so the
   run does not end on one worker still in a minute-long test while the other has nothing left
@@ -124,29 +118,9 @@ class _GroupCheck:
                         "pytest-dev/pytest-xdist#1386: pyproject.toml keeps pytest < 9.2)", pytrace=False)
 
 
-#: the niceness of a worker while it runs shared tests (and of their processes): CFS then gives a
-#: contending serial-line process ~9 times their share of a core (weights 1024 against 110)
-SHARED_NICENESS = 0  # 10 with three workers: shared tests racing real time failed (see docs/TESTING.md)
-
-
-class _Priority:
-    """On a loadgroup worker: shared tests at :data:`SHARED_NICENESS`, serial ones at 0 where allowed."""
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_runtest_setup(self, item: pytest.Item) -> None:
-        niceness = os.getpriority(os.PRIO_PROCESS, 0)
-        want = 0 if item.nodeid.endswith("@" + SERIAL_GROUP) else SHARED_NICENESS
-        if niceness != want:
-            try:
-                os.setpriority(os.PRIO_PROCESS, 0, want)
-            except PermissionError:  # lowering needs root: the serial test runs at the shared priority
-                pass
-
-
 def pytest_configure(config: pytest.Config) -> None:
     if getattr(config.option, "loadgroup", False):  # set on xdist's workers under --dist loadgroup
         config.pluginmanager.register(_GroupCheck(), "dedloc-group-check")
-        config.pluginmanager.register(_Priority(), "dedloc-priority")
 
 
 @pytest.hookimpl(wrapper=True)
