@@ -16,6 +16,7 @@ for _p in (INTEROP_DIR, INTEROP_DIR.parent):  # jspeer, and p2p when run from el
 
 from jspeer import JsPeer, js_unavailable_reason, open_js_peer  # noqa: E402
 from p2p import Node, NodeConfig  # noqa: E402
+from tests.conftest import forks  # noqa: E402,F401 - the fork server the NAT agents start from
 
 LOOPBACK_LISTEN = "/ip4/127.0.0.1/tcp/0"
 

@@ -53,7 +53,8 @@ from nat.lab import ALL_KINDS, Lab, NatKind
 from tests.kit import requires_root_netns
 from tests.test_nat_matrix import PARALLEL_CELLS, PORT, PUBLIC_NET, Agent, start_agent, start_relay
 
-pytestmark = [pytest.mark.interop, pytest.mark.slow, requires_root_netns, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.interop, pytest.mark.slow, requires_root_netns, pytest.mark.timeout(600),
+              pytest.mark.usefixtures("forks")]
 
 PACKAGES = ("@libp2p/dcutr", "@libp2p/autonat-v2", "@libp2p/circuit-relay-v2")
 LAB_PREFIX = "/ip4/11."  # PUBLIC_NET, 11.0.0.0/15: only inside the lab's namespaces

@@ -146,6 +146,7 @@ async def test_js_relay_loopback(js_relay_available: None) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @requires_root_netns
+@pytest.mark.usefixtures("forks")
 async def test_nat_matrix_js_relay(js_relay_available: None) -> None:
     cells = [Cell(a, b) for a, b in matrix_pairs()]
     async with Lab(prefix="djr", public_net=PUBLIC_NET) as lab:

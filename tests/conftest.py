@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import pytest
 
 from p2p import Node, NodeConfig
+from tests.forkserver import ENV as FORKS_ENV, Forks
 
 LOOPBACK4 = "/ip4/127.0.0.1/tcp/0"
 LOOPBACK6 = "/ip6/::1/tcp/0"
@@ -61,3 +62,16 @@ async def node_pair() -> AsyncIterator[tuple[Node, Node]]:
     async with open_nodes(2) as (a, b):
         await b.connect(a.addrs[0])
         yield a, b
+
+
+@pytest.fixture(scope="module")
+def forks(request: pytest.FixtureRequest) -> Iterator[Forks]:
+    """A fork server for the module's processes (tests/forkserver.py): ``python_m`` starts them
+    from it. Preloads the module's ``FORKS_PRELOAD`` (by default what NAT agents and relays import).
+
+    Module-scoped, so the children's CPU is counted (as the server's, when it is reaped) in the
+    module's last test rather than at the end of the session."""
+    preload = getattr(request.module, "FORKS_PRELOAD", ("tests.nat_agent", "nat.cli"))
+    with Forks(*preload) as server, pytest.MonkeyPatch.context() as patch:
+        patch.setenv(FORKS_ENV, server.path)
+        yield server

@@ -1,90 +1,302 @@
-"""Run ``dedloc`` command lines as processes forked from one that imported the commands once.
+"""Start ``python -m MODULE ...`` as processes forked from one that imported the modules once.
 
-tests/test_cli_errors.py runs 30 command lines that each fail at once; as processes of their own,
-each paid the imports (torch's alone ~2 s, ~3.5 s in all: 104 s of CI's two cores for the table).
-This process imports them once, then for each request forks a child that runs the line exactly
-as ``python -m training.commands`` does: its own process (exit code, stdout and stderr apart, an
-uncaught exception printed as the interpreter prints it), stdin at /dev/null. The parent never
-runs trio or a torch operation, so a child starts with no threads and no event loop.
+A dedloc process pays its imports before it does anything: ~1 s of CPU for ``tests.nat_agent``,
+~1.8 s for ``nat.cli``, ~3.5 s for ``training.commands`` (torch). The namespace labs start 120
+agents and dozens of relays a run, and tests/test_cli_errors.py 30 command lines; on CI's two cores
+that was minutes of CPU spent importing the same modules. This server imports them once, then
+forks a child per request that runs the module exactly as ``python -m`` does.
 
-stdin: one JSON request per line, ``{"argv": [...], "timeout": s}``; stdout: one JSON reply per
-line, ``{"rc": n, "stdout": ..., "stderr": ...}`` (rc -9 and "timed out" on stderr past the timeout).
+A request comes from ``tests/forkclient.py``, a stdlib-only script that starts in ~20 ms. The
+client is the process the caller started and sees (``ip netns exec ns python -S -I forkclient.py
+SOCKET -m MODULE ARGS``, or a plain ``subprocess.run``): it hands this server its stdin, stdout,
+stderr and network namespace (file descriptors over the unix socket), its working directory and
+environment; the child takes all of them (``setns`` into the namespace), so it reads and writes
+the caller's pipes and binds in the caller's namespace. The client forwards the signals it gets
+to the child, and exits with the child's status (a signal death as the same signal). The client
+killed (SIGKILL cannot be forwarded) closes its socket, and the server kills the child. The server
+gone (stdin closed, or its parent died) kills every child it forked (``PR_SET_PDEATHSIG``).
+
+The server never runs trio, nor a torch operation: a child starts with no event loop, and only
+the threads an import started (torch's; the nat modules start none). ``gc.freeze`` keeps the
+imported objects out of each child's collections, so the pages stay shared.
+
+    python -m tests.forkserver SOCKET MODULE...   (in the repository root; stdout: "ready" once it listens)
+
+Differences from a fresh interpreter, none of which the forked modules depend on: the module's
+imports were done before the request (environment variables read at import time are the
+server's); the child is the server's child, so its CPU time counts in the caller's rusage only once
+the server is reaped; ``ip netns exec``'s private /sys mount is not made (the code reads
+/proc/net, which follows the network namespace).
 """
 
 from __future__ import annotations
 
+import ctypes
+import gc
+import importlib
 import json
 import os
 import runpy
+import selectors
+import signal
+import socket
+import subprocess
 import sys
 import tempfile
-import time
-import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
 
-#: What the commands import before they fail or start: paid here once.
-PRELOAD = ("torch", "training.commands", "training.cli", "training.moe.cli", "averaging.cli", "nat.cli", "p2p.node")
-
-
-def child(argv: list[str], out: int, err: int) -> None:
-    """In the forked child: run the line as ``python -m training.commands`` would, then exit."""
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.dup2(out, 1)
-    os.dup2(err, 2)
-    sys.argv = [sys.argv[0], *argv]
-    code = 0
-    try:
-        runpy.run_module("training.commands", run_name="__main__", alter_sys=True)
-    except SystemExit as e:
-        if isinstance(e.code, int) or e.code is None:
-            code = e.code or 0
-        else:
-            print(e.code, file=sys.stderr)
-            code = 1
-    except BaseException:  # noqa: BLE001 - printed as the interpreter prints an uncaught exception
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+_CLONE_NEWNET = 0x40000000
+_PR_SET_PDEATHSIG = 1
+#: The largest request (argv, cwd and environment as JSON).
+MAX_REQUEST = 1 << 20
 
 
-def run(argv: list[str], timeout: float) -> dict[str, object]:
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+@dataclass
+class Request:
+    """What a client asked for: run ``module`` with ``argv`` in its namespace, on its stdio."""
+
+    module: str
+    argv: list[str]
+    cwd: str
+    env: dict[str, str]
+    stdio: list[int]
+    netns: int
+
+
+def parse(data: bytes, fds: list[int]) -> Request:
+    """A request from its bytes and the four descriptors that came with them (stdin, stdout,
+    stderr, network namespace); ValueError if it is not one."""
+    if len(fds) != 4:
+        raise ValueError(f"a request carries 4 descriptors (stdin, stdout, stderr, netns), not {len(fds)}")
+    body = json.loads(data)
+    if not isinstance(body, dict) or not isinstance(body.get("module"), str) or not isinstance(body.get("argv"), list):
+        raise ValueError("a request is {module, argv, cwd, env}")
+    return Request(body["module"], [str(a) for a in body["argv"]], str(body["cwd"]),
+                   {str(k): str(v) for k, v in dict(body["env"]).items()}, fds[:3], fds[3])
+
+
+def become(request: Request) -> None:
+    """In the forked child: take the client's namespace, stdio, directory and environment, and die
+    with the server."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    if libc.setns(request.netns, _CLONE_NEWNET) != 0:
+        raise OSError(ctypes.get_errno(), "setns into the client's network namespace")
+    os.close(request.netns)
+    for target, fd in enumerate(request.stdio):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request.cwd)
+    os.environ.clear()
+    os.environ.update(request.env)
+    sys.argv = [request.module, *request.argv]
+    sys.path[0] = request.cwd  # as -m puts it
+    # stdio as a fresh interpreter opens it on these descriptors (a terminal or PYTHONUNBUFFERED
+    # makes stdout line-buffered or unbuffered; stderr is always line-buffered).
+    unbuffered = bool(request.env.get("PYTHONUNBUFFERED"))
+    sys.stdin = open(0, "r", encoding=sys.stdin.encoding, errors=sys.stdin.errors, closefd=False)
+    sys.stdout = open(1, "w", encoding=sys.stdout.encoding, errors=sys.stdout.errors, closefd=False,
+                      buffering=1 if os.isatty(1) else -1)
+    if unbuffered:
+        sys.stdout.reconfigure(write_through=True)
+    sys.stderr = open(2, "w", encoding=sys.stderr.encoding, errors="backslashreplace", closefd=False, buffering=1)
+
+
+class Server:
+    """The accept/fork/reap loop. ``serve`` returns in a child (with its request) or when stdin closes."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.pid = os.getpid()
+        self.children: dict[int, socket.socket] = {}
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(path)
+        self.listener.listen(64)
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)
+        os.set_blocking(self.wake_r, False)
+
+    def serve(self) -> Request | None:
+        sel = selectors.DefaultSelector()
+        sel.register(self.listener, selectors.EVENT_READ, "accept")
+        sel.register(self.wake_r, selectors.EVENT_READ, "reap")
+        sel.register(sys.stdin.fileno(), selectors.EVENT_READ, "stdin")
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        print("ready", flush=True)
+        try:
+            while True:
+                for key, _ in sel.select():
+                    if key.data == "accept":
+                        conn, _ = self.listener.accept()
+                        request = self.start(conn, sel)
+                        if request is not None:
+                            return request  # in the child
+                    elif key.data == "reap":
+                        while len(os.read(self.wake_r, 512)) == 512:
+                            pass
+                        self.reap(sel)
+                    elif key.data == "stdin":
+                        if not os.read(sys.stdin.fileno(), 512):
+                            return None
+                    else:  # a client's socket: readable only at its end (the client died)
+                        pid = key.data
+                        sel.unregister(key.fileobj)
+                        if pid in self.children:
+                            os.kill(pid, signal.SIGKILL)
+        finally:
+            sel.close()
+            if os.getpid() == self.pid:
+                self.close()
+
+    def start(self, conn: socket.socket, sel: selectors.BaseSelector) -> Request | None:
+        """Fork a child for the request on ``conn``; the request in the child, None in the server."""
+        fds: list[int] = []
+        try:
+            data, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST, 4)
+            request = parse(data, fds)
+        except (OSError, ValueError) as e:
+            for fd in fds:
+                os.close(fd)
+            try:
+                conn.send(json.dumps({"error": f"bad request: {e}"}).encode())
+            except OSError:
+                pass
+            conn.close()
+            return None
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            child(argv, out.fileno(), err.fileno())
-        deadline = time.monotonic() + timeout
-        status = None
-        while status is None:
-            done, raw = os.waitpid(pid, os.WNOHANG)
-            if done:
-                status = raw
-            elif time.monotonic() > deadline:
-                os.kill(pid, 9)
-                os.waitpid(pid, 0)
-                status = -9
-            else:
-                time.sleep(0.01)
-        out.seek(0)
-        err.seek(0)
-        stderr = err.read().decode(errors="replace")
-        rc = os.waitstatus_to_exitcode(status) if status != -9 else -9
-        if status == -9:
-            stderr += f"\n(forkserver: timed out after {timeout} s)"
-        return {"rc": rc, "stdout": out.read().decode(errors="replace"), "stderr": stderr}
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for fd in (self.wake_r, self.wake_w):
+                os.close(fd)
+            self.listener.close()
+            for other in self.children.values():
+                other.close()
+            conn.close()
+            return request
+        for fd in fds:
+            os.close(fd)
+        self.children[pid] = conn
+        try:
+            conn.send(json.dumps({"pid": pid}).encode())
+        except OSError:
+            os.kill(pid, signal.SIGKILL)
+        sel.register(conn, selectors.EVENT_READ, pid)
+        return None
+
+    def reap(self, sel: selectors.BaseSelector) -> None:
+        """Collect every child that ended; tell its client how."""
+        while self.children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                return
+            conn = self.children.pop(pid, None)
+            if conn is None:
+                continue
+            try:
+                sel.unregister(conn)
+            except KeyError:
+                pass
+            try:
+                conn.send(json.dumps({"status": status}).encode())
+            except OSError:
+                pass
+            conn.close()
+
+    def close(self) -> None:
+        for pid in self.children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for pid in list(self.children):
+            os.waitpid(pid, 0)
+            self.children.pop(pid).close()
+        self.listener.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+ROOT = Path(__file__).resolve().parent.parent
+CLIENT = Path(__file__).resolve().parent / "forkclient.py"
+
+
+#: The environment variable that tells :func:`python_m` where a test's fork server listens.
+ENV = "DEDLOC_FORKS"
+
+
+def python_m(module: str, *args: str) -> list[str]:
+    """``python -m module args``: through the fork server named by $DEDLOC_FORKS (set by the
+    ``forks`` fixture, tests/conftest.py) where there is one, a fresh interpreter where not (a
+    bench that borrows a test's helpers)."""
+    path = os.environ.get(ENV)
+    if path:
+        return [sys.executable, "-S", "-I", str(CLIENT), path, "-m", module, *args]
+    return [sys.executable, "-m", module, *args]
+
+
+class Forks:
+    """A fork server for a test: ``with Forks("nat.cli") as forks: forks.argv("nat.cli", "relay")``.
+
+    ``argv(module, *args)`` is the command line to start in place of ``python -m module args``.
+    """
+
+    def __init__(self, *preload: str, timeout: float = 60) -> None:
+        self.preload = preload
+        self.timeout = timeout
+        self._dir = tempfile.TemporaryDirectory(prefix="forks-")
+        self.path = os.path.join(self._dir.name, "socket")
+        self.server: subprocess.Popen[str] | None = None
+
+    def argv(self, module: str, *args: str) -> list[str]:
+        return [sys.executable, "-S", "-I", str(CLIENT), self.path, "-m", module, *args]
+
+    def __enter__(self) -> Forks:
+        self.server = subprocess.Popen([sys.executable, "-m", "tests.forkserver", self.path, *self.preload], cwd=ROOT,
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.server.stdout is not None
+        line = self.server.stdout.readline()
+        if line != "ready\n":
+            self.server.kill()
+            raise RuntimeError(f"the fork server did not start (it said {line!r}, exit {self.server.wait()})")
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        if self.server is not None:
+            assert self.server.stdin is not None
+            self.server.stdin.close()
+            try:
+                self.server.wait(timeout=self.timeout)
+            except subprocess.TimeoutExpired:
+                self.server.kill()
+                self.server.wait()
+        self._dir.cleanup()
 
 
 def main() -> None:
-    for name in PRELOAD:
-        __import__(name)
-    print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        if line.strip():
-            request = json.loads(line)
-            print(json.dumps(run(list(request["argv"]), float(request["timeout"]))), flush=True)
+    path, *preload = sys.argv[1:]
+    for name in preload:
+        importlib.import_module(name)
+    gc.collect()
+    gc.freeze()
+    request = Server(path).serve()
+    if request is None:
+        return
+    # The child: from here on it is `python -m MODULE ARGV` (an uncaught exception, SystemExit and
+    # the interpreter's exit all as there).
+    become(request)
+    gc.unfreeze()
+    # Preloaded, the module itself is in sys.modules; `python -m` runs it with only its imports there.
+    sys.modules.pop(request.module, None)
+    runpy.run_module(request.module, run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ root (network namespaces).
 from __future__ import annotations
 
 import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -21,9 +20,12 @@ import trio
 from tests.kit import collect_events
 from nat.lab import Lab, NatKind, Shape
 from tests.kit import requires_root_netns
+from tests.forkserver import python_m
 from tests.test_nat_matrix import PUBLIC_NET, ROOT, start_relay
 
-pytestmark = [pytest.mark.slow, requires_root_netns, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, requires_root_netns, pytest.mark.timeout(240), pytest.mark.usefixtures("forks")]
+#: The fork server (tests/forkserver.py) imports the relay and the commands once.
+FORKS_PRELOAD = ("nat.cli", "training.commands")
 
 MBIT = 40
 SIZE = 1_000_000  # float32 values: 4 MB
@@ -41,10 +43,10 @@ async def test_three_peers_on_shaped_links_one_behind_a_symmetric_nat_average_ex
         async def run(name: str) -> None:
             value = name.removeprefix("p")
             proc = await hosts[name].spawn(
-                [sys.executable, "-m", "training.commands", "average", "--ephemeral", "--json", "--initial-peers", relay_addr,
+                python_m("training.commands", "average", "--ephemeral", "--json", "--initial-peers", relay_addr,
                  "--listen", "/ip4/0.0.0.0/tcp/4001", "--no-port-mapping", "--status-interval", "0",
                  "--value", value, "--size", str(SIZE), "--group-size", "3", "--min-size", "3", "--gather-time", "2",
-                 "--rounds", str(ROUNDS), "--interval", "0.5", "--match-timeout", "60", "--duration", "150"],
+                 "--rounds", str(ROUNDS), "--interval", "0.5", "--match-timeout", "60", "--duration", "150"),
                 stdout=subprocess.PIPE, cwd=str(ROOT))
             await collect_events(proc, ("averaged", "average_failed", "nat_mode"), events.setdefault(name, []))
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.forkserver import Forks
+
 ROOT = Path(__file__).resolve().parent.parent
 #: a valid peer id with nothing behind it
 NOBODY_ID = "12D3KooWAcEpZFodCrgPpMU2qAk5qtpQ56tAuMnkTH17K4P48xtF"
@@ -25,37 +27,27 @@ NOBODY_ID = "12D3KooWAcEpZFodCrgPpMU2qAk5qtpQ56tAuMnkTH17K4P48xtF"
 pytestmark = pytest.mark.timeout(300)
 
 
-class Forks:
+#: What the commands import before they fail or start: paid once, in the fork server.
+PRELOAD = ("torch", "training.commands", "training.cli", "training.moe.cli", "averaging.cli", "nat.cli", "p2p.node")
+
+
+class Dedloc:
     """``dedloc`` command lines, each a process forked from one that imported the commands once
     (tests/forkserver.py: a process of its own paid ~3.5 s of imports per line, 104 s for the table)."""
 
-    def __init__(self) -> None:
-        self.server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "forkserver.py")], cwd=ROOT,
-                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                       env={**os.environ, "PYTHONPATH": str(ROOT)})
-        assert self.server.stdout is not None
-        assert json.loads(self.server.stdout.readline()) == {"ready": True}
+    def __init__(self, forks: Forks) -> None:
+        self.forks = forks
 
     def __call__(self, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        assert self.server.stdin is not None and self.server.stdout is not None
-        self.server.stdin.write(json.dumps({"argv": list(argv), "timeout": timeout}) + "\n")
-        self.server.stdin.flush()
-        reply = json.loads(self.server.stdout.readline())
-        return subprocess.CompletedProcess(["dedloc", *argv], reply["rc"], reply["stdout"], reply["stderr"])
-
-    def close(self) -> None:
-        assert self.server.stdin is not None
-        self.server.stdin.close()
-        self.server.wait(timeout=30)
+        result = subprocess.run(self.forks.argv("training.commands", *argv), cwd=ROOT, capture_output=True, text=True,
+                                stdin=subprocess.DEVNULL, timeout=timeout)
+        return subprocess.CompletedProcess(["dedloc", *argv], result.returncode, result.stdout, result.stderr)
 
 
 @pytest.fixture(scope="module")
-def dedloc() -> Iterator[Forks]:
-    forks = Forks()
-    try:
-        yield forks
-    finally:
-        forks.close()
+def dedloc() -> Iterator[Dedloc]:
+    with Forks(*PRELOAD) as forks:
+        yield Dedloc(forks)
 
 
 def _relay(*extra: str) -> tuple[subprocess.Popen[str], str]:
@@ -68,7 +60,7 @@ def _relay(*extra: str) -> tuple[subprocess.Popen[str], str]:
 
 
 @pytest.fixture(scope="module")
-def places(tmp_path_factory: pytest.TempPathFactory, dedloc: Forks) -> Iterator[dict[str, str]]:
+def places(tmp_path_factory: pytest.TempPathFactory, dedloc: Dedloc) -> Iterator[dict[str, str]]:
     tmp = tmp_path_factory.mktemp("cli-errors")
     added = dedloc("authority", "add", "alice", "--dir", str(tmp / "authority"))
     assert added.returncode == 0, added.stderr
@@ -138,7 +130,7 @@ TABLE: list[tuple[str, str]] = [
 
 
 @pytest.mark.parametrize("line, says", TABLE, ids=[line.split(" {")[0][:48] for line, _ in TABLE])
-def test_a_foreseeable_failure_is_one_line_saying_what_to_do(places: dict[str, str], dedloc: Forks, line: str,
+def test_a_foreseeable_failure_is_one_line_saying_what_to_do(places: dict[str, str], dedloc: Dedloc, line: str,
                                                             says: str) -> None:
     argv = [part.format(**places) for part in line.split()]
     result = dedloc(*argv)

@@ -18,9 +18,12 @@ from nat.lab import Lab, NatKind
 from p2p.trio_util import read_lines
 from tests.kit import readme_example, requires_root_netns
 from tests.test_datasets_swarm import corpus
+from tests.forkserver import python_m
 from tests.test_nat_matrix import PORT, PUBLIC_NET, ROOT, start_relay
 
-pytestmark = [pytest.mark.slow, requires_root_netns, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, requires_root_netns, pytest.mark.timeout(240), pytest.mark.usefixtures("forks")]
+#: The fork server (tests/forkserver.py) imports the relay and the commands once.
+FORKS_PRELOAD = ("nat.cli", "training.commands")
 
 
 async def test_the_readme_example_fetches_from_a_seeder_behind_another_nat(tmp_path: Path) -> None:
@@ -30,9 +33,9 @@ async def test_the_readme_example_fetches_from_a_seeder_behind_another_nat(tmp_p
         seeder_host = await lab.peer("seed", NatKind.EIM_PRESERVING, delay_ms=10)
         fetcher_host = await lab.peer("fetch", NatKind.EIM_CHANGING, delay_ms=10)
         seeder = await seeder_host.spawn(
-            [sys.executable, "-m", "training.commands", "dataset", "create", "wiki-en", str(tmp_path / "src"),
+            python_m("training.commands", "dataset", "create", "wiki-en", str(tmp_path / "src"),
              "--initial-peers", relay_addr, "--ephemeral", "--json", "--listen", f"/ip4/0.0.0.0/tcp/{PORT}",
-             "--no-port-mapping", "--piece-size-kib", "64"], stdout=subprocess.PIPE, cwd=str(ROOT))
+             "--no-port-mapping", "--piece-size-kib", "64"), stdout=subprocess.PIPE, cwd=str(ROOT))
         try:
             assert seeder.stdout is not None
             with trio.fail_after(90):

@@ -23,7 +23,6 @@ Marked ``slow``; needs root (network namespaces), like the NAT matrix.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from functools import partial
 from collections.abc import Awaitable, Callable
@@ -34,9 +33,10 @@ import trio
 
 from nat.lab import Host, Lab, NatKind
 from tests.kit import requires_root_netns
+from tests.forkserver import python_m
 from tests.test_nat_matrix import PORT, PUBLIC_NET, Agent, start_agent, start_relay
 
-pytestmark = [pytest.mark.slow, requires_root_netns, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.slow, requires_root_netns, pytest.mark.timeout(150), pytest.mark.usefixtures("forks")]
 
 #: The whole scenario, lab teardown excluded.
 TEST_TIMEOUT = 90
@@ -77,7 +77,7 @@ def non_local(addrs: list[str]) -> list[str]:
 async def relay_table_size(relay: Host, relay_addr: str) -> int | None:
     """The relay's DHT routing-table size from ``dedloc status`` (None if the relay does not serve the DHT)."""
     local = f"/ip4/127.0.0.1/tcp/{PORT}/p2p/{relay_addr.rsplit('/p2p/', 1)[1]}"
-    res = await relay.run([sys.executable, "-m", "nat.cli", "status", local, "--json", "--timeout", "5"], timeout=20)
+    res = await relay.run(python_m("nat.cli", "status", local, "--json", "--timeout", "5"), timeout=20)
     if res.rc != 0:
         raise AssertionError(f"dedloc status on the relay failed: {res.stderr!r}")
     status = json.loads(res.stdout)

@@ -22,7 +22,7 @@ from nat.lab import Lab, NatKind
 from tests.kit import readme_example, requires_root_netns
 from tests.test_nat_matrix import PUBLIC_NET, ROOT, start_relay
 
-pytestmark = [pytest.mark.slow, requires_root_netns, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, requires_root_netns, pytest.mark.timeout(240), pytest.mark.usefixtures("forks")]
 
 LINE = re.compile(r"^mode (\w+), DHT (\w+), peers (\{.*\})$")
 

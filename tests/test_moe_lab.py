@@ -17,9 +17,12 @@ import trio
 
 from nat.lab import Lab, NatKind
 from tests.kit import readme_example, requires_root_netns
+from tests.forkserver import python_m
 from tests.test_nat_matrix import PUBLIC_NET, ROOT, start_relay
 
-pytestmark = [pytest.mark.slow, requires_root_netns, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, requires_root_netns, pytest.mark.timeout(240), pytest.mark.usefixtures("forks")]
+#: The fork server (tests/forkserver.py) imports the relay and the commands once.
+FORKS_PRELOAD = ("nat.cli", "training.commands")
 
 
 def readme_serve_command() -> list[str]:
@@ -36,8 +39,8 @@ async def test_readme_moe_example_behind_a_nat(tmp_path: Path) -> None:
         server_host = await lab.public_host("srv", delay_ms=10)
         trainer_host = await lab.peer("trn", NatKind.EIM_PRESERVING, delay_ms=10)
         args = [a.replace("$RELAY", relay_addr) for a in readme_serve_command()]
-        await server_host.spawn([sys.executable, "-m", "training.commands", "serve-experts", *args, "--device", "cpu",
-                                 "--ephemeral", "--no-port-mapping", "--listen", "/ip4/0.0.0.0/tcp/4001"],
+        await server_host.spawn(python_m("training.commands", "serve-experts", *args, "--device", "cpu",
+                                 "--ephemeral", "--no-port-mapping", "--listen", "/ip4/0.0.0.0/tcp/4001"),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=str(ROOT))
         script = tmp_path / "example.py"
         script.write_text(readme_example("moe-example", relay_addr))

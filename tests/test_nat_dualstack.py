@@ -23,7 +23,7 @@ from nat.lab import Ipv6, Lab, NatKind
 from tests.kit import requires_root_netns
 from tests.test_nat_matrix import PORT, PUBLIC_NET, Agent, start_agent, start_relay
 
-pytestmark = [pytest.mark.slow, requires_root_netns, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, requires_root_netns, pytest.mark.timeout(300), pytest.mark.usefixtures("forks")]
 
 #: An unallocated block of the global unicast range: public to the code under test, and like the
 #: IPv4 PUBLIC_NET it never leaves the lab's namespaces.

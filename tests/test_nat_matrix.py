@@ -21,7 +21,6 @@ import itertools
 import json
 import os
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,9 +30,10 @@ import trio
 
 from nat.lab import ALL_KINDS, Host, Ipv6, Lab, NatKind
 from p2p.trio_util import read_lines
+from tests.forkserver import python_m
 from tests.kit import requires_root_netns
 
-pytestmark = [pytest.mark.slow, requires_root_netns, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, requires_root_netns, pytest.mark.timeout(900), pytest.mark.usefixtures("forks")]
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Looks globally routed, so the code under test treats it as public; it never leaves the namespaces.
@@ -105,7 +105,7 @@ async def start_agent(host: Host, relay_addr: str | list[str], *, listen: list[s
     # DEDLOC_AGENT_LOGS=dir keeps each agent's debug log there.
     logs = os.environ.get("DEDLOC_AGENT_LOGS")
     proc = await host.spawn(
-        [sys.executable, "-m", "tests.nat_agent"]
+        python_m("tests.nat_agent")
         + [arg for addr in (listen or [f"/ip4/0.0.0.0/tcp/{PORT}"]) for arg in ("--listen", addr)]
         + [arg for addr in ([relay_addr] if isinstance(relay_addr, str) else relay_addr) for arg in ("--relay", addr)]
         + (["--verbose"] if logs else []),
@@ -124,7 +124,7 @@ async def start_relay(lab: Lab, name: str = "relay", *, loss_pct: float | None =
                       listen: list[str] | None = None, ipv6: Ipv6 | None = None) -> tuple[Host, str]:
     relay = await lab.public_host(name, delay_ms=25, loss_pct=loss_pct, ipv6=ipv6)
     proc = await relay.spawn(
-        [sys.executable, "-m", "nat.cli", "relay", "--ephemeral", "--json"]
+        python_m("nat.cli", "relay", "--ephemeral", "--json")
         + [arg for addr in (listen or [f"/ip4/0.0.0.0/tcp/{PORT}"]) for arg in ("--listen", addr)]
         + ["--status-interval", "0", "--no-port-mapping"],
         stdout=subprocess.PIPE,
@@ -340,8 +340,8 @@ async def test_ping_from_behind_a_nat_goes_direct_and_says_so() -> None:
         host_a = await lab.peer("a", NatKind.EIM_PRESERVING, listen_port=PORT, delay_ms=50)
         host_b = await lab.peer("b", NatKind.EIM_CHANGING, listen_port=PORT, delay_ms=50)
         peer = await host_a.spawn(
-            [sys.executable, "-m", "nat.cli", "peer", "--ephemeral", "--json", "--listen", f"/ip4/0.0.0.0/tcp/{PORT}",
-             "--initial-peers", relay_addr, "--status-interval", "0", "--no-port-mapping"],
+            python_m("nat.cli", "peer", "--ephemeral", "--json", "--listen", f"/ip4/0.0.0.0/tcp/{PORT}",
+                     "--initial-peers", relay_addr, "--status-interval", "0", "--no-port-mapping"),
             stdout=subprocess.PIPE, cwd=str(ROOT))
         assert peer.stdout is not None
         circuit = peer_id = ""
@@ -354,7 +354,7 @@ async def test_ping_from_behind_a_nat_goes_direct_and_says_so() -> None:
                     break
         assert circuit, "the peer exited before it held a relay slot"
         result = await host_b.run(
-            [sys.executable, "-m", "nat.cli", "ping", "--json", "-c", "8", "-i", "0.5", circuit], timeout=90)
+            python_m("nat.cli", "ping", "--json", "-c", "8", "-i", "0.5", circuit), timeout=90)
         peer.kill()
     assert result.rc == 0, result.stderr
     events = [json.loads(line) for line in result.stdout.splitlines()]

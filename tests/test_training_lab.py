@@ -15,7 +15,6 @@ needs root (network namespaces).
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +25,12 @@ from training.mlm import prepare
 from tests.kit import collect_events
 from nat.lab import Lab, NatKind
 from tests.kit import requires_root_netns
+from tests.forkserver import python_m
 from tests.test_nat_matrix import PUBLIC_NET, ROOT, start_relay
 
-pytestmark = [pytest.mark.slow, requires_root_netns, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, requires_root_netns, pytest.mark.timeout(300), pytest.mark.usefixtures("forks")]
+#: The fork server (tests/forkserver.py) imports the relay and the commands once.
+FORKS_PRELOAD = ("nat.cli", "training.commands")
 
 STEPS = 12
 
@@ -44,11 +46,11 @@ async def test_four_peers_behind_different_nats_train_together(tmp_path: Path) -
 
         async def run(name: str) -> None:
             proc = await hosts[name].spawn(
-                [sys.executable, "-m", "training.commands", "train", "--ephemeral", "--json", "--initial-peers", relay_addr,
+                python_m("training.commands", "train", "--ephemeral", "--json", "--initial-peers", relay_addr,
                  "--listen", "/ip4/0.0.0.0/tcp/4001", "--no-port-mapping", "--status-interval", "0",
                  "--workdir", str(tmp_path), "--run-id", "lab", "--target-batch-size", "512", "--batch-size", "16",
                  "--max-steps", str(STEPS), "--group-size", "4", "--gather-time", "2", "--report-every", "1",
-                 "--match-timeout", "10", "--data-seed", name[1:], "--duration", "240"],
+                 "--match-timeout", "10", "--data-seed", name[1:], "--duration", "240"),
                 stdout=subprocess.PIPE, cwd=str(ROOT))
             await collect_events(proc, ("global_step", "nat_mode", "hole_punch", "error"), events.setdefault(name, []))
 

@@ -1,0 +1,149 @@
+"""The fork server (tests/forkserver.py): a forked ``python -m`` is the caller's process in all it
+shows — its stdio, arguments, directory, environment, network namespace, signals and exit status."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.forkserver import Forks
+
+pytestmark = pytest.mark.timeout(60)
+
+#: A module the server runs from the caller's directory (``python -m`` puts it first on sys.path).
+PROBE = '''
+import json, os, signal, socket, sys, time
+mode = sys.argv[1]
+if mode == "show":
+    print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "probe": os.environ.get("PROBE"),
+                      "stdin": sys.stdin.read(), "interfaces": [n for _, n in socket.if_nameindex()],
+                      "pid": os.getpid(), "name": __name__}))
+    print("to stderr", file=sys.stderr)
+    sys.exit(3)
+if mode == "wait":
+    signal.signal(signal.SIGTERM, lambda *_: (print("got SIGTERM", flush=True), sys.exit(0)))
+    print(os.getpid(), flush=True)
+    for _ in range(3000):  # short sleeps: a signal just before one blocks waits 10 ms at most, not 30 s
+        time.sleep(0.01)
+if mode == "die":
+    os.kill(os.getpid(), signal.SIGKILL)
+if mode == "raise":
+    raise RuntimeError("uncaught")
+'''
+
+
+@pytest.fixture(scope="module")
+def forks() -> Iterator[Forks]:
+    with Forks("json.tool") as server:
+        yield server
+
+
+@pytest.fixture
+def here(tmp_path: Path) -> Path:
+    (tmp_path / "probe.py").write_text(PROBE)
+    return tmp_path
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie, ended but not yet reaped, is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_child_has_the_callers_stdio_arguments_directory_environment_and_exit_code(forks: Forks,
+                                                                                       here: Path) -> None:
+    result = subprocess.run(forks.argv("probe", "show", "two words"), cwd=here, input="from stdin",
+                            capture_output=True, text=True, env={**os.environ, "PROBE": "set"}, timeout=30)
+    assert result.returncode == 3, result.stderr
+    shown = json.loads(result.stdout)
+    assert shown["argv"] == ["show", "two words"] and shown["cwd"] == str(here) and shown["probe"] == "set"
+    assert shown["stdin"] == "from stdin" and shown["name"] == "__main__"
+    assert result.stderr == "to stderr\n"
+
+
+def test_a_preloaded_module_runs_as_main_as_a_fresh_one_would(forks: Forks, tmp_path: Path) -> None:
+    """json.tool was imported by the server, yet runs as ``__main__`` without runpy's warning that it
+    was imported already."""
+    result = subprocess.run(forks.argv("json.tool", "--compact"), cwd=tmp_path, input='{"a": [1, 2]}',
+                            capture_output=True, text=True, timeout=30)
+    assert (result.returncode, result.stdout, result.stderr) == (0, '{"a":[1,2]}\n', "")
+
+
+def test_an_uncaught_exception_is_printed_and_exits_1(forks: Forks, here: Path) -> None:
+    result = subprocess.run(forks.argv("probe", "raise"), cwd=here, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 1 and "RuntimeError: uncaught" in result.stderr
+
+
+def test_the_child_runs_in_the_callers_network_namespace(forks: Forks, here: Path) -> None:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) for a network namespace of its own")
+    result = subprocess.run(["unshare", "--net", *forks.argv("probe", "show")], cwd=here, capture_output=True,
+                            text=True, timeout=30)
+    assert result.returncode == 3, result.stderr
+    assert json.loads(result.stdout)["interfaces"] == ["lo"]  # a new namespace: loopback only
+
+
+def test_a_signal_to_the_caller_reaches_the_child_and_a_death_by_signal_is_the_callers(forks: Forks,
+                                                                                      here: Path) -> None:
+    proc = subprocess.Popen(forks.argv("probe", "wait"), cwd=here, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    int(proc.stdout.readline())
+    proc.terminate()
+    assert proc.wait(timeout=10) == 0 and proc.stdout.read() == "got SIGTERM\n"
+    died = subprocess.run(forks.argv("probe", "die"), cwd=here, timeout=30)
+    assert died.returncode == -signal.SIGKILL
+
+
+def test_a_caller_killed_takes_its_child_with_it(forks: Forks, here: Path) -> None:
+    proc = subprocess.Popen(forks.argv("probe", "wait"), cwd=here, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    child = int(proc.stdout.readline())
+    assert child != proc.pid and alive(child)
+    proc.kill()
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not alive(child)
+
+
+def test_the_server_closed_takes_its_children_with_it(here: Path) -> None:
+    with Forks() as server:
+        proc = subprocess.Popen(server.argv("probe", "wait"), cwd=here, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        child = int(proc.stdout.readline())
+        closing = time.monotonic()
+    assert time.monotonic() - closing < 10  # it killed the child (sleeping 30 s) rather than waiting for it
+    assert not alive(child)
+    assert proc.wait(timeout=10) == 70  # the client says the server went away
+
+
+def test_the_server_killed_takes_its_children_with_it(here: Path) -> None:
+    with Forks() as server:
+        proc = subprocess.Popen(server.argv("probe", "wait"), cwd=here, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        child = int(proc.stdout.readline())
+        assert server.server is not None
+        server.server.kill()  # no goodbye: its children die with it (PR_SET_PDEATHSIG)
+        server.server.wait()
+        assert proc.wait(timeout=10) == 70
+        deadline = time.monotonic() + 10
+        while alive(child) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not alive(child)
+
+
+def test_without_a_server_the_client_says_so(tmp_path: Path) -> None:
+    result = subprocess.run(Forks().argv("probe", "show"), cwd=tmp_path, capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 70 and "no fork server at" in result.stderr
