@@ -515,9 +515,10 @@ async def test_an_upgrade_is_tried_again_only_after_retry_idle_while_nothing_cha
         async with trio.open_nursery() as nursery:
             nursery.start_soon(b.puncher.keep_upgrading, a.node.peer_id, trio.current_time(), seen)
             await wait_until(lambda: len(results) == 1, 30)
+            # identify changes nothing: no retry for it (a retry it caused would come at once, not
+            # retry_idle after the first round: the gaps below). Checked by the gaps, not at a
+            # moment: a loaded CI took longer than retry_idle between the two once.
             await b.node.identify(a.node.peer_id)
-            await trio.sleep(1.0)
-            assert len(results) == 1 and b.puncher.stats.retries == 0  # identify changed nothing
             await wait_until(lambda: len(results) == 3, 30)
             nursery.cancel_scope.cancel()
         assert all(r.conn is None for r in results) and b.puncher.stats.retries == 2
