@@ -83,7 +83,9 @@ def become(request: Request) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
-    if libc.setns(request.netns, _CLONE_NEWNET) != 0:
+    theirs, ours = os.fstat(request.netns), os.stat("/proc/self/ns/net")
+    # setns needs CAP_SYS_ADMIN even into the namespace we are in: a user's `make test` has none
+    if (theirs.st_dev, theirs.st_ino) != (ours.st_dev, ours.st_ino) and libc.setns(request.netns, _CLONE_NEWNET) != 0:
         raise OSError(ctypes.get_errno(), "setns into the client's network namespace")
     os.close(request.netns)
     for target, fd in enumerate(request.stdio):

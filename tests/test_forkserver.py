@@ -8,13 +8,14 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.forkserver import Forks
+from tests.forkserver import ROOT, Forks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -91,6 +92,18 @@ def test_the_child_runs_in_the_callers_network_namespace(forks: Forks, here: Pat
                             text=True, timeout=30)
     assert result.returncode == 3, result.stderr
     assert json.loads(result.stdout)["interfaces"] == ["lo"]  # a new namespace: loopback only
+
+
+def test_a_caller_in_the_servers_own_namespace_needs_no_privilege(here: Path) -> None:
+    """setns wants CAP_SYS_ADMIN even into the namespace one is in: a user's ``make test`` (no labs,
+    but tests/test_cli_errors.py's table) has none, so the child stays where it is."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv(1) to run without CAP_SYS_ADMIN")
+    code = ("import subprocess, sys\nfrom tests.forkserver import Forks\nwith Forks() as f:\n"
+            f"    sys.exit(subprocess.run(f.argv('probe', 'show'), cwd={str(here)!r}, capture_output=True).returncode)")
+    result = subprocess.run(["setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin", sys.executable, "-c", code],
+                            cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 3, result.stderr
 
 
 def test_a_signal_to_the_caller_reaches_the_child_and_a_death_by_signal_is_the_callers(forks: Forks,
