@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from p2p import Node, NodeConfig
-from tests.forkserver import ENV as FORKS_ENV, Forks
+from tests.forkserver import ENV as FORKS_ENV, NAT, Forks
 
 LOOPBACK4 = "/ip4/127.0.0.1/tcp/0"
 LOOPBACK6 = "/ip6/::1/tcp/0"
@@ -71,7 +71,7 @@ def forks(request: pytest.FixtureRequest) -> Iterator[Forks]:
 
     Module-scoped, so the children's CPU is counted (as the server's, when it is reaped) in the
     module's last test rather than at the end of the session."""
-    preload = getattr(request.module, "FORKS_PRELOAD", ("tests.nat_agent", "nat.cli"))
+    preload = getattr(request.module, "FORKS_PRELOAD", NAT)
     with Forks(*preload) as server, pytest.MonkeyPatch.context() as patch:
         patch.setenv(FORKS_ENV, server.path)
         yield server

@@ -235,14 +235,23 @@ CLIENT = Path(__file__).resolve().parent / "forkclient.py"
 ENV = "DEDLOC_FORKS"
 
 
+#: What NAT agents and relays import (the ``forks`` fixture's default preload).
+NAT = ("tests.nat_agent", "nat.cli")
+#: What a lab that runs ``dedloc`` commands beside its relay imports.
+COMMANDS = ("nat.cli", "training.commands")
+
+
+def client_argv(path: str, module: str, *args: str) -> list[str]:
+    """``python -m module args`` through the fork server listening at ``path``."""
+    return [sys.executable, "-S", "-I", str(CLIENT), path, "-m", module, *args]
+
+
 def python_m(module: str, *args: str) -> list[str]:
     """``python -m module args``: through the fork server named by $DEDLOC_FORKS (set by the
     ``forks`` fixture, tests/conftest.py) where there is one, a fresh interpreter where not (a
     bench that borrows a test's helpers)."""
     path = os.environ.get(ENV)
-    if path:
-        return [sys.executable, "-S", "-I", str(CLIENT), path, "-m", module, *args]
-    return [sys.executable, "-m", module, *args]
+    return client_argv(path, module, *args) if path else [sys.executable, "-m", module, *args]
 
 
 class Forks:
@@ -259,7 +268,7 @@ class Forks:
         self.server: subprocess.Popen[str] | None = None
 
     def argv(self, module: str, *args: str) -> list[str]:
-        return [sys.executable, "-S", "-I", str(CLIENT), self.path, "-m", module, *args]
+        return client_argv(self.path, module, *args)
 
     def __enter__(self) -> Forks:
         self.server = subprocess.Popen([sys.executable, "-m", "tests.forkserver", self.path, *self.preload], cwd=ROOT,

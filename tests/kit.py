@@ -40,6 +40,20 @@ async def wait_until(predicate: Callable[[], T], timeout: float = 20.0, *, inter
     raise trio.TooSlowError(f"timed out after {timeout:g} s waiting for {what or 'the condition'}")
 
 
+def stat_of(pid: int) -> list[str] | None:
+    """``/proc/PID/stat``'s fields after the command's name (state, parent pid, ...); None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not yet reaped, does not)."""
+    stat = stat_of(pid)
+    return stat is not None and stat[0] != "Z"
+
+
 def record_events(node: Any) -> list[Any]:
     """Every event ``node`` emits from now on, appended as it is emitted.
 

@@ -9,7 +9,6 @@ a closed swarm's relay (it admits only passholders), ``{busy}`` a port another s
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.forkserver import ROOT, Forks
+from tests.kit import alive
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,12 +54,12 @@ def here(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def alive(pid: int) -> bool:
-    """Running (a zombie, ended but not yet reaped, is not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
-        return False
+def gone(pid: int, timeout: float = 10) -> bool:
+    """Whether ``pid`` has stopped running within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return not alive(pid)
 
 
 def test_the_child_has_the_callers_stdio_arguments_directory_environment_and_exit_code(forks: Forks,
@@ -124,10 +125,7 @@ def test_a_caller_killed_takes_its_child_with_it(forks: Forks, here: Path) -> No
     assert child != proc.pid and alive(child)
     proc.kill()
     proc.wait(timeout=10)
-    deadline = time.monotonic() + 10
-    while alive(child) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not alive(child)
+    assert gone(child)
 
 
 def test_the_server_closed_takes_its_children_with_it(here: Path) -> None:
@@ -150,10 +148,7 @@ def test_the_server_killed_takes_its_children_with_it(here: Path) -> None:
         server.server.kill()  # no goodbye: its children die with it (PR_SET_PDEATHSIG)
         server.server.wait()
         assert proc.wait(timeout=10) == 70
-        deadline = time.monotonic() + 10
-        while alive(child) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert not alive(child)
+        assert gone(child)
 
 
 def test_without_a_server_the_client_says_so(tmp_path: Path) -> None:

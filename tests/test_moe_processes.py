@@ -21,29 +21,15 @@ from p2p.errors import DedlocError
 from training.moe import ExpertClient, MoEConfig, MoEError, RemoteMixtureOfExperts
 from training.moe.protocol import PROTOCOL
 
-from .kit import collect_events, loopback_peer_config
+from .kit import alive, collect_events, loopback_peer_config, stat_of
 
 HID = 8
 BOOT = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
 
 
-def stat_of(pid: int) -> list[str] | None:
-    """``/proc/PID/stat``'s fields after the command's name (state, parent pid, ...); None once it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-
-
 def children_of(pid: int) -> list[int]:
     """The pids whose parent is ``pid``."""
     return [int(e) for e in os.listdir("/proc") if e.isdigit() and (stat := stat_of(int(e))) and int(stat[1]) == pid]
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, ended but not yet reaped, does not)."""
-    stat = stat_of(pid)
-    return stat is not None and stat[0] != "Z"
 
 
 def serve_experts(pattern: str, boot: str, *options: str, duration: float = 90) -> list[str]:
