@@ -49,6 +49,10 @@ MODULES: dict[str, tuple[str, ...]] = {
     "p2p/dial_backoff.py": ("tests/test_dial_backoff.py",),
     "p2p/conn_manager.py": ("tests/test_conn_manager.py",),
     "p2p/peer_store.py": ("tests/test_peer_store.py",),
+    "training/datasets/picker.py": ("tests/test_picker.py",),
+    "training/contributions.py": ("tests/test_contributions.py",),
+    "averaging/load_balancing.py": ("tests/test_load_balancing.py",),
+    "averaging/bandwidth.py": ("tests/test_bandwidth.py",),
 }
 
 KILLED = {"killed", "timeout"}

@@ -24,6 +24,14 @@ a batch size the compute term is left out and ``c_i`` is 1 for every peer
 with tensors. Fractions follow eq. 6: ``fraction_i ∝ min_j g_ij`` over the
 receivers ``j``.
 
+``c_i`` is the paper's binary indicator relaxed to [0, 1]. The relaxation is
+not exact: where the optimum leaves some ``c_k`` fractional, the compute term
+counts part of peer k's samples while (4) already lets the others stop
+waiting for it. As the paper reads it, a peer contributes only at
+``c_k = 1`` (:attr:`Balance.contributes`), and ``xi`` is then an upper bound.
+The averager does not pass a batch size (it splits the vector; who computes
+is the trainer's role), so its rounds never meet this.
+
 Every member solves the same problem from the same inputs (the group's
 declarations, in group order) with the same deterministic method (HiGHS dual
 simplex), so they agree on the partition without another message; the
@@ -122,6 +130,14 @@ def balance(capacities: Sequence[Capacity], vector_bytes: int, *,
         raise ValueError("no members")
     if not any(c.reduces for c in capacities):
         raise ValueError("no member may reduce")
+    lone = [i for i, cap in enumerate(capacities) if cap.sends]
+    if not lone:  # nobody has tensors: nothing to average (and nothing bounds the LP)
+        return Balance(equal_fractions(capacities), math.inf, (False,) * n, time.perf_counter() - started)
+    if len(lone) == 1 and capacities[lone[0]].reduces:
+        # One member has tensors and may reduce them: it averages its own vector and nothing crosses a
+        # link (the LP is unbounded there: a transfer within one peer costs no bandwidth).
+        alone = tuple(i == lone[0] for i in range(n))
+        return Balance(tuple(float(x) for x in alone), math.inf, alone, time.perf_counter() - started)
     up = _filled([c.upload for c in capacities])
     down = _filled([c.download for c in capacities])
     big = 4.0 * max(max(up), max(down))  # D in r_i <= a_ki + (1 - c_k) D: never binding when c_k = 0
@@ -208,8 +224,7 @@ def balance(capacities: Sequence[Capacity], vector_bytes: int, *,
         if not capacities[i].reduces:
             throughput.append(0.0)
             continue
-        rates = [x[g(i, j)] for j in receivers] or [x[r(i)]]
-        throughput.append(max(0.0, min(rates)))
+        throughput.append(max(0.0, min(x[g(i, j)] for j in receivers)))  # receivers: at least one sender
     if pair_limits is None:
         # Swapping two members with equal capacities maps an optimum onto an
         # optimum, and the optima form a convex set: so their mean is optimal
@@ -231,5 +246,5 @@ def balance(capacities: Sequence[Capacity], vector_bytes: int, *,
     fractions = tuple(f if f >= 1e-3 else 0.0 for f in fractions)
     norm = sum(fractions)
     fractions = tuple(float(f / norm) for f in fractions)
-    contributes = tuple(bool(capacities[i].sends and x[c(i)] > 0.5) for i in range(n))
+    contributes = tuple(bool(capacities[i].sends and x[c(i)] >= 1.0 - 1e-6) for i in range(n))  # c_k = 1
     return Balance(fractions, best, contributes, time.perf_counter() - started)

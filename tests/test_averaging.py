@@ -442,6 +442,25 @@ async def test_reduces_false_makes_a_parameter_server_layout() -> None:
         config(3, auxiliary=True, reduces=False).validate()
 
 
+async def test_a_lone_trainer_with_an_auxiliary_averages_its_vector_itself(caplog: pytest.LogCaptureFixture) -> None:
+    """One member with tensors: the LP was unbounded (a peer's transfer to itself is free), the averager
+    logged "load balancing failed" and split equally, sending half the vector to the auxiliary and back."""
+    async with open_peers(3) as everyone:
+        peers = everyone[1:]
+        await public(peers)
+        data = [[torch.randn(100_000)], [torch.zeros(100_000)]]
+        mine = data[0][0].clone()
+        known = BandwidthConfig(upload=10e6, download=10e6)  # declared: no probe round needed
+        async with Averager.open(peers[0], config(2, bandwidth=known)) as trainer, \
+                Averager.open(peers[1], config(2, auxiliary=True, bandwidth=known)) as helper:
+            reports = await step_all([trainer, helper], data, [1.0, 1.0])
+    for report in reports:
+        assert isinstance(report, RoundReport) and report.complete, report
+        assert report.fractions[report.members.index(peers[0].peer_id)] == 1.0
+    assert torch.equal(data[0][0], mine)  # the average of one vector is itself
+    assert "load balancing failed" not in caplog.text
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 async def test_sixteen_peers_in_moshpit_groups_of_four_reach_the_exact_average_in_two_rounds() -> None:

@@ -1,15 +1,12 @@
-"""The averaging layer's pure parts: partition, codecs, the LP, the reduction state machine."""
+"""The averaging layer's pure parts: partition, codecs, the reduction state machine (the LP: test_load_balancing)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
 import torch
 
-from averaging.bandwidth import BandwidthConfig, BandwidthEstimator, TransferClock, link_rate, quantize
 from averaging.compression import Compression, codec_regions, decode, encode, payload_size, wire_codec
 from averaging.moshpit import (
     FailureRate,
@@ -19,13 +16,9 @@ from averaging.moshpit import (
     optimal_group_size,
     rounds_to_average,
 )
-from averaging.load_balancing import Capacity, balance, equal_fractions
 from averaging.partition import Schema, SchemaMismatchError, chunk_spans, flatten, part_bounds, unflatten_into
 from averaging.proto import averaging_pb2 as pb
 from averaging.reduction import ChunkRejected, PartReduction
-
-MBIT = 1e6 / 8
-S = 40_000_000
 
 
 # ---------------------------------------------------------------- partition
@@ -104,58 +97,6 @@ def test_float16_saturates_instead_of_overflowing() -> None:
     assert torch.isfinite(back).all() and back[0] == 65504
 
 
-# ---------------------------------------------------------------- load balancing (DeDLOC eq. 5, 6)
-
-def test_equal_peers_get_equal_shares_at_the_bandwidth_bound() -> None:
-    result = balance([Capacity(100 * MBIT, 100 * MBIT)] * 4, S)
-    assert result.fractions == pytest.approx((0.25,) * 4)
-    assert result.predicted_seconds == pytest.approx(2 * 3 / 4 * S / (100 * MBIT), rel=1e-6)
-
-
-def test_slow_peers_reduce_nothing_and_the_ideal_is_reached() -> None:
-    caps = [Capacity(200 * MBIT, 200 * MBIT)] * 2 + [Capacity(40 * MBIT, 40 * MBIT)] * 2
-    result = balance(caps, S)
-    assert result.fractions == pytest.approx((0.5, 0.5, 0.0, 0.0))
-    ideal = max(2 * 3 * S / (480 * MBIT), S / (40 * MBIT))
-    assert result.predicted_seconds == pytest.approx(ideal, rel=1e-6)  # 8.0 s
-
-
-def test_roles_fix_the_shares() -> None:
-    caps = [Capacity(100 * MBIT, 100 * MBIT)] * 3 + [Capacity(400 * MBIT, 400 * MBIT, sends=False)]
-    result = balance(caps, S)
-    assert result.fractions[3] == pytest.approx(1.0)  # an idle fast peer aggregates everything (setup D)
-    assert result.contributes == (True, True, True, False)
-    senders_only = [Capacity(100 * MBIT, 100 * MBIT, reduces=False)] * 2 + [Capacity(100 * MBIT, 100 * MBIT)] * 2
-    result = balance(senders_only, S)
-    assert result.fractions[:2] == (0.0, 0.0) and sum(result.fractions) == pytest.approx(1.0)
-    assert equal_fractions(senders_only) == (0.0, 0.0, 0.5, 0.5)
-    with pytest.raises(ValueError, match="no member may reduce"):
-        balance([Capacity(reduces=False)] * 2, S)
-
-
-def test_pairwise_limits_and_unknown_bandwidths() -> None:
-    caps = [Capacity(100 * MBIT, 100 * MBIT)] * 3
-    limits = [[0.0] * 3 for _ in range(3)]
-    limits[0][1] = limits[1][0] = 5 * MBIT  # a slow path between 0 and 1
-    limited = balance(caps, S, pair_limits=limits)
-    assert limited.predicted_seconds > balance(caps, S).predicted_seconds
-    unknown = balance([Capacity(), Capacity(), Capacity(100 * MBIT, 100 * MBIT)], S)
-    assert unknown.fractions == pytest.approx((1 / 3,) * 3, abs=1e-6)
-
-
-def test_every_member_computes_the_same_partition() -> None:
-    """Same inputs, same answer: in this process, again, and in a fresh interpreter."""
-    caps = [Capacity(u * MBIT, d * MBIT) for u, d in ((200, 180), (200, 180), (40, 50), (40, 30), (100, 100))]
-    first = balance(caps, S).fractions
-    assert balance(caps, S).fractions == first
-    code = ("from averaging.load_balancing import Capacity, balance\n"
-            f"caps = [Capacity(u * {MBIT!r}, d * {MBIT!r}) for u, d in ((200, 180), (200, 180), (40, 50), (40, 30), (100, 100))]\n"
-            f"print(repr(balance(caps, {S}).fractions))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
-    assert out.stdout.strip() == repr(first)
-    assert part_bounds(10**7, first) == part_bounds(10**7, eval(out.stdout))
-
-
 # ---------------------------------------------------------------- reduction
 
 def _spans(n_chunks: int, size: int = 4) -> list:
@@ -226,63 +167,6 @@ def test_a_chunk_nobody_contributed_to_is_not_averaged() -> None:
     red.set_weight(0, 1.0)
     (final,) = red.drop(0, "gone")
     assert final.values is None and final.contributors == frozenset() and red.done
-
-
-def _clock(nbytes: int, seconds: float, start: float = 100.0, pieces: int = 11) -> list[TransferClock]:
-    """One stream moving ``nbytes`` (after its first piece) in ``seconds``."""
-    clock = TransferClock()
-    clock.add(nbytes // (pieces - 1), start)  # the first piece only starts the clock
-    for i in range(1, pieces):
-        clock.add(nbytes // (pieces - 1), start + seconds * i / (pieces - 1))
-    return [clock]
-
-
-def test_bandwidth_is_the_best_recent_round_and_the_user_wins() -> None:
-    est = BandwidthEstimator(BandwidthConfig(window=2))
-    assert (est.upload, est.download, est.measured) == (0.0, 0.0, False)
-    est.observe(_clock(8_000_000, 1.0), _clock(8_000_000, 2.0))  # 8 MB/s up, 4 MB/s down
-    assert est.upload == pytest.approx(8e6, rel=0.1) and est.download == pytest.approx(4e6, rel=0.1)
-    assert est.measured
-    est.observe(_clock(8_000_000, 4.0), _clock(8_000_000, 1.0))  # a round slowed by the group: not the link
-    assert est.upload == pytest.approx(8e6, rel=0.1) and est.download == pytest.approx(8e6, rel=0.1)
-    est.observe(_clock(8_000_000, 4.0), _clock(8_000_000, 4.0))
-    est.observe(_clock(8_000_000, 4.0), _clock(8_000_000, 4.0))  # the window forgets old bests
-    assert est.upload == pytest.approx(2e6, rel=0.1) and est.download == pytest.approx(2e6, rel=0.1)
-    est.observe(_clock(1000, 1.0), _clock(8_000_000, 0.01))  # too little moved, too short: ignored
-    assert est.upload == pytest.approx(2e6, rel=0.1) and est.download == pytest.approx(2e6, rel=0.1)
-    user = BandwidthEstimator(BandwidthConfig(upload=1e6))
-    user.observe(_clock(8_000_000, 1.0), _clock(8_000_000, 1.0))
-    assert user.upload == 1e6 and user.download == pytest.approx(8e6, rel=0.1)
-    with pytest.raises(ValueError):
-        BandwidthConfig(upload=-1).validate()
-
-
-def test_a_probe_is_not_washed_out_by_lockstep_rounds() -> None:
-    """Lockstep rounds measure the group's pace; the best recent probe still stands beside them."""
-    est = BandwidthEstimator(BandwidthConfig(window=2, probe_window=2))
-    est.observe(_clock(20_000_000, 1.0), _clock(20_000_000, 1.0), probe=True)  # the link: 20 MB/s
-    for _ in range(5):
-        est.observe(_clock(4_000_000, 1.0), _clock(4_000_000, 1.0))  # held to the slowest member
-    assert est.upload == pytest.approx(20e6, rel=0.1) and est.download == pytest.approx(20e6, rel=0.1)
-    est.observe(_clock(8_000_000, 1.0), _clock(8_000_000, 1.0), probe=True)
-    est.observe(_clock(8_000_000, 1.0), _clock(8_000_000, 1.0), probe=True)  # the link got slower
-    assert est.upload == pytest.approx(8e6, rel=0.1)
-    with pytest.raises(ValueError):
-        BandwidthConfig(probe_every=-1).validate()
-
-
-def test_link_rate_adds_concurrent_streams_and_skips_the_first_wait() -> None:
-    # a fast peer sending to one fast and two slow reducers: each stream is held back by its far end
-    fast, slow1, slow2 = _clock(20_000_000, 1.0)[0], _clock(1_500_000, 1.0)[0], _clock(1_500_000, 1.0)[0]
-    assert link_rate([fast, slow1, slow2], 1 << 20, 0.05) == pytest.approx(23e6, rel=0.01)
-    # the wait before the first payload does not count
-    late = TransferClock()
-    late.add(1_000_000, 10.0)  # after a 10 s wait for the group
-    late.add(1_000_000, 10.5)
-    late.add(1_000_000, 11.0)
-    assert late.rate(0.05) == pytest.approx(2e6)
-    # alike links declare alike figures
-    assert quantize(100e6) == quantize(103e6) and quantize(100e6) < quantize(130e6) and quantize(0) == 0
 
 
 def _moshpit_rounds(values: dict[int, float], grid: dict[int, GridPosition], rounds: int,

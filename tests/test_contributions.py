@@ -117,3 +117,68 @@ def test_bytes_served_are_credited_no_faster_than_a_link_carries_and_survive_a_r
     data.observe_shards(dataset, {bob: 2})  # the dataset's shards as they are now: alice's were retracted
     board = data.leaderboard()
     assert board[bob.to_base58()]["shards_added"] == 2 and board[alice.to_base58()]["shards_added"] == 0
+
+
+def test_a_count_read_again_unchanged_is_credited_once_and_restarts_add_up() -> None:
+    from training.contributions import DataContributions
+
+    alice = peer_id_of(new_identity())
+    data = DataContributions(max_rate=100.0)
+    dataset = b"\x02" * 32
+    data.observe_served(dataset, {alice: 300}, now=1.0)  # first seen at 1 s: time counts from there
+    data.observe_served(dataset, {alice: 300}, now=1.5)  # half a second at 100 B/s: 50 of it
+    assert data.leaderboard()[alice.to_base58()]["bytes_served"] == 50
+    for t in (3.0, 5.0, 7.0):  # the same count, read again: credited up to it, never past it
+        data.observe_served(dataset, {alice: 300}, now=t)
+    assert data.leaderboard()[alice.to_base58()]["bytes_served"] == 300
+    # two restarts: what each run was credited adds up, and each run starts from nothing
+    data.observe_served(dataset, {alice: 40}, now=8.0)  # restarted: 40 new bytes in 1 s, all credited
+    data.observe_served(dataset, {alice: 10}, now=8.05)  # again: 5 of its 10 (0.05 s x 100 B/s)
+    data.observe_served(dataset, {alice: 11}, now=8.055)  # 0.5 more allowed: 5.5
+    row = data.leaderboard()[alice.to_base58()]
+    assert row == {"bytes_served": int(300 + 40 + 5.5), "shards_added": 0}
+
+
+def test_data_credit_adds_up_over_datasets_and_a_peer_that_only_added_shards_has_a_row() -> None:
+    from training.contributions import DataContributions
+
+    alice, bob = (peer_id_of(new_identity()) for _ in range(2))
+    data = DataContributions(max_rate=1000.0)
+    first, second = b"\x03" * 32, b"\x04" * 32
+    for dataset in (first, second):
+        data.observe_served(dataset, {alice: 0}, now=0.0)
+        data.observe_served(dataset, {alice: 600}, now=1.0)
+    data.observe_shards(first, {alice: 2, bob: 3})
+    data.observe_shards(second, {bob: 4})
+    assert data.leaderboard() == {alice.to_base58(): {"bytes_served": 1200, "shards_added": 2},
+                                  bob.to_base58(): {"bytes_served": 0, "shards_added": 7}}
+
+
+def test_the_rate_limit_is_the_median_of_working_trainers_only() -> None:
+    a, b, c, d, helper = (peer_id_of(new_identity()) for _ in range(5))
+    board = Contributions(target=1000)
+    assert board.max_rate([]) == 0.0  # nobody reports a rate yet: nothing beyond the slack
+    reports = [report(a, 0, 0, 0.5), report(b, 0, 0, 2.0), report(c, 0, 0, 0.0), report(d, 0, 0, -1.0),
+               LocalProgress(helper, 0, 0, 1000.0, 0.0, auxiliary=True)]
+    # a peer at 0 (just started) or below is no rate, an auxiliary's is not a trainer's: median(0.5, 2.0)
+    assert board.max_rate(reports) == 3.0 * 1.25
+
+
+def test_an_auxiliary_is_counted_at_each_step_it_helped_and_the_trainers_after_it_too() -> None:
+    peer, helper = peer_id_of(new_identity()), peer_id_of(new_identity())
+    board = Contributions(target=1000)
+    board.observe([LocalProgress(helper, 5, 0, 0.0, 0.0, auxiliary=True), report(peer, 5, 30, 10.0)], 0.0)
+    board.observe([LocalProgress(helper, 6, 0, 0.0, 0.0, auxiliary=True), report(peer, 6, 20, 10.0)], 1.0)
+    assert board.assisted[helper] == {5, 6} and helper not in board.claims  # no claim at any step
+    assert set(board.claims[peer]) == {5, 6}
+    assert board.leaderboard()[helper.to_base58()]["auxiliary_steps"] == 2
+
+
+def test_previous_counts_only_from_a_trainer_past_step_zero_that_brought_samples() -> None:
+    peer, other = peer_id_of(new_identity()), peer_id_of(new_identity())
+    board = Contributions(target=1000)
+    board.observe([LocalProgress(peer, 0, 5, 10.0, 0.0, previous=7)], 0.0)  # no step before step 0
+    board.observe([LocalProgress(other, 3, 0, 10.0, 0.0, previous=0)], 0.0)  # brought nothing to step 2
+    assert set(board.claims[peer]) == {0} and set(board.claims[other]) == {3}
+    board.observe([LocalProgress(other, 4, 0, 10.0, 0.0, previous=1)], 1.0)  # one sample to step 3 is a claim
+    assert (board.claims[other][3].claimed, board.claims[other][3].credited) == (1, 1.0)

@@ -117,7 +117,8 @@ MAX_SERVE_RATE = 125e6
 class _Served:
     claimed: int = 0
     credited: float = 0.0
-    seen: float | None = None
+    #: when the backbone last read this count (its clock)
+    seen: float = 0.0
 
 
 @dataclass
@@ -152,7 +153,7 @@ class DataContributions:
             if count < s.claimed:  # restarted: what was credited stays
                 self._earlier[key] = self._earlier.get(key, 0.0) + s.credited
                 s.claimed, s.credited = 0, 0.0
-            allowance = self.max_rate * max(0.0, now - (s.seen if s.seen is not None else now))
+            allowance = self.max_rate * max(0.0, now - s.seen)
             s.credited = min(float(count), s.credited + allowance)
             s.claimed = max(s.claimed, count)
             s.seen = now
@@ -167,12 +168,9 @@ class DataContributions:
     def leaderboard(self) -> dict[str, dict[str, int]]:
         """Peer id -> bytes served (credited) and shards added, every dataset together."""
         out: dict[str, dict[str, int]] = {}
-        for (peer, _), s in self.served.items():
-            row = out.setdefault(peer.to_base58(), {"bytes_served": 0, "shards_added": 0})
-            row["bytes_served"] += int(s.credited)
-        for (peer, _), credited in self._earlier.items():
-            row = out.setdefault(peer.to_base58(), {"bytes_served": 0, "shards_added": 0})
-            row["bytes_served"] += int(credited)
+        for key, s in self.served.items():  # every key of _earlier is one of these
+            row = out.setdefault(key[0].to_base58(), {"bytes_served": 0, "shards_added": 0})
+            row["bytes_served"] += int(s.credited + self._earlier.get(key, 0.0))
         for (peer, _), n in self.shards.items():
             row = out.setdefault(peer.to_base58(), {"bytes_served": 0, "shards_added": 0})
             row["shards_added"] += n

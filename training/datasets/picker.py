@@ -31,7 +31,7 @@ are connected, which failed (retried after a backoff that doubles), which are
 reached only through a relay (left until a hole punch makes them direct,
 unless relayed bulk data is allowed) and which are banned.
 
-Tested in milliseconds without a socket (``tests/test_datasets.py``); the
+Tested in milliseconds without a socket (``tests/test_picker.py``); the
 shell that performs these decisions is :mod:`.fetch`.
 """
 
@@ -88,7 +88,6 @@ class _Seeder:
     failures: int = 0
     resting_until: float = 0.0
     banned: str | None = None
-    delivered: int = 0
     #: (time, bytes) of what it delivered lately
     recent: deque[tuple[float, int]] = field(default_factory=deque)
     first_asked: float | None = None
@@ -156,7 +155,7 @@ class PiecePicker:
     def _usable(self, seeder: _Seeder, now: float) -> bool:
         return seeder.banned is None and seeder.resting_until <= now
 
-    def availability(self, key: PieceKey, now: float = 0.0) -> int:
+    def availability(self, key: PieceKey, now: float) -> int:
         """Seeders that hold ``key`` and may be asked now."""
         return sum(1 for s in self.seeders.values() if self._usable(s, now) and key in s.keys)
 
@@ -196,7 +195,7 @@ class PiecePicker:
         fresh = [k for k in seeder.keys & self.unasked if self._ready(k)]
         if fresh:
             avail, prio, tie = self.avail, self.priority, self._tie
-            key = min(fresh, key=lambda k: (k[1] != LEAVES, prio[k[0]], avail.get(k, 0), tie[k]))
+            key = min(fresh, key=lambda k: (k[1] != LEAVES, prio[k[0]], avail[k], tie[k]))  # it holds k: avail >= 1
             self.unasked.discard(key)
         else:
             if self.unasked:
@@ -207,7 +206,7 @@ class PiecePicker:
                 patience = 0.0
             doubled = [k for k in seeder.keys & self.missing if k not in seeder.in_flight and self._ready(k)
                        and len(self.requested.get(k, ())) < self.config.endgame_duplicates
-                       and now - self.asked_at.get(k, now) >= patience]
+                       and now - self.asked_at[k] >= patience]
             if not doubled:
                 return None
             key = min(doubled, key=lambda k: (len(self.requested.get(k, ())), self.priority[k[0]], self._tie[k]))
@@ -238,18 +237,15 @@ class PiecePicker:
                 if key in self.missing:
                     self.unasked.add(key)
 
-    def received(self, peer: ID, key: PieceKey, now: float = 0.0, size: int = 0) -> bool:
+    def received(self, peer: ID, key: PieceKey, now: float, size: int = 0) -> bool:
         """A verified piece (or leaves) of ``size`` bytes from ``peer``; False if we already had it (an
-        endgame duplicate)."""
+        endgame duplicate: the first copy already took it out of every seeder's requests)."""
         seeder = self.seeders.get(peer)
         if seeder is not None:
-            seeder.in_flight.discard(key)
             seeder.failures = 0
-            seeder.delivered += 1
             if size:
                 seeder.recent.append((now, size))
         if key not in self.missing:
-            self._release(peer, key)
             return False
         self.missing.discard(key)
         self.unasked.discard(key)
