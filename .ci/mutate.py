@@ -53,6 +53,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "training/contributions.py": ("tests/test_contributions.py",),
     "averaging/load_balancing.py": ("tests/test_load_balancing.py",),
     "averaging/bandwidth.py": ("tests/test_bandwidth.py",),
+    "p2p/addresses.py": ("tests/test_addresses.py",),
 }
 
 KILLED = {"killed", "timeout"}

@@ -49,17 +49,17 @@ def parse_multiaddr(text: str | Multiaddr, *, what: str = "address") -> Multiadd
     try:
         return Multiaddr(text)
     except multiaddr.exceptions.Error as e:
-        raise AddressError(f"{what} {text!r} is malformed: {_reason(e)}") from e
+        raise AddressError(f"{what} {text!r} is malformed: {_reason(e, text)}") from e
     except Exception as e:  # the multiaddr codecs raise assorted types on garbage
         raise AddressError(f"{what} {text!r} is malformed: {e}") from e
 
 
-def _reason(e: Exception) -> str:
+def _reason(e: Exception, text: str) -> str:
+    """py-multiaddr's message without the input it repeats twice ("Invalid MultiAddr '<text>': <reason>
+    (string: <text>)"): cut by the input itself, which may hold any characters."""
     msg = str(e)
-    # multiaddr repeats the input; keep only the informative middle part
-    if "': " in msg:
-        msg = msg.split("': ", 1)[1]
-    return msg.split(" (string:", 1)[0]
+    msg = msg.removeprefix(f"Invalid MultiAddr {text!r}: ")
+    return msg.removesuffix(f" (string: {text})")
 
 
 def peer_id_of(addr: Multiaddr) -> ID | None:
@@ -167,7 +167,7 @@ def _scope(parts: list[tuple[str, bytes]]) -> Scope:
         ip = ipaddress.IPv4Address(raw) if name == "ip4" else ipaddress.IPv6Address(raw)
         if ip.is_loopback:
             return Scope.LOOPBACK
-        if ip.is_private or ip.is_link_local or ip.is_unspecified or not ip.is_global:  # incl. CGNAT 100.64/10
+        if not ip.is_global:  # private, link-local, unspecified, CGNAT 100.64/10: none is global
             return Scope.PRIVATE
         return Scope.PUBLIC
     return Scope.PUBLIC if raw != b"localhost" else Scope.LOOPBACK  # a DNS name
