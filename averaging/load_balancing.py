@@ -130,13 +130,14 @@ def balance(capacities: Sequence[Capacity], vector_bytes: int, *,
         raise ValueError("no members")
     if not any(c.reduces for c in capacities):
         raise ValueError("no member may reduce")
-    lone = [i for i, cap in enumerate(capacities) if cap.sends]
-    if not lone:  # nobody has tensors: nothing to average (and nothing bounds the LP)
+    # Members with tensors both send them and need the average back.
+    receivers = senders = [i for i in range(n) if capacities[i].sends]
+    if not senders:  # nobody has tensors: nothing to average (and nothing bounds the LP)
         return Balance(equal_fractions(capacities), math.inf, (False,) * n, time.perf_counter() - started)
-    if len(lone) == 1 and capacities[lone[0]].reduces:
+    if len(senders) == 1 and capacities[senders[0]].reduces:
         # One member has tensors and may reduce them: it averages its own vector and nothing crosses a
         # link (the LP is unbounded there: a transfer within one peer costs no bandwidth).
-        alone = tuple(i == lone[0] for i in range(n))
+        alone = tuple(i == senders[0] for i in range(n))
         return Balance(tuple(float(x) for x in alone), math.inf, alone, time.perf_counter() - started)
     up = _filled([c.upload for c in capacities])
     down = _filled([c.download for c in capacities])
@@ -160,8 +161,6 @@ def balance(capacities: Sequence[Capacity], vector_bytes: int, *,
     xi = 2 * n * n + 2 * n
     nvar = xi + 1
     rows: list[tuple[dict[int, float], float]] = []
-    # Members with tensors both send them and need the average back.
-    receivers = senders = [i for i in range(n) if capacities[i].sends]
     if use_compute:
         assert batch_size is not None
         rows.append(({xi: 1.0, **{c(i): -capacities[i].compute / batch_size for i in range(n)}}, 0.0))

@@ -10,7 +10,7 @@ import pytest
 from p2p.dht.records import owned
 from p2p.errors import DedlocError
 from p2p.identity import new_identity, peer_id_of
-from training.contributions import Contributions
+from training.contributions import Contributions, DataContributions
 from training.progress import LocalProgress, ProgressTracker
 
 from .kit import open_peers
@@ -99,8 +99,6 @@ async def test_no_peer_can_write_another_peers_progress() -> None:
 # ---------------------------------------------------------------------- credit for data
 
 def test_bytes_served_are_credited_no_faster_than_a_link_carries_and_survive_a_restart() -> None:
-    from training.contributions import DataContributions
-
     alice, bob = (peer_id_of(new_identity()) for _ in range(2))
     data = DataContributions(max_rate=1000.0)
     dataset = b"\x01" * 32
@@ -120,8 +118,6 @@ def test_bytes_served_are_credited_no_faster_than_a_link_carries_and_survive_a_r
 
 
 def test_a_count_read_again_unchanged_is_credited_once_and_restarts_add_up() -> None:
-    from training.contributions import DataContributions
-
     alice = peer_id_of(new_identity())
     data = DataContributions(max_rate=100.0)
     dataset = b"\x02" * 32
@@ -140,8 +136,6 @@ def test_a_count_read_again_unchanged_is_credited_once_and_restarts_add_up() -> 
 
 
 def test_data_credit_adds_up_over_datasets_and_a_peer_that_only_added_shards_has_a_row() -> None:
-    from training.contributions import DataContributions
-
     alice, bob = (peer_id_of(new_identity()) for _ in range(2))
     data = DataContributions(max_rate=1000.0)
     first, second = b"\x03" * 32, b"\x04" * 32

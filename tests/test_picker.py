@@ -243,6 +243,7 @@ def test_the_pacer_holds_uploads_to_the_rate() -> None:
 # ---------------------------------------------------------------------- the bookkeeping, after any events
 
 PEERS = [ID(bytes([0, 36, 8, 1, 18, 32]) + bytes([i]) * 32) for i in range(10, 14)]
+D = PEERS[3]
 SHARDS = [3, 2, 4]
 
 
@@ -511,8 +512,6 @@ def test_a_connection_clears_the_failures_and_the_relayed_wait_is_in_the_future(
     table.ban(D, "bad piece")
     assert table.state(D) == SeederState.BANNED and table.count(SeederState.BANNED) == 1
 
-
-D = PEERS[3]
 
 
 def test_the_pacers_burst_is_a_quarter_second_of_its_rate_and_time_refills_it() -> None:
