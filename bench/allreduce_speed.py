@@ -109,7 +109,8 @@ async def dedloc(driver: Any, peers: int, mbytes: float, args: argparse.Namespac
     run_args = argparse.Namespace(
         rounds=args.rounds, warmup=1, gather_time=2.0, timeout=120.0, log_dir=args.log_dir, link_trace=False,
         chunk_elements=None, max_chunks_ahead=None,
-        worker_extra=["--check-stride", str(max(1, int(mbytes * 1e6 / 4 / 2_000_000))), *crypto_args(args)])
+        worker_extra=["--check-stride", str(max(1, int(mbytes * 1e6 / 4 / 2_000_000))), *crypto_args(args),
+                      "--device", args.device, "--torch-threads", str(args.torch_threads)])
     system = driver.SYSTEMS["dedloc"]
     return dict(await driver.timed_rounds(system, [driver.PeerSpec()] * peers, run_args, mbytes,
                                           f"{peers} peers {mbytes:g} MB", False))
@@ -122,8 +123,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     # a single stream gains nothing from handing its sealing to a thread (nothing else is waiting on its
     # loop), so a slower threaded stream must not lower the bar the round is measured against.
     threads = NoiseConfig(crypto_threads=args.crypto_threads).threads()
-    planes = {0: await trio.to_thread.run_sync(data_plane, args.data_plane_mib, ["--crypto-threads", "0"])}
-    if threads:
+    planes = {0: await trio.to_thread.run_sync(data_plane, args.data_plane_mib, ["--crypto-threads", "0"])
+              if args.data_plane_mib else float("nan")}
+    if threads and args.data_plane_mib:
         planes[threads] = await trio.to_thread.run_sync(data_plane, args.data_plane_mib, ["--crypto-threads", str(threads)])
     plane = max(planes.values())
     print("data plane: one Node stream " + ", ".join(f"{v:.0f} MB/s with {k} crypto threads" for k, v in planes.items())
@@ -169,8 +171,11 @@ def main() -> None:
     parser.add_argument("--peers", default="2,4,8")
     parser.add_argument("--mbytes", default="40,400")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--data-plane-mib", type=int, default=256)
+    parser.add_argument("--data-plane-mib", type=int, default=256, help="0: no data-plane measurement")
     parser.add_argument("--no-gloo", action="store_true")
+    parser.add_argument("--device", default="cpu", help="where each dedloc peer's tensor lives (cuda: staged from the GPU)")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="each dedloc peer's torch intra-op threads (0: torch's own, one per core)")
     parser.add_argument("--crypto-threads", type=int, default=None,
                         help="every dedloc node's NoiseConfig.crypto_threads, the data plane's too (default: by the cores)")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/dedloc-bench-allreduce-speed"))

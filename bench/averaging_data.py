@@ -96,4 +96,8 @@ def worker_parser(doc: str | None) -> argparse.ArgumentParser:
     parser.add_argument("--max-chunks-ahead", type=int, default=None, help="dedloc: AllreduceConfig.max_chunks_ahead")
     parser.add_argument("--crypto-threads", type=int, default=None,
                         help="dedloc: NoiseConfig.crypto_threads (default: chosen by the cores)")
+    parser.add_argument("--device", default="cpu", help="dedloc: where the averaged tensor lives (cuda: staged "
+                        "through page-locked buffers, averaging/staging.py)")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="dedloc: torch's intra-op threads (0: torch's own choice, one per core)")
     return parser

@@ -91,7 +91,8 @@ async def one_round(averager: Averager, cmd: dict[str, Any], args: argparse.Name
     seed = int(cmd["seed"])
     sends = args.role != "aux"
     weight = weight_of(me, seed) if sends else 0.0
-    tensors = [tensor_of(me, seed, args.elements)] if sends else [torch.zeros(args.elements)]
+    tensors = [tensor_of(me, seed, args.elements) if sends else torch.zeros(args.elements)]
+    tensors = [t.to(args.device) for t in tensors]
     reply: dict[str, Any] = {"id": cmd["id"], "ok": False, "complete": False, "error": None}
     started = time.perf_counter()
     cpu0 = time.process_time()
@@ -123,7 +124,7 @@ async def one_round(averager: Averager, cmd: dict[str, Any], args: argparse.Name
         contributors = [str(m) for m in report.members if str(m) not in left_out | auxiliary]
         # In a thread: the check is seconds of CPU for 40 MB, and this peer's event
         # loop must keep serving the members still finishing their round.
-        err = await trio.to_thread.run_sync(max_error, tensors[0], contributors, seed, args.check_stride)
+        err = await trio.to_thread.run_sync(max_error, tensors[0].cpu(), contributors, seed, args.check_stride)
         reply["max_err"] = min(err, 1e30)
     return reply
 
@@ -174,7 +175,8 @@ if __name__ == "__main__":
     # Several peers share this machine's cores: torch's intra-op threads would
     # fight over them (a 512 KiB isfinite took 19 ms). One peer per machine,
     # as in real use, has no such contention. The hivemind worker does the same.
-    torch.set_num_threads(1)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("averaging.matchmaking").setLevel(logging.DEBUG)  # the log file tells why a group did not form
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)

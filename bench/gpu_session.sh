@@ -29,6 +29,19 @@
 #              --processes 4) against hivemind's
 #   moe-profile  dedloc's server alone at 1024 rows with its event loop under cProfile (written every 2 s:
 #              bench/moe_gpu_peer.py, DEDLOC_BENCH_PROFILE), where its time goes on the GPU host
+# Diagnosis (not in the default list; docs/AVERAGING.md, "The training round on the H200"):
+#   diagnose   bench/allreduce_speed.py's 2 peers at 100 MB with the tensors on the host or the GPU, torch's
+#              intra-op threads 1 or one per core: which of the two slows a round
+#   spy-round  py-spy (every thread, then the GIL's holder) on one peer averaging 400 MB of GPU tensors
+#   spy-training  the training bench's sync run, 3 steps: its rounds under cProfile, py-spy on peer 0, and
+#              --probe-memory (a CPU op's cost on pageable and page-locked chunks, during a round and after);
+#              skipped when diagnose already showed a slow GPU round
+# py-spy comes as a wheel in .whl/tools/ (bench/gpu_wheels.sh), unpacked to $SITE/tools/py-spy.
+#
+# The next session with a machine (2026-12-04's second run left the training round's cause to find):
+#   run(command="bash bench/gpu_session.sh env spy-training", carry=[".whl"], timeout_s=300)
+# then, with what it shows fixed, the goals:
+#   run(command="bash bench/gpu_session.sh training allreduce moe", carry=[".whl"], timeout_s=600)
 #
 # A rehearsal on a CPU (the same installs and commands at small sizes): bash bench/gpu_wheels.sh 3.11,
 # then GPU_SESSION_DEVICE=cpu PYTHON=<a Python with torch, numpy, scipy and pytest> bash bench/gpu_session.sh
@@ -88,6 +101,14 @@ else
     echo "gpu_session: the wheels did not install: run bash bench/gpu_wheels.sh here and carry .whl" >&2
     exit 2
 fi
+# py-spy (its wheel in .whl/tools/, from bench/gpu_wheels.sh): a binary, unpacked once; the spy steps only
+SPY=${PY_SPY:-$SITE/tools/py-spy}
+if [[ ! -x $SPY ]] && compgen -G ".whl/tools/py_spy-*.whl" > /dev/null; then
+    mkdir -p "$SITE/tools" && "$PY" -c "import glob, sys, zipfile
+w = zipfile.ZipFile(glob.glob('.whl/tools/py_spy-*.whl')[0])
+name = next(n for n in w.namelist() if n.endswith('/scripts/py-spy'))
+open(sys.argv[1], 'wb').write(w.read(name))" "$SPY" && chmod +x "$SPY"
+fi
 echo "gpu_session: $(date -u +%FT%TZ), device $DEVICE, steps ${STEPS[*]}" | tee -a "$SUMMARY"
 
 if [[ $DEVICE == cpu ]]; then  # a rehearsal: every step at a size a CPU does in seconds
@@ -100,6 +121,10 @@ if [[ $DEVICE == cpu ]]; then  # a rehearsal: every step at a size a CPU does in
     # the nop experts here (the serving stack alone), so that the rehearsal runs both kinds
     PROFILED=(--device cpu --hidden 64 --experts 2 --batches 16 --clients 1 --callers 1 --seconds 3 --timeout 60
               --expert-cls nop)
+    ROUND=(--peers 2 --mbytes 4 --rounds 1 --no-gloo --data-plane-mib 0)
+    SPY_ROUND=(--peers 2 --mbytes 8 --rounds 6 --no-gloo --data-plane-mib 0)
+    SPY_TRAINING=(--device cpu --size tiny --micro 4 --seq 32 --target 32 --steps 6 --setups sync --timeout 150 --probe-memory)
+    SPY_DELAY=1 SPY_TRAINING_DELAY=3 SPY_TRAINING_LIMIT=120
     TESTS=(-x -q tests/test_averaging_core.py -k "device or pool")
     # the step's command, not the tests again (the suite runs test_noise.py: 30-60 s on CI's 2 cores)
     NET_TESTS=(-q tests/test_noise.py -k "usable_cores or crypto_threads")
@@ -111,6 +136,11 @@ else
     # dedloc's server as one process and as 4 (serve-experts --processes): 12 cases of ~18 s
     MOE=(--device cuda --batches 64,1024 --clients 8 --callers 4 --seconds 6 --repeats 2 --server-processes 1,4)
     PROFILED=(--device cuda --batches 1024 --clients 8 --callers 4 --seconds 10)
+    ROUND=(--peers 2 --mbytes 100 --rounds 2 --no-gloo --data-plane-mib 0)
+    SPY_ROUND=(--peers 2 --mbytes 400 --rounds 6 --no-gloo --data-plane-mib 0)
+    # the sync run of the training step, 3 steps: at 2026-12-04's 27 s rounds, 4 rounds and the warm-up
+    SPY_TRAINING=(--setups sync --steps 3 --timeout 200 --probe-memory)
+    SPY_DELAY=8 SPY_TRAINING_DELAY=30 SPY_TRAINING_LIMIT=200
     TESTS=(-q tests/test_averaging_core.py tests/test_averaging.py tests/test_noise.py tests/test_node.py tests/test_cli.py
            -k "cuda or device or pool or refuses or noise or seal")
     NET_TESTS=(-q -n 8 tests/test_noise.py tests/test_node.py tests/test_rpc_node.py tests/test_tensor_stream.py
@@ -127,7 +157,9 @@ print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_
     net-tests)
         step net-tests 150 "$PY" -m pytest -p no:cacheprovider "${NET_TESTS[@]}" ;;
     training)
-        step training 300 "$PY" bench/gpu_training.py "${TRAINING[@]}" --json "$WORK/gpu_training.json" ;;
+        # GPU_TRAINING_ARGS: more options for this run (--torch-threads 1, --setups sync,dpu, ...)
+        step training "${GPU_TRAINING_LIMIT:-300}" "$PY" bench/gpu_training.py "${TRAINING[@]}" ${GPU_TRAINING_ARGS:-} \
+            --json "$WORK/gpu_training.json" ;;
     allreduce)
         step allreduce 150 "$PY" bench/allreduce_speed.py "${ALLREDUCE[@]}" --json "$WORK/allreduce_speed.json" ;;
     allreduce-loop)
@@ -137,6 +169,36 @@ print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_
     moe)
         step moe 300 "$PY" bench/moe_gpu.py "${MOE[@]}" --systems "$MOE_SYSTEMS" --python-dedloc "$PY" --python-hivemind "$PY" \
             --path-dedloc "$DEDLOC_SITE" --path-hivemind "$HIVEMIND_SITE" --json "$WORK/moe_gpu.json" ;;
+    diagnose)  # the training round's 27 MB/s on the H200 (2026-12-04) against allreduce_speed's 328: tensors
+        # on the GPU (staging) or on the host, torch's intra-op threads one or one per core (0)
+        for cfg in cpu:1 cuda:1 cuda:0 cpu:0; do
+            dev=${cfg%:*} threads=${cfg#*:}
+            [[ $DEVICE == cpu && $dev == cuda ]] && continue
+            step "round-$dev-$threads" 75 "$PY" bench/allreduce_speed.py "${ROUND[@]}" --device "$dev" \
+                --torch-threads "$threads" --json "$WORK/round_${dev}_${threads}.json"
+        done ;;
+    spy-round)  # every thread of one peer (py-spy) while it averages 400 MB of GPU tensors, torch's threads its own
+        step spy-round 90 env PY_SPY="$SPY" PYTHON="$PY" bash bench/gpu_spy.sh "$WORK/spy-round" 8 "$SPY_DELAY" \
+            'averaging_pee[r]\.py' "$PY" bench/allreduce_speed.py "${SPY_ROUND[@]}" --device "$DEVICE" --torch-threads 0 ;;
+    spy-training)  # the training path itself: one sync peer's rounds under cProfile, and py-spy on all its threads
+        # (skipped when diagnose already reproduced the slow round with GPU tensors: spy-round shows that one)
+        slow=$("$PY" -c "import glob, json, sys
+rates = [c.get('mb_per_s', 0) for f in glob.glob(sys.argv[1] + '/round_cuda_*.json') for c in json.load(open(f))['cases']]
+print(int(any(r < 100 for r in rates)))" "$WORK" 2>/dev/null)
+        if [[ $slow == 1 ]]; then
+            echo "spy-training skipped: a GPU round of diagnose ran under 100 MB/s" | tee -a "$SUMMARY"
+            continue
+        fi
+        mkdir -p "$WORK/training-profile"
+        DEDLOC_BENCH_PROFILE=$WORK/training-profile step spy-training "$SPY_TRAINING_LIMIT" env PY_SPY="$SPY" \
+            PYTHON="$PY" bash bench/gpu_spy.sh "$WORK/spy-training" 20 "$SPY_TRAINING_DELAY" \
+            'gpu_training_pee[r]\.py.*--index 0' "$PY" bench/gpu_training.py "${SPY_TRAINING[@]}" \
+            --json "$WORK/spy_training.json"
+        "$PY" -c "import pstats, glob, sys
+for f in sorted(glob.glob(sys.argv[1] + '/*.prof')):
+    print('==', f); pstats.Stats(f).sort_stats('tottime').print_stats(25)" "$WORK/training-profile" \
+            > "$WORK/training-profile.txt" 2>&1
+        head -n 50 "$WORK/training-profile.txt" ;;
     moe-profile)
         mkdir -p "$WORK/moe-profile"
         DEDLOC_BENCH_PROFILE=$WORK/moe-profile step moe-profile 80 "$PY" bench/moe_gpu.py "${PROFILED[@]}" \
@@ -146,7 +208,8 @@ for f in sorted(glob.glob(sys.argv[1] + '/*.prof')):
     print('==', f); pstats.Stats(f).sort_stats('tottime').print_stats(25)" "$WORK/moe-profile" > "$WORK/moe-profile.txt" 2>&1
         head -n 60 "$WORK/moe-profile.txt" ;;
     *)
-        echo "gpu_session: no step $name (env tests net-tests training allreduce allreduce-loop noise-threads moe moe-profile)" >&2
+        echo "gpu_session: no step $name (env tests net-tests training allreduce allreduce-loop noise-threads moe moe-profile" \
+             "diagnose spy-round spy-training)" >&2
         exit 2 ;;
     esac
 done

@@ -82,7 +82,9 @@ class GpuSampler:
 def peer_args(args: argparse.Namespace, mode: str, steps: int, index: int) -> list[str]:
     return [sys.executable, str(PEER), "--mode", mode, "--device", args.device, "--size", args.size,
             "--micro", str(args.micro), "--seq", str(args.seq), "--target", str(args.target), "--lr", str(args.lr),
-            "--steps", str(steps), "--index", str(index), "--peers", "2", "--timeout", str(args.timeout)]
+            "--steps", str(steps), "--index", str(index), "--peers", "2", "--timeout", str(args.timeout),
+            *([] if args.torch_threads is None else ["--torch-threads", str(args.torch_threads)]),
+            *(["--probe-memory"] if args.probe_memory and mode != "alone" else [])]
 
 
 def _worker_failed(error: RuntimeError, workers: list[Spawned]) -> RuntimeError:
@@ -145,6 +147,8 @@ def _run_setup(args: argparse.Namespace, mode: str, steps: int, spawned: list[Sp
         "seconds": time.perf_counter() - started, "rounds": len(rounds),
         "incomplete_rounds": sum(not r["complete"] for r in rounds),
     }
+    if any("memory_probe" in r for r in results):
+        out["memory_probe"] = [r.get("memory_probe") for r in results]
     if elapsed:
         out["round_s"] = statistics.median(elapsed)
         out["allreduce_mb_per_s"] = grad_mb / out["round_s"]
@@ -184,6 +188,11 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=400.0)
     p.add_argument("--json", type=Path)
     p.add_argument("--verbose", action="store_true", help="show the peers' stderr")
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="each peer's torch intra-op threads (default: 1 on a CPU, torch's own on a GPU)")
+    p.add_argument("--probe-memory", action="store_true",
+                   help="each peer times CPU ops on pageable and page-locked chunks during a round and after "
+                   "(bench/gpu_training_peer.py's memory_probe), in the figures as memory_probe")
     args = p.parse_args()
     results: dict[str, Any] = {"device": args.device, "size": args.size, "micro": args.micro, "seq": args.seq,
                                "target": args.target}

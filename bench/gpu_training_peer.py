@@ -20,8 +20,10 @@ tokens, which context predicts, so it falls from ln(16384) = 9.7.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -43,6 +45,8 @@ SIZES = {"big": dict(vocab=16384, d=1024, layers=12, heads=16, ff=4096),
          "small": dict(vocab=4096, d=256, layers=4, heads=4, ff=1024),
          "tiny": dict(vocab=256, d=64, layers=2, heads=4, ff=128)}
 SUCCESSORS = 4
+#: a folder: each peer's event loop is profiled (cProfile) during its all-reduce rounds, one file per peer
+PROFILE = os.environ.get("DEDLOC_BENCH_PROFILE")
 
 
 class Encoder(torch.nn.Module):
@@ -116,6 +120,44 @@ class Measure:
                 "micro_in_round": len(self.micro_in_round), **extra}
 
 
+def memory_probe(pool: Any, device: torch.device, chunk: int = 64 * 1024, chunks: int = 64) -> dict[str, Any]:
+    """What one CPU op on a round's chunk costs in this process, by where the chunk's memory is: pageable,
+    freshly page-locked, and the averager's own page-locked staging buffer (``pool``, its BufferPool).
+
+    The first H200 runs (2026-12-04) had the training peers' event loop spend 2-7 ms per op on a 64 Ki-value
+    chunk of their own GPU-staged values (a sum, a multiply), 25x more than on chunks that came from the
+    wire, while bench/allreduce_speed.py's peers on the same card did not: this tells memory from process."""
+    def timed(flat: torch.Tensor) -> dict[str, float]:
+        flat.fill_(1.0)
+        views = [flat[i * chunk:(i + 1) * chunk] for i in range(chunks)]
+        t0 = time.perf_counter()
+        for v in views:
+            v.sum(dtype=torch.float32)
+        t1 = time.perf_counter()
+        for v in views:
+            _ = v * 0.5
+        t2 = time.perf_counter()
+        return {"sum_us": (t1 - t0) / chunks * 1e6, "mul_us": (t2 - t1) / chunks * 1e6,
+                "sum_gb_per_s": chunk * chunks * 4 / (t1 - t0) / 1e9}
+
+    n = chunk * chunks
+    tiny = torch.ones(16)
+    t0 = time.perf_counter()
+    for _ in range(chunks):
+        tiny.sum()
+    # an op on 16 values: what any op costs beyond its memory (dispatch, and the GIL taken back after it)
+    out: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "tiny_op_us": (time.perf_counter() - t0) / chunks * 1e6,
+                           "pageable": timed(torch.empty(n))}
+    if device.type == "cuda":
+        out["pinned_fresh"] = timed(torch.empty(n, pin_memory=True))
+        staged = pool.take("pinned", torch.float32, n)
+        try:
+            out["pinned_pool"] = timed(staged)
+        finally:
+            pool.give("pinned", staged)
+    return out
+
+
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else math.nan
 
@@ -123,7 +165,9 @@ def _median(values: list[float]) -> float:
 async def main() -> None:
     args = parser().parse_args()
     device = torch.device(args.device)
-    if device.type == "cpu":
+    if args.torch_threads is not None:
+        torch.set_num_threads(args.torch_threads)
+    elif device.type == "cpu":
         torch.set_num_threads(1)  # peers share the machine's cores: one each, as in bench/training.py
     torch.manual_seed(0)  # the same initial model on every peer
     size = SIZES[args.size]
@@ -165,6 +209,9 @@ async def main() -> None:
         print(json.dumps(measure.result(**info)), flush=True)
         return
 
+    # DEDLOC_BENCH_PROFILE=DIR: the event loop's time in every all-reduce round (cProfile), into DIR
+    profile = cProfile.Profile() if PROFILE else None
+    probes: dict[str, Any] = {}  # --probe-memory: memory_probe() 1 s into a measured round, and after the last
     config = PeerConfig.peer(args.initial_peers, listen=["/ip4/127.0.0.1/tcp/0"], identity_path=None)
     config.nat.allow_private = True
     training = TrainingConfig(run_id="gpu-bench", target_batch_size=args.target, delay_updates=args.mode == "dpu",
@@ -174,12 +221,24 @@ async def main() -> None:
         async with Peer.open(config) as peer, CollaborativeOptimizer.open(peer, optimizer, training) as opt:
             average_in = opt.averager.average_in
 
+            async def probe_during_round() -> None:
+                await trio.sleep(1.0)
+                probes["during_round"] = memory_probe(opt.averager._buffers, device)
+
             async def timed_average_in(*a: Any, **k: Any) -> RoundReport:
                 rounds_in_flight[0] += 1
+                if profile is not None:
+                    profile.enable()
                 try:
-                    report = await average_in(*a, **k)
+                    async with trio.open_nursery() as nursery:
+                        if args.probe_memory and measure.started is not None and "during_round" not in probes:
+                            nursery.start_soon(probe_during_round)
+                        report = await average_in(*a, **k)
+                        nursery.cancel_scope.cancel()
                 finally:
                     rounds_in_flight[0] -= 1
+                    if profile is not None:
+                        profile.disable()
                 if measure.started is not None:
                     measure.rounds.append({"elapsed": report.elapsed, "bytes": report.bytes_sent + report.bytes_received,
                                            "complete": report.complete})
@@ -199,6 +258,11 @@ async def main() -> None:
                     measure.started = time.perf_counter()
                     measure.step_losses = []
             await opt.finish()
+            if args.probe_memory:
+                probes["after_rounds"] = memory_probe(opt.averager._buffers, device)
+                info["memory_probe"] = probes
+            if profile is not None:
+                profile.dump_stats(f"{PROFILE}/training-peer{args.index}-{args.mode}.prof")
             print(json.dumps(measure.result(**info)), flush=True)
             await trio.sleep(3)  # stay until the other is done too
 
@@ -217,6 +281,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--peers", type=int, default=2)
     p.add_argument("--index", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="torch's intra-op threads (default: 1 on a CPU, where the peers share the cores; torch's own on a GPU)")
+    p.add_argument("--probe-memory", action="store_true", help="measure memory_probe() during a round and after the last")
     return p
 
 

@@ -7,6 +7,7 @@
 # Writes .whl/ (git ignores it; a device call carries it: carry=[".whl"]):
 #   .whl/dedloc/    dedloc's runtime dependencies at requirements.lock's versions, and pytest-trio
 #   .whl/hivemind/  hivemind 1.1.12 and its dependencies at bench/hivemind.lock's versions
+#   .whl/tools/     py-spy 0.4.3 (a sampling profiler, unpacked, not installed: bench/gpu_spy.sh)
 #   .whl/both/      the wheels both lists name at the same version, kept once (the call carries
 #                   64 MiB in all, the working tree included)
 # bench/gpu_session.sh installs both+dedloc into one folder and both+hivemind into another, so the
@@ -55,6 +56,8 @@ dedloc=$(names requirements.lock | grep -v -E '^(grpcio|fastecdsa)==')
 fetch .whl/dedloc $dedloc fastecdsa==3.0.1 \
     "$(grep -E '^pytest-trio==' requirements-dev.lock | sed 's/ .*//')"
 fetch .whl/hivemind $(names bench/hivemind.lock)
+# py-spy, the sampling profiler the diagnosis steps attach to a worker (bench/gpu_spy.sh): a binary, unpacked there
+fetch .whl/tools py-spy==0.4.3
 mkdir -p .whl/both
 for wheel in .whl/dedloc/*.whl; do
     if [[ -f .whl/hivemind/${wheel##*/} ]]; then

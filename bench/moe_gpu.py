@@ -105,6 +105,19 @@ def run_case(system: str, batch: int, args: argparse.Namespace, processes: int =
                 "module": wheres[0].get("module", args.expert_cls)}
 
 
+def attempt_case(system: str, batch: int, args: argparse.Namespace, processes: int,
+                 failures: list[str]) -> dict[str, Any] | None:
+    """:func:`run_case`, tried up to ``--attempts`` times: a worker that dies (hivemind's client once did, in
+    its daemon's teardown, at 1024 rows on an H200) costs that attempt, not the run's other figures.
+    Each failure's message is appended to ``failures``; None when every attempt failed."""
+    for _ in range(args.attempts):
+        try:
+            return run_case(system, batch, args, processes)
+        except (RuntimeError, OSError, KeyError, ValueError) as e:
+            failures.append(f"{type(e).__name__}: {e}")
+    return None
+
+
 def spread(values: list[float]) -> dict[str, float]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
@@ -124,6 +137,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--timeout", type=float, default=120.0, help="most seconds a server or a client's warm-up may take")
     p.add_argument("--systems", default="dedloc,hivemind")
+    p.add_argument("--attempts", type=int, default=2, help="tries per case before it is reported as failed")
     p.add_argument("--server-processes", default="1", metavar="N[,N...]",
                    help="dedloc: its server in N processes, a peer each hosting every N-th expert (serve-experts "
                    "--processes N); a case per N, each named 'dedloc xN' beside 'dedloc' (1)")
@@ -142,18 +156,26 @@ def main() -> None:
     cases: dict[str, Any] = {}
     for batch in batches:
         runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
+        failures: dict[str, list[str]] = {s: [] for s in systems}
         for repeat in range(args.repeats):
             for (name, processes), system in zip(variants, systems):
-                run = run_case(name, batch, args, processes)
+                run = attempt_case(name, batch, args, processes, failures[system])
+                if run is None:
+                    print(f"batch {batch:5d} {system:9s} #{repeat + 1}: FAILED {args.attempts} times: "
+                          f"{failures[system][-1].splitlines()[0]}", flush=True)
+                    continue
                 runs[system].append(run)
                 gpu = "" if run["gpu_util_mean"] is None else f", GPU {run['gpu_util_mean']:.0f}% busy"
                 print(f"batch {batch:5d} {system:9s} #{repeat + 1}: {run['samples_per_s']:9.0f} samples/s, "
                       f"{run['pairs_per_s']:7.1f} fwd+bwd/s, {run['failed']} failed{gpu} ({run['device']})", flush=True)
-        case: dict[str, Any] = {s: {"samples_per_s": spread([r["samples_per_s"] for r in runs[s]]), "runs": runs[s]}
+        # a side whose every attempt failed has no figure, and the case says so: the other sides' still stand
+        case: dict[str, Any] = {s: {"samples_per_s": spread([r["samples_per_s"] for r in runs[s]]), "runs": runs[s],
+                                    "failures": failures[s]} if runs[s] else {"failures": failures[s]}
                                 for s in systems}
-        if "hivemind" in systems:
+        measured = [s for s in systems if runs[s]]
+        if "hivemind" in measured:
             theirs = case["hivemind"]["samples_per_s"]["median"]
-            case["ratios"] = {s: case[s]["samples_per_s"]["median"] / theirs for s in systems if s != "hivemind"}
+            case["ratios"] = {s: case[s]["samples_per_s"]["median"] / theirs for s in measured if s != "hivemind"}
             if "dedloc" in case["ratios"]:
                 case["ratio"] = case["ratios"]["dedloc"]
             for s, ratio in case["ratios"].items():
@@ -165,9 +187,17 @@ def main() -> None:
                               "cases": cases}
     largest = cases[str(max(batches))]
     for s in systems:
-        result[s] = {"samples_per_s": largest[s]["samples_per_s"]["median"]}
+        if "samples_per_s" in largest[s]:
+            result[s] = {"samples_per_s": largest[s]["samples_per_s"]["median"]}
+    failed = {f"{s} at {b} rows": len(c[s]["failures"]) for b, c in cases.items() for s in systems if c[s]["failures"]}
+    if failed:
+        result["failed_attempts"] = failed
+        print("failed attempts (each retried up to --attempts times): "
+              + ", ".join(f"{k}: {v}" for k, v in failed.items()), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
+    if any(not c[s].get("runs") for c in cases.values() for s in systems):
+        sys.exit("moe_gpu: a side has no figure for some batch (every attempt failed; see above)")
 
 
 if __name__ == "__main__":

@@ -320,14 +320,15 @@ def test_the_gpu_session_script_runs_its_steps_at_cpu_sizes(tmp_path: Path) -> N
     import tarfile
 
     out, work = tmp_path / "out", tmp_path / "work"
-    steps = ("env", "tests", "net-tests", "allreduce", "allreduce-loop", "noise-threads", "moe", "moe-profile")
+    steps = ("env", "tests", "net-tests", "allreduce", "allreduce-loop", "noise-threads", "moe", "moe-profile", "diagnose")
     env = dict(os.environ, OUT=str(out), GPU_SESSION_WORK=str(work), PYTHON=sys.executable, GPU_SESSION_DEVICE="cpu",
                GPU_SESSION_INSTALL="0", GPU_SESSION_MOE_SYSTEMS="dedloc")
     result = subprocess.run(["bash", str(ROOT / "bench" / "gpu_session.sh"), *steps],
                             env=env, capture_output=True, text=True, timeout=220)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     summary = (out / "summary.txt").read_text()
-    assert all(f"{step} rc=0" in summary for step in steps), summary
+    ran = [*(s for s in steps if s != "diagnose"), "round-cpu-1", "round-cpu-0"]  # diagnose: a step per config
+    assert all(f"{step} rc=0" in summary for step in ran), summary
     assert sorted(p.name for p in out.iterdir()) == ["session.tgz", "summary.txt"]
     with tarfile.open(out / "session.tgz") as packed:
         names = set(packed.getnames())
@@ -353,6 +354,11 @@ def test_the_gpu_session_script_runs_its_steps_at_cpu_sizes(tmp_path: Path) -> N
     nop = json.loads((work / "moe_profiled.json").read_text())["cases"]["16"]["dedloc"]["runs"][0]
     assert nop["failed"] == 0 and nop["module"] == "Identity"  # the profiled run: the nop experts
     assert "ncalls" in (work / "moe-profile.txt").read_text()  # the server's loop was profiled
+    # diagnose: the host-tensor configs only on a CPU, torch's threads as asked (one; torch's own), results checked
+    for threads in (1, 0):
+        case = json.loads((work / f"round_cpu_{threads}.json").read_text())["cases"][0]
+        assert case["dedloc"]["rounds"] == 1 and case["dedloc"]["max_error"] < 1e-4 and case["mb_per_s"] > 0, case
+    assert not list(work.glob("round_cuda_*"))
 
 
 @pytest.mark.slow
@@ -390,3 +396,21 @@ def test_the_reliability_soak_counts_child_processes_and_fits_the_growth_after_t
     grown = memory_growth(series, 100)
     assert grown["workers"] == 1 and grown["warm_round"] == 10
     assert grown["mib_per_100_rounds_median"] == pytest.approx(2.0) and grown["mib_at_end_max"] == pytest.approx(102.0)
+
+
+def test_moe_gpu_bench_reports_a_side_that_fails_and_keeps_the_other_s_figures(tmp_path: Path) -> None:
+    """bench/moe_gpu.py when one side's workers die (on the H200, hivemind's client at 1024 rows, 2026-12-04):
+    each case is tried --attempts times, the failures are in the figures, the other side's still stand, and
+    the run exits non-zero only after writing them."""
+    out = tmp_path / "figures.json"
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "moe_gpu.py"), "--device", "cpu", "--hidden", "64",
+                             "--experts", "2", "--batches", "16", "--clients", "1", "--callers", "1", "--seconds", "1",
+                             "--timeout", "60", "--python-hivemind", "/bin/false", "--json", str(out)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "every attempt failed" in result.stderr, result.stdout[-2000:] + result.stderr
+    figures = json.loads(out.read_text())
+    case = figures["cases"]["16"]
+    assert figures["dedloc"]["samples_per_s"] > 0 and case["dedloc"]["runs"][0]["failed"] == 0
+    assert len(case["hivemind"]["failures"]) == 2 and "samples_per_s" not in case["hivemind"], case["hivemind"]
+    assert "ratio" not in case and figures["failed_attempts"] == {"hivemind at 16 rows": 2}
+    assert "FAILED 2 times" in result.stdout
