@@ -139,8 +139,8 @@ else
     ROUND=(--peers 2 --mbytes 100 --rounds 2 --no-gloo --data-plane-mib 0)
     SPY_ROUND=(--peers 2 --mbytes 400 --rounds 6 --no-gloo --data-plane-mib 0)
     # the sync run of the training step, 3 steps: at 2026-12-04's 27 s rounds, 4 rounds and the warm-up
-    SPY_TRAINING=(--setups sync --steps 3 --timeout 200 --probe-memory)
-    SPY_DELAY=8 SPY_TRAINING_DELAY=30 SPY_TRAINING_LIMIT=200
+    SPY_TRAINING=(--setups sync --steps 2 --timeout 200 --probe-memory)
+    SPY_DELAY=8 SPY_TRAINING_DELAY=30 SPY_TRAINING_LIMIT=170
     TESTS=(-q tests/test_averaging_core.py tests/test_averaging.py tests/test_noise.py tests/test_node.py tests/test_cli.py
            -k "cuda or device or pool or refuses or noise or seal")
     NET_TESTS=(-q -n 8 tests/test_noise.py tests/test_node.py tests/test_rpc_node.py tests/test_tensor_stream.py
