@@ -45,10 +45,10 @@ from p2p.errors import ConfigError
 from p2p.rpc.stream import TRANSPORT_ERRORS
 from p2p.trio_util import beside, finish_quietly
 
+from . import serial
 from .bandwidth import TransferClock
 from .compression import Compression, Region, codec_regions, decode, encode, payload_size
 from .errors import AllreduceProtocolError
-from .finite import tensor_finite
 from .group import Group, contributors_bits, contributors_from_bits
 from .partition import Schema, chunk_spans, part_bounds
 from .proto import averaging_pb2 as pb
@@ -595,7 +595,7 @@ class AllreduceRound:
                         raise AllreduceProtocolError(f"the reducer returned chunk {k} with {len(payload)} bytes "
                                                      f"and {len(contributors)} contributors")
                     values = decode(payload, span.codec, span.end - span.start) if contributors else None
-                    if values is not None and not tensor_finite(values):
+                    if values is not None and not serial.finite(values):
                         raise AllreduceProtocolError("the reducer returned non-finite values")
                     self._take(part, k, values, contributors, head.note.split("; ") if head.note else [])
                     got += 1

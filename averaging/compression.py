@@ -25,6 +25,7 @@ from enum import StrEnum
 
 import torch
 
+from . import serial
 from .proto import averaging_pb2 as pb
 from .tensor_stream import tensor_bytes
 
@@ -67,7 +68,12 @@ def encode_tensor(values: torch.Tensor, codec: pb.Codec.ValueType) -> torch.Tens
     if codec == pb.CODEC_FLOAT32:
         return values.contiguous().view(torch.uint8)
     if codec == pb.CODEC_FLOAT16:
-        return values.clamp(-FLOAT16_MAX, FLOAT16_MAX).to(torch.float16).view(torch.uint8)
+        if values.device.type != "cpu" or serial.whole(values.numel()):
+            return values.clamp(-FLOAT16_MAX, FLOAT16_MAX).to(torch.float16).view(torch.uint8)
+        out = torch.empty(values.numel(), dtype=torch.float16)  # on the host: in serial pieces (averaging.serial)
+        for i in range(0, values.numel(), serial.PIECE):
+            out[i:i + serial.PIECE].copy_(values[i:i + serial.PIECE].clamp(-FLOAT16_MAX, FLOAT16_MAX))
+        return out.view(torch.uint8)
     if codec == pb.CODEC_UINT8:
         n = values.numel()
         blocks = -(-n // UINT8_BLOCK)
@@ -110,7 +116,7 @@ def decode(payload: bytes | bytearray | memoryview, codec: pb.Codec.ValueType, e
     if codec == pb.CODEC_FLOAT32:
         return torch.frombuffer(buffer, dtype=torch.float32)
     if codec == pb.CODEC_FLOAT16:
-        return torch.frombuffer(buffer, dtype=torch.float16).to(torch.float32)
+        return serial.copied(torch.frombuffer(buffer, dtype=torch.float16))
     if codec == pb.CODEC_UINT8:
         blocks = -(-elements // UINT8_BLOCK)
         raw = torch.frombuffer(buffer, dtype=torch.uint8)

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import serial
 from .compression import Region
 from .errors import AllreduceProtocolError
-from .finite import tensor_finite
 from .robust import CenteredClipConfig, centered_clip
 
 
@@ -113,17 +113,17 @@ class PartReduction:
         pending = self._pending.setdefault(index, _Pending())
         pending.delivered.add(sender)
         weight = self.weights[sender]
-        if not tensor_finite(values):
+        if not serial.finite(values):
             pending.notes.append(f"member {sender}: non-finite values refused")
         else:
             if weight > 0 and self.robust is not None:
-                pending.rows[sender] = values.to(torch.float32, copy=True)
+                pending.rows[sender] = serial.copied(values)
                 pending.weight += weight
             elif weight > 0:
                 if pending.total is None:
-                    pending.total = values.to(torch.float32) * weight
+                    pending.total = serial.scaled(values, weight)
                 else:
-                    pending.total.add_(values, alpha=weight)
+                    serial.add_scaled_(pending.total, values, weight)
                 pending.weight += weight
             # A sender of weight 0 (a trainer with no samples yet) is in the average with nothing to
             # add: counting it out would report an exact average as partial.
@@ -153,7 +153,7 @@ class PartReduction:
             if pending.rows and self.robust is not None:
                 values = self._clip(pending)
             elif pending.total is not None and pending.weight > 0:
-                values = pending.total.div_(pending.weight)
+                values = serial.divide_(pending.total, pending.weight)
             final.append(FinalChunk(i, values, frozenset(pending.contributors if values is not None else ()),
                                     pending.notes))
         return final

@@ -33,6 +33,7 @@ from typing import Protocol
 import torch
 import trio
 
+from . import serial
 from .compression import Region, decode, encode, encode_tensor, payload_size
 from .partition import flatten
 from .proto import averaging_pb2 as pb
@@ -113,7 +114,7 @@ class HostVector:
         return values
 
     def write(self, span: Region, values: torch.Tensor) -> None:
-        self.flat[span.start:span.end] = values
+        serial.copy_(self.flat[span.start:span.end], values)
 
     @property
     def result(self) -> torch.Tensor:
@@ -197,7 +198,7 @@ class DeviceVector:
 
     def write(self, span: Region, values: torch.Tensor) -> None:
         staged = self._back[span.start:span.end]
-        staged.copy_(values)
+        serial.copy_(staged, values)
         with self._on_stream():
             self.flat[span.start:span.end].copy_(staged, non_blocking=self.cuda)
 

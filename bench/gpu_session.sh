@@ -38,10 +38,13 @@
 #              skipped when diagnose already showed a slow GPU round
 # py-spy comes as a wheel in .whl/tools/ (bench/gpu_wheels.sh), unpacked to $SITE/tools/py-spy.
 #
-# The next session with a machine (2026-12-04's second run left the training round's cause to find):
-#   run(command="bash bench/gpu_session.sh env spy-training", carry=[".whl"], timeout_s=300)
-# then, with what it shows fixed, the goals:
-#   run(command="bash bench/gpu_session.sh training allreduce moe", carry=[".whl"], timeout_s=600)
+# The next session with a machine: the fix of 2026-12-04's diagnosis (averaging/serial.py: the round's
+# per-chunk ops never open an OpenMP region, whatever torch's threads) measured as a volunteer runs it,
+# with torch's own threads, then the goals' other figures (docs/AVERAGING.md, "Second GPU run"):
+#   run(command="bash bench/gpu_session.sh env training allreduce", carry=[".whl"], timeout_s=480)
+#   run(command="bash bench/gpu_session.sh moe", carry=[".whl"], timeout_s=330)
+# and, if DPU's compute share is still short of 90% at target 2048, the training step again with
+# GPU_TRAINING_ARGS="--setups alone,dpu --target 8192 --steps 3 --dpu-steps 20".
 #
 # A rehearsal on a CPU (the same installs and commands at small sizes): bash bench/gpu_wheels.sh 3.11,
 # then GPU_SESSION_DEVICE=cpu PYTHON=<a Python with torch, numpy, scipy and pytest> bash bench/gpu_session.sh

@@ -238,3 +238,68 @@ async def test_a_moshpit_group_whose_round_failed_still_moves_on_the_grid() -> N
                 assert averager.grid is not None and averager.grid.digits == expected.digits
                 last_digits.add(expected.digits[1])
             assert expected.digits[0] == 2 and len(last_digits) == 3  # the group's members on distinct cells
+
+
+@pytest.mark.parametrize("compression", ["none", "float16"])
+async def test_a_round_s_per_chunk_ops_never_open_a_parallel_region(compression: str) -> None:
+    """Every CPU op a round does per chunk (the checks, the reduction, the write-back, the codec) runs on
+    at most averaging.serial.PIECE values, so torch opens no parallel region for it: on a busy 16-core GPU
+    host each region cost ~8 ms and a 740 MB round took 27-51 s (docs/AVERAGING.md). Only the round's
+    one-off ops (flattening the tensors, unflattening the result, the input's finite check) are whole."""
+    import sys
+
+    from torch.overrides import TorchFunctionMode
+
+    from averaging import serial
+    from averaging.compression import Compression
+
+    whole = {"flatten", "unflatten_into", "all_finite", "_check_finite"}
+    computing = {"mul", "add_", "div_", "copy_", "sum", "isfinite", "clamp", "to", "all", "__mul__",
+                 "__truediv__", "__setitem__", "div", "add"}
+
+    class Largest(TorchFunctionMode):
+        """The averaging package's computing torch calls on more than PIECE values, by caller."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen = 0
+            self.over: list[tuple[str, str, int]] = []
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            name = getattr(func, "__name__", "")
+            frame = sys._getframe(1)
+            while frame is not None and "/torch/" in frame.f_code.co_filename:
+                frame = frame.f_back  # type: ignore[assignment]
+            if name in computing and frame is not None and "/averaging/" in frame.f_code.co_filename:
+                callers, f = set(), frame
+                for _ in range(4):
+                    if f is None:
+                        break
+                    callers.add(f.f_code.co_name)
+                    f = f.f_back  # type: ignore[assignment]
+                if not callers & whole:
+                    self.seen += 1
+                    n = max((a.numel() for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)), default=0)
+                    if n > serial.PIECE:
+                        self.over.append((frame.f_code.co_name, name, n))
+            return func(*args, **kwargs)
+
+    async with fake_swarms(2) as peers:
+        torch.manual_seed(3)
+        data = [[torch.randn(700, 300), torch.randn(17)] for _ in peers]  # 210,017 values: 7 pieces
+        exact = [weighted_mean(data, [1.0, 3.0], k) for k in range(2)]
+        settings = config(2, allreduce=AllreduceConfig(chunk_elements=128 * 1024, stall_timeout=5.0, timeout=30.0,
+                                                       compression=Compression(compression), min_compress_elements=1))
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)  # several intra-op threads, as torch gives a process where cores are several
+        try:
+            async with Averager.open(peers[0], settings) as a0, Averager.open(peers[1], settings) as a1:
+                with Largest() as mode:
+                    reports = await step_all([a0, a1], data, [1.0, 3.0])
+        finally:
+            torch.set_num_threads(threads)
+    assert all(isinstance(r, RoundReport) and r.complete for r in reports), reports
+    assert mode.seen > 20 and not mode.over, mode.over[:5]
+    for tensors in data:
+        assert torch.allclose(tensors[0].double(), exact[0], atol=1e-5 if compression == "none" else 5e-3)

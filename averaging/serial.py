@@ -1,0 +1,97 @@
+"""A round's arithmetic on host chunks, in pieces that torch runs on the calling thread.
+
+ATen runs a CPU op on more than 32 Ki values (``at::internal::GRAIN_SIZE``) in
+an OpenMP parallel region that wakes every intra-op thread: one per core
+unless the process set fewer. The event loop does a few such ops per chunk
+(the finite check, the weighted add, the division, the copies), tens of
+thousands per round, each a memory-bound pass that one core does in
+microseconds. Where the cores are busy, each region waits for its threads:
+in a process training on a GPU beside a second peer on an H200 host's 16
+cores, ~8 ms per op with torch's 16 threads against ~20 us with one, and a
+740 MB round took 27-51 s where one thread took 2.3 s (the training bench's
+``--probe-memory``, 2026-12-04; docs/AVERAGING.md). The averaging bench's
+peers, which set one thread, never saw it.
+
+A library must not change its caller's torch threads (a process-wide setting
+that the caller's own compute depends on), so the round's per-chunk ops come
+here: each runs on pieces of at most :data:`PIECE` values, which ATen runs
+serially on the calling thread with the same kernels as one op on the whole
+(elementwise, so the same values). A thread of one intra-op thread (as the
+benches' peers set) opens no region, and does each op whole. Large one-off ops
+(flattening a round's tensors, unflattening its result) keep torch's threads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .finite import tensor_finite
+
+#: At most this many values per op: ATen's grain size, below which it opens no parallel region.
+PIECE = 32 * 1024
+
+
+def whole(n: int) -> bool:
+    """Whether one op on ``n`` values opens no parallel region anyway: few values, or one intra-op
+    thread on this thread (``torch.get_num_threads``: its OpenMP setting), where pieces only add calls
+    (5-8% of a 400 MB round on the 2-core machine, whose bench peers run one thread)."""
+    return n <= PIECE or torch.get_num_threads() == 1
+
+
+def _bounds(n: int) -> range:
+    return range(0, n, PIECE)
+
+
+def finite(values: torch.Tensor) -> bool:
+    """:func:`~averaging.finite.tensor_finite` of a 1-D chunk, piece by piece."""
+    n = values.numel()
+    if whole(n):
+        return tensor_finite(values)
+    return all(tensor_finite(values[i:i + PIECE]) for i in _bounds(n))
+
+
+def scaled(values: torch.Tensor, weight: float) -> torch.Tensor:
+    """A new float32 tensor of ``values * weight`` (a 1-D chunk)."""
+    out = torch.empty(values.numel(), dtype=torch.float32)
+    if whole(values.numel()):
+        return torch.mul(values, weight, out=out)
+    for i in _bounds(values.numel()):
+        torch.mul(values[i:i + PIECE], weight, out=out[i:i + PIECE])
+    return out
+
+
+def add_scaled_(total: torch.Tensor, values: torch.Tensor, weight: float) -> None:
+    """``total += values * weight`` in place (1-D chunks of one length)."""
+    if whole(total.numel()):
+        total.add_(values, alpha=weight)
+        return
+    for i in _bounds(total.numel()):
+        total[i:i + PIECE].add_(values[i:i + PIECE], alpha=weight)
+
+
+def divide_(total: torch.Tensor, by: float) -> torch.Tensor:
+    """``total /= by`` in place; ``total``."""
+    if whole(total.numel()):
+        return total.div_(by)
+    for i in _bounds(total.numel()):
+        total[i:i + PIECE].div_(by)
+    return total
+
+
+def copy_(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[:] = src`` (1-D chunks of one length; the dtype converted as torch's ``copy_`` does)."""
+    if whole(dst.numel()):
+        dst.copy_(src)
+        return
+    for i in _bounds(dst.numel()):
+        dst[i:i + PIECE].copy_(src[i:i + PIECE])
+
+
+def copied(values: torch.Tensor) -> torch.Tensor:
+    """A float32 copy of a 1-D chunk."""
+    out = torch.empty(values.numel(), dtype=torch.float32)
+    copy_(out, values)
+    return out
+
+
+__all__ = ["PIECE", "add_scaled_", "copied", "copy_", "divide_", "finite", "scaled", "whole"]
