@@ -76,17 +76,43 @@ def encode_tensor(values: torch.Tensor, codec: pb.Codec.ValueType) -> torch.Tens
         return out.view(torch.uint8)
     if codec == pb.CODEC_UINT8:
         n = values.numel()
+        if values.device.type != "cpu" or serial.whole(n):
+            heads, codes = _uint8_blocks(values)
+            return torch.cat([heads.reshape(-1).view(torch.uint8), codes])
+        # on the host: piece by piece (averaging.serial); a piece is whole blocks, so the bytes are the same
         blocks = -(-n // UINT8_BLOCK)
-        padded = torch.nn.functional.pad(values, (0, blocks * UINT8_BLOCK - n)).view(blocks, UINT8_BLOCK)
-        if blocks * UINT8_BLOCK != n:  # padding must not widen the last block's range
-            last = values[(blocks - 1) * UINT8_BLOCK:]
-            padded[-1, n - (blocks - 1) * UINT8_BLOCK:] = last[0]
-        lo = padded.min(dim=1).values
-        scale = (padded.max(dim=1).values - lo) / 255.0
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        codes = ((padded - lo[:, None]) / scale[:, None]).round_().clamp_(0, 255).to(torch.uint8)
-        return torch.cat([torch.stack([lo, scale], dim=1).reshape(-1).view(torch.uint8), codes.reshape(-1)[:n]])
+        out = torch.empty(8 * blocks + n, dtype=torch.uint8)
+        all_heads = out[:8 * blocks].view(torch.float32).view(blocks, 2)
+        for i in range(0, n, serial.PIECE):
+            heads, codes = _uint8_blocks(values[i:i + serial.PIECE])
+            all_heads[i // UINT8_BLOCK:i // UINT8_BLOCK + heads.shape[0]].copy_(heads)
+            out[8 * blocks + i:8 * blocks + i + codes.numel()].copy_(codes)
+        return out
     raise ValueError(f"unknown codec {codec}")
+
+
+def _uint8_blocks(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """8-bit blockwise codes of ``values`` (starting at a block's start): each block's (offset, scale) as
+    a float32 ``[blocks, 2]`` tensor, and one byte per value."""
+    n = values.numel()
+    blocks = -(-n // UINT8_BLOCK)
+    padded = torch.nn.functional.pad(values, (0, blocks * UINT8_BLOCK - n)).view(blocks, UINT8_BLOCK)
+    if blocks * UINT8_BLOCK != n:  # padding must not widen the last block's range
+        last = values[(blocks - 1) * UINT8_BLOCK:]
+        padded[-1, n - (blocks - 1) * UINT8_BLOCK:] = last[0]
+    lo = padded.min(dim=1).values
+    scale = (padded.max(dim=1).values - lo) / 255.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = ((padded - lo[:, None]) / scale[:, None]).round_().clamp_(0, 255).to(torch.uint8)
+    return torch.stack([lo, scale], dim=1), codes.reshape(-1)[:n]
+
+
+def _uint8_values(heads: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """float32 values of 8-bit blockwise ``codes`` (starting at a block's start) under ``heads``."""
+    n = codes.numel()
+    blocks = heads.shape[0]
+    padded = torch.nn.functional.pad(codes.to(torch.float32), (0, blocks * UINT8_BLOCK - n)).view(blocks, UINT8_BLOCK)
+    return (padded * heads[:, 1:2] + heads[:, 0:1]).reshape(-1)[:n]
 
 
 def encode(values: torch.Tensor, codec: pb.Codec.ValueType) -> memoryview:
@@ -120,10 +146,16 @@ def decode(payload: bytes | bytearray | memoryview, codec: pb.Codec.ValueType, e
     if codec == pb.CODEC_UINT8:
         blocks = -(-elements // UINT8_BLOCK)
         raw = torch.frombuffer(buffer, dtype=torch.uint8)
-        head = raw[:8 * blocks].view(torch.float32).view(blocks, 2)
-        codes = raw[8 * blocks:].to(torch.float32)
-        padded = torch.nn.functional.pad(codes, (0, blocks * UINT8_BLOCK - elements)).view(blocks, UINT8_BLOCK)
-        return (padded * head[:, 1:2] + head[:, 0:1]).reshape(-1)[:elements]
+        heads = raw[:8 * blocks].view(torch.float32).view(blocks, 2)
+        codes = raw[8 * blocks:]
+        if serial.whole(elements):
+            return _uint8_values(heads, codes)
+        out = torch.empty(elements, dtype=torch.float32)  # piece by piece (averaging.serial), whole blocks each
+        for i in range(0, elements, serial.PIECE):
+            piece = codes[i:i + serial.PIECE]
+            first = i // UINT8_BLOCK
+            out[i:i + piece.numel()].copy_(_uint8_values(heads[first:first + -(-piece.numel() // UINT8_BLOCK)], piece))
+        return out
     raise ValueError(f"unknown codec {codec}")
 
 

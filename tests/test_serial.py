@@ -42,7 +42,8 @@ SIZES = [0, 1, P - 1, P, P + 1, 3 * P + 17]
 
 #: torch calls that compute over their tensors' values (not views, sizes, allocations)
 COMPUTE = {"mul", "add_", "div_", "copy_", "sum", "isfinite", "clamp", "to", "all", "__mul__", "__truediv__",
-           "__add__", "__iadd__", "__imul__", "__itruediv__", "__setitem__", "div", "add"}
+           "__add__", "__iadd__", "__imul__", "__itruediv__", "__setitem__", "div", "add", "__sub__", "min", "max",
+           "round_", "clamp_", "pad", "cat", "where"}
 
 
 class Sizes(TorchFunctionMode):
@@ -180,3 +181,19 @@ def test_with_one_intra_op_thread_each_op_is_whole() -> None:
         assert serial.finite(values)
     assert [n for _, n in mode.calls if n] and all(n == 3 * P for _, n in mode.calls if n > 1), mode.calls
     assert torch.equal(total, values * 2.0)
+
+
+@pytest.mark.parametrize("n", [P + 1, 2 * P, 3 * P + 1000])
+def test_uint8_chunks_are_coded_in_pieces_to_the_same_bytes(n: int) -> None:
+    """A piece is whole blocks of the 8-bit codec, so the pieces' bytes are the whole chunk's bytes."""
+    torch.manual_seed(n)
+    values = torch.randn(n) * torch.linspace(0.1, 10.0, n)
+    with intra_op_threads(1):  # one op each: the reference
+        whole = bytes(encode(values, pb.CODEC_UINT8))
+        expected = decode(bytearray(whole), pb.CODEC_UINT8, n)
+    with sizes() as mode:
+        payload = bytes(encode(values, pb.CODEC_UINT8))
+        back = decode(bytearray(payload), pb.CODEC_UINT8, n)
+    assert_serial(mode)
+    assert payload == whole and torch.equal(back, expected)
+    assert (back - values).abs().max() <= (values.max() - values.min()) / 255
