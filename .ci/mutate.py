@@ -54,6 +54,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "averaging/load_balancing.py": ("tests/test_load_balancing.py",),
     "averaging/bandwidth.py": ("tests/test_bandwidth.py",),
     "p2p/addresses.py": ("tests/test_addresses.py",),
+    "averaging/serial.py": ("tests/test_serial.py",),
 }
 
 KILLED = {"killed", "timeout"}

@@ -197,3 +197,15 @@ def test_uint8_chunks_are_coded_in_pieces_to_the_same_bytes(n: int) -> None:
     assert_serial(mode)
     assert payload == whole and torch.equal(back, expected)
     assert (back - values).abs().max() <= (values.max() - values.min()) / 255
+
+
+def test_new_chunks_are_float32_whatever_torch_s_default_dtype() -> None:
+    """A caller may set torch's default dtype to float64; a round's values stay float32 (the wire's)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        for n in (P - 1, 2 * P + 1):
+            values = torch.ones(n, dtype=torch.float32)
+            assert serial.scaled(values, 2.0).dtype == serial.copied(values).dtype == torch.float32
+    finally:
+        torch.set_default_dtype(before)
