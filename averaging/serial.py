@@ -10,7 +10,8 @@ in a process training on a GPU beside a second peer on an H200 host's 16
 cores, ~8 ms per op with torch's 16 threads against ~20 us with one, and a
 740 MB round took 27-51 s where one thread took 2.3 s (the training bench's
 ``--probe-memory``, 2026-12-04; docs/AVERAGING.md). The averaging bench's
-peers, which set one thread, never saw it.
+peers, in processes that only average, lost far less to it: 141 MB/s per
+peer with 16 threads against 198 with one.
 
 A library must not change its caller's torch threads (a process-wide setting
 that the caller's own compute depends on), so the round's per-chunk ops come
