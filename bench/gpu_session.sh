@@ -44,7 +44,9 @@
 #   run(command="bash bench/gpu_session.sh env training allreduce", carry=[".whl"], timeout_s=480)
 #   run(command="bash bench/gpu_session.sh moe", carry=[".whl"], timeout_s=330)
 # and, if DPU's compute share is still short of 90% at target 2048, the training step again with
-# GPU_TRAINING_ARGS="--setups alone,dpu --target 8192 --steps 3 --dpu-steps 20".
+# GPU_TRAINING_ARGS="--setups alone,dpu --target 8192 --steps 3 --dpu-steps 20"; and for the expert
+# server, whether its 4 intra-op threads cost it what 16 cost the training peers: bench/moe_gpu.py
+# --server-threads 1 against the default (docs/MOE.md).
 #
 # A rehearsal on a CPU (the same installs and commands at small sizes): bash bench/gpu_wheels.sh 3.11,
 # then GPU_SESSION_DEVICE=cpu PYTHON=<a Python with torch, numpy, scipy and pytest> bash bench/gpu_session.sh

@@ -42,6 +42,8 @@ def server_parser() -> argparse.ArgumentParser:
                    help="--serve: the experts (nop: x * a parameter, the serving stack alone)")
     p.add_argument("--shard", default="0/1", metavar="I/N",
                    help="--serve: host every N-th expert from the I-th (dedloc's serve-experts --processes N)")
+    p.add_argument("--threads", type=int, default=4,
+                   help="--serve, dedloc: torch's intra-op threads (0: torch's own, one per core)")
     return p
 
 

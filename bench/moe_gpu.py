@@ -81,7 +81,8 @@ def run_case(system: str, batch: int, args: argparse.Namespace, processes: int =
         servers = [side.start(f"server {i}", "--serve", "--device", args.device, "--experts", str(args.experts),
                               "--hidden", str(args.hidden), "--max-batch", str(args.max_batch),
                               "--expert-cls", args.expert_cls,
-                              *(["--shard", f"{i}/{processes}"] if processes > 1 else []))
+                              *(["--shard", f"{i}/{processes}"] if processes > 1 else []),
+                              *(["--threads", str(args.server_threads)] if system == "dedloc" else []))
                    for i in range(processes)]
         deadline = time.monotonic() + args.timeout
         wheres = [server.wait_for(None, deadline - time.monotonic()) for server in servers]
@@ -138,6 +139,9 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=120.0, help="most seconds a server or a client's warm-up may take")
     p.add_argument("--systems", default="dedloc,hivemind")
     p.add_argument("--attempts", type=int, default=2, help="tries per case before it is reported as failed")
+    p.add_argument("--server-threads", type=int, default=4,
+                   help="dedloc's server: torch's intra-op threads per process (0: torch's own, one per core); "
+                   "a training peer lost ~8 ms per op to 16 of them on a busy GPU host (docs/AVERAGING.md)")
     p.add_argument("--server-processes", default="1", metavar="N[,N...]",
                    help="dedloc: its server in N processes, a peer each hosting every N-th expert (serve-experts "
                    "--processes N); a case per N, each named 'dedloc xN' beside 'dedloc' (1)")

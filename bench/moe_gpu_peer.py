@@ -114,7 +114,8 @@ async def client_main(args: argparse.Namespace) -> None:
 def main() -> None:
     p = server_parser()
     args = p.parse_args()
-    torch.set_num_threads(1 if args.client else 4)
+    if args.client or args.threads:
+        torch.set_num_threads(1 if args.client else args.threads)
     trio.run(serve if args.serve else client_main, args)
 
 
