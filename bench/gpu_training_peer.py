@@ -230,11 +230,13 @@ async def main() -> None:
                 if profile is not None:
                     profile.enable()
                 try:
-                    async with trio.open_nursery() as nursery:
-                        if args.probe_memory and measure.started is not None and "during_round" not in probes:
+                    if args.probe_memory and measure.started is not None and "during_round" not in probes:
+                        async with trio.open_nursery() as nursery:  # only then: a nursery wraps what the round raises
                             nursery.start_soon(probe_during_round)
+                            report = await average_in(*a, **k)
+                            nursery.cancel_scope.cancel()
+                    else:
                         report = await average_in(*a, **k)
-                        nursery.cancel_scope.cancel()
                 finally:
                     rounds_in_flight[0] -= 1
                     if profile is not None:
