@@ -68,25 +68,20 @@ def encode_tensor(values: torch.Tensor, codec: pb.Codec.ValueType) -> torch.Tens
     if codec == pb.CODEC_FLOAT32:
         return values.contiguous().view(torch.uint8)
     if codec == pb.CODEC_FLOAT16:
-        if values.device.type != "cpu" or serial.whole(values.numel()):
-            return values.clamp(-FLOAT16_MAX, FLOAT16_MAX).to(torch.float16).view(torch.uint8)
-        out = torch.empty(values.numel(), dtype=torch.float16)  # on the host: in serial pieces (averaging.serial)
-        for i in range(0, values.numel(), serial.PIECE):
-            out[i:i + serial.PIECE].copy_(values[i:i + serial.PIECE].clamp(-FLOAT16_MAX, FLOAT16_MAX))
+        out = torch.empty(values.numel(), dtype=torch.float16, device=values.device)
+        for piece in serial.pieces(values):  # on the host in serial pieces (averaging.serial)
+            out[piece].copy_(values[piece].clamp(-FLOAT16_MAX, FLOAT16_MAX))
         return out.view(torch.uint8)
     if codec == pb.CODEC_UINT8:
         n = values.numel()
-        if values.device.type != "cpu" or serial.whole(n):
-            heads, codes = _uint8_blocks(values)
-            return torch.cat([heads.reshape(-1).view(torch.uint8), codes])
-        # on the host: piece by piece (averaging.serial); a piece is whole blocks, so the bytes are the same
-        blocks = -(-n // UINT8_BLOCK)
-        out = torch.empty(8 * blocks + n, dtype=torch.uint8)
+        blocks = -(-n // UINT8_BLOCK)  # heads first, then codes; a piece is whole blocks (PIECE is)
+        out = torch.empty(8 * blocks + n, dtype=torch.uint8, device=values.device)
         all_heads = out[:8 * blocks].view(torch.float32).view(blocks, 2)
-        for i in range(0, n, serial.PIECE):
-            heads, codes = _uint8_blocks(values[i:i + serial.PIECE])
-            all_heads[i // UINT8_BLOCK:i // UINT8_BLOCK + heads.shape[0]].copy_(heads)
-            out[8 * blocks + i:8 * blocks + i + codes.numel()].copy_(codes)
+        for piece in serial.pieces(values):
+            heads, codes = _uint8_blocks(values[piece])
+            first = piece.start // UINT8_BLOCK
+            all_heads[first:first + heads.shape[0]].copy_(heads)
+            out[8 * blocks + piece.start:8 * blocks + piece.stop].copy_(codes)
         return out
     raise ValueError(f"unknown codec {codec}")
 
@@ -148,13 +143,11 @@ def decode(payload: bytes | bytearray | memoryview, codec: pb.Codec.ValueType, e
         raw = torch.frombuffer(buffer, dtype=torch.uint8)
         heads = raw[:8 * blocks].view(torch.float32).view(blocks, 2)
         codes = raw[8 * blocks:]
-        if serial.whole(elements):
-            return _uint8_values(heads, codes)
-        out = torch.empty(elements, dtype=torch.float32)  # piece by piece (averaging.serial), whole blocks each
-        for i in range(0, elements, serial.PIECE):
-            piece = codes[i:i + serial.PIECE]
-            first = i // UINT8_BLOCK
-            out[i:i + piece.numel()].copy_(_uint8_values(heads[first:first + -(-piece.numel() // UINT8_BLOCK)], piece))
+        out = torch.empty(elements, dtype=torch.float32)
+        for piece in serial.pieces(codes):  # in serial pieces (averaging.serial), whole blocks each
+            first = piece.start // UINT8_BLOCK
+            last = -(-piece.stop // UINT8_BLOCK)
+            out[piece].copy_(_uint8_values(heads[first:last], codes[piece]))
         return out
     raise ValueError(f"unknown codec {codec}")
 

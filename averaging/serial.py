@@ -39,53 +39,47 @@ def whole(n: int) -> bool:
     return n <= PIECE or torch.get_num_threads() == 1
 
 
-def _bounds(n: int) -> range:
-    return range(0, n, PIECE)
+def pieces(values: torch.Tensor) -> list[slice]:
+    """The slices of a 1-D tensor that each op here runs on, in order, covering it: one slice of it all
+    when one op is :func:`whole` or the tensor is off the host (a GPU's kernels open no OpenMP region),
+    else slices of :data:`PIECE` values (the last one shorter). Every op on a round's host chunks
+    loops over these, so the one rule lives here."""
+    n = values.numel()
+    if values.device.type != "cpu" or whole(n):
+        return [slice(0, n)]
+    return [slice(i, min(i + PIECE, n)) for i in range(0, n, PIECE)]
 
 
 def finite(values: torch.Tensor) -> bool:
     """:func:`~averaging.finite.tensor_finite` of a 1-D chunk, piece by piece."""
-    n = values.numel()
-    if whole(n):
-        return tensor_finite(values)
-    return all(tensor_finite(values[i:i + PIECE]) for i in _bounds(n))
+    return all(tensor_finite(values[piece]) for piece in pieces(values))
 
 
 def scaled(values: torch.Tensor, weight: float) -> torch.Tensor:
     """A new float32 tensor of ``values * weight`` (a 1-D chunk)."""
     out = torch.empty(values.numel(), dtype=torch.float32)
-    if whole(values.numel()):
-        return torch.mul(values, weight, out=out)
-    for i in _bounds(values.numel()):
-        torch.mul(values[i:i + PIECE], weight, out=out[i:i + PIECE])
+    for piece in pieces(values):
+        torch.mul(values[piece], weight, out=out[piece])
     return out
 
 
 def add_scaled_(total: torch.Tensor, values: torch.Tensor, weight: float) -> None:
     """``total += values * weight`` in place (1-D chunks of one length)."""
-    if whole(total.numel()):
-        total.add_(values, alpha=weight)
-        return
-    for i in _bounds(total.numel()):
-        total[i:i + PIECE].add_(values[i:i + PIECE], alpha=weight)
+    for piece in pieces(total):
+        total[piece].add_(values[piece], alpha=weight)
 
 
 def divide_(total: torch.Tensor, by: float) -> torch.Tensor:
     """``total /= by`` in place; ``total``."""
-    if whole(total.numel()):
-        return total.div_(by)
-    for i in _bounds(total.numel()):
-        total[i:i + PIECE].div_(by)
+    for piece in pieces(total):
+        total[piece].div_(by)
     return total
 
 
 def copy_(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst[:] = src`` (1-D chunks of one length; the dtype converted as torch's ``copy_`` does)."""
-    if whole(dst.numel()):
-        dst.copy_(src)
-        return
-    for i in _bounds(dst.numel()):
-        dst[i:i + PIECE].copy_(src[i:i + PIECE])
+    for piece in pieces(dst):
+        dst[piece].copy_(src[piece])
 
 
 def copied(values: torch.Tensor) -> torch.Tensor:
@@ -95,4 +89,4 @@ def copied(values: torch.Tensor) -> torch.Tensor:
     return out
 
 
-__all__ = ["PIECE", "add_scaled_", "copied", "copy_", "divide_", "finite", "scaled", "whole"]
+__all__ = ["PIECE", "add_scaled_", "copied", "copy_", "divide_", "finite", "pieces", "scaled", "whole"]

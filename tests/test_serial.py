@@ -172,6 +172,21 @@ def test_a_piece_is_no_larger_than_aten_s_grain_size() -> None:
     assert serial.PIECE == 32 * 1024
 
 
+@pytest.mark.parametrize("n", SIZES)
+def test_pieces_cover_a_chunk_in_order_none_over_a_piece(n: int) -> None:
+    slices = serial.pieces(torch.empty(n))
+    covered = [i for piece in slices for i in range(n)[piece]]
+    assert covered == list(range(n)), slices
+    assert all(piece.stop - piece.start <= P for piece in slices) and len(slices) == max(1, -(-n // P))
+
+
+def test_off_the_host_a_chunk_is_one_piece() -> None:
+    """A GPU's kernels open no OpenMP region: pieces there would only add kernel launches (the meta
+    device stands in for one: not the host)."""
+    assert serial.pieces(torch.empty(3 * P, device="meta")) == [slice(0, 3 * P)]
+    assert serial.pieces(torch.empty(3 * P)) != [slice(0, 3 * P)]
+
+
 def test_with_one_intra_op_thread_each_op_is_whole() -> None:
     """One thread opens no parallel region: pieces would only add calls (5-8% of a 400 MB round on the
     2-core machine, whose bench peers run one thread)."""
