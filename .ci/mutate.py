@@ -55,6 +55,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "averaging/bandwidth.py": ("tests/test_bandwidth.py",),
     "p2p/addresses.py": ("tests/test_addresses.py",),
     "averaging/serial.py": ("tests/test_serial.py",),
+    "averaging/compression.py": ("tests/test_averaging_core.py", "tests/test_serial.py"),
 }
 
 KILLED = {"killed", "timeout"}

@@ -88,17 +88,20 @@ def encode_tensor(values: torch.Tensor, codec: pb.Codec.ValueType) -> torch.Tens
 
 def _uint8_blocks(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """8-bit blockwise codes of ``values`` (starting at a block's start): each block's (offset, scale) as
-    a float32 ``[blocks, 2]`` tensor, and one byte per value."""
+    a float32 ``[blocks, 2]`` tensor, and each value's code, a whole float32 in [0, 255] (the copy
+    into the payload's bytes converts it).
+
+    A short last block is padded with its own last value, so the padding never widens its range. A
+    constant block's scale is 1 on the wire, never 0 (no 0/0). ``(x - lo) / scale`` already lies in
+    [0, 255] for every value of its block, so the codes need no clamp.
+    """
     n = values.numel()
     blocks = -(-n // UINT8_BLOCK)
-    padded = torch.nn.functional.pad(values, (0, blocks * UINT8_BLOCK - n)).view(blocks, UINT8_BLOCK)
-    if blocks * UINT8_BLOCK != n:  # padding must not widen the last block's range
-        last = values[(blocks - 1) * UINT8_BLOCK:]
-        padded[-1, n - (blocks - 1) * UINT8_BLOCK:] = last[0]
+    padded = torch.cat([values, values[-1:].expand(blocks * UINT8_BLOCK - n)]).view(blocks, UINT8_BLOCK)
     lo = padded.min(dim=1).values
     scale = (padded.max(dim=1).values - lo) / 255.0
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = ((padded - lo[:, None]) / scale[:, None]).round_().clamp_(0, 255).to(torch.uint8)
+    codes = ((padded - lo[:, None]) / scale[:, None]).round_()
     return torch.stack([lo, scale], dim=1), codes.reshape(-1)[:n]
 
 
@@ -106,8 +109,9 @@ def _uint8_values(heads: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """float32 values of 8-bit blockwise ``codes`` (starting at a block's start) under ``heads``."""
     n = codes.numel()
     blocks = heads.shape[0]
-    padded = torch.nn.functional.pad(codes.to(torch.float32), (0, blocks * UINT8_BLOCK - n)).view(blocks, UINT8_BLOCK)
-    return (padded * heads[:, 1:2] + heads[:, 0:1]).reshape(-1)[:n]
+    lo, scale = heads.unbind(1)
+    padded = torch.nn.functional.pad(codes.float(), (0, blocks * UINT8_BLOCK - n)).view(blocks, UINT8_BLOCK)
+    return (padded * scale[:, None] + lo[:, None]).reshape(-1)[:n]
 
 
 def encode(values: torch.Tensor, codec: pb.Codec.ValueType) -> memoryview:
@@ -138,18 +142,16 @@ def decode(payload: bytes | bytearray | memoryview, codec: pb.Codec.ValueType, e
         return torch.frombuffer(buffer, dtype=torch.float32)
     if codec == pb.CODEC_FLOAT16:
         return serial.copied(torch.frombuffer(buffer, dtype=torch.float16))
-    if codec == pb.CODEC_UINT8:
-        blocks = -(-elements // UINT8_BLOCK)
-        raw = torch.frombuffer(buffer, dtype=torch.uint8)
-        heads = raw[:8 * blocks].view(torch.float32).view(blocks, 2)
-        codes = raw[8 * blocks:]
-        out = torch.empty(elements, dtype=torch.float32)
-        for piece in serial.pieces(codes):  # in serial pieces (averaging.serial), whole blocks each
-            first = piece.start // UINT8_BLOCK
-            last = -(-piece.stop // UINT8_BLOCK)
-            out[piece].copy_(_uint8_values(heads[first:last], codes[piece]))
-        return out
-    raise ValueError(f"unknown codec {codec}")
+    blocks = -(-elements // UINT8_BLOCK)  # the 8-bit codec: payload_size knew no other codec
+    raw = torch.frombuffer(buffer, dtype=torch.uint8)
+    heads = raw[:8 * blocks].view(torch.float32).view(blocks, 2)
+    codes = raw[8 * blocks:]
+    out = torch.empty(elements, dtype=torch.float32)
+    for piece in serial.pieces(codes):  # in serial pieces (averaging.serial), whole blocks each
+        first = piece.start // UINT8_BLOCK
+        last = -(-piece.stop // UINT8_BLOCK)
+        out[piece].copy_(_uint8_values(heads[first:last], codes[piece]))
+    return out
 
 
 @dataclass(frozen=True)

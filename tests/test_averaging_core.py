@@ -7,7 +7,17 @@ from collections import Counter
 import pytest
 import torch
 
-from averaging.compression import Compression, codec_regions, decode, encode, payload_size, wire_codec
+from averaging.compression import (
+    UINT8_BLOCK,
+    Compression,
+    Region,
+    codec_regions,
+    decode,
+    encode,
+    encode_tensor,
+    payload_size,
+    wire_codec,
+)
 from averaging.moshpit import (
     FailureRate,
     GridPosition,
@@ -95,6 +105,63 @@ def test_float16_saturates_instead_of_overflowing() -> None:
     values = torch.tensor([1e6, -1e6, 1.0])
     back = decode(encode(values, pb.CODEC_FLOAT16), pb.CODEC_FLOAT16, 3)
     assert torch.isfinite(back).all() and back[0] == 65504
+
+
+def test_codec_regions_merge_neighbours_of_one_codec_and_compress_from_min_elements_on() -> None:
+    regions = codec_regions([1000, 3000, 0, 10, 999, 1000, 2000], Compression.UINT8, min_elements=1000)
+    assert regions == [Region(0, 4000, pb.CODEC_UINT8), Region(4000, 5009, pb.CODEC_FLOAT32),
+                       Region(5009, 8009, pb.CODEC_UINT8)]
+    assert codec_regions([5, 0, 7], Compression.NONE, 0) == [Region(0, 12, pb.CODEC_FLOAT32)]
+    assert codec_regions([0, 0], Compression.FLOAT16, 0) == []
+
+
+def test_an_unknown_codec_or_a_payload_of_the_wrong_size_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="^unknown codec 99$"):
+        payload_size(99, 10)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="^unknown codec 99$"):
+        encode(torch.zeros(4), 99)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="^unknown codec 99$"):
+        decode(b"", 99, 0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=f"^payload of 7 bytes for 2 values of codec {pb.CODEC_FLOAT32}$"):
+        decode(b"\0" * 7, pb.CODEC_FLOAT32, 2)
+
+
+@pytest.mark.parametrize("codec", [pb.CODEC_FLOAT32, pb.CODEC_FLOAT16, pb.CODEC_UINT8])
+def test_a_chunk_is_encoded_on_its_own_device(codec: pb.Codec.ValueType) -> None:
+    """On a GPU the codec runs there and only the encoded bytes cross the bus (the meta device stands in
+    for one: not the host)."""
+    n = 3 * 32 * 1024 + 5
+    payload = encode_tensor(torch.empty(n, device="meta"), codec)
+    assert payload.device.type == "meta" and payload.dtype == torch.uint8 and payload.numel() == payload_size(codec, n)
+
+
+def test_a_short_last_block_is_coded_within_its_own_range() -> None:
+    """Padding the last block with zeros would widen its range to 0 and its error with it."""
+    values = 100.0 + torch.rand(UINT8_BLOCK + 10, generator=torch.Generator().manual_seed(1))
+    back = decode(encode(values, pb.CODEC_UINT8), pb.CODEC_UINT8, values.numel())
+    last = values[UINT8_BLOCK:]
+    assert (back[UINT8_BLOCK:] - last).abs().max() <= (last.max() - last.min()) / 510 + 1e-5
+
+
+def test_a_constant_block_goes_on_the_wire_with_scale_one_and_comes_back_exact() -> None:
+    values = torch.cat([torch.full((UINT8_BLOCK,), 3.5), torch.linspace(-1.0, 1.0, 10)])
+    payload = encode(values, pb.CODEC_UINT8)
+    heads = torch.frombuffer(bytearray(payload[:16]), dtype=torch.float32).view(2, 2)
+    assert heads[0].tolist() == [3.5, 1.0] and heads[1].tolist() == pytest.approx([-1.0, 2.0 / 255])
+    assert torch.equal(decode(payload, pb.CODEC_UINT8, values.numel())[:UINT8_BLOCK], values[:UINT8_BLOCK])
+
+
+@pytest.mark.parametrize("codec", [pb.CODEC_FLOAT32, pb.CODEC_FLOAT16, pb.CODEC_UINT8])
+def test_decoded_chunks_are_float32_whatever_torch_s_default_dtype(codec: pb.Codec.ValueType) -> None:
+    values = torch.randn(2 * 32 * 1024 + 3, generator=torch.Generator().manual_seed(2))
+    payload = bytearray(encode(values, codec))
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert decode(payload, codec, values.numel()).dtype == torch.float32
+        assert decode(b"", codec, 0).dtype == torch.float32
+    finally:
+        torch.set_default_dtype(before)
 
 
 # ---------------------------------------------------------------- reduction
