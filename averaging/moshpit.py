@@ -54,7 +54,7 @@ def expected_rounds(n: int, m: int, failure_rate: float) -> float:
     """
     if not 0.0 <= failure_rate < 1.0:
         raise ValueError(f"failure_rate must be in [0, 1), not {failure_rate}")
-    m = min(m, n) if n >= 2 else 2
+    m = max(2, min(m, n))  # groups of more than the swarm are the swarm's one group
     d = rounds_to_average(n, m)
     groups = math.ceil(n / m)
     fail = 1.0 - (1.0 - failure_rate) ** m
