@@ -56,7 +56,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "p2p/addresses.py": ("tests/test_addresses.py",),
     "averaging/serial.py": ("tests/test_serial.py",),
     "averaging/compression.py": ("tests/test_averaging_core.py", "tests/test_serial.py"),
-    "averaging/moshpit.py": ("tests/test_moshpit.py", "tests/test_averaging_core.py"),
+    "averaging/moshpit.py": ("tests/test_moshpit.py",),
 }
 
 KILLED = {"killed", "timeout"}

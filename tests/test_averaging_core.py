@@ -1,8 +1,7 @@
-"""The averaging layer's pure parts: partition, codecs, the reduction state machine (the LP: test_load_balancing)."""
+"""The averaging layer's pure parts: partition, codecs, the reduction state machine (the LP: test_load_balancing;
+Moshpit's grid: test_moshpit)."""
 
 from __future__ import annotations
-
-from collections import Counter
 
 import pytest
 import torch
@@ -17,14 +16,6 @@ from averaging.compression import (
     encode_tensor,
     payload_size,
     wire_codec,
-)
-from averaging.moshpit import (
-    FailureRate,
-    GridPosition,
-    MoshpitConfig,
-    expected_rounds,
-    optimal_group_size,
-    rounds_to_average,
 )
 from averaging.partition import Schema, SchemaMismatchError, chunk_spans, flatten, part_bounds, unflatten_into
 from averaging.proto import averaging_pb2 as pb
@@ -234,106 +225,6 @@ def test_a_chunk_nobody_contributed_to_is_not_averaged() -> None:
     red.set_weight(0, 1.0)
     (final,) = red.drop(0, "gone")
     assert final.values is None and final.contributors == frozenset() and red.done
-
-
-def _moshpit_rounds(values: dict[int, float], grid: dict[int, GridPosition], rounds: int,
-                    fail: dict[int, set[int]] | None = None) -> dict[int, float]:
-    """Simulate Moshpit rounds: peers meet by group key, a group sorted by id averages, then advance."""
-    for r in range(rounds):
-        cells: dict[str, list[int]] = {}
-        for peer in sorted(values):
-            cells.setdefault(grid[peer].key, []).append(peer)
-        for members in cells.values():
-            alive = [p for p in members if p not in (fail or {}).get(r, set())]
-            mean = sum(values[p] for p in alive) / len(alive) if alive else 0.0
-            for index, p in enumerate(members):
-                if p in alive:
-                    values[p] = mean
-                grid[p].advance(index)
-    return values
-
-
-def test_moshpit_grid_reaches_the_exact_average_in_log_m_rounds() -> None:
-    assert rounds_to_average(16, 4) == 2 and rounds_to_average(17, 4) == 3 and rounds_to_average(8, 2) == 3
-    values = {i: float(i * i) for i in range(16)}
-    exact = sum(values.values()) / 16
-    grid = {i: GridPosition(4, (i // 4,)) for i in range(16)}  # four cells of four
-    after_one = _moshpit_rounds(dict(values), {i: GridPosition(4, (i // 4,)) for i in range(16)}, 1)
-    assert len(set(after_one.values())) == 4  # one round: each group has its own mean
-    result = _moshpit_rounds(values, grid, 2)
-    assert all(v == pytest.approx(exact) for v in result.values())
-    # three dimensions of two: eight peers, three rounds
-    values8 = {i: float(i) for i in range(8)}
-    grid8 = {i: GridPosition(2, (i % 2, i // 2 % 2)) for i in range(8)}
-    assert all(v == pytest.approx(3.5) for v in _moshpit_rounds(values8, grid8, 3).values())
-
-
-def test_moshpit_groups_under_m_hand_out_every_digit_alike() -> None:
-    """Groups under m (8.6 of m = 10 on average at 1,000 peers) gave out only the low digits: the
-    cells keyed by high indexes emptied round after round, and their peers met no group. Each group's
-    indexes are now turned by an offset from its id: every digit about as often, members of one group
-    on distinct cells, and a full group still a permutation."""
-    counts = Counter()
-    for g in range(2000):
-        size = 6 + g % 4  # groups of 6..9 under m = 10
-        digits = []
-        for index in range(size):
-            position = GridPosition(10, (3, 4))
-            position.advance(index, f"group {g}".encode())
-            assert position.digits[0] == 4
-            digits.append(position.digits[1])
-        assert len(set(digits)) == size  # the group's members land on distinct cells
-        counts.update(digits)
-    mean = sum(counts.values()) / 10
-    assert len(counts) == 10 and min(counts.values()) > 0.9 * mean and max(counts.values()) < 1.1 * mean, counts
-    full = []
-    for index in range(10):
-        position = GridPosition(10, (3, 4))
-        position.advance(index, b"a full group")
-        full.append(position.digits[1])
-    assert sorted(full) == list(range(10))
-    bare = GridPosition(10, (3, 4))
-    bare.advance(7)
-    assert bare.digits == (4, 7)  # without a salt: the index, as before
-
-
-def test_moshpit_with_failures_converges_and_a_failure_stays_in_its_group() -> None:
-    values = {i: float(i) for i in range(16)}
-    exact = sum(values.values()) / 16
-    grid = {i: GridPosition(4, (i // 4,)) for i in range(16)}
-    # peer 5 misses round 0: only its group (4..7) is affected that round
-    after = _moshpit_rounds(dict(values), {i: GridPosition(4, (i // 4,)) for i in range(16)}, 1, {0: {5}})
-    assert after[0] == pytest.approx(1.5) and after[12] == pytest.approx(13.5) and after[5] == 5.0
-    result = _moshpit_rounds(values, grid, 8, {0: {5}, 3: {9}})
-    spread = max(result.values()) - min(result.values())
-    assert spread < 0.05 * (15 - 0) and abs(sum(result.values()) / 16 - exact) < 0.5
-
-
-def test_moshpit_group_size_minimises_expected_rounds() -> None:
-    # no failures: one group of everyone is best (as in all of DeDLOC's experiments)
-    assert optimal_group_size(16, 0.0) == 16 and expected_rounds(16, 16, 0.0) == 1.0
-    assert expected_rounds(16, 4, 0.0) == 2.0
-    # failures make big groups fail often: a large swarm prefers small groups
-    assert optimal_group_size(1000, 0.05) < 100
-    assert expected_rounds(1000, 1000, 0.05) > expected_rounds(1000, optimal_group_size(1000, 0.05), 0.05)
-    assert optimal_group_size(1000, 0.05, max_size=8) <= 8
-    config = MoshpitConfig.for_swarm(1000, 0.05)
-    assert config.group_size ** config.dims >= 1000
-    config.validate()
-    with pytest.raises(ValueError):
-        MoshpitConfig(group_size=4, dims=2, initial=(4,)).validate()
-    with pytest.raises(ValueError):
-        expected_rounds(10, 2, 1.0)
-    # failure rate: share of members that failed
-    rate = FailureRate(window=2)
-    rate.observe(4, 1)
-    rate.observe(4, 0)
-    assert rate.value == pytest.approx(1 / 8)
-    rate.observe(4, 0)
-    assert rate.value == 0.0
-    # positions from the peer id are stable and in range
-    a, b = GridPosition.initial(4, 3, b"peer-a"), GridPosition.initial(4, 3, b"peer-a")
-    assert a == b and len(a.digits) == 2 and all(0 <= x < 4 for x in a.digits)
 
 
 # ---------------------------------------------------------------- matchmaking
