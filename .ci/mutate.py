@@ -57,6 +57,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "averaging/serial.py": ("tests/test_serial.py",),
     "averaging/compression.py": ("tests/test_averaging_core.py", "tests/test_serial.py"),
     "averaging/moshpit.py": ("tests/test_moshpit.py",),
+    "training/progress.py": ("tests/test_training_progress.py",),
 }
 
 KILLED = {"killed", "timeout"}

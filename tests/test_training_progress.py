@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from training.progress import LocalProgress, global_progress, valid
+from training.progress import MAX_CLOCK_SKEW, LocalProgress, global_progress, valid
 
 NOW = 1_000_000.0
 
@@ -112,3 +112,52 @@ def test_the_progress_line_never_shows_more_than_its_whole() -> None:
     line = TrainingStatus(step=3, target=128, swarm_samples=512, samples_per_second=10.0, swarm_samples_per_second=40.0,
                           loss=4.25, swarm_loss=4.5, peers=2, eta=0.0, local_samples=100).human()
     assert " 128/128 " in line and "512" not in line and "loss 4.250 (swarm 4.500)" in line and "next step now" in line
+
+
+def test_every_field_of_a_report_crosses_the_wire() -> None:
+    full = LocalProgress("a", 4, 8, 2.5, NOW, client=True, loss=1.25, auxiliary=True, sender=True, previous=72)
+    assert LocalProgress.from_wire("a", full.to_wire()) == full
+
+
+def test_a_report_is_believed_up_to_its_bounds() -> None:
+    assert valid(rep("a", 0, 0, rate=0.0), NOW, 60.0)  # a peer that has just joined: nothing yet
+    assert valid(rep("a", 1, 5, rate=0.5), NOW, 60.0)
+    assert valid(rep("a", 1, 5, age=60.0), NOW, 60.0)  # exactly as old as the expiration
+    assert valid(rep("a", 1, 5, age=-MAX_CLOCK_SKEW), NOW, 60.0)  # as far ahead as clocks may be
+    assert not valid(rep("a", 1, 5, rate=math.inf), NOW, 60.0)
+    assert not valid(LocalProgress("a", 1, 5, 1.0, math.nan), NOW, 60.0)
+
+
+def test_an_empty_swarm_without_a_step_of_our_own_is_at_step_zero() -> None:
+    p = global_progress([], target=10, now=NOW)
+    assert (p.step, p.samples, p.peers, p.quorum, p.time) == (0, 0, 0, 1, NOW) and not p.ready
+
+
+def test_our_local_step_counts_only_while_nobody_reports() -> None:
+    assert global_progress([rep("a", 5, 1)], target=10, now=NOW, local_step=2).step == 5
+
+
+def test_the_swarm_s_rate_caps_each_peer_and_one_sample_makes_a_contributor() -> None:
+    p = global_progress([rep("a", 7, 1), rep("b", 7, 0), rep("x", 7, 0, rate=1e30)], target=100, now=NOW)
+    assert p.samples_per_second == 1e12 + 20.0 and p.contributors == 1
+
+
+def test_sources_are_the_dialable_peers_at_the_step_or_past_it_freshest_first() -> None:
+    reports = [rep("old", 3, 1, age=30.0), rep("new", 4, 1, age=1.0), rep("mid", 3, 1, age=10.0),
+               rep("behind", 2, 1, age=0.5), LocalProgress("client", 3, 1, 1.0, NOW, client=True),
+               LocalProgress("helper", 3, 0, 0.0, NOW, auxiliary=True)]
+    p = global_progress(reports, target=100, now=NOW)
+    assert p.step == 3 and p.sources == ("new", "mid", "old")
+
+
+def test_the_round_waits_for_peers_and_auxiliaries_at_the_step_or_one_behind() -> None:
+    reports = [rep("a", 5, 1), rep("b", 5, 1), rep("c", 4, 1), rep("d", 3, 1),
+               LocalProgress("h1", 5, 0, 0.0, NOW, auxiliary=True), LocalProgress("h2", 4, 0, 0.0, NOW, auxiliary=True),
+               LocalProgress("h3", 3, 0, 0.0, NOW, auxiliary=True), LocalProgress("h4", 6, 0, 0.0, NOW, auxiliary=True)]
+    p = global_progress(reports, target=100, now=NOW)
+    assert (p.step, p.peers, p.peers_at_step, p.peers_near_step, p.auxiliaries) == (5, 4, 2, 3, 2)
+    assert p.expected == 3 + 2
+
+
+def test_reports_expire_after_a_minute_by_default() -> None:
+    assert global_progress([rep("a", 1, 5, age=60.5), rep("b", 1, 5, age=59.5)], target=10, now=NOW).peers == 1
