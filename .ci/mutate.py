@@ -58,6 +58,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "averaging/compression.py": ("tests/test_averaging_core.py", "tests/test_serial.py"),
     "averaging/moshpit.py": ("tests/test_moshpit.py",),
     "training/progress.py": ("tests/test_training_progress.py",),
+    "training/datasets/pieces.py": ("tests/test_pieces.py",),
 }
 
 KILLED = {"killed", "timeout"}
