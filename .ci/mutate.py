@@ -59,6 +59,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "averaging/moshpit.py": ("tests/test_moshpit.py",),
     "training/progress.py": ("tests/test_training_progress.py",),
     "training/datasets/pieces.py": ("tests/test_pieces.py",),
+    "p2p/rpc/framing.py": ("tests/test_rpc_framing.py",),
+    "p2p/observed.py": ("tests/test_observed.py",),
 }
 
 KILLED = {"killed", "timeout"}

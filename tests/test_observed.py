@@ -53,5 +53,12 @@ def test_a_new_address_evicts_the_least_confirmed_when_full() -> None:
 
 
 def test_bounds_below_one_are_refused() -> None:
-    with pytest.raises(ValueError, match="max_addrs"):
+    with pytest.raises(ValueError, match="^max_addrs and max_observers must be >= 1, got 0, 16$"):
         ObservedAddrs(max_addrs=0)
+    with pytest.raises(ValueError, match="^max_addrs and max_observers must be >= 1, got 64, 0$"):
+        ObservedAddrs(max_observers=0)
+    one = ObservedAddrs(max_addrs=1, max_observers=1)  # one of each is a table
+    one.add(addr(1), peer(1))
+    one.add(addr(1), peer(2))
+    one.add(addr(2), peer(3))
+    assert one.confirmed() == [addr(2)] and one.confirmed(5) == [addr(2)]

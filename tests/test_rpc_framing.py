@@ -137,14 +137,15 @@ def test_fed_byte_by_byte_nothing_comes_out_early() -> None:
 def test_message_at_the_limit_passes_and_one_byte_more_does_not() -> None:
     limit = 4096
     assert as_bytes(decode_all(encode_message(b"a" * limit), limit=limit)[0]) == b"a" * limit
-    with pytest.raises(MessageTooLargeError):
+    with pytest.raises(MessageTooLargeError, match=r"^message of 4097 bytes is over the limit of 4096 \(code \d+\)$"):
         decode_all(encode_message(b"a" * (limit + 1)), limit=limit)
 
 
 def test_oversized_prefix_is_rejected_before_any_body_arrives() -> None:
     decoder = FrameDecoder(1024)
     decoder.feed(encode_varint(1024 + FRAME_OVERHEAD + 1))
-    with pytest.raises(MessageTooLargeError):
+    with pytest.raises(MessageTooLargeError, match=r"^frame of 1036 bytes announced, over the limit of 1035 "
+                                                   r"\(max_message_size 1024 \+ envelope\) \(code \d+\)$"):
         decoder.next()
 
 
@@ -154,7 +155,8 @@ def test_oversized_prefix_is_rejected_from_its_first_bytes() -> None:
     prefix = encode_varint(2**32 - 1)
     decoder = FrameDecoder(LIMIT)
     decoder.feed(prefix[:3])
-    with pytest.raises(MessageTooLargeError):
+    with pytest.raises(MessageTooLargeError, match=r"^frame of at least \d+ bytes announced, over the limit of "
+                                                   r"1048587 \(max_message_size 1048576 \+ envelope\) \(code \d+\)$"):
         decoder.next()
 
 
@@ -184,7 +186,7 @@ def test_truncated_length_prefix_waits_then_overlong_prefix_fails() -> None:
     decoder.feed(b"\x80")
     assert decoder.next() is None
     decoder.feed(b"\x80" * 10)
-    with pytest.raises(InvalidMessageError):
+    with pytest.raises(InvalidMessageError, match=r"^frame length prefix longer than 10 bytes \(code \d+\)$"):
         decoder.next()
 
 
@@ -196,17 +198,42 @@ def test_truncated_length_prefix_waits_then_overlong_prefix_fails() -> None:
         b"\x1a\x03\x08",  # error field, truncated inside
         b"\x0a\x02\x0a\xff",  # call.method with an impossible length
         b"\x0a\x03\x0a\x01\xff",  # call.method that is not UTF-8
-        b"\x08\x01",  # only an unknown field: a frame with no body
+        b"\x12" + b"\xff" * 11,  # the message tag, then a length prefix longer than a varint may be
+        b"\x01",  # one byte
     ],
 )
 def test_garbled_frames_are_invalid(body: bytes) -> None:
-    with pytest.raises(InvalidMessageError):
+    with pytest.raises(InvalidMessageError, match="^frame is not a valid Frame: "):
         decode_all(encode_varint(len(body)) + body)
 
 
+def test_a_frame_of_only_an_unknown_field_has_no_body() -> None:
+    with pytest.raises(InvalidMessageError, match=r"^frame with no body \(code \d+\)$"):
+        decode_all(b"\x02\x08\x01")
+
+
 def test_zero_length_frame_is_invalid() -> None:
-    with pytest.raises(InvalidMessageError):
+    with pytest.raises(InvalidMessageError, match=r"^empty frame \(code \d+\)$"):
         decode_all(b"\x00")
+
+
+def test_a_decoder_needs_a_positive_limit() -> None:
+    with pytest.raises(ValueError, match="^max_message_size must be positive, got 0$"):
+        FrameDecoder(0)
+    assert as_bytes(decode_all(encode_message(b"a"), limit=1)[0]) == b"a"
+
+
+def test_an_empty_message_is_sliced_too() -> None:
+    out = parse_frame(b"\x12\x00")
+    assert isinstance(out, Payload) and isinstance(out.data, memoryview) and out.data == b""
+
+
+def test_a_body_with_more_than_its_message_is_parsed_by_protobuf() -> None:
+    """The shortcut takes a body that is exactly one message field; a message then a call is protobuf's
+    to read (its oneof keeps the last field)."""
+    body = rpc_pb2.Frame(message=b"ab").SerializeToString() + rpc_pb2.Frame(call=rpc_pb2.Call(method="m")).SerializeToString()
+    out = parse_frame(body)
+    assert isinstance(out, rpc_pb2.Call) and out.method == "m"
 
 
 def test_non_canonical_message_frame_still_decodes() -> None:
@@ -224,7 +251,9 @@ def test_parse_frame_slices_message_without_copy() -> None:
 
 def test_error_text_is_bounded() -> None:
     frame = decode_all(encode_error(5, "x" * 100_000))[0]
-    assert isinstance(frame, rpc_pb2.Error) and len(frame.message) == MAX_ERROR_TEXT
+    assert isinstance(frame, rpc_pb2.Error) and frame.message == "x" * (MAX_ERROR_TEXT - 3) + "..."
+    frame = decode_all(encode_error(5, "y" * MAX_ERROR_TEXT))[0]  # as long as allowed: whole
+    assert isinstance(frame, rpc_pb2.Error) and frame.message == "y" * MAX_ERROR_TEXT and frame.code == 5
 
 
 def test_call_deadline_is_clamped_to_the_field() -> None:

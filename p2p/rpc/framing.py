@@ -16,7 +16,7 @@ messages, which is what averaging sends:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypeVar, cast
+from typing import TypeVar
 
 from google.protobuf.message import DecodeError
 from google.protobuf.message import Message as ProtoMessage
@@ -52,7 +52,7 @@ def parse_message(message_type: type[M], data: bytes | bytearray | memoryview, w
     """Parse ``data`` as ``message_type``; :class:`InvalidMessageError` names ``what`` if it is not one."""
     try:
         # upb parses any buffer without copying it first; the stubs only say bytes.
-        return message_type.FromString(cast(bytes, data))
+        return message_type.FromString(data)  # type: ignore[arg-type]
     except DecodeError as e:
         raise InvalidMessageError(f"{what} is not a valid {message_type.__name__}: {e}") from None
 
@@ -112,6 +112,17 @@ def parse_frame(body: bytes | bytearray | memoryview) -> Decoded:
     raise InvalidMessageError("frame with no body")
 
 
+@dataclass(slots=True)
+class _Filling:
+    """A large frame's body, filled in place as it arrives."""
+
+    body: bytearray
+    #: bytes of it that have arrived
+    filled: int
+    #: its length prefix's size (counted as buffered until the frame is out)
+    prefix: int
+
+
 class FrameDecoder:
     """Turns a byte stream into frames, incrementally: :meth:`feed`, then :meth:`next` until None.
 
@@ -126,40 +137,38 @@ class FrameDecoder:
         self.max_message_size = max_message_size
         self._max_frame = max_message_size + FRAME_OVERHEAD
         self._buf = bytearray()
-        # A large frame being filled, how much of it has arrived, and its prefix's length.
-        self._body: bytearray | None = None
-        self._filled = 0
-        self._prefix = 0
+        self._filling: _Filling | None = None
 
     @property
     def buffered(self) -> int:
         """Bytes received that are not yet part of a complete frame."""
-        if self._body is not None:
-            return len(self._buf) + self._prefix + self._filled
+        filling = self._filling
+        if filling is not None:
+            return len(self._buf) + filling.prefix + filling.filled
         return len(self._buf)
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
-        body = self._body
-        if body is not None:
-            room = len(body) - self._filled
+        filling = self._filling
+        if filling is not None:
+            body = filling.body
+            room = len(body) - filling.filled
             if len(data) <= room:
-                body[self._filled : self._filled + len(data)] = data
-                self._filled += len(data)
+                body[filling.filled : filling.filled + len(data)] = data
+                filling.filled += len(data)
                 return
             view = memoryview(data)
-            body[self._filled :] = view[:room]
-            self._filled += room
+            body[filling.filled :] = view[:room]
+            filling.filled += room
             data = view[room:]
         self._buf += data
 
     def next(self) -> Decoded | None:
-        body = self._body
-        if body is not None:
-            if self._filled < len(body):
+        filling = self._filling
+        if filling is not None:
+            if filling.filled < len(filling.body):
                 return None
-            self._body = None
-            self._filled = 0
-            return self._checked(parse_frame(body))
+            self._filling = None
+            return self._checked(parse_frame(filling.body))
 
         buf = self._buf
         end = len(buf)
@@ -186,9 +195,7 @@ class FrameDecoder:
             body = bytearray(size)
             with memoryview(buf) as view:
                 body[: end - pos] = view[pos:end]
-            self._body = body
-            self._filled = end - pos
-            self._prefix = pos
+            self._filling = _Filling(body, end - pos, pos)
             buf.clear()
         return None
 
