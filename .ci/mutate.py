@@ -61,6 +61,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "training/datasets/pieces.py": ("tests/test_pieces.py",),
     "p2p/rpc/framing.py": ("tests/test_rpc_framing.py",),
     "p2p/observed.py": ("tests/test_observed.py",),
+    "training/moe/grid.py": ("tests/test_moe_grid.py",),
 }
 
 KILLED = {"killed", "timeout"}

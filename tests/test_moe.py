@@ -19,7 +19,7 @@ from training.moe import (ClientConfig, Expert, ExpertBackend, ExpertCallError, 
                           MoEConfig, MoEError, RemoteExpert, RemoteMixtureOfExperts, ServerConfig)
 from training.moe.beam_search import Beam, parse_successors, select
 from training.moe.experts import FeedforwardBlock
-from training.moe.grid import ExpertUid, UidError, coordinate_subkey, expand_pattern, parse_subkey
+from training.moe.grid import expand_pattern
 from training.moe.layer import _exchanges, _plan
 from training.moe.protocol import Kind
 
@@ -104,29 +104,6 @@ async def swarm(*patterns: str, config: ServerConfig | None = None, real: bool =
 
 
 # ---------------------------------------------------------------------- pure parts
-
-
-def test_uids_parse_and_patterns_expand() -> None:
-    uid = ExpertUid.parse("ffn.3.5")
-    assert uid.prefix == "ffn" and uid.coords == (3, 5) and str(uid) == "ffn.3.5"
-    assert list(uid.level_keys()) == [("ffn", 3), ("ffn.3", 5)]
-    for bad in ["ffn", "ffn.x", "ffn.-1", "ffn.01", "3.4", "ffn..1", "a" * 300, "ffn.1.2.3.4.5.6.7.8.9"]:
-        with pytest.raises(UidError):
-            ExpertUid.parse(bad)
-    assert [str(u) for u in expand_pattern("ffn.[0:2].[1:3]")] == ["ffn.0.1", "ffn.0.2", "ffn.1.1", "ffn.1.2"]
-    assert len(expand_pattern("e.[0:16].[0:16]")) == 256
-    with pytest.raises(UidError):
-        expand_pattern("e.[0:1000].[0:1000]")
-
-
-def test_subkeys_name_the_coordinate_and_the_server() -> None:
-    from libp2p.crypto.ed25519 import create_new_key_pair
-    from libp2p.peer.id import ID
-
-    server = ID.from_pubkey(create_new_key_pair().public_key)
-    assert parse_subkey(coordinate_subkey(7, server)) == (7, server)
-    for junk in ["7", 7, "x[owner:abc]", "07[owner:" + server.to_base58() + "]", None]:
-        assert parse_subkey(junk) is None
 
 
 def test_select_keeps_the_best_live_extensions_and_skips_unusable_servers() -> None:
