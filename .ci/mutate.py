@@ -62,6 +62,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "p2p/rpc/framing.py": ("tests/test_rpc_framing.py",),
     "p2p/observed.py": ("tests/test_observed.py",),
     "training/moe/grid.py": ("tests/test_moe_grid.py",),
+    "averaging/finite.py": ("tests/test_averaging_core.py", "tests/test_serial.py"),
+    "averaging/group.py": ("tests/test_group.py",),
 }
 
 KILLED = {"killed", "timeout"}
