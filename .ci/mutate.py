@@ -64,6 +64,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "training/moe/grid.py": ("tests/test_moe_grid.py",),
     "averaging/finite.py": ("tests/test_averaging_core.py", "tests/test_serial.py"),
     "averaging/group.py": ("tests/test_group.py",),
+    "p2p/multistream.py": ("tests/test_multistream.py",),
 }
 
 KILLED = {"killed", "timeout"}

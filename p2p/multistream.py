@@ -226,9 +226,8 @@ async def select(conn: Conn, protocols: list[str]) -> str:
             await read_reply(conn, reply)
             return protocol
         except ProtocolRefused:
-            if i == len(protocols) - 1:
-                raise ProtocolRefused(f"the peer speaks none of {', '.join(protocols)}") from None
-    raise AssertionError("unreachable")
+            pass  # the next proposal, if there is one
+    raise ProtocolRefused(f"the peer speaks none of {', '.join(protocols)}")
 
 
 class LazySelect:

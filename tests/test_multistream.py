@@ -14,12 +14,18 @@ from p2p import Node, multistream
 from p2p.errors import ProtocolNotSupportedError, RemoteProtocolError
 from p2p.multistream import (
     HEADER,
+    MAX_REASON,
     NA,
+    REFUSED_PREFIX,
     LazySelect,
     MultistreamError,
+    PeerRefused,
     ProtocolRefused,
     Reply,
+    complete_messages,
     encode,
+    read_reply,
+    refusal,
     select,
 )
 
@@ -52,19 +58,124 @@ def test_reply_takes_exactly_its_bytes_and_leaves_what_follows() -> None:
     assert reply.done and rest == b"first noise message"
 
 
-@pytest.mark.parametrize("bad, error", [
-    (encode("/multistream/2.0.0"), MultistreamError),  # another version
-    (encode(HEADER, NA), ProtocolRefused),  # refused
-    (encode(HEADER, "/tls/1.0.0"), MultistreamError),  # an answer to something else
-    (bytes([5]) + b"abcde", MultistreamError),  # no newline
-    (bytes([0]), MultistreamError),  # empty message
-    (bytes([0x80, 0x80, 0x80, 0x01]), MultistreamError),  # a length past 3 varint bytes
-    (bytes([0x81, 0x08]), MultistreamError),  # 1025 bytes: over the cap, refused before reading them
+@pytest.mark.parametrize("bad, error, message", [
+    (encode("/multistream/2.0.0"), MultistreamError,
+     r"^the peer does not speak /multistream/1\.0\.0 \(it sent '/multistream/2\.0\.0'\)$"),  # another version
+    (encode(HEADER, NA), ProtocolRefused, "^the peer does not speak /noise$"),  # refused
+    (encode(HEADER, "/tls/1.0.0"), MultistreamError,
+     "^the peer answered '/tls/1.0.0' to a proposal of /noise$"),  # an answer to something else
+    (bytes([5]) + b"abcde", MultistreamError, "^multistream message without its newline: b'abcde'$"),
+    (bytes([0]), MultistreamError, r"^multistream message of 0 bytes \(1\.\.1024 allowed\)$"),  # empty
+    (bytes([0x80, 0x80, 0x80, 0x01]), MultistreamError,
+     "^multistream message length does not fit in 3 bytes$"),  # a length past 3 varint bytes
+    (bytes([0x81, 0x08]), MultistreamError,
+     r"^multistream message of 1025 bytes \(1\.\.1024 allowed\)$"),  # over the cap, refused before reading them
+    (encode(HEADER) + bytes([0x80, 0x80, 0x80, 0x01]), MultistreamError,
+     "^multistream message length does not fit in 3 bytes$"),  # the second message's prefix too
+    (bytes([1]) + b"\n", MultistreamError, r"^the peer does not speak /multistream/1\.0\.0 \(it sent ''\)$"),
+    (encode("x" * 100), MultistreamError, r"^the peer does not speak /multistream/1\.0\.0 \(it sent '" + "x" * 64 + r"'\)$"),
+    (bytes([100]) + b"y" * 100, MultistreamError, "^multistream message without its newline: b'" + "y" * 64 + "'$"),
+    (encode(HEADER, "z" * 100), MultistreamError, "^the peer answered '" + "z" * 64 + "' to a proposal of /noise$"),
+    (encode(HEADER) + bytes([2]) + b"\xff\n", MultistreamError, "^the peer answered '\ufffd' to a proposal of /noise$"),
 ])
-def test_a_bad_answer_is_a_clear_error(bad: bytes, error: type[Exception]) -> None:
-    with pytest.raises(error):
+def test_a_bad_answer_is_a_clear_error(bad: bytes, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
         answer(Reply("/noise"), bad)
     assert issubclass(MultistreamError, RemoteProtocolError) and issubclass(ProtocolRefused, ProtocolNotSupportedError)
+
+
+def test_a_reply_takes_answers_up_to_the_longest_message() -> None:
+    longest = "/" + "p" * 1022  # 1023 characters and its newline: 1024 bytes
+    reply = Reply(longest)
+    assert reply.done is False and reply.wanted == 1
+    assert answer(reply, encode(HEADER, longest)) == b"" and reply.done and reply.wanted == 0
+    with pytest.raises(MultistreamError, match="^multistream answer already complete$"):
+        reply.feed(b"x")
+    second = Reply("/yamux", header=False)  # a second proposal: no header echo first
+    assert answer(second, encode("/yamux")) == b"" and second.done
+    with pytest.raises(ValueError, match="^fed 2 bytes where 1 were wanted$"):
+        Reply("/noise").feed(b"ab")
+
+
+@pytest.mark.parametrize("reason, message", [
+    ("connections_total", "^the peer refused the connection: .+ \\(connections_total\\)$"),
+    ("unauthenticated: no pass", "^the peer refused the stream: unauthenticated: no pass; the swarm is closed: it admits"),
+    ("streams per peer", "^the peer refused the stream: streams per peer$"),
+])
+def test_a_listener_s_refusal_says_why(reason: str, message: str) -> None:
+    with pytest.raises(PeerRefused, match=message) as caught:
+        answer(Reply("/noise"), refusal(reason))
+    assert caught.value.reason == reason
+    long = "r" * 300
+    assert refusal(long) == encode(HEADER, REFUSED_PREFIX + "r" * MAX_REASON)
+    with pytest.raises(PeerRefused) as caught:
+        answer(Reply("/noise"), encode(HEADER, REFUSED_PREFIX + long))
+    assert caught.value.reason == "r" * MAX_REASON
+
+
+def test_complete_messages_counts_from_one_byte_to_the_longest() -> None:
+    assert complete_messages(bytes([1]) + b"\n") == 1
+    assert complete_messages(encode("m" * 1023)) == 1 and complete_messages(encode("m" * 1024)) == 0
+    assert complete_messages(encode(HEADER, "/noise") + b"\x05ab") == 2
+
+
+class Scripted:
+    """A peer's bytes handed out at most ``chunk`` at a time and never more than asked; EOF after them."""
+
+    def __init__(self, data: bytes, chunk: int = 3) -> None:
+        self.data, self.chunk, self.writes = data, chunk, []  # type: list[bytes]
+
+    async def read(self, n: int | None = None) -> bytes:
+        if not self.data:
+            raise EOFError
+        part, self.data = self.data[:min(n or self.chunk, self.chunk)], self.data[min(n or self.chunk, self.chunk):]
+        return part
+
+    async def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+
+
+async def test_an_answer_read_in_small_pieces_takes_exactly_its_bytes() -> None:
+    conn = Scripted(encode(HEADER, "/noise") + b"after")
+    reply = Reply("/noise")
+    await read_reply(conn, reply)
+    assert reply.done and conn.data == b"after"
+    with pytest.raises(MultistreamError, match="^the peer closed while negotiating /yamux$"):
+        await read_reply(Scripted(encode(HEADER)), Reply("/yamux"))
+
+
+async def test_select_says_which_protocols_the_peer_refused() -> None:
+    with pytest.raises(ValueError, match="^no protocol to propose$"):
+        await select(Scripted(b""), [])
+    conn = Scripted(encode(HEADER, NA, NA))
+    with pytest.raises(ProtocolRefused, match="^the peer speaks none of /a, /b$"):
+        await select(conn, ["/a", "/b"])
+    assert conn.writes == [encode(HEADER, "/a"), encode("/b")]
+    assert await select(Scripted(encode(HEADER, NA, "/b")), ["/a", "/b", "/c"]) == "/b"
+
+
+class ScriptedStream(Scripted):
+    """A stream: it can be reset."""
+
+    resets = 0
+
+    async def reset(self) -> None:
+        self.resets += 1
+
+
+async def test_a_lazy_reader_sends_the_proposal_alone_and_a_refusal_resets_the_stream() -> None:
+    stream = ScriptedStream(encode(HEADER, "/x") + b"data")
+    lazy = LazySelect(stream, "/x")
+    assert lazy.protocol == "/x" and lazy.chunk == 3 and not lazy.negotiated  # the rest is the stream's
+    assert await lazy.read(4) == b"dat" and lazy.negotiated
+    assert stream.writes == [encode(HEADER, "/x")] and stream.resets == 0
+    refused = ScriptedStream(encode(HEADER, NA))
+    with pytest.raises(ProtocolRefused, match="^the peer does not speak /x$"):
+        await LazySelect(refused, "/x").read()
+    assert refused.resets == 1
+    raw = Scripted(encode(HEADER, NA))  # a raw connection has no reset: its owner closes it
+    with pytest.raises(ProtocolRefused):
+        await LazySelect(raw, "/x").read()
 
 
 # ---------------------------------------------------------------- against py-libp2p's listener
