@@ -36,8 +36,7 @@ from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
 from nat import Swarm
-from p2p.dht import owned
-from p2p.dht.records import DHTKey, owner_of
+from p2p.dht.records import DHTKey, owned, owner_of
 from p2p.errors import DedlocError
 from p2p.untrusted import decode_addrs
 

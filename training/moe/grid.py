@@ -14,6 +14,7 @@ d keys per beam entry, never the whole grid.
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -103,9 +104,7 @@ def expand_pattern(pattern: str) -> list[ExpertUid]:
         if not 0 <= lo < hi <= MAX_GRID_SIZE:
             raise UidError(f"expert pattern {pattern!r}: empty or out-of-range {part!r}")
         ranges.append(range(lo, hi))
-    total = 1
-    for r in ranges:
-        total *= len(r)
+    total = math.prod(len(r) for r in ranges)
     if total > 100_000:
         raise UidError(f"expert pattern {pattern!r} names {total} experts (at most 100000)")
     return [ExpertUid(prefix, coords) for coords in itertools.product(*ranges)]  # the last coordinate fastest
