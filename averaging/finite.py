@@ -29,18 +29,24 @@ def tensor_finite(values: torch.Tensor) -> bool:
 def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
     """True when every tensor is :func:`tensor_finite`.
 
-    One sum per tensor, stacked per device and read once: on a GPU each
-    ``bool()`` is a synchronisation, so a model's 200 gradients cost one,
-    not 200 (on the CPU: 0.15 ms for 1.3 M parameters where isfinite().all()
-    on each took 3.7 ms).
+    One fused pass per device: ``torch._foreach_norm`` (what ``clip_grad_norm_``
+    uses) gives every tensor's 2-norm in float32 from a few kernels, read with
+    one ``bool()``. A sum per tensor launched a kernel each: on a GPU a model's
+    200 gradients cost 200 launches in the caller's thread (the training
+    peer's event loop, after every micro-batch) where this costs a handful,
+    and on the CPU the two run at the same speed (3.6 against 3.9 ms for
+    17.6 M values over 198 tensors here). A finite norm proves every value
+    finite as a finite sum does (squares are never negative: nothing cancels
+    an Inf, and NaN spreads); a norm that overflows (values beyond ~1e19) is
+    no proof either way, and the exact check decides.
     """
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
         if t.numel() and t.is_floating_point():
             by_device.setdefault(t.device, []).append(t)
     for group in by_device.values():
-        sums = torch.stack([t.sum(dtype=torch.float32) for t in group])
-        if not bool(torch.isfinite(sums).all()) and not all(bool(torch.isfinite(t).all()) for t in group):
+        norms = torch.stack(torch._foreach_norm(group, dtype=torch.float32))
+        if not bool(torch.isfinite(norms).all()) and not all(bool(torch.isfinite(t).all()) for t in group):
             return False
     return True
 

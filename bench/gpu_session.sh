@@ -38,15 +38,17 @@
 #              skipped when diagnose already showed a slow GPU round
 # py-spy comes as a wheel in .whl/tools/ (bench/gpu_wheels.sh), unpacked to $SITE/tools/py-spy.
 #
-# The next session with a machine: the fix of 2026-12-04's diagnosis (averaging/serial.py: the round's
-# per-chunk ops never open an OpenMP region, whatever torch's threads) measured as a volunteer runs it,
-# with torch's own threads, then the goals' other figures (docs/AVERAGING.md, "Second GPU run"):
-#   run(command="bash bench/gpu_session.sh env training allreduce", carry=[".whl"], timeout_s=480)
-#   run(command="bash bench/gpu_session.sh moe", carry=[".whl"], timeout_s=330)
-# and, if DPU's compute share is still short of 90% at target 2048, the training step again with
-# GPU_TRAINING_ARGS="--setups alone,dpu --target 8192 --steps 3 --dpu-steps 20"; and for the expert
-# server, whether its 4 intra-op threads cost it what 16 cost the training peers: bench/moe_gpu.py
-# --server-threads 1 against the default (docs/MOE.md).
+# The third run (2026-12-04 18:00, docs/AVERAGING.md "Third GPU run") measured the serial.py fix with torch's
+# own threads (the round 27 -> 239 MB/s) and delayed updates at target 8192 (0.85x alone, but computing 73%),
+# and found the lone process computing only 80% of its wall time: ~8 ms of each micro-batch on the event
+# loop, making its batch (fixed since: a pool of sentences, bench/gpu_training_peer.py's Data) and
+# accumulating its gradients (training/accumulator.py: fused since, ~400 kernel launches -> a handful).
+# The next session with a machine measures those, and prints where each step's time outside compute goes
+# (batches, step() calls, global steps):
+#   run(command="bash bench/gpu_session.sh env training", carry=[".whl"], timeout_s=330)
+#   run(command="GPU_TRAINING_ARGS='--setups alone,dpu --target 8192 --steps 2 --dpu-steps 6' bash bench/gpu_session.sh training moe", carry=[".whl"], timeout_s=560)
+# then give_back; and for the expert server, whether its 4 intra-op threads cost it what 16 cost the
+# training peers: bench/moe_gpu.py --server-threads 1 against the default (docs/MOE.md).
 #
 # A rehearsal on a CPU (the same installs and commands at small sizes): bash bench/gpu_wheels.sh 3.11,
 # then GPU_SESSION_DEVICE=cpu PYTHON=<a Python with torch, numpy, scipy and pytest> bash bench/gpu_session.sh
@@ -139,7 +141,10 @@ else
     LOOP=(--peers 2 --mbytes 400 --rounds 3 --no-gloo --crypto-threads 0)
     HOPS=()
     # dedloc's server as one process and as 4 (serve-experts --processes): 12 cases of ~18 s
-    MOE=(--device cuda --batches 64,1024 --clients 8 --callers 4 --seconds 6 --repeats 2 --server-processes 1,4)
+    # --timeout 30: a side that hangs (hivemind's at 1024 rows on 2026-12-04's third run, past the step's
+    # 300 s) costs its attempts ~100 s, not the step (its servers and clients were ready in seconds)
+    MOE=(--device cuda --batches 64,1024 --clients 8 --callers 4 --seconds 6 --repeats 2 --server-processes 1,4
+         --timeout 30)
     PROFILED=(--device cuda --batches 1024 --clients 8 --callers 4 --seconds 10)
     ROUND=(--peers 2 --mbytes 100 --rounds 2 --no-gloo --data-plane-mib 0)
     SPY_ROUND=(--peers 2 --mbytes 400 --rounds 6 --no-gloo --data-plane-mib 0)

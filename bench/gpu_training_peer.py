@@ -64,20 +64,36 @@ class Encoder(torch.nn.Module):
 
 
 class Data:
-    """Batches of the Markov language, made on the device from one seeded successor table."""
+    """Batches of the Markov language, drawn from a pool of its sentences made once on the device.
 
-    def __init__(self, vocab: int, seq: int, device: torch.device, seed: int) -> None:
+    Walking the chain for each batch took a gather per position (~1,000 kernel launches for 32 x 256
+    tokens) on the peer's event loop before every micro-batch: the H200 runs of 2026-12-04 had the lone
+    process compute only 80% of its wall time, ~8 ms of every 41 ms micro-batch spent making its batch
+    or launching it. The walk now runs once over ``pool`` sentences at start, and a batch is the next
+    rows of a random order (reshuffled when used up) with fresh masks: three ops. 65,536 sentences are
+    more than 20 steps of 2048 samples take, so no sentence repeats within such a run.
+    """
+
+    def __init__(self, vocab: int, seq: int, device: torch.device, seed: int, pool: int = 65536) -> None:
         g = torch.Generator().manual_seed(1234)  # the language: the same on every peer
         self.successors = torch.randint(vocab, (vocab, SUCCESSORS), generator=g).to(device)
         self.vocab, self.seq, self.device = vocab, seq, device
         self.g = torch.Generator(device=device).manual_seed(seed)
+        tokens = torch.empty(pool, seq, dtype=torch.long, device=device)
+        tokens[:, 0] = torch.randint(vocab, (pool,), generator=self.g, device=device)
+        choice = torch.randint(SUCCESSORS, (pool, seq), generator=self.g, device=device)
+        for t in range(1, seq):
+            tokens[:, t] = self.successors[tokens[:, t - 1], choice[:, t]]
+        self.sentences = tokens
+        self.order = torch.randperm(pool, generator=self.g, device=device)
+        self.taken = 0
 
     def batch(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        tokens = torch.empty(size, self.seq, dtype=torch.long, device=self.device)
-        tokens[:, 0] = torch.randint(self.vocab, (size,), generator=self.g, device=self.device)
-        choice = torch.randint(SUCCESSORS, (size, self.seq), generator=self.g, device=self.device)
-        for t in range(1, self.seq):
-            tokens[:, t] = self.successors[tokens[:, t - 1], choice[:, t]]
+        if self.taken + size > len(self.order):
+            self.order = torch.randperm(len(self.order), generator=self.g, device=self.device)
+            self.taken = 0
+        tokens = self.sentences[self.order[self.taken:self.taken + size]]
+        self.taken += size
         masked = torch.rand(size, self.seq, generator=self.g, device=self.device) < 0.15
         return tokens.masked_fill(masked, self.vocab), tokens, masked
 
@@ -106,6 +122,12 @@ class Measure:
         self.micro_in_round: list[float] = []
         self.micro_quiet: list[float] = []
         self.rounds: list[dict[str, float]] = []
+        #: the event loop's time between micro-batches, where the compute thread waits: making each batch,
+        #: and opt.step() (a step's bookkeeping, and at a global step its round or, with DPU, the wait for
+        #: the previous round and the apply)
+        self.data = 0.0
+        self.step_calls: list[float] = []
+        self.global_steps: list[float] = []
 
     def end_step(self) -> None:
         if self.micro_losses:
@@ -117,7 +139,8 @@ class Measure:
         return {"wall": time.perf_counter() - self.started, "samples": self.samples, "compute": self.compute,
                 "losses": self.step_losses, "rounds": self.rounds, "micro_median_s": _median(self.micro_times),
                 "micro_in_round_s": _median(self.micro_in_round), "micro_quiet_s": _median(self.micro_quiet),
-                "micro_in_round": len(self.micro_in_round), **extra}
+                "micro_in_round": len(self.micro_in_round), "data_s": self.data, "step_calls_s": sum(self.step_calls),
+                "step_call_median_s": _median(self.step_calls), "global_steps_s": sum(self.global_steps), **extra}
 
 
 def memory_probe(pool: Any, device: torch.device, chunk: int = 64 * 1024, chunks: int = 64) -> dict[str, Any]:
@@ -182,8 +205,11 @@ async def main() -> None:
     rounds_in_flight: list[int] = [0]
 
     async def micro_batch(scale: float) -> float:
+        t_data = time.perf_counter()
         batch = data.batch(args.micro)
         t0 = time.perf_counter()
+        if measure.started is not None:
+            measure.data += t0 - t_data
         during_round = rounds_in_flight[0] > 0
         loss = await trio.to_thread.run_sync(compute, net, batch, scale)
         if measure.started is not None:
@@ -203,8 +229,11 @@ async def main() -> None:
             while done < args.target:
                 await micro_batch(args.micro / args.target)
                 done += args.micro
+            t_step = time.perf_counter()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if measure.started is not None:
+                measure.global_steps.append(time.perf_counter() - t_step)
             measure.end_step()
         print(json.dumps(measure.result(**info)), flush=True)
         return
@@ -251,7 +280,11 @@ async def main() -> None:
                 await trio.sleep(0.2)  # the whole swarm first: a peer alone steps without averaging
             while opt.local_step < warm + args.steps:
                 await micro_batch(1.0)
-                if await opt.step(args.micro) is not None:
+                t_step = time.perf_counter()
+                stepped = await opt.step(args.micro) is not None
+                if measure.started is not None:
+                    (measure.global_steps if stepped else measure.step_calls).append(time.perf_counter() - t_step)
+                if stepped:
                     measure.end_step()
                 # measured from the first step after the warm-up, however this peer got there: one that fell
                 # behind takes the swarm's state (CollaborativeOptimizer's catch-up), and a step reached so

@@ -163,6 +163,10 @@ def main() -> None:
         failures: dict[str, list[str]] = {s: [] for s in systems}
         for repeat in range(args.repeats):
             for (name, processes), system in zip(variants, systems):
+                if repeat and not runs[system]:  # it failed every attempt at this size: a hang would cost them again
+                    print(f"batch {batch:5d} {system:9s} #{repeat + 1}: not tried (every attempt at this size "
+                          f"failed)", flush=True)
+                    continue
                 run = attempt_case(name, batch, args, processes, failures[system])
                 if run is None:
                     print(f"batch {batch:5d} {system:9s} #{repeat + 1}: FAILED {args.attempts} times: "

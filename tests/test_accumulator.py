@@ -162,3 +162,41 @@ def test_a_scaler_that_never_scaled_is_refused_with_the_whole_reason() -> None:
     with pytest.raises(ValueError, match=r"^the GradScaler given to the optimizer never scaled a loss: "
                                          r"use scaler\.scale\(loss\)\.backward\(\)$"):
         acc.add(1)
+
+
+class _Calls(torch.overrides.TorchFunctionMode):
+    """The torch calls made inside it, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.names.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_batch_costs_the_same_few_torch_calls_for_3_parameters_or_300() -> None:
+    """The GPU's reason: add() runs on the training peer's event loop after every micro-batch, and a
+    kernel launch per parameter (two: the finiteness check's sum and the add) cost it ~400 launches a
+    micro-batch for the example model. The check and the add are fused over the parameters."""
+    def calls(n: int) -> list[str]:
+        params = [torch.zeros(4, requires_grad=True) for _ in range(n)]
+        acc = GradientAccumulator(params)
+        _set(params, *[torch.full((4,), float(i)) for i in range(n)])
+        with _Calls() as mode:
+            assert acc.add(2)
+        assert torch.equal(acc.mean()[n - 1], torch.full((4,), float(n - 1)))
+        # what computes (not .grad's attribute reads, sizes, or .to() to the dtype a tensor has)
+        return [name for name in mode.names if not name.startswith("__")
+                and name not in ("numel", "is_floating_point", "to", "device")]
+    few = calls(3)
+    assert calls(300) == few and "_foreach_add_" in few and len(few) < 10, few
+
+
+def test_a_batch_with_no_gradient_at_all_adds_nothing_and_counts_its_samples() -> None:
+    params = _params()
+    acc = GradientAccumulator(params)
+    _set(params, None, None)
+    assert acc.add(3) is True
+    assert acc.samples == 3 and all(torch.equal(m, torch.zeros_like(m)) for m in acc.mean())

@@ -263,6 +263,8 @@ def test_finite_checks_catch_nan_and_inf_and_survive_an_overflowing_sum() -> Non
         assert not tensor_finite(y) and not all_finite([x, y])
     huge = torch.full((1000,), 3e38)  # the sum overflows, every value is finite: the exact check decides
     assert tensor_finite(huge) and all_finite([huge, x])
+    big = torch.full((10,), 1e20)  # all_finite's norm overflows where a sum would not: the exact check decides
+    assert all_finite([big]) and not all_finite([big, torch.tensor([1e20, float("nan")])])
     half = torch.full((100,), 60000.0, dtype=torch.float16)
     assert tensor_finite(half)
     assert tensor_finite(torch.arange(10))  # integers are never non-finite

@@ -238,6 +238,12 @@ def test_a_finite_chunk_is_checked_by_one_sum_not_an_isfinite_pass() -> None:
         assert tensor_finite(x) and tensor_finite(half) and all_finite([x, half, x[:10]])
     full = [(name, n) for name, n in mode.calls if name == "isfinite" and n > 3]
     assert mode.calls and not full, mode.calls
+    # a model's gradients: one fused pass (2-norms), not a sum each; large values too (1e15: their squares
+    # are finite, where a higher power's would overflow and send them to the exact pass)
+    many = [torch.randn(7) for _ in range(200)] + [torch.full((7,), 1e15)]
+    with sizes() as mode:
+        assert all_finite(many)
+    assert len(mode.calls) < 5, mode.calls
     with sizes() as mode:
         assert tensor_finite(torch.arange(10)) and tensor_finite(torch.empty(0))
         assert all_finite([torch.arange(10), torch.empty(0)])
