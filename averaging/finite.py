@@ -40,12 +40,14 @@ def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
     an Inf, and NaN spreads); a norm that overflows (values beyond ~1e19) is
     no proof either way, and the exact check decides.
     """
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    # per device, and per the dtype the norms are taken in: float32, or float64's own (a norm may
+    # not narrow its input)
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         if t.numel() and t.is_floating_point():
-            by_device.setdefault(t.device, []).append(t)
-    for group in by_device.values():
-        norms = torch.stack(torch._foreach_norm(group, dtype=torch.float32))
+            groups.setdefault((t.device, torch.float64 if t.dtype == torch.float64 else torch.float32), []).append(t)
+    for (_, dtype), group in groups.items():
+        norms = torch.stack(torch._foreach_norm(group, dtype=dtype))
         if not bool(torch.isfinite(norms).all()) and not all(bool(torch.isfinite(t).all()) for t in group):
             return False
     return True

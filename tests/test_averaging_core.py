@@ -265,6 +265,9 @@ def test_finite_checks_catch_nan_and_inf_and_survive_an_overflowing_sum() -> Non
     assert tensor_finite(huge) and all_finite([huge, x])
     big = torch.full((10,), 1e20)  # all_finite's norm overflows where a sum would not: the exact check decides
     assert all_finite([big]) and not all_finite([big, torch.tensor([1e20, float("nan")])])
+    # float64 beside float32 and float16 (its norm is taken in float64: a norm may not narrow its input)
+    wide = torch.full((10,), 1e200, dtype=torch.float64)
+    assert all_finite([wide, x, x.half()]) and not all_finite([x, torch.tensor([1.0, float("inf")], dtype=torch.float64)])
     half = torch.full((100,), 60000.0, dtype=torch.float16)
     assert tensor_finite(half)
     assert tensor_finite(torch.arange(10))  # integers are never non-finite
