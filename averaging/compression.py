@@ -48,6 +48,11 @@ def wire_codec(compression: Compression) -> pb.Codec.ValueType:
     return _WIRE[compression]
 
 
+def _block_count(elements: int) -> int:
+    """The 8-bit codec's blocks for ``elements`` values: the last one may be short."""
+    return -(-elements // UINT8_BLOCK)
+
+
 def payload_size(codec: pb.Codec.ValueType, elements: int) -> int:
     """Bytes of a chunk of ``elements`` values under ``codec``."""
     if codec == pb.CODEC_FLOAT32:
@@ -55,7 +60,7 @@ def payload_size(codec: pb.Codec.ValueType, elements: int) -> int:
     if codec == pb.CODEC_FLOAT16:
         return 2 * elements
     if codec == pb.CODEC_UINT8:
-        return elements + 8 * -(-elements // UINT8_BLOCK)
+        return elements + 8 * _block_count(elements)
     raise ValueError(f"unknown codec {codec}")
 
 
@@ -74,7 +79,7 @@ def encode_tensor(values: torch.Tensor, codec: pb.Codec.ValueType) -> torch.Tens
         return out.view(torch.uint8)
     if codec == pb.CODEC_UINT8:
         n = values.numel()
-        blocks = -(-n // UINT8_BLOCK)  # heads first, then codes; a piece is whole blocks (PIECE is)
+        blocks = _block_count(n)  # heads first, then codes; a piece is whole blocks (PIECE is)
         out = torch.empty(8 * blocks + n, dtype=torch.uint8, device=values.device)
         all_heads = out[:8 * blocks].view(torch.float32).view(blocks, 2)
         for piece in serial.pieces(values):
@@ -96,7 +101,7 @@ def _uint8_blocks(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     [0, 255] for every value of its block, so the codes need no clamp.
     """
     n = values.numel()
-    blocks = -(-n // UINT8_BLOCK)
+    blocks = _block_count(n)
     padded = torch.cat([values, values[-1:].expand(blocks * UINT8_BLOCK - n)]).view(blocks, UINT8_BLOCK)
     lo = padded.min(dim=1).values
     scale = (padded.max(dim=1).values - lo) / 255.0
@@ -142,14 +147,14 @@ def decode(payload: bytes | bytearray | memoryview, codec: pb.Codec.ValueType, e
         return torch.frombuffer(buffer, dtype=torch.float32)
     if codec == pb.CODEC_FLOAT16:
         return serial.copied(torch.frombuffer(buffer, dtype=torch.float16))
-    blocks = -(-elements // UINT8_BLOCK)  # the 8-bit codec: payload_size knew no other codec
+    blocks = _block_count(elements)  # the 8-bit codec: payload_size knew no other codec
     raw = torch.frombuffer(buffer, dtype=torch.uint8)
     heads = raw[:8 * blocks].view(torch.float32).view(blocks, 2)
     codes = raw[8 * blocks:]
     out = torch.empty(elements, dtype=torch.float32)
     for piece in serial.pieces(codes):  # in serial pieces (averaging.serial), whole blocks each
         first = piece.start // UINT8_BLOCK
-        last = -(-piece.stop // UINT8_BLOCK)
+        last = _block_count(piece.stop)
         out[piece].copy_(_uint8_values(heads[first:last], codes[piece]))
     return out
 

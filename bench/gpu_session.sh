@@ -46,9 +46,12 @@
 # The next session with a machine measures those, and prints where each step's time outside compute goes
 # (batches, step() calls, global steps):
 #   run(command="bash bench/gpu_session.sh env training", carry=[".whl"], timeout_s=330)
-#   run(command="GPU_TRAINING_ARGS='--setups alone,dpu --target 8192 --steps 2 --dpu-steps 6' bash bench/gpu_session.sh training moe", carry=[".whl"], timeout_s=560)
-# then give_back; and for the expert server, whether its 4 intra-op threads cost it what 16 cost the
-# training peers: bench/moe_gpu.py --server-threads 1 against the default (docs/MOE.md).
+#   run(command="GPU_TRAINING_ARGS='--setups alone,dpu --target 8192 --steps 2 --dpu-steps 6' GPU_SPY_TRAINING_ARGS='--setups dpu --target 8192 --dpu-steps 3 --timeout 200' bash bench/gpu_session.sh training spy-training", carry=[".whl"], timeout_s=420)
+# (the second: delayed updates where the compute hides the round, and py-spy on a DPU peer, every thread
+# and then the GIL's holder: is the round 2.5x slower beside compute for the GIL?), then, if the machine
+# is still warm and 4 minutes are left, run(command="bash bench/gpu_session.sh moe", ...) with
+# GPU_MOE_REPEATS=1; then give_back. For the expert server, still to compare: --server-threads 1
+# against the default (docs/MOE.md).
 #
 # A rehearsal on a CPU (the same installs and commands at small sizes): bash bench/gpu_wheels.sh 3.11,
 # then GPU_SESSION_DEVICE=cpu PYTHON=<a Python with torch, numpy, scipy and pytest> bash bench/gpu_session.sh
@@ -130,7 +133,7 @@ if [[ $DEVICE == cpu ]]; then  # a rehearsal: every step at a size a CPU does in
               --expert-cls nop)
     ROUND=(--peers 2 --mbytes 4 --rounds 1 --no-gloo --data-plane-mib 0)
     SPY_ROUND=(--peers 2 --mbytes 8 --rounds 6 --no-gloo --data-plane-mib 0)
-    SPY_TRAINING=(--device cpu --size tiny --micro 4 --seq 32 --target 32 --steps 6 --setups sync --timeout 150 --probe-memory)
+    read -r -a SPY_TRAINING <<< "${GPU_SPY_TRAINING_ARGS:---device cpu --size tiny --micro 4 --seq 32 --target 32 --steps 6 --setups sync --timeout 150 --probe-memory}"
     SPY_DELAY=1 SPY_TRAINING_DELAY=3 SPY_TRAINING_LIMIT=120
     TESTS=(-x -q tests/test_averaging_core.py -k "device or pool")
     # the step's command, not the tests again (the suite runs test_noise.py: 30-60 s on CI's 2 cores)
@@ -143,13 +146,15 @@ else
     # dedloc's server as one process and as 4 (serve-experts --processes): 12 cases of ~18 s
     # --timeout 30: a side that hangs (hivemind's at 1024 rows on 2026-12-04's third run, past the step's
     # 300 s) costs its attempts ~100 s, not the step (its servers and clients were ready in seconds)
-    MOE=(--device cuda --batches 64,1024 --clients 8 --callers 4 --seconds 6 --repeats 2 --server-processes 1,4
-         --timeout 30)
+    MOE=(--device cuda --batches 64,1024 --clients 8 --callers 4 --seconds 6 --repeats "${GPU_MOE_REPEATS:-2}"
+         --server-processes 1,4 --timeout 30)
     PROFILED=(--device cuda --batches 1024 --clients 8 --callers 4 --seconds 10)
     ROUND=(--peers 2 --mbytes 100 --rounds 2 --no-gloo --data-plane-mib 0)
     SPY_ROUND=(--peers 2 --mbytes 400 --rounds 6 --no-gloo --data-plane-mib 0)
     # the sync run of the training step, 3 steps: at 2026-12-04's 27 s rounds, 4 rounds and the warm-up
-    SPY_TRAINING=(--setups sync --steps 2 --timeout 200 --probe-memory)
+    # GPU_SPY_TRAINING_ARGS: another run to spy on, e.g. a DPU peer whose round runs beside its compute thread
+    # (which of them holds the GIL: the second pass samples only its holder)
+    read -r -a SPY_TRAINING <<< "${GPU_SPY_TRAINING_ARGS:---setups sync --steps 2 --timeout 200 --probe-memory}"
     SPY_DELAY=8 SPY_TRAINING_DELAY=30 SPY_TRAINING_LIMIT=170
     TESTS=(-q tests/test_averaging_core.py tests/test_averaging.py tests/test_noise.py tests/test_node.py tests/test_cli.py
            -k "cuda or device or pool or refuses or noise or seal")
@@ -200,7 +205,11 @@ print(int(any(r < 100 for r in rates)))" "$WORK" 2>/dev/null)
             continue
         fi
         mkdir -p "$WORK/training-profile"
-        DEDLOC_BENCH_PROFILE=$WORK/training-profile step spy-training "$SPY_TRAINING_LIMIT" env PY_SPY="$SPY" \
+        # another run given (GPU_SPY_TRAINING_ARGS): py-spy alone, no cProfile (it doubled the sync round's
+        # time on 2026-12-04, and would hold the GIL on the event loop's side of the question asked)
+        profile_dir=$WORK/training-profile
+        [[ -n ${GPU_SPY_TRAINING_ARGS:-} ]] && profile_dir=""
+        DEDLOC_BENCH_PROFILE=$profile_dir step spy-training "$SPY_TRAINING_LIMIT" env PY_SPY="$SPY" \
             PYTHON="$PY" bash bench/gpu_spy.sh "$WORK/spy-training" 20 "$SPY_TRAINING_DELAY" \
             'gpu_training_pee[r]\.py.*--index 0' "$PY" bench/gpu_training.py "${SPY_TRAINING[@]}" \
             --json "$WORK/spy_training.json"
