@@ -65,6 +65,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "averaging/finite.py": ("tests/test_averaging_core.py", "tests/test_serial.py"),
     "averaging/group.py": ("tests/test_group.py",),
     "p2p/multistream.py": ("tests/test_multistream.py",),
+    "nat/port_mapping/natpmp.py": ("tests/test_port_mapping_codecs.py",),
+    "nat/port_mapping/pcp.py": ("tests/test_port_mapping_codecs.py",),
 }
 
 KILLED = {"killed", "timeout"}

@@ -97,15 +97,29 @@ def natpmp_retransmit_delays() -> list[float]:
     return [0.25 * 2**i for i in range(9)]
 
 
+def natpmp_address_reply(data: bytes) -> NatPmpAddress | None:
+    """``data`` as the answer to an external-address request, or None: a packet of another kind, which the
+    exchange ignores and waits on. A refusal raises :class:`MappingRefused`."""
+    reply = decode_natpmp_response(data) if len(data) >= 2 and data[1] == 128 else None
+    return reply if isinstance(reply, NatPmpAddress) else None
+
+
+def natpmp_map_reply(data: bytes, protocol: Protocol, internal_port: int) -> NatPmpMapping | None:
+    """``data`` as the answer to a map request of ``protocol`` for ``internal_port``, or None: an answer
+    to another request (another opcode, another port), which the exchange ignores and waits on."""
+    if len(data) < 2 or data[1] != 128 + _NATPMP_OPCODES[protocol]:
+        return None
+    reply = decode_natpmp_response(data)
+    return reply if isinstance(reply, NatPmpMapping) and reply.internal_port == internal_port else None
+
+
+# pragma: no mutate block (the UDP exchanges and the mapper: tests/test_port_mapping.py, against loopback fakes and miniupnpd)
+
 
 async def natpmp_external_address(gateway: str, *, port: int = PMP_PORT) -> str:
     """The gateway's external IPv4 address, asked over NAT-PMP."""
-
-    def accept(data: bytes) -> NatPmpAddress | None:
-        reply = decode_natpmp_response(data) if len(data) >= 2 and data[1] == 128 else None
-        return reply if isinstance(reply, NatPmpAddress) else None
-
-    reply = await _udp_exchange(gateway, natpmp_address_request(), accept, natpmp_retransmit_delays(), what="natpmp", port=port)
+    reply = await _udp_exchange(gateway, natpmp_address_request(), natpmp_address_reply, natpmp_retransmit_delays(),
+                                what="natpmp", port=port)
     return reply.external_ip
 
 
@@ -114,15 +128,8 @@ async def natpmp_map(
 ) -> NatPmpMapping:
     """Ask for (lifetime > 0) or delete (lifetime 0) a NAT-PMP mapping of ``internal_port``."""
     request = natpmp_map_request(protocol, internal_port, external_port, lifetime)
-
-    def accept(data: bytes) -> NatPmpMapping | None:
-        if len(data) < 2 or data[1] != 128 + _NATPMP_OPCODES[protocol]:
-            return None
-        reply = decode_natpmp_response(data)
-        return reply if isinstance(reply, NatPmpMapping) and reply.internal_port == internal_port else None
-
-    return await _udp_exchange(gateway, request, accept, natpmp_retransmit_delays(), what="natpmp", port=port)
-
+    return await _udp_exchange(gateway, request, lambda data: natpmp_map_reply(data, protocol, internal_port),
+                               natpmp_retransmit_delays(), what="natpmp", port=port)
 
 
 class _NatPmpMapper(_Mapper):

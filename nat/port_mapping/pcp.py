@@ -144,14 +144,30 @@ def pcp_retransmit_delays(rng: random.Random | None = None) -> list[float]:
 
 
 
+def pcp_announce_reply(data: bytes) -> PcpAnnounce | None:
+    """``data`` as the answer to an ANNOUNCE, or None: a packet of another kind, which the exchange ignores."""
+    reply = decode_pcp_response(data)
+    return reply if isinstance(reply, PcpAnnounce) else None
+
+
+def pcp_map_reply(data: bytes, nonce: bytes, internal_port: int) -> PcpMapping | None:
+    """``data`` as the answer to our MAP request (``nonce``, ``internal_port``), or None: an answer about
+    another mapping, even a refusal, is not ours, and the exchange ignores it and waits on."""
+    if len(data) >= 2 and data[0] == PCP_VERSION and data[1] != 0x80 | PCP_OPCODE_MAP:
+        return None
+    if len(data) >= 36 and data[0] == PCP_VERSION and data[24:36] != nonce:
+        return None  # checked before decoding: another mapping's refusal must not raise here
+    reply = decode_pcp_response(data)  # a MAP reply of PCP's version, so of our nonce: a mapping or a refusal
+    return reply if isinstance(reply, PcpMapping) and reply.internal_port == internal_port else None
+
+
+# pragma: no mutate block (the UDP exchanges and the mapper: tests/test_port_mapping.py, against loopback fakes and miniupnpd)
+
+
 async def pcp_announce(gateway: str, client_ip: str, *, port: int = PMP_PORT) -> PcpAnnounce:
     """ANNOUNCE: does the gateway speak PCP?"""
-
-    def accept(data: bytes) -> PcpAnnounce | None:
-        reply = decode_pcp_response(data)
-        return reply if isinstance(reply, PcpAnnounce) else None
-
-    return await _udp_exchange(gateway, pcp_announce_request(client_ip), accept, pcp_retransmit_delays(), what="pcp", port=port)
+    return await _udp_exchange(gateway, pcp_announce_request(client_ip), pcp_announce_reply, pcp_retransmit_delays(),
+                               what="pcp", port=port)
 
 
 async def pcp_map(
@@ -167,22 +183,8 @@ async def pcp_map(
 ) -> PcpMapping:
     """Ask for (lifetime > 0) or delete (lifetime 0, same nonce) a PCP mapping."""
     request = pcp_map_request(nonce, protocol, internal_port, external_port, lifetime, client_ip)
-
-    def accept(data: bytes) -> PcpMapping | None:
-        if len(data) >= 2 and data[0] == PCP_VERSION and data[1] != 0x80 | PCP_OPCODE_MAP:
-            return None
-        if len(data) >= 36 and data[0] == PCP_VERSION and data[24:36] != nonce:
-            return None  # a reply about another mapping (another nonce), even a refusal, is not ours
-        reply = decode_pcp_response(data)
-        if not isinstance(reply, PcpMapping) or reply.nonce != nonce or reply.internal_port != internal_port:
-            return None
-        return reply
-
-    return await _udp_exchange(gateway, request, accept, pcp_retransmit_delays(), what="pcp", port=port)
-
-
-# ---------------------------------------------------------------------- HTTP and SSDP I/O
-
+    return await _udp_exchange(gateway, request, lambda data: pcp_map_reply(data, nonce, internal_port),
+                               pcp_retransmit_delays(), what="pcp", port=port)
 
 
 class _PcpMapper(_Mapper):
