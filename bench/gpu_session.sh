@@ -45,9 +45,11 @@
 # accumulating its gradients (training/accumulator.py: fused since, ~400 kernel launches -> a handful).
 # The next session with a machine measures those, and prints where each step's time outside compute goes
 # (batches, step() calls, global steps):
-#   run(command="bash bench/gpu_session.sh env training", carry=[".whl"], timeout_s=330)
+#   run(command="bash bench/gpu_session.sh env training allreduce-loop", carry=[".whl"], timeout_s=420)
 #   run(command="GPU_TRAINING_ARGS='--setups alone,dpu --target 8192 --steps 2 --dpu-steps 6' GPU_SPY_TRAINING_ARGS='--setups dpu --target 8192 --dpu-steps 3 --timeout 200' bash bench/gpu_session.sh training spy-training", carry=[".whl"], timeout_s=420)
-# (the second: delayed updates where the compute hides the round, and py-spy on a DPU peer, every thread
+# (the first: allreduce-loop is the 400 MB round with every node's crypto on its event loop, never measured
+# on the 16 cores, against the allreduce step's 291 MB/s with 4 crypto threads: which the rule should choose;
+# the second: delayed updates where the compute hides the round, and py-spy on a DPU peer, every thread
 # and then the GIL's holder: is the round 2.5x slower beside compute for the GIL?), then, if the machine
 # is still warm and 4 minutes are left, run(command="bash bench/gpu_session.sh moe", ...) with
 # GPU_MOE_REPEATS=1; then give_back. For the expert server, still to compare: --server-threads 1
