@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import shutil
 import statistics
 import subprocess
@@ -146,10 +145,10 @@ def _run_setup(args: argparse.Namespace, mode: str, steps: int, spawned: list[Sp
         # where the rest of a step's wall went, per peer and step: making batches on the event loop, the
         # optimizer's bookkeeping after each micro-batch, and the global steps themselves (with DPU: the
         # wait for the previous round and its apply; synchronous: the round)
-        "data_per_step_s": statistics.mean(r.get("data_s", 0.0) for r in results) / max(1, len(losses)),
-        "step_calls_per_step_s": statistics.mean(r.get("step_calls_s", 0.0) for r in results) / max(1, len(losses)),
-        "step_call_median_s": statistics.median(r.get("step_call_median_s", math.nan) for r in results),
-        "global_step_s": statistics.mean(r.get("global_steps_s", 0.0) for r in results) / max(1, len(losses)),
+        "data_per_step_s": statistics.mean(r["data_s"] for r in results) / max(1, len(losses)),
+        "step_calls_per_step_s": statistics.mean(r["step_calls_s"] for r in results) / max(1, len(losses)),
+        "step_call_median_s": statistics.median(r["step_call_median_s"] for r in results),
+        "global_step_s": statistics.mean(r["global_steps_s"] for r in results) / max(1, len(losses)),
         "micro_batch_s": statistics.median(r["micro_median_s"] for r in results),
         # the compute thread's time per micro-batch while a round runs beside it (DPU) and while none does
         "micro_in_round_s": statistics.median(r["micro_in_round_s"] for r in results),
@@ -177,9 +176,9 @@ def describe(name: str, r: dict[str, Any], alone: dict[str, Any] | None) -> str:
             + (f" ({r['micro_quiet_s'] * 1e3:.0f} ms with no round in flight, {r['micro_in_round_s'] * 1e3:.0f} ms "
                f"beside one, {r['micro_batches_in_round']} such)" if r["micro_batches_in_round"] else "")
             + f", compute/step {r['compute_per_step_s']:.2f} s"
-            + (f"; per step outside compute: batches {r['data_per_step_s']:.2f} s, step() calls "
-               f"{r['step_calls_per_step_s']:.2f} s (median {r['step_call_median_s'] * 1e3:.1f} ms), global step "
-               f"{r['global_step_s']:.2f} s" if "data_per_step_s" in r else ""))
+            + f"; per step outside compute: batches {r['data_per_step_s']:.2f} s, step() calls "
+              f"{r['step_calls_per_step_s']:.2f} s (median {r['step_call_median_s'] * 1e3:.1f} ms), global step "
+              f"{r['global_step_s']:.2f} s")
     if "round_s" in r:
         text += (f", round {r['round_s']:.2f} s = {r['allreduce_mb_per_s']:.0f} MB/s per peer "
                  f"(compute/step = {r['compute_to_round']:.1f}x the round; {r['incomplete_rounds']} of "

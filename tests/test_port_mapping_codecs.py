@@ -148,7 +148,8 @@ def test_natpmp_exchanges_take_only_the_answer_to_their_own_request() -> None:
     assert pm.natpmp_map_reply(tcp, "UDP", 4001) is None  # another protocol's
     assert pm.natpmp_map_reply(address, "TCP", 4001) is None
     assert pm.natpmp_map_reply(b"\x00", "TCP", 4001) is None and pm.natpmp_map_reply(b"", "UDP", 4001) is None
-    # two bytes that claim to answer this very request: garbage, said so (not a stray to wait past)
+    # two bytes that claim to answer this very request: garbage, said so (the exchange keeps the error for
+    # its final message and waits on)
     for request, claim in ((pm.natpmp_address_reply, b"\x00\x80"), (lambda d: pm.natpmp_map_reply(d, "TCP", 4001), b"\x00\x82")):
         with pytest.raises(MalformedResponse, match="shorter than the 8-byte header"):
             request(claim)

@@ -100,7 +100,9 @@ def natpmp_retransmit_delays() -> list[float]:
 def natpmp_address_reply(data: bytes) -> NatPmpAddress | None:
     """``data`` as the answer to an external-address request, or None: a packet of another kind, which the
     exchange ignores and waits on. A refusal raises :class:`MappingRefused`."""
-    reply = decode_natpmp_response(data) if len(data) >= 2 and data[1] == 128 else None
+    if len(data) < 2 or data[1] != 128:
+        return None
+    reply = decode_natpmp_response(data)
     return reply if isinstance(reply, NatPmpAddress) else None
 
 
