@@ -278,14 +278,6 @@ async def main() -> None:
             opt.averager.average_in = timed_average_in  # type: ignore[method-assign]
             while opt.progress is None or opt.progress.peers < args.peers:
                 await trio.sleep(0.2)  # the whole swarm first: a peer alone steps without averaging
-            # then one micro-batch each, and on once every peer has reported samples: a peer that saw the
-            # other first raced through a tiny model's millisecond steps alone (nobody else had samples, so
-            # no group was expected) and the other then took its state, leaving no round measured (CI's
-            # test_gpu_training_bench_runs_on_a_cpu, 1 run in ~6, the bench as it was since 5b6543f too)
-            await micro_batch(1.0)
-            await opt.step(args.micro)
-            while opt.local_step == 0 and (opt.progress is None or opt.progress.contributors < args.peers):
-                await trio.sleep(0.1)
             while opt.local_step < warm + args.steps:
                 await micro_batch(1.0)
                 t_step = time.perf_counter()
