@@ -7,7 +7,13 @@ joiner, a peer dying mid-round, delayed updates, auxiliary peers) and tests/test
 
 from __future__ import annotations
 
+import math
+
+import pytest
 from libp2p.peer.id import ID
+
+from p2p.errors import ConfigError
+from training.optimizer import TrainingConfig
 
 from training.policy import (AverageStep, CatchUp, JoinBegunRound, Rules, TakeStateFromAhead, Trainer, Wait,
                              assist_due, decide, estimate, expected_group, join_after_catch_up, left_behind,
@@ -195,6 +201,23 @@ def test_the_progress_is_read_again_when_our_samples_may_complete_the_step() -> 
     assert needs_read(Trainer(ME, 4, samples=0), progress) and needs_read(trainer, None)
 
 
+def test_a_peer_whose_samples_count_in_full_reads_again_only_every_reread_interval() -> None:
+    # a peer waiting at its step with a whole target's samples read (and reported) after every 4 ms
+    # batch: 1,021 times in 15 s; a replica takes 1,000 stores a minute from one peer
+    progress, _ = swarm(rep(ME, 3, TARGET), rep(A, 3, 0))
+    full = Trainer(ME, 3, samples=TARGET + 8, reported_samples=TARGET)
+    assert not needs_read(full, progress, 0.05, SYNC) and needs_read(full, progress, 0.1, SYNC)
+    assert needs_read(full, progress, 0.01, Rules(reread_interval=0.0))
+    # samples that still add to our count may complete the step: read at once
+    progress, _ = swarm(rep(ME, 3, 20), rep(A, 3, 90))
+    assert needs_read(Trainer(ME, 3, samples=30, reported_samples=20), progress, 0.0, SYNC)
+    assert needs_read(Trainer(ME, 3, samples=TARGET, reported_samples=TARGET - 1), progress, 0.0, SYNC)
+    # as at once as ever: another step's progress, or none yet; and short of the target, never
+    assert needs_read(Trainer(ME, 4, samples=TARGET), progress, 0.0, SYNC) and needs_read(full, None, 0.0, SYNC)
+    short, _ = swarm(rep(ME, 3, 5), rep(A, 3, 50))
+    assert not needs_read(Trainer(ME, 3, samples=5, reported_samples=5), short, 99.0, SYNC)
+
+
 def test_expected_group_counts_the_peers_finishing_the_step_before_and_with_delay_those_ahead() -> None:
     progress, reports = swarm(rep(ME, 3, 10), rep(A, 3, 10), rep(B, 2, 10), rep(C, 4, 10))
     assert expected_group(3, progress, reports, ME, SYNC) == 3
@@ -311,3 +334,15 @@ def test_stuck_needs_a_peer_ahead_by_more_than_the_lag_or_a_quorum_short() -> No
     assert stuck(me(3), SYNC, rep(A, 3), samples=TARGET, contributors=1) == (None, None)  # nobody ahead
     assert stuck(me(3), SYNC, rep(A, 5), samples=TARGET, contributors=2) == (None, None)  # the quorum is there
     assert stuck(me(3), SYNC, rep(A, 5), samples=TARGET, contributors=1) == (None, T)  # stuck since now
+
+
+def test_the_reread_interval_is_a_config_checked_and_never_past_the_report_interval() -> None:
+    with pytest.raises(ConfigError, match="reread_interval"):
+        TrainingConfig(run_id="r", target_batch_size=8, reread_interval=-0.1).validate()
+    with pytest.raises(ConfigError, match="reread_interval"):
+        TrainingConfig(run_id="r", target_batch_size=8, reread_interval=math.nan).validate()
+    config = TrainingConfig(run_id="r", target_batch_size=8, reread_interval=5.0, rejoin_after=3.0,
+                            delay_updates=True)
+    config.validate()
+    assert config.rules() == Rules(delay_updates=True, rejoin_after=3.0, reread_interval=config.report_interval)
+    assert TrainingConfig(run_id="r", target_batch_size=8).rules() == Rules(reread_interval=0.1)

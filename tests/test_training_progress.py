@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from training.progress import MAX_CLOCK_SKEW, LocalProgress, global_progress, valid
+from training.progress import MAX_CLOCK_SKEW, LocalProgress, global_progress, merge_reports, valid
 
 NOW = 1_000_000.0
 
@@ -161,3 +161,35 @@ def test_the_round_waits_for_peers_and_auxiliaries_at_the_step_or_one_behind() -
 
 def test_reports_expire_after_a_minute_by_default() -> None:
     assert global_progress([rep("a", 1, 5, age=60.5), rep("b", 1, 5, age=59.5)], target=10, now=NOW).peers == 1
+
+
+def test_our_newer_report_beats_an_older_copy_the_dht_gave_back() -> None:
+    # the reads keep a report until it expires (merge_reports): ours from a step ago must not win
+    old, mine = rep("me", 1, 64, age=5.0), rep("me", 2, 8, age=1.0)
+    p = global_progress([old, rep("a", 2, 10)], target=100, now=NOW, own=mine)
+    assert p.step == 2 and p.samples == 18 and p.peers == 2
+    # and a copy newer than what we hold (we reported again since) is the DHT's to give
+    p = global_progress([mine, rep("a", 2, 10)], target=100, now=NOW, own=old)
+    assert p.step == 2 and p.samples == 18
+    # a copy as new as ours is ours as we last published it: what we hold wins the tie
+    twin = LocalProgress("me", 2, 50, 10.0, mine.time)
+    assert global_progress([twin, rep("a", 2, 10)], target=100, now=NOW, own=mine).samples == 18
+
+
+def test_a_read_that_missed_a_live_report_keeps_it_until_it_expires() -> None:
+    # a read that found only our own report folded into a swarm of one: quorum 1, and a peer with a
+    # whole target stepped alone while the other waited (the GPU bench, 1 synchronous run in 12)
+    a1, b1 = rep("a", 0, 0, age=3.0), rep("b", 0, 32, age=2.0)
+    kept = merge_reports([a1, b1], [b1], now=NOW, expiration=60.0)
+    assert sorted(kept, key=lambda r: r.peer_id) == [a1, b1]
+    assert not global_progress(kept, target=32, now=NOW).ready  # a's vote still counts: no step alone
+    # each peer's newest wins, from either side, and only once
+    a2 = rep("a", 1, 8, age=1.0)
+    assert sorted(merge_reports([a1, b1], [a2], NOW, 60.0), key=lambda r: r.peer_id) == [a2, b1]
+    assert sorted(merge_reports([a2, b1], [a1, b1], NOW, 60.0), key=lambda r: r.peer_id) == [a2, b1]
+    # a tie keeps what was known
+    twin = LocalProgress("a", 1, 99, 10.0, a2.time)
+    assert merge_reports([a2], [twin], NOW, 60.0) == [a2]
+    # an expired report goes, known or read: the DHT would not return it either
+    assert merge_reports([rep("a", 0, 0, age=61.0)], [rep("b", 0, 0, age=60.5)], NOW, 60.0) == []
+    assert merge_reports([rep("a", 0, 0, age=59.0)], [], NOW, 60.0) != []

@@ -92,6 +92,13 @@ class TrainingConfig:
     averager: AveragerConfig = field(default_factory=AveragerConfig)
     #: seconds between progress reports (and reads of the swarm's)
     report_interval: float = 0.5
+    #: while this peer's samples already count in full toward its step (a whole target's) and
+    #: only the others' can complete it, ``step()`` reads (and reports) at most this often, the
+    #: report loop besides: a peer of the CPU bench, its batches 4 ms, read and reported after
+    #: each one, 1,021 times while the other started 15 s late; a replica takes 1,000 stores a
+    #: minute from one peer (``LocalStore.max_stores_per_origin``). Never longer than
+    #: ``report_interval``.
+    reread_interval: float = 0.1
     #: a peer's progress outlives its last report by this much
     progress_expiration: float = 60.0
     #: clip the averaged gradient to this global norm before the step (None: no clipping)
@@ -129,6 +136,8 @@ class TrainingConfig:
             raise ConfigError("target_batch_size must be positive")
         if not (self.report_interval > 0 and self.progress_expiration > self.report_interval):
             raise ConfigError("report_interval must be > 0 and below progress_expiration")
+        if not self.reread_interval >= 0:
+            raise ConfigError(f"reread_interval must be >= 0, got {self.reread_interval}")
         if self.retries < 0 or self.download_retry <= 0 or self.rejoin_after <= 0 or self.average_state_every < 0:
             raise ConfigError("retries and average_state_every must be >= 0, download_retry and rejoin_after > 0")
         if self.max_state_uploads < 1:
@@ -136,6 +145,11 @@ class TrainingConfig:
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
             raise ConfigError("max_grad_norm must be a positive number")
         self.averager_config().validate()
+
+    def rules(self) -> Rules:
+        """The settings the step policy reads (:mod:`training.policy`)."""
+        return Rules(delay_updates=self.delay_updates, rejoin_after=self.rejoin_after,
+                     reread_interval=min(self.reread_interval, self.report_interval))
 
     def averager_config(self) -> AveragerConfig:
         return replace(self.averager, prefix=f"{self.run_id}.grads", matchmaking=self.matchmaking,
@@ -181,7 +195,7 @@ class CollaborativeOptimizer:
         self.scheduler = scheduler
         #: the policy's clock (rejoin waits, download back-off) and the samples/s rate's
         self.clock = clock
-        self.rules = Rules(delay_updates=config.delay_updates, rejoin_after=config.rejoin_after)
+        self.rules = config.rules()
         self.params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         self.accumulator = GradientAccumulator(self.params, scaler)
         #: the global step this peer accumulates for
@@ -196,6 +210,7 @@ class CollaborativeOptimizer:
         #: the last step an auxiliary peer helped average (or tried to)
         self._assisted = -1
         self._reported_samples = 0  # what the last published report said
+        self._read_at = -math.inf  # when the swarm's progress was last read (our clock)
         #: the samples this peer brought to the round of ``local_step - 1`` (published with each report,
         #: so that the count it stepped with is read even when the step went by between two reads)
         self._brought = 0
@@ -264,7 +279,9 @@ class CollaborativeOptimizer:
         self.tracker.client, self.tracker.sender = not reachable, not role.reduces
         await self.tracker.report(self.local_step, reported, self._rate, loss=self.loss, previous=self._brought)
         self._reported_samples = reported
-        return await self.tracker.fetch(local_step=self.local_step)
+        progress = await self.tracker.fetch(local_step=self.local_step)
+        self._read_at = self.clock()
+        return progress
 
     async def _report_loop(self) -> None:
         while True:
@@ -294,7 +311,7 @@ class CollaborativeOptimizer:
             elapsed = self.clock() - self._since
             self._rate = self.samples / elapsed if elapsed > 0 else 0.0
         progress = self.tracker.last
-        if progress is None or policy.needs_read(self._trainer(), progress):
+        if progress is None or policy.needs_read(self._trainer(), progress, self.clock() - self._read_at, self.rules):
             progress = await self._sync()
         decision = policy.decide(self._trainer(), progress, self.tracker.reports, self.clock(), self.rules)
         self._stuck_since = decision.stuck_since

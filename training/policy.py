@@ -36,6 +36,7 @@ passed in; nothing here reads a clock.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -52,6 +53,8 @@ class Rules:
     delay_updates: bool = False
     #: seconds with the samples but no quorum, a peer being ahead, before taking its state
     rejoin_after: float = 10.0
+    #: how often a peer whose samples already count in full reads the swarm again after a batch
+    reread_interval: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -143,10 +146,18 @@ class Decision:
 # ---------------------------------------------------------------------------- the decision
 
 
-def needs_read(trainer: Trainer, progress: GlobalProgress | None) -> bool:
-    """Whether the swarm's progress must be read again before deciding: none read yet, it is of
-    another step, or our latest samples may complete the step."""
-    return progress is None or progress.step != trainer.step or estimate(trainer, progress) >= progress.target
+def needs_read(trainer: Trainer, progress: GlobalProgress | None, since_read: float = math.inf,
+               rules: Rules = Rules()) -> bool:
+    """Whether the swarm's progress must be read again before deciding (``since_read``: seconds
+    since the last read): none read yet, it is of another step, or the step may be complete. Our
+    latest samples may complete it at once; once they count in full (a peer's count is capped at
+    the target) only the others' can, and the read waits ``rules.reread_interval`` since the last."""
+    if progress is None or progress.step != trainer.step:
+        return True
+    if estimate(trainer, progress) < progress.target:
+        return False
+    adds = min(trainer.samples, progress.target) > min(trainer.reported_samples, progress.target)
+    return adds or since_read >= rules.reread_interval
 
 
 def estimate(trainer: Trainer, progress: GlobalProgress) -> int:

@@ -18,6 +18,8 @@ largest epoch any peer reports, so a single peer can move everyone):
   at least ``quorum`` peers: no single peer can trigger a step by itself;
 * our own latest report counts even when the DHT did not return it (a peer
   never reads a swarm without itself; a peer alone still reaches its target);
+* a report that one read missed still counts until it expires (:func:`merge_reports`):
+  a partial read is not a smaller swarm;
 * an auxiliary peer (no samples of its own; it only helps average) follows
   the step and has no vote in it: it counts only in the group size a round
   waits for.
@@ -154,18 +156,39 @@ def valid(report: LocalProgress, now: float, expiration: float) -> bool:
             and now - expiration <= report.time <= now + MAX_CLOCK_SKEW)
 
 
+def merge_reports(known: Iterable[LocalProgress], read: Iterable[LocalProgress], now: float,
+                  expiration: float) -> list[LocalProgress]:
+    """The live reports after a read: each peer's newest of those known before and those read.
+
+    A read can miss reports that are still live: a replica that did not answer in time, or, while
+    the DHT forms, a traversal that reached only our own copy. In the GPU bench's synchronous run
+    on a loaded CPU (1 run in about 12), a peer read the other's report once, then for three steps
+    only its own or nothing. Each such read, folded alone, is a swarm of one whose quorum is 1: the
+    peer stepped alone three times while the other waited, then took its state, and no round was
+    measured. The DHT keeps a report until it expires whether a read finds it or not, so one kept
+    until then is what a luckier read would have returned.
+    """
+    newest: dict[ID, LocalProgress] = {}
+    for r in (*known, *read):
+        if valid(r, now, expiration) and (r.peer_id not in newest or r.time > newest[r.peer_id].time):
+            newest[r.peer_id] = r
+    return list(newest.values())
+
+
 def global_progress(reports: Iterable[LocalProgress], target: int, now: float, *, expiration: float = 60.0,
                     local_step: int | None = None, own: LocalProgress | None = None) -> GlobalProgress:
     """Fold the live reports into the run's progress (the rules are in the module docstring).
 
     ``own``: this peer's latest report, counted when the DHT did not give it back
-    (not stored yet, or no replica answered): a peer never reads a swarm without
-    itself, and a peer alone still reaches its target. ``local_step``: our step,
-    when we have not reported yet (an empty swarm reads as that step, nothing done).
+    (not stored yet, or no replica answered) or gave back an older one: a peer
+    never reads a swarm without itself, nor itself as it was, and a peer alone
+    still reaches its target. ``local_step``: our step, when we have not reported
+    yet (an empty swarm reads as that step, nothing done).
     """
     everyone = {r.peer_id: r for r in reports if valid(r, now, expiration)}
-    if own is not None and own.peer_id not in everyone and valid(own, now, expiration):
-        everyone[own.peer_id] = own
+    if own is not None and valid(own, now, expiration) and (
+            own.peer_id not in everyone or own.time >= everyone[own.peer_id].time):
+        everyone[own.peer_id] = own  # the reads keep an older copy of ours until its expiry
     live = {k: r for k, r in everyone.items() if not r.auxiliary}  # the peers that train (and vote)
     n = len(live)
     quorum = min(QUORUM, max(n, 1))
@@ -250,10 +273,14 @@ class ProgressTracker:  # pragma: no mutate block (the DHT I/O: its tests are sw
                 except Exception as e:  # a stranger's garbage costs it only its entry
                     log.debug("skipping a malformed progress report: %r", e)
         now = self.clock()
-        self.reports = [r for r in reports if valid(r, now, self.expiration)]
-        self.last = global_progress(reports, self.target, now, expiration=self.expiration, local_step=local_step,
+        merged = merge_reports(self.reports, reports, now, self.expiration)
+        if len(merged) > len(reports):
+            log.debug("the progress read returned %d reports; %d more are still live from earlier reads",
+                      len(reports), len(merged) - len(reports))
+        self.reports = merged
+        self.last = global_progress(merged, self.target, now, expiration=self.expiration, local_step=local_step,
                                     own=self.own)
         return self.last
 
 
-__all__ = ["GlobalProgress", "LocalProgress", "ProgressTracker", "global_progress"]
+__all__ = ["GlobalProgress", "LocalProgress", "ProgressTracker", "global_progress", "merge_reports"]
