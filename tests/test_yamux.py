@@ -1343,7 +1343,10 @@ async def test_garbled_ciphertext_between_nodes_closes_only_that_connection():
             await b_swarm_conn.event_closed.wait()
         assert isinstance(a_to_b.error, YamuxError)
         assert "failed authentication: garbled or forged ciphertext" in str(a_to_b.error)
-        assert "closed the connection" in str(b_to_a.error)
+        # a's close reaches b as a FIN, or as a reset when b's last bytes were still unread in a's
+        # socket (the kernel answers those with RST: CI on a loaded 2-core machine, 2026-12-04)
+        assert isinstance(b_to_a.error, YamuxError)
+        assert any(s in str(b_to_a.error) for s in ("closed the connection", "Connection reset by peer")), b_to_a.error
         with pytest.raises(StreamReset):
             await open_stream.read(10)
         # The other connection of the same node was not touched...
