@@ -168,17 +168,26 @@ def test_parser_rejects_bad_version_and_unknown_type(header, message):
 
 def test_config_validation():
     YamuxConfig().validate()
-    for bad in (
-        {"max_stream_window": INITIAL_WINDOW - 1},
-        {"max_stream_window": MAX_WINDOW + 1},
-        {"max_connection_window": -1},
-        {"max_frame": 100},
-        {"write_timeout": 0},
-        {"accept_backlog": 0},
-        {"max_pending_control": 0},
+    for bad, says in (
+        ({"max_stream_window": INITIAL_WINDOW - 1}, f"max_stream_window must be between {INITIAL_WINDOW} and {MAX_WINDOW}"),
+        ({"max_stream_window": MAX_WINDOW + 1}, f"max_stream_window must be between {INITIAL_WINDOW} and {MAX_WINDOW}"),
+        ({"max_connection_window": -1}, "max_connection_window must not be negative"),
+        ({"max_frame": 1023}, "max_frame must be at least 1024 bytes"),
+        ({"write_timeout": 0}, "write_timeout must be positive"),
+        ({"keepalive_interval": 0}, "keepalive_interval must be positive"),
+        ({"keepalive_timeout": -1.0}, "keepalive_timeout must be positive"),
+        ({"max_inbound_streams": 0}, "max_inbound_streams must be at least 1"),
+        ({"accept_backlog": 0}, "accept_backlog must be at least 1"),
+        ({"max_pending_control": 0}, "max_pending_control must be at least 1"),
     ):
-        with pytest.raises(ValueError):
-            YamuxConfig(**bad).validate()
+        with pytest.raises(ValueError) as e:
+            YamuxConfig(**bad).validate()  # type: ignore[arg-type]
+        assert str(e.value) == says
+    # every bound holds at its edge
+    YamuxConfig(max_stream_window=INITIAL_WINDOW, max_connection_window=0, max_frame=1024, write_timeout=1e-9,
+                keepalive_interval=1e-9, keepalive_timeout=1e-9, max_inbound_streams=1, accept_backlog=1,
+                max_pending_control=1).validate()
+    YamuxConfig(max_stream_window=MAX_WINDOW).validate()
 
 
 # ---------------------------------------------------------------------------- harness: no libp2p
@@ -825,7 +834,8 @@ async def test_go_away_from_the_peer_stops_new_streams_only():
         await raw.send(frame(TYPE_DATA, ACK, 1, 3), b"pre")
         await raw.send(frame(TYPE_GO_AWAY, 0, 0, 0))
         with trio.fail_after(10):
-            with pytest.raises(MuxedConnUnavailable):
+            with pytest.raises(MuxedConnUnavailable, match=f"^connection to {conn.peer_id} accepts no more streams: "
+                                                           f"{conn.peer_id} is going away$"):
                 await conn.accept_stream()
         with pytest.raises(MuxedConnUnavailable, match="going away"):
             await conn.open_stream()
