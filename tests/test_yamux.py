@@ -9,6 +9,7 @@ fast the machine is.
 from __future__ import annotations
 
 import hashlib
+import logging
 import random
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -28,6 +29,7 @@ from p2p.noise import NoiseCodec, NoiseSession
 from p2p.yamux import (
     ACK,
     FIN,
+    GO_AWAY_GARBAGE_COLLECTED,
     HEADER,
     INITIAL_WINDOW,
     MAX_WINDOW,
@@ -620,6 +622,43 @@ async def test_pings_from_a_peer_that_reads_are_answered_without_limit(autojump_
             await raw.wait_for(lambda f: f.kind == TYPE_PING and f.flags == ACK and f.length == 8 * batch + 7)
         assert conn.is_established
         assert sum(f.kind == TYPE_PING and f.flags == ACK for f in raw.frames) == 800
+
+
+async def test_the_round_trip_time_is_the_first_pong_then_a_smoothed_mean(autojump_clock):
+    """conn.rtt: the first answered ping's time as it is, then 7/8 of the old plus 1/8 of each new
+    sample (TCP's SRTT); a pong nobody asked for, or a ping that is neither SYN nor ACK, counts nothing."""
+    async with raw_peer() as (conn, raw):
+        start = await raw.wait_for(lambda f: f.kind == TYPE_PING and f.flags == SYN)  # sent as it started
+        assert conn.rtt == 0.001  # the placeholder until a pong comes
+        await trio.sleep(0.2)
+        await raw.send(frame(TYPE_PING, 0, 0, start.length), frame(TYPE_PING, ACK, 0, start.length + 77))
+        await trio.testing.wait_all_tasks_blocked()
+        assert conn.rtt == 0.001
+        await raw.send(frame(TYPE_PING, ACK, 0, start.length))
+        await trio.testing.wait_all_tasks_blocked()
+        assert conn.rtt == pytest.approx(0.2)
+        await raw.send(frame(TYPE_PING, ACK, 0, start.length))  # answered already: not a sample again
+        await trio.testing.wait_all_tasks_blocked()
+        assert conn.rtt == pytest.approx(0.2)
+        conn._ping()
+        second = await raw.wait_for(lambda f: f.kind == TYPE_PING and f.flags == SYN and f.length != start.length)
+        await trio.sleep(1.0)
+        await raw.send(frame(TYPE_PING, ACK, 0, second.length))
+        await trio.testing.wait_all_tasks_blocked()
+        assert conn.rtt == pytest.approx(0.875 * 0.2 + 0.125 * 1.0)
+
+
+@pytest.mark.parametrize("code, reason", [(GO_AWAY_GARBAGE_COLLECTED, "trimmed by its connection manager"),
+                                          (1, "protocol error"), (77, "code 77")])
+async def test_go_away_logs_its_reason(code, reason, caplog):
+    caplog.set_level(logging.DEBUG, logger="p2p.yamux")
+    async with raw_peer() as (conn, raw):
+        await raw.send(frame(TYPE_GO_AWAY, 0, 0, code))
+        with trio.fail_after(10):
+            while conn.remote_go_away is None:
+                await trio.sleep(0.01)
+        assert conn.remote_go_away == code
+        assert f"{conn.peer_id} is going away ({reason})" in caplog.messages
 
 
 # ---------------------------------------------------------------------------- bad input: stream ids and limits
