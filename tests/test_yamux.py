@@ -744,13 +744,15 @@ async def test_ping_on_a_stream_is_a_protocol_error():
         assert isinstance(conn.error, YamuxProtocolError) and "ping on stream 3" in str(conn.error)
 
 
-async def test_garbage_instead_of_frames_is_a_protocol_error():
+async def test_garbage_instead_of_frames_is_a_protocol_error(caplog):
+    caplog.set_level(logging.INFO, logger="p2p.yamux")
     async with raw_peer() as (conn, raw):
         stream = await conn.open_stream()
         await raw.send(b"GET / HTTP/1.1\r\n\r\n")
         with trio.fail_after(10):
             await conn.event_closed.wait()
-        assert isinstance(conn.error, YamuxProtocolError) and "version" in str(conn.error)
+        assert isinstance(conn.error, YamuxProtocolError) and str(conn.error) == "unsupported yamux version 71"  # "G"
+        assert f"closing connection to {conn.peer_id}: unsupported yamux version 71" in caplog.messages
         await raw.wait_for(is_go_away(1))
         with pytest.raises(StreamAbortedError, match="version"):
             await stream.read()
