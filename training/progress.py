@@ -274,9 +274,10 @@ class ProgressTracker:  # pragma: no mutate block (the DHT I/O: its tests are sw
                     log.debug("skipping a malformed progress report: %r", e)
         now = self.clock()
         merged = merge_reports(self.reports, reports, now, self.expiration)
-        if len(merged) > len(reports):
-            log.debug("the progress read returned %d reports; %d more are still live from earlier reads",
-                      len(reports), len(merged) - len(reports))
+        kept = {r.peer_id for r in merged} - {r.peer_id for r in reports}
+        if kept:  # by peer: the read may also hold expired or repeated entries
+            log.debug("the progress read missed %d live reports of earlier reads; they count until they expire",
+                      len(kept))
         self.reports = merged
         self.last = global_progress(merged, self.target, now, expiration=self.expiration, local_step=local_step,
                                     own=self.own)
