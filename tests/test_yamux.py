@@ -358,16 +358,18 @@ async def running(*conns: YamuxConnection) -> AsyncIterator[trio.Nursery]:
 
 @asynccontextmanager
 async def raw_peer(
-    config: YamuxConfig | None = None, *, pipes: str = "memory", noise: bool = False, reading: bool = True
+    config: YamuxConfig | None = None, *, pipes: str = "memory", noise: bool = False, reading: bool = True,
+    memory: Any = None,
 ) -> AsyncIterator[tuple[YamuxConnection, RawPeer]]:
     """A YamuxConnection (the dialer: odd stream ids) and a RawPeer on the other end."""
     ours, theirs = pipe_pair(pipes)
     pipe = Pipe(ours, is_initiator=True)
     if noise:
-        conn = YamuxConnection(noise_over(pipe, NoiseCodec(KEY_A, KEY_B)), new_peer_id(), config)  # type: ignore[arg-type]
+        conn = YamuxConnection(noise_over(pipe, NoiseCodec(KEY_A, KEY_B)), new_peer_id(), config,  # type: ignore[arg-type]
+                               memory=memory)
         raw = RawPeer(theirs, NoiseCodec(KEY_B, KEY_A))
     else:
-        conn = YamuxConnection(pipe, new_peer_id(), config)  # type: ignore[arg-type]
+        conn = YamuxConnection(pipe, new_peer_id(), config, memory=memory)  # type: ignore[arg-type]
         raw = RawPeer(theirs)
     async with running(conn) as nursery:
         raw.nursery = nursery
@@ -1202,6 +1204,83 @@ async def test_window_growth_is_bounded_per_connection():
         assert all(got[i] == payloads[i] for i in range(3))
         assert growth_seen == config.max_connection_window  # the budget was used up, never overdrawn
         assert b.window_budget == config.max_connection_window and not b.streams
+
+
+class Budget:
+    """A MemoryBudget (the node's, p2p/resources.py) with ``left`` bytes to give; records every call."""
+
+    def __init__(self, left: int) -> None:
+        self.left = left
+        self.asked: list[int] = []
+        self.released = 0
+        self.closed = False
+
+    def reserve(self, wanted: int) -> int:
+        self.asked.append(wanted)
+        got = min(wanted, self.left)
+        self.left -= got
+        return got
+
+    def release(self, amount: int) -> None:
+        self.released += amount
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("memory", [None, 3 * INITIAL_WINDOW // 2])
+async def test_window_updates_grant_what_was_read_and_double_the_window_within_every_budget(memory):
+    """Exact re-grants against a raw peer. Nothing until half the window was read; then what was
+    read plus growth that doubles the window, capped by max_stream_window, the connection's budget
+    and the node's memory budget; nothing once the peer finished; forgetting the stream gives the
+    growth back to both budgets."""
+    W = INITIAL_WINDOW
+    budget = Budget(memory) if memory is not None else None
+    config = YamuxConfig(max_stream_window=5 * W, max_connection_window=3 * W)
+    async with raw_peer(config, memory=budget) as (conn, raw):
+
+        def grants() -> list[int]:
+            return [f.length for f in raw.frames if f.kind == TYPE_WINDOW_UPDATE and f.stream_id == 2 and f.length]
+
+        async def exchange(size: int, flags: int = 0) -> None:
+            await raw.send(frame(TYPE_DATA, flags, 2, size), bytes(size))
+            await trio.testing.wait_all_tasks_blocked()  # the frame arrived whole (its FIN too)
+            await read_exactly(stream, size)
+            await trio.testing.wait_all_tasks_blocked()
+
+        await raw.send(frame(TYPE_DATA, SYN, 2, W // 2 - 1), bytes(W // 2 - 1))
+        stream = await conn.accept_stream()
+        await read_exactly(stream, W // 2 - 1)
+        await trio.testing.wait_all_tasks_blocked()
+        assert grants() == [] and stream._recv_window == W // 2 + 1 and stream._unacked == W // 2 - 1
+        await exchange(1)  # half the window read: granted back, and the window doubles
+        assert grants() == [W // 2 + W] and stream._window_size == stream._recv_window == 2 * W
+        assert stream._unacked == 0 and conn.window_budget == 2 * W
+        if budget is None:
+            await exchange(W - 1)
+            assert len(grants()) == 1
+            await exchange(1)  # doubles again, to the connection's budget
+            assert grants()[1:] == [W + 2 * W] and stream._window_size == stream._recv_window == 4 * W
+            assert conn.window_budget == 0
+            await exchange(2 * W)  # the connection's budget is spent: only what was read
+            assert grants()[2:] == [2 * W] and stream._window_size == stream._recv_window == 4 * W
+            grown = 3 * W
+        else:
+            await exchange(W)  # the node grants only half of the doubling
+            assert budget.asked == [W, 2 * W] and budget.left == 0
+            assert grants()[1:] == [W + W // 2] and stream._window_size == stream._recv_window == 5 * W // 2
+            assert conn.window_budget == 3 * W // 2
+            await exchange(5 * W // 4)  # the node has nothing left: only what was read
+            assert budget.asked[2:] == [3 * W // 2]
+            assert grants()[2:] == [5 * W // 4] and stream._window_size == stream._recv_window == 5 * W // 2
+            grown = 3 * W // 2
+        before = len(grants())
+        await exchange(stream._window_size, FIN)  # the peer is done: nothing more to grant
+        assert len(grants()) == before and stream._unacked == stream._window_size
+        await stream.close()
+        assert 2 not in conn.streams and conn.window_budget == 3 * W
+        assert budget is None or (budget.released == grown and not budget.closed)
+    assert budget is None or budget.closed
 
 
 async def test_a_reader_that_never_reads_holds_at_most_its_window(autojump_clock):
