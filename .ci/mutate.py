@@ -67,6 +67,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "p2p/multistream.py": ("tests/test_multistream.py",),
     "nat/port_mapping/natpmp.py": ("tests/test_port_mapping_codecs.py",),
     "nat/port_mapping/pcp.py": ("tests/test_port_mapping_codecs.py",),
+    "p2p/yamux.py": ("tests/test_yamux.py",),
 }
 
 KILLED = {"killed", "timeout"}

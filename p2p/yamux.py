@@ -192,9 +192,10 @@ class FrameParser:
     def __init__(self, handler: FrameHandler) -> None:
         self._handler = handler
         self._head = bytearray()
+        #: Bytes of the current data frame's body still to come; its stream and flags (set with it).
         self._left = 0
-        self._stream = 0
-        self._flags = 0
+        self._stream: int
+        self._flags: int
 
     def feed(self, data: bytes) -> None:
         handler = self._handler
@@ -202,7 +203,7 @@ class FrameParser:
         while pos < size:
             if self._left:
                 take = min(self._left, size - pos)
-                handler.on_data(self._stream, data if take == size else data[pos : pos + take])
+                handler.on_data(self._stream, data[pos : pos + take])  # all of it: that very object
                 pos += take
                 self._left -= take
                 if not self._left:
@@ -264,7 +265,6 @@ class YamuxStream(IMuxedStream):
         self._error: StreamAbortedError | None = None
         #: The connection ended after the peer's FIN: what it sent stays readable, then EOF.
         self._fin_kept = False
-        self._forgotten = False
 
     def __repr__(self) -> str:
         return f"<YamuxStream {self.stream_id} to {self.muxed_conn.peer_id}>"
@@ -282,14 +282,13 @@ class YamuxStream(IMuxedStream):
             if self._readable.is_set():
                 self._readable = trio.Event()
             await self._readable.wait()
-        if self._error is not None and not self._fin_kept:
-            raise self._error
+        # Data here means no error, or one after the peer's FIN (_abort clears the rest, on_data drops).
         buffer = self._buffer
         first = len(buffer[0])
-        if first >= WHOLE_PIECE and n is not None and 0 < first <= n:
+        if n is not None and WHOLE_PIECE <= first <= n:
             data = buffer.popleft()  # a big piece as it came (one Noise message's): no copy
         elif n is None or n < 0 or n >= self._buffered:
-            data = buffer.popleft() if len(buffer) == 1 else b"".join(buffer)
+            data = b"".join(buffer)  # one piece: that very object (bytes.join returns it)
             buffer.clear()
         else:
             pieces = []
@@ -301,7 +300,7 @@ class YamuxStream(IMuxedStream):
                     piece = piece[: n - got]
                 pieces.append(piece)
                 got += len(piece)
-            data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+            data = b"".join(pieces)
         self._buffered -= len(data)
         self._consumed(len(data))
         return data
@@ -321,12 +320,11 @@ class YamuxStream(IMuxedStream):
         conn = self.muxed_conn
         delta = self._unacked
         grow = min(self._window_size, conn.config.max_stream_window - self._window_size, conn.window_budget)
-        if grow > 0 and conn.memory is not None:
+        if grow and conn.memory is not None:
             grow = conn.memory.reserve(grow)  # the peer's and the node's budget (p2p/resources.py)
-        if grow > 0:
-            conn.window_budget -= grow
-            self._window_size += grow
-            delta += grow
+        conn.window_budget -= grow
+        self._window_size += grow
+        delta += grow
         self._unacked = 0
         self._recv_window += delta
         conn.queue_control(frame(TYPE_WINDOW_UPDATE, 0, self.stream_id, delta))
@@ -429,15 +427,10 @@ class YamuxStream(IMuxedStream):
         self._writable.set()
         if send_rst:
             self.muxed_conn.queue_control(frame(TYPE_WINDOW_UPDATE, RST, self.stream_id, 0))
-        self._forget()
+        self.muxed_conn.forget(self)
 
     def _forget_if_done(self) -> None:
         if self._send_closed and self._recv_closed:
-            self._forget()
-
-    def _forget(self) -> None:
-        if not self._forgotten:
-            self._forgotten = True
             self.muxed_conn.forget(self)
 
     # ---------------------------------------------------------------- IMuxedStream odds and ends
@@ -503,7 +496,8 @@ class YamuxConnection(IMuxedConn):
         self._remote_go_away: int | None = None
         #: the GoAway code :meth:`close` sent (None: not closed by us, or not yet)
         self.local_go_away: int | None = None
-        self._last_received = 0.0
+        #: When the peer last sent anything (trio time; from :meth:`start` on, which sets it).
+        self._last_received: float
         self.event_started = trio.Event()
         self.event_closed = trio.Event()
         self.on_close = None
@@ -580,18 +574,15 @@ class YamuxConnection(IMuxedConn):
         self._next_id += 2
         stream = YamuxStream(self, stream_id)
         self.streams[stream_id] = stream
-        try:
-            await self.send(frame(TYPE_WINDOW_UPDATE, SYN, stream_id, 0))
-        except BaseException:
-            self.streams.pop(stream_id, None)
-            raise
+        # A send that fails fails the connection, and that forgets every stream, this one too.
+        await self.send(frame(TYPE_WINDOW_UPDATE, SYN, stream_id, 0))
         return stream
 
     async def accept_stream(self) -> YamuxStream:
         try:
             return await self._accept_receive.receive()
         except (trio.EndOfChannel, trio.ClosedResourceError):
-            why = self._error or (f"{self.peer_id} is going away" if self._remote_go_away is not None else "closed")
+            why = self._error or f"{self.peer_id} is going away"  # the two ways the channel closes
             raise MuxedConnUnavailable(f"connection to {self.peer_id} accepts no more streams: {why}") from None
 
     async def close(self, code: int = GO_AWAY_NORMAL) -> None:
@@ -816,7 +807,8 @@ class YamuxConnection(IMuxedConn):
         self.queue_control(frame(TYPE_DATA, ACK | FIN, stream_id, len(message)) + message)
 
     def forget(self, stream: YamuxStream) -> None:
-        """Drop a finished stream from the table and return its window growth to the budget."""
+        """Drop a finished stream from the table and return its window growth to the budget
+        (a second call finds nothing more to drop or return)."""
         if self.streams.get(stream.stream_id) is stream:
             del self.streams[stream.stream_id]
             if (stream.stream_id % 2 == 1) != self._initiator:

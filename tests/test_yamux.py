@@ -25,6 +25,7 @@ from libp2p.network.stream.exceptions import StreamEOF, StreamReset
 from libp2p.peer.id import ID
 from libp2p.stream_muxer.exceptions import MuxedConnUnavailable, MuxedStreamClosed, MuxedStreamEOF
 
+from p2p.multistream import refusal
 from p2p.noise import NoiseCodec, NoiseSession
 from p2p.yamux import (
     ACK,
@@ -336,7 +337,8 @@ class RawPeer:
 
 
 def is_go_away(code: int) -> Callable[[Frame], bool]:
-    return lambda f: f.kind == TYPE_GO_AWAY and f.length == code
+    """GoAway with ``code``, as the spec has it: no flags, session id 0."""
+    return lambda f: f.kind == TYPE_GO_AWAY and f.length == code and f.flags == 0 and f.stream_id == 0
 
 
 def is_flag(flag: int, stream_id: int) -> Callable[[Frame], bool]:
@@ -359,17 +361,17 @@ async def running(*conns: YamuxConnection) -> AsyncIterator[trio.Nursery]:
 @asynccontextmanager
 async def raw_peer(
     config: YamuxConfig | None = None, *, pipes: str = "memory", noise: bool = False, reading: bool = True,
-    memory: Any = None,
+    memory: Any = None, admit_stream: Callable[[], str | None] | None = None,
 ) -> AsyncIterator[tuple[YamuxConnection, RawPeer]]:
     """A YamuxConnection (the dialer: odd stream ids) and a RawPeer on the other end."""
     ours, theirs = pipe_pair(pipes)
     pipe = Pipe(ours, is_initiator=True)
     if noise:
         conn = YamuxConnection(noise_over(pipe, NoiseCodec(KEY_A, KEY_B)), new_peer_id(), config,  # type: ignore[arg-type]
-                               memory=memory)
+                               memory=memory, admit_stream=admit_stream)
         raw = RawPeer(theirs, NoiseCodec(KEY_B, KEY_A))
     else:
-        conn = YamuxConnection(pipe, new_peer_id(), config, memory=memory)  # type: ignore[arg-type]
+        conn = YamuxConnection(pipe, new_peer_id(), config, memory=memory, admit_stream=admit_stream)  # type: ignore[arg-type]
         raw = RawPeer(theirs)
     async with running(conn) as nursery:
         raw.nursery = nursery
@@ -439,10 +441,13 @@ async def test_raw_peer_sees_syn_and_ack_and_fin():
         await s.write(b"abc")
         await s.close()
         fin = await raw.wait_for(is_flag(FIN, 1))
-        assert raw.data_of(1) == b"abc" and fin.kind == TYPE_WINDOW_UPDATE
+        assert raw.data_of(1) == b"abc" and fin.kind == TYPE_WINDOW_UPDATE and fin.length == 0
         # Pings from the peer are answered with the same opaque value.
         await raw.send(frame(TYPE_PING, SYN, 0, 0xDEADBEEF))
         await raw.wait_for(lambda f: f.kind == TYPE_PING and f.flags == ACK and f.length == 0xDEADBEEF)
+        await trio.testing.wait_all_tasks_blocked()
+        # Every byte counted: our ping, SYN, 3 bytes of data, FIN and the pong; the peer's ACK and ping.
+        assert conn.bytes_sent == 12 + 12 + (12 + 3) + 12 + 12 and conn.bytes_received == 12 + 12
 
 
 # ---------------------------------------------------------------------------- bad input: oversized frames
@@ -577,6 +582,9 @@ async def test_peer_that_never_reads_a_stream_stalls_only_that_stream(autojump_c
             # Leaving the nursery waits for the writer: only now may the clock reach its timeout.
         assert isinstance(outcome["error"], StreamStalledError)
         assert "granted no window for 5 s (it stopped reading)" in str(outcome["error"])
+        with trio.fail_after(1), pytest.raises(StreamStalledError) as stalled:
+            await stuck_a.read()  # the stream keeps the reason it was reset for
+        assert stalled.value is outcome["error"]
         # The stalled stream was reset on both ends; its unread data was dropped.
         await trio.testing.wait_all_tasks_blocked()  # the RST has been delivered
         with pytest.raises(StreamAbortedError, match="reset by"):
@@ -699,6 +707,7 @@ async def test_too_many_inbound_streams_are_reset_and_the_connection_goes_on():
         # The third is refused (the limit, FIN); its data is dropped unbuffered.
         await raw.send(frame(TYPE_DATA, SYN, 6, 5), b"nope!", frame(TYPE_DATA, 0, 6, 100_000), b"z" * 100_000)
         await raw.wait_for(is_flag(FIN, 6))  # the refusal (the limit, FIN)
+        assert raw.data_of(6) == refusal("over the limit of 2 inbound streams per connection")
         assert 6 not in conn.streams and not raw.has(TYPE_WINDOW_UPDATE, ACK, 6)
         assert conn.is_established
         # A reset stream frees its slot.
@@ -728,6 +737,36 @@ async def test_full_accept_backlog_resets_new_streams():
         await raw.send(frame(TYPE_WINDOW_UPDATE, SYN, 6, 0))
         await raw.wait_for(is_flag(ACK, 6))
         assert (await conn.accept_stream()).stream_id == 6
+
+
+async def test_inbound_streams_count_only_the_peers_and_each_forgotten_one_frees_one_slot():
+    async with raw_peer(YamuxConfig(max_inbound_streams=3)) as (conn, raw):
+        await raw.send(*(frame(TYPE_WINDOW_UPDATE, SYN, i, 0) for i in (2, 4, 6)))
+        theirs = [await conn.accept_stream() for _ in range(3)]
+        mine = await conn.open_stream()
+        await mine.reset()  # ours: forgetting it frees none of the peer's slots
+        await raw.send(frame(TYPE_WINDOW_UPDATE, SYN, 8, 0))
+        await trio.testing.wait_all_tasks_blocked()
+        assert raw.has(TYPE_DATA, FIN, 8) and 8 not in conn.streams
+        await theirs[0].reset()  # one of the peer's: one slot, not two
+        await raw.send(frame(TYPE_WINDOW_UPDATE, SYN, 10, 0), frame(TYPE_WINDOW_UPDATE, SYN, 12, 0))
+        await trio.testing.wait_all_tasks_blocked()
+        assert raw.has(TYPE_WINDOW_UPDATE, ACK, 10) and 10 in conn.streams
+        assert raw.has(TYPE_DATA, FIN, 12) and 12 not in conn.streams
+        assert raw.data_of(12) == refusal("over the limit of 3 inbound streams per connection")
+
+
+async def test_a_stream_the_node_does_not_admit_is_refused_with_its_reason():
+    """``admit_stream`` (the node's stream-open rate, p2p/resources.py) is asked for each stream the
+    peer opens; its reason goes back as the refusal, and a refused stream takes no slot."""
+    answers = iter([None, "over the stream-open rate of this node", None])
+    async with raw_peer(YamuxConfig(max_inbound_streams=2), admit_stream=lambda: next(answers)) as (conn, raw):
+        await raw.send(*(frame(TYPE_WINDOW_UPDATE, SYN, i, 0) for i in (2, 4, 6)))
+        assert (await conn.accept_stream()).stream_id == 2
+        assert (await conn.accept_stream()).stream_id == 6
+        await trio.testing.wait_all_tasks_blocked()
+        assert raw.data_of(4) == refusal("over the stream-open rate of this node") and raw.has(TYPE_DATA, ACK | FIN, 4)
+        assert sorted(conn.streams) == [2, 6]
 
 
 async def test_frames_for_unknown_streams_are_dropped():
@@ -770,16 +809,18 @@ async def test_fin_read_drains_the_buffer_then_eof_and_writing_goes_on():
         assert await stream.read(2) == b"he"
         assert await stream.read() == b"llo world"
         for _ in range(2):
-            with pytest.raises(MuxedStreamEOF):
+            with pytest.raises(MuxedStreamEOF) as eof:
                 await stream.read()
+            assert str(eof.value) == "stream 2: the peer closed its side"
         # Half-closed: our side still writes.
         await stream.write(b"reply")
         await stream.close()
         await raw.wait_for(is_flag(FIN, 2))
         assert raw.data_of(2) == b"reply"
         assert 2 not in conn.streams  # both sides closed: forgotten
-        with pytest.raises(MuxedStreamClosed):
+        with pytest.raises(MuxedStreamClosed) as closed:
             await stream.write(b"more")
+        assert str(closed.value) == "stream 2 is closed for writing"
 
 
 async def test_a_big_piece_is_read_as_it_came_and_small_ones_are_gathered():
@@ -800,6 +841,15 @@ async def test_a_big_piece_is_read_as_it_came_and_small_ones_are_gathered():
         stream.on_data(big)
         stream.on_data(b"tail")
         assert await stream.read() == big + b"tail"
+        # read(0) answers at once, empty, whether or not anything waits; a read that ends on a
+        # piece's edge leaves no empty piece behind
+        with trio.fail_after(1):
+            assert await stream.read(0) == b""
+        for piece in (b"ab", b"cd", b"ef"):
+            stream.on_data(piece)
+        assert await stream.read(0) == b"" and stream._buffered == 6
+        assert await stream.read(4) == b"abcd" and list(stream._buffer) == [b"ef"]
+        assert await stream.read(2) == b"ef" and not stream._buffer
 
 
 async def test_fin_on_a_window_update_and_data_after_fin_is_a_protocol_error():
@@ -865,10 +915,62 @@ async def test_local_reset_sends_rst_and_never_blocks():
         stream = await conn.open_stream()
         await stream.write(b"partial")
         await stream.reset()
-        await raw.wait_for(is_flag(RST, 1))
+        rst = await raw.wait_for(is_flag(RST, 1))
+        assert rst.kind == TYPE_WINDOW_UPDATE and rst.length == 0
         with pytest.raises(StreamAbortedError, match="reset locally"):
             await stream.read()
         assert not conn.streams
+
+
+async def test_rst_after_our_fin_still_aborts_the_reader():
+    """A stream half-closed by us still reads, so the peer's RST must still end it."""
+    async with raw_peer() as (conn, raw):
+        await raw.send(frame(TYPE_WINDOW_UPDATE, SYN, 2, 0))
+        stream = await conn.accept_stream()
+        await stream.close()
+        await raw.wait_for(is_flag(FIN, 2))
+        await raw.send(frame(TYPE_WINDOW_UPDATE, RST, 2, 0))
+        with trio.fail_after(5), pytest.raises(StreamAbortedError) as e:
+            await stream.read()
+        assert str(e.value) == f"stream 2 was reset by {conn.peer_id}" and not conn.streams
+
+
+@pytest.mark.parametrize("who", ["we", "the peer"])
+async def test_a_reset_after_the_peers_fin_drops_what_it_sent_unread(who):
+    """A reset aborts both directions, whoever sends it: data the peer sent and finished but nobody
+    read is dropped (only the connection's end keeps it, test_data_that_arrived_with_fin_...)."""
+    async with raw_peer() as (conn, raw):
+        await raw.send(frame(TYPE_DATA, SYN | FIN, 2, 5), b"reply")
+        stream = await conn.accept_stream()
+        await trio.testing.wait_all_tasks_blocked()
+        assert stream._recv_closed and stream._buffered == 5
+        if who == "we":
+            await stream.reset()
+        else:
+            await raw.send(frame(TYPE_WINDOW_UPDATE, RST, 2, 0))
+            await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(StreamAbortedError) as e:
+            await stream.read()
+        reason = "reset locally" if who == "we" else f"reset by {conn.peer_id}"
+        assert str(e.value) == f"stream 2 was {reason}" and stream._buffered == 0 and not conn.streams
+
+
+async def test_streams_have_no_deadlines():
+    async with raw_peer() as (conn, raw):
+        stream = await conn.open_stream()
+        with pytest.raises(NotImplementedError) as e:
+            stream.set_deadline(5)
+        assert str(e.value) == "yamux streams have no deadlines: use trio.fail_after around the call"
+
+
+async def test_stream_ids_run_out_at_the_last_32_bit_id():
+    async with raw_peer() as (conn, raw):
+        conn._next_id = 2**32 - 1
+        assert (await conn.open_stream()).stream_id == 2**32 - 1
+        with pytest.raises(MuxedConnUnavailable) as e:
+            await conn.open_stream()
+        assert str(e.value) == f"stream ids to {conn.peer_id} exhausted: open a new connection"
+        assert conn.is_established
 
 
 async def test_go_away_from_the_peer_stops_new_streams_only():
@@ -888,8 +990,8 @@ async def test_go_away_from_the_peer_stops_new_streams_only():
         await raw.wait_for(lambda f: f.kind == TYPE_DATA and f.body == b"post")
         # And a late SYN from the peer is refused.
         await raw.send(frame(TYPE_WINDOW_UPDATE, SYN, 2, 0))
-        await raw.wait_for(is_flag(RST, 2))
-        assert conn.is_established
+        rst = await raw.wait_for(is_flag(RST, 2))
+        assert rst.kind == TYPE_WINDOW_UPDATE and rst.length == 0 and conn.is_established
 
 
 async def test_close_says_go_away_and_the_peer_sees_it():
@@ -938,10 +1040,14 @@ async def test_close_sends_go_away_normal_on_the_wire():
             calls += 1
 
         conn.on_close = hook
+        assert conn.local_go_away is None
         await conn.close()
         await raw.wait_for(is_go_away(0))
         await raw.eof.wait()
-        assert calls == 1 and conn.secured_conn.closed
+        assert calls == 1 and conn.secured_conn.closed and conn.local_go_away == 0
+        with pytest.raises(MuxedConnUnavailable) as e:
+            await conn.open_stream()
+        assert str(e.value) == f"connection to {conn.peer_id} is closed: connection to {conn.peer_id} closed locally"
         assert not any(f.kind == TYPE_GO_AWAY and f.length != 0 for f in raw.frames)
         await conn.close()
         assert calls == 1
@@ -966,6 +1072,63 @@ async def test_close_does_not_wait_out_a_peer_that_stopped_reading(autojump_cloc
         assert "closed locally" in str(conn.error)  # not "stalled: a write took over 1000 s"
         with pytest.raises(StreamAbortedError, match="closed locally"):
             await stream.read()
+
+
+async def test_closing_a_connection_that_never_started_closes_its_transport_at_once(autojump_clock):
+    ours, theirs = pipe_pair("memory")
+    pipe = Pipe(ours, is_initiator=True)
+    conn = YamuxConnection(pipe, new_peer_id())  # type: ignore[arg-type]
+    with trio.fail_after(1):
+        await conn.close(GO_AWAY_GARBAGE_COLLECTED)
+    assert conn.is_closed and pipe.closed and conn.local_go_away == GO_AWAY_GARBAGE_COLLECTED
+    assert await theirs.receive_some() == frame(TYPE_GO_AWAY, 0, 0, GO_AWAY_GARBAGE_COLLECTED)
+
+
+async def test_cancelling_the_task_that_runs_a_connection_ends_it_whole():
+    """py-libp2p's swarm runs ``start`` as a task; cancelling it closes the transport and fails every
+    stream, with the closing shielded from the cancellation."""
+    ours, theirs = pipe_pair("memory")
+    pipe = Pipe(ours, is_initiator=True)
+    conn = YamuxConnection(pipe, new_peer_id())  # type: ignore[arg-type]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(conn.start)
+        await conn.event_started.wait()
+        stream = await conn.open_stream()
+        nursery.cancel_scope.cancel()
+    assert conn.is_closed and pipe.closed
+    assert str(conn.error) == f"connection to {conn.peer_id} ended"
+    with pytest.raises(StreamAbortedError) as e:
+        await stream.read()
+    assert str(e.value) == f"connection ended: connection to {conn.peer_id} ended"
+
+
+async def test_a_failing_on_close_hook_is_logged_and_the_connection_still_closes(caplog):
+    caplog.set_level(logging.DEBUG, logger="p2p.yamux")
+
+    async def hook() -> None:
+        raise RuntimeError("the hook broke")
+
+    async with raw_peer() as (conn, raw):
+        conn.on_close = hook
+        await conn.close()
+    assert conn.is_closed and conn.secured_conn.closed
+    [record] = [r for r in caplog.records if r.getMessage() == f"on_close hook for {conn.peer_id} failed"]
+    assert record.levelno == logging.DEBUG and record.exc_info is not None
+    assert str(record.exc_info[1]) == "the hook broke"
+
+
+async def test_a_transport_that_fails_a_write_fails_the_connection_with_the_reason():
+    async with raw_peer() as (conn, raw):
+        await trio.testing.wait_all_tasks_blocked()
+
+        async def broken(data: bytes) -> None:
+            raise OSError("cable cut")
+
+        conn.secured_conn.write = broken
+        with pytest.raises(YamuxError) as e:
+            await conn.open_stream()
+        assert str(e.value) == f"connection to {conn.peer_id} broke while writing: OSError('cable cut')"
+        assert conn.error is e.value and not conn.streams
 
 
 async def test_peer_closing_the_transport_ends_every_stream():
@@ -1111,19 +1274,69 @@ async def test_frames_queued_behind_a_write_go_out_together_whole_and_cancel_aft
         assert conn.is_established
 
 
+async def test_a_batch_takes_frames_until_it_holds_coalesce_bytes():
+    """Frames queued behind a write join one batch while it holds under COALESCE_BYTES; the next
+    starts another (one write per batch)."""
+    async with raw_peer(pipes="lockstep") as (conn, raw):
+        streams = [await conn.open_stream() for _ in range(6)]
+        for s in streams:
+            await raw.send(frame(TYPE_WINDOW_UPDATE, ACK, s.stream_id, 8 * MiB))
+        await raw.send(frame(TYPE_PING, SYN, 0, 1))
+        await raw.wait_for(lambda f: f.kind == TYPE_PING and f.length == 1 and f.flags == ACK)
+        await trio.testing.wait_all_tasks_blocked()
+        sizes: list[int] = []
+        real_write = conn._write
+
+        async def counted(parts: Any) -> None:
+            sizes.append(sum(len(memoryview(p)) for p in parts))
+            await real_write(parts)
+
+        conn._write = counted  # type: ignore[method-assign]
+        before = conn.bytes_sent
+        raw.stop_reading()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(streams[0].write, b"h" * 100)  # holds the connection: nobody reads
+            await trio.testing.wait_all_tasks_blocked()
+            for s in streams[1:]:  # five frames of exactly 1 MiB each, header included
+                nursery.start_soon(s.write, bytes(conn.config.max_frame - 12))
+                await trio.testing.wait_all_tasks_blocked()
+            raw.resume_reading()
+        assert sizes == [112, 4 * conn.config.max_frame, conn.config.max_frame]
+        assert conn.bytes_sent == before + sum(sizes)  # each writer counts its own frame once
+
+
 # ---------------------------------------------------------------------------- keepalive
 
 
 async def test_keepalive_fails_a_silent_peer(autojump_clock):
     config = YamuxConfig(keepalive_interval=10.0, keepalive_timeout=5.0)
     async with raw_peer(config) as (conn, raw):  # the raw peer reads, never answers
+        started = conn._last_received
         stream = await conn.open_stream()
         with trio.fail_after(1000):
             await conn.event_closed.wait()
+        # pinged the moment the interval was up, failed the moment the ping's timeout was
+        assert trio.current_time() - started == pytest.approx(10.0 + 5.0)
         assert "did not answer a keepalive ping within 5 s" in str(conn.error)
         assert sum(f.kind == TYPE_PING and f.flags == SYN for f in raw.frames) >= 2
         with pytest.raises(StreamAbortedError, match="keepalive"):
             await stream.read()
+
+
+async def test_keepalive_pings_only_a_peer_it_has_not_heard_from_for_an_interval(autojump_clock):
+    config = YamuxConfig(keepalive_interval=10.0, keepalive_timeout=5.0)
+    async with raw_peer(config) as (conn, raw):
+        started = conn._last_received
+        for _ in range(25):  # the peer says something every 4 s for 100 s
+            await trio.sleep(4)
+            await raw.send(frame(TYPE_PING, ACK, 0, 12345))  # a pong nobody asked for: ignored, but heard
+        await trio.testing.wait_all_tasks_blocked()
+        assert [f.length for f in raw.frames if f.kind == TYPE_PING and f.flags == SYN] == [1]  # start's only
+        with trio.fail_after(100):
+            await conn.event_closed.wait()
+        # then silence: pinged at the first wake-up a whole interval after, failed 5 s later
+        assert trio.current_time() - started == pytest.approx(110.0 + 5.0)
+        assert len([f for f in raw.frames if f.kind == TYPE_PING and f.flags == SYN]) == 2
 
 
 async def test_keepalive_keeps_a_live_idle_connection(autojump_clock):
@@ -1281,6 +1494,31 @@ async def test_window_updates_grant_what_was_read_and_double_the_window_within_e
         assert 2 not in conn.streams and conn.window_budget == 3 * W
         assert budget is None or (budget.released == grown and not budget.closed)
     assert budget is None or budget.closed
+
+
+async def test_window_growth_to_the_last_byte_of_the_connections_budget_and_asks_the_node_only_for_growth():
+    """The connection's budget caps growth to the byte (here a single one, which makes the window odd:
+    the next grant comes at half of it, rounded down); a window that may not grow asks the node for
+    nothing."""
+    W = INITIAL_WINDOW
+    budget = Budget(10 * W)
+    async with raw_peer(YamuxConfig(max_stream_window=5 * W, max_connection_window=W + 1), memory=budget) as (conn, raw):
+
+        def grants() -> list[int]:
+            return [f.length for f in raw.frames if f.kind == TYPE_WINDOW_UPDATE and f.stream_id == 2 and f.length]
+
+        stream = None
+        for size, grant, window in ((W // 2, W // 2 + W, 2 * W), (W, W + 1, 2 * W + 1), (W, W, 2 * W + 1)):
+            await raw.send(frame(TYPE_DATA, 0 if stream else SYN, 2, size), bytes(size))
+            stream = stream or await conn.accept_stream()
+            await read_exactly(stream, size)
+            await trio.testing.wait_all_tasks_blocked()
+            assert grants()[-1] == grant and stream._window_size == stream._recv_window == window
+        assert len(grants()) == 3 and budget.asked == [W, 1] and conn.window_budget == 0
+        await raw.send(frame(TYPE_WINDOW_UPDATE, FIN, 2, 0))
+        await stream.close()
+        await trio.testing.wait_all_tasks_blocked()
+        assert 2 not in conn.streams and budget.released == W + 1 and conn.window_budget == W + 1
 
 
 async def test_a_reader_that_never_reads_holds_at_most_its_window(autojump_clock):
