@@ -335,6 +335,28 @@ class RawPeer:
     def has(self, kind: int, flags: int, stream_id: int) -> bool:
         return any(f.kind == kind and f.flags & flags == flags and f.stream_id == stream_id for f in self.frames)
 
+    def grants(self, stream_id: int) -> list[int]:
+        """The window updates that granted ``stream_id`` anything, in order (bytes each)."""
+        return [f.length for f in self.frames if f.kind == TYPE_WINDOW_UPDATE and f.stream_id == stream_id and f.length]
+
+    async def round_trip(self, opaque: int) -> None:
+        """Ping and wait for the pong: what the connection sent before it has all arrived."""
+        await self.send(frame(TYPE_PING, SYN, 0, opaque))
+        await self.wait_for(lambda f: f.kind == TYPE_PING and f.length == opaque and f.flags == ACK)
+
+
+def record_writes(conn: YamuxConnection) -> list[int]:
+    """From now on, the size of each write ``conn`` makes to its transport (a batch is one)."""
+    sizes: list[int] = []
+    real_write = conn._write
+
+    async def recorded(parts: tuple[Any, ...]) -> None:
+        sizes.append(sum(len(memoryview(p)) for p in parts))
+        await real_write(parts)
+
+    conn._write = recorded  # type: ignore[method-assign]
+    return sizes
+
 
 def is_go_away(code: int) -> Callable[[Frame], bool]:
     """GoAway with ``code``, as the spec has it: no flags, session id 0."""
@@ -1193,8 +1215,7 @@ async def test_cancelled_write_stops_between_frames_never_inside_one():
     async with raw_peer(pipes="lockstep") as (conn, raw):
         stream = await conn.open_stream()
         await raw.send(frame(TYPE_WINDOW_UPDATE, ACK, 1, 8 * MiB))
-        await raw.send(frame(TYPE_PING, SYN, 0, 1))
-        await raw.wait_for(lambda f: f.kind == TYPE_PING and f.length == 1 and f.flags == ACK)
+        await raw.round_trip(1)
         raw.stop_reading()
         scope = trio.CancelScope()
         finished = trio.Event()
@@ -1212,8 +1233,7 @@ async def test_cancelled_write_stops_between_frames_never_inside_one():
             raw.resume_reading()
         assert scope.cancelled_caught
         await stream.write(b"after")
-        await raw.send(frame(TYPE_PING, SYN, 0, 2))
-        await raw.wait_for(lambda f: f.kind == TYPE_PING and f.length == 2 and f.flags == ACK)
+        await raw.round_trip(2)
         data_frames = [f for f in raw.frames if f.kind == TYPE_DATA and f.stream_id == 1]
         assert [f.length for f in data_frames] == [conn.config.max_frame, 5]
         assert data_frames[0].body == b"y" * conn.config.max_frame and data_frames[1].body == b"after"
@@ -1230,17 +1250,8 @@ async def test_frames_queued_behind_a_write_go_out_together_whole_and_cancel_aft
         streams = [await conn.open_stream() for _ in range(22)]
         for s in streams:  # the peer acks them; SYNs are on the wire before we count
             await raw.send(frame(TYPE_WINDOW_UPDATE, ACK, s.stream_id, 8 * MiB))
-        await raw.send(frame(TYPE_PING, SYN, 0, 1))
-        await raw.wait_for(lambda f: f.kind == TYPE_PING and f.length == 1 and f.flags == ACK)
-        writes = 0
-        real_write = conn._write
-
-        async def counted(parts: Any) -> None:
-            nonlocal writes
-            writes += 1
-            await real_write(parts)
-
-        conn._write = counted  # type: ignore[method-assign]
+        await raw.round_trip(1)
+        writes = record_writes(conn)
         raw.stop_reading()
         cancelled = trio.CancelScope()
         outcome: list[str] = []
@@ -1263,10 +1274,9 @@ async def test_frames_queued_behind_a_write_go_out_together_whole_and_cancel_aft
             assert outcome == []  # its frame is queued: the cancellation waits for it to go out
             raw.resume_reading()
         # the big write's first frame, then one write of the 21 queued frames and its second
-        assert writes == 2
+        assert len(writes) == 2
         assert outcome == ["returned", "not cancelled"]  # its one frame went out: the write is complete
-        await raw.send(frame(TYPE_PING, SYN, 0, 2))
-        await raw.wait_for(lambda f: f.kind == TYPE_PING and f.length == 2 and f.flags == ACK)
+        await raw.round_trip(2)
         for i in range(1, 21):
             assert raw.data_of(streams[i].stream_id) == bytes([i]) * (100 + i)
         assert raw.data_of(streams[21].stream_id) == b"z" * 1000
@@ -1281,17 +1291,9 @@ async def test_a_batch_takes_frames_until_it_holds_coalesce_bytes():
         streams = [await conn.open_stream() for _ in range(6)]
         for s in streams:
             await raw.send(frame(TYPE_WINDOW_UPDATE, ACK, s.stream_id, 8 * MiB))
-        await raw.send(frame(TYPE_PING, SYN, 0, 1))
-        await raw.wait_for(lambda f: f.kind == TYPE_PING and f.length == 1 and f.flags == ACK)
+        await raw.round_trip(1)
         await trio.testing.wait_all_tasks_blocked()
-        sizes: list[int] = []
-        real_write = conn._write
-
-        async def counted(parts: Any) -> None:
-            sizes.append(sum(len(memoryview(p)) for p in parts))
-            await real_write(parts)
-
-        conn._write = counted  # type: ignore[method-assign]
+        sizes = record_writes(conn)
         before = conn.bytes_sent
         raw.stop_reading()
         async with trio.open_nursery() as nursery:
@@ -1452,9 +1454,6 @@ async def test_window_updates_grant_what_was_read_and_double_the_window_within_e
     config = YamuxConfig(max_stream_window=5 * W, max_connection_window=3 * W)
     async with raw_peer(config, memory=budget) as (conn, raw):
 
-        def grants() -> list[int]:
-            return [f.length for f in raw.frames if f.kind == TYPE_WINDOW_UPDATE and f.stream_id == 2 and f.length]
-
         async def exchange(size: int, flags: int = 0) -> None:
             await raw.send(frame(TYPE_DATA, flags, 2, size), bytes(size))
             await trio.testing.wait_all_tasks_blocked()  # the frame arrived whole (its FIN too)
@@ -1465,31 +1464,31 @@ async def test_window_updates_grant_what_was_read_and_double_the_window_within_e
         stream = await conn.accept_stream()
         await read_exactly(stream, W // 2 - 1)
         await trio.testing.wait_all_tasks_blocked()
-        assert grants() == [] and stream._recv_window == W // 2 + 1 and stream._unacked == W // 2 - 1
+        assert raw.grants(2) == [] and stream._recv_window == W // 2 + 1 and stream._unacked == W // 2 - 1
         await exchange(1)  # half the window read: granted back, and the window doubles
-        assert grants() == [W // 2 + W] and stream._window_size == stream._recv_window == 2 * W
+        assert raw.grants(2) == [W // 2 + W] and stream._window_size == stream._recv_window == 2 * W
         assert stream._unacked == 0 and conn.window_budget == 2 * W
         if budget is None:
             await exchange(W - 1)
-            assert len(grants()) == 1
+            assert len(raw.grants(2)) == 1
             await exchange(1)  # doubles again, to the connection's budget
-            assert grants()[1:] == [W + 2 * W] and stream._window_size == stream._recv_window == 4 * W
+            assert raw.grants(2)[1:] == [W + 2 * W] and stream._window_size == stream._recv_window == 4 * W
             assert conn.window_budget == 0
             await exchange(2 * W)  # the connection's budget is spent: only what was read
-            assert grants()[2:] == [2 * W] and stream._window_size == stream._recv_window == 4 * W
+            assert raw.grants(2)[2:] == [2 * W] and stream._window_size == stream._recv_window == 4 * W
             grown = 3 * W
         else:
             await exchange(W)  # the node grants only half of the doubling
             assert budget.asked == [W, 2 * W] and budget.left == 0
-            assert grants()[1:] == [W + W // 2] and stream._window_size == stream._recv_window == 5 * W // 2
+            assert raw.grants(2)[1:] == [W + W // 2] and stream._window_size == stream._recv_window == 5 * W // 2
             assert conn.window_budget == 3 * W // 2
             await exchange(5 * W // 4)  # the node has nothing left: only what was read
             assert budget.asked[2:] == [3 * W // 2]
-            assert grants()[2:] == [5 * W // 4] and stream._window_size == stream._recv_window == 5 * W // 2
+            assert raw.grants(2)[2:] == [5 * W // 4] and stream._window_size == stream._recv_window == 5 * W // 2
             grown = 3 * W // 2
-        before = len(grants())
+        before = len(raw.grants(2))
         await exchange(stream._window_size, FIN)  # the peer is done: nothing more to grant
-        assert len(grants()) == before and stream._unacked == stream._window_size
+        assert len(raw.grants(2)) == before and stream._unacked == stream._window_size
         await stream.close()
         assert 2 not in conn.streams and conn.window_budget == 3 * W
         assert budget is None or (budget.released == grown and not budget.closed)
@@ -1504,17 +1503,14 @@ async def test_window_growth_to_the_last_byte_of_the_connections_budget_and_asks
     budget = Budget(10 * W)
     async with raw_peer(YamuxConfig(max_stream_window=5 * W, max_connection_window=W + 1), memory=budget) as (conn, raw):
 
-        def grants() -> list[int]:
-            return [f.length for f in raw.frames if f.kind == TYPE_WINDOW_UPDATE and f.stream_id == 2 and f.length]
-
         stream = None
         for size, grant, window in ((W // 2, W // 2 + W, 2 * W), (W, W + 1, 2 * W + 1), (W, W, 2 * W + 1)):
             await raw.send(frame(TYPE_DATA, 0 if stream else SYN, 2, size), bytes(size))
             stream = stream or await conn.accept_stream()
             await read_exactly(stream, size)
             await trio.testing.wait_all_tasks_blocked()
-            assert grants()[-1] == grant and stream._window_size == stream._recv_window == window
-        assert len(grants()) == 3 and budget.asked == [W, 1] and conn.window_budget == 0
+            assert raw.grants(2)[-1] == grant and stream._window_size == stream._recv_window == window
+        assert len(raw.grants(2)) == 3 and budget.asked == [W, 1] and conn.window_budget == 0
         await raw.send(frame(TYPE_WINDOW_UPDATE, FIN, 2, 0))
         await stream.close()
         await trio.testing.wait_all_tasks_blocked()
