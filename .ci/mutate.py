@@ -68,6 +68,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "nat/port_mapping/natpmp.py": ("tests/test_port_mapping_codecs.py",),
     "nat/port_mapping/pcp.py": ("tests/test_port_mapping_codecs.py",),
     "p2p/yamux.py": ("tests/test_yamux.py",),
+    "p2p/noise.py": ("tests/test_noise.py",),
 }
 
 KILLED = {"killed", "timeout"}

@@ -52,12 +52,11 @@ from libp2p.security.noise.exceptions import (
     NoiseStateError,
     PeerIDMismatchesPubkey,
 )
-from libp2p.security.noise.io import NoiseHandshakeReadWriter, NoiseTransportReadWriter
+from libp2p.security.noise.io import NoiseHandshakeReadWriter
 from libp2p.security.noise.messages import NoiseExtensions, NoiseHandshakePayload, verify_handshake_payload_sig
 from libp2p.security.noise.patterns import PatternXX
 from libp2p.security.noise.transport import PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as HandshakeTransport
-from libp2p.security.secure_session import SecureSession
 from multiaddr import Multiaddr
 
 from .errors import ConfigError, RemoteProtocolError
@@ -71,6 +70,7 @@ __all__ = [
     "MAX_PLAINTEXT",
     "PROTOCOL_ID",
     "CryptoPool",
+    "Handshaken",
     "NoiseCodec",
     "NoiseConfig",
     "NoiseError",
@@ -94,8 +94,6 @@ MAX_PLAINTEXT = MAX_MESSAGE - TAG_SIZE
 OWN_MESSAGE = 16 * 1024
 #: Bytes asked of the socket per read: several messages, so one wake-up opens many.
 READ_SIZE = 1024 * 1024
-#: stream muxers read from a peer's handshake payload, at most
-MAX_MUXERS = 16
 
 _LENGTH = struct.Struct(">H")
 _NONCE = struct.Struct("<4xQ")
@@ -174,7 +172,7 @@ def crypto_threads_for(cores: int) -> int:
     one stream 1,506 -> 820 MB/s and the 2-peer round of 400 MB 0.81 -> 1.10 s (0.87 -> 1.17 s with
     the offload sizes since), the hops and threads taking the cores the loops needed. Above 4 cores the rule is unmeasured: the GPU
     host's run (``bench/gpu_session.sh``) measures it against ``crypto_threads=0``."""
-    return 0 if cores < 4 else min(4, cores // 4)
+    return min(4, cores // 4)
 
 
 def pieces(size: int, threads: int, split_bytes: int) -> int:
@@ -262,7 +260,7 @@ class NoiseCodec:
         """:meth:`encrypt` in two halves: the messages' nonces are taken and their lengths written
         now, in wire order; the batch's ``seal`` then fills any ranges of them, on any thread."""
         views = [memoryview(p).cast("B") for p in parts]
-        plains = list(_cut(views, MAX_PLAINTEXT)) if any(len(v) for v in views) else []
+        plains = list(_cut(views, MAX_PLAINTEXT))
         count = len(plains)
         # Nonces send_nonce .. send_nonce + count - 1 must all stay below the reserved 2^64-1.
         if self._send_nonce + count > _NONCE_LIMIT:
@@ -308,8 +306,7 @@ class NoiseCodec:
                     break
                 messages.append(self._framed(view[pos + 2 : end], self._recv_nonce + len(messages)))
                 pos = end
-            if pos < size:
-                self._partial = bytearray(view[pos:])
+            self._partial = bytearray(view[pos:])
         opening = Opening(self, self._recv, messages, self._recv_nonce)
         self._recv_nonce += len(messages)
         return opening
@@ -490,13 +487,13 @@ class NoiseSession(BaseSession):
         """Feed the expected preface exactly its bytes from the front of ``pieces``; the rest."""
         preface = self._preface
         assert preface is not None
-        rest: list[bytes] = []
         for i, piece in enumerate(pieces):
             view = piece
             while view and not preface.done:
                 wanted = preface.wanted
-                self._partial += view[:wanted]
-                view = view[wanted:]
+                take = wanted - len(self._partial)  # a message of the preface may span pieces
+                self._partial += view[:take]
+                view = view[take:]
                 if len(self._partial) == wanted:
                     chunk, self._partial = bytes(self._partial), bytearray()
                     try:
@@ -506,9 +503,8 @@ class NoiseSession(BaseSession):
                         raise
             if preface.done:
                 self._preface = None
-                rest = ([view] if view else []) + pieces[i + 1:]
-                break
-        return rest
+                return ([view] if view else []) + pieces[i + 1:]
+        return []
 
     async def _read_pieces(self) -> list[bytes]:
         if self._plain:
@@ -649,8 +645,10 @@ class _XX(PatternXX):
     initiator's list that the responder speaks, with no multistream round after the
     handshake. A peer that lists none (py-libp2p, older releases) gets multistream.
 
-    The two handshake methods are py-libp2p 0.8.1's, less its debug logging, plus
-    keeping the peer's payload: its methods drop it.
+    :meth:`run_inbound` and :meth:`run_outbound` are py-libp2p 0.8.1's ``handshake_inbound`` and
+    ``handshake_outbound``, less its debug logging and prologue (we set none), keeping the peer's
+    payload (its methods drop it), and returning the keys (:class:`Handshaken`) where its return a
+    session of its own, which :class:`NoiseTransport` would only take apart again.
     """
 
     def __init__(self, transport: HandshakeTransport, muxers: Sequence[str]) -> None:
@@ -661,57 +659,80 @@ class _XX(PatternXX):
     def make_handshake_payload(self, extensions: NoiseExtensions | None = None) -> NoiseHandshakePayload:
         return super().make_handshake_payload(NoiseExtensions(stream_muxers=self.muxers) if self.muxers else None)
 
-    def agreed_muxer(self, initiator: bool) -> str | None:
+    def agreed_muxer(self, *, initiator: bool) -> str | None:
         """The muxer both sides listed, the initiator's preference first; None: negotiate it."""
         first, second = (self.muxers, self.peer_muxers) if initiator else (self.peer_muxers, self.muxers)
         return next((m for m in first if m in second), None)
 
-    def _take_payload(self, msg: bytes, handshake_state: Any) -> tuple[NoiseHandshakePayload, PublicKey]:
+    def _take_payload(self, msg: bytes, handshake_state: Any) -> NoiseHandshakePayload:
         """The peer's payload, verified; its muxers kept. (``handshake_state``: the untyped
         ``noise`` package's, taken before the handshake ends: the last message removes it.)"""
         payload = NoiseHandshakePayload.deserialize(msg)
         if handshake_state is None or handshake_state.rs is None:
             raise NoiseStateError("the peer's static key is missing after its payload")
-        remote_pubkey = self._get_pubkey_from_noise_keypair(handshake_state.rs)
-        if not verify_handshake_payload_sig(payload, remote_pubkey):
+        if not verify_handshake_payload_sig(payload, self._get_pubkey_from_noise_keypair(handshake_state.rs)):
             raise InvalidSignature
         if payload.extensions is not None:
-            self.peer_muxers = [str(m) for m in payload.extensions.stream_muxers][:MAX_MUXERS]
-        return payload, remote_pubkey
+            # Only those we speak, in the peer's order: the agreement reads no other, and the list
+            # stays as short as ours whatever the peer sends (a cut at N entries could make the two
+            # sides agree on different muxers).
+            self.peer_muxers = [m for m in map(str, payload.extensions.stream_muxers) if m in self.muxers]
+        return payload
 
-    async def handshake_inbound(self, conn: IRawConnection) -> ISecureConn:
-        noise_state = self.create_noise_state(prologue=self.prologue)
+    async def run_inbound(self, conn: IRawConnection) -> Handshaken:
+        """The responder's three messages (py-libp2p 0.8.1's ``handshake_inbound``)."""
+        noise_state = self.create_noise_state()
         noise_state.set_as_responder()
         noise_state.start_handshake()
         handshake_state = noise_state.noise_protocol.handshake_state
         read_writer = NoiseHandshakeReadWriter(conn, noise_state)
         await read_writer.read_msg()  # msg 1
         await read_writer.write_msg(self.make_handshake_payload().serialize())  # msg 2
-        payload, remote_pubkey = self._take_payload(await read_writer.read_msg(), handshake_state)  # msg 3
-        if not noise_state.handshake_finished:
-            raise HandshakeHasNotFinished("handshake is done but it is not marked as finished in `noise_state`")
-        return SecureSession(local_peer=self.local_peer, local_private_key=self.libp2p_privkey,
-                             remote_peer=ID.from_pubkey(payload.id_pubkey), remote_permanent_pubkey=remote_pubkey,
-                             is_initiator=False, conn=NoiseTransportReadWriter(conn, noise_state))
+        payload = self._take_payload(await read_writer.read_msg(), handshake_state)  # msg 3
+        return Handshaken.of(noise_state, payload.id_pubkey)
 
-    async def handshake_outbound(self, conn: IRawConnection, remote_peer: ID | None) -> ISecureConn:
-        noise_state = self.create_noise_state(prologue=self.prologue)
+    async def run_outbound(self, conn: IRawConnection, remote_peer: ID | None) -> Handshaken:
+        """The initiator's three messages (py-libp2p 0.8.1's ``handshake_outbound``): the answer
+        must come from ``remote_peer`` (None: from anyone, as an address without a peer id)."""
+        noise_state = self.create_noise_state()
         read_writer = NoiseHandshakeReadWriter(conn, noise_state)
         noise_state.set_as_initiator()
         noise_state.start_handshake()
         handshake_state = noise_state.noise_protocol.handshake_state
-        await read_writer.write_msg(b"")  # msg 1
-        payload, remote_pubkey = self._take_payload(await read_writer.read_msg(), handshake_state)  # msg 2
+        await read_writer.write_msg(b"")  # msg 1: the ephemeral key alone, an empty payload
+        payload = self._take_payload(await read_writer.read_msg(), handshake_state)  # msg 2
         remote = ID.from_pubkey(payload.id_pubkey)
         if remote_peer is not None and remote != remote_peer:
             raise PeerIDMismatchesPubkey(f"peer id does not correspond to the received pubkey: "
                                          f"remote_peer={remote_peer}, remote_peer_id_from_pubkey={remote}")
         await read_writer.write_msg(self.make_handshake_payload().serialize())  # msg 3
+        return Handshaken.of(noise_state, payload.id_pubkey)
+
+
+@dataclass(frozen=True)
+class Handshaken:
+    """What a finished handshake leaves the record layer: the transport phase's two keys (the Noise
+    spec's Split(), whose cipher states start at nonce 0), and who the peer proved to be.
+
+    ``remote_public_key`` is the peer's identity key, which signed its Noise static key and
+    which its peer id names, as go-libp2p's ``RemotePublicKey``; py-libp2p 0.8.1's session gives
+    the X25519 static key there instead."""
+
+    send_key: bytes
+    recv_key: bytes
+    remote_public_key: PublicKey
+
+    @property
+    def remote_peer(self) -> ID:
+        return ID.from_pubkey(self.remote_public_key)
+
+    @classmethod
+    def of(cls, noise_state: Any, remote_public_key: PublicKey) -> Handshaken:
+        """From the ``noise`` package's state (untyped), which must have finished the handshake."""
         if not noise_state.handshake_finished:
             raise HandshakeHasNotFinished("handshake is done but it is not marked as finished in `noise_state`")
-        return SecureSession(local_peer=self.local_peer, local_private_key=self.libp2p_privkey, remote_peer=remote,
-                             remote_permanent_pubkey=remote_pubkey, is_initiator=True,
-                             conn=NoiseTransportReadWriter(conn, noise_state))
+        protocol = noise_state.noise_protocol
+        return cls(bytes(protocol.cipher_state_encrypt.k), bytes(protocol.cipher_state_decrypt.k), remote_public_key)
 
 
 class NoiseTransport(ISecureTransport):
@@ -731,33 +752,30 @@ class NoiseTransport(ISecureTransport):
 
     async def secure_inbound(self, conn: IRawConnection) -> ISecureConn:
         pattern = _XX(self._handshake, self._muxers)
-        return self._take_over(await pattern.handshake_inbound(conn), conn, pattern.agreed_muxer(False))
+        done = await pattern.run_inbound(conn)
+        return self._session(done, conn, is_initiator=False, early_muxer=pattern.agreed_muxer(initiator=False))
 
     async def secure_outbound(self, conn: IRawConnection, peer_id: ID, *,
                               handshake_over: IRawConnection | None = None) -> ISecureConn:
         """``handshake_over``: what the handshake reads and writes, where it is not ``conn``
         itself (a lazy multistream proposal riding on the first message)."""
         pattern = _XX(self._handshake, self._muxers)
-        handshaken = await pattern.handshake_outbound(handshake_over or conn, peer_id)
-        return self._take_over(handshaken, conn, pattern.agreed_muxer(True))
+        done = await pattern.run_outbound(handshake_over or conn, peer_id)
+        return self._session(done, conn, is_initiator=True, early_muxer=pattern.agreed_muxer(initiator=True))
 
-    def _take_over(self, handshaken: ISecureConn, raw: IRawConnection, early_muxer: str | None) -> NoiseSession:
-        """Move the transport keys out of py-libp2p's session into ours.
-
-        Its reader reads exact lengths, so nothing past the handshake is
-        buffered in it; the cipher states hold the keys and the next nonces.
-        """
-        state = handshaken.conn.noise_state.noise_protocol  # type: ignore[attr-defined]
-        send, recv = state.cipher_state_encrypt, state.cipher_state_decrypt
-        codec = NoiseCodec(bytes(send.k), bytes(recv.k), send_nonce=send.n, recv_nonce=recv.n)
+    def _session(self, done: Handshaken, raw: IRawConnection, *, is_initiator: bool,
+                 early_muxer: str | None) -> NoiseSession:
+        """Our record layer on ``raw`` with the keys the handshake left. The handshake's reader
+        reads exact lengths, so nothing past the handshake is buffered in it."""
+        codec = NoiseCodec(done.send_key, done.recv_key)
         session = NoiseSession(
             raw,
             codec,
-            local_peer=handshaken.get_local_peer(),
+            local_peer=self._handshake.local_peer,
             local_key_pair=self._key_pair,
-            remote_peer=handshaken.get_remote_peer(),
-            is_initiator=handshaken.is_initiator,
-            remote_public_key=handshaken.get_remote_public_key(),
+            remote_peer=done.remote_peer,
+            is_initiator=is_initiator,
+            remote_public_key=done.remote_public_key,
             crypto=self.crypto,
         )
         session.early_muxer = early_muxer

@@ -3,9 +3,12 @@ NoiseTransport's handshake hand-over. Wire format checked against ``cryptography
 
 from __future__ import annotations
 
+import os
 import random
 import struct
+import threading
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -16,7 +19,16 @@ from libp2p.connection_types import ConnectionType
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.io.exceptions import ConnectionClosedError
 from libp2p.peer.id import ID
+from libp2p.crypto.x25519 import create_new_key_pair as x25519
+from libp2p.security.noise.exceptions import (
+    HandshakeHasNotFinished,
+    InvalidSignature,
+    NoiseStateError,
+    PeerIDMismatchesPubkey,
+)
+from libp2p.security.noise.transport import Transport as HandshakeTransport
 
+from p2p import multistream, noise
 from p2p.errors import ConfigError
 from p2p.noise import (
     MAX_MESSAGE,
@@ -29,8 +41,10 @@ from p2p.noise import (
     NoiseError,
     NoiseSession,
     NoiseTransport,
+    READ_SIZE,
     crypto_threads_for,
     pieces,
+    process_cores,
     spans,
     usable_cores,
 )
@@ -275,6 +289,46 @@ def test_message_shorter_than_the_tag_is_refused(length):
         b.feed(b"")
 
 
+def test_an_empty_message_whose_length_is_cut_after_one_byte_is_refused_like_an_uncut_one():
+    """However the reads cut a message's 2-byte length, it is read as those 2 bytes: a 0-byte
+    message is refused also when its length comes in two reads, with more bytes behind it."""
+    _, b = codec_pair()
+    assert b.feed(b"\x00") == [] and b.buffered == 1
+    with pytest.raises(NoiseError, match="Noise message of 0 bytes is shorter than its 16-byte tag"):
+        b.feed(b"\x00" + b"\x55" * 40)
+
+
+def test_a_range_seals_and_opens_only_its_own_messages():
+    """Threads seal and open ranges side by side because a range touches no other's bytes: sealing
+    message 1 leaves message 0's place untouched, and opening messages 1 and 2 leaves 0 unopened."""
+    a, b = codec_pair()
+    sealing = a.plan_seal(b"\x01" * (3 * MAX_PLAINTEXT))
+    sealing.seal(1, 2)
+    first = bytes(sealing.out[2 : 2 + MAX_MESSAGE])
+    assert sealing.out[:2] == b"\xff\xff" and first == bytes(MAX_MESSAGE)  # length written, body not sealed
+    sealing.seal(0, 1)
+    sealing.seal(2, 3)
+    opening = b.take(sealing.out)
+    opening.open(1, 3)
+    with pytest.raises(NoiseError, match="#0 failed authentication"):
+        opening.plaintext()
+
+
+def test_a_part_is_sealed_from_the_callers_buffer_without_a_copy():
+    """Each message whose bytes come from one part is a view of that part (the join copies only a
+    message that straddles parts); a part of exactly OWN_MESSAGE bytes starts a message of its own."""
+    a, _ = codec_pair()
+    header, body = bytearray(b"H" * 12), bytearray(2 * MAX_PLAINTEXT + 5)
+    plains = list(noise._cut([memoryview(header), memoryview(body)], MAX_PLAINTEXT))
+    assert [len(p) for p in plains] == [12, MAX_PLAINTEXT, MAX_PLAINTEXT, 5]
+    assert all(isinstance(p, memoryview) for p in plains)
+    assert plains[0].obj is header and all(p.obj is body for p in plains[1:])
+    joined = list(noise._cut([memoryview(header), memoryview(body)[:OWN_MESSAGE - 1]], MAX_PLAINTEXT))
+    assert [bytes(p) for p in joined] == [bytes(header) + bytes(OWN_MESSAGE - 1)]
+    alone = list(noise._cut([memoryview(header), memoryview(body)[:OWN_MESSAGE]], MAX_PLAINTEXT))
+    assert [len(p) for p in alone] == [12, OWN_MESSAGE]
+
+
 def test_random_garbage_never_yields_plaintext():
     rng = random.Random(11)
     for _ in range(50):
@@ -290,7 +344,7 @@ def test_nonce_limit():
     last = 2**64 - 2
     a, b = codec_pair(a=last)
     assert opened(b, a.encrypt(b"last")) == b"last"
-    with pytest.raises(NoiseError, match="exhausted"):
+    with pytest.raises(NoiseError, match="^Noise send nonce exhausted: the connection must be re-established$"):
         a.encrypt(b"one too many")
     # A message big enough to need two nonces is refused whole, nothing sent.
     a, _ = codec_pair(a=last)
@@ -299,7 +353,7 @@ def test_nonce_limit():
     # The receiving side refuses to go past the limit too.
     sealed = ChaCha20Poly1305(KEY_A).encrypt(spec_nonce(0), b"wrapped", None)
     _, c = codec_pair(a=2**64 - 1)
-    with pytest.raises(NoiseError, match="exhausted"):
+    with pytest.raises(NoiseError, match="^Noise receive nonce exhausted$"):
         c.feed(len(sealed).to_bytes(2, "big") + sealed)
     # ... also for the second of two messages one read brings, the first being the last usable.
     cipher = ChaCha20Poly1305(KEY_A)
@@ -319,11 +373,36 @@ def test_crypto_threads_are_chosen_by_the_cores_a_process_may_use(cores, threads
     then one per 4 cores, at most 4."""
     assert crypto_threads_for(cores) == threads
     assert NoiseConfig(crypto_threads=3).threads() == 3 and NoiseConfig(crypto_threads=0).threads() == 0
+    assert NoiseConfig().threads() == crypto_threads_for(process_cores())
+
+
+def test_the_cores_a_process_may_use_are_read_from_its_affinity_and_its_cgroup(monkeypatch, tmp_path):
+    affinity = len(os.sched_getaffinity(0))
+    quota = tmp_path / "cpu.max"
+    monkeypatch.setattr(noise, "CGROUP_CPU_MAX", str(quota))
+    assert process_cores() == affinity  # no cgroup file: the affinity
+    quota.write_text("max 100000\n")
+    assert process_cores() == affinity
+    quota.write_text("100000 100000\n")
+    assert process_cores() == 1
+    quota.write_text(f"{100000 * (affinity + 3)} 100000\n")
+    assert process_cores() == affinity  # a quota above the affinity: the affinity
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})  # pinned to 3 of 64 cores
+    quota.unlink()
+    assert process_cores() == 3
+    # without sched_getaffinity (macOS): the machine's cores, and 1 where even those are unknown
+    monkeypatch.delattr(os, "sched_getaffinity")
+    monkeypatch.setattr(os, "cpu_count", lambda: 6)
+    assert process_cores() == 6
+    monkeypatch.setattr(os, "cpu_count", lambda: None)
+    assert process_cores() == 1
 
 
 @pytest.mark.parametrize("affinity, cpu_max, cores", [
     (16, None, 16), (16, "max 100000\n", 16), (64, "200000 100000\n", 2), (64, "150000 100000", 2),
     (4, "800000 100000", 4), (8, "50000 100000", 1), (8, "garbled", 8), (8, "", 8), (0, None, 1),
+    (8, "100000 0", 8), (8, "3 1", 3),  # a period of 0 is no quota (and no division by it)
 ])
 def test_usable_cores_are_the_affinity_capped_by_a_cgroup_quota(affinity, cpu_max, cores):
     """A container with 2 CPUs of quota on a 64-core host must choose as a 2-core machine does."""
@@ -339,6 +418,7 @@ def test_a_noise_config_out_of_range_says_which_setting():
         NoiseConfig(split_bytes=1000).validate()
     with pytest.raises(ConfigError, match="crypto_threads"):
         CryptoPool(NoiseConfig(crypto_threads=65))
+    NoiseConfig(crypto_threads=64, offload_bytes=MAX_MESSAGE, split_bytes=MAX_MESSAGE).validate()  # the bounds hold
 
 
 @pytest.mark.parametrize("size, threads, parts", [
@@ -384,6 +464,59 @@ def test_a_garbled_message_opened_in_another_range_fails_the_codec_with_its_numb
         opening.plaintext()
     with pytest.raises(NoiseError, match="#3 failed"):
         b.feed(a.encrypt(b"after"))
+
+
+class Work:
+    """A batch's ``work(lo, hi)`` that records each range, the thread it ran on, and how many ran at once."""
+
+    def __init__(self, pause: float = 0.0) -> None:
+        self.calls: list[tuple[int, int, bool]] = []
+        self.pause = pause
+        self.running = self.most = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, lo: int, hi: int) -> None:
+        with self._lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+            self.calls.append((lo, hi, threading.current_thread() is threading.main_thread()))
+        if self.pause:
+            threading.Event().wait(self.pause)
+        with self._lock:
+            self.running -= 1
+
+
+async def test_a_pool_without_threads_keeps_every_batch_on_the_loop():
+    pool, work = CryptoPool(NoiseConfig(crypto_threads=0)), Work()
+    await pool.run(work, 40, 64 * 1024 * 1024)
+    assert work.calls == [(0, 40, True)] and pool.offloaded == 0
+
+
+async def test_a_batch_leaves_the_loop_from_offload_bytes_and_is_split_from_twice_split_bytes():
+    config = NoiseConfig(crypto_threads=2, offload_bytes=768 * 1024, split_bytes=2 * 1024 * 1024)
+    pool = CryptoPool(config)
+    work = Work()
+    await pool.run(work, 12, config.offload_bytes - 1)
+    assert work.calls == [(0, 12, True)] and pool.offloaded == 0
+    work = Work()
+    await pool.run(work, 12, config.offload_bytes)
+    assert work.calls == [(0, 12, False)] and pool.offloaded == 1
+    work = Work()
+    await pool.run(work, 64, 2 * config.split_bytes)
+    assert sorted(work.calls) == [(0, 32, False), (32, 64, False)] and pool.offloaded == 2
+
+
+@pytest.mark.parametrize("count", [1, 64], ids=["one range", "split"])
+async def test_the_node_never_runs_more_crypto_threads_than_its_pool_has(count):
+    """One limiter for all the node's connections: two batches at once on a one-thread pool run one
+    after the other, also when each would be split (trio's own limiter would run them side by side)."""
+    pool = CryptoPool(NoiseConfig(crypto_threads=1, offload_bytes=MAX_MESSAGE, split_bytes=MAX_MESSAGE))
+    pool.threads = 2  # split a batch in two ranges, still under the one-thread limiter
+    work = Work(pause=0.05)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pool.run, work, count, 10 * MAX_MESSAGE)
+        nursery.start_soon(pool.run, work, count, 10 * MAX_MESSAGE)
+    assert work.most == 1 and len(work.calls) == (2 if count == 1 else 4)
 
 
 # ---------------------------------------------------------------------------- NoiseSession over a pipe
@@ -580,6 +713,168 @@ async def test_session_close_closes_the_raw_connection():
     assert await wire.receive_some(10) == b""
 
 
+async def test_session_read_n_takes_across_messages_and_keeps_the_rest_whole():
+    s, wire, codec = session_and_wire()
+    await wire.send_all(codec.encrypt(b"abc") + codec.encrypt(b"defghij"))
+    assert await s.read(0) == b""  # nothing asked, nothing taken
+    assert await s.read(5) == b"abcde"
+    assert await s.read(5) == b"fghij"  # exactly what was left of the message
+    await wire.send_all(codec.encrypt(b"next"))
+    assert await s.read(2) == b"ne"  # a new message, not an empty piece left behind
+    assert await s.read_messages() == [b"xt"]  # the rest of a message read in part comes first
+
+
+async def test_session_end_says_connection_closed():
+    s, wire, _ = session_and_wire()
+    await wire.aclose()
+    with pytest.raises(ConnectionClosedError, match="^connection closed$"):
+        await s.read()
+
+
+class CountingPipe(Pipe):
+    """A Pipe that records the size asked of every read, and fails one after the end."""
+
+    def __init__(self, pipe: trio.abc.Stream) -> None:
+        super().__init__(pipe)
+        self.asked: list[int | None] = []
+        self.ended = False
+
+    async def read(self, n: int | None = None) -> bytes:
+        assert not self.ended, "read again after the end"
+        self.asked.append(n)
+        data = await super().read(n)
+        self.ended = not data
+        return data
+
+
+async def test_session_reads_a_megabyte_at_a_time_and_not_past_the_end():
+    """One wake-up opens every message a big read brought; at the end the raw connection is not read again."""
+    ours, wire = trio.testing.memory_stream_pair()
+    mine, codec = codec_pair()
+    raw = CountingPipe(ours)
+    s = session(raw, mine, is_initiator=True)
+    await wire.send_all(codec.encrypt(b"x"))
+    await wire.aclose()
+    assert await s.read_messages() == [b"x"]
+    assert await s.read_messages() == [] and await s.read_messages() == []
+    assert raw.asked == [READ_SIZE, READ_SIZE]
+
+
+async def test_a_session_given_no_pool_seals_and_opens_on_the_loop(monkeypatch):
+    async def no_threads(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a thread hop")
+
+    monkeypatch.setattr(trio.to_thread, "run_sync", no_threads)
+    monkeypatch.setattr(noise, "process_cores", lambda: 16)  # where a node's own pool would use threads
+    left, right = trio.testing.memory_stream_pair()
+    a_codec, b_codec = codec_pair()
+    a = session(Pipe(left), a_codec, is_initiator=True)
+    b = session(Pipe(right), b_codec, is_initiator=False)
+    assert a.early_muxer is None  # none agreed in a handshake: negotiate one
+    big = random.Random(4).randbytes(4 * 1024 * 1024)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(a.write, big)
+        got = bytearray()
+        while len(got) < len(big):
+            got += await b.read()
+    assert got == big
+
+
+YAMUX = "/yamux/1.0.0"
+ANSWER = multistream.encode(multistream.HEADER, YAMUX)
+
+
+@pytest.mark.parametrize("cut", [1, 2, 5, 7, len(ANSWER), len(ANSWER) + 3])
+async def test_the_expected_preface_is_taken_off_the_front_however_the_messages_cut_it(cut):
+    """The listener's multistream answer comes first, in Noise messages cut anywhere (a peer may
+    write it in pieces, and the yamux frames behind it in the same message): the reader sees only
+    what follows it."""
+    s, wire, codec = session_and_wire()
+    s.expect_preface(multistream.Reply(YAMUX))
+    stream = ANSWER + b"frames"
+    await wire.send_all(b"".join(codec.encrypt(stream[i : i + cut]) for i in range(0, len(stream), cut)))
+    await wire.send_all(codec.encrypt(b"more"))
+    got = bytearray()
+    with trio.fail_after(5):
+        while len(got) < len(b"framesmore"):
+            pieces = await s.read_messages()
+            assert pieces and all(pieces)
+            got += b"".join(pieces)
+    assert got == b"framesmore"
+
+
+async def test_a_preface_in_messages_of_its_own_then_data_in_the_next():
+    s, wire, codec = session_and_wire()
+    s.expect_preface(multistream.Reply(YAMUX))
+    await wire.send_all(codec.encrypt(ANSWER[:4]) + codec.encrypt(ANSWER[4:]))
+    await wire.send_all(codec.encrypt(b"a") + codec.encrypt(b"b"))
+    with trio.fail_after(5):
+        assert await s.read_messages() == [b"a", b"b"]
+    await wire.send_all(codec.encrypt(ANSWER))  # once done, the same bytes are data
+    with trio.fail_after(5):
+        assert b"".join(await s.read_messages()) == ANSWER
+
+
+async def test_a_wrong_preface_fails_the_first_read_and_breaks_the_session():
+    s, wire, codec = session_and_wire()
+    s.expect_preface(multistream.Reply(YAMUX))
+    await wire.send_all(codec.encrypt(multistream.encode(multistream.HEADER, "na") + b"frames"))
+    with pytest.raises(multistream.ProtocolRefused):
+        await s.read_messages()
+    with pytest.raises(NoiseError, match="already broken"):
+        await s.read_messages()
+
+
+async def test_a_clean_end_before_the_preface_is_an_end():
+    s, wire, codec = session_and_wire()
+    s.expect_preface(multistream.Reply(YAMUX))
+    await wire.send_all(codec.encrypt(ANSWER[:3]))
+    await wire.aclose()
+    assert await s.read_messages() == []
+
+
+class TcpRaw(Pipe):
+    """py-libp2p's TCP connection, as the session finds its socket: ``raw.stream.stream``."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self.stream = type("TrioTCPStream", (), {"stream": stream})()
+
+    async def read(self, n: int | None = None) -> bytes:
+        raise AssertionError("the session reads the socket itself")
+
+    async def write(self, data: bytes) -> None:
+        raise AssertionError("the session writes the socket itself")
+
+
+async def test_a_session_on_tcp_talks_to_the_socket_and_knows_its_local_address():
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    async with listeners[0], await trio.open_tcp_stream("127.0.0.1", port) as client:
+        server = await listeners[0].accept()
+        a_codec, b_codec = codec_pair()
+        a = session(TcpRaw(client), a_codec, is_initiator=True)
+        b = session(TcpRaw(server), b_codec, is_initiator=False)
+        assert a.local_address() == client.socket.getsockname() == ("127.0.0.1", a.local_address()[1])
+        assert b.local_address() == ("127.0.0.1", port)
+        await a.write(b"over tcp")
+        assert await b.read() == b"over tcp"
+        await server.aclose()
+        assert b.local_address() is None  # a closed socket has none
+    plain, _, _ = session_and_wire()
+    assert plain.local_address() is None  # not on TCP (a relayed stream): none
+
+
+async def test_a_raw_connection_whose_stream_is_no_socket_is_read_through_its_own_methods():
+    ours, wire = trio.testing.memory_stream_pair()
+    raw = Pipe(ours)
+    raw.stream = type("RelayedStream", (), {"stream": object()})()  # type: ignore[attr-defined]
+    mine, codec = codec_pair()
+    s = session(raw, mine, is_initiator=True)
+    await wire.send_all(codec.encrypt(b"relayed"))
+    assert await s.read() == b"relayed"
+
+
 # ---------------------------------------------------------------------------- NoiseTransport hand-over
 
 
@@ -588,9 +883,11 @@ async def test_transport_handshake_then_our_record_layer():
     key_i, key_r = create_new_key_pair(), create_new_key_pair()
     i, r = await handshake(NoiseTransport(key_i), NoiseTransport(key_r), key_r)
     assert isinstance(i, NoiseSession) and isinstance(r, NoiseSession)
-    assert i.is_initiator and not r.is_initiator
-    assert i.get_remote_peer() == ID.from_pubkey(key_r.public_key)
-    assert r.get_remote_peer() == ID.from_pubkey(key_i.public_key)
+    assert i.is_initiator is True and r.is_initiator is False
+    assert i.get_remote_peer() == r.get_local_peer() == ID.from_pubkey(key_r.public_key)
+    assert r.get_remote_peer() == i.get_local_peer() == ID.from_pubkey(key_i.public_key)
+    assert i.get_remote_public_key() == key_r.public_key and r.get_remote_public_key() == key_i.public_key
+    assert i.get_local_private_key() == key_i.private_key and r.get_local_private_key() == key_r.private_key
     await i.write(b"hello responder")
     assert await r.read() == b"hello responder"
     await r.write_parts(b"hello ", b"initiator")
@@ -619,6 +916,90 @@ async def test_the_muxer_is_agreed_inside_the_handshake(ours: list[str], theirs:
     assert await r.read() == b"after the handshake"
 
 
+async def test_sessions_seal_on_their_transports_pool():
+    """One pool per node: every session a transport makes seals and opens on it."""
+    key_i, key_r = create_new_key_pair(), create_new_key_pair()
+    config = NoiseConfig(crypto_threads=1, offload_bytes=MAX_MESSAGE, split_bytes=MAX_MESSAGE)
+    t_i, t_r = NoiseTransport(key_i, config=config), NoiseTransport(key_r, config=config)
+    i, r = await handshake(t_i, t_r, key_r)
+    big = random.Random(6).randbytes(4 * MAX_MESSAGE)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(i.write, big)
+        got = bytearray()
+        while len(got) < len(big):
+            got += await r.read()
+    assert got == big and t_i.crypto.offloaded >= 1 and t_r.crypto.offloaded >= 1
+
+
+class Recording(Pipe):
+    """A Pipe that keeps what was written through it."""
+
+    def __init__(self, pipe: trio.abc.Stream) -> None:
+        super().__init__(pipe)
+        self.written = bytearray()
+
+    async def write(self, data: bytes) -> None:
+        self.written += data
+        await super().write(data)
+
+
+async def test_the_dialers_first_message_is_its_ephemeral_key_alone():
+    """XX's first message is ``e``: 32 bytes, an empty payload (the spec's; nothing is sent before
+    the peer is authenticated)."""
+    key_i, key_r = create_new_key_pair(), create_new_key_pair()
+    left, right = trio.testing.memory_stream_pair()
+    raw = Recording(left)
+
+    async def outbound() -> None:
+        await NoiseTransport(key_i).secure_outbound(raw, ID.from_pubkey(key_r.public_key))  # type: ignore[arg-type]
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(outbound)
+            nursery.start_soon(NoiseTransport(key_r).secure_inbound, Pipe(right))
+    assert raw.written[:2] == b"\x00\x20"
+    (second,) = struct.unpack_from(">H", raw.written, 34)
+    assert len(raw.written) == 34 + 2 + second  # then the third message, nothing between
+
+
+class Forger(noise._XX):
+    """Claims another peer's identity key, signed with its own: the signature cannot verify."""
+
+    def __init__(self, transport: Any, muxers: Any, claimed: Any) -> None:
+        super().__init__(transport, muxers)
+        self.claimed = claimed
+
+    def make_handshake_payload(self, extensions: Any = None) -> Any:
+        payload = super().make_handshake_payload()
+        payload.id_pubkey = self.claimed
+        return payload
+
+
+@pytest.mark.parametrize("forger", ["responder", "initiator"])
+async def test_a_payload_whose_signature_is_not_the_claimed_keys_fails_the_handshake(forger):
+    """Each side signs its Noise static key with its identity key; a peer that claims an identity
+    whose key did not sign (to pass for it) is refused by the side that checks, dialer or listener."""
+    key_i, key_r, victim = create_new_key_pair(), create_new_key_pair(), create_new_key_pair()
+    ends = {name: HandshakeTransport(key, noise_privkey=x25519().private_key) for name, key in (("i", key_i), ("r", key_r))}
+    patterns = {name: (Forger(t, [], victim.public_key) if name[0] == forger[0] else noise._XX(t, []))
+                for name, t in ends.items()}
+    errors = await failed_handshake(lambda raw: patterns["i"].run_outbound(raw, None), patterns["r"].run_inbound)
+    checker = "i" if forger == "responder" else "r"
+    assert isinstance(errors[checker], InvalidSignature)
+
+
+def test_a_handshake_is_taken_over_only_once_finished_and_with_the_peers_static_key():
+    key = create_new_key_pair()
+    unfinished = type("NoiseState", (), {"handshake_finished": False})()
+    with pytest.raises(HandshakeHasNotFinished, match="^handshake is done but it is not marked as finished in `noise_state`$"):
+        noise.Handshaken.of(unfinished, key.public_key)
+    pattern = noise._XX(HandshakeTransport(key, noise_privkey=x25519().private_key), [])
+    payload = pattern.make_handshake_payload().serialize()
+    for state in (None, type("HandshakeState", (), {"rs": None})()):
+        with pytest.raises(NoiseStateError, match="^the peer's static key is missing after its payload$"):
+            pattern._take_payload(payload, state)
+
+
 async def handshake(initiator: NoiseTransport, responder: NoiseTransport, key_r: Any) -> tuple[NoiseSession, NoiseSession]:
     """Both sides of one handshake over an in-memory pipe: (initiator's session, responder's)."""
     left, right = trio.testing.memory_stream_pair()
@@ -635,3 +1016,46 @@ async def handshake(initiator: NoiseTransport, responder: NoiseTransport, key_r:
             nursery.start_soon(outbound)
             nursery.start_soon(inbound)
     return result["i"], result["r"]
+
+
+async def test_a_muxer_far_down_a_long_list_is_agreed_by_both_sides() -> None:
+    """Each side decides the muxer on its own from both lists, so both must read the lists whole: a
+    responder that kept only the first 16 of the initiator's 20 chose multistream while the initiator
+    went on in yamux, and the connection failed at its first frame."""
+    key_i, key_r = create_new_key_pair(), create_new_key_pair()
+    theirs = [f"/other/{n}" for n in range(19)] + ["/yamux/1.0.0"]
+    i, r = await handshake(NoiseTransport(key_i, muxers=theirs), NoiseTransport(key_r, muxers=["/yamux/1.0.0"]), key_r)
+    assert i.early_muxer == r.early_muxer == "/yamux/1.0.0"
+
+
+async def test_the_dialed_peer_must_be_the_one_that_answers() -> None:
+    """The dialer names the peer it wants; a listener with another key fails the handshake there,
+    before a byte of the connection is trusted (what a man in the middle meets)."""
+    key_i, key_r, wanted = create_new_key_pair(), create_new_key_pair(), create_new_key_pair()
+    errors = await failed_handshake(lambda raw: NoiseTransport(key_i).secure_outbound(raw, ID.from_pubkey(wanted.public_key)),
+                                    NoiseTransport(key_r).secure_inbound)
+    assert isinstance(errors["i"], PeerIDMismatchesPubkey)
+    assert str(ID.from_pubkey(wanted.public_key)) in str(errors["i"])
+    assert str(ID.from_pubkey(key_r.public_key)) in str(errors["i"])
+    assert "r" in errors  # the listener got no third message
+
+
+async def failed_handshake(outbound: Callable[[Any], Awaitable[object]],
+                           inbound: Callable[[Any], Awaitable[object]]) -> dict[str, BaseException]:
+    """Both sides of a handshake that fails: the error of each ("i", "r"); a side that fails closes
+    its end of the pipe, so the other sees the end rather than waiting."""
+    left, right = trio.testing.memory_stream_pair()
+    errors: dict[str, BaseException] = {}
+
+    async def side(name: str, call: Callable[[Any], Awaitable[object]], end: trio.abc.Stream) -> None:
+        try:
+            await call(Pipe(end))
+        except Exception as e:
+            errors[name] = e
+            await end.aclose()
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(side, "i", outbound, left)
+            nursery.start_soon(side, "r", inbound, right)
+    return errors
