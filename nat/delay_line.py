@@ -140,8 +140,11 @@ class _Direction:
 
 
 def serve(command_fd: int, reply: Callable[[dict[str, object]], None],
-          clock: Callable[[], float] = time.monotonic) -> None:
-    """Run the wire until the command stream ends: add links as commands come, move packets between."""
+          clock: Callable[[], float] = time.monotonic, open_device: Callable[[str, str], int] = open_tun) -> None:
+    """Run the wire until the command stream ends: add links as commands come, move packets between.
+
+    ``open_device(netns, name)``: a packet device's fd, non-blocking, one packet per read and write
+    (:func:`open_tun`; a test's is one end of a ``SOCK_SEQPACKET`` pair)."""
     selector = selectors.DefaultSelector()
     selector.register(command_fd, selectors.EVENT_READ, None)
     directions: list[_Direction] = []
@@ -157,7 +160,7 @@ def serve(command_fd: int, reply: Callable[[dict[str, object]], None],
                 *commands, pending = (pending + chunk).split(b"\n")
                 for command in commands:
                     if command.strip():
-                        reply(_add_link(command.decode(errors="replace"), selector, directions))
+                        reply(_add_link(command.decode(errors="replace"), selector, directions, open_device))
                 continue
             direction: _Direction = key.data
             now = clock()
@@ -167,6 +170,8 @@ def serve(command_fd: int, reply: Callable[[dict[str, object]], None],
                 except (BlockingIOError, InterruptedError):
                     break
                 except OSError:  # the device went away (its namespace was deleted): stop reading it
+                    packet = b""
+                if not packet:  # (no packet is empty: an empty read is an end too)
                     selector.unregister(direction.source)
                     break
                 direction.line.push(packet, now)
@@ -179,19 +184,25 @@ def serve(command_fd: int, reply: Callable[[dict[str, object]], None],
                     direction.line.overflowed += 1
 
 
-def _add_link(command: str, selector: selectors.BaseSelector, directions: list[_Direction]) -> dict[str, object]:
+def _add_link(command: str, selector: selectors.BaseSelector, directions: list[_Direction],
+              open_device: Callable[[str, str], int]) -> dict[str, object]:
+    """One command: a link's two directions, or why not (a bad command leaves the wire as it was)."""
+    opened: list[int] = []
     try:
         spec = json.loads(command)
+        rng = random.Random(spec.get("seed"))
         delay = float(spec["delay_ms"]) / 1000
         loss = float(spec.get("loss_pct", 0.0)) / 100
-        seed = spec.get("seed")
-        a = open_tun(str(spec["a_ns"]), str(spec["a_dev"]))
-        b = open_tun(str(spec["b_ns"]), str(spec["b_dev"]))
-    except (ValueError, KeyError, TypeError, OSError) as e:
+        lines = [DelayLine(delay, loss, random.Random(rng.random())) for _ in range(2)]
+        for ns, dev in (("a_ns", "a_dev"), ("b_ns", "b_dev")):
+            opened.append(open_device(str(spec[ns]), str(spec[dev])))
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:  # AttributeError: JSON not an object
+        for fd in opened:  # a device opened before the other failed: gone with its fd
+            os.close(fd)
         return {"ok": False, "error": f"{type(e).__name__}: {e}"}
-    rng = random.Random(seed)
-    for source, sink in ((a, b), (b, a)):
-        direction = _Direction(source, sink, DelayLine(delay, loss, random.Random(rng.random())))
+    a, b = opened
+    for (source, sink), line in zip(((a, b), (b, a)), lines):
+        direction = _Direction(source, sink, line)
         directions.append(direction)
         selector.register(source, selectors.EVENT_READ, direction)
     return {"ok": True, "links": len(directions) // 2}

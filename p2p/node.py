@@ -357,7 +357,10 @@ class Node:
             message = identify_message(self.host, purpose="push")
             if message is None:  # the node leaving, or a fault of ours (logged): this push skipped
                 continue
-            targets = [p for p in self.connected_peers() if PUSH_PROTOCOL in self._protocols_of(p)]
+            # and the peers we have not identified yet: such a peer may have identified us before
+            # the change, and would not hear of it (a refusal costs it one stream)
+            targets = [p for p in self.connected_peers()
+                       if PUSH_PROTOCOL in self._protocols_of(p) or not self._protocols_of(p)]
             failed: list[ID] = []
             limiter = trio.CapacityLimiter(PUSH_CONCURRENCY)
 

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import random
+import select
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from nat.delay_line import DelayLine
+from nat.delay_line import MAX_PACKET, DelayLine, open_tun, serve
+
+from .kit import requires_root_netns
 
 
 def test_every_packet_leaves_after_the_delay_in_the_order_it_came() -> None:
@@ -51,3 +63,186 @@ def test_nonsense_is_refused() -> None:
         DelayLine(delay=-1.0)
     with pytest.raises(ValueError):
         DelayLine(delay=0.0, loss=1.5)
+
+
+# ---------------------------------------------------------------------------- the process's loop
+
+
+class Wire:
+    """``serve`` on a thread, its devices ``SOCK_SEQPACKET`` pairs (a packet per read, as a TUN
+    device's): ``ends[(ns, dev)]`` is the namespace's side of each device the wire opened."""
+
+    def __init__(self, fail: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+        self.ends: dict[tuple[str, str], socket.socket] = {}
+        self.fds: list[int] = []  # the wire's sides, its to close
+        self.fail = fail
+        self.replies: list[dict[str, object]] = []
+        self._commands_r, self._commands_w = os.pipe()
+        self._got = threading.Condition()
+        self.thread = threading.Thread(target=serve, args=(self._commands_r, self._reply),
+                                       kwargs={"open_device": self._open}, daemon=True)
+        self.thread.start()
+
+    def _open(self, ns: str, dev: str) -> int:
+        if dev in self.fail:
+            raise OSError(19, f"no device {dev}")
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ours.setblocking(False)
+        self.ends[(ns, dev)] = ours
+        theirs.setblocking(False)
+        self.fds.append(theirs.detach())
+        return self.fds[-1]
+
+    def _reply(self, message: dict[str, object]) -> None:
+        with self._got:
+            self.replies.append(message)
+            self._got.notify_all()
+
+    def command(self, text: str) -> dict[str, object]:
+        """Send one command line (``text``, or a JSON object of it) and wait for its reply."""
+        with self._got:
+            count = len(self.replies)
+            os.write(self._commands_w, text.encode() + b"\n")
+            assert self._got.wait_for(lambda: len(self.replies) > count, timeout=5), "no reply"
+            return self.replies[count]
+
+    def link(self, **spec: object) -> dict[str, object]:
+        return self.command(json.dumps({"a_ns": "home", "a_dev": "eth0", "b_ns": "core", "b_dev": "l1", **spec}))
+
+    def cpu_seconds(self) -> float:
+        """CPU time the wire's thread has used (user + system, from /proc)."""
+        fields = Path(f"/proc/self/task/{self.thread.native_id}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def close(self) -> None:
+        os.close(self._commands_w)
+        self.thread.join(timeout=5)
+        assert not self.thread.is_alive(), "the wire did not stop when its command stream ended"
+        os.close(self._commands_r)
+        for end in self.ends.values():
+            end.close()
+        for fd in self.fds:
+            with contextlib.suppress(OSError):  # closed by the wire already
+                os.close(fd)
+
+
+def receive(end: socket.socket, count: int, timeout: float = 5.0) -> list[tuple[bytes, float]]:
+    """``count`` packets from ``end``, each with when it came."""
+    got: list[tuple[bytes, float]] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < count and time.monotonic() < deadline:
+        if select.select([end], [], [], 0.05)[0]:
+            got.append((end.recv(MAX_PACKET), time.monotonic()))
+    return got
+
+
+@pytest.fixture
+def wire() -> Iterator[Wire]:
+    w = Wire()
+    yield w
+    w.close()
+
+
+def test_the_wire_carries_packets_both_ways_after_the_delay_and_in_order(wire: Wire) -> None:
+    assert wire.link(delay_ms=60) == {"ok": True, "links": 1}
+    home, core = wire.ends[("home", "eth0")], wire.ends[("core", "l1")]
+    sent = time.monotonic()
+    for i in range(20):
+        home.send(b"up %d" % i)
+    core.send(b"down")
+    up, down = receive(core, 20), receive(home, 1)
+    assert [p for p, _ in up] == [b"up %d" % i for i in range(20)] and [p for p, _ in down] == [b"down"]
+    assert min(t for _, t in up + down) - sent >= 0.06  # nothing early; a packet keeps its bytes whole
+
+
+def test_each_link_has_its_own_delay_and_a_seeded_loss(wire: Wire) -> None:
+    assert wire.link(delay_ms=0, loss_pct=50, seed=3) == {"ok": True, "links": 1}
+    assert wire.command(json.dumps({"a_ns": "b", "a_dev": "eth0", "b_ns": "core", "b_dev": "l2",
+                                    "delay_ms": 0}))["links"] == 2
+    lossy, clean = wire.ends[("home", "eth0")], wire.ends[("b", "eth0")]
+    for i in range(200):
+        lossy.send(b"%d" % i)
+        clean.send(b"%d" % i)
+    assert len(receive(wire.ends[("core", "l2")], 200)) == 200
+    got = receive(wire.ends[("core", "l1")], 200, timeout=1.0)
+    assert 60 < len(got) < 140  # half of them, each direction deciding on its own
+    expected = random.Random(random.Random(3).random())  # the a-to-b direction's generator
+    assert [p for p, _ in got] == [b"%d" % i for i in range(200) if not expected.random() < 0.5]
+
+
+@pytest.mark.parametrize("command, error", [
+    ("not json", "JSONDecodeError"),
+    ("[1, 2]", "AttributeError"),
+    ('{"a_ns": "home", "a_dev": "eth0", "b_ns": "core", "b_dev": "l1"}', "KeyError: 'delay_ms'"),
+    ('{"a_ns": "home", "a_dev": "eth0", "b_ns": "core", "b_dev": "l1", "delay_ms": -5}', "ConfigError: delay must be >= 0"),
+    ('{"a_ns": "home", "a_dev": "eth0", "b_ns": "core", "b_dev": "l1", "delay_ms": 5, "loss_pct": 200}', "ConfigError"),
+    ('{"a_ns": "home", "a_dev": "eth0", "b_ns": "core", "b_dev": "l1", "delay_ms": 5, "seed": [1]}', "TypeError"),
+    ('{"a_ns": "b", "a_dev": "eth0", "b_ns": "core", "delay_ms": 5}', "KeyError: 'b_dev'"),  # after a_dev opened
+])
+def test_a_bad_command_is_answered_with_why_and_the_wire_goes_on(wire: Wire, command: str, error: str) -> None:
+    assert wire.link(delay_ms=0) == {"ok": True, "links": 1}
+    reply = wire.command(command)
+    assert reply["ok"] is False and str(reply["error"]).startswith(error)
+    wire.ends[("home", "eth0")].send(b"still here")
+    assert [p for p, _ in receive(wire.ends[("core", "l1")], 1)] == [b"still here"]
+    assert wire.link(delay_ms=0, b_dev="l9")["links"] == 2  # and takes the next link
+
+
+def test_a_device_that_cannot_be_opened_leaves_no_other_open() -> None:
+    wire = Wire(fail={"l1"})
+    try:
+        assert wire.link(delay_ms=5) == {"ok": False, "error": "OSError: [Errno 19] no device l1"}
+        (fd,) = wire.fds  # eth0's, opened first: closed again (a TUN device goes with its fd)
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    finally:
+        wire.close()
+
+
+@requires_root_netns
+def test_a_tun_device_opens_inside_its_namespace_and_goes_with_its_fd() -> None:
+    ns, home = f"dltest{os.getpid()}", os.readlink("/proc/self/ns/net")
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        fd = open_tun(ns, "wire0")
+        try:
+            assert subprocess.run(["ip", "-n", ns, "link", "show", "wire0"], capture_output=True).returncode == 0
+            assert subprocess.run(["ip", "link", "show", "wire0"], capture_output=True).returncode != 0  # not here
+            assert os.readlink("/proc/self/ns/net") == home  # and the process is back home
+            assert not os.get_blocking(fd)
+            with pytest.raises(BlockingIOError):
+                os.read(fd, MAX_PACKET)
+        finally:
+            os.close(fd)
+        assert subprocess.run(["ip", "-n", ns, "link", "show", "wire0"], capture_output=True).returncode != 0
+        with pytest.raises(FileNotFoundError):
+            open_tun(ns + "-missing", "wire1")
+        assert os.readlink("/proc/self/ns/net") == home
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=False)
+
+
+def test_a_link_whose_far_end_is_gone_does_not_stop_the_others(wire: Wire) -> None:
+    """A namespace deleted under a link: its device's reads end and its writes fail; the wire drops
+    that link's packets, as a cut cable would, and goes on carrying the other links'."""
+    wire.link(delay_ms=0)
+    wire.link(delay_ms=0, a_ns="b", b_dev="l2")
+    wire.ends[("core", "l1")].close()
+    for i in range(50):
+        wire.ends[("home", "eth0")].send(b"into the void %d" % i)
+        wire.ends[("b", "eth0")].send(b"%d" % i)
+    assert [p for p, _ in receive(wire.ends[("core", "l2")], 50)] == [b"%d" % i for i in range(50)]
+    wire.ends[("core", "l2")].send(b"back")
+    assert [p for p, _ in receive(wire.ends[("b", "eth0")], 1)] == [b"back"]
+    before = wire.cpu_seconds()
+    time.sleep(0.5)
+    assert wire.cpu_seconds() - before < 0.1  # idle: not spinning on the dead device's reads
+
+
+def test_an_idle_wire_sleeps(wire: Wire) -> None:
+    wire.link(delay_ms=30)
+    wire.ends[("home", "eth0")].send(b"one")
+    assert len(receive(wire.ends[("core", "l1")], 1)) == 1
+    before = wire.cpu_seconds()
+    time.sleep(0.5)
+    assert wire.cpu_seconds() - before < 0.1

@@ -91,6 +91,22 @@ async def test_a_change_of_what_we_advertise_or_serve_is_pushed_to_connected_pee
     await wait_until(lambda: late not in b._protocols_of(a.peer_id), 5, what="b to hear a stopped serving it")
 
 
+async def test_a_change_is_pushed_also_to_a_peer_we_have_not_identified_yet(node_pair):
+    """A peer that identified us may connect before we identified it (its identify answer is slow,
+    or ours to it is under way when the change comes): it hears of the change all the same. (A
+    js-libp2p peer in CI missed a relay slot so: we pushed only to peers whose protocols we knew.)"""
+    from p2p.hooks import ExternalAddresses, Reachability
+    from p2p.identify import PUSH_PROTOCOL
+
+    a, b = node_pair
+    await wait_until(lambda: PUSH_PROTOCOL in a._protocols_of(b.peer_id), 10, what="b identified")
+    a.host.get_peerstore().set_protocols(b.peer_id, [])  # as before a's identify of b answered
+    circuit = Multiaddr(f"/ip4/127.0.0.9/tcp/4001/p2p/{b.peer_id}/p2p-circuit")
+    a.set_external(ExternalAddresses(reachability=Reachability.PRIVATE, relayed=(circuit,), judged=True))
+    await wait_until(lambda: [x for x in b.known_addrs(a.peer_id) if "p2p-circuit" in str(x)], 5,
+                     what="b to hear of a's relayed address")
+
+
 async def test_a_garbled_oversized_or_too_frequent_push_is_dropped_quietly(node_pair, caplog):
     """Pushes to us are untrusted input: garbage and an oversized length are reset and logged at debug
     only (py-libp2p's handler logged each at ERROR, at any rate), and a peer pushing faster than its
