@@ -41,16 +41,15 @@ def main() -> None:
             stdio.append(fd)
         except OSError:  # closed: the child gets /dev/null, as a fresh interpreter would see nothing
             stdio.append(os.open(os.devnull, os.O_RDWR))
-    netns = os.open("/proc/self/ns/net", os.O_RDONLY)
-    request = {"module": module, "argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}
-    socket.send_fds(sock, [json.dumps(request).encode()], [*stdio, netns])
-    os.close(netns)
-    started = json.loads(sock.recv(1 << 16) or b"{}")
-    if "pid" not in started:
-        fail(started.get("error", "the fork server closed the connection"))
-    child = int(started["pid"])
+    # The handlers go in before the child can exist: its first output may reach our caller, who
+    # may signal us at once; a signal before the child's pid is known is sent once it is.
+    child = 0
+    early: list[int] = []
 
     def forward(number: int, _frame: object) -> None:
+        if not child:
+            early.append(number)
+            return
         try:
             os.kill(child, number)
         except ProcessLookupError:  # it just ended; its status is on the way
@@ -63,6 +62,16 @@ def main() -> None:
     signal.set_wakeup_fd(wake_w)
     for sig in FORWARDED:
         signal.signal(sig, forward)
+    netns = os.open("/proc/self/ns/net", os.O_RDONLY)
+    request = {"module": module, "argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}
+    socket.send_fds(sock, [json.dumps(request).encode()], [*stdio, netns])
+    os.close(netns)
+    started = json.loads(sock.recv(1 << 16) or b"{}")
+    if "pid" not in started:
+        fail(started.get("error", "the fork server closed the connection"))
+    child = int(started["pid"])
+    for number in early:
+        forward(number, None)
     while sock not in select.select([sock, wake_r], [], [])[0]:
         os.read(wake_r, 512)
     ended = json.loads(sock.recv(1 << 16) or b"{}")

@@ -105,7 +105,9 @@ async def test_dual_stack_peers_stay_reachable_to_ipv4_and_punch_over_ipv6() -> 
             reply = await sym1.ask("connect", addrs=relayed_only, timeout=30)
             assert reply["kind"] == "relayed", reply
             direct = await sym1.ask("wait_direct", peer=sym2.peer_id, timeout=30)
-            assert direct["direct"], direct
+            if not direct["direct"]:  # what each side's puncher tried (failed once in the project's CI at 253ac2e)
+                raise AssertionError(f"no direct connection: {direct}; sym1 {await sym1.ask('metrics')}; "
+                                     f"sym2 {await sym2.ask('metrics')}")
             print(f"symmetric NATs, filtered IPv6: relayed in {reply['elapsed']:.2f} s, "
                   f"direct over IPv6 {direct['elapsed']:.2f} s later")
             assert direct["addr"].startswith(f"/ip6/{s2_host.ip6}/"), direct
