@@ -360,7 +360,7 @@ class Node:
             # and the peers we have not identified yet: such a peer may have identified us before
             # the change, and would not hear of it (a refusal costs it one stream)
             targets = [p for p in self.connected_peers()
-                       if PUSH_PROTOCOL in self._protocols_of(p) or not self._protocols_of(p)]
+                       if PUSH_PROTOCOL in (known := self._protocols_of(p)) or not known]
             failed: list[ID] = []
             limiter = trio.CapacityLimiter(PUSH_CONCURRENCY)
 
