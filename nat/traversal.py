@@ -290,9 +290,17 @@ class NatService(SwarmObserver):
         return out
 
     def punch_addrs(self) -> list[Multiaddr]:
-        """What we offer in DCUtR: confirmed and observed public addresses of our listen port."""
-        confirmed = self.confirmed
-        return confirmed + [a for a in self._candidates() if a not in confirmed]
+        """What we offer in DCUtR: confirmed and observed public addresses of our listen port, and the
+        public ones it is bound to even where a dial-back refuted them. A refuted address is one a
+        stateful filter keeps unsolicited dials from (a home router's IPv6 firewall), which is what a
+        punch opens: both sides dial at once, and each filter lets the other's SYN in as an answer.
+        Offering the advertised ones alone, two peers behind such filters punched over IPv6 only
+        until their AutoNAT had refuted the address (a lab test failed whenever it was that late)."""
+        out = list(self.confirmed)
+        for addr in self._candidates() + [without_peer_id(a) for a in self.node.bound_addrs()]:
+            if addr not in out and self._public(addr):
+                out.append(addr)
+        return out
 
     # ---------------------------------------------------------------- learning about peers
 

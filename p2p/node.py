@@ -248,6 +248,12 @@ class Node:
         except OSError:  # a listener's socket closed under us as the node leaves (close_listeners)
             return []
 
+    def bound_addrs(self) -> list[Multiaddr]:
+        """The addresses our listen sockets take connections at: unspecified IPs expanded to this host's
+        own, whether or not a dial-back refuted them (:attr:`addrs` leaves refuted ones out). A hole
+        punch needs them: a stateful filter that refused a dial-back lets a punch's crossing dials in."""
+        return [a for listen in self.listen_addrs for a in _expand_unspecified(listen)]
+
     def interface_addrs(self, family: str) -> list[Multiaddr]:
         """This host's own IP addresses of ``family`` (``"ip4"`` or ``"ip6"``, as ``/<family>/<ip>/tcp/0``;
         no link-local IPv6), whatever we listen on: which networks a dial from here can reach."""

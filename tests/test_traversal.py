@@ -462,6 +462,31 @@ async def test_refused_relay_and_refuted_addresses_end_in_client_mode():
         assert await b.ping(fake.peer_id) > 0
 
 
+async def test_an_address_a_dial_back_refuted_is_still_offered_to_a_hole_punch():
+    """A stateful filter (a home router's IPv6 firewall) fails every dial-back but lets a punch's
+    crossing SYN in: a refuted address leaves what we advertise, not what DCUtR offers. Two peers
+    behind such filters punched over IPv6 only while their AutoNAT had not refuted it yet. We listen
+    on 127.0.0.2 and meet the server from 127.0.0.1: nothing it observed stands for that address."""
+    async with AsyncExitStack() as stack:
+        fake = await stack.enter_async_context(Node.open(loopback_config()))
+
+        async def never_reachable(stream: INetStream) -> None:
+            await read_message(stream, apb.Message)
+            response = apb.DialResponse(status=apb.DialResponse.OK, addrIdx=0, dialStatus=apb.E_DIAL_ERROR)
+            await write_message(stream, apb.Message(dialResponse=response))
+            await stream.close()
+
+        fake.set_stream_handler(DIAL_REQUEST, never_reachable)
+        b, b_nat, _ = await stack.enter_async_context(
+            nat_node(nat_config(allow_private=True, min_failures=1), listen=["/ip4/127.0.0.2/tcp/0"]))
+        listen = without_peer_id(b.addrs[0])
+        await b.connect(fake.addrs[0])
+        await wait_until(lambda: b_nat.reachability == "private")
+        assert listen not in [without_peer_id(a) for a in b.addrs]  # refuted: no longer advertised
+        assert listen not in b_nat._candidates()  # nor asked about again
+        assert listen in b_nat.punch_addrs()
+
+
 # ---------------------------------------------------------------------- hostile identify
 
 
