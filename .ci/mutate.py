@@ -69,6 +69,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "nat/port_mapping/pcp.py": ("tests/test_port_mapping_codecs.py",),
     "p2p/yamux.py": ("tests/test_yamux.py",),
     "p2p/noise.py": ("tests/test_noise.py",),
+    "nat/delay_line.py": ("tests/test_delay_line.py",),
+    "p2p/identity.py": ("tests/test_identity.py",),
 }
 
 KILLED = {"killed", "timeout"}

@@ -145,7 +145,10 @@ def peer_id_from_file(path: Path) -> tuple[str, bool]:
     else:
         message = keys_pb2.PrivateKey()
         try:
-            message.ParseFromString(_read_key_file(path))
+            data = _read_key_file(path)
+            if not data:  # parsed, it would be an RSA key of no bytes
+                raise ValueError
+            message.ParseFromString(data)
         except Exception as e:
             if isinstance(e, IdentityError):
                 raise

@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import random
 import select
 import socket
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from nat.delay_line import MAX_PACKET, DelayLine, open_tun, serve
+from nat.delay_line import MAX_PACKET, DelayLine, main, open_tun, serve
 
 from .kit import requires_root_netns
 
@@ -65,6 +67,30 @@ def test_nonsense_is_refused() -> None:
         DelayLine(delay=0.0, loss=1.5)
 
 
+class _Fixed(random.Random):
+    def __init__(self, value: float) -> None:
+        super().__init__()
+        self.value = value
+
+    def random(self) -> float:
+        return self.value
+
+
+def test_a_cut_link_loses_everything_and_says_so() -> None:
+    line = DelayLine(delay=0.0, loss=1.0)  # 100% is a loss like any other
+    assert [line.push(b"x", now=0.0) for _ in range(3)] == [False] * 3
+    assert line.lost == 3 and line.due(1.0) == []
+
+
+def test_a_packet_is_lost_with_probability_loss_exactly() -> None:
+    """random() is in [0, 1): a draw equal to ``loss`` passes (else loss=0.5 loses a hair more)."""
+    line = DelayLine(delay=0.0, loss=0.5, rng=_Fixed(0.5))
+    assert line.push(b"kept", now=0.0)
+    line.rng = _Fixed(0.4999)
+    assert not line.push(b"lost", now=0.0)
+    assert line.due(0.0) == [b"kept"] and line.lost == 1
+
+
 # ---------------------------------------------------------------------------- the process's loop
 
 
@@ -72,20 +98,25 @@ class Wire:
     """``serve`` on a thread, its devices ``SOCK_SEQPACKET`` pairs (a packet per read, as a TUN
     device's): ``ends[(ns, dev)]`` is the namespace's side of each device the wire opened."""
 
-    def __init__(self, fail: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+    def __init__(self, fail: set[str] = frozenset(), broken: set[str] = frozenset(),  # type: ignore[assignment]
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.ends: dict[tuple[str, str], socket.socket] = {}
         self.fds: list[int] = []  # the wire's sides, its to close
         self.fail = fail
+        self.broken = broken
         self.replies: list[dict[str, object]] = []
         self._commands_r, self._commands_w = os.pipe()
         self._got = threading.Condition()
         self.thread = threading.Thread(target=serve, args=(self._commands_r, self._reply),
-                                       kwargs={"open_device": self._open}, daemon=True)
+                                       kwargs={"open_device": self._open, "clock": clock}, daemon=True)
         self.thread.start()
 
     def _open(self, ns: str, dev: str) -> int:
         if dev in self.fail:
             raise OSError(19, f"no device {dev}")
+        if dev in self.broken:  # readable at once, and every read fails (ENOTCONN)
+            self.fds.append(socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET).detach())
+            return self.fds[-1]
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         ours.setblocking(False)
         self.ends[(ns, dev)] = ours
@@ -144,7 +175,8 @@ def wire() -> Iterator[Wire]:
 
 
 def test_the_wire_carries_packets_both_ways_after_the_delay_and_in_order(wire: Wire) -> None:
-    assert wire.link(delay_ms=60) == {"ok": True, "links": 1}
+    reply = wire.link(delay_ms=60)
+    assert reply == {"ok": True, "links": 1} and type(reply["links"]) is int
     home, core = wire.ends[("home", "eth0")], wire.ends[("core", "l1")]
     sent = time.monotonic()
     for i in range(20):
@@ -246,3 +278,74 @@ def test_an_idle_wire_sleeps(wire: Wire) -> None:
     before = wire.cpu_seconds()
     time.sleep(0.5)
     assert wire.cpu_seconds() - before < 0.1
+
+
+def test_a_packet_is_held_the_delay_to_the_millisecond_by_the_wire_s_clock() -> None:
+    now = [100.0]
+    wire = Wire(clock=lambda: now[0])
+    try:
+        wire.link(delay_ms=1000)
+        wire.ends[("home", "eth0")].send(b"late")
+        time.sleep(0.2)  # read by the wire at 100.0
+        now[0] = 100.9995  # due at 101.0: a wire that held it 999 ms lets it go here
+        assert wire.link(delay_ms=0, a_ns="b", b_dev="l2")["ok"]  # (a command wakes the wire: it looks again)
+        assert receive(wire.ends[("core", "l1")], 1, timeout=0.3) == []
+        now[0] = 101.0
+        assert [p for p, _ in receive(wire.ends[("core", "l1")], 1)] == [b"late"]
+    finally:
+        now[0] = 1e9
+        wire.close()
+
+
+def test_a_command_that_is_not_utf8_is_answered_and_the_wire_goes_on(wire: Wire) -> None:
+    os.write(wire._commands_w, b'{"a_ns": "\xff\xfe"}\n')
+    with wire._got:
+        assert wire._got.wait_for(lambda: wire.replies, timeout=5), "no reply: the wire died"
+    assert wire.replies[0]["ok"] is False and str(wire.replies[0]["error"]).startswith("KeyError")
+    assert wire.link(delay_ms=0) == {"ok": True, "links": 1}
+
+
+def test_a_device_whose_reads_fail_is_dropped_and_sends_nothing() -> None:
+    wire = Wire(broken={"l1"})
+    try:
+        assert wire.link(delay_ms=0)["ok"]
+        time.sleep(0.2)
+        assert receive(wire.ends[("home", "eth0")], 1, timeout=0.3) == []  # nothing made up from the failed reads
+        before = wire.cpu_seconds()
+        time.sleep(0.5)
+        assert wire.cpu_seconds() - before < 0.1  # no longer read
+    finally:
+        wire.close()
+
+
+@requires_root_netns
+def test_a_namespace_that_cannot_be_entered_or_a_device_that_cannot_be_made_says_why() -> None:
+    not_a_netns = "../../../../../proc/self/ns/uts"  # resolves outside /var/run/netns, to no network namespace
+    home = os.readlink("/proc/self/ns/net")
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError) as refused:
+        open_tun(not_a_netns, "wire2")
+    assert refused.value.errno == errno.EINVAL and refused.value.strerror == f"setns into {not_a_netns}"
+    ns = f"dltest{os.getpid()}b"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        with pytest.raises(OSError):  # "lo" is there already, and no TUN device
+            open_tun(ns, "lo")
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=False)
+    assert len(os.listdir("/proc/self/fd")) == fds and os.readlink("/proc/self/ns/net") == home
+
+
+def test_the_process_answers_each_command_with_one_json_line(monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    r, w = os.pipe()
+    os.write(w, b"not json\n[1]\n")
+    os.close(w)
+    with os.fdopen(r) as stdin:
+        monkeypatch.setattr(sys, "stdin", stdin)
+        main()  # returns once its stdin ends
+    out = capsys.readouterr().out
+    assert out.endswith("}\n") and out.count("\n") == 2
+    first, second = map(json.loads, out.splitlines())
+    assert first["ok"] is False and first["error"].startswith("JSONDecodeError")
+    assert second == {"ok": False, "error": "AttributeError: 'list' object has no attribute 'get'"}
