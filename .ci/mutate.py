@@ -71,6 +71,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "p2p/noise.py": ("tests/test_noise.py",),
     "nat/delay_line.py": ("tests/test_delay_line.py",),
     "p2p/identity.py": ("tests/test_identity.py",),
+    "training/data.py": ("tests/test_training_data.py",),
 }
 
 KILLED = {"killed", "timeout"}

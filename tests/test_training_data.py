@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -96,3 +97,137 @@ def test_parquet_shards_are_read_by_row_group(tmp_path: Path) -> None:
 
 def test_batches() -> None:
     assert list(batches(range(7), 3)) == [[0, 1, 2], [3, 4, 5], [6]]
+
+
+# ---------------------------------------------------------------------- each refusal, whole, and each edge
+
+def test_a_config_is_refused_with_what_to_give_and_its_edges_pass() -> None:
+    with pytest.raises(DataError, match=r"^no data: give shard files or directories \(text lines, JSON lines or parquet\)$"):
+        DataConfig(files=()).validate()
+    with pytest.raises(DataError, match="^shuffle_buffer must be at least 1$"):
+        DataConfig(files=("x",), shuffle_buffer=0).validate()
+    with pytest.raises(DataError, match=r"^passes must be >= 0 \(0: forever\)$"):
+        DataConfig(files=("x",), passes=-1).validate()
+    DataConfig(files=("x",), shuffle_buffer=1, passes=0).validate()
+    config = DataConfig(files=("x",))
+    assert (config.text_field, config.shuffle_buffer, config.seed, config.passes) == ("text", 10_000, None, 0)
+
+
+WANTED = ".json, .jsonl, .parquet, .text, .txt"
+
+
+def test_shards_are_found_by_their_suffix_in_any_case_and_nothing_else_is(tmp_path: Path) -> None:
+    from training.data import shard_paths
+
+    (tmp_path / "b.TXT").write_text("x\n")
+    (tmp_path / "a.JsonL").write_text('{"text": "y"}\n')
+    (tmp_path / "c.text").write_text("z\n")
+    (tmp_path / "notes.md").write_text("no\n")
+    (tmp_path / "sub.txt").mkdir()  # a directory named like a shard
+    assert shard_paths([str(tmp_path)]) == [tmp_path / "a.JsonL", tmp_path / "b.TXT", tmp_path / "c.text"]
+    assert shard_paths([str(tmp_path / "b.TXT"), str(tmp_path / "c.text")]) == [tmp_path / "b.TXT", tmp_path / "c.text"]
+    other = tmp_path / "more"
+    other.mkdir()
+    (other / "d.txt").write_text("w\n")
+    assert shard_paths([str(other), str(tmp_path)]) == [other / "d.txt", tmp_path / "a.JsonL", tmp_path / "b.TXT",
+                                                        tmp_path / "c.text"]  # every directory's, in the order given
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "readme").write_text("")
+    with pytest.raises(DataError, match=f"^{empty}: no shard files in it \\(wanted {WANTED}\\)$"):
+        shard_paths([str(empty)])
+    with pytest.raises(DataError, match=f"^{tmp_path / 'notes.md'}: unknown shard format '.md' \\(wanted {WANTED}\\)$"):
+        shard_paths([str(tmp_path / "notes.md")])
+    with pytest.raises(DataError, match=f"^{tmp_path / 'gone'}: no such file or directory$"):
+        shard_paths([str(tmp_path / "gone")])
+
+
+def test_a_shard_s_lines_are_read_stripped_undecodable_bytes_replaced_blank_ones_skipped(tmp_path: Path) -> None:
+    shard = tmp_path / "t.TXT"
+    shard.write_bytes(b"  first  \n\n   \nbad \xff byte\nlast")
+    assert list(read_shard(shard)) == ["first", "bad \ufffd byte", "last"]
+    lines = tmp_path / "l.JSON"
+    lines.write_bytes(b'{"body": "  kept as it is "}\n{"body": "   "}\n{"body": 7}\n{"body": null}\n{"body": "\xff"}\n')
+    from training.data import DataStats
+
+    stats = DataStats()
+    assert list(read_shard(lines, "body", stats)) == ["  kept as it is ", "\ufffd"]
+    assert stats.skipped == 2 and stats.skipped_where == [
+        (str(lines), 3, "no string field 'body'"), (str(lines), 4, "no string field 'body'")]
+    assert list(read_shard(lines, "body")) == ["  kept as it is ", "\ufffd"]  # no stats given: none kept
+
+
+def test_the_first_ten_skipped_lines_are_kept_and_logged_and_every_one_counted(tmp_path: Path, caplog) -> None:
+    from training.data import DataStats
+
+    shard = tmp_path / "bad.jsonl"
+    shard.write_text("oops\n" * 12)
+    stats = DataStats()
+    with caplog.at_level("WARNING", logger="training.data"):
+        assert list(read_shard(shard, stats=stats)) == []
+    assert stats.skipped == 12 and stats.skipped_where == [(str(shard), n, "not valid JSON") for n in range(1, 11)]
+    assert [r.getMessage() for r in caplog.records] == [f"skipping {shard} line {n}: not valid JSON" for n in range(1, 11)]
+
+
+def test_parquet_rows_that_are_no_text_are_skipped_and_a_missing_column_names_those_there_are(tmp_path: Path,
+                                                                                              monkeypatch) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"n": list(range(2400)), "text": ["a", None, "  ", "b"] * 600}), tmp_path / "r.PARQUET")
+    assert list(read_shard(tmp_path / "r.PARQUET")) == ["a", "b"] * 600
+    with pytest.raises(DataError, match=f"^{tmp_path / 'r.PARQUET'}: no column 'body' \\(columns: n, text\\)$"):
+        list(read_shard(tmp_path / "r.PARQUET", text_field="body"))
+    monkeypatch.setitem(__import__("sys").modules, "pyarrow.parquet", None)  # as if pyarrow were not installed
+    with pytest.raises(DataError, match=r"r.PARQUET: reading parquet needs pyarrow \(pip install pyarrow\)$"):
+        list(read_shard(tmp_path / "r.PARQUET"))
+
+
+def test_a_source_says_why_it_has_nothing_to_read(tmp_path: Path) -> None:
+    from training.data import ShardSource
+
+    source = ShardSource("wiki")
+    assert source.name == "wiki" and source.timeout == 600.0 and source.complete is False and source.paths() == []
+    source.add(tmp_path / "a.txt")
+    source.add(tmp_path / "a.txt")  # once
+    assert source.paths() == [tmp_path / "a.txt"] == source.wait_first()
+    empty = ShardSource("wiki", timeout=5.0)
+    empty.finish()
+    assert empty.complete
+    with pytest.raises(DataError, match="^swarm:wiki: the dataset has no shards$"):
+        empty.wait_first()
+    late = ShardSource("books", timeout=0.05)
+    with pytest.raises(DataError, match="^swarm:books: no shard arrived within 0.05 s$"):
+        late.wait_first()
+    soon = ShardSource("books", timeout=0.9)  # a shard 0.1 s later is waited for, under a second too
+    threading.Timer(0.1, soon.add, [tmp_path / "b.txt"]).start()
+    assert soon.wait_first() == [tmp_path / "b.txt"]
+    failed = ShardSource("wiki", timeout=5.0)
+    failed.fail("no seeder reached")
+    with pytest.raises(DataError, match="^swarm:wiki: no seeder reached$"):
+        failed.wait_first()
+
+
+def test_a_stream_without_a_seed_draws_its_own_and_one_with_a_source_needs_no_files(tmp_path: Path) -> None:
+    from training.data import ShardSource
+
+    write_shards(tmp_path, shards=2, lines=50)
+    config = DataConfig(files=(str(tmp_path),), shuffle_buffer=20, passes=1)
+    orders = {tuple(ExampleStream(config)) for _ in range(3)}
+    assert len(orders) == 3  # each its own order
+    seeded = DataConfig(files=(str(tmp_path),), shuffle_buffer=20, passes=1, seed=5)
+    assert list(ExampleStream(seeded)) == list(ExampleStream(seeded))  # a seed repeats the run
+    stream = ExampleStream(config)
+    assert stream.paths == sorted(tmp_path.iterdir()) and stream.stats.examples == 0 and stream.source is None
+    source = ShardSource("wiki")
+    sourced = ExampleStream(DataConfig(files=("swarm:wiki",)), source)  # its files are not looked for: the swarm brings them
+    assert sourced.paths == [] and sourced.source is source
+
+
+def test_a_pass_that_yields_nothing_says_how_many_shards_and_skipped_lines(tmp_path: Path) -> None:
+    (tmp_path / "a.jsonl").write_text("bad\n{}\n")
+    (tmp_path / "b.txt").write_text("\n\n")
+    with pytest.raises(DataError, match=r"^no examples in 2 shard\(s\) \(2 lines skipped\)$"):
+        list(ExampleStream(DataConfig(files=(str(tmp_path),), seed=0)))
+    (tmp_path / "b.txt").write_text("one\n")
+    stream = ExampleStream(DataConfig(files=(str(tmp_path),), seed=0, passes=2))
+    assert list(stream) == ["one", "one"] and stream.stats.passes == 2 and stream.stats.shards_read == 4

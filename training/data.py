@@ -119,14 +119,13 @@ def read_shard(path: Path, text_field: str = "text", stats: DataStats | None = N
                 continue
             try:
                 value = json.loads(line)
-                text = value[text_field] if isinstance(value, dict) else None
-                if not isinstance(text, str):
-                    raise KeyError(text_field)
-            except (ValueError, KeyError) as e:
-                why = f"no string field {text_field!r}" if isinstance(e, KeyError) else "not valid JSON"
-                _skip(stats, path, number, why)
+            except ValueError:
+                _skip(stats, path, number, "not valid JSON")
                 continue
-            if text.strip():
+            text = value.get(text_field) if isinstance(value, dict) else None
+            if not isinstance(text, str):
+                _skip(stats, path, number, f"no string field {text_field!r}")
+            elif text.strip():
                 yield text
 
 
