@@ -145,6 +145,12 @@ class Wire:
         fields = Path(f"/proc/self/task/{self.thread.native_id}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
+    def cpu_while_idle(self, seconds: float = 0.5) -> float:
+        """CPU time the wire's thread uses over the next ``seconds`` (nothing sent meanwhile)."""
+        before = self.cpu_seconds()
+        time.sleep(seconds)
+        return self.cpu_seconds() - before
+
     def close(self) -> None:
         os.close(self._commands_w)
         self.thread.join(timeout=5)
@@ -266,18 +272,14 @@ def test_a_link_whose_far_end_is_gone_does_not_stop_the_others(wire: Wire) -> No
     assert [p for p, _ in receive(wire.ends[("core", "l2")], 50)] == [b"%d" % i for i in range(50)]
     wire.ends[("core", "l2")].send(b"back")
     assert [p for p, _ in receive(wire.ends[("b", "eth0")], 1)] == [b"back"]
-    before = wire.cpu_seconds()
-    time.sleep(0.5)
-    assert wire.cpu_seconds() - before < 0.1  # idle: not spinning on the dead device's reads
+    assert wire.cpu_while_idle() < 0.1  # idle: not spinning on the dead device's reads
 
 
 def test_an_idle_wire_sleeps(wire: Wire) -> None:
     wire.link(delay_ms=30)
     wire.ends[("home", "eth0")].send(b"one")
     assert len(receive(wire.ends[("core", "l1")], 1)) == 1
-    before = wire.cpu_seconds()
-    time.sleep(0.5)
-    assert wire.cpu_seconds() - before < 0.1
+    assert wire.cpu_while_idle() < 0.1
 
 
 def test_a_packet_is_held_the_delay_to_the_millisecond_by_the_wire_s_clock() -> None:
@@ -311,9 +313,7 @@ def test_a_device_whose_reads_fail_is_dropped_and_sends_nothing() -> None:
         assert wire.link(delay_ms=0)["ok"]
         time.sleep(0.2)
         assert receive(wire.ends[("home", "eth0")], 1, timeout=0.3) == []  # nothing made up from the failed reads
-        before = wire.cpu_seconds()
-        time.sleep(0.5)
-        assert wire.cpu_seconds() - before < 0.1  # no longer read
+        assert wire.cpu_while_idle() < 0.1  # no longer read
     finally:
         wire.close()
 

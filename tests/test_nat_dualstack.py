@@ -16,6 +16,8 @@ peer`` runs) in network namespaces (``nat/lab.py`` with ``public_net6``):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import trio
 
@@ -65,14 +67,16 @@ async def test_dual_stack_peers_stay_reachable_to_ipv4_and_punch_over_ipv6() -> 
                             await a.ask("connect", addrs=addrs, timeout=20)
                     nursery.start_soon(meet)
 
-            async def settled(a: Agent, want: str) -> dict:
+            async def state_once(a: Agent, done: Callable[[dict], bool]) -> dict:
+                """The agent's state once ``done`` holds for it, or its last after 60 s."""
                 with trio.move_on_after(60):
-                    while True:
-                        state = await a.ask("state")
-                        if state["reachability"] == want and state["mode"] != "starting":
-                            return state
+                    while not done(state := await a.ask("state")):
                         await trio.sleep(0.5)
+                    return state
                 return await a.ask("state")
+
+            async def settled(a: Agent, want: str) -> dict:
+                return await state_once(a, lambda s: s["reachability"] == want and s["mode"] != "starting")
 
             first = await settled(servers[0], "public")
             assert first["mode"] == "public", first
@@ -106,9 +110,7 @@ async def test_dual_stack_peers_stay_reachable_to_ipv4_and_punch_over_ipv6() -> 
                 return any(a.startswith(f"/ip6/{lab.hosts[name].ip6}/tcp/{PORT}/") for a in state["addrs"])
 
             for a, name in ((sym1, "s1"), (sym2, "s2")):
-                with trio.move_on_after(60):
-                    while advertises6(state := await a.ask("state"), name):
-                        await trio.sleep(0.5)
+                state = await state_once(a, lambda s, name=name: not advertises6(s, name))
                 assert not advertises6(state, name), state
             s2 = await settled(sym2, "private")
             assert s2["mode"] == "relayed", s2
