@@ -118,8 +118,9 @@ async def latest_addrs(js: JsPeer, predicate: object, timeout: float) -> list[st
     return updates[-1] if updates else list(js.listening.get("addrs", []))
 
 
-#: js-libp2p's own log of its relay reservations (stderr), for a cell that failed
-JS_DEBUG = "libp2p:circuit-relay:transport:*"
+#: js-libp2p's own log of its relay reservations and of its AutoNAT v2 client (stderr: whether it asked
+#: our relay to dial it back and what it heard), for a cell that failed
+JS_DEBUG = "libp2p:circuit-relay:transport:*,libp2p:auto-nat-v2:*"
 
 
 def js_timeline(events: list[dict[str, Any]], js: JsPeer | None) -> str:
@@ -135,8 +136,9 @@ def js_timeline(events: list[dict[str, Any]], js: JsPeer | None) -> str:
                        f"{e.get('direction', '')}{' limited' if e.get('limited') else ''}")
         elif e.get("event") in ("error", "fatal"):
             out.append(f"{t} {e}")
-    log = js.stderr_tail.strip().splitlines()[-15:] if js is not None else []
-    return "; ".join(out) + ("\n  js's relay log:\n    " + "\n    ".join(log) if log else "")
+    lines = js.stderr_tail.strip().splitlines() if js is not None else []
+    log = [line for line in lines if not line.lstrip().startswith("at ")][-20:]  # no stack frames
+    return "; ".join(out) + ("\n  js's relay and AutoNAT log:\n    " + "\n    ".join(log) if log else "")
 
 
 async def run_cell(lab: Lab, relay_addr: str, index: int, cell: JsCell) -> None:

@@ -56,8 +56,14 @@ class AutoNATConfig:
     dial_data: int = 30_000
     #: Most bytes we agree to send when a server asks.
     max_dial_data: int = 100_000
-    #: Dial-backs this server runs at once; more requests are rejected.
+    #: Dial-backs this server runs at once; a request beyond them waits in line for one.
     max_concurrent: int = 8
+    #: Requests waiting for a dial-back, and how long each waits, before E_REQUEST_REJECTED. A client
+    #: may never ask again after a rejection (js-libp2p asks each server once per connection), and a
+    #: dial-back to a NAT that drops the SYN holds its slot for ``dial_timeout``: with 8 slots, a
+    #: rejection at once cost a public js peer its verdict while NATed peers' dial-backs ran (CI).
+    max_waiting: int = 32
+    slot_wait: float = 10.0
     #: Time for one dial-back (connect, handshake, nonce) and for a whole request.
     dial_timeout: float = 10.0
     request_timeout: float = 30.0
@@ -67,6 +73,8 @@ class AutoNATConfig:
             raise ConfigError("dial data sizes must not be negative")
         if self.max_concurrent < 1:
             raise ConfigError("AutoNAT rate limits must be at least 1")
+        if self.max_waiting < 0 or self.slot_wait < 0:
+            raise ConfigError("the AutoNAT waiting line must not be negative")
         if self.dial_timeout <= 0 or self.request_timeout <= 0:
             raise ConfigError("AutoNAT timeouts must be positive")
 
@@ -104,6 +112,7 @@ class AutoNATServer:
         self.config = config or AutoNATConfig()
         self.config.validate()
         self._slots = trio.Semaphore(self.config.max_concurrent)
+        self._waiting = 0
         #: Per peer that asked, ``public`` once a dial-back reached one of its addresses, else
         #: ``unreachable`` (newest last); the live page shows it as what this server knows of its NAT.
         self.verdicts: dict[ID, str] = {}
@@ -145,6 +154,11 @@ class AutoNATServer:
                 return
         await finish_quietly(stream.close)
 
+    async def _reject(self, stream: INetStream) -> None:
+        """Over a limit: E_REQUEST_REJECTED, counted."""
+        self.counts["rejected"] += 1
+        await self._respond(stream, pb.DialResponse.E_REQUEST_REJECTED)
+
     async def _respond(self, stream: INetStream, status: int, index: int = 0, dial: int = 0) -> None:
         response = pb.DialResponse(status=status, addrIdx=index, dialStatus=dial)  # type: ignore[arg-type]
         await write_message(stream, pb.Message(dialResponse=response))
@@ -154,9 +168,8 @@ class AutoNATServer:
         if msg.WhichOneof("msg") != "dialRequest":
             raise RemoteProtocolError("the first AutoNAT message is not a DialRequest")
         request = msg.dialRequest
-        if self._rate_limited(stream, peer) or self._slots.value == 0:
-            self.counts["rejected"] += 1
-            await self._respond(stream, pb.DialResponse.E_REQUEST_REJECTED)
+        if self._rate_limited(stream, peer):
+            await self._reject(stream)
             return
         # addrIdx is the place in the request (garbage entries count), among the first MAX_ADDRS.
         parsed = ((i, decode_addr(bytes(raw))) for i, raw in enumerate(list(request.addrs)[:MAX_ADDRS]))
@@ -182,11 +195,15 @@ class AutoNATServer:
             try:  # and however many pay, an address that is not theirs is dialed only so often
                 self._node.resources.allow("autonat.dial_back", _ip(target), trio.current_time())
             except ResourceLimitExceeded:
-                self.counts["rejected"] += 1
-                await self._respond(stream, pb.DialResponse.E_REQUEST_REJECTED)
+                await self._reject(stream)
                 return
-        async with self._slots:
+        if not await self._take_slot():
+            await self._reject(stream)
+            return
+        try:
             status = await self._dial_back(peer, target, request.nonce)
+        finally:
+            self._slots.release()
         # public once any of its addresses answered: a peer asks about each of its addresses in turn,
         # and one it cannot be reached at (a second interface, an old mapping) does not undo that
         verdict = "public" if status == pb.OK or self.verdicts.get(peer) == "public" else "unreachable"
@@ -195,6 +212,24 @@ class AutoNATServer:
         while len(self.verdicts) > MAX_VERDICTS:
             del self.verdicts[next(iter(self.verdicts))]
         await self._respond(stream, pb.DialResponse.OK, index, status)
+
+    async def _take_slot(self) -> bool:
+        """One of ``max_concurrent`` dial-back slots, waiting in line up to ``slot_wait``; False when
+        the line is full or the wait ran out (the caller must release a slot it got)."""
+        try:
+            self._slots.acquire_nowait()
+            return True
+        except trio.WouldBlock:
+            if self._waiting >= self.config.max_waiting:
+                return False
+        self._waiting += 1
+        try:
+            with trio.move_on_after(self.config.slot_wait):
+                await self._slots.acquire()
+                return True
+            return False
+        finally:
+            self._waiting -= 1
 
     def _families(self) -> set[str | None]:
         """The address families we can dial back: IPv4 (a NAT lets us dial out), and IPv6 where this host

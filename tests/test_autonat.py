@@ -17,6 +17,7 @@ from p2p.wire import MAX_ADDRS, read_message, write_message
 from p2p import Node
 from p2p.addresses import without_peer_id
 from p2p.varint import encode_varint
+from p2p.errors import ConfigError
 from p2p.resources import Rate
 
 from .conftest import open_nodes
@@ -344,6 +345,68 @@ async def test_requests_per_peer_are_rate_limited():
             other.install()
             await d.connect(s.addrs[0])
             assert (await other.check(s.peer_id, [listen_addr(d)])).reachable is True
+
+
+@asynccontextmanager
+async def silent_port() -> AsyncIterator[int]:
+    """A TCP port that accepts and never speaks: a dial-back there holds its slot for the dial timeout."""
+    (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    held: list[trio.SocketStream] = []
+
+    async def serve() -> None:
+        async with listener:
+            while True:
+                held.append(await listener.accept())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve)
+        yield listener.socket.getsockname()[1]
+        nursery.cancel_scope.cancel()
+    for conn in held:
+        await conn.aclose()
+
+
+@pytest.mark.parametrize("slot_wait, max_waiting, served", [(10.0, 32, True), (0.3, 32, False), (10.0, 0, False)])
+async def test_a_request_beyond_the_dial_back_slots_waits_in_line_for_one(slot_wait, max_waiting, served):
+    """One slot, held for its 1.5 s dial timeout by a silent address: the next request waits and gets
+    its verdict (a client told E_REQUEST_REJECTED may never ask again: js-libp2p asks once per
+    connection); rejected only when its wait runs out or the line is full, at once then."""
+    config = AutoNATConfig(allow_private=True, max_concurrent=1, dial_timeout=1.5, slot_wait=slot_wait,
+                           max_waiting=max_waiting)
+    async with silent_port() as port, autonat_pair(config) as (s, server, c, client):
+        results: dict[str, object] = {}
+
+        async def check(name: str, addr: Multiaddr) -> None:
+            started = trio.current_time()
+            try:
+                results[name] = (await client.check(s.peer_id, [addr])).reachable
+            except AutoNATError as e:
+                results[name] = str(e)
+            results[name + " took"] = trio.current_time() - started
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(check, "silent", Multiaddr(f"/ip4/127.0.0.1/tcp/{port}"))
+            await wait_until(lambda: server._slots.value == 0, 5, what="the silent dial-back under way")
+            nursery.start_soon(check, "next", listen_addr(c))
+        assert results["silent"] is False
+        if served:
+            assert results["next"] is True and server.metrics()["rejected"] == 0
+            assert server.metrics()["dial_backs"] == 2 and server.metrics()["dial_back_ok"] == 1
+        else:
+            assert "E_REQUEST_REJECTED" in str(results["next"]) and server.metrics()["rejected"] == 1
+            assert server.metrics()["dial_backs"] == 1
+            assert results["next took"] < (0.5 if max_waiting == 0 else 1.2), results  # type: ignore[operator]
+            assert results["next took"] >= (0.0 if max_waiting == 0 else 0.3), results  # type: ignore[operator]
+        assert server._waiting == 0 and server._slots.value == 1
+
+
+@pytest.mark.parametrize("field, value", [("max_concurrent", 0), ("max_waiting", -1), ("slot_wait", -0.1),
+                                          ("dial_data", -1), ("max_dial_data", -1), ("dial_timeout", 0),
+                                          ("request_timeout", 0)])
+def test_autonat_limits_out_of_range_are_refused(field, value):
+    with pytest.raises(ConfigError):
+        AutoNATConfig(**{field: value}).validate()
+    AutoNATConfig(**{field: {"max_concurrent": 1, "dial_timeout": 0.1, "request_timeout": 0.1}.get(field, 0)}).validate()
 
 
 async def test_private_addresses_are_refused_unless_allowed():
