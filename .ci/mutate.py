@@ -72,6 +72,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "nat/delay_line.py": ("tests/test_delay_line.py",),
     "p2p/identity.py": ("tests/test_identity.py",),
     "training/data.py": ("tests/test_training_data.py",),
+    "p2p/peer_exchange.py": ("tests/test_peer_exchange.py",),
 }
 
 KILLED = {"killed", "timeout"}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import threading
 import time
@@ -196,3 +197,11 @@ def readme_example(marker: str, relay_addr: str) -> str:
     code, n = re.subn(r'^RELAY = ".*"$', f"RELAY = {relay_addr!r}", block, flags=re.M)
     assert n == 1, f"the README's {marker} no longer has a RELAY line"
     return code
+
+
+def closed_port() -> int:
+    """A loopback TCP port nothing listens on (bound and let go: a dial there is refused at once)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port

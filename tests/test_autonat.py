@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -21,7 +20,7 @@ from p2p.errors import ConfigError
 from p2p.resources import Rate
 
 from .conftest import open_nodes
-from .kit import wait_until
+from .kit import closed_port, wait_until
 
 OTHER_IP = "127.0.0.2"  # loopback too, but not the IP the client's requests come from
 
@@ -57,12 +56,6 @@ async def tcp_counter(host: str = OTHER_IP) -> AsyncIterator[tuple[int, list[obj
         nursery.start_soon(serve)
         yield port, accepted
         nursery.cancel_scope.cancel()
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def listen_addr(node: Node) -> Multiaddr:
