@@ -73,6 +73,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "p2p/identity.py": ("tests/test_identity.py",),
     "training/data.py": ("tests/test_training_data.py",),
     "p2p/peer_exchange.py": ("tests/test_peer_exchange.py",),
+    "nat/autonat.py": ("tests/test_autonat.py",),
 }
 
 KILLED = {"killed", "timeout"}

@@ -205,3 +205,9 @@ def closed_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def log_lines(caplog: pytest.LogCaptureFixture, logger: str, start: str) -> list[str]:
+    """``logger``'s captured lines that begin with ``start``, each formatted (a wrong count of arguments
+    raises here, as it would only print a traceback in a real log)."""
+    return [r.getMessage() for r in caplog.records if r.name == logger and r.getMessage().startswith(start)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -10,7 +11,8 @@ import trio
 from libp2p.abc import INetStream
 from multiaddr import Multiaddr
 
-from nat.autonat import DIAL_BACK, DIAL_REQUEST, AutoNATClient, AutoNATConfig, AutoNATError, AutoNATServer
+import nat.autonat
+from nat.autonat import DIAL_BACK, DIAL_REQUEST, AutoNATClient, AutoNATConfig, AutoNATError, AutoNATServer, DialResult
 from nat.proto import autonat_v2_pb2 as pb
 from p2p.wire import MAX_ADDRS, read_message, write_message
 from p2p import Node
@@ -20,7 +22,7 @@ from p2p.errors import ConfigError
 from p2p.resources import Rate
 
 from .conftest import open_nodes
-from .kit import closed_port, wait_until
+from .kit import closed_port, log_lines, wait_until
 
 OTHER_IP = "127.0.0.2"  # loopback too, but not the IP the client's requests come from
 
@@ -92,7 +94,8 @@ def request(addrs: list[bytes], nonce: int = 1234) -> bytes:
 async def test_dial_back_confirms_a_listening_address():
     async with autonat_pair() as (s, server, c, client):
         result = await client.check(s.peer_id, [listen_addr(c)])
-        assert result.reachable is True and result.addr == listen_addr(c) and result.server == s.peer_id
+        assert result == DialResult(s.peer_id, listen_addr(c), True, "dial-back with our nonce arrived")
+        assert server.verdicts == {c.peer_id: "public"}
         assert server.metrics()["dial_backs"] == 1 and server.metrics()["dial_back_ok"] == 1
         assert server.metrics()["dial_data_asked"] == 0  # the client's own IP costs nothing
         assert client._waiting == {}
@@ -101,9 +104,11 @@ async def test_dial_back_confirms_a_listening_address():
 async def test_closed_port_is_reported_unreachable():
     async with autonat_pair() as (s, server, c, client):
         port = closed_port()
-        result = await client.check(s.peer_id, [Multiaddr(f"/ip4/127.0.0.1/tcp/{port}")])
-        assert result.reachable is False and str(port) in str(result.addr)
+        dead = Multiaddr(f"/ip4/127.0.0.1/tcp/{port}")
+        result = await client.check(s.peer_id, [dead])
+        assert result == DialResult(s.peer_id, dead, False, "server could not connect")
         assert server.metrics()["dial_backs"] == 1 and server.metrics()["dial_back_ok"] == 0
+        assert server.verdicts == {c.peer_id: "unreachable"}
 
 
 async def test_server_dials_the_first_acceptable_address_and_says_which():
@@ -168,7 +173,16 @@ async def test_claimed_success_without_dial_back_is_ignored():
 
     async with fake_server(behaviour) as (f, c, client):
         result = await client.check(f.peer_id, [listen_addr(c)])
-        assert result.reachable is None and "never arrived" in result.detail
+        assert result == DialResult(f.peer_id, listen_addr(c), None, "server claims a dial-back that never arrived: ignored")
+
+
+async def test_a_server_that_connected_but_could_not_deliver_gives_no_verdict():
+    async def behaviour(f: Node, stream: INetStream, req: pb.DialRequest) -> None:
+        await respond(stream, dial=pb.E_DIAL_BACK_ERROR)
+
+    async with fake_server(behaviour) as (f, c, client):
+        result = await client.check(f.peer_id, [listen_addr(c)])
+        assert result == DialResult(f.peer_id, listen_addr(c), None, "server connected but could not deliver the nonce")
 
 
 async def test_nonce_over_the_connection_we_dialed_proves_nothing():
@@ -188,13 +202,14 @@ async def test_nonce_over_the_connection_we_dialed_proves_nothing():
 @pytest.mark.parametrize(
     ("answer", "words"),
     [
-        (pb.DialResponse(status=pb.DialResponse.OK, addrIdx=5, dialStatus=pb.OK), "address #5"),
-        (pb.DialResponse(status=pb.DialResponse.E_REQUEST_REJECTED), "E_REQUEST_REJECTED"),
-        (pb.DialResponse(status=pb.DialResponse.E_DIAL_REFUSED), "E_DIAL_REFUSED"),
-        (pb.DialResponse(status=pb.DialResponse.E_INTERNAL_ERROR), "E_INTERNAL_ERROR"),
-        (pb.DialResponse(status=77), "77"),  # type: ignore[arg-type]
+        (pb.DialResponse(status=pb.DialResponse.OK, addrIdx=5, dialStatus=pb.OK), "answered for address #5 of 1"),
+        (pb.DialResponse(status=pb.DialResponse.OK, addrIdx=1, dialStatus=pb.OK), "answered for address #1 of 1"),
+        (pb.DialResponse(status=pb.DialResponse.E_REQUEST_REJECTED), "gave no verdict: E_REQUEST_REJECTED"),
+        (pb.DialResponse(status=pb.DialResponse.E_DIAL_REFUSED), "gave no verdict: E_DIAL_REFUSED"),
+        (pb.DialResponse(status=pb.DialResponse.E_INTERNAL_ERROR), "gave no verdict: E_INTERNAL_ERROR"),
+        (pb.DialResponse(status=77), "gave no verdict: 77"),  # type: ignore[arg-type]
     ],
-    ids=["index-out-of-range", "rejected", "refused", "internal", "unknown-status"],
+    ids=["index-out-of-range", "index-one-past", "rejected", "refused", "internal", "unknown-status"],
 )
 async def test_forged_or_negative_responses_give_no_verdict(answer, words):
     async def behaviour(f: Node, stream: INetStream, req: pb.DialRequest) -> None:
@@ -202,8 +217,10 @@ async def test_forged_or_negative_responses_give_no_verdict(answer, words):
         await stream.close()
 
     async with fake_server(behaviour) as (f, c, client):
-        with pytest.raises(AutoNATError, match=words):
+        with pytest.raises(AutoNATError) as raised:
             await client.check(f.peer_id, [listen_addr(c)])
+        assert str(raised.value) == f"{f.peer_id} {words}"
+        assert raised.value.status == (words.split(": ")[1] if "verdict" in words else None)
 
 
 @pytest.mark.parametrize(
@@ -250,6 +267,32 @@ async def test_client_pays_dial_data_at_most_once_and_within_its_limit():
         with pytest.raises(AutoNATError, match="dial data"):
             await client.check(f.peer_id, [listen_addr(c)])
         assert 30_000 <= sum(received) <= 50_000
+
+
+@pytest.mark.parametrize(("asked", "chunks"), [(8192, 2), (8193, 3), (10_000, 3), (10_001, None)])
+async def test_client_pays_what_is_asked_in_whole_chunks_up_to_its_limit(asked, chunks):
+    """Dial data goes in 4096-byte chunks, as many as cover the ask, nothing more; an ask over
+    ``max_dial_data`` (10,000 here) is refused, one equal to it is paid."""
+    paid: list[int] = []
+
+    async def behaviour(f: Node, stream: INetStream, req: pb.DialRequest) -> None:
+        await write_message(stream, pb.Message(dialDataRequest=pb.DialDataRequest(addrIdx=0, numBytes=asked)))
+        count = 0
+        with trio.move_on_after(1.0):  # everything the client sends, not only what covers the ask
+            while True:
+                msg = await read_message(stream, pb.Message, max_size=8192)
+                assert len(msg.dialDataResponse.data) == 4096
+                count += 1
+        paid.append(count)
+        await respond(stream, dial=pb.E_DIAL_ERROR)
+
+    async with fake_server(behaviour, AutoNATConfig(max_dial_data=10_000)) as (f, c, client):
+        if chunks is None:
+            with pytest.raises(AutoNATError, match=f"server asks {asked} bytes of dial data, over our 10000"):
+                await client.check(f.peer_id, [listen_addr(c)])
+            return
+        result = await client.check(f.peer_id, [listen_addr(c)])
+        assert result.reachable is False and paid == [chunks]
 
 
 async def test_client_refusing_to_pay_gets_no_dial():
@@ -322,7 +365,8 @@ async def test_server_rejects_dial_data_that_is_not_dial_data():
 # ---------------------------------------------------------------------- server limits
 
 
-async def test_requests_per_peer_are_rate_limited():
+async def test_requests_per_peer_are_rate_limited(caplog):
+    caplog.set_level(logging.DEBUG, logger="nat.autonat")
     async with autonat_pair(AutoNATConfig(allow_private=True)) as (s, server, c, client):
         s.resources.config.rates["autonat"] = Rate(1 / 60, 2)  # the node's resource manager keeps the rates
         dead = Multiaddr(f"/ip4/127.0.0.1/tcp/{closed_port()}")
@@ -331,7 +375,12 @@ async def test_requests_per_peer_are_rate_limited():
         with pytest.raises(AutoNATError, match="E_REQUEST_REJECTED"):
             await client.check(s.peer_id, [listen_addr(c)])
         assert server.metrics()["rejected"] == 1 and server.metrics()["dial_backs"] == 2
+        assert server.metrics()["requests"] == 3
         assert s.resources.refused["service.autonat_requests_a_second_per_peer"] == 1
+        (line,) = log_lines(caplog, "nat.autonat", f"AutoNAT request from {c.peer_id} rejected: ")
+        assert "autonat" in line.split("rejected: ")[1]
+        failed = log_lines(caplog, "nat.autonat", f"dial-back to {c.peer_id} at {dead} failed: ")
+        assert len(failed) == 2 and not any(line.endswith(": None") for line in failed)
         # Another peer is not affected.
         async with open_nodes(1) as (d,):
             other = AutoNATClient(d)
@@ -397,9 +446,62 @@ async def test_a_request_beyond_the_dial_back_slots_waits_in_line_for_one(slot_w
                                           ("dial_data", -1), ("max_dial_data", -1), ("dial_timeout", 0),
                                           ("request_timeout", 0)])
 def test_autonat_limits_out_of_range_are_refused(field, value):
-    with pytest.raises(ConfigError):
+    words = {"max_concurrent": "AutoNAT rate limits must be at least 1",
+             "max_waiting": "the AutoNAT waiting line must not be negative", "slot_wait": "the AutoNAT waiting line must not be negative",
+             "dial_data": "dial data sizes must not be negative", "max_dial_data": "dial data sizes must not be negative",
+             "dial_timeout": "AutoNAT timeouts must be positive", "request_timeout": "AutoNAT timeouts must be positive"}
+    with pytest.raises(ConfigError, match=f"^{words[field]}$"):
         AutoNATConfig(**{field: value}).validate()
     AutoNATConfig(**{field: {"max_concurrent": 1, "dial_timeout": 0.1, "request_timeout": 0.1}.get(field, 0)}).validate()
+
+
+async def test_requests_from_one_ip_are_rate_limited_whatever_the_peer_ids():
+    """Fresh peer ids cost nothing; the requests from one address are counted together."""
+    async with autonat_pair(AutoNATConfig(allow_private=True)) as (s, server, c, client):
+        s.resources.config.rates.update({"autonat": Rate(100, 100), "autonat.address": Rate(1 / 60, 2)})
+        assert (await client.check(s.peer_id, [listen_addr(c)])).reachable is True
+        async with open_nodes(2) as (d, e):
+            clients = [AutoNATClient(d), AutoNATClient(e)]
+            for other, its in zip((d, e), clients):
+                its.install()
+                await other.connect(s.addrs[0])
+            assert (await clients[0].check(s.peer_id, [listen_addr(d)])).reachable is True
+            with pytest.raises(AutoNATError, match="E_REQUEST_REJECTED"):
+                await clients[1].check(s.peer_id, [listen_addr(e)])
+        assert s.resources.refused["service.autonat.address_requests_a_second_per_peer"] == 1
+        assert server.metrics()["rejected"] == 1
+
+
+async def test_the_server_remembers_each_peers_verdict_newest_last_and_only_so_many(monkeypatch):
+    """What the live page shows of the peers that asked: public once any of a peer's addresses was
+    reached (a later failure on another address does not undo it), unreachable otherwise; the peer
+    asked most recently last, and the oldest forgotten past MAX_VERDICTS."""
+    monkeypatch.setattr(nat.autonat, "MAX_VERDICTS", 2)
+    dead = Multiaddr(f"/ip4/127.0.0.1/tcp/{closed_port()}")
+    async with autonat_pair() as (s, server, c, client), open_nodes(2) as (d, e):
+        clients = {}
+        for other in (d, e):
+            clients[other.peer_id] = AutoNATClient(other)
+            clients[other.peer_id].install()
+            await other.connect(s.addrs[0])
+        await client.check(s.peer_id, [listen_addr(c)])
+        await client.check(s.peer_id, [dead])
+        assert server.verdicts == {c.peer_id: "public"}
+        await clients[d.peer_id].check(s.peer_id, [dead])
+        assert list(server.verdicts.items()) == [(c.peer_id, "public"), (d.peer_id, "unreachable")]
+        await client.check(s.peer_id, [dead])  # c asked again: it moves to the end
+        assert list(server.verdicts) == [d.peer_id, c.peer_id]
+        await clients[e.peer_id].check(s.peer_id, [listen_addr(e)])
+        assert list(server.verdicts.items()) == [(c.peer_id, "public"), (e.peer_id, "public")]
+
+
+async def test_refusals_and_requests_are_each_counted():
+    async with autonat_pair(AutoNATConfig()) as (s, server, c, client):
+        for _ in range(2):
+            with pytest.raises(AutoNATError, match="E_DIAL_REFUSED"):
+                await client.check(s.peer_id, [Multiaddr("/ip4/10.0.0.1/tcp/4001")])
+        assert server.metrics() == {"requests": 2, "rejected": 0, "refused": 2, "dial_backs": 0, "dial_back_ok": 0,
+                                    "dial_data_asked": 0}
 
 
 async def test_private_addresses_are_refused_unless_allowed():
@@ -446,9 +548,13 @@ async def test_client_rejects_an_empty_check():
     ],
     ids=["oversized", "endless-varint", "garbled", "truncated", "not-a-dial-request", "500-addresses"],
 )
-async def test_bad_requests_are_reset_and_server_keeps_working(raw, close):
+async def test_bad_requests_are_reset_and_server_keeps_working(raw, close, caplog):
+    caplog.set_level(logging.DEBUG, logger="nat.autonat")
     async with autonat_pair() as (s, server, c, client):
         assert await raw_request(c, s, raw, close=close) is None
+        said = [*log_lines(caplog, "nat.autonat", f"bad AutoNAT request from {c.peer_id}: "),
+                *log_lines(caplog, "nat.autonat", f"AutoNAT request from {c.peer_id} ended early: ")]
+        assert len(said) == 1 and not said[0].endswith(": None"), said
         assert server.metrics()["dial_backs"] == 0
         assert (await client.check(s.peer_id, [listen_addr(c)])).reachable is True
 
@@ -469,13 +575,16 @@ async def test_hundreds_of_bogus_addresses_only_the_first_ones_are_parsed():
         assert server.metrics()["dial_backs"] == 1
 
 
-async def test_dial_back_stream_with_garbage_is_reset_and_client_keeps_working():
+async def test_dial_back_stream_with_garbage_is_reset_and_client_keeps_working(caplog):
+    caplog.set_level(logging.DEBUG, logger="nat.autonat")
     async with autonat_pair() as (s, server, c, client):
         conn = await s.network.dial_addr(listen_addr(c), c.peer_id)
         back = await s.new_stream_on(conn, DIAL_BACK)
         await back.write(encode_varint(5000))
         with trio.fail_after(15), pytest.raises(Exception):
             await read_message(back, pb.DialBackResponse)
+        (line,) = log_lines(caplog, "nat.autonat", f"a dial-back stream from {s.peer_id} ended before its nonce: ")
+        assert not line.endswith(": None")
         await conn.close()
         assert (await client.check(s.peer_id, [listen_addr(c)])).reachable is True
 
@@ -517,6 +626,7 @@ async def test_a_stranger_cannot_make_the_server_an_amplifier():
                     assert "E_REQUEST_REJECTED" in str(e)
                     rejected += 1
             assert server.metrics()["dial_backs"] == 4 and rejected == 4
+            assert server.metrics()["rejected"] == 4 and server.metrics()["dial_data_asked"] == 8
             assert s.resources.refused["service.autonat.dial_back_requests_a_second_per_peer"] == 4
             await wait_until(lambda: len(received) == 4, 10, what="the dial-backs counted")
         nursery.cancel_scope.cancel()

@@ -15,7 +15,7 @@ from p2p.proto.peer_exchange_pb2 import Ack, Greeting, PeerRecord, PeersRequest,
 from p2p.rpc import RpcError
 
 from .conftest import open_nodes
-from .kit import closed_port, wait_until
+from .kit import closed_port, log_lines, wait_until
 
 
 async def test_newcomer_meets_the_swarm_through_one_peer():
@@ -271,8 +271,7 @@ async def test_a_greeting_is_cut_by_the_greeter_too() -> None:
 
 
 def logged(caplog: pytest.LogCaptureFixture, start: str) -> list[str]:
-    """The exchange's log lines that begin with ``start`` (formatting each: a wrong argument count raises)."""
-    return [r.getMessage() for r in caplog.records if r.name == "p2p.peer_exchange" and r.getMessage().startswith(start)]
+    return log_lines(caplog, "p2p.peer_exchange", start)
 
 
 async def test_a_round_asks_past_a_peer_that_does_not_answer_and_counts_whom_it_could_not_reach(
