@@ -111,6 +111,20 @@ async def test_closed_port_is_reported_unreachable():
         assert server.verdicts == {c.peer_id: "unreachable"}
 
 
+async def test_a_client_that_takes_no_dial_back_stream_gets_no_verdict_and_each_success_is_counted(caplog):
+    caplog.set_level(logging.DEBUG, logger="nat.autonat")
+    async with autonat_pair() as (s, server, c, client):
+        for _ in range(2):
+            assert (await client.check(s.peer_id, [listen_addr(c)])).reachable is True
+        assert server.metrics()["dial_back_ok"] == 2
+        client.install().remove()  # the dial-back protocol no longer served: the server connects, the stream fails
+        result = await client.check(s.peer_id, [listen_addr(c)])
+        assert result == DialResult(s.peer_id, listen_addr(c), None, "server connected but could not deliver the nonce")
+        assert server.metrics()["dial_backs"] == 3 and server.metrics()["dial_back_ok"] == 2
+    (line,) = log_lines(caplog, "nat.autonat", f"dial-back to {c.peer_id} connected but the nonce did not get through: ")
+    assert not line.endswith(": None")
+
+
 async def test_server_dials_the_first_acceptable_address_and_says_which():
     async with autonat_pair() as (s, server, c, client):
         addrs = [Multiaddr("/ip4/127.0.0.1/udp/4001/quic-v1"), Multiaddr(f"/ip4/127.0.0.1/tcp/{closed_port()}"), listen_addr(c)]
@@ -264,8 +278,9 @@ async def test_client_pays_dial_data_at_most_once_and_within_its_limit():
         await respond(stream)
 
     async with fake_server(behaviour, AutoNATConfig(max_dial_data=50_000)) as (f, c, client):
-        with pytest.raises(AutoNATError, match="dial data"):
+        with pytest.raises(AutoNATError) as raised:
             await client.check(f.peer_id, [listen_addr(c)])
+        assert str(raised.value) == f"AutoNAT check with {f.peer_id} failed: server asks for dial data again"
         assert 30_000 <= sum(received) <= 50_000
 
 
@@ -295,12 +310,18 @@ async def test_client_pays_what_is_asked_in_whole_chunks_up_to_its_limit(asked, 
         assert result.reachable is False and paid == [chunks]
 
 
-async def test_client_refusing_to_pay_gets_no_dial():
+async def test_client_refusing_to_pay_gets_no_dial(caplog):
+    caplog.set_level(logging.DEBUG, logger="nat.autonat")
     async with tcp_counter() as (port, accepted):
         async with autonat_pair(client_config=AutoNATConfig(max_dial_data=1000)) as (s, server, c, client):
             target = Multiaddr(f"/ip4/{OTHER_IP}/tcp/{port}")
             with pytest.raises(AutoNATError, match="dial data"):
                 await client.check(s.peer_id, [target])
+            # the client reset the stream: the server, waiting for the data, says the request ended early
+            await wait_until(lambda: log_lines(caplog, "nat.autonat", f"AutoNAT request from {c.peer_id} ended early: "),
+                             10, what="the server's line")
+            (line,) = log_lines(caplog, "nat.autonat", f"AutoNAT request from {c.peer_id} ended early: ")
+            assert not line.endswith(": None")
             assert server.metrics()["dial_data_asked"] == 1
             assert server.metrics()["dial_backs"] == 0
             # The server keeps working for requests it need not be paid for.
@@ -329,7 +350,8 @@ async def test_third_party_is_dialed_only_after_payment():
             assert server.metrics()["dial_data_asked"] == 1 and server.metrics()["dial_backs"] == 1
 
 
-async def test_server_rejects_dial_data_that_is_not_dial_data():
+async def test_server_rejects_dial_data_that_is_not_dial_data(caplog):
+    caplog.set_level(logging.DEBUG, logger="nat.autonat")
     async with tcp_counter() as (port, accepted):
         async with autonat_pair() as (s, server, c, client):
             stream = await c.new_stream(s.peer_id, DIAL_REQUEST)
@@ -360,6 +382,8 @@ async def test_server_rejects_dial_data_that_is_not_dial_data():
             assert server.metrics()["dial_backs"] == 0
             assert (await client.check(s.peer_id, [listen_addr(c)])).reachable is True
         assert accepted == []
+        assert f"bad AutoNAT request from {c.peer_id}: expected DialDataResponse" in \
+            log_lines(caplog, "nat.autonat", "bad AutoNAT request from ")
 
 
 # ---------------------------------------------------------------------- server limits
@@ -528,7 +552,7 @@ async def test_an_ipv6_address_is_judged_only_by_a_server_with_ipv6(monkeypatch)
 
 async def test_client_rejects_an_empty_check():
     async with autonat_pair() as (s, server, c, client):
-        with pytest.raises(AutoNATError, match="no address"):
+        with pytest.raises(AutoNATError, match="^no address to check$"):
             await client.check(s.peer_id, [])
         assert server.metrics()["requests"] == 0
 
@@ -555,6 +579,8 @@ async def test_bad_requests_are_reset_and_server_keeps_working(raw, close, caplo
         said = [*log_lines(caplog, "nat.autonat", f"bad AutoNAT request from {c.peer_id}: "),
                 *log_lines(caplog, "nat.autonat", f"AutoNAT request from {c.peer_id} ended early: ")]
         assert len(said) == 1 and not said[0].endswith(": None"), said
+        if raw == _frame(pb.Message(dialDataResponse=pb.DialDataResponse(data=b"1234"))):  # not a dial request
+            assert said == [f"bad AutoNAT request from {c.peer_id}: the first AutoNAT message is not a DialRequest"]
         assert server.metrics()["dial_backs"] == 0
         assert (await client.check(s.peer_id, [listen_addr(c)])).reachable is True
 
