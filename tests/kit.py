@@ -200,7 +200,8 @@ def readme_example(marker: str, relay_addr: str) -> str:
 
 
 def closed_port() -> int:
-    """A loopback TCP port nothing listens on (bound and let go: a dial there is refused at once)."""
+    """A loopback TCP port nothing listens on now (bound and let go): a dial there is refused at once,
+    and a listener started later may take it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]

@@ -41,23 +41,28 @@ async def autonat_pair(
 
 
 @asynccontextmanager
-async def tcp_counter(host: str = OTHER_IP) -> AsyncIterator[tuple[int, list[object]]]:
-    """A bare TCP port (a 'third party') that counts the connections it gets and closes them at once."""
+async def tcp_counter(host: str = OTHER_IP, *, hold: bool = False) -> AsyncIterator[tuple[int, list[trio.SocketStream]]]:
+    """A bare TCP port (a 'third party') that counts the connections it gets and closes them at once, or,
+    with ``hold``, keeps them open and silent until the block ends (a dial-back there holds its slot for
+    the dial timeout)."""
     (listener,) = await trio.open_tcp_listeners(0, host=host)
     port = listener.socket.getsockname()[1]
-    accepted: list[object] = []
+    accepted: list[trio.SocketStream] = []
 
     async def serve() -> None:
         async with listener:
             while True:
                 conn = await listener.accept()
                 accepted.append(conn)
-                await conn.aclose()
+                if not hold:
+                    await conn.aclose()
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(serve)
         yield port, accepted
         nursery.cancel_scope.cancel()
+    for conn in accepted:
+        await conn.aclose()
 
 
 def listen_addr(node: Node) -> Multiaddr:
@@ -413,25 +418,6 @@ async def test_requests_per_peer_are_rate_limited(caplog):
             assert (await other.check(s.peer_id, [listen_addr(d)])).reachable is True
 
 
-@asynccontextmanager
-async def silent_port() -> AsyncIterator[int]:
-    """A TCP port that accepts and never speaks: a dial-back there holds its slot for the dial timeout."""
-    (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    held: list[trio.SocketStream] = []
-
-    async def serve() -> None:
-        async with listener:
-            while True:
-                held.append(await listener.accept())
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(serve)
-        yield listener.socket.getsockname()[1]
-        nursery.cancel_scope.cancel()
-    for conn in held:
-        await conn.aclose()
-
-
 @pytest.mark.parametrize("slot_wait, max_waiting, served", [(10.0, 32, True), (0.3, 32, False), (10.0, 0, False)])
 async def test_a_request_beyond_the_dial_back_slots_waits_in_line_for_one(slot_wait, max_waiting, served):
     """One slot, held for its 1.5 s dial timeout by a silent address: the next request waits and gets
@@ -439,7 +425,7 @@ async def test_a_request_beyond_the_dial_back_slots_waits_in_line_for_one(slot_w
     connection); rejected only when its wait runs out or the line is full, at once then."""
     config = AutoNATConfig(allow_private=True, max_concurrent=1, dial_timeout=1.5, slot_wait=slot_wait,
                            max_waiting=max_waiting)
-    async with silent_port() as port, autonat_pair(config) as (s, server, c, client):
+    async with tcp_counter("127.0.0.1", hold=True) as (port, _), autonat_pair(config) as (s, server, c, client):
         results: dict[str, object] = {}
 
         async def check(name: str, addr: Multiaddr) -> None:

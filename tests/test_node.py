@@ -23,7 +23,7 @@ from p2p.errors import ConfigError, DedlocError, ProtocolNotSupportedError
 from p2p import events as ev
 
 from .conftest import LOOPBACK6, loopback_config, open_nodes
-from .kit import record_events, wait_until
+from .kit import closed_port, record_events, wait_until
 
 
 @pytest.mark.realtime  # a loopback ping under 5 s
@@ -224,9 +224,7 @@ async def test_wrong_peer_id_is_refused_and_node_keeps_serving():
 
 
 async def test_unreachable_peer_gives_clear_error_per_address():
-    with socket.socket() as s:  # a port that nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = closed_port()  # a port that nobody listens on
     async with open_nodes(2) as (a, b):
         target = f"/ip4/127.0.0.1/tcp/{port}/p2p/{a.peer_id}"
         with pytest.raises(DialError) as info:
@@ -287,9 +285,7 @@ async def test_bootstrap_connects_to_initial_peers():
 
 
 async def test_bootstrap_fails_clearly_when_no_initial_peer_answers():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = closed_port()
     dead = f"/ip4/127.0.0.1/tcp/{port}/p2p/12D3KooWAo3ri4EzVWfJYX8eEzWhSWFS2AVgeDMWHwctyh9NBviu"
     with trio.fail_after(30):
         with pytest.raises(BootstrapError, match="none of the 1 initial peers") as info:
@@ -303,9 +299,7 @@ async def test_bootstrap_retries_until_a_late_peer_comes_up(tmp_path):
     key = tmp_path / "late.key"
     async with Node.open(loopback_config(identity_path=key)) as probe:
         late_pid = probe.peer_id
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = closed_port()
     late_addr = f"/ip4/127.0.0.1/tcp/{port}"
 
     async with trio.open_nursery() as nursery:
@@ -373,12 +367,6 @@ async def test_each_node_retries_its_initial_peers_at_a_pace_of_its_own() -> Non
         assert all(base / 2 <= d <= base for base, d in zip([0.5, 1.0, 2.0, 4.0, 8.0], pace)), pace
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def _identity(path) -> str:
     async with Node.open(loopback_config(identity_path=path)) as probe:
         return str(probe.peer_id)
@@ -444,7 +432,7 @@ async def test_a_peer_whose_dial_failed_is_not_dialed_again_until_its_backoff_en
     """A fetcher whose tracker listed a seeder that had left dialed it through the relay 16 times in
     30 s; now a failed address waits out its backoff, and a call that finds every address waiting
     fails at once, saying so, without a packet sent."""
-    dead = f"/ip4/127.0.0.1/tcp/{_free_port()}/p2p/{await _identity(tmp_path / 'gone.key')}"
+    dead = f"/ip4/127.0.0.1/tcp/{closed_port()}/p2p/{await _identity(tmp_path / 'gone.key')}"
     async with open_nodes(1, dial_backoff=BackoffConfig(base=0.6, coef=0, max=0.6)) as (a,):
         with pytest.raises(DialError, match="could not connect") as first:
             await a.connect(dead)
@@ -567,7 +555,7 @@ async def test_the_first_initial_peer_to_answer_leaves_the_dials_of_the_others_r
 
 async def test_a_peer_back_that_reaches_us_is_dialed_again_at_once(tmp_path):
     """Its connection to us clears its addresses' backoff: it is up, whoever dialed."""
-    key, listen = tmp_path / "back.key", f"/ip4/127.0.0.1/tcp/{_free_port()}"
+    key, listen = tmp_path / "back.key", f"/ip4/127.0.0.1/tcp/{closed_port()}"
     target = f"{listen}/p2p/{await _identity(key)}"
     async with open_nodes(1) as (a,):
         with pytest.raises(DialError):
@@ -600,7 +588,7 @@ async def test_callers_of_one_peer_share_one_dial(tmp_path, monkeypatch):
         assert len(dials) == 1 and len(a.network.get_connections(b.peer_id)) == 1
 
         dials.clear()
-        dead = f"/ip4/127.0.0.1/tcp/{_free_port()}/p2p/{await _identity(tmp_path / 'dead.key')}"
+        dead = f"/ip4/127.0.0.1/tcp/{closed_port()}/p2p/{await _identity(tmp_path / 'dead.key')}"
         failures: list[DialError] = []
 
         async def doomed() -> None:
@@ -620,7 +608,7 @@ async def test_a_node_cut_off_from_every_peer_dials_its_initial_peers_again_at_o
     """The relay restarts (or the link drops): every connection closes. The node dials its initial
     peers again at the bootstrap's pace until one answers; before, only the DHT's maintenance
     (every 30 s) went back to them, and a peer reachable only through its relay stayed unreachable."""
-    key, listen = tmp_path / "boot.key", f"/ip4/127.0.0.1/tcp/{_free_port()}"
+    key, listen = tmp_path / "boot.key", f"/ip4/127.0.0.1/tcp/{closed_port()}"
     boot_config = loopback_config(identity_path=key, listen=[listen])
     async with trio.open_nursery() as nursery:
         leave = trio.Event()
