@@ -22,6 +22,9 @@ import pytest
 import trio
 import trio.testing
 
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
+
 from nat import Peer, PeerConfig
 from nat.lab import netns_unavailable_reason
 
@@ -206,6 +209,11 @@ def closed_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def random_peer_id() -> ID:
+    """A fresh peer id whose key is made and dropped here: a peer nobody runs."""
+    return ID.from_pubkey(create_new_key_pair().public_key)
 
 
 def log_lines(caplog: pytest.LogCaptureFixture, logger: str, start: str) -> list[str]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
@@ -23,7 +22,9 @@ from averaging.load_balancing import Capacity
 from averaging.proto import averaging_pb2 as pb
 from p2p.errors import ConfigError
 
-IDS = [ID.from_pubkey(create_new_key_pair().public_key) for _ in range(4)]
+from .kit import random_peer_id
+
+IDS = [random_peer_id() for _ in range(4)]
 ADDR = Multiaddr("/ip4/127.0.0.1/tcp/4001")
 
 
@@ -146,6 +147,6 @@ def test_contributors_of_the_wrong_length_are_refused() -> None:
 
 
 def test_a_group_of_the_most_members_crosses_the_wire() -> None:
-    ids = [ID.from_pubkey(create_new_key_pair().public_key) for _ in range(MAX_GROUP_SIZE)]
+    ids = [random_peer_id() for _ in range(MAX_GROUP_SIZE)]
     wire = pb.Group(group_id=b"id", members=[Member(i, (), Role.FULL, b"").to_wire() for i in ids])
     assert Group.from_wire(wire, ids[-1]).my_index == MAX_GROUP_SIZE - 1

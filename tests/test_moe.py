@@ -24,7 +24,7 @@ from training.moe.layer import _exchanges, _plan
 from training.moe.protocol import Kind
 
 from .fake_swarm import FakeNetwork
-from .kit import loopback_peer_config, wait_until
+from .kit import loopback_peer_config, random_peer_id, wait_until
 
 HID = 8
 
@@ -107,10 +107,7 @@ async def swarm(*patterns: str, config: ServerConfig | None = None, real: bool =
 
 
 def test_select_keeps_the_best_live_extensions_and_skips_unusable_servers() -> None:
-    from libp2p.crypto.ed25519 import create_new_key_pair
-    from libp2p.peer.id import ID
-
-    a, b = (ID.from_pubkey(create_new_key_pair().public_key) for _ in range(2))
+    a, b = random_peer_id(), random_peer_id()
     scores = torch.tensor([0.0, 5.0, 1.0, 3.0])
     live = {(): {1: [Expert("e.1", a)], 2: [Expert("e.2", a)], 3: [Expert("e.3", b)], 9: [Expert("e.9", a)]}}
     best = select(scores, [Beam(0.0, ())], live, 2)

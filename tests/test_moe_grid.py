@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import pytest
-from libp2p.crypto.ed25519 import create_new_key_pair
-from libp2p.peer.id import ID
 
 from p2p.errors import ConfigError
 from training.moe.grid import (
@@ -19,6 +17,8 @@ from training.moe.grid import (
     parse_subkey,
     prefix_key,
 )
+
+from .kit import random_peer_id
 
 
 def test_a_uid_parses_prints_and_names_its_level_keys() -> None:
@@ -67,7 +67,7 @@ def test_a_uid_that_is_not_a_string_is_refused() -> None:
 
 
 def test_subkeys_name_the_coordinate_and_the_server() -> None:
-    server = ID.from_pubkey(create_new_key_pair().public_key)
+    server = random_peer_id()
     assert coordinate_subkey(7, server) == f"7[owner:{server.to_base58()}]"
     assert parse_subkey(coordinate_subkey(7, server)) == (7, server)
     assert parse_subkey(coordinate_subkey(0, server)) == (0, server)

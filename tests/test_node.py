@@ -11,8 +11,6 @@ import socket
 import ifaddr
 import pytest
 import trio
-from libp2p.crypto.ed25519 import create_new_key_pair
-from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
 from p2p import BootstrapError, DialBackoffError, DialError, Node
@@ -23,7 +21,7 @@ from p2p.errors import ConfigError, DedlocError, ProtocolNotSupportedError
 from p2p import events as ev
 
 from .conftest import LOOPBACK6, loopback_config, open_nodes
-from .kit import closed_port, record_events, wait_until
+from .kit import closed_port, random_peer_id, record_events, wait_until
 
 
 @pytest.mark.realtime  # a loopback ping under 5 s
@@ -883,7 +881,7 @@ async def test_a_node_that_learns_more_peers_than_its_bound_keeps_its_keys_and_i
             while not (store.has_peer(b.peer_id) and store.get_protocols(b.peer_id)):  # a identified b
                 await trio.sleep(0.02)
         for i in range(1500):
-            peer = ID.from_pubkey(create_new_key_pair().public_key)
+            peer = random_peer_id()
             a.add_addrs(peer, [Multiaddr(f"/ip4/10.0.{i // 250}.{i % 250}/tcp/4001")])
         known = a.peer_store_metrics()
         assert known["forgotten"] >= 500 and known["limit"] == KNOWN_PEERS

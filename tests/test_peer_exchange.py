@@ -4,7 +4,6 @@ from types import SimpleNamespace
 import pytest
 import trio
 import trio.testing
-from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
@@ -15,7 +14,7 @@ from p2p.proto.peer_exchange_pb2 import Ack, Greeting, PeerRecord, PeersRequest,
 from p2p.rpc import RpcError
 
 from .conftest import open_nodes
-from .kit import closed_port, log_lines, wait_until
+from .kit import closed_port, log_lines, random_peer_id, wait_until
 
 
 async def test_newcomer_meets_the_swarm_through_one_peer():
@@ -161,10 +160,6 @@ async def test_a_meshed_swarm_asks_less_and_still_greets_a_newcomer_at_once() ->
 # ---------------------------------------------------------------------- what an answer holds
 
 
-def stranger() -> ID:
-    return ID.from_pubkey(create_new_key_pair().public_key)
-
-
 def tcp(port: int) -> Multiaddr:
     return Multiaddr(f"/ip4/127.0.0.1/tcp/{port}")
 
@@ -224,9 +219,9 @@ async def lying(liar, records: list[PeerRecord]) -> list[int]:  # type: ignore[n
 async def test_the_asker_keeps_its_limit_of_records_and_eight_addresses_each() -> None:
     many = [tcp(30_000 + i).to_bytes() for i in range(MAX_ADDRS_PER_PEER + 4)]
     async with open_nodes(2) as (liar, asker):
-        wide = stranger()
+        wide = random_peer_id()
         records = [PeerRecord(peer_id=wide.to_bytes(), addrs=many)]
-        records += [PeerRecord(peer_id=stranger().to_bytes(), addrs=[tcp(40_000 + i).to_bytes()]) for i in range(99)]
+        records += [PeerRecord(peer_id=random_peer_id().to_bytes(), addrs=[tcp(40_000 + i).to_bytes()]) for i in range(99)]
         limits = await lying(liar, records)
         await asker.connect(liar.addrs[0])
         found = await PeerExchange(asker).ask(liar.peer_id)
@@ -239,7 +234,7 @@ async def test_the_asker_keeps_its_limit_of_records_and_eight_addresses_each() -
 async def test_a_record_with_a_bad_address_among_the_first_eight_is_dropped_whole() -> None:
     garbage = b"\xff\xff"
     good = [tcp(50_000 + i).to_bytes() for i in range(MAX_ADDRS_PER_PEER)]
-    bad_inside, bad_after, empty, fine = stranger(), stranger(), stranger(), stranger()
+    bad_inside, bad_after, empty, fine = random_peer_id(), random_peer_id(), random_peer_id(), random_peer_id()
     async with open_nodes(2) as (liar, asker):
         await lying(liar, [
             PeerRecord(peer_id=bad_inside.to_bytes(), addrs=[good[0], garbage, good[1]]),
@@ -278,7 +273,7 @@ async def test_a_round_asks_past_a_peer_that_does_not_answer_and_counts_whom_it_
         caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     caplog.set_level(logging.DEBUG, logger="p2p.peer_exchange")
     async with open_nodes(5) as (silent, liar, hub, a, b):
-        dead = [stranger(), stranger()]
+        dead = [random_peer_id(), random_peer_id()]
         # b is connected to us already (its record is passed over, not the round), then two that do not answer
         await lying(liar, [PeerRecord(peer_id=b.peer_id.to_bytes(), addrs=[b.addrs[0].to_bytes()]),
                            *(PeerRecord(peer_id=d.to_bytes(), addrs=[tcp(closed_port()).to_bytes()]) for d in dead),
@@ -356,7 +351,7 @@ class RecordingRpc:
 async def test_asking_and_greeting_wait_ten_seconds_unless_told() -> None:
     rpc = RecordingRpc()
     exchange = PeerExchange(SimpleNamespace(rpc=rpc))  # type: ignore[arg-type]
-    peer = stranger()
+    peer = random_peer_id()
     await exchange.ask(peer)
     await exchange.greet(peer, "hi")
     await exchange.ask(peer, timeout=2.5)
@@ -385,7 +380,7 @@ async def test_rounds_come_at_the_interval_while_they_meet_or_miss_someone_and_s
 
     async def newcomer() -> None:
         await trio.sleep(13.5)
-        connected.add(stranger())
+        connected.add(random_peer_id())
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(exchange.run, 1.0)

@@ -53,7 +53,7 @@ from p2p.yamux import (
 )
 
 from .conftest import open_nodes
-from .kit import read_to_end
+from .kit import random_peer_id, read_to_end
 
 MiB = 1024 * 1024
 KEY_A = bytes(range(32))
@@ -224,10 +224,6 @@ class Pipe:
         return ConnectionType.DIRECT
 
 
-def new_peer_id() -> ID:
-    return ID.from_pubkey(create_new_key_pair().public_key)
-
-
 def noise_over(pipe: Pipe, codec: NoiseCodec) -> NoiseSession:
     local, remote = create_new_key_pair(), create_new_key_pair()
     return NoiseSession(
@@ -389,11 +385,11 @@ async def raw_peer(
     ours, theirs = pipe_pair(pipes)
     pipe = Pipe(ours, is_initiator=True)
     if noise:
-        conn = YamuxConnection(noise_over(pipe, NoiseCodec(KEY_A, KEY_B)), new_peer_id(), config,  # type: ignore[arg-type]
+        conn = YamuxConnection(noise_over(pipe, NoiseCodec(KEY_A, KEY_B)), random_peer_id(), config,  # type: ignore[arg-type]
                                memory=memory, admit_stream=admit_stream)
         raw = RawPeer(theirs, NoiseCodec(KEY_B, KEY_A))
     else:
-        conn = YamuxConnection(pipe, new_peer_id(), config, memory=memory, admit_stream=admit_stream)  # type: ignore[arg-type]
+        conn = YamuxConnection(pipe, random_peer_id(), config, memory=memory, admit_stream=admit_stream)  # type: ignore[arg-type]
         raw = RawPeer(theirs)
     async with running(conn) as nursery:
         raw.nursery = nursery
@@ -411,8 +407,8 @@ async def yamux_pair(
     a_pipe, b_pipe = Pipe(left, is_initiator=True), Pipe(right, is_initiator=False)
     a_conn: Any = noise_over(a_pipe, NoiseCodec(KEY_A, KEY_B)) if noise else a_pipe
     b_conn: Any = noise_over(b_pipe, NoiseCodec(KEY_B, KEY_A)) if noise else b_pipe
-    a = YamuxConnection(a_conn, new_peer_id(), config)
-    b = YamuxConnection(b_conn, new_peer_id(), config)
+    a = YamuxConnection(a_conn, random_peer_id(), config)
+    b = YamuxConnection(b_conn, random_peer_id(), config)
     async with running(a, b):
         yield a, b
 
@@ -1099,7 +1095,7 @@ async def test_close_does_not_wait_out_a_peer_that_stopped_reading(autojump_cloc
 async def test_closing_a_connection_that_never_started_closes_its_transport_at_once(autojump_clock):
     ours, theirs = pipe_pair("memory")
     pipe = Pipe(ours, is_initiator=True)
-    conn = YamuxConnection(pipe, new_peer_id())  # type: ignore[arg-type]
+    conn = YamuxConnection(pipe, random_peer_id())  # type: ignore[arg-type]
     with trio.fail_after(1):
         await conn.close(GO_AWAY_GARBAGE_COLLECTED)
     assert conn.is_closed and pipe.closed and conn.local_go_away == GO_AWAY_GARBAGE_COLLECTED
@@ -1111,7 +1107,7 @@ async def test_cancelling_the_task_that_runs_a_connection_ends_it_whole():
     stream, with the closing shielded from the cancellation."""
     ours, theirs = pipe_pair("memory")
     pipe = Pipe(ours, is_initiator=True)
-    conn = YamuxConnection(pipe, new_peer_id())  # type: ignore[arg-type]
+    conn = YamuxConnection(pipe, random_peer_id())  # type: ignore[arg-type]
     async with trio.open_nursery() as nursery:
         nursery.start_soon(conn.start)
         await conn.event_started.wait()
