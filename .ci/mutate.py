@@ -74,6 +74,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "training/data.py": ("tests/test_training_data.py",),
     "p2p/peer_exchange.py": ("tests/test_peer_exchange.py",),
     "nat/autonat.py": ("tests/test_autonat.py",),
+    "p2p/auth.py": ("tests/test_auth.py",),
+    "p2p/authority.py": ("tests/test_auth.py",),
 }
 
 KILLED = {"killed", "timeout"}

@@ -105,7 +105,10 @@ class AllowList:
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        # one that a crash left may be readable by others, and O_CREAT would keep its mode: the secrets
+        # go only into a file made here, 0600
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump({"users": self.users}, f, indent=1, sort_keys=True)
         os.replace(tmp, self.path)

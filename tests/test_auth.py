@@ -8,25 +8,58 @@ a proof made for another peer id)."""
 
 from __future__ import annotations
 
+import json
+import logging
+import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import trio
+from libp2p.abc import INetConn, INetStream
+from libp2p.peer.id import ID
+from multiaddr import Multiaddr
 from nacl.signing import SigningKey
 
-from p2p.auth import PRE_AUTH, PROTOCOL, AuthConfig, AuthError, Authenticator, check_hello, verify_pass
-from p2p.authority import AllowList, Authority, SecretCheck, proof, request_pass
-from p2p.errors import DedlocError
+from p2p.auth import (
+    PRE_AUTH,
+    PROTOCOL,
+    SIGNING_DOMAIN,
+    AuthConfig,
+    AuthError,
+    Authenticator,
+    Token,
+    check_hello,
+    pass_expiration,
+    verify_pass,
+)
+from p2p.authority import (
+    ALLOWLIST_FILE,
+    DEFAULT_LIFETIME,
+    ISSUE_PROTOCOL,
+    KEY_FILE,
+    MAX_NONCES,
+    NONCE_TTL,
+    AllowList,
+    Authority,
+    SecretCheck,
+    check_username,
+    load_or_create_key,
+    proof,
+    request_pass,
+)
+from p2p.errors import ConfigError, DedlocError, ProtocolNotSupportedError, RemoteProtocolError
+from p2p.hooks import ConnectionInfo, Direction, PathKind
 from p2p.identity import new_identity, peer_id_of
 from p2p.node import Node
 from p2p.proto import auth_pb2 as pb
-from p2p.wire import write_message
+from p2p.wire import read_message, write_message
 
 from .conftest import loopback_config
-from .kit import wait_until
+from .kit import log_lines, random_peer_id, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -78,7 +111,7 @@ def test_every_bad_pass_is_refused_with_its_reason(tmp_path: Path) -> None:
     # a pass our authority signed but naming another authority inside is refused too
     token = pb.AccessToken(username="alice", peer_id=me.to_bytes(), expiration=int(now + 60), authority=other.public_key)
     signed = auth.key.sign(b"dedloc-access-token\n" + token.SerializeToString()).signature
-    with pytest.raises(AuthError, match="another authority"):
+    with pytest.raises(AuthError, match="^the pass names another authority$"):
         verify_pass(pb.AccessPass(token=token.SerializeToString(), signature=signed), config, me, now)
     # expiry has max_skew of grace, no more
     recent = auth.sign("alice", me, now - 900 - 30)
@@ -90,6 +123,163 @@ def test_every_bad_pass_is_refused_with_its_reason(tmp_path: Path) -> None:
         with pytest.raises(AuthError, match="clock"):
             check_hello(pb.Hello(access=good, time_ms=int((now + off) * 1000)), config, me, now)
     assert check_hello(pb.Hello(access=good, time_ms=int((now + 30) * 1000)), config, me, now)
+
+
+def test_the_config_refuses_what_cannot_work_and_takes_its_edges(tmp_path: Path) -> None:
+    auth, _ = authority(tmp_path)
+    with pytest.raises(AuthError, match=r"^the authority's key must be 32 bytes \(Ed25519\), got 31$"):
+        cfg(auth, authority=bytes(31)).validate()
+    bounds = r"^max_skew must be in 0 \.\. 3600 s; recheck_interval and verdict_timeout positive$"
+    for bad in ({"max_skew": -0.001}, {"max_skew": 3600.001}, {"recheck_interval": 0.0}, {"verdict_timeout": 0.0}):
+        with pytest.raises(AuthError, match=bounds):
+            cfg(auth, **bad).validate()
+    for good in ({"max_skew": 0.0}, {"max_skew": 3600.0}, {"recheck_interval": 0.5, "verdict_timeout": 0.5}):
+        cfg(auth, **good).validate()
+    # an authenticator checks its own config and its own pass before it runs
+    me = peer_id_of(new_identity())
+    node = type("N", (), {"peer_id": me})()
+    with pytest.raises(AuthError, match="32 bytes"):
+        Authenticator(node, cfg(auth, authority=bytes(31)), auth.sign("alice", me, time.time()))
+    with pytest.raises(AuthError, match="^the pass was issued to another peer id$"):
+        Authenticator(node, cfg(auth), auth.sign("alice", peer_id_of(new_identity()), time.time()))
+
+
+def test_a_pass_says_exactly_what_is_wrong_and_carries_its_token(tmp_path: Path) -> None:
+    auth, _ = authority(tmp_path, lifetime=900.0)
+    me = peer_id_of(new_identity())
+    config = cfg(auth, max_skew=60.0)
+    now = 1_700_000_000.0
+    access = auth.sign("alice", me, now)
+    token = pb.AccessToken()
+    token.ParseFromString(access.token)
+    assert (token.username, token.peer_id, token.expiration, token.authority) == (
+        "alice", me.to_bytes(), int(now + 900), auth.public_key)
+    assert pass_expiration(access) == now + 900
+    got = verify_pass(access, config, me, now)
+    assert got == Token("alice", me, now + 900, token.serial)
+    assert isinstance(got.expiration, float) and got.serial != verify_pass(auth.sign("alice", me, now), config, me, now).serial  # fresh each time
+    serials = {verify_pass(auth.sign("alice", me, now), config, me, now).serial for _ in range(64)}
+    assert len(serials) == 64 and max(serials) < 2**63  # a signed 64-bit number in any language's logs
+    # expiry: max_skew of grace to the second, then the words and the seconds since it expired
+    assert verify_pass(access, config, me, now + 960).username == "alice"
+    with pytest.raises(AuthError, match="^the pass expired 61 s ago$"):
+        verify_pass(access, config, me, now + 961)
+    with pytest.raises(AuthError, match="^user 'alice' is revoked$"):
+        verify_pass(access, cfg(auth, revoked=frozenset({"alice"})), me, now)
+    assert verify_pass(access, cfg(auth, revoked=frozenset({"bob"})), me, now)
+    # signed by our authority, yet no token: its own words
+    junk = b"\xff\xff\xff"
+    signed = pb.AccessPass(token=junk, signature=auth.key.sign(SIGNING_DOMAIN + junk).signature)
+    with pytest.raises(AuthError, match="^the pass's token does not decode$"):
+        verify_pass(signed, config, me, now)
+    # the signature covers the domain too: one made over the bare token is not the authority's
+    bare = pb.AccessPass(token=access.token, signature=auth.key.sign(access.token).signature)
+    with pytest.raises(AuthError, match="^the pass's signature is not our authority's$"):
+        verify_pass(bare, config, me, now)
+    # the Hello: no pass at all, and the clock's bound to the second, in words
+    with pytest.raises(AuthError, match=r"^the peer shows no access pass \(it is not a member of this closed swarm\)$"):
+        check_hello(pb.Hello(time_ms=int(now * 1000)), config, me, now)
+    for off in (-60.0, 60.0):
+        assert check_hello(pb.Hello(access=access, time_ms=int((now + off) * 1000)), config, me, now).username == "alice"
+    with pytest.raises(AuthError, match=r"^the peer's clock is 61 s off ours \(the bound is 60 s\)$"):
+        check_hello(pb.Hello(access=access, time_ms=int((now - 61) * 1000)), config, me, now)
+
+
+def test_usernames_and_the_allowlist_file(tmp_path: Path) -> None:
+    assert check_username("a") == "a" and check_username("A.b_c-9" * 9 + "x") == "A.b_c-9" * 9 + "x"
+    for bad in ("", "x" * 65, "a b", "a/b", "ünï" + "!"):
+        with pytest.raises(ConfigError, match=r"^username .*: 1 to 64 letters, digits, '\.', '_' or '-'$"):
+            check_username(bad)
+    check_username("x" * 64)
+    path = tmp_path / "runs" / "one" / "allowlist.json"  # directories made as needed
+    assert AllowList.load(path).users == {}  # no file yet: nobody
+    allowlist = AllowList(path)
+    before = int(time.time())
+    first = allowlist.add("alice")
+    assert len(first) == 32 and allowlist.secret_of("alice") == first
+    entry = allowlist.users["alice"]
+    assert entry["secret"] == first.hex() and entry["revoked"] is False
+    assert before <= entry["added"] <= time.time()  # type: ignore[operator]
+    bobs = allowlist.add("bob")
+    allowlist.save()
+    assert path.stat().st_mode & 0o777 == 0o600 and not path.with_suffix(".tmp").exists()
+    # a temporary file that a crash left, readable by all: the secrets never land in it
+    path.with_suffix(".tmp").write_text("left by a crash")
+    path.with_suffix(".tmp").chmod(0o644)
+    allowlist.revoke("bob")
+    allowlist.save()
+    assert path.stat().st_mode & 0o777 == 0o600 and not path.with_suffix(".tmp").exists()
+    # the file people read and edit: one user per sorted key, indented by one
+    assert path.read_text() == json.dumps({"users": allowlist.users}, indent=1, sort_keys=True)
+    assert path.read_text().startswith('{\n "users": {\n  "alice": {\n   "added": ')
+    loaded = AllowList.load(path)
+    assert loaded.users == allowlist.users
+    assert loaded.secret_of("alice") == first and loaded.secret_of("bob") is None and loaded.secret_of("carol") is None
+    assert loaded.revoked() == frozenset({"bob"})
+    again = loaded.add("bob")  # added again: a fresh secret, and allowed
+    assert again != bobs and loaded.secret_of("bob") == again and loaded.revoked() == frozenset()
+    with pytest.raises(ConfigError, match="^'carol' is not on the allowlist$"):
+        loaded.revoke("carol")
+    for text, why in (("not json", "Expecting value: line 1 column 1 (char 0)"), ('{"people": {}}', "'users'"),
+                      ('{"users": []}', "users is not an object")):
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: not an allowlist \\({re.escape(why)}\\)$"):
+            AllowList.load(path)
+
+
+def test_the_authority_key_is_made_once_private_and_checked(tmp_path: Path) -> None:
+    path = tmp_path / "new" / "run" / KEY_FILE  # directories made as needed
+    key = load_or_create_key(path)
+    assert path.stat().st_mode & 0o777 == 0o600 and path.read_bytes() == bytes(key)
+    assert bytes(load_or_create_key(path)) == bytes(key)
+    made = Authority.from_dir(tmp_path / "new" / "run", lifetime=5.0)
+    assert made.public_key == bytes(key.verify_key) and made.lifetime == 5.0
+    assert isinstance(made.check, SecretCheck) and made.check.allowlist.path == tmp_path / "new" / "run" / ALLOWLIST_FILE
+    assert Authority.from_dir(tmp_path / "new" / "run").lifetime == DEFAULT_LIFETIME == 900
+    path.chmod(0o640)
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(path))} is readable by others: chmod 600 it"):
+        load_or_create_key(path)
+    path.chmod(0o604)
+    with pytest.raises(ConfigError, match="readable by others"):
+        load_or_create_key(path)
+    path.chmod(0o600)
+    path.write_bytes(b"short")
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: an authority key is 32 bytes, this is 5$"):
+        load_or_create_key(path)
+
+
+def test_challenges_are_single_use_bounded_and_forgotten_after_a_minute(tmp_path: Path) -> None:
+    auth, secrets = authority(tmp_path, "alice")
+    me = peer_id_of(new_identity())
+    now = 1_700_000_000.0
+
+    def request(nonce: bytes, username: str = "alice") -> pb.IssueRequest:
+        return pb.IssueRequest(username=username, nonce=nonce, proof=proof(secrets["alice"], nonce, me))
+
+    nonce = auth.challenge("alice", now)
+    assert len(nonce) == 32 and nonce != auth.challenge("alice", now)
+    # a challenge taken for one user is no good for another's request, and is used up by the try
+    with pytest.raises(AuthError, match="^unknown, used or expired challenge$"):
+        auth.issue(request(nonce, "bob"), me, now)
+    with pytest.raises(AuthError, match="^unknown, used or expired challenge$"):
+        auth.issue(request(nonce), me, now)
+    # good for exactly NONCE_TTL
+    nonce = auth.challenge("alice", now)
+    issued = auth.issue(request(nonce), me, now + NONCE_TTL)
+    assert pass_expiration(issued) == int(now + NONCE_TTL + 900) and auth.issued == 1
+    assert auth.issue(request(auth.challenge("alice", now)), me, now) and auth.issued == 2
+    with pytest.raises(AuthError, match="^not on the allowlist, revoked, or a wrong secret for 'nobody'$"):
+        auth.issue(pb.IssueRequest(username="nobody", nonce=auth.challenge("nobody", now), proof=b""), me, now)
+    assert auth.issued == 2
+    # at most MAX_NONCES outstanding; those older than a minute are forgotten when the next is asked for
+    auth._nonces.clear()
+    auth._nonces.update({i.to_bytes(4, "big"): ("alice", now) for i in range(MAX_NONCES - 1)})
+    kept = auth.challenge("alice", now + NONCE_TTL)
+    with pytest.raises(AuthError, match="^too many outstanding challenges; try again in a minute$"):
+        auth.challenge("alice", now + NONCE_TTL)
+    newest = auth.challenge("alice", now + NONCE_TTL + 0.001)
+    assert list(auth._nonces) == [kept, newest] and auth._nonces[newest] == ("alice", now + NONCE_TTL + 0.001)
+    assert MAX_NONCES == 10_000
 
 
 # ---------------------------------------------------------------------- on connections
@@ -244,6 +434,377 @@ async def test_the_authority_issues_only_to_a_correct_proof_once_per_challenge(t
         auth.issue(late, me, now + 61)
 
 
+# ---------------------------------------------------------------------- the gate's state, with no network
+
+
+class End:
+    """One end of an in-memory stream, shaped as py-libp2p's INetStream with ``peer`` at the far end; it
+    records how it was finished, and a write may fail as a refused lazy negotiation does."""
+
+    def __init__(self, stream: trio.StapledStream, peer: ID) -> None:
+        self._stream = stream
+        self.muxed_conn = SimpleNamespace(peer_id=peer)
+        self.finished = ""
+        self.refuse: BaseException | None = None
+        self.broken: BaseException | None = None
+
+    async def read(self, n: int | None = None) -> bytes:
+        if self.broken is not None:
+            raise self.broken
+        return bytes(await self._stream.receive_some(n))
+
+    async def write(self, data: bytes) -> None:
+        if self.refuse is not None:
+            raise self.refuse
+        await self._stream.send_all(data)
+
+    async def close(self) -> None:
+        self.finished = self.finished or "closed"
+        await self._stream.send_stream.aclose()
+
+    async def reset(self) -> None:
+        self.finished = self.finished or "reset"
+        await self._stream.aclose()
+
+
+def ends(a: ID, b: ID, *, lockstep: bool = False) -> tuple[End, End]:
+    """``a``'s end (its far end is ``b``) and ``b``'s; ``lockstep``: a write waits for the reader."""
+    x, y = trio.testing.lockstep_stream_pair() if lockstep else trio.testing.memory_stream_pair()
+    return End(x, b), End(y, a)
+
+
+class Desk:
+    """What an Authenticator needs of a Node, and nothing more: who is connected, who was cut, and what a
+    stream open gives (``answer``: our end of a stream the test plays the peer on, or an error)."""
+
+    def __init__(self, peer_id: ID) -> None:
+        self.peer_id = peer_id
+        self.connected: dict[ID, int] = {}
+        self.cut: list[tuple[float, ID]] = []
+        self.opened: list[tuple[str, bool]] = []
+        self.answer: End | BaseException = ConnectionError("no network at this desk")
+
+    async def new_stream_on(self, conn: object, protocol: str, *, timeout: float = 10.0, lazy: bool = False) -> INetStream:
+        self.opened.append((protocol, lazy))
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        return self.answer  # type: ignore[return-value]
+
+    def has_connection(self, peer_id: ID) -> bool:
+        return self.connected.get(peer_id, 0) > 0
+
+    def connections(self) -> list[INetConn]:
+        return []
+
+    async def disconnect(self, peer_id: ID) -> None:
+        self.cut.append((trio.current_time(), peer_id))
+        self.connected.pop(peer_id, None)
+
+
+def conn_to(peer: ID) -> INetConn:
+    return SimpleNamespace(muxed_conn=SimpleNamespace(peer_id=peer))  # type: ignore[return-value]
+
+
+async def test_our_hello_goes_out_lazily_and_each_way_it_can_end_is_told(
+        tmp_path: Path, autojump_clock: object, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, "p2p.auth")
+    auth, _ = authority(tmp_path)
+    base = 1_700_000_000.0
+    me, bob, carol, dave = (random_peer_id() for _ in range(4))
+    desk = Desk(me)
+    gate = Authenticator(desk, cfg(auth, verdict_timeout=3.0), auth.sign("me", me, base),
+                         clock=lambda: base + trio.current_time())
+    # no stream: said in the debug log, no verdict
+    await gate._send_hello(conn_to(bob))
+    assert log_lines(caplog, "p2p.auth", "could not open") == [
+        f"could not open /dedloc/auth/1.0.0 to {bob}: no network at this desk"]
+    assert desk.opened == [(PROTOCOL, True)] and gate.token_of(bob) is None and gate.refused == {}
+    # bob answers with his pass: ours went first, his is judged, the stream closed
+    mine, bobs = ends(me, bob)
+    desk.answer = mine
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(gate._send_hello, conn_to(bob))
+        ours = await read_message(bobs, pb.Hello)
+        assert ours.access == gate.my_pass and ours.time_ms == int(base * 1000)
+        await write_message(bobs, pb.Hello(access=auth.sign("bob", bob, base), time_ms=int(base * 1000)))
+    assert mine.finished == "closed" and gate.token_of(bob) is not None
+    # a peer that does not speak the protocol (an open swarm's): refused, unless it already showed a pass
+    for peer in (carol, bob):
+        mine, _ = ends(me, peer)
+        mine.refuse = ProtocolNotSupportedError("none of them")
+        desk.answer = mine
+        await gate._send_hello(conn_to(peer))
+        assert mine.finished == "reset"
+    assert gate.token_of(bob) is not None and gate.token_of(carol) is None
+    assert await gate.inbound(carol, "/x") == (
+        "unauthenticated: the peer shows no access pass (it does not speak /dedloc/auth/1.0.0)")
+    # no answer within verdict_timeout: logged, reset; its own Hello (if any) decides
+    mine, _ = ends(me, dave)
+    desk.answer = mine
+    await gate._send_hello(conn_to(dave))
+    assert trio.current_time() == 3.0 and mine.finished == "reset" and dave not in gate._verdicts
+    assert log_lines(caplog, "p2p.auth", "no Hello back") == [f"no Hello back from {dave}: "]
+
+
+async def test_a_peers_hello_is_judged_answered_or_refused_in_words(
+        tmp_path: Path, autojump_clock: object, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, "p2p.auth")
+    auth, _ = authority(tmp_path)
+    base = 1_700_000_000.0
+    me, bob, eve = random_peer_id(), random_peer_id(), random_peer_id()
+    gate = Authenticator(Desk(me), cfg(auth, verdict_timeout=3.0), auth.sign("me", me, base),
+                         clock=lambda: base + trio.current_time())
+    # a good Hello is answered with ours, then closed
+    mine, bobs = ends(me, bob)
+    await write_message(bobs, pb.Hello(access=auth.sign("bob", bob, base), time_ms=int(base * 1000)))
+    await gate.handle(mine)  # type: ignore[arg-type]
+    assert mine.finished == "closed" and (await read_message(bobs, pb.Hello)).access == gate.my_pass
+    assert gate.token_of(bob) is not None
+    # a bad pass: refused, reset, no answer
+    mine, eves = ends(me, eve)
+    await write_message(eves, pb.Hello(access=auth.sign("eve", bob, base), time_ms=int(base * 1000)))
+    await gate.handle(mine)  # type: ignore[arg-type]
+    assert mine.finished == "reset" and await eves.read() == b""
+    assert log_lines(caplog, "p2p.auth", "refused") == [f"refused {eve}: the pass was issued to another peer id"]
+    # nothing sent: refused after verdict_timeout (not the wire's own 10 s)
+    mine, _ = ends(me, eve)
+    started = trio.current_time()
+    await gate.handle(mine)  # type: ignore[arg-type]
+    assert trio.current_time() - started == 3.0 and mine.finished == "reset"
+    assert await gate.inbound(eve, "/x") == "unauthenticated: bad Hello: no complete Hello within 3 s"
+    # a read that fails otherwise: the error's type is the reason
+    mine, _ = ends(me, eve)
+    mine.broken = ValueError("odd")
+    await gate.handle(mine)  # type: ignore[arg-type]
+    assert await gate.inbound(eve, "/x") == "unauthenticated: bad Hello: ValueError" and mine.finished == "reset"
+    assert gate.refused == {"the pass was issued to another peer id": 1, "bad Hello": 2} and None not in gate._verdicts
+    # the stream broke (its connection closed): no verdict either way, a debug line
+    mine, _ = ends(me, bob)
+    mine.broken = trio.BrokenResourceError("gone")
+    await gate.handle(mine)  # type: ignore[arg-type]
+    assert mine.finished == "reset" and gate.token_of(bob) is not None
+    assert log_lines(caplog, "p2p.auth", "Hello from") == [f"Hello from {bob} cut short: gone"]
+    # a peer never judged whose connection closes: nothing to forget, nothing raised
+    gate.connection_closed(closed(random_peer_id()))
+
+
+def closed(peer: ID) -> ConnectionInfo:
+    return ConnectionInfo(peer, Multiaddr("/ip4/127.0.0.1/tcp/1"), Direction.INBOUND, PathKind.DIRECT,
+                          conn=None)  # type: ignore[arg-type]
+
+
+async def test_the_gate_waits_for_a_verdict_and_says_why_it_refused(tmp_path: Path, autojump_clock: object) -> None:
+    auth, _ = authority(tmp_path)
+    base = 1_700_000_000.0
+    me, bob, eve = random_peer_id(), random_peer_id(), random_peer_id()
+    desk = Desk(me)
+    gate = Authenticator(desk, cfg(auth, verdict_timeout=3.0), auth.sign("me", me, base),
+                         clock=lambda: base + trio.current_time())
+
+    def hello(name: str, peer: ID) -> pb.Hello:
+        return pb.Hello(access=auth.sign(name, peer, base), time_ms=int((base + trio.current_time()) * 1000))
+
+    for protocol in sorted(PRE_AUTH):  # open to anyone at once
+        assert await gate.inbound(eve, protocol) is None
+    await gate.outbound(eve, sorted(PRE_AUTH))
+    assert trio.current_time() == 0
+    # no Hello: refused after verdict_timeout, in words
+    assert await gate.inbound(eve, "/ipfs/ping/1.0.0") == "unauthenticated: no access pass within 3 s"
+    assert trio.current_time() == 3.0
+    with pytest.raises(AuthError, match=f"^{eve} has no valid access pass: no access pass within 3 s$"):
+        await gate.outbound(eve, ["/ipfs/id/1.0.0", "/dedloc/rpc/1.0.0"])
+    # a Hello that comes while a stream waits lets it through then
+    waiting = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(gate.outbound, bob, ["/dedloc/rpc/1.0.0"])
+        await trio.sleep(1.0)
+        assert gate._judge(bob, hello("bob", bob)) is True
+    assert trio.current_time() - waiting == 1.0
+    token = gate.token_of(bob)
+    assert token is not None and (token.username, token.peer_id) == ("bob", bob)
+    assert await gate.inbound(bob, "/dedloc/rpc/1.0.0") is None and gate.refused == {}
+    # a bad pass is a verdict at once, counted by its first words (before a colon, at most 60 characters)
+    assert gate._judge(eve, hello("eve", bob)) is False
+    assert await gate.inbound(eve, "/x") == "unauthenticated: the pass was issued to another peer id"
+    gate._refuse(eve, "bad Hello: garbled")
+    gate._refuse(eve, "bad Hello: too long")
+    long = "y" * 64
+    assert gate._judge(eve, pb.Hello(access=auth.sign(long, eve, base), time_ms=int(base * 1000))) is True
+    gate.revoke(frozenset({long}))
+    assert gate._judge(eve, hello(long, eve)) is False
+    assert gate.refused == {"the pass was issued to another peer id": 1, "bad Hello": 2,
+                            f"user '{long}' is revoked"[:60]: 1}
+    assert gate.token_of(eve) is None and gate.token_of(random_peer_id()) is None
+    # a closed connection forgets the verdict unless another connection to the peer stays
+    desk.connected[bob] = 1
+    gate.connection_closed(closed(bob))
+    assert gate.token_of(bob) is not None
+    desk.connected[bob] = 0
+    gate.connection_closed(closed(bob))
+    assert gate.token_of(bob) is None and bob not in gate._verdicts
+
+
+async def test_refused_expired_and_revoked_peers_are_cut_in_time(tmp_path: Path, autojump_clock: object) -> None:
+    auth, _ = authority(tmp_path, lifetime=100.0)
+    base = 1_700_000_000.0
+    me, bob, carol, dave, eve = (random_peer_id() for _ in range(5))
+    desk = Desk(me)
+    gate = Authenticator(desk, cfg(auth, verdict_timeout=3.0, recheck_interval=5.0, max_skew=10.0),
+                         auth.sign("me", me, base), clock=lambda: base + trio.current_time())
+
+    def hello(name: str, peer: ID) -> pb.Hello:
+        return pb.Hello(access=auth.sign(name, peer, base), time_ms=int((base + trio.current_time()) * 1000))
+
+    async with trio.open_nursery() as nursery:
+        handle = gate.attach(nursery)
+        for peer in (bob, carol, dave, eve):
+            desk.connected[peer] = 1
+        for name, peer in (("bob", bob), ("carol", carol)):
+            assert gate._judge(peer, hello(name, peer))
+        # refused: cut after verdict_timeout, unless it shows a good pass meanwhile (a lapsed member may ask
+        # the authority for a new one on the same connection)
+        gate._judge_failed(dave, "the pass expired 9 s ago")
+        gate._judge_failed(eve, "the pass expired 9 s ago")
+        await trio.sleep(2.9)
+        assert desk.cut == [] and gate._judge(dave, hello("dave", dave))
+        await trio.sleep(0.2)
+        assert desk.cut == [(3.0, eve)]
+        # revoked: cut at the next recheck (every 5 s)
+        gate.revoke(frozenset({"carol"}))
+        await trio.sleep(2.0)
+        assert desk.cut[1:] == [(5.0, carol)] and gate.refused["the pass of 'carol' revoked"] == 1
+        # expired: its pass's 100 s and the 10 s of grace are over at 110; the next recheck (115) cuts it
+        await trio.sleep(104.8)
+        assert desk.cut[2:] == []
+        await trio.sleep(6)
+        assert {cut[1] for cut in desk.cut[2:]} == {bob, dave} and {cut[0] for cut in desk.cut[2:]} == {115.0}
+        assert gate.refused["the pass of 'bob' expired"] == 1 and gate.token_of(bob) is None
+        # removed: no more rechecks, nor cuts of the refused
+        handle.remove()
+        assert gate._nursery is None
+        frank = random_peer_id()
+        desk.connected[frank] = 1
+        assert gate._judge(frank, pb.Hello(access=auth.sign("frank", frank, base + trio.current_time()),
+                                           time_ms=int((base + trio.current_time()) * 1000)))
+        gate.revoke(frozenset({"frank"}))
+        gate._judge_failed(random_peer_id(), "bad Hello: garbled")
+        cuts = len(desk.cut)
+        await trio.sleep(20)
+        assert len(desk.cut) == cuts and gate.token_of(frank) is not None
+
+
+async def test_a_renewed_pass_must_be_good_and_replaces_ours(tmp_path: Path) -> None:
+    auth, _ = authority(tmp_path)
+    me = random_peer_id()
+    old = auth.sign("me", me, time.time())
+    gate = Authenticator(Desk(me), cfg(auth), old)
+    with pytest.raises(AuthError, match="another peer id"):
+        await gate.renew(auth.sign("me", random_peer_id(), time.time()))
+    assert gate.my_pass == old
+    new = auth.sign("me", me, time.time())
+    await gate.renew(new)
+    assert gate.my_pass == new and gate._hello().access == new
+
+
+class Issuer:
+    """A node as :func:`request_pass` sees it: each stream it opens reaches ``serve`` (the authority's
+    handler, or the test's) at the far end, in memory; ``hang``: an open that never completes."""
+
+    def __init__(self, nursery: trio.Nursery, serve: Callable[[End], Awaitable[None]], *, lockstep: bool = False) -> None:
+        self.peer_id = random_peer_id()
+        self.authority_id = random_peer_id()
+        self._nursery, self._serve, self._lockstep = nursery, serve, lockstep
+        self.hang = False
+        self.streams: list[tuple[End, End]] = []
+
+    async def new_stream(self, peer_id: ID, protocol: str) -> INetStream:
+        assert (peer_id, protocol) == (self.authority_id, ISSUE_PROTOCOL)
+        if self.hang:
+            await trio.sleep_forever()
+        mine, theirs = ends(self.peer_id, peer_id, lockstep=self._lockstep)
+        self.streams.append((mine, theirs))
+        self._nursery.start_soon(self._serve, theirs)
+        return mine  # type: ignore[return-value]
+
+
+async def test_the_authority_serves_counts_and_logs_each_request_and_resets_a_bad_one(
+        tmp_path: Path, autojump_clock: object, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "p2p.authority")
+    auth, secrets = authority(tmp_path, "alice")
+    assert (auth.issued, auth.refused) == (0, 0)
+    async with trio.open_nursery() as nursery:
+        node = Issuer(nursery, auth.handle)  # type: ignore[arg-type]
+        me = node.peer_id
+        access = await request_pass(node, node.authority_id, "alice", secrets["alice"])
+        assert verify_pass(access, cfg(auth), me, time.time()).username == "alice"
+        assert [(a.finished, b.finished) for a, b in node.streams] == [("closed", "closed")]
+        assert log_lines(caplog, "p2p.authority", "issued") == [f"issued a pass to 'alice' ({me})"]
+        for _ in range(2):
+            with pytest.raises(AuthError, match="^the authority refused a pass: not on the allowlist, revoked, or a "
+                                                "wrong secret for 'alice'$"):
+                await request_pass(node, node.authority_id, "alice", b"\x00" * 32)
+        assert (auth.issued, auth.refused) == (1, 2)
+        assert log_lines(caplog, "p2p.authority", "refused a pass") == [
+            f"refused a pass to {me}: not on the allowlist, revoked, or a wrong secret for 'alice'"] * 2
+        # a name no allowlist holds: reset before any challenge, said in the log
+        with pytest.raises(RemoteProtocolError, match="ended before the Challenge"):
+            await request_pass(node, node.authority_id, "a b", secrets["alice"])
+        assert node.streams[-1][1].finished == "reset"
+        assert log_lines(caplog, "p2p.authority", "bad pass request") == [
+            f"bad pass request from {me}: username 'a b': 1 to 64 letters, digits, '.', '_' or '-'"]
+        # over the node's rate for this caller: reset at once
+        asked: list[str] = []
+
+        def over_the_rate(who: str) -> None:
+            asked.append(who)
+            raise DedlocError("auth.issue: over 5 a minute")
+
+        auth.allow = over_the_rate
+        with pytest.raises((RemoteProtocolError, trio.BrokenResourceError)):  # the write, or the read, finds it reset
+            await request_pass(node, node.authority_id, "alice", secrets["alice"])
+        assert asked == [str(me)] and node.streams[-1][1].finished == "reset"
+        assert log_lines(caplog, "p2p.authority", "pass request from") == [
+            f"pass request from {me} refused: auth.issue: over 5 a minute"]
+        auth.allow = asked.append  # under it: served
+        assert await request_pass(node, node.authority_id, "alice", secrets["alice"]) and auth.issued == 2
+
+    # a caller that asks for a challenge and takes no answer holds the handler 30 s at most
+    async def asks_and_listens_no_more(stream: End) -> None:
+        await write_message(stream, pb.ChallengeRequest(username="alice"))
+        await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        mine, theirs = ends(random_peer_id(), random_peer_id(), lockstep=True)
+        nursery.start_soon(asks_and_listens_no_more, mine)
+        started = trio.current_time()
+        await auth.handle(theirs)  # type: ignore[arg-type]
+        assert trio.current_time() - started == 30.0 and theirs.finished == "reset"
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_pass_request_ends_in_words_or_within_its_timeout(tmp_path: Path, autojump_clock: object) -> None:
+    async def answers(reply: pb.IssueReply) -> Callable[[End], Awaitable[None]]:
+        async def serve(stream: End) -> None:
+            await read_message(stream, pb.ChallengeRequest)
+            await write_message(stream, pb.Challenge(nonce=b"n" * 32))
+            await read_message(stream, pb.IssueRequest)
+            await write_message(stream, reply)
+        return serve
+
+    async with trio.open_nursery() as nursery:
+        node = Issuer(nursery, await answers(pb.IssueReply()))
+        with pytest.raises(AuthError, match="^the authority refused a pass: no pass in its answer$"):
+            await request_pass(node, node.authority_id, "alice", b"s" * 32)
+        node = Issuer(nursery, await answers(pb.IssueReply(error="closed for the night")))
+        with pytest.raises(AuthError, match="^the authority refused a pass: closed for the night$"):
+            await request_pass(node, node.authority_id, "alice", b"s" * 32)
+        node.hang = True
+        started = trio.current_time()
+        with pytest.raises(trio.TooSlowError):
+            await request_pass(node, node.authority_id, "alice", b"s" * 32)
+        assert trio.current_time() - started == 30.0
+
+
 # ---------------------------------------------------------------------- a closed swarm of nat.Peers
 
 
@@ -253,7 +814,6 @@ async def test_a_closed_swarm_works_for_passholders_and_refuses_an_outsider_ever
     from averaging import Averager
     from nat import Peer
     from nat.peer import AuthSettings
-    from p2p.authority import ALLOWLIST_FILE
     from training.state import STATE_PROTOCOL
 
     from .kit import loopback_peer_config
@@ -300,8 +860,6 @@ async def test_a_closed_swarm_works_for_passholders_and_refuses_an_outsider_ever
             (tmp_path / "more.txt").write_text("bob's\n" * 100)
             entry = await bob_data.add("closed", [tmp_path / "more.txt"], tmp_path / "bob", seed=False)
             assert [s.path for s in (await alice_data.find("closed")).shards()] == ["a.txt", "more.txt"]
-            from p2p.authority import KEY_FILE, load_or_create_key
-
             with pytest.raises(DedlocError, match="only closed's creator"):
                 await bob_data.retract("closed", [entry.id])  # a member's own key: not enough
             await alice_data.retract("closed", [entry.id], authority_key=load_or_create_key(tmp_path / KEY_FILE))
