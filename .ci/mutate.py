@@ -76,6 +76,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "nat/autonat.py": ("tests/test_autonat.py",),
     "p2p/auth.py": ("tests/test_auth.py",),
     "p2p/authority.py": ("tests/test_auth.py",),
+    "nat/relay.py": ("tests/test_relay.py", "tests/test_nat_decisions.py"),
+    "nat/circuit.py": ("tests/test_relay.py",),
 }
 
 KILLED = {"killed", "timeout"}

@@ -406,7 +406,8 @@ class RelayService:
             if not msg.HasField("peer"):
                 raise RemoteProtocolError("CONNECT without a peer")
             target = require_peer_id(msg.peer.id, "CONNECT peer")
-        except RemoteProtocolError:
+        except RemoteProtocolError as e:
+            log.info("bad CONNECT from %s: %s", source, e)
             await self._status(stream, pb.MALFORMED_MESSAGE, "malformed", kind="connection")
             return
         self._sweep()

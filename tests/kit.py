@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Protocol, TypeVar
 
 import pytest
@@ -214,6 +215,49 @@ def closed_port() -> int:
 def random_peer_id() -> ID:
     """A fresh peer id whose key is made and dropped here: a peer nobody runs."""
     return ID.from_pubkey(create_new_key_pair().public_key)
+
+
+class End:
+    """One end of an in-memory stream, shaped as py-libp2p's INetStream with ``peer`` at the far end; it
+    records how it was finished, and a write may fail as a refused lazy negotiation does."""
+
+    def __init__(self, stream: trio.StapledStream, peer: ID) -> None:
+        self._stream = stream
+        self.muxed_conn = SimpleNamespace(peer_id=peer)
+        self.finished = ""
+        #: every close and reset called, in order (``finished`` is the first)
+        self.how: list[str] = []
+        #: the sizes reads asked for
+        self.asked: list[int | None] = []
+        self.refuse: BaseException | None = None
+        self.broken: BaseException | None = None
+
+    async def read(self, n: int | None = None) -> bytes:
+        self.asked.append(n)
+        if self.broken is not None:
+            raise self.broken
+        return bytes(await self._stream.receive_some(n))
+
+    async def write(self, data: bytes) -> None:
+        if self.refuse is not None:
+            raise self.refuse
+        await self._stream.send_all(data)
+
+    async def close(self) -> None:
+        self.finished = self.finished or "closed"
+        self.how.append("closed")
+        await self._stream.send_stream.aclose()
+
+    async def reset(self) -> None:
+        self.finished = self.finished or "reset"
+        self.how.append("reset")
+        await self._stream.aclose()
+
+
+def ends(a: ID, b: ID, *, lockstep: bool = False) -> tuple[End, End]:
+    """``a``'s end (its far end is ``b``) and ``b``'s; ``lockstep``: a write waits for the reader."""
+    x, y = trio.testing.lockstep_stream_pair() if lockstep else trio.testing.memory_stream_pair()
+    return End(x, b), End(y, a)
 
 
 def log_lines(caplog: pytest.LogCaptureFixture, logger: str, start: str) -> list[str]:

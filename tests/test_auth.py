@@ -59,7 +59,7 @@ from p2p.proto import auth_pb2 as pb
 from p2p.wire import read_message, write_message
 
 from .conftest import loopback_config
-from .kit import log_lines, random_peer_id, wait_until
+from .kit import End, ends, log_lines, random_peer_id, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -435,42 +435,6 @@ async def test_the_authority_issues_only_to_a_correct_proof_once_per_challenge(t
 
 
 # ---------------------------------------------------------------------- the gate's state, with no network
-
-
-class End:
-    """One end of an in-memory stream, shaped as py-libp2p's INetStream with ``peer`` at the far end; it
-    records how it was finished, and a write may fail as a refused lazy negotiation does."""
-
-    def __init__(self, stream: trio.StapledStream, peer: ID) -> None:
-        self._stream = stream
-        self.muxed_conn = SimpleNamespace(peer_id=peer)
-        self.finished = ""
-        self.refuse: BaseException | None = None
-        self.broken: BaseException | None = None
-
-    async def read(self, n: int | None = None) -> bytes:
-        if self.broken is not None:
-            raise self.broken
-        return bytes(await self._stream.receive_some(n))
-
-    async def write(self, data: bytes) -> None:
-        if self.refuse is not None:
-            raise self.refuse
-        await self._stream.send_all(data)
-
-    async def close(self) -> None:
-        self.finished = self.finished or "closed"
-        await self._stream.send_stream.aclose()
-
-    async def reset(self) -> None:
-        self.finished = self.finished or "reset"
-        await self._stream.aclose()
-
-
-def ends(a: ID, b: ID, *, lockstep: bool = False) -> tuple[End, End]:
-    """``a``'s end (its far end is ``b``) and ``b``'s; ``lockstep``: a write waits for the reader."""
-    x, y = trio.testing.lockstep_stream_pair() if lockstep else trio.testing.memory_stream_pair()
-    return End(x, b), End(y, a)
 
 
 class Desk:
