@@ -22,12 +22,11 @@ from typing import Any, Protocol, TypeVar
 import pytest
 import trio
 import trio.testing
-
-from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
 from nat import Peer, PeerConfig
 from nat.lab import netns_unavailable_reason
+from p2p.identity import new_identity, peer_id_of
 
 T = TypeVar("T")
 
@@ -214,7 +213,7 @@ def closed_port() -> int:
 
 def random_peer_id() -> ID:
     """A fresh peer id whose key is made and dropped here: a peer nobody runs."""
-    return ID.from_pubkey(create_new_key_pair().public_key)
+    return peer_id_of(new_identity())
 
 
 class End:
@@ -224,13 +223,17 @@ class End:
     def __init__(self, stream: trio.StapledStream, peer: ID) -> None:
         self._stream = stream
         self.muxed_conn = SimpleNamespace(peer_id=peer)
-        self.finished = ""
-        #: every close and reset called, in order (``finished`` is the first)
+        #: every close and reset called, in order
         self.how: list[str] = []
         #: the sizes reads asked for
         self.asked: list[int | None] = []
         self.refuse: BaseException | None = None
         self.broken: BaseException | None = None
+
+    @property
+    def finished(self) -> str:
+        """How the stream was first finished ("closed", "reset"), or "" while it is open."""
+        return self.how[0] if self.how else ""
 
     async def read(self, n: int | None = None) -> bytes:
         self.asked.append(n)
@@ -244,12 +247,10 @@ class End:
         await self._stream.send_all(data)
 
     async def close(self) -> None:
-        self.finished = self.finished or "closed"
         self.how.append("closed")
         await self._stream.send_stream.aclose()
 
     async def reset(self) -> None:
-        self.finished = self.finished or "reset"
         self.how.append("reset")
         await self._stream.aclose()
 

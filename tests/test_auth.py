@@ -137,7 +137,7 @@ def test_the_config_refuses_what_cannot_work_and_takes_its_edges(tmp_path: Path)
         cfg(auth, **good).validate()
     # an authenticator checks its own config and its own pass before it runs
     me = peer_id_of(new_identity())
-    node = type("N", (), {"peer_id": me})()
+    node = Desk(me)
     with pytest.raises(AuthError, match="32 bytes"):
         Authenticator(node, cfg(auth, authority=bytes(31)), auth.sign("alice", me, time.time()))
     with pytest.raises(AuthError, match="^the pass was issued to another peer id$"):
@@ -469,15 +469,30 @@ def conn_to(peer: ID) -> INetConn:
     return SimpleNamespace(muxed_conn=SimpleNamespace(peer_id=peer))  # type: ignore[return-value]
 
 
+#: The wall clock of the gates below at trio's time 0 (passes expire in Unix time).
+BASE = 1_700_000_000.0
+
+
+def desk_gate(auth: Authority, **config: object) -> tuple[Authenticator, Desk]:
+    """An Authenticator on a fresh Desk, its pass signed at BASE, its wall clock BASE + trio's time."""
+    me = random_peer_id()
+    desk = Desk(me)
+    gate = Authenticator(desk, cfg(auth, **config), auth.sign("me", me, BASE), clock=lambda: BASE + trio.current_time())
+    return gate, desk
+
+
+def hello(auth: Authority, name: str, peer: ID) -> pb.Hello:
+    """``peer``'s Hello as ``name``, its pass signed and its clock read now (on the gates' clock)."""
+    now = BASE + trio.current_time()
+    return pb.Hello(access=auth.sign(name, peer, now), time_ms=int(now * 1000))
+
+
 async def test_our_hello_goes_out_lazily_and_each_way_it_can_end_is_told(
         tmp_path: Path, autojump_clock: object, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, "p2p.auth")
     auth, _ = authority(tmp_path)
-    base = 1_700_000_000.0
-    me, bob, carol, dave = (random_peer_id() for _ in range(4))
-    desk = Desk(me)
-    gate = Authenticator(desk, cfg(auth, verdict_timeout=3.0), auth.sign("me", me, base),
-                         clock=lambda: base + trio.current_time())
+    gate, desk = desk_gate(auth, verdict_timeout=3.0)
+    me, bob, carol, dave = desk.peer_id, random_peer_id(), random_peer_id(), random_peer_id()
     # no stream: said in the debug log, no verdict
     await gate._send_hello(conn_to(bob))
     assert log_lines(caplog, "p2p.auth", "could not open") == [
@@ -489,8 +504,8 @@ async def test_our_hello_goes_out_lazily_and_each_way_it_can_end_is_told(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(gate._send_hello, conn_to(bob))
         ours = await read_message(bobs, pb.Hello)
-        assert ours.access == gate.my_pass and ours.time_ms == int(base * 1000)
-        await write_message(bobs, pb.Hello(access=auth.sign("bob", bob, base), time_ms=int(base * 1000)))
+        assert ours.access == gate.my_pass and ours.time_ms == int(BASE * 1000)
+        await write_message(bobs, hello(auth, "bob", bob))
     assert mine.finished == "closed" and gate.token_of(bob) is not None
     # a peer that does not speak the protocol (an open swarm's): refused, unless it already showed a pass
     for peer in (carol, bob):
@@ -514,19 +529,17 @@ async def test_a_peers_hello_is_judged_answered_or_refused_in_words(
         tmp_path: Path, autojump_clock: object, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, "p2p.auth")
     auth, _ = authority(tmp_path)
-    base = 1_700_000_000.0
-    me, bob, eve = random_peer_id(), random_peer_id(), random_peer_id()
-    gate = Authenticator(Desk(me), cfg(auth, verdict_timeout=3.0), auth.sign("me", me, base),
-                         clock=lambda: base + trio.current_time())
+    gate, desk = desk_gate(auth, verdict_timeout=3.0)
+    me, bob, eve = desk.peer_id, random_peer_id(), random_peer_id()
     # a good Hello is answered with ours, then closed
     mine, bobs = ends(me, bob)
-    await write_message(bobs, pb.Hello(access=auth.sign("bob", bob, base), time_ms=int(base * 1000)))
+    await write_message(bobs, hello(auth, "bob", bob))
     await gate.handle(mine)  # type: ignore[arg-type]
     assert mine.finished == "closed" and (await read_message(bobs, pb.Hello)).access == gate.my_pass
     assert gate.token_of(bob) is not None
     # a bad pass: refused, reset, no answer
     mine, eves = ends(me, eve)
-    await write_message(eves, pb.Hello(access=auth.sign("eve", bob, base), time_ms=int(base * 1000)))
+    await write_message(eves, hello(auth, "eve", bob))
     await gate.handle(mine)  # type: ignore[arg-type]
     assert mine.finished == "reset" and await eves.read() == b""
     assert log_lines(caplog, "p2p.auth", "refused") == [f"refused {eve}: the pass was issued to another peer id"]
@@ -559,15 +572,8 @@ def closed(peer: ID) -> ConnectionInfo:
 
 async def test_the_gate_waits_for_a_verdict_and_says_why_it_refused(tmp_path: Path, autojump_clock: object) -> None:
     auth, _ = authority(tmp_path)
-    base = 1_700_000_000.0
-    me, bob, eve = random_peer_id(), random_peer_id(), random_peer_id()
-    desk = Desk(me)
-    gate = Authenticator(desk, cfg(auth, verdict_timeout=3.0), auth.sign("me", me, base),
-                         clock=lambda: base + trio.current_time())
-
-    def hello(name: str, peer: ID) -> pb.Hello:
-        return pb.Hello(access=auth.sign(name, peer, base), time_ms=int((base + trio.current_time()) * 1000))
-
+    gate, desk = desk_gate(auth, verdict_timeout=3.0)
+    bob, eve = random_peer_id(), random_peer_id()
     for protocol in sorted(PRE_AUTH):  # open to anyone at once
         assert await gate.inbound(eve, protocol) is None
     await gate.outbound(eve, sorted(PRE_AUTH))
@@ -582,20 +588,20 @@ async def test_the_gate_waits_for_a_verdict_and_says_why_it_refused(tmp_path: Pa
     async with trio.open_nursery() as nursery:
         nursery.start_soon(gate.outbound, bob, ["/dedloc/rpc/1.0.0"])
         await trio.sleep(1.0)
-        assert gate._judge(bob, hello("bob", bob)) is True
+        assert gate._judge(bob, hello(auth, "bob", bob)) is True
     assert trio.current_time() - waiting == 1.0
     token = gate.token_of(bob)
     assert token is not None and (token.username, token.peer_id) == ("bob", bob)
     assert await gate.inbound(bob, "/dedloc/rpc/1.0.0") is None and gate.refused == {}
     # a bad pass is a verdict at once, counted by its first words (before a colon, at most 60 characters)
-    assert gate._judge(eve, hello("eve", bob)) is False
+    assert gate._judge(eve, hello(auth, "eve", bob)) is False
     assert await gate.inbound(eve, "/x") == "unauthenticated: the pass was issued to another peer id"
     gate._refuse(eve, "bad Hello: garbled")
     gate._refuse(eve, "bad Hello: too long")
     long = "y" * 64
-    assert gate._judge(eve, pb.Hello(access=auth.sign(long, eve, base), time_ms=int(base * 1000))) is True
+    assert gate._judge(eve, hello(auth, long, eve)) is True
     gate.revoke(frozenset({long}))
-    assert gate._judge(eve, hello(long, eve)) is False
+    assert gate._judge(eve, hello(auth, long, eve)) is False
     assert gate.refused == {"the pass was issued to another peer id": 1, "bad Hello": 2,
                             f"user '{long}' is revoked"[:60]: 1}
     assert gate.token_of(eve) is None and gate.token_of(random_peer_id()) is None
@@ -610,27 +616,20 @@ async def test_the_gate_waits_for_a_verdict_and_says_why_it_refused(tmp_path: Pa
 
 async def test_refused_expired_and_revoked_peers_are_cut_in_time(tmp_path: Path, autojump_clock: object) -> None:
     auth, _ = authority(tmp_path, lifetime=100.0)
-    base = 1_700_000_000.0
-    me, bob, carol, dave, eve = (random_peer_id() for _ in range(5))
-    desk = Desk(me)
-    gate = Authenticator(desk, cfg(auth, verdict_timeout=3.0, recheck_interval=5.0, max_skew=10.0),
-                         auth.sign("me", me, base), clock=lambda: base + trio.current_time())
-
-    def hello(name: str, peer: ID) -> pb.Hello:
-        return pb.Hello(access=auth.sign(name, peer, base), time_ms=int((base + trio.current_time()) * 1000))
-
+    gate, desk = desk_gate(auth, verdict_timeout=3.0, recheck_interval=5.0, max_skew=10.0)
+    bob, carol, dave, eve = (random_peer_id() for _ in range(4))
     async with trio.open_nursery() as nursery:
         handle = gate.attach(nursery)
         for peer in (bob, carol, dave, eve):
             desk.connected[peer] = 1
         for name, peer in (("bob", bob), ("carol", carol)):
-            assert gate._judge(peer, hello(name, peer))
+            assert gate._judge(peer, hello(auth, name, peer))
         # refused: cut after verdict_timeout, unless it shows a good pass meanwhile (a lapsed member may ask
         # the authority for a new one on the same connection)
         gate._judge_failed(dave, "the pass expired 9 s ago")
         gate._judge_failed(eve, "the pass expired 9 s ago")
         await trio.sleep(2.9)
-        assert desk.cut == [] and gate._judge(dave, hello("dave", dave))
+        assert desk.cut == [] and gate._judge(dave, hello(auth, "dave", dave))
         await trio.sleep(0.2)
         assert desk.cut == [(3.0, eve)]
         # revoked: cut at the next recheck (every 5 s)
@@ -648,8 +647,7 @@ async def test_refused_expired_and_revoked_peers_are_cut_in_time(tmp_path: Path,
         assert gate._nursery is None
         frank = random_peer_id()
         desk.connected[frank] = 1
-        assert gate._judge(frank, pb.Hello(access=auth.sign("frank", frank, base + trio.current_time()),
-                                           time_ms=int((base + trio.current_time()) * 1000)))
+        assert gate._judge(frank, hello(auth, "frank", frank))
         gate.revoke(frozenset({"frank"}))
         gate._judge_failed(random_peer_id(), "bad Hello: garbled")
         cuts = len(desk.cut)
@@ -674,10 +672,10 @@ class Issuer:
     """A node as :func:`request_pass` sees it: each stream it opens reaches ``serve`` (the authority's
     handler, or the test's) at the far end, in memory; ``hang``: an open that never completes."""
 
-    def __init__(self, nursery: trio.Nursery, serve: Callable[[End], Awaitable[None]], *, lockstep: bool = False) -> None:
+    def __init__(self, nursery: trio.Nursery, serve: Callable[[End], Awaitable[None]]) -> None:
         self.peer_id = random_peer_id()
         self.authority_id = random_peer_id()
-        self._nursery, self._serve, self._lockstep = nursery, serve, lockstep
+        self._nursery, self._serve = nursery, serve
         self.hang = False
         self.streams: list[tuple[End, End]] = []
 
@@ -685,7 +683,7 @@ class Issuer:
         assert (peer_id, protocol) == (self.authority_id, ISSUE_PROTOCOL)
         if self.hang:
             await trio.sleep_forever()
-        mine, theirs = ends(self.peer_id, peer_id, lockstep=self._lockstep)
+        mine, theirs = ends(self.peer_id, peer_id)
         self.streams.append((mine, theirs))
         self._nursery.start_soon(self._serve, theirs)
         return mine  # type: ignore[return-value]
@@ -747,7 +745,7 @@ async def test_the_authority_serves_counts_and_logs_each_request_and_resets_a_ba
 
 
 async def test_a_pass_request_ends_in_words_or_within_its_timeout(tmp_path: Path, autojump_clock: object) -> None:
-    async def answers(reply: pb.IssueReply) -> Callable[[End], Awaitable[None]]:
+    def answers(reply: pb.IssueReply) -> Callable[[End], Awaitable[None]]:
         async def serve(stream: End) -> None:
             await read_message(stream, pb.ChallengeRequest)
             await write_message(stream, pb.Challenge(nonce=b"n" * 32))
@@ -756,10 +754,10 @@ async def test_a_pass_request_ends_in_words_or_within_its_timeout(tmp_path: Path
         return serve
 
     async with trio.open_nursery() as nursery:
-        node = Issuer(nursery, await answers(pb.IssueReply()))
+        node = Issuer(nursery, answers(pb.IssueReply()))
         with pytest.raises(AuthError, match="^the authority refused a pass: no pass in its answer$"):
             await request_pass(node, node.authority_id, "alice", b"s" * 32)
-        node = Issuer(nursery, await answers(pb.IssueReply(error="closed for the night")))
+        node = Issuer(nursery, answers(pb.IssueReply(error="closed for the night")))
         with pytest.raises(AuthError, match="^the authority refused a pass: closed for the night$"):
             await request_pass(node, node.authority_id, "alice", b"s" * 32)
         node.hang = True
