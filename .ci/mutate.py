@@ -78,6 +78,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "p2p/authority.py": ("tests/test_auth.py",),
     "nat/relay.py": ("tests/test_relay.py", "tests/test_nat_decisions.py"),
     "nat/circuit.py": ("tests/test_relay.py",),
+    "p2p/dialer.py": ("tests/test_dialer.py",),
+    "nat/holepunch.py": ("tests/test_holepunch_rounds.py",),
 }
 
 KILLED = {"killed", "timeout"}

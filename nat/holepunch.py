@@ -508,7 +508,11 @@ class HolePuncher:
             except Exception as e:
                 log.debug("punch dial to %s failed: %s", addr, e)
                 return
-            if won or is_relayed_conn(conn):
+            if is_relayed_conn(conn):
+                return  # the swarm's relayed connection: nothing was punched
+            if won:  # lost a photo finish: one direct connection is enough
+                with trio.CancelScope(shield=True):  # bounded by finish_quietly; the winner is cancelling us
+                    await finish_quietly(conn.close)
                 return
             won.append(conn)
             nursery.cancel_scope.cancel()

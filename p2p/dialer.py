@@ -7,7 +7,7 @@ a dial *fails*, so a dial that succeeds still waits out the whole 250 ms before
 It also drops relayed and loopback addresses. This module ranks the addresses
 itself (:func:`p2p.addresses.rank_for_dial`) and runs a happy-eyeballs race that
 returns on the first success, calling the swarm's per-address ``dial_addr``,
-which has no such stall. ``tests/test_dialer.py`` pins the behaviour.
+which has no such stall. ``tests/test_dialer.py`` pins the behaviour, in virtual time.
 """
 
 from __future__ import annotations
@@ -108,7 +108,10 @@ async def dial(
             failed.set()
             return
         if winner:  # lost a photo finish: keep the first connection only
-            await finish_quietly(conn.close, timeout=2)
+            # shielded (finish_quietly bounds it): the winner is cancelling this nursery, and a close
+            # cut at its first checkpoint left a connection open that nobody holds
+            with trio.CancelScope(shield=True):
+                await finish_quietly(conn.close, timeout=2)
             return
         winner.append((conn, addr))
         cancel.cancel()

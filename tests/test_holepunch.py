@@ -6,7 +6,9 @@ listen ports, so whichever SYN goes first simply lands on the other's listener
 and the second connect finds the 4-tuple taken. That path is covered end to
 end through NATs by ``tests/test_nat_matrix.py``. Here, the upgrade runs end to
 end through connection reversal, and each side of the exchange is driven
-message by message, with the final dial recorded instead of made.
+message by message, with the final dial recorded instead of made. Every
+branch, count, log line and timing of the module, in virtual time on a node
+stand-in: ``tests/test_holepunch_rounds.py``.
 """
 
 from __future__ import annotations
@@ -24,15 +26,14 @@ from multiaddr import Multiaddr
 
 from nat.circuit import RelayClient
 from p2p.addresses import is_relayed_conn
-from nat.holepunch import (MAX_PUNCH_ADDRS, PROTOCOL, HolePunchConfig, HolePuncher, PunchMethod, PunchResult,
-                           RetrySchedule)
+from nat.holepunch import MAX_PUNCH_ADDRS, PROTOCOL, HolePunchConfig, HolePuncher, PunchMethod, PunchResult
 from nat.proto import holepunch_pb2 as pb
 from nat.relay import RelayService
 from p2p.wire import read_message
 from p2p import Node
 from p2p.addresses import reachable_tcp, without_peer_id
 from p2p.dialer import dial_simultaneous
-from p2p.errors import ConfigError, DialError
+from p2p.errors import DialError
 from p2p.resources import Rate
 from p2p.varint import encode_varint
 from p2p.trio_util import finish_quietly
@@ -463,38 +464,6 @@ async def test_an_upgrade_with_nothing_to_dial_asks_the_peer_again_and_goes_dire
         assert results[1].elapsed < 3.0  # not retry_backoff's 5 s, nor retry_idle's 60
         assert b.puncher.stats.reidentified == 1 and b.puncher.metrics()["punch_reidentified"] == 1
         assert b.puncher.stats.outcomes[("initiator", 1, "no_suitable_address")] == 1
-
-
-def test_the_retry_schedule_after_nothing_to_dial_and_after_a_failed_dial() -> None:
-    config = HolePunchConfig(retries=2, retry_backoff=2.0, retry_poll=1.0, retry_idle=30.0, reidentify_after=0.5,
-                             reidentify_times=2)
-    schedule = RetrySchedule.start(config)
-    # nothing to dial at t=10: ask at 10.5, then 11.5, then no more; a change counts at once
-    assert schedule.after(True, 10.0)
-    assert schedule.wake(10.0) == 10.5 and not schedule.identify_due(10.4) and schedule.identify_due(10.5)
-    schedule.identified(10.5)
-    assert schedule.next_identify == 11.5 and schedule.wake(10.6) == 11.5
-    schedule.identified(11.5)
-    assert schedule.next_identify is None and schedule.wake(12.0) == 13.0
-    assert schedule.retry_due(10.1, changed=True) == "addresses changed"
-    assert schedule.retry_due(39.9, changed=False) is None
-    assert schedule.retry_due(40.0, changed=False) == "nothing changed in 30 s"
-    schedule.retried()
-    # a dial that failed at t=50: a change counts only from 52 (backoff doubled: 4 s after the next)
-    assert schedule.after(False, 50.0)
-    assert schedule.next_identify is None and not schedule.identify_due(1e9)
-    assert schedule.retry_due(53.9, changed=True) is None
-    assert schedule.retry_due(54.0, changed=True) == "addresses changed"
-    assert schedule.retry_due(109.9, changed=False) is None and schedule.retry_due(110.0, changed=False)
-    schedule.retried()
-    assert not schedule.after(True, 120.0)  # two retries, all there were
-
-
-def test_no_reidentify_when_turned_off() -> None:
-    schedule = RetrySchedule.start(HolePunchConfig(reidentify_times=0))
-    assert schedule.after(True, 0.0) and schedule.next_identify is None
-    with pytest.raises(ConfigError, match="reidentify_after must be positive"):
-        HolePunchConfig(reidentify_after=0).validate()
 
 
 async def test_an_upgrade_is_tried_again_only_after_retry_idle_while_nothing_changes():
