@@ -80,6 +80,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "nat/circuit.py": ("tests/test_relay.py",),
     "p2p/dialer.py": ("tests/test_dialer.py",),
     "nat/holepunch.py": ("tests/test_holepunch_rounds.py",),
+    "nat/port_mapping/upnp.py": ("tests/test_port_mapping_codecs.py", "tests/test_upnp.py"),
 }
 
 KILLED = {"killed", "timeout"}

@@ -1,5 +1,6 @@
 """nat.port_mapping's I/O: against loopback fakes, then the real thing against miniupnpd (the wire formats
-without sockets: tests/test_port_mapping_codecs.py).
+without sockets: tests/test_port_mapping_codecs.py; UPnP's discovery, HTTP and mapper against loopback
+fakes: tests/test_upnp.py).
 
 The end-to-end tests build their own router/client/outside namespaces
 (tests/miniupnpd_lab.py): every packet, discovery included, stays inside them.
@@ -10,7 +11,6 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -20,7 +20,7 @@ from nat import port_mapping as pm
 from nat.port_mapping import MappingRefused
 from p2p.errors import ConfigError
 from tests import miniupnpd_lab
-from tests.test_port_mapping_codecs import EXTERNAL_IP_REPLY, NONCE, SERVICE, _fault, _pcp_map_response, _soap_reply
+from tests.test_port_mapping_codecs import NONCE, _pcp_map_response
 from tests.miniupnpd_lab import CLIENT_IP, WAN_IP, router_lab
 # ---------------------------------------------------------------------- API checks that need no gateway
 
@@ -39,7 +39,7 @@ async def test_map_port_rejects_bad_arguments() -> None:
 
 
 # ---------------------------------------------------------------------- the I/O layer against loopback fakes
-# (UDP and HTTP to 127.0.0.1 only; no discovery, which runs only inside the lab's namespaces)
+# (UDP to 127.0.0.1 only)
 
 
 @asynccontextmanager
@@ -109,98 +109,6 @@ async def test_pcp_ignores_replies_with_another_nonce() -> None:
         with trio.fail_after(2):
             reply = await pm.pcp_map("127.0.0.1", "127.0.0.1", NONCE, "TCP", 4001, 0, 7200, port=port)
     assert reply.nonce == NONCE and reply.external_ip == "11.22.33.1" and len(received) == 1
-
-
-@asynccontextmanager
-async def fake_igd(script: Callable[[str, dict[str, str]], bytes]) -> AsyncIterator[tuple[pm.IgdService, list[SoapCall]]]:
-    """An IGD control URL on 127.0.0.1: ``script(action, args)`` gives each SOAP reply body (500 if a fault)."""
-    calls: list[SoapCall] = []
-
-    async def handle(stream: trio.SocketStream) -> None:
-        buf = b""
-        with trio.move_on_after(5):
-            while b"\r\n\r\n" not in buf:
-                buf += await stream.receive_some(65536)
-            head, _, body = buf.partition(b"\r\n\r\n")
-            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
-            while len(body) < length:
-                body += await stream.receive_some(65536)
-            soap_action = next(line for line in head.split(b"\r\n") if line.lower().startswith(b"soapaction"))
-            action = soap_action.decode().split("#")[1].strip('"')
-            root = pm.parse_xml(body)
-            call = next(e for e in root.iter() if e.tag.endswith(action))
-            args = {child.tag: child.text or "" for child in call}
-            calls.append((action, args))
-            reply = script(action, args)
-            status = "500 Internal Server Error" if b"Fault" in reply else "200 OK"
-            head = f"HTTP/1.1 {status}\r\nContent-Type: text/xml\r\nContent-Length: {len(reply)}\r\n\r\n".encode()
-            await stream.send_all(head + reply)
-        await stream.aclose()
-
-    async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(partial(trio.serve_tcp, handle, 0, host="127.0.0.1"))
-        port = listeners[0].socket.getsockname()[1]
-        yield pm.IgdService(SERVICE, f"http://127.0.0.1:{port}/ctl/IPConn"), calls
-        nursery.cancel_scope.cancel()
-
-
-async def test_upnp_mapper_handles_permanent_only_and_conflicts() -> None:
-    def script(action: str, args: dict[str, str]) -> bytes:
-        if action == "GetSpecificPortMappingEntry":
-            if args["NewExternalPort"] == "5555":  # someone else's
-                return _soap_reply(
-                    f'<u:GetSpecificPortMappingEntryResponse xmlns:u="{SERVICE}"><NewInternalPort>80</NewInternalPort>'
-                    "<NewInternalClient>127.0.0.9</NewInternalClient></u:GetSpecificPortMappingEntryResponse>"
-                )
-            return _fault("714", "NoSuchEntryInArray")
-        if action == "AddPortMapping":
-            if args["NewLeaseDuration"] != "0":
-                return _fault("725", "OnlyPermanentLeasesSupported")
-            if args["NewExternalPort"] == "4001":
-                return _fault("718", "ConflictInMappingEntry")
-            return _soap_reply(f'<u:AddPortMappingResponse xmlns:u="{SERVICE}"/>')
-        if action == "GetExternalIPAddress":
-            return EXTERNAL_IP_REPLY
-        return _soap_reply(f'<u:{action}Response xmlns:u="{SERVICE}"/>')
-
-    async with fake_igd(script) as (service, calls):
-        gateway = pm.UpnpGateway("http://127.0.0.1/rootDesc.xml", service, "127.0.0.1")
-        mapper = pm._UpnpMapper(gateway, "TCP", 4001, call_timeout=5)
-        with trio.fail_after(10):
-            # 5555 forwards to another host already: not even tried (AddPortMapping would overwrite
-            # a mapping of our own host), then 725 makes the lease permanent, then 718 moves the port.
-            assert await mapper._taken_by_another(5555)
-            assert not await mapper._taken_by_another(4001)
-            grant = await mapper.map(0, 3600)
-            assert grant.lifetime == 0 and grant.external_ip == "11.22.33.1"
-            assert grant.external_port != 4001 and 1024 <= grant.external_port <= 65535
-            adds = [args for action, args in calls if action == "AddPortMapping"]
-            assert [(a["NewExternalPort"], a["NewLeaseDuration"]) for a in adds[:2]] == [("4001", "3600"), ("4001", "0")]
-            assert adds[0]["NewInternalClient"] == "127.0.0.1" and adds[0]["NewPortMappingDescription"] == "dedloc"
-            assert adds[0]["NewRemoteHost"] == "" and adds[0]["NewEnabled"] == "1" and adds[0]["NewProtocol"] == "TCP"
-            await mapper.unmap()
-        delete = {"NewRemoteHost": "", "NewExternalPort": str(grant.external_port), "NewProtocol": "TCP"}
-        assert calls[-1] == ("DeletePortMapping", delete)
-
-
-async def test_upnp_mapper_reports_other_faults() -> None:
-    async with fake_igd(lambda action, args: _fault("606", "Action not authorized")) as (service, calls):
-        mapper = pm._UpnpMapper(pm.UpnpGateway("http://127.0.0.1/", service, "127.0.0.1"), "TCP", 4001, call_timeout=5)
-        with trio.fail_after(10), pytest.raises(MappingRefused, match="606") as info:
-            await mapper.map(0, 3600)
-        assert info.value.code == 606 and [action for action, _ in calls] == ["GetSpecificPortMappingEntry", "AddPortMapping"]
-
-
-async def test_http_exchange_bounds_a_silent_server() -> None:
-    async def silent(stream: trio.SocketStream) -> None:
-        await trio.sleep_forever()
-
-    async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(partial(trio.serve_tcp, silent, 0, host="127.0.0.1"))
-        url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}/x"
-        with pytest.raises(pm.PortMappingError, match="took longer than 0.3 s"):
-            await pm.http_exchange(url, pm.http_request("GET", url), timeout=0.3)
-        nursery.cancel_scope.cancel()
 
 
 # ---------------------------------------------------------------------- against a real miniupnpd (tests/miniupnpd_lab.py)

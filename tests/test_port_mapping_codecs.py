@@ -2,8 +2,9 @@
 SSDP, the IGD device description, SOAP and HTTP, the default gateway from /proc/net/route.
 
 Pure and fast (no namespaces, no sockets), so that ``make mutate`` can run them for every mutant of
-``nat/port_mapping/natpmp.py`` and ``pcp.py``; tests/test_port_mapping.py has the I/O, against
-loopback fakes and against miniupnpd in namespaces.
+``nat/port_mapping/natpmp.py``, ``pcp.py`` and ``upnp.py``; tests/test_port_mapping.py has the I/O,
+against loopback fakes and against miniupnpd in namespaces, and tests/test_upnp.py UPnP's, against
+loopback fakes.
 """
 
 from __future__ import annotations
@@ -588,3 +589,202 @@ def test_errors_are_dedloc_errors() -> None:
     assert isinstance(error, DedlocError) and "\n  pcp: no answer" in str(error) and error.attempts[1][0] == "upnp"
     assert isinstance(MappingRefused("natpmp", 2, "x"), pm.PortMappingError)
     assert issubclass(MalformedResponse, ValueError)
+
+
+# ---------------------------------------------------------------------- HTTP: every edge, every word
+
+
+def http(raw: bytes, *, eof: bool = False, max_body: int = pm.MAX_XML) -> pm.HttpResponse | None:
+    return pm.parse_http_response(raw, eof=eof, max_body=max_body)
+
+
+def http_error(raw: bytes, *, eof: bool = False, max_body: int = pm.MAX_XML) -> str:
+    with pytest.raises(MalformedResponse) as info:
+        pm.parse_http_response(raw, eof=eof, max_body=max_body)
+    return str(info.value)
+
+
+def test_http_responses_whole() -> None:
+    assert http(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nLocation: http://x:5000/\r\n\r\nhello!") == pm.HttpResponse(
+        200, "OK", {"content-length": "5", "location": "http://x:5000/"}, b"hello")  # a value may hold colons
+    assert http(b"HTTP/1.1 200\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n") == pm.HttpResponse(
+        200, "", {"transfer-encoding": "chunked"}, b"abc")  # no reason phrase
+    assert http(b"HTTP/1.0 404 Not Found\r\nX: y\r\n\r\ngone", eof=True) == pm.HttpResponse(404, "Not Found", {"x": "y"}, b"gone")
+    for status in (204, 304):  # no body, whatever follows
+        assert http(f"HTTP/1.1 {status} Empty\r\nX: y\r\n\r\n".encode()) == pm.HttpResponse(status, "Empty", {"x": "y"}, b"")
+    assert http(b"HTTP/1.1 205 Reset Content\r\n\r\n") is None  # 205 is read to the end as others are
+    # an interim 1xx, then the response, read with the same end and the same cap
+    assert http(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n\r\nall", eof=True) == pm.HttpResponse(200, "OK", {}, b"all")
+    assert http_error(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n\r\nall", max_body=2) == \
+        "HTTP body longer than the 2 bytes allowed"
+
+
+def test_http_caps_at_their_exact_edge() -> None:
+    head = b"HTTP/1.1 200 OK\r\nX: "
+    exact = head + b"a" * (pm.MAX_HTTP_HEAD - len(head)) + b"\r\n\r\n"  # the header ends at MAX_HTTP_HEAD
+    assert http(exact, eof=True) == pm.HttpResponse(200, "OK", {"x": "a" * (pm.MAX_HTTP_HEAD - len(head))}, b"")
+    assert http_error(head + b"a" * (pm.MAX_HTTP_HEAD - len(head) + 1) + b"\r\n\r\n") == \
+        f"HTTP header longer than {pm.MAX_HTTP_HEAD} bytes"
+    unfinished = b"HTTP/1.1 200 OK\r\n" + b"a" * (pm.MAX_HTTP_HEAD - 17)
+    assert len(unfinished) == pm.MAX_HTTP_HEAD and http(unfinished) is None
+    assert http_error(unfinished + b"a") == f"HTTP header longer than {pm.MAX_HTTP_HEAD} bytes"
+    assert http_error(b"HTTP/1.1 200 OK\r\nContent-Le", eof=True) == "connection closed before the HTTP header ended"
+    assert http_error(b"\r\n\r\n") == "not an HTTP/1.x status line: ''"
+    assert http(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nfour", max_body=4) is not None
+    assert http_error(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfive!", max_body=4) == \
+        "HTTP body of 5 bytes, more than the 4 allowed"
+    assert http(b"HTTP/1.1 200 OK\r\n\r\nfour", eof=True, max_body=4) is not None
+    assert http(b"HTTP/1.1 200 OK\r\nContent-Length: 000000000005\r\n\r\nhello") is not None  # 12 digits
+    assert http_error(b"HTTP/1.1 200 OK\r\nContent-Length: 0000000000005\r\n\r\nhello") == "bad Content-Length '0000000000005'"
+    assert http_error(b"HTTP/1.1 200 OK\r\nContent-Length: 00000000000000000000005\r\n\r\n") == \
+        "bad Content-Length '00000000000000000000'"
+
+
+def test_http_refusals_word_for_word() -> None:
+    assert http_error(b"X" * 100 + b"\r\n\r\n") == f"not an HTTP/1.x status line: {'X' * 80!r}"
+    assert http_error(b"HTTP/1.1 200 OK\r\n" + b"Y" * 100 + b"\r\n\r\n") == f"malformed HTTP header line {'Y' * 80!r}"
+    assert http_error(b"HTTP/1.1 200 OK\r\n X: y\r\n\r\n") == "malformed HTTP header line ' X: y'"
+    assert http_error(b"HTTP/1.1 200 OK\r\n: y\r\n\r\n") == "malformed HTTP header line ': y'"
+    assert http_error(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\ntransfer-encoding: chunked\r\n\r\n") == \
+        "HTTP header transfer-encoding given twice"
+    assert http_error(b"HTTP/1.1 200 OK\r\nContent-Length: 5x\r\n\r\n") == "bad Content-Length '5x'"
+
+
+CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+def test_chunks_at_their_exact_edges_and_words() -> None:
+    assert http(CHUNKED + b"10\r\n" + b"s" * 16 + b"\r\n0\r\n\r\n").body == b"s" * 16  # type: ignore[union-attr]  # hex
+    assert http(CHUNKED + b"a\r\n" + b"x" * 10 + b"\r\nA\r\n" + b"y" * 10 + b"\r\n0\r\n\r\n").body == b"x" * 10 + b"y" * 10  # type: ignore[union-attr]
+    assert http(CHUNKED + b"00000003;a=1;b=2\r\nabc\r\n0\r\n\r\n").body == b"abc"  # type: ignore[union-attr]  # 8 digits, 2 extensions
+    assert http_error(CHUNKED + b"000000003\r\nabc\r\n0\r\n\r\n") == "bad chunk size b'000000003'"
+    assert http_error(CHUNKED + b"\r\nabc") == "bad chunk size b''"
+    assert http_error(CHUNKED + b"z" * 30 + b"\r\n") == f"bad chunk size {b'z' * 20!r}"
+    assert http(CHUNKED + b"4\r\nfour\r\n0\r\n\r\n", max_body=4) is not None
+    assert http_error(CHUNKED + b"5\r\nfive!\r\n0\r\n\r\n", max_body=4) == "chunked HTTP body longer than the 4 bytes allowed"
+    # a size line without its end: waited for up to 1,024 bytes, after chunks already read too
+    first = CHUNKED + b"5\r\nhello\r\n"
+    assert http(first + b"a" * 1024) is None
+    assert http_error(first + b"a" * 1025) == "chunk size line too long"
+    # trailers: waited for up to MAX_HTTP_HEAD bytes
+    last = first + b"0\r\n"
+    assert http(last + b"T" * pm.MAX_HTTP_HEAD) is None
+    assert http_error(last + b"T" * (pm.MAX_HTTP_HEAD + 1)) == "HTTP trailer too long"
+    assert http_error(CHUNKED + b"2\r\nabXY") == "chunk not followed by CRLF"
+    for cut in (first + b"5\r\nwor", first, last + b"X: 1\r\n"):  # mid-chunk, between chunks, in the trailer
+        assert http(cut) is None
+        assert http_error(cut, eof=True) == "connection closed in the middle of a chunked body"
+
+
+def test_http_requests_word_for_word() -> None:
+    assert pm.http_request("GET", "http://192.168.77.1:5000") == \
+        b"GET / HTTP/1.1\r\nHost: 192.168.77.1:5000\r\nConnection: close\r\n\r\n"
+    assert pm.http_request("POST", "http://192.168.77.1/c") == \
+        b"POST /c HTTP/1.1\r\nHost: 192.168.77.1\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+    assert pm.http_request("PUT", "http://192.168.77.1/c", body=b"ab").endswith(b"Content-Length: 2\r\n\r\nab")
+    assert b"Content-Length" not in pm.http_request("DELETE", "http://192.168.77.1/c")
+    for value in ("a\rb", "a\nb"):
+        with pytest.raises(ConfigError) as info:
+            pm.http_request("GET", "http://1.2.3.4/", headers=[("X", value)])
+        assert str(info.value) == f"line break in an HTTP header: {'X: ' + value!r}"
+
+
+# ---------------------------------------------------------------------- SSDP, XML, SOAP: every edge, every word
+
+
+def ssdp_error(data: bytes) -> str:
+    with pytest.raises(MalformedResponse) as info:
+        pm.parse_ssdp_response(data)
+    return str(info.value)
+
+
+def test_ssdp_answers_word_for_word() -> None:
+    bare = b"HTTP/1.1 200 OK\r\nLOCATION: http://192.168.1.1:80/d.xml\r\n\r\nST: ignored\r\n\r\n"
+    assert pm.parse_ssdp_response(bare) == pm.SsdpResponse("http://192.168.1.1:80/d.xml", "", "", "")
+    assert pm.parse_ssdp_response(SSDP_ANSWER + b"x" * (pm.MAX_SSDP_DATAGRAM - len(SSDP_ANSWER))).location.endswith("rootDesc.xml")
+    assert ssdp_error(SSDP_ANSWER + b"x" * (pm.MAX_SSDP_DATAGRAM - len(SSDP_ANSWER) + 1)) == \
+        f"SSDP reply of {pm.MAX_SSDP_DATAGRAM + 1} bytes, more than {pm.MAX_SSDP_DATAGRAM}"
+    assert ssdp_error(b"N" * 100 + b"\r\n\r\n") == f"not an SSDP search answer: {'N' * 80!r}"
+    assert ssdp_error(b"HTTP/1.1 200 OK\r\nST: x\r\n\r\n") == "SSDP answer without LOCATION"
+    far = "http://" + "h" * 100
+    assert ssdp_error(f"HTTP/1.1 200 OK\r\nLOCATION: s{far}\r\n\r\n".encode()) == \
+        f"SSDP LOCATION is not an http URL: {('s' + far)[:80]!r}"
+
+
+def test_xml_refusals_word_for_word() -> None:
+    assert pm.parse_xml(b"<a>" + b"x" * (pm.MAX_XML - 7) + b"</a>").text == "x" * (pm.MAX_XML - 7)
+    with pytest.raises(MalformedResponse) as info:
+        pm.parse_xml(b"<a>" + b"x" * (pm.MAX_XML - 6) + b"</a>")
+    assert str(info.value) == f"XML document of {pm.MAX_XML + 1} bytes, more than the {pm.MAX_XML} allowed"
+    for dtd in (b'<!doctype root SYSTEM "x"><root/>', b"<!Entity x 'y'><root/>"):
+        with pytest.raises(MalformedResponse) as info:
+            pm.parse_xml(dtd)
+        assert str(info.value) == "XML with a DTD or entity declaration refused"
+
+
+def test_the_description_and_its_urls_word_for_word() -> None:
+    def error(body: bytes, location: str = LOCATION) -> str:
+        with pytest.raises(MalformedResponse) as info:
+            pm.parse_device_description(body, location)
+        return str(info.value)
+
+    long = "x" * 150
+    assert error(_description(_service("WANIPConnection:1", f"https://192.168.77.1/{long}"))) == \
+        f"controlURL is not an http URL: {f'https://192.168.77.1/{long}'[:120]!r}"
+    assert error(_description(_service("WANIPConnection:1", f"http://router.lan/{long}"))) == \
+        f"controlURL names a host, not an IPv4 address: {f'http://router.lan/{long}'[:120]!r}"
+    assert error(_description(_service("WANIPConnection:1", f"http://192.168.77.1:99999/{long}"))) == \
+        f"controlURL has a bad port: {f'http://192.168.77.1:99999/{long}'[:120]!r}"
+    assert error(_description(_service("Layer3Forwarding:1", "/x"))) == \
+        "device description lists no WANIPConnection or WANPPPConnection service"
+    # an empty URLBase is no base; tags in any namespace count by their local name
+    for base in (" ", "<empty/>"):
+        empty_base = _description(_service("WANIPConnection:1", "/c"), url_base=base)
+        if base == "<empty/>":
+            empty_base = empty_base.replace(b"<URLBase><empty/></URLBase>", b"<URLBase/>")
+        assert pm.parse_device_description(empty_base, LOCATION)[0].control_url == "http://192.168.77.1:5000/c"
+    assert error(_description(_service("WANIPConnection:1", "/c")), location="http:///nohost.xml") == \
+        "controlURL is not an http URL: 'http:///c'"
+
+
+def fault(inner: str) -> bytes:
+    return _soap_reply(f"<s:Fault><faultcode>s:Client</faultcode>{inner}</s:Fault>")
+
+
+def test_soap_faults_word_for_word() -> None:
+    bare = pm.parse_soap_fault(fault("<faultstring>Not today</faultstring>"))
+    assert bare is not None and (bare.method, bare.code, bare.reason) == ("upnp", 0, "Not today")
+    assert str(bare) == "upnp: the gateway refused (code 0: Not today)"
+    silent = pm.parse_soap_fault(fault(""))
+    assert silent is not None and (silent.code, silent.reason) == (0, "SOAP fault without a UPnP error")
+    known = pm.parse_soap_fault(_fault("718"))
+    assert known is not None and (known.method, known.code, known.reason) == ("upnp", 718, pm.UPNP_ERRORS[718])
+    unknown = pm.parse_soap_fault(_fault("799"))
+    assert unknown is not None and unknown.reason == "unknown error"
+    empty = pm.parse_soap_fault(_fault("718").replace(b"</errorCode>", b"</errorCode><errorDescription/>"))
+    assert empty is not None and empty.reason == pm.UPNP_ERRORS[718]  # an empty description is none
+    described = pm.parse_soap_fault(_fault("718", "Taken, sorry"))
+    assert described is not None and described.reason == "Taken, sorry"
+    with pytest.raises(MalformedResponse) as info:
+        pm.parse_soap_fault(_fault("x" * 30))
+    assert str(info.value) == f"SOAP fault with a bad errorCode {'x' * 20!r}"
+
+
+def test_soap_envelopes_word_for_word() -> None:
+    body = pm.soap_envelope(SERVICE, "AddPortMapping", [("A", "1"), ("B", "2")])
+    assert body == (
+        '<?xml version="1.0"?>\r\n<s:Envelope xmlns:s="http://schemas.xmlsoap.org/soap/envelope/" '
+        's:encodingStyle="http://schemas.xmlsoap.org/soap/encoding/">'
+        f'<s:Body><u:AddPortMapping xmlns:u="{SERVICE}"><A>1</A><B>2</B></u:AddPortMapping></s:Body></s:Envelope>'
+    ).encode()
+    with pytest.raises(ConfigError) as info:
+        pm.soap_envelope("urn:x" + "y" * 100, "Add", [])
+    assert str(info.value) == f"not a UPnP service type: {('urn:x' + 'y' * 100)[:80]!r}"
+    with pytest.raises(ConfigError) as info:
+        pm.soap_envelope(SERVICE, "Add Port", [])
+    assert str(info.value) == "not a SOAP action name: 'Add Port'"
+    assert pm.decode_soap_response(200, EXTERNAL_IP_REPLY.replace(b"11.22.33.1", b""), "GetExternalIPAddress") == \
+        {"NewExternalIPAddress": ""}
+    with pytest.raises(MalformedResponse) as info:
+        pm.decode_soap_response(201, b"<<not xml", "GetExternalIPAddress")
+    assert str(info.value) == "upnp: HTTP 201 from the control URL, body unreadable"

@@ -380,12 +380,15 @@ async def soap_call(service: IgdService, action: str, args: Sequence[tuple[str, 
     return decode_soap_response(response.status, response.body, action)
 
 
-async def ssdp_search(gateway: str, local_ip: str, *, timeout: float) -> list[tuple[str, SsdpResponse]]:
+async def ssdp_search(gateway: str, local_ip: str, *, timeout: float, port: int = SSDP_PORT,
+                      group: str = SSDP_GROUP) -> list[tuple[str, SsdpResponse]]:
     """M-SEARCH for Internet gateways; returns (responder, answer), the gateway's first.
 
     Searches go unicast to the gateway and to the SSDP group on the interface
     holding ``local_ip``, with TTL 2 and no loopback. Ends early once the
     gateway answered; a second round after 0.5 s covers a lost datagram.
+    ``port`` and ``group`` are SSDP's; tests name a loopback port and address
+    instead (no test sends a packet off loopback, multicast included).
     """
     found: list[tuple[str, SsdpResponse]] = []
     seen: set[str] = set()
@@ -398,8 +401,8 @@ async def ssdp_search(gateway: str, local_ip: str, *, timeout: float) -> list[tu
         async def send_round() -> None:
             for st in IGD_SEARCH_TARGETS:
                 for target, msearch in (
-                    ((gateway, SSDP_PORT), ssdp_search_request(st, host=f"{gateway}:{SSDP_PORT}", mx=None)),
-                    ((SSDP_GROUP, SSDP_PORT), ssdp_search_request(st)),
+                    ((gateway, port), ssdp_search_request(st, host=f"{gateway}:{port}", mx=None)),
+                    ((group, port), ssdp_search_request(st, host=f"{group}:{port}")),
                 ):
                     try:
                         await sock.sendto(msearch, target)
@@ -431,15 +434,17 @@ async def ssdp_search(gateway: str, local_ip: str, *, timeout: float) -> list[tu
     return found
 
 
-async def discover_upnp(gateway: str, local_ip: str, *, timeout: float) -> tuple[UpnpGateway, str]:
+async def discover_upnp(gateway: str, local_ip: str, *, timeout: float, ssdp_port: int = SSDP_PORT,
+                        ssdp_group: str = SSDP_GROUP) -> tuple[UpnpGateway, str]:
     """Find the gateway's WAN connection service and read its external address.
 
     Returns the gateway and that address: GetExternalIPAddress proves the
-    control URL works before anything relies on it.
+    control URL works before anything relies on it. ``ssdp_port`` and
+    ``ssdp_group``: as :func:`ssdp_search`'s.
     """
     problems: list[str] = []
     with trio.move_on_after(timeout):
-        answers = await ssdp_search(gateway, local_ip, timeout=min(2.0, timeout))
+        answers = await ssdp_search(gateway, local_ip, timeout=min(2.0, timeout), port=ssdp_port, group=ssdp_group)
         if not answers:
             problems.append("no answer to M-SEARCH")
         for sender, answer in answers:
