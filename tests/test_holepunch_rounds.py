@@ -211,7 +211,6 @@ class Pair:
     pb: HolePuncher
     a_offer: list[Multiaddr] = field(default_factory=list)
     b_offer: list[Multiaddr] = field(default_factory=list)
-    results: list[PunchResult] = field(default_factory=list)
 
     @property
     def relayed(self) -> Link:

@@ -24,8 +24,8 @@ import trio
 from nat import port_mapping as pm
 from nat.port_mapping import MalformedResponse, MappingRefused, PortMappingError
 from p2p.errors import ConfigError
-from tests.test_port_mapping_codecs import (EXTERNAL_IP_REPLY, SERVICE, SSDP_ANSWER, SoapCall, _description, _fault,
-                                            _service, _soap_reply)
+from tests.test_port_mapping_codecs import (EXTERNAL_IP_REPLY, SERVICE, SoapCall, _description, _fault, _service,
+                                            _soap_reply)
 
 from .kit import log_lines
 
