@@ -511,8 +511,7 @@ class HolePuncher:
             if is_relayed_conn(conn):
                 return  # the swarm's relayed connection: nothing was punched
             if won:  # lost a photo finish: one direct connection is enough
-                with trio.CancelScope(shield=True):  # bounded by finish_quietly; the winner is cancelling us
-                    await finish_quietly(conn.close)
+                await finish_quietly(conn.close, shield=True)  # the winner is cancelling us
                 return
             won.append(conn)
             nursery.cancel_scope.cancel()

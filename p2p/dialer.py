@@ -108,10 +108,7 @@ async def dial(
             failed.set()
             return
         if winner:  # lost a photo finish: keep the first connection only
-            # shielded (finish_quietly bounds it): the winner is cancelling this nursery, and a close
-            # cut at its first checkpoint left a connection open that nobody holds
-            with trio.CancelScope(shield=True):
-                await finish_quietly(conn.close, timeout=2)
+            await finish_quietly(conn.close, timeout=2, shield=True)  # the winner is cancelling us
             return
         winner.append((conn, addr))
         cancel.cancel()

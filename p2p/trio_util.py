@@ -57,13 +57,17 @@ async def beside(job: Callable[[], Awaitable[object]]) -> AsyncIterator[None]:
         raise failed[0]
 
 
-async def finish_quietly(closing: Callable[[], Awaitable[object]], *, timeout: float = 1.0) -> None:
+async def finish_quietly(closing: Callable[[], Awaitable[object]], *, timeout: float = 1.0,
+                         shield: bool = False) -> None:
     """Run a close/reset on a path that is already failing or done.
 
     Its own failure says nothing new (the peer is gone, the stream already
-    reset), and it must never hang the caller.
+    reset), and it must never hang the caller. ``shield`` runs it even while the
+    caller is being cancelled (a photo finish's loser, whose winner cancels the
+    nursery: a close cut at its first checkpoint leaves a connection nobody
+    holds); ``timeout`` still bounds it.
     """
-    with trio.move_on_after(timeout):
+    with trio.CancelScope(shield=shield), trio.move_on_after(timeout):
         try:
             await closing()
         except Exception:

@@ -6,7 +6,7 @@ import pytest
 import trio
 import trio.testing
 
-from p2p.trio_util import beside
+from p2p.trio_util import beside, finish_quietly
 
 
 class Reset(Exception):
@@ -68,3 +68,48 @@ async def test_an_error_of_the_body_reaches_the_caller_in_a_group(autojump_clock
         async with beside(job):
             raise Reset("the reader failed")
     assert caught.group_contains(Reset)
+
+
+# ---------------------------------------------------------------------- finish_quietly
+
+
+async def test_finish_quietly_swallows_the_close_s_own_error(autojump_clock: trio.testing.MockClock) -> None:
+    async def closing() -> None:
+        raise Reset("already reset")
+
+    await finish_quietly(closing)  # nothing escapes
+
+
+async def test_finish_quietly_gives_up_after_its_timeout(autojump_clock: trio.testing.MockClock) -> None:
+    started = trio.current_time()
+    await finish_quietly(trio.sleep_forever, timeout=2.5)
+    assert trio.current_time() - started == pytest.approx(2.5)
+
+
+@pytest.mark.parametrize("shield", [True, False])
+async def test_only_a_shielded_finish_completes_while_its_caller_is_cancelled(
+        shield: bool, autojump_clock: trio.testing.MockClock) -> None:
+    """A photo finish's loser closes its connection as the winner cancels the nursery: shielded, the
+    close (one checkpoint long) still runs to its end and the cancel lands after it; unshielded, the
+    cancel cuts it at once."""
+    done = []
+
+    async def closing() -> None:
+        await trio.sleep(0.5)
+        done.append(True)
+
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await finish_quietly(closing, shield=shield)
+        await trio.sleep(0)  # an unshielded finish was cut already; a shielded one meets its cancel here
+    assert done == ([True] if shield else []) and scope.cancelled_caught
+
+
+async def test_a_shielded_finish_is_still_bounded_by_its_timeout(autojump_clock: trio.testing.MockClock) -> None:
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        started = trio.current_time()
+        await finish_quietly(trio.sleep_forever, timeout=3, shield=True)
+        assert trio.current_time() - started == pytest.approx(3)
+        await trio.sleep(0)
+    assert scope.cancelled_caught
