@@ -20,6 +20,7 @@ M = TypeVar("M", bound=Message)
 
 READ_SIZE = 1 << 20
 MAX_HEADER = 4096
+MID_FRAME = "the peer closed the stream mid-frame"
 
 
 class ByteStream(Protocol):
@@ -37,8 +38,7 @@ class FrameReader:
         self.stream = stream
         self._buf = bytearray()
         self.bytes_read = 0
-        self._watchdog: trio.CancelScope | None = None
-        self._patience = 0.0
+        self._watch: tuple[trio.CancelScope, float] | None = None
 
     def watch(self, scope: trio.CancelScope, patience: float) -> None:
         """Push ``scope``'s deadline ``patience`` s past every read that brings bytes.
@@ -47,19 +47,27 @@ class FrameReader:
         15 senders sharing a 20 Mbit link, a 512 KiB chunk can take longer than
         the stall timeout while its bytes keep coming.
         """
-        self._watchdog, self._patience = scope, patience
+        self._watch = (scope, patience)
+
+    async def _next(self, n: int) -> bytes:
+        """The stream's next bytes, at most ``n`` and :data:`READ_SIZE` (``b""`` at its end), counted,
+        and pushing the watchdog if they are any."""
+        try:
+            data = await self.stream.read(min(n, READ_SIZE))
+        except EOFError:
+            return b""
+        if data:
+            self.bytes_read += len(data)
+            if self._watch is not None:
+                scope, patience = self._watch
+                scope.deadline = trio.current_time() + patience
+        return data
 
     async def _more(self) -> None:
-        try:
-            data = await self.stream.read(READ_SIZE)
-        except EOFError:
-            data = b""
+        data = await self._next(READ_SIZE)
         if not data:
-            raise TruncatedStreamError("the peer closed the stream mid-frame")
-        self.bytes_read += len(data)
+            raise TruncatedStreamError(MID_FRAME)
         self._buf += data
-        if self._watchdog is not None:
-            self._watchdog.deadline = trio.current_time() + self._patience
 
     @property
     def buffered(self) -> int:
@@ -84,14 +92,7 @@ class FrameReader:
             out = bytes(self._buf[:n])
             del self._buf[: len(out)]
             return out
-        try:
-            data = await self.stream.read(min(n, READ_SIZE))
-        except EOFError:
-            return b""
-        self.bytes_read += len(data)
-        if data and self._watchdog is not None:
-            self._watchdog.deadline = trio.current_time() + self._patience
-        return data
+        return await self._next(n)
 
     async def readinto(self, view: memoryview) -> None:
         """Fill ``view`` exactly: what is buffered first, then straight from the stream's reads.
@@ -104,18 +105,12 @@ class FrameReader:
             view[:filled] = self._buf[:filled]
             del self._buf[:filled]
         while filled < len(view):
-            try:
-                data = await self.stream.read(min(len(view) - filled, READ_SIZE))
-            except EOFError:
-                data = b""
+            want = len(view) - filled
+            data = await self._next(want)
             if not data:
-                raise TruncatedStreamError("the peer closed the stream mid-frame")
-            self.bytes_read += len(data)
-            if self._watchdog is not None:
-                self._watchdog.deadline = trio.current_time() + self._patience
-            if len(data) > len(view) - filled:  # a stream that returned more than asked: keep the rest
-                self._buf += data[len(view) - filled:]
-                data = data[:len(view) - filled]
+                raise TruncatedStreamError(MID_FRAME)
+            self._buf += data[want:]  # a stream that returned more than asked: keep the rest
+            data = data[:want]
             view[filled:filled + len(data)] = data
             filled += len(data)
 

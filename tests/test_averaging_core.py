@@ -312,34 +312,6 @@ def test_flatten_into_a_kept_buffer_and_back() -> None:
     assert torch.equal(buffer, fresh)
 
 
-def test_frame_reader_fills_a_buffer_from_what_it_holds_and_the_stream() -> None:
-    import trio
-
-    from averaging.wire import FrameReader, TruncatedStreamError
-
-    class Pieces:
-        def __init__(self, pieces: list[bytes]) -> None:
-            self.pieces = pieces
-
-        async def read(self, n: int) -> bytes:
-            return self.pieces.pop(0) if self.pieces else b""
-
-        async def write(self, data: bytes) -> None:
-            raise AssertionError
-
-    async def main() -> None:
-        reader = FrameReader(Pieces([b"\x03abcde", b"fgh", b"ijkl"]))
-        assert await reader.exactly(1) == b"\x03"  # leaves "abcde" buffered
-        view = memoryview(bytearray(9))
-        await reader.readinto(view)
-        assert bytes(view) == b"abcdefghi"
-        assert await reader.exactly(3) == b"jkl"
-        with pytest.raises(TruncatedStreamError):
-            await reader.readinto(memoryview(bytearray(1)))
-
-    trio.run(main)
-
-
 def test_buffer_pool_lends_the_front_of_the_smallest_buffer_that_fits() -> None:
     from averaging.staging import BufferPool
 
