@@ -82,6 +82,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "nat/holepunch.py": ("tests/test_holepunch_rounds.py",),
     "nat/port_mapping/upnp.py": ("tests/test_port_mapping_codecs.py", "tests/test_upnp.py"),
     "averaging/wire.py": ("tests/test_wire.py",),
+    "training/state.py": ("tests/test_state_protocol.py",),
 }
 
 KILLED = {"killed", "timeout"}

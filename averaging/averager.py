@@ -35,9 +35,10 @@ from dataclasses import dataclass, field, replace
 import torch
 import trio
 from libp2p.abc import INetStream
+from libp2p.network.stream.exceptions import StreamError
 
 from nat import Swarm
-from p2p.errors import ConfigError
+from p2p.errors import ConfigError, describe
 from p2p.hooks import ExternalAddresses, Observers, Reachability, Registration, SwarmObserver
 from p2p.trio_util import finish_quietly
 
@@ -407,8 +408,8 @@ class Averager:
                     finally:
                         if not started.is_set():
                             self._round_started.pop(group_id, None)
-        except (trio.TooSlowError, AllreduceProtocolError, OSError, EOFError) as e:
-            log.info("refused an all-reduce stream from %s: %s", sender_id, e)
+        except (trio.TooSlowError, AllreduceProtocolError, OSError, EOFError, StreamError) as e:  # StreamError: it reset
+            log.info("refused an all-reduce stream from %s: %s", sender_id, describe(e))
             await finish_quietly(stream.reset)
             return
         round_ = self._rounds.get(group_id)

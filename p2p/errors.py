@@ -81,3 +81,14 @@ def cause_of(error: BaseException, kind: type[E], depth: int) -> E | None:
             return seen
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+def describe(e: BaseException) -> str:
+    """``Type: message``, with the cause's message where py-libp2p's wrapper has none of its own (its
+    ``StreamReset()`` says nothing; the Yamux error under it says who reset the stream, or that the
+    connection ended, and why)."""
+    text = f"{type(e).__name__}: {e}"
+    cause = e.__cause__ or e.__context__
+    if not str(e) and cause is not None:
+        text += f"({type(cause).__name__}: {cause})"
+    return text

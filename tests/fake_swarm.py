@@ -19,7 +19,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
+from contextlib import asynccontextmanager
 from types import SimpleNamespace
 from typing import Any
 
@@ -241,3 +242,12 @@ class FakeSwarm:
                 pipe.buffer.clear()  # its connections are gone with whatever was still in flight
                 pipe.reset = True
                 pipe.wake()
+
+
+@asynccontextmanager
+async def fake_swarms(n: int) -> AsyncIterator[list[FakeSwarm]]:
+    """``n`` peers of a fresh :class:`FakeNetwork` whose handlers run in a nursery of their own."""
+    async with trio.open_nursery() as nursery:
+        network = FakeNetwork(nursery)
+        yield [network.join() for _ in range(n)]
+        nursery.cancel_scope.cancel()

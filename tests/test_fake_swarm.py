@@ -6,8 +6,7 @@ socket. The same scenarios on the real network are in tests/test_averaging.py an
 from __future__ import annotations
 
 import copy
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import logging
 from typing import Any
 
 import pytest
@@ -21,20 +20,12 @@ from averaging.moshpit import GridPosition, MoshpitConfig
 from nat import Peer, Swarm
 from training import StepReport, TrainingConfig
 
-from .fake_swarm import FakeNetwork, FakeSwarm
+from .fake_swarm import fake_swarms
 from .kit import wait_until
 from .test_averaging import config, step_all, weighted_mean
 from .test_training import Batches, assert_equals_one_process, batches, make_model, train_together
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@asynccontextmanager
-async def fake_swarms(n: int) -> AsyncIterator[list[FakeSwarm]]:
-    async with trio.open_nursery() as nursery:
-        network = FakeNetwork(nursery)
-        yield [network.join() for _ in range(n)]
-        nursery.cancel_scope.cancel()
 
 
 async def test_peer_and_the_fake_both_implement_the_interface() -> None:
@@ -304,3 +295,23 @@ async def test_a_round_s_per_chunk_ops_never_open_a_parallel_region(compression:
     assert mode.seen > 20 and not mode.over, mode.over[:5]
     for tensors in data:
         assert torch.allclose(tensors[0].double(), exact[0], atol={"none": 1e-5, "float16": 5e-3, "uint8": 0.1}[compression])
+
+
+@pytest.mark.parametrize("sent", [b"", b"\x05ab"])
+async def test_a_sender_that_resets_before_its_part_header_is_refused_quietly(
+        sent: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    """The reducer's read of the part header meets py-libp2p's StreamReset (no OSError, no EOFError):
+    refused and logged as any broken sender, not a failed handler (a warning and an Error event)."""
+    from averaging.allreduce import PROTOCOL
+
+    caplog.set_level(logging.INFO)
+    async with fake_swarms(2) as (sender, reducer):
+        async with Averager.open(reducer, config(2)):
+            stream = await sender.new_stream(reducer.peer_id, PROTOCOL)
+            if sent:
+                await stream.write(sent)
+            await trio.sleep(0.05)
+            await stream.reset()
+            await trio.sleep(0.05)
+    assert "refused an all-reduce stream" in caplog.text
+    assert "handler for" not in caplog.text

@@ -16,7 +16,7 @@ from averaging.reduction import PartReduction
 from averaging.robust import CenteredClipConfig, centered_clip
 
 from .test_averaging import config, step_all
-from .test_fake_swarm import fake_swarms
+from .fake_swarm import fake_swarms
 
 pytestmark = pytest.mark.timeout(120)
 

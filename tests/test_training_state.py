@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import trio
 import torch
+from libp2p.abc import INetStream
 
-from training.state import (StateDownloadError, StateServer, TrainingState, _join, _split, download_state,
-                            load_state, snapshot_of)
+from training.state import (STATE_PROTOCOL, StateDownloadError, StateServer, TrainingState, _join, _split,
+                            download_state, load_state, snapshot_of)
 
 from .kit import open_peers, wait_until
 from .test_averaging import public
@@ -131,3 +132,33 @@ async def test_a_busy_server_refuses_at_once_and_the_asker_takes_the_next_peer()
             StateServer(busy, "run", snapshot, max_uploads=0)
         for u in undo:
             u.remove()
+
+
+async def test_a_source_that_resets_mid_download_is_named_and_the_next_one_serves() -> None:
+    """py-libp2p's stream raises its own StreamReset (no DedlocError, no OSError) when the source resets
+    or its connection dies mid-download: the asker names it and asks the next peer, not crash its
+    training (it did until 2026-12-05)."""
+    model, opt, sched = model_and_optimizer()
+    params = list(model.parameters())
+    async with open_peers(3) as everyone:
+        asker, resetting, good = everyone[1:]
+        await public(everyone[1:])
+
+        async def reset_midway(stream: INetStream) -> None:
+            await stream.read(64)
+            await stream.write(b"\x40partial")  # a header's first bytes, then the reset
+            await stream.reset()
+
+        resetting.set_stream_handler(STATE_PROTOCOL, reset_midway)
+        StateServer(good, "run", lambda: _ready(snapshot_of(7, params, opt, sched, None))).install()
+        with trio.fail_after(20):
+            got = await download_state(asker, "run", [resetting.peer_id, good.peer_id], 5, params)
+            assert got.source == good.peer_id.to_base58()
+            with pytest.raises(StateDownloadError) as caught:
+                await download_state(asker, "run", [resetting.peer_id], 5, params)
+        assert f"{resetting.peer_id}: StreamReset: (StreamAbortedError: stream" in str(caught.value)
+        assert f"was reset by {resetting.peer_id}" in str(caught.value)
+
+
+async def _ready(state: TrainingState) -> TrainingState:
+    return state

@@ -28,12 +28,13 @@ from typing import Any
 import torch
 import trio
 from libp2p.abc import INetStream
+from libp2p.network.stream.exceptions import StreamError
 from libp2p.peer.id import ID
 
 from averaging.tensor_stream import TensorStreamError, receive_tensors, send_tensors
 from averaging.wire import FrameReader, frame
 from nat import Swarm
-from p2p.errors import DedlocError
+from p2p.errors import DedlocError, describe
 from p2p.hooks import Registration
 from p2p.trio_util import finish_quietly
 
@@ -73,7 +74,10 @@ def _split(value: Any, tensors: list[torch.Tensor]) -> Any:
         tensors.append(value.detach().clone())
         return {"t": len(tensors) - 1}
     if isinstance(value, dict):
-        return {"d": [[_split(k, tensors), _split(v, tensors)] for k, v in value.items()]}
+        for key in value:  # what _join takes back: a key is a plain value
+            if not (key is None or isinstance(key, (bool, int, float, str))):
+                raise TypeError(f"cannot send a {type(key).__name__} key in a training state")
+        return {"d": [[k, _split(v, tensors)] for k, v in value.items()]}
     if isinstance(value, tuple):
         return {"u": [_split(v, tensors) for v in value]}
     if isinstance(value, list):
@@ -147,29 +151,25 @@ class StateServer:
             with trio.fail_after(30):
                 request = await reader.message(pb.StateRequest, "state request")
             if request.run_id != self.run_id:
-                await stream.write(frame(pb.StateHeader(status=pb.StateHeader.REFUSED,
-                                                        reason=f"this peer trains run {self.run_id!r}")))
+                await _refuse(stream, f"this peer trains run {self.run_id!r}")
                 return
             if self.uploading >= self.max_uploads:
                 self.refused_busy += 1
-                await stream.write(frame(pb.StateHeader(
-                    status=pb.StateHeader.REFUSED,
-                    reason=f"busy: sending its state to {self.uploading} peers already")))
+                await _refuse(stream, f"busy: sending its state to {self.uploading} peers already")
                 return
             self.uploading += 1
             try:
                 await self._send(stream, request)
             finally:
                 self.uploading -= 1
-        except (trio.TooSlowError, DedlocError, OSError, EOFError) as e:
-            log.info("state request from %s failed: %s", stream.muxed_conn.peer_id, e)
+        except (trio.TooSlowError, DedlocError, OSError, EOFError, StreamError) as e:  # the asker reset or left
+            log.info("state request from %s failed: %s", stream.muxed_conn.peer_id, describe(e))
             await finish_quietly(stream.reset)
 
     async def _send(self, stream: INetStream, request: pb.StateRequest) -> None:
         state = await self.snapshot()
         if state.step < request.min_step:
-            await stream.write(frame(pb.StateHeader(
-                status=pb.StateHeader.REFUSED, reason=f"at step {state.step}, behind {request.min_step}")))
+            await _refuse(stream, f"at step {state.step}, behind {request.min_step}")
             return
         tensors: list[torch.Tensor] = []
         meta = json.dumps({"optimizer": _split(state.optimizer, tensors),
@@ -182,6 +182,12 @@ class StateServer:
         await send_tensors(stream, body)
         self.served += 1
         await finish_quietly(stream.close)
+
+
+async def _refuse(stream: INetStream, reason: str) -> None:
+    """Say why, then close: the asker reads the refusal to its end and asks the next peer."""
+    await stream.write(frame(pb.StateHeader(status=pb.StateHeader.REFUSED, reason=reason)))
+    await finish_quietly(stream.close)
 
 
 def snapshot_of(step: int, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, scheduler: Any,
@@ -206,8 +212,9 @@ async def download_state(peer: Swarm, run_id: str, sources: Sequence[ID], min_st
         try:
             with trio.fail_after(timeout):
                 return await _download_from(peer, run_id, source, min_step, params)
-        except (trio.TooSlowError, DedlocError, ValueError, OSError, EOFError) as e:
-            reason = "timed out" if isinstance(e, trio.TooSlowError) else f"{type(e).__name__}: {e}"
+        # StreamError: the source reset the stream or died mid-download (py-libp2p's StreamReset)
+        except (trio.TooSlowError, DedlocError, ValueError, OSError, EOFError, StreamError) as e:
+            reason = "timed out" if isinstance(e, trio.TooSlowError) else describe(e)
             log.warning("state download from %s failed: %s", source, reason)
             failures.append(f"{source}: {reason}")
     raise StateDownloadError("no peer served a usable state" + (": " + "; ".join(failures) if failures
@@ -278,7 +285,7 @@ def load_state(state: TrainingState, params: Sequence[torch.Tensor], optimizer: 
             scheduler.load_state_dict(state.scheduler)
     except Exception as e:
         optimizer.load_state_dict(saved_opt)
-        if scheduler is not None and saved_sched is not None:
+        if saved_sched is not None:  # None exactly when there is no scheduler
             scheduler.load_state_dict(saved_sched)
         raise ValueError(f"the optimizer or scheduler refused the state: {e}") from None
     with torch.no_grad():

@@ -21,7 +21,7 @@ import trio
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
-from p2p.errors import DedlocError, DialError, cause_of
+from p2p.errors import DedlocError, DialError, cause_of, describe
 from p2p.multistream import PeerRefused
 
 from ..proto import moe_pb2 as pb
@@ -157,17 +157,6 @@ def refused_busy(e: BaseException) -> bool:
     broken; py-libp2p may wrap it)."""
     refusal = cause_of(e, PeerRefused, 3)
     return refusal is not None and refusal.busy
-
-
-def describe(e: BaseException) -> str:
-    """``Type: message``, with the cause's message where py-libp2p's wrapper has none of its own (its
-    ``StreamReset()`` says nothing; the Yamux error under it says who reset the stream, or that the
-    connection ended, and why)."""
-    text = f"{type(e).__name__}: {e}"
-    cause = e.__cause__ or e.__context__
-    if not str(e) and cause is not None:
-        text += f"({type(cause).__name__}: {cause})"
-    return text
 
 
 __all__ = ["MAX_EXPERTS", "MAX_REQUEST_HEADER", "MAX_ROW_VALUES", "PROTOCOL", "Expert", "ExpertCallError",
