@@ -83,6 +83,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "nat/port_mapping/upnp.py": ("tests/test_port_mapping_codecs.py", "tests/test_upnp.py"),
     "averaging/wire.py": ("tests/test_wire.py",),
     "training/state.py": ("tests/test_state_protocol.py",),
+    "nat/autorelay.py": ("tests/test_autorelay.py",),
 }
 
 KILLED = {"killed", "timeout"}

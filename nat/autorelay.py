@@ -16,6 +16,7 @@ off from every peer (so not rejoining its initial peers) waited for the peer sou
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -67,6 +68,10 @@ PeerSource = Callable[[set[ID]], Awaitable[list[tuple[ID, list[Multiaddr]]]]]
 class AutoRelay:
     """Keeps reservations on relays for one Node (run :meth:`run` in the owning service's nursery)."""
 
+    #: where more relays are found (:meth:`use_peer_source`), and when it was last asked (trio's clock)
+    _peer_source: PeerSource | None
+    _source_asked: float
+
     def __init__(self, node: Node, client: RelayClient, config: AutoRelayConfig,
                  is_relay: Callable[[ID], bool], changed: Callable[[], None]) -> None:
         self._node = node
@@ -75,8 +80,7 @@ class AutoRelay:
         self._is_relay = is_relay
         self._changed = changed
         self._wake = trio.Event()
-        self._peer_source: PeerSource | None = None
-        self._source_asked = -float("inf")
+        self.use_peer_source(None)
         #: Relays reached through the peer source (the funnel's ``relays_discovered``).
         self.discovered = 0
         #: Relays that held our slot and went away, and when (dialed again by :meth:`_from_lost`).
@@ -85,7 +89,7 @@ class AutoRelay:
     def use_peer_source(self, source: PeerSource | None) -> None:
         """Where to find relays when our connections offer too few (None: nowhere else)."""
         self._peer_source = source
-        self._source_asked = -float("inf")
+        self._source_asked = -math.inf  # asked at the next pass
         self.wake()
 
     def wake(self) -> None:
@@ -128,7 +132,10 @@ class AutoRelay:
                 self._node.emit(nev.RelayLost(relay=relay, reason="expired while we were public (not renewed)"))
                 self._changed()
 
-    async def _keep(self, *, renew_all: bool = False) -> None:
+    def _full(self) -> bool:
+        return len(self._client.reservations) >= self.config.max_relays
+
+    async def _keep(self, *, renew_all: bool) -> None:
         client = self._client
         now = time.time()  # reservation expiries are wall-clock times from the relay
         for relay, rsvp in list(client.reservations.items()):
@@ -137,14 +144,11 @@ class AutoRelay:
             elif renew_all or rsvp.expire - now < min(self.config.refresh_before, (rsvp.expire - rsvp.reserved_at) / 4):
                 await self._reserve(relay, refresh=True)
         for relay in self._node.connected_peers():
-            if len(client.reservations) >= self.config.max_relays:
-                break
-            if relay != self._node.peer_id and relay not in client.reservations and self._is_relay(relay):
+            if not self._full() and relay != self._node.peer_id and relay not in client.reservations \
+                    and self._is_relay(relay):
                 await self._reserve(relay, refresh=False)
-        if len(client.reservations) < self.config.max_relays:
-            await self._from_lost()
-        if len(client.reservations) < self.config.max_relays:
-            await self._from_peer_source()
+        await self._from_lost()
+        await self._from_peer_source()
 
     async def _from_lost(self) -> None:
         """Dial the relays that held our slot and went away, the latest lost first, and reserve again.
@@ -157,7 +161,7 @@ class AutoRelay:
             if relay in client.reservations or now - since > self.config.lost_relay_memory:
                 del self._lost[relay]
                 continue
-            if len(client.reservations) >= self.config.max_relays:
+            if self._full():
                 return
             if live_connection(self._node.network, relay) is not None:
                 continue  # connected: _keep's pass over our connections asks it, once
@@ -167,7 +171,7 @@ class AutoRelay:
     async def _from_peer_source(self) -> None:
         """Dial relays the peer source names that we are not connected to, and reserve on them."""
         now = trio.current_time()
-        if self._peer_source is None or now - self._source_asked < self.config.peer_source_interval:
+        if self._peer_source is None or self._full() or now - self._source_asked < self.config.peer_source_interval:
             return
         self._source_asked = now
         client = self._client
@@ -178,7 +182,7 @@ class AutoRelay:
             log.info("no relays from the peer source: %s", e)
             return
         for relay, addrs in candidates:
-            if len(client.reservations) >= self.config.max_relays:
+            if self._full():
                 return
             if relay in exclude or live_connection(self._node.network, relay) is not None:
                 continue
