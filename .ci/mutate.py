@@ -81,7 +81,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "p2p/dialer.py": ("tests/test_dialer.py",),
     "nat/holepunch.py": ("tests/test_holepunch_rounds.py",),
     "nat/port_mapping/upnp.py": ("tests/test_port_mapping_codecs.py", "tests/test_upnp.py"),
-    "averaging/wire.py": ("tests/test_wire.py",),
+    "averaging/wire.py": ("tests/test_averaging_wire.py",),
     "training/state.py": ("tests/test_state_protocol.py",),
     "nat/autorelay.py": ("tests/test_autorelay.py",),
 }

@@ -52,6 +52,12 @@ class StreamOpenError(DedlocError, ConnectionError):
     """A stream could not be opened on an existing connection."""
 
 
+class StreamBrokenError(DedlocError, ConnectionError):
+    """A stream was reset, or its connection ended, in the middle of an exchange (py-libp2p's own
+    ``StreamReset``/``StreamClosed`` under it: neither a DedlocError nor an OSError, so a caller that
+    catches those would let it end the task)."""
+
+
 class DialBackoffError(DialError):
     """Every address of the peer failed lately and waits out its backoff (``p2p/dial_backoff.py``):
     nothing was dialed. ``attempts`` says, per address, for how long more."""

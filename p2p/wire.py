@@ -15,8 +15,9 @@ from typing import Protocol, TypeVar
 import trio
 from google.protobuf.message import DecodeError
 from google.protobuf.message import Message as ProtoMessage
+from libp2p.network.stream.exceptions import StreamError
 
-from .errors import RemoteProtocolError
+from .errors import RemoteProtocolError, StreamBrokenError, describe
 from .varint import LengthPrefix, VarintOverLimit, VarintTooLong, encode_varint
 
 M = TypeVar("M", bound=ProtoMessage)
@@ -38,14 +39,19 @@ class Stream(Protocol):
 
 
 async def write_message(stream: Stream, message: ProtoMessage) -> None:
+    """Send one message; :class:`StreamBrokenError` if the stream was reset or closed."""
     body = message.SerializeToString()
-    await stream.write(encode_varint(len(body)) + body)
+    try:
+        await stream.write(encode_varint(len(body)) + body)
+    except StreamError as e:
+        raise StreamBrokenError(f"could not send the {type(message).__name__}: {describe(e)}") from e
 
 
 async def read_message(
     stream: Stream, message_type: type[M], *, max_size: int = MAX_MESSAGE, timeout: float = MESSAGE_TIMEOUT
 ) -> M:
-    """Read one message and not a byte more; :class:`RemoteProtocolError` on anything wrong."""
+    """Read one message and not a byte more; :class:`RemoteProtocolError` on anything wrong, and
+    :class:`StreamBrokenError` if the stream is reset (or its connection ends) before it is whole."""
     what = message_type.__name__
     with trio.move_on_after(timeout) as scope:
         prefix = LengthPrefix(max_size, max_bytes=5)
@@ -77,6 +83,8 @@ async def _read_some(stream: Stream, n: int, what: str) -> bytes:
         data = await stream.read(n)
     except EOFError:
         data = b""
+    except StreamError as e:
+        raise StreamBrokenError(f"the stream broke before the {what} was complete: {describe(e)}") from e
     if not data:
         raise RemoteProtocolError(f"the stream ended before the {what} was complete")
     return data

@@ -33,7 +33,7 @@ from p2p.wire import read_message
 from p2p import Node
 from p2p.addresses import reachable_tcp, without_peer_id
 from p2p.dialer import dial_simultaneous
-from p2p.errors import DialError
+from p2p.errors import DialError, StreamBrokenError
 from p2p.resources import Rate
 from p2p.varint import encode_varint
 from p2p.trio_util import finish_quietly
@@ -284,7 +284,8 @@ async def exchange(b: Side, a: Side, first: bytes, second: bytes | None = None) 
         await stream.write(first)
         try:
             reply = await read_message(stream, pb.HolePunch)
-        except StreamReset:
+        except StreamBrokenError as e:
+            assert isinstance(e.__cause__, StreamReset)
             return None, "reset"
         if second is not None:
             try:
