@@ -84,6 +84,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "averaging/wire.py": ("tests/test_averaging_wire.py",),
     "training/state.py": ("tests/test_state_protocol.py",),
     "nat/autorelay.py": ("tests/test_autorelay.py",),
+    "p2p/wire.py": ("tests/test_p2p_wire.py",),
 }
 
 KILLED = {"killed", "timeout"}

@@ -81,10 +81,10 @@ async def read_message(
 async def _read_some(stream: Stream, n: int, what: str) -> bytes:
     try:
         data = await stream.read(n)
+        if data:
+            return data
     except EOFError:
-        data = b""
+        pass
     except StreamError as e:
         raise StreamBrokenError(f"the stream broke before the {what} was complete: {describe(e)}") from e
-    if not data:
-        raise RemoteProtocolError(f"the stream ended before the {what} was complete")
-    return data
+    raise RemoteProtocolError(f"the stream ended before the {what} was complete")
