@@ -36,6 +36,8 @@ from p2p.hooks import ExternalAddresses, Reachability, Registration, SwarmObserv
 from p2p.node import StreamHandler
 from p2p.rpc import RPC_PROTOCOL, Rpc
 
+from .kit import numbered_peer_id
+
 log = logging.getLogger(__name__)
 
 
@@ -153,7 +155,7 @@ class FakeNetwork:
 
     def join(self) -> FakeSwarm:
         self._count += 1
-        peer_id = ID(bytes([0, 36, 8, 1, 18, 32]) + self._count.to_bytes(32, "big"))
+        peer_id = numbered_peer_id(self._count)
         swarm = FakeSwarm(self, peer_id, Multiaddr(f"/ip4/127.0.0.1/tcp/{40000 + self._count}"))
         self.peers[peer_id] = swarm
         return swarm

@@ -216,6 +216,12 @@ def random_peer_id() -> ID:
     return peer_id_of(new_identity())
 
 
+def numbered_peer_id(n: int) -> ID:
+    """Peer id number ``n``: the same for the same ``n``, ordered as ``n`` (an identity multihash of
+    ``n``'s 32 bytes), for tests that name peers without keys."""
+    return ID(bytes([0, 36, 8, 1, 18, 32]) + n.to_bytes(32, "big"))
+
+
 class End:
     """One end of an in-memory stream, shaped as py-libp2p's INetStream with ``peer`` at the far end; it
     records how it was finished, and a write may fail as a refused lazy negotiation does."""

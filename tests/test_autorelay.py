@@ -23,9 +23,7 @@ from nat.autorelay import AutoRelay, AutoRelayConfig
 from nat.circuit import Limit, RelayError, Reservation
 from p2p.errors import ConfigError, DialError
 
-
-def pid(n: int) -> ID:
-    return ID(bytes([0, 36, 8, 1, 18, 32]) + n.to_bytes(32, "big"))
+from .kit import numbered_peer_id as pid
 
 
 ME = pid(0)

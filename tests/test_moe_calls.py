@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 import trio
-from libp2p.peer.id import ID
 
 from p2p.errors import ConfigError, DedlocError, DialError
 from p2p.multistream import PeerRefused
@@ -21,10 +20,7 @@ from training.moe.protocol import (MAX_EXPERTS, MAX_REQUEST_HEADER, Expert, Expe
                                    split_answer, status_error)
 from training.proto import moe_pb2 as pb
 
-
-def peer(n: int) -> ID:
-    return ID(bytes([0, 36, 8, 1, 18, 32]) + n.to_bytes(32, "big"))
-
+from .kit import numbered_peer_id as peer
 
 A, B = peer(1), peer(2)
 

@@ -4,14 +4,11 @@ bounded; the end-to-end learning from identify is in tests/test_node.py."""
 from __future__ import annotations
 
 import pytest
-from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
 from p2p.observed import ObservedAddrs
 
-
-def peer(n: int) -> ID:
-    return ID(bytes([0, 36, 8, 1, 18, 32]) + n.to_bytes(32, "big"))
+from .kit import numbered_peer_id as peer
 
 
 def addr(n: int) -> Multiaddr:
