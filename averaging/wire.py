@@ -2,7 +2,10 @@
 
 A reader buffers what the stream returns and hands out exact byte counts; it
 never reads more than a frame asks for past what the stream already gave.
-Header lengths are checked before the header is read.
+Header lengths are checked before the header is read. A stream reset (or its
+connection ended) under a read is :class:`p2p.errors.StreamBrokenError`, an
+``OSError`` like every other broken transport, not py-libp2p's bare
+``StreamReset``, which is neither an OSError nor a DedlocError.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ from typing import Protocol, TypeVar
 
 import trio
 from google.protobuf.message import DecodeError, Message
+from libp2p.network.stream.exceptions import StreamError
 
+from p2p.errors import StreamBrokenError, describe
 from p2p.varint import VarintTooLong, decode_varint, encode_varint
 
 from .errors import AllreduceProtocolError
@@ -56,6 +61,8 @@ class FrameReader:
             data = await self.stream.read(min(n, READ_SIZE))
         except EOFError:
             return b""
+        except StreamError as e:  # py-libp2p's StreamReset and kin; its StreamEOF is an EOFError, above
+            raise StreamBrokenError(f"the stream broke after {self.bytes_read} bytes: {describe(e)}") from e
         if data:
             self.bytes_read += len(data)
             if self._watch is not None:

@@ -8,20 +8,23 @@ from dataclasses import dataclass, field
 import pytest
 import trio
 import trio.testing
+from libp2p.network.stream.exceptions import StreamEOF, StreamReset
 
 from averaging.errors import AllreduceProtocolError
 from averaging.proto import averaging_pb2 as pb
+from p2p.errors import StreamBrokenError
 from averaging.wire import MAX_HEADER, MID_FRAME, READ_SIZE, FrameReader, TruncatedStreamError, frame
 
 
 @dataclass
 class Pieces:
     """A stream that returns its pieces one read at a time, then ``b""`` (its end), or raises
-    EOFError there when ``eof_error``. A piece may be longer than the read asked for (a stream that
+    EOFError there when ``eof_error`` (py-libp2p's StreamReset, caused by ``reset``, when that is set). A piece may be longer than the read asked for (a stream that
     returns more than asked). ``delay`` s pass before each read returns (on the test's clock)."""
 
     pieces: list[bytes]
     eof_error: bool = False
+    reset: BaseException | None = None
     delay: float = 0.0
     asked: list[int] = field(default_factory=list)
 
@@ -30,6 +33,8 @@ class Pieces:
         await trio.sleep(self.delay)
         if self.pieces:
             return self.pieces.pop(0)
+        if self.reset is not None:
+            raise StreamReset() from self.reset
         if self.eof_error:
             raise EOFError
         return b""
@@ -110,6 +115,38 @@ async def test_a_stream_that_ends_inside_a_frame_is_truncated(sent: bytes, eof_e
         await reader.message(pb.ChunkHeader, "chunk header")
     assert isinstance(TruncatedStreamError(), AllreduceProtocolError)
     assert isinstance(TruncatedStreamError(), EOFError)
+
+
+@pytest.mark.parametrize("call", ["message", "exactly", "read", "readinto", "at_eof"])
+async def test_a_reset_under_any_read_is_a_broken_stream_naming_its_cause(call: str) -> None:
+    why = ConnectionResetError("the peer reset stream 7")
+    reader = FrameReader(Pieces([b"\x05ab"] if call != "at_eof" else [], reset=why))
+    with pytest.raises(StreamBrokenError) as caught:
+        if call == "message":
+            await reader.message(pb.ChunkHeader, "chunk header")
+        elif call == "exactly":
+            await reader.exactly(8)
+        elif call == "read":
+            await reader.read(3)
+            await reader.read(3)
+        elif call == "readinto":
+            await reader.readinto(memoryview(bytearray(8)))
+        else:
+            await reader.at_eof()
+    bytes_before = 0 if call == "at_eof" else 3
+    assert str(caught.value) == (f"the stream broke after {bytes_before} bytes: "
+                                 "StreamReset: (ConnectionResetError: the peer reset stream 7)")
+    assert isinstance(caught.value.__cause__, StreamReset) and isinstance(caught.value, OSError)
+
+
+async def test_py_libp2ps_stream_eof_is_the_streams_end_not_a_break() -> None:
+    class Ended(Pieces):
+        async def read(self, n: int) -> bytes:
+            raise StreamEOF()
+
+    assert await FrameReader(Ended([])).at_eof()
+    with pytest.raises(TruncatedStreamError):
+        await FrameReader(Ended([])).exactly(1)
 
 
 async def test_exactly_reads_until_it_has_enough_and_keeps_the_rest() -> None:
