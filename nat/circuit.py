@@ -179,7 +179,7 @@ class RelayClient:
 
     def install(self) -> Registration:
         """Accept relayed connections and dial ``/p2p-circuit`` addresses, until the handle is removed."""
-        handler = self._node.set_stream_handler(STOP_PROTOCOL, self._on_stop)
+        handler = self._node.set_stream_handler(STOP_PROTOCOL, self._on_stop, hands_on=True)  # it becomes a connection
         dialer = self._node.set_circuit_dialer(self.dial)
 
         def undo() -> None:

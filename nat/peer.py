@@ -276,8 +276,8 @@ class Peer:
     async def new_stream(self, peer_id: ID, protocol: str) -> INetStream:
         return await self.node.new_stream(peer_id, protocol)
 
-    def set_stream_handler(self, protocol: str, handler: StreamHandler) -> Registration:
-        return self.node.set_stream_handler(protocol, handler)
+    def set_stream_handler(self, protocol: str, handler: StreamHandler, *, hands_on: bool = False) -> Registration:
+        return self.node.set_stream_handler(protocol, handler, hands_on=hands_on)
 
     def add_addrs(self, peer_id: ID, addrs: Sequence[Multiaddr]) -> None:
         self.node.add_addrs(peer_id, addrs)

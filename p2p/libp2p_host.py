@@ -125,6 +125,7 @@ from libp2p.identity.update import update_peerstore_from_identify
 from libp2p.utils.varint import read_length_prefixed_protobuf
 from libp2p.custom_types import TProtocol
 from libp2p.network.config import ConnectionConfig, RetryConfig
+from libp2p.network.stream.net_stream import NetStream, StreamState
 from libp2p.peer.id import ID
 from libp2p.peer.peerstore import PeerStoreError
 from libp2p.abc import IMultiselectCommunicator
@@ -258,6 +259,17 @@ async def close_connections(conns: Iterable[INetConn], *, code: int = GO_AWAY_NO
         async with trio.open_nursery() as nursery:
             for conn in list(conns):
                 nursery.start_soon(_close_quietly, conn, code)
+
+
+async def left_open(stream: INetStream) -> bool:
+    """Whether ``stream`` is a py-libp2p stream not yet closed or reset by us (nor found reset).
+
+    py-libp2p's ``close`` sends a FIN and takes the stream out of its connection's
+    table each time it is called (and tells the swarm's notifees again): it is for
+    a stream in one of these states only.
+    """
+    return isinstance(stream, NetStream) and await stream.state in (
+        StreamState.INIT, StreamState.OPEN, StreamState.CLOSE_READ, StreamState.CLOSE_WRITE)
 
 
 async def _close_quietly(conn: INetConn, code: int) -> None:

@@ -45,8 +45,8 @@ from .identify import (MAX_LISTEN_ADDRS, PUSH_CONCURRENCY, PUSH_DELAY, PUSH_PROT
                        push_identify)
 from .identity import load_or_create_identity, new_identity, peer_id_of
 from .auth import PRE_AUTH, PROTOCOL as AUTH_PROTOCOL, AuthError, Authenticator
-from .libp2p_host import (build_host, check_listening, close_connections, close_listeners, identify_message, set_gate,
-                          started)
+from .libp2p_host import (build_host, check_listening, close_connections, close_listeners, identify_message, left_open,
+                          set_gate, started)
 from .noise import NoiseSession
 from .observed import ObservedAddrs
 from .proto import auth_pb2 as auth_pb
@@ -845,8 +845,14 @@ class Node:
         stream.set_protocol(TProtocol(protocol))
         return stream
 
-    def set_stream_handler(self, protocol: str, handler: StreamHandler) -> Registration:
-        """Serve ``protocol`` until the handle is removed; a handler that fails resets its stream and nothing else."""
+    def set_stream_handler(self, protocol: str, handler: StreamHandler, *, hands_on: bool = False) -> Registration:
+        """Serve ``protocol`` until the handle is removed; a handler that fails resets its stream and nothing else.
+
+        A handler that returns leaving its stream open has it closed (its answer then ends with a
+        FIN): the resource manager gives the stream back when the handler returns, so one left open
+        would be a stream the peer holds that no limit counts. ``hands_on``: the handler passes its
+        stream on to live past it (relay v2's STOP, whose stream becomes a connection), and it stays.
+        """
 
         async def guarded(stream: INetStream) -> None:
             # the stream was acquired from the resource manager while it was negotiated
@@ -857,6 +863,10 @@ class Node:
                 log.warning("handler for %s failed: %r", protocol, e)
                 self.emit(ev.Error(message=f"handler for {protocol} failed: {e!r}", peer_id=_remote(stream)))
                 await finish_quietly(stream.reset)
+                return
+            if not hands_on and await left_open(stream):
+                log.debug("the handler for %s returned leaving its stream open: closed", protocol)
+                await finish_quietly(stream.close)
 
         self.host.set_stream_handler(TProtocol(protocol), guarded)
         self._push_wanted.set()  # a protocol served anew: pushed to the connected peers

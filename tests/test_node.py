@@ -15,6 +15,7 @@ from multiaddr import Multiaddr
 from p2p import BootstrapError, DialBackoffError, DialError, Node
 from p2p.dial_backoff import BackoffConfig
 from p2p.peer_store import KNOWN_PEERS
+from p2p.libp2p_host import left_open
 from p2p.errors import ConfigError, DedlocError, ProtocolNotSupportedError
 from p2p import events as ev
 
@@ -726,6 +727,79 @@ async def test_failing_handler_resets_only_its_stream(node_pair):
                 if not await stream.read(10):
                     raise EOFError
     assert await b.ping(a.peer_id) > 0
+
+
+async def read_to_end(stream, timeout=10):
+    """Everything until the stream's FIN; TooSlowError if none comes."""
+    got = b""
+    with trio.fail_after(timeout):
+        while True:
+            try:
+                chunk = await stream.read(4096)
+            except EOFError:
+                return got
+            if not chunk:
+                return got
+            got += chunk
+
+
+async def test_a_handler_that_returns_leaving_its_stream_open_has_it_closed(node_pair):
+    """The answer ends with a FIN: the opener is not left waiting on a stream no limit counts."""
+    a, b = node_pair
+    left = []
+
+    async def forgetful(stream):
+        await stream.write(b"answer")
+        left.append(stream)
+
+    a.set_stream_handler("/test/forgetful/1", forgetful)
+    stream = await b.new_stream(a.peer_id, "/test/forgetful/1")
+    assert await read_to_end(stream) == b"answer"
+    assert not await left_open(left[0])
+    await stream.close()
+
+
+async def test_a_handler_that_hands_its_stream_on_keeps_it_open(node_pair):
+    """relay v2's STOP: the stream lives on past its handler (there, as a connection)."""
+    a, b = node_pair
+    async with trio.open_nursery() as nursery:
+
+        async def echo_later(stream):
+            data = await stream.read(100)
+            await stream.write(data)
+            await stream.close()
+
+        async def handing_on(stream):
+            nursery.start_soon(echo_later, stream)
+
+        a.set_stream_handler("/test/handing-on/1", handing_on, hands_on=True)
+        stream = await b.new_stream(a.peer_id, "/test/handing-on/1")
+        await trio.sleep(0.2)  # the handler has long returned
+        await stream.write(b"still open")
+        assert await read_to_end(stream) == b"still open"
+        await stream.close()
+
+
+async def test_a_handler_that_closes_its_stream_is_not_closed_twice(node_pair, monkeypatch):
+    a, b = node_pair
+    closes = []
+
+    async def polite(stream):
+        await stream.write(b"bye")
+        await stream.close()
+        real_close = stream.close
+
+        async def counted():
+            closes.append(1)
+            await real_close()
+
+        monkeypatch.setattr(stream, "close", counted)
+
+    a.set_stream_handler("/test/polite/1", polite)
+    stream = await b.new_stream(a.peer_id, "/test/polite/1")
+    assert await read_to_end(stream) == b"bye"
+    await trio.sleep(0.1)
+    assert closes == []
 
 
 async def test_garbage_on_the_listen_socket_does_not_hurt_the_node():

@@ -725,6 +725,7 @@ class RelayDesk:
         self.resources = SimpleNamespace(count_refusal=lambda service, reason: self.counted.append((service, reason)),
                                          allow=self._allow, register_service=self._register_service)
         self.handlers: dict[str, object] = {}
+        self.handed_on: set[str] = set()
         self.circuit_dialer: object = None
         self.answer: End | BaseException | None = ConnectionError("no network at this desk")
         self.opened: list[tuple[ID, str]] = []
@@ -772,8 +773,10 @@ class RelayDesk:
         self.services[name] = usage
         return Registration(lambda: self.services.pop(name))
 
-    def set_stream_handler(self, protocol: str, handler: object) -> Registration:
+    def set_stream_handler(self, protocol: str, handler: object, *, hands_on: bool = False) -> Registration:
         self.handlers[protocol] = handler
+        if hands_on:
+            self.handed_on.add(protocol)
         return Registration(lambda: self.handlers.pop(protocol))
 
     def set_circuit_dialer(self, dialer: object) -> Registration:
@@ -1330,6 +1333,7 @@ def test_install_serves_hop_and_shows_the_slots_until_removed():
     assert client.metrics() == {"reservations": 0, "reservation_failures": 0, "relayed_in": 0, "relayed_out": 0}
     handle = client.install()
     assert set(desk.handlers) == {STOP_PROTOCOL} and desk.circuit_dialer == client.dial
+    assert desk.handed_on == {STOP_PROTOCOL}  # STOP's stream becomes the connection: the node leaves it open
     handle.remove()
     assert desk.handlers == {} and desk.circuit_dialer is None
 
