@@ -85,6 +85,11 @@ MODULES: dict[str, tuple[str, ...]] = {
     "training/state.py": ("tests/test_state_protocol.py",),
     "nat/autorelay.py": ("tests/test_autorelay.py",),
     "p2p/wire.py": ("tests/test_p2p_wire.py",),
+    "p2p/varint.py": ("tests/test_varint.py",),
+    "p2p/errors.py": ("tests/test_p2p_errors.py",),
+    "p2p/trio_util.py": ("tests/test_trio_util.py",),
+    "p2p/untrusted.py": ("tests/test_untrusted.py", "tests/test_addresses.py"),
+    "averaging/tensor_stream.py": ("tests/test_tensor_stream.py",),
 }
 
 KILLED = {"killed", "timeout"}

@@ -240,7 +240,7 @@ async def tensors_message(tensors: Sequence[torch.Tensor], *, prefix: bytes = b"
     and a body were three turns. Read it with :func:`receive_tensors` as usual.
     """
     collector = _Collector(prefix)
-    await send_tensors(collector, tensors, chunk_size=1 << 62)  # nothing in it yields: the views stay valid
+    await send_tensors(collector, tensors)  # nothing in it yields: the views stay valid until the join
     return b"".join(collector.parts)
 
 

@@ -8,6 +8,9 @@ from contextlib import asynccontextmanager, contextmanager
 
 import trio
 
+#: Most bytes :func:`read_lines` takes from its stream at a time.
+LINE_READ_SIZE = 65536
+
 
 @contextmanager
 def unwrap_single_group() -> Iterator[None]:
@@ -133,7 +136,7 @@ async def read_lines(stream: trio.abc.ReceiveStream) -> AsyncIterator[str]:
     """Lines of a child process's output, as they arrive (the last may lack a newline)."""
     buffer = b""
     while True:
-        chunk = await stream.receive_some(65536)
+        chunk = await stream.receive_some(LINE_READ_SIZE)
         if not chunk:
             if buffer:
                 yield buffer.decode(errors="replace")

@@ -56,8 +56,11 @@ def decode_varint(data: bytes | bytearray | memoryview, pos: int = 0, *, limit: 
     :class:`VarintOverLimit` over ``limit`` (as soon as the bytes there pass it), :class:`VarintTooLong`
     past ``max_bytes``."""
     end = len(data)
-    if pos < end and data[pos] < 0x80 and (limit is None or data[pos] <= limit):
-        return data[pos], pos + 1  # one byte, most varints: no reader needed
+    if pos < end and data[pos] < 0x80:  # one byte, most varints: no reader needed
+        first = data[pos]
+        if limit is not None and first > limit:
+            raise VarintOverLimit(first, limit, complete=True)
+        return first, pos + 1
     reader = LengthPrefix(limit, max_bytes)
     while pos < end:
         value = reader.feed(data[pos])
@@ -82,11 +85,12 @@ class LengthPrefix:
 
     def feed(self, byte: int) -> int | None:
         """The value once ``byte`` ended it, else None (more bytes wanted)."""
+        more = byte & 0x80
         self._value |= (byte & 0x7F) << self._shift
         self._count += 1
         if self.limit is not None and self._value > self.limit:
-            raise VarintOverLimit(self._value, self.limit, complete=byte < 0x80)
-        if byte < 0x80:
+            raise VarintOverLimit(self._value, self.limit, complete=not more)
+        if not more:
             return self._value
         if self._count >= self.max_bytes:
             raise VarintTooLong(self.max_bytes)

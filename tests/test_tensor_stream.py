@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import struct
+import sys
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from libp2p.abc import INetStream
 from averaging.proto import tensor_pb2
 from averaging.tensor_stream import (
     MAX_DIMS,
+    MAX_INFO_SIZE,
     InvalidTensorDataError,
     InvalidTensorHeaderError,
     NonFiniteTensorError,
@@ -22,6 +24,7 @@ from averaging.tensor_stream import (
     TensorMismatchError,
     TruncatedTensorStreamError,
     UnsupportedTensorError,
+    _Writer,
     receive_tensor,
     receive_tensors,
     send_tensor,
@@ -404,3 +407,133 @@ async def test_tensors_over_a_real_node_pair(node_pair: tuple[Node, Node]) -> No
     with pytest.raises(TruncatedTensorStreamError, match="before the message"):
         await receive_tensors(stream, **LIMITS)  # b closed its side
     await stream.close()
+
+
+# ------------------------------------------------------------------ the exact words, the exact edges
+
+
+async def test_the_writer_joins_small_pieces_up_to_its_limit_and_writes_big_ones_as_they_are() -> None:
+    pipe = Pipe()
+    writer = _Writer(pipe, 10)
+    big = memoryview(b"B" * 10)
+    await writer.write(b"abc")
+    await writer.write(b"defg")
+    await writer.write(b"hij")  # 3 + 4 + 3 = 10: still one write
+    assert pipe.writes == []
+    await writer.write(b"k")  # 11 would pass the limit: the ten go first
+    assert pipe.writes == [b"abcdefghij"]
+    await writer.write(big)  # a piece of the limit itself: the "k" first, then the piece as it is
+    assert pipe.writes[1] == b"k" and pipe.writes[2] is big
+    one = memoryview(b"solo")
+    await writer.write(one)
+    await writer.flush()  # a lone piece goes out as it is, not copied
+    assert pipe.writes[3] is one
+    await writer.flush()  # nothing left: no empty write
+    assert len(pipe.writes) == 4
+    await writer.write(b"123456789")  # the count started again at 0: 9 fit
+    await writer.write(b"0")
+    await writer.flush()
+    assert pipe.writes[4:] == [b"1234567890"]
+
+
+async def test_a_chunk_size_of_one_byte_is_allowed() -> None:
+    pipe = Pipe()
+    await send_tensor(pipe, torch.arange(3, dtype=torch.int8), chunk_size=1)
+    assert [bytes(w) for w in pipe.writes[1:]] == [b"\x00", b"\x01", b"\x02"]
+    assert torch.equal(await receive_tensor(pipe, max_bytes=3), torch.arange(3, dtype=torch.int8))
+
+
+async def test_a_big_endian_host_is_refused_both_ways(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "byteorder", "big")  # what _check_host reads
+    said = "^tensors travel little-endian; this big-endian host would have to byte-swap$"
+    with pytest.raises(UnsupportedTensorError, match=said):
+        await send_tensor(Pipe(), torch.ones(1))
+    with pytest.raises(UnsupportedTensorError, match=said):
+        await receive_tensor(Pipe(b"\x00"), max_bytes=4)
+
+
+async def test_an_unsendable_dtype_lists_every_supported_one() -> None:
+    with pytest.raises(UnsupportedTensorError, match=(
+            r"^tensor 0 has dtype torch.int16, which cannot be sent; supported: float32, float16, bfloat16, "
+            r"float64, int64, int32, int8, uint8, bool$")):
+        await send_tensor(Pipe(), torch.ones(1, dtype=torch.int16))
+
+
+async def test_a_stream_that_returns_more_than_asked_is_a_bug_named() -> None:
+    class Generous(Pipe):
+        async def read(self, n: int) -> bytes:
+            return await super().read(n) if n == 1 else b"\x00" * (n + 1)  # the prefix as asked, then more
+
+    body = tensor_pb2.TensorsHeader(tensors=[info(tensor_pb2.DTYPE_UINT8, [4], 4)]).SerializeToString()
+    with pytest.raises(RuntimeError, match=(
+            rf"^Generous.read\({len(body)}\) returned {len(body) + 1} bytes, more than asked$")):
+        await receive_tensors(Generous(encode_varint(len(body))), max_bytes=4, max_tensors=1)
+
+
+@pytest.mark.parametrize(("data", "said"), [
+    (b"", "the stream ended before the message"),
+    (b"\x85", "the stream ended inside the header's length prefix"),
+])
+async def test_the_end_of_the_stream_in_the_header_is_named_exactly(data: bytes, said: str) -> None:
+    with pytest.raises(TruncatedTensorStreamError, match=f"^{said}$"):
+        await receive_tensors(Pipe(data), **LIMITS)
+
+
+async def test_the_header_limits_are_named_exactly() -> None:
+    limit = 2 * MAX_INFO_SIZE
+    with pytest.raises(TensorLimitError, match=(
+            f"^header of {limit + 1} bytes announced, over the {limit} that max_tensors=2 allows$")):
+        await receive_tensors(Pipe(encode_varint(limit + 1)), max_bytes=MiB, max_tensors=2)
+    with pytest.raises(TensorLimitError, match=(
+            f"^header of at least 16384 bytes announced, over the {limit} that max_tensors=2 allows$")):
+        await receive_tensors(Pipe(b"\x80\x80\x81"), max_bytes=MiB, max_tensors=2)
+    with pytest.raises(InvalidTensorHeaderError, match="^header length prefix longer than 10 bytes$"):
+        await receive_tensors(Pipe(b"\x80" * 11), max_bytes=MiB, max_tensors=2)
+
+
+async def test_a_tensor_of_max_dims_dimensions_is_taken() -> None:
+    sent = torch.ones([1] * MAX_DIMS)
+    pipe = Pipe()
+    await send_tensor(pipe, sent)
+    assert (await receive_tensor(pipe, max_bytes=4)).shape == sent.shape
+
+
+async def test_over_max_bytes_says_how_to_allow_it() -> None:
+    data = message(info(tensor_pb2.DTYPE_UINT8, [3], 3), info(tensor_pb2.DTYPE_UINT8, [2], 2))
+    with pytest.raises(TensorLimitError, match=(
+            "^tensors 0-1 alone take 5 bytes, over max_bytes=4; raise it if the peer may send this much$")):
+        await receive_tensors(Pipe(data), max_bytes=4, max_tensors=2)
+
+
+async def test_unusable_out_is_named_exactly() -> None:
+    with pytest.raises(UnsupportedTensorError, match=(
+            r"^out\[0\] is on cpu, not contiguous: tensors are received in place only into contiguous CPU tensors$")):
+        await receive_tensor(Pipe(), max_bytes=MiB, out=torch.empty(3, 2).T)
+    with pytest.raises(UnsupportedTensorError, match=(  # contiguous, off the CPU (a GPU's, say)
+            r"^out\[0\] is on meta: tensors are received in place only into contiguous CPU tensors$")):
+        await receive_tensor(Pipe(), max_bytes=MiB, out=torch.empty(3, device="meta"))
+    with pytest.raises(UnsupportedTensorError, match=r"^out\[1\] has dtype torch.int16, which cannot be sent"):
+        await receive_tensors(Pipe(), max_bytes=MiB, max_tensors=2,
+                              out=[torch.empty(1), torch.empty(1, dtype=torch.int16)])
+
+
+async def test_a_single_value_is_checked_too() -> None:
+    pipe = Pipe()
+    await send_tensor(pipe, torch.tensor([math.nan]))
+    with pytest.raises(NonFiniteTensorError, match=r"^tensor 0 \(float32\[1\]\) holds 1 NaN or Inf values$"):
+        await receive_tensor(pipe, max_bytes=4, allow_nonfinite=False)
+    with pytest.raises(InvalidTensorDataError, match="holds bytes other than 0 and 1"):
+        await receive_tensor(Pipe(message(info(tensor_pb2.DTYPE_BOOL, [1], 1), data=b"\x07")), max_bytes=1)
+
+
+async def test_receive_tensor_lets_nan_through_unless_asked_not_to() -> None:
+    pipe = Pipe()
+    await send_tensor(pipe, torch.tensor([math.inf, 1.0]))
+    assert (await receive_tensor(pipe, max_bytes=8)).isinf().tolist() == [True, False]
+
+
+async def test_receive_tensor_of_no_tensor_is_named_exactly() -> None:
+    pipe = Pipe()
+    await send_tensors(pipe, [])
+    with pytest.raises(TensorMismatchError, match="^the peer sent no tensor where one was expected$"):
+        await receive_tensor(pipe, max_bytes=MiB)
