@@ -51,6 +51,7 @@ from p2p.dht import ValueWithExpiration, owned
 from p2p.errors import ConfigError, DedlocError
 from p2p.hooks import Registration
 from p2p.rpc import CallContext, PeerUnreachableError
+from p2p.untrusted import decode_peer_id
 
 from .errors import AllreduceProtocolError, MatchmakingError
 from .formation import (Accept, Action, Admit, AskToJoin, AwaitJoins, Defer, Done, Fail, Fix, Formation,
@@ -276,10 +277,8 @@ class Matchmaker:
                 log.warning("leader %s sent an unusable group: %s", leader, e)
                 return Refused(f"an unusable group: {e}")
         if response.status == pb.JoinResponse.REDIRECT:
-            try:
-                return Redirected(ID(bytes(response.leader)))
-            except Exception:
-                return Refused("a redirect to no peer")
+            redirect = decode_peer_id(bytes(response.leader))  # ID() itself takes any bytes
+            return Refused("a redirect to no peer") if redirect is None else Redirected(redirect)
         return Refused(response.reason)
 
     # ------------------------------------------------------------------ leading

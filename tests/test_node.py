@@ -20,7 +20,7 @@ from p2p.errors import ConfigError, DedlocError, ProtocolNotSupportedError
 from p2p import events as ev
 
 from .conftest import LOOPBACK6, loopback_config, open_nodes
-from .kit import closed_port, random_peer_id, record_events, wait_until
+from .kit import closed_port, random_peer_id, read_to_end, record_events, wait_until
 
 
 @pytest.mark.realtime  # a loopback ping under 5 s
@@ -729,20 +729,6 @@ async def test_failing_handler_resets_only_its_stream(node_pair):
     assert await b.ping(a.peer_id) > 0
 
 
-async def read_to_end(stream, timeout=10):
-    """Everything until the stream's FIN; TooSlowError if none comes."""
-    got = b""
-    with trio.fail_after(timeout):
-        while True:
-            try:
-                chunk = await stream.read(4096)
-            except EOFError:
-                return got
-            if not chunk:
-                return got
-            got += chunk
-
-
 async def test_a_handler_that_returns_leaving_its_stream_open_has_it_closed(node_pair):
     """The answer ends with a FIN: the opener is not left waiting on a stream no limit counts."""
     a, b = node_pair
@@ -754,7 +740,8 @@ async def test_a_handler_that_returns_leaving_its_stream_open_has_it_closed(node
 
     a.set_stream_handler("/test/forgetful/1", forgetful)
     stream = await b.new_stream(a.peer_id, "/test/forgetful/1")
-    assert await read_to_end(stream) == b"answer"
+    with trio.fail_after(10):  # no FIN: waits for good
+        assert await read_to_end(stream) == b"answer"
     assert not await left_open(left[0])
     await stream.close()
 
@@ -776,7 +763,8 @@ async def test_a_handler_that_hands_its_stream_on_keeps_it_open(node_pair):
         stream = await b.new_stream(a.peer_id, "/test/handing-on/1")
         await trio.sleep(0.2)  # the handler has long returned
         await stream.write(b"still open")
-        assert await read_to_end(stream) == b"still open"
+        with trio.fail_after(10):
+            assert await read_to_end(stream) == b"still open"
         await stream.close()
 
 
@@ -797,7 +785,8 @@ async def test_a_handler_that_closes_its_stream_is_not_closed_twice(node_pair, m
 
     a.set_stream_handler("/test/polite/1", polite)
     stream = await b.new_stream(a.peer_id, "/test/polite/1")
-    assert await read_to_end(stream) == b"bye"
+    with trio.fail_after(10):
+        assert await read_to_end(stream) == b"bye"
     await trio.sleep(0.1)
     assert closes == []
 
