@@ -90,6 +90,11 @@ MODULES: dict[str, tuple[str, ...]] = {
     "p2p/trio_util.py": ("tests/test_trio_util.py",),
     "p2p/untrusted.py": ("tests/test_untrusted.py", "tests/test_addresses.py"),
     "averaging/tensor_stream.py": ("tests/test_tensor_stream.py",),
+    "p2p/rpc/errors.py": ("tests/test_rpc_client.py", "tests/test_rpc_protocol.py"),
+    "p2p/rpc/stream.py": ("tests/test_rpc_stream.py", "tests/test_rpc_protocol.py"),
+    "p2p/rpc/pool.py": ("tests/test_rpc_stream.py", "tests/test_rpc_protocol.py"),
+    "p2p/rpc/client.py": ("tests/test_rpc_client.py", "tests/test_rpc_protocol.py"),
+    "p2p/rpc/endpoint.py": ("tests/test_rpc_endpoint.py", "tests/test_rpc_protocol.py"),
 }
 
 KILLED = {"killed", "timeout"}

@@ -36,6 +36,7 @@ from p2p.rpc import (
     rpc_pb2,
 )
 from p2p.rpc.framing import END_FRAME, FrameDecoder, encode_call, encode_message
+from p2p.rpc.server import Admit
 from p2p.varint import encode_varint
 
 CLIENT = ID(b"\x00\x06client")
@@ -120,13 +121,14 @@ class Pair:
 
 @asynccontextmanager
 async def rpc_pair(
-    *, client_max: int = 1 << 20, server_max: int = 1 << 20, default_timeout: float = 30.0
+    *, client_max: int = 1 << 20, server_max: int = 1 << 20, default_timeout: float = 30.0,
+    admit: Admit | None = None,
 ) -> AsyncIterator[Pair]:
     async def no_streams(peer_id: ID, protocol: str) -> FakeStream:
         raise AssertionError("the server never calls out")
 
     async with trio.open_nursery() as nursery:
-        server = Rpc(no_streams, max_message_size=server_max, default_timeout=default_timeout)
+        server = Rpc(no_streams, max_message_size=server_max, default_timeout=default_timeout, admit=admit)
 
         async def open_stream(peer_id: ID, protocol: str) -> FakeStream:
             assert peer_id == SERVER and protocol == RPC_PROTOCOL
