@@ -28,6 +28,7 @@ from p2p.rpc import (
 from p2p.rpc.server import SERVER_IDLE_TIMEOUT
 
 from .test_rpc_protocol import CLIENT, SERVER, rpc_pair, serve_defaults
+from .test_rpc_protocol import server_never_fails  # noqa: F401  (autouse: serve logs no failure of its own)
 
 
 async def nowhere(peer_id: ID, protocol: str) -> object:
@@ -216,3 +217,14 @@ async def test_a_handler_error_leaves_the_endpoint_serving() -> None:
         with pytest.raises(HandlerError, match="fail failed: KeyError"):
             await p.client.call(SERVER, "fail", StringValue(), StringValue)
         assert (await p.client.call(SERVER, "echo", StringValue(value="ok"), StringValue)).value.startswith("ok")
+
+
+async def test_a_pooled_stream_that_fails_its_write_is_reset_not_left_open() -> None:
+    async with rpc_pair() as p:
+        serve_defaults(p.server)
+        await p.client.call(SERVER, "echo", StringValue(), StringValue)
+        await p.server_ends[0].reset()  # the idle stream's far end is gone
+        assert (await p.client.call(SERVER, "echo", StringValue(value="x"), StringValue)).value.startswith("x")
+        assert p.opened == 2
+        with pytest.raises(trio.ClosedResourceError):  # our end was reset (and closed) too
+            await p.raw[0].read(1)

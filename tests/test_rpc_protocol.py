@@ -8,7 +8,7 @@ without a network. Where a test needs time, trio's autojump clock provides it.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -181,6 +181,13 @@ async def double_each(requests: AsyncIterator[Int64Value], ctx: CallContext) -> 
         yield Int64Value(value=2 * request.value)
 
 
+async def first_only(requests: AsyncIterator[Int64Value], ctx: CallContext) -> AsyncIterator[Int64Value]:
+    """Answers the first request and stops reading: the server skips the rest."""
+    async for request in requests:
+        yield request
+        return
+
+
 async def blob(request: Int64Value, ctx: CallContext) -> BytesValue:
     return BytesValue(value=b"b" * request.value)
 
@@ -191,6 +198,16 @@ def serve_defaults(server: Rpc) -> None:
     server.add_stream("count_up", Int64Value, count_up)
     server.add_stream("total", Int64Value, total)
     server.add_stream("double_each", Int64Value, double_each)
+
+
+@pytest.fixture(autouse=True)
+def server_never_fails(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """``serve`` never raises: what it catches of its own failing it logs at ERROR, and no test may
+    see one (a bug there would otherwise pass for a peer that went away)."""
+    yield
+    failures = [r.getMessage() for r in caplog.get_records("call")
+                if r.name == "p2p.rpc.server" and r.levelno >= logging.ERROR]
+    assert not failures, failures
 
 
 # ---------------------------------------------------------------------- calls that work
@@ -785,11 +802,6 @@ async def test_a_stream_is_not_reused_after_an_error() -> None:
 
 
 async def test_stream_reused_after_handler_stopped_reading_early() -> None:
-    async def first_only(requests: AsyncIterator[Int64Value], ctx: CallContext) -> AsyncIterator[Int64Value]:
-        async for request in requests:
-            yield request
-            return
-
     async with rpc_pair() as p:
         serve_defaults(p.server)
         p.server.add_stream("first_only", Int64Value, first_only)
