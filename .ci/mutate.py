@@ -96,6 +96,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "p2p/rpc/client.py": ("tests/test_rpc_client.py", "tests/test_rpc_protocol.py"),
     "p2p/rpc/endpoint.py": ("tests/test_rpc_endpoint.py", "tests/test_rpc_protocol.py"),
     "p2p/rpc/server.py": ("tests/test_rpc_server.py", "tests/test_rpc_endpoint.py", "tests/test_rpc_protocol.py"),
+    "nat/relay_discovery.py": ("tests/test_relay_discovery.py",),
 }
 
 KILLED = {"killed", "timeout"}
