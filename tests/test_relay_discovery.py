@@ -70,6 +70,12 @@ async def test_the_only_relay_is_learned_from_the_dht() -> None:
         assert blind.metrics()["reservations"] == 0 and relay.peer_id not in blind.node.connected_peers()
 
 
+def found_of(entries: dict[Any, Any]) -> ValueWithExpiration:
+    """A dictionary key's lookup result holding ``entries`` (subkey -> value), all live a minute more."""
+    later = time.time() + 60
+    return ValueWithExpiration({k: ValueWithExpiration(v, later) for k, v in entries.items()}, later)
+
+
 def test_relay_records_from_strangers_are_checked() -> None:
     """Entries whose owner is not the id inside, garbage, circuits and excess addresses are dropped."""
     honest, forged, garbage = (peer_id_of(new_identity()) for _ in range(3))
@@ -82,7 +88,7 @@ def test_relay_records_from_strangers_are_checked() -> None:
         "unowned": relay_record(honest, addrs[:1]),
         owned("relay", peer_id_of(new_identity())): pb.Peer(id=b"\x01\x02", addrs=[b"junk"]).SerializeToString(),
     }
-    found = ValueWithExpiration({k: ValueWithExpiration(v, time.time() + 60) for k, v in entries.items()}, time.time() + 60)
+    found = found_of(entries)
     relays = parse_relays(found)
     assert [(r, len(a)) for r, a in relays] == [(honest, MAX_RELAY_ADDRS)]
     assert circuit not in relays[0][1] and relays[0][1][0] == addrs[0]
@@ -96,11 +102,6 @@ def test_relay_records_from_strangers_are_checked() -> None:
 def honest_entries(count: int) -> dict[Any, bytes]:
     ids = [peer_id_of(new_identity()) for _ in range(count)]
     return {owned("relay", i): relay_record(i, [Multiaddr(f"/ip4/10.0.1.{n + 1}/tcp/4001")]) for n, i in enumerate(ids)}
-
-
-def found_of(entries: dict[Any, Any]) -> ValueWithExpiration:
-    later = time.time() + 60
-    return ValueWithExpiration({k: ValueWithExpiration(v, later) for k, v in entries.items()}, later)
 
 
 def test_the_settings() -> None:

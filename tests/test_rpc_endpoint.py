@@ -17,7 +17,6 @@ from p2p.errors import DedlocError
 from p2p.rpc import (
     FIRST_APPLICATION_CODE,
     CallContext,
-    HandlerError,
     MessageTooLargeError,
     PeerDisconnectedError,
     RemoteError,
@@ -205,18 +204,6 @@ async def test_a_peer_that_broke_a_call_loses_its_other_idle_streams() -> None:
         assert len(p.client._pool) == 0
         await p.client.call(SERVER, "slow_echo", StringValue(value="after"), StringValue)
         assert p.opened == 3
-
-
-async def test_a_handler_error_leaves_the_endpoint_serving() -> None:
-    async def fail(request: StringValue, ctx: CallContext) -> StringValue:
-        raise KeyError("no such thing")
-
-    async with rpc_pair() as p:
-        serve_defaults(p.server)
-        p.server.add_unary("fail", StringValue, fail)
-        with pytest.raises(HandlerError, match="fail failed: KeyError"):
-            await p.client.call(SERVER, "fail", StringValue(), StringValue)
-        assert (await p.client.call(SERVER, "echo", StringValue(value="ok"), StringValue)).value.startswith("ok")
 
 
 async def test_a_pooled_stream_that_fails_its_write_is_reset_not_left_open() -> None:

@@ -144,6 +144,11 @@ async def rpc_pair(
         nursery.cancel_scope.cancel()
 
 
+def unary_call(method: str, payload: bytes = b"", deadline_ms: int = 5000) -> bytes:
+    """The bytes of a whole unary call, as a client writes them: the call frame, one request, the end."""
+    return encode_call(method, deadline_ms) + encode_message(payload) + END_FRAME
+
+
 async def read_reply(stream: FakeStream, limit: int = 1 << 20) -> list[object]:
     """The frames the server sends on a raw stream, up to its end marker, error, EOF or reset."""
     decoder = FrameDecoder(limit)
@@ -460,7 +465,7 @@ async def test_server_enforces_the_deadline_the_client_sent(autojump_clock: trio
         p.server.add_unary("slow", StringValue, slow)
         stream = await p.open_raw()
         start = trio.current_time()
-        await stream.write(encode_call("slow", 250) + encode_message(b"") + END_FRAME)
+        await stream.write(unary_call("slow", deadline_ms=250))
         (error,) = await read_reply(stream)
         assert isinstance(error, rpc_pb2.Error) and error.code == ErrorCode.DEADLINE_EXCEEDED
         assert 0.25 <= trio.current_time() - start < 0.3

@@ -33,13 +33,10 @@ from .test_rpc_protocol import (
     rpc_pair,
     serve_defaults,
     server_never_fails,  # noqa: F401  (autouse: serve logs no failure of its own)
+    unary_call,
 )
 
 SERVER_LOG = "p2p.rpc.server"
-
-
-def echo_call(text: str = "x", deadline_ms: int = 5000) -> bytes:
-    return encode_call("echo", deadline_ms) + encode_message(StringValue(value=text).SerializeToString()) + END_FRAME
 
 
 async def error_of(stream: FakeStream) -> rpc_pb2.Error:
@@ -67,8 +64,7 @@ async def ended_how(p: Pair, stream: FakeStream) -> str:
     (encode_call("echo", 5000) + END_FRAME, "unary call without a request"),
     (encode_call("echo", 5000) + encode_message(b"") * 2 + END_FRAME, "unary call with more than one request"),
     (encode_call("echo", 5000) + encode_call("echo", 5000), "unexpected Call frame among the requests"),
-    (encode_call("echo", 5000) + encode_message(b"\xff\xff\xff") + END_FRAME,
-     "request is not a valid StringValue: Error parsing message"),
+    (unary_call("echo", b"\xff\xff\xff"), "request is not a valid StringValue: Error parsing message"),
     (encode_message(b"no call first"), "expected a call frame, got a Payload"),
 ])
 async def test_a_bad_call_is_answered_in_words(raw: bytes, message: str) -> None:
@@ -125,7 +121,7 @@ async def test_a_handler_that_fails_on_the_clients_garbage_is_no_warning(caplog:
     async with rpc_pair() as p:
         p.server.add_stream("strict", Int64Value, strict)
         stream = await p.open_raw()
-        await stream.write(encode_call("strict", 5000) + encode_message(b"\xff\xff\xff") + END_FRAME)
+        await stream.write(unary_call("strict", b"\xff\xff\xff"))
         assert (await error_of(stream)).code == ErrorCode.INVALID_MESSAGE
     assert not [r for r in caplog.records if r.name == SERVER_LOG and r.levelno >= logging.WARNING]
 
@@ -137,7 +133,7 @@ async def test_a_failing_handler_is_logged_with_the_method_and_the_caller(caplog
     async with rpc_pair() as p:
         p.server.add_unary("fail", StringValue, fail)
         stream = await p.open_raw()
-        await stream.write(encode_call("fail", 5000) + encode_message(b"") + END_FRAME)
+        await stream.write(unary_call("fail"))
         error = await error_of(stream)
     assert error.code == ErrorCode.HANDLER_ERROR and error.message == "fail failed: KeyError: 'nothing here'"
     assert f"handler of fail failed on a call from {CLIENT}" in caplog.messages
@@ -150,7 +146,7 @@ async def test_an_answer_that_is_no_message_is_a_handler_error() -> None:
     async with rpc_pair() as p:
         p.server.add_unary("wrong", StringValue, wrong)
         stream = await p.open_raw()
-        await stream.write(encode_call("wrong", 5000) + encode_message(b"") + END_FRAME)
+        await stream.write(unary_call("wrong"))
         error = await error_of(stream)
     assert error.code == ErrorCode.HANDLER_ERROR and error.message == "wrong answered with a str, not a message"
 
@@ -167,7 +163,7 @@ async def test_a_client_that_gives_up_is_logged_as_gone(caplog: pytest.LogCaptur
     async with rpc_pair() as p:
         p.server.add_unary("never", StringValue, never)
         stream = await p.open_raw()
-        await stream.write(encode_call("never", 5000) + encode_message(b"") + END_FRAME)
+        await stream.write(unary_call("never"))
         with trio.fail_after(5):
             await started.wait()
         await stream.close()
@@ -213,7 +209,7 @@ async def test_an_error_reply_waits_for_the_clients_end_past_the_deadline(
     time after it, and then ends its own side cleanly."""
     async with rpc_pair() as p:
         stream = await p.open_raw()
-        await stream.write(encode_call("nope", 1000) + encode_message(b"") + END_FRAME)
+        await stream.write(unary_call("nope", deadline_ms=1000))
         assert (await error_of(stream)).code == ErrorCode.UNKNOWN_METHOD
         await trio.sleep(1 + CLEANUP_TIMEOUT / 2)
         await stream.close()
@@ -238,9 +234,9 @@ async def too_slow(request: StringValue, ctx: CallContext) -> StringValue:
     # the call frame alone: no request left buffered that a server which went on would trip over
     (encode_call("nope", 1000), ErrorCode.UNKNOWN_METHOD),
     (encode_call("refused", 1000), ErrorCode.RESOURCE_LIMIT),
-    (encode_call("fail_now", 1000) + encode_message(b"") + END_FRAME, ErrorCode.HANDLER_ERROR),
-    (encode_call("too_slow", 1000) + encode_message(b"") + END_FRAME, ErrorCode.DEADLINE_EXCEEDED),
-    (encode_call("echo", 1000) + encode_message(b"x" * 200) + END_FRAME, ErrorCode.MESSAGE_TOO_LARGE),
+    (unary_call("fail_now", deadline_ms=1000), ErrorCode.HANDLER_ERROR),
+    (unary_call("too_slow", deadline_ms=1000), ErrorCode.DEADLINE_EXCEEDED),
+    (unary_call("echo", b"x" * 200, deadline_ms=1000), ErrorCode.MESSAGE_TOO_LARGE),
 ])
 async def test_a_stream_that_carried_an_error_serves_no_further_call(
         call: bytes, code: int, autojump_clock: trio.testing.MockClock) -> None:
@@ -256,7 +252,7 @@ async def test_a_stream_that_carried_an_error_serves_no_further_call(
         assert (await error_of(stream)).code == code
         await trio.sleep(2 + CLEANUP_TIMEOUT)  # past the deadline and the drain's cleanup time
         try:
-            await stream.write(echo_call("late"))
+            await stream.write(unary_call("echo", StringValue(value="late").SerializeToString()))
         except trio.BrokenResourceError:
             return  # reset already: the late call never went
         assert await read_reply(stream) == []
@@ -298,7 +294,7 @@ class Broken(dict[str, Method]):
 async def test_a_failure_of_the_server_itself_is_logged_with_the_peer_and_the_stream_reset(
         caplog: pytest.LogCaptureFixture) -> None:
     mine, theirs = fake_stream_pair()
-    await mine.write(echo_call())
+    await mine.write(unary_call("echo"))
     await serve(theirs, CLIENT, Broken(), max_message_size=1 << 20, default_timeout=5)
     with pytest.raises(trio.BrokenResourceError):
         await mine.read(65536)
