@@ -21,14 +21,14 @@ from libp2p.network.stream.exceptions import StreamReset
 from libp2p.peer.envelope import consume_envelope
 from libp2p.peer.id import ID
 from libp2p.peer.peer_record import PEER_RECORD_ENVELOPE_DOMAIN
-from libp2p.utils.varint import read_length_prefixed_protobuf
 from multiaddr import Multiaddr
 
-from .errors import RemoteProtocolError
+from .errors import RemoteProtocolError, StreamBrokenError, describe
 from .noise import NoiseSession
-from .varint import encode_varint
 from .trio_util import finish_quietly
 from .untrusted import decode_addr, decode_addrs
+from .varint import encode_varint
+from .wire import read_message
 
 #: libp2p identify/push: the identify message, sent unasked when it changes; no answer.
 PUSH_PROTOCOL = "/ipfs/id/push/1.0.0"
@@ -47,7 +47,7 @@ MAX_LISTEN_ADDRS = 32
 
 
 class IdentifyError(RemoteProtocolError):
-    """The peer's identify answer was missing, oversized or undecodable."""
+    """The peer's identify answer was missing, oversized or garbled, or it reset every stream asked on."""
 
 
 @dataclass
@@ -86,21 +86,21 @@ async def identify(open_stream: Callable[[ID, str], Awaitable[INetStream]], peer
         for attempt in range(4):
             stream = await open_stream(peer_id, IDENTIFY_PROTOCOL)
             try:
-                data = await read_length_prefixed_protobuf(stream, use_varint_format=True, max_length=MAX_IDENTIFY_SIZE)
+                msg = await read_message(stream, Identify, max_size=MAX_IDENTIFY_SIZE, timeout=timeout)
                 session = getattr(getattr(stream, "muxed_conn", None), "secured_conn", None)
                 local = session.local_address() if isinstance(session, NoiseSession) else None
                 break
-            except StreamReset as e:
+            except StreamBrokenError as e:
+                if not isinstance(e.__cause__, StreamReset):
+                    raise  # its connection ended: asking again on it cannot help
                 if attempt == 3:
-                    raise IdentifyError(f"{peer_id} reset its identify stream {attempt + 1} times: {e}") from e
+                    raise IdentifyError(f"{peer_id} reset its identify stream {attempt + 1} times: "
+                                        f"{describe(e.__cause__)}") from e
+            except RemoteProtocolError as e:
+                raise IdentifyError(f"identify answer from {peer_id}: {e}") from e
             finally:
-                await finish_quietly(stream.close)
+                await finish_quietly(stream.close, shield=True)  # timed out too: not left open
             await trio.sleep(0.1 * 2**attempt)
-    msg = Identify()
-    try:
-        msg.ParseFromString(data)
-    except Exception as e:
-        raise IdentifyError(f"identify answer from {peer_id} is garbled: {e}") from e
     info = verify_identify(peer_id, msg)
     info.local_addr = local
     return info
@@ -121,7 +121,7 @@ async def send_identify(stream: INetStream, message: bytes) -> None:
     try:
         await stream.write(encode_varint(len(message)) + message)
     except BaseException:
-        await finish_quietly(stream.reset)
+        await finish_quietly(stream.reset, shield=True)  # timed out or cancelled too: not left open
         raise
     await finish_quietly(stream.close)
 

@@ -122,7 +122,6 @@ from libp2p.identity.identify.identify import ID as IDENTIFY_PROTOCOL
 from libp2p.identity.identify.identify import _mk_identify_protobuf, _remote_address_to_multiaddr
 from libp2p.identity.identify.pb.identify_pb2 import Identify
 from libp2p.identity.update import update_peerstore_from_identify
-from libp2p.utils.varint import read_length_prefixed_protobuf
 from libp2p.custom_types import TProtocol
 from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.network.stream.net_stream import NetStream, StreamState
@@ -139,12 +138,13 @@ from multiaddr import Multiaddr
 
 from . import multistream
 from .addresses import ip_and_tcp_port, is_relayed_conn
-from .errors import DedlocError
+from .errors import DedlocError, RemoteProtocolError, StreamBrokenError
 from .admission import Ticket
 from .peer_store import Entry, low_water, to_forget
 from .resources import ResourceLimitExceeded, ResourceManager
 from .identify import MAX_IDENTIFY_SIZE, PUSH_PROTOCOL, PUSH_READ_TIMEOUT, send_identify
 from .trio_util import finish_quietly
+from .wire import read_message
 from .noise import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from .noise import NoiseConfig, NoiseSession, NoiseTransport
 from .yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
@@ -460,12 +460,9 @@ def _identify_push_handler(host: IHost, resources: ResourceManager) -> Callable[
         peer = stream.muxed_conn.peer_id
         if not await _within_identify_rate(stream, resources):
             return
-        message = Identify()
         try:
-            with trio.fail_after(PUSH_READ_TIMEOUT):
-                data = await read_length_prefixed_protobuf(stream, use_varint_format=True, max_length=MAX_IDENTIFY_SIZE)
-            message.ParseFromString(data)
-        except Exception as e:  # py-libp2p's reader raises a bare Exception for a bad or oversized prefix
+            message = await read_message(stream, Identify, max_size=MAX_IDENTIFY_SIZE, timeout=PUSH_READ_TIMEOUT)
+        except (RemoteProtocolError, StreamBrokenError) as e:
             log.debug("identify push from %s dropped: %s", peer, e)
             await finish_quietly(stream.reset)
             return
