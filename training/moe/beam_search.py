@@ -46,10 +46,10 @@ import torch
 import trio
 from google.protobuf.message import DecodeError
 from libp2p.peer.id import ID
-from multiaddr import Multiaddr
 
 from nat.swarm import Records
 from p2p.dht.records import KeyLike, ValueWithExpiration
+from p2p.untrusted import decode_addrs
 
 from ..proto import moe_pb2 as pb
 from .protocol import Expert
@@ -57,12 +57,15 @@ from .grid import parse_subkey, prefix_key
 
 log = logging.getLogger(__name__)
 
+#: most addresses taken from one server's declaration
+MAX_EXPERT_ADDRS = 16
 #: what a prefix key holds: next coordinate -> the servers that declared it (and an expert under it)
 Successors = dict[int, list[Expert]]
 
 
 def parse_successors(found: ValueWithExpiration | None) -> Successors:
-    """A prefix key's live subkeys; anything malformed is skipped (a peer may write garbage)."""
+    """A prefix key's live subkeys; anything malformed is skipped (a peer may write garbage), and
+    of a server's addresses the first :data:`MAX_EXPERT_ADDRS` that parse are kept."""
     out: Successors = {}
     if found is None or not isinstance(found.value, dict):
         return out
@@ -73,9 +76,11 @@ def parse_successors(found: ValueWithExpiration | None) -> Successors:
         coord, server = parsed
         try:
             info = pb.ExpertInfo.FromString(entry.value)
-            addrs = tuple(Multiaddr(bytes(a)) for a in info.addrs[:16])
-        except (DecodeError, ValueError, TypeError):
+        except DecodeError:
             continue
+        # an address that does not parse is dropped (py-multiaddr parses bytes lazily: one kept
+        # whole failed later, in whoever printed or dialed it), the expert is kept
+        addrs = tuple(decode_addrs(info.addrs, limit=MAX_EXPERT_ADDRS))
         out.setdefault(coord, []).append(Expert(info.uid, server, addrs))
     return out
 
@@ -138,7 +143,8 @@ class BeamSearcher:
     def __init__(self, dht: Records, prefix: str, grid_size: Sequence[int], *, cache_ttl: float = 15.0,
                  empty_ttl: float = 2.0, read_timeout: float = 5.0,
                  usable: Callable[[Expert], bool] | None = None,
-                 reachable: Callable[[ID], bool] | None = None) -> None:
+                 reachable: Callable[[ID], bool] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.dht = dht
         self.prefix = prefix
         self.grid_size = tuple(grid_size)
@@ -150,7 +156,9 @@ class BeamSearcher:
         #: whether a server can be reached: a prefix only unreachable servers declared is passed over
         #: before the last dimension (its beam would end with no expert)
         self.reachable = reachable
-        #: prefix coords -> (what it holds, monotonic time read)
+        #: what the cache's ages are measured with (a test's own clock)
+        self.clock = clock
+        #: prefix coords -> (what it holds, time read)
         self._cache: dict[tuple[int, ...], tuple[Successors, float]] = {}
         self.stats = SearchStats()
         self.last = SearchOutcome()
@@ -159,7 +167,7 @@ class BeamSearcher:
                          outcome: SearchOutcome | None = None) -> dict[tuple[int, ...], Successors]:
         """What each prefix holds: from the cache while fresh, else one ``get_many`` for all the others
         (a prefix whose read failed holds nothing here, and counts in ``outcome.unread``)."""
-        now = time.monotonic()
+        now = self.clock()
         out: dict[tuple[int, ...], Successors] = {}
         missing: list[tuple[int, ...]] = []
         for p in dict.fromkeys(prefixes):
@@ -176,7 +184,7 @@ class BeamSearcher:
             found: Mapping[KeyLike, ValueWithExpiration | None] = {}
             with trio.move_on_after(self.read_timeout):
                 found = await self.dht.get_many(list(keys), timeout=self.read_timeout)
-            now = time.monotonic()
+            now = self.clock()
             if len(self._cache) > 100_000:
                 self._cache.clear()  # bounded; a grid this size is re-read
             for key, p in keys.items():
