@@ -42,6 +42,8 @@ PUSH_DELAY = 0.25
 #: Pushes under way at once.
 PUSH_CONCURRENCY = 16
 MAX_IDENTIFY_SIZE = 64 * 1024
+#: Identify streams opened before a peer that resets each is given up on (see :func:`identify`).
+IDENTIFY_ATTEMPTS = 4
 #: Most self-reported listen addresses taken from one answer: the peer chooses how many it sends.
 MAX_LISTEN_ADDRS = 32
 
@@ -83,7 +85,7 @@ async def identify(open_stream: Callable[[ID, str], Awaitable[INetStream]], peer
     :class:`IdentifyError` (a leaving node resets it too: ``p2p/libp2p_host.py``).
     """
     with trio.fail_after(timeout):
-        for attempt in range(4):
+        for attempt in range(IDENTIFY_ATTEMPTS):
             stream = await open_stream(peer_id, IDENTIFY_PROTOCOL)
             try:
                 msg = await read_message(stream, Identify, max_size=MAX_IDENTIFY_SIZE, timeout=timeout)
@@ -93,7 +95,7 @@ async def identify(open_stream: Callable[[ID, str], Awaitable[INetStream]], peer
             except StreamBrokenError as e:
                 if not isinstance(e.__cause__, StreamReset):
                     raise  # its connection ended: asking again on it cannot help
-                if attempt == 3:
+                if attempt == IDENTIFY_ATTEMPTS - 1:
                     raise IdentifyError(f"{peer_id} reset its identify stream {attempt + 1} times: "
                                         f"{describe(e.__cause__)}") from e
             except RemoteProtocolError as e:
@@ -161,7 +163,7 @@ def verify_identify(peer_id: ID, msg: Identify) -> PeerIdentity:
         protocols=list(msg.protocols),
         # All parsed (the answer's 64 KiB cap bounds them); whoever stores them keeps MAX_LISTEN_ADDRS.
         listen_addrs=decode_addrs(msg.listen_addrs, limit=len(msg.listen_addrs)),
-        observed_addr=decode_addr(bytes(msg.observed_addr)) if msg.HasField("observed_addr") else None,
+        observed_addr=decode_addr(bytes(msg.observed_addr)),  # None when absent (empty) or garbled
         public_key_valid=key_ok,
         signed_record_valid=record_ok,
         signed_record_addrs=record_addrs,

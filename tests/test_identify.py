@@ -8,6 +8,9 @@ and the rate on them) stays in tests/test_node.py.
 
 from __future__ import annotations
 
+import socket
+from types import SimpleNamespace
+
 import pytest
 import trio
 from libp2p.abc import INetStream
@@ -24,6 +27,7 @@ from multiaddr import Multiaddr
 from p2p.errors import StreamBrokenError
 from p2p.identify import (MAX_IDENTIFY_SIZE, PUSH_PROTOCOL, PUSH_TIMEOUT, IdentifyError, identify, push_identify,
                           send_identify, verify_identify)
+from p2p.noise import NoiseSession
 from p2p.varint import encode_varint
 
 from .test_rpc_stream import Scripted
@@ -97,7 +101,7 @@ def test_an_honest_answer_verifies_whole() -> None:
 def test_what_is_missing_is_said() -> None:
     _, peer = keys()
     info = verify_identify(peer, Identify(agent_version="bare"))
-    assert not info.public_key_valid and not info.signed_record_valid
+    assert info.public_key_valid is False and info.signed_record_valid is False
     assert info.problems == ["no public key", "no signed peer record"]
     assert info.signed_record_addrs == [] and info.listen_addrs == [] and info.observed_addr is None
     assert info.agent_version == "bare"
@@ -120,6 +124,7 @@ def test_another_peer_s_key_or_record_is_not_taken() -> None:
     named_other = verify_identify(peer, answer_of(pair, peer, signedPeerRecord=signed_record(pair, other)))
     assert named_other.public_key_valid and not named_other.signed_record_valid
     assert named_other.problems == [f"signed peer record names another peer ({other})"]
+    assert named_other.signed_record_valid is False
 
 
 def test_garbled_key_record_and_addresses_are_problems_not_errors() -> None:
@@ -204,14 +209,36 @@ async def test_an_answer_of_the_largest_size_is_taken() -> None:
     assert info.agent_version == honest.agent_version
 
 
-async def test_a_silent_peer_is_given_up_on_at_the_timeout(autojump_clock: object) -> None:
+@pytest.mark.parametrize("timeout", [None, 3.0, 25.0])
+async def test_a_silent_peer_is_given_up_on_at_the_timeout(autojump_clock: object, timeout: float | None) -> None:
+    """10 s unless told; a longer timeout is the answer's too (not the 10 s of one control message)."""
     _, peer = keys()
     stream = Scripted()
     start = trio.current_time()
     with pytest.raises(trio.TooSlowError):
-        await identify(Opener(stream), peer, timeout=3.0)
-    assert trio.current_time() - start == pytest.approx(3.0)
+        if timeout is None:
+            await identify(Opener(stream), peer)
+        else:
+            await identify(Opener(stream), peer, timeout=timeout)
+    assert trio.current_time() - start == pytest.approx(10.0 if timeout is None else timeout)
     assert stream.closes == 1
+
+
+async def test_the_answer_names_our_end_of_the_connection_it_came_over() -> None:
+    """With two connections to a peer, only our end of this one says which the observation is of."""
+    pair, peer = keys()
+    with socket.socket() as ours:
+        ours.bind(("127.0.0.1", 0))
+        session = object.__new__(NoiseSession)  # the Noise session under the stream: only its socket is read
+        session._socket = SimpleNamespace(socket=ours)  # type: ignore[assignment]
+        stream = Scripted(*reads_of(answer_of(pair, peer).SerializeToString()))
+        stream.muxed_conn = SimpleNamespace(secured_conn=session)  # type: ignore[attr-defined]
+        info = await identify(Opener(stream), peer)
+        assert info.local_addr == ours.getsockname()
+        # over anything but a Noise session (a relayed stream): no end of ours to name
+        relayed = Scripted(*reads_of(answer_of(pair, peer).SerializeToString()))
+        relayed.muxed_conn = SimpleNamespace(secured_conn=object())  # type: ignore[attr-defined]
+        assert (await identify(Opener(relayed), peer)).local_addr is None
 
 
 # ---------------------------------------------------------------------- answering and pushing

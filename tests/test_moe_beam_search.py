@@ -47,11 +47,14 @@ class StandInDHT:
         self.failing: set[str] = set()
         self.hang = False
         self.reads: list[list[KeyLike]] = []
+        self.timeouts: list[float | None] = []
 
     async def get_many(self, keys: Iterable[KeyLike], latest: bool = False, *,
                        timeout: float | None = None) -> dict[KeyLike, ValueWithExpiration | None]:
         keys = list(keys)
         self.reads.append(keys)
+        self.timeouts.append(timeout)
+        assert not latest  # the first copy found (the module docstring says why)
         await trio.lowlevel.checkpoint()
         if self.hang:
             await trio.sleep_forever()
@@ -165,17 +168,19 @@ async def test_a_read_prefix_is_kept_for_the_cache_ttl_and_an_empty_one_for_the_
 
 def test_an_empty_prefix_is_never_kept_longer_than_a_full_one() -> None:
     assert searcher(StandInDHT(), Clock(), cache_ttl=1.0, empty_ttl=5.0).empty_ttl == 1.0
-    assert searcher(StandInDHT(), Clock()).empty_ttl == 2.0
-    assert searcher(StandInDHT(), Clock()).cache_ttl == 15.0
+    defaults = searcher(StandInDHT(), Clock())
+    assert (defaults.cache_ttl, defaults.empty_ttl, defaults.read_timeout) == (15.0, 2.0, 5.0)
 
 
 async def test_a_failed_read_is_counted_and_not_remembered() -> None:
     dht = StandInDHT({"ffn.1": prefix_record("ffn", (1,), (0, A))})
-    dht.failing.add("ffn.1")
-    bs = searcher(dht, Clock())
+    dht.failing.update(("ffn.1", "ffn.3"))
+    bs = searcher(dht, Clock(), read_timeout=4.0)
     outcome = bs.last
-    assert await bs.successors([(1,), (2,)], outcome) == {(1,): {}, (2,): {}}
-    assert outcome.unread == 1
+    assert await bs.successors([(1,), (2,), (3,)], outcome) == {(1,): {}, (2,): {}, (3,): {}}
+    assert outcome.unread == 2
+    assert dht.timeouts == [4.0]
+    dht.failing.discard("ffn.3")
     assert await bs.successors([(1,), (2,)]) == {(1,): {}, (2,): {}}  # no outcome: nothing to count in
     assert dht.reads[1] == ["ffn.1"]  # read again: the empty (2,) is cached, the failed (1,) is not
     dht.failing.clear()
@@ -210,11 +215,12 @@ async def test_the_cache_is_bounded() -> None:
 
 
 def grid_records(*servers: tuple[ID, tuple[int, int]]) -> dict[str, ValueWithExpiration]:
-    """The records of a 2-D grid "ffn" where each (server, (i, j)) serves expert ffn.i.j."""
+    """The records of a 2-D grid "ffn" where each (server, (i, j)) serves expert ffn.i.j: as servers
+    declare them (``ExpertServer.declare``), each naming under a prefix the first of its experts there."""
     outer: dict[KeyLike, ValueWithExpiration] = {}
     inner: dict[str, dict[KeyLike, ValueWithExpiration]] = {}
     for server, (i, j) in servers:
-        outer[coordinate_subkey(i, server)] = info(f"ffn.{i}")
+        outer.setdefault(coordinate_subkey(i, server), info(f"ffn.{i}.{j}"))
         inner.setdefault(f"ffn.{i}", {})[coordinate_subkey(j, server)] = info(f"ffn.{i}.{j}")
     records = {"ffn": ValueWithExpiration(outer, EXPIRES)}
     records.update({k: ValueWithExpiration(v, EXPIRES) for k, v in inner.items()})
@@ -259,7 +265,7 @@ async def test_a_search_says_which_experts_it_left_out() -> None:
     # bans count: C's (1, 1) is left out, B's (1, 0) is found
     assert [[(b.coords, b.experts) for b in s] for s in found] == [
         [((1, 0), [Expert("ffn.1.0", B)]), ((0, 0), [Expert("ffn.0.0", A)])]]
-    assert bs.last.left_out == {Expert("ffn.1", B), Expert("ffn.1.1", C)}
+    assert bs.last.left_out == {Expert("ffn.1.0", B), Expert("ffn.1.1", C)}
     assert bs.last.unread == 0
     # a row only unreachable servers declared is passed over: no beam ends there with no expert
     only_b = searcher(StandInDHT(dht.records), Clock(), reachable=lambda p: p not in (B, C))
@@ -268,8 +274,20 @@ async def test_a_search_says_which_experts_it_left_out() -> None:
     dht.failing.add("ffn.0")
     bs.forget()
     await bs.search([rows, torch.tensor([[0.0, 0.0]])], k=2)
-    assert bs.last.unread == 1 and bs.last.left_out == {Expert("ffn.1", B), Expert("ffn.1.1", C)}
+    assert bs.last.unread == 1 and bs.last.left_out == {Expert("ffn.1.0", B), Expert("ffn.1.1", C)}
     assert bs.stats.searches == 2
+
+
+async def test_a_one_dimensional_grid_and_a_lying_record() -> None:
+    """A record under the last prefix that names another expert than its coordinates' is not taken."""
+    dht = StandInDHT({"ffn": ValueWithExpiration({
+        coordinate_subkey(0, A): info("ffn.0"), coordinate_subkey(1, B): info("ffn.0"),
+        coordinate_subkey(2, C): info("ffn.2")}, EXPIRES)})
+    bs = searcher(dht, Clock(), grid=(3,))
+    found = await bs.search([torch.tensor([[1.0, 9.0, 2.0], [5.0, 0.0, 0.0]])], k=3)
+    assert [[(b.coords, b.experts) for b in s] for s in found] == [
+        [((2,), [Expert("ffn.2", C)]), ((0,), [Expert("ffn.0", A)])],
+        [((0,), [Expert("ffn.0", A)]), ((2,), [Expert("ffn.2", C)])]]
 
 
 async def test_a_search_needs_one_score_tensor_per_dimension() -> None:

@@ -156,8 +156,8 @@ def test_the_settings_and_their_bounds() -> None:
     PowerSGDConfig(rank=1, max_ratio=1.0).validate()
     PowerSGDConfig(max_ratio=1e-9).validate()
     cases: list[tuple[dict[str, float], str]] = [
-        ({"rank": 0}, "rank must be >= 1"), ({"rank": -3}, "rank"),
-        ({"max_ratio": 0.0}, r"max_ratio must be in \(0, 1\]"), ({"max_ratio": 1.01}, "max_ratio"),
+        ({"rank": 0}, r"^rank must be >= 1$"), ({"rank": -3}, "rank"),
+        ({"max_ratio": 0.0}, r"^max_ratio must be in \(0, 1\]$"), ({"max_ratio": 1.01}, "max_ratio"),
         ({"max_ratio": -0.5}, "max_ratio")]
     for bad, words in cases:
         with pytest.raises(ConfigError, match=words):
@@ -270,6 +270,12 @@ async def test_a_failed_phase_leaves_gradients_and_error_buffers_as_they_were(ph
     assert compressor.errors[0] is not None and torch.equal(compressor.errors[0], kept)
 
 
+async def test_a_step_s_weight_is_one_unless_given() -> None:
+    stand_in = StandIn()
+    await over(stand_in, [(N, M)], rank=RANK).step([torch.randn(N, M)])
+    assert [weight for _, _, weight, _ in stand_in.calls] == [1.0, 1.0, 1.0]
+
+
 @pytest.mark.parametrize("phase", [0, 1])
 async def test_the_report_is_complete_only_when_both_phases_are(phase: int) -> None:
     report = await over(StandIn(partial_phase=phase), [(N, M)], rank=RANK).step([torch.randn(N, M)])
@@ -281,12 +287,12 @@ async def test_bad_gradients_are_refused_before_matchmaking() -> None:
     stand_in = StandIn()
     compressor = over(stand_in, [(N, M), (M,)])
     compressor.errors[0] = torch.ones(N, M)
-    with pytest.raises(ValueError, match=r"gradient shapes \[\(96, 160\)\] are not the ones PowerSGD was made for "
+    with pytest.raises(ValueError, match=r"^gradient shapes \[\(96, 160\)\] are not the ones PowerSGD was made for "
                                          r"\[\(96, 160\), \(160,\)\]"):
         await compressor.step([torch.zeros(N, M)])
-    with pytest.raises(ValueError, match="PowerSGD averages float32 gradients"):
+    with pytest.raises(ValueError, match="^PowerSGD averages float32 gradients$"):
         await compressor.step([torch.zeros(N, M), torch.zeros(M, dtype=torch.float64)])
-    with pytest.raises(ValueError, match="NaN or Inf"):
+    with pytest.raises(ValueError, match="^the gradients hold NaN or Inf; refusing to average them$"):
         await compressor.step([torch.zeros(N, M), torch.full((M,), math.inf)])
     with pytest.raises(ValueError, match="NaN or Inf"):
         await compressor.step([torch.full((N, M), math.nan), torch.zeros(M)])
