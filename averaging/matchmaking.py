@@ -311,8 +311,7 @@ class Matchmaker:
             return pb.JoinResponse(status=pb.JoinResponse.REJECTED, reason=str(e))
         if member.peer_id != ctx.peer_id:
             return pb.JoinResponse(status=pb.JoinResponse.REJECTED, reason="a declaration of another peer")
-        formation = self._formation
-        if formation is None:
+        if self._formation is None:
             # Between two rounds (our declaration for the next one may already be read, or the last
             # one's not yet withdrawn): wait a poll interval for our next formation. Turned away
             # at once, the joiner skipped us for two polls and led alone, and the group we formed
@@ -321,7 +320,7 @@ class Matchmaker:
             with trio.move_on_after(self.config.poll_interval):
                 while self._formation is None:
                     await self._moved.wait()
-            formation = self._formation
+        formation = self._formation
         answer: JoinAnswer = Reject("not matching now") if formation is None else formation.on_join(member)
         if isinstance(answer, Defer):
             # answer once we lead or follow (within a poll interval)

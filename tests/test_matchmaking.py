@@ -1,0 +1,616 @@
+"""averaging.matchmaking, the shell around the formation table, over the in-memory swarm of
+tests/fake_swarm.py (a real RPC, one shared record store): what is declared where and for how long,
+groups formed and refused, the ``avg.join`` server's answers, withdrawal, and the pure helpers that
+read declarations. The rules themselves are tests/test_formation.py's; the join call as a follower
+sees each answer, tests/test_matchmaking_join.py's."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import pytest
+import trio
+from libp2p.peer.id import ID
+from multiaddr import Multiaddr
+
+from averaging.errors import AllreduceProtocolError, MatchmakingError
+from averaging.formation import Formation, FormationRules, Joined, Phase, Refused, Unreachable
+from averaging.group import Group, Member, Role
+from averaging.matchmaking import (ANSWER_FLUSH, JOIN_METHOD, Matchmaker, MatchmakingConfig, _Lead, declared_members,
+                                   forget_expired)
+from averaging.proto import averaging_pb2 as pb
+from p2p.dht import ValueWithExpiration, owned
+from p2p.errors import ConfigError, DedlocError
+from p2p.rpc import CallContext, UnknownMethodError
+
+from .fake_swarm import FakeSwarm, fake_swarms
+from .kit import numbered_peer_id
+
+pytestmark = pytest.mark.timeout(60)
+
+ADDR = Multiaddr("/ip4/81.2.69.7/tcp/4001")
+NOW = 1_000_000.0
+
+
+def member(peer: ID | FakeSwarm, *, schema: bytes = b"s", expiration: float = NOW + 100, role: Role = Role.FULL,
+           leads: bool = True) -> Member:
+    peer_id = peer.peer_id if isinstance(peer, FakeSwarm) else peer
+    return Member(peer_id, (ADDR,), role, schema, accepts_joins=leads, expiration=expiration)
+
+
+def config(**kw: float) -> MatchmakingConfig:
+    settings: dict[str, float] = {"target_size": 3, "min_size": 2, "gather_time": 0.3, "timeout": 5.0,
+                                  "poll_interval": 0.05}
+    settings.update(kw)
+    return MatchmakingConfig(**settings)  # type: ignore[arg-type]
+
+
+async def form_all(matchmakers: Sequence[Matchmaker], members: Sequence[Member], **kw: object
+                   ) -> list[Group | BaseException]:
+    out: list[Group | BaseException] = [RuntimeError("not run")] * len(matchmakers)
+
+    async def one(i: int) -> None:
+        try:
+            out[i] = await matchmakers[i].form_group(members[i], **kw)  # type: ignore[arg-type]
+        except (MatchmakingError, DedlocError) as e:
+            out[i] = e
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(matchmakers)):
+            nursery.start_soon(one, i)
+    return out
+
+
+# ---------------------------------------------------------------------- settings
+
+
+def test_the_settings_and_their_bounds() -> None:
+    default = MatchmakingConfig()
+    assert (default.target_size, default.min_size, default.gather_time, default.timeout, default.poll_interval) == \
+        (16, 2, 3.0, 30.0, 0.5)
+    MatchmakingConfig(target_size=1, min_size=1, gather_time=0.0).validate()
+    sizes: list[dict[str, int]] = [{"min_size": 0}, {"min_size": 4, "target_size": 3}]
+    for size in sizes:
+        with pytest.raises(ConfigError, match=r"^need 1 <= min_size <= target_size$"):
+            MatchmakingConfig(**size).validate()
+    times: list[dict[str, float]] = [{"timeout": 0.0}, {"gather_time": -0.1}, {"poll_interval": 0.0}]
+    for bad in times:
+        with pytest.raises(ConfigError, match=r"^matchmaking times must be positive$"):
+            MatchmakingConfig(**bad).validate()  # type: ignore[arg-type]
+        with pytest.raises(ConfigError):
+            Matchmaker(None, "run", MatchmakingConfig(**bad))  # type: ignore[arg-type]  # checked when made
+
+
+# ---------------------------------------------------------------------- the pure helpers
+
+
+def declaration(m: Member) -> ValueWithExpiration:
+    return ValueWithExpiration(m.to_wire().SerializeToString(), m.expiration)
+
+
+def test_declared_members_are_the_live_ones_of_my_schema_me_first() -> None:
+    me = member(numbered_peer_id(5))
+    a, b = member(numbered_peer_id(1)), member(numbered_peer_id(2), expiration=NOW + 0.001)
+    other_schema, expired = member(numbered_peer_id(3), schema=b"t"), member(numbered_peer_id(4), expiration=NOW)
+    mine_declared = member(numbered_peer_id(5), expiration=NOW + 50)  # our own declaration, as read back
+    found = ValueWithExpiration({
+        "a": declaration(a), "withdrawn": ValueWithExpiration(b"", NOW + 100), "b": declaration(b),
+        "garbage": ValueWithExpiration(b"\xff\xff", NOW + 100), "dict": ValueWithExpiration({}, NOW + 100),
+        "other": declaration(other_schema), "expired": declaration(expired), "me": declaration(mine_declared),
+        "a again": declaration(member(numbered_peer_id(1), expiration=NOW + 99)),
+    }, NOW + 100)
+    assert declared_members(found, me, NOW) == [me, a, b]
+    assert declared_members(None, me, NOW) == [me]
+    assert declared_members(ValueWithExpiration(b"a plain value", NOW + 1), me, NOW) == [me]
+
+
+def test_a_malformed_declaration_is_logged_at_debug(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, "averaging.matchmaking")
+    found = ValueWithExpiration({"garbage": ValueWithExpiration(b"\xff\xff", NOW + 100),
+                                 "withdrawn": ValueWithExpiration(b"", NOW + 100)}, NOW + 100)
+    declared_members(found, member(numbered_peer_id(1)), NOW)  # a withdrawn entry is no malformed one
+    (record,) = [r for r in caplog.records if r.name == "averaging.matchmaking"]
+    assert record.levelno == logging.DEBUG and record.getMessage().startswith("skipping a malformed declaration: ")
+
+
+def test_unreachable_leaders_are_forgotten_when_their_declaration_expires() -> None:
+    a, b, c = numbered_peer_id(1), numbered_peer_id(2), numbered_peer_id(3)
+    unreachable = {a: 10.0, b: 10.5, c: 11.0}
+    forget_expired(unreachable, 10.5)
+    assert unreachable == {c: 11.0}
+    forget_expired(unreachable, 10.999)
+    assert unreachable == {c: 11.0}
+
+
+# ---------------------------------------------------------------------- forming groups
+
+
+async def test_three_peers_form_one_group_and_declare_where_and_until_when() -> None:
+    now = time.time()  # the shared records expire entries by the wall clock; the matchmakers' stands still
+    async with fake_swarms(3) as swarms:
+        matchmakers = [Matchmaker(s, "run", config(), clock=lambda: now) for s in swarms]
+        registrations = [m.install() for m in matchmakers]
+        groups = await form_all(matchmakers, [member(s) for s in swarms])
+        for r in registrations:
+            r.remove()
+    assert all(isinstance(g, Group) for g in groups), groups
+    first = groups[0]
+    assert isinstance(first, Group) and len(first.group_id) == 16
+    ids = sorted((s.peer_id for s in swarms), key=lambda p: p.to_bytes())
+    for swarm, group in zip(swarms, groups):
+        assert isinstance(group, Group) and group.group_id == first.group_id
+        assert [m.peer_id for m in group.members] == ids
+        assert group.me.peer_id == swarm.peer_id
+    entries = swarms[0].dht._data["run.matchmaking"]
+    assert set(entries) == {owned("member", s.peer_id) for s in swarms}
+    # declared until the deadline and 5 s more, by the matchmaker's clock
+    assert {e for _, e in entries.values()} == {now + 5.0 + 5.0}
+    decoded = Member.from_wire(pb.Declaration.FromString(entries[owned("member", swarms[1].peer_id)][0]))
+    assert decoded.peer_id == swarms[1].peer_id and decoded.expiration == now + 10.0
+
+
+async def test_a_cell_meets_only_its_own_and_says_where_it_looked() -> None:
+    async with fake_swarms(2) as swarms:
+        matchmakers = [Matchmaker(s, "run", config(timeout=0.5)) for s in swarms]
+        registrations = [m.install() for m in matchmakers]
+        results = await form_all(matchmakers[:1], [member(swarms[0])], cell="3")
+        assert "run.matchmaking.3" in swarms[0].dht._data
+        (error,) = results
+        assert isinstance(error, MatchmakingError)
+        assert str(error).startswith("no group of at least 2 formed under 'run.matchmaking.3' within 0 s (1 matching")
+        # the two in different cells never meet
+        cells = await _form_in_cells(matchmakers, [member(s) for s in swarms], ["a", "b"])
+        assert all(isinstance(r, MatchmakingError) for r in cells)
+        for r in registrations:
+            r.remove()
+
+
+async def _form_in_cells(matchmakers: Sequence[Matchmaker], members: Sequence[Member], cells: Sequence[str]
+                         ) -> list[Group | BaseException]:
+    out: list[Group | BaseException] = [RuntimeError("not run")] * len(matchmakers)
+
+    async def one(i: int) -> None:
+        try:
+            out[i] = await matchmakers[i].form_group(members[i], cells[i])
+        except MatchmakingError as e:
+            out[i] = e
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(matchmakers)):
+            nursery.start_soon(one, i)
+    return out
+
+
+@pytest.mark.parametrize("expected, size", [(2, 2), (1, 2), (100, 3)])
+async def test_expected_peers_fix_the_group_at_once_within_min_and_target(expected: int, size: int) -> None:
+    """A caller that knows how many come (a training step's) does not wait out ``gather_time`` for
+    more: the group is fixed when ``expected`` (clamped to min_size..target_size) joined."""
+    async with fake_swarms(3) as swarms:
+        matchmakers = [Matchmaker(s, "run", config(gather_time=30.0, timeout=60.0)) for s in swarms]
+        registrations = [m.install() for m in matchmakers]
+        start = trio.current_time()
+        with trio.fail_after(20):
+            groups = await form_all(matchmakers[:size], [member(s) for s in swarms[:size]], expected=expected)
+        assert trio.current_time() - start < 10.0  # not the 30 s gather time
+        for r in registrations:
+            r.remove()
+    assert all(isinstance(g, Group) and g.size == size for g in groups), groups
+
+
+async def test_a_lone_peer_fails_at_the_deadline_and_leaves_no_lead_behind(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, "averaging.matchmaking")
+    async with fake_swarms(1) as (swarm,):
+        matchmaker = Matchmaker(swarm, "run", config(timeout=0.4))
+        registration = matchmaker.install()
+        start = trio.current_time()
+        with pytest.raises(MatchmakingError, match=r"^no group of at least 2 formed under 'run.matchmaking' "):
+            await matchmaker.form_group(member(swarm))
+        assert 0.4 <= trio.current_time() - start < 3.0
+        assert matchmaker._formation is None and matchmaker._lead is None
+        registration.remove()
+    # each step of the table at debug, the first a read of the declarations
+    steps = [r.getMessage() for r in caplog.records if r.name == "averaging.matchmaking"]
+    assert steps[0] == "matchmaking looking: Read()" and len(steps) > 2
+
+
+# ---------------------------------------------------------------------- the join server
+
+
+async def call_join(caller: FakeSwarm, leader: FakeSwarm, declaration: pb.Declaration,
+                    prefix: str = "run") -> pb.JoinResponse:
+    with trio.fail_after(20):
+        return await caller.rpc.call(leader.peer_id, f"{JOIN_METHOD}.{prefix}",
+                                     pb.JoinRequest(prefix=prefix, declaration=declaration), pb.JoinResponse,
+                                     timeout=15)
+
+
+async def test_the_join_server_turns_away_garbage_impostors_and_joins_between_rounds() -> None:
+    async with fake_swarms(2) as (leader, caller):
+        matchmaker = Matchmaker(leader, "run", config(poll_interval=0.3))
+        registration = matchmaker.install()
+        garbled = pb.Declaration(peer_id=b"\x00\x01")
+        with pytest.raises(AllreduceProtocolError) as refused:
+            Member.from_wire(garbled)
+        answer = await call_join(caller, leader, garbled)
+        assert (answer.status, answer.reason) == (pb.JoinResponse.REJECTED, str(refused.value))
+        impostor = await call_join(caller, leader, member(numbered_peer_id(9)).to_wire())
+        assert (impostor.status, impostor.reason) == (pb.JoinResponse.REJECTED, "a declaration of another peer")
+        # no formation under way: it waits a poll interval for one, then turns the caller away
+        start = trio.current_time()
+        idle = await call_join(caller, leader, member(caller).to_wire())
+        assert (idle.status, idle.reason) == (pb.JoinResponse.REJECTED, "not matching now")
+        assert 0.3 <= trio.current_time() - start < 2.0
+        registration.remove()
+        with pytest.raises(UnknownMethodError):
+            await call_join(caller, leader, member(caller).to_wire())
+
+
+async def test_a_join_held_between_two_rounds_is_answered_by_the_next_formation() -> None:
+    async with fake_swarms(2) as (leader, follower):
+        leading = Matchmaker(leader, "run", config(target_size=2, poll_interval=2.0))
+        registration = leading.install()
+        results: list[pb.JoinResponse] = []
+
+        async def join() -> None:
+            results.append(await call_join(follower, leader, member(follower).to_wire()))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(join)
+            await trio.sleep(0.2)  # the join waits: no formation yet
+            assert not results
+            group = await leading.form_group(member(leader))
+        (answer,) = results
+        assert answer.status == pb.JoinResponse.ACCEPTED
+        assert Group.from_wire(answer.group, follower.peer_id).group_id == group.group_id
+        registration.remove()
+
+
+# ---------------------------------------------------------------------- asking a leader
+
+
+async def test_a_leader_that_cannot_be_reached_is_unreachable_and_its_addresses_are_noted() -> None:
+    async with fake_swarms(1) as (swarm,):
+        matchmaker = Matchmaker(swarm, "run", config())
+        gone = member(numbered_peer_id(77))
+        formation = Formation(member(swarm), FormationRules(3, 2, 1.0, 0.1), trio.current_time() + 5)
+        outcome = await matchmaker._join(formation, gone)
+        assert isinstance(outcome, Unreachable) and "no route" in outcome.reason
+        assert swarm.known[gone.peer_id] == [ADDR]
+
+
+async def test_an_accepted_join_with_an_unusable_group_is_a_refusal(caplog: pytest.LogCaptureFixture) -> None:
+    async with fake_swarms(2) as (follower, leader):
+        async def answer(request: pb.JoinRequest, ctx: CallContext) -> pb.JoinResponse:
+            group = Group(b"g" * 16, (member(leader),), 0)  # a group without the follower
+            return pb.JoinResponse(status=pb.JoinResponse.ACCEPTED, group=group.to_wire())
+
+        leader.rpc.add_unary(f"{JOIN_METHOD}.run", pb.JoinRequest, answer)
+        formation = Formation(member(follower), FormationRules(3, 2, 1.0, 0.1), trio.current_time() + 5)
+        outcome = await Matchmaker(follower, "run", config())._join(formation, member(leader))
+        assert isinstance(outcome, Refused) and outcome.reason.startswith("an unusable group: ")
+        assert [r.levelno for r in caplog.records if "unusable group" in r.getMessage()] == [logging.WARNING]
+
+        async def accept(request: pb.JoinRequest, ctx: CallContext) -> pb.JoinResponse:
+            group = Group(b"g" * 16, (member(follower), member(leader)), 0)
+            assert request.prefix == "run" and request.declaration == member(follower).to_wire()
+            return pb.JoinResponse(status=pb.JoinResponse.ACCEPTED, group=group.to_wire())
+
+        leader.rpc.remove(f"{JOIN_METHOD}.run")
+        leader.rpc.add_unary(f"{JOIN_METHOD}.run", pb.JoinRequest, accept)
+        joined = await Matchmaker(follower, "run", config())._join(formation, member(leader))
+        assert isinstance(joined, Joined) and joined.group.group_id == b"g" * 16
+
+
+# ---------------------------------------------------------------------- withdrawal
+
+
+async def test_a_declaration_is_taken_once_and_withdrawn_with_an_empty_value() -> None:
+    now = time.time()
+    async with fake_swarms(2) as swarms:
+        matchmakers = [Matchmaker(s, "run", config(), clock=lambda: now) for s in swarms]
+        registrations = [m.install() for m in matchmakers]
+        assert all(isinstance(g, Group) for g in await form_all(matchmakers, [member(s) for s in swarms]))
+        declared = matchmakers[0].take_declaration()
+        assert declared == ("run.matchmaking", now + 10.0)
+        assert matchmakers[0].take_declaration() is None
+        await matchmakers[0].withdraw(declared)
+        value, expiration = swarms[0].dht._data["run.matchmaking"][owned("member", swarms[0].peer_id)]
+        assert (value, expiration) == (b"", now + 10.001)
+        stores = swarms[0].dht.stores
+        await matchmakers[0].withdraw(None)
+        assert swarms[0].dht.stores == stores
+        for r in registrations:
+            r.remove()
+
+
+async def test_a_withdrawal_that_fails_is_logged_not_raised(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, "averaging.matchmaking")
+    async with fake_swarms(1) as (swarm,):
+        async def failing(*args: object, **kw: object) -> bool:
+            raise DedlocError("no replica answered")
+
+        swarm.dht.store = failing  # type: ignore[method-assign]
+        await Matchmaker(swarm, "run", config()).withdraw(("run.matchmaking", NOW))
+    assert [r.getMessage() for r in caplog.records if r.name == "averaging.matchmaking"] == [
+        "could not withdraw the declaration under run.matchmaking: no replica answered"]
+
+
+# ---------------------------------------------------------------------- what the shell says and waits for
+
+
+async def test_each_join_s_answer_and_failure_is_logged_at_debug(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, "averaging.matchmaking")
+    async with fake_swarms(2) as (follower, leader):
+        async def full(request: pb.JoinRequest, ctx: CallContext) -> pb.JoinResponse:
+            return pb.JoinResponse(status=pb.JoinResponse.REJECTED, reason="full")
+
+        leader.rpc.add_unary(f"{JOIN_METHOD}.run", pb.JoinRequest, full)
+        matchmaker = Matchmaker(follower, "run", config())
+        formation = Formation(member(follower), FormationRules(3, 2, 1.0, 0.1), trio.current_time() + 5)
+        assert await matchmaker._join(formation, member(leader)) == Refused("full")
+        gone = member(numbered_peer_id(77))
+        outcome = await matchmaker._join(formation, gone)
+    messages = [r.getMessage() for r in caplog.records if r.name == "averaging.matchmaking"]
+    assert messages[0] == f"join {leader.peer_id}: REJECTED full"
+    assert isinstance(outcome, Unreachable)
+    assert messages[1] == f"join {gone.peer_id} failed: {outcome.reason}"
+
+
+async def test_a_join_that_broke_midway_is_a_refusal_with_its_words() -> None:
+    """Not 'unreachable': the leader was reached, and is asked again after the pause."""
+    async with fake_swarms(2) as (follower, leader):
+        async def broken(request: pb.JoinRequest, ctx: CallContext) -> pb.JoinResponse:
+            raise RuntimeError("the leader's own fault")
+
+        leader.rpc.add_unary(f"{JOIN_METHOD}.run", pb.JoinRequest, broken)
+        formation = Formation(member(follower), FormationRules(3, 2, 1.0, 0.1), trio.current_time() + 5)
+        outcome = await Matchmaker(follower, "run", config())._join(formation, member(leader))
+    assert outcome == Refused(f"avg.join.run failed: RuntimeError: the leader's own fault (code 5 from {leader.peer_id})")
+
+
+@pytest.mark.parametrize("left, waited", [(3.0, 3.0), (0.1, 0.5)])
+async def test_a_join_waits_for_the_leader_until_the_deadline_and_half_a_second_at_least(
+        autojump_clock: trio.abc.Clock, left: float, waited: float) -> None:
+    async with fake_swarms(2) as (follower, leader):
+        async def holds(request: pb.JoinRequest, ctx: CallContext) -> pb.JoinResponse:
+            await trio.sleep_forever()
+            raise AssertionError("unreachable")
+
+        leader.rpc.add_unary(f"{JOIN_METHOD}.run", pb.JoinRequest, holds)
+        await trio.sleep(100)  # not at time 0: the deadline is a time, the call's timeout what is left of it
+        start = trio.current_time()
+        formation = Formation(member(follower), FormationRules(3, 2, 1.0, 0.1), start + left)
+        outcome = await Matchmaker(follower, "run", config())._join(formation, member(leader))
+        assert isinstance(outcome, Refused)
+        assert trio.current_time() - start == pytest.approx(waited, abs=0.01)
+
+
+async def test_an_unusable_group_is_logged_as_a_warning_with_its_leader(caplog: pytest.LogCaptureFixture) -> None:
+    async with fake_swarms(2) as (follower, leader):
+        async def answer(request: pb.JoinRequest, ctx: CallContext) -> pb.JoinResponse:
+            return pb.JoinResponse(status=pb.JoinResponse.ACCEPTED,
+                                   group=Group(b"g" * 16, (member(leader),), 0).to_wire())
+
+        leader.rpc.add_unary(f"{JOIN_METHOD}.run", pb.JoinRequest, answer)
+        formation = Formation(member(follower), FormationRules(3, 2, 1.0, 0.1), trio.current_time() + 5)
+        outcome = await Matchmaker(follower, "run", config())._join(formation, member(leader))
+    assert isinstance(outcome, Refused)
+    (record,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    reason = outcome.reason.removeprefix("an unusable group: ")
+    assert record.getMessage() == f"leader {leader.peer_id} sent an unusable group: {reason}"
+
+
+async def test_a_withdrawal_has_its_own_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    async with fake_swarms(1) as (swarm,):
+        timeouts: list[object] = []
+
+        async def store(key: str, value: bytes, expiration: float, subkey: object = None, *,
+                        timeout: float | None = None) -> bool:
+            timeouts.append(timeout)
+            return True
+
+        monkeypatch.setattr(swarm.dht, "store", store)
+        matchmaker = Matchmaker(swarm, "run", config())
+        await matchmaker.withdraw(("run.matchmaking", NOW))
+        await matchmaker.withdraw(("run.matchmaking", NOW), timeout=1.5)
+    assert timeouts == [5.0, 1.5]
+
+
+@pytest.mark.parametrize("answered_after, returns_after", [(0.1, 0.1), (None, 0.2)])
+async def test_a_leader_that_fixed_its_group_waits_for_its_followers_answers(
+        autojump_clock: trio.abc.Clock, answered_after: float | None, returns_after: float,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Up to ANSWER_WAIT (0.2 s), then a few ms for the RPC layer to write them (ANSWER_FLUSH), before
+    the CPU-bound start of the round."""
+    caplog.set_level(logging.DEBUG, "averaging.matchmaking")
+    async with fake_swarms(2) as (leader, follower):
+        matchmaker = Matchmaker(leader, "run", config())
+        formation = Formation(member(leader), FormationRules(3, 2, 1.0, 0.1), trio.current_time() + 5)
+        lead = matchmaker._lead = _Lead()
+        lead.waiting = 1
+        members = tuple(sorted((member(leader), member(follower)), key=lambda m: m.peer_id.to_bytes()))
+
+        async def answer() -> None:
+            assert answered_after is not None
+            await trio.sleep(answered_after)
+            lead.waiting = 0
+            lead.answered.set()
+
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            if answered_after is not None:
+                nursery.start_soon(answer)
+            done = await matchmaker._fix_group(formation, members)
+        assert trio.current_time() - start == pytest.approx(returns_after + ANSWER_FLUSH, abs=1e-6)
+        assert lead.closed.is_set() and lead.group == done.group and matchmaker._lead is None
+        assert done.group.me.peer_id == leader.peer_id and len(done.group.group_id) == 16
+    assert [r.getMessage() for r in caplog.records if r.name == "averaging.matchmaking"] == [
+        f"fixed group {done.group.group_id.hex()[:8]} of 2"]
+
+
+# ---------------------------------------------------------------------- a join that comes while we look
+
+
+class Looking:
+    """A leader-to-be whose formation the test holds in its hands: ``avg.join`` served, the formation
+    installed as form_group would (``LOOKING``), and each change announced as form_group does."""
+
+    def __init__(self, leader: FakeSwarm, poll_interval: float) -> None:
+        self.matchmaker = Matchmaker(leader, "run", config(poll_interval=poll_interval))
+        self.registration = self.matchmaker.install()
+        self.formation = Formation(member(leader), FormationRules(3, 2, 1.0, poll_interval), trio.current_time() + 60)
+        self.matchmaker._formation = self.formation
+
+    def change(self) -> None:
+        self.matchmaker._move()
+
+
+async def asked_while_looking(autojump_clock: trio.abc.Clock, then: str) -> tuple[pb.JoinResponse, float, ID]:
+    """A follower asks to join a peer that is still looking; 1 s later (of a 5 s poll interval) the peer
+    ``then`` follows another leader, or ends its formation; or nothing changes."""
+    await trio.sleep(100)  # not at time 0: a deadline is a time, not a duration
+    async with fake_swarms(2) as (leader, follower):
+        looking = Looking(leader, poll_interval=5.0)
+        other = numbered_peer_id(42)
+        answers: list[tuple[pb.JoinResponse, float]] = []
+        start = trio.current_time()
+
+        async def ask() -> None:
+            answers.append((await call_join(follower, leader, member(follower).to_wire()), trio.current_time() - start))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask)
+            await trio.sleep(1.0)
+            assert not answers  # held: a peer that looks picks a leader within moments
+            if then == "follows":
+                looking.formation.phase = Phase.FOLLOWING
+                looking.formation.following = member(other)
+                looking.change()
+            elif then == "ends":
+                looking.matchmaker._formation = None
+                looking.change()
+        looking.registration.remove()
+    ((answer, after),) = answers
+    return answer, after, other
+
+
+async def test_a_join_held_while_we_look_is_redirected_as_soon_as_we_follow(autojump_clock: trio.abc.Clock) -> None:
+    answer, after, other = await asked_while_looking(autojump_clock, "follows")
+    assert (answer.status, answer.leader) == (pb.JoinResponse.REDIRECT, other.to_bytes())
+    assert after == pytest.approx(1.0)
+
+
+async def test_a_join_held_while_we_look_is_turned_away_when_the_formation_ends(
+        autojump_clock: trio.abc.Clock) -> None:
+    answer, after, _ = await asked_while_looking(autojump_clock, "ends")
+    assert (answer.status, answer.reason) == (pb.JoinResponse.REJECTED, "not matching now")
+    assert after == pytest.approx(1.0)
+
+
+async def test_a_join_held_a_whole_poll_interval_while_we_still_look_is_told_we_do_not_lead(
+        autojump_clock: trio.abc.Clock) -> None:
+    answer, after, _ = await asked_while_looking(autojump_clock, "stays")
+    assert (answer.status, answer.reason) == (pb.JoinResponse.REJECTED, "not leading")
+    assert after == pytest.approx(5.0)
+
+
+# ---------------------------------------------------------------------- joins admitted while we lead
+
+
+class Leading(Looking):
+    """A leader whose formation leads (as form_group sets it up on that step): joins are admitted and
+    held until the test closes the lead."""
+
+    def __init__(self, leader: FakeSwarm) -> None:
+        super().__init__(leader, poll_interval=5.0)
+        self.formation.phase = Phase.LEADING
+        self.lead = self.matchmaker._lead = _Lead()
+
+
+async def test_admitted_joins_wait_for_the_group_and_are_answered_by_it() -> None:
+    async with fake_swarms(3) as (leader, first, second):
+        leading = Leading(leader)
+        lead = leading.lead
+        answers: dict[ID, pb.JoinResponse] = {}
+
+        async def ask(follower: FakeSwarm) -> None:
+            answers[follower.peer_id] = await call_join(follower, leader, member(follower).to_wire())
+
+        async with trio.open_nursery() as nursery:
+            woken = lead.changed
+            nursery.start_soon(ask, first)
+            with trio.fail_after(5):
+                await woken.wait()  # each admission wakes the lead (to see whether the group is complete)
+                while lead.waiting < 1:
+                    await trio.sleep(0.01)
+            nursery.start_soon(ask, second)
+            with trio.fail_after(5):
+                while lead.waiting < 2:
+                    await trio.sleep(0.01)
+            assert set(leading.formation.followers) == {first.peer_id, second.peer_id}
+            assert not answers and not lead.answered.is_set()
+            group = Group(b"G" * 16, tuple(sorted((member(leader), member(first)), key=lambda m: m.peer_id.to_bytes())),
+                          0 if leader.peer_id.to_bytes() < first.peer_id.to_bytes() else 1)
+            leading.matchmaker._close_lead(group, None)
+        assert answers[first.peer_id].status == pb.JoinResponse.ACCEPTED
+        assert Group.from_wire(answers[first.peer_id].group, first.peer_id).group_id == b"G" * 16
+        assert (answers[second.peer_id].status, answers[second.peer_id].reason) == (
+            pb.JoinResponse.REJECTED, "the group formed without you")
+        assert lead.waiting == 0 and lead.answered.is_set()
+        assert set(leading.formation.followers) == {first.peer_id, second.peer_id}  # the lead closed: kept
+        leading.registration.remove()
+
+
+async def test_admitted_joins_are_handed_over_to_a_better_leader() -> None:
+    async with fake_swarms(2) as (leader, follower):
+        leading = Leading(leader)
+        other = numbered_peer_id(42)
+        answers: list[pb.JoinResponse] = []
+
+        async def ask() -> None:
+            answers.append(await call_join(follower, leader, member(follower).to_wire()))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask)
+            with trio.fail_after(5):
+                while leading.lead.waiting < 1:
+                    await trio.sleep(0.01)
+            leading.matchmaker._close_lead(None, other)
+        ((answer,)) = answers
+        assert (answer.status, answer.leader) == (pb.JoinResponse.REDIRECT, other.to_bytes())
+        leading.registration.remove()
+
+
+async def test_a_follower_whose_call_ends_before_the_group_is_fixed_is_no_follower() -> None:
+    """Its join call broke (cancelled, or its connection dropped): a group fixed with it would wait
+    for it and end partial."""
+    async with fake_swarms(3) as (leader, gone, staying):
+        leading = Leading(leader)
+        lead = leading.lead
+
+        broke: list[DedlocError] = []
+
+        async def ask(follower: FakeSwarm) -> None:
+            try:
+                await call_join(follower, leader, member(follower).to_wire())
+            except DedlocError as e:
+                broke.append(e)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask, staying)
+            nursery.start_soon(ask, gone)
+            with trio.fail_after(5):
+                while lead.waiting < 2:
+                    await trio.sleep(0.01)
+            gone.kill()  # its streams reset, its call with them
+            with trio.fail_after(5):
+                while lead.waiting > 1:
+                    await trio.sleep(0.01)
+            assert set(leading.formation.followers) == {staying.peer_id}
+            assert not lead.answered.is_set()  # one still waits
+            leading.matchmaker._close_lead(None, numbered_peer_id(42))
+        assert lead.waiting == 0 and lead.answered.is_set()
+        assert len(broke) == 1
+        leading.registration.remove()
