@@ -47,13 +47,14 @@ def config(**kw: float) -> MatchmakingConfig:
     return MatchmakingConfig(**settings)  # type: ignore[arg-type]
 
 
-async def form_all(matchmakers: Sequence[Matchmaker], members: Sequence[Member], **kw: object
-                   ) -> list[Group | BaseException]:
+async def form_all(matchmakers: Sequence[Matchmaker], members: Sequence[Member], *, cells: Sequence[str] = (),
+                   expected: int | None = None) -> list[Group | BaseException]:
+    """Each matchmaker's group (or error), all looking at once; ``cells``: each one's cell."""
     out: list[Group | BaseException] = [RuntimeError("not run")] * len(matchmakers)
 
     async def one(i: int) -> None:
         try:
-            out[i] = await matchmakers[i].form_group(members[i], **kw)  # type: ignore[arg-type]
+            out[i] = await matchmakers[i].form_group(members[i], cells[i] if cells else "", expected=expected)
         except (MatchmakingError, DedlocError) as e:
             out[i] = e
 
@@ -155,32 +156,16 @@ async def test_a_cell_meets_only_its_own_and_says_where_it_looked() -> None:
     async with fake_swarms(2) as swarms:
         matchmakers = [Matchmaker(s, "run", config(timeout=0.5)) for s in swarms]
         registrations = [m.install() for m in matchmakers]
-        results = await form_all(matchmakers[:1], [member(swarms[0])], cell="3")
+        results = await form_all(matchmakers[:1], [member(swarms[0])], cells=["3"])
         assert "run.matchmaking.3" in swarms[0].dht._data
         (error,) = results
         assert isinstance(error, MatchmakingError)
         assert str(error).startswith("no group of at least 2 formed under 'run.matchmaking.3' within 0 s (1 matching")
         # the two in different cells never meet
-        cells = await _form_in_cells(matchmakers, [member(s) for s in swarms], ["a", "b"])
+        cells = await form_all(matchmakers, [member(s) for s in swarms], cells=["a", "b"])
         assert all(isinstance(r, MatchmakingError) for r in cells)
         for r in registrations:
             r.remove()
-
-
-async def _form_in_cells(matchmakers: Sequence[Matchmaker], members: Sequence[Member], cells: Sequence[str]
-                         ) -> list[Group | BaseException]:
-    out: list[Group | BaseException] = [RuntimeError("not run")] * len(matchmakers)
-
-    async def one(i: int) -> None:
-        try:
-            out[i] = await matchmakers[i].form_group(members[i], cells[i])
-        except MatchmakingError as e:
-            out[i] = e
-
-    async with trio.open_nursery() as nursery:
-        for i in range(len(matchmakers)):
-            nursery.start_soon(one, i)
-    return out
 
 
 @pytest.mark.parametrize("expected, size", [(2, 2), (1, 2), (100, 3)])
