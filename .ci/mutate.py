@@ -97,6 +97,11 @@ MODULES: dict[str, tuple[str, ...]] = {
     "p2p/rpc/endpoint.py": ("tests/test_rpc_endpoint.py", "tests/test_rpc_protocol.py"),
     "p2p/rpc/server.py": ("tests/test_rpc_server.py", "tests/test_rpc_endpoint.py", "tests/test_rpc_protocol.py"),
     "nat/relay_discovery.py": ("tests/test_relay_discovery.py",),
+    "averaging/powersgd.py": ("tests/test_powersgd.py",),
+    "p2p/identify.py": ("tests/test_identify.py",),
+    "p2p/dht/protocol.py": ("tests/test_dht_protocol.py",),
+    "training/moe/beam_search.py": ("tests/test_moe_beam_search.py",),
+    "averaging/matchmaking.py": ("tests/test_matchmaking.py", "tests/test_matchmaking_join.py"),
 }
 
 KILLED = {"killed", "timeout"}

@@ -7,6 +7,7 @@ sees each answer, tests/test_matchmaking_join.py's."""
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Sequence
 
@@ -96,9 +97,9 @@ def test_declared_members_are_the_live_ones_of_my_schema_me_first() -> None:
     a, b = member(numbered_peer_id(1)), member(numbered_peer_id(2), expiration=NOW + 0.001)
     other_schema, expired = member(numbered_peer_id(3), schema=b"t"), member(numbered_peer_id(4), expiration=NOW)
     mine_declared = member(numbered_peer_id(5), expiration=NOW + 50)  # our own declaration, as read back
-    found = ValueWithExpiration({
-        "a": declaration(a), "withdrawn": ValueWithExpiration(b"", NOW + 100), "b": declaration(b),
+    found = ValueWithExpiration({  # garbage first: what follows it is still read
         "garbage": ValueWithExpiration(b"\xff\xff", NOW + 100), "dict": ValueWithExpiration({}, NOW + 100),
+        "a": declaration(a), "withdrawn": ValueWithExpiration(b"", NOW + 100), "b": declaration(b),
         "other": declaration(other_schema), "expired": declaration(expired), "me": declaration(mine_declared),
         "a again": declaration(member(numbered_peer_id(1), expiration=NOW + 99)),
     }, NOW + 100)
@@ -113,7 +114,8 @@ def test_a_malformed_declaration_is_logged_at_debug(caplog: pytest.LogCaptureFix
                                  "withdrawn": ValueWithExpiration(b"", NOW + 100)}, NOW + 100)
     declared_members(found, member(numbered_peer_id(1)), NOW)  # a withdrawn entry is no malformed one
     (record,) = [r for r in caplog.records if r.name == "averaging.matchmaking"]
-    assert record.levelno == logging.DEBUG and record.getMessage().startswith("skipping a malformed declaration: ")
+    assert record.levelno == logging.DEBUG
+    assert re.fullmatch(r"skipping a malformed declaration: \w+Error\(.+\)", record.getMessage()), record.getMessage()
 
 
 def test_unreachable_leaders_are_forgotten_when_their_declaration_expires() -> None:
@@ -297,6 +299,7 @@ async def test_a_declaration_is_taken_once_and_withdrawn_with_an_empty_value() -
         matchmakers = [Matchmaker(s, "run", config(), clock=lambda: now) for s in swarms]
         registrations = [m.install() for m in matchmakers]
         assert all(isinstance(g, Group) for g in await form_all(matchmakers, [member(s) for s in swarms]))
+        assert Matchmaker(swarms[0], "run", config()).take_declaration() is None  # none before a first round
         declared = matchmakers[0].take_declaration()
         assert declared == ("run.matchmaking", now + 10.0)
         assert matchmakers[0].take_declaration() is None
@@ -599,3 +602,128 @@ async def test_a_follower_whose_call_ends_before_the_group_is_fixed_is_no_follow
         assert lead.waiting == 0 and lead.answered.is_set()
         assert len(broke) == 1
         leading.registration.remove()
+
+
+@pytest.mark.parametrize("timeout, store_timeout", [(0.3, 0.3), (30.0, 10.0)])
+async def test_the_declaration_carries_the_member_whole_and_is_stored_within_the_deadline(
+        monkeypatch: pytest.MonkeyPatch, timeout: float, store_timeout: float) -> None:
+    """What the leader reads to balance the load (bandwidths, compute) is what the caller declared;
+    the store takes at most 10 s of the matchmaking deadline."""
+    async with fake_swarms(1) as (swarm,):
+        stored: list[tuple[bytes, float | None]] = []
+        real_store = swarm.dht.store
+
+        async def store(key: str, value: bytes, expiration: float, subkey: object = None, *,
+                        timeout: float | None = None) -> bool:
+            stored.append((value, timeout))
+            return await real_store(key, value, expiration, subkey, timeout=timeout)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(swarm.dht, "store", store)
+        me = Member(swarm.peer_id, (ADDR,), Role.SENDER, b"s", upload=12.5, download=50.0, compute=3.0,
+                    accepts_joins=False)
+        with pytest.raises(MatchmakingError):
+            with trio.move_on_after(1.0):
+                await Matchmaker(swarm, "run", config(timeout=timeout)).form_group(me)
+            raise MatchmakingError("given up by the test")  # a long deadline: not waited out
+    ((value, used),) = stored
+    assert used == store_timeout
+    declared = Member.from_wire(pb.Declaration.FromString(value))
+    assert (declared.role, declared.upload, declared.download, declared.compute, declared.accepts_joins) == (
+        Role.SENDER, 12.5, 50.0, 3.0, False)
+
+
+async def test_the_declarations_are_read_whole_within_what_is_left_of_the_deadline(
+        autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every replica's copy merged (``latest``: a declaration is one subkey among many writers'), in at
+    most 5 s and at least 0.5 s; unreachable leaders whose declaration expired are forgotten."""
+    await trio.sleep(100)
+    async with fake_swarms(1) as (swarm,):
+        reads: list[tuple[bool, float | None, float]] = []
+        real_get = swarm.dht.get
+
+        async def get(key: str, latest: bool = False, *, timeout: float | None = None) -> ValueWithExpiration | None:
+            reads.append((latest, timeout, trio.current_time()))
+            return await real_get(key, latest, timeout=timeout)
+
+        monkeypatch.setattr(swarm.dht, "get", get)
+        matchmaker = Matchmaker(swarm, "run", config(timeout=8.0, poll_interval=0.5))
+        gone, back_later = numbered_peer_id(50), numbered_peer_id(51)
+        matchmaker._unreachable.update({gone: time.time() - 1, back_later: time.time() + 1000})
+        start = trio.current_time()
+        with pytest.raises(MatchmakingError):
+            await matchmaker.form_group(member(swarm))
+    assert len(reads) > 5 and all(latest for latest, _, _ in reads)
+    assert [timeout for _, timeout, _ in reads] == [max(0.5, min(5.0, start + 8.0 - t)) for _, _, t in reads]
+    assert reads[0][1] == 5.0 and reads[-1][1] == 0.5
+    assert matchmaker._unreachable == {back_later: pytest.approx(time.time() + 1000, abs=10)}
+
+
+async def test_a_leader_that_refuses_is_asked_again_after_a_pause(autojump_clock: trio.abc.Clock) -> None:
+    """A peer that cannot lead keeps asking the one leader there is, each refusal making it skip that
+    leader for two poll intervals, until the deadline."""
+    await trio.sleep(100)
+    async with fake_swarms(2) as (leader, follower):
+        asked: list[float] = []
+
+        async def full(request: pb.JoinRequest, ctx: CallContext) -> pb.JoinResponse:
+            asked.append(trio.current_time())
+            return pb.JoinResponse(status=pb.JoinResponse.REJECTED, reason="full")
+
+        leader.rpc.add_unary(f"{JOIN_METHOD}.run", pb.JoinRequest, full)
+        declared = member(leader, expiration=time.time() + 100)
+        await leader.dht.store("run.matchmaking", declared.to_wire().SerializeToString(), declared.expiration,
+                               subkey=owned("member", leader.peer_id))
+        matchmaker = Matchmaker(follower, "run", config(timeout=3.0, poll_interval=0.2))
+        with pytest.raises(MatchmakingError, match=r"within 3 s \(2 matching peers declared\)$"):
+            await matchmaker.form_group(member(follower, leads=False))
+    assert len(asked) >= 5
+    assert all(later - earlier >= 0.4 - 1e-9 for earlier, later in zip(asked, asked[1:])), asked
+
+
+async def test_a_leader_that_could_not_be_reached_is_remembered_across_rounds() -> None:
+    async with fake_swarms(1) as (swarm,):
+        dead = member(numbered_peer_id(0), expiration=time.time() + 100)  # it sorts first: the leader to ask
+        await swarm.dht.store("run.matchmaking", dead.to_wire().SerializeToString(), dead.expiration,
+                              subkey=owned("member", dead.peer_id))
+        matchmaker = Matchmaker(swarm, "run", config(timeout=0.5))
+        with pytest.raises(MatchmakingError):
+            await matchmaker.form_group(member(swarm))
+        assert matchmaker._unreachable == {dead.peer_id: dead.expiration}
+
+
+async def test_a_group_takes_a_peer_it_would_otherwise_leave_alone() -> None:
+    """Three peers, groups of two wanted: one group of three, not two and one left out; a caller that
+    says how many come (two) gets a group of two at once."""
+    async with fake_swarms(3) as swarms:
+        matchmakers = [Matchmaker(s, "run", config(target_size=2, min_size=2, timeout=3.0)) for s in swarms]
+        registrations = [m.install() for m in matchmakers]
+        groups = await form_all(matchmakers, [member(s) for s in swarms])
+        assert all(isinstance(g, Group) and g.size == 3 for g in groups), groups
+        for r in registrations:
+            r.remove()
+
+
+async def test_a_leader_that_sees_a_better_one_hands_its_followers_over(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, "averaging.matchmaking")
+    async with fake_swarms(3) as (best, second, third):
+        matchmakers = {s.peer_id: Matchmaker(s, "run", config(target_size=3, min_size=3, timeout=5.0))
+                       for s in (best, second, third)}
+        registrations = [m.install() for m in matchmakers.values()]
+        groups: dict[ID, Group] = {}
+
+        async def form(s: FakeSwarm) -> None:
+            groups[s.peer_id] = await matchmakers[s.peer_id].form_group(member(s))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(form, second)
+            nursery.start_soon(form, third)
+            with trio.fail_after(5):
+                while (lead := matchmakers[second.peer_id]._lead) is None or lead.waiting < 1:
+                    await trio.sleep(0.01)  # second leads, third waits in its join
+            nursery.start_soon(form, best)
+        for r in registrations:
+            r.remove()
+    assert len({g.group_id for g in groups.values()}) == 1 and len(groups) == 3
+    messages = [r.getMessage() for r in caplog.records if r.name == "averaging.matchmaking"]
+    assert f"handing 1 followers over to {best.peer_id}" in messages
+    assert f"join {second.peer_id}: REDIRECT " in messages
