@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 
 import pytest
 import trio
@@ -17,7 +18,7 @@ from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
 from averaging.errors import AllreduceProtocolError, MatchmakingError
-from averaging.formation import Formation, FormationRules, Joined, Phase, Refused, Unreachable
+from averaging.formation import Formation, FormationRules, Joined, JoinOutcome, Phase, Refused, Unreachable
 from averaging.group import Group, Member, Role
 from averaging.matchmaking import (ANSWER_FLUSH, JOIN_METHOD, Matchmaker, MatchmakingConfig, _Lead, declared_members,
                                    forget_expired)
@@ -27,7 +28,7 @@ from p2p.errors import ConfigError, DedlocError
 from p2p.rpc import CallContext, UnknownMethodError
 
 from .fake_swarm import FakeSwarm, fake_swarms
-from .kit import numbered_peer_id
+from .kit import numbered_peer_id, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,6 +47,15 @@ def config(**kw: float) -> MatchmakingConfig:
                                   "poll_interval": 0.05}
     settings.update(kw)
     return MatchmakingConfig(**settings)  # type: ignore[arg-type]
+
+
+@contextmanager
+def serving(*matchmakers: Matchmaker) -> Iterator[None]:
+    """Each matchmaker serves ``avg.join`` for the block."""
+    with ExitStack() as stack:
+        for matchmaker in matchmakers:
+            stack.enter_context(matchmaker.install())
+        yield
 
 
 async def form_all(matchmakers: Sequence[Matchmaker], members: Sequence[Member], *, cells: Sequence[str] = (),
@@ -134,10 +144,8 @@ async def test_three_peers_form_one_group_and_declare_where_and_until_when() -> 
     now = time.time()  # the shared records expire entries by the wall clock; the matchmakers' stands still
     async with fake_swarms(3) as swarms:
         matchmakers = [Matchmaker(s, "run", config(), clock=lambda: now) for s in swarms]
-        registrations = [m.install() for m in matchmakers]
-        groups = await form_all(matchmakers, [member(s) for s in swarms])
-        for r in registrations:
-            r.remove()
+        with serving(*matchmakers):
+            groups = await form_all(matchmakers, [member(s) for s in swarms])
     assert all(isinstance(g, Group) for g in groups), groups
     first = groups[0]
     assert isinstance(first, Group) and len(first.group_id) == 16
@@ -157,17 +165,15 @@ async def test_three_peers_form_one_group_and_declare_where_and_until_when() -> 
 async def test_a_cell_meets_only_its_own_and_says_where_it_looked() -> None:
     async with fake_swarms(2) as swarms:
         matchmakers = [Matchmaker(s, "run", config(timeout=0.5)) for s in swarms]
-        registrations = [m.install() for m in matchmakers]
-        results = await form_all(matchmakers[:1], [member(swarms[0])], cells=["3"])
-        assert "run.matchmaking.3" in swarms[0].dht._data
-        (error,) = results
-        assert isinstance(error, MatchmakingError)
-        assert str(error).startswith("no group of at least 2 formed under 'run.matchmaking.3' within 0 s (1 matching")
-        # the two in different cells never meet
-        cells = await form_all(matchmakers, [member(s) for s in swarms], cells=["a", "b"])
-        assert all(isinstance(r, MatchmakingError) for r in cells)
-        for r in registrations:
-            r.remove()
+        with serving(*matchmakers):
+            results = await form_all(matchmakers[:1], [member(swarms[0])], cells=["3"])
+            assert "run.matchmaking.3" in swarms[0].dht._data
+            (error,) = results
+            assert isinstance(error, MatchmakingError)
+            assert str(error).startswith("no group of at least 2 formed under 'run.matchmaking.3' within 0 s (1 matching")
+            # the two in different cells never meet
+            cells = await form_all(matchmakers, [member(s) for s in swarms], cells=["a", "b"])
+            assert all(isinstance(r, MatchmakingError) for r in cells)
 
 
 @pytest.mark.parametrize("expected, size", [(2, 2), (1, 2), (100, 3)])
@@ -176,13 +182,11 @@ async def test_expected_peers_fix_the_group_at_once_within_min_and_target(expect
     more: the group is fixed when ``expected`` (clamped to min_size..target_size) joined."""
     async with fake_swarms(3) as swarms:
         matchmakers = [Matchmaker(s, "run", config(gather_time=30.0, timeout=60.0)) for s in swarms]
-        registrations = [m.install() for m in matchmakers]
-        start = trio.current_time()
-        with trio.fail_after(20):
-            groups = await form_all(matchmakers[:size], [member(s) for s in swarms[:size]], expected=expected)
-        assert trio.current_time() - start < 10.0  # not the 30 s gather time
-        for r in registrations:
-            r.remove()
+        with serving(*matchmakers):
+            start = trio.current_time()
+            with trio.fail_after(20):
+                groups = await form_all(matchmakers[:size], [member(s) for s in swarms[:size]], expected=expected)
+            assert trio.current_time() - start < 10.0  # not the 30 s gather time
     assert all(isinstance(g, Group) and g.size == size for g in groups), groups
 
 
@@ -190,13 +194,12 @@ async def test_a_lone_peer_fails_at_the_deadline_and_leaves_no_lead_behind(caplo
     caplog.set_level(logging.DEBUG, "averaging.matchmaking")
     async with fake_swarms(1) as (swarm,):
         matchmaker = Matchmaker(swarm, "run", config(timeout=0.4))
-        registration = matchmaker.install()
-        start = trio.current_time()
-        with pytest.raises(MatchmakingError, match=r"^no group of at least 2 formed under 'run.matchmaking' "):
-            await matchmaker.form_group(member(swarm))
-        assert 0.4 <= trio.current_time() - start < 3.0
-        assert matchmaker._formation is None and matchmaker._lead is None
-        registration.remove()
+        with serving(matchmaker):
+            start = trio.current_time()
+            with pytest.raises(MatchmakingError, match=r"^no group of at least 2 formed under 'run.matchmaking' "):
+                await matchmaker.form_group(member(swarm))
+            assert 0.4 <= trio.current_time() - start < 3.0
+            assert matchmaker._formation is None and matchmaker._lead is None
     # each step of the table at debug, the first a read of the declarations
     steps = [r.getMessage() for r in caplog.records if r.name == "averaging.matchmaking"]
     assert steps[0] == "matchmaking looking: Read()" and len(steps) > 2
@@ -237,32 +240,36 @@ async def test_the_join_server_turns_away_garbage_impostors_and_joins_between_ro
 async def test_a_join_held_between_two_rounds_is_answered_by_the_next_formation() -> None:
     async with fake_swarms(2) as (leader, follower):
         leading = Matchmaker(leader, "run", config(target_size=2, poll_interval=2.0))
-        registration = leading.install()
         results: list[pb.JoinResponse] = []
 
         async def join() -> None:
             results.append(await call_join(follower, leader, member(follower).to_wire()))
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(join)
-            await trio.sleep(0.2)  # the join waits: no formation yet
-            assert not results
-            group = await leading.form_group(member(leader))
+        with serving(leading):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(join)
+                await trio.sleep(0.2)  # the join waits: no formation yet
+                assert not results
+                group = await leading.form_group(member(leader))
         (answer,) = results
         assert answer.status == pb.JoinResponse.ACCEPTED
         assert Group.from_wire(answer.group, follower.peer_id).group_id == group.group_id
-        registration.remove()
 
 
 # ---------------------------------------------------------------------- asking a leader
 
 
+async def ask_to_join(follower: FakeSwarm, leader: Member, *, within: float = 5.0) -> JoinOutcome:
+    """What ``follower``'s matchmaker makes of asking ``leader`` to let it join, ``within`` seconds of
+    its matchmaking deadline."""
+    formation = Formation(member(follower), FormationRules(3, 2, 1.0, 0.1), trio.current_time() + within)
+    return await Matchmaker(follower, "run", config())._join(formation, leader)
+
+
 async def test_a_leader_that_cannot_be_reached_is_unreachable_and_its_addresses_are_noted() -> None:
     async with fake_swarms(1) as (swarm,):
-        matchmaker = Matchmaker(swarm, "run", config())
         gone = member(numbered_peer_id(77))
-        formation = Formation(member(swarm), FormationRules(3, 2, 1.0, 0.1), trio.current_time() + 5)
-        outcome = await matchmaker._join(formation, gone)
+        outcome = await ask_to_join(swarm, gone)
         assert isinstance(outcome, Unreachable) and "no route" in outcome.reason
         assert swarm.known[gone.peer_id] == [ADDR]
 
@@ -274,10 +281,13 @@ async def test_an_accepted_join_with_an_unusable_group_is_a_refusal(caplog: pyte
             return pb.JoinResponse(status=pb.JoinResponse.ACCEPTED, group=group.to_wire())
 
         leader.rpc.add_unary(f"{JOIN_METHOD}.run", pb.JoinRequest, answer)
-        formation = Formation(member(follower), FormationRules(3, 2, 1.0, 0.1), trio.current_time() + 5)
-        outcome = await Matchmaker(follower, "run", config())._join(formation, member(leader))
+        outcome = await ask_to_join(follower, member(leader))
         assert isinstance(outcome, Refused) and outcome.reason.startswith("an unusable group: ")
-        assert [r.levelno for r in caplog.records if "unusable group" in r.getMessage()] == [logging.WARNING]
+        # logged as a warning, with its leader and why the group is unusable
+        (record,) = [r for r in caplog.records if "unusable group" in r.getMessage()]
+        reason = outcome.reason.removeprefix("an unusable group: ")
+        assert record.levelno == logging.WARNING
+        assert record.getMessage() == f"leader {leader.peer_id} sent an unusable group: {reason}"
 
         async def accept(request: pb.JoinRequest, ctx: CallContext) -> pb.JoinResponse:
             group = Group(b"g" * 16, (member(follower), member(leader)), 0)
@@ -286,7 +296,7 @@ async def test_an_accepted_join_with_an_unusable_group_is_a_refusal(caplog: pyte
 
         leader.rpc.remove(f"{JOIN_METHOD}.run")
         leader.rpc.add_unary(f"{JOIN_METHOD}.run", pb.JoinRequest, accept)
-        joined = await Matchmaker(follower, "run", config())._join(formation, member(leader))
+        joined = await ask_to_join(follower, member(leader))
         assert isinstance(joined, Joined) and joined.group.group_id == b"g" * 16
 
 
@@ -297,20 +307,18 @@ async def test_a_declaration_is_taken_once_and_withdrawn_with_an_empty_value() -
     now = time.time()
     async with fake_swarms(2) as swarms:
         matchmakers = [Matchmaker(s, "run", config(), clock=lambda: now) for s in swarms]
-        registrations = [m.install() for m in matchmakers]
-        assert all(isinstance(g, Group) for g in await form_all(matchmakers, [member(s) for s in swarms]))
-        assert Matchmaker(swarms[0], "run", config()).take_declaration() is None  # none before a first round
-        declared = matchmakers[0].take_declaration()
-        assert declared == ("run.matchmaking", now + 10.0)
-        assert matchmakers[0].take_declaration() is None
-        await matchmakers[0].withdraw(declared)
-        value, expiration = swarms[0].dht._data["run.matchmaking"][owned("member", swarms[0].peer_id)]
-        assert (value, expiration) == (b"", now + 10.001)
-        stores = swarms[0].dht.stores
-        await matchmakers[0].withdraw(None)
-        assert swarms[0].dht.stores == stores
-        for r in registrations:
-            r.remove()
+        with serving(*matchmakers):
+            assert all(isinstance(g, Group) for g in await form_all(matchmakers, [member(s) for s in swarms]))
+            assert Matchmaker(swarms[0], "run", config()).take_declaration() is None  # none before a first round
+            declared = matchmakers[0].take_declaration()
+            assert declared == ("run.matchmaking", now + 10.0)
+            assert matchmakers[0].take_declaration() is None
+            await matchmakers[0].withdraw(declared)
+            value, expiration = swarms[0].dht._data["run.matchmaking"][owned("member", swarms[0].peer_id)]
+            assert (value, expiration) == (b"", now + 10.001)
+            stores = swarms[0].dht.stores
+            await matchmakers[0].withdraw(None)
+            assert swarms[0].dht.stores == stores
 
 
 async def test_a_withdrawal_that_fails_is_logged_not_raised(caplog: pytest.LogCaptureFixture) -> None:
@@ -335,11 +343,9 @@ async def test_each_join_s_answer_and_failure_is_logged_at_debug(caplog: pytest.
             return pb.JoinResponse(status=pb.JoinResponse.REJECTED, reason="full")
 
         leader.rpc.add_unary(f"{JOIN_METHOD}.run", pb.JoinRequest, full)
-        matchmaker = Matchmaker(follower, "run", config())
-        formation = Formation(member(follower), FormationRules(3, 2, 1.0, 0.1), trio.current_time() + 5)
-        assert await matchmaker._join(formation, member(leader)) == Refused("full")
+        assert await ask_to_join(follower, member(leader)) == Refused("full")
         gone = member(numbered_peer_id(77))
-        outcome = await matchmaker._join(formation, gone)
+        outcome = await ask_to_join(follower, gone)
     messages = [r.getMessage() for r in caplog.records if r.name == "averaging.matchmaking"]
     assert messages[0] == f"join {leader.peer_id}: REJECTED full"
     assert isinstance(outcome, Unreachable)
@@ -353,8 +359,7 @@ async def test_a_join_that_broke_midway_is_a_refusal_with_its_words() -> None:
             raise RuntimeError("the leader's own fault")
 
         leader.rpc.add_unary(f"{JOIN_METHOD}.run", pb.JoinRequest, broken)
-        formation = Formation(member(follower), FormationRules(3, 2, 1.0, 0.1), trio.current_time() + 5)
-        outcome = await Matchmaker(follower, "run", config())._join(formation, member(leader))
+        outcome = await ask_to_join(follower, member(leader))
     assert outcome == Refused(f"avg.join.run failed: RuntimeError: the leader's own fault (code 5 from {leader.peer_id})")
 
 
@@ -369,25 +374,9 @@ async def test_a_join_waits_for_the_leader_until_the_deadline_and_half_a_second_
         leader.rpc.add_unary(f"{JOIN_METHOD}.run", pb.JoinRequest, holds)
         await trio.sleep(100)  # not at time 0: the deadline is a time, the call's timeout what is left of it
         start = trio.current_time()
-        formation = Formation(member(follower), FormationRules(3, 2, 1.0, 0.1), start + left)
-        outcome = await Matchmaker(follower, "run", config())._join(formation, member(leader))
+        outcome = await ask_to_join(follower, member(leader), within=left)
         assert isinstance(outcome, Refused)
         assert trio.current_time() - start == pytest.approx(waited, abs=0.01)
-
-
-async def test_an_unusable_group_is_logged_as_a_warning_with_its_leader(caplog: pytest.LogCaptureFixture) -> None:
-    async with fake_swarms(2) as (follower, leader):
-        async def answer(request: pb.JoinRequest, ctx: CallContext) -> pb.JoinResponse:
-            return pb.JoinResponse(status=pb.JoinResponse.ACCEPTED,
-                                   group=Group(b"g" * 16, (member(leader),), 0).to_wire())
-
-        leader.rpc.add_unary(f"{JOIN_METHOD}.run", pb.JoinRequest, answer)
-        formation = Formation(member(follower), FormationRules(3, 2, 1.0, 0.1), trio.current_time() + 5)
-        outcome = await Matchmaker(follower, "run", config())._join(formation, member(leader))
-    assert isinstance(outcome, Refused)
-    (record,) = [r for r in caplog.records if r.levelno == logging.WARNING]
-    reason = outcome.reason.removeprefix("an unusable group: ")
-    assert record.getMessage() == f"leader {leader.peer_id} sent an unusable group: {reason}"
 
 
 async def test_a_withdrawal_has_its_own_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -531,12 +520,9 @@ async def test_admitted_joins_wait_for_the_group_and_are_answered_by_it() -> Non
             nursery.start_soon(ask, first)
             with trio.fail_after(5):
                 await woken.wait()  # each admission wakes the lead (to see whether the group is complete)
-                while lead.waiting < 1:
-                    await trio.sleep(0.01)
+            await wait_until(lambda: lead.waiting >= 1, 5, what="the first join admitted")
             nursery.start_soon(ask, second)
-            with trio.fail_after(5):
-                while lead.waiting < 2:
-                    await trio.sleep(0.01)
+            await wait_until(lambda: lead.waiting >= 2, 5, what="the second join admitted")
             assert set(leading.formation.followers) == {first.peer_id, second.peer_id}
             assert not answers and not lead.answered.is_set()
             group = Group(b"G" * 16, tuple(sorted((member(leader), member(first)), key=lambda m: m.peer_id.to_bytes())),
@@ -562,9 +548,7 @@ async def test_admitted_joins_are_handed_over_to_a_better_leader() -> None:
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(ask)
-            with trio.fail_after(5):
-                while leading.lead.waiting < 1:
-                    await trio.sleep(0.01)
+            await wait_until(lambda: leading.lead.waiting >= 1, 5, what="the join admitted")
             leading.matchmaker._close_lead(None, other)
         ((answer,)) = answers
         assert (answer.status, answer.leader) == (pb.JoinResponse.REDIRECT, other.to_bytes())
@@ -589,13 +573,9 @@ async def test_a_follower_whose_call_ends_before_the_group_is_fixed_is_no_follow
         async with trio.open_nursery() as nursery:
             nursery.start_soon(ask, staying)
             nursery.start_soon(ask, gone)
-            with trio.fail_after(5):
-                while lead.waiting < 2:
-                    await trio.sleep(0.01)
+            await wait_until(lambda: lead.waiting >= 2, 5, what="both joins admitted")
             gone.kill()  # its streams reset, its call with them
-            with trio.fail_after(5):
-                while lead.waiting > 1:
-                    await trio.sleep(0.01)
+            await wait_until(lambda: lead.waiting <= 1, 5, what="the broken join's end")
             assert set(leading.formation.followers) == {staying.peer_id}
             assert not lead.answered.is_set()  # one still waits
             leading.matchmaker._close_lead(None, numbered_peer_id(42))
@@ -696,11 +676,9 @@ async def test_a_group_takes_a_peer_it_would_otherwise_leave_alone() -> None:
     says how many come (two) gets a group of two at once."""
     async with fake_swarms(3) as swarms:
         matchmakers = [Matchmaker(s, "run", config(target_size=2, min_size=2, timeout=3.0)) for s in swarms]
-        registrations = [m.install() for m in matchmakers]
-        groups = await form_all(matchmakers, [member(s) for s in swarms])
-        assert all(isinstance(g, Group) and g.size == 3 for g in groups), groups
-        for r in registrations:
-            r.remove()
+        with serving(*matchmakers):
+            groups = await form_all(matchmakers, [member(s) for s in swarms])
+            assert all(isinstance(g, Group) and g.size == 3 for g in groups), groups
 
 
 async def test_a_leader_that_sees_a_better_one_hands_its_followers_over(caplog: pytest.LogCaptureFixture) -> None:
@@ -708,21 +686,19 @@ async def test_a_leader_that_sees_a_better_one_hands_its_followers_over(caplog: 
     async with fake_swarms(3) as (best, second, third):
         matchmakers = {s.peer_id: Matchmaker(s, "run", config(target_size=3, min_size=3, timeout=5.0))
                        for s in (best, second, third)}
-        registrations = [m.install() for m in matchmakers.values()]
-        groups: dict[ID, Group] = {}
+        with serving(*matchmakers.values()):
+            groups: dict[ID, Group] = {}
 
-        async def form(s: FakeSwarm) -> None:
-            groups[s.peer_id] = await matchmakers[s.peer_id].form_group(member(s))
+            async def form(s: FakeSwarm) -> None:
+                groups[s.peer_id] = await matchmakers[s.peer_id].form_group(member(s))
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(form, second)
-            nursery.start_soon(form, third)
-            with trio.fail_after(5):
-                while (lead := matchmakers[second.peer_id]._lead) is None or lead.waiting < 1:
-                    await trio.sleep(0.01)  # second leads, third waits in its join
-            nursery.start_soon(form, best)
-        for r in registrations:
-            r.remove()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(form, second)
+                nursery.start_soon(form, third)
+                # second leads, third waits in its join
+                await wait_until(lambda: (lead := matchmakers[second.peer_id]._lead) is not None and lead.waiting >= 1, 5,
+                                 what="third's join held by second")
+                nursery.start_soon(form, best)
     assert len({g.group_id for g in groups.values()}) == 1 and len(groups) == 3
     messages = [r.getMessage() for r in caplog.records if r.name == "averaging.matchmaking"]
     assert f"handing 1 followers over to {best.peer_id}" in messages

@@ -5,23 +5,15 @@ from __future__ import annotations
 
 import pytest
 import trio
-from multiaddr import Multiaddr
 
-from averaging.formation import Formation, FormationRules, JoinOutcome, Redirected, Refused
-from averaging.group import Member, Role
-from averaging.matchmaking import JOIN_METHOD, Matchmaker, MatchmakingConfig
+from averaging.formation import JoinOutcome, Redirected, Refused
+from averaging.matchmaking import JOIN_METHOD
 from averaging.proto import averaging_pb2 as pb
 from p2p.rpc import CallContext
 
-from .fake_swarm import FakeSwarm, fake_swarms
+from .fake_swarm import fake_swarms
 from .kit import numbered_peer_id
-
-RULES = FormationRules(target=3, min_size=2, gather_time=3.0, poll_interval=0.5)
-
-
-def member(swarm: FakeSwarm) -> Member:
-    return Member(swarm.peer_id, (Multiaddr("/ip4/81.2.69.7/tcp/4001"),), Role.FULL, b"s", accepts_joins=True,
-                  expiration=100.0)
+from .test_matchmaking import ask_to_join, member
 
 
 async def join_answered(response: pb.JoinResponse) -> JoinOutcome:
@@ -31,10 +23,8 @@ async def join_answered(response: pb.JoinResponse) -> JoinOutcome:
             return response
 
         leader.rpc.add_unary(f"{JOIN_METHOD}.run", pb.JoinRequest, answer)
-        matchmaker = Matchmaker(follower, "run", MatchmakingConfig())
         with trio.fail_after(10):
-            return await matchmaker._join(Formation(member(follower), RULES, trio.current_time() + 5),
-                                          member(leader))
+            return await ask_to_join(follower, member(leader))
 
 
 async def test_a_redirect_names_the_new_leader() -> None:
