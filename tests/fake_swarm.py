@@ -178,7 +178,7 @@ class FakeSwarm:
         self.protected: Counter[ID] = Counter()
         self.protections_made: list[tuple[ID, str]] = []
         self._streams: list[FakeStream] = []
-        self.rpc = Rpc(self.new_stream)  # type: ignore[arg-type]
+        self.rpc = Rpc(self.new_stream)
         self.set_stream_handler(RPC_PROTOCOL, self.rpc.handle_stream)
 
     async def new_stream(self, peer_id: ID, protocol: str) -> Any:

@@ -679,6 +679,13 @@ async def test_a_group_takes_a_peer_it_would_otherwise_leave_alone() -> None:
         with serving(*matchmakers):
             groups = await form_all(matchmakers, [member(s) for s in swarms])
             assert all(isinstance(g, Group) and g.size == 3 for g in groups), groups
+            # the same three, each saying two come: one group of two fixed at once, the third left alone
+            start = trio.current_time()
+            told = await form_all(matchmakers, [member(s) for s in swarms], expected=2)
+            formed = [g for g in told if isinstance(g, Group)]
+            assert [g.size for g in formed] == [2, 2] and formed[0].group_id == formed[1].group_id, told
+            assert sum(isinstance(g, MatchmakingError) for g in told) == 1, told
+            assert trio.current_time() - start < 6.0
 
 
 async def test_a_leader_that_sees_a_better_one_hands_its_followers_over(caplog: pytest.LogCaptureFixture) -> None:
