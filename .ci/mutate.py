@@ -102,6 +102,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "p2p/dht/protocol.py": ("tests/test_dht_protocol.py",),
     "training/moe/beam_search.py": ("tests/test_moe_beam_search.py",),
     "averaging/matchmaking.py": ("tests/test_matchmaking.py", "tests/test_matchmaking_join.py"),
+    "averaging/allreduce.py": ("tests/test_allreduce.py", "tests/test_averaging_core.py"),
 }
 
 KILLED = {"killed", "timeout"}

@@ -84,10 +84,10 @@ class _ChunkBuffer:
     Taken from the averager's pool and given back (:meth:`release`): a fresh one costs page faults."""
 
     def __init__(self, spans: Sequence[Region], pool: BufferPool) -> None:
+        """``spans``: a part's chunks, at least one (a part without chunks has no stream)."""
         self._pool = pool
-        size = max((payload_size(s.codec, s.end - s.start) for s in spans), default=0)
-        self._tensor = pool.take("host", torch.uint8, size)
-        self._memory = tensor_bytes(self._tensor) if size else memoryview(bytearray())
+        self._tensor = pool.take("host", torch.uint8, max(payload_size(s.codec, s.end - s.start) for s in spans))
+        self._memory = tensor_bytes(self._tensor)
 
     def release(self) -> None:
         self._pool.give("host", self._tensor)
@@ -129,6 +129,15 @@ class _Counter:
     async def wait_for(self, value: int) -> None:
         while self.value < value:
             await self._changed.wait()
+
+
+def _why_not_averaged(outcome: PartOutcome) -> str:
+    """Why a part whose exchange ended cleanly kept some of this peer's own values."""
+    late = outcome.chunks - outcome.returned_chunks
+    empty = outcome.returned_chunks - outcome.averaged_chunks
+    why = [f"{late} chunks not returned in time"] if late else []
+    return "; ".join(why + ([f"{empty} chunks came back without an average (no sender's values reached it)"]
+                            if empty else []))
 
 
 def _innermost(error: BaseException) -> BaseException:
@@ -216,6 +225,8 @@ class PartOutcome:
     elements: int
     chunks: int
     averaged_chunks: int = 0
+    #: chunks the reducer answered, averaged or not (a chunk nobody's values reached comes back empty)
+    returned_chunks: int = 0
     #: chunks whose average left out some sender, with the members left out
     partial_chunks: int = 0
     bytes_sent: int = 0
@@ -401,9 +412,9 @@ class AllreduceRound:
             self.report.notes.append(f"round timed out after {self.config.timeout:.0f} s")
             if self.reduction is not None and not self.reduction.done:
                 self._finish_reduction_on_timeout()
-        for j, outcome in self.outcomes.items():
+        for outcome in self.outcomes.values():
             if outcome.averaged_chunks < outcome.chunks and not outcome.not_averaged:
-                outcome.not_averaged = f"{outcome.chunks - outcome.averaged_chunks} chunks not returned in time"
+                outcome.not_averaged = _why_not_averaged(outcome)
         for channel in self._channels.values():
             channel.close()
         self.report.parts = [self.outcomes[j] for j in sorted(self.outcomes)]
@@ -542,6 +553,7 @@ class AllreduceRound:
         span = self.plan.spans[part][index]
         if values is not None and self.values is not None:
             self.values.write(span, values)
+        outcome.returned_chunks += 1
         if values is not None:
             outcome.averaged_chunks += 1
         for note in notes:
@@ -553,7 +565,7 @@ class AllreduceRound:
         if missing:
             outcome.partial_chunks += 1
             for i in missing:
-                reason = next((n for n in notes if n.startswith(f"member {i}")), "left out")
+                reason = next((n for n in notes if n.startswith((f"member {i} left out", f"member {i}:"))), "left out")
                 outcome.left_out.setdefault(self.group.members[i].peer_id.to_base58(), reason)
 
     async def _exchange(self, part: int) -> None:

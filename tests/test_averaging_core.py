@@ -287,6 +287,10 @@ def test_chunks_follow_the_slowest_declared_link() -> None:
     assert chunk_elements_for([1e10] * 4, 2_500_000, c) == 256 * 1024  # and at an eighth of a part
     assert chunk_elements_for([1e10] * 4, 1000, c) == 32 * 1024  # never below the minimum
     assert chunk_elements_for([float("inf"), 1000 * mbit], 10**8, c) == 256 * 1024
+    assert chunk_elements_for([0.0, -5.0, 1e10], 10**8, c) == 1024 * 1024  # unknown (or nonsense) rates drag nothing
+    assert chunk_elements_for([1.0, 1e10], 10**8, c) == 32 * 1024  # one byte a second is known, and slow
+    assert chunk_elements_for([1e10], 8 * 64 * 1024, c) == 64 * 1024  # an eighth of the part exactly
+    assert chunk_elements_for([1e10], 8 * 64 * 1024 - 1, c) == 32 * 1024
 
 
 def test_float32_payloads_are_views_not_copies() -> None:
