@@ -103,6 +103,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "training/moe/beam_search.py": ("tests/test_moe_beam_search.py",),
     "averaging/matchmaking.py": ("tests/test_matchmaking.py", "tests/test_matchmaking_join.py"),
     "averaging/allreduce.py": ("tests/test_allreduce.py", "tests/test_averaging_core.py"),
+    "averaging/averager.py": ("tests/test_averager.py",),
 }
 
 KILLED = {"killed", "timeout"}

@@ -397,11 +397,13 @@ class Averager:
     async def _on_stream(self, stream: INetStream) -> None:
         reader = FrameReader(stream)
         sender_id = stream.muxed_conn.peer_id
+        waited_for = "part header"
         try:
             with trio.fail_after(self.config.join_wait):
                 header = await reader.message(pb.PartHeader, "part header")
                 group_id = bytes(header.group_id)
                 if group_id not in self._rounds:
+                    waited_for = f"round {group_id.hex()[:8]} here"
                     started = self._round_started.setdefault(group_id, trio.Event())
                     try:
                         await started.wait()
@@ -409,7 +411,9 @@ class Averager:
                         if not started.is_set():
                             self._round_started.pop(group_id, None)
         except (trio.TooSlowError, AllreduceProtocolError, OSError, EOFError, StreamError) as e:  # StreamError: it reset
-            log.info("refused an all-reduce stream from %s: %s", sender_id, describe(e))
+            why = (f"no {waited_for} within {self.config.join_wait:g} s" if isinstance(e, trio.TooSlowError)
+                   else describe(e))
+            log.info("refused an all-reduce stream from %s: %s", sender_id, why)
             await finish_quietly(stream.reset)
             return
         round_ = self._rounds.get(group_id)

@@ -40,6 +40,9 @@ from .kit import numbered_peer_id
 
 log = logging.getLogger(__name__)
 
+#: trio seconds a block of :func:`fake_swarms` may last (no test's scenario comes near)
+DEADLINE = 600.0
+
 
 class _Pipe:
     """Bytes one way, with end-of-stream and reset."""
@@ -248,8 +251,14 @@ class FakeSwarm:
 
 @asynccontextmanager
 async def fake_swarms(n: int) -> AsyncIterator[list[FakeSwarm]]:
-    """``n`` peers of a fresh :class:`FakeNetwork` whose handlers run in a nursery of their own."""
-    async with trio.open_nursery() as nursery:
-        network = FakeNetwork(nursery)
-        yield [network.join() for _ in range(n)]
-        nursery.cancel_scope.cancel()
+    """``n`` peers of a fresh :class:`FakeNetwork` whose handlers run in a nursery of their own.
+
+    The block (the caller's code too) fails after :data:`DEADLINE` s of trio's clock: under the
+    autojump clock a hang (a mutant's that lost a timeout) then fails at once, where it would
+    otherwise sleep until pytest's timeout in real seconds.
+    """
+    with trio.fail_after(DEADLINE):
+        async with trio.open_nursery() as nursery:
+            network = FakeNetwork(nursery)
+            yield [network.join() for _ in range(n)]
+            nursery.cancel_scope.cancel()

@@ -13,7 +13,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from types import SimpleNamespace
@@ -42,6 +42,24 @@ async def wait_until(predicate: Callable[[], T], timeout: float = 20.0, *, inter
                 return value
             await trio.sleep(interval)
     raise trio.TooSlowError(f"timed out after {timeout:g} s waiting for {what or 'the condition'}")
+
+
+async def all_at_once(calls: Sequence[Callable[[], Awaitable[T]]],
+                      caught: tuple[type[BaseException], ...] = ()) -> list[T | BaseException]:
+    """Each call's result, all run at once in one nursery, in the calls' order; an error of a ``caught``
+    kind takes its call's place (any other ends them all)."""
+    out: list[T | BaseException] = [RuntimeError("not run")] * len(calls)
+
+    async def one(i: int) -> None:
+        try:
+            out[i] = await calls[i]()
+        except caught as e:
+            out[i] = e
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(calls)):
+            nursery.start_soon(one, i)
+    return out
 
 
 def stat_of(pid: int) -> list[str] | None:

@@ -11,6 +11,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ from averaging.wire import FrameReader, frame
 from p2p.errors import ConfigError, StreamBrokenError
 
 from .fake_swarm import FakeSwarm, fake_swarms
-from .kit import wait_until
+from .kit import all_at_once, numbered_peer_id, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -89,15 +90,8 @@ def serve(swarm: FakeSwarm, round_: AllreduceRound, refused: list[str] | None = 
 
 
 async def run_all(rounds: Sequence[AllreduceRound]) -> list[RoundReport]:
-    reports: list[RoundReport | None] = [None] * len(rounds)
-
-    async def one(i: int) -> None:
-        reports[i] = await rounds[i].run()
-
-    async with trio.open_nursery() as nursery:
-        for i in range(len(rounds)):
-            nursery.start_soon(one, i)
-    return [r for r in reports if r is not None]
+    """Each round's report, all run at once."""
+    return [r for r in await all_at_once([r.run for r in rounds]) if isinstance(r, RoundReport)]
 
 
 def vector_values(round_: AllreduceRound) -> torch.Tensor:
@@ -211,14 +205,31 @@ async def test_the_counter_wakes_its_waiter_only_when_far_enough() -> None:
 def part(index: int, *, chunks: int = 2, averaged: int = 2, partial: int = 0, sent: int = 0, received: int = 0,
          left_out: dict[str, str] | None = None, not_averaged: str = "", clipped: dict[str, float] | None = None,
          ) -> PartOutcome:
-    from .kit import numbered_peer_id
     return PartOutcome(index, numbered_peer_id(index), 16, chunks, averaged_chunks=averaged, partial_chunks=partial,
                        bytes_sent=sent, bytes_received=received, left_out=left_out or {}, not_averaged=not_averaged,
                        clipped=clipped or {})
 
 
+def test_the_plan_sizes_chunks_to_the_slowest_declared_link_unless_told() -> None:
+    """Chunks of ``chunk_seconds`` on the slowest link (the lesser of a member's upload and download), at
+    most an eighth of the largest part, at least the minimum; the minimum when no group is given."""
+    cfg = AllreduceConfig(min_chunk_elements=8, max_chunk_elements=64)
+    schema, fractions = Schema.of([torch.zeros(256)]), (0.75, 0.25)  # parts of 192 and 64
+
+    def group(download: float) -> Group:
+        return Group(GROUP_ID, (Member(numbered_peer_id(1), (), Role.FULL, b"s", 1e10, 1e10),
+                                Member(numbered_peer_id(2), (), Role.FULL, b"s", 1e10, download)), 0)
+
+    fast = RoundPlan.make(schema, fractions, cfg, group(1e10))
+    assert (fast.bounds, fast.chunk_elements) == ((0, 192, 256), 16)  # 192 / 8 = 24: 16
+    assert [len(spans) for spans in fast.spans] == [12, 4]
+    assert RoundPlan.make(schema, fractions, cfg, group(1600.0)).chunk_elements == 8  # 1600 B/s x 10 ms / 4 = 4
+    assert RoundPlan.make(schema, fractions, cfg, group(6400.0)).chunk_elements == 16
+    assert RoundPlan.make(schema, fractions, cfg).chunk_elements == 8  # no group: nothing known
+    assert RoundPlan.make(schema, fractions, replace(cfg, chunk_elements=4), group(1e10)).chunk_elements == 4
+
+
 def test_a_report_adds_up_its_parts_and_says_what_was_partial() -> None:
-    from .kit import numbered_peer_id
     members = [numbered_peer_id(i) for i in range(3)]
     whole = RoundReport(GROUP_ID, members, 0, (0.5, 0.5, 0.0), [part(0, sent=10, received=20), part(1, sent=1, received=2)])
     assert whole.complete and (whole.bytes_sent, whole.bytes_received) == (11, 22)
@@ -516,7 +527,7 @@ async def test_a_reducer_that_trickles_is_waited_for_twice_the_stall_timeout_aft
 async def test_the_round_s_timeout_ends_it_with_what_came_back(autojump_clock: trio.abc.Clock) -> None:
     async def script(stream: INetStream, reader: FrameReader) -> None:
         await read_chunks(reader, 2)
-        await stream.write(chunk_frame(0, MINE[:8], [0, 1]))
+        await stream.write(chunk_frame(0, None, []))  # nobody's values reached chunk 0
         await trio.sleep_forever()
 
     async with against_a_reducer(script, cfg=config(stall_timeout=20.0, timeout=3.0)) as (round_, _):
@@ -524,7 +535,8 @@ async def test_the_round_s_timeout_ends_it_with_what_came_back(autojump_clock: t
         report = await round_.run()
         assert trio.current_time() - start == pytest.approx(3.0)
     assert report.notes == ["round timed out after 3 s"]
-    assert report.parts[1].not_averaged == "1 chunks not returned in time"
+    assert report.parts[1].not_averaged == ("1 chunks not returned in time; "
+                                            "1 chunks came back without an average (no sender's values reached it)")
     assert report.parts[0].left_out == {round_.group.members[1].peer_id.to_base58():
                                         "member 1 left out: no chunks before the round's timeout"}
     assert report.parts[0].averaged_chunks == 2  # averaged over member 0 alone when the round ended

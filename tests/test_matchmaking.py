@@ -11,6 +11,7 @@ import re
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
+from functools import partial
 
 import pytest
 import trio
@@ -28,7 +29,7 @@ from p2p.errors import ConfigError, DedlocError
 from p2p.rpc import CallContext, UnknownMethodError
 
 from .fake_swarm import FakeSwarm, fake_swarms
-from .kit import numbered_peer_id, wait_until
+from .kit import all_at_once, numbered_peer_id, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -61,18 +62,8 @@ def serving(*matchmakers: Matchmaker) -> Iterator[None]:
 async def form_all(matchmakers: Sequence[Matchmaker], members: Sequence[Member], *, cells: Sequence[str] = (),
                    expected: int | None = None) -> list[Group | BaseException]:
     """Each matchmaker's group (or error), all looking at once; ``cells``: each one's cell."""
-    out: list[Group | BaseException] = [RuntimeError("not run")] * len(matchmakers)
-
-    async def one(i: int) -> None:
-        try:
-            out[i] = await matchmakers[i].form_group(members[i], cells[i] if cells else "", expected=expected)
-        except (MatchmakingError, DedlocError) as e:
-            out[i] = e
-
-    async with trio.open_nursery() as nursery:
-        for i in range(len(matchmakers)):
-            nursery.start_soon(one, i)
-    return out
+    return await all_at_once([partial(m.form_group, me, cells[i] if cells else "", expected=expected)
+                              for i, (m, me) in enumerate(zip(matchmakers, members))], (MatchmakingError, DedlocError))
 
 
 # ---------------------------------------------------------------------- settings
