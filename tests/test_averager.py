@@ -267,7 +267,7 @@ async def test_a_partial_round_raises_when_strict_and_is_written_only_when_lenie
             group = await form(a0, a1)
             swarms[1].set_stream_handler(PROTOCOL, hold)
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(lambda: a1.average_in(group[1], other, strict=False))
+                nursery.start_soon(lambda: a1.average_in(group[1], other, 3.0, strict=False))
                 lenient = {} if strict is None else {"strict": strict}  # None: the default, strict
                 try:
                     report = await a0.average_in(group[0], data, accept=None if accept is None else judge,
@@ -280,7 +280,7 @@ async def test_a_partial_round_raises_when_strict_and_is_written_only_when_lenie
                     assert strict is False
     assert not report.complete and report.parts[0].complete and a0.failure_rate.value == 0.0  # nobody left out
     assert seen == ([report] if accept is not None else [])
-    averaged = torch.cat([(own[:16] + 100) / 2, own[16:]])
+    averaged = torch.cat([(own[:16] + 300) / 4, own[16:]])  # member 0's weight the default 1, member 1's 3
     assert torch.equal(data[0], averaged if written else own)
     logged = [r.getMessage() for r in caplog.records if r.name == "averaging.averager"]
     assert f"averaging round {report.group_id.hex()[:8]}: {report.summary()}" in logged and len(logged) == 2  # and a1's
@@ -420,24 +420,36 @@ async def test_streams_that_belong_to_no_round_of_ours_are_refused_by_name(
 
 @pytest.mark.parametrize("whole", [True, False])
 async def test_a_moshpit_step_moves_on_the_grid_whether_or_not_its_round_was_whole(
-        autojump_clock: trio.abc.Clock, whole: bool) -> None:
+        autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch, whole: bool) -> None:
     async def hold(stream: INetStream) -> None:
         await trio.sleep_forever()
 
+    salts: list[list[bytes]] = [[], []]
     async with fake_swarms(2) as swarms:
         cfg = settings(2, moshpit=MoshpitConfig(2, dims=2, initial=(0,)))
         async with Averager.open(swarms[0], cfg) as a0, Averager.open(swarms[1], cfg) as a1:
+            for grid, salted in zip((a0.grid, a1.grid), salts):
+                assert grid is not None
+
+                def advance(index: int, salt: bytes = b"", grid: GridPosition = grid, salted: list[bytes] = salted,
+                            original: Any = grid.advance) -> None:
+                    salted.append(salt)
+                    original(index, salt)
+
+                monkeypatch.setattr(grid, "advance", advance)
             before = [a.grid.key for a in (a0, a1) if a.grid is not None]
             if not whole:
                 swarms[1].set_stream_handler(PROTOCOL, hold)  # a1 never answers for its part
             reports = await steps([a0, a1], [[torch.zeros(8)], [torch.ones(8)]], [1.0, 1.0])
             after = [a.grid.key for a in (a0, a1) if a.grid is not None]
     assert before == ["0", "0"] and sorted(after) == ["0", "1"]  # the group's members go to distinct cells
-    for key, r in zip(after, reports):
+    for key, r, salted in zip(after, reports, salts):
         if whole:
             assert isinstance(r, RoundReport) and r.notes[-1] == f"moshpit: next group key {key!r}"
         else:
-            assert isinstance(r, PartialAverageError)  # strict: raised, and moved on all the same
+            assert isinstance(r, PartialAverageError) and isinstance(r.report, RoundReport)  # raised, and moved on
+            r = r.report
+        assert salted == [r.group_id]  # turned by the group's id (a phase-0 round's own)
 
 
 @pytest.mark.parametrize("adaptive, probe_every, probe", [(True, 1, True), (True, 0, False), (False, 1, False)])
@@ -502,6 +514,15 @@ async def test_a_step_declares_what_it_is_and_forms_and_averages_with_what_it_wa
                 monkeypatch.setattr(averager.matchmaker, "form_group", recorded)
             heard = Heard()
             a0.observe(heard)
+            advanced: list[tuple[int, bytes]] = []
+            if a0.grid is not None:
+                advance = a0.grid.advance
+
+                def recorded_advance(index: int, salt: bytes = b"") -> None:
+                    advanced.append((index, salt))
+                    advance(index, salt)
+
+                monkeypatch.setattr(a0.grid, "advance", recorded_advance)
             await trio.sleep(100)
             cells = [a.grid.key if a.grid is not None else "" for a in (a0, a1)]
             key = a0._match_key(schema, "step 7")  # before the grid moves
@@ -513,6 +534,12 @@ async def test_a_step_declares_what_it_is_and_forms_and_averages_with_what_it_wa
             assert torch.equal(data[0], torch.full((16,), 3.0))  # weights 1 (the default) and 3
             assert swarms[0].protections_made == [(swarms[1].peer_id, "averaging round")] and not +swarms[0].protected
             assert a0._buffers._free[("host", torch.uint8)]  # the streams' buffers went back to the averager's pool
+            if not moshpit:  # (a Moshpit group's members are in other cells now)
+                plain = await all_at_once([partial(a.step, [torch.zeros(16)]) for a in (a0, a1)])
+                assert all(isinstance(r, RoundReport) for r in plain)
+                await form(a0, a1)
+                plain_keys = [a0._match_key(Schema.of([torch.zeros(n)]), "") for n in (16, 16, 32, 32)]  # form's 32
+                assert [(f[0].schema, f[2]) for f in formed[2:]] == [(k, None) for k in plain_keys]
     me, cell, expected, group = next(f for f in formed if f[0].peer_id == swarms[0].peer_id)
     assert (me.role, me.schema, me.upload, me.download, me.compute, me.accepts_joins, me.addrs) == \
         (Role.FULL, key, 2e6, 3e6, 7.0, True, tuple(swarms[0].addrs))
@@ -520,7 +547,7 @@ async def test_a_step_declares_what_it_is_and_forms_and_averages_with_what_it_wa
     assert first.group_id == group.group_id and first.fractions == (0.5, 0.5)  # phase 0: the group's own id
     assert heard.heard[0][:1] == ("matchmade",) and float(heard.heard[0][1]) < 5  # type: ignore[arg-type]
     if moshpit:
-        assert a0.grid is not None
+        assert a0.grid is not None and advanced == [(group.my_index, group.group_id)]
         turned = GridPosition(2, (0,))
         turned.advance(group.my_index, group.group_id)
         assert a0.grid.key == turned.key  # turned by the group's id, which every member holds
@@ -564,7 +591,8 @@ async def test_an_observer_that_fails_is_named_with_what_it_failed_on_and_droppe
             assert all(isinstance(r, RoundReport) for r in await steps([a0, a1], [[torch.zeros(4)]] * 2, [1.0, 1.0]))
             with pytest.raises(MatchmakingError):
                 await a0.step([torch.zeros(4)])
-    failed_on = [re.sub(r"^.* failed on (.*); it is removed.*$", r"\1", r.getMessage()) for r in caplog.records]
+    failed_on = [re.sub(r"^an observer of the averager's rounds \(.*\) failed on (.*); it is removed.*$", r"\1",
+                        r.getMessage()) for r in caplog.records]
     assert failed_on == ["a group formed", "a round averaged", "a failed matchmaking"]
 
 
@@ -594,3 +622,24 @@ def test_the_match_key_is_stable_across_releases() -> None:
 
 
 PINNED_KEY = "beb3ef42efb9eaaf93743ddd516f938a"  # 2026-12-06
+
+
+async def test_chunks_follow_the_links_the_group_declared(autojump_clock: trio.abc.Clock,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a fixed ``chunk_elements`` the plan sizes chunks from the group's declarations: 6400 B/s
+    declared, 10 ms of it in float32 values is 16 (the minimum here is 8)."""
+    plans: list[allreduce.RoundPlan] = []
+
+    class Recorded(allreduce.AllreduceRound):
+        def __init__(self, *args: Any) -> None:
+            plans.append(args[2])
+            super().__init__(*args)
+
+    monkeypatch.setattr(averager_module, "AllreduceRound", Recorded)
+    cfg = settings(bandwidth=BandwidthConfig(upload=6400, download=6400),
+                   allreduce=AllreduceConfig(min_chunk_elements=8, max_chunk_elements=64, stall_timeout=1.0))
+    async with fake_swarms(2) as swarms:
+        async with Averager.open(swarms[0], cfg) as a0, Averager.open(swarms[1], cfg) as a1:
+            reports = await steps([a0, a1], [[torch.zeros(256)], [torch.ones(256)]], [1.0, 1.0])
+    assert all(isinstance(r, RoundReport) and r.complete for r in reports)
+    assert [p.chunk_elements for p in plans] == [16, 16]
