@@ -526,20 +526,24 @@ async def test_a_reducer_that_trickles_is_waited_for_twice_the_stall_timeout_aft
 
 async def test_the_round_s_timeout_ends_it_with_what_came_back(autojump_clock: trio.abc.Clock) -> None:
     async def script(stream: INetStream, reader: FrameReader) -> None:
-        await read_chunks(reader, 2)
-        await stream.write(chunk_frame(0, None, []))  # nobody's values reached chunk 0
+        await read_chunks(reader, 3)
+        await stream.write(chunk_frame(0, torch.zeros(8), [0, 1]))
+        await stream.write(chunk_frame(1, None, []))  # nobody's values reached chunk 1; chunk 2 never comes
         await trio.sleep_forever()
 
-    async with against_a_reducer(script, cfg=config(stall_timeout=20.0, timeout=3.0)) as (round_, _):
+    values = torch.arange(48, dtype=torch.float32)  # parts of 24: three chunks
+    async with against_a_reducer(script, cfg=config(stall_timeout=20.0, timeout=3.0), values=values) as (round_, _):
         start = trio.current_time()
         report = await round_.run()
         assert trio.current_time() - start == pytest.approx(3.0)
     assert report.notes == ["round timed out after 3 s"]
-    assert report.parts[1].not_averaged == ("1 chunks not returned in time; "
-                                            "1 chunks came back without an average (no sender's values reached it)")
+    p = report.parts[1]
+    assert (p.averaged_chunks, p.returned_chunks) == (1, 2)
+    assert p.not_averaged == ("1 chunks not returned in time; "
+                              "1 chunks came back without an average (no sender's values reached it)")
     assert report.parts[0].left_out == {round_.group.members[1].peer_id.to_base58():
                                         "member 1 left out: no chunks before the round's timeout"}
-    assert report.parts[0].averaged_chunks == 2  # averaged over member 0 alone when the round ended
+    assert report.parts[0].averaged_chunks == 3  # averaged over member 0 alone when the round ended
 
 
 async def test_a_member_that_only_sends_times_out_with_a_report_too(autojump_clock: trio.abc.Clock) -> None:
