@@ -135,9 +135,12 @@ def _why_not_averaged(outcome: PartOutcome) -> str:
     """Why a part whose exchange ended cleanly kept some of this peer's own values."""
     late = outcome.chunks - outcome.returned_chunks
     empty = outcome.returned_chunks - outcome.averaged_chunks
-    why = [f"{late} chunks not returned in time"] if late else []
-    return "; ".join(why + ([f"{empty} chunks came back without an average (no sender's values reached it)"]
-                            if empty else []))
+    why = []
+    if late:
+        why.append(f"{late} chunks not returned in time")
+    if empty:
+        why.append(f"{empty} chunks came back without an average (no sender's values reached it)")
+    return "; ".join(why)
 
 
 def _innermost(error: BaseException) -> BaseException:

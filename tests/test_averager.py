@@ -452,21 +452,27 @@ async def test_a_moshpit_step_moves_on_the_grid_whether_or_not_its_round_was_who
         assert salted == [r.group_id]  # turned by the group's id (a phase-0 round's own)
 
 
+def rounds_made(monkeypatch: pytest.MonkeyPatch) -> list[allreduce.AllreduceRound]:
+    """Every round the averager makes from here on (their plans and settings, read afterwards)."""
+    made: list[allreduce.AllreduceRound] = []
+
+    class Recorded(allreduce.AllreduceRound):
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            made.append(self)
+
+    monkeypatch.setattr(averager_module, "AllreduceRound", Recorded)
+    return made
+
+
 @pytest.mark.parametrize("adaptive, probe_every, probe", [(True, 1, True), (True, 0, False), (False, 1, False)])
 async def test_a_probe_round_runs_free_of_lockstep_and_is_measured_as_one(
         autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch, adaptive: bool, probe_every: int,
         probe: bool) -> None:
     """Rates declared (so only ``probe_every`` makes a probe): a probe's senders may send every chunk
     ahead; its transfers go to the estimator as a probe's. Without ``adaptive`` nothing probes."""
-    configs: list[AllreduceConfig] = []
+    made = rounds_made(monkeypatch)
     observed: list[tuple[int, int, bool]] = []
-
-    class Recorded(allreduce.AllreduceRound):
-        def __init__(self, *args: object) -> None:
-            configs.append(args[5])  # type: ignore[arg-type]
-            super().__init__(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(averager_module, "AllreduceRound", Recorded)
     cfg = settings(adaptive=adaptive, bandwidth=BandwidthConfig(upload=1e6, download=1e6, probe_every=probe_every),
                    allreduce=AllreduceConfig(chunk_elements=8, stall_timeout=1.0, timeout=10.0, max_chunks_ahead=1))
     async with fake_swarms(2) as swarms:
@@ -477,8 +483,8 @@ async def test_a_probe_round_runs_free_of_lockstep_and_is_measured_as_one(
             await steps([a0, a1], [[torch.zeros(16)], [torch.ones(16)]], [1.0, 1.0])  # parts of one chunk
             phased = await a0.average_in(Group(b"alone", (Member(swarms[0].peer_id, (), Role.FULL, b"s"),), 0),
                                          [torch.zeros(4)], phase=2)
-    assert [c.max_chunks_ahead for c in configs[:2]] == [4 if probe else 1] * 2  # parts of 32: four chunks
-    assert [c.max_chunks_ahead for c in configs[2:4]] == [1, 1]  # parts of 8: one chunk, one ahead
+    assert [r.config.max_chunks_ahead for r in made[:2]] == [4 if probe else 1] * 2  # parts of 32: four chunks
+    assert [r.config.max_chunks_ahead for r in made[2:4]] == [1, 1]  # parts of 8: one chunk, one ahead
     assert observed[0] == (2, 2, probe)  # a send and a write-back out, an answer and a sender's chunks in
     for r in reports:
         assert isinstance(r, RoundReport) and r.complete
@@ -628,18 +634,11 @@ async def test_chunks_follow_the_links_the_group_declared(autojump_clock: trio.a
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Without a fixed ``chunk_elements`` the plan sizes chunks from the group's declarations: 6400 B/s
     declared, 10 ms of it in float32 values is 16 (the minimum here is 8)."""
-    plans: list[allreduce.RoundPlan] = []
-
-    class Recorded(allreduce.AllreduceRound):
-        def __init__(self, *args: Any) -> None:
-            plans.append(args[2])
-            super().__init__(*args)
-
-    monkeypatch.setattr(averager_module, "AllreduceRound", Recorded)
+    made = rounds_made(monkeypatch)
     cfg = settings(bandwidth=BandwidthConfig(upload=6400, download=6400),
                    allreduce=AllreduceConfig(min_chunk_elements=8, max_chunk_elements=64, stall_timeout=1.0))
     async with fake_swarms(2) as swarms:
         async with Averager.open(swarms[0], cfg) as a0, Averager.open(swarms[1], cfg) as a1:
             reports = await steps([a0, a1], [[torch.zeros(256)], [torch.ones(256)]], [1.0, 1.0])
     assert all(isinstance(r, RoundReport) and r.complete for r in reports)
-    assert [p.chunk_elements for p in plans] == [16, 16]
+    assert [r.plan.chunk_elements for r in made] == [16, 16]

@@ -6,6 +6,8 @@ import math
 import sys
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
+from functools import partial
+from typing import Any
 
 import pytest
 import torch
@@ -25,7 +27,7 @@ from averaging.moshpit import MoshpitConfig
 from nat import Peer, PeerConfig
 from p2p.hooks import Reachability
 
-from .kit import loopback_peer_config, open_peers, wait_until
+from .kit import all_at_once, loopback_peer_config, open_peers, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,19 +51,10 @@ def weighted_mean(data: Sequence[Sequence[torch.Tensor]], weights: Sequence[floa
 
 
 async def step_all(averagers: Sequence[Averager], data: Sequence[list[torch.Tensor]], weights: Sequence[float],
-                   **kwargs: object) -> list[RoundReport | BaseException]:
-    results: list[RoundReport | BaseException] = [RuntimeError("not run")] * len(averagers)
-
-    async def one(i: int) -> None:
-        try:
-            results[i] = await averagers[i].step(data[i], weights[i], **kwargs)  # type: ignore[arg-type]
-        except Exception as e:  # collected and asserted on by the test
-            results[i] = e
-
-    async with trio.open_nursery() as nursery:
-        for i in range(len(averagers)):
-            nursery.start_soon(one, i)
-    return results
+                   **kwargs: Any) -> list[RoundReport | BaseException]:
+    """Each averager's step, all at once; an error is collected, for the test to assert on."""
+    return await all_at_once([partial(a.step, d, w, **kwargs) for a, d, w in zip(averagers, data, weights)],
+                             (Exception,))
 
 
 async def test_a_group_averages_exactly_with_weights() -> None:
