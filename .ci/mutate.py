@@ -104,6 +104,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "averaging/matchmaking.py": ("tests/test_matchmaking.py", "tests/test_matchmaking_join.py"),
     "averaging/allreduce.py": ("tests/test_allreduce.py", "tests/test_averaging_core.py"),
     "averaging/averager.py": ("tests/test_averager.py",),
+    "training/moe/layer.py": ("tests/test_moe_layer.py",),
 }
 
 KILLED = {"killed", "timeout"}

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,7 +100,7 @@ async def _call_all(client: ExpertClient, jobs: list[_Job], kind: KindValue, ten
                     k_min: int, timeout: float, after_k_min: float, report: CallReport) -> None:
     """Every job's call at once, one exchange per server and ``max_rows`` (:meth:`ExpertClient.call_many`), until each
     sample has ``k_min`` answers (+ ``after_k_min``) or ``timeout`` (seconds from now: the caller is a worker
-    thread, whose clock is not the loop's)."""
+    thread, whose clock is not the loop's); it fills in ``report``'s counts and ``calls_s``."""
     need = torch.zeros(samples, dtype=torch.int64)
     for job in jobs:
         need[job.rows] += 1
@@ -138,12 +139,12 @@ async def _call_all(client: ExpertClient, jobs: list[_Job], kind: KindValue, ten
             nursery.cancel_scope.cancel()
 
         nursery.start_soon(stop_after_k_min)
-        report.asked += len(jobs)
+        report.asked = len(jobs)
         for group in exchanges:
             nursery.start_soon(one_server, group)
     report.late = report.asked - report.answered - len(report.failed)
     report.below_k_min = int((got < need).sum()) + int((need == 0).sum())
-    report.calls_s += trio.current_time() - started
+    report.calls_s = trio.current_time() - started
 
 
 class _MoECall(torch.autograd.Function):
@@ -162,14 +163,17 @@ class _MoECall(torch.autograd.Function):
         if not answered:
             raise MoEError(f"no expert answered for any of {x.shape[0]} samples ({report.asked} asked: "
                            + ("; ".join(report.failed[:3]) or "all too late") + ")")
-        out_row = answered[0].result.shape[1:]  # type: ignore[union-attr]
+        # the shape most answers have (the first of equals): one misconfigured expert, first or not, is
+        # the one left out, never the others
+        shapes = Counter(job.result.shape[1:] for job in answered if job.result is not None)
+        out_row = max(shapes, key=shapes.__getitem__)
         outputs = torch.zeros(x.shape[0], cfg.k_best, *out_row)
         mask = torch.zeros(x.shape[0], cfg.k_best, dtype=torch.bool)
         for job in answered:
             assert job.result is not None
             if job.result.shape[1:] != out_row:
-                report.failed.append(f"expert {job.expert}: rows of {list(job.result.shape[1:])}, "
-                                     f"others {list(out_row)}")
+                report.failed.append(f"expert {job.expert}: rows of {list(job.result.shape[1:])}, most answers "
+                                     f"{list(out_row)}")
                 client.blocking_sync(client.ban, job.expert, ExpertCallError(report.failed[-1]))
                 job.result = None
                 continue
@@ -193,8 +197,9 @@ class _MoECall(torch.autograd.Function):
                         cfg.backward_timeout, cfg.timeout_after_k_min, report)
         layer.last_backward = report
         if report.failed or report.late:
-            log.warning("MoE backward: %d of %d experts did not answer (their gradients are left out): %s",
-                        len(report.failed) + report.late, report.asked, "; ".join(report.failed[:3]))
+            log.warning("MoE backward: %d of %d experts did not answer (their gradients are left out): %d failed%s, "
+                        "%d late", len(report.failed) + report.late, report.asked, len(report.failed),
+                        f" ({'; '.join(report.failed[:3])})" if report.failed else "", report.late)
         grad_x = torch.zeros(xc.shape, dtype=torch.float32)
         for job in jobs:
             if job.result is not None:
