@@ -302,6 +302,29 @@ async def test_nobody_seeding_is_an_error_that_says_so(tmp_path: Path) -> None:
                                                                           table=TableConfig(retry=0.5)))
 
 
+async def test_a_publish_counts_every_record_taken_whatever_order_the_stores_finish_in(tmp_path: Path) -> None:
+    """The records are stored at once; here the first begun ends last, refused. The count is every
+    other record: ``stored += await store(...)`` read the count before the await, so the last store
+    to end set it alone (0 here: "no DHT peer took" a manifest every other replica had taken)."""
+    corpus(tmp_path / "src", shards=2, size=50_000)
+    async with swarm(1) as (_, (creator,)):
+        async with Datasets.open(creator, DatasetsConfig(piece_size=PIECE)) as dc:
+            local = await dc.create("corpus", tmp_path / "src", seed=False)
+            store = creator.dht.store
+            begun: list[Any] = []
+
+            async def first_ends_last_refused(key: Any, value: bytes, expiration: float, subkey: Any = None, *,
+                                              timeout: float | None = None) -> bool:
+                begun.append(key)
+                if len(begun) == 1:
+                    await trio.sleep(0.3)
+                    return False
+                return await store(key, value, expiration, subkey=subkey, timeout=timeout)
+
+            creator.dht.store = first_ends_last_refused  # type: ignore[method-assign]
+            assert await dc.publish(local.manifest) == len(begun) - 1 == 2
+
+
 # ---------------------------------------------------------------------- as a user runs it
 
 @pytest.mark.timeout(120)

@@ -295,8 +295,11 @@ class Datasets:
         async def one(key: str, subkey: str, value: bytes) -> None:
             nonlocal stored
             try:
-                stored += await self.peer.dht.store(key, value, expiration, subkey=subkey,
-                                                    timeout=self.config.dht_timeout)
+                # awaited first: `stored += await ...` reads `stored` before the await, and the
+                # stores run at once (the last to finish would set the count alone)
+                took = await self.peer.dht.store(key, value, expiration, subkey=subkey,
+                                                 timeout=self.config.dht_timeout)
+                stored += took
             except DedlocError as e:
                 log.warning("datasets: storing %s failed: %s", key, e)
 

@@ -320,8 +320,11 @@ class ExpertServer:
             nonlocal stored
             async with limiter:
                 try:
-                    stored += await self.peer.dht.store(key, value, now + self.config.expiration, subkey=subkey,
-                                                        timeout=self.config.update_period / 2)
+                    # awaited first: `stored += await ...` reads `stored` before the await, and
+                    # the stores run at once (each would add to the count as it was when it began)
+                    took = await self.peer.dht.store(key, value, now + self.config.expiration, subkey=subkey,
+                                                     timeout=self.config.update_period / 2)
+                    stored += took
                 except Exception as e:  # a store that fails is retried next period; the server goes on
                     log.warning("experts: declaring %s failed: %s", key, e)
 
