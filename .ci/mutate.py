@@ -105,6 +105,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "averaging/allreduce.py": ("tests/test_allreduce.py", "tests/test_averaging_core.py"),
     "averaging/averager.py": ("tests/test_averager.py",),
     "training/moe/layer.py": ("tests/test_moe_layer.py",),
+    "training/moe/server.py": ("tests/test_moe_server.py",),
 }
 
 KILLED = {"killed", "timeout"}

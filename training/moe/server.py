@@ -161,7 +161,9 @@ class ExpertBackend:
 
     def backward(self, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
         """The gradient of the inputs for a batch; applies the optimizer (runs in the worker thread)."""
-        x = x.to(self.device, torch.float32).requires_grad_(True)
+        # detached: ``to`` returns x itself when it changes nothing, and the caller's tensor would
+        # then take requires_grad and, call after call, an accumulating .grad
+        x = x.detach().to(self.device, torch.float32).requires_grad_(True)
         with torch.enable_grad():
             out = self.module(x)
             out.backward(grad_out.to(self.device, out.dtype))
