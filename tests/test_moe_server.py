@@ -10,6 +10,7 @@ deadline), and every wait in these tests is a fraction of a second.
 from __future__ import annotations
 
 import logging
+import pickle
 import re
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -227,6 +228,16 @@ async def test_a_pool_batches_what_queued_meanwhile_and_splits_the_answer() -> N
     assert pool.batches == 2 and b.forwards == 2 and b.rows_processed == 7
     for t in tasks:
         assert t.error is None and t.result is not None and torch.equal(t.result, t.tensors[0] * module_of(b).weight)
+    # a batch exactly full takes no more
+    pool = _Pool(b, Kind.FORWARD, ServerConfig(max_batch_size=4))
+    tasks = [task(2), task(2), task(2)]
+    async with running(pool) as device:
+        async with device:
+            for t in tasks:
+                pool.submit(t)
+            await trio.sleep(0.05)
+        await done(tasks)
+    assert pool.batches == 2
 
 
 async def test_a_full_queue_is_overloaded() -> None:
@@ -393,9 +404,9 @@ async def test_calls_on_one_stream_are_answered_one_after_another() -> None:
             assert response.status == Status.OK and response.reason == "" and len(out) == 1
             assert out[0].dtype == (torch.float16 if half else torch.float32)
             assert torch.allclose(out[0].float(), x * W, atol=1e-2 if half else 0.0)
-        await call.send(pb.ExpertRequest(uid="ffn.0.0", kind=Kind.INFO))
+        await call.send(pb.ExpertRequest(uid="ffn.0.0", kind=Kind.INFO, half=True))
         response, out = await call.answer()
-        assert [list(t.shape) for t in out] == [[1, HID], [1, HID]]
+        assert [(list(t.shape), t.dtype) for t in out] == [([1, HID], torch.float32)] * 2  # the schema is exact
         await call.send(pb.ExpertRequest(uid="ffn.0.0", kind=Kind.BACKWARD), [x, torch.ones(3, HID)])
         response, out = await call.answer()
         assert torch.equal(out[0], W.expand(3, HID))
@@ -433,11 +444,13 @@ async def test_tensors_past_the_limit_or_garbled_are_refused_and_the_stream_rese
     async with serving(backend(), config=ServerConfig(max_request_rows=4)) as (server, host, caller):
         for tensors, reason in [([torch.ones(5, HID)], r"^tensors 0-0 alone take 80 bytes, over max_bytes=64;"),
                                 ([torch.ones(1, HID), torch.ones(1, HID)], r"^2 tensors announced, over max_tensors=1$"),
-                                ([torch.full((1, HID), float("nan"))], r"NaN or Inf")]:
+                                ([torch.full((1, HID), float("nan"))], r"NaN or Inf"),
+                                ([torch.ones(1, HID)] * 3, r"^3 tensors announced, over max_tensors=2$")]:
             call = await Call.open(caller, host)
             caplog.clear()
+            request = forward() if len(tensors) < 3 else pb.ExpertRequest(uid="ffn.0.0", kind=Kind.BACKWARD)
             with caplog.at_level(logging.DEBUG):
-                await call.send(forward(), tensors)
+                await call.send(request, tensors)
                 response, _ = await call.answer()
                 assert response.status == Status.BAD_REQUEST and re.search(reason, response.reason), response.reason
                 assert await call.ended() == "reset"
@@ -452,7 +465,7 @@ async def test_tensors_past_the_limit_or_garbled_are_refused_and_the_stream_rese
         await backward_call.send(pb.ExpertRequest(uid="ffn.0.0", kind=Kind.BACKWARD),
                                  [torch.ones(4, HID), torch.ones(4, HID)])
         assert (await backward_call.answer())[0].status == Status.OK
-        assert server.refused == {"bad_request": 3}
+        assert server.refused == {"bad_request": 4}
 
 
 async def test_a_failed_expert_answers_failed_and_a_full_queue_overloaded() -> None:
@@ -473,6 +486,7 @@ async def test_a_failed_expert_answers_failed_and_a_full_queue_overloaded() -> N
             response, _ = await calls[2].answer()
             assert (response.status, response.reason) == (Status.OVERLOADED,
                                                            "expert ffn.0.0: 1 requests already queued")
+            assert await calls[2].ended() == "closed"
         assert [(await c.answer())[0].status for c in calls[:2]] == [Status.OK, Status.OK]
         assert server.refused == {"failed": 1, "overloaded": 1} and server.calls == 3
 
@@ -665,7 +679,7 @@ def server_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
 # ---------------------------------------------------------------------- declarations and checkpoints
 
 
-async def test_the_server_declares_every_prefix_of_every_expert() -> None:
+async def test_the_server_declares_every_prefix_of_every_expert(caplog: pytest.LogCaptureFixture) -> None:
     async with serving(backend("ffn.0.1"), backend("ffn.2.0"), backend("ffn.0.3")) as (server, host, caller):
         records = host.dht
         key_values = {}
@@ -688,7 +702,27 @@ async def test_the_server_declares_every_prefix_of_every_expert() -> None:
         assert server.declared_at is not None and abs(server.declared_at - time.time()) < 5
         assert records.stores == 5  # each record once
         # the count of records taken, though the stores run at once (`stored += await ...` counted 1)
-        assert await server.declare() == 5
+        with caplog.at_level(logging.DEBUG, "training.moe.server"):
+            assert await server.declare() == 5
+        assert server_lines(caplog) == ["experts: declared 5 of 5 records"]
+
+
+async def test_declarations_go_sixteen_at_a_time() -> None:
+    async with serving(*[backend(f"ffn.{i}.0") for i in range(17)]) as (server, host, caller):
+        assert ExpertServer(host, [], ServerConfig()).declared_at is None
+        flight, most = 0, 0
+
+        async def slow(key: Any, value: bytes, expiration: float, subkey: Any = None, *,
+                       timeout: float | None = None) -> bool:
+            nonlocal flight, most
+            flight += 1
+            most = max(most, flight)
+            await trio.sleep(0.02)
+            flight -= 1
+            return True
+
+        host.dht.store = slow  # type: ignore[method-assign]
+        assert await server.declare() == 34 and most == 16
 
 
 async def test_a_failed_declaration_is_logged_and_the_server_goes_on(caplog: pytest.LogCaptureFixture) -> None:
@@ -703,10 +737,11 @@ async def test_a_failed_declaration_is_logged_and_the_server_goes_on(caplog: pyt
             return True
 
         host.dht.store = failing  # type: ignore[method-assign]
-        with caplog.at_level(logging.WARNING, "training.moe.server"):
+        with caplog.at_level(logging.DEBUG, "training.moe.server"):
             assert await server.declare() == 1
         assert calls == [15.0, 15.0]
-        assert [r.getMessage() for r in caplog.records] == ["experts: declaring ffn.0 failed: no replica"]
+        assert server_lines(caplog) == ["experts: declaring ffn.0 failed: no replica",
+                                        "experts: declared 1 of 2 records"]
 
 
 async def test_declarations_repeat_every_update_period() -> None:
@@ -716,13 +751,15 @@ async def test_declarations_repeat_every_update_period() -> None:
         assert host.dht.stores - stores == 2 * 2  # two periods, two records (ffn and ffn.0)
 
 
-async def test_checkpoints_are_saved_whole_on_close_and_every_period_and_loaded_on_open(tmp_path: Path) -> None:
-    config = ServerConfig(checkpoint_dir=tmp_path / "ckpt", checkpoint_every=0.2)
+async def test_checkpoints_are_saved_whole_on_close_and_every_period_and_loaded_on_open(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    directory = tmp_path / "deep" / "ckpt"
+    config = ServerConfig(checkpoint_dir=directory, checkpoint_every=0.2)
     b = backend("ffn.0.1")
     async with serving(b, config=config) as (server, host, caller):
-        assert not (tmp_path / "ckpt").exists()
+        assert not directory.exists()
         await trio.sleep(0.3)
-        assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["ffn.0.1.pt"]
+        assert sorted(p.name for p in directory.iterdir()) == ["ffn.0.1.pt"]
         with torch.no_grad():
             module_of(b).weight.fill_(7.0)
         b.updates = 5
@@ -736,6 +773,18 @@ async def test_checkpoints_are_saved_whole_on_close_and_every_period_and_loaded_
         assert server.backends["ffn.0.1"].updates == 5  # loaded on open
     async with serving(backend("ffn.0.2"), config=config) as (server, host, caller):
         assert server.backends["ffn.0.2"].updates == 0  # none saved for it: a fresh expert
+    caplog.clear()
+    with caplog.at_level(logging.INFO, "training.moe.server"):
+        assert ExpertServer(host, [backend("ffn.0.1"), backend("ffn.0.2")], config).load_checkpoints() == 2
+    assert server_lines(caplog) == [f"experts: loaded 2 checkpoints from {directory}"]
+    # a checkpoint is read as weights only: one that would run code on load is refused
+    torch.save({**fresh.state_dict(), "extra": _Pickled()}, directory / "ffn.0.1.pt")
+    with pytest.raises(pickle.UnpicklingError):
+        ExpertServer(host, [backend("ffn.0.1")], config).load_checkpoints()
+
+
+class _Pickled:
+    """An object a weights-only load refuses (its class would be imported and built)."""
 
 
 def test_two_backends_with_one_uid_are_refused() -> None:

@@ -385,7 +385,7 @@ class ExpertServer:
             name = Status.Name(status).lower()
             self.refused[name] = self.refused.get(name, 0) + 1
 
-    async def _reply(self, stream: INetStream, status: StatusValue, reason: str = "") -> None:
+    async def _reply(self, stream: INetStream, status: StatusValue, reason: str) -> None:
         self._count(status)
         await stream.write(frame(pb.ExpertResponse(status=status, reason=reason[:500])))
 
