@@ -208,6 +208,16 @@ async def running(pool: _Pool) -> AsyncIterator[trio.Lock]:
         nursery.cancel_scope.cancel()
 
 
+async def batched(pool: _Pool, tasks: Sequence[_Task]) -> None:
+    """``tasks`` queued while the device is busy (so a batch may take them all), then run to the end."""
+    async with running(pool) as device:
+        async with device:
+            for t in tasks:
+                pool.submit(t)
+            await trio.sleep(0.05)
+        await done(tasks)
+
+
 async def done(tasks: Sequence[_Task]) -> None:
     with trio.fail_after(5):
         for t in tasks:
@@ -218,12 +228,7 @@ async def test_a_pool_batches_what_queued_meanwhile_and_splits_the_answer() -> N
     b = backend()
     pool = _Pool(b, Kind.FORWARD, ServerConfig(max_batch_size=4))
     tasks = [task(2), task(3, 100.0), task(2, 200.0)]
-    async with running(pool) as device:
-        async with device:  # the device busy: all three queue
-            for t in tasks:
-                pool.submit(t)
-            await trio.sleep(0.05)
-        await done(tasks)
+    await batched(pool, tasks)
     # a batch takes tasks until it holds max_batch_size rows (the last may overshoot it): 2 + 3, then 2
     assert pool.batches == 2 and b.forwards == 2 and b.rows_processed == 7
     for t in tasks:
@@ -231,12 +236,7 @@ async def test_a_pool_batches_what_queued_meanwhile_and_splits_the_answer() -> N
     # a batch exactly full takes no more
     pool = _Pool(b, Kind.FORWARD, ServerConfig(max_batch_size=4))
     tasks = [task(2), task(2), task(2)]
-    async with running(pool) as device:
-        async with device:
-            for t in tasks:
-                pool.submit(t)
-            await trio.sleep(0.05)
-        await done(tasks)
+    await batched(pool, tasks)
     assert pool.batches == 2
 
 
@@ -316,12 +316,7 @@ async def test_an_expert_that_fails_fails_its_batch_with_the_reason(caplog: pyte
             _Task([torch.ones(1, HID), torch.ones(1, HID)]), _Task([torch.ones(2, HID), torch.ones(2, HID)])]
         caplog.clear()
         with caplog.at_level(logging.WARNING, "training.moe.server"):
-            async with running(pool) as device:
-                async with device:
-                    for t in tasks:
-                        pool.submit(t)
-                    await trio.sleep(0.02)
-                await done(tasks)
+            await batched(pool, tasks)
         assert [(t.error, t.result) for t in tasks] == [(reason, None)] * 2 and pool.batches == 1
         name = "forward" if kind == Kind.FORWARD else "backward"
         assert [r.getMessage() for r in caplog.records] == [f"expert ffn.0.0: {name} of 3 rows failed: "
@@ -332,12 +327,7 @@ async def test_a_backward_pool_joins_inputs_and_gradients_in_order() -> None:
     b = backend(lr=0.0)
     pool = _Pool(b, Kind.BACKWARD, ServerConfig())
     tasks = [_Task([torch.ones(1, HID), torch.full((1, HID), 2.0)]), _Task([torch.ones(2, HID), torch.ones(2, HID)])]
-    async with running(pool) as device:
-        async with device:
-            for t in tasks:
-                pool.submit(t)
-            await trio.sleep(0.02)
-        await done(tasks)
+    await batched(pool, tasks)
     w = torch.arange(1.0, 5.0)
     assert tasks[0].result is not None and torch.equal(tasks[0].result, 2 * w.view(1, HID))
     assert tasks[1].result is not None and torch.equal(tasks[1].result, w.expand(2, HID))
