@@ -30,6 +30,14 @@ def backends(pattern: str, seed: int = 0, lr: float = 0.05, module: type[torch.n
     return out
 
 
+class HangingDHT:
+    """A DHT whose reads never answer (a peer whose table holds only silent contacts)."""
+
+    async def get_many(self, keys: list[Any], latest: bool = False, *, timeout: float | None = None) -> dict[Any, Any]:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+
 class Swarm:
     """Expert servers, one peer per pattern (each in its own task: killable), and a client peer: on the
     in-memory swarm (tests/fake_swarm.py: no socket, records at once) unless a test needs the real

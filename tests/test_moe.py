@@ -24,7 +24,7 @@ from training.moe.layer import _exchanges, _plan
 from training.moe.protocol import Kind
 
 from .kit import loopback_peer_config, random_peer_id, wait_until
-from .moe_swarm import HID, backends, swarm
+from .moe_swarm import HID, HangingDHT, backends, swarm
 
 # ---------------------------------------------------------------------- pure parts
 
@@ -206,14 +206,6 @@ async def test_a_search_that_finds_only_banned_experts_says_so() -> None:
             assert layer.searcher.last.unread == 0
 
 
-class _HangingDHT:
-    """A DHT whose reads never answer (a peer whose table holds only silent contacts)."""
-
-    async def get_many(self, keys: list[Any], latest: bool = False, *, timeout: float | None = None) -> dict[Any, Any]:
-        await trio.sleep_forever()
-        raise AssertionError("unreachable")
-
-
 async def test_a_search_whose_reads_hang_says_so_and_not_that_nobody_is_there() -> None:
     """A DHT read that runs past read_timeout is "unknown", not "empty": not cached, and named in the
     error; a search cut by forward_timeout says that instead."""
@@ -221,7 +213,7 @@ async def test_a_search_whose_reads_hang_says_so_and_not_that_nobody_is_there() 
         async with ExpertClient.open(sw.client) as client:
             layer = RemoteMixtureOfExperts(client, in_features=HID, grid_size=(1, 2), uid_prefix="ffn",
                                            config=MoEConfig(k_best=2, forward_timeout=2.0))
-            layer.searcher.dht = _HangingDHT()  # type: ignore[assignment]
+            layer.searcher.dht = HangingDHT()  # type: ignore[assignment]
             layer.searcher.read_timeout = 0.2
             with pytest.raises(MoEError, match=r"^no live expert under 'ffn' \(grid 1x2\): the DHT read of 1 "
                                                r"prefixes failed or ran past read_timeout 0.2 s$"):

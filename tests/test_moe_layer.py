@@ -29,8 +29,8 @@ from training.moe.beam_search import Beam
 from training.moe.client import CallStats
 from training.moe.protocol import Kind, KindValue
 
-from .kit import numbered_peer_id
-from .moe_swarm import HID, swarm
+from .kit import log_lines, numbered_peer_id
+from .moe_swarm import HID, HangingDHT, swarm
 
 A, B, C = (numbered_peer_id(i) for i in range(3))
 
@@ -274,7 +274,7 @@ def close(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
 
 
 def layer_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "training.moe.layer"]
+    return log_lines(caplog, "training.moe.layer", "")
 
 
 def layer_of(client: ExpertClient, grid_size: tuple[int, int], **config: Any) -> RemoteMixtureOfExperts:
@@ -582,19 +582,11 @@ async def test_a_search_that_finds_nobody_says_why() -> None:
                 await client.run(lambda: layer(torch.randn(2, HID)))
 
 
-class _HangingDHT:
-    """A DHT whose reads never answer."""
-
-    async def get_many(self, keys: list[Any], latest: bool = False, *, timeout: float | None = None) -> dict[Any, Any]:
-        await trio.sleep_forever()
-        raise AssertionError("unreachable")
-
-
 async def test_a_search_whose_reads_fail_or_run_out_of_time_says_so() -> None:
     async with swarm(experts(grid([0], 2))) as sw, ExpertClient.open(sw.client) as client:
         where = r"^no live expert under 'ffn' \(grid 1x2\): "
         layer = layer_of(client, (1, 2), k_best=2, forward_timeout=0.5)
-        layer.searcher.dht = _HangingDHT()  # type: ignore[assignment]
+        layer.searcher.dht = HangingDHT()  # type: ignore[assignment]
         layer.searcher.read_timeout = 0.1
         with pytest.raises(MoEError, match=where + r"the DHT read of 1 prefixes failed or ran past read_timeout "
                                                    r"0.1 s$"):

@@ -34,6 +34,7 @@ from training.moe.server import _Pool, _Task
 from training.proto import moe_pb2 as pb
 
 from .fake_swarm import FakeSwarm, fake_swarms
+from .kit import log_lines
 
 HID = 4
 
@@ -47,10 +48,8 @@ class Scaled(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.arange(1.0, HID + 1))
         self.out = out
         self.fail: str | None = None
-        self.seconds = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(self.seconds)
         if self.fail == "raise":
             raise RuntimeError("boom")
         y = x * self.weight if self.out == HID else torch.cat([x * self.weight, x[:, :1]], dim=1)
@@ -663,7 +662,7 @@ async def test_a_header_past_its_bound_or_a_caller_gone_mid_reply_resets_the_str
 
 
 def server_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "training.moe.server"]
+    return log_lines(caplog, "training.moe.server", "")
 
 
 # ---------------------------------------------------------------------- declarations and checkpoints
