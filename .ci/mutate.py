@@ -106,6 +106,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "averaging/averager.py": ("tests/test_averager.py",),
     "training/moe/layer.py": ("tests/test_moe_layer.py",),
     "training/moe/server.py": ("tests/test_moe_server.py",),
+    "training/optimizer.py": ("tests/test_optimizer.py",),
 }
 
 KILLED = {"killed", "timeout"}

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -174,7 +173,7 @@ class StepReport:
     complete: bool
     summary: str
     #: seconds from the step's trigger to the optimizer step done
-    elapsed: float
+    elapsed: float = 0.0
     #: the swarm had left the step when we came to its round: nothing applied, we catch up
     missed: bool = False
     #: no other peer was in the run: the local gradient, as expected (no failure to report)
@@ -187,13 +186,14 @@ class CollaborativeOptimizer:
 
     def __init__(self, peer: Swarm, optimizer: torch.optim.Optimizer, config: TrainingConfig, averager: Averager,
                  scheduler: Any = None, scaler: torch.amp.GradScaler | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = trio.current_time) -> None:
         self.peer = peer
         self.optimizer = optimizer
         self.config = config
         self.averager = averager
         self.scheduler = scheduler
-        #: the policy's clock (rejoin waits, download back-off) and the samples/s rate's
+        #: the policy's clock (rejoin waits, download back-off), the samples/s rate's and the reports'
+        #: elapsed times: trio's by default (monotonic; under ``trio.testing.MockClock`` a test's own)
         self.clock = clock
         self.rules = config.rules()
         self.params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
@@ -203,10 +203,9 @@ class CollaborativeOptimizer:
         #: rounds that averaged the parameters and optimizer statistics (``average_state_every``)
         self.state_rounds = 0
         self.auxiliary = config.averager.auxiliary
+        #: (its ``client`` and ``sender`` are set before each report: reachability is learned after start)
         self.tracker = ProgressTracker(peer, config.run_id, config.target_batch_size,
-                                       expiration=config.progress_expiration,
-                                       client=not averager.role()[1], auxiliary=self.auxiliary,
-                                       sender=not averager.role()[0].reduces)
+                                       expiration=config.progress_expiration, auxiliary=self.auxiliary)
         #: the last step an auxiliary peer helped average (or tried to)
         self._assisted = -1
         self._reported_samples = 0  # what the last published report said
@@ -376,9 +375,9 @@ class CollaborativeOptimizer:
         join it at once, with none of our samples (:func:`training.policy.join_after_catch_up`)."""
         if not await self._catch_up(progress):
             return None
-        now = self.tracker.last  # _catch_up read the swarm's progress again
-        join = None if now is None else policy.join_after_catch_up(self._trainer(), now, self.tracker.reports,
-                                                                     self.rules)
+        now = self.tracker.last
+        assert now is not None  # _catch_up read the swarm's progress again
+        join = policy.join_after_catch_up(self._trainer(), now, self.tracker.reports, self.rules)
         if join is None:
             return None
         return await self._global_step(join.progress, join.expected)
@@ -398,19 +397,21 @@ class CollaborativeOptimizer:
             await trio.sleep(self.config.report_interval)
             return None
         self._assisted = due
-        started = time.perf_counter()
-        work = [torch.zeros(p.shape, dtype=torch.float32) for p in self.params]
+        started = self.clock()
+        # zeros of the trainers' schema (their accumulator's mean has the parameters' dtypes; the match
+        # key holds the dtypes: float32 zeros never met the trainers of a float64 or bfloat16 model)
+        work = [torch.zeros(p.shape, dtype=p.dtype) for p in self.params]
         expected = max(2, policy.expected_group(due, progress, self.tracker.reports, self.peer.peer_id, self.rules))
         try:
             report = await self._round(work, 0, f"grads:{due}:0", expected, due)
         except MatchmakingError as e:
             return StepReport(due, progress.samples, 0, 1, False, True, f"no group to help ({e})",
-                              time.perf_counter() - started)
+                              self.clock() - started)
         if report is None:
             return StepReport(due, progress.samples, 0, 0, False, True, "the swarm left the step before we found "
-                              "its group", time.perf_counter() - started, missed=True)
+                              "its group", self.clock() - started, missed=True)
         return StepReport(due, progress.samples, 0, len(report.members), True, report.complete, report.summary(),
-                          time.perf_counter() - started)
+                          self.clock() - started)
 
     # ------------------------------------------------------------------ the swarm's step
 
@@ -418,7 +419,7 @@ class CollaborativeOptimizer:
         """Step ``self.local_step`` of the swarm with ``expected`` peers: average, then apply (or,
         with delayed updates, apply the previous step's average and leave this one's round to the
         background)."""
-        started = time.perf_counter()
+        started = self.clock()
         samples = self.samples
         grads = self.accumulator.mean()
         step = self.local_step
@@ -436,10 +437,10 @@ class CollaborativeOptimizer:
             await self._sync()  # tell the swarm at once: we left the step
             if report.averaged:
                 await self._average_state(report.group_size)
-            return replace(report, elapsed=time.perf_counter() - started)
+            return replace(report, elapsed=self.clock() - started)
         applied = await self._apply_pending()  # step - 1's, averaged while we computed this one's
-        if applied is not None and applied.averaged:
-            await self._average_state(applied.group_size, at=step)
+        if applied is not None and applied.averaged:  # step - 1's update is in: the state is step's
+            await self._average_state(applied.group_size)
         self._next_step(samples)
         assert self._nursery is not None
         done = trio.Event()
@@ -448,12 +449,12 @@ class CollaborativeOptimizer:
         await self._sync()
         return applied
 
-    async def _average_state(self, expected: int, at: int | None = None) -> None:
-        """Every ``average_state_every`` steps: average parameters and optimizer statistics with the
-        peers that took the same step (those of its round: ``expected``). Best effort: a group that
-        does not form leaves the state as it is."""
+    async def _average_state(self, expected: int) -> None:
+        """Every ``average_state_every`` steps: average parameters and optimizer statistics at
+        ``local_step`` with the peers that took the same step (those of its round: ``expected``).
+        Best effort: a group that does not form leaves the state as it is."""
         every = self.config.average_state_every
-        step = self.local_step if at is None else at
+        step = self.local_step
         if not every or step % every or expected < 2:
             return
         stats = [v for state in self.optimizer.state.values() for v in state.values()
@@ -469,7 +470,7 @@ class CollaborativeOptimizer:
             return
         with torch.no_grad():
             for t, w in zip(tensors, work):
-                t.copy_(w.to(t.dtype))
+                t.copy_(w)  # back to the tensor's own dtype
         self.state_rounds += 1
 
     def _next_step(self, brought: int) -> None:
@@ -477,8 +478,7 @@ class CollaborativeOptimizer:
         self._fresh = False
         self._brought = brought
         self.local_step += 1
-        self.accumulator.zero()
-        self._reported_samples = 0
+        self.accumulator.zero()  # (a report follows at once: it sets _reported_samples)
         self._since = self.clock()
 
     async def _average(self, step: int, grads: list[torch.Tensor], samples: int,
@@ -492,9 +492,7 @@ class CollaborativeOptimizer:
         stops looking and says so (``missed``): it must catch up, not step alone.
         """
         if progress.peers <= 1:
-            return StepReport(step, progress.samples, samples, 1, False, True, "alone: the local gradient", 0.0,
-                              solo=True)
-        summary = ""
+            return StepReport(step, progress.samples, samples, 1, False, True, "alone: the local gradient", solo=True)
         for attempt in range(1 + self.config.retries):
             try:
                 # grads take the average only from a round that lost no part: otherwise they stay
@@ -506,24 +504,23 @@ class CollaborativeOptimizer:
                     # would set us apart from them for good; take their state instead
                     return StepReport(step, progress.samples, samples, 0, False, False,
                                       f"missed: the swarm took this step in a group we did not find ({e})",
-                                      0.0, missed=True)
+                                      missed=True)
                 summary = f"no group: the local gradient of {samples} samples alone ({e})"
-                return StepReport(step, progress.samples, samples, 1, False, True, summary, 0.0)
+                return StepReport(step, progress.samples, samples, 1, False, True, summary)
             if report is None:
                 return StepReport(step, progress.samples, samples, 0, False, False,
-                                  "missed: the swarm left this step before we found its group", 0.0, missed=True)
+                                  "missed: the swarm left this step before we found its group", missed=True)
             summary = report.summary()
             lost = [p for p in report.parts if p.not_averaged]
             if not lost:
                 if len(report.members) < progress.peers_at_step:
                     summary += f" ({progress.peers_at_step} peers were at this step)"
                 return StepReport(step, progress.samples, samples, len(report.members), True, report.complete,
-                                  summary, 0.0)
+                                  summary)
             expected = max(1, len(report.members) - len({p.reducer for p in lost}))
             summary = f"attempt {attempt + 1}: {summary}"
             log.warning("step %d: %s; averaging again among the rest", step, summary)
-        return StepReport(step, progress.samples, samples, 1, False, False,
-                          f"{summary}; the local gradient alone", 0.0)
+        return StepReport(step, progress.samples, samples, 1, False, False, f"{summary}; the local gradient alone")
 
     async def _round(self, work: list[torch.Tensor], samples: int, purpose: str, expected: int,
                      step: int) -> RoundReport | None:
@@ -566,7 +563,7 @@ class CollaborativeOptimizer:
         assert self._pending is not None
         try:
             report = await self._average(step, grads, samples, progress, expected)
-            self._pending[3].append(replace(report, elapsed=time.perf_counter() - started))
+            self._pending[3].append(replace(report, elapsed=self.clock() - started))
         finally:
             done.set()
 
@@ -612,7 +609,7 @@ class CollaborativeOptimizer:
             if report.peer_id in progress.sources and report.addrs:
                 self.peer.add_addrs(report.peer_id, list(report.addrs))
         wanted = policy.state_wanted(self._trainer(), progress, self.rules)
-        began = time.perf_counter()
+        began = self.clock()
         try:
             state = await download_state(self.peer, self.config.run_id, sources, wanted, self.params)
             load_state(state, self.params, self.optimizer, self.scheduler)
@@ -627,11 +624,10 @@ class CollaborativeOptimizer:
         self._pending = None
         self._missed_at = None
         self._stuck_since = None
-        self._fresh = False
         self.local_step = state.step - 1
-        self._next_step(0)  # the samples of an old step are dropped, not brought to a round
+        self._next_step(0)  # (no longer fresh)  # the samples of an old step are dropped, not brought to a round
         self.downloads += 1
-        self.last_download = (time.perf_counter() - began, state.source)
+        self.last_download = (self.clock() - began, state.source)
         log.info("caught up: downloaded the state at step %d%s", state.step,
                  f" ({dropped} samples of an old step dropped)" if dropped else "")
         await self._sync()
