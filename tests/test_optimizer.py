@@ -944,7 +944,11 @@ async def test_an_auxiliary_peer_follows_the_swarm_and_helps_each_ready_step_wit
         await say(peers[1], 2, 4)
         await say(peers[2], 2, 0)
 
-    script = Script(Found(round_report(3), took=1.5), MatchmakingError("nobody"))
+    async def nobody_in_time() -> MatchmakingError:
+        await trio.sleep(2)
+        return MatchmakingError("nobody")
+
+    script = Script(Found(round_report(3), took=1.5), nobody_in_time)
     async with scripted(monkeypatch, script, 3, before=before, averager=AveragerConfig(auxiliary=True),
                         report_interval=0.5) as h:
         assert STATE_PROTOCOL not in h.me.handlers  # its parameters are not current: it serves none
@@ -965,7 +969,7 @@ async def test_an_auxiliary_peer_follows_the_swarm_and_helps_each_ready_step_wit
         await say(h.peers[1], 3, 4)
         await say(h.peers[2], 3, 4)
         report = await h.opt.assist()
-        assert report == StepReport(3, TARGET, 0, 1, False, True, "no group to help (nobody)", 0.0)
+        assert report == StepReport(3, TARGET, 0, 1, False, True, "no group to help (nobody)", 2.0)
         assert script.calls[-1].expected == 3
 
 
