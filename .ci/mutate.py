@@ -107,6 +107,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "training/moe/layer.py": ("tests/test_moe_layer.py",),
     "training/moe/server.py": ("tests/test_moe_server.py",),
     "training/optimizer.py": ("tests/test_optimizer.py",),
+    "training/datasets/fetch.py": ("tests/test_fetch.py",),
 }
 
 KILLED = {"killed", "timeout"}

@@ -27,7 +27,7 @@ import random
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import trio
 from libp2p.abc import INetStream
@@ -208,8 +208,8 @@ class Download:
                 self.report.first_seeder_s = trio.current_time() - self._start
             with unwrap_single_group():
                 await self._exchange(peer, stream)
-        except trio.TooSlowError:
-            why = "no answer in time"
+        except trio.TooSlowError as e:  # the stall's says how long; the connect timeout's is bare
+            why = str(e) or "no answer in time"
         except (DedlocError, OSError, EOFError, trio.BrokenResourceError, trio.ClosedResourceError, StreamError) as e:
             why = str(e) or type(e).__name__
         except ExceptionGroup as group:  # the writer and the reader failed at once (the stream broke)
@@ -308,7 +308,7 @@ class Download:
             leaves = check_leaves(data, shard.root, shard.size, self.local.piece_size)
             if isinstance(leaves, str):
                 self._ban(peer, f"{shard.path}: {leaves}")
-            if self.picker.received(peer, key, now, len(data)) and not isinstance(leaves, str):
+            if self.picker.received(peer, key, now, len(data)):
                 self.local.set_leaves(shard.root, leaves)
             self._wake()
             return
@@ -340,7 +340,8 @@ class Download:
             self._done.set()
         self._wake()
 
-    def _ban(self, peer: ID, reason: str) -> None:
+    def _ban(self, peer: ID, reason: str) -> NoReturn:
+        """Ban ``peer`` for this dataset, say so, and end its exchange."""
         self.picker.ban(peer, reason)
         self.table.ban(peer, reason)
         self.report.banned[peer] = reason
