@@ -222,6 +222,16 @@ async def harness(tmp_path: Path, n: int = 3, files: dict[str, bytes] = FILES, *
         yield Harness(download, tracker, local, peers, shards, directory, paths)
 
 
+@asynccontextmanager
+async def running(h: Harness, limit: float = 120.0) -> AsyncIterator[None]:
+    """The download runs in the background during the block; after it, it must finish within ``limit``."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(h.download.run)
+        yield
+        with trio.fail_after(limit):
+            await h.download._done.wait()
+
+
 def events(peer: FakeSwarm, kind: type[Event]) -> list[Any]:
     return [e for e in peer.events if isinstance(e, kind)]
 
@@ -329,6 +339,7 @@ async def test_a_bad_piece_bans_its_seeder_by_name_and_another_brings_it(
             ("wiki", str(h.peers[1].peer_id), reason)]
         assert log_lines(caplog, LOG, "datasets:") == [f"datasets: wiki: seeder {h.peers[1].peer_id} banned: {reason}"]
         assert h.download.table.state(h.peers[1].peer_id) == SeederState.BANNED
+        assert h.download.table.known[h.peers[1].peer_id].why == reason
         assert h.download.picker.banned() == {h.peers[1].peer_id: reason}
         assert h.download.progress().banned == 1
         asked = len(bad.requests)
@@ -359,13 +370,10 @@ async def test_leaves_that_do_not_add_up_to_the_root_ban_their_seeder(autojump_c
             h.peers[1].peer_id: "a.txt: 0 bytes of piece hashes where the shard has 4 pieces"}
     async with harness(tmp_path, files={"a.txt": FILES["a.txt"]}) as h:
         h.seeder(1, script=liar)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(h.download.run)
+        async with running(h):
             await trio.sleep(1)
             assert h.download.report.banned
             good = h.seeder(2)
-            with trio.fail_after(60):
-                await h.download._done.wait()
         report = h.download.report
         assert report.banned == {h.peers[1].peer_id: "a.txt: the piece hashes do not add up to the shard's root"}
         assert len(good.asked(pb.Request.LEAVES)) == 1
@@ -404,13 +412,10 @@ async def test_a_busy_seeder_is_tried_again_later(autojump_clock: trio.abc.Clock
 
     async with harness(tmp_path, files={"a.txt": FILES["a.txt"]}) as h:
         seeder = h.seeder(1, script=slots)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(h.download.run)
+        async with running(h):
             await trio.sleep(1)
             assert h.download.table.known[h.peers[1].peer_id].why == "all upload slots in use"
             busy[0] = False
-            with trio.fail_after(120):
-                await h.download._done.wait()
         assert seeder.streams >= 2
         assert (h.directory / "a.txt").read_bytes() == FILES["a.txt"]
 
@@ -435,14 +440,11 @@ async def test_a_piece_a_seeder_does_not_have_is_asked_of_another(autojump_clock
 
     async with harness(tmp_path, files={"a.txt": FILES["a.txt"]}) as h:
         first = h.seeder(1, script=missing)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(h.download.run)
+        async with running(h):
             await trio.sleep(2)
             assert ("a.txt", 2) in first.asked(pb.Request.PIECE)
             assert not h.download._done.is_set()
             second = h.seeder(2, pieces={h.shards[0].root: {2}})
-            with trio.fail_after(60):
-                await h.download._done.wait()
         report = h.download.report
         assert second.asked(pb.Request.PIECE) == [("a.txt", 2)]
         assert report.sources[h.peers[2].peer_id] == PIECE
@@ -456,8 +458,7 @@ async def test_a_seeder_that_stalls_is_given_up_after_stall_timeout(autojump_clo
 
     async with harness(tmp_path, files={"a.txt": FILES["a.txt"]}, stall_timeout=7.0) as h:
         h.seeder(1, script=stall)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(h.download.run)
+        async with running(h):
             started = trio.current_time()
             await trio.sleep(0.1)
             assert h.download.table.state(h.peers[1].peer_id) == SeederState.CONNECTED
@@ -467,8 +468,6 @@ async def test_a_seeder_that_stalls_is_given_up_after_stall_timeout(autojump_clo
             assert trio.current_time() - started == pytest.approx(7.0, abs=1.01)
             assert h.download.table.known[h.peers[1].peer_id].why == "no answer for 7 s"
             h.seeder(2)
-            with trio.fail_after(120):
-                await h.download._done.wait()
 
 
 async def test_a_seeder_that_closes_its_stream_costs_only_time(autojump_clock: trio.abc.Clock,
@@ -661,16 +660,18 @@ def test_how_much_an_answer_may_hold_and_how_much_we_hold(tmp_path: Path) -> Non
 
 async def test_priority_shards_come_first_and_each_whole_shard_is_handed_to_on_shard(
         autojump_clock: trio.abc.Clock, tmp_path: Path) -> None:
-    got: list[str] = []
-    async with harness(tmp_path) as h:
-        a, b = h.shards
-        seeder = h.seeder(1)
-        download = Download(cast(Any, h.tracker), h.local, priority=[b.root], on_shard=lambda s: got.append(s.path))
-        with trio.fail_after(300):
-            await download.run()
-        assert seeder.asked(pb.Request.LEAVES)[0] == ("b.txt", 0)
-        assert seeder.asked(pb.Request.PIECE)[0][0] == "b.txt"
-        assert sorted(got) == ["a.txt", "b.txt"]
+    for first in ("a.txt", "b.txt"):  # either way round, whatever the random order
+        got: list[str] = []
+        async with harness(tmp_path / first) as h:
+            roots = {s.path: s.root for s in h.shards}
+            seeder = h.seeder(1)
+            download = Download(cast(Any, h.tracker), h.local, priority=[roots[first]], rng=random.Random(1),
+                                on_shard=lambda s: got.append(s.path))
+            with trio.fail_after(300):
+                await download.run()
+            assert seeder.asked(pb.Request.LEAVES)[0] == (first, 0)
+            assert seeder.asked(pb.Request.PIECE)[0][0] == first
+            assert sorted(got) == ["a.txt", "b.txt"]
 
 
 async def test_a_seeded_download_asks_in_the_same_order_every_time(autojump_clock: trio.abc.Clock,

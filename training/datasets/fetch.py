@@ -155,8 +155,8 @@ class Download:
     def asked_by(self, peer: ID) -> None:
         """``peer`` asked us for this dataset (it fetches it too): a seeder for us as soon as it holds a piece,
         known before its tracker record is read (BitTorrent's connections work both ways alike)."""
-        if peer != self.peer.peer_id and peer not in self.table.known:
-            self.table.learn(peer, whole=False)
+        if peer not in self.table.known:
+            self.table.learn(peer, whole=False)  # (never ourselves: the table knows who we are)
             self._wake()
 
     async def _tracker(self, nursery: trio.Nursery) -> None:
