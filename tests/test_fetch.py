@@ -480,7 +480,7 @@ async def test_a_seeder_that_closes_its_stream_costs_only_time(autojump_clock: t
         with trio.move_on_after(1):
             await h.download.run()
         known = h.download.table.known[h.peers[1].peer_id]
-        assert known.failures == 1 and known.why
+        assert known.failures == 1 and known.why == "the peer closed the stream mid-frame"
 
 
 async def test_a_seeder_that_cannot_be_reached_in_time_is_retried(autojump_clock: trio.abc.Clock,

@@ -654,7 +654,7 @@ async def test_a_peer_with_no_samples_and_no_group_applies_nothing(
         assert report is not None and report.averaged and values(h.model) == [-4.0, -4.0, -5.0]
 
 
-async def test_a_late_joiner_catches_up_and_joins_the_gathering_round_with_no_samples(
+async def test_a_late_joiner_takes_the_swarm_s_state_as_it_opens_then_steps_with_it(
         autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     async def before(peers: list[FakeSwarm]) -> None:
         await say(peers[1], 3, 4)
