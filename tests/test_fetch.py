@@ -103,6 +103,16 @@ STALL, CLOSE = "stall", "close"
 Script = Callable[[pb.Request, "Seeder"], Answer | str | None]
 
 
+def on(kind: int, answer: Answer | str, index: int | None = None) -> Script:
+    """A script that gives ``answer`` to every request of ``kind`` (of piece ``index`` only, where given)
+    and answers the others honestly."""
+
+    def script(request: pb.Request, seeder: Seeder) -> Answer | str | None:
+        return answer if request.kind == kind and index in (None, request.index) else None
+
+    return script
+
+
 @dataclass
 class Seeder:
     """A seeder the test plays on ``swarm``: it holds ``pieces`` (root -> piece indices; None: every
@@ -316,11 +326,7 @@ async def test_a_partial_download_resumes_with_the_missing_pieces_only(autojump_
 
 async def test_a_bad_piece_bans_its_seeder_by_name_and_another_brings_it(
         autojump_clock: trio.abc.Clock, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    def liar(request: pb.Request, seeder: Seeder) -> Answer | None:
-        if request.kind == pb.Request.PIECE:
-            return pb.Answer(status=pb.Answer.OK, size=PIECE), bytes(PIECE)
-        return None
-
+    liar = on(pb.Request.PIECE, (pb.Answer(status=pb.Answer.OK, size=PIECE), bytes(PIECE)))
     async with harness(tmp_path) as h:
         a, b = h.shards
         bad = h.seeder(1, script=liar)
@@ -359,11 +365,8 @@ async def test_leaves_that_do_not_add_up_to_the_root_ban_their_seeder(autojump_c
             return pb.Answer(status=pb.Answer.OK, size=count * 32), bytes(count * 32)
         return None
 
-    def empty_leaves(request: pb.Request, seeder: Seeder) -> Answer | None:
-        return (pb.Answer(status=pb.Answer.OK), b"") if request.kind == pb.Request.LEAVES else None
-
     async with harness(tmp_path / "2", files={"a.txt": FILES["a.txt"]}) as h:
-        h.seeder(1, script=empty_leaves)
+        h.seeder(1, script=on(pb.Request.LEAVES, (pb.Answer(status=pb.Answer.OK), b"")))
         with trio.move_on_after(1):
             await h.download.run()
         assert h.download.report.banned == {
@@ -387,13 +390,8 @@ async def test_leaves_that_do_not_add_up_to_the_root_ban_their_seeder(autojump_c
 ])
 async def test_an_answer_larger_than_what_was_asked_fails_the_seeder(
         autojump_clock: trio.abc.Clock, tmp_path: Path, kind: int, size: int, message: str) -> None:
-    def oversized(request: pb.Request, seeder: Seeder) -> Answer | None:
-        if request.kind == kind:
-            return pb.Answer(status=pb.Answer.OK, size=size), bytes(size)
-        return None
-
     async with harness(tmp_path, files={"a.txt": FILES["a.txt"]}) as h:
-        seeder = h.seeder(1, script=oversized)
+        seeder = h.seeder(1, script=on(kind, (pb.Answer(status=pb.Answer.OK, size=size), bytes(size))))
         with trio.move_on_after(1.5):
             await h.download.run()
         known = h.download.table.known[h.peers[1].peer_id]
@@ -419,13 +417,8 @@ async def test_a_busy_seeder_is_tried_again_later(autojump_clock: trio.abc.Clock
         assert seeder.streams >= 2
         assert (h.directory / "a.txt").read_bytes() == FILES["a.txt"]
 
-    def quiet(request: pb.Request, seeder: Seeder) -> Answer | None:
-        if request.kind == pb.Request.PIECE:
-            return pb.Answer(status=pb.Answer.BUSY), b""
-        return None
-
     async with harness(tmp_path / "2", files={"a.txt": FILES["a.txt"]}) as h:
-        h.seeder(1, script=quiet)
+        h.seeder(1, script=on(pb.Request.PIECE, (pb.Answer(status=pb.Answer.BUSY), b"")))  # no reason given
         with trio.move_on_after(1):
             await h.download.run()
         assert h.download.table.known[h.peers[1].peer_id].why == "busy"
@@ -433,11 +426,7 @@ async def test_a_busy_seeder_is_tried_again_later(autojump_clock: trio.abc.Clock
 
 async def test_a_piece_a_seeder_does_not_have_is_asked_of_another(autojump_clock: trio.abc.Clock,
                                                                   tmp_path: Path) -> None:
-    def missing(request: pb.Request, seeder: Seeder) -> Answer | None:
-        if request.kind == pb.Request.PIECE and request.index == 2:
-            return pb.Answer(status=pb.Answer.NOT_FOUND, reason="gone"), b""
-        return None
-
+    missing = on(pb.Request.PIECE, (pb.Answer(status=pb.Answer.NOT_FOUND, reason="gone"), b""), index=2)
     async with harness(tmp_path, files={"a.txt": FILES["a.txt"]}) as h:
         first = h.seeder(1, script=missing)
         async with running(h):
@@ -453,11 +442,8 @@ async def test_a_piece_a_seeder_does_not_have_is_asked_of_another(autojump_clock
 
 async def test_a_seeder_that_stalls_is_given_up_after_stall_timeout(autojump_clock: trio.abc.Clock,
                                                                     tmp_path: Path) -> None:
-    def stall(request: pb.Request, seeder: Seeder) -> str | None:
-        return STALL if request.kind == pb.Request.PIECE else None
-
     async with harness(tmp_path, files={"a.txt": FILES["a.txt"]}, stall_timeout=7.0) as h:
-        h.seeder(1, script=stall)
+        h.seeder(1, script=on(pb.Request.PIECE, STALL))
         async with running(h):
             started = trio.current_time()
             await trio.sleep(0.1)
@@ -472,11 +458,8 @@ async def test_a_seeder_that_stalls_is_given_up_after_stall_timeout(autojump_clo
 
 async def test_a_seeder_that_closes_its_stream_costs_only_time(autojump_clock: trio.abc.Clock,
                                                               tmp_path: Path) -> None:
-    def close(request: pb.Request, seeder: Seeder) -> str | None:
-        return CLOSE if request.kind == pb.Request.LEAVES else None
-
     async with harness(tmp_path, files={"a.txt": FILES["a.txt"]}) as h:
-        h.seeder(1, script=close)
+        h.seeder(1, script=on(pb.Request.LEAVES, CLOSE))
         with trio.move_on_after(1):
             await h.download.run()
         known = h.download.table.known[h.peers[1].peer_id]
@@ -728,11 +711,7 @@ async def test_a_large_have_answer_is_read_and_a_garbled_one_fails_the_seeder(
         h.seeder(1, script=large)
         await h.run()
 
-    def garbled(request: pb.Request, seeder: Seeder) -> Answer | None:
-        if request.kind == pb.Request.HAVE:
-            return cast(Any, None), b"\x03\xff\xff\xff"  # a header of three bytes that do not parse
-        return None
-
+    garbled = on(pb.Request.HAVE, (cast(Any, None), b"\x03\xff\xff\xff"))  # a header of three bytes that do not parse
     async with harness(tmp_path / "2", files={"a.txt": FILES["a.txt"]}) as h:
         h.seeder(1, script=garbled)
         with trio.move_on_after(0.5):

@@ -181,22 +181,34 @@ def patch_averager(monkeypatch: pytest.MonkeyPatch, script: Script) -> None:
     monkeypatch.setattr(optimizer_module, "Averager", SimpleNamespace(open=open_averager))
 
 
+@dataclass(frozen=True)
+class Said:
+    """Peer number ``peer``'s progress report (at ``step`` with ``samples``), published before the optimizer opens."""
+
+    peer: int
+    step: int
+    samples: int
+    client: bool = False
+    sender: bool = False
+    previous: int = 0
+
+
 @asynccontextmanager
 async def scripted(monkeypatch: pytest.MonkeyPatch, script: Script, n: int = 2, *,
-                   before: Callable[[list[FakeSwarm]], Awaitable[None]] | None = None,
+                   said: Sequence[Said] = (),
                    state: TrainingState | StateDownloadError | None = None,
                    optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
                    scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
                    scaler: torch.amp.GradScaler | None = None, model: torch.nn.Linear | None = None,
                    **overrides: Any) -> AsyncIterator[Harness]:
-    """An optimizer on the first of ``n`` peers with ``script`` for its averager (``before`` runs
-    first: the others' reports); with ``state``, downloads are recorded and give it (or raise it)."""
+    """An optimizer on the first of ``n`` peers with ``script`` for its averager, opened once the others
+    have ``said`` their progress; with ``state``, downloads are recorded and give it (or raise it)."""
 
     patch_averager(monkeypatch, script)
     async with fake_swarms(n) as peers:
         await trio.sleep(5)  # the clock is well past 0: a sum where a difference belongs shows
-        if before is not None:
-            await before(peers)
+        for r in said:
+            await say(peers[r.peer], r.step, r.samples, previous=r.previous, client=r.client, sender=r.sender)
         model = model or linear()
         opt_ = (optimizer or (lambda m: torch.optim.SGD(m.parameters(), lr=1.0)))(model)
         downloads: list[tuple[list[ID], int]] = []
@@ -471,11 +483,10 @@ async def test_a_peer_alone_steps_on_its_own_mean_gradient(autojump_clock: trio.
 
 async def test_peers_average_their_mean_gradients_weighted_by_samples_then_step(
         autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch) -> None:
-    async def before(peers: list[FakeSwarm]) -> None:
-        await say(peers[1], 0, 4)
+    said = [Said(1, 0, 4)]
 
     script = Script(Found(round_report(2), average=5.0, took=1.5))
-    async with scripted(monkeypatch, script, before=before) as h:
+    async with scripted(monkeypatch, script, said=said) as h:
         backward(h.model, 2.0)
         report = await h.opt.step(4)
         assert report == StepReport(0, TARGET, 4, 2, True, True, complete(2), 1.5)
@@ -492,12 +503,10 @@ async def test_peers_average_their_mean_gradients_weighted_by_samples_then_step(
 
 async def test_a_group_smaller_than_the_step_s_peers_says_how_many_were_there(
         autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch) -> None:
-    async def before(peers: list[FakeSwarm]) -> None:
-        await say(peers[1], 0, 4)
-        await say(peers[2], 0, 4)
+    said = [Said(1, 0, 4), Said(2, 0, 4)]
 
     script = Script(Found(round_report(2), average=5.0))
-    async with scripted(monkeypatch, script, 3, before=before) as h:
+    async with scripted(monkeypatch, script, 3, said=said) as h:
         backward(h.model, 2.0)
         report = await h.opt.step(4)
         assert report is not None
@@ -508,13 +517,12 @@ async def test_a_group_smaller_than_the_step_s_peers_says_how_many_were_there(
 
 async def test_a_round_that_lost_a_reducer_is_run_again_among_the_rest(
         autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    async def before(peers: list[FakeSwarm]) -> None:
-        await say(peers[1], 0, 4)
+    said = [Said(1, 0, 4)]
 
     # four members, parts 1 and 2 both reduced by member 1, who left: three go on
     lost = round_report(4, lost=[1, 2], reducers=[0, 1, 1, 3])
     script = Script(Found(lost, average=9.0), Found(round_report(3), average=5.0))
-    async with scripted(monkeypatch, script, before=before) as h:
+    async with scripted(monkeypatch, script, said=said) as h:
         backward(h.model, 2.0)
         with caplog.at_level(logging.WARNING, LOG):
             report = await h.opt.step(4)
@@ -528,19 +536,18 @@ async def test_a_round_that_lost_a_reducer_is_run_again_among_the_rest(
 
 async def test_rounds_that_keep_losing_reducers_leave_the_local_gradient(
         autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch) -> None:
-    async def before(peers: list[FakeSwarm]) -> None:
-        await say(peers[1], 0, 4)
+    said = [Said(1, 0, 4)]
 
     first, second = round_report(2, lost=[0, 1]), round_report(3, lost=[2])
     script = Script(Found(first, average=9.0), Found(second, average=9.0))
-    async with scripted(monkeypatch, script, before=before, retries=1) as h:
+    async with scripted(monkeypatch, script, said=said, retries=1) as h:
         backward(h.model, 2.0)
         report = await h.opt.step(4)
         assert report == StepReport(0, TARGET, 4, 1, False, False,
                                     f"attempt 2: {second.summary()}; the local gradient alone", 0.0)
         assert [(c.purpose, c.expected) for c in script.calls] == [("grads:0:0", 2), ("grads:0:1", 1)]
         assert values(h.model) == [-1.0, -1.0, -2.0]
-    async with scripted(monkeypatch, Script(Found(first, average=9.0)), before=before, retries=0) as h:
+    async with scripted(monkeypatch, Script(Found(first, average=9.0)), said=said, retries=0) as h:
         backward(h.model, 2.0)
         report = await h.opt.step(4)
         assert report is not None and report.summary == f"attempt 1: {first.summary()}; the local gradient alone"
@@ -548,11 +555,10 @@ async def test_rounds_that_keep_losing_reducers_leave_the_local_gradient(
 
 async def test_no_group_steps_on_the_local_gradient_and_says_why(
         autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch) -> None:
-    async def before(peers: list[FakeSwarm]) -> None:
-        await say(peers[1], 0, 4)
+    said = [Said(1, 0, 4)]
 
     script = Script(MatchmakingError("nobody came"))
-    async with scripted(monkeypatch, script, before=before, average_state_every=1) as h:
+    async with scripted(monkeypatch, script, said=said, average_state_every=1) as h:
         backward(h.model, 2.0)
         report = await h.opt.step(4)
         assert report == StepReport(0, TARGET, 4, 1, False, True,
@@ -566,9 +572,7 @@ async def test_a_step_the_others_took_in_a_group_we_did_not_find_is_missed_and_r
         autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     harness: list[Harness] = []
 
-    async def before(peers: list[FakeSwarm]) -> None:
-        await say(peers[1], 0, 4)
-        await say(peers[2], 0, 4)
+    said = [Said(1, 0, 4), Said(2, 0, 4)]
 
     async def they_stepped() -> MatchmakingError:
         h = harness[0]
@@ -579,7 +583,7 @@ async def test_a_step_the_others_took_in_a_group_we_did_not_find_is_missed_and_r
 
     script = Script(they_stepped)
     failed = StateDownloadError("no peer served a usable state (none to ask)")
-    async with scripted(monkeypatch, script, 3, before=before, state=failed, download_retry=7.0) as h:
+    async with scripted(monkeypatch, script, 3, said=said, state=failed, download_retry=7.0) as h:
         harness.append(h)
         backward(h.model, 2.0)
         with caplog.at_level(logging.WARNING, LOG):
@@ -612,15 +616,14 @@ async def test_a_round_the_others_left_stops_the_search_and_takes_their_state(
         autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     harness: list[Harness] = []
 
-    async def before(peers: list[FakeSwarm]) -> None:
-        await say(peers[1], 0, 4)
+    said = [Said(1, 0, 4)]
 
     async def they_left() -> str:
         await say(harness[0].peers[1], 1, 0)
         return HANG
 
     script = Script(they_left)
-    async with scripted(monkeypatch, script, before=before, state=state_at(1, [7.0, 8.0, 9.0], source="p1"),
+    async with scripted(monkeypatch, script, said=said, state=state_at(1, [7.0, 8.0, 9.0], source="p1"),
                         report_interval=0.5) as h:
         harness.append(h)
         backward(h.model, 2.0)
@@ -656,14 +659,12 @@ async def test_a_peer_with_no_samples_and_no_group_applies_nothing(
 
 async def test_a_late_joiner_takes_the_swarm_s_state_as_it_opens_then_steps_with_it(
         autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    async def before(peers: list[FakeSwarm]) -> None:
-        await say(peers[1], 3, 4)
-        await say(peers[2], 3, 4)
+    said = [Said(1, 3, 4), Said(2, 3, 4)]
 
     script = Script(Found(round_report(3), average=1.0))
     pending = [0.5, 0.5, 0.5]
     with caplog.at_level(logging.INFO, LOG):
-        async with scripted(monkeypatch, script, 3, before=before,
+        async with scripted(monkeypatch, script, 3, said=said,
                             state=state_at(3, [2.0, 3.0, 4.0], pending=pending)) as h:
             # opening took the state (and applied the pending step it carries)
             assert h.downloads == [([h.peers[2].peer_id, h.peers[1].peer_id], 3)]
@@ -681,11 +682,9 @@ async def test_a_late_joiner_takes_the_swarm_s_state_as_it_opens_then_steps_with
 
 async def test_after_a_catch_up_the_ready_round_is_joined_at_once(
         autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch) -> None:
-    async def before(peers: list[FakeSwarm]) -> None:
-        await say(peers[1], 0, 0)
-        await say(peers[2], 0, 0)
+    said = [Said(1, 0, 0), Said(2, 0, 0)]
 
-    async with scripted(monkeypatch, Script(Found(round_report(3), average=1.0)), 3, before=before,
+    async with scripted(monkeypatch, Script(Found(round_report(3), average=1.0)), 3, said=said,
                         state=state_at(2, [2.0, 3.0, 4.0])) as h:
         backward(h.model, 1.0)
         await h.opt.step(1)
@@ -698,7 +697,7 @@ async def test_after_a_catch_up_the_ready_round_is_joined_at_once(
         assert [t.tolist() for t in call.work] == [[[0.0, 0.0]], [0.0]]  # none of ours
         assert values(h.model) == [1.0, 2.0, 3.0]
         assert h.opt.local_step == 3
-    async with scripted(monkeypatch, Script(), 3, before=before, state=state_at(2, [2.0, 3.0, 4.0])) as h:
+    async with scripted(monkeypatch, Script(), 3, said=said, state=state_at(2, [2.0, 3.0, 4.0])) as h:
         await say(h.peers[1], 2, 0)
         await say(h.peers[2], 2, 0)
         assert await h.opt._catch_up_and_join(await h.opt._sync()) is None  # the round is not ready: wait
@@ -709,10 +708,9 @@ async def test_after_a_catch_up_the_ready_round_is_joined_at_once(
 
 async def test_a_peer_stuck_without_a_quorum_takes_the_state_of_the_one_furthest_ahead(
         autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    async def before(peers: list[FakeSwarm]) -> None:
-        await say(peers[1], 2, 4)
+    said = [Said(1, 2, 4)]
 
-    async with scripted(monkeypatch, Script(), before=before, state=state_at(2, [2.0, 3.0, 4.0])) as h:
+    async with scripted(monkeypatch, Script(), said=said, state=state_at(2, [2.0, 3.0, 4.0])) as h:
         assert h.opt.local_step == 0  # one peer ahead is no quorum: opening took nothing
         backward(h.model, 1.0)
         with caplog.at_level(logging.WARNING, LOG):
@@ -726,10 +724,9 @@ async def test_a_peer_stuck_without_a_quorum_takes_the_state_of_the_one_furthest
 
 async def test_a_missed_round_nobody_can_repair_is_let_go(
         autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    async def before(peers: list[FakeSwarm]) -> None:
-        await say(peers[1], 1, 0, client=True)  # ahead, and serves nobody
+    said = [Said(1, 1, 0, client=True)]  # ahead, and serves nobody
 
-    async with scripted(monkeypatch, Script(), before=before, target_batch_size=10_000) as h:
+    async with scripted(monkeypatch, Script(), said=said, target_batch_size=10_000) as h:
         h.opt._missed_at = trio.current_time()
         await trio.sleep(11)
         backward(h.model, 1.0)
@@ -766,11 +763,10 @@ async def test_the_step_clips_the_global_norm_and_steps_the_scheduler_once(
 
 async def test_with_delayed_updates_a_step_s_average_is_applied_when_the_next_step_begins(
         autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch) -> None:
-    async def before(peers: list[FakeSwarm]) -> None:
-        await say(peers[1], 0, 4)
+    said = [Said(1, 0, 4)]
 
     script = Script(Found(round_report(2), average=5.0, took=1.0), Found(round_report(2), average=3.0, took=1.0))
-    async with scripted(monkeypatch, script, before=before, delay_updates=True) as h:
+    async with scripted(monkeypatch, script, said=said, delay_updates=True) as h:
         backward(h.model, 2.0)
         assert await h.opt.step(4) is None  # step 0's round runs in the background
         assert h.opt.local_step == 1 and h.opt._pending is not None
@@ -795,10 +791,9 @@ async def test_with_delayed_updates_a_step_s_average_is_applied_when_the_next_st
 
 async def test_the_block_s_end_applies_the_last_delayed_step(autojump_clock: trio.abc.Clock,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    async def before(peers: list[FakeSwarm]) -> None:
-        await say(peers[1], 0, 4)
+    said = [Said(1, 0, 4)]
 
-    async with scripted(monkeypatch, Script(Found(round_report(2), average=5.0, took=1.0)), before=before,
+    async with scripted(monkeypatch, Script(Found(round_report(2), average=5.0, took=1.0)), said=said,
                         delay_updates=True) as h:
         backward(h.model, 2.0)
         await h.opt.step(4)
@@ -807,10 +802,9 @@ async def test_the_block_s_end_applies_the_last_delayed_step(autojump_clock: tri
 
 async def test_a_delayed_round_the_swarm_left_is_not_applied(
         autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    async def before(peers: list[FakeSwarm]) -> None:
-        await say(peers[1], 0, 4)
+    said = [Said(1, 0, 4)]
 
-    async with scripted(monkeypatch, Script(Found(round_report(2), average=5.0)), before=before,
+    async with scripted(monkeypatch, Script(Found(round_report(2), average=5.0)), said=said,
                         delay_updates=True) as h:
         done = trio.Event()
         done.set()
@@ -914,18 +908,17 @@ async def test_every_k_steps_the_parameters_and_optimizer_statistics_are_average
 
 async def test_a_step_s_state_round_follows_an_averaged_step_only(
         autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch) -> None:
-    async def before(peers: list[FakeSwarm]) -> None:
-        await say(peers[1], 0, 4)
+    said = [Said(1, 0, 4)]
 
     script = Script(Found(round_report(2), average=5.0), Found(round_report(2), average=0.0))
-    async with scripted(monkeypatch, script, before=before, average_state_every=1) as h:
+    async with scripted(monkeypatch, script, said=said, average_state_every=1) as h:
         backward(h.model, 2.0)
         await h.opt.step(4)
         assert [(c.purpose, c.expected) for c in script.calls] == [("grads:0:0", 2), ("state:1", 2)]
         assert values(h.model) == [0.0, 0.0, 0.0]
     script = Script(Found(round_report(2), average=5.0, took=1.0), Found(round_report(2), average=0.0),
                     Found(round_report(2), average=5.0))
-    async with scripted(monkeypatch, script, before=before, average_state_every=1, delay_updates=True) as h:
+    async with scripted(monkeypatch, script, said=said, average_state_every=1, delay_updates=True) as h:
         backward(h.model, 2.0)
         await h.opt.step(4)
         await trio.sleep(2)
@@ -940,16 +933,14 @@ async def test_a_step_s_state_round_follows_an_averaged_step_only(
 
 async def test_an_auxiliary_peer_follows_the_swarm_and_helps_each_ready_step_with_weight_zero(
         autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch) -> None:
-    async def before(peers: list[FakeSwarm]) -> None:
-        await say(peers[1], 2, 4)
-        await say(peers[2], 2, 0)
+    said = [Said(1, 2, 4), Said(2, 2, 0)]
 
     async def nobody_in_time() -> MatchmakingError:
         await trio.sleep(2)
         return MatchmakingError("nobody")
 
     script = Script(Found(round_report(3), took=1.5), nobody_in_time)
-    async with scripted(monkeypatch, script, 3, before=before, averager=AveragerConfig(auxiliary=True),
+    async with scripted(monkeypatch, script, 3, said=said, averager=AveragerConfig(auxiliary=True),
                         report_interval=0.5) as h:
         assert STATE_PROTOCOL not in h.me.handlers  # its parameters are not current: it serves none
         assert (h.opt.local_step, h.opt._assisted) == (2, 1)
@@ -977,16 +968,14 @@ async def test_an_auxiliary_peer_the_swarm_left_behind_says_so(
         autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch) -> None:
     harness: list[Harness] = []
 
-    async def before(peers: list[FakeSwarm]) -> None:
-        await say(peers[1], 0, 4)
-        await say(peers[2], 0, 4)
+    said = [Said(1, 0, 4), Said(2, 0, 4)]
 
     async def they_left() -> str:
         await say(harness[0].peers[1], 1, 0)
         await say(harness[0].peers[2], 1, 0)
         return HANG
 
-    async with scripted(monkeypatch, Script(they_left), 3, before=before, averager=AveragerConfig(auxiliary=True),
+    async with scripted(monkeypatch, Script(they_left), 3, said=said, averager=AveragerConfig(auxiliary=True),
                         report_interval=0.5) as h:
         harness.append(h)
         report = await h.opt.assist()
@@ -996,11 +985,9 @@ async def test_an_auxiliary_peer_the_swarm_left_behind_says_so(
 
 async def test_an_auxiliary_peer_helps_the_step_just_begun_with_delayed_updates(
         autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch) -> None:
-    async def before(peers: list[FakeSwarm]) -> None:
-        await say(peers[1], 1, 0)
-        await say(peers[2], 1, 0)
+    said = [Said(1, 1, 0), Said(2, 1, 0)]
 
-    async with scripted(monkeypatch, Script(Found(round_report(3))), 3, before=before, delay_updates=True,
+    async with scripted(monkeypatch, Script(Found(round_report(3))), 3, said=said, delay_updates=True,
                         averager=AveragerConfig(auxiliary=True)) as h:
         h.opt._assisted = -1
         report = await h.opt.assist()
@@ -1013,10 +1000,9 @@ async def test_an_auxiliary_peer_helps_the_step_just_begun_with_delayed_updates(
 
 async def test_a_late_joiner_downloads_a_peer_s_state_over_the_swarm(autojump_clock: trio.abc.Clock,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    async def before(peers: list[FakeSwarm]) -> None:
-        await say(peers[2], 2, 0)
+    said = [Said(2, 2, 0)]
 
-    async with scripted(monkeypatch, Script(), 3, before=before) as first:
+    async with scripted(monkeypatch, Script(), 3, said=said) as first:
         first.opt.local_step = 2
         with torch.no_grad():
             first.model.weight.fill_(3.0)
@@ -1034,11 +1020,9 @@ async def test_an_auxiliary_peer_s_zeros_have_the_trainers_schema(autojump_clock
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The match key holds the tensors' dtypes: zeros of another dtype than the trainers' gradients
     never meet them (float32 zeros for a float64 or bfloat16 model did not)."""
-    async def before(peers: list[FakeSwarm]) -> None:
-        await say(peers[1], 0, 4)
-        await say(peers[2], 0, 4)
+    said = [Said(1, 0, 4), Said(2, 0, 4)]
 
-    async with scripted(monkeypatch, Script(Found(round_report(3))), 3, before=before, model=linear().double(),
+    async with scripted(monkeypatch, Script(Found(round_report(3))), 3, said=said, model=linear().double(),
                         averager=AveragerConfig(auxiliary=True)) as h:
         await h.opt.assist()
         trainer = GradientAccumulator(list(linear().double().parameters()))
@@ -1048,11 +1032,9 @@ async def test_an_auxiliary_peer_s_zeros_have_the_trainers_schema(autojump_clock
 
 async def test_an_auxiliary_peer_alone_keeps_its_step(autojump_clock: trio.abc.Clock,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    async def before(peers: list[FakeSwarm]) -> None:
-        await say(peers[1], 5, 0)
-        await say(peers[2], 5, 0)
+    said = [Said(1, 5, 0), Said(2, 5, 0)]
 
-    async with scripted(monkeypatch, Script(), 3, before=before, averager=AveragerConfig(auxiliary=True),
+    async with scripted(monkeypatch, Script(), 3, said=said, averager=AveragerConfig(auxiliary=True),
                         report_interval=1.0) as h:
         assert h.opt.local_step == 5
         h.me.network.records._data.clear()  # the trainers left: their reports are gone
@@ -1063,12 +1045,10 @@ async def test_an_auxiliary_peer_alone_keeps_its_step(autojump_clock: trio.abc.C
 
 async def test_with_delayed_updates_an_auxiliary_peer_helps_the_round_just_begun_with_its_members(
         autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch) -> None:
-    async def before(peers: list[FakeSwarm]) -> None:
-        await say(peers[1], 5, 0)
-        await say(peers[2], 9, 0)
+    said = [Said(1, 5, 0), Said(2, 9, 0)]
 
     script = Script(Found(round_report(2)))
-    async with scripted(monkeypatch, script, 3, before=before, delay_updates=True,
+    async with scripted(monkeypatch, script, 3, said=said, delay_updates=True,
                         averager=AveragerConfig(auxiliary=True)) as h:
         assert (h.opt.local_step, h.opt._assisted) == (5, 4)
         await say(h.peers[1], 6, 0)  # began step 5's round
@@ -1079,10 +1059,9 @@ async def test_with_delayed_updates_an_auxiliary_peer_helps_the_round_just_begun
 
 async def test_a_peer_stuck_after_its_first_step_waits_rejoin_after_then_takes_the_state_ahead(
         autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch) -> None:
-    async def before(peers: list[FakeSwarm]) -> None:
-        await say(peers[1], 2, 4)
+    said = [Said(1, 2, 4)]
 
-    async with scripted(monkeypatch, Script(), before=before, state=state_at(2, [2.0, 3.0, 4.0]),
+    async with scripted(monkeypatch, Script(), said=said, state=state_at(2, [2.0, 3.0, 4.0]),
                         rejoin_after=10.0) as h:
         h.opt._fresh = False  # it stepped before: it waits before it gives its step up
         backward(h.model, 1.0)
@@ -1154,11 +1133,10 @@ async def test_a_snapshot_carries_the_scheduler_s_state_on_every_path(
 
 async def test_with_delayed_updates_the_call_after_the_others_began_our_round_joins_it(
         autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch) -> None:
-    async def before(peers: list[FakeSwarm]) -> None:
-        await say(peers[1], 1, 0, previous=4)  # it saw step 0 ready and began its round
+    said = [Said(1, 1, 0, previous=4)]  # it saw step 0 ready and began its round
 
     script = Script(Found(round_report(2), average=5.0))
-    async with scripted(monkeypatch, script, before=before, delay_updates=True) as h:
+    async with scripted(monkeypatch, script, said=said, delay_updates=True) as h:
         backward(h.model, 2.0)
         assert await h.opt.step(2) is None
         assert h.opt.local_step == 1
@@ -1171,10 +1149,9 @@ async def test_with_delayed_updates_no_group_for_the_round_is_no_miss(
         autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch) -> None:
     """The background round runs after this peer reported the next step: its own report is no sign
     that the others took the step without it."""
-    async def before(peers: list[FakeSwarm]) -> None:
-        await say(peers[1], 0, 4)
+    said = [Said(1, 0, 4)]
 
-    async with scripted(monkeypatch, Script(MatchmakingError("nobody came")), before=before,
+    async with scripted(monkeypatch, Script(MatchmakingError("nobody came")), said=said,
                         delay_updates=True) as h:
         backward(h.model, 2.0)
         await h.opt.step(4)
@@ -1188,15 +1165,13 @@ async def test_a_peer_that_can_reduce_keeps_looking_while_only_senders_are_left_
         autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch) -> None:
     harness: list[Harness] = []
 
-    async def before(peers: list[FakeSwarm]) -> None:
-        await say(peers[1], 0, 4)
-        await say(peers[2], 0, 4, sender=True)
+    said = [Said(1, 0, 4), Said(2, 0, 4, sender=True)]
 
     async def one_moved_on() -> Found:
         await say(harness[0].peers[1], 1, 0)
         return Found(round_report(2), average=5.0, took=3.0)
 
-    async with scripted(monkeypatch, Script(one_moved_on), 3, before=before, report_interval=0.5) as h:
+    async with scripted(monkeypatch, Script(one_moved_on), 3, said=said, report_interval=0.5) as h:
         harness.append(h)
         backward(h.model, 2.0)
         report = await h.opt.step(4)
