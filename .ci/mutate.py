@@ -108,6 +108,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "training/moe/server.py": ("tests/test_moe_server.py",),
     "training/optimizer.py": ("tests/test_optimizer.py",),
     "training/datasets/fetch.py": ("tests/test_fetch.py",),
+    "training/datasets/service.py": ("tests/test_dataset_service.py",),
 }
 
 KILLED = {"killed", "timeout"}

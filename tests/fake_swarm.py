@@ -25,6 +25,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import trio
+from libp2p.crypto.keys import KeyPair
 from libp2p.network.stream.exceptions import StreamClosed, StreamEOF, StreamReset
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
@@ -32,6 +33,7 @@ from multiaddr import Multiaddr
 from p2p.dht.records import KeyLike, ValueWithExpiration
 from p2p.errors import DialError, ProtocolNotSupportedError
 from p2p.events import Event
+from p2p.identity import new_identity, peer_id_of
 from p2p.hooks import ExternalAddresses, Reachability, Registration, SwarmObserver
 from p2p.node import StreamHandler
 from p2p.rpc import RPC_PROTOCOL, Rpc
@@ -156,20 +158,25 @@ class FakeNetwork:
         self.records = FakeRecords()
         self._count = 0
 
-    def join(self) -> FakeSwarm:
+    def join(self, identity: KeyPair | None = None) -> FakeSwarm:
+        """A new peer: numbered (:func:`numbered_peer_id`), or with ``identity``'s id and signatures."""
         self._count += 1
-        peer_id = numbered_peer_id(self._count)
-        swarm = FakeSwarm(self, peer_id, Multiaddr(f"/ip4/127.0.0.1/tcp/{40000 + self._count}"))
+        peer_id = numbered_peer_id(self._count) if identity is None else peer_id_of(identity)
+        swarm = FakeSwarm(self, peer_id, Multiaddr(f"/ip4/127.0.0.1/tcp/{40000 + self._count}"), identity)
         self.peers[peer_id] = swarm
         return swarm
 
 
 class FakeSwarm:
-    """One peer of a :class:`FakeNetwork`: implements :class:`nat.Swarm`."""
+    """One peer of a :class:`FakeNetwork`: implements :class:`nat.Swarm`; with an identity, it signs as
+    :class:`nat.Peer` does (what datasets need), and :meth:`path_to` says ``paths``' word or ``direct``."""
 
-    def __init__(self, network: FakeNetwork, peer_id: ID, addr: Multiaddr) -> None:
+    def __init__(self, network: FakeNetwork, peer_id: ID, addr: Multiaddr, identity: KeyPair | None = None) -> None:
         self.network = network
         self.peer_id = peer_id
+        self.identity = identity
+        #: peer -> how we are connected to it, where not ``direct`` (:meth:`path_to`)
+        self.paths: dict[ID, str] = {}
         self.addrs = [addr]
         self.dht = network.records
         self.external = ExternalAddresses(Reachability.PUBLIC, confirmed=(addr,), judged=True)
@@ -207,6 +214,20 @@ class FakeSwarm:
         except Exception as e:
             log.warning("handler for %s failed: %r", protocol, e)
             await stream.reset()
+
+    @property
+    def public_key(self) -> bytes:
+        if self.identity is None:
+            raise TypeError("a numbered fake peer has no key: join the network with an identity")
+        return bytes(self.identity.public_key.serialize())
+
+    def sign(self, data: bytes) -> bytes:
+        if self.identity is None:
+            raise TypeError("a numbered fake peer has no key: join the network with an identity")
+        return bytes(self.identity.private_key.sign(data))
+
+    def path_to(self, peer_id: ID) -> str:
+        return self.paths.get(peer_id, "direct")
 
     def set_stream_handler(self, protocol: str, handler: StreamHandler) -> Registration:
         self.handlers[protocol] = handler
@@ -250,8 +271,9 @@ class FakeSwarm:
 
 
 @asynccontextmanager
-async def fake_swarms(n: int) -> AsyncIterator[list[FakeSwarm]]:
-    """``n`` peers of a fresh :class:`FakeNetwork` whose handlers run in a nursery of their own.
+async def fake_swarms(n: int, *, signed: bool = False) -> AsyncIterator[list[FakeSwarm]]:
+    """``n`` peers of a fresh :class:`FakeNetwork` whose handlers run in a nursery of their own (``signed``:
+    each with a fresh identity).
 
     The block (the caller's code too) fails after :data:`DEADLINE` s of trio's clock: under the
     autojump clock a hang (a mutant's that lost a timeout) then fails at once, where it would
@@ -260,5 +282,5 @@ async def fake_swarms(n: int) -> AsyncIterator[list[FakeSwarm]]:
     with trio.fail_after(DEADLINE):
         async with trio.open_nursery() as nursery:
             network = FakeNetwork(nursery)
-            yield [network.join() for _ in range(n)]
+            yield [network.join(new_identity() if signed else None) for _ in range(n)]
             nursery.cancel_scope.cancel()

@@ -224,12 +224,10 @@ async def harness(tmp_path: Path, n: int = 3, files: dict[str, bytes] = FILES, *
     local = LocalDataset.open(directory, manifest)
     async with fake_swarms(n) as peers:
         await trio.sleep(5)  # the clock is well past 0: a sum where a difference belongs shows
-        paths: dict[ID, str] = {}
-        peers[0].path_to = lambda peer: paths.get(peer, "direct")  # type: ignore[attr-defined]
         tracker = Tracker(peers[0])
         shards = sorted(manifest.shards(), key=lambda s: s.path)
         download = Download(cast(Any, tracker), local, FetchConfig(**config), rng=random.Random(1))
-        yield Harness(download, tracker, local, peers, shards, directory, paths)
+        yield Harness(download, tracker, local, peers, shards, directory, peers[0].paths)
 
 
 @asynccontextmanager

@@ -160,7 +160,6 @@ class _Held:
     local: LocalDataset
     served: int = 0
     announced_served: int = 0
-    announced_at: float = -1e9
     #: the expiration of our last tracker record (unix time; 0: none yet)
     announced_expiration: float = 0.0
     changed: trio.Event = field(default_factory=trio.Event)
@@ -452,7 +451,7 @@ class Datasets:
                     held.announced_expiration = expiration = time.time() + self.config.announce_ttl
                     await self.peer.dht.store(seeders_key(did), self.seeding_record(held), expiration,
                                               subkey=owned("s", self.peer.peer_id), timeout=self.config.dht_timeout)
-                    held.announced_at = stored_at = trio.current_time()
+                    stored_at = trio.current_time()
                     held.announced_served = held.served
                 except DedlocError as e:
                     log.info("datasets: announcing %s failed: %s", held.local.manifest.header.name, e)
@@ -462,8 +461,10 @@ class Datasets:
 
     async def _republish_loop(self, held: _Held) -> None:
         did = held.local.manifest.header.id
-        while self.held.get(did) is held:
+        while True:
             await trio.sleep(self.config.manifest_ttl / 6)
+            if self.held.get(did) is not held:  # unseeded meanwhile
+                return
             try:
                 await self.publish(held.local.manifest)
             except DedlocError as e:
@@ -475,8 +476,9 @@ class Datasets:
         self.refused[reason] = self.refused.get(reason, 0) + 1
 
     async def _on_stream(self, stream: INetStream) -> None:
-        """Requests one after another, each answered in order (HAVE, LEAVES, PIECE); idle for
-        ``idle_timeout``, or a malformed request: the stream is closed."""
+        """Requests one after another, each answered in order (HAVE, LEAVES, PIECE); at the downloader's end
+        of writing, idle for ``idle_timeout`` or BUSY, the stream is closed (our end of writing: the
+        downloader reads to its end), and at a malformed request reset."""
         reader = FrameReader(stream)
         busy = self.serving >= self.config.upload_slots
         self.serving += 1
@@ -484,15 +486,14 @@ class Datasets:
             while True:
                 request: pb.Request | None = None
                 with trio.move_on_after(self.config.idle_timeout):
-                    if await reader.at_eof():
-                        return
-                    request = await reader.message(pb.Request, "dataset request", max_size=1024)
-                if request is None:  # idle
-                    return
+                    if not await reader.at_eof():
+                        request = await reader.message(pb.Request, "dataset request", max_size=1024)
+                if request is None:  # the downloader is done, or idle
+                    break
                 if busy:
                     self._refuse("busy")
                     await stream.write(frame(pb.Answer(status=pb.Answer.BUSY, reason="all upload slots in use")))
-                    return
+                    break
                 await self._answer(stream, request)
         except RemoteProtocolError as e:
             self._refuse("bad request")
