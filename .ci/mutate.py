@@ -109,6 +109,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "training/optimizer.py": ("tests/test_optimizer.py",),
     "training/datasets/fetch.py": ("tests/test_fetch.py",),
     "training/datasets/service.py": ("tests/test_dataset_service.py",),
+    "training/moe/client.py": ("tests/test_moe_client.py",),
 }
 
 KILLED = {"killed", "timeout"}

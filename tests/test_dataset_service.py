@@ -33,7 +33,8 @@ from p2p.dht.records import KeyLike, ValueWithExpiration, content_subkey, owned
 from p2p.errors import ConfigError, DedlocError
 from training.datasets import events as ev
 from training.datasets import service
-from training.datasets.manifest import DatasetError, Shard, object_id
+from training.datasets.fetch import FetchConfig, NoSeeders
+from training.datasets.manifest import DatasetError, Header, ManifestError, Shard, object_id
 from training.datasets.pieces import leaf, merkle_root
 from training.datasets.service import (
     ANNOUNCE_GAP,
@@ -221,26 +222,27 @@ def event(kind: type, **fields: Any) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- settings and keys
 
 
+PIECES = "piece size must be a power of two from 16 KiB to 16 MiB"
+TTLS = "announce_ttl must be positive and manifest_ttl within 24 h"
+SLOTS = "upload and sending slots must be at least 1"
+
+
 @pytest.mark.parametrize("change, message", [
-    ({"piece_size": 3 * 16384}, "piece size must be a power of two from 16 KiB to 16 MiB"),
-    ({"piece_size": 8 * 1024}, "piece size must be a power of two"),
-    ({"piece_size": 32 << 20}, "piece size must be a power of two"),
+    ({"piece_size": 3 * 16384}, PIECES), ({"piece_size": 8 * 1024}, PIECES), ({"piece_size": 32 << 20}, PIECES),
     ({"upload_rate": 0.0}, "the upload rate must be positive (or None: no cap)"),
-    ({"upload_rate": -1.0}, "the upload rate must be positive"),
-    ({"upload_slots": 0}, "upload and sending slots must be at least 1"),
-    ({"sending_slots": 0}, "upload and sending slots must be at least 1"),
-    ({"announce_ttl": 0.0}, "announce_ttl must be positive and manifest_ttl within 24 h"),
-    ({"manifest_ttl": 0.0}, "announce_ttl must be positive and manifest_ttl within 24 h"),
-    ({"manifest_ttl": 24 * 3600.0 + 1}, "manifest_ttl within 24 h"),
+    ({"upload_rate": -1.0}, "the upload rate must be positive (or None: no cap)"),
+    ({"upload_slots": 0}, SLOTS), ({"sending_slots": 0}, SLOTS),
+    ({"announce_ttl": 0.0}, TTLS), ({"manifest_ttl": 0.0}, TTLS), ({"manifest_ttl": 24 * 3600.0 + 1}, TTLS),
 ])
 def test_a_setting_out_of_range_is_refused_with_its_reason(change: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError) as e:
         DatasetsConfig(**change).validate()
-    assert message in str(e.value)
+    assert str(e.value) == message
 
 
 @pytest.mark.parametrize("change", [{"piece_size": 16 * 1024}, {"piece_size": 16 << 20}, {"upload_rate": 1.0},
-                                    {"upload_slots": 1, "sending_slots": 1}, {"manifest_ttl": 24 * 3600.0}])
+                                    {"upload_slots": 1, "sending_slots": 1}, {"manifest_ttl": 24 * 3600.0},
+                                    {"announce_ttl": 0.5, "manifest_ttl": 0.5}])
 def test_settings_at_their_bounds_are_taken(change: dict[str, Any]) -> None:
     DatasetsConfig(**change).validate()
 
@@ -291,6 +293,7 @@ async def test_create_signs_publishes_and_seeds_the_directory(autojump_clock: tr
         assert [(s.path, s.size, s.root) for s in shards] == [(p, len(b), root_of(b)) for p, b in sorted(FILES.items())]
         assert local.whole == {s.root for s in shards} and local.directory == tmp_path / "src"
         (entry,) = local.manifest.entries.values()
+        assert entry.created == WALL + START and entry.author == d.peer.peer_id
         # the header under the dataset's key and in the index, the entry under the dataset's key
         expected = {(dataset_key("wiki"), content_subkey(header.signed, "h"), header.signed),
                     (INDEX_KEY, content_subkey(header.signed, "h"), header.signed),
@@ -308,7 +311,7 @@ async def test_create_signs_publishes_and_seeds_the_directory(autojump_clock: tr
 
 async def test_create_reads_the_shard_files_under_the_directory_and_only_those(autojump_clock: trio.abc.Clock,
                                                                               tmp_path: Path) -> None:
-    src = corpus(tmp_path / "src", {"a.txt": b"one\n" * 10, "sub/b.TXT": b"two\n" * 10, "empty.txt": b"",
+    src = corpus(tmp_path / "src", {"a.txt": b"1", "sub/b.TXT": b"two\n" * 10, "empty.txt": b"",
                                      ".dedloc/old.txt": b"meta\n", "notes.md": b"# not a shard\n"})
     async with lab() as (d,):
         local = await d.create("wiki", src, seed=False)
@@ -359,7 +362,7 @@ async def test_create_refuses_a_second_dataset_of_ours_by_the_same_name_but_not_
 
 async def test_add_copies_the_files_into_our_copy_and_publishes_an_entry_of_ours(autojump_clock: trio.abc.Clock,
                                                                                 tmp_path: Path) -> None:
-    extra = corpus(tmp_path / "extra", {"c.txt": b"three\n" * 100, "d.txt": b"four\n" * 100})
+    extra = corpus(tmp_path / "extra", {"c.txt": b"three\n" * 100, "d.txt": b"four\n" * 5000})
     async with lab(2) as (a, b):
         created = await a.create("wiki", corpus(tmp_path / "src"))
         mine = tmp_path / "mine" / "deep"
@@ -368,13 +371,13 @@ async def test_add_copies_the_files_into_our_copy_and_publishes_an_entry_of_ours
         assert (mine / "c.txt").stat().st_ino == (extra / "c.txt").stat().st_ino  # a hard link, not a copy
         assert entry.author == b.peer.peer_id and entry.created == WALL + START
         assert [(s.path, s.size, s.root) for s in entry.shards] == [
-            ("c.txt", 600, root_of(b"three\n" * 100)), ("d.txt", 500, root_of(b"four\n" * 100))]
+            ("c.txt", 600, root_of(b"three\n" * 100)), ("d.txt", 25000, root_of(b"four\n" * 5000))]
         stored = [s for s in spy(b).of(dataset_key("wiki")) if s.value == entry.signed]
         assert [(s.subkey, s.expiration, s.timeout) for s in stored] == [
             (content_subkey(entry.signed, "e"), WALL + START + 12 * 3600.0, 15.0)]
         header = created.manifest.header
         assert events(b, ev.DatasetPublished) == [event(ev.DatasetPublished, 
-            name="wiki", dataset=header.id.hex(), creator=str(a.peer.peer_id), shards=2, bytes=1100,
+            name="wiki", dataset=header.id.hex(), creator=str(a.peer.peer_id), shards=2, bytes=25600,
             entry=entry.id.hex())]
         held = b.held[header.id].local
         assert held.directory == mine and held.whole == {s.root for s in entry.shards}
@@ -410,7 +413,7 @@ async def test_add_skips_an_empty_file(autojump_clock: trio.abc.Clock, tmp_path:
     extra = corpus(tmp_path / "extra", {"c.txt": b"three\n", "e.txt": b""})
     async with lab() as (a,):
         await a.create("wiki", corpus(tmp_path / "src"))
-        entry = await a.add("wiki", [extra / "c.txt", extra / "e.txt"], extra)
+        entry = await a.add("wiki", [extra / "e.txt", extra / "c.txt"], extra)
         assert [s.path for s in entry.shards] == ["c.txt"]
 
 
@@ -447,6 +450,7 @@ async def test_the_creator_retracts_an_entry_and_the_shards_leave_the_dataset(au
             dataset_key("wiki"), content_subkey(retraction.value, "e"), WALL + START + 12 * 3600.0)
         found = await b.find("wiki")
         assert rid in found.entries and found.entries[rid].retract == (entry.id,)
+        assert found.entries[rid].created == WALL + START and found.entries[rid].author == a.peer.peer_id
         assert [s.path for s in found.shards()] == ["a.txt", "b.txt"]
 
 
@@ -468,6 +472,8 @@ async def test_a_closed_swarms_authority_retracts_any_entry_with_its_key_and_onl
         assert str(e.value) == "that authority key is not this swarm's authority (is the peer in its closed swarm?)"
         rid = await b.retract("wiki", [entry.id], authority_key=key)  # b is not the creator: the key is enough
         found = await a.find("wiki")
+        signed = pb.Signed.FromString(found.by_authority[rid][0])
+        assert pb.Entry.FromString(signed.body).created == WALL + START
         assert rid in found.by_authority and [s.path for s in found.shards()] == ["a.txt", "b.txt"]
 
 
@@ -501,6 +507,13 @@ async def test_publish_counts_the_records_taken_and_logs_each_failure(autojump_c
 # ---------------------------------------------------------------------------- finding
 
 
+def refusal(raw: bytes) -> str:
+    """Why :class:`Header` refuses ``raw``."""
+    with pytest.raises(ManifestError) as e:
+        Header.parse(raw)
+    return str(e.value)
+
+
 def put(d: Datasets, key: str, subkey: KeyLike | None, value: Any, expiration: float = WALL + 1e6) -> None:
     spy(d).records._data.setdefault(key, {})[subkey] = (value, expiration)
 
@@ -518,8 +531,8 @@ async def test_headers_lists_the_index_or_one_names_and_skips_what_is_not_a_head
         put(a, INDEX_KEY, "x[sha256:01]", wiki.signed)  # not a header's subkey
         put(a, INDEX_KEY, "h[sha256:02]", 7)  # not bytes
         assert {h.id for h in await a.headers()} == {wiki.id, books.id}
-        (line,) = log_lines(caplog, LOG, "datasets: ")
-        assert line.startswith("datasets: refused a header under 'h[sha256:00]': ")
+        assert log_lines(caplog, LOG, "datasets: ") == [f"datasets: refused a header under 'h[sha256:00]': "
+                                                        f"{refusal(b'not a header')}"]
         assert await a.headers("nothing") == []
 
 
@@ -537,8 +550,7 @@ async def test_find_resolves_a_reference_and_checks_every_entry(autojump_clock: 
         put(a, dataset_key("wiki"), "h[sha256:00]", b"garbage")
         put(a, dataset_key("wiki"), "e[sha256:00]", b"garbage")
         assert (await a.find(f"wiki@{a.peer.peer_id}")).shards() == ours.shards()
-        (line,) = log_lines(caplog, LOG, "datasets: ")
-        assert line.startswith("datasets: refused a header of wiki: ")
+        assert log_lines(caplog, LOG, "datasets: ") == [f"datasets: refused a header of wiki: {refusal(b'garbage')}"]
         assert spy(a).gets[-1] == (dataset_key("wiki"), True, 15.0)
         with pytest.raises(DatasetError):
             await a.find("../x@y")
@@ -586,24 +598,35 @@ def record_of(dataset: bytes, shards: list[bytes] = [b"r1"], partial: list[bytes
                       ).SerializeToString()
 
 
-def test_parse_seeders_takes_the_records_their_owners_wrote_of_this_dataset() -> None:
+def test_parse_seeders_takes_the_records_their_owners_wrote_of_this_dataset(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, LOG)
     p = [numbered_peer_id(i) for i in range(1, 9)]
-    found = tracker({
-        owned("s", p[0]): (record_of(b"D", [b"r2", b"r1"], [b"r3"], addrs=12, served=77), 1000.0),
-        owned("s", p[1]): (record_of(b"D", [], [b"r3"]), 900.0),  # partial only: a downloader
+    found = tracker({  # each refused record before the ones taken: a refusal skips only its own
+        owned("s", p[5]): (17, 1000.0),  # not bytes
+        owned("s", p[4]): (b"\xff\xff garbage", 1000.0),
+        "s[owner:broken": (record_of(b"D"), 1000.0),  # a near-miss owner marker
+        "s": (record_of(b"D"), 1000.0),  # nobody's: anyone could have written it
         owned("s", p[2]): (record_of(b"other"), 1000.0),  # another dataset's
         owned("s", p[3]): (record_of(b"D", [], []), 1000.0),  # withdrawn: holds nothing
-        "s": (record_of(b"D"), 1000.0),  # nobody's: anyone could have written it
-        owned("s", p[4]): (b"\xff\xff garbage", 1000.0),
-        owned("s", p[5]): (17, 1000.0),  # not bytes
-        "s[owner:broken": (record_of(b"D"), 1000.0),  # a near-miss owner marker
+        owned("s", p[0]): (record_of(b"D", [b"r2", b"r1"], [b"r3"], addrs=12, served=77), 1000.0),
+        owned("s", p[1]): (record_of(b"D", [], [b"r3"]), 900.0),  # partial only: a downloader
     })
     first, second = parse_seeders(found, b"D")
+    lines = log_lines(caplog, LOG, "datasets: a malformed tracker record: ")
+    assert len(lines) == 2 and "DecodeError" in lines[0] and "malformed owner marker" in lines[1]
     assert first == SeederInfo(p[0], [Multiaddr(f"/ip4/127.0.0.1/tcp/{4000 + i}") for i in range(MAX_SEEDER_ADDRS)],
                                frozenset({b"r1", b"r2"}), frozenset({b"r3"}), 77, 1000.0)
     assert second == SeederInfo(p[1], [Multiaddr("/ip4/127.0.0.1/tcp/4000")], frozenset(), frozenset({b"r3"}), 0,
                                 900.0)
     assert parse_seeders(None, b"D") == [] and parse_seeders(ValueWithExpiration(b"one", 1.0), b"D") == []
+
+
+def test_a_tracker_record_names_at_most_100_000_shards_of_each_kind() -> None:
+    roots = [i.to_bytes(3, "big") for i in range(100_001)]
+    found = tracker({owned("s", numbered_peer_id(1)): (pb.Seeding(dataset=b"D", shards=roots, partial=roots)
+                                                       .SerializeToString(), 1000.0)})
+    (seeder,) = parse_seeders(found, b"D")
+    assert seeder.whole == seeder.partial == frozenset(roots[:100_000])
 
 
 def test_parse_seeders_reads_at_most_max_seeders_records() -> None:
@@ -835,8 +858,8 @@ async def test_a_peer_asking_for_a_dataset_we_fetch_is_told_to_our_download(auto
     async with seeded(tmp_path) as ((a, b), local):
         did = local.manifest.header.id
         heard: list[ID] = []
-        a._askers[did] = heard.append
-        a._askers[b"other"] = lambda peer: heard.append(numbered_peer_id(99))
+        a._askers[did] = [heard.append]
+        a._askers[b"other"] = [lambda peer: heard.append(numbered_peer_id(99))]
         c = await Client.to(b, a)
         await c.ask(HAVE, did)
         await c.ask(LEAVES, did, next(iter(local.shards)))  # only HAVE says who fetches
@@ -844,6 +867,17 @@ async def test_a_peer_asking_for_a_dataset_we_fetch_is_told_to_our_download(auto
         assert heard == [b.peer.peer_id]
         a.unseed(did)
         await c.ask(HAVE, did)  # told even when we do not seed it
+        assert heard == [b.peer.peer_id] * 2
+
+        class Bare:  # a stream that names no peer (no muxed connection): answered, nobody told
+            written = b""
+
+            async def write(self, data: bytes) -> None:
+                self.written += data
+
+        bare = Bare()
+        await a._answer(cast(Any, bare), pb.Request(kind=HAVE, dataset=did))
+        assert bare.written == frame(pb.Answer(status=NOT_FOUND, reason="not seeding that dataset"))
         assert heard == [b.peer.peer_id] * 2
 
 
@@ -870,31 +904,61 @@ async def test_past_the_upload_slots_a_stream_is_answered_busy_and_closed(autoju
         assert await third.end() == "closed"
         assert a.refused == {"busy": 1} and a.metrics()["datasets.refused.busy"] == 1
         assert a.serving == 2
+        assert (await (await Client.to(b, a)).ask(HAVE, did))[0].status == BUSY
+        assert a.refused == {"busy": 2}
         await first.stream.close()
         await trio.sleep(1)
         fourth = await Client.to(b, a)
         assert (await fourth.ask(HAVE, did))[0].status == OK
 
 
-@pytest.mark.parametrize("raw", [b"\x05\xff\xff\xff\xff\xff", b"\x85\x08" + bytes(1029)])
+def request_of(size: int) -> bytes:
+    """A HAVE request of exactly ``size`` bytes (a long dataset id), framed."""
+    raw = pb.Request(kind=HAVE, dataset=b"d" * (size - 3)).SerializeToString()
+    assert len(raw) == size
+    return frame(pb.Request(kind=HAVE, dataset=b"d" * (size - 3)))
+
+
+@pytest.mark.parametrize("raw, why", [
+    (b"\x05\xff\xff\xff\xff\xff", "dataset request does not parse: "),
+    (request_of(1025), "dataset request of 1025 bytes, more than 1024"),
+], ids=["garbled", "1025 bytes"])
 async def test_a_garbled_or_oversized_request_resets_the_stream(autojump_clock: trio.abc.Clock, tmp_path: Path,
-                                                                raw: bytes) -> None:
+                                                                caplog: pytest.LogCaptureFixture, raw: bytes,
+                                                                why: str) -> None:
+    caplog.set_level(logging.DEBUG, LOG)
     async with seeded(tmp_path) as ((a, b), local):
         c = await Client.to(b, a)
         await c.stream.write(raw)
         assert await c.end() == "reset"
         assert a.refused == {"bad request": 1} and a.serving == 0
+        (line,) = log_lines(caplog, LOG, "datasets: a bad request: ")
+        assert why in line
+
+
+async def test_a_request_of_1024_bytes_is_answered(autojump_clock: trio.abc.Clock, tmp_path: Path) -> None:
+    async with seeded(tmp_path) as ((a, b), local):
+        c = await Client.to(b, a)
+        await c.stream.write(request_of(1024))
+        assert (await c.answer())[0].status == NOT_FOUND
 
 
 async def test_a_downloader_that_resets_mid_stream_ends_its_service(autojump_clock: trio.abc.Clock,
-                                                                    tmp_path: Path) -> None:
-    async with seeded(tmp_path) as ((a, b), local):
+                                                                    tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, LOG)
+    async with seeded(tmp_path, upload_rate=float(PIECE)) as ((a, b), local):
+        did, (first, _) = local.manifest.header.id, shards_of(local)
         c = await Client.to(b, a)
-        await c.ask(HAVE, local.manifest.header.id)
-        await c.stream.write(b"\x10")  # half a request
+        await c.ask(HAVE, did)
+        await c.send(PIECE_, did, first.root, 0)  # paced: 0.75 s before it is written
+        await trio.sleep(0.1)
         await c.stream.reset()
         await trio.sleep(1)
-        assert a.serving == 0 and a.refused == {}
+        assert a.serving == 0 and a.refused == {} and a.bytes_served == 0
+        assert swarm_of(a)._streams[-1]._reset_here  # the seeder's end reset too
+        (line,) = log_lines(caplog, LOG, "datasets: a stream ended: ")
+        assert "StreamReset" in line
 
 
 async def test_the_upload_rate_paces_the_pieces(autojump_clock: trio.abc.Clock, tmp_path: Path) -> None:
@@ -1004,7 +1068,8 @@ async def test_serving_past_announce_served_refreshes_the_record_with_the_count(
 
 
 async def test_a_piece_changed_on_disk_is_not_served_and_the_record_says_so(autojump_clock: trio.abc.Clock,
-                                                                           tmp_path: Path) -> None:
+                                                                           tmp_path: Path,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
     async with seeded(tmp_path) as ((a, b), local):
         did, (first, second) = local.manifest.header.id, shards_of(local)
         await trio.sleep(10)
@@ -1016,6 +1081,9 @@ async def test_a_piece_changed_on_disk_is_not_served_and_the_record_says_so(auto
         assert [r.at for r in spy(a).of(seeders_key(did))] == [START, START + 10]
         assert list(seeding(a, did).shards) == [second.root] and a.bytes_served == 0
         assert (await c.ask(PIECE_, did, first.root, 1))[0].status == NOT_FOUND  # gone with its shard
+        assert log_lines(caplog, "training.datasets.store", str(path)) == [
+            f"{path}: piece 0 does not match its hash: the file changed on disk since it was checked: no longer "
+            f"seeding it (check it again with `dedloc dataset seed {tmp_path / 'src'}`)"]
         await trio.sleep(5)
         assert len(spy(a).of(seeders_key(did))) == 2  # lost once, announced once
 
@@ -1039,7 +1107,7 @@ async def test_get_fetches_into_the_directory_then_seeds_and_says_so(autojump_cl
 
         def on_shard(shard: Shard) -> None:
             whole.append(shard.path)
-            asked.append(b._askers.get(did))
+            asked.extend(b._askers.get(did, []))
 
         report = await b.get("wiki", tmp_path / "got", priority=priority, on_start=started.append, on_shard=on_shard)
         assert offered == [["a.txt", "b.txt"]] and did not in b._askers
@@ -1063,3 +1131,39 @@ async def test_get_without_seeding_stops_serving_when_done(autojump_clock: trio.
         assert report.bytes == sum(len(v) for v in FILES.values())
         assert not b.held and local.manifest.header.id not in b._askers
         assert events(b, ev.DatasetComplete)[0]["discarded"] == 0
+
+
+async def test_get_takes_its_fetch_settings(autojump_clock: trio.abc.Clock, tmp_path: Path) -> None:
+    async with seeded(tmp_path) as ((a, b), local):
+        a.unseed(local.manifest.header.id)
+        start = trio.current_time()
+        with pytest.raises(NoSeeders, match="no seeder of wiki reached in 3 s"):
+            await b.get("wiki", tmp_path / "got", config=FetchConfig(no_seeder_timeout=3.0))
+        assert trio.current_time() - start == pytest.approx(3.0, abs=1.0)
+        assert not b._askers
+
+
+async def test_two_downloads_of_one_dataset_at_once_each_hear_the_askers_until_the_last_ends(
+        autojump_clock: trio.abc.Clock, tmp_path: Path) -> None:
+    corpus(tmp_path / "one", {"a.txt": FILES["a.txt"]})  # the first lacks b.txt only: it ends first
+    async with seeded(tmp_path, upload_rate=4.0 * PIECE) as ((a, b), local):
+        did = local.manifest.header.id
+        await trio.sleep(1)
+        finished: list[tuple[str, list[Any]]] = []
+        during: list[Any] = []
+
+        async def get(name: str) -> None:
+            await b.get("wiki", tmp_path / name)
+            finished.append((name, list(b._askers.get(did, []))))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(get, "two")
+            await trio.sleep(0.01)  # its download has begun
+            nursery.start_soon(get, "one")
+            await trio.sleep(0.001)
+            during.extend(b._askers[did])
+        assert [w.__self__.local.directory for w in during] == [tmp_path / "two", tmp_path / "one"]
+        (first, heard), (second, after) = finished
+        assert (first, second) == ("one", "two") and after == []  # "one" began last and ended first
+        assert [w.__self__.local.directory for w in heard] == [tmp_path / "two"]
+        assert did not in b._askers

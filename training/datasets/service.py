@@ -176,8 +176,8 @@ class Datasets:
         self.pacer = Pacer(config.upload_rate)
         self.sending = UploadSlots(config.sending_slots)
         self._tickets: dict[int, trio.Event] = {}
-        #: dataset id -> what a download of ours wants to hear of the peers that ask us for it
-        self._askers: dict[bytes, Callable[[ID], None]] = {}
+        #: dataset id -> what each download of ours wants to hear of the peers that ask us for it
+        self._askers: dict[bytes, list[Callable[[ID], None]]] = {}
         self.serving = 0
         #: bytes served, every dataset together
         self.bytes_served = 0
@@ -369,11 +369,14 @@ class Datasets:
         if callable(priority):
             priority = priority(sorted(local.shards.values(), key=lambda s: s.path))
         download = Download(self, local, config, priority=priority, on_shard=on_shard)
-        self._askers[manifest.header.id] = download.asked_by
+        watchers = self._askers.setdefault(manifest.header.id, [])
+        watchers.append(download.asked_by)
         try:
             report = await download.run()
         finally:
-            self._askers.pop(manifest.header.id, None)
+            watchers.remove(download.asked_by)  # another download of it at once goes on hearing them
+            if not watchers:
+                del self._askers[manifest.header.id]
             if not seed:
                 self.unseed(manifest.header.id)
         self.peer.emit(ev.DatasetComplete(
@@ -509,10 +512,10 @@ class Datasets:
 
     async def _answer(self, stream: INetStream, request: pb.Request) -> None:
         if request.kind == pb.Request.HAVE:
-            watcher = self._askers.get(request.dataset)
             peer = getattr(getattr(stream, "muxed_conn", None), "peer_id", None)
-            if watcher is not None and isinstance(peer, ID):
-                watcher(peer)  # a peer fetching the dataset we fetch: it may hold what we lack
+            if isinstance(peer, ID):
+                for watcher in self._askers.get(request.dataset, []):
+                    watcher(peer)  # a peer fetching the dataset we fetch: it may hold what we lack
         held = self.held.get(request.dataset)
         if held is None:
             await stream.write(frame(pb.Answer(status=pb.Answer.NOT_FOUND, reason="not seeding that dataset")))

@@ -214,13 +214,13 @@ class ExpertClient:
                                 check: Callable[[pb.ExpertResponse, list[torch.Tensor]], R]) -> R:
         """The exchange on a kept stream, else (none kept, or the server closed it) on a new one; what
         ``check`` makes of the answer (it raises :class:`ExpertCallError` for a wrong one)."""
-        # streams taken out of use since the last call (the server counts them open): reset, not closed:
-        # an idle stream holds nothing unread, and a reset is queued at once, where a close waits for
-        # the connection's writer and, cut short under load, would leave the server holding the stream
-        # until its idle_timeout (and its resource manager counting it against our streams)
+        kept = self._table.take_stream(peer_id, trio.current_time())
+        # streams taken out of use since the last call and by this one (the server counts them open):
+        # reset, not closed: an idle stream holds nothing unread, and a reset is queued at once, where
+        # a close waits for the connection's writer and, cut short under load, would leave the server
+        # holding the stream until its idle_timeout (and its resource manager counting it against ours)
         while (old := self._table.reset_next()) is not None:
             await finish_quietly(old.stream.reset, timeout=0.1)
-        kept = self._table.take_stream(peer_id, trio.current_time())
         if kept is not None:
             kept.retry = True  # the server may have closed it meanwhile
             try:
