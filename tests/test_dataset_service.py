@@ -1093,31 +1093,32 @@ async def test_a_piece_changed_on_disk_is_not_served_and_the_record_says_so(auto
 
 async def test_get_fetches_into_the_directory_then_seeds_and_says_so(autojump_clock: trio.abc.Clock,
                                                                     tmp_path: Path) -> None:
-    async with seeded(tmp_path) as ((a, b), local):
-        did = local.manifest.header.id
+    async with seeded(tmp_path, upload_rate=float(PIECE)) as ((a, b), local):  # a piece a second, in order
+        did, (first, second) = local.manifest.header.id, shards_of(local)
         await trio.sleep(1)
         started: list[LocalDataset] = []
         offered: list[list[str]] = []
-        whole: list[str] = []
+        whole: list[tuple[str, int]] = []
         asked: list[Any] = []
 
         def priority(shards: list[Shard]) -> list[bytes]:
             offered.append([s.path for s in shards])
-            return [shards[1].root]
+            return [shards[0].root]
 
-        def on_shard(shard: Shard) -> None:
-            whole.append(shard.path)
+        def on_shard(shard: Shard) -> None:  # and how many pieces of b.txt are here then
+            whole.append((shard.path, len(started[0].have.get(second.root, ()))))
             asked.extend(b._askers.get(did, []))
 
         report = await b.get("wiki", tmp_path / "got", priority=priority, on_start=started.append, on_shard=on_shard)
         assert offered == [["a.txt", "b.txt"]] and did not in b._askers
-        assert asked[0] is not None and asked[0].__self__.local is started[0]  # the download hears who asks
-        assert started[0].directory == tmp_path / "got" and whole == ["b.txt", "a.txt"]
+        download = asked[0].__self__  # the download hears who asks
+        assert download.local is started[0] and download.picker.priority == [0, 1]  # a.txt first
+        assert started[0].directory == tmp_path / "got" and whole == [("a.txt", 0), ("b.txt", 0)]
         assert all((tmp_path / "got" / p).read_bytes() == data for p, data in FILES.items())
         total = sum(len(v) for v in FILES.values())
         assert report.bytes == total and report.sources == {a.peer.peer_id: total}
-        assert events(b, ev.DatasetComplete) == [event(ev.DatasetComplete, 
-            name="wiki", directory=str(tmp_path / "got"), bytes=total, seconds=report.seconds,
+        assert events(b, ev.DatasetComplete) == [event(
+            ev.DatasetComplete, name="wiki", directory=str(tmp_path / "got"), bytes=total, seconds=report.seconds,
             sources={str(a.peer.peer_id): total}, discarded=0)]
         assert b.held[did].local.complete
         await trio.sleep(ANNOUNCE_GAP + 0.1)

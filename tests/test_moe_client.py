@@ -71,6 +71,8 @@ class Server:
     ends: dict[int, str] = field(default_factory=dict)
     in_flight: int = 0
     most_in_flight: int = 0
+    #: reset each stream right after its answer
+    reset_after_answer: bool = False
 
     def __post_init__(self) -> None:
         self.swarm.set_stream_handler(PROTOCOL, self.serve)
@@ -123,6 +125,10 @@ class Server:
                         self.ends[number] = "reset here"
                         return
                     await stream.write(await self.honest(request, tensors) if said is None else cast(bytes, said))
+                    if self.reset_after_answer:
+                        await stream.reset()
+                        self.ends[number] = "reset here"
+                        return
                 finally:
                     self.in_flight -= 1
         except Exception:
@@ -163,6 +169,8 @@ async def test_a_forward_sends_the_rows_and_gives_the_experts_answer(autojump_cl
         assert len(tensors) == 1 and torch.equal(tensors[0], x)
         assert (client.stats.calls, client.stats.failures) == (1, 0)
         assert not x.requires_grad
+        await client.forward(server.expert(), x.double())
+        assert server.requests[1][1][0].dtype == torch.float32
 
 
 async def test_a_backward_sends_the_input_and_its_gradient(autojump_clock: trio.abc.Clock) -> None:
@@ -708,3 +716,50 @@ async def test_a_call_from_the_loops_own_thread_is_refused_with_the_way_out() ->
 async def test_run_keeps_at_most_max_threads_threads(autojump_clock: trio.abc.Clock) -> None:
     async with client_of(max_threads=3) as (client, _):
         assert client._threads.total_tokens == 3
+
+
+async def test_an_info_answer_may_hold_two_rows_of_the_largest_size_and_no_more(autojump_clock: trio.abc.Clock) -> None:
+    values = 1 << 16  # MAX_ROW_VALUES: an answer of 4 bytes x 65536 values a row, for each of its tensors
+    async with client_of() as (client, (server,)):
+        server.script = said(await answer([torch.zeros(1, values), torch.zeros(1, values)]))
+        assert await client.info(server.expert()) == (torch.Size([values]), torch.Size([values]))
+        server.script = said(await answer([torch.zeros(1, values), torch.zeros(1, values + 1)]))
+        with pytest.raises(ExpertCallError, match="bad answer: "):
+            await client.info(server.expert("ffn.0.1"))
+
+
+async def test_a_kept_stream_the_server_reset_while_idle_is_replaced(autojump_clock: trio.abc.Clock,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    async with client_of() as (client, (server,)):
+        server.reset_after_answer = True
+        await client.forward(server.expert(), x_of(1))
+        await trio.sleep(1)
+        server.reset_after_answer = False
+        y = await client.backward(server.expert(), x_of(1), x_of(1, 3.0))  # the write failed: nothing arrived
+        assert torch.equal(y, x_of(1, 3.0) * 2) and server.on == [1, 2]
+
+
+@pytest.mark.parametrize("kind", [Kind.FORWARD, Kind.BACKWARD])
+async def test_a_new_stream_reset_before_the_request_went_fails_the_call_with_the_streams_words(
+        autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture, kind: KindValue) -> None:
+    caplog.set_level(logging.DEBUG, LOG)
+    async with client_of() as (client, (server,)):
+        me = cast(FakeSwarm, client.peer)
+        opened = me.new_stream
+
+        async def reset_at_once(peer_id: ID, protocol: str) -> Any:
+            stream = await opened(peer_id, protocol)
+            stream._out.reset = True  # the server reset it before our request went: the write fails
+            return stream
+
+        me.new_stream = reset_at_once  # type: ignore[method-assign]
+        expert = server.expert()
+        with pytest.raises(ExpertCallError) as e:
+            await client.call(expert, kind, [x_of(1), x_of(1)][:1 + (kind == Kind.BACKWARD)], timeout=10.0)
+        assert str(e.value).startswith(f"expert {expert}: ") and "ended before an answer" not in str(e.value)
+        assert not e.value.unreachable and not e.value.timed_out
+        await trio.sleep(0.1)  # the server's handlers ran
+        assert server.streams == (2 if kind == Kind.FORWARD else 1) and server.requests == []
+        lines = log_lines(caplog, LOG, f"expert {expert}: a new stream ended before an answer")
+        assert len(lines) == (1 if kind == Kind.FORWARD else 0)
+        assert all(line.endswith("): once more") for line in lines)
