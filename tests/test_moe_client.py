@@ -13,6 +13,8 @@ test_moe_layer's and test_moe's; its decisions alone, test_moe_calls'.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -26,7 +28,11 @@ from multiaddr import Multiaddr
 
 from averaging.tensor_stream import receive_tensors, tensors_message
 from averaging.wire import FrameReader, frame
-from p2p.errors import ConfigError
+from libp2p.network.stream.exceptions import StreamError
+
+from p2p.errors import ConfigError, describe
+from p2p.multistream import PeerRefused
+from p2p.resources import ResourceLimitExceeded, Scope
 from training.moe.calls import ClientConfig
 from training.moe.client import ExpertClient, RemoteExpert, Results
 from training.moe.protocol import (MAX_REQUEST_HEADER, PROTOCOL, Expert, ExpertCallError, Kind, KindValue, Status,
@@ -544,21 +550,25 @@ async def test_call_many_that_times_out_fails_every_expert_as_timed_out(autojump
         assert all(cast(ExpertCallError, r).unreachable for r in results)
 
 
-async def crowd(client: ExpertClient, server: Server, timeouts: Sequence[float], rows: Sequence[int] | None = None
-                ) -> list[Results]:
-    """Calls of one expert each (``ffn.0.i``: ``rows[i]`` rows, default 1, of ``x_of(rows, 10 i)``) within
-    ``timeouts[i]``: the first at once (it takes the server's slot), the others from 0.1 s on, 0.01 s
-    apart (they find the server busy); each one's results."""
+async def crowd(client: ExpertClient, server: Server, timeouts: Sequence[float], rows: Sequence[int] | None = None,
+                kind: KindValue = Kind.FORWARD, starts: Sequence[float] | None = None) -> list[Results]:
+    """Calls of one expert each (``ffn.0.i``: ``rows[i]`` rows, default 1, of ``x_of(rows, 10 i)``, and a
+    backward's gradient ``x_of(rows, 10 i + 1)``) within ``timeouts[i]``, made ``starts[i]`` s from now:
+    by default the first at once (it takes the server's slot), the others from 0.1 s on, 0.01 s apart
+    (they find the server busy); each one's results."""
     results: dict[int, Results] = {}
+    starts = starts or [0.0] + [0.1 + 0.01 * i for i in range(len(timeouts) - 1)]
+    begin = trio.current_time()
 
     async def call(i: int) -> None:
+        await trio.sleep_until(begin + starts[i])
         x = x_of(1 if rows is None else rows[i], 10.0 * i)
-        results[i] = await client.call_many([server.expert(f"ffn.0.{i}")], Kind.FORWARD, [[x]], timeout=timeouts[i])
+        tensors = [x] if kind == Kind.FORWARD else [x, x + 1]
+        results[i] = await client.call_many([server.expert(f"ffn.0.{i}")], kind, [tensors], timeout=timeouts[i])
 
     async with trio.open_nursery() as nursery:
         for i in range(len(timeouts)):
             nursery.start_soon(call, i)
-            await trio.sleep(0.1 if i == 0 else 0.01)
     return [results[i] for i in range(len(timeouts))]
 
 
@@ -641,13 +651,17 @@ async def test_joined_calls_are_told_at_once_when_the_client_closes(autojump_clo
         assert trio.current_time() - closed < 100
 
 
-async def test_without_an_open_nursery_call_many_never_joins(autojump_clock: trio.abc.Clock) -> None:
-    async with client_of(max_streams_per_server=1, max_idle_streams=1) as (client, (server,)):
-        server.delay = 1.0
-        client._nursery = None  # a client used outside its ``open`` block waits for slots instead
+async def test_a_client_made_without_open_never_joins_calls(autojump_clock: trio.abc.Clock) -> None:
+    async with fake_swarms(2) as (me, peer):
+        server = Server(peer, delay=1.0)
+        # no nursery to send a joined group from: each call waits for a slot of its own
+        client = ExpertClient(me, ClientConfig(max_streams_per_server=1, max_idle_streams=1),
+                              trio.lowlevel.current_trio_token())
         await crowd(client, server, [10.0] * 3)
         assert uids(server) == [["ffn.0.0"], ["ffn.0.1"], ["ffn.0.2"]]
-        assert client.stats.joined == 0
+        assert client.stats.joined == 0 and client.stats.exchanges == 3
+        assert client.stats.slot_wait_s == pytest.approx(0.9 + 1.89)  # each one's wait, summed
+        await client.close_idle()
 
 
 # ---------------------------------------------------------------------------- settings and stats
@@ -705,17 +719,53 @@ async def test_an_input_that_needs_no_gradient_still_trains_the_expert() -> None
 
 async def test_a_call_from_the_loops_own_thread_is_refused_with_the_way_out() -> None:
     async with client_of(start=0) as (client, (server,)):
-        with pytest.raises(RuntimeError, match=r"run the model with `await client.run\(fn\)` \(a worker thread\)"):
+        message = ("a remote expert was called from the trio loop's own thread, which it would block: run the "
+                   "model with `await client.run(fn)` (a worker thread)")
+        with pytest.raises(RuntimeError) as e:
             client.blocking(client.forward, server.expert(), x_of(1))
-        with pytest.raises(RuntimeError, match="from the trio loop's own thread"):
+        assert str(e.value) == message
+        with pytest.raises(RuntimeError) as e:
             client.blocking_sync(client.banned, "ffn.0.0", server.peer_id)
+        assert str(e.value) == message
         assert await client.run(client.blocking_sync, client.banned, "ffn.0.0", server.peer_id) is False
         assert server.requests == []
 
 
-async def test_run_keeps_at_most_max_threads_threads(autojump_clock: trio.abc.Clock) -> None:
-    async with client_of(max_threads=3) as (client, _):
-        assert client._threads.total_tokens == 3
+async def test_run_keeps_at_most_max_threads_threads() -> None:
+    async with client_of(start=0, max_threads=2) as (client, _):
+        lock, running, most = threading.Lock(), [0], [0]
+
+        def work() -> None:
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            time.sleep(0.05)
+            with lock:
+                running[0] -= 1
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(4):
+                nursery.start_soon(client.run, work)
+        assert most[0] == 2
+
+
+async def test_a_thread_trio_did_not_start_reaches_the_loop_too() -> None:
+    """Torch's own threads (a CUDA backward runs in autograd's device threads) call experts with the
+    client's token."""
+    async with client_of(start=0) as (client, (server,)):
+        out: list[Any] = []
+
+        def plain_thread() -> None:
+            out.append(client.blocking(client.forward, server.expert(), x_of(1)))
+            out.append(client.blocking_sync(client.banned, "ffn.0.0", server.peer_id))
+
+        def start_and_join() -> None:
+            thread = threading.Thread(target=plain_thread)
+            thread.start()
+            thread.join(10)
+
+        await trio.to_thread.run_sync(start_and_join)
+        assert torch.equal(out[0], x_of(1) * 2) and out[1] is False
 
 
 async def test_an_info_answer_may_hold_two_rows_of_the_largest_size_and_no_more(autojump_clock: trio.abc.Clock) -> None:
@@ -763,3 +813,177 @@ async def test_a_new_stream_reset_before_the_request_went_fails_the_call_with_th
         lines = log_lines(caplog, LOG, f"expert {expert}: a new stream ended before an answer")
         assert len(lines) == (1 if kind == Kind.FORWARD else 0)
         assert all(line.endswith("): once more") for line in lines)
+
+
+# ---------------------------------------------------------------------------- the survivors' cases
+
+
+async def test_the_calls_are_counted(autojump_clock: trio.abc.Clock) -> None:
+    async with client_of() as (client, (server,)):
+        await client.forward(server.expert(), x_of(1))
+        await client.info(server.expert())
+        await client.call_many([server.expert("ffn.0.1"), server.expert("ffn.0.2")], Kind.FORWARD,
+                               [[x_of(1)], [x_of(1)]], timeout=5.0)
+        await client.call_many([server.expert("ffn.0.3")], Kind.FORWARD, [[x_of(1)]], timeout=5.0)
+        assert client.stats.calls == 5 and client.stats.exchanges == 2
+
+
+async def test_each_server_has_slots_of_its_own(autojump_clock: trio.abc.Clock) -> None:
+    async with client_of(3, max_streams_per_server=1, max_idle_streams=1) as (client, (one, two)):
+        one.delay = two.delay = 1.0
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.forward, one.expert(), x_of(1))
+            nursery.start_soon(client.forward, two.expert(), x_of(1))
+        assert one.times == two.times == [START]
+
+
+async def test_a_stream_whose_reset_hangs_delays_the_next_call_a_tenth_of_a_second(
+        autojump_clock: trio.abc.Clock) -> None:
+    async with client_of(keep_streams_for=10.0) as (client, (server,)):
+        await client.forward(server.expert(), x_of(1))
+        (kept, _), = client._table._servers[server.peer_id].kept
+
+        async def hangs() -> None:
+            await trio.sleep_forever()
+
+        kept.stream.reset = hangs  # type: ignore[method-assign]
+        await trio.sleep(20)
+        start = trio.current_time()
+        await client.forward(server.expert(), x_of(1))
+        assert trio.current_time() - start == pytest.approx(0.1)
+
+
+async def test_a_refusal_on_a_kept_stream_names_the_expert(autojump_clock: trio.abc.Clock) -> None:
+    async with client_of() as (client, (server,)):
+        expert = server.expert()
+        await client.forward(expert, x_of(1))
+        server.script = said(frame(pb.ExpertResponse(status=Status.FAILED, reason="boom")))
+        with pytest.raises(ExpertCallError) as e:
+            await client.forward(expert, x_of(1))
+        assert str(e.value) == f"expert {expert}: failed: boom" and server.on == [1, 1]
+
+
+def refused_busy_stream(me: FakeSwarm, error: Callable[[], Exception]) -> None:
+    """Each new stream's first write raises ``error()`` (a node that refused it over a limit)."""
+    opened = me.new_stream
+
+    async def refusing(peer_id: ID, protocol: str) -> Any:
+        stream = await opened(peer_id, protocol)
+
+        async def write(data: bytes) -> None:
+            await trio.lowlevel.checkpoint()
+            raise error()
+
+        stream.write = write
+        return stream
+
+    me.new_stream = refusing  # type: ignore[method-assign]
+
+
+BUSY_REASON = str(ResourceLimitExceeded(Scope.PEER_PROTOCOL, "inbound streams", 128))
+
+
+def wrapped_refusal() -> Exception:
+    """py-libp2p's StreamError hiding the refusal as its cause."""
+    try:
+        raise PeerRefused(BUSY_REASON)
+    except PeerRefused as refusal:
+        error = StreamError("stream error")
+        error.__cause__ = refusal
+        return error
+
+
+@pytest.mark.parametrize("error", [lambda: PeerRefused(BUSY_REASON), wrapped_refusal], ids=["refusal", "wrapped"])
+async def test_a_stream_refused_over_a_limit_is_busy_not_broken(autojump_clock: trio.abc.Clock,
+                                                                caplog: pytest.LogCaptureFixture,
+                                                                error: Callable[[], Exception]) -> None:
+    caplog.set_level(logging.DEBUG, LOG)
+    assert PeerRefused(BUSY_REASON).busy
+    async with client_of() as (client, (server,)):
+        refused_busy_stream(cast(FakeSwarm, client.peer), error)
+        expert = server.expert()
+        with pytest.raises(ExpertCallError) as e:
+            await client.forward(expert, x_of(1))
+        described = describe(error())
+        if isinstance(error(), PeerRefused):  # one of ours: the stream ended, on either try
+            assert str(e.value) == f"expert {expert}: the stream ended before an answer ({described})"
+        else:  # a stranger's error on the last try is the call's own
+            assert str(e.value) == f"expert {expert}: {described}"
+        assert e.value.busy and client.ban_left(expert) == pytest.approx(1.0)
+        assert log_lines(caplog, LOG, f"expert {expert}: a new stream") == [
+            f"expert {expert}: a new stream ended before an answer ({described}): once more"]
+
+
+async def test_a_garbled_answer_header_names_the_expert_response(autojump_clock: trio.abc.Clock) -> None:
+    async with client_of() as (client, (server,)):
+        server.script = said(b"\x05\xff\xff\xff\xff\xff")
+        with pytest.raises(ExpertCallError) as e:
+            await client.forward(server.expert(), x_of(1))
+        assert "expert response does not parse" in str(e.value)
+
+
+async def test_an_answer_of_three_tensors_is_refused_as_it_is_read(autojump_clock: trio.abc.Clock) -> None:
+    async with client_of() as (client, (server,)):
+        server.script = said(await answer([torch.zeros(1, HID)] * 3))
+        with pytest.raises(ExpertCallError) as e:
+            await client.forward(server.expert(), x_of(1))
+        assert str(e.value).startswith(f"expert {server.expert()}: bad answer: ")
+
+
+async def test_call_many_refuses_a_wrong_call_in_its_words(autojump_clock: trio.abc.Clock) -> None:
+    async with client_of() as (client, (server,)):
+        with pytest.raises(ValueError) as e:
+            await client.call_many([server.expert()], Kind.INFO, [[x_of(1)]], timeout=1.0)
+        assert str(e.value) == "call_many: FORWARD or BACKWARD, experts of one server, one tensor list each"
+
+
+async def test_call_many_of_exactly_max_rows_goes(autojump_clock: trio.abc.Clock) -> None:
+    async with client_of(max_rows=3) as (client, (server,)):
+        results = await client.call_many([server.expert("ffn.0.0"), server.expert("ffn.0.1")], Kind.FORWARD,
+                                         [[x_of(1)], [x_of(2)]], timeout=10.0)
+        assert all(isinstance(r, list) for r in results) and len(server.requests) == 1
+
+
+async def test_joined_backward_calls_go_as_one_backward(autojump_clock: trio.abc.Clock) -> None:
+    async with client_of(max_streams_per_server=1, max_idle_streams=1) as (client, (server,)):
+        server.delay = 1.0
+        results = await crowd(client, server, [10.0] * 3, kind=Kind.BACKWARD)
+        assert [r.kind for r, _ in server.requests] == [Kind.BACKWARD] * 2 and uids(server)[1] == ["ffn.0.1", "ffn.0.2"]
+        for i in range(3):
+            assert torch.equal(cast(list[torch.Tensor], results[i][0])[0], (x_of(1, 10.0 * i) + 1) * 2)
+
+
+async def test_a_call_of_several_experts_that_fails_whole_names_the_server(autojump_clock: trio.abc.Clock) -> None:
+    async with client_of() as (client, (server,)):
+        experts = [server.expert("ffn.0.0"), server.expert("ffn.0.1")]
+        what = f"server {str(server.peer_id)[-8:]} (2 experts)"
+        server.script = said(frame(pb.ExpertResponse(status=Status.OVERLOADED, reason="full")))
+        results = await client.call_many(experts, Kind.FORWARD, [[x_of(1)], [x_of(1)]], timeout=10.0)
+        assert [str(r) for r in results] == [f"expert {e}: {what}: overloaded: full" for e in experts]
+        assert all(cast(ExpertCallError, r).busy for r in results)
+        assert [client.ban_left(e) for e in experts] == [pytest.approx(1.0)] * 2
+        server.script = said(CLOSE)
+        results = await client.call_many(experts, Kind.FORWARD, [[x_of(1)], [x_of(1)]], timeout=10.0)
+        assert [str(r) for r in results] == [
+            f"expert {e}: {what}: the stream ended before an answer (closed)" for e in experts]
+        server.script = said(await answer([torch.zeros(1, (1 << 16) + 1)], statuses=[Status.OK], reasons=[""]))
+        results = await client.call_many(experts[:1], Kind.FORWARD, [[x_of(1)]], timeout=10.0)
+        assert str(results[0]).startswith(f"expert {experts[0]}: server {str(server.peer_id)[-8:]} (1 experts): "
+                                          "bad answer: ")
+
+
+async def test_a_call_that_finds_the_group_already_sent_starts_another(autojump_clock: trio.abc.Clock) -> None:
+    async with client_of(max_streams_per_server=1, max_idle_streams=1) as (client, (server,)):
+        server.delay = 1.0
+        results = await crowd(client, server, [10.0] * 3, starts=[0.0, 0.1, 1.5])  # the group goes at 1.0
+        assert uids(server) == [["ffn.0.0"], ["ffn.0.1"], ["ffn.0.2"]]
+        assert [t - START for t in server.times] == [0.0, 1.0, 2.0]
+        assert all(isinstance(r[0], list) for r in results)
+
+
+async def test_a_group_given_up_before_its_slot_takes_no_more_calls(autojump_clock: trio.abc.Clock) -> None:
+    async with client_of(max_streams_per_server=1, max_idle_streams=1) as (client, (server,)):
+        server.delay = 10.0
+        # the group of the calls at 0.1 and 0.11 is given up at 3.1; the call at 5 makes a group of its own
+        results = await crowd(client, server, [40.0, 2.0, 3.0, 30.0], starts=[0.0, 0.1, 0.11, 5.0])
+        assert uids(server) == [["ffn.0.0"], ["ffn.0.3"]] and isinstance(results[3][0], list)

@@ -227,8 +227,8 @@ class ExpertClient:
                 return await self._exchange(kept, peer_id, request, tensors, max_bytes, what, check)
             except _StaleStream:
                 pass  # the server closed a kept stream (idle, restarted): once more on a new one
-        tries = new_stream_tries(request.kind)
-        for attempt in range(1, tries + 1):
+        tries, attempt = new_stream_tries(request.kind), 1
+        while True:
             stream = await self.peer.new_stream(peer_id, PROTOCOL)
             try:
                 return await self._exchange(_Kept(stream, FrameReader(stream), retry=attempt < tries), peer_id,
@@ -237,7 +237,7 @@ class ExpertClient:
                 if attempt == tries:
                     raise ExpertCallError(f"{what}: the stream ended before an answer ({e})", busy=e.busy) from None
                 log.debug("%s: a new stream ended before an answer (%s): once more", what, e)
-        raise AssertionError("unreachable")
+            attempt += 1
 
     async def _exchange(self, kept: _Kept, peer_id: ID, request: pb.ExpertRequest,
                         tensors: Sequence[torch.Tensor] | None, max_bytes: int, what: str,
