@@ -398,6 +398,7 @@ async def test_a_new_stream_ended_before_an_answer_is_tried_again_unless_a_backw
             await client.call(expert, kind, [] if kind == Kind.INFO else [x_of(1), x_of(1)][:1 + (kind == Kind.BACKWARD)],
                               timeout=10.0)
         assert str(e.value) == f"expert {expert}: the stream ended before an answer (closed)"
+        assert not e.value.busy and client.ban_left(expert) == pytest.approx(30.0)  # broken, not busy
         assert server.streams == tries and len(server.requests) == tries
         server.script = lambda request, tensors, s: CLOSE if s.streams == tries + 1 else None
         await client.call(expert, Kind.INFO, [], timeout=10.0)
@@ -987,3 +988,12 @@ async def test_a_group_given_up_before_its_slot_takes_no_more_calls(autojump_clo
         # the group of the calls at 0.1 and 0.11 is given up at 3.1; the call at 5 makes a group of its own
         results = await crowd(client, server, [40.0, 2.0, 3.0, 30.0], starts=[0.0, 0.1, 0.11, 5.0])
         assert uids(server) == [["ffn.0.0"], ["ffn.0.3"]] and isinstance(results[3][0], list)
+
+
+async def test_a_backward_of_several_experts_checks_each_gradients_shape(autojump_clock: trio.abc.Clock) -> None:
+    async with client_of() as (client, (server,)):
+        experts = [server.expert("ffn.0.0"), server.expert("ffn.0.1")]
+        server.script = said(await answer([torch.zeros(2, HID + 1)], statuses=[Status.OK] * 2, reasons=[""] * 2))
+        results = await client.call_many(experts, Kind.BACKWARD, [[x_of(1), x_of(1)], [x_of(1), x_of(1)]], timeout=5.0)
+        assert [str(r) for r in results] == [
+            f"expert {e}: input gradient [1, 5] for an input of [1, 4]" for e in experts]

@@ -260,8 +260,8 @@ class ExpertClient:
                 raise _StaleStream(describe(e), busy=refused_busy(e)) from None
             except Exception as e:  # the stream's own errors (reset by the server)
                 if not kept.retry:
-                    raise
-                raise _StaleStream(describe(e), busy=refused_busy(e)) from None
+                    raise  # the call's own failure (busy or not: ``failure`` reads its causes)
+                raise _StaleStream(describe(e)) from None  # retried: never the call's last word
             response = await reader.message(pb.ExpertResponse, "expert response")
             if response.status != Status.OK:
                 raise status_error(what, response.status, response.reason)
