@@ -33,8 +33,8 @@ from multiaddr import Multiaddr
 from p2p.dht.records import KeyLike, ValueWithExpiration
 from p2p.errors import DialError, ProtocolNotSupportedError
 from p2p.events import Event
-from p2p.identity import new_identity, peer_id_of
 from p2p.hooks import ExternalAddresses, Reachability, Registration, SwarmObserver
+from p2p.identity import new_identity, peer_id_of
 from p2p.node import StreamHandler
 from p2p.rpc import RPC_PROTOCOL, Rpc
 

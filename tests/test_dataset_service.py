@@ -107,21 +107,17 @@ class Stored:
 @dataclass
 class Spy:
     """The shared fake DHT as one peer sees it, every call recorded; ``refuse(key, subkey)`` true: that
-    store fails, ``took`` false: stores are taken by nobody."""
+    store fails; ``took`` false: stores are taken by nobody."""
 
     records: Any
     stores: list[Stored] = field(default_factory=list)
     gets: list[tuple[KeyLike, bool, float | None]] = field(default_factory=list)
     refuse: Callable[[KeyLike, KeyLike | None], bool] = lambda key, subkey: False
     took: bool = True
-    answer: dict[KeyLike, ValueWithExpiration | None] = field(default_factory=dict)
 
     async def get(self, key: KeyLike, latest: bool = False, *,
                   timeout: float | None = None) -> ValueWithExpiration | None:
         self.gets.append((key, latest, timeout))
-        if key in self.answer:
-            await trio.lowlevel.checkpoint()
-            return self.answer[key]
         found: ValueWithExpiration | None = await self.records.get(key, latest, timeout=timeout)
         return found
 
@@ -165,9 +161,9 @@ def record(d: Datasets, key: str, subkey: KeyLike | None) -> tuple[bytes, float]
     return held
 
 
-def seeding(d: Datasets, dataset: bytes, peer: Datasets | None = None) -> pb.Seeding:
-    """``peer``'s (default: ``d``'s own) tracker record of ``dataset``."""
-    value, _ = record(d, seeders_key(dataset), owned("s", (peer or d).peer.peer_id))
+def seeding(d: Datasets, dataset: bytes) -> pb.Seeding:
+    """``d``'s tracker record of ``dataset``."""
+    value, _ = record(d, seeders_key(dataset), owned("s", d.peer.peer_id))
     return pb.Seeding.FromString(value)
 
 

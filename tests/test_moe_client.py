@@ -158,10 +158,6 @@ async def client_of(n: int = 2, *, start: float = START, **config: Any
             yield client, servers
 
 
-def streams_reset(client: ExpertClient) -> int:
-    return sum(1 for s in cast(FakeSwarm, client.peer)._streams if s._reset_here)
-
-
 # ---------------------------------------------------------------------------- one call
 
 
