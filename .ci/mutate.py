@@ -110,6 +110,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "training/datasets/fetch.py": ("tests/test_fetch.py",),
     "training/datasets/service.py": ("tests/test_dataset_service.py",),
     "training/moe/client.py": ("tests/test_moe_client.py",),
+    "training/datasets/store.py": ("tests/test_store.py", "tests/test_datasets.py"),
 }
 
 KILLED = {"killed", "timeout"}

@@ -230,8 +230,8 @@ class LocalDataset:
         return all(r in self.whole for r in self.shards)
 
     def whole_paths(self) -> list[Path]:
-        return [self.path(self.shards[r]) for r in sorted(self.whole, key=lambda r: self.shards[r].path)
-                if r in self.shards]
+        live = [self.shards[r] for r in self.whole if r in self.shards]  # a shard retracted since is not
+        return [self.path(s) for s in sorted(live, key=lambda s: s.path)]
 
     # ------------------------------------------------------------------ serving
 
