@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from training.datasets.manifest import DatasetError, Entry, Header, Manifest
+from nacl.signing import SigningKey
+
+from training.datasets.manifest import DatasetError, Entry, Header, Manifest, sign_by_authority
 from training.datasets.pieces import leaf
 from training.datasets.store import META, LocalDataset, PieceAt, _bits, from_bits, read_checked
 
@@ -20,8 +22,8 @@ from .test_datasets import NOW, PIECE, shard, signer
 
 LOG = "training.datasets.store"
 RNG = random.Random(5)
-#: a.txt of four pieces (the last of 100 bytes), sub/b.txt of two (the last of 7)
-DATA = {"a.txt": RNG.randbytes(3 * PIECE + 100), "sub/b.txt": RNG.randbytes(PIECE + 7)}
+#: a.txt of four pieces (the last of 100 bytes), sub/dir/b.txt of two (the last of 7)
+DATA = {"a.txt": RNG.randbytes(3 * PIECE + 100), "sub/dir/b.txt": RNG.randbytes(PIECE + 7)}
 
 
 def leaves_of(data: bytes) -> list[bytes]:
@@ -57,6 +59,7 @@ def test_bits_name_pieces_most_significant_first_and_an_empty_field_is_every_pie
     assert from_bits(bytes([0xFF, 0xFF]), 10) == set(range(10))  # bits past the count are not pieces
     assert from_bits(bytes([0xFF]), 12) == set(range(8))
     assert from_bits(b"", 5) is None
+    assert from_bits(bytes([0x00, 0xFF]), 16) == set(range(8, 16)) and from_bits(bytes([0x01]), 8) == {7}
 
 
 # ---------------------------------------------------------------------------- the serving read
@@ -136,7 +139,7 @@ def test_a_whole_file_of_the_wrong_bytes_or_size_is_not_held(tmp_path: Path, cap
     caplog.set_level(logging.WARNING, LOG)
     manifest = manifest_of(DATA)
     a, b = roots(manifest)
-    write(tmp_path, {"a.txt": b"X" + DATA["a.txt"][1:], "sub/b.txt": DATA["sub/b.txt"] + b"!"})
+    write(tmp_path, {"a.txt": b"X" + DATA["a.txt"][1:], "sub/dir/b.txt": DATA["sub/dir/b.txt"] + b"!"})
     local = LocalDataset.open(tmp_path, manifest)
     assert local.whole == set() and local.have == {a: set(), b: set()} and local.leaves == {}
     assert log_lines(caplog, LOG, str(tmp_path)) == [
@@ -167,11 +170,13 @@ def test_a_part_file_keeps_the_pieces_that_match_and_counts_the_torn_ones(tmp_pa
     for i in (0, 1, 3):
         local.write_piece(a, i, DATA["a.txt"][i * PIECE:(i + 1) * PIECE])
     part = tmp_path / META / "parts" / a.hex()
-    with part.open("r+b") as f:  # piece 1 torn; piece 2 never written (zeros: not counted)
-        f.seek(PIECE + 3)
-        f.write(b"torn")
+    with part.open("r+b") as f:  # pieces 0 and 1 torn; piece 2 never written (zeros: not counted)
+        for offset in (3, PIECE + 3):
+            f.seek(offset)
+            f.write(b"torn")
     again = LocalDataset.open(tmp_path, manifest)
-    assert again.have[a] == {0, 3} and again.discarded == 1 and again.have[b] == set()
+    assert again.have[a] == {3} and again.discarded == 2 and again.have[b] == set()
+    assert part.stat().st_mode & 0o777 == 0o644
     part.write_bytes(b"")  # a part file without leaves known is not read
     (tmp_path / META / "leaves" / a.hex()).unlink()
     assert LocalDataset.open(tmp_path, manifest).discarded == 0
@@ -181,10 +186,10 @@ def test_a_part_file_found_whole_is_moved_to_its_path(tmp_path: Path) -> None:
     manifest = manifest_of(DATA)
     a, b = roots(manifest)
     local = LocalDataset.open(tmp_path, manifest)
-    local.set_leaves(b, leaves_of(DATA["sub/b.txt"]))
-    (tmp_path / META / "parts" / b.hex()).write_bytes(DATA["sub/b.txt"] + bytes(PIECE - 7))  # padded
+    local.set_leaves(b, leaves_of(DATA["sub/dir/b.txt"]))
+    (tmp_path / META / "parts" / b.hex()).write_bytes(DATA["sub/dir/b.txt"] + bytes(PIECE - 7))  # padded
     again = LocalDataset.open(tmp_path, manifest)
-    assert b in again.whole and (tmp_path / "sub" / "b.txt").read_bytes() == DATA["sub/b.txt"]
+    assert b in again.whole and (tmp_path / "sub" / "dir" / "b.txt").read_bytes() == DATA["sub/dir/b.txt"]
     assert not (tmp_path / META / "parts" / b.hex()).exists() and b not in again.have
 
 
@@ -206,21 +211,22 @@ def test_refresh_takes_the_entries_added_since_and_scans_only_them(tmp_path: Pat
 def test_what_is_held_where_and_how_much(tmp_path: Path) -> None:
     manifest = manifest_of(DATA)
     a, b = roots(manifest)
-    write(tmp_path, {"sub/b.txt": DATA["sub/b.txt"]})
+    write(tmp_path, {"sub/dir/b.txt": DATA["sub/dir/b.txt"]})
     local = LocalDataset.open(tmp_path, manifest)
     local.set_leaves(a, leaves_of(DATA["a.txt"]))
     local.write_piece(a, 3, DATA["a.txt"][3 * PIECE:])
     local.write_piece(a, 1, DATA["a.txt"][PIECE:2 * PIECE])
     assert local.pieces_of(b) is None and local.pieces_of(a) == {1, 3} and local.pieces_of(b"?") == set()
     assert local.bitfield(b) == b"" and local.bitfield(a) == bytes([0b0101_0000]) and local.bitfield(b"?") is None
-    assert local.held_bytes == len(DATA["sub/b.txt"]) + PIECE + 100
-    assert not local.complete and local.whole_paths() == [tmp_path / "sub" / "b.txt"]
+    assert local.held_bytes == len(DATA["sub/dir/b.txt"]) + PIECE + 100
+    assert not local.complete and local.whole_paths() == [tmp_path / "sub" / "dir" / "b.txt"]
     assert local.read_leaves(a) == b"".join(leaves_of(DATA["a.txt"])) and local.read_leaves(b"?") is None
     at = local.locate_piece(a, 3)
     assert at == PieceAt(a, 3, tmp_path / META / "parts" / a.hex(), 3 * PIECE, 100, leaves_of(DATA["a.txt"])[3])
-    assert local.locate_piece(b, 1) == PieceAt(b, 1, tmp_path / "sub" / "b.txt", PIECE, 7,
-                                              leaves_of(DATA["sub/b.txt"])[1])
-    for root, index in ((a, 0), (a, 4), (a, -1), (b, 2), (b"?", 0)):
+    assert local.locate_piece(b, 1) == PieceAt(b, 1, tmp_path / "sub" / "dir" / "b.txt", PIECE, 7,
+                                              leaves_of(DATA["sub/dir/b.txt"])[1])
+    local.set_leaves(b"?" * 32, leaves_of(DATA["a.txt"]))  # leaves of a shard the manifest does not name
+    for root, index in ((a, 0), (a, 4), (a, -1), (b, 2), (b"?", 0), (b"?" * 32, 0)):
         assert local.locate_piece(root, index) is None
     assert local.read_piece(a, 1) == DATA["a.txt"][PIECE:2 * PIECE] and local.read_piece(a, 2) is None
     local.set_leaves(a, leaves_of(DATA["a.txt"])[:2])  # fewer leaves than pieces: only those are located
@@ -232,15 +238,15 @@ def test_a_shard_retracted_since_it_was_held_is_not_counted(tmp_path: Path) -> N
     manifest = Manifest(Header.make(me, "wiki", "text", piece_size=PIECE, now=NOW))
     first = Entry.make(me, manifest.header, [shard("a.txt", DATA["a.txt"])], now=NOW)
     manifest.add(first.signed)
-    manifest.add(Entry.make(me, manifest.header, [shard("sub/b.txt", DATA["sub/b.txt"])], now=NOW + 1).signed)
+    manifest.add(Entry.make(me, manifest.header, [shard("sub/dir/b.txt", DATA["sub/dir/b.txt"])], now=NOW + 1).signed)
     write(tmp_path, DATA)
     local = LocalDataset.open(tmp_path, manifest)
     local.have[shard("c.txt", b"c").root] = {0}  # a part of a shard the manifest no longer names
     assert len(local.whole) == 2
     manifest.add(Entry.make(me, manifest.header, [], now=NOW + 2, retract=[first.id]).signed)
     assert local.refresh() == []
-    assert local.whole_paths() == [tmp_path / "sub" / "b.txt"]  # it raised KeyError for a.txt
-    assert local.held_bytes == len(DATA["sub/b.txt"]) and local.complete
+    assert local.whole_paths() == [tmp_path / "sub" / "dir" / "b.txt"]  # it raised KeyError for a.txt
+    assert local.held_bytes == len(DATA["sub/dir/b.txt"]) and local.complete
 
 
 def test_a_lost_piece_of_a_part_takes_that_piece_only(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -279,12 +285,33 @@ def test_the_last_piece_written_moves_the_shard_to_its_path_whole(tmp_path: Path
     manifest = manifest_of(DATA)
     _, b = roots(manifest)
     local = LocalDataset.open(tmp_path, manifest)
-    local.set_leaves(b, leaves_of(DATA["sub/b.txt"]))
-    assert not local.write_piece(b, 1, DATA["sub/b.txt"][PIECE:])
+    local.set_leaves(b, leaves_of(DATA["sub/dir/b.txt"]))
+    assert not local.write_piece(b, 1, DATA["sub/dir/b.txt"][PIECE:])
     part = tmp_path / META / "parts" / b.hex()
-    assert part.read_bytes()[PIECE:] == DATA["sub/b.txt"][PIECE:] and not (tmp_path / "sub").exists()
-    assert local.write_piece(b, 0, DATA["sub/b.txt"][:PIECE])
-    assert (tmp_path / "sub" / "b.txt").read_bytes() == DATA["sub/b.txt"] and not part.exists()
+    assert part.read_bytes()[PIECE:] == DATA["sub/dir/b.txt"][PIECE:] and not (tmp_path / "sub").exists()
+    assert local.write_piece(b, 0, DATA["sub/dir/b.txt"][:PIECE])
+    assert (tmp_path / "sub" / "dir" / "b.txt").read_bytes() == DATA["sub/dir/b.txt"] and not part.exists()
     assert b in local.whole and b not in local.have
-    assert not local.write_piece(b, 0, DATA["sub/b.txt"][:PIECE])  # whole already: nothing written
+    assert not local.write_piece(b, 0, DATA["sub/dir/b.txt"][:PIECE])  # whole already: nothing written
     assert not part.exists()
+
+
+def test_whole_paths_are_in_the_order_of_the_shards_paths(tmp_path: Path) -> None:
+    files = {f"{name}.txt": name.encode() * 10 for name in ("e", "b", "d", "a", "c", "f")}
+    write(tmp_path, files)
+    local = LocalDataset.open(tmp_path, manifest_of(files))
+    assert local.whole_paths() == [tmp_path / name for name in sorted(files)]
+
+
+def test_a_closed_swarms_retraction_kept_on_disk_is_honoured_when_the_directory_is_opened_again(
+        tmp_path: Path) -> None:
+    key = SigningKey.generate()
+    authority = bytes(key.verify_key)
+    manifest = manifest_of(DATA)
+    manifest.authority = authority
+    (entry,) = manifest.entries.values()
+    manifest.add(sign_by_authority(key, manifest.header, [entry.id], now=NOW + 1))
+    LocalDataset.open(tmp_path, manifest)
+    fresh = Manifest(manifest.header, authority=authority)
+    LocalDataset.open(tmp_path, fresh)
+    assert fresh.by_authority.keys() == manifest.by_authority.keys() and fresh.shards() == []
