@@ -215,16 +215,17 @@ class FakeSwarm:
             log.warning("handler for %s failed: %r", protocol, e)
             await stream.reset()
 
+    def _key(self) -> KeyPair:
+        if self.identity is None:
+            raise TypeError("a numbered fake peer has no key: join the network with an identity")
+        return self.identity
+
     @property
     def public_key(self) -> bytes:
-        if self.identity is None:
-            raise TypeError("a numbered fake peer has no key: join the network with an identity")
-        return bytes(self.identity.public_key.serialize())
+        return bytes(self._key().public_key.serialize())
 
     def sign(self, data: bytes) -> bytes:
-        if self.identity is None:
-            raise TypeError("a numbered fake peer has no key: join the network with an identity")
-        return bytes(self.identity.private_key.sign(data))
+        return bytes(self._key().private_key.sign(data))
 
     def path_to(self, peer_id: ID) -> str:
         return self.paths.get(peer_id, "direct")

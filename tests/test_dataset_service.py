@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import random
+from functools import partial
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
@@ -35,7 +36,6 @@ from training.datasets import events as ev
 from training.datasets import service
 from training.datasets.fetch import FetchConfig, NoSeeders
 from training.datasets.manifest import DatasetError, Header, ManifestError, Shard, object_id
-from training.datasets.pieces import leaf, merkle_root
 from training.datasets.service import (
     ANNOUNCE_GAP,
     INDEX_KEY,
@@ -54,9 +54,9 @@ from training.proto import datasets_pb2 as pb
 
 from .fake_swarm import FakeSwarm, fake_swarms
 from .kit import log_lines, numbered_peer_id
+from .test_datasets import PIECE, shard, write_files
 
 LOG = "training.datasets.service"
-PIECE = 16 * 1024
 #: the wall clock the service reads: trio's clock plus this
 WALL = 1_900_000_000.0
 #: the trio time every lab starts at (a sum where a difference belongs shows)
@@ -80,15 +80,8 @@ def inline(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def corpus(directory: Path, files: dict[str, bytes] = FILES) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    for name, data in files.items():
-        (directory / name).parent.mkdir(parents=True, exist_ok=True)
-        (directory / name).write_bytes(data)
-    return directory
-
-
-def root_of(data: bytes) -> bytes:
-    return merkle_root([leaf(data[i:i + PIECE]) for i in range(0, len(data), PIECE)])
+    directory.mkdir(parents=True, exist_ok=True)  # made even with no files
+    return write_files(directory, files)
 
 
 # ---------------------------------------------------------------------------- the DHT spy and the lab
@@ -286,7 +279,7 @@ async def test_create_signs_publishes_and_seeds_the_directory(autojump_clock: tr
             "wiki", "text", PIECE, d.peer.peer_id, "body")
         assert header.created == WALL + START
         shards = local.manifest.shards()
-        assert [(s.path, s.size, s.root) for s in shards] == [(p, len(b), root_of(b)) for p, b in sorted(FILES.items())]
+        assert shards == [shard(p, b) for p, b in sorted(FILES.items())]
         assert local.whole == {s.root for s in shards} and local.directory == tmp_path / "src"
         (entry,) = local.manifest.entries.values()
         assert entry.created == WALL + START and entry.author == d.peer.peer_id
@@ -366,8 +359,7 @@ async def test_add_copies_the_files_into_our_copy_and_publishes_an_entry_of_ours
         assert (mine / "c.txt").read_bytes() == b"three\n" * 100
         assert (mine / "c.txt").stat().st_ino == (extra / "c.txt").stat().st_ino  # a hard link, not a copy
         assert entry.author == b.peer.peer_id and entry.created == WALL + START
-        assert [(s.path, s.size, s.root) for s in entry.shards] == [
-            ("c.txt", 600, root_of(b"three\n" * 100)), ("d.txt", 25000, root_of(b"four\n" * 5000))]
+        assert list(entry.shards) == [shard("c.txt", b"three\n" * 100), shard("d.txt", b"four\n" * 5000)]
         stored = [s for s in spy(b).of(dataset_key("wiki")) if s.value == entry.signed]
         assert [(s.subkey, s.expiration, s.timeout) for s in stored] == [
             (content_subkey(entry.signed, "e"), WALL + START + 12 * 3600.0, 15.0)]
@@ -990,22 +982,27 @@ async def test_a_free_sending_slot_goes_to_the_asker_furthest_behind(autojump_cl
         assert done == ["first", "behind", "ahead"]
 
 
+async def sending(d: Datasets, order: list[tuple[str, float]], who: str, held: int,
+                  scope: trio.CancelScope | None = None, then: Callable[[], None] | None = None) -> None:
+    """Hold one of ``d``'s sending slots for a second (asked for as an asker holding ``held`` permille),
+    within ``scope``; ``order`` notes who got one when; ``then()`` runs just before it is given back."""
+    with scope or trio.CancelScope():
+        async with d._sending_slot(held):
+            order.append((who, trio.current_time()))
+            await trio.sleep(1)
+            if then is not None:
+                then()
+
+
 async def test_a_wait_for_a_sending_slot_cancelled_gives_its_place_up(autojump_clock: trio.abc.Clock) -> None:
     async with lab(sending_slots=1) as (a,):
         order: list[tuple[str, float]] = []
         gone = trio.CancelScope()
-
-        async def use(who: str, held: int, scope: trio.CancelScope | None = None) -> None:
-            with scope or trio.CancelScope():
-                async with a._sending_slot(held):
-                    order.append((who, trio.current_time()))
-                    await trio.sleep(1)
-
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(use, "first", 0)
+            nursery.start_soon(sending, a, order, "first", 0)
             await trio.sleep(0.1)
-            nursery.start_soon(use, "gone", 0, gone)
-            nursery.start_soon(use, "last", 500)
+            nursery.start_soon(sending, a, order, "gone", 0, gone)
+            nursery.start_soon(sending, a, order, "last", 500)
             await trio.sleep(0.1)
             assert a.sending.waiting == 2
             gone.cancel()
@@ -1017,28 +1014,13 @@ async def test_a_slot_granted_as_its_wait_is_cancelled_is_passed_on(autojump_clo
     async with lab(sending_slots=1) as (a,):
         order: list[tuple[str, float]] = []
         gone = trio.CancelScope()
-
-        async def first() -> None:
-            async with a._sending_slot(0):
-                order.append(("first", trio.current_time()))
-                await trio.sleep(1)
-                gone.cancel()  # and the slot goes to it before it runs again
-
-        async def use(who: str, held: int) -> None:
-            async with a._sending_slot(held):
-                order.append((who, trio.current_time()))
-                await trio.sleep(1)
-
-        async def cancelled() -> None:
-            with gone:
-                await use("gone", 0)
-
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(first)
+            # the first cancels the second's wait as it leaves: the slot goes to it before it runs again
+            nursery.start_soon(partial(sending, a, order, "first", 0, then=gone.cancel))
             await trio.sleep(0.1)
-            nursery.start_soon(cancelled)
+            nursery.start_soon(sending, a, order, "gone", 0, gone)
             await trio.sleep(0.1)
-            nursery.start_soon(use, "last", 500)
+            nursery.start_soon(sending, a, order, "last", 500)
         assert order == [("first", START), ("last", START + 1)]
         assert a.sending.waiting == 0 and a._tickets == {}
         async with a._sending_slot(0):  # and the slot is free

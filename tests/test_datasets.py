@@ -52,8 +52,29 @@ def signer() -> KeySigner:
     return KeySigner(new_identity())
 
 
+def leaves_of(data: bytes, piece: int = PIECE) -> list[bytes]:
+    return [leaf(data[i:i + piece]) for i in range(0, len(data), piece)]
+
+
 def shard(path: str, data: bytes, piece: int = PIECE) -> Shard:
-    return Shard(path, len(data), merkle_root([leaf(data[i:i + piece]) for i in range(0, len(data), piece)]))
+    return Shard(path, len(data), merkle_root(leaves_of(data, piece)))
+
+
+def manifest_of(files: dict[str, bytes], name: str = "wiki") -> Manifest:
+    """A dataset ``name`` by a fresh creator: one entry of ``files`` (path -> bytes), pieces of PIECE."""
+    me = signer()
+    header = Header.make(me, name, "text", piece_size=PIECE, now=NOW)
+    manifest = Manifest(header)
+    manifest.add(Entry.make(me, header, [shard(p, d) for p, d in files.items()], now=NOW).signed)
+    return manifest
+
+
+def write_files(directory: Path, files: dict[str, bytes]) -> Path:
+    """``files`` (relative path -> bytes) written under ``directory``, made as need be; ``directory``."""
+    for name, data in files.items():
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        (directory / name).write_bytes(data)
+    return directory
 
 
 # ---------------------------------------------------------------------- the hash tree
@@ -235,10 +256,7 @@ def test_a_content_addressed_subkey_holds_only_the_bytes_it_names() -> None:
 # ---------------------------------------------------------------------- the store
 
 def make_local(tmp: Path, data: dict[str, bytes]) -> tuple[LocalDataset, Manifest]:
-    me = signer()
-    header = Header.make(me, "wiki", "text", piece_size=PIECE, now=NOW)
-    manifest = Manifest(header)
-    manifest.add(Entry.make(me, header, [shard(p, d) for p, d in data.items()], now=NOW).signed)
+    manifest = manifest_of(data)
     return LocalDataset.open(tmp, manifest), manifest
 
 
@@ -246,7 +264,7 @@ def test_a_shard_reaches_its_path_only_whole_and_checked_and_a_restart_resumes(t
     data = random.Random(1).randbytes(3 * PIECE + 100)
     local, manifest = make_local(tmp_path / "d", {"s.txt": data})
     s = manifest.shards()[0]
-    leaves = [leaf(data[i:i + PIECE]) for i in range(0, len(data), PIECE)]
+    leaves = leaves_of(data)
     local.set_leaves(s.root, leaves)
     assert local.check_piece(s.root, 1, data[:PIECE]) == "piece 1 of s.txt does not match its hash"
     assert local.check_piece(s.root, 3, data[3 * PIECE:]) is None
@@ -273,10 +291,7 @@ def test_a_piece_is_checked_again_as_it_is_read_to_be_served(tmp_path: Path, cap
     """A file edited, cut short or rotted after it was checked: never served, its shard no longer held."""
     rng = random.Random(2)
     data = {"a.txt": rng.randbytes(3 * PIECE), "b.txt": rng.randbytes(2 * PIECE + 7)}
-    (tmp_path / "d").mkdir()
-    for name, content in data.items():
-        (tmp_path / "d" / name).write_bytes(content)
-    local, manifest = make_local(tmp_path / "d", data)
+    local, manifest = make_local(write_files(tmp_path / "d", data), data)
     a, b = sorted(manifest.shards(), key=lambda s: s.path)
     assert local.whole == {a.root, b.root} and local.read_piece(a.root, 2) == data["a.txt"][2 * PIECE:]
     with (tmp_path / "d" / "a.txt").open("r+b") as f:  # edited in place, the same size: only the hash tells

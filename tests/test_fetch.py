@@ -32,37 +32,21 @@ from p2p.events import Event
 from p2p.varint import decode_varint
 from training.datasets import events as ev
 from training.datasets.fetch import Download, FetchConfig, FetchReport, NoSeeders
-from training.datasets.manifest import Entry, Header, Manifest, Shard
+from training.datasets.manifest import Shard
 from training.datasets.picker import PickerConfig, SeederState, TableConfig
-from training.datasets.pieces import leaf, merkle_root, piece_count
+from training.datasets.pieces import piece_count
 from training.datasets.service import MAX_HEADER, PROTOCOL, SeederInfo
 from training.datasets.store import LocalDataset, _bits
 from training.proto import datasets_pb2 as pb
 
 from .fake_swarm import FakeSwarm, fake_swarms
 from .kit import log_lines, numbered_peer_id
-from .test_datasets import NOW, PIECE, signer
+from .test_datasets import NOW, PIECE, leaves_of, manifest_of, shard
 
 LOG = "training.datasets.fetch"
 RNG = random.Random(7)
 #: two shards: a.txt of four pieces (the last short), b.txt of two
 FILES = {"a.txt": RNG.randbytes(3 * PIECE + 100), "b.txt": RNG.randbytes(PIECE + 7)}
-
-
-def shard_of(path: str, data: bytes) -> Shard:
-    return Shard(path, len(data), merkle_root(leaves_of(data)))
-
-
-def leaves_of(data: bytes) -> list[bytes]:
-    return [leaf(data[i:i + PIECE]) for i in range(0, len(data), PIECE)]
-
-
-def manifest_of(files: dict[str, bytes]) -> Manifest:
-    me = signer()
-    header = Header.make(me, "wiki", "text", piece_size=PIECE, now=NOW)
-    manifest = Manifest(header)
-    manifest.add(Entry.make(me, header, [shard_of(p, d) for p, d in files.items()], now=NOW).signed)
-    return manifest
 
 
 # ---------------------------------------------------------------------------- the tracker and the seeders

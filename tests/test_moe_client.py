@@ -28,7 +28,7 @@ from multiaddr import Multiaddr
 
 from averaging.tensor_stream import receive_tensors, tensors_message
 from averaging.wire import FrameReader, frame
-from libp2p.network.stream.exceptions import StreamError
+from libp2p.network.stream.exceptions import StreamError, StreamReset
 
 from p2p.errors import ConfigError, describe
 from p2p.multistream import PeerRefused
@@ -156,6 +156,24 @@ async def client_of(n: int = 2, *, start: float = START, **config: Any
         servers = [Server(p) for p in peers[1:]]
         async with ExpertClient.open(peers[0], ClientConfig(**config)) as client:
             yield client, servers
+
+
+def failing_writes(me: FakeSwarm, error: Callable[[], Exception]) -> None:
+    """Each new stream of ``me``'s fails its writes with ``error()`` (reset before the request went, a
+    node that refused it over a limit)."""
+    opened = me.new_stream
+
+    async def refusing(peer_id: ID, protocol: str) -> Any:
+        stream = await opened(peer_id, protocol)
+
+        async def write(data: bytes) -> None:
+            await trio.lowlevel.checkpoint()
+            raise error()
+
+        stream.write = write
+        return stream
+
+    me.new_stream = refusing  # type: ignore[method-assign]
 
 
 # ---------------------------------------------------------------------------- one call
@@ -791,15 +809,8 @@ async def test_a_new_stream_reset_before_the_request_went_fails_the_call_with_th
         autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture, kind: KindValue) -> None:
     caplog.set_level(logging.DEBUG, LOG)
     async with client_of() as (client, (server,)):
-        me = cast(FakeSwarm, client.peer)
-        opened = me.new_stream
-
-        async def reset_at_once(peer_id: ID, protocol: str) -> Any:
-            stream = await opened(peer_id, protocol)
-            stream._out.reset = True  # the server reset it before our request went: the write fails
-            return stream
-
-        me.new_stream = reset_at_once  # type: ignore[method-assign]
+        # the server reset each stream before our request went: the write fails
+        failing_writes(cast(FakeSwarm, client.peer), lambda: StreamReset("the stream was reset"))
         expert = server.expert()
         with pytest.raises(ExpertCallError) as e:
             await client.call(expert, kind, [x_of(1), x_of(1)][:1 + (kind == Kind.BACKWARD)], timeout=10.0)
@@ -860,23 +871,6 @@ async def test_a_refusal_on_a_kept_stream_names_the_expert(autojump_clock: trio.
         assert str(e.value) == f"expert {expert}: failed: boom" and server.on == [1, 1]
 
 
-def refused_busy_stream(me: FakeSwarm, error: Callable[[], Exception]) -> None:
-    """Each new stream's first write raises ``error()`` (a node that refused it over a limit)."""
-    opened = me.new_stream
-
-    async def refusing(peer_id: ID, protocol: str) -> Any:
-        stream = await opened(peer_id, protocol)
-
-        async def write(data: bytes) -> None:
-            await trio.lowlevel.checkpoint()
-            raise error()
-
-        stream.write = write
-        return stream
-
-    me.new_stream = refusing  # type: ignore[method-assign]
-
-
 BUSY_REASON = str(ResourceLimitExceeded(Scope.PEER_PROTOCOL, "inbound streams", 128))
 
 
@@ -897,7 +891,7 @@ async def test_a_stream_refused_over_a_limit_is_busy_not_broken(autojump_clock: 
     caplog.set_level(logging.DEBUG, LOG)
     assert PeerRefused(BUSY_REASON).busy
     async with client_of() as (client, (server,)):
-        refused_busy_stream(cast(FakeSwarm, client.peer), error)
+        failing_writes(cast(FakeSwarm, client.peer), error)
         expert = server.expert()
         with pytest.raises(ExpertCallError) as e:
             await client.forward(expert, x_of(1))

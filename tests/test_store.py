@@ -18,7 +18,7 @@ from training.datasets.pieces import leaf
 from training.datasets.store import META, LocalDataset, PieceAt, _bits, from_bits, read_checked
 
 from .kit import log_lines
-from .test_datasets import NOW, PIECE, shard, signer
+from .test_datasets import NOW, PIECE, leaves_of, manifest_of, shard, signer, write_files
 
 LOG = "training.datasets.store"
 RNG = random.Random(5)
@@ -26,27 +26,9 @@ RNG = random.Random(5)
 DATA = {"a.txt": RNG.randbytes(3 * PIECE + 100), "sub/dir/b.txt": RNG.randbytes(PIECE + 7)}
 
 
-def leaves_of(data: bytes) -> list[bytes]:
-    return [leaf(data[i:i + PIECE]) for i in range(0, len(data), PIECE)]
-
-
-def manifest_of(data: dict[str, bytes], name: str = "wiki") -> Manifest:
-    me = signer()
-    header = Header.make(me, name, "text", piece_size=PIECE, now=NOW)
-    manifest = Manifest(header)
-    manifest.add(Entry.make(me, header, [shard(p, d) for p, d in data.items()], now=NOW).signed)
-    return manifest
-
-
 def roots(manifest: Manifest) -> tuple[bytes, bytes]:
     a, b = sorted(manifest.shards(), key=lambda s: s.path)
     return a.root, b.root
-
-
-def write(directory: Path, files: dict[str, bytes]) -> None:
-    for name, data in files.items():
-        (directory / name).parent.mkdir(parents=True, exist_ok=True)
-        (directory / name).write_bytes(data)
 
 
 # ---------------------------------------------------------------------------- HAVE's bits
@@ -122,7 +104,7 @@ def test_a_directory_of_another_dataset_names_it(tmp_path: Path) -> None:
 def test_load_reads_the_stored_manifest_with_the_authority_given_and_checks_the_files(tmp_path: Path) -> None:
     manifest = manifest_of(DATA)
     LocalDataset.open(tmp_path, manifest)
-    write(tmp_path, DATA)
+    write_files(tmp_path, DATA)
     local = LocalDataset.load(tmp_path, authority=b"k" * 32)
     assert local.manifest.authority == b"k" * 32 and local.whole == set(roots(manifest))
     assert LocalDataset.load(tmp_path).manifest.authority is None
@@ -139,12 +121,12 @@ def test_a_whole_file_of_the_wrong_bytes_or_size_is_not_held(tmp_path: Path, cap
     caplog.set_level(logging.WARNING, LOG)
     manifest = manifest_of(DATA)
     a, b = roots(manifest)
-    write(tmp_path, {"a.txt": b"X" + DATA["a.txt"][1:], "sub/dir/b.txt": DATA["sub/dir/b.txt"] + b"!"})
+    write_files(tmp_path, {"a.txt": b"X" + DATA["a.txt"][1:], "sub/dir/b.txt": DATA["sub/dir/b.txt"] + b"!"})
     local = LocalDataset.open(tmp_path, manifest)
     assert local.whole == set() and local.have == {a: set(), b: set()} and local.leaves == {}
     assert log_lines(caplog, LOG, str(tmp_path)) == [
         f"{tmp_path / 'a.txt'} does not match its shard's root: fetched again"]  # the wrong size is not hashed
-    write(tmp_path, DATA)
+    write_files(tmp_path, DATA)
     local = LocalDataset.open(tmp_path, manifest)
     assert local.whole == {a, b} and local.have == {} and local.leaves[a] == leaves_of(DATA["a.txt"])
 
@@ -198,7 +180,7 @@ def test_refresh_takes_the_entries_added_since_and_scans_only_them(tmp_path: Pat
     local = LocalDataset.open(tmp_path, manifest)
     me = signer()
     header = manifest.header
-    write(tmp_path, {"c.txt": b"c" * 10})
+    write_files(tmp_path, {"c.txt": b"c" * 10})
     manifest.add(Entry.make(me, header, [shard("c.txt", b"c" * 10)], now=NOW + 1).signed)
     assert local.refresh() == [shard("c.txt", b"c" * 10)]
     assert local.whole == {shard("c.txt", b"c" * 10).root} and len(local.shards) == 2
@@ -211,7 +193,7 @@ def test_refresh_takes_the_entries_added_since_and_scans_only_them(tmp_path: Pat
 def test_what_is_held_where_and_how_much(tmp_path: Path) -> None:
     manifest = manifest_of(DATA)
     a, b = roots(manifest)
-    write(tmp_path, {"sub/dir/b.txt": DATA["sub/dir/b.txt"]})
+    write_files(tmp_path, {"sub/dir/b.txt": DATA["sub/dir/b.txt"]})
     local = LocalDataset.open(tmp_path, manifest)
     local.set_leaves(a, leaves_of(DATA["a.txt"]))
     local.write_piece(a, 3, DATA["a.txt"][3 * PIECE:])
@@ -239,7 +221,7 @@ def test_a_shard_retracted_since_it_was_held_is_not_counted(tmp_path: Path) -> N
     first = Entry.make(me, manifest.header, [shard("a.txt", DATA["a.txt"])], now=NOW)
     manifest.add(first.signed)
     manifest.add(Entry.make(me, manifest.header, [shard("sub/dir/b.txt", DATA["sub/dir/b.txt"])], now=NOW + 1).signed)
-    write(tmp_path, DATA)
+    write_files(tmp_path, DATA)
     local = LocalDataset.open(tmp_path, manifest)
     local.have[shard("c.txt", b"c").root] = {0}  # a part of a shard the manifest no longer names
     assert len(local.whole) == 2
@@ -298,7 +280,7 @@ def test_the_last_piece_written_moves_the_shard_to_its_path_whole(tmp_path: Path
 
 def test_whole_paths_are_in_the_order_of_the_shards_paths(tmp_path: Path) -> None:
     files = {f"{name}.txt": name.encode() * 10 for name in ("e", "b", "d", "a", "c", "f")}
-    write(tmp_path, files)
+    write_files(tmp_path, files)
     local = LocalDataset.open(tmp_path, manifest_of(files))
     assert local.whole_paths() == [tmp_path / name for name in sorted(files)]
 
