@@ -111,6 +111,11 @@ MODULES: dict[str, tuple[str, ...]] = {
     "training/datasets/service.py": ("tests/test_dataset_service.py",),
     "training/moe/client.py": ("tests/test_moe_client.py",),
     "training/datasets/store.py": ("tests/test_store.py", "tests/test_datasets.py"),
+    "averaging/staging.py": ("tests/test_staging.py", "tests/test_serial.py", "tests/test_averaging_core.py"),
+    "nat/port_mapping/mapping.py": ("tests/test_map_port.py",),
+    "p2p/sim/engine.py": ("tests/test_sim_network.py",),
+    "p2p/sim/network.py": ("tests/test_sim_network.py",),
+    "p2p/sim/calibration.py": ("tests/test_sim_network.py",),
 }
 
 KILLED = {"killed", "timeout"}

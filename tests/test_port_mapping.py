@@ -1,5 +1,6 @@
 """nat.port_mapping's I/O: against loopback fakes, then the real thing against miniupnpd (the wire formats
-without sockets: tests/test_port_mapping_codecs.py; UPnP's discovery, HTTP and mapper against loopback
+without sockets: tests/test_port_mapping_codecs.py; probing, choosing, renewing and deleting with the I/O
+scripted: tests/test_map_port.py; UPnP's discovery, HTTP and mapper against loopback
 fakes: tests/test_upnp.py).
 
 The end-to-end tests build their own router/client/outside namespaces
@@ -18,26 +19,9 @@ import trio
 
 from nat import port_mapping as pm
 from nat.port_mapping import MappingRefused
-from p2p.errors import ConfigError
 from tests import miniupnpd_lab
 from tests.test_port_mapping_codecs import NONCE, _pcp_map_response
 from tests.miniupnpd_lab import CLIENT_IP, WAN_IP, router_lab
-# ---------------------------------------------------------------------- API checks that need no gateway
-
-
-async def test_map_port_rejects_bad_arguments() -> None:
-    for kwargs in ({"lifetime": 0}, {"protocol": "SCTP"}, {"methods": ("igd",)}, {"methods": ()}, {"external_port": 70000}):
-        with pytest.raises(ConfigError):
-            async with pm.map_port(4001, **kwargs):
-                pass
-    with pytest.raises(ConfigError):
-        async with pm.map_port(0):
-            pass
-    with pytest.raises(ConfigError):
-        async with pm.map_port(4001, gateway="router.lan"):
-            pass
-
-
 # ---------------------------------------------------------------------- the I/O layer against loopback fakes
 # (UDP to 127.0.0.1 only)
 
@@ -266,17 +250,3 @@ async def test_nothing_answers_says_what_was_tried(tmp_path: Path) -> None:
         assert elapsed < 8  # ~2 s of SSDP listening plus interpreter start-up
         with trio.fail_after(10):
             await client.process.wait()
-
-
-def test_the_port_to_map_is_one_a_router_could_reach() -> None:
-    from multiaddr import Multiaddr
-
-    def port(*addrs: str) -> int | None:
-        return pm.mappable_port([Multiaddr(a) for a in addrs])
-
-    assert port("/ip4/127.0.0.1/tcp/4001") is None
-    assert port("/ip4/127.0.0.5/tcp/4001", "/ip6/::1/tcp/4002") is None
-    assert port() is None
-    assert port("/ip4/127.0.0.1/tcp/4001", "/ip4/0.0.0.0/tcp/4003") == 4003
-    assert port("/ip6/::1/tcp/4002", "/ip4/192.168.1.20/tcp/4004", "/ip4/0.0.0.0/tcp/4005") == 4004
-    assert port("/ip6/::/tcp/4006") == 4006

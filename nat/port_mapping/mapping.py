@@ -237,20 +237,32 @@ async def _establish(
 
 #: After a failed renewal, try again within this long (and sooner near expiry).
 RENEW_RETRY_MAX = 60.0
+#: ... and never sooner than this.
+RENEW_RETRY_MIN = 1.0
+
+
+def renewal_retry_delay(expires_at: float, now: float) -> float:
+    """How long after a failed renewal to try again: half the time left before expiry, so a lease
+    is kept while the gateway answers now and then; once it has expired, as long as it has been
+    gone, so the retries space out (doubling) up to :data:`RENEW_RETRY_MAX`. Before, the retries
+    after expiry came every second for good: a laptop that left the network its mapping was made
+    on logged a warning and sent a packet toward the old gateway each second while it ran."""
+    left = expires_at - now
+    return max(RENEW_RETRY_MIN, min(RENEW_RETRY_MAX, left / 2 if left > 0 else -left))
 
 
 async def _keep_renewed(mapper: _Mapper, mapping: PortMapping, lifetime: int, call_timeout: float) -> None:
     """Renew halfway to expiry, like DHCP (RFC 6886 section 3.3); never raises.
 
-    A failure is recorded in ``mapping.error`` and retried: after expiry too,
-    since a router that rebooted forgets its mappings but will take a new one.
+    A failure is recorded in ``mapping.error`` and retried (:func:`renewal_retry_delay`): after
+    expiry too, since a router that rebooted forgets its mappings but will take a new one.
     """
     while mapping.lifetime:
         now = trio.current_time()
         if mapping.error is None:
             await trio.sleep_until(now + mapping.lifetime / 2)
         else:
-            await trio.sleep(max(1.0, min(RENEW_RETRY_MAX, (mapping.expires_at - now) / 2)))
+            await trio.sleep(renewal_retry_delay(mapping.expires_at, now))
         try:
             with trio.fail_after(call_timeout):
                 grant = await mapper.map(mapping.external_port, lifetime)
