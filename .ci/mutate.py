@@ -116,6 +116,9 @@ MODULES: dict[str, tuple[str, ...]] = {
     "p2p/sim/engine.py": ("tests/test_sim_network.py",),
     "p2p/sim/network.py": ("tests/test_sim_network.py",),
     "p2p/sim/calibration.py": ("tests/test_sim_network.py",),
+    "averaging/sim/moshpit.py": ("tests/test_moshpit_sim.py",),
+    "p2p/settings.py": ("tests/test_settings_apply.py",),
+    "p2p/config.py": ("tests/test_node_config.py",),
 }
 
 KILLED = {"killed", "timeout"}

@@ -65,9 +65,11 @@ def _convert(action: argparse.Action, key: str, value: Any, source: str) -> Any:
 def _one(action: argparse.Action, value: Any, fail: Any) -> Any:
     if isinstance(value, bool):
         raise fail("must not be true or false")
+    if action.type is int and isinstance(value, float):
+        raise fail("must be a whole number")  # int() would cut 2.5 to 2 without a word
     converter = action.type if callable(action.type) else str
     try:
-        converted = converter(value if converter in (int, float) and not isinstance(value, str) else str(value))
+        converted = converter(str(value))  # as its flag's text would be: a number's str() reads back exactly
     except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
         raise fail(str(e) or f"not a valid {getattr(converter, '__name__', 'value')}") from None
     if action.choices is not None and converted not in action.choices:
@@ -105,15 +107,15 @@ def apply(parser: argparse.ArgumentParser, command: str, argv: Sequence[str], co
         for key, value in settings.items():
             dest = key.replace("-", "_")
             action = options.get(dest)
-            if action is None or dest in ("config", "func"):
+            if action is None or dest == "config":
                 known = ", ".join(sorted(d.replace("_", "-") for d in options if d != "config"))
                 raise ConfigError(f"{source}: unknown key {key!r} for dedloc {command} (its keys: {known})")
             values[dest] = _convert(action, key, value, source)
     given = _flags_given(options, argv)
     for dest, value in values.items():
         action = options[dest]
-        if isinstance(action, argparse._AppendAction) and dest in given:
-            continue  # a flag of an appending option replaces the file's list rather than extending it
+        if isinstance(action, (argparse._AppendAction, argparse._CountAction)) and dest in given:
+            continue  # a flag of an appending or counting option replaces the file's value rather than adding to it
         parser.set_defaults(**{dest: value})
         action.required = False  # given here, an option the command requires need not be a flag too
 
@@ -122,9 +124,17 @@ def _flags_given(options: Mapping[str, argparse.Action], argv: Sequence[str]) ->
     given = set()
     for dest, action in options.items():
         for arg in argv:
-            if any(arg == s or arg.startswith(s + "=") for s in action.option_strings):
+            if any(_names(arg, s) for s in action.option_strings):
                 given.add(dest)
     return given
+
+
+def _names(arg: str, option: str) -> bool:
+    """Whether ``arg`` on the command line is ``option``: itself, with ``=value``, or for a short
+    option with its value or more short options run on (``-v3``, ``-vv``)."""
+    if arg == option or arg.startswith(option + "="):
+        return True
+    return len(option) == 2 and arg.startswith(option)  # "-v": argparse has no two-character long option
 
 
 __all__ = ["ENVIRONMENT", "apply", "load"]

@@ -29,6 +29,8 @@ GATEWAY, LOCAL, UPNP_LOCAL = "192.168.1.1", "192.168.1.20", "192.168.1.21"
 WAN, WAN_UPNP = "203.0.113.7", "203.0.113.8"
 IGD = UpnpGateway("http://192.168.1.1:5000/rootDesc.xml", IgdService("urn:wan", "http://192.168.1.1:5000/ctl"), UPNP_LOCAL)
 
+Clock = trio.testing.MockClock
+
 #: a scripted step: seconds to wait, then the value to give or the error to raise (None: wait forever)
 Step = tuple[float | None, object]
 
@@ -157,13 +159,13 @@ def test_the_port_to_map_is_one_a_router_could_reach() -> None:
 # ---------------------------------------------------------------------- the gateway
 
 
-async def test_with_no_gateway_given_the_default_route_s_is_asked(router: Router, autojump_clock: trio.testing.MockClock) -> None:
+async def test_with_no_gateway_given_the_default_route_s_is_asked(router: Router, autojump_clock: Clock) -> None:
     support = await mp.probe()
     assert (support.gateway, support.local_ip) == (GATEWAY, LOCAL)
     assert ("route", GATEWAY) in router.asked
 
 
-async def test_with_no_default_route_there_is_nothing_to_ask(router: Router, autojump_clock: trio.testing.MockClock) -> None:
+async def test_with_no_default_route_there_is_nothing_to_ask(router: Router, autojump_clock: Clock) -> None:
     router.default = None
     with pytest.raises(PortMappingUnavailable, match="^no IPv4 default route: no gateway to ask for a port mapping$"):
         await mp.probe()
@@ -173,7 +175,7 @@ async def test_with_no_default_route_there_is_nothing_to_ask(router: Router, aut
     assert router.asked == []
 
 
-async def test_a_gateway_given_is_asked_and_must_be_an_ipv4_address(router: Router, autojump_clock: trio.testing.MockClock) -> None:
+async def test_a_gateway_given_is_asked_and_must_be_an_ipv4_address(router: Router, autojump_clock: Clock) -> None:
     router.default = None
     assert (await mp.probe(gateway="10.0.0.1")).gateway == "10.0.0.1"
     assert router.asked[0] == ("route", "10.0.0.1")
@@ -181,7 +183,7 @@ async def test_a_gateway_given_is_asked_and_must_be_an_ipv4_address(router: Rout
         await mp.probe(gateway="router.lan")
 
 
-async def test_a_gateway_out_of_reach_is_said_with_the_reason(router: Router, autojump_clock: trio.testing.MockClock) -> None:
+async def test_a_gateway_out_of_reach_is_said_with_the_reason(router: Router, autojump_clock: Clock) -> None:
     router.unreachable = OSError(101, "Network is unreachable")
     with pytest.raises(PortMappingUnavailable,
                        match=f"^cannot reach the gateway {GATEWAY}: Network is unreachable$") as raised:
@@ -189,7 +191,7 @@ async def test_a_gateway_out_of_reach_is_said_with_the_reason(router: Router, au
     assert raised.value.__cause__ is None and raised.value.__suppress_context__
 
 
-async def test_a_host_with_a_public_address_has_no_nat_to_map_through(router: Router, autojump_clock: trio.testing.MockClock) -> None:
+async def test_a_host_with_a_public_address_has_no_nat_to_map_through(router: Router, autojump_clock: Clock) -> None:
     router.local = "1.2.3.4"
     with pytest.raises(PortMappingUnavailable,
                        match="^this host has the public address 1.2.3.4: there is no NAT to map through$"):
@@ -201,7 +203,7 @@ async def test_a_host_with_a_public_address_has_no_nat_to_map_through(router: Ro
 # ---------------------------------------------------------------------- probe
 
 
-async def test_a_probe_asks_every_method_at_once_and_says_what_each_offers(router: Router, autojump_clock: trio.testing.MockClock) -> None:
+async def test_a_probe_asks_every_method_at_once_and_says_what_each_offers(router: Router, autojump_clock: Clock) -> None:
     start = trio.current_time()
     support = await mp.probe()
     assert trio.current_time() - start == pytest.approx(0.5)  # the slowest answer, not their sum
@@ -211,7 +213,7 @@ async def test_a_probe_asks_every_method_at_once_and_says_what_each_offers(route
     assert support.external_ip == WAN  # NAT-PMP's before UPnP's
 
 
-async def test_a_probe_says_why_each_method_failed(router: Router, autojump_clock: trio.testing.MockClock) -> None:
+async def test_a_probe_says_why_each_method_failed(router: Router, autojump_clock: Clock) -> None:
     router.answers = {"pcp": (0.1, MappingRefused("pcp", 5, "UNSUPP_OPCODE")),
                       "natpmp": (0.1, OSError(111, "Connection refused")),
                       "upnp": (None, None)}
@@ -225,7 +227,7 @@ async def test_a_probe_says_why_each_method_failed(router: Router, autojump_cloc
     assert support.methods == () and support.external_ip is None
 
 
-async def test_a_probe_asks_only_the_methods_named(router: Router, autojump_clock: trio.testing.MockClock) -> None:
+async def test_a_probe_asks_only_the_methods_named(router: Router, autojump_clock: Clock) -> None:
     support = await mp.probe(methods=("upnp",), timeout=1.5)
     assert router.asked[1:] == [("upnp", GATEWAY, LOCAL, 1.5)]
     assert support.methods == ("upnp",) and support.external_ip == WAN_UPNP
@@ -244,7 +246,7 @@ def test_gateway_support_lists_methods_in_the_order_tried() -> None:
 # ---------------------------------------------------------------------- map_port: which method
 
 
-async def test_the_first_method_offered_maps_and_the_slower_discoveries_are_dropped(router: Router, autojump_clock: trio.testing.MockClock) -> None:
+async def test_the_first_method_offered_maps_and_the_slower_discoveries_are_dropped(router: Router, autojump_clock: Clock) -> None:
     start = trio.current_time()
     async with mapped() as mapping:
         assert trio.current_time() - start == pytest.approx(0.02)  # PCP's answer and its grant, not UPnP's 0.5 s
@@ -256,14 +258,14 @@ async def test_the_first_method_offered_maps_and_the_slower_discoveries_are_drop
     assert [(round(t - start, 6), port, life) for t, port, life in mapper.maps] == [(0.01, 0, 3600)]  # 0: the mapper asks for the internal port
 
 
-async def test_the_preferred_method_is_waited_for_though_a_later_one_answers_first(router: Router, autojump_clock: trio.testing.MockClock) -> None:
+async def test_the_preferred_method_is_waited_for_though_a_later_one_answers_first(router: Router, autojump_clock: Clock) -> None:
     router.answers["pcp"] = (0.3, None)
     async with mapped() as mapping:
         assert mapping.method == "pcp"
     assert [m.method for m in router.mappers] == ["pcp"]
 
 
-async def test_methods_not_offered_are_passed_over(router: Router, autojump_clock: trio.testing.MockClock) -> None:
+async def test_methods_not_offered_are_passed_over(router: Router, autojump_clock: Clock) -> None:
     router.answers["pcp"] = (0.01, OSError(111, "Connection refused"))
     async with mapped(protocol="UDP", external_port=5000, lifetime=600) as mapping:
         assert (mapping.method, mapping.protocol, mapping.internal_ip) == ("natpmp", "UDP", LOCAL)
@@ -272,7 +274,7 @@ async def test_methods_not_offered_are_passed_over(router: Router, autojump_cloc
     assert mapper.maps[0][1:] == (5000, 600)
 
 
-async def test_upnp_maps_with_its_own_local_address_and_a_call_timeout_within_the_whole(router: Router, autojump_clock: trio.testing.MockClock) -> None:
+async def test_upnp_maps_with_its_own_local_address_and_a_call_timeout_within_the_whole(router: Router, autojump_clock: Clock) -> None:
     async with mapped(methods=("upnp",)) as mapping:
         assert (mapping.method, mapping.internal_ip) == ("upnp", UPNP_LOCAL)
     assert router.mappers[0].made_with == (IGD, "TCP", 4001, 5.0)
@@ -282,7 +284,7 @@ async def test_upnp_maps_with_its_own_local_address_and_a_call_timeout_within_th
     assert router.asked[-1] == ("upnp", GATEWAY, LOCAL, 1.0)
 
 
-async def test_discovery_is_bounded_by_the_whole_timeout_too(router: Router, autojump_clock: trio.testing.MockClock) -> None:
+async def test_discovery_is_bounded_by_the_whole_timeout_too(router: Router, autojump_clock: Clock) -> None:
     router.answers["upnp"] = (None, None)
     with pytest.raises(PortMappingUnavailable):
         async with mapped(methods=("upnp",), timeout=1.0, discovery_timeout=3.0):
@@ -290,7 +292,7 @@ async def test_discovery_is_bounded_by_the_whole_timeout_too(router: Router, aut
     assert router.asked[-1] == ("upnp", GATEWAY, LOCAL, 1.0)
 
 
-async def test_a_refused_mapping_tries_the_next_method(router: Router, autojump_clock: trio.testing.MockClock) -> None:
+async def test_a_refused_mapping_tries_the_next_method(router: Router, autojump_clock: Clock) -> None:
     router.grants["pcp"] = [(0.01, MappingRefused("pcp", 2, "NOT_AUTHORIZED"))]
     router.grants["natpmp"] = [(0.01, OSError(113, "No route to host"))]
     async with mapped() as mapping:
@@ -298,7 +300,7 @@ async def test_a_refused_mapping_tries_the_next_method(router: Router, autojump_
     assert [m.method for m in router.mappers] == ["pcp", "natpmp", "upnp"]
 
 
-async def test_when_nothing_maps_each_method_and_why_is_said(router: Router, autojump_clock: trio.testing.MockClock) -> None:
+async def test_when_nothing_maps_each_method_and_why_is_said(router: Router, autojump_clock: Clock) -> None:
     router.answers["pcp"] = (0.01, MappingRefused("pcp", 5, "UNSUPP_OPCODE"))
     router.answers["upnp"] = (0.01, (None, None))
     router.grants["natpmp"] = [(0.01, MappingRefused("natpmp", 2, "not authorized"))]
@@ -311,7 +313,7 @@ async def test_when_nothing_maps_each_method_and_why_is_said(router: Router, aut
     assert str(raised.value).startswith(f"the gateway {GATEWAY} made no port mapping for UDP port 4001\n  pcp: ")
 
 
-async def test_past_the_timeout_the_search_gives_up_and_says_so(router: Router, autojump_clock: trio.testing.MockClock) -> None:
+async def test_past_the_timeout_the_search_gives_up_and_says_so(router: Router, autojump_clock: Clock) -> None:
     router.answers["pcp"] = (0.01, OSError(111, "Connection refused"))
     router.grants["natpmp"] = [(None, None)]
     start = trio.current_time()
@@ -322,7 +324,7 @@ async def test_past_the_timeout_the_search_gives_up_and_says_so(router: Router, 
     assert raised.value.attempts == [("pcp", "Connection refused"), ("timeout", "gave up after 4 s")]
 
 
-async def test_each_discovery_has_its_own_timeout_within_the_whole(router: Router, autojump_clock: trio.testing.MockClock) -> None:
+async def test_each_discovery_has_its_own_timeout_within_the_whole(router: Router, autojump_clock: Clock) -> None:
     router.answers = {"pcp": (0.01, OSError(111, "Connection refused")),
                       "natpmp": (0.01, OSError(111, "Connection refused")), "upnp": (None, None)}
     start = trio.current_time()
@@ -334,7 +336,7 @@ async def test_each_discovery_has_its_own_timeout_within_the_whole(router: Route
                                      ("upnp", "no answer within 1 s")]
 
 
-async def test_a_map_request_cut_off_by_the_timeout_is_deleted_all_the_same(router: Router, autojump_clock: trio.testing.MockClock) -> None:
+async def test_a_map_request_cut_off_by_the_timeout_is_deleted_all_the_same(router: Router, autojump_clock: Clock) -> None:
     router.grants["pcp"] = [(None, None)]
     router.unmap = (0.5, None)
     start = trio.current_time()
@@ -347,7 +349,7 @@ async def test_a_map_request_cut_off_by_the_timeout_is_deleted_all_the_same(rout
     assert raised.value.attempts == [("timeout", "gave up after 2 s")]
 
 
-async def test_a_map_request_cancelled_from_outside_is_deleted_and_the_cancel_goes_on(router: Router, autojump_clock: trio.testing.MockClock) -> None:
+async def test_a_map_request_cancelled_from_outside_is_deleted_and_the_cancel_goes_on(router: Router, autojump_clock: Clock) -> None:
     router.grants["pcp"] = [(None, None)]
     with trio.move_on_after(1.0) as outside:
         async with mapped():
@@ -356,7 +358,7 @@ async def test_a_map_request_cancelled_from_outside_is_deleted_and_the_cancel_go
     assert len(router.mappers[0].unmaps) == 1
 
 
-async def test_a_permanent_lease_never_expires_and_is_never_renewed(router: Router, autojump_clock: trio.testing.MockClock) -> None:
+async def test_a_permanent_lease_never_expires_and_is_never_renewed(router: Router, autojump_clock: Clock) -> None:
     router.grants["pcp"] = [(0.01, _Grant(WAN, 4001, 0))]
     async with mapped() as mapping:
         assert (mapping.lifetime, mapping.expires_at) == (0, math.inf)
@@ -368,7 +370,7 @@ async def test_a_permanent_lease_never_expires_and_is_never_renewed(router: Rout
 # ---------------------------------------------------------------------- map_port: renewal and deletion
 
 
-async def test_a_lease_is_renewed_halfway_and_keeps_its_port(router: Router, autojump_clock: trio.testing.MockClock) -> None:
+async def test_a_lease_is_renewed_halfway_and_keeps_its_port(router: Router, autojump_clock: Clock) -> None:
     router.grants["pcp"] = [(0.0, _Grant(WAN, 4001, 100)), (0.0, _Grant(WAN, 4001, 100))]
     start = trio.current_time()
     async with mapped(lifetime=100) as mapping:
@@ -381,7 +383,7 @@ async def test_a_lease_is_renewed_halfway_and_keeps_its_port(router: Router, aut
     assert mapper.unmaps == [pytest.approx(start + 175.01)]
 
 
-async def test_a_renewal_to_another_port_moves_the_mapping_and_says_so(router: Router, autojump_clock: trio.testing.MockClock,
+async def test_a_renewal_to_another_port_moves_the_mapping_and_says_so(router: Router, autojump_clock: Clock,
                                                                        caplog: pytest.LogCaptureFixture) -> None:
     router.grants["pcp"] = [(0.0, _Grant(WAN, 4001, 100)), (0.0, _Grant("203.0.113.9", 4101, 60))]
     caplog.set_level(logging.INFO, "nat.port_mapping.mapping")
@@ -396,7 +398,7 @@ async def test_a_renewal_to_another_port_moves_the_mapping_and_says_so(router: R
 
 
 @pytest.mark.parametrize("moved", [("203.0.113.9", 4001), (WAN, 4101), (WAN, 4001)])
-async def test_a_move_of_address_or_port_alone_is_said(router: Router, autojump_clock: trio.testing.MockClock,
+async def test_a_move_of_address_or_port_alone_is_said(router: Router, autojump_clock: Clock,
                                                        caplog: pytest.LogCaptureFixture, moved: tuple[str, int]) -> None:
     router.grants["pcp"] = [(0.0, _Grant(WAN, 4001, 100)), (0.0, _Grant(*moved, 100))]
     caplog.set_level(logging.INFO, "nat.port_mapping.mapping")
@@ -408,7 +410,7 @@ async def test_a_move_of_address_or_port_alone_is_said(router: Router, autojump_
 
 
 async def test_a_renewal_granted_for_good_ends_the_renewals(router: Router,
-                                                            autojump_clock: trio.testing.MockClock) -> None:
+                                                            autojump_clock: Clock) -> None:
     router.grants["pcp"] = [(0.0, _Grant(WAN, 4001, 100)), (0.0, _Grant(WAN, 4001, 0))]
     async with mapped(lifetime=100) as mapping:
         await trio.sleep(51)
@@ -418,7 +420,7 @@ async def test_a_renewal_granted_for_good_ends_the_renewals(router: Router,
 
 
 async def test_a_failed_renewal_is_recorded_and_retried_until_one_succeeds(router: Router,
-                                                                          autojump_clock: trio.testing.MockClock,
+                                                                          autojump_clock: Clock,
                                                                           caplog: pytest.LogCaptureFixture) -> None:
     refused = MappingRefused("natpmp", 3, "network failure")
     grant: Step = (0.0, _Grant(WAN, 4001, 400))
@@ -448,7 +450,7 @@ def test_the_retry_delay_after_a_failed_renewal() -> None:
     assert (mp.RENEW_RETRY_MIN, mp.RENEW_RETRY_MAX) == (1.0, 60.0)
 
 
-async def test_a_renewal_past_the_call_timeout_is_a_failure(router: Router, autojump_clock: trio.testing.MockClock) -> None:
+async def test_a_renewal_past_the_call_timeout_is_a_failure(router: Router, autojump_clock: Clock) -> None:
     router.grants["pcp"] = [(0.0, _Grant(WAN, 4001, 20)), (None, None)]
     async with mapped(lifetime=20, timeout=3.0) as mapping:
         await trio.sleep(13.5)
@@ -457,14 +459,14 @@ async def test_a_renewal_past_the_call_timeout_is_a_failure(router: Router, auto
         assert isinstance(mapping.error, PortMappingError)
 
 
-async def test_an_os_error_in_a_renewal_is_recorded_by_its_reason(router: Router, autojump_clock: trio.testing.MockClock) -> None:
+async def test_an_os_error_in_a_renewal_is_recorded_by_its_reason(router: Router, autojump_clock: Clock) -> None:
     router.grants["pcp"] = [(0.0, _Grant(WAN, 4001, 20)), (0.0, OSError(101, "Network is unreachable"))]
     async with mapped(lifetime=20) as mapping:
         await trio.sleep(10.5)
         assert str(mapping.error) == "pcp: renewal failed: Network is unreachable"
 
 
-async def test_the_mapping_is_deleted_on_exit_within_the_delete_timeout(router: Router, autojump_clock: trio.testing.MockClock,
+async def test_the_mapping_is_deleted_on_exit_within_the_delete_timeout(router: Router, autojump_clock: Clock,
                                                                         caplog: pytest.LogCaptureFixture) -> None:
     router.unmap = (None, None)
     start = trio.current_time()
@@ -478,7 +480,7 @@ async def test_the_mapping_is_deleted_on_exit_within_the_delete_timeout(router: 
     assert "could not delete the pcp port mapping: [Errno 113] No route to host" in caplog.messages
 
 
-async def test_the_mapping_is_deleted_when_the_block_raises(router: Router, autojump_clock: trio.testing.MockClock) -> None:
+async def test_the_mapping_is_deleted_when_the_block_raises(router: Router, autojump_clock: Clock) -> None:
     with pytest.raises(KeyError):
         async with mapped():
             raise KeyError("the caller's")
@@ -488,7 +490,7 @@ async def test_the_mapping_is_deleted_when_the_block_raises(router: Router, auto
 # ---------------------------------------------------------------------- arguments and config
 
 
-async def test_map_port_refuses_bad_arguments_by_name(router: Router, autojump_clock: trio.testing.MockClock) -> None:
+async def test_map_port_refuses_bad_arguments_by_name(router: Router, autojump_clock: Clock) -> None:
     cases: list[tuple[dict[str, object], str]] = [
         ({"lifetime": 0}, "^lifetime must be at least 1 second, not 0$"),
         ({"lifetime": 2**32}, "^lifetime must be at least 1 second"),
@@ -529,7 +531,7 @@ def test_port_mapping_config_refuses_bad_settings_by_name() -> None:
     assert (default.timeout, default.discovery_timeout, default.delete_timeout) == (10.0, 3.0, 3.0)
 
 
-async def test_a_config_replaces_the_settings_given_one_by_one(router: Router, autojump_clock: trio.testing.MockClock) -> None:
+async def test_a_config_replaces_the_settings_given_one_by_one(router: Router, autojump_clock: Clock) -> None:
     config = mp.PortMappingConfig(gateway="10.0.0.1", methods=("upnp",), lifetime=77, timeout=2.0,
                                   discovery_timeout=1.0, delete_timeout=0.5)
     router.unmap = (None, None)
@@ -545,7 +547,7 @@ async def test_a_config_replaces_the_settings_given_one_by_one(router: Router, a
             pass
 
 
-async def test_the_defaults_of_map_port(router: Router, autojump_clock: trio.testing.MockClock) -> None:
+async def test_the_defaults_of_map_port(router: Router, autojump_clock: Clock) -> None:
     router.unmap = (None, None)
     async with mp.map_port(4001) as mapping:
         assert (mapping.protocol, mapping.gateway, mapping.external_port) == ("TCP", GATEWAY, 4001)
