@@ -136,10 +136,6 @@ async def mapped(**kwargs: object) -> AsyncIterator[mp.PortMapping]:
         yield mapping
 
 
-def mappers(router: Router, method: str) -> list[Mapper]:
-    return [m for m in router.mappers if m.method == method]
-
-
 # ---------------------------------------------------------------------- which port
 
 

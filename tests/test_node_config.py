@@ -8,11 +8,10 @@ from typing import Any
 
 import pytest
 
-from p2p.errors import AddressError
 from p2p.conn_manager import ConnManagerConfig
 from p2p.config import NodeConfig
 from p2p.dial_backoff import BackoffConfig
-from p2p.errors import ConfigError
+from p2p.errors import AddressError, ConfigError
 from p2p.noise import NoiseConfig
 from p2p.peer_store import KNOWN_PEERS
 from p2p.resources import ResourceConfig
