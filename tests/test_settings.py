@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -70,7 +71,7 @@ def test_a_table_is_for_its_command_and_the_environment_sits_between(tmp_path: P
     ("listen = [\n", "not valid TOML"),
 ])
 def test_bad_keys_and_values_are_refused_by_name(tmp_path: Path, config: str, message: str) -> None:
-    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         apply("relay", config, tmp_path)
 
 
