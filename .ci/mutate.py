@@ -119,6 +119,11 @@ MODULES: dict[str, tuple[str, ...]] = {
     "averaging/sim/moshpit.py": ("tests/test_moshpit_sim.py",),
     "p2p/settings.py": ("tests/test_settings_apply.py",),
     "p2p/config.py": ("tests/test_node_config.py",),
+    "nat/port_mapping/common.py": ("tests/test_port_mapping_common.py", "tests/test_port_mapping_codecs.py"),
+    "p2p/http.py": ("tests/test_http.py",),
+    "p2p/collector.py": ("tests/test_collector.py",),
+    "averaging/sim/matchmaking.py": ("tests/test_matchmaking_sim.py",),
+    "p2p/output.py": ("tests/test_output.py",),
 }
 
 KILLED = {"killed", "timeout"}

@@ -164,8 +164,9 @@ class HttpServer:
             # h11.Data of a request body: read and ignored (GET has none; the size cap still holds)
 
     async def _respond(self, stream: trio.SocketStream, conn: h11.Connection, request: h11.Request) -> None:
-        method = request.method.decode("ascii", "replace")
-        path, _, query = request.target.decode("ascii", "replace").partition("?")
+        # h11 admits only ASCII here (a method is a token, a target visible ASCII): nothing to replace
+        method = request.method.decode("ascii")
+        path, _, query = request.target.decode("ascii").partition("?")
         route = self.routes.get(path)
         if method not in ("GET", "HEAD"):
             response = Response(405, b"only GET and HEAD\n", headers=(("allow", "GET, HEAD"),))

@@ -116,8 +116,7 @@ class Output:
                 return
             finally:
                 self._writing = False
-            if queue or self._unreported:
-                self._queued.set()
+            # lines queued meanwhile set the event we wait on next (and a drop only ever follows one)
 
     def _write_blocking(self, text: str) -> None:
         self.stream.write(text)
@@ -132,10 +131,13 @@ class Output:
         self.dropped += len(self._queue)
         self._queue.clear()
         if self.stream is sys.stdout:
-            with contextlib.suppress(OSError, ValueError):
+            with contextlib.suppress(OSError, ValueError):  # a stdout with no descriptor: nothing to point
+                fd = sys.stdout.fileno()
                 devnull = os.open(os.devnull, os.O_WRONLY)
-                os.dup2(devnull, sys.stdout.fileno())
-                os.close(devnull)
+                try:
+                    os.dup2(devnull, fd)
+                finally:
+                    os.close(devnull)
 
 
 def human(event: ev.Event) -> str:
@@ -168,7 +170,7 @@ def human(event: ev.Event) -> str:
         return own
     fields = {k: v for k, v in event.to_dict().items() if k not in ("event", "ts")}
     if event.event == "nat_status":
-        m = fields.get("metrics", {})
+        m = fields["metrics"]
         return (
             f"nat: {m.get('mode')}, reachability {m.get('reachability')}, mapping {m.get('mapping')}, "
             f"{m.get('reservations')} relay slot(s), punches {m.get('punch_successes')}/{m.get('punch_attempts')}"

@@ -123,6 +123,21 @@ async def read_to_end(stream: Readable, chunk: int = 1 << 16, *, check: Callable
     return bytes(data)
 
 
+async def http_get(address: tuple[str, int], path: str, *, method: str = "GET") -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/1.1 request on its own connection: (status, headers by lower-case name, body)."""
+    stream = await trio.open_tcp_stream(*address)
+    async with stream:
+        await stream.send_all(f"{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n".encode())
+        data = b""
+        with trio.fail_after(10):
+            while chunk := await stream.receive_some(65536):
+                data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    return int(lines[0].split()[1]), headers, body
+
+
 def pipe() -> tuple[trio.testing.MemoryStapledStream, trio.testing.MemoryStapledStream]:  # type: ignore[name-defined]
     """Two ends of an in-memory byte stream (for sans-I/O cores driven through trio streams)."""
     return trio.testing.memory_stream_pair()

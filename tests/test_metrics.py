@@ -1,5 +1,5 @@
-"""``--metrics``: the operator's HTTP endpoint, every documented Prometheus family scraped from a real
-3-node loopback swarm, and a limit hit showing in the metrics and in one ERROR line."""
+"""``--metrics``: every documented Prometheus family scraped from a real 3-node loopback swarm, and a
+limit hit showing in the metrics and in one ERROR line (the HTTP server itself: tests/test_http.py)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,8 @@ from averaging.metrics import AveragingMetrics, partial_reason
 from nat import Peer
 from nat.dashboard import Dashboard
 from p2p.dialer import classify_dial_error
-from p2p.errors import ConfigError, DialBackoffError, DialError
+from p2p.errors import DialBackoffError, DialError
 from p2p.identity import new_identity, peer_id_of
-from p2p.http import HttpConfig, HttpServer, Response, parse_endpoint
 from p2p.metrics import blocked_labels, limit_labels
 from p2p.node import Node
 from p2p.resources import ResourceConfig, limits_hit
@@ -29,7 +28,7 @@ from training.optimizer import CollaborativeOptimizer, TrainingConfig
 from training.progress import ProgressTracker
 
 from .conftest import loopback_config
-from .kit import loopback_peer_config, wait_until
+from .kit import http_get, loopback_peer_config, wait_until
 from .test_averaging import config as averager_config, public
 
 pytestmark = pytest.mark.timeout(120)
@@ -65,20 +64,6 @@ TRAINER = ["dedloc_training_local_step", "dedloc_training_dropped_batches_total"
 PROCESS = ["process_resident_memory_bytes", "process_cpu_seconds_total", "process_open_fds"]
 
 
-async def http_get(address: tuple[str, int], path: str, *, method: str = "GET") -> tuple[int, dict[str, str], bytes]:
-    stream = await trio.open_tcp_stream(*address)
-    async with stream:
-        await stream.send_all(f"{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n".encode())
-        data = b""
-        with trio.fail_after(10):
-            while chunk := await stream.receive_some(65536):
-                data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode().split("\r\n")
-    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
-    return int(lines[0].split()[1]), headers, body
-
-
 def families(text: str) -> dict[str, list[tuple[str, dict[str, str], float]]]:
     """Parse the exposition text strictly; family name (counters with their ``_total``) -> samples."""
     out: dict[str, list[tuple[str, dict[str, str], float]]] = {}
@@ -97,16 +82,6 @@ def value(fams: dict[str, list[tuple[str, dict[str, str], float]]], name: str, *
 
 
 # ---------------------------------------------------------------------- pure parts
-
-
-def test_endpoints_parse_and_bad_ones_name_the_problem() -> None:
-    assert parse_endpoint("127.0.0.1:9100") == ("127.0.0.1", 9100)
-    assert parse_endpoint(":9100") == ("127.0.0.1", 9100)
-    assert parse_endpoint("[::1]:0") == ("::1", 0)
-    for bad, why in (("9100", "HOST:PORT"), ("example.com:80", "not an IP"), ("127.0.0.1:http", "not a number"),
-                     ("127.0.0.1:70000", "out of range")):
-        with pytest.raises(ConfigError, match=why):
-            parse_endpoint(bad)
 
 
 def test_labels_follow_go_libp2p() -> None:
@@ -128,59 +103,6 @@ def test_limits_hit_are_the_counts_that_grew() -> None:
     assert limits_hit({"peer.inbound_streams": 3}, {"peer.inbound_streams": 5, "admission.evicted": 1}) == [
         ("admission.evicted", 1), ("peer.inbound_streams", 2)]
     assert limits_hit({"x": 2}, {"x": 2}) == []
-
-
-async def test_the_http_server_answers_get_and_head_only_and_refuses_what_it_cannot_serve() -> None:
-    calls = []
-
-    def hello(query: str) -> Response:
-        calls.append(query)
-        return Response(200, b"hello\n")
-
-    def broken(query: str) -> Response:
-        raise RuntimeError("bug")
-
-    server = HttpServer({"/hello": hello, "/broken": broken}, HttpConfig(max_connections=2, request_timeout=1.0))
-    async with trio.open_nursery() as nursery:
-        address = await nursery.start(server.serve, "127.0.0.1", 0)
-        status, headers, body = await http_get(address, "/hello?x=1")
-        assert (status, body, headers["content-length"]) == (200, b"hello\n", "6")
-        assert calls == ["x=1"]
-        status, headers, body = await http_get(address, "/hello", method="HEAD")
-        assert (status, body, headers["content-length"]) == (200, b"", "6")
-        assert (await http_get(address, "/hello", method="POST"))[0] == 405
-        assert (await http_get(address, "/nothing"))[0] == 404
-        assert (await http_get(address, "/broken"))[0] == 500  # and the server goes on:
-        assert (await http_get(address, "/hello"))[0] == 200
-        # a request larger than the cap is refused, not buffered
-        stream = await trio.open_tcp_stream(*address)
-        async with stream:
-            await stream.send_all(b"GET /hello HTTP/1.1\r\nHost: t\r\nX-Junk: " + b"a" * 40_000 + b"\r\n\r\n")
-            reply = b""
-            with trio.fail_after(5):
-                while chunk := await stream.receive_some(4096):
-                    reply += chunk
-            assert reply.startswith(b"HTTP/1.1 431")
-        # a client that sends nothing is closed after request_timeout
-        stream = await trio.open_tcp_stream(*address)
-        async with stream:
-            with trio.fail_after(5):
-                assert await stream.receive_some(100) == b""
-        # beyond max_connections at once: 503, the others still served
-        idle = [await trio.open_tcp_stream(*address) for _ in range(2)]
-        await trio.sleep(0.1)
-        status, _, _ = await http_get(address, "/hello")
-        assert status == 503 and server.refused >= 1
-        for s in idle:
-            await s.aclose()
-        await trio.sleep(0.1)
-        assert (await http_get(address, "/hello"))[0] == 200
-        nursery.cancel_scope.cancel()
-    busy = trio.socket.socket()
-    await busy.bind(("127.0.0.1", 0))
-    busy.listen()
-    with busy, pytest.raises(ConfigError, match="cannot listen"):
-        await server.serve("127.0.0.1", busy.getsockname()[1])
 
 
 # ---------------------------------------------------------------------- a real swarm

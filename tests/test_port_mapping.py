@@ -1,7 +1,7 @@
-"""nat.port_mapping's I/O: against loopback fakes, then the real thing against miniupnpd (the wire formats
-without sockets: tests/test_port_mapping_codecs.py; probing, choosing, renewing and deleting with the I/O
-scripted: tests/test_map_port.py; UPnP's discovery, HTTP and mapper against loopback
-fakes: tests/test_upnp.py).
+"""nat.port_mapping against the real thing, miniupnpd in namespaces (the UDP exchange against loopback
+fakes: tests/test_port_mapping_common.py; the wire formats without sockets:
+tests/test_port_mapping_codecs.py; probing, choosing, renewing and deleting with the I/O scripted:
+tests/test_map_port.py; UPnP's discovery, HTTP and mapper against loopback fakes: tests/test_upnp.py).
 
 The end-to-end tests build their own router/client/outside namespaces
 (tests/miniupnpd_lab.py): every packet, discovery included, stays inside them.
@@ -10,7 +10,7 @@ The end-to-end tests build their own router/client/outside namespaces
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -18,83 +18,8 @@ import pytest
 import trio
 
 from nat import port_mapping as pm
-from nat.port_mapping import MappingRefused
 from tests import miniupnpd_lab
-from tests.test_port_mapping_codecs import NONCE, _pcp_map_response
 from tests.miniupnpd_lab import CLIENT_IP, WAN_IP, router_lab
-# ---------------------------------------------------------------------- the I/O layer against loopback fakes
-# (UDP to 127.0.0.1 only)
-
-
-@asynccontextmanager
-async def fake_udp_gateway(answer: Callable[[int, bytes], list[bytes]]) -> AsyncIterator[tuple[int, list[bytes]]]:
-    """A UDP server on 127.0.0.1 replying ``answer(n, request)`` to the n-th request."""
-    received: list[bytes] = []
-    sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_DGRAM)
-    await sock.bind(("127.0.0.1", 0))
-
-    async def serve() -> None:
-        while True:
-            data, peer = await sock.recvfrom(2048)
-            received.append(data)
-            for reply in answer(len(received), data):
-                await sock.sendto(reply, peer)
-
-    with sock:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(serve)
-            yield sock.getsockname()[1], received
-            nursery.cancel_scope.cancel()
-
-
-async def test_natpmp_retransmits_and_ignores_strays() -> None:
-    good = bytes.fromhex("0082 0000 00000005 0fa1 1389 00000e10")
-
-    def answer(n: int, request: bytes) -> list[bytes]:
-        if n == 1:
-            return []  # lost: the client must retransmit after 250 ms
-        stray = bytes.fromhex("0082 0000 00000005 0fa2 1389 00000e10")  # another internal port
-        return [b"garbage", stray, good]
-
-    async with fake_udp_gateway(answer) as (port, received):
-        start = trio.current_time()
-        with trio.fail_after(3):
-            reply = await pm.natpmp_map("127.0.0.1", "TCP", 4001, 4001, 3600, port=port)
-        assert reply.external_port == 5001 and reply.lifetime == 3600
-        assert len(received) == 2 and received[0] == received[1] == pm.natpmp_map_request("TCP", 4001, 4001, 3600)
-        assert trio.current_time() - start >= 0.25
-
-
-async def test_natpmp_refusal_is_immediate() -> None:
-    async with fake_udp_gateway(lambda n, request: [bytes.fromhex("0082 0002 00000005")]) as (port, _):
-        with trio.fail_after(1), pytest.raises(MappingRefused, match="not authorized"):
-            await pm.natpmp_map("127.0.0.1", "TCP", 4001, 4001, 3600, port=port)
-
-
-async def test_icmp_port_unreachable_ends_the_wait() -> None:
-    with trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_DGRAM) as closed:
-        await closed.bind(("127.0.0.1", 0))
-        port = closed.getsockname()[1]
-    # Well before the 64 s retransmission schedule ends (3 s: the kernel rate-limits ICMP
-    # globally, so under load a retransmission may have to draw the error).
-    with trio.fail_after(3), pytest.raises(pm.PortMappingError, match="ICMP port unreachable"):
-        await pm.natpmp_external_address("127.0.0.1", port=port)
-
-
-async def test_pcp_ignores_replies_with_another_nonce() -> None:
-    def answer(n: int, request: bytes) -> list[bytes]:
-        nonce = request[24:36]
-        wrong = _pcp_map_response(nonce=bytes(12))
-        stale_refusal = _pcp_map_response(result=2, nonce=bytes(12))
-        right = _pcp_map_response(nonce=nonce)
-        return [wrong, stale_refusal, right]
-
-    async with fake_udp_gateway(answer) as (port, received):
-        with trio.fail_after(2):
-            reply = await pm.pcp_map("127.0.0.1", "127.0.0.1", NONCE, "TCP", 4001, 0, 7200, port=port)
-    assert reply.nonce == NONCE and reply.external_ip == "11.22.33.1" and len(received) == 1
-
-
 # ---------------------------------------------------------------------- against a real miniupnpd (tests/miniupnpd_lab.py)
 
 _LAB_UNAVAILABLE = miniupnpd_lab.unavailable_reason()

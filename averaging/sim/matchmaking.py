@@ -175,7 +175,7 @@ class SimMatchmaker:
 
     def _answer(self, member: Member, reply: Callable[[JoinAnswer], None], *, asked_again: bool) -> None:
         formation = self.formation
-        if formation is None and not asked_again:
+        if formation is None:  # (a join asked again always meets its formation: _finish answers the rest)
             self.held.append((member, reply))
 
             def not_now() -> None:  # no formation began within a poll interval
@@ -186,8 +186,7 @@ class SimMatchmaker:
                         return
             self.world.sim.engine.at(self.world.config.poll_interval, not_now)
             return
-        answer: JoinAnswer = Reject("not matching now") if formation is None else \
-            formation.on_join(member, asked_again=asked_again)
+        answer = formation.on_join(member, asked_again=asked_again)
         if isinstance(answer, Defer):
             assert formation is not None
             self.deferred.append((member, reply, formation))
@@ -322,7 +321,7 @@ def summary(outcomes: list[Outcome]) -> dict[str, float]:
     return {
         "peers": float(len(outcomes)),
         "formed_p50_s": statistics.median(times) if times else float("nan"),
-        "formed_p95_s": times[min(len(times) - 1, int(0.95 * len(times)))] if times else float("nan"),
+        "formed_p95_s": times[int(0.95 * len(times))] if times else float("nan"),  # an index below len
         "formed_max_s": times[-1] if times else float("nan"),
         "without_group": sum(o.group is None for o in outcomes) / max(1, len(outcomes)),
         "group_size_mean": statistics.fmean(sizes) if sizes else 0.0,

@@ -164,13 +164,14 @@ async def _udp_exchange(
     ``accept`` returns None for a reply to some other request (ignored) and
     raises :class:`MappingRefused` for a definitive no. The socket is connected,
     so the kernel drops datagrams from anyone but the gateway and an ICMP port
-    unreachable ends the wait at once. The caller bounds the total time too.
+    unreachable ends the wait at once. The caller bounds the total time too. A gateway with no
+    route to it fails at the connect, before anything is sent, with the same clear error.
     """
     last_error: MalformedResponse | None = None
     with trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_DGRAM) as sock:
-        await sock.connect((gateway, port))
-        for delay in delays:
-            try:
+        try:
+            await sock.connect((gateway, port))
+            for delay in delays:
                 await sock.send(request)
                 with trio.move_on_after(delay):
                     while True:
@@ -182,12 +183,12 @@ async def _udp_exchange(
                             continue
                         if result is not None:
                             return result
-            except ConnectionRefusedError:
-                raise PortMappingError(f"{what}: nothing listens on {gateway}:{port} (ICMP port unreachable)") from None
-            except OSError as e:
-                if e.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH):
-                    raise PortMappingError(f"{what}: {gateway} is unreachable ({e.strerror})") from None
-                raise
+        except ConnectionRefusedError:
+            raise PortMappingError(f"{what}: nothing listens on {gateway}:{port} (ICMP port unreachable)") from None
+        except OSError as e:
+            if e.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH):
+                raise PortMappingError(f"{what}: {gateway} is unreachable ({e.strerror})") from None
+            raise
     detail = f" (last reply: {last_error})" if last_error else ""
     raise PortMappingError(f"{what}: no answer from {gateway}:{port} after {len(delays)} tries{detail}")
 
