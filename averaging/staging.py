@@ -27,6 +27,7 @@ one 10,000 page faults per 40 MB.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -67,12 +68,22 @@ class BufferPool:
     Per place and dtype, up to ``keep`` buffers; a taker gets a view of the
     front of the smallest that is large enough (a round's sizes move with the
     split), or a new one.
+
+    A view lent is known by its id, through a weak reference: a view dropped without being
+    given back takes its entry with it. Before, the entry stayed, and a tensor given later
+    that happened to get the dead view's id was taken for it (its base went back to the pool
+    instead: a CI run saw it, 1 in about 3,000).
     """
 
     def __init__(self, keep: int = 16) -> None:
         self.keep = keep
         self._free: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
-        self._lent: dict[int, torch.Tensor] = {}
+        self._lent: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+
+    def _forget(self, key: int, ref: weakref.ref[torch.Tensor]) -> None:
+        entry = self._lent.get(key)
+        if entry is not None and entry[0] is ref:
+            del self._lent[key]
 
     def take(self, where: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """``numel`` values: ``where`` is "host", "pinned" or a device's name; contents undefined."""
@@ -85,11 +96,13 @@ class BufferPool:
         else:
             base = torch.empty(numel, dtype=dtype, device="cpu" if where == "host" else where)
         view = base[:numel]
-        self._lent[id(view)] = base
+        key = id(view)
+        self._lent[key] = (weakref.ref(view, lambda ref: self._forget(key, ref)), base)
         return view
 
     def give(self, where: str, buffer: torch.Tensor) -> None:
-        base = self._lent.pop(id(buffer), buffer)
+        entry = self._lent.pop(id(buffer), None)
+        base = entry[1] if entry is not None and entry[0]() is buffer else buffer
         free = self._free.setdefault((where, base.dtype), [])
         free.append(base)
         if len(free) > self.keep:

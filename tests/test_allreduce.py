@@ -290,7 +290,7 @@ async def test_three_members_average_exactly_and_report_every_byte(autojump_cloc
         # each counting what followed its first payload (the last chunk, 2 values): the wait before it is no link's
         assert (len(r.upload), len(r.download)) == (4, 4)
         assert [c.bytes for c in r.upload] == [c.bytes for c in r.download] == [2 * 4] * 4
-    assert pool._lent == {} or all(t.numel() == NUMEL - 2 for t in pool._lent.values())  # only the vectors lent
+    assert pool._lent == {} or all(base.numel() == NUMEL - 2 for _, base in pool._lent.values())  # only the vectors lent
 
 
 async def test_a_sender_sends_and_an_auxiliary_reduces_without_values(autojump_clock: trio.abc.Clock) -> None:

@@ -10,6 +10,7 @@ the end and where each buffer goes back.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -157,6 +158,22 @@ def test_past_keep_the_smallest_buffer_is_dropped() -> None:
     pool.give("host", torch.zeros(35))
     assert pool.take("host", torch.float32, 33).numel() == 33
     assert [b.numel() for b in pool._free[("host", torch.float32)]] == [40]  # the 35: smallest, though last
+
+
+def test_a_view_dropped_without_being_given_back_is_forgotten_and_mistaken_for_nothing() -> None:
+    pool = BufferPool()
+    view = pool.take("host", torch.float32, 30)
+    key = id(view)
+    assert list(pool._lent) == [key]
+    del view  # never given back (a round cut short)
+    assert pool._lent == {}
+    dead = torch.zeros(1)
+    ref = weakref.ref(dead)
+    del dead
+    stranger = torch.zeros(35)
+    pool._lent[id(stranger)] = (ref, torch.zeros(30))  # a dead view's entry under the id it had
+    pool.give("host", stranger)  # is still itself, not that view's base
+    assert [b.numel() for b in pool._free[("host", torch.float32)]] == [35]
 
 
 # --- HostVector -----------------------------------------------------------------------------------
