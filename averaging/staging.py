@@ -72,7 +72,7 @@ class BufferPool:
     A view lent is known by its id, through a weak reference: a view dropped without being
     given back takes its entry with it. Before, the entry stayed, and a tensor given later
     that happened to get the dead view's id was taken for it (its base went back to the pool
-    instead: a CI run saw it, 1 in about 3,000).
+    instead: a fresh-clone CI run saw it once).
     """
 
     def __init__(self, keep: int = 16) -> None:
