@@ -188,7 +188,6 @@ class SimMatchmaker:
             return
         answer = formation.on_join(member, asked_again=asked_again)
         if isinstance(answer, Defer):
-            assert formation is not None
             self.deferred.append((member, reply, formation))
 
             def again() -> None:  # within a poll interval at the latest
