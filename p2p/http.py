@@ -123,6 +123,8 @@ class HttpServer:
                 await self._serve_requests(stream)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass  # the client went away
+            except Exception:  # our own bug: it costs this connection, never the server (nor the node)
+                log.exception("HTTP connection failed")
             finally:
                 self._slots.release()
 
@@ -167,24 +169,28 @@ class HttpServer:
         # h11 admits only ASCII here (a method is a token, a target visible ASCII): nothing to replace
         method = request.method.decode("ascii")
         path, _, query = request.target.decode("ascii").partition("?")
+        head, body = self._answer(method, path, query)
+        self.served += 1
+        await stream.send_all(conn.send(head) or b"")
+        if method != "HEAD":
+            await stream.send_all(conn.send(h11.Data(data=body)) or b"")
+        await stream.send_all(conn.send(h11.EndOfMessage()) or b"")
+
+    def _answer(self, method: str, path: str, query: str) -> tuple[h11.Response, bytes]:
+        """The response to send, as h11's event (checked: status, header names and values) and body.
+        A route's error, or a response of its that HTTP cannot carry (a status out of range, a
+        newline in a header, a body on a 204), answers 500 and is logged: it is found before anything is sent,
+        while a clean error can still be sent, and the server goes on."""
         route = self.routes.get(path)
         if method not in ("GET", "HEAD"):
-            response = Response(405, b"only GET and HEAD\n", headers=(("allow", "GET, HEAD"),))
-        elif route is None:
-            response = Response(404, f"no such page: {path}\n".encode())
-        else:
-            try:
-                response = route(query)
-            except Exception as e:  # a route's bug answers 500 and is logged; the server goes on
-                log.exception("HTTP route %s failed", path)
-                response = Response(500, f"internal error: {type(e).__name__}\n".encode())
-        self.served += 1
-        headers = [("content-type", response.content_type), ("content-length", str(len(response.body))),
-                   ("cache-control", "no-store"), ("x-content-type-options", "nosniff"), *response.headers]
-        await stream.send_all(conn.send(h11.Response(status_code=response.status, headers=headers)) or b"")
-        if method != "HEAD":
-            await stream.send_all(conn.send(h11.Data(data=response.body)) or b"")
-        await stream.send_all(conn.send(h11.EndOfMessage()) or b"")
+            return _head(Response(405, b"only GET and HEAD\n", headers=(("allow", "GET, HEAD"),)))
+        if route is None:
+            return _head(Response(404, f"no such page: {path}\n".encode()))
+        try:
+            return _head(route(query))
+        except Exception as e:
+            log.exception("HTTP route %s failed", path)
+            return _head(Response(500, f"internal error: {type(e).__name__}\n".encode()))
 
     async def _send_simple(self, stream: trio.SocketStream, conn: h11.Connection, status: int, text: str) -> None:
         body = text.encode()
@@ -210,6 +216,14 @@ class HttpServer:
                         drained += len(chunk)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass
+
+
+def _head(response: Response) -> tuple[h11.Response, bytes]:
+    if response.status in (204, 304) and response.body:  # h11 would find it only once the head is sent
+        raise ValueError(f"a {response.status} response has no body, got {len(response.body)} bytes")
+    headers = [("content-type", response.content_type), ("content-length", str(len(response.body))),
+               ("cache-control", "no-store"), ("x-content-type-options", "nosniff"), *response.headers]
+    return h11.Response(status_code=response.status, headers=headers), response.body
 
 
 __all__ = ["DEFAULT_HOST", "HttpConfig", "HttpServer", "Response", "Route", "parse_endpoint"]

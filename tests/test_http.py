@@ -177,6 +177,55 @@ async def test_a_failing_route_answers_500_is_logged_and_the_server_goes_on(capl
         assert server.served == 2
 
 
+@pytest.mark.parametrize("response, reason", [
+    (Response(99, b""), "status_code should be in range [200, 1000), not 99"),
+    (Response(1000, b""), "status_code should be in range [200, 1000), not 1000"),
+    (Response(200, b"", headers=(("x-evil", "a\r\nset-cookie: b"),)), "Illegal header value"),
+    (Response(200, b"", headers=(("x bad", "1"),)), "Illegal header name"),
+    (Response(200, b"", "text/plain; charset=\u00fc"), "'ascii' codec can't encode"),
+    (Response(204, b"abc"), "a 204 response has no body, got 3 bytes"),
+    (Response(304, b"a"), "a 304 response has no body, got 1 bytes"),
+], ids=["status-low", "status-high", "header-value", "header-name", "content-type", "204-body", "304-body"])
+async def test_a_response_http_cannot_carry_answers_500_before_anything_is_sent(
+        caplog: pytest.LogCaptureFixture, response: Response, reason: str) -> None:
+    async with serving({"/hello": hello, "/bad": lambda query: response}) as (server, address):
+        with caplog.at_level(logging.ERROR, logger="p2p.http"):
+            status, headers, body = await http_get(address, "/bad")
+        assert status == 500 and body.startswith(b"internal error: ") and "x-evil" not in headers
+        records = [r for r in caplog.records if r.name == "p2p.http"]
+        assert [r.getMessage() for r in records] == ["HTTP route /bad failed"]
+        assert records[0].exc_info is not None and reason in str(records[0].exc_info[1])
+        assert (await http_get(address, "/hello"))[0] == 200  # and the server goes on
+        assert server.served == 2
+
+
+async def test_a_204_without_a_body_is_sent() -> None:
+    async with serving({"/none": lambda query: Response(204, b"")}) as (_, address):
+        reply = await exchange(address, b"GET /none HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+    assert reply.startswith(b"HTTP/1.1 204 ") and reply.endswith(b"\r\n\r\n")
+
+
+async def test_a_bug_in_the_server_s_own_code_costs_that_connection_only(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with serving({"/hello": hello}) as (server, address):
+        original = HttpServer._answer
+
+        def buggy(self: HttpServer, method: str, path: str, query: str) -> object:
+            if query == "bug":
+                raise RuntimeError("a bug of ours")
+            return original(self, method, path, query)
+
+        monkeypatch.setattr(HttpServer, "_answer", buggy)
+        with caplog.at_level(logging.ERROR, logger="p2p.http"):
+            reply = await exchange(address, b"GET /hello?bug HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert reply == b""  # closed, nothing sent
+        records = [r for r in caplog.records if r.name == "p2p.http"]
+        assert [r.getMessage() for r in records] == ["HTTP connection failed"]
+        assert records[0].exc_info is not None and str(records[0].exc_info[1]) == "a bug of ours"
+        assert (await http_get(address, "/hello?ok"))[:3:2] == (200, b"hello ok\n")
+        assert server.served == 1
+
+
 async def test_a_connection_kept_alive_is_answered_request_after_request() -> None:
     async with serving({"/hello": hello}) as (server, address):
         reply = await exchange(address, b"GET /hello?1 HTTP/1.1\r\nHost: t\r\n\r\n"
