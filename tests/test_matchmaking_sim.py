@@ -420,3 +420,69 @@ def test_a_join_deferred_by_a_formation_whose_store_outlasted_its_timeout_is_ref
     assert answer == Reject("not matching now") and at == pytest.approx(began + outcomes[0].seconds)
     assert [o.group for o in outcomes] == [None] and 1 < outcomes[0].seconds < 5
     assert not leader.deferred and not leader.held
+
+
+def test_a_leader_that_finds_a_better_one_sends_its_waiting_followers_there_and_follows(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """b leads alone, c's join is admitted and waits; then a (a better leader) declares itself: b's
+    next read hands its lead over, c is told to go to a, and b joins a's group too."""
+    w = world(MatchmakingConfig(target_size=4, min_size=2, gather_time=8.0, timeout=20.0))
+    steady(w, monkeypatch)
+    a, b, c = sorted(of_kind(w, Kind.PUBLIC, 3), key=lambda m: leader_rank(m.me))
+    outcomes: dict[str, list[Outcome]] = {"a": [], "b": []}
+    b.form_group("hand-over", outcomes["b"].append)
+    w.sim.run(w.sim.now + 3)
+    assert b.formation is not None and b.formation.phase is Phase.LEADING and b.lead is not None
+    answers: list[tuple[float, JoinAnswer]] = []
+    b.on_join(c.me, lambda answer: answers.append((w.sim.now, answer)))
+    assert answers == [] and [m for m, _ in b.lead.waiting] == [c.me]  # admitted, waiting for the group
+    a.form_group("hand-over", outcomes["a"].append)
+    w.sim.run(w.sim.now + 30)
+    assert [answer for _, answer in answers] == [Redirect(a.peer.peer_id)]
+    [ours], [theirs] = outcomes["a"], outcomes["b"]
+    assert ours.group is not None and theirs.group is not None and ours.group.members == theirs.group.members
+    assert {m.peer_id for m in ours.group.members} == {a.peer.peer_id, b.peer.peer_id}
+
+
+def test_a_join_deferred_during_the_first_read_is_answered_the_moment_the_peer_leads(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its formation moved (looking → leading): the join deferred meanwhile is admitted then, not
+    a poll interval later when it would be asked again."""
+    w = world(MatchmakingConfig(target_size=4, min_size=2, gather_time=8.0, timeout=20.0, poll_interval=5.0))
+    steady(w, monkeypatch)
+    leader, asker = sorted(of_kind(w, Kind.PUBLIC, 2), key=lambda m: leader_rank(m.me))
+    leader.form_group("first-read", lambda outcome: None)
+    while leader.formation is None:  # stored: its first read is under way
+        w.sim.run(w.sim.now + 0.01)
+    assert leader.formation.phase is Phase.LOOKING
+    leader.on_join(asker.me, lambda answer: None)
+    assert len(leader.deferred) == 1
+    while leader.formation.phase is Phase.LOOKING:
+        w.sim.run(w.sim.now + 0.01)
+    assert leader.deferred == [] and leader.lead is not None and [m for m, _ in leader.lead.waiting] == [asker.me]
+
+
+def test_the_timer_of_a_wait_a_join_ended_does_not_end_the_next_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A join ends the leader's wait at once; that wait's own timer, still set, must find a later
+    wait and leave it be: the leader reads again at the end of the new wait, not before."""
+    w = world(MatchmakingConfig(target_size=4, min_size=2, gather_time=8.0, timeout=20.0, poll_interval=5.0))
+    steady(w, monkeypatch)
+    leader, asker = sorted(of_kind(w, Kind.PUBLIC, 2), key=lambda m: leader_rank(m.me))
+    reads: list[float] = []
+    read = w.sim.read
+
+    def spy(peer: SimPeer, key: bytes, finished: Callable[[float, ValueWithExpiration | None, bool], None],
+            **options: bool) -> None:
+        if peer is leader.peer:
+            reads.append(w.sim.now)
+        read(peer, key, finished, **options)
+    monkeypatch.setattr(w.sim, "read", spy)
+    leader.form_group("waits", lambda outcome: None)
+    while leader.lead is None or leader.lead.awaiting is None:
+        w.sim.run(w.sim.now + 0.01)
+    first_wait = w.sim.now
+    w.sim.run(first_wait + 1)
+    reads.clear()
+    leader.on_join(asker.me, lambda answer: None)  # ends the first wait: a read, then a second wait
+    w.sim.run(first_wait + 5 + 0.5)  # past the first wait's timer, within the second wait
+    assert reads == [pytest.approx(first_wait + 1)] and leader.lead is not None and leader.lead.awaiting is not None
