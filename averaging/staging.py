@@ -96,8 +96,12 @@ class BufferPool:
         else:
             base = torch.empty(numel, dtype=dtype, device="cpu" if where == "host" else where)
         view = base[:numel]
-        key = id(view)
-        self._lent[key] = (weakref.ref(view, lambda ref: self._forget(key, ref)), base)
+        key, pool = id(view), weakref.ref(self)  # the callback must not hold the pool: a cycle till gc
+
+        def forget(ref: weakref.ref[torch.Tensor]) -> None:
+            if (alive := pool()) is not None:  # always: the pool's end takes this weakref, callback and all
+                alive._forget(key, ref)
+        self._lent[key] = (weakref.ref(view, forget), base)
         return view
 
     def give(self, where: str, buffer: torch.Tensor) -> None:

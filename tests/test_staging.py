@@ -10,6 +10,8 @@ the end and where each buffer goes back.
 from __future__ import annotations
 
 import contextlib
+import gc
+import sys
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -174,6 +176,28 @@ def test_a_view_dropped_without_being_given_back_is_forgotten_and_mistaken_for_n
     pool._lent[id(stranger)] = (ref, torch.zeros(30))  # a dead view's entry under the id it had
     pool.give("host", stranger)  # is still itself, not that view's base
     assert [b.numel() for b in pool._free[("host", torch.float32)]] == [35]
+
+
+def test_a_pool_with_views_out_is_freed_at_once_when_dropped_and_the_views_outlive_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No reference cycle through a lent view's callback: the pool goes when its last user lets go
+    (not at the cyclic collector's next pass), and a view dropped after it ends quietly."""
+    ignored: list[object] = []  # an error in a weakref's callback is only printed: catch it
+    monkeypatch.setattr(sys, "unraisablehook", ignored.append)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        pool = BufferPool()
+        view = pool.take("host", torch.float32, 30)
+        gone = weakref.ref(pool)
+        del pool
+        assert gone() is None
+        view.fill_(1.0)
+        del view  # its callback finds no pool
+    finally:
+        if collecting:
+            gc.enable()
+    assert ignored == []
 
 
 # --- HostVector -----------------------------------------------------------------------------------
