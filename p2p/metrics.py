@@ -141,8 +141,6 @@ def limit_labels(name: str) -> tuple[str, str]:
                           ("_per_peer", "peer"), ("_per_address", "transient"), ("_per_subnet", "transient")):
         if name.endswith(suffix):
             return scope, name[: -len(suffix)] if scope != "transient" else name
-    if name == "connections_per_peer":
-        return "peer", "connections"
     return "system", name
 
 
