@@ -124,6 +124,12 @@ MODULES: dict[str, tuple[str, ...]] = {
     "p2p/collector.py": ("tests/test_collector.py",),
     "averaging/sim/matchmaking.py": ("tests/test_matchmaking_sim.py",),
     "p2p/output.py": ("tests/test_output.py",),
+    "nat/metrics.py": ("tests/test_nat_metrics.py",),
+    "p2p/metrics.py": ("tests/test_node_metrics.py",),
+    "averaging/metrics.py": ("tests/test_averaging_metrics.py",),
+    "training/metrics.py": ("tests/test_training_metrics.py",),
+    "p2p/hooks.py": ("tests/test_hooks.py",),
+    "p2p/lazy.py": ("tests/test_lazy.py",),
 }
 
 KILLED = {"killed", "timeout"}
