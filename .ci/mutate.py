@@ -130,6 +130,10 @@ MODULES: dict[str, tuple[str, ...]] = {
     "training/metrics.py": ("tests/test_training_metrics.py",),
     "p2p/hooks.py": ("tests/test_hooks.py",),
     "p2p/lazy.py": ("tests/test_lazy.py",),
+    "nat/events.py": ("tests/test_layer_events.py",),
+    "averaging/events.py": ("tests/test_layer_events.py",),
+    "training/events.py": ("tests/test_layer_events.py",),
+    "training/datasets/events.py": ("tests/test_layer_events.py",),
 }
 
 KILLED = {"killed", "timeout"}

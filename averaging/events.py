@@ -33,7 +33,8 @@ class Averaged(Event):
 
     def human(self) -> str:
         state = "averaged" if self.complete else "PARTIAL"
-        return (f"round {self.round}: {state} with {len(self.members) - 1} others as {self.role} "
+        others = len(self.members) - 1
+        return (f"round {self.round}: {state} with {others} other{'s' if others != 1 else ''} as {self.role} "
                 f"(share {self.fraction:.0%}) in {self.elapsed:.2f} s, {self.bytes_sent / 1e6:.1f} MB out, "
                 f"{self.bytes_received / 1e6:.1f} MB in: mean {self.value:.4f} -> {self.mean:.4f}"
                 + ("" if self.complete else f" ({self.summary})"))
