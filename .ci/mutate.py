@@ -134,6 +134,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "averaging/events.py": ("tests/test_layer_events.py",),
     "training/events.py": ("tests/test_layer_events.py",),
     "training/datasets/events.py": ("tests/test_layer_events.py",),
+    "p2p/events.py": ("tests/test_layer_events.py", "tests/test_output.py"),
+    "p2p/dht/events.py": ("tests/test_layer_events.py",),
 }
 
 KILLED = {"killed", "timeout"}

@@ -1,7 +1,8 @@
-"""The human lines of the upper layers' events, each checked to the byte with its plurals, its
-missing values and its edges (nat/events.py, averaging/events.py, training/events.py,
-training/datasets/events.py), and their records' names in ``--json`` (the Node's own events and
-the printer: tests/test_output.py)."""
+"""Every layer's event records: how one becomes a ``--json`` line (p2p/events.py: peer ids as text,
+enums as values, compact, in field order) and each record's name there, and the human lines, each
+checked to the byte with its plurals, its missing values and its edges (p2p/events.py,
+nat/events.py, averaging/events.py, training/events.py, training/datasets/events.py; the printer
+that writes them: tests/test_output.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ from averaging.events import AverageFailed, Averaged
 from nat.events import (DashboardServing, HolePunched, ModeChanged, NatStatus, PingSummary, ReachabilityChanged,
                         RelayLost, RelayReserved)
 from nat.reachability import MappingKind, NatMode
+from p2p import events as ev
+from p2p.dht.events import DHTIsolated, DHTJoined, DHTMode, DHTModeChanged
 from p2p.events import Event
+from p2p.hooks import Direction, PathKind
 from p2p.hooks import Reachability
 from training.datasets.events import (DatasetComplete, DatasetProgress, DatasetPublished, SeederBanned, Seeding,
                                       ShardFetched)
@@ -25,6 +29,64 @@ from .kit import numbered_peer_id
 
 PEER = numbered_peer_id(7)
 TAIL = str(PEER)[-8:]
+
+# ---------------------------------------------------------------------- p2p
+
+
+def at(record: Event, ts: float = 1234.5) -> Event:
+    record.ts = ts
+    return record
+
+
+def test_a_record_is_plain_json_in_field_order_with_ids_as_text_and_enums_as_values() -> None:
+    before = time.time()
+    assert before <= Event().ts <= time.time()  # stamped when made
+    record = at(ev.ConnectionOpened(PEER, "/ip4/1.2.3.4/tcp/1", Direction.INBOUND, PathKind.RELAYED))
+    assert record.to_json() == (
+        f'{{"event":"connection_opened","ts":1234.5,"peer_id":"{PEER}","addr":"/ip4/1.2.3.4/tcp/1",'
+        '"direction":"inbound","kind":"relayed"}')
+    assert record.to_dict() == {"event": "connection_opened", "ts": 1234.5, "peer_id": str(PEER),
+                                "addr": "/ip4/1.2.3.4/tcp/1", "direction": "inbound", "kind": "relayed"}
+    nested = NatStatus({"peers": [PEER, numbered_peer_id(8)], "modes": (NatMode.PUBLIC,),  # type: ignore[dict-item]
+                        "by": {PEER: PathKind.DIRECT, 3: "x"}})  # type: ignore[dict-item]
+    assert nested.to_dict()["metrics"] == {"peers": [str(PEER), str(numbered_peer_id(8))], "modes": ["public"],
+                                           "by": {str(PEER): "direct", "3": "x"}}
+    assert json.loads(at(ev.Error("it broke")).to_json()) == {"event": "error", "ts": 1234.5, "message": "it broke",
+                                                        "peer_id": None}
+    assert Event().human() is None and at(Event()).to_dict() == {"event": "event", "ts": 1234.5}
+
+
+def test_the_node_s_lines_say_what_was_trimmed_pushed_refused_and_rejoined() -> None:
+    assert ev.ConnectionsTrimmed(closed=12, peers=5, before=212, after=200).human() == (
+        "holding 212 connections, over the high water: closed 12 to 5 peers of least use (200 open)")
+    assert ev.ClosedSwarm(PEER).human() == f"{PEER} runs a closed swarm, and this peer has no access pass for it"
+    assert ev.Rejoining(3).human() == "cut off from every peer: dialing the 3 initial peers again"
+    assert ev.Rejoining(1).human() == "cut off from every peer: dialing the 1 initial peer again"
+    assert ev.IdentifyPushed(["/a"], ["/p"], 1, 0).human() == "our addresses or protocols changed: told 1 connected peer"
+    assert ev.IdentifyPushed(["/a"], ["/p"], 4, 2).human() == (
+        "our addresses or protocols changed: told 4 connected peers (2 could not be told)")
+    assert ev.IdentifyPushed([], [], 0, 0).human() == "our addresses or protocols changed: told 0 connected peers"
+
+
+@pytest.mark.parametrize("record, name", [
+    (ev.Listening(PEER, []), "listening"),
+    (ev.ConnectionOpened(PEER, "a", Direction.OUTBOUND, PathKind.DIRECT), "connection_opened"),
+    (ev.ConnectionClosed(PEER, "a", PathKind.DIRECT), "connection_closed"),
+    (ev.ConnectionsTrimmed(1, 1, 2, 1), "connections_trimmed"), (ev.PeerConnected(PEER, "a", 0.1), "peer_connected"),
+    (ev.Ping(PEER, 1.0), "ping"), (ev.Message(PEER, "x"), "message"), (ev.PeerCount(0, []), "peer_count"),
+    (ev.Error("x"), "error"), (ev.ClosedSwarm(PEER), "closed_swarm"), (ev.Rejoining(1), "rejoining"),
+    (ev.IdentifyPushed([], [], 0, 0), "identify_pushed"), (ev.Closed(PEER), "closed"),
+    (DHTJoined(DHTMode.AUTO, 3, 0.5), "dht_joined"), (DHTModeChanged(DHTMode.CLIENT, "private"), "dht_mode"),
+    (DHTIsolated(2), "dht_isolated")])
+def test_the_p2p_records_are_named_for_json(record: Event, name: str) -> None:
+    assert json.loads(record.to_json())["event"] == name
+
+
+def test_defaults_a_closed_connection_untrimmed_a_ping_s_path_unknown_an_error_from_nobody() -> None:
+    assert ev.ConnectionClosed(PEER, "a", PathKind.DIRECT).trimmed is False
+    assert ev.Ping(PEER, 1.0).kind is None and ev.Error("x").peer_id is None
+    assert [str(m) for m in DHTMode] == ["auto", "server", "client"]
+
 
 # ---------------------------------------------------------------------- nat
 
