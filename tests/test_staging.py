@@ -178,6 +178,17 @@ def test_a_view_dropped_without_being_given_back_is_forgotten_and_mistaken_for_n
     assert [b.numel() for b in pool._free[("host", torch.float32)]] == [35]
 
 
+def test_a_view_given_back_then_dropped_ends_quietly_and_leaves_the_entries_of_others(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    ignored: list[object] = []  # an error in a weakref's callback is only printed: catch it
+    monkeypatch.setattr(sys, "unraisablehook", ignored.append)
+    pool = BufferPool()
+    given, kept = pool.take("host", torch.float32, 10), pool.take("host", torch.float32, 20)
+    pool.give("host", given)
+    del given  # its entry went when it was given: its callback finds none
+    assert ignored == [] and list(pool._lent) == [id(kept)]
+
+
 def test_a_pool_with_views_out_is_freed_at_once_when_dropped_and_the_views_outlive_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """No reference cycle through a lent view's callback: the pool goes when its last user lets go
