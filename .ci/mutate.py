@@ -135,7 +135,6 @@ MODULES: dict[str, tuple[str, ...]] = {
     "training/events.py": ("tests/test_layer_events.py",),
     "training/datasets/events.py": ("tests/test_layer_events.py",),
     "p2p/events.py": ("tests/test_layer_events.py", "tests/test_output.py"),
-    "p2p/dht/events.py": ("tests/test_layer_events.py",),
 }
 
 KILLED = {"killed", "timeout"}

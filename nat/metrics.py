@@ -40,7 +40,7 @@ class NatMetrics(Collector):
         stats = self._nat.puncher.stats
         dials = CounterMetricFamily("libp2p_holepunch_direct_dials", "Direct Dials Total", labels=["outcome"])
         for outcome in ("success", "failed"):
-            dials.add_metric([outcome], stats.direct_dials.get(outcome, 0))
+            dials.add_metric([outcome], stats.direct_dials[outcome])  # a Counter: 0 when none
         yield dials
         outcomes = CounterMetricFamily("libp2p_holepunch_outcomes", "Hole Punch Outcomes",
                                        labels=["side", "num_attempts", "outcome"])
@@ -52,7 +52,7 @@ class NatMetrics(Collector):
         nat = self._nat
         status = GaugeMetricFamily("libp2p_autonat_reachability_status",
                                    "Current node reachability (0 unknown, 1 public, 2 private)")
-        status.add_metric([], REACHABILITY_CODES.get(nat.reachability, 0))
+        status.add_metric([], REACHABILITY_CODES[nat.reachability])  # every value has its code
         yield status
         confirmed = GaugeMetricFamily("libp2p_autonat_reachability_status_confidence",
                                       "Addresses a nonce-checked dial-back confirmed (our confidence in public)")
@@ -91,7 +91,7 @@ class NatMetrics(Collector):
         reservations = CounterMetricFamily("libp2p_relaysvc_reservations", "Relay Reservation Request",
                                            labels=["type"])
         for kind in ("opened", "renewed"):
-            reservations.add_metric([kind], s.reservation_types.get(kind, 0))
+            reservations.add_metric([kind], s.reservation_types[kind])
         yield reservations
         for kind, family in (("reservation", "reservation"), ("connection", "connection")):
             responses = CounterMetricFamily(f"libp2p_relaysvc_{family}_request_response_status",
@@ -123,7 +123,7 @@ class NatMetrics(Collector):
         yield held
         limits = CounterMetricFamily("dedloc_relaysvc_circuits_cut", "Circuits reset at a limit", labels=["limit"])
         for limit in ("data", "duration"):
-            limits.add_metric([limit], s.limits_hit.get(limit, 0))
+            limits.add_metric([limit], s.limits_hit[limit])
         yield limits
         reclaimed = CounterMetricFamily("dedloc_relaysvc_reservations_reclaimed",
                                         "Slots taken back, when full, from holders that no longer advertise them")

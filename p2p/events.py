@@ -30,7 +30,7 @@ class Event:
         return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=False)
+        return json.dumps(self.to_dict(), separators=(",", ":"))  # in field order
 
     def human(self) -> str | None:
         """One line for people, for a layer above to give its events (None: the printer's default)."""

@@ -65,6 +65,7 @@ def test_matchmaking_is_timed_by_outcome_with_the_group_s_size_and_a_failure_s_e
     assert value("dedloc_averaging_matchmaking_seconds_count", {"outcome": "formed"}) == 2
     assert value("dedloc_averaging_matchmaking_seconds_sum", {"outcome": "formed"}) == pytest.approx(0.9)
     assert value("dedloc_averaging_matchmaking_seconds_bucket", {"outcome": "formed", "le": "0.25"}) == 1
+    assert value("dedloc_averaging_matchmaking_seconds_bucket", {"outcome": "failed", "le": "300.0"}) == 1  # ours
     assert value("dedloc_averaging_matchmaking_seconds_count", {"outcome": "failed"}) == 1
     assert value("dedloc_averaging_matchmaking_seconds_sum", {"outcome": "failed"}) == 4.0
     assert value("dedloc_averaging_group_size_sum") == 8 and value("dedloc_averaging_group_size_count") == 2
@@ -85,6 +86,7 @@ def test_a_round_is_timed_and_counted_by_outcome_with_each_part_s_bytes_and_the_
     assert value("dedloc_averaging_round_seconds_sum", {"outcome": "complete"}) == 0.3
     assert value("dedloc_averaging_round_seconds_sum", {"outcome": "partial"}) == 2.0
     assert value("dedloc_averaging_round_seconds_count", {"outcome": "partial"}) == 1
+    assert value("dedloc_averaging_round_seconds_bucket", {"outcome": "partial", "le": "120.0"}) == 1  # ours
     assert value("dedloc_averaging_part_bytes_count") == 5  # one per part, each sent + received
     assert value("dedloc_averaging_part_bytes_sum") == 130_000 + 12 + 3 + 30 + 0
     assert value("dedloc_averaging_part_bytes_bucket", {"le": "65536.0"}) == 4

@@ -151,6 +151,9 @@ def test_a_round_says_with_how_many_as_what_in_what_time_what_moved_and_the_mean
     assert Averaged(4, ["a", "b"], "sender", 0.0, False, "part 1: reducer gone", {"b": "gone"}, 2.0, 0, 0, 0.25,
                     0.25).human() == ("round 4: PARTIAL with 1 other as sender (share 0%) in 2.00 s, 0.0 MB out, "
                                       "0.0 MB in: mean 0.2500 -> 0.2500 (part 1: reducer gone)")
+    assert Averaged(5, ["a", "b"], "full", 0.5, True, "", {}, 1.0, 10**12, 3 * 10**12, 0, 0).human() == (
+        "round 5: averaged with 1 other as full (share 50%) in 1.00 s, 1000000.0 MB out, 3000000.0 MB in: "
+        "mean 0.0000 -> 0.0000")  # MB of 10^6 bytes
     assert AverageFailed(5, "no group in 30 s").human() == "round 5: no average: no group in 30 s"
     assert json.loads(AverageFailed(5, "x").to_json())["event"] == "average_failed"
     assert Averaged(1, [], "", 0, True, "", {}, 0, 0, 0, 0, 0).to_dict()["event"] == "averaged"
@@ -163,6 +166,7 @@ def test_a_bar_fills_by_share_clamped_and_a_count_never_passes_the_whole() -> No
     assert [bar(3, 4, 8), bar(1, 3, 8), bar(5, 4, 8), bar(-1, 4, 8), bar(1, 0, 8), bar(1, -2, 8)] == [
         "[######..]", "[###.....]", "[########]", "[........]", "[........]", "[........]"]
     assert bar(1, 2) == "[" + "#" * 12 + "." * 12 + "]"  # 24 wide by default
+    assert (bar(1, 1, 4), bar(0.5, 0.5, 4), bar(1, 0.5, 4)) == ("[####]", "[####]", "[####]")  # any whole above 0
     assert (count(5, 4), count(3, 4), count(4, 4)) == ("4/4", "3/4", "4/4")
 
 
@@ -176,6 +180,7 @@ def test_a_training_status_line_has_the_bar_the_rates_the_losses_the_peers_and_t
     assert TrainingStatus(7, 0, 8, 0, 0, float("inf"), None, 0, float("inf"), 0).human().endswith(
         "| loss ? (swarm ?) | 0 peers | next step ?")
     assert TrainingStatus(7, 0, 8, 0, 0, None, None, 2, -1.0, 0).human().endswith("| 2 peers | next step now")
+    assert TrainingStatus(7, 0, 8, 0, 0, None, None, 2, 0.6, 0).human().endswith("| next step ~1 s")  # not yet
     assert TrainingStatus(7, 0, 8, 0, 0, None, None, 2, float("nan"), 0).human().endswith("| next step ?")
 
 
@@ -239,12 +244,15 @@ def test_dataset_lines_give_sizes_in_mib_or_gib_rates_in_mbit_and_their_plurals(
     assert DatasetProgress("wiki", 5 << 20, 4 << 20, 0.0, 2, 4, 4, 1).human() == (
         "wiki [########################] 4.0 MiB/4.0 MiB | 0.0 Mbit/s | 4/4 shards | 2 seeders (1 banned)")
     assert DatasetProgress("w", 0, 1 << 20, 0.0, 0, 0, 1).human().endswith("| 0 seeders")
+    assert "| 1000000.0 Mbit/s |" in DatasetProgress("w", 0, 1, 1.25e11, 1, 0, 1).human()  # Mbit of 10^6 bits
     assert ShardFetched("wiki", "/d/0.bin", 1536 << 10).human() == "wiki: /d/0.bin (1.5 MiB) checked and written"
     assert SeederBanned("wiki", "Qm", "bad piece 3").human() == "wiki: seeder Qm banned: bad piece 3"
     assert DatasetComplete("wiki", "/d", 8 << 20, 2.0, {"a": 1, "b": 2}, 0).human() == (
         "wiki: complete in /d (8.0 MiB in 2.0 s, 33.6 Mbit/s, from 2 seeders)")
     assert DatasetComplete("wiki", "/d", 8 << 20, 0.0, {"a": 1}, 0).human() == (
         "wiki: complete in /d (8.0 MiB in 0.0 s, 0.0 Mbit/s, from 1 seeder)")  # no rate from no time
+    assert DatasetComplete("w", "/d", 10**12, 0.5, {}, 0).human() == (
+        "w: complete in /d (931.32 GiB in 0.5 s, 16000000.0 Mbit/s, from 0 seeders)")
     assert Seeding("wiki", "ab" * 16, 4, 8 << 20, 3 << 30).human() == (
         "seeding wiki (abababababab): 4 shards, 8.0 MiB; served 3.00 GiB")
     assert DatasetProgress("w", 0, 1, 0, 0, 0, 1).banned == 0

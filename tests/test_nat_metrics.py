@@ -173,3 +173,25 @@ def test_a_relay_that_counts_fewer_circuits_ever_than_open_says_none_closed_not_
     node = relay_node()
     node.relay_service.admission.circuit_count = 20  # past circuits_total (12): the counts are read apart
     assert '\nlibp2p_relaysvc_connections_total{type="closed"} 0.0\n' in scrape(node)
+
+
+def test_a_fresh_relay_counts_each_kind_and_limit_as_zero_and_answers_nothing_yet() -> None:
+    relay = SimpleNamespace(stats=RelayStats(), admission=SimpleNamespace(circuit_count=0, slots={}),
+                            config=SimpleNamespace(max_reservations=128, max_circuits=16))
+    samples = [line for line in scrape(relay_node(relay_service=relay)).splitlines()
+               if line.startswith(("libp2p_relaysvc", "dedloc_relaysvc"))]
+    assert samples == [
+        "libp2p_relaysvc_status 1.0",
+        'libp2p_relaysvc_reservations_total{type="opened"} 0.0',
+        'libp2p_relaysvc_reservations_total{type="renewed"} 0.0',
+        'libp2p_relaysvc_connections_total{type="opened"} 0.0',
+        'libp2p_relaysvc_connections_total{type="closed"} 0.0',
+        "libp2p_relaysvc_data_transferred_bytes_total 0.0",
+        'dedloc_relaysvc_slots{kind="reservations",value="used"} 0.0',
+        'dedloc_relaysvc_slots{kind="reservations",value="limit"} 128.0',
+        'dedloc_relaysvc_slots{kind="circuits",value="used"} 0.0',
+        'dedloc_relaysvc_slots{kind="circuits",value="limit"} 16.0',
+        'dedloc_relaysvc_circuits_cut_total{limit="data"} 0.0',
+        'dedloc_relaysvc_circuits_cut_total{limit="duration"} 0.0',
+        "dedloc_relaysvc_reservations_reclaimed_total 0.0",
+    ]

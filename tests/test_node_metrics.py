@@ -332,6 +332,8 @@ def test_each_dht_query_is_timed_and_counted_by_type_and_outcome_while_installed
     assert value("dedloc_dht_query_duration_seconds_sum", {"type": "get"}) == pytest.approx(0.23)
     assert value("dedloc_dht_query_duration_seconds_bucket", {"type": "store", "le": "1.0"}) == 0
     assert value("dedloc_dht_query_duration_seconds_bucket", {"type": "store", "le": "2.5"}) == 1
+    assert value("dedloc_dht_query_duration_seconds_bucket", {"type": "get", "le": "0.001"}) == 0  # ours, not
+    assert value("dedloc_dht_query_duration_seconds_bucket", {"type": "get", "le": "30.0"}) == 2  # the default
     assert "# HELP dedloc_dht_query_duration_seconds Duration of a DHT query this peer made\n" in scrape(registry)
     assert "# HELP dedloc_dht_queries_total DHT queries this peer made, by outcome\n" in scrape(registry)
     handle.remove()
