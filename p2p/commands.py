@@ -137,20 +137,56 @@ def parse(parser: argparse.ArgumentParser, sub: argparse._SubParsersAction,  # t
     The settings become the command's defaults before the one parse, so an option the command
     requires (``--initial-peers``) may come from the file or the environment instead of a flag.
     """
-    for command in sub.choices.values():
+    for command in _leaves(sub):
         if "--config" not in command._option_string_actions:  # argparse's table of option strings
             command.add_argument("--config", type=Path, metavar="FILE",
                                  help="read settings from this TOML file (its keys are these options' names; "
                                       "flags override it; see docs/OPERATORS.md)")
-    # Before the command only -v may stand, which takes no value: the first known name is the command.
-    name = next((arg for arg in argv if arg in sub.choices), None)
+    chosen = _chosen(sub, argv)
     config = _config_path(argv)
-    if name is not None and (config is not None or any(environ.get(v) for v in settings.ENVIRONMENT)):
+    if chosen is not None and (config is not None or any(environ.get(v) for v in settings.ENVIRONMENT)):
+        name, command = chosen
         try:
-            settings.apply(sub.choices[name], name, argv, config, environ)
+            settings.apply(command, name, argv, config, environ)
         except DedlocError as e:
             parser.exit(2, f"dedloc {name}: error: {e}\n")
     return parser.parse_args(argv)
+
+
+def _actions(parser: argparse.ArgumentParser) -> argparse._SubParsersAction | None:  # type: ignore[type-arg]
+    """A command's actions (``dht get``, ``dataset create``), if it has any."""
+    return next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+
+
+def _leaves(sub: argparse._SubParsersAction) -> list[argparse.ArgumentParser]:  # type: ignore[type-arg]
+    """The parsers that take a command's options: each command's, or each of its actions'."""
+    found: list[argparse.ArgumentParser] = []
+    for command in dict.fromkeys(sub.choices.values()):  # an alias maps to the same parser
+        actions = _actions(command)
+        found += [command] if actions is None else _leaves(actions)
+    return found
+
+
+def _chosen(sub: argparse._SubParsersAction,  # type: ignore[type-arg]
+            argv: Sequence[str]) -> tuple[str, argparse.ArgumentParser] | None:
+    """The command (and action) ``argv`` runs, by name (``dht get``), with the parser of its options.
+
+    Before the command only -v may stand, which takes no value: the first known name is the
+    command; a command with actions takes none of its own options before the action, so the next
+    known name is the action. None while either is missing (argparse then says what is)."""
+    names: list[str] = []
+    rest = list(argv)
+    while True:
+        name = next((arg for arg in rest if arg in sub.choices), None)
+        if name is None:
+            return None
+        names.append(name)
+        command = sub.choices[name]
+        rest = rest[rest.index(name) + 1:]
+        actions = _actions(command)
+        if actions is None:
+            return " ".join(names), command
+        sub = actions
 
 
 def _config_path(argv: Sequence[str]) -> Path | None:

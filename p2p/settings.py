@@ -78,7 +78,12 @@ def _one(action: argparse.Action, value: Any, fail: Any) -> Any:
 
 
 def load(path: Path, command: str) -> dict[str, Any]:
-    """The file's settings for ``command``: its top-level keys, then its ``[command]`` table over them."""
+    """The file's settings for ``command``: its top-level keys, then its ``[command]`` table over them.
+
+    A command with actions (``dataset get``) reads ``[dataset]``, then ``[dataset.get]`` over it:
+    what a whole command's actions share, then what one takes. The tables of other commands and
+    actions are left alone; within the action's own table a table is an error, as any value of
+    the wrong kind is."""
     try:
         data = tomllib.loads(path.read_text())
     except OSError as e:
@@ -86,10 +91,13 @@ def load(path: Path, command: str) -> dict[str, Any]:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"--config {path}: not valid TOML: {e}") from None
     settings = {k: v for k, v in data.items() if not isinstance(v, dict)}
-    table = data.get(command, {})
-    if not isinstance(table, dict):
-        raise ConfigError(f"--config {path}: {command} must be a table ([{command}])")
-    settings.update(table)
+    words = command.split()
+    for depth, word in enumerate(words, start=1):
+        data = data.get(word, {})
+        if not isinstance(data, dict):
+            name = ".".join(words[:depth])
+            raise ConfigError(f"--config {path}: {name} must be a table ([{name}])")
+        settings.update(data if depth == len(words) else {k: v for k, v in data.items() if not isinstance(v, dict)})
     return settings
 
 

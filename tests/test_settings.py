@@ -96,3 +96,15 @@ def test_a_relay_runs_from_its_file_and_a_bad_file_stops_it_with_the_reason(tmp_
     result = subprocess.run([sys.executable, "-m", "training.commands", "relay", "--config", str(config)], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "not valid TOML" in result.stderr and "relay.toml" in result.stderr
+
+
+def test_an_action_of_dataset_takes_the_swarm_from_the_file_or_the_environment(tmp_path: Path) -> None:
+    """``dataset get`` is an action: its options are its own, ``[dataset]`` is read for every action
+    and ``[dataset.get]`` for it alone (before, every key was checked against ``dataset``'s options,
+    which are none, and refused; and the environment's swarm was passed over)."""
+    config = ('[dataset]\ninitial-peers = ["/ip4/10.0.0.1/tcp/1/p2p/x"]\n'
+              '[dataset.get]\nmax-seeders = 3\n[dataset.seed]\nmax-seeders = 9\n')
+    args = parse(["dataset", "get", "wiki", str(tmp_path)], config, tmp_path)
+    assert (args.initial_peers, args.max_seeders) == (["/ip4/10.0.0.1/tcp/1/p2p/x"], 3)
+    env = {"DEDLOC_INITIAL_PEERS": "/ip4/10.0.0.2/tcp/1/p2p/y"}
+    assert parse(["dataset", "get", "wiki", "d"], None, tmp_path, env).initial_peers == ["/ip4/10.0.0.2/tcp/1/p2p/y"]

@@ -173,6 +173,25 @@ def test_top_level_keys_and_the_command_s_table_over_them(tmp_path: Path) -> Non
     assert settings.load(path, "third") == {"size": 1, "name": "top"}
 
 
+def test_an_action_reads_its_command_s_table_then_its_own_and_no_other(tmp_path: Path) -> None:
+    path = tmp_path / "d.toml"
+    path.write_text('size = 1\nname = "top"\n[thing]\nsize = 2\nmode = "a"\n[thing.get]\nsize = 3\n'
+                    '[thing.put]\nsize = 4\nname = "put"\n[other]\nsize = 5\n')
+    assert settings.load(path, "thing get") == {"size": 3, "name": "top", "mode": "a"}
+    assert settings.load(path, "thing put") == {"size": 4, "name": "put", "mode": "a"}
+    assert settings.load(path, "thing list") == {"size": 2, "name": "top", "mode": "a"}  # no table of its own
+    assert settings.load(path, "thing") == {"size": 2, "name": "top", "mode": "a",  # a command's own table whole:
+                                            "get": {"size": 3}, "put": {"size": 4, "name": "put"}}  # refused keys
+    path.write_text("[thing]\nget = 3\n")
+    with pytest.raises(ConfigError, match=rf"^--config {path}: thing\.get must be a table \(\[thing\.get\]\)$"):
+        settings.load(path, "thing get")
+    path.write_text("thing = 3\n")
+    with pytest.raises(ConfigError, match=rf"^--config {path}: thing must be a table \(\[thing\]\)$"):
+        settings.load(path, "thing get")
+    path.write_text("[thing.get]\nsize = { a = 1 }\n")  # a table where a value goes: kept, and refused by apply
+    assert settings.load(path, "thing get") == {"size": {"a": 1}}
+
+
 def test_a_command_s_key_that_is_no_table_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "d.toml"
     path.write_text("thing = 3\n")
