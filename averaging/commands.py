@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from nat.commands import build_parser as nat_parser, peer_options
+from p2p.commands import positive_seconds, seconds
 
 #: averaging.compression.Compression's values (that module imports torch; a test holds them equal)
 COMPRESSIONS = ("none", "float16", "uint8")
@@ -29,13 +30,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     g.add_argument("--weight", type=float, default=1.0, help="this peer's weight in the average (samples)")
     g.add_argument("--group-size", type=int, default=16, metavar="N", help="largest group (default: %(default)s)")
     g.add_argument("--min-size", type=int, default=2, metavar="N", help="smallest group worth a round (default: %(default)s)")
-    g.add_argument("--gather-time", type=float, default=3.0, metavar="SECONDS",
+    g.add_argument("--gather-time", type=seconds, default=3.0, metavar="SECONDS",
                    help="how long a leader waits for more members (default: %(default)s)")
-    g.add_argument("--match-timeout", type=float, default=30.0, metavar="SECONDS",
+    g.add_argument("--match-timeout", type=positive_seconds, default=30.0, metavar="SECONDS",
                    help="give up on a round when no group formed this long (default: %(default)s)")
-    g.add_argument("--round-timeout", type=float, default=120.0, metavar="SECONDS", help="longest all-reduce round")
+    g.add_argument("--round-timeout", type=positive_seconds, default=120.0, metavar="SECONDS", help="longest all-reduce round")
     g.add_argument("--rounds", type=int, default=0, metavar="N", help="stop after N rounds (0: run until --duration)")
-    g.add_argument("--interval", type=float, default=2.0, metavar="SECONDS", help="pause between rounds")
+    g.add_argument("--interval", type=seconds, default=2.0, metavar="SECONDS", help="pause between rounds")
     g.add_argument("--compression", choices=COMPRESSIONS, default="none")
     g.add_argument("--centered-clip", action="store_true",
                    help="robust aggregation: the parts this peer reduces are CenteredClip's, not the mean, and "

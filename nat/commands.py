@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from p2p.admission import AdmissionConfig
 from p2p.conn_manager import ConnManagerConfig
-from p2p.commands import build_parser as p2p_parser, common_options, run
+from p2p.commands import build_parser as p2p_parser, common_options, positive_count, positive_seconds, run, seconds
 from p2p.dht.events import DHTMode
 from p2p.resources import ResourceConfig
 
@@ -33,7 +33,7 @@ def nat_options(p: argparse.ArgumentParser) -> None:
                    help="connections still authenticating, from everyone (full: the address holding the most yields)")
     g.add_argument("--max-handshaking-per-ip", type=int, default=d.max_handshaking_per_address, metavar="N",
                    help="... from one IPv4 address or IPv6 /56 (4x that per /24 or /48)")
-    g.add_argument("--handshake-timeout", type=float, default=d.handshake_timeout, metavar="SECONDS",
+    g.add_argument("--handshake-timeout", type=positive_seconds, default=d.handshake_timeout, metavar="SECONDS",
                    help="close a connection that has not authenticated by then")
     g.add_argument("--max-inbound", type=int, default=d.max_connections, metavar="N", help="inbound connections in all")
     g.add_argument("--max-inbound-per-ip", type=int, default=d.max_connections_per_address, metavar="N",
@@ -58,7 +58,7 @@ def nat_options(p: argparse.ArgumentParser) -> None:
                    "round's are kept)")
     g.add_argument("--conn-low-water", type=int, default=c.low_water, metavar="N",
                    help="... until this many of the others remain")
-    g.add_argument("--conn-grace", type=float, default=c.grace_period, metavar="SECONDS",
+    g.add_argument("--conn-grace", type=seconds, default=c.grace_period, metavar="SECONDS",
                    help="a peer connected within this time is never closed for the count")
 
 
@@ -67,9 +67,9 @@ def peer_options(p: argparse.ArgumentParser) -> None:
     common_options(p)
     p.add_argument("--initial-peers", nargs="+", required=True, metavar="MULTIADDR",
                    help="full addresses of bootstrap nodes, ending in /p2p/<peer-id>")
-    p.add_argument("--bootstrap-timeout", type=float, default=30.0, metavar="SECONDS",
+    p.add_argument("--bootstrap-timeout", type=positive_seconds, default=30.0, metavar="SECONDS",
                    help="give up if no initial peer answers within this time (default: %(default)s)")
-    p.add_argument("--exchange-interval", type=float, default=5.0, metavar="SECONDS",
+    p.add_argument("--exchange-interval", type=positive_seconds, default=5.0, metavar="SECONDS",
                    help="how often to ask connected peers for more peers while that meets new ones; "
                         "up to 16x as seldom while it does not (default: %(default)s)")
     p.add_argument("--message", default=None, metavar="TEXT", help="send this greeting to every peer met")
@@ -119,7 +119,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
                        description="Ask a `dedloc peer` or `dedloc relay` on this machine (give its 127.0.0.1 address) "
                        "for its reachability, relays, hole-punch results, bytes by path and DHT.")
     p.add_argument("address", metavar="MULTIADDR", help="the node's loopback address, ending in /p2p/<peer-id>")
-    p.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS")
+    p.add_argument("--timeout", type=positive_seconds, default=10.0, metavar="SECONDS")
     p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     p.set_defaults(func="nat.cli:cmd_status")
 
@@ -128,9 +128,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
                        "A peer behind NAT is reached at <relay address>/p2p-circuit/p2p/<peer id>; the connection "
                        "starts relayed and turns direct when hole punching works.")
     p.add_argument("address", metavar="MULTIADDR", help="the peer's full address, ending in /p2p/<peer-id>")
-    p.add_argument("-c", "--count", type=int, default=4, help="number of pings (default: %(default)s)")
-    p.add_argument("-i", "--interval", type=float, default=1.0, metavar="SECONDS", help="time between pings")
-    p.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS", help="give up on one dial or ping after this long")
+    p.add_argument("-c", "--count", type=positive_count, default=4, help="number of pings (default: %(default)s)")
+    p.add_argument("-i", "--interval", type=positive_seconds, default=1.0, metavar="SECONDS", help="time between pings")
+    p.add_argument("--timeout", type=positive_seconds, default=10.0, metavar="SECONDS", help="give up on one dial or ping after this long")
     p.add_argument("--listen", action="append", metavar="MULTIADDR", help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true", help="print one JSON object per line for each event")
     p.set_defaults(func="nat.cli:cmd_ping")

@@ -47,8 +47,8 @@ def common_options(p: argparse.ArgumentParser, *, node: bool = True) -> None:
         p.add_argument("--listen", action="append", metavar="MULTIADDR", help="address to listen on (repeatable)")
         p.add_argument("--announce", action="append", metavar="MULTIADDR",
                        help="address to advertise instead of the listen addresses (repeatable), e.g. a public IP")
-        p.add_argument("--duration", type=float, default=None, metavar="SECONDS", help="exit after this long (default: run until Ctrl-C)")
-        p.add_argument("--status-interval", type=float, default=10.0, metavar="SECONDS", help="how often to report the peer count (0: never)")
+        p.add_argument("--duration", type=positive_seconds, default=None, metavar="SECONDS", help="exit after this long (default: run until Ctrl-C)")
+        p.add_argument("--status-interval", type=seconds, default=10.0, metavar="SECONDS", help="how often to report the peer count (0: never)")
         p.add_argument("--ephemeral", action="store_true", help="use a throwaway identity instead of --identity")
         p.add_argument("--metrics", default=None, metavar="HOST:PORT",
                        help="serve Prometheus metrics at /metrics and the live page at / (e.g. 127.0.0.1:9100; "
@@ -56,13 +56,40 @@ def common_options(p: argparse.ArgumentParser, *, node: bool = True) -> None:
 
 
 def positive_seconds(text: str) -> float:
-    """An argparse type: a duration that must be more than zero (a TTL of -5 s is refused, not sent)."""
+    """An argparse type: a duration that must be more than zero (a TTL of -5 s is refused, not sent;
+    a --duration of -1 or nan reached trio, which raised its ValueError past every handler)."""
+    value = _seconds(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a duration of zero or more (``--status-interval 0``: never)."""
+    value = _seconds(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or a positive number of seconds, not {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0 or value != value or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds, not {text}")
+    return value
+
+
+def positive_count(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (``ping -c -3`` pinged nothing and said nothing)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {text}")
     return value
 
 
@@ -86,7 +113,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     def dht_common(q: argparse.ArgumentParser) -> None:
         q.add_argument("--initial-peers", nargs="+", required=True, metavar="MULTIADDR",
                        help="full addresses of swarm members (e.g. the relay), ending in /p2p/<peer-id>")
-        q.add_argument("--timeout", type=float, default=15.0, metavar="SECONDS", help="give up after this long")
+        q.add_argument("--timeout", type=positive_seconds, default=15.0, metavar="SECONDS", help="give up after this long")
         q.add_argument("--listen", action="append", metavar="MULTIADDR", help=argparse.SUPPRESS)
         q.add_argument("--json", action="store_true", help="print the result as one JSON object")
         q.set_defaults(func="p2p.cli:cmd_dht")

@@ -17,25 +17,66 @@ import pytest
 import trio
 
 from p2p import commands, events as ev
-from p2p.commands import _config_path, build_parser, parse, positive_seconds, raise_open_files_limit, run, run_command
+from p2p.commands import (_config_path, build_parser, parse, positive_count, positive_seconds, raise_open_files_limit, run,
+                          run_command, seconds)
 from p2p.errors import ConfigError
 from p2p.output import Output
 
 # ---------------------------------------------------------------------- parsing
 
 
+def refusal(kind: Any, text: str) -> str:
+    with pytest.raises(argparse.ArgumentTypeError) as refused:
+        kind(text)
+    return str(refused.value)
+
+
 def test_a_positive_duration_is_a_finite_number_above_zero_and_anything_else_says_why() -> None:
     assert positive_seconds("2.5") == 2.5 and positive_seconds("1e-3") == 0.001
-    for text, message in (("abc", "'abc' is not a number of seconds"), ("", "'' is not a number of seconds"),
-                          ("0", "must be a positive number of seconds, not 0"),
-                          ("-5", "must be a positive number of seconds, not -5"),
-                          ("nan", "must be a positive number of seconds, not nan"),
-                          ("inf", "must be a positive number of seconds, not inf")):
-        with pytest.raises(argparse.ArgumentTypeError) as refused:
-            positive_seconds(text)
-        assert str(refused.value) == message
-        assert refused.value.__suppress_context__ or "positive" in message  # no ValueError chained to a number's
+    assert refusal(positive_seconds, "abc") == "'abc' is not a number of seconds"
+    assert refusal(positive_seconds, "") == "'' is not a number of seconds"
+    for text in ("0", "-5", "-0.0"):
+        assert refusal(positive_seconds, text) == f"must be a positive number of seconds, not {text}"
+    for text in ("nan", "inf", "-inf", "1e999"):
+        assert refusal(positive_seconds, text) == f"must be a finite number of seconds, not {text}"
+    with pytest.raises(argparse.ArgumentTypeError) as refused:
+        positive_seconds("abc")
+    assert refused.value.__suppress_context__  # one line, no ValueError chained
 
+
+def test_a_duration_of_zero_or_more_is_finite_and_a_negative_one_says_why() -> None:
+    assert (seconds("0"), seconds("0.25"), seconds("-0.0")) == (0.0, 0.25, 0.0)
+    assert refusal(seconds, "-1") == "must be 0 or a positive number of seconds, not -1"
+    assert refusal(seconds, "-1e-9") == "must be 0 or a positive number of seconds, not -1e-9"
+    assert refusal(seconds, "nan") == "must be a finite number of seconds, not nan"
+    assert refusal(seconds, "x") == "'x' is not a number of seconds"
+
+
+def test_a_count_is_a_whole_number_of_at_least_one() -> None:
+    assert (positive_count("1"), positive_count("12")) == (1, 12)
+    assert refusal(positive_count, "0") == "must be at least 1, not 0"
+    assert refusal(positive_count, "-3") == "must be at least 1, not -3"
+    assert refusal(positive_count, "2.5") == "'2.5' is not a whole number"
+    with pytest.raises(argparse.ArgumentTypeError) as refused:
+        positive_count("x")
+    assert refused.value.__suppress_context__
+
+
+def test_every_option_in_seconds_of_every_command_refuses_a_negative_or_nan_before_anything_runs() -> None:
+    """A --duration of -1 or nan reached trio's ``move_on_after`` and came out as a traceback; a
+    ping interval of nan and a dht timeout of nan too. Every SECONDS option is checked at parse."""
+    from training.commands import build_parser as everything
+
+    parser, sub = everything()
+    checked = 0
+    for leaf in commands._leaves(sub):
+        for action in leaf._actions:
+            if action.metavar == "SECONDS" and action.type is not int:  # whole seconds: no nan, the config's check
+                assert action.type in (positive_seconds, seconds), (leaf.prog, action.option_strings)
+                checked += 1
+            if action.option_strings == ["-c", "--count"]:
+                assert action.type is positive_count
+    assert checked > 90  # every command's --duration and --status-interval at least
 
 def test_config_is_found_in_either_form_the_last_one_winning_and_a_bare_flag_at_the_end_ignored() -> None:
     assert _config_path([]) is None and _config_path(["dht", "get", "k"]) is None

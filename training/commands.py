@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from averaging.commands import build_parser as averaging_parser
 from nat.commands import authority_options, nat_options, peer_options
-from p2p.commands import common_options, run
+from p2p.commands import common_options, positive_seconds, run, seconds
 
 DEFAULT_WORKDIR = "dedloc-example"
 
@@ -33,7 +33,7 @@ def run_options(p: argparse.ArgumentParser) -> None:
                    help="torch's AdamW, or LAMB (pytorch_optimizer's; DeDLOC's for ALBERT) (default: %(default)s)")
     g.add_argument("--lr", type=float, default=3e-3, help="learning rate (default: %(default)s)")
     g.add_argument("--warmup-steps", type=int, default=5, metavar="N", help="linear warm-up, in global steps")
-    g.add_argument("--report-every", type=float, default=2.0, metavar="SECONDS",
+    g.add_argument("--report-every", type=positive_seconds, default=2.0, metavar="SECONDS",
                    help="how often the progress is printed (default: %(default)s)")
 
 
@@ -53,7 +53,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
                    help="shard files or directories (.txt lines, .jsonl, .parquet; default: the example corpus), "
                    "or swarm:NAME: a dataset of the swarm, fetched under --workdir/datasets/NAME as training "
                    "runs (it starts on the first shard checked) and seeded to the others")
-    g.add_argument("--data-timeout", type=float, default=600.0, metavar="SECONDS",
+    g.add_argument("--data-timeout", type=positive_seconds, default=600.0, metavar="SECONDS",
                    help="with swarm:NAME: give up if no shard arrived within this long (default: %(default)s)")
     g.add_argument("--text-field", default="text", help="the field of JSON lines / column of parquet with the text")
     g.add_argument("--shuffle-buffer", type=int, default=10_000, metavar="N", help="examples mixed before use")
@@ -67,11 +67,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     g.add_argument("--delay-updates", action="store_true",
                    help="delayed parameter updates: average step t while computing step t+1 (one step stale)")
     g.add_argument("--group-size", type=int, default=64, metavar="N", help="largest averaging group")
-    g.add_argument("--gather-time", type=float, default=3.0, metavar="SECONDS",
+    g.add_argument("--gather-time", type=seconds, default=3.0, metavar="SECONDS",
                    help="how long a round's leader waits for peers known to be at the step that have not "
                         "joined yet (one that fell behind takes the state first: ~2 s across a continent); "
                         "a round with all of them starts at once (default: %(default)s)")
-    g.add_argument("--match-timeout", type=float, default=30.0, metavar="SECONDS",
+    g.add_argument("--match-timeout", type=positive_seconds, default=30.0, metavar="SECONDS",
                    help="give up on a step's round after this long (default: %(default)s)")
     g.add_argument("--threads", type=int, default=1, metavar="N", help="torch threads (default: %(default)s)")
     g.add_argument("--device", default="auto",
@@ -125,9 +125,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     g.add_argument("--min-batch-size", type=int, default=1, metavar="ROWS",
                    help="a smaller batch waits up to --max-wait for more rows before it computes (for callers "
                    "far away, whose requests arrive few at a time; default: %(default)s, no wait)")
-    g.add_argument("--max-wait", type=float, default=0.0, metavar="SECONDS",
+    g.add_argument("--max-wait", type=seconds, default=0.0, metavar="SECONDS",
                    help="the most a batch waits for --min-batch-size rows (default: none)")
-    g.add_argument("--update-period", type=float, default=30.0, metavar="SECONDS",
+    g.add_argument("--update-period", type=positive_seconds, default=30.0, metavar="SECONDS",
                    help="how often the experts are declared in the DHT (each declaration lives 3x this)")
     g.add_argument("--checkpoint-dir", default=None, help="save and load the experts here (default: none)")
     g.add_argument("--seed", type=int, default=0, help="seed of the experts' initial weights (each expert's "
@@ -207,9 +207,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
                    help="namespaces: the NAT lab (needs root); auto: namespaces where they work, else loopback "
                    "(default: %(default)s)")
     p.add_argument("--peers", type=int, default=4, help="number of peers besides the bootstrap node (default: %(default)s)")
-    p.add_argument("--duration", type=float, default=90.0, metavar="SECONDS",
+    p.add_argument("--duration", type=positive_seconds, default=90.0, metavar="SECONDS",
                    help="longest the swarm may take to form and average (default: %(default)s)")
-    p.add_argument("--train-time", type=float, default=150.0, metavar="SECONDS",
+    p.add_argument("--train-time", type=positive_seconds, default=150.0, metavar="SECONDS",
                    help="how long the peers train together (0: no training) (default: %(default)s)")
     p.add_argument("--until-shown", action="store_true",
                    help="end the training as soon as it has shown what it shows (every trainer fetched the data "
