@@ -58,27 +58,23 @@ def common_options(p: argparse.ArgumentParser, *, node: bool = True) -> None:
 def positive_seconds(text: str) -> float:
     """An argparse type: a duration that must be more than zero (a TTL of -5 s is refused, not sent;
     a --duration of -1 or nan reached trio, which raised its ValueError past every handler)."""
-    value = _seconds(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
-    return value
+    return _seconds(text, zero=False)
 
 
 def seconds(text: str) -> float:
     """An argparse type: a duration of zero or more (``--status-interval 0``: never)."""
-    value = _seconds(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or a positive number of seconds, not {text}")
-    return value
+    return _seconds(text, zero=True)
 
 
-def _seconds(text: str) -> float:
+def _seconds(text: str, *, zero: bool) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
     if value != value or value in (float("inf"), float("-inf")):
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds, not {text}")
+    if value < 0 or (value == 0 and not zero):
+        raise argparse.ArgumentTypeError(f"must be {'0 or ' if zero else ''}a positive number of seconds, not {text}")
     return value
 
 
