@@ -73,6 +73,8 @@ def test_every_option_in_seconds_of_every_command_refuses_a_negative_or_nan_befo
         for action in leaf._actions:
             if action.metavar == "SECONDS" and action.type is not int:  # whole seconds: no nan, the config's check
                 assert action.type in (positive_seconds, seconds), (leaf.prog, action.option_strings)
+                if "(0: " in (action.help or ""):  # 0 means something (--train-time 0: no training)
+                    assert action.type is seconds, (leaf.prog, action.option_strings)
                 checked += 1
             if action.option_strings == ["-c", "--count"]:
                 assert action.type is positive_count

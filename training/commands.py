@@ -209,7 +209,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     p.add_argument("--peers", type=int, default=4, help="number of peers besides the bootstrap node (default: %(default)s)")
     p.add_argument("--duration", type=positive_seconds, default=90.0, metavar="SECONDS",
                    help="longest the swarm may take to form and average (default: %(default)s)")
-    p.add_argument("--train-time", type=positive_seconds, default=150.0, metavar="SECONDS",
+    p.add_argument("--train-time", type=seconds, default=150.0, metavar="SECONDS",
                    help="how long the peers train together (0: no training) (default: %(default)s)")
     p.add_argument("--until-shown", action="store_true",
                    help="end the training as soon as it has shown what it shows (every trainer fetched the data "
