@@ -7,7 +7,7 @@ same families from a real 3-node swarm: tests/test_metrics.py)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from p2p import metrics
 from p2p.events import Event, PeerConnected, Ping
-from p2p.hooks import ConnectionInfo, Direction, PathKind, Registration
+from p2p.hooks import ConnectionInfo, Direction, Observers, PathKind
 from p2p.metrics import (DHTMetrics, NodeMetrics, _NodeCollector, blocked_labels, connection_labels, limit_labels,
                          resource_families)
 
@@ -251,44 +251,43 @@ def test_the_families_are_registered_under_go_libp2p_s_names_with_their_buckets(
     assert metrics.DURATION_BUCKETS == (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 14400.0, 86400.0)
 
 
-class Observed:
-    """A node's ``observe`` and ``events``: who observes, and the events given."""
-
-    def __init__(self, events: list[Event]) -> None:
-        self.observers: list[object] = []
-        self._events = events
-
-    def observe(self, observer: object) -> Registration:
-        self.observers.append(observer)
-        return Registration(lambda: self.observers.remove(observer))
-
+def feeding(given: list[Event]) -> Callable[[], AbstractAsyncContextManager[trio.MemoryReceiveChannel[Event]]]:
+    """A node's ``events``: a subscription that hands over ``given`` and ends."""
     @asynccontextmanager
-    async def events(self) -> AsyncIterator[trio.MemoryReceiveChannel[Event]]:
-        send, receive = trio.open_memory_channel[Event](len(self._events))
-        for event in self._events:
+    async def events() -> AsyncIterator[trio.MemoryReceiveChannel[Event]]:
+        send, receive = trio.open_memory_channel[Event](len(given))
+        for event in given:
             send.send_nowait(event)
         send.close()
         yield receive
+    return events
+
+
+def told(observers: Observers[Any]) -> list[object]:
+    """Who ``observers`` tell now, in order."""
+    heard: list[object] = []
+    observers.notify(heard.append, "who is told")
+    return heard
 
 
 def test_install_observes_the_node_and_registers_the_collector_and_its_handle_undoes_both() -> None:
     registry = CollectorRegistry()
-    seen = Observed([])
-    watcher = NodeMetrics(node(observe=seen.observe), registry)  # type: ignore[arg-type]
+    observers: Observers[Any] = Observers("the swarm")  # the Node's own
+    watcher = NodeMetrics(node(observe=observers.add), registry)  # type: ignore[arg-type]
     handle = watcher.install()
-    assert seen.observers == [watcher] and "dedloc_peerstore_peers 22.0" in scrape(registry)
+    assert told(observers) == [watcher] and "dedloc_peerstore_peers 22.0" in scrape(registry)
     handle.remove()
-    assert seen.observers == [] and "dedloc_peerstore_peers" not in scrape(registry)
+    assert told(observers) == [] and "dedloc_peerstore_peers" not in scrape(registry)
     handle.remove()  # once only
 
 
 async def test_handshake_latencies_come_from_the_node_s_dial_events_by_transport() -> None:
     registry = CollectorRegistry()
-    seen = Observed([PeerConnected(numbered_peer_id(1), "/ip4/10.0.0.1/tcp/1", 0.02),
-                     Ping(numbered_peer_id(1), 0.5),
-                     PeerConnected(numbered_peer_id(2), "/ip6/::1/tcp/1/p2p-circuit", 1.5),
-                     PeerConnected(numbered_peer_id(3), "/ip4/10.0.0.3/tcp/1", 0.003)])
-    watcher = NodeMetrics(node(events=seen.events), registry)  # type: ignore[arg-type]
+    events = feeding([PeerConnected(numbered_peer_id(1), "/ip4/10.0.0.1/tcp/1", 0.02),
+                      Ping(numbered_peer_id(1), 0.5),
+                      PeerConnected(numbered_peer_id(2), "/ip6/::1/tcp/1/p2p-circuit", 1.5),
+                      PeerConnected(numbered_peer_id(3), "/ip4/10.0.0.3/tcp/1", 0.003)])
+    watcher = NodeMetrics(node(events=events), registry)  # type: ignore[arg-type]
     with trio.fail_after(5):
         await watcher.follow_events()  # ends with the events
     tcp = {"transport": "tcp", "security": "/noise", "muxer": "/yamux/1.0.0", "early_muxer": "false",
@@ -303,27 +302,14 @@ async def test_handshake_latencies_come_from_the_node_s_dial_events_by_transport
     assert value("libp2p_swarm_handshake_latency_seconds_sum", relayed) == 1.5
 
 
-class Queries:
-    """A DHT's ``observe_queries``: the observers installed."""
-
-    def __init__(self) -> None:
-        self.observers: list[Callable[[str, float, str], None]] = []
-
-    def observe_queries(self, observer: Callable[[str, float, str], None]) -> Registration:
-        self.observers.append(observer)
-        return Registration(lambda: self.observers.remove(observer))
-
-
 def test_each_dht_query_is_timed_and_counted_by_type_and_outcome_while_installed() -> None:
     registry = CollectorRegistry()
-    queries = Queries()
-    watcher = DHTMetrics(dht(observe_queries=queries.observe_queries), registry)  # type: ignore[arg-type]
+    queries: Observers[Callable[[str, float, str], None]] = Observers("DHT queries")  # the DHT's own
+    watcher = DHTMetrics(dht(observe_queries=queries.add), registry)  # type: ignore[arg-type]
     handle = watcher.install()
-    [observer] = queries.observers
-    assert "dedloc_dht_routing_table_peers 24.0" in scrape(registry)
-    observer("get", 0.2, "ok")
-    observer("get", 0.03, "not_found")
-    observer("store", 2.0, "ok")
+    assert len(queries) == 1 and "dedloc_dht_routing_table_peers 24.0" in scrape(registry)
+    for kind, seconds, outcome in (("get", 0.2, "ok"), ("get", 0.03, "not_found"), ("store", 2.0, "ok")):
+        queries.notify(lambda observer: observer(kind, seconds, outcome), f"a {kind} query")  # as the DHT does
     value = registry.get_sample_value
     assert value("dedloc_dht_queries_total", {"type": "get", "outcome": "ok"}) == 1
     assert value("dedloc_dht_queries_total", {"type": "get", "outcome": "not_found"}) == 1
@@ -337,4 +323,4 @@ def test_each_dht_query_is_timed_and_counted_by_type_and_outcome_while_installed
     assert "# HELP dedloc_dht_query_duration_seconds Duration of a DHT query this peer made\n" in scrape(registry)
     assert "# HELP dedloc_dht_queries_total DHT queries this peer made, by outcome\n" in scrape(registry)
     handle.remove()
-    assert queries.observers == [] and "dedloc_dht_routing_table_peers" not in scrape(registry)
+    assert len(queries) == 0 and "dedloc_dht_routing_table_peers" not in scrape(registry)
