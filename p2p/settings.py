@@ -90,15 +90,20 @@ def load(path: Path, command: str) -> dict[str, Any]:
         raise ConfigError(f"--config {path}: {e.strerror or e}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"--config {path}: not valid TOML: {e}") from None
-    settings = {k: v for k, v in data.items() if not isinstance(v, dict)}
+    settings = _values(data)
     words = command.split()
     for depth, word in enumerate(words, start=1):
         data = data.get(word, {})
         if not isinstance(data, dict):
             name = ".".join(words[:depth])
             raise ConfigError(f"--config {path}: {name} must be a table ([{name}])")
-        settings.update(data if depth == len(words) else {k: v for k, v in data.items() if not isinstance(v, dict)})
+        settings.update(data if depth == len(words) else _values(data))
     return settings
+
+
+def _values(table: dict[str, Any]) -> dict[str, Any]:
+    """A table's own values, without the tables in it (other commands' and actions')."""
+    return {k: v for k, v in table.items() if not isinstance(v, dict)}
 
 
 def apply(parser: argparse.ArgumentParser, command: str, argv: Sequence[str], config: Path | None,

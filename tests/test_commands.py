@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 import trio
 
-from p2p import commands, events as ev
+from p2p import commands
 from p2p.commands import (_config_path, build_parser, parse, positive_count, positive_seconds, raise_open_files_limit, run,
                           run_command, seconds)
 from p2p.errors import ConfigError
@@ -212,7 +213,7 @@ class Limits:
 def test_the_open_files_limit_is_raised_to_what_is_asked_or_the_hard_limit_and_never_lowered(
         monkeypatch: pytest.MonkeyPatch, soft: int, hard: int, want: int, wanted: list[object]) -> None:
     limits = Limits(soft, hard)
-    monkeypatch.setitem(__import__("sys").modules, "resource", limits)
+    monkeypatch.setitem(sys.modules, "resource", limits)
     raise_open_files_limit(want)
     assert limits.set == wanted
     assert commands.OPEN_FILES == 8192
@@ -220,7 +221,7 @@ def test_the_open_files_limit_is_raised_to_what_is_asked_or_the_hard_limit_and_n
 
 def test_a_refused_raise_is_logged_and_the_command_goes_on(monkeypatch: pytest.MonkeyPatch,
                                                           caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setitem(__import__("sys").modules, "resource", Limits(1024, 524288, refuse=True))
+    monkeypatch.setitem(sys.modules, "resource", Limits(1024, 524288, refuse=True))
     with caplog.at_level(logging.INFO, logger="p2p.commands"):
         raise_open_files_limit()
     assert [r.getMessage() for r in caplog.records if r.name == "p2p.commands"] == [
@@ -228,7 +229,7 @@ def test_a_refused_raise_is_logged_and_the_command_goes_on(monkeypatch: pytest.M
 
 
 def test_without_posix_limits_nothing_is_done(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(__import__("sys").modules, "resource", None)  # import resource raises ImportError
+    monkeypatch.setitem(sys.modules, "resource", None)  # import resource raises ImportError
     raise_open_files_limit()
 
 
@@ -330,7 +331,7 @@ def test_logging_follows_v_and_py_libp2p_s_only_at_vv(monkeypatch: pytest.Monkey
         commands._setup_logging(verbose)
         assert configured[-1]["level"] == level and libp2p.level == theirs
     assert configured[0]["format"] == "%(asctime)s %(name)s %(levelname)s %(message)s"
-    assert configured[0]["stream"] is __import__("sys").stderr
+    assert configured[0]["stream"] is sys.stderr
 
 
 def test_an_identity_is_created_then_loaded_by_id(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -343,4 +344,3 @@ def test_an_identity_is_created_then_loaded_by_id(tmp_path: Path, capsys: pytest
     assert trio.run(commands.cmd_id, args, out) == 0
     second = json.loads(capsys.readouterr().out)
     assert second["created"] is False and second["peer_id"] == first["peer_id"]
-    assert isinstance(ev.Error("x"), ev.Event)
