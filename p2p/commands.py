@@ -293,12 +293,10 @@ def _setup_logging(verbose: int) -> None:
 
 
 async def cmd_id(args: argparse.Namespace, out: Output) -> int:
+    """Only the peer id goes to stdout (``PEER=$(dedloc id)`` is the id, as ``ipfs id -f '<id>'``);
+    whether the file was created or loaded is a note for people, on stderr."""
     pid, created = peer_id_from_file(args.identity)
-    verb = "created" if created else "loaded"
-    out.info(
-        f"{pid}\n({verb} {args.identity})",
-        peer_id=str(pid),
-        identity_path=str(args.identity),
-        created=created,
-    )
+    out.info(str(pid), peer_id=str(pid), identity_path=str(args.identity), created=created)
+    if not out.json_mode:
+        print(f"({'created' if created else 'loaded'} {args.identity})", file=sys.stderr)
     return 0

@@ -21,6 +21,7 @@ from p2p import commands
 from p2p.commands import (_config_path, build_parser, parse, positive_count, positive_seconds, raise_open_files_limit, run,
                           run_command, seconds)
 from p2p.errors import ConfigError
+from p2p.identity import peer_id_from_file
 from p2p.output import Output
 
 # ---------------------------------------------------------------------- parsing
@@ -344,3 +345,16 @@ def test_an_identity_is_created_then_loaded_by_id(tmp_path: Path, capsys: pytest
     assert trio.run(commands.cmd_id, args, out) == 0
     second = json.loads(capsys.readouterr().out)
     assert second["created"] is False and second["peer_id"] == first["peer_id"]
+
+
+def test_id_prints_only_the_peer_id_on_stdout_and_the_note_on_stderr(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """``PEER=$(dedloc id)`` is the id: the note saying whether the file was made goes to stderr."""
+    path = tmp_path / "id.key"
+    args = SimpleNamespace(identity=path)
+    assert trio.run(commands.cmd_id, args, Output(False)) == 0
+    first = capsys.readouterr()
+    assert first.err == f"(created {path})\n"
+    assert trio.run(commands.cmd_id, args, Output(False)) == 0
+    second = capsys.readouterr()
+    assert first.out == second.out == f"{peer_id_from_file(path)[0]}\n" and second.err == f"(loaded {path})\n"
