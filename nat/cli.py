@@ -128,6 +128,11 @@ def peer_config(args: argparse.Namespace, *, relay: bool) -> PeerConfig:
     if args.no_port_mapping:
         config.nat.port_mapping = PortMappingConfig(enabled=False)
     config.auth = auth_settings(args)
+    duration = getattr(args, "duration", None)
+    if duration is not None:  # --duration 4 with no initial peer up: the error at 4 s, not after 30 s of trying
+        config.node.bootstrap_timeout = min(config.node.bootstrap_timeout, duration)
+        if config.dht is not None:
+            config.dht.bootstrap_timeout = min(config.dht.bootstrap_timeout, duration)
     return config
 
 

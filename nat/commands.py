@@ -68,7 +68,7 @@ def peer_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--initial-peers", nargs="+", required=True, metavar="MULTIADDR",
                    help="full addresses of bootstrap nodes, ending in /p2p/<peer-id>")
     p.add_argument("--bootstrap-timeout", type=positive_seconds, default=30.0, metavar="SECONDS",
-                   help="give up if no initial peer answers within this time (default: %(default)s)")
+                   help="give up if no initial peer answers within this time (default: %(default)s; at most --duration)")
     p.add_argument("--exchange-interval", type=positive_seconds, default=5.0, metavar="SECONDS",
                    help="how often to ask connected peers for more peers while that meets new ones; "
                         "up to 16x as seldom while it does not (default: %(default)s)")

@@ -95,6 +95,8 @@ TABLE: list[tuple[str, str]] = [
     ("ping {nobody} --timeout 5", "could not connect to"),
     ("peer --initial-peers {nobody} --ephemeral --bootstrap-timeout 3", "none of the 1 initial peers could be reached"),
     ("dht get somekey --initial-peers {nobody} --timeout 3", "none of the 1 initial peers could be reached"),
+    # --duration bounds the join too: the error at 3 s, not after the default 30 s of trying
+    ("average --initial-peers {nobody} --ephemeral --duration 3", "none of the 1 initial peers could be reached within 3s"),
     ("status /ip4/127.0.0.1/tcp/1", "has no /p2p/<peer-id> part"),
     ("status {nobody}", "could not connect to"),
     # refused by a closed swarm, at once
