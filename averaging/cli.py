@@ -11,6 +11,7 @@ layer, and what ``make demo`` runs before it trains.
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
@@ -23,7 +24,7 @@ from nat.cli import peer_config, run_peer
 from p2p.output import Output
 from p2p.errors import ConfigError
 
-from .allreduce import AllreduceConfig
+from .allreduce import AllreduceConfig, check_weight
 from .averager import Averager, AveragerConfig
 from .compression import Compression
 from .errors import AveragingError
@@ -89,10 +90,21 @@ async def observed(averager: Averager, dashboard: Dashboard | None) -> AsyncIter
 
 
 async def cmd_average(args: argparse.Namespace, out: Output) -> int:
+    if not 1 <= args.min_size <= args.group_size:  # in the options' words, before the config's check
+        raise ConfigError(f"need 1 <= --min-size <= --group-size, got --min-size {args.min_size} "
+                          f"and --group-size {args.group_size}")
     try:
         averager_config(args).validate()  # bad options fail before the peer starts
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if args.size <= 0:
         raise ConfigError("--size must be positive")
+    if args.rounds < 0:
+        raise ConfigError("--rounds must be 0 (until --duration) or more")
+    try:
+        check_weight(args.weight)  # the averager's own check, before the peer starts
+    except ValueError as e:
+        raise ConfigError(f"--weight: {e}") from None
+    if args.value is not None and not math.isfinite(args.value):
+        raise ConfigError(f"--value must be a finite number (the averager refuses NaN and Inf), not {args.value}")
     return await run_peer(args, out, config=peer_config(args, relay=False), work=lambda peer, dashboard: average_rounds(peer, args, dashboard))

@@ -214,12 +214,13 @@ def event(kind: type, **fields: Any) -> dict[str, Any]:
 PIECES = "piece size must be a power of two from 16 KiB to 16 MiB"
 TTLS = "announce_ttl must be positive and manifest_ttl within 24 h"
 SLOTS = "upload and sending slots must be at least 1"
+RATE = "the upload rate must be a positive number of bytes per second (or None: no cap)"
 
 
 @pytest.mark.parametrize("change, message", [
     ({"piece_size": 3 * 16384}, PIECES), ({"piece_size": 8 * 1024}, PIECES), ({"piece_size": 32 << 20}, PIECES),
-    ({"upload_rate": 0.0}, "the upload rate must be positive (or None: no cap)"),
-    ({"upload_rate": -1.0}, "the upload rate must be positive (or None: no cap)"),
+    ({"upload_rate": 0.0}, RATE), ({"upload_rate": -1.0}, RATE), ({"upload_rate": float("inf")}, RATE),
+    ({"upload_rate": float("nan")}, RATE),
     ({"upload_slots": 0}, SLOTS), ({"sending_slots": 0}, SLOTS),
     ({"announce_ttl": 0.0}, TTLS), ({"manifest_ttl": 0.0}, TTLS), ({"manifest_ttl": 24 * 3600.0 + 1}, TTLS),
 ])

@@ -312,6 +312,15 @@ async def cmd_train(args: argparse.Namespace, out: Output) -> int:
 
 
 def _check_training_args(args: argparse.Namespace) -> None:
+    # in the options' words first; the config's check (field names) stays the last word
+    if args.target_batch_size <= 0:
+        raise ConfigError("--target-batch-size must be positive")
+    if args.group_size < 2:
+        raise ConfigError(f"--group-size must be at least 2 (this peer and one other), not {args.group_size}")
+    if not (math.isfinite(args.max_grad_norm) and args.max_grad_norm >= 0):
+        raise ConfigError(f"--max-grad-norm must be 0 (no clipping) or a positive number, not {args.max_grad_norm}")
+    if args.warmup_steps < 0:
+        raise ConfigError("--warmup-steps must be 0 or more")
     try:
         training_config(args).validate()
     except ValueError as e:

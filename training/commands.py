@@ -151,7 +151,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
         peer_options(q)
         if upload:
             q.add_argument("--upload-rate-mbit", type=float, default=None, metavar="MBIT/S",
-                           help="cap what this peer uploads to others (default: no cap)")
+                           help="cap what this peer uploads to others (default and 0: no cap)")
         q.set_defaults(func="training.datasets.cli:cmd_dataset")
 
     q = ds.add_parser("create", help="publish DIR's shard files as dataset NAME, and seed it")

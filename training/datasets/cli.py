@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from .store import LocalDataset
 
 def datasets_config(args: argparse.Namespace) -> DatasetsConfig:
     rate = getattr(args, "upload_rate_mbit", None)
+    if rate is not None and not (math.isfinite(rate) and rate >= 0):
+        raise ConfigError(f"--upload-rate-mbit must be a number of Mbit/s, 0 or more (0: no cap), not {rate}")
     config = DatasetsConfig(piece_size=int(getattr(args, "piece_size_kib", 1024)) * 1024,
                             upload_rate=None if not rate else rate * 1e6 / 8)
     config.validate()

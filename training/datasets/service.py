@@ -21,6 +21,7 @@ pace) are :mod:`.picker`'s; the download itself is :mod:`.fetch`'s.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -119,8 +120,8 @@ class DatasetsConfig:
     def validate(self) -> None:
         if self.piece_size & (self.piece_size - 1) or not 16 * 1024 <= self.piece_size <= 16 << 20:
             raise ConfigError("piece size must be a power of two from 16 KiB to 16 MiB")
-        if self.upload_rate is not None and not self.upload_rate > 0:
-            raise ConfigError("the upload rate must be positive (or None: no cap)")
+        if self.upload_rate is not None and not (self.upload_rate > 0 and math.isfinite(self.upload_rate)):
+            raise ConfigError("the upload rate must be a positive number of bytes per second (or None: no cap)")
         if self.upload_slots < 1 or self.sending_slots < 1:
             raise ConfigError("upload and sending slots must be at least 1")
         if not (self.announce_ttl > 0 and 0 < self.manifest_ttl <= 24 * 3600):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 import torch
@@ -37,8 +38,8 @@ def check_options(args: argparse.Namespace) -> str:
     """The options' errors, before anything starts; the device the experts go on."""
     if args.hidden_dim < 1:
         raise ConfigError("--hidden-dim must be positive")
-    if not (args.lr > 0):
-        raise ConfigError("--lr must be positive")
+    if not (args.lr > 0 and math.isfinite(args.lr)):  # an infinite rate ruins the weights at the first update
+        raise ConfigError("--lr must be a positive number")
     if args.threads < 0:
         raise ConfigError("--threads must be 0 (the cores this process may use, shared among --processes) or more")
     device: str = args.device
