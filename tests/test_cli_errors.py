@@ -141,6 +141,12 @@ TABLE: list[tuple[str, str]] = [
     ("serve-experts --expert-pattern ffn.[0:2] --processes 2 --min-batch-size 9 --max-batch-size 8 "
      "--initial-peers {open} --ephemeral", "min_batch_size (9) exceeds max_batch_size (8)"),
     ("backbone --listen /ip4/127.0.0.1/tcp/{busy} --ephemeral --checkpoint-dir {tmp}/ckpt", "Address already in use"),
+    ("backbone --listen /ip4/127.0.0.1/tcp/0 --ephemeral --checkpoint-dir {tmp}/ckpt --lr nan",
+     "--lr must be a positive number"),
+    ("backbone --listen /ip4/127.0.0.1/tcp/0 --ephemeral --checkpoint-dir {tmp}/ckpt --target-batch-size 0",
+     "--target-batch-size must be positive"),
+    ("train --initial-peers {open} --ephemeral --lr inf", "--lr must be a positive number"),
+    ("train --initial-peers {open} --ephemeral --run-id " + "r" * 101, "--run-id must be 1 to 100 characters"),
 ]
 
 

@@ -311,16 +311,27 @@ async def cmd_train(args: argparse.Namespace, out: Output) -> int:
     return await run_peer(args, out, config=peer_config(args, relay=False), work=lambda peer, dashboard: train(peer, args, dashboard))
 
 
-def _check_training_args(args: argparse.Namespace) -> None:
-    # in the options' words first; the config's check (field names) stays the last word
+def _check_run_args(args: argparse.Namespace) -> None:
+    """The run's options (training/commands.py ``run_options``), shared by ``train`` and ``backbone``,
+    refused in the options' words before the peer starts (the backbone raised torch's and the
+    tracker's ValueError once running)."""
+    if not 1 <= len(args.run_id) <= 100:
+        raise ConfigError("--run-id must be 1 to 100 characters")
     if args.target_batch_size <= 0:
         raise ConfigError("--target-batch-size must be positive")
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        raise ConfigError("--lr must be a positive number")
+    if args.warmup_steps < 0:
+        raise ConfigError("--warmup-steps must be 0 or more")
+
+
+def _check_training_args(args: argparse.Namespace) -> None:
+    # in the options' words first; the config's check (field names) stays the last word
+    _check_run_args(args)
     if args.group_size < 2:
         raise ConfigError(f"--group-size must be at least 2 (this peer and one other), not {args.group_size}")
     if not (math.isfinite(args.max_grad_norm) and args.max_grad_norm >= 0):
         raise ConfigError(f"--max-grad-norm must be 0 (no clipping) or a positive number, not {args.max_grad_norm}")
-    if args.warmup_steps < 0:
-        raise ConfigError("--warmup-steps must be 0 or more")
     try:
         training_config(args).validate()
     except ValueError as e:
@@ -329,8 +340,6 @@ def _check_training_args(args: argparse.Namespace) -> None:
         raise ConfigError("--batch-size must be positive")
     if args.max_steps < 0:
         raise ConfigError("--max-steps must be >= 0 (0: until --duration)")
-    if not (args.lr > 0 and math.isfinite(args.lr)):
-        raise ConfigError("--lr must be a positive number")
     device = args.device = resolve_device(getattr(args, "device", "cpu"))  # the rest reads args.device
     try:
         kind = torch.device(device).type
@@ -501,6 +510,7 @@ async def backbone(peer: Peer, args: argparse.Namespace, dashboard: Dashboard | 
 
 
 async def cmd_backbone(args: argparse.Namespace, out: Output) -> int:
+    _check_run_args(args)
     if args.checkpoint_every <= 0:
         raise ConfigError("--checkpoint-every must be positive")
     return await run_peer(args, out, relay=True, work=lambda peer, dashboard: backbone(peer, args, dashboard), role="backbone")
