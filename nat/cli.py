@@ -286,7 +286,7 @@ async def cmd_status(args: argparse.Namespace, out: Output) -> int:
     async with Node.open(config) as node:
         await node.connect(args.address)
         reply = await node.rpc.call(target, STATUS_METHOD, Empty(), Struct, timeout=args.timeout)
-    metrics = MessageToDict(reply)
+    metrics = status_values(MessageToDict(reply))
     if out.json_mode:
         print(json.dumps(metrics), flush=True)
     else:
@@ -294,6 +294,14 @@ async def cmd_status(args: argparse.Namespace, out: Output) -> int:
         for key, value in metrics.items():
             print(f"{key:<{width}}  {value}")
     return 0
+
+
+def status_values(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The status reply as people and scripts read it: sorted by name (``limits.*`` together,
+    ``resources.*`` together), and counts as whole numbers (a protobuf Struct holds every number
+    as a double, so ``connections.open`` came back as ``1.0``)."""
+    return {key: int(value) if isinstance(value, float) and value.is_integer() else value
+            for key, value in sorted(metrics.items())}
 
 
 #: What ``dedloc ping`` prints: the path as it changes and the pings, not the client's own NAT verdicts.

@@ -518,8 +518,12 @@ async def test_a_relay_runs_with_the_limits_given_and_status_shows_them_with_the
         assert status["peer_store.forgotten"] == 0
         assert status["resources.refused.service.relay.reserve_requests_a_second_per_peer"] == 1
         assert "resources.relay.reservations" in status and "resources.admission.inbound" in status
+        assert list(status) == sorted(status) and type(status["peer_store.limit"]) is int  # not 1000.0
         text = await trio.run_process([*DEDLOC, "status", address, "--timeout", "10"], capture_stdout=True)
         assert b"limits.handshaking_per_address" in text.stdout
+        rows = [line.split(None, 1) for line in text.stdout.decode().splitlines()]
+        keys = [key for key, _ in rows]  # another snapshot: a stream's own scope comes and goes
+        assert keys == sorted(keys) and ["connections.high_water", "50"] in rows
         bad = await trio.run_process([*DEDLOC, "relay", "--rate", "nope=1", "--duration", "1"],
                                      capture_stdout=True, capture_stderr=True, check=False)
         assert bad.returncode != 0 and b"SERVICE=PER_S" in bad.stdout + bad.stderr
