@@ -89,12 +89,32 @@ def positive_count(text: str) -> int:
     return value
 
 
+class _Version(argparse.Action):
+    """``dedloc --version``: what a bug report needs (dedloc's, py-libp2p's and Python's versions),
+    read from the installed distributions only when asked (``dedloc --help`` stays quick)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        def of(name: str) -> str:
+            try:
+                return version(name)
+            except PackageNotFoundError:
+                return "not installed"
+
+        python = ".".join(map(str, sys.version_info[:3]))
+        print(f"dedloc {of('dedloc')} (py-libp2p {of('libp2p')}, Python {python})")
+        parser.exit()
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:  # type: ignore[type-arg]
     """The commands of this layer (``id``, ``dht``); upper layers add theirs to the returned subparsers."""
     parser = argparse.ArgumentParser(
         prog="dedloc", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: py-libp2p's too)")
+    parser.add_argument("--version", action=_Version, nargs=0, help="print the versions of dedloc, py-libp2p and Python")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("id", help="show this machine's peer id, creating the identity on first run",

@@ -358,3 +358,29 @@ def test_id_prints_only_the_peer_id_on_stdout_and_the_note_on_stderr(tmp_path: P
     assert trio.run(commands.cmd_id, args, Output(False)) == 0
     second = capsys.readouterr()
     assert first.out == second.out == f"{peer_id_from_file(path)[0]}\n" and second.err == f"(loaded {path})\n"
+
+
+def test_version_names_dedloc_py_libp2p_and_python_on_stdout_and_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    """What a bug report needs, from the installed distributions (the pin: libp2p==0.8.1)."""
+    from importlib.metadata import version
+
+    parser, _ = build_parser()
+    with pytest.raises(SystemExit) as ended:
+        parser.parse_args(["--version"])
+    assert ended.value.code == 0
+    python = ".".join(map(str, sys.version_info[:3]))
+    assert capsys.readouterr() == (f"dedloc {version('dedloc')} (py-libp2p 0.8.1, Python {python})\n", "")
+
+
+def test_version_says_so_of_a_distribution_not_installed(capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.metadata
+
+    def version(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    parser, _ = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--version"])
+    assert capsys.readouterr().out.startswith("dedloc not installed (py-libp2p not installed, Python ")
