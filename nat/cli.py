@@ -194,18 +194,19 @@ def _serve_status(peer: Peer) -> None:
 
 async def run_peer(args: argparse.Namespace, out: Output, *, relay: bool = False, config: PeerConfig | None = None,
                    work: Callable[[Peer, Dashboard | None], Awaitable[None]] | None = None,
-                   role: str | None = None) -> int:
+                   role: str | None = None, quiet: bool = False) -> int:
     """Run a peer (``config``, else one from ``args``) printing its events until ``--duration``, Ctrl-C
     or SIGTERM; ``work`` (what a layer above does with the peer, given the ``--metrics`` dashboard to add
-    its own families and page sections to, or None) runs beside it, and the peer stops when it returns."""
+    its own families and page sections to, or None) runs beside it, and the peer stops when it returns.
+    ``quiet``: a one-shot query's peer (``dataset list``): only what ``work`` prints is printed, as
+    ``dht get`` prints only the value, not the peer's connections, relay slots and NAT verdicts."""
     config = config or peer_config(args, relay=relay)
     endpoint = getattr(args, "metrics", None)
     if endpoint:
         parse_endpoint(endpoint)  # a malformed --metrics fails before the peer starts
     async with trio.open_nursery() as nursery:
-        async with Peer.open(config, on_listening=lambda node: _print_listening(node, out, nursery,
-                                                                                  has_pass=config.auth is not None)
-                             ) as peer:
+        async with Peer.open(config, on_listening=lambda node: _print_listening(
+                node, out, nursery, has_pass=config.auth is not None, quiet=quiet)) as peer:
             _serve_status(peer)
             settle()  # a long-running process: full collections skip start-up's heap (p2p/collector.py)
 
@@ -245,14 +246,16 @@ async def _dashboard(peer: Peer, endpoint: str | None, role: str) -> AsyncIterat
         yield dashboard
 
 
-def _print_listening(node: Node, out: Output, nursery: trio.Nursery, *, has_pass: bool = False) -> None:
-    """Print the node's events from its first moment (bootstrap progress included); without a pass
-    (``has_pass``: the peer is configured for a closed run), a closed swarm that one of our initial
-    peers belongs to ends the command at once, saying so."""
-    nursery.start_soon(_follow, node, out)
+def _print_listening(node: Node, out: Output, nursery: trio.Nursery, *, has_pass: bool = False,
+                     quiet: bool = False) -> None:
+    """Print the node's events from its first moment (bootstrap progress included), unless ``quiet``;
+    without a pass (``has_pass``: the peer is configured for a closed run), a closed swarm that one of
+    our initial peers belongs to ends the command at once, saying so."""
     if not has_pass:
         nursery.start_soon(_refused_by_closed_swarm, node)
-    out.event(ev.Listening(peer_id=node.peer_id, addrs=[str(a) for a in node.addrs]))
+    if not quiet:
+        nursery.start_soon(_follow, node, out)
+        out.event(ev.Listening(peer_id=node.peer_id, addrs=[str(a) for a in node.addrs]))
 
 
 async def _refused_by_closed_swarm(node: Node) -> None:

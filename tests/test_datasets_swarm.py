@@ -368,11 +368,12 @@ async def test_the_commands_create_get_list_and_show_as_a_new_user_runs_them(tmp
         kinds = [json.loads(line).get("event") for line in got.stdout.splitlines() if line.startswith(b"{")]
         assert "dataset_complete" in kinds and kinds.count("dataset_shard") == 2
         assert same_files(tmp_path / "got", expected)
-        listed = await run("list", "--json")
-        names = [json.loads(line) for line in listed.stdout.splitlines() if b'"datasets"' in line]
-        assert [d["name"] for d in names[0]["datasets"]] == ["corpus"]
+        listed = await run("list", "--json")  # its answer alone: not the peer's events
+        [line] = listed.stdout.splitlines()
+        assert [d["name"] for d in json.loads(line)["datasets"]] == ["corpus"]
         shown = await run("show", "corpus")
         assert shown.returncode == 0 and b"every shard held whole somewhere: yes" in shown.stdout, shown.stdout
+        assert shown.stdout.startswith(b"corpus@"), shown.stdout
         missing = await run("get", "no-such-data", str(tmp_path / "x"), "--no-seed")
         assert missing.returncode == 1
         assert b"no dataset 'no-such-data' in the swarm" in missing.stderr and b"Traceback" not in missing.stderr

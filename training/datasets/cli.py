@@ -9,7 +9,7 @@ from pathlib import Path
 
 import trio
 
-from nat import Peer
+from nat import Peer, PeerConfig
 from nat.cli import peer_config, run_peer
 from nat.dashboard import Dashboard
 from p2p.errors import ConfigError
@@ -115,8 +115,21 @@ async def cmd_dataset(args: argparse.Namespace, out: Output) -> int:
                 out.info(f"retracted {len(full)} entries (retraction {rid.hex()[:12]})",
                          retracted=[i.hex() for i in full], retraction=rid.hex())
 
-    await run_peer(args, out, config=peer_config(args, relay=False), work=work, role="datasets")
+    await run_peer(args, out, config=dataset_peer_config(args), work=work, role="datasets",
+                   quiet=action in ONE_SHOT)
     return code
+
+
+#: The actions that ask and leave: they print their answer alone (not the peer's events).
+ONE_SHOT = ("list", "show", "retract")
+
+
+def dataset_peer_config(args: argparse.Namespace) -> PeerConfig:
+    """The peer of a ``dataset`` action: a one-shot one is a client (``--client``: it takes no relay
+    slot from a relay and serves no AutoNAT for the seconds it lives), unless the options say otherwise."""
+    if args.dataset_command in ONE_SHOT and not (args.no_listen or args.serve_relay):
+        args.client = True
+    return peer_config(args, relay=False)
 
 
 async def _seed_forever(datasets: Datasets, out: Output) -> None:
