@@ -114,6 +114,10 @@ TABLE: list[tuple[str, str]] = [
     ("authority revoke nobody --dir {tmp}/authority", "nobody"),
     ("dataset create corpus {tmp}/missing --initial-peers {open} --ephemeral", "{tmp}/missing"),
     ("dataset create corpus {tmp}/empty --initial-peers {open} --ephemeral", "no shard files"),
+    # a bad name before the peer starts: {nobody} would be a bootstrap error after 30 s
+    ("dataset create ../x {tmp}/empty --initial-peers {nobody} --ephemeral", "dataset name '../x': use 1-64 letters"),
+    ("dataset create ok@x {tmp}/empty --initial-peers {nobody} --ephemeral", "dataset name 'ok@x'"),  # no @ in a new name
+    ("dataset get .x@12D3 {tmp}/got --initial-peers {nobody} --ephemeral", "dataset name '.x': use 1-64"),
     ("dataset get nothing-here {tmp}/got --initial-peers {open} --ephemeral --bootstrap-timeout 3", "nothing-here"),
     ("train --data {tmp}/missing --initial-peers {open} --ephemeral --max-steps 1", "{tmp}/missing"),
     # bad settings

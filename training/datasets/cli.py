@@ -16,7 +16,7 @@ from p2p.errors import ConfigError
 from p2p.output import Output
 
 from .fetch import FetchConfig
-from .manifest import DatasetError
+from .manifest import DatasetError, check_name
 from .picker import TableConfig
 from .service import Datasets, DatasetsConfig
 from .store import LocalDataset
@@ -44,6 +44,9 @@ async def cmd_dataset(args: argparse.Namespace, out: Output) -> int:
     if action in ("create", "get") and Path(args.directory).exists() and not Path(args.directory).is_dir():
         raise DatasetError(f"{args.directory} is a file, not a directory")
     fetch = fetch_config(args) if action == "get" else None
+    name = getattr(args, "name", None)
+    if name is not None:  # a bad name fails before the peer starts, not after it joined
+        check_name(name if action == "create" else name.partition("@")[0])  # the others take NAME@CREATOR
     code = 0
 
     async def work(peer: Peer, dashboard: Dashboard | None) -> None:
