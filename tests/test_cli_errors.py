@@ -112,8 +112,9 @@ TABLE: list[tuple[str, str]] = [
     ("peer --config {tmp}/bad.toml --initial-peers {open}", "not valid TOML"),
     ("peer --config {tmp}/missing.toml --initial-peers {open}", "--config {tmp}/missing.toml: No such file"),
     ("authority revoke nobody --dir {tmp}/authority", "nobody"),
-    ("dataset create corpus {tmp}/missing --initial-peers {open} --ephemeral", "{tmp}/missing"),
-    ("dataset create corpus {tmp}/empty --initial-peers {open} --ephemeral", "no shard files"),
+    ("dataset create corpus {tmp}/missing --initial-peers {nobody} --ephemeral", "{tmp}/missing: no such directory"),
+    ("dataset create corpus {tmp}/empty --initial-peers {nobody} --ephemeral", "no shard files"),
+    ("dataset add corpus {tmp}/missing.txt --initial-peers {nobody} --ephemeral", "{tmp}/missing.txt: no such file"),
     # a bad name before the peer starts: {nobody} would be a bootstrap error after 30 s
     ("dataset create ../x {tmp}/empty --initial-peers {nobody} --ephemeral", "dataset name '../x': use 1-64 letters"),
     ("dataset create ok@x {tmp}/empty --initial-peers {nobody} --ephemeral", "dataset name 'ok@x'"),  # no @ in a new name

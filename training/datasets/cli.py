@@ -18,7 +18,7 @@ from p2p.output import Output
 from .fetch import FetchConfig
 from .manifest import DatasetError, check_name
 from .picker import TableConfig
-from .service import Datasets, DatasetsConfig
+from .service import Datasets, DatasetsConfig, shard_files
 from .store import LocalDataset
 
 
@@ -41,12 +41,19 @@ def fetch_config(args: argparse.Namespace) -> FetchConfig:
 async def cmd_dataset(args: argparse.Namespace, out: Output) -> int:
     config = datasets_config(args)
     action = args.dataset_command
-    if action in ("create", "get") and Path(args.directory).exists() and not Path(args.directory).is_dir():
-        raise DatasetError(f"{args.directory} is a file, not a directory")
-    fetch = fetch_config(args) if action == "get" else None
     name = getattr(args, "name", None)
     if name is not None:  # a bad name fails before the peer starts, not after it joined
         check_name(name if action == "create" else name.partition("@")[0])  # the others take NAME@CREATOR
+    if action in ("create", "get") and Path(args.directory).exists() and not Path(args.directory).is_dir():
+        raise DatasetError(f"{args.directory} is a file, not a directory")
+    # what is on this disk is checked before the peer starts (create and add repeat it when they run)
+    if action == "create":
+        shard_files(Path(args.directory))
+    elif action == "add":
+        for f in args.files:
+            if not Path(f).is_file():
+                raise DatasetError(f"{f}: no such file")
+    fetch = fetch_config(args) if action == "get" else None
     code = 0
 
     async def work(peer: Peer, dashboard: Dashboard | None) -> None:

@@ -205,7 +205,7 @@ class Datasets:
         """Make ``directory``'s shard files a dataset named ``name``, publish it and (``seed``) serve it."""
         check_name(name)
         directory = Path(directory)
-        files = _shard_files(directory)
+        files = shard_files(directory)
         schema = schema or schema_of(str(p) for p in files)
         mine = [h for h in await self.headers(name) if h.creator == self.peer.peer_id]
         if mine:
@@ -624,7 +624,8 @@ def _subkeys(found: ValueWithExpiration | None, prefix: str) -> list[tuple[str, 
             if isinstance(k, str) and k.startswith(prefix + "[sha256:") and isinstance(v.value, bytes)]
 
 
-def _shard_files(directory: Path) -> list[Path]:
+def shard_files(directory: Path) -> list[Path]:
+    """The files of ``directory`` that ``create`` makes a dataset of (a clear error if none)."""
     if not directory.is_dir():
         raise DatasetError(f"{directory}: no such directory")
     files = sorted(p for p in directory.rglob("*") if p.is_file() and ".dedloc" not in p.relative_to(directory).parts
