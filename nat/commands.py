@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 from p2p.admission import AdmissionConfig
 from p2p.conn_manager import ConnManagerConfig
-from p2p.commands import build_parser as p2p_parser, common_options, positive_count, positive_seconds, run, seconds
+from p2p.commands import (build_parser as p2p_parser, common_options, directory, positive_count, positive_seconds,
+                          run, seconds)
 from p2p.dht.events import DHTMode
 from p2p.resources import ResourceConfig
 
@@ -94,7 +95,7 @@ def peer_options(p: argparse.ArgumentParser) -> None:
 
 def authority_options(p: argparse.ArgumentParser) -> None:
     """A public node that is a closed run's authority (``relay``, ``backbone``)."""
-    p.add_argument("--authority-dir", type=Path, default=None, metavar="DIR",
+    p.add_argument("--authority-dir", type=directory, default=None, metavar="DIR",
                    help="serve passes for the allowlist in DIR (`dedloc authority add`) and admit only passholders")
 
 

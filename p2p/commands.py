@@ -78,6 +78,20 @@ def _seconds(text: str, *, zero: bool) -> float:
     return value
 
 
+def directory(text: str) -> Path:
+    """An argparse type: a directory, made when first written if missing; a file in its place, or
+    in place of one of its parents, is refused at parse (each failed as a FileExistsError or
+    NotADirectoryError traceback once the command ran)."""
+    path = Path(text)
+    for place in (path, *path.parents):
+        if place.exists():
+            if not place.is_dir():
+                raise argparse.ArgumentTypeError(f"{text} is a file, not a directory" if place == path else
+                                                 f"{text}: {place} is a file, not a directory")
+            break
+    return path
+
+
 def positive_count(text: str) -> int:
     """An argparse type: a whole number of at least 1 (``ping -c -3`` pinged nothing and said nothing)."""
     try:
@@ -157,7 +171,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
         q = auth_sub.add_parser(action, help=text)
         if action != "show":
             q.add_argument("username", metavar="USER")
-        q.add_argument("--dir", type=Path, default=Path("dedloc-authority"), metavar="DIR",
+        q.add_argument("--dir", type=directory, default=Path("dedloc-authority"), metavar="DIR",
                        help="the authority's files (default: %(default)s)")
         q.add_argument("--json", action="store_true", help="print one JSON object")
         q.set_defaults(func="p2p.cli:cmd_authority")

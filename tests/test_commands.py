@@ -18,8 +18,8 @@ import pytest
 import trio
 
 from p2p import commands
-from p2p.commands import (_config_path, build_parser, parse, positive_count, positive_seconds, raise_open_files_limit, run,
-                          run_command, seconds)
+from p2p.commands import (_config_path, build_parser, directory, parse, positive_count, positive_seconds,
+                          raise_open_files_limit, run, run_command, seconds)
 from p2p.errors import ConfigError
 from p2p.identity import peer_id_from_file
 from p2p.output import Output
@@ -62,6 +62,32 @@ def test_a_count_is_a_whole_number_of_at_least_one() -> None:
     with pytest.raises(argparse.ArgumentTypeError) as refused:
         positive_count("x")
     assert refused.value.__suppress_context__
+
+
+def test_a_directory_may_be_missing_but_not_a_file_nor_under_one(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    assert directory(str(tmp_path)) == tmp_path and directory("relative/new") == Path("relative/new")
+    assert directory(str(tmp_path / "new" / "deeper")) == tmp_path / "new" / "deeper"
+    assert refusal(directory, str(tmp_path / "file")) == f"{tmp_path}/file is a file, not a directory"
+    assert refusal(directory, str(tmp_path / "file" / "sub")) == (f"{tmp_path}/file/sub: {tmp_path}/file is a file, "
+                                                                 "not a directory")
+
+
+def test_every_directory_option_of_every_command_refuses_a_file_at_parse() -> None:
+    """--checkpoint-dir, --workdir, --dir, --authority-dir and a dataset's DIR: a file there failed
+    as a FileExistsError or NotADirectoryError traceback once the command ran."""
+    from training.commands import build_parser as everything
+
+    parser, sub = everything()
+    checked = set()
+    for leaf in commands._leaves(sub):
+        for action in leaf._actions:
+            if action.metavar == "DIR" or action.dest in ("workdir", "checkpoint_dir"):
+                assert action.type is directory, (leaf.prog, action.dest)
+                checked.add((leaf.prog.split()[-1], action.dest))
+    assert {("backbone", "checkpoint_dir"), ("serve-experts", "checkpoint_dir"), ("train", "workdir"),
+            ("relay", "authority_dir"), ("add", "dir"), ("get", "directory"), ("seed", "directories"),
+            ("create", "directory"), ("retract", "authority_dir")} <= checked
 
 
 def test_every_option_in_seconds_of_every_command_refuses_a_negative_or_nan_before_anything_runs() -> None:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from averaging.commands import build_parser as averaging_parser
 from nat.commands import authority_options, nat_options, peer_options
-from p2p.commands import common_options, positive_seconds, run, seconds
+from p2p.commands import common_options, directory, positive_seconds, run, seconds
 
 DEFAULT_WORKDIR = "dedloc-example"
 
@@ -24,7 +24,7 @@ def run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--run-id", default="dedloc-example", help="only peers with the same run id train together")
     g.add_argument("--target-batch-size", type=int, default=256, metavar="N",
                    help="samples the swarm accumulates per global step (default: %(default)s)")
-    g.add_argument("--workdir", default=DEFAULT_WORKDIR,
+    g.add_argument("--workdir", type=directory, default=DEFAULT_WORKDIR,
                    help="where the example's corpus and tokenizer are generated (default: ./%(default)s)")
     g.add_argument("--tokenizer", default=None, metavar="FILE",
                    help="a tokenizers JSON file (default: trained from the example corpus under --workdir)")
@@ -95,7 +95,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="MULTIADDR", help="other bootstrap nodes to join")
     authority_options(p)
     run_options(p)
-    p.add_argument("--checkpoint-dir", default="dedloc-checkpoints", help="where files go (default: %(default)s)")
+    p.add_argument("--checkpoint-dir", type=directory, default="dedloc-checkpoints", help="where files go (default: %(default)s)")
     p.add_argument("--checkpoint-every", type=int, default=10, metavar="N", help="global steps between checkpoints")
     p.add_argument("--datasets", nargs="+", default=None, metavar="NAME",
                    help="the run's datasets in the swarm: the leaderboard credits who served them and who added "
@@ -129,7 +129,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
                    help="the most a batch waits for --min-batch-size rows (default: none)")
     g.add_argument("--update-period", type=positive_seconds, default=30.0, metavar="SECONDS",
                    help="how often the experts are declared in the DHT (each declaration lives 3x this)")
-    g.add_argument("--checkpoint-dir", default=None, help="save and load the experts here (default: none)")
+    g.add_argument("--checkpoint-dir", type=directory, default=None, help="save and load the experts here (default: none)")
     g.add_argument("--seed", type=int, default=0, help="seed of the experts' initial weights (each expert's "
                    "from it and its uid)")
     g.add_argument("--processes", type=int, default=1, metavar="N",
@@ -156,7 +156,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
 
     q = ds.add_parser("create", help="publish DIR's shard files as dataset NAME, and seed it")
     q.add_argument("name", metavar="NAME")
-    q.add_argument("directory", metavar="DIR")
+    q.add_argument("directory", type=directory, metavar="DIR")
     q.add_argument("--schema", choices=("text", "jsonl", "parquet"), default=None,
                    help="how the shards read (default: from their suffixes)")
     q.add_argument("--text-field", default="text", help="the field of JSON lines / column of parquet with the text")
@@ -166,12 +166,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     q = ds.add_parser("add", help="add FILES to dataset NAME as an entry of yours, and seed them")
     q.add_argument("name", metavar="NAME")
     q.add_argument("files", nargs="+", metavar="FILE")
-    q.add_argument("--dir", default=None, metavar="DIR", help="your copy of the dataset, where the files go "
+    q.add_argument("--dir", type=directory, default=None, metavar="DIR", help="your copy of the dataset, where the files go "
                    "(default: ./NAME)")
     dataset_options(q)
     q = ds.add_parser("get", help="fetch dataset NAME into DIR (resuming), checking every piece, and seed it")
     q.add_argument("name", metavar="NAME", help="NAME, or NAME@<creator> where several creators used the name")
-    q.add_argument("directory", metavar="DIR")
+    q.add_argument("directory", type=directory, metavar="DIR")
     q.add_argument("--no-seed", action="store_true", help="exit once it is complete instead of seeding it")
     q.add_argument("--max-seeders", type=int, default=16, metavar="N", help="seeders fetched from at once")
     q.add_argument("--allow-relayed", action="store_true",
@@ -179,7 +179,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
                    "such a seeder waits for a hole punch)")
     dataset_options(q)
     q = ds.add_parser("seed", help="seed the datasets in DIR ... (made by create, add or get)")
-    q.add_argument("directories", nargs="+", metavar="DIR")
+    q.add_argument("directories", nargs="+", type=directory, metavar="DIR")
     dataset_options(q)
     q = ds.add_parser("list", help="the datasets in the swarm")
     dataset_options(q, upload=False)
@@ -190,7 +190,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
                       "authority, of any dataset)")
     q.add_argument("name", metavar="NAME")
     q.add_argument("entries", nargs="+", metavar="ENTRY", help="entry ids (hex, or their start), as `show --json` lists")
-    q.add_argument("--authority-dir", default=None, metavar="DIR",
+    q.add_argument("--authority-dir", type=directory, default=None, metavar="DIR",
                    help="sign as the closed swarm's authority (its key in DIR, as `dedloc authority` keeps it)")
     dataset_options(q, upload=False)
 

@@ -44,8 +44,6 @@ async def cmd_dataset(args: argparse.Namespace, out: Output) -> int:
     name = getattr(args, "name", None)
     if name is not None:  # a bad name fails before the peer starts, not after it joined
         check_name(name if action == "create" else name.partition("@")[0])  # the others take NAME@CREATOR
-    if action in ("create", "get") and Path(args.directory).exists() and not Path(args.directory).is_dir():
-        raise DatasetError(f"{args.directory} is a file, not a directory")
     # what is on this disk is checked before the peer starts (create and add repeat it when they run)
     if action == "create":
         shard_files(Path(args.directory))
