@@ -332,6 +332,28 @@ async def test_create_says_what_is_wrong_with_the_directory(autojump_clock: trio
         assert not spy(d).stores
 
 
+async def test_a_directory_one_service_writes_is_refused_to_another_until_the_first_closes(
+        autojump_clock: trio.abc.Clock, tmp_path: Path) -> None:
+    """Two `dataset get` into one directory at once: the second hung at 2 of 3 shards for good."""
+    async with lab(2) as (a, b):
+        local = await a.create("wiki", corpus(tmp_path / "src"))
+        a.seed(local)  # a directory it holds already: not locked twice
+        started: list[LocalDataset] = []
+        with pytest.raises(DatasetError, match=r"src is in use by another dedloc process \(pid \d+\)"):
+            await b.get("wiki", tmp_path / "src", on_start=started.append)
+        assert started == []  # refused before it read or wrote a byte there
+        with pytest.raises(DatasetError, match=r"in use by another dedloc process"):
+            b.seed(local)
+        corpus(tmp_path / "more", {"c.txt": b"x" * 100})
+        with pytest.raises(DatasetError, match=r"in use by another dedloc process"):
+            await b.add("wiki", [tmp_path / "more" / "c.txt"], tmp_path / "src")
+        with pytest.raises(DatasetError, match=r"in use by another dedloc process"):
+            await b.create("wiki2", tmp_path / "src")
+        await b.get("wiki", tmp_path / "got", seed=False)  # another directory: fine
+    async with lab() as (c,):  # the first service closed: its directory is free
+        c.seed(local)
+
+
 async def test_create_refuses_a_second_dataset_of_ours_by_the_same_name_but_not_anothers(
         autojump_clock: trio.abc.Clock, tmp_path: Path) -> None:
     async with lab(2) as (a, b):

@@ -60,7 +60,7 @@ from .manifest import (
     sign_by_authority,
 )
 from .picker import Pacer, UploadSlots
-from .store import LocalDataset, read_checked
+from .store import DirectoryLock, LocalDataset, read_checked
 
 if TYPE_CHECKING:
     from .fetch import FetchConfig, FetchReport
@@ -183,6 +183,8 @@ class Datasets:
         #: bytes served, every dataset together
         self.bytes_served = 0
         self.refused: dict[str, int] = {}
+        #: the directories this service writes, one process at a time (``store.DirectoryLock``)
+        self._locks: dict[Path, DirectoryLock] = {}
 
     @classmethod
     @asynccontextmanager
@@ -197,6 +199,15 @@ class Datasets:
             finally:
                 registration.remove()
                 nursery.cancel_scope.cancel()
+                for lock in datasets._locks.values():
+                    lock.release()
+
+    def _lock(self, directory: Path) -> None:
+        """Hold ``directory`` until the service closes; refused if another process holds it. A
+        directory this service holds already (a download that then seeds) is not locked twice."""
+        key = Path(directory).resolve()
+        if key not in self._locks:
+            self._locks[key] = DirectoryLock.acquire(Path(directory))
 
     # ------------------------------------------------------------------ publishing
 
@@ -206,6 +217,7 @@ class Datasets:
         check_name(name)
         directory = Path(directory)
         files = shard_files(directory)
+        self._lock(directory)
         schema = schema or schema_of(str(p) for p in files)
         mine = [h for h in await self.headers(name) if h.creator == self.peer.peer_id]
         if mine:
@@ -232,6 +244,7 @@ class Datasets:
         manifest = await self.find(ref)
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
+        self._lock(directory)
         if schema_of(str(f) for f in files) != manifest.header.schema:
             raise DatasetError(f"{ref} holds {manifest.header.schema} shards; these files are not")
         taken = {s.path for s in manifest.shards()}
@@ -364,6 +377,7 @@ class Datasets:
         from .fetch import Download
 
         manifest = await self.find(ref)
+        self._lock(Path(directory))
         local = await trio.to_thread.run_sync(LocalDataset.open, Path(directory), manifest)
         if on_start is not None:
             on_start(local)
@@ -399,6 +413,7 @@ class Datasets:
 
     def seed(self, local: LocalDataset) -> None:
         """Serve ``local`` and keep its tracker record and manifest in the DHT (until the service closes)."""
+        self._lock(local.directory)
         did = local.manifest.header.id
         if did in self.held:
             self.held[did].local = local

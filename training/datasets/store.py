@@ -6,6 +6,7 @@ Layout of a dataset's directory ``DIR``::
     DIR/.dedloc/manifest             the signed header and entries (``Manifest.stored``)
     DIR/.dedloc/parts/<root hex>     a shard being fetched: its pieces at their offsets
     DIR/.dedloc/leaves/<root hex>    its piece hashes (checked against the root when fetched)
+    DIR/.dedloc/lock                 held (flock) by the one process that has the directory open
 
 Nothing unchecked is ever written where training reads: a piece is written
 to its part file only after it matched its leaf, and a shard moves to its
@@ -38,6 +39,41 @@ from .pieces import HASH_SIZE, hash_file, leaf, merkle_root, piece_count, piece_
 log = logging.getLogger(__name__)
 
 META = ".dedloc"
+
+
+class DirectoryLock:
+    """One process at a time writes a dataset's directory: an exclusive ``flock`` on
+    ``DIR/.dedloc/lock``, which holds the owner's pid for the message. Two ``dataset get`` into one
+    directory at once each took pieces the other then renamed away: the second hung at 2 of 3
+    shards for good. The kernel releases the lock when the process ends, crash or not (a pid
+    file would outlive a crash and lock the directory out)."""
+
+    def __init__(self, directory: Path, fd: int) -> None:
+        self.directory = directory
+        self._fd: int | None = fd
+
+    @classmethod
+    def acquire(cls, directory: Path) -> DirectoryLock:
+        import fcntl
+
+        meta = Path(directory) / META
+        meta.mkdir(parents=True, exist_ok=True)
+        fd = os.open(meta / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise DatasetError(f"{directory} is in use by another dedloc process{f' (pid {owner})' if owner else ''}; "
+                               "wait for it to end, or name another directory") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        return cls(Path(directory), fd)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
 
 
 def _bits(held: set[int], count: int) -> bytes:
