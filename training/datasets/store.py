@@ -43,9 +43,9 @@ META = ".dedloc"
 
 class DirectoryLock:
     """One process at a time writes a dataset's directory: an exclusive ``flock`` on
-    ``DIR/.dedloc/lock``, which holds the owner's pid for the message. Two ``dataset get`` into one
-    directory at once each took pieces the other then renamed away: the second hung at 2 of 3
-    shards for good. The kernel releases the lock when the process ends, crash or not (a pid
+    ``DIR/.dedloc/lock``, which holds the owner's pid for the message. With two ``dataset get`` into
+    one directory at once, both writing its part files, the second hung at 2 of 3 shards for good.
+    The kernel releases the lock when the process ends, crash or not (a pid
     file would outlive a crash and lock the directory out)."""
 
     def __init__(self, directory: Path, fd: int) -> None:
