@@ -5,12 +5,17 @@ accounting and relay reservations key on it), so it must survive restarts and
 must not leak: the key file is created with mode 0600 and refused when others
 can read it, as ssh does with private keys. The file holds the libp2p protobuf
 encoding of the private key, the format other libp2p implementations use.
+One running node at a time uses an identity (:func:`held_identity`): the swarm
+keys relay slots, routing tables and allowlists on the peer id, and cannot tell
+two nodes with one apart.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -120,6 +125,29 @@ def load_or_create_identity(path: Path) -> tuple[KeyPair, bool]:
     except OSError as e:
         raise IdentityError(f"cannot create identity file {path}: {e.strerror}") from e
     return key_pair, True
+
+
+@contextmanager
+def held_identity(path: Path) -> Iterator[KeyPair]:
+    """The identity at ``path`` (created on first use), held for the block: a second node started
+    with the same file is refused, as kubo refuses a second daemon on one repo (two nodes with one
+    peer id ran side by side before, which the swarm cannot tell apart). The hold
+    is an exclusive ``flock`` on the key file itself: no lock file to leave behind, and the kernel
+    drops it when the process ends, however it ends. Reading the file (``dedloc id``) takes none."""
+    import fcntl
+
+    key_pair, _ = load_or_create_identity(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise IdentityError(f"identity file {path} is in use by another running dedloc node (one peer id, one "
+                            "node); stop it, or give this one another --identity (or --ephemeral)") from None
+    try:
+        yield key_pair
+    finally:
+        os.close(fd)  # drops the flock
 
 
 def peer_id_from_file(path: Path) -> tuple[str, bool]:

@@ -13,7 +13,7 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterator, Sequence
-from contextlib import ExitStack, asynccontextmanager
+from contextlib import ExitStack, asynccontextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import cast
 
@@ -43,7 +43,7 @@ from .errors import (CLOSED_SWARM_HINT, BootstrapError, ConfigError, DedlocError
 from .hooks import ConnectionInfo, Direction, ExternalAddresses, Observers, PathKind, Reachability, Registration, SwarmObserver
 from .identify import (MAX_LISTEN_ADDRS, PUSH_CONCURRENCY, PUSH_DELAY, PUSH_PROTOCOL, PeerIdentity, identify,
                        push_identify)
-from .identity import load_or_create_identity, new_identity, peer_id_of
+from .identity import held_identity, new_identity, peer_id_of
 from .auth import PRE_AUTH, PROTOCOL as AUTH_PROTOCOL, AuthError, Authenticator
 from .libp2p_host import (build_host, check_listening, close_connections, close_listeners, identify_message, left_open,
                           set_gate, started)
@@ -155,16 +155,21 @@ class Node:
         installing services that must see the first connections, say).
 
         Raises :class:`p2p.ConfigError` for unusable settings, :class:`p2p.IdentityError`
-        for a bad identity file, :class:`p2p.DedlocError` when a listen address cannot
+        for a bad identity file or one that another running node holds (one peer id, one node:
+        ``identity.held_identity``), :class:`p2p.DedlocError` when a listen address cannot
         be bound, and :class:`p2p.BootstrapError` when initial peers were given and
         none answered within ``config.bootstrap_timeout``.
         """
         config = config or NodeConfig()
         config.validate()
-        if config.identity_path is not None:
-            key_pair, _ = load_or_create_identity(config.identity_path)
-        else:
-            key_pair = new_identity()
+        with held_identity(config.identity_path) if config.identity_path is not None else \
+                nullcontext(new_identity()) as key_pair:
+            async with cls._open(config, key_pair, bootstrap=bootstrap) as node:
+                yield node
+
+    @classmethod
+    @asynccontextmanager
+    async def _open(cls, config: NodeConfig, key_pair: KeyPair, *, bootstrap: bool) -> AsyncIterator[Node]:
         listen = [parse_multiaddr(a, what="listen address") for a in config.listen]
 
         holder: list[Node] = []

@@ -164,3 +164,28 @@ def test_the_light_reader_refuses_an_ed25519_key_of_the_wrong_size(tmp_path):
     os.chmod(path, 0o600)
     with pytest.raises(IdentityError, match=f"identity file {path} holds an Ed25519 key of 31 bytes, not 32$"):
         peer_id_from_file(path)
+
+
+def test_an_identity_is_held_by_one_node_at_a_time_and_read_freely_meanwhile(tmp_path):
+    """Two nodes with one peer id ran side by side; the swarm cannot tell them apart."""
+    from p2p.identity import held_identity
+
+    path = tmp_path / "identity.key"
+    with held_identity(path) as key_pair:  # created on first use, then held
+        assert peer_id_from_file(path) == (str(peer_id_of(key_pair)), False)  # `dedloc id` reads it meanwhile
+        with pytest.raises(IdentityError) as refused, held_identity(path):
+            pass
+        assert str(refused.value) == (f"identity file {path} is in use by another running dedloc node (one peer "
+                                      "id, one node); stop it, or give this one another --identity (or --ephemeral)")
+    with held_identity(path) as again:  # released at the end of the block
+        assert peer_id_of(again) == peer_id_of(key_pair)
+
+
+def test_a_bad_identity_file_is_refused_before_it_is_held(tmp_path):
+    from p2p.identity import held_identity
+
+    path = tmp_path / "identity.key"
+    path.write_bytes(b"not a key at all")
+    path.chmod(0o600)
+    with pytest.raises(IdentityError, match="is not a libp2p private key"), held_identity(path):
+        pass

@@ -210,6 +210,21 @@ async def test_identity_file_keeps_peer_id_across_restarts(tmp_path):
         assert second.peer_id == pid
 
 
+async def test_a_second_node_with_a_running_node_s_identity_is_refused_and_the_first_keeps_serving(tmp_path):
+    from p2p import IdentityError
+
+    path = tmp_path / "id.key"
+    async with Node.open(loopback_config(identity_path=path)) as first:
+        with pytest.raises(IdentityError, match="is in use by another running dedloc node"):
+            async with Node.open(loopback_config(identity_path=path)):
+                pass
+        async with open_nodes(1) as (other,):
+            await other.connect(first.addrs[0])
+            assert await other.ping(first.peer_id) >= 0
+    async with Node.open(loopback_config(identity_path=path)) as again:  # free once the first closed
+        assert again.peer_id == first.peer_id
+
+
 async def test_wrong_peer_id_is_refused_and_node_keeps_serving():
     async with open_nodes(3) as (a, b, c):
         transport = str(a.addrs[0]).split("/p2p/")[0]
