@@ -115,6 +115,7 @@ TABLE: list[tuple[str, str]] = [
     ("dataset create corpus {tmp}/missing --initial-peers {nobody} --ephemeral", "{tmp}/missing: no such directory"),
     ("dataset create corpus {tmp}/empty --initial-peers {nobody} --ephemeral", "no shard files"),
     ("dataset add corpus {tmp}/missing.txt --initial-peers {nobody} --ephemeral", "{tmp}/missing.txt: no such file"),
+    ("dataset seed {tmp}/empty --initial-peers {nobody} --ephemeral", "{tmp}/empty: no dataset here (no .dedloc/manifest)"),
     # a bad name before the peer starts: {nobody} would be a bootstrap error after 30 s
     ("dataset create ../x {tmp}/empty --initial-peers {nobody} --ephemeral", "dataset name '../x': use 1-64 letters"),
     ("dataset create ok@x {tmp}/empty --initial-peers {nobody} --ephemeral", "dataset name 'ok@x'"),  # no @ in a new name

@@ -19,7 +19,7 @@ from .fetch import FetchConfig
 from .manifest import DatasetError, check_name
 from .picker import TableConfig
 from .service import Datasets, DatasetsConfig, shard_files
-from .store import LocalDataset
+from .store import LocalDataset, stored_manifest
 
 
 def datasets_config(args: argparse.Namespace) -> DatasetsConfig:
@@ -51,6 +51,9 @@ async def cmd_dataset(args: argparse.Namespace, out: Output) -> int:
         for f in args.files:
             if not Path(f).is_file():
                 raise DatasetError(f"{f}: no such file")
+    elif action == "seed":
+        for d in args.directories:
+            stored_manifest(Path(d))
     fetch = fetch_config(args) if action == "get" else None
     code = 0
 

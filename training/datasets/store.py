@@ -76,6 +76,16 @@ class DirectoryLock:
             self._fd = None
 
 
+def stored_manifest(directory: Path) -> Path:
+    """Where ``directory``'s dataset keeps its manifest; a clear error if it holds none (``dataset
+    seed DIR`` checks it before its peer starts, :meth:`LocalDataset.load` when it loads)."""
+    stored = directory / META / "manifest"
+    if not stored.exists():
+        raise DatasetError(f"{directory}: no dataset here (no {META}/manifest); "
+                           "`dedloc dataset create` or `get` makes one")
+    return stored
+
+
 def _bits(held: set[int], count: int) -> bytes:
     out = bytearray((count + 7) // 8)
     for i in held:
@@ -159,10 +169,7 @@ class LocalDataset:
     def load(cls, directory: Path, authority: bytes | None = None) -> LocalDataset:
         """The dataset a directory holds (``dedloc dataset seed DIR``; ``authority``: a closed swarm's key,
         whose retractions count)."""
-        stored = Path(directory) / META / "manifest"
-        if not stored.exists():
-            raise DatasetError(f"{directory}: no dataset here (no {META}/manifest); "
-                               "`dedloc dataset create` or `get` makes one")
+        stored = stored_manifest(Path(directory))
         try:
             manifest = Manifest.from_stored(stored.read_bytes(), authority)
         except ManifestError as e:
