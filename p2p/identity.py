@@ -134,20 +134,16 @@ def held_identity(path: Path) -> Iterator[KeyPair]:
     peer id ran side by side before, which the swarm cannot tell apart). The hold
     is an exclusive ``flock`` on the key file itself: no lock file to leave behind, and the kernel
     drops it when the process ends, however it ends. Reading the file (``dedloc id``) takes none."""
-    import fcntl
+    from .lockfile import HeldLock, LockHeld
 
     key_pair, _ = load_or_create_identity(path)
-    fd = os.open(path, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
+        lock = HeldLock.acquire(path, record_pid=False)  # read-only: the file is the key
+    except LockHeld:
         raise IdentityError(f"identity file {path} is in use by another running dedloc node (one peer id, one "
                             "node); stop it, or give this one another --identity (or --ephemeral)") from None
-    try:
+    with lock:
         yield key_pair
-    finally:
-        os.close(fd)  # drops the flock
 
 
 def peer_id_from_file(path: Path) -> tuple[str, bool]:

@@ -4,6 +4,7 @@ subkey (no one else can write it), and the backbone credits a claim only as far 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -176,3 +177,46 @@ def test_previous_counts_only_from_a_trainer_past_step_zero_that_brought_samples
     assert set(board.claims[peer]) == {0} and set(board.claims[other]) == {3}
     board.observe([LocalProgress(other, 4, 0, 10.0, 0.0, previous=1)], 1.0)  # one sample to step 3 is a claim
     assert (board.claims[other][3].claimed, board.claims[other][3].credited) == (1, 1.0)
+
+
+# ---------------------------------------------------------------------- a backbone that restarted
+
+
+def test_a_restarted_backbone_s_board_adds_to_the_one_it_saved_and_reads_afresh_what_is_read_afresh() -> None:
+    """A restart wiped every volunteer's credit: the new board started from nothing and was written over
+    the old one."""
+    from training.contributions import carried
+
+    earlier = {"a": {"samples": 500, "claimed": 600, "auxiliary_steps": 0, "username": "ann", "bytes_served": 7,
+                     "shards_added": 3},
+               "gone": {"samples": 40, "claimed": 40, "auxiliary_steps": 2}}
+    board = {"a": {"samples": 100, "claimed": 100, "auxiliary_steps": 0, "bytes_served": 5, "shards_added": 1},
+             "new": {"samples": 9, "claimed": 9, "auxiliary_steps": 0, "username": "neo"}}
+    assert carried(earlier, board) == {
+        "a": {"samples": 600, "claimed": 700, "auxiliary_steps": 0, "username": "ann", "bytes_served": 12,
+              "shards_added": 1},  # shards added: the dataset as read now (a retraction takes them back)
+        "gone": {"samples": 40, "claimed": 40, "auxiliary_steps": 2},
+        "new": {"samples": 9, "claimed": 9, "auxiliary_steps": 0, "username": "neo"}}
+    assert carried({}, board) == board and carried(earlier, {}) == earlier
+
+
+def test_a_saved_board_is_read_back_with_what_is_not_a_count_left_out() -> None:
+    from training.contributions import board_from_json
+
+    assert board_from_json('{"a": {"samples": 5, "claimed": -1, "auxiliary_steps": true, "username": 3, '
+                           '"bytes_served": 2.5, "shards_added": 4, "other": 1}, "b": [1], "c": {}}') == {
+        "a": {"samples": 5, "shards_added": 4}, "c": {}}
+    for bad in ("[1, 2]", '{"a": ', ""):
+        with pytest.raises(ValueError):
+            board_from_json(bad)
+
+
+def test_claims_toward_steps_a_saved_board_holds_are_not_credited_again() -> None:
+    peer, helper = peer_id_of(new_identity()), peer_id_of(new_identity())
+    board = Contributions(target=1000, after=4)
+    aux = LocalProgress(helper, 4, 0, 0.0, 0.0, auxiliary=True)
+    board.observe([report(peer, 4, 300, 100.0), aux], 0.0)  # step 4: the saved board has it
+    assert board.leaderboard() == {}
+    board.observe([LocalProgress(peer, 5, 50, 100.0, 0.0, previous=300), replace(aux, step=5)], 1.0)
+    assert board.leaderboard() == {peer.to_base58(): {"samples": 50, "claimed": 50, "auxiliary_steps": 0},
+                                   helper.to_base58(): {"samples": 0, "claimed": 0, "auxiliary_steps": 1}}

@@ -22,7 +22,7 @@ from p2p.hooks import Direction, PathKind
 from p2p.hooks import Reachability
 from training.datasets.events import (DatasetComplete, DatasetProgress, DatasetPublished, SeederBanned, Seeding,
                                       ShardFetched)
-from training.events import (Checkpointed, ExpertProcesses, ExpertProcessExited, ExpertsServing, GlobalStepDone,
+from training.events import (Checkpointed, TakenUp, ExpertProcesses, ExpertProcessExited, ExpertsServing, GlobalStepDone,
                              StateDownloaded, TrainingStatus, bar, count)
 
 from .kit import numbered_peer_id
@@ -199,6 +199,11 @@ def test_a_step_done_says_how_it_was_averaged_its_loss_and_whether_partial_or_mi
 def test_a_state_taken_a_checkpoint_and_the_expert_servers_say_what_and_where() -> None:
     assert StateDownloaded(9, 1.5, str(PEER)).human() == f"took the swarm's state at step 9 from {TAIL} in 1.50 s"
     assert Checkpointed(10, "/tmp/ck.pt", str(PEER)).human() == f"checkpoint of step 10 saved to /tmp/ck.pt (from {TAIL})"
+    assert TakenUp(120, "/ck/checkpoint-000120.pt", 121, 14).human() == (
+        "taken up from the last backbone: serving the checkpoint of step 120 (/ck/checkpoint-000120.pt); the curve "
+        "goes on from step 121, the board of 14 volunteers")
+    assert TakenUp(-1, "", 3, 1).human() == (
+        "taken up from the last backbone: no checkpoint; the curve goes on from step 3, the board of 1 volunteer")
     assert ExpertsServing(8, "ffn", "expert.[0:8]", 512, "cpu").human() == (
         "serving 8 ffn experts (expert.[0:8], hidden 512) on cpu")
     assert ExpertsServing(4, "nop", "e.[0:4]", 64, "cuda:0", 1, 2).human() == (
@@ -213,6 +218,7 @@ def test_a_state_taken_a_checkpoint_and_the_expert_servers_say_what_and_where() 
     (TrainingStatus(1, 0, 1, 0, 0, None, None, 0, 0, 0), "training_status"),
     (GlobalStepDone(1, 0, 0, 1, False, True, "", 0, False, True, None), "global_step"),
     (StateDownloaded(1), "state_downloaded"), (Checkpointed(1, "p", "s"), "checkpointed"),
+    (TakenUp(1, "p", 1, 0), "taken_up"),
     (ExpertsServing(1, "ffn", "e", 1, "cpu"), "experts_serving"), (ExpertProcesses(1, 1, "e"), "expert_processes"),
     (ExpertProcessExited(0, 1, 1), "expert_process_exited"),
     (DatasetPublished("n", "d", "c", 1, 1, "e"), "dataset_published"),

@@ -304,17 +304,17 @@ def test_a_closed_swarms_retraction_kept_on_disk_is_honoured_when_the_directory_
 def test_a_directory_is_held_by_one_holder_at_a_time_and_free_once_released(tmp_path: Path) -> None:
     import os
 
-    from training.datasets.store import DirectoryLock
+    from training.datasets.store import lock_directory
 
-    first = DirectoryLock.acquire(tmp_path / "data")
+    first = lock_directory(tmp_path / "data")
     assert (tmp_path / "data" / META / "lock").read_text() == str(os.getpid())
     with pytest.raises(DatasetError) as refused:  # another descriptor: as another process would be
-        DirectoryLock.acquire(tmp_path / "data")
+        lock_directory(tmp_path / "data")
     assert str(refused.value) == (f"{tmp_path / 'data'} is in use by another dedloc process (pid {os.getpid()}); "
                                   "wait for it to end, or name another directory")
     first.release()
     first.release()  # twice: nothing
-    DirectoryLock.acquire(tmp_path / "data").release()
+    lock_directory(tmp_path / "data").release()
 
 
 def test_a_directory_held_by_another_process_is_refused_until_it_ends_even_killed(tmp_path: Path) -> None:
@@ -322,17 +322,17 @@ def test_a_directory_held_by_another_process_is_refused_until_it_ends_even_kille
     import subprocess
     import sys
 
-    from training.datasets.store import DirectoryLock
+    from training.datasets.store import lock_directory
 
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, pathlib; from training.datasets.store import DirectoryLock; "
-         f"DirectoryLock.acquire(pathlib.Path({str(tmp_path)!r})); print('held', flush=True); sys.stdin.read()"],
+        [sys.executable, "-c", "import sys, pathlib; from training.datasets.store import lock_directory; "
+         f"lock_directory(pathlib.Path({str(tmp_path)!r})); print('held', flush=True); sys.stdin.read()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent)
     try:
         assert holder.stdout is not None and holder.stdout.readline() == "held\n"
         with pytest.raises(DatasetError, match=rf"in use by another dedloc process \(pid {holder.pid}\)"):
-            DirectoryLock.acquire(tmp_path)
+            lock_directory(tmp_path)
     finally:
         holder.send_signal(signal.SIGKILL)  # a crash: the kernel drops its lock, no stale file locks us out
         holder.wait(timeout=20)
-    DirectoryLock.acquire(tmp_path).release()
+    lock_directory(tmp_path).release()

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from training.policy import CatchUp, Rules, Trainer, decide
 from training.progress import MAX_CLOCK_SKEW, LocalProgress, global_progress, merge_reports, valid
 
 NOW = 1_000_000.0
@@ -193,3 +194,68 @@ def test_a_read_that_missed_a_live_report_keeps_it_until_it_expires() -> None:
     # an expired report goes, known or read: the DHT would not return it either
     assert merge_reports([rep("a", 0, 0, age=61.0)], [rep("b", 0, 0, age=60.5)], NOW, 60.0) == []
     assert merge_reports([rep("a", 0, 0, age=59.0)], [], NOW, 60.0) != []
+
+
+# ---------------------------------------------------------------------- archives (a backbone's checkpoint)
+
+
+def archive(peer: str, step: int, age: float = 1.0, client: bool = False) -> LocalProgress:
+    return LocalProgress(peer, step, 0, 0.0, NOW - age, client, archive=True)  # type: ignore[arg-type]
+
+
+def test_a_trusted_archive_ahead_of_every_live_peer_by_more_than_a_step_is_the_run_s_step_and_source() -> None:
+    """Every trainer left; one joins at step 0 (or is alone, behind): the backbone's checkpoint of step 120
+    is where the run is, and the backbone the one to take it from, with nothing done toward it yet."""
+    alone = rep("a", 0, 30)
+    for reports, local in (([], 0), ([alone], None)):
+        p = global_progress(reports, target=100, now=NOW, local_step=local,
+                            archives=[archive("b", 120), archive("c", 110, age=0.5)])
+        assert (p.step, p.sources, p.samples, p.peers_at_step, p.contributors) == (120, ("b",), 0, 0, 0)
+        assert not p.ready
+        for delayed in (False, True):  # the trainer takes it there, with or without delayed updates
+            decision = decide(Trainer("a", 0, 30), p, reports, NOW, Rules(delay_updates=delayed))  # type: ignore[arg-type]
+            assert decision.action == CatchUp(p)
+    # two archives at the step: the freshest report first
+    p = global_progress([alone], target=100, now=NOW, archives=[archive("b", 120, age=3), archive("c", 120, age=2)])
+    assert p.sources == ("c", "b")
+    # a swarm of two peers at different steps: behind the archive only if the furthest of them is
+    p = global_progress([rep("a", 2, 0), rep("d", 118, 0)], target=100, now=NOW, archives=[archive("b", 120)])
+    assert p.step == 120 and p.sources == ("b",)
+    p = global_progress([rep("a", 2, 0), rep("d", 119, 0)], target=100, now=NOW, archives=[archive("b", 120)])
+    assert p.step == 2 and "b" not in p.sources
+
+
+@pytest.mark.parametrize("live_step", [119, 120, 125])
+def test_an_archive_within_a_step_of_the_swarm_or_behind_it_changes_nothing(live_step: int) -> None:
+    """During a run the backbone saves the state some live peer holds: at most a step ahead of the others
+    (its source moved on as it saved), never a reason to drop their samples."""
+    reports = [rep("a", live_step, 40), rep("d", live_step, 50)]
+    with_archive = global_progress(reports, target=100, now=NOW, archives=[archive("b", 120)])
+    assert with_archive == global_progress(reports, target=100, now=NOW)
+
+
+def test_an_archive_is_nobody_s_word_unless_passed_as_trusted_and_is_never_a_live_peer() -> None:
+    reports = [rep("a", 3, 40), archive("x", 10**9)]
+    p = global_progress(reports, target=100, now=NOW)  # an archive among the reports: not trusted
+    assert (p.step, p.peers, p.sources) == (3, 1, ("a",))
+    p = global_progress([rep("a", 3, 40)], target=100, now=NOW, own=archive("a", 50))  # our own archive report
+    assert (p.step, p.peers) == (3, 1)
+    p = global_progress([], target=100, now=NOW, own=archive("b", 50), local_step=None)
+    assert p.peers == 0 and p.step == 0
+
+
+@pytest.mark.parametrize("bad", [archive("b", 120, age=120.0), archive("b", 120, client=True),
+                                 LocalProgress("b", 120, 0, 0.0, NOW - 1)],  # type: ignore[arg-type]
+                         ids=["expired", "client", "not-an-archive"])
+def test_an_archive_that_expired_cannot_be_dialed_or_is_not_one_is_not_taken(bad: LocalProgress) -> None:
+    p = global_progress([rep("a", 0, 0)], target=100, now=NOW, expiration=60.0, archives=[bad])
+    assert p.step == 0 and "b" not in p.sources
+
+
+def test_the_archive_flag_crosses_the_wire() -> None:
+    from p2p.identity import new_identity, peer_id_of
+
+    me = peer_id_of(new_identity())
+    sent = LocalProgress(me, 120, 0, 0.0, NOW, archive=True)
+    assert LocalProgress.from_wire(me, sent.to_wire()) == sent
+    assert not LocalProgress.from_wire(me, LocalProgress(me, 1, 2, 3.0, NOW).to_wire()).archive

@@ -39,10 +39,11 @@ from p2p.errors import ConfigError, DedlocError
 from p2p.output import Output
 
 from .data import DataConfig, DataError, ExampleStream, ShardSource, batches, shard_paths
-from .events import Checkpointed, GlobalStepDone, StateDownloaded, TrainingStatus
+from .checkpoints import hold_directory, latest_checkpoint, save_checkpoint
+from .events import Checkpointed, GlobalStepDone, StateDownloaded, TakenUp, TrainingStatus
 from .optimizer import CollaborativeOptimizer, StepReport, TrainingConfig
 from .progress import ProgressTracker
-from .contributions import Contributions, DataContributions
+from .contributions import Contributions, DataContributions, board_from_json, carried
 from .state import StateDownloadError, StateServer, TrainingState, download_state
 
 if TYPE_CHECKING:
@@ -158,7 +159,17 @@ def training_config(args: argparse.Namespace) -> TrainingConfig:
                                       timeout=args.match_timeout),
         max_grad_norm=args.max_grad_norm or None, delay_updates=args.delay_updates,
         allreduce=AllreduceConfig(robust=CenteredClipConfig() if getattr(args, "centered_clip", False) else None),
-        averager=AveragerConfig(auxiliary=getattr(args, "auxiliary", False)))
+        averager=AveragerConfig(auxiliary=getattr(args, "auxiliary", False)),
+        trusted_archives=initial_peer_ids(args))
+
+
+def initial_peer_ids(args: argparse.Namespace) -> tuple[ID, ...]:
+    """The peers of ``--initial-peers`` (their ``/p2p/`` ids): a trainer trusts their saved state (a run's
+    backbone is its public node, the address its volunteers join through: ``training/progress.py``)."""
+    from p2p.addresses import parse_multiaddr, peer_id_of
+
+    ids = (peer_id_of(parse_multiaddr(a)) for a in getattr(args, "initial_peers", None) or ())
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 
 # ---------------------------------------------------------------------- dedloc train
@@ -364,6 +375,10 @@ class Monitor:
     ``curve.jsonl`` (a line per global step) and ``contributions.json`` (peer id
     -> ``{"samples": credited, "claimed": n, "auxiliary_steps": k}``, and
     ``"username"`` in a closed run).
+
+    A backbone started on a directory another one left takes up what it left
+    (:meth:`_take_up`): the curve goes on where it stopped and the leaderboard
+    adds to the one it saved, as a restart wiped every volunteer's credit before.
     """
 
     #: Points of the learning curve kept in memory for the live page (the file keeps them all).
@@ -383,6 +398,42 @@ class Monitor:
         self.data = DataContributions()
         #: Each dataset's manifest as every read so far made it (dataset id -> manifest).
         self._manifests: dict[bytes, Manifest] = {}
+        #: The leaderboard a backbone before us saved here (this one's credit adds to it).
+        self.earlier: dict[str, dict[str, Any]] = {}
+        self._take_up()
+
+    def _take_up(self) -> None:
+        """Read back what a backbone that ran here before left: the curve (its last :data:`MAX_CURVE`
+        points in memory, the step it reached) and the leaderboard. A line the crash of that backbone
+        tore is passed over (and the file ended, so the next line is not glued to it); a leaderboard
+        that does not read is moved aside with a warning (kept, not lost), and the board starts anew."""
+        curve = self.directory / "curve.jsonl"
+        if curve.exists():
+            text = curve.read_text(errors="replace")
+            points = []
+            for line in text.splitlines():
+                try:
+                    point = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(point, dict) and type(point.get("step")) is int:
+                    points.append(point)
+            if text and not text.endswith("\n"):
+                with curve.open("a") as f:
+                    f.write("\n")
+            self.curve = points[-self.MAX_CURVE:]
+            self.last_step = max((p["step"] for p in points), default=-1)
+            # the steps the saved board credited already; the step under way when it stopped counts on
+            self.credits.after = self.last_step - 1
+        board = self.directory / "contributions.json"
+        if board.exists():
+            try:
+                self.earlier = board_from_json(board.read_text(errors="replace"))
+            except ValueError as e:
+                aside = board.with_name(f"contributions.unreadable-{int(time.time())}.json")
+                board.replace(aside)
+                log.warning("backbone: %s does not read as a leaderboard (%s): moved to %s; the board starts anew",
+                            board, e, aside.name)
 
     def observe(self, tracker: ProgressTracker, now: float | None = None) -> None:
         self.credits.observe(tracker.reports, time.monotonic() if now is None else now)
@@ -396,7 +447,10 @@ class Monitor:
             f.write(json.dumps(line) + "\n")
         self.curve.append(line)
         del self.curve[: -self.MAX_CURVE]
-        (self.directory / "contributions.json").write_text(json.dumps(self.contributions(), indent=1))
+        board = self.directory / "contributions.json"
+        partial = board.with_name(board.name + ".partial")
+        partial.write_text(json.dumps(self.contributions(), indent=1))
+        partial.replace(board)  # whole or not at all: a crash mid-write left a torn board
 
     def page(self, tracker: ProgressTracker, run_id: str) -> dict[str, Any]:
         """The ``run`` section of the live page (``nat/dashboard.py``): the run's figures, the curve, and
@@ -426,7 +480,7 @@ class Monitor:
         for peer, data in self.data.leaderboard().items():
             row = board.setdefault(peer, {"samples": 0, "claimed": 0, "auxiliary_steps": 0})
             row.update(data)
-        return board
+        return carried(self.earlier, board)
 
     async def observe_datasets(self, datasets: Datasets, names: Sequence[str], now: float | None = None) -> None:
         """Read the run's datasets: each seeder's bytes served (its tracker record) and who added which shards."""
@@ -449,15 +503,22 @@ class Monitor:
             self.data.observe_shards(did, manifest.authors())
 
 
-async def backbone(peer: Peer, args: argparse.Namespace, dashboard: Dashboard | None = None) -> None:
-    """Watch the run: keep its curve and contributions, checkpoint it every --checkpoint-every steps;
-    with ``--metrics``, the run's families and the page's ``run`` section."""
-    _, model, _, _ = await trio.to_thread.run_sync(build, args)  # off the event loop
-    params = [p for p in model.parameters() if p.requires_grad]
+async def backbone(peer: Peer, args: argparse.Namespace, params: Sequence[torch.Tensor], latest: TrainingState | None,
+                   dashboard: Dashboard | None = None) -> None:
+    """Watch the run: keep its curve and contributions, checkpoint it every --checkpoint-every steps,
+    and serve the newest checkpoint, published as the run's archive (``training/progress.py``: a
+    trainer that trusts us takes it up when the swarm is behind it, every trainer having left);
+    ``latest``: the checkpoint taken up at start. With ``--metrics``, the run's families and the
+    page's ``run`` section."""
     directory = Path(args.checkpoint_dir)
     monitor = Monitor(directory, args.target_batch_size)
-    tracker = ProgressTracker(peer, args.run_id, args.target_batch_size, client=False)
-    latest: TrainingState | None = None
+    tracker = ProgressTracker(peer, args.run_id, args.target_batch_size, client=False, archive=True)
+    if latest is not None or monitor.last_step >= 0 or monitor.earlier:
+        if latest is not None:
+            monitor.checkpoint = {"step": latest.step, "path": latest.source, "time": time.time()}
+        peer.node.emit(TakenUp(step=latest.step if latest is not None else -1,
+                               path=latest.source if latest is not None else "",
+                               curve_step=monitor.last_step, volunteers=len(monitor.earlier)))
     if dashboard is not None:
         from .metrics import TrainingMetrics
 
@@ -468,7 +529,7 @@ async def backbone(peer: Peer, args: argparse.Namespace, dashboard: Dashboard | 
         return latest if latest is not None else TrainingState(-1, [], None, {}, None)
 
     serving = StateServer(peer, args.run_id, snapshot).install()
-    saved = -1
+    saved = latest.step if latest is not None else -1
     names = list(getattr(args, "datasets", None) or [])
     try:
         async with AsyncExitStack() as stack:
@@ -478,6 +539,8 @@ async def backbone(peer: Peer, args: argparse.Namespace, dashboard: Dashboard | 
 
                 datasets = await stack.enter_async_context(Datasets.open(peer))
             while True:
+                if latest is not None:  # the run's archive: what we hold, for a swarm that fell behind it
+                    await tracker.report(latest.step, 0, 0.0)
                 progress = await tracker.fetch()
                 if peer.authenticator is not None:  # a closed run: credit users, not just peer ids
                     for r in tracker.reports:
@@ -493,15 +556,12 @@ async def backbone(peer: Peer, args: argparse.Namespace, dashboard: Dashboard | 
                         if report.peer_id in progress.sources and report.addrs:
                             peer.node.add_addrs(report.peer_id, list(report.addrs))
                     try:
-                        latest = await download_state(peer, args.run_id, sources, progress.step, params, timeout=60)
+                        state = await download_state(peer, args.run_id, sources, progress.step, params, timeout=60)
                     except StateDownloadError as e:
                         peer.node.emit(Checkpointed(step=-1, path="", source=f"none: {e}"))
                     else:
-                        path = directory / f"checkpoint-{latest.step:06d}.pt"
-                        await trio.to_thread.run_sync(torch.save, {
-                            "step": latest.step, "params": latest.params, "pending": latest.pending,
-                            "optimizer": latest.optimizer, "scheduler": latest.scheduler, "time": time.time()}, path)
-                        saved = latest.step
+                        path = await trio.to_thread.run_sync(save_checkpoint, directory, args.run_id, state)
+                        latest, saved = state, state.step
                         monitor.checkpoint = {"step": latest.step, "path": str(path), "time": time.time()}
                         peer.node.emit(Checkpointed(step=latest.step, path=str(path), source=str(sources[0])))
                 await trio.sleep(args.report_every)
@@ -510,10 +570,17 @@ async def backbone(peer: Peer, args: argparse.Namespace, dashboard: Dashboard | 
 
 
 async def cmd_backbone(args: argparse.Namespace, out: Output) -> int:
+    """Everything checked before the peer starts: the options, the directory (held: one backbone
+    each), and the checkpoint to take up (this run's, this model's)."""
     _check_run_args(args)
     if args.checkpoint_every <= 0:
         raise ConfigError("--checkpoint-every must be positive")
-    return await run_peer(args, out, relay=True, work=lambda peer, dashboard: backbone(peer, args, dashboard), role="backbone")
+    with hold_directory(Path(args.checkpoint_dir)):
+        _, model, _, _ = await trio.to_thread.run_sync(build, args)  # off the event loop
+        params = [p for p in model.parameters() if p.requires_grad]
+        latest = await trio.to_thread.run_sync(latest_checkpoint, Path(args.checkpoint_dir), args.run_id, params)
+        return await run_peer(args, out, relay=True, role="backbone",
+                              work=lambda peer, dashboard: backbone(peer, args, params, latest, dashboard))
 
 
 # ---------------------------------------------------------------------- dedloc demo

@@ -45,7 +45,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
                        "with every peer of --run-id: each computes gradients on its own batches at its own pace, "
                        "and when the swarm has --target-batch-size samples, every peer averages them (one "
                        "all-reduce round) and takes the same optimizer step. A peer that joins late downloads the "
-                       "swarm's state first. Shows the run's progress: global step, samples/s, loss, peers.")
+                       "swarm's state first; one that joins after every other left takes the run up from the "
+                       "checkpoint of its backbone (an --initial-peers peer running `dedloc backbone`). Shows the run's progress: global step, samples/s, loss, peers.")
     peer_options(p)
     run_options(p)
     g = p.add_argument_group("training")
@@ -88,8 +89,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
                        description="Run a public peer (as `dedloc relay`) that follows --run-id's progress in the "
                        "DHT, keeps the learning curve (curve.jsonl) and the samples each peer contributed "
                        "(contributions.json) under --checkpoint-dir, and every --checkpoint-every steps "
-                       "downloads the swarm's state, saves it there and serves it to peers that ask. It is a "
-                       "relay and bootstrap node too (as `dedloc relay`): a run's public machine.")
+                       "downloads the swarm's state and saves it there. It serves the newest checkpoint: a trainer "
+                       "that joined through it (--initial-peers) and finds every other gone takes the run up "
+                       "from there. Restarted on the same --checkpoint-dir (one backbone each), it takes up its "
+                       "checkpoint, curve and contributions where they stopped. It is a relay and bootstrap node "
+                       "too (as `dedloc relay`): a run's public machine.")
     common_options(p)
     nat_options(p)
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="MULTIADDR", help="other bootstrap nodes to join")

@@ -25,9 +25,11 @@ Pure: reports and times in, credits out (:class:`Contributions`); the backbone
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from libp2p.peer.id import ID
 
@@ -58,6 +60,9 @@ class Contributions:
     step_seen: dict[int, float] = field(default_factory=dict)
     #: Steps each auxiliary peer reported itself present at.
     assisted: dict[ID, set[int]] = field(default_factory=dict)
+    #: Claims toward this step or an earlier one are not credited: a restarted backbone's board
+    #: carries them already (:func:`carried`).
+    after: int = -1
 
     def max_rate(self, reports: Iterable[LocalProgress]) -> float:
         rates = [r.samples_per_second for r in reports if not r.auxiliary and r.samples_per_second > 0]
@@ -68,7 +73,8 @@ class Contributions:
         limit = self.max_rate(reports)
         for r in reports:
             if r.auxiliary:
-                self.assisted.setdefault(r.peer_id, set()).add(r.step)
+                if r.step > self.after:
+                    self.assisted.setdefault(r.peer_id, set()).add(r.step)
                 continue
             self._claim(r.peer_id, r.step, r.samples, now, limit)
         for r in reports:
@@ -81,6 +87,8 @@ class Contributions:
     def _claim(self, peer: ID, step: int, samples: int, now: float, limit: float) -> None:
         """A peer's count toward ``step``, observed at ``now`` (the step's first sight, if it is the
         first): credited as far as ``limit`` allows."""
+        if step <= self.after:
+            return
         self.step_seen.setdefault(step, now)
         steps = self.claims.setdefault(peer, {})
         claim = steps.get(step)
@@ -107,6 +115,42 @@ class Contributions:
                 row["username"] = names[peer]
             out[peer.to_base58()] = row
         return out
+
+
+#: The leaderboard's counts that add up over a run (a restarted backbone adds its new credit to them).
+ADDED = ("samples", "claimed", "auxiliary_steps", "bytes_served")
+
+
+def carried(earlier: dict[str, dict[str, Any]], board: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The leaderboard of a backbone that restarted: what its board said before (``earlier``, read back
+    from ``contributions.json``: :func:`board_from_json`) plus what it credited since (``board``). The
+    counts of :data:`ADDED` add up; what is read afresh (shards added, a username) is taken from
+    ``board`` where it has it, else kept. Without it a restart wiped every volunteer's credit."""
+    out: dict[str, dict[str, Any]] = {}
+    for peer in sorted(set(earlier) | set(board)):
+        before, now = earlier.get(peer, {}), board.get(peer, {})
+        row = {**before, **now}
+        for name in ADDED:
+            if name in row:
+                row[name] = before.get(name, 0) + now.get(name, 0)
+        out[peer] = row
+    return out
+
+
+def board_from_json(text: str) -> dict[str, dict[str, Any]]:
+    """A saved leaderboard (``contributions.json``) as :func:`carried` takes it: ValueError when it is
+    not one; within one, a value of the wrong kind (a hand-edited file) is left out."""
+    data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError("not a leaderboard: no object at the top")
+    out: dict[str, dict[str, Any]] = {}
+    for peer, row in data.items():
+        if not isinstance(row, dict):
+            continue
+        out[peer] = {k: v for k, v in row.items()
+                     if (k in ADDED or k == "shards_added") and type(v) is int and v >= 0
+                     or k == "username" and isinstance(v, str)}
+    return out
 
 
 #: Bytes a second a seeder may be credited for at most (1 Gbit/s: more than a volunteer's uplink).
@@ -177,4 +221,4 @@ class DataContributions:
         return out
 
 
-__all__ = ["Contributions", "DataContributions", "MAX_SERVE_RATE", "RATE_FACTOR", "SLACK"]
+__all__ = ["ADDED", "Contributions", "DataContributions", "MAX_SERVE_RATE", "RATE_FACTOR", "SLACK", "board_from_json", "carried"]

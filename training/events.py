@@ -3,7 +3,8 @@
 ``dedloc train`` prints a :class:`TrainingStatus` every few seconds (a
 progress bar toward the next global step, the swarm's and its own samples/s,
 loss, peers, time to the step) and a :class:`GlobalStepDone` for every step
-of the swarm it took part in; ``dedloc backbone`` prints :class:`Checkpointed`.
+of the swarm it took part in; ``dedloc backbone`` prints :class:`Checkpointed`, and
+:class:`TakenUp` when it starts where another left.
 """
 
 from __future__ import annotations
@@ -110,6 +111,23 @@ class Checkpointed(Event):
 
     def human(self) -> str:
         return f"checkpoint of step {self.step} saved to {self.path} (from {self.source[-8:]})"
+
+
+@dataclass
+class TakenUp(Event):
+    """A backbone started on a directory another one left: the checkpoint it serves and publishes as the
+    run's archive (step -1: none), the step its curve goes on from, the volunteers its board carries."""
+
+    step: int
+    path: str
+    curve_step: int
+    volunteers: int
+    event: str = field(init=False, default="taken_up")
+
+    def human(self) -> str:
+        saved = f"serving the checkpoint of step {self.step} ({self.path})" if self.step >= 0 else "no checkpoint"
+        return (f"taken up from the last backbone: {saved}; the curve goes on from step {self.curve_step}, the "
+                f"board of {self.volunteers} volunteer{'' if self.volunteers == 1 else 's'}")
 
 
 @dataclass

@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 import trio
+from libp2p.peer.id import ID
 
 from averaging import (AllreduceConfig, Averager, AveragerConfig, Group, MatchmakingConfig, MatchmakingError,
                        RoundReport)
@@ -127,6 +128,10 @@ class TrainingConfig:
     #: partial round, a state taken from a peer that then missed a step). hivemind's
     #: ``average_state_every``.
     average_state_every: int = 0
+    #: the archives (``dedloc backbone``: the run's checkpoints) this peer trusts: when every live
+    #: peer is more than a step behind one, it takes the state there (``training/progress.py``).
+    #: Trusted by name, as any of them could serve a state nobody trained: the run's own backbones.
+    trusted_archives: tuple[ID, ...] = ()
 
     def validate(self) -> None:
         if not self.run_id or len(self.run_id) > 100:
@@ -205,7 +210,8 @@ class CollaborativeOptimizer:
         self.auxiliary = config.averager.auxiliary
         #: (its ``client`` and ``sender`` are set before each report: reachability is learned after start)
         self.tracker = ProgressTracker(peer, config.run_id, config.target_batch_size,
-                                       expiration=config.progress_expiration, auxiliary=self.auxiliary)
+                                       expiration=config.progress_expiration, auxiliary=self.auxiliary,
+                                       trusted=config.trusted_archives)
         #: the last step an auxiliary peer helped average (or tried to)
         self._assisted = -1
         self._reported_samples = 0  # what the last published report said
@@ -605,7 +611,7 @@ class CollaborativeOptimizer:
         if now < self._next_download:
             return False
         sources = [p for p in progress.sources if p != self.peer.peer_id]
-        for report in self.tracker.reports:  # where to reach them: their reports say
+        for report in (*self.tracker.reports, *self.tracker.archives):  # where to reach them: their reports say
             if report.peer_id in progress.sources and report.addrs:
                 self.peer.add_addrs(report.peer_id, list(report.addrs))
         wanted = policy.state_wanted(self._trainer(), progress, self.rules)

@@ -22,7 +22,17 @@ largest epoch any peer reports, so a single peer can move everyone):
   a partial read is not a smaller swarm;
 * an auxiliary peer (no samples of its own; it only helps average) follows
   the step and has no vote in it: it counts only in the group size a round
-  waits for.
+  waits for;
+* an *archive* (a backbone's saved state: ``archive`` set, its step the
+  checkpoint's) is no peer of the run: no samples, no vote, no group. A
+  trainer believes only the archives it trusts (its caller names them: the
+  run's backbones), and only when the swarm is behind one by more than a step,
+  every live peer (this one too): then that archive's step is the global step
+  and it the source. Every trainer gone, the next one to join takes the run
+  on from the backbone's checkpoint rather than from scratch (DeDLOC 3.1:
+  backbone peers store the checkpoints; one of them is always up). During a
+  run the backbone saves the state some live peer holds, so it is never ahead
+  of all of them by two steps.
 """
 
 from __future__ import annotations
@@ -75,6 +85,8 @@ class LocalProgress:
     #: the samples it brought to the round of ``step - 1`` (its final count there: the report of
     #: the next step replaces that step's, maybe before anyone read its last count)
     previous: int = 0
+    #: a saved state at ``step`` (a backbone's checkpoint), not a trainer (the module docstring)
+    archive: bool = False
 
     @property
     def serves_state(self) -> bool:
@@ -86,7 +98,8 @@ class LocalProgress:
         return pb.Progress(step=self.step, samples=self.samples, samples_per_second=self.samples_per_second,
                            time=self.time, client=self.client, loss=self.loss,
                            addrs=[a.to_bytes() for a in self.addrs[:MAX_ADDRS]],
-                           auxiliary=self.auxiliary, sender=self.sender, previous=self.previous).SerializeToString()
+                           auxiliary=self.auxiliary, sender=self.sender, previous=self.previous,
+                           archive=self.archive).SerializeToString()
 
     @classmethod
     def from_wire(cls, peer_id: ID, data: bytes) -> LocalProgress:
@@ -99,7 +112,7 @@ class LocalProgress:
         loss = msg.loss if msg.HasField("loss") and math.isfinite(msg.loss) else None
         addrs = tuple(decode_addrs(msg.addrs, limit=MAX_ADDRS))
         return cls(peer_id, msg.step, msg.samples, msg.samples_per_second, msg.time, msg.client, loss, addrs,
-                   msg.auxiliary, msg.sender, msg.previous)
+                   msg.auxiliary, msg.sender, msg.previous, msg.archive)
 
 
 @dataclass(frozen=True)
@@ -176,17 +189,20 @@ def merge_reports(known: Iterable[LocalProgress], read: Iterable[LocalProgress],
 
 
 def global_progress(reports: Iterable[LocalProgress], target: int, now: float, *, expiration: float = 60.0,
-                    local_step: int | None = None, own: LocalProgress | None = None) -> GlobalProgress:
+                    local_step: int | None = None, own: LocalProgress | None = None,
+                    archives: Iterable[LocalProgress] = ()) -> GlobalProgress:
     """Fold the live reports into the run's progress (the rules are in the module docstring).
 
     ``own``: this peer's latest report, counted when the DHT did not give it back
     (not stored yet, or no replica answered) or gave back an older one: a peer
     never reads a swarm without itself, nor itself as it was, and a peer alone
     still reaches its target. ``local_step``: our step, when we have not reported
-    yet (an empty swarm reads as that step, nothing done).
+    yet (an empty swarm reads as that step, nothing done). ``archives``: the
+    reports of the archives this peer trusts (an archive among ``reports`` is
+    nobody's word).
     """
-    everyone = {r.peer_id: r for r in reports if valid(r, now, expiration)}
-    if own is not None and valid(own, now, expiration) and (
+    everyone = {r.peer_id: r for r in reports if valid(r, now, expiration) and not r.archive}
+    if own is not None and not own.archive and valid(own, now, expiration) and (
             own.peer_id not in everyone or own.time >= everyone[own.peer_id].time):
         everyone[own.peer_id] = own  # the reads keep an older copy of ours until its expiry
     live = {k: r for k, r in everyone.items() if not r.auxiliary}  # the peers that train (and vote)
@@ -198,12 +214,17 @@ def global_progress(reports: Iterable[LocalProgress], target: int, now: float, *
     # the highest step that at least `quorum` peers report (every peer at a higher step also counts:
     # it went through this one); there are that many steps whenever there is one (quorum <= peers)
     step = steps[quorum - 1] if steps else 0
+    kept = [a for a in archives if a.archive and not a.client and valid(a, now, expiration)]
+    best = max((a.step for a in kept), default=-1)
+    behind = best > (steps[0] if steps else 0) + 1  # every live peer, by more than a step
+    if behind:
+        step = best
     at_step = [r for r in live.values() if r.step == step]
     samples = sum(min(r.samples, target) for r in at_step)
     rate = sum(min(r.samples_per_second, 1e12) for r in live.values())
     contributors = sum(1 for r in at_step if r.samples > 0)
-    sources = tuple(r.peer_id for r in sorted(live.values(), key=lambda r: -r.time)
-                    if r.step >= step and r.serves_state)
+    holders = kept if behind else [r for r in live.values() if r.serves_state]
+    sources = tuple(r.peer_id for r in sorted(holders, key=lambda r: -r.time) if r.step >= step)
     near = sum(1 for r in live.values() if step - 1 <= r.step <= step)
     losses = [r.loss for r in live.values() if r.loss is not None and math.isfinite(r.loss)]
     loss = sum(losses) / len(losses) if losses else None
@@ -220,7 +241,7 @@ class ProgressTracker:  # pragma: no mutate block (the DHT I/O: its tests are sw
 
     def __init__(self, peer: Swarm, run_id: str, target: int, *, expiration: float = 60.0,
                  clock: Callable[[], float] = time.time, client: bool = False, auxiliary: bool = False,
-                 sender: bool = False) -> None:
+                 sender: bool = False, archive: bool = False, trusted: Iterable[ID] = ()) -> None:
         if target <= 0:
             raise ValueError("the target batch size must be positive")
         self.peer = peer
@@ -231,11 +252,17 @@ class ProgressTracker:  # pragma: no mutate block (the DHT I/O: its tests are sw
         self.client = client
         self.auxiliary = auxiliary
         self.sender = sender
+        #: we publish a saved state, not a trainer's progress (a backbone: the module docstring)
+        self.archive = archive
+        #: the archives whose reports we believe (the run's backbones)
+        self.trusted = frozenset(trusted)
         #: our latest report, as we published it (or tried to)
         self.own: LocalProgress | None = None
         self.last: GlobalProgress | None = None
-        #: the live, believable reports of the last read (``last`` is their fold)
+        #: the live, believable reports of the last read (``last`` is their fold), archives apart
         self.reports: list[LocalProgress] = []
+        #: the live reports of the trusted archives
+        self.archives: list[LocalProgress] = []
 
     async def report(self, step: int, samples: int, samples_per_second: float, *, loss: float | None = None,
                      previous: int = 0, timeout: float = 10.0) -> bool:
@@ -245,7 +272,7 @@ class ProgressTracker:  # pragma: no mutate block (the DHT I/O: its tests are sw
         if loss is not None and not math.isfinite(loss):
             loss = None
         mine = LocalProgress(self.peer.peer_id, step, samples, samples_per_second, now, self.client,
-                             loss, tuple(self.peer.addrs), self.auxiliary, self.sender, previous)
+                             loss, tuple(self.peer.addrs), self.auxiliary, self.sender, previous, self.archive)
         self.own = mine
         try:
             return await self.peer.dht.store(self.key, mine.to_wire(), now + self.expiration,
@@ -273,6 +300,9 @@ class ProgressTracker:  # pragma: no mutate block (the DHT I/O: its tests are sw
                 except Exception as e:  # a stranger's garbage costs it only its entry
                     log.debug("skipping a malformed progress report: %r", e)
         now = self.clock()
+        archives = [r for r in reports if r.archive and r.peer_id in self.trusted]
+        reports = [r for r in reports if not r.archive]
+        self.archives = merge_reports(self.archives, archives, now, self.expiration)
         merged = merge_reports(self.reports, reports, now, self.expiration)
         kept = {r.peer_id for r in merged} - {r.peer_id for r in reports}
         if kept:  # by peer: the read may also hold expired or repeated entries
@@ -280,7 +310,7 @@ class ProgressTracker:  # pragma: no mutate block (the DHT I/O: its tests are sw
                       len(kept))
         self.reports = merged
         self.last = global_progress(merged, self.target, now, expiration=self.expiration, local_step=local_step,
-                                    own=self.own)
+                                    own=self.own, archives=self.archives)
         return self.last
 
 

@@ -39,6 +39,7 @@ from averaging.wire import FrameReader, frame
 from nat.swarm import Swarm
 from p2p.dht.records import DHTKey, ValueWithExpiration, content_subkey, owned, owner_of
 from p2p.errors import ConfigError, DedlocError, RemoteProtocolError
+from p2p.lockfile import HeldLock
 from p2p.trio_util import finish_quietly
 from p2p.untrusted import decode_addrs
 
@@ -60,7 +61,7 @@ from .manifest import (
     sign_by_authority,
 )
 from .picker import Pacer, UploadSlots
-from .store import DirectoryLock, LocalDataset, read_checked
+from .store import LocalDataset, lock_directory, read_checked
 
 if TYPE_CHECKING:
     from .fetch import FetchConfig, FetchReport
@@ -183,8 +184,8 @@ class Datasets:
         #: bytes served, every dataset together
         self.bytes_served = 0
         self.refused: dict[str, int] = {}
-        #: the directories this service writes, one process at a time (``store.DirectoryLock``)
-        self._locks: dict[Path, DirectoryLock] = {}
+        #: the directories this service writes, one process at a time (``store.lock_directory``)
+        self._locks: dict[Path, HeldLock] = {}
 
     @classmethod
     @asynccontextmanager
@@ -207,7 +208,7 @@ class Datasets:
         directory this service holds already (a download that then seeds) is not locked twice."""
         key = Path(directory).resolve()
         if key not in self._locks:
-            self._locks[key] = DirectoryLock.acquire(Path(directory))
+            self._locks[key] = lock_directory(Path(directory))
 
     # ------------------------------------------------------------------ publishing
 

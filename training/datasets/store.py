@@ -33,6 +33,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from p2p.lockfile import HeldLock, LockHeld
+
 from .manifest import DatasetError, Manifest, ManifestError, Shard
 from .pieces import HASH_SIZE, hash_file, leaf, merkle_root, piece_count, piece_span, split_leaves
 
@@ -41,39 +43,17 @@ log = logging.getLogger(__name__)
 META = ".dedloc"
 
 
-class DirectoryLock:
-    """One process at a time writes a dataset's directory: an exclusive ``flock`` on
+def lock_directory(directory: Path) -> HeldLock:
+    """Hold a dataset's directory, one process at a time (``p2p.lockfile``): an exclusive lock on
     ``DIR/.dedloc/lock``, which holds the owner's pid for the message. With two ``dataset get`` into
-    one directory at once, both writing its part files, the second hung at 2 of 3 shards for good.
-    The kernel releases the lock when the process ends, crash or not (a pid
-    file would outlive a crash and lock the directory out)."""
-
-    def __init__(self, directory: Path, fd: int) -> None:
-        self.directory = directory
-        self._fd: int | None = fd
-
-    @classmethod
-    def acquire(cls, directory: Path) -> DirectoryLock:
-        import fcntl
-
-        meta = Path(directory) / META
-        meta.mkdir(parents=True, exist_ok=True)
-        fd = os.open(meta / "lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            os.close(fd)
-            raise DatasetError(f"{directory} is in use by another dedloc process{f' (pid {owner})' if owner else ''}; "
-                               "wait for it to end, or name another directory") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        return cls(Path(directory), fd)
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the descriptor drops the flock
-            self._fd = None
+    one directory at once, both writing its part files, the second hung at 2 of 3 shards for good."""
+    meta = Path(directory) / META
+    meta.mkdir(parents=True, exist_ok=True)
+    try:
+        return HeldLock.acquire(meta / "lock")
+    except LockHeld as e:
+        raise DatasetError(f"{directory} is in use by another dedloc process{f' (pid {e.owner})' if e.owner else ''}; "
+                           "wait for it to end, or name another directory") from None
 
 
 def stored_manifest(directory: Path) -> Path:

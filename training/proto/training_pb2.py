@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtraining/proto/training.proto\x12\x0f\x64\x65\x64loc.training\"\xc3\x01\n\x08Progress\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0f\n\x07samples\x18\x02 \x01(\x03\x12\x1a\n\x12samples_per_second\x18\x03 \x01(\x01\x12\x0c\n\x04time\x18\x04 \x01(\x01\x12\x0e\n\x06\x63lient\x18\x05 \x01(\x08\x12\x11\n\x04loss\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05\x61\x64\x64rs\x18\x07 \x03(\x0c\x12\x11\n\tauxiliary\x18\x08 \x01(\x08\x12\x0e\n\x06sender\x18\t \x01(\x08\x12\x10\n\x08previous\x18\n \x01(\x03\x42\x07\n\x05_loss\"0\n\x0cStateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08min_step\x18\x02 \x01(\x03\"\xc6\x01\n\x0bStateHeader\x12\x33\n\x06status\x18\x01 \x01(\x0e\x32#.dedloc.training.StateHeader.Status\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x0e\n\x06params\x18\x04 \x01(\x03\x12\x0f\n\x07pending\x18\x05 \x01(\x08\x12\x0c\n\x04meta\x18\x06 \x01(\t\"5\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x06\n\x02OK\x10\x01\x12\x0b\n\x07REFUSED\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtraining/proto/training.proto\x12\x0f\x64\x65\x64loc.training\"\xd4\x01\n\x08Progress\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0f\n\x07samples\x18\x02 \x01(\x03\x12\x1a\n\x12samples_per_second\x18\x03 \x01(\x01\x12\x0c\n\x04time\x18\x04 \x01(\x01\x12\x0e\n\x06\x63lient\x18\x05 \x01(\x08\x12\x11\n\x04loss\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05\x61\x64\x64rs\x18\x07 \x03(\x0c\x12\x11\n\tauxiliary\x18\x08 \x01(\x08\x12\x0e\n\x06sender\x18\t \x01(\x08\x12\x10\n\x08previous\x18\n \x01(\x03\x12\x0f\n\x07\x61rchive\x18\x0b \x01(\x08\x42\x07\n\x05_loss\"0\n\x0cStateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08min_step\x18\x02 \x01(\x03\"\xc6\x01\n\x0bStateHeader\x12\x33\n\x06status\x18\x01 \x01(\x0e\x32#.dedloc.training.StateHeader.Status\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x0e\n\x06params\x18\x04 \x01(\x03\x12\x0f\n\x07pending\x18\x05 \x01(\x08\x12\x0c\n\x04meta\x18\x06 \x01(\t\"5\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x06\n\x02OK\x10\x01\x12\x0b\n\x07REFUSED\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,11 +32,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'training.proto.training_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PROGRESS']._serialized_start=51
-  _globals['_PROGRESS']._serialized_end=246
-  _globals['_STATEREQUEST']._serialized_start=248
-  _globals['_STATEREQUEST']._serialized_end=296
-  _globals['_STATEHEADER']._serialized_start=299
-  _globals['_STATEHEADER']._serialized_end=497
-  _globals['_STATEHEADER_STATUS']._serialized_start=444
-  _globals['_STATEHEADER_STATUS']._serialized_end=497
+  _globals['_PROGRESS']._serialized_end=263
+  _globals['_STATEREQUEST']._serialized_start=265
+  _globals['_STATEREQUEST']._serialized_end=313
+  _globals['_STATEHEADER']._serialized_start=316
+  _globals['_STATEHEADER']._serialized_end=514
+  _globals['_STATEHEADER_STATUS']._serialized_start=461
+  _globals['_STATEHEADER_STATUS']._serialized_end=514
 # @@protoc_insertion_point(module_scope)

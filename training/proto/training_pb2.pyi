@@ -38,6 +38,7 @@ class Progress(_message.Message):
     AUXILIARY_FIELD_NUMBER: _builtins.int
     SENDER_FIELD_NUMBER: _builtins.int
     PREVIOUS_FIELD_NUMBER: _builtins.int
+    ARCHIVE_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """the global step this peer accumulates gradients for"""
     samples: _builtins.int
@@ -56,6 +57,10 @@ class Progress(_message.Message):
     """never reduces a part (client mode, relayed): a group of senders cannot form"""
     previous: _builtins.int
     """samples it brought to step - 1's round (its last count there, which the"""
+    archive: _builtins.bool
+    """step may have overwritten before anyone read it: credit for it)
+    a saved state at `step` (a backbone's checkpoint), not a trainer: no
+    """
     @_builtins.property
     def addrs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """where to reach it for its state (binary multiaddrs, relay circuits included)"""
@@ -73,10 +78,11 @@ class Progress(_message.Message):
         auxiliary: _builtins.bool = ...,
         sender: _builtins.bool = ...,
         previous: _builtins.int = ...,
+        archive: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "loss", b"loss"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "addrs", b"addrs", "auxiliary", b"auxiliary", "client", b"client", "loss", b"loss", "previous", b"previous", "samples", b"samples", "samples_per_second", b"samples_per_second", "sender", b"sender", "step", b"step", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "addrs", b"addrs", "archive", b"archive", "auxiliary", b"auxiliary", "client", b"client", "loss", b"loss", "previous", b"previous", "samples", b"samples", "samples_per_second", b"samples_per_second", "sender", b"sender", "step", b"step", "time", b"time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__loss: _TypeAlias = _typing.Literal["loss"]  # noqa: Y015
     _WhichOneofArgType__loss: _TypeAlias = _typing.Literal["_loss", b"_loss"]  # noqa: Y015
