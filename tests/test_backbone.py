@@ -108,7 +108,7 @@ def test_a_checkpoint_directory_is_held_by_one_backbone_at_a_time(tmp_path: Path
     with hold_directory(tmp_path / "ck"):
         with pytest.raises(CheckpointError) as refused:
             hold_directory(tmp_path / "ck")
-        assert str(refused.value) == (f"--checkpoint-dir {tmp_path / 'ck'} is in use by another dedloc backbone "
+        assert str(refused.value) == (f"--checkpoint-dir {tmp_path / 'ck'} is in use by another dedloc process "
                                       f"(pid {os.getpid()}); stop it, or name another directory")
     hold_directory(tmp_path / "ck").release()
 
@@ -242,7 +242,7 @@ def test_a_restarted_backbone_takes_up_its_directory_and_a_trainer_joining_an_em
         addr = next(a for e in lines.events() if e.get("event") == "listening" for a in e["addrs"] if "/127.0.0.1/" in a)
         second = subprocess.run([*dedloc, "backbone", *peer, "--checkpoint-dir", str(checkpoints), *run_args],
                                 capture_output=True, text=True, timeout=60)
-        assert second.returncode == 1 and (f"--checkpoint-dir {checkpoints} is in use by another dedloc backbone "
+        assert second.returncode == 1 and (f"--checkpoint-dir {checkpoints} is in use by another dedloc process "
                                            f"(pid {backbone.pid})") in second.stdout, second.stdout  # --json: a line
         trainer = subprocess.run([*dedloc, "train", *peer, "--initial-peers", addr, "--max-steps", "7", *run_args],
                                  capture_output=True, text=True, timeout=150)

@@ -345,6 +345,13 @@ async def test_serve_experts_command_hosts_a_grid_that_a_layer_uses(tmp_path: Pa
                 assert y.shape == (4, HID) and layer.last_report is not None
                 assert layer.last_report.answered == layer.last_report.asked >= 1
                 await client.run(lambda: layer(x).sum().backward())
+            # a second server of the same experts on the directory would save over the first one's weights
+            second = await trio.run_process(
+                [sys.executable, "-m", "training.commands", "serve-experts", "--expert-pattern", "ffn.[0:2].[0:3]",
+                 "--hidden-dim", str(HID), "--initial-peers", boot, "--ephemeral", "--checkpoint-dir", str(tmp_path)],
+                capture_stdout=True, capture_stderr=True, check=False)
+            assert second.returncode == 1 and (f"--checkpoint-dir {tmp_path} is in use by another dedloc process (pid "
+                                               f"{server.pid})") in second.stderr.decode(), second.stderr.decode()
         finally:
             server.terminate()
             with trio.fail_after(20):

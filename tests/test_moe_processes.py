@@ -134,7 +134,7 @@ async def test_children_whose_parent_is_killed_save_their_experts_and_stop(tmp_p
             finally:  # orphans left by a broken lifeline would serve on
                 for pid in filter(alive, children):
                     os.kill(pid, signal.SIGKILL)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"ffn.{i}.pt" for i in range(4)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", *(f"ffn.{i}.pt" for i in range(4))]
 
 
 async def test_a_child_that_dies_stops_the_others_and_the_command_fails(tmp_path: Path) -> None:

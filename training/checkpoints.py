@@ -50,13 +50,15 @@ def checkpoint_path(directory: Path, step: int) -> Path:
 
 
 def hold_directory(directory: Path) -> HeldLock:
-    """One backbone at a time writes a checkpoint directory (``p2p.lockfile`` on ``DIR/.lock``)."""
+    """One process at a time writes a checkpoint directory (``p2p.lockfile`` on ``DIR/.lock``): a
+    backbone's, or an expert server's (``serve-experts --checkpoint-dir``: two servers of the same
+    experts saved over each other's weights; its ``--processes`` children share their parent's hold)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     try:
         return HeldLock.acquire(directory / ".lock")
     except LockHeld as e:
-        raise CheckpointError(f"--checkpoint-dir {directory} is in use by another dedloc backbone"
+        raise CheckpointError(f"--checkpoint-dir {directory} is in use by another dedloc process"
                               f"{f' (pid {e.owner})' if e.owner else ''}; stop it, or name another directory") from None
 
 

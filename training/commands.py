@@ -133,7 +133,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
                    help="the most a batch waits for --min-batch-size rows (default: none)")
     g.add_argument("--update-period", type=positive_seconds, default=30.0, metavar="SECONDS",
                    help="how often the experts are declared in the DHT (each declaration lives 3x this)")
-    g.add_argument("--checkpoint-dir", type=directory, default=None, help="save and load the experts here (default: none)")
+    g.add_argument("--checkpoint-dir", type=directory, default=None,
+                   help="save and load the experts here, one server at a time (default: none)")
     g.add_argument("--seed", type=int, default=0, help="seed of the experts' initial weights (each expert's "
                    "from it and its uid)")
     g.add_argument("--processes", type=int, default=1, metavar="N",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from p2p.errors import ConfigError
 from p2p.noise import process_cores
 from p2p.output import Output
 
+from ..checkpoints import hold_directory
 from ..events import ExpertsServing
 from .experts import PRESETS, expert_seed
 from .grid import ExpertUid, UidError, expand_pattern
@@ -81,6 +83,13 @@ async def cmd_serve_experts(args: argparse.Namespace, out: Output) -> int:
                           checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
                           update_period=args.update_period, expiration=args.update_period * 3)
     config.validate()
+    with contextlib.ExitStack() as held:
+        if config.checkpoint_dir is not None and getattr(args, "shard", None) is None:  # a child: its parent holds it
+            held.enter_context(hold_directory(config.checkpoint_dir))
+        return await _serve_experts(args, out, config)
+
+
+async def _serve_experts(args: argparse.Namespace, out: Output, config: ServerConfig) -> int:
     if getattr(args, "processes", 1) != 1:
         uids = expert_uids(args)  # a bad pattern or option fails here, before any child starts
         check_options(args)
