@@ -135,6 +135,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "training/events.py": ("tests/test_layer_events.py",),
     "training/datasets/events.py": ("tests/test_layer_events.py",),
     "p2p/events.py": ("tests/test_layer_events.py", "tests/test_output.py"),
+    "training/checkpoints.py": ("tests/test_backbone.py",),
+    "p2p/lockfile.py": ("tests/test_store.py", "tests/test_identity.py", "tests/test_backbone.py"),
 }
 
 KILLED = {"killed", "timeout"}

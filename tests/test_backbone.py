@@ -16,6 +16,7 @@ from training import CollaborativeOptimizer, TrainingConfig
 from training.checkpoints import (CheckpointError, checkpoint_path, hold_directory, latest_checkpoint, save_checkpoint,
                                   saved_steps)
 from training.cli import Monitor
+from p2p.lockfile import HeldLock
 from training.progress import ProgressTracker
 from training.state import StateServer, TrainingState, snapshot_of
 
@@ -81,10 +82,60 @@ def test_a_save_cut_short_leaves_no_torn_file_under_a_checkpoint_s_name(tmp_path
         Path(f).write_bytes(b"half a checkpoint")
         raise OSError(28, "No space left on device")
 
+    assert set(torch.load(tmp_path / "checkpoint-000010.pt", weights_only=True)) == {
+        "run_id", "step", "params", "pending", "optimizer", "scheduler", "time"}  # when it was saved: for people
     monkeypatch.setattr(torch, "save", crash)
     with pytest.raises(OSError, match="No space left"):
         save_checkpoint(tmp_path, "run", state_at(20)[0])
-    assert [s for s, _ in saved_steps(tmp_path)] == [10]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-000010.pt"]  # no half file left behind
+
+
+class Evil:
+    """A pickle that runs code when loaded without ``weights_only``: it would make ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[Path]]:
+        return Path.touch, (self.marker,)
+
+
+def test_what_does_not_read_as_a_checkpoint_is_passed_over_and_named(tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    state, params = state_at(1)
+    good = {"run_id": "run", "step": 1, "params": state.params, "pending": None, "optimizer": state.optimizer,
+            "scheduler": state.scheduler}
+    marker = tmp_path / "ran"
+    wrong = [
+        (2, [1, 2], "not a dictionary"),
+        (3, {**good, "step": 3, "optimizer": [1]}, "no optimizer state"),
+        (4, {**good, "step": 4, "scheduler": [1]}, "no optimizer state"),
+        (5, {**good, "step": 5, "pending": [torch.zeros(1)]}, "its pending gradients do not fit"),
+        (6, {**good, "step": 6, "pending": [torch.zeros(3, 3) for _ in params]}, "its pending gradients do not fit"),
+        (7, {**good, "step": 7, "extra": Evil(marker)}, "does not read as a checkpoint"),  # nothing in it runs code
+        (9, {**good, "step": 8}, "it holds step 8"),  # a file renamed by hand
+    ]
+    torch.save(good, tmp_path / "checkpoint-000001.pt")
+    for step, content, _ in wrong:
+        torch.save(content, tmp_path / f"checkpoint-{step:06d}.pt")
+    with caplog.at_level(logging.WARNING):
+        taken = latest_checkpoint(tmp_path, "run", [torch.zeros_like(p) for p in params])
+    assert taken is not None and taken.step == 1 and not marker.exists()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == len(wrong)
+    for (step, _, words), line in zip(sorted(wrong, reverse=True), warnings):
+        assert f"checkpoint-{step:06d}.pt" in line and words in line, (step, line)
+
+
+def test_a_checkpoint_without_a_run_id_is_taken_and_its_tensors_take_the_model_s_dtype(tmp_path: Path) -> None:
+    """Checkpoints of a backbone before this one named no run: they are taken (the model's shapes still
+    checked); a checkpoint saved in another precision is loaded in the model's."""
+    state, params = state_at(4)
+    torch.save({"step": 4, "params": [p.double() for p in state.params], "pending": None,
+                "optimizer": state.optimizer, "scheduler": state.scheduler}, tmp_path / "checkpoint-000004.pt")
+    taken = latest_checkpoint(tmp_path, "any-run", [torch.zeros_like(p) for p in params])
+    assert taken is not None and taken.step == 4
+    assert all(t.dtype == torch.float32 and torch.equal(t, p) for t, p in zip(taken.params, state.params))
 
 
 def test_another_run_s_or_model_s_checkpoints_are_refused_not_mixed_with_this_run_s(tmp_path: Path) -> None:
@@ -105,12 +156,52 @@ def test_another_run_s_or_model_s_checkpoints_are_refused_not_mixed_with_this_ru
 def test_a_checkpoint_directory_is_held_by_one_backbone_at_a_time(tmp_path: Path) -> None:
     import os
 
-    with hold_directory(tmp_path / "ck"):
+    ck = tmp_path / "runs" / "ck"  # made with its parents
+    with hold_directory(ck):
+        assert (ck / ".lock").read_text() == str(os.getpid())
         with pytest.raises(CheckpointError) as refused:
-            hold_directory(tmp_path / "ck")
-        assert str(refused.value) == (f"--checkpoint-dir {tmp_path / 'ck'} is in use by another dedloc process "
+            hold_directory(ck)
+        assert str(refused.value) == (f"--checkpoint-dir {ck} is in use by another dedloc process "
                                       f"(pid {os.getpid()}); stop it, or name another directory")
-    hold_directory(tmp_path / "ck").release()
+    hold_directory(ck).release()
+    (ck / ".lock").write_text("")  # held by one that recorded no pid (an older dedloc, a hand-made lock)
+    with HeldLock.acquire(ck / ".lock", record_pid=False):
+        with pytest.raises(CheckpointError) as refused:
+            hold_directory(ck)
+        assert str(refused.value) == (f"--checkpoint-dir {ck} is in use by another dedloc process; stop it, "
+                                      "or name another directory")
+
+
+def test_a_lock_says_who_holds_it_and_locks_a_file_it_does_not_own_read_only(tmp_path: Path) -> None:
+    import os
+    import stat
+
+    from p2p.lockfile import LockHeld
+
+    assert str(LockHeld(tmp_path, "12")) == f"{tmp_path} is locked by pid 12"
+    assert str(LockHeld(tmp_path, "")) == f"{tmp_path} is locked by another process"
+    before = os.umask(0o022)
+    try:
+        lock = HeldLock.acquire(tmp_path / "lock")
+    finally:
+        os.umask(before)
+    assert lock.path == tmp_path / "lock" and lock.held
+    assert stat.S_IMODE((tmp_path / "lock").stat().st_mode) == 0o644
+    (tmp_path / "lock").write_bytes(b"\xff77 ")  # not UTF-8: read as well as it can be
+    with pytest.raises(LockHeld) as held:
+        HeldLock.acquire(tmp_path / "lock")
+    assert (held.value.path, held.value.owner) == (tmp_path / "lock", "\ufffd77")
+    lock.release()
+    assert not lock.held
+    key = tmp_path / "identity.key"
+    with pytest.raises(FileNotFoundError):  # a file it does not own is never created
+        HeldLock.acquire(key, record_pid=False)
+    key.write_bytes(b"secret key bytes")
+    with HeldLock.acquire(key, record_pid=False):
+        with pytest.raises(LockHeld) as held:
+            HeldLock.acquire(key, record_pid=False)
+        assert held.value.owner == ""  # its contents are not a pid, and are never read out
+    assert key.read_bytes() == b"secret key bytes"
 
 
 # ---------------------------------------------------------------------- the curve and the board

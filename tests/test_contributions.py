@@ -204,9 +204,12 @@ def test_a_saved_board_is_read_back_with_what_is_not_a_count_left_out() -> None:
     from training.contributions import board_from_json
 
     assert board_from_json('{"a": {"samples": 5, "claimed": -1, "auxiliary_steps": true, "username": 3, '
-                           '"bytes_served": 2.5, "shards_added": 4, "other": 1}, "b": [1], "c": {}}') == {
-        "a": {"samples": 5, "shards_added": 4}, "c": {}}
-    for bad in ("[1, 2]", '{"a": ', ""):
+                           '"bytes_served": 2.5, "shards_added": 4, "other": 1, "note": "x"}, "b": [1], "c": {}, '
+                           '"d": {"username": "dee", "claimed": 0}}') == {
+        "a": {"samples": 5, "shards_added": 4}, "c": {}, "d": {"username": "dee", "claimed": 0}}
+    with pytest.raises(ValueError, match="^not a leaderboard: no object at the top$"):
+        board_from_json("[1, 2]")
+    for bad in ('{"a": ', ""):
         with pytest.raises(ValueError):
             board_from_json(bad)
 

@@ -215,6 +215,9 @@ def test_a_trusted_archive_ahead_of_every_live_peer_by_more_than_a_step_is_the_r
         for delayed in (False, True):  # the trainer takes it there, with or without delayed updates
             decision = decide(Trainer("a", 0, 30), p, reports, NOW, Rules(delay_updates=delayed))  # type: ignore[arg-type]
             assert decision.action == CatchUp(p)
+    # nothing known of the swarm, nor of our own step: step 0 is where it stands
+    assert global_progress([], target=100, now=NOW, archives=[archive("b", 2)]).step == 2
+    assert global_progress([], target=100, now=NOW, archives=[archive("b", 1)]).step == 0
     # two archives at the step: the freshest report first
     p = global_progress([alone], target=100, now=NOW, archives=[archive("b", 120, age=3), archive("c", 120, age=2)])
     assert p.sources == ("c", "b")

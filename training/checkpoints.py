@@ -66,9 +66,12 @@ def save_checkpoint(directory: Path, run_id: str, state: TrainingState) -> Path:
     """Write ``state`` as ``checkpoint-<step>.pt`` whole or not at all; its path."""
     path = checkpoint_path(directory, state.step)
     partial = path.with_name(path.name + ".partial")
-    torch.save({"run_id": run_id, "step": state.step, "params": state.params, "pending": state.pending,
-                "optimizer": state.optimizer, "scheduler": state.scheduler, "time": time.time()}, partial)
-    partial.replace(path)
+    try:
+        torch.save({"run_id": run_id, "step": state.step, "params": state.params, "pending": state.pending,
+                    "optimizer": state.optimizer, "scheduler": state.scheduler, "time": time.time()}, partial)
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)  # a save cut short (a full disk) leaves nothing behind
     return path
 
 
