@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,8 @@ import trio
 
 from p2p.errors import ConfigError
 from training import CollaborativeOptimizer, TrainingConfig
-from training.checkpoints import (CheckpointError, checkpoint_path, hold_directory, latest_checkpoint, save_checkpoint,
-                                  saved_steps)
+from training.checkpoints import (CheckpointError, checkpoint_path, hold_directory, latest_checkpoint,
+                                  prune_checkpoints, save_checkpoint, saved_steps)
 from training.cli import Monitor
 from p2p.lockfile import HeldLock
 from training.progress import ProgressTracker
@@ -71,6 +72,17 @@ def test_a_checkpoint_is_read_back_whole_and_the_newest_that_reads_is_taken_up(t
     assert back.pending is not None and all(torch.equal(g, torch.full_like(p, 0.5)) for g, p in zip(back.pending, params))
     assert back.optimizer["param_groups"] == state.optimizer["param_groups"] and back.scheduler == state.scheduler
     assert latest_checkpoint(tmp_path / "none", "run", fresh) is None  # no directory yet: nothing to take up
+
+
+def test_only_the_newest_checkpoints_are_kept_when_asked(tmp_path: Path) -> None:
+    state, _ = state_at(1)
+    for step in (5, 10, 15, 20):
+        save_checkpoint(tmp_path, "run", replace(state, step=step))
+    (tmp_path / "curve.jsonl").write_text("")
+    assert prune_checkpoints(tmp_path, 0) == [] and len(saved_steps(tmp_path)) == 4  # 0: keep all
+    assert prune_checkpoints(tmp_path, 2) == [checkpoint_path(tmp_path, 10), checkpoint_path(tmp_path, 5)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-000015.pt", "checkpoint-000020.pt", "curve.jsonl"]
+    assert prune_checkpoints(tmp_path, 2) == []
 
 
 def test_a_save_cut_short_leaves_no_torn_file_under_a_checkpoint_s_name(tmp_path: Path,

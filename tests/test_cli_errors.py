@@ -151,6 +151,8 @@ TABLE: list[tuple[str, str]] = [
      "--lr must be a positive number"),
     ("backbone --listen /ip4/127.0.0.1/tcp/0 --ephemeral --checkpoint-dir {tmp}/ckpt --target-batch-size 0",
      "--target-batch-size must be positive"),
+    ("backbone --listen /ip4/127.0.0.1/tcp/0 --ephemeral --checkpoint-dir {tmp}/ckpt --keep-checkpoints -1",
+     "--keep-checkpoints must be 0 (keep all) or more, not -1"),
     ("train --initial-peers {open} --ephemeral --lr inf", "--lr must be a positive number"),
     ("train --initial-peers {open} --ephemeral --run-id " + "r" * 101, "--run-id must be 1 to 100 characters"),
 ]

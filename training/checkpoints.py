@@ -83,6 +83,17 @@ def saved_steps(directory: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
+def prune_checkpoints(directory: Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` checkpoints (0: keep all); what was deleted. A backbone that
+    saves every few steps for weeks filled its disk (a model with Adam's moments is three models a file)."""
+    if keep <= 0:
+        return []
+    old = [path for _, path in saved_steps(directory)[keep:]]
+    for path in old:
+        path.unlink(missing_ok=True)
+    return old
+
+
 def load_checkpoint(path: Path, run_id: str, params: Sequence[torch.Tensor]) -> TrainingState:
     """The state in ``path``; :class:`CheckpointError` when it is another run's or model's, ``ValueError``
     when it does not read as a checkpoint at all (torn, or not one)."""
@@ -129,4 +140,4 @@ def latest_checkpoint(directory: Path, run_id: str, params: Sequence[torch.Tenso
 
 
 __all__ = ["CheckpointError", "checkpoint_path", "hold_directory", "latest_checkpoint", "load_checkpoint",
-           "save_checkpoint", "saved_steps"]
+           "prune_checkpoints", "save_checkpoint", "saved_steps"]

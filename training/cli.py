@@ -39,7 +39,7 @@ from p2p.errors import ConfigError, DedlocError
 from p2p.output import Output
 
 from .data import DataConfig, DataError, ExampleStream, ShardSource, batches, shard_paths
-from .checkpoints import hold_directory, latest_checkpoint, save_checkpoint
+from .checkpoints import hold_directory, latest_checkpoint, prune_checkpoints, save_checkpoint
 from .events import Checkpointed, GlobalStepDone, StateDownloaded, TakenUp, TrainingStatus
 from .optimizer import CollaborativeOptimizer, StepReport, TrainingConfig
 from .progress import ProgressTracker
@@ -561,6 +561,7 @@ async def backbone(peer: Peer, args: argparse.Namespace, params: Sequence[torch.
                         peer.node.emit(Checkpointed(step=-1, path="", source=f"none: {e}"))
                     else:
                         path = await trio.to_thread.run_sync(save_checkpoint, directory, args.run_id, state)
+                        await trio.to_thread.run_sync(prune_checkpoints, directory, args.keep_checkpoints)
                         latest, saved = state, state.step
                         monitor.checkpoint = {"step": latest.step, "path": str(path), "time": time.time()}
                         peer.node.emit(Checkpointed(step=latest.step, path=str(path), source=str(sources[0])))
@@ -575,6 +576,8 @@ async def cmd_backbone(args: argparse.Namespace, out: Output) -> int:
     _check_run_args(args)
     if args.checkpoint_every <= 0:
         raise ConfigError("--checkpoint-every must be positive")
+    if args.keep_checkpoints < 0:
+        raise ConfigError(f"--keep-checkpoints must be 0 (keep all) or more, not {args.keep_checkpoints}")
     with hold_directory(Path(args.checkpoint_dir)):
         _, model, _, _ = await trio.to_thread.run_sync(build, args)  # off the event loop
         params = [p for p in model.parameters() if p.requires_grad]

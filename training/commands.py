@@ -101,6 +101,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     run_options(p)
     p.add_argument("--checkpoint-dir", type=directory, default="dedloc-checkpoints", help="where files go (default: %(default)s)")
     p.add_argument("--checkpoint-every", type=int, default=10, metavar="N", help="global steps between checkpoints")
+    p.add_argument("--keep-checkpoints", type=int, default=0, metavar="N",
+                   help="keep only the newest N checkpoints, deleting older ones as new ones are saved (default: 0, "
+                   "keep all)")
     p.add_argument("--datasets", nargs="+", default=None, metavar="NAME",
                    help="the run's datasets in the swarm: the leaderboard credits who served them and who added "
                    "their shards (bytes served as each seeder's signed tracker record says, no faster than 1 Gbit/s)")
