@@ -16,7 +16,7 @@ from p2p.errors import ConfigError
 from training import CollaborativeOptimizer, TrainingConfig
 from training.checkpoints import (CheckpointError, checkpoint_path, hold_directory, latest_checkpoint,
                                   prune_checkpoints, save_checkpoint, saved_steps)
-from training.cli import Monitor
+from training.monitor import Monitor
 from p2p.lockfile import HeldLock
 from training.progress import ProgressTracker
 from training.state import StateServer, TrainingState, snapshot_of

@@ -139,7 +139,7 @@ async def test_the_backbone_keeps_credit_for_shards_a_later_read_missed_and_drop
     """The backbone reads a dataset's manifest from the DHT at every turn; a read that missed an entry
     (a replica behind, or cut short by its timeout: CI once read the adder's shards as 0 so) must
     not take its author's credit back. A retraction is an entry too, and it does."""
-    from training.cli import Monitor
+    from training.monitor import Monitor
 
     creator, adder = signer(), signer()
     header = Header.make(creator, "wiki", "text", piece_size=PIECE, now=NOW)

@@ -416,7 +416,7 @@ async def test_training_reads_the_first_shard_while_the_rest_is_still_coming(tmp
 @pytest.mark.realtime  # which seeder serves first is a race of paced links: starved at nice 10 beside a lab, the creator served nothing
 @pytest.mark.timeout(60)
 async def test_the_backbone_credits_who_served_a_dataset_and_who_added_its_shards(tmp_path: Path) -> None:
-    from training.cli import Monitor
+    from training.monitor import Monitor
 
     expected = corpus(tmp_path / "src", shards=2, size=200_000)
     (tmp_path / "more").mkdir()

@@ -16,7 +16,7 @@ import trio
 
 from nat import Peer
 from nat.dashboard import Dashboard
-from training.cli import Monitor
+from training.monitor import Monitor
 from training.metrics import TrainingMetrics
 from training.optimizer import CollaborativeOptimizer, TrainingConfig
 from training.progress import ProgressTracker

@@ -20,7 +20,7 @@ that claim is credited only for the time until the backbone first saw the next
 step, so it adds nothing a report read in time could not have.
 
 Pure: reports and times in, credits out (:class:`Contributions`); the backbone
-(``training/cli.py``'s ``Monitor``) feeds it and writes ``contributions.json``.
+(``training/monitor.py``'s ``Monitor``) feeds it and writes ``contributions.json``.
 """
 
 from __future__ import annotations
