@@ -20,8 +20,10 @@ import os
 from pathlib import Path
 from types import TracebackType
 
+from .errors import DedlocError
 
-class LockHeld(Exception):
+
+class LockHeld(DedlocError):
     """Another process (or another descriptor of this one) holds the lock; ``owner`` is the pid it
     recorded ("" where none is recorded)."""
 

@@ -146,7 +146,9 @@ TABLE: list[tuple[str, str]] = [
      "--processes 3: more processes than the 2 experts"),
     ("serve-experts --expert-pattern ffn.[0:2] --processes 2 --min-batch-size 9 --max-batch-size 8 "
      "--initial-peers {open} --ephemeral", "min_batch_size (9) exceeds max_batch_size (8)"),
-    ("backbone --listen /ip4/127.0.0.1/tcp/{busy} --ephemeral --checkpoint-dir {tmp}/ckpt", "Address already in use"),
+    # (it builds the model before it listens: the example's files go under --workdir)
+    ("backbone --listen /ip4/127.0.0.1/tcp/{busy} --ephemeral --checkpoint-dir {tmp}/ckpt --workdir {tmp}/example",
+     "Address already in use"),
     ("backbone --listen /ip4/127.0.0.1/tcp/0 --ephemeral --checkpoint-dir {tmp}/ckpt --lr nan",
      "--lr must be a positive number"),
     ("backbone --listen /ip4/127.0.0.1/tcp/0 --ephemeral --checkpoint-dir {tmp}/ckpt --target-batch-size 0",
