@@ -198,6 +198,9 @@ def test_a_restarted_backbone_s_board_adds_to_the_one_it_saved_and_reads_afresh_
         "gone": {"samples": 40, "claimed": 40, "auxiliary_steps": 2},
         "new": {"samples": 9, "claimed": 9, "auxiliary_steps": 0, "username": "neo"}}
     assert carried({}, board) == board and carried(earlier, {}) == earlier
+    # a saved row that lost a count (a hand-edited value left out) still has every count the page reads
+    assert carried({"ed": {"username": "ed", "samples": 3}}, {}) == {
+        "ed": {"samples": 3, "claimed": 0, "auxiliary_steps": 0, "username": "ed"}}
 
 
 def test_a_saved_board_is_read_back_with_what_is_not_a_count_left_out() -> None:
@@ -219,6 +222,10 @@ def test_claims_toward_steps_a_saved_board_holds_are_not_credited_again() -> Non
     board = Contributions(target=1000, after=4)
     aux = LocalProgress(helper, 4, 0, 0.0, 0.0, auxiliary=True)
     board.observe([report(peer, 4, 300, 100.0), aux], 0.0)  # step 4: the saved board has it
+    assert board.leaderboard() == {}
+    # a peer still at step 4 (it lags), with what it brought to step 3: seen, not credited (a restarted
+    # backbone read the step's first sight from a dictionary it had never filled, and stopped)
+    board.observe([LocalProgress(peer, 4, 310, 100.0, 0.0, previous=200)], 0.5)
     assert board.leaderboard() == {}
     board.observe([LocalProgress(peer, 5, 50, 100.0, 0.0, previous=300), replace(aux, step=5)], 1.0)
     assert board.leaderboard() == {peer.to_base58(): {"samples": 50, "claimed": 50, "auxiliary_steps": 0},

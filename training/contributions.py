@@ -86,10 +86,11 @@ class Contributions:
 
     def _claim(self, peer: ID, step: int, samples: int, now: float, limit: float) -> None:
         """A peer's count toward ``step``, observed at ``now`` (the step's first sight, if it is the
-        first): credited as far as ``limit`` allows."""
+        first): credited as far as ``limit`` allows. A step the saved board holds is only seen: the
+        claims toward the step before it read when it was first seen."""
+        self.step_seen.setdefault(step, now)
         if step <= self.after:
             return
-        self.step_seen.setdefault(step, now)
         steps = self.claims.setdefault(peer, {})
         claim = steps.get(step)
         if claim is None:
@@ -129,7 +130,8 @@ def carried(earlier: dict[str, dict[str, Any]], board: dict[str, dict[str, Any]]
     out: dict[str, dict[str, Any]] = {}
     for peer in sorted(set(earlier) | set(board)):
         before, now = earlier.get(peer, {}), board.get(peer, {})
-        row = {**before, **now}
+        # every row has the counts the page reads (a saved row may lack one: a hand-edited value left out)
+        row = {"samples": 0, "claimed": 0, "auxiliary_steps": 0, **before, **now}
         for name in ADDED:
             if name in row:
                 row[name] = before.get(name, 0) + now.get(name, 0)
