@@ -23,7 +23,7 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.struct_pb2 import Struct
 
 from p2p import events as ev
-from p2p.addresses import Scope, parse_multiaddr, parse_peer_addr, peer_id_of, scope_of
+from p2p.addresses import Scope, parse_peer_addr, peer_ids_of, scope_of
 from p2p.auth import AuthError
 from p2p.output import Output
 from p2p.admission import AdmissionConfig
@@ -262,7 +262,7 @@ async def _refused_by_closed_swarm(node: Node) -> None:
     """Raise :class:`AuthError` once an initial peer shows us a closed swarm's pass and we have none
     (``Node.closed_swarm``). Only an initial peer: any peer may open that protocol to us, and a stranger
     must not be able to stop a relay."""
-    initial = {pid for pid in (peer_id_of(parse_multiaddr(a)) for a in node.config.initial_peers) if pid is not None}
+    initial = set(peer_ids_of(node.config.initial_peers))
     async with node.events() as events:
         while True:
             closed = sorted(str(p) for p in node.closed_swarm & initial)

@@ -81,6 +81,13 @@ def peer_id_of(addr: Multiaddr) -> ID | None:
         raise AddressError(f"address {addr.to_bytes().hex()} has an invalid peer id {text or raw.hex()!r}") from e
 
 
+def peer_ids_of(addrs: Iterable[str | Multiaddr], *, what: str = "address") -> tuple[ID, ...]:
+    """The peers ``addrs`` lead to (:func:`peer_id_of`), each once, in order; an address that names no
+    peer is left out (initial peers: the ones the swarm's closed-swarm check and a trainer's trust know)."""
+    ids = (peer_id_of(parse_multiaddr(a, what=what)) for a in addrs)
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+
 def peer_id_from_bytes(raw: bytes) -> ID | None:
     """The peer id whose bytes ``raw`` are, or None: ``ID()`` itself accepts any bytes, so the
     multihash is checked first."""

@@ -71,6 +71,17 @@ def test_circuit_address_names_the_target_not_the_relay():
     assert str(peer_id_of(addr)) == PID
 
 
+def test_the_peers_of_addresses_each_once_in_order_those_without_an_id_left_out():
+    from p2p.addresses import peer_ids_of
+
+    addrs = [f"/ip4/1.2.3.4/tcp/1/p2p/{PID}", "/ip4/1.2.3.4/tcp/2", f"/ip4/5.6.7.8/tcp/1/p2p/{RELAY}",
+             Multiaddr(f"/ip4/9.9.9.9/tcp/1/p2p/{PID}")]
+    assert [str(p) for p in peer_ids_of(addrs)] == [PID, RELAY]
+    assert peer_ids_of([]) == ()
+    with pytest.raises(AddressError, match="^initial peer "):
+        peer_ids_of(["/ip4/1.2.3.4/tcp/x"], what="initial peer")
+
+
 def test_a_peer_id_written_as_a_cid_is_the_same_peer():
     """``/p2p/bafz...`` (a CIDv1, as newer libp2p peers print ids) holds the CID's bytes, not the peer
     id's: read from the bytes alone it is no peer id, so it is read as py-multiaddr renders it."""

@@ -164,10 +164,9 @@ def training_config(args: argparse.Namespace) -> TrainingConfig:
 def initial_peer_ids(args: argparse.Namespace) -> tuple[ID, ...]:
     """The peers of ``--initial-peers`` (their ``/p2p/`` ids): a trainer trusts their saved state (a run's
     backbone is its public node, the address its volunteers join through: ``training/progress.py``)."""
-    from p2p.addresses import parse_multiaddr, peer_id_of
+    from p2p.addresses import peer_ids_of
 
-    ids = (peer_id_of(parse_multiaddr(a)) for a in getattr(args, "initial_peers", None) or ())
-    return tuple(dict.fromkeys(i for i in ids if i is not None))
+    return peer_ids_of(getattr(args, "initial_peers", None) or ())
 
 
 # ---------------------------------------------------------------------- dedloc train
