@@ -62,16 +62,23 @@ def hold_directory(directory: Path) -> HeldLock:
                               f"{f' (pid {e.owner})' if e.owner else ''}; stop it, or name another directory") from None
 
 
-def save_checkpoint(directory: Path, run_id: str, state: TrainingState) -> Path:
-    """Write ``state`` as ``checkpoint-<step>.pt`` whole or not at all; its path."""
-    path = checkpoint_path(directory, state.step)
+def save_whole(obj: object, path: Path) -> None:
+    """``torch.save`` of ``obj`` at ``path``, whole or not at all: written beside it (``.partial``) and
+    renamed over it, so a crash mid-save leaves the previous file whole; a save cut short (a full disk)
+    leaves nothing behind. The backbone's checkpoints and an expert server's (``moe/server.py``)."""
     partial = path.with_name(path.name + ".partial")
     try:
-        torch.save({"run_id": run_id, "step": state.step, "params": state.params, "pending": state.pending,
-                    "optimizer": state.optimizer, "scheduler": state.scheduler, "time": time.time()}, partial)
+        torch.save(obj, partial)
         partial.replace(path)
     finally:
-        partial.unlink(missing_ok=True)  # a save cut short (a full disk) leaves nothing behind
+        partial.unlink(missing_ok=True)
+
+
+def save_checkpoint(directory: Path, run_id: str, state: TrainingState) -> Path:
+    """Write ``state`` as ``checkpoint-<step>.pt`` (:func:`save_whole`); its path."""
+    path = checkpoint_path(directory, state.step)
+    save_whole({"run_id": run_id, "step": state.step, "params": state.params, "pending": state.pending,
+                "optimizer": state.optimizer, "scheduler": state.scheduler, "time": time.time()}, path)
     return path
 
 
@@ -140,4 +147,4 @@ def latest_checkpoint(directory: Path, run_id: str, params: Sequence[torch.Tenso
 
 
 __all__ = ["CheckpointError", "checkpoint_path", "hold_directory", "latest_checkpoint", "load_checkpoint",
-           "prune_checkpoints", "save_checkpoint", "saved_steps"]
+           "prune_checkpoints", "save_checkpoint", "save_whole", "saved_steps"]

@@ -43,6 +43,7 @@ from nat import Swarm
 from p2p.errors import ConfigError
 from p2p.trio_util import finish_quietly
 
+from ..checkpoints import save_whole
 from ..proto import moe_pb2 as pb
 from .grid import ExpertUid, coordinate_subkey
 from .protocol import (MAX_EXPERTS, MAX_REQUEST_HEADER, PROTOCOL, ExpertFailed, Kind, KindValue, Overloaded, Status,
@@ -366,10 +367,7 @@ class ExpertServer:
             return
         self.config.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         for uid, backend in self.backends.items():
-            path = self._checkpoint_path(uid)
-            partial = path.with_suffix(".pt.partial")
-            torch.save(backend.state_dict(), partial)
-            partial.replace(path)  # a crash mid-save leaves the previous checkpoint whole
+            save_whole(backend.state_dict(), self._checkpoint_path(uid))  # a crash leaves the previous one whole
 
     async def _checkpoint_loop(self) -> None:
         while True:
