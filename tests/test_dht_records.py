@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from p2p.dht.proto.records_pb2 import DHTRecord as DHTRecordPB
 from p2p.dht.records import (
@@ -94,6 +96,59 @@ def test_subkeys_merge_and_each_follows_newer_wins() -> None:
     assert not s.store(rec("run", b"x", NOW + 11, subkey=1), NOW)
     assert s.store(rec("run", b"x", NOW + 12, subkey=1), NOW)
     assert s.get("run", NOW) == {1: (b"x", NOW + 12)}
+
+
+def test_a_newer_value_under_a_key_s_only_subkey_replaces_it() -> None:
+    """The key's only subkey, replaced: the entry emptied by the removal was dropped, and the newer value
+    went into a dictionary no longer stored (a backbone alone in its run: every other report of its
+    archive vanished; a peer's last word that it left, the last one in the run, did too)."""
+    s = LocalStore()
+    for i in range(3):
+        assert s.store(rec("run", b"v%d" % i, NOW + 10 + i, subkey="peer1"), NOW)
+        assert s.get("run", NOW) == {"peer1": (b"v%d" % i, NOW + 10 + i)}
+        assert len(s.get_records("run", NOW)) == 1 and s.bytes_used == s.get_records("run", NOW)[0].size
+    assert s.store(rec("plain", b"a", NOW + 10), NOW) and s.store(rec("plain", b"b", NOW + 11), NOW)
+    assert s.get("plain", NOW) == b"b" and len(s) == 2  # keys held
+
+
+@settings(max_examples=300, deadline=None)
+# a plain value's stale expiry entry beside a subkey of its expiration: None and bytes compared (TypeError)
+@example([("a", None, 2, b""), ("a", "p2", 3, b""), ("a", "p1", 2, b"")])
+@example([("a", "p1", 1, b"x"), ("a", "p1", 2, b"y")])  # the key's only subkey, replaced
+@given(st.lists(st.tuples(st.sampled_from(["a", "b"]), st.sampled_from([None, "p1", "p2", "p3"]),
+                          st.integers(1, 6), st.binary(max_size=3)), max_size=30))
+def test_the_store_holds_what_the_newer_wins_rule_says_after_any_sequence_of_stores(
+        stores: list[tuple[str, str | None, int, bytes]]) -> None:
+    """Against a model of the rules (a key holds a plain value or subkeys; each store is kept only if newer
+    than what it would replace): what reads return, the records, keys and bytes held, after every store."""
+    s = LocalStore()
+    model: dict[str, dict[str | None, tuple[bytes, float]]] = {}
+    for key, sub, ahead, value in stores:
+        exp = NOW + ahead
+        entry = model.get(key, {})
+        if sub is None or None in entry:
+            kept = not entry or exp > max(e for _, e in entry.values())
+            if sub is not None and None in entry:
+                kept = exp > entry[None][1]
+            if kept:
+                model[key] = {sub: (value, exp)}
+        else:
+            kept = sub not in entry or exp > entry[sub][1]
+            if kept:
+                model.setdefault(key, {})[sub] = (value, exp)
+        assert s.store(rec(key, value, exp, subkey=sub), NOW) == kept
+        for k in ("a", "b"):
+            want = model.get(k)
+            got = s.get(k, NOW)
+            if want is None:
+                assert got is None
+            elif None in want:
+                assert got == want[None][0]
+            else:
+                assert got == {sk: v for sk, v in want.items()}
+        records = [r for k in ("a", "b") for r in s.get_records(k, NOW)]
+        assert len(records) == sum(len(e) for e in model.values()) and len(s) == len(model)
+        assert s.bytes_used == sum(r.size for r in records)
 
 
 def test_expired_values_vanish() -> None:

@@ -365,6 +365,11 @@ class ValueWithExpiration(NamedTuple):
     expiration: float
 
 
+def _slot(expiration: float, key: bytes, subkey: bytes | None) -> tuple[float, bytes, bool, bytes]:
+    """A record's entry in the store's expiry heap (see ``LocalStore._heap``)."""
+    return (expiration, key, subkey is not None, subkey or b"")
+
+
 @dataclass
 class LocalStore:
     """The records one peer keeps for the DHT, with every memory bound enforced.
@@ -391,7 +396,10 @@ class LocalStore:
     schema: Schema = field(default_factory=Schema)
     # key -> {subkey or None: record}; None is the plain value (never mixed with subkeys).
     _data: dict[bytes, dict[bytes | None, DHTRecord]] = field(default_factory=dict)
-    _heap: list[tuple[float, bytes, bytes | None]] = field(default_factory=list)
+    # (expiration, key, is a subkey, the subkey or b""): the flag sorts a plain value's entry apart, as
+    # None and bytes do not compare (a plain value's stale entry beside its key's subkey of the same
+    # expiration raised TypeError mid-store)
+    _heap: list[tuple[float, bytes, bool, bytes]] = field(default_factory=list)
     _origins: dict[str, tuple[float, int]] = field(default_factory=dict)
     bytes_used: int = 0
     _count: int = 0
@@ -455,19 +463,20 @@ class LocalStore:
             replaced = [entry[rec.subkey]] if rec.subkey in entry else []
         freed = sum(r.size for r in replaced)
         self._make_room(rec, now, freed, new_key=not entry)
-        entry = self._data.setdefault(rec.key, {})
+        entry = self._data.get(rec.key, {})
         if rec.subkey is None or None in entry:
             for sub in list(entry):
                 self._remove(rec.key, sub)
-            entry = self._data.setdefault(rec.key, {})
         elif rec.subkey in entry:
             self._remove(rec.key, rec.subkey)
-        entry[rec.subkey] = rec
+        # after the removals: one that empties the key drops its entry (a peer's newer report under the
+        # key's only subkey was written into a dictionary no longer stored, and the key read as empty)
+        self._data.setdefault(rec.key, {})[rec.subkey] = rec
         self.bytes_used += rec.size
         self._count += 1
-        heapq.heappush(self._heap, (rec.expiration, rec.key, rec.subkey))
+        heapq.heappush(self._heap, _slot(rec.expiration, rec.key, rec.subkey))
         if len(self._heap) > 2 * self._count + 1024:  # drop lazily-deleted entries
-            self._heap = [(r.expiration, k, s) for k, e in self._data.items() for s, r in e.items()]
+            self._heap = [_slot(r.expiration, k, s) for k, e in self._data.items() for s, r in e.items()]
             heapq.heapify(self._heap)
         return True
 
@@ -517,8 +526,8 @@ class LocalStore:
 
     def _expire_records(self, now: float) -> None:
         while self._heap and self._heap[0][0] <= now:
-            _, key, sub = heapq.heappop(self._heap)
-            self._remove_if_expired(key, sub, now)
+            _, key, has, sub = heapq.heappop(self._heap)
+            self._remove_if_expired(key, sub if has else None, now)
 
     def _prune_origins(self, now: float) -> None:
         self._origins = {o: w for o, w in self._origins.items() if w[0] + self.origin_window > now}
@@ -568,12 +577,12 @@ class LocalStore:
         self._expire_records(now)
         while not fits():
             while self._heap:
-                exp, key, sub = self._heap[0]
-                live = self._data.get(key, {}).get(sub)
+                exp, key, has, sub = self._heap[0]
+                live = self._data.get(key, {}).get(sub if has else None)
                 if live is not None and live.expiration == exp:
                     break
                 heapq.heappop(self._heap)  # lazily dropped: replaced or removed before
             if not self._heap or self._heap[0][0] >= rec.expiration or self._heap[0][1] == rec.key:
                 raise StoreFull("store is full of records that outlive this one; retry later")
-            _, key, sub = heapq.heappop(self._heap)
-            self._remove(key, sub)
+            _, key, has, sub = heapq.heappop(self._heap)
+            self._remove(key, sub if has else None)
