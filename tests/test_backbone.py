@@ -301,6 +301,31 @@ async def test_a_trainer_that_finds_the_swarm_behind_a_trusted_archive_takes_the
             serving.remove()
 
 
+async def test_a_backbone_that_stops_withdraws_its_archive_at_once(tmp_path: Path) -> None:
+    """Stopped (a SIGTERM cancels its work), the backbone no longer serves its checkpoint: its last report
+    says so, and a trainer trusting it stops counting on it now, not a minute later when it expires."""
+    import argparse
+
+    from training.cli import backbone as run_backbone
+
+    held, params = state_at(7)
+    args = argparse.Namespace(checkpoint_dir=str(tmp_path), target_batch_size=TARGET, run_id="run", datasets=None,
+                              report_every=0.2, checkpoint_every=100, keep_checkpoints=0)
+    async with open_peers(2) as everyone:
+        reader, backbone = everyone[1:]
+        await public(everyone[1:])
+        trusting = ProgressTracker(reader, "run", TARGET, trusted=(backbone.peer_id,))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_backbone, backbone, args, params, held)
+            with trio.fail_after(20):
+                while (await trusting.fetch(local_step=0)).step != 7:
+                    await trio.sleep(0.1)
+            assert [a.peer_id for a in trusting.archives] == [backbone.peer_id]
+            nursery.cancel_scope.cancel()
+        progress = await trusting.fetch(local_step=0)
+        assert progress.step == 0 and trusting.archives == [] and progress.sources == ()
+
+
 # ---------------------------------------------------------------------- the commands
 
 

@@ -234,6 +234,11 @@ async def say(peer: FakeSwarm, step: int, samples: int, *, rate: float = 1.0, pr
     assert await ProgressTracker(peer, RUN, TARGET, **kw).report(step, samples, rate, previous=previous)
 
 
+async def leave(peer: FakeSwarm) -> None:
+    """``peer`` publishes that it left the run."""
+    assert await ProgressTracker(peer, RUN, TARGET).leave()
+
+
 async def reports(peer: FakeSwarm) -> dict[ID, LocalProgress]:
     tracker = ProgressTracker(peer, RUN, TARGET)
     await tracker.fetch()
@@ -1030,6 +1035,22 @@ async def test_an_auxiliary_peer_s_zeros_have_the_trainers_schema(autojump_clock
         assert h.script.calls[0].work[0].dtype == torch.float64
 
 
+async def test_a_trainer_that_stops_says_it_left_and_the_others_stop_counting_it_at_once(
+        autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """However its block ends, at its end or cancelled (a SIGTERM cancels the command's work), its last
+    report says it left: the others' next read no longer counts it (not a minute later, at its expiry)."""
+    for cancelled in (False, True):
+        with trio.CancelScope() as scope:
+            async with scripted(monkeypatch, Script(), 2, said=[Said(1, 3, 40)]) as h:
+                me, other = h.opt.peer.peer_id, h.peers[1]
+                assert me in await reports(other)
+                if cancelled:
+                    scope.cancel()
+                    await trio.sleep_forever()
+        assert scope.cancelled_caught == cancelled
+        assert me not in await reports(other), cancelled
+
+
 async def test_an_auxiliary_peer_alone_keeps_its_step(autojump_clock: trio.abc.Clock,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     said = [Said(1, 5, 0), Said(2, 5, 0)]
@@ -1037,8 +1058,8 @@ async def test_an_auxiliary_peer_alone_keeps_its_step(autojump_clock: trio.abc.C
     async with scripted(monkeypatch, Script(), 3, said=said, averager=AveragerConfig(auxiliary=True),
                         report_interval=1.0) as h:
         assert h.opt.local_step == 5
-        h.me.network.records._data.clear()  # the trainers left: their reports are gone
-        h.opt.tracker.reports = []
+        for trainer in h.peers[1:]:  # the trainers left
+            await leave(trainer)
         assert await h.opt.assist() is None
         assert h.opt.local_step == 5 and h.opt.progress is not None and h.opt.progress.step == 5
 

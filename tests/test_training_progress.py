@@ -262,3 +262,50 @@ def test_the_archive_flag_crosses_the_wire() -> None:
     sent = LocalProgress(me, 120, 0, 0.0, NOW, archive=True)
     assert LocalProgress.from_wire(me, sent.to_wire()) == sent
     assert not LocalProgress.from_wire(me, LocalProgress(me, 1, 2, 3.0, NOW).to_wire()).archive
+
+
+# ---------------------------------------------------------------------- a peer's last word: it left
+
+
+def left(peer: str, step: int, age: float = 0.5, archive: bool = False) -> LocalProgress:
+    return LocalProgress(peer, step, 0, 0.0, NOW - age, archive=archive, left=True)  # type: ignore[arg-type]
+
+
+def test_a_peer_that_left_counts_no_more_at_once_not_when_its_report_expires() -> None:
+    """Its samples no longer fill the batch, its vote no longer holds the step, it is no source of state:
+    else, for the minute its report lives, the swarm steps without it or waits for its samples."""
+    a, b = rep("a", 3, 40, age=2.0), rep("b", 3, 60, age=2.0)
+    assert global_progress([a, b], target=100, now=NOW).ready
+    known = merge_reports([a, b], [a, left("b", 3)], NOW, 60.0)
+    p = global_progress(known, target=100, now=NOW)
+    assert (p.peers, p.samples, p.sources, p.ready) == (1, 40, ("a",), False)
+    # a later read that finds only the older copy (a replica that missed the last store) brings it not back
+    assert global_progress(merge_reports(known, [a, b], NOW, 60.0), target=100, now=NOW).peers == 1
+    # it came back: a report newer than its last word counts again
+    back = rep("b", 3, 10, age=0.1)
+    assert global_progress(merge_reports(known, [back], NOW, 60.0), target=100, now=NOW).samples == 50
+    # a last word as old as a report wins the tie, whichever was known first
+    twin = LocalProgress("b", 3, 60, 10.0, NOW - 0.5)  # type: ignore[arg-type]
+    for first, then in (([twin], [left("b", 3)]), ([left("b", 3)], [twin])):
+        assert [r.left for r in merge_reports(first, then, NOW, 60.0)] == [True]
+    # our own last word: we are not in the swarm we read
+    p = global_progress([a, b], target=100, now=NOW, own=left("b", 3, age=1.0))
+    assert (p.peers, p.samples) == (1, 40)
+
+
+def test_the_swarm_that_every_trainer_left_is_behind_the_archive_at_once_and_a_backbone_that_left_is_none() -> None:
+    gone = [left("a", 120), left("d", 120)]
+    p = global_progress(gone, target=100, now=NOW, local_step=0, archives=[archive("b", 120)])
+    assert (p.step, p.sources) == (120, ("b",))
+    p = global_progress([rep("a", 0, 0)], target=100, now=NOW, archives=[left("b", 120, archive=True)])
+    assert p.step == 0 and p.sources == ("a",)
+
+
+def test_present_keeps_the_peers_still_in_the_run_and_the_left_flag_crosses_the_wire() -> None:
+    from p2p.identity import new_identity, peer_id_of
+    from training.progress import present
+
+    assert present([rep("a", 1, 1), left("b", 1)]) == [rep("a", 1, 1)]
+    me = peer_id_of(new_identity())
+    sent = LocalProgress(me, 4, 0, 0.0, NOW, left=True)
+    assert LocalProgress.from_wire(me, sent.to_wire()) == sent

@@ -43,7 +43,7 @@ from .data import DataConfig, DataError, ExampleStream, ShardSource, batches, sh
 from .checkpoints import hold_directory, latest_checkpoint, prune_checkpoints, save_checkpoint
 from .events import Checkpointed, GlobalStepDone, StateDownloaded, TakenUp, TrainingStatus
 from .monitor import Monitor
-from .optimizer import CollaborativeOptimizer, StepReport, TrainingConfig
+from .optimizer import LEAVE_TIMEOUT, CollaborativeOptimizer, StepReport, TrainingConfig
 from .progress import ProgressTracker
 from .state import StateDownloadError, StateServer, TrainingState, download_state
 
@@ -425,6 +425,9 @@ async def backbone(peer: Peer, args: argparse.Namespace, params: Sequence[torch.
                 await trio.sleep(args.report_every)
     finally:
         serving.remove()
+        if latest is not None:  # the archive is no longer served: trainers stop waiting on it now
+            with trio.CancelScope(shield=True), trio.move_on_after(LEAVE_TIMEOUT):
+                await tracker.leave(timeout=LEAVE_TIMEOUT)
 
 
 async def cmd_backbone(args: argparse.Namespace, out: Output) -> int:

@@ -72,6 +72,8 @@ log = logging.getLogger(__name__)
 
 #: batches whose losses make the loss a peer publishes
 LOSS_WINDOW = 32
+#: seconds a peer that stops gives its report that it left (a shielded wait: stopping is not held up long)
+LEAVE_TIMEOUT = 5.0
 
 
 @dataclass(frozen=True)
@@ -245,7 +247,8 @@ class CollaborativeOptimizer:
     async def open(cls, peer: Swarm, optimizer: torch.optim.Optimizer, config: TrainingConfig, *,
                    scheduler: Any = None, scaler: torch.amp.GradScaler | None = None
                    ) -> AsyncIterator[CollaborativeOptimizer]:
-        """Join the run for the duration of the block (progress reports run in the background).
+        """Join the run for the duration of the block (progress reports run in the background), and
+        leave it at the block's end, however it ends: the last report says so (``ProgressTracker.leave``).
 
         ``scheduler`` is stepped once per global step; ``scaler``: the ``torch.amp.GradScaler``
         the caller scales its losses with (see the module docstring)."""
@@ -268,7 +271,11 @@ class CollaborativeOptimizer:
                 await opt.finish()
             finally:
                 serving.remove()
-                nursery.cancel_scope.cancel()
+                nursery.cancel_scope.cancel()  # the reports stop: none may follow our last word
+                # however the block ends (a SIGTERM cancels it), the others stop counting us now, not
+                # when our last report expires (training/progress.py)
+                with trio.CancelScope(shield=True), trio.move_on_after(LEAVE_TIMEOUT):
+                    await opt.tracker.leave(timeout=LEAVE_TIMEOUT)
 
     # ------------------------------------------------------------------ progress
 

@@ -32,7 +32,17 @@ largest epoch any peer reports, so a single peer can move everyone):
   on from the backbone's checkpoint rather than from scratch (DeDLOC 3.1:
   backbone peers store the checkpoints; one of them is always up). During a
   run the backbone saves the state some live peer holds, so it is never ahead
-  of all of them by two steps.
+  of all of them by two steps;
+* a peer that stops publishes a last report that says it *left*
+  (:meth:`ProgressTracker.leave`; hivemind stores None in its place). It
+  replaces the peer's earlier reports wherever they are kept (it is the
+  newest), so the peer stops counting at once, not when its last report
+  expires a minute later: its samples no longer fill the swarm's batch, its
+  vote no longer holds the step, it is no longer a source of state, and a
+  trainer who joins a swarm that every other trainer has left takes the run up
+  from the backbone's archive at once (the archive counts only when every live
+  peer is behind it). A peer that comes back reports anew, later, and counts
+  again.
 """
 
 from __future__ import annotations
@@ -87,6 +97,8 @@ class LocalProgress:
     previous: int = 0
     #: a saved state at ``step`` (a backbone's checkpoint), not a trainer (the module docstring)
     archive: bool = False
+    #: its last word: it has left the run, and its earlier reports no longer count
+    left: bool = False
 
     @property
     def serves_state(self) -> bool:
@@ -99,7 +111,7 @@ class LocalProgress:
                            time=self.time, client=self.client, loss=self.loss,
                            addrs=[a.to_bytes() for a in self.addrs[:MAX_ADDRS]],
                            auxiliary=self.auxiliary, sender=self.sender, previous=self.previous,
-                           archive=self.archive).SerializeToString()
+                           archive=self.archive, left=self.left).SerializeToString()
 
     @classmethod
     def from_wire(cls, peer_id: ID, data: bytes) -> LocalProgress:
@@ -112,7 +124,7 @@ class LocalProgress:
         loss = msg.loss if msg.HasField("loss") and math.isfinite(msg.loss) else None
         addrs = tuple(decode_addrs(msg.addrs, limit=MAX_ADDRS))
         return cls(peer_id, msg.step, msg.samples, msg.samples_per_second, msg.time, msg.client, loss, addrs,
-                   msg.auxiliary, msg.sender, msg.previous, msg.archive)
+                   msg.auxiliary, msg.sender, msg.previous, msg.archive, msg.left)
 
 
 @dataclass(frozen=True)
@@ -180,12 +192,22 @@ def merge_reports(known: Iterable[LocalProgress], read: Iterable[LocalProgress],
     peer stepped alone three times while the other waited, then took its state, and no round was
     measured. The DHT keeps a report until it expires whether a read finds it or not, so one kept
     until then is what a luckier read would have returned.
+
+    A peer's report that it *left* is kept like any other: it is its newest, so it replaces what
+    was known of the peer, and a later read that finds only an older copy (a replica that missed
+    the last store) does not bring the peer back. Those who read drop it: :func:`present`.
     """
     newest: dict[ID, LocalProgress] = {}
     for r in (*known, *read):
-        if valid(r, now, expiration) and (r.peer_id not in newest or r.time > newest[r.peer_id].time):
+        if valid(r, now, expiration) and (r.peer_id not in newest or  # at one time, its last word wins
+                                          (r.time, r.left) > (newest[r.peer_id].time, newest[r.peer_id].left)):
             newest[r.peer_id] = r
     return list(newest.values())
+
+
+def present(reports: Iterable[LocalProgress]) -> list[LocalProgress]:
+    """The reports of the peers still in the run (not those whose last word is that they left)."""
+    return [r for r in reports if not r.left]
 
 
 def global_progress(reports: Iterable[LocalProgress], target: int, now: float, *, expiration: float = 60.0,
@@ -205,6 +227,7 @@ def global_progress(reports: Iterable[LocalProgress], target: int, now: float, *
     if own is not None and not own.archive and valid(own, now, expiration) and (
             own.peer_id not in everyone or own.time >= everyone[own.peer_id].time):
         everyone[own.peer_id] = own  # the reads keep an older copy of ours until its expiry
+    everyone = {k: r for k, r in everyone.items() if not r.left}  # their newest word: they left
     live = {k: r for k, r in everyone.items() if not r.auxiliary}  # the peers that train (and vote)
     n = len(live)
     quorum = min(QUORUM, max(n, 1))
@@ -214,7 +237,7 @@ def global_progress(reports: Iterable[LocalProgress], target: int, now: float, *
     # the highest step that at least `quorum` peers report (every peer at a higher step also counts:
     # it went through this one); there are that many steps whenever there is one (quorum <= peers)
     step = steps[quorum - 1] if steps else 0
-    kept = [a for a in archives if a.archive and not a.client and valid(a, now, expiration)]
+    kept = [a for a in archives if a.archive and not a.client and not a.left and valid(a, now, expiration)]
     best = max((a.step for a in kept), default=-1)
     behind = best > (steps[0] if steps else 0) + 1  # every live peer, by more than a step
     if behind:
@@ -259,26 +282,41 @@ class ProgressTracker:  # pragma: no mutate block (the DHT I/O: its tests are sw
         #: our latest report, as we published it (or tried to)
         self.own: LocalProgress | None = None
         self.last: GlobalProgress | None = None
-        #: the live, believable reports of the last read (``last`` is their fold), archives apart
+        #: the live, believable reports of the last read (``last`` is their fold), archives apart, of
+        #: the peers still in the run
         self.reports: list[LocalProgress] = []
-        #: the live reports of the trusted archives
+        #: the live reports of the trusted archives still served
         self.archives: list[LocalProgress] = []
+        #: what :func:`merge_reports` keeps, the last words of peers that left included (they
+        #: outweigh an older copy a later read may return)
+        self._known: list[LocalProgress] = []
+        self._known_archives: list[LocalProgress] = []
 
     async def report(self, step: int, samples: int, samples_per_second: float, *, loss: float | None = None,
                      previous: int = 0, timeout: float = 10.0) -> bool:
         """Publish our progress (best effort: False when no replica took it); ``previous``: the samples
         we brought to the round of ``step - 1``."""
-        now = self.clock()
         if loss is not None and not math.isfinite(loss):
             loss = None
-        mine = LocalProgress(self.peer.peer_id, step, samples, samples_per_second, now, self.client,
-                             loss, tuple(self.peer.addrs), self.auxiliary, self.sender, previous, self.archive)
+        return await self._publish(LocalProgress(self.peer.peer_id, step, samples, samples_per_second, self.clock(),
+                                                 self.client, loss, tuple(self.peer.addrs), self.auxiliary,
+                                                 self.sender, previous, self.archive), timeout)
+
+    async def leave(self, *, timeout: float = 5.0) -> bool:
+        """Publish that we left the run (best effort: False when no replica took it), in place of our
+        report: others stop counting us at once rather than when that report expires. It keeps the
+        step we were at, and nothing more."""
+        step = self.own.step if self.own is not None else 0
+        return await self._publish(LocalProgress(self.peer.peer_id, step, 0, 0.0, self.clock(), self.client,
+                                                 archive=self.archive, left=True), timeout)
+
+    async def _publish(self, mine: LocalProgress, timeout: float) -> bool:
         self.own = mine
         try:
-            return await self.peer.dht.store(self.key, mine.to_wire(), now + self.expiration,
+            return await self.peer.dht.store(self.key, mine.to_wire(), mine.time + self.expiration,
                                              subkey=owned("progress", self.peer.peer_id), timeout=timeout)
         except (DedlocError, trio.TooSlowError) as e:
-            log.debug("could not publish our progress: %s", e)
+            log.debug("could not publish our %s: %s", "last word" if mine.left else "progress", e)
             return False
 
     async def fetch(self, *, local_step: int | None = None, timeout: float = 10.0) -> GlobalProgress:
@@ -302,8 +340,10 @@ class ProgressTracker:  # pragma: no mutate block (the DHT I/O: its tests are sw
         now = self.clock()
         archives = [r for r in reports if r.archive and r.peer_id in self.trusted]
         reports = [r for r in reports if not r.archive]
-        self.archives = merge_reports(self.archives, archives, now, self.expiration)
-        merged = merge_reports(self.reports, reports, now, self.expiration)
+        self._known_archives = merge_reports(self._known_archives, archives, now, self.expiration)
+        self.archives = present(self._known_archives)
+        self._known = merge_reports(self._known, reports, now, self.expiration)
+        merged = present(self._known)
         kept = {r.peer_id for r in merged} - {r.peer_id for r in reports}
         if kept:  # by peer: the read may also hold expired or repeated entries
             log.debug("the progress read missed %d live reports of earlier reads; they count until they expire",
@@ -314,4 +354,4 @@ class ProgressTracker:  # pragma: no mutate block (the DHT I/O: its tests are sw
         return self.last
 
 
-__all__ = ["GlobalProgress", "LocalProgress", "ProgressTracker", "global_progress", "merge_reports"]
+__all__ = ["GlobalProgress", "LocalProgress", "ProgressTracker", "global_progress", "merge_reports", "present"]

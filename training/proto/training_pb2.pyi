@@ -39,6 +39,7 @@ class Progress(_message.Message):
     SENDER_FIELD_NUMBER: _builtins.int
     PREVIOUS_FIELD_NUMBER: _builtins.int
     ARCHIVE_FIELD_NUMBER: _builtins.int
+    LEFT_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """the global step this peer accumulates gradients for"""
     samples: _builtins.int
@@ -61,6 +62,10 @@ class Progress(_message.Message):
     """step may have overwritten before anyone read it: credit for it)
     a saved state at `step` (a backbone's checkpoint), not a trainer: no
     """
+    left: _builtins.bool
+    """samples, no vote; a trainer that trusts it takes it when the swarm is behind
+    it has left the run (its last word, published as it stops): its earlier
+    """
     @_builtins.property
     def addrs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """where to reach it for its state (binary multiaddrs, relay circuits included)"""
@@ -79,10 +84,11 @@ class Progress(_message.Message):
         sender: _builtins.bool = ...,
         previous: _builtins.int = ...,
         archive: _builtins.bool = ...,
+        left: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "loss", b"loss"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "addrs", b"addrs", "archive", b"archive", "auxiliary", b"auxiliary", "client", b"client", "loss", b"loss", "previous", b"previous", "samples", b"samples", "samples_per_second", b"samples_per_second", "sender", b"sender", "step", b"step", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "addrs", b"addrs", "archive", b"archive", "auxiliary", b"auxiliary", "client", b"client", "left", b"left", "loss", b"loss", "previous", b"previous", "samples", b"samples", "samples_per_second", b"samples_per_second", "sender", b"sender", "step", b"step", "time", b"time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__loss: _TypeAlias = _typing.Literal["loss"]  # noqa: Y015
     _WhichOneofArgType__loss: _TypeAlias = _typing.Literal["_loss", b"_loss"]  # noqa: Y015
