@@ -232,6 +232,17 @@ def test_demo_forms_a_swarm_uses_the_dht_averages_exactly_and_trains(tmp_path: P
     assert "every one of the 3 peers averaged in them; the swarm's loss fell" in result.stdout
     assert "trainer-1 step" in result.stdout and "PARTIAL" not in result.stdout
     assert "of the 45: ending it (--until-shown)" in result.stdout
+    assert_taken_up(result.stdout)
+
+
+def assert_taken_up(out: str) -> None:
+    """The demo's last act: the trainers left, and the newcomer took the backbone's last checkpoint."""
+    import re
+
+    saved = [int(s) for s in re.findall(r"backbone saved the run's state of step (\d+)", out)]
+    took = re.search(r"newcomer took the swarm's state at step (\d+) from backbone", out)
+    assert saved and took and int(took.group(1)) == saved[-1] >= 2, out[-3000:]
+    assert f"take-up: the newcomer went on from the backbone's checkpoint of step {saved[-1]}, not from step 0" in out
 
 
 def test_the_demo_has_shown_training_only_once_every_trainer_fetched_stepped_and_the_loss_fell():
@@ -263,6 +274,42 @@ def test_the_demo_has_shown_training_only_once_every_trainer_fetched_stepped_and
     assert training.shown(2) and not training.shown(3)
     training.fetched.discard("trainer-2")
     assert not training.shown(2)
+
+
+def test_the_demo_s_take_up_holds_only_when_the_newcomer_took_the_backbone_s_checkpoint():
+    """The verdict of the demo's last act, and the events it reads: the backbone's saves (a failed save,
+    step -1, is none), the newcomer's download (its first), the trainers' last step."""
+    from training.demo import _Training
+
+    said: list[str] = []
+    training = _Training({"B": "backbone", "T": "trainer-1"})
+
+    def on(name: str, **event: object) -> None:
+        training.on_event(name, event, said.append, 2)
+
+    on("backbone", event="checkpointed", step=-1, path="", source="none: no source")
+    assert training.checkpoints == [] and not training.checkpoint_saved.is_set()
+    on("backbone", event="checkpointed", step=4, path="p", source="T")
+    assert training.checkpoints == [4] and training.checkpoint_saved.is_set()
+    assert said[-1].endswith("backbone saved the run's state of step 4 (from trainer-1)"), said
+    on("trainer-1", event="global_step", averaged=True, missed=False, complete=True, step=5, samples=2,
+       local_samples=1, group_size=2, elapsed=0.1)
+    assert training.last_step == 6
+    assert not training.take_up_verdict(said.append, 4) and "took no state" in said[-1]
+    on("newcomer", event="state_downloaded", step=4, source="T", seconds=0.1)
+    assert not training.take_up_verdict(said.append, 4) and "from trainer-1, not the backbone's" in said[-1]
+    training = _Training({"B": "backbone"})
+    on("newcomer", event="state_downloaded", step=3, source="B", seconds=0.1)
+    assert not training.take_up_verdict(said.append, 4)  # an older state than the backbone's last
+    training = _Training({"B": "backbone"})
+    on("newcomer", event="state_downloaded", step=4, source="B", seconds=0.1)
+    on("newcomer", event="state_downloaded", step=9, source="X", seconds=0.1)  # later ones change nothing
+    assert training.newcomer_took.is_set() and training.take_up_verdict(said.append, 4, 6.25)
+    assert said[-1] == ("take-up: the newcomer went on from the backbone's checkpoint of step 4, not from step 0 "
+                        "(6.2 s after it was started)")
+    on("newcomer", event="global_step", averaged=False, missed=False, complete=True, step=4, samples=128,
+       local_samples=128, group_size=1, elapsed=0.1)
+    assert training.newcomer_stepped.is_set() and training.steps == {} and training.last_step == 0
 
 
 def test_the_demo_says_why_a_step_was_not_averaged_unless_the_trainer_was_alone_in_the_run():
@@ -304,6 +351,7 @@ def test_demo_as_root_runs_the_swarm_behind_namespace_nats(tmp_path: Path):
     assert "every peer averaged" in out and "senders only: peer-4" in out and "WRONG" not in out
     assert "every one of the 4 peers averaged in them; the swarm's loss fell" in out
     assert "trainer-1 step" in out and "PARTIAL" not in out and "of the 60: ending it (--until-shown)" in out
+    assert_taken_up(out)
     assert "Traceback" not in result.stderr
     # the corpus, tokenizer and trainers' state it made for the training went with it
     assert not list(tmp_path.glob("dedloc-demo-*")), list(tmp_path.iterdir())

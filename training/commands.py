@@ -210,7 +210,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
                        "last peer outbound-only and the one before it reachable only through the relay. They find "
                        "each other, exchange messages, store and read a DHT value, average tensors in groups (each "
                        "round checked against the exact average), then train the example model together for "
-                       "--train-time seconds, the loss falling. Everything stops on Ctrl-C.")
+                       "--train-time seconds on a dataset the swarm carries, the loss falling, beside the run's "
+                       "backbone, which saves its state; then every trainer leaves, and a newcomer takes the run up "
+                       "from the backbone's checkpoint. Everything stops on Ctrl-C.")
     p.add_argument("--network", choices=("auto", "namespaces", "loopback"), default="auto",
                    help="namespaces: the NAT lab (needs root); auto: namespaces where they work, else loopback "
                    "(default: %(default)s)")

@@ -21,8 +21,13 @@ round, so the demo checks each round's result against the exact mean of the
 group's values. Then the averaging peers stop and as many ``dedloc train``
 peers (the same roles) train the example model (:mod:`training.mlm`) together
 for ``train_time`` seconds (with ``until_shown``, only until it has shown that:
-scripts and the tests); the demo prints the run's progress and succeeds
-when the swarm took global steps together and its loss fell.
+scripts and the tests), beside the run's backbone (``dedloc backbone``, which
+they joined through: it saves the run's state every few steps); the demo prints
+the run's progress. Then every trainer leaves, and a newcomer that joins through
+the backbone takes the run up from its checkpoint, not from step 0 (DeDLOC 3.1:
+the backbone keeps the run while nobody trains). The demo succeeds when the
+swarm took global steps together, its loss fell, and the newcomer took the run
+up where the backbone kept it.
 """
 
 from __future__ import annotations
@@ -93,7 +98,9 @@ class _Network(Protocol):
         """Listen and role options of node ``name`` (``index``: 1, 2, ... for peers, 0 otherwise)."""
         ...
 
-    def boot_addr(self, boot: _Member) -> str: ...
+    def addr_of(self, member: _Member) -> str:
+        """Where the others dial a public node (the bootstrap node, the backbone)."""
+        ...
 
     async def run_tool(self, argv: Sequence[str]) -> tuple[int, str, str]:
         """Run a short command (``dedloc dht ...``) as a user on the network would, to completion."""
@@ -131,8 +138,8 @@ class _Loopback:
         # has confirmed them (they are DHT clients until then)
         return ["--allow-private", "--listen", LOOPBACK]
 
-    def boot_addr(self, boot: _Member) -> str:
-        return next(a for a in boot.addrs if "/ip4/127.0.0.1/" in a)
+    def addr_of(self, member: _Member) -> str:
+        return next(a for a in member.addrs if "/ip4/127.0.0.1/" in a)
 
     async def run_tool(self, argv: Sequence[str]) -> tuple[int, str, str]:
         done = await trio.run_process([*argv, "--listen", LOOPBACK], capture_stdout=True,
@@ -184,8 +191,8 @@ class _Namespaces:
         # a lab router maps no ports on request: skip the UPnP/NAT-PMP/PCP probes
         return ["--listen", f"/ip4/0.0.0.0/tcp/{LAB_PORT}", "--no-port-mapping"]
 
-    def boot_addr(self, boot: _Member) -> str:
-        return f"/ip4/{self.hosts['bootstrap'].ip}/tcp/{LAB_PORT}/p2p/{boot.peer_id}"
+    def addr_of(self, member: _Member) -> str:
+        return f"/ip4/{self.hosts[member.name].ip}/tcp/{LAB_PORT}/p2p/{member.peer_id}"
 
     async def run_tool(self, argv: Sequence[str]) -> tuple[int, str, str]:
         user = await self._user()
@@ -247,6 +254,15 @@ TRAIN_BATCH = 16
 LOSS_FALL = 0.8
 #: global steps the swarm must take
 STEPS_WANTED = 5
+#: the backbone's checkpoint interval, in global steps; the take-up needs a checkpoint past step 1 (an
+#: archive counts only when the swarm is more than a step behind it: training/progress.py)
+CHECKPOINT_EVERY = 2
+#: seconds to wait for the backbone's next checkpoint once the training has shown what it shows
+CHECKPOINT_WAIT = 30.0
+#: seconds the newcomer has to take the run up, from its start: 9.4 s in the NAT lab, where the trainers
+#: that stop say they left; 63.3 s when they did not (until their last reports expired), so the demo
+#: fails without it
+TAKE_UP_TIMEOUT = 40.0
 
 
 async def run_demo(*, peers: int, duration: float, out: Any, train_time: float = 0.0,
@@ -360,7 +376,7 @@ async def _run_demo(where: _Network, *, peers: int, duration: float, out: Any, t
                 on_averaged(member, event)
             elif kind == "average_failed" and meshed.is_set():
                 say(f"{member.name:>9} avg  round {event['round']}: no average: {event['reason']}")
-            elif kind in ("training_status", "global_step", "state_downloaded"):
+            elif kind in ("training_status", "global_step", "state_downloaded", "checkpointed"):
                 training.on_event(member.name, event, say, peers)
             elif kind == "dataset_published":
                 say(f"{member.name:>9} data published {event['name']}: {event['shards']} shards, "
@@ -412,22 +428,58 @@ async def _run_demo(where: _Network, *, peers: int, duration: float, out: Any, t
                     "--initial-peers", boot_ref[0], "--piece-size-kib", "64", "--status-interval", "0")
         with trio.fail_after(START_TIMEOUT):
             await published.wait()
+        the_run = ["--run-id", "demo", "--tokenizer", str(prepared.tokenizer), "--target-batch-size", str(TRAIN_TARGET),
+                   "--status-interval", "0"]
+        # the run's public node: the trainers join through it, so they trust the state it keeps
+        backbone = await start(nursery_ref[0], "backbone", "backbone", "--initial-peers", boot_ref[0], *the_run,
+                               "--workdir", str(workdir / "backbone"), "--checkpoint-dir", str(workdir / "checkpoints"),
+                               "--checkpoint-every", str(CHECKPOINT_EVERY), "--keep-checkpoints", "2",
+                               "--report-every", "1")
+        join = ["--initial-peers", boot_ref[0], where.addr_of(backbone)]
         say(f"training: {peers} peers train a small ALBERT on swarm:{DATASET}, {TRAIN_TARGET} samples per global "
-            f"step, for {train_time:g} s")
-        run = ["--run-id", "demo", "--tokenizer", str(prepared.tokenizer), "--target-batch-size", str(TRAIN_TARGET),
-               "--batch-size", str(TRAIN_BATCH), "--report-every", "3", "--status-interval", "0",
-               "--group-size", str(peers), "--duration", str(train_time + 60), "--data", f"swarm:{DATASET}"]
+            f"step, for {train_time:g} s; the backbone saves the run's state every {CHECKPOINT_EVERY} steps")
+        run = [*the_run, "--batch-size", str(TRAIN_BATCH), "--report-every", "3", "--group-size", str(peers),
+               "--duration", str(train_time + TAKE_UP_TIMEOUT + 60), "--data", f"swarm:{DATASET}"]
         async with trio.open_nursery() as starters:
             for i in range(1, peers + 1):
-                starters.start_soon(partial(start, nursery_ref[0], f"trainer-{i}", "train", "--initial-peers",
-                                            boot_ref[0], "--data-seed", str(i), "--workdir",
-                                            str(workdir / f"trainer-{i}"), *run, index=i))
+                starters.start_soon(partial(start, nursery_ref[0], f"trainer-{i}", "train", *join,
+                                            "--data-seed", str(i), "--workdir", str(workdir / f"trainer-{i}"), *run,
+                                            index=i))
         started = trio.current_time()
         with trio.move_on_after(train_time):  # train the whole time (the loss goes on falling), or until shown
             await (shown.wait() if until_shown else trio.sleep_forever())
             say(f"training: shown after {trio.current_time() - started:.0f} s of the {train_time:g}: ending it "
                 "(--until-shown)")
-        return training.verdict(say, peers)
+        return training.verdict(say, peers) and await take_up_phase(join, run, workdir)
+
+    async def take_up_phase(join: list[str], run: list[str], workdir: Path) -> bool:
+        """Every trainer leaves just after the backbone's next checkpoint; a newcomer joins through the
+        backbone and must take the run up from that checkpoint."""
+        training.checkpoint_saved = trio.Event()
+        with trio.move_on_after(CHECKPOINT_WAIT):
+            await training.checkpoint_saved.wait()
+        saved = max(training.checkpoints, default=-1)
+        if saved < CHECKPOINT_EVERY:
+            say(f"take-up: the backbone saved no checkpoint past step 1 (saved: {training.checkpoints})")
+            return False
+        trainers = [m for m in members.values() if m.name.startswith("trainer-")]
+        for member in trainers:
+            _stop(member.process)  # each says it left as it stops (training/progress.py)
+        with trio.move_on_after(15):
+            for member in trainers:
+                await member.process.wait()
+        say(f"take-up: every trainer left, at step {training.last_step}; the backbone keeps the run's state of "
+            f"step {saved}. A newcomer joins through it:")
+        began = trio.current_time()
+        await start(nursery_ref[0], "newcomer", "train", *join, "--data-seed", "99", "--workdir",
+                    str(workdir / "newcomer"), *run)
+        with trio.move_on_after(TAKE_UP_TIMEOUT):
+            await training.newcomer_took.wait()
+        took = trio.current_time() - began
+        if training.newcomer_took.is_set():
+            with trio.move_on_after(20):  # and trains on from there (alone: it shows its first step)
+                await training.newcomer_stepped.wait()
+        return training.take_up_verdict(say, saved, took)
 
     nursery_ref: list[trio.Nursery] = []
     boot_ref: list[str] = []
@@ -439,7 +491,7 @@ async def _run_demo(where: _Network, *, peers: int, duration: float, out: Any, t
         async with trio.open_nursery() as nursery:
             try:
                 boot = await start(nursery, "bootstrap", "relay", "--status-interval", "0")
-                boot_addr = where.boot_addr(boot)
+                boot_addr = where.addr_of(boot)
                 nursery_ref.append(nursery)
                 boot_ref.append(boot_addr)
                 averaging = ["--prefix", "demo", "--size", str(TENSOR_SIZE), "--group-size", str(peers),
@@ -494,6 +546,12 @@ class _Training:
         self.losses: list[tuple[int, float]] = []  # (step, swarm loss) from trainer-1's status lines
         self.steps: dict[str, int] = {}  # trainer -> global steps done with others
         self.fetched: set[str] = set()  # trainers that fetched the whole dataset from the swarm
+        self.last_step = 0  # the highest global step a trainer took
+        self.checkpoints: list[int] = []  # the steps the backbone saved
+        self.checkpoint_saved = trio.Event()  # (replaced by the take-up phase: set at the next save)
+        #: the newcomer's state download: (step, from whom)
+        self.newcomer_state: tuple[int, str] | None = None
+        self.newcomer_took, self.newcomer_stepped = trio.Event(), trio.Event()
 
     def on_event(self, name: str, event: dict[str, Any], say: _Say, peers: int) -> None:
         kind = event["event"]
@@ -504,7 +562,17 @@ class _Training:
             filled = bar(event["swarm_samples"], event["target"], width=20)
             say(f"{'train':>9}      step {event['step']:>3} {filled} {count(event['swarm_samples'], event['target']):>9} "
                 f"| {event['swarm_samples_per_second']:.0f} samples/s | loss {loss} | {event['peers']} peers")
+        elif kind == "checkpointed":
+            if event["step"] >= 0:
+                self.checkpoints.append(event["step"])
+                self.checkpoint_saved.set()
+                say(f"{name:>9} saved the run's state of step {event['step']} "
+                    f"(from {self.names.get(event['source'], event['source'][-8:])})")
+        elif kind == "global_step" and name == "newcomer":
+            self.newcomer_stepped.set()
+            say(f"{name:>9} step {event['step']:>3} done: {event['samples']} samples, the run going on")
         elif kind == "global_step":
+            self.last_step = max(self.last_step, event["step"] + 1)
             if event["averaged"] and not event["missed"]:
                 self.steps[name] = self.steps.get(name, 0) + 1
             alone = not event["averaged"] and not event["missed"]
@@ -520,6 +588,23 @@ class _Training:
         elif kind == "state_downloaded":
             source = self.names.get(event.get("source", ""), "a peer")
             say(f"{name:>9} took the swarm's state at step {event['step']} from {source} in {event.get('seconds', 0):.2f} s")
+            if name == "newcomer" and self.newcomer_state is None:
+                self.newcomer_state = (event["step"], source)
+                self.newcomer_took.set()
+
+    def take_up_verdict(self, say: _Say, saved: int, seconds: float = 0.0) -> bool:
+        """Whether the newcomer took the run up from the backbone's checkpoint (at ``saved`` or later),
+        ``seconds`` after it was started."""
+        if self.newcomer_state is None:
+            say(f"take-up: the newcomer took no state within {TAKE_UP_TIMEOUT:g} s")
+            return False
+        step, source = self.newcomer_state
+        if source != "backbone" or step < saved:
+            say(f"take-up: the newcomer took the state of step {step} from {source}, not the backbone's of step {saved}")
+            return False
+        say(f"take-up: the newcomer went on from the backbone's checkpoint of step {step}, not from step 0 "
+            f"({seconds:.1f} s after it was started)")
+        return True
 
     def trained(self, peers: int) -> bool:
         """Steps were taken together by every one of ``peers`` trainers, and the swarm's loss fell."""
