@@ -191,6 +191,8 @@ class Said:
     client: bool = False
     sender: bool = False
     previous: int = 0
+    #: a saved state at ``step`` (a backbone's), trusted by the optimizer under test
+    archive: bool = False
 
 
 @asynccontextmanager
@@ -208,7 +210,9 @@ async def scripted(monkeypatch: pytest.MonkeyPatch, script: Script, n: int = 2, 
     async with fake_swarms(n) as peers:
         await trio.sleep(5)  # the clock is well past 0: a sum where a difference belongs shows
         for r in said:
-            await say(peers[r.peer], r.step, r.samples, previous=r.previous, client=r.client, sender=r.sender)
+            await say(peers[r.peer], r.step, r.samples, previous=r.previous, client=r.client, sender=r.sender,
+                      archive=r.archive)
+        overrides.setdefault("trusted_archives", tuple(peers[r.peer].peer_id for r in said if r.archive))
         model = model or linear()
         opt_ = (optimizer or (lambda m: torch.optim.SGD(m.parameters(), lr=1.0)))(model)
         downloads: list[tuple[list[ID], int]] = []
@@ -1033,6 +1037,17 @@ async def test_an_auxiliary_peer_s_zeros_have_the_trainers_schema(autojump_clock
         trainer = GradientAccumulator(list(linear().double().parameters()))
         assert Schema.of(h.script.calls[0].work) == Schema.of(trainer.mean())
         assert h.script.calls[0].work[0].dtype == torch.float64
+
+
+async def test_a_trainer_takes_the_run_up_from_a_trusted_archive_it_never_met_at_the_address_its_report_gives(
+        autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An embedding app names the run's backbone (``trusted_archives``) without dialing it first: where to
+    reach it is in its archive report, as a trainer's is in its progress report."""
+    async with scripted(monkeypatch, Script(), 2, said=[Said(1, 7, 0, archive=True)],
+                        state=state_at(7, [7.0, 8.0, 9.0], source="backbone")) as h:
+        assert h.downloads == [([h.peers[1].peer_id], 7)]
+        assert h.me.known == {h.peers[1].peer_id: h.peers[1].addrs}
+        assert h.opt.local_step == 7 and values(h.model) == [7.0, 8.0, 9.0]
 
 
 async def test_a_trainer_that_stops_says_it_left_and_the_others_stop_counting_it_at_once(
