@@ -80,6 +80,8 @@ def test_the_peers_of_addresses_each_once_in_order_those_without_an_id_left_out(
     assert peer_ids_of([]) == ()
     with pytest.raises(AddressError, match="^initial peer "):
         peer_ids_of(["/ip4/1.2.3.4/tcp/x"], what="initial peer")
+    with pytest.raises(AddressError, match="^address "):
+        peer_ids_of(["/ip4/1.2.3.4/tcp/x"])
 
 
 def test_a_peer_id_written_as_a_cid_is_the_same_peer():

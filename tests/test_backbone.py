@@ -83,6 +83,19 @@ def test_only_the_newest_checkpoints_are_kept_when_asked(tmp_path: Path) -> None
     assert prune_checkpoints(tmp_path, 2) == [checkpoint_path(tmp_path, 10), checkpoint_path(tmp_path, 5)]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-000015.pt", "checkpoint-000020.pt", "curve.jsonl"]
     assert prune_checkpoints(tmp_path, 2) == []
+    assert prune_checkpoints(tmp_path, 1) == [checkpoint_path(tmp_path, 15)]
+    assert [step for step, _ in saved_steps(tmp_path)] == [20]
+
+
+def test_pruning_passes_over_a_checkpoint_deleted_meanwhile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An operator who deletes old checkpoints by hand while the backbone prunes them costs nothing."""
+    import training.checkpoints as checkpoints
+
+    state, _ = state_at(1)
+    save_checkpoint(tmp_path, "run", replace(state, step=20))
+    gone = checkpoint_path(tmp_path, 10)
+    monkeypatch.setattr(checkpoints, "saved_steps", lambda d: [(20, checkpoint_path(d, 20)), (10, gone)])
+    assert prune_checkpoints(tmp_path, 1) == [gone] and checkpoint_path(tmp_path, 20).exists()
 
 
 def test_a_save_cut_short_leaves_no_torn_file_under_a_checkpoint_s_name(tmp_path: Path,

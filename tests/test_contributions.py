@@ -199,8 +199,9 @@ def test_a_restarted_backbone_s_board_adds_to_the_one_it_saved_and_reads_afresh_
         "new": {"samples": 9, "claimed": 9, "auxiliary_steps": 0, "username": "neo"}}
     assert carried({}, board) == board and carried(earlier, {}) == earlier
     # a saved row that lost a count (a hand-edited value left out) still has every count the page reads
-    assert carried({"ed": {"username": "ed", "samples": 3}}, {}) == {
-        "ed": {"samples": 3, "claimed": 0, "auxiliary_steps": 0, "username": "ed"}}
+    assert carried({"ed": {"username": "ed", "samples": 3}, "zed": {"username": "zed"}}, {}) == {
+        "ed": {"samples": 3, "claimed": 0, "auxiliary_steps": 0, "username": "ed"},
+        "zed": {"samples": 0, "claimed": 0, "auxiliary_steps": 0, "username": "zed"}}
 
 
 def test_a_saved_board_is_read_back_with_what_is_not_a_count_left_out() -> None:

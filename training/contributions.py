@@ -120,6 +120,8 @@ class Contributions:
 
 #: The leaderboard's counts that add up over a run (a restarted backbone adds its new credit to them).
 ADDED = ("samples", "claimed", "auxiliary_steps", "bytes_served")
+#: The counts every row has, 0 where none was made (the live page reads them).
+ROW_COUNTS = ("samples", "claimed", "auxiliary_steps")
 
 
 def carried(earlier: dict[str, dict[str, Any]], board: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -130,10 +132,9 @@ def carried(earlier: dict[str, dict[str, Any]], board: dict[str, dict[str, Any]]
     out: dict[str, dict[str, Any]] = {}
     for peer in sorted(set(earlier) | set(board)):
         before, now = earlier.get(peer, {}), board.get(peer, {})
-        # every row has the counts the page reads (a saved row may lack one: a hand-edited value left out)
-        row = {"samples": 0, "claimed": 0, "auxiliary_steps": 0, **before, **now}
-        for name in ADDED:
-            if name in row:
+        row = {**before, **now}
+        for name in ADDED:  # a saved row may lack one of ROW_COUNTS (a hand-edited value left out)
+            if name in row or name in ROW_COUNTS:
                 row[name] = before.get(name, 0) + now.get(name, 0)
         out[peer] = row
     return out
