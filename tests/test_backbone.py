@@ -18,7 +18,7 @@ from training.checkpoints import (CheckpointError, checkpoint_path, hold_directo
                                   prune_checkpoints, save_checkpoint, saved_steps)
 from training.monitor import Monitor
 from p2p.lockfile import HeldLock
-from training.progress import ProgressTracker
+from training.progress import LocalProgress, ProgressTracker
 from training.state import StateServer, TrainingState, snapshot_of
 
 from .kit import open_peers
@@ -235,11 +235,14 @@ def test_a_lock_says_who_holds_it_and_locks_a_file_it_does_not_own_read_only(tmp
 class Reads:
     """What the monitor reads of a tracker: its last progress and reports."""
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int | None) -> None:
+        """A trainer at ``step``; None: nobody (every trainer left)."""
         from training.progress import global_progress
 
-        self.reports: list[object] = []
-        self.last = global_progress([], 100, 0.0, local_step=step)
+        from p2p.identity import new_identity, peer_id_of
+
+        self.reports = [] if step is None else [LocalProgress(peer_id_of(new_identity()), step, 10, 1.0, 0.0)]
+        self.last = global_progress(self.reports, 100, 0.0)
         self.target = 100
 
 
@@ -257,9 +260,11 @@ def test_a_monitor_takes_up_the_curve_and_the_board_a_backbone_before_it_left(tm
     steps = [json.loads(line)["step"] for line in (tmp_path / "curve.jsonl").read_text().splitlines()
              if line.startswith('{"step": ') and line.endswith("}")]
     assert steps == [0, 1, 2, 3]  # the torn line was ended: the next one is whole
+    monitor.observe(Reads(None))  # type: ignore[arg-type]
+    assert monitor.last_step == 3 and [p["step"] for p in monitor.curve][-1] == 3  # an empty swarm: no point
     assert json.loads((tmp_path / "contributions.json").read_text()) == monitor.contributions()
     again = Monitor(tmp_path, 100)
-    assert again.last_step == 3 and again.earlier == {"a": {"samples": 500, "claimed": 600, "auxiliary_steps": 0}}
+    assert again.last_step == 3 and again.earlier["a"] == {"samples": 500, "claimed": 600, "auxiliary_steps": 0}
 
 
 def test_a_board_that_does_not_read_is_kept_aside_and_the_board_starts_anew(tmp_path: Path,

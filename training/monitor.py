@@ -105,7 +105,9 @@ class Monitor:
     def observe(self, tracker: ProgressTracker, now: float | None = None) -> None:
         self.credits.observe(tracker.reports, time.monotonic() if now is None else now)
         p = tracker.last
-        if p is None or p.step == self.last_step:
+        # an empty swarm is no point of the curve: nobody trains (every trainer left, or none came yet),
+        # and its step reads 0, which would take the curve back to the start
+        if p is None or p.step == self.last_step or p.peers == 0:
             return
         self.last_step = p.step
         line = {"step": p.step, "time": p.time, "loss": p.loss, "samples_per_second": p.samples_per_second,
