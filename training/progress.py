@@ -320,7 +320,11 @@ class ProgressTracker:  # pragma: no mutate block (the DHT I/O: its tests are sw
             return False
 
     async def fetch(self, *, local_step: int | None = None, timeout: float = 10.0) -> GlobalProgress:
-        """Read every live report and fold them (an empty swarm reads as ``local_step`` with nothing done)."""
+        """Read every live report and fold them (an empty swarm reads as ``local_step`` with nothing done;
+        without one, as the step last read: a run every trainer left stays where they left it, to an
+        observer such as the backbone, rather than going back to step 0)."""
+        if local_step is None and self.last is not None:
+            local_step = self.last.step
         reports: list[LocalProgress] = []
         try:
             found = await self.peer.dht.get(self.key, latest=True, timeout=timeout)
