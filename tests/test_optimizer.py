@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
@@ -1053,17 +1054,26 @@ async def test_a_trainer_takes_the_run_up_from_a_trusted_archive_it_never_met_at
 async def test_a_trainer_that_stops_says_it_left_and_the_others_stop_counting_it_at_once(
         autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch) -> None:
     """However its block ends, at its end or cancelled (a SIGTERM cancels the command's work), its last
-    report says it left: the others' next read no longer counts it (not a minute later, at its expiry)."""
+    report says it left: the others' next read no longer counts it (not a minute later, at its expiry).
+    It says at which step: the one it reached, though it stepped since its last report, so that an
+    observer (a backbone) reads the run every trainer left at that step."""
     for cancelled in (False, True):
         with trio.CancelScope() as scope:
             async with scripted(monkeypatch, Script(), 2, said=[Said(1, 3, 40)]) as h:
                 me, other = h.opt.peer.peer_id, h.peers[1]
                 assert me in await reports(other)
+                h.opt.local_step = 4  # it took step 3 since it last reported
                 if cancelled:
                     scope.cancel()
                     await trio.sleep_forever()
         assert scope.cancelled_caught == cancelled
         assert me not in await reports(other), cancelled
+        await leave(other)  # at step 3
+        later = [0.0]
+        observer = ProgressTracker(other, RUN, TARGET, clock=lambda: time.time() + later[0])
+        assert (await observer.fetch()).step == 4, cancelled
+        later[0] = 61.0  # the last words expired too: the run stays where the observer last saw it
+        assert (await observer.fetch()).step == 4, cancelled
 
 
 async def test_an_auxiliary_peer_alone_keeps_its_step(autojump_clock: trio.abc.Clock,

@@ -89,7 +89,8 @@ async def chromium(*args: str) -> bytes:
     return result.stdout
 
 
-async def train(peer: Peer, model: torch.nn.Module, config: TrainingConfig, seed: int) -> None:
+async def train(peer: Peer, model: torch.nn.Module, config: TrainingConfig, seed: int, stay: trio.Event) -> None:
+    """``STEPS`` steps, then in the run (reporting) until ``stay`` is set: the block's end says it left."""
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     async with CollaborativeOptimizer.open(peer, optimizer, config) as opt:
@@ -99,6 +100,7 @@ async def train(peer: Peer, model: torch.nn.Module, config: TrainingConfig, seed
             loss.backward()
             await trio.sleep(0.15)  # a batch's compute time: the backbone reads reports every 0.2 s
             await opt.step(8, loss=loss.item())
+        await stay.wait()
 
 
 async def test_the_live_page_shows_the_swarm_and_the_run_as_they_are(tmp_path: Path) -> None:
@@ -130,23 +132,31 @@ async def test_the_live_page_shows_the_swarm_and_the_run_as_they_are(tmp_path: P
                 await trio.sleep(0.2)
 
         models = [torch.nn.Linear(4, 1) for _ in trainers]
-        with trio.fail_after(120):
+        assert dashboard.address is not None
+        url = f"http://127.0.0.1:{dashboard.address[1]}/"
+        shot = tmp_path / "live-page.png"
+        stay = trio.Event()
+        with trio.fail_after(150):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(watch)
                 async with trio.open_nursery() as training:
                     for i, peer in enumerate(trainers):
-                        training.start_soon(train, peer, models[i], config, i)
-                # the last reports reach the backbone
-                while tracker.last is None or tracker.last.step < STEPS or monitor.last_step < STEPS:
+                        training.start_soon(train, peer, models[i], config, i, stay)
+                    # the trainers' reports at the last step reach the backbone, the two of them still in the run
+                    while (tracker.last is None or tracker.last.step < STEPS or tracker.last.peers < 2
+                           or monitor.last_step < STEPS):
+                        await trio.sleep(0.2)
+                    # the page, read while the backbone goes on reading the run
+                    dom = (await chromium("--dump-dom", url)).decode()
+                    status = dashboard.status()  # what the swarm says of itself, read just after the page did
+                    await chromium(f"--screenshot={shot}", "--window-size=1280,1700", "--hide-scrollbars", url)
+                    stay.set()  # they leave
+                # the backbone reads the run they all left at the step they left it, with nobody in it
+                while tracker.last.peers:
                     await trio.sleep(0.2)
                 nursery.cancel_scope.cancel()
-
-        assert dashboard.address is not None
-        url = f"http://127.0.0.1:{dashboard.address[1]}/"
-        dom = (await chromium("--dump-dom", url)).decode()
-        status = dashboard.status()  # what the swarm says of itself, read just after the page did
-        shot = tmp_path / "live-page.png"
-        await chromium(f"--screenshot={shot}", "--window-size=1280,1700", "--hide-scrollbars", url)
+        after = dashboard.status()["run"]
+        assert (after["step"], after["peers"], monitor.last_step) == (STEPS, 0, STEPS), after
 
     page = Page()
     page.feed(dom)

@@ -309,3 +309,18 @@ def test_present_keeps_the_peers_still_in_the_run_and_the_left_flag_crosses_the_
     me = peer_id_of(new_identity())
     sent = LocalProgress(me, 4, 0, 0.0, NOW, left=True)
     assert LocalProgress.from_wire(me, sent.to_wire()) == sent
+
+
+def test_an_observer_reads_a_run_every_trainer_left_at_the_step_they_left_it() -> None:
+    """A backbone (no step of its own) reads the run where its trainers left it, not back at step 0; a
+    trainer that joins goes on from its own step (or an archive), never from a step nobody holds."""
+    gone = [left("a", 9), left("b", 10), LocalProgress("x", 50, 0, 0.0, NOW, auxiliary=True, left=True)]  # type: ignore[arg-type]
+    p = global_progress(gone, target=100, now=NOW)
+    assert (p.step, p.peers, p.samples, p.sources, p.ready) == (10, 0, 0, (), False)  # an auxiliary has no vote
+    assert global_progress(gone, target=100, now=NOW, seen=12).step == 12  # what we read before they left
+    assert global_progress(gone, target=100, now=NOW, seen=3).step == 10
+    assert global_progress([], target=100, now=NOW, seen=7).step == 7  # their last words expired too
+    assert global_progress(gone, target=100, now=NOW, local_step=0).step == 0  # a trainer: its own step
+    # anybody still training: the reports decide, the last words and the memory not
+    assert global_progress([*gone, rep("c", 2, 5)], target=100, now=NOW, seen=12).step == 2
+    assert global_progress(gone, target=100, now=NOW, own=left("b", 11)).step == 11  # our own last word too

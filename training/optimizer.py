@@ -275,7 +275,7 @@ class CollaborativeOptimizer:
                 # however the block ends (a SIGTERM cancels it), the others stop counting us now, not
                 # when our last report expires (training/progress.py)
                 with trio.CancelScope(shield=True), trio.move_on_after(LEAVE_TIMEOUT):
-                    await opt.tracker.leave(timeout=LEAVE_TIMEOUT)
+                    await opt.tracker.leave(step=opt.local_step, timeout=LEAVE_TIMEOUT)
 
     # ------------------------------------------------------------------ progress
 

@@ -42,7 +42,9 @@ largest epoch any peer reports, so a single peer can move everyone):
   trainer who joins a swarm that every other trainer has left takes the run up
   from the backbone's archive at once (the archive counts only when every live
   peer is behind it). A peer that comes back reports anew, later, and counts
-  again.
+  again. The last word keeps the step the peer reached: an observer (the
+  backbone: its page, its metrics) reads a run every trainer left at the
+  highest of those steps, and later at the step it last read, not at step 0.
 """
 
 from __future__ import annotations
@@ -212,28 +214,35 @@ def present(reports: Iterable[LocalProgress]) -> list[LocalProgress]:
 
 def global_progress(reports: Iterable[LocalProgress], target: int, now: float, *, expiration: float = 60.0,
                     local_step: int | None = None, own: LocalProgress | None = None,
-                    archives: Iterable[LocalProgress] = ()) -> GlobalProgress:
+                    archives: Iterable[LocalProgress] = (), seen: int = 0) -> GlobalProgress:
     """Fold the live reports into the run's progress (the rules are in the module docstring).
 
-    ``own``: this peer's latest report, counted when the DHT did not give it back
-    (not stored yet, or no replica answered) or gave back an older one: a peer
-    never reads a swarm without itself, nor itself as it was, and a peer alone
-    still reaches its target. ``local_step``: our step, when we have not reported
-    yet (an empty swarm reads as that step, nothing done). ``archives``: the
-    reports of the archives this peer trusts (an archive among ``reports`` is
+    ``reports`` may hold the last words of peers that left (each peer's newest report counts, as
+    :func:`merge_reports` keeps them): they no longer count, but an observer's read of a swarm
+    they all left stays at the step they left it at. ``own``: this peer's latest report, counted
+    when the DHT did not give it back (not stored yet, or no replica answered) or gave back an
+    older one: a peer never reads a swarm without itself, nor itself as it was, and a peer alone
+    still reaches its target. ``local_step``: our step, when we train and have not reported yet:
+    an empty swarm reads as that step, nothing done (a trainer that joins a run its trainers left
+    goes on from its own step, or from an archive ahead of it, never from a step nobody holds).
+    Without one we only observe (a backbone), and an empty swarm reads as the highest step a
+    trainer left it at, or ``seen`` (the step we last read: the last words expire too), whichever
+    is higher: a run every trainer left stays where they left it, not back at step 0.
+    ``archives``: the reports of the archives this peer trusts (an archive among ``reports`` is
     nobody's word).
     """
     everyone = {r.peer_id: r for r in reports if valid(r, now, expiration) and not r.archive}
     if own is not None and not own.archive and valid(own, now, expiration) and (
             own.peer_id not in everyone or own.time >= everyone[own.peer_id].time):
         everyone[own.peer_id] = own  # the reads keep an older copy of ours until its expiry
-    everyone = {k: r for k, r in everyone.items() if not r.left}  # their newest word: they left
+    departed = [r.step for r in everyone.values() if r.left and not r.auxiliary]
+    everyone = {r.peer_id: r for r in present(everyone.values())}  # their newest word: they left
     live = {k: r for k, r in everyone.items() if not r.auxiliary}  # the peers that train (and vote)
     n = len(live)
     quorum = min(QUORUM, max(n, 1))
     steps = sorted((r.step for r in live.values()), reverse=True)
-    if local_step is not None and not live:
-        steps = [local_step]
+    if not live:  # nobody trains: a trainer reads its own step, an observer the run where it was last seen
+        steps = [local_step if local_step is not None else max([*departed, seen])]
     # the highest step that at least `quorum` peers report (every peer at a higher step also counts:
     # it went through this one); there are that many steps whenever there is one (quorum <= peers)
     step = steps[quorum - 1] if steps else 0
@@ -302,11 +311,14 @@ class ProgressTracker:  # pragma: no mutate block (the DHT I/O: its tests are sw
                                                  self.client, loss, tuple(self.peer.addrs), self.auxiliary,
                                                  self.sender, previous, self.archive), timeout)
 
-    async def leave(self, *, timeout: float = 5.0) -> bool:
+    async def leave(self, *, step: int | None = None, timeout: float = 5.0) -> bool:
         """Publish that we left the run (best effort: False when no replica took it), in place of our
         report: others stop counting us at once rather than when that report expires. It keeps the
-        step we were at, and nothing more."""
-        step = self.own.step if self.own is not None else 0
+        step we left the run at, and nothing more: ``step``, where the caller knows it (a trainer
+        that took a step since its last report is past that report's step), else our last report's.
+        An observer's read of a run every trainer left stays at the highest such step."""
+        if step is None:
+            step = self.own.step if self.own is not None else 0
         return await self._publish(LocalProgress(self.peer.peer_id, step, 0, 0.0, self.clock(), self.client,
                                                  archive=self.archive, left=True), timeout)
 
@@ -320,11 +332,9 @@ class ProgressTracker:  # pragma: no mutate block (the DHT I/O: its tests are sw
             return False
 
     async def fetch(self, *, local_step: int | None = None, timeout: float = 10.0) -> GlobalProgress:
-        """Read every live report and fold them (an empty swarm reads as ``local_step`` with nothing done;
-        without one, as the step last read: a run every trainer left stays where they left it, to an
-        observer such as the backbone, rather than going back to step 0)."""
-        if local_step is None and self.last is not None:
-            local_step = self.last.step
+        """Read every live report and fold them (:func:`global_progress`: an empty swarm reads as
+        ``local_step``, our step when we train; without one we only observe, and it reads as the step
+        its trainers left it at, or the step we last read)."""
         reports: list[LocalProgress] = []
         try:
             found = await self.peer.dht.get(self.key, latest=True, timeout=timeout)
@@ -353,8 +363,9 @@ class ProgressTracker:  # pragma: no mutate block (the DHT I/O: its tests are sw
             log.debug("the progress read missed %d live reports of earlier reads; they count until they expire",
                       len(kept))
         self.reports = merged
-        self.last = global_progress(merged, self.target, now, expiration=self.expiration, local_step=local_step,
-                                    own=self.own, archives=self.archives)
+        self.last = global_progress(self._known, self.target, now, expiration=self.expiration,
+                                    local_step=local_step, own=self.own, archives=self.archives,
+                                    seen=self.last.step if self.last is not None else 0)
         return self.last
 
 
