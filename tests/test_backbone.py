@@ -360,7 +360,7 @@ def test_a_restarted_backbone_takes_up_its_directory_and_a_trainer_joining_an_em
     from training.cli import build
     from training.commands import build_parser
 
-    from .kit import ProcessLines
+    from .kit import ProcessLines, dies_with_us
 
     dedloc = [sys.executable, "-m", "training.commands"]
     workdir, checkpoints = tmp_path / "example", tmp_path / "checkpoints"
@@ -378,7 +378,7 @@ def test_a_restarted_backbone_takes_up_its_directory_and_a_trainer_joining_an_em
                                                                         "auxiliary_steps": 0}}))
     peer = ["--listen", "/ip4/127.0.0.1/tcp/0", "--allow-private", "--ephemeral", "--json", "--status-interval", "0"]
     backbone = subprocess.Popen([*dedloc, "backbone", *peer, "--checkpoint-dir", str(checkpoints), "--report-every",
-                                 "0.5", *run_args], stdout=subprocess.PIPE, text=True)
+                                 "0.5", *run_args], stdout=subprocess.PIPE, text=True, preexec_fn=dies_with_us)
     try:
         lines = ProcessLines(backbone)
         assert lines.wait_for(lambda e: e.get("event") == "taken_up", 60), lines.events
@@ -387,11 +387,11 @@ def test_a_restarted_backbone_takes_up_its_directory_and_a_trainer_joining_an_em
             7, str(checkpoints / "checkpoint-000007.pt"), 7, 1)
         addr = next(a for e in lines.events() if e.get("event") == "listening" for a in e["addrs"] if "/127.0.0.1/" in a)
         second = subprocess.run([*dedloc, "backbone", *peer, "--checkpoint-dir", str(checkpoints), *run_args],
-                                capture_output=True, text=True, timeout=60)
+                                capture_output=True, text=True, timeout=60, preexec_fn=dies_with_us)
         assert second.returncode == 1 and (f"--checkpoint-dir {checkpoints} is in use by another dedloc process "
                                            f"(pid {backbone.pid})") in second.stdout, second.stdout  # --json: a line
         trainer = subprocess.run([*dedloc, "train", *peer, "--initial-peers", addr, "--max-steps", "7", *run_args],
-                                 capture_output=True, text=True, timeout=150)
+                                 capture_output=True, text=True, timeout=150, preexec_fn=dies_with_us)
         assert trainer.returncode == 0, trainer.stderr[-3000:]
         events = [json.loads(line) for line in trainer.stdout.splitlines() if line.startswith("{")]
         downloads = [e for e in events if e.get("event") == "state_downloaded"]

@@ -155,3 +155,18 @@ def test_without_a_server_the_client_says_so(tmp_path: Path) -> None:
     result = subprocess.run(Forks().argv("probe", "show"), cwd=tmp_path, capture_output=True, text=True,
                             timeout=30)
     assert result.returncode == 70 and "no fork server at" in result.stderr
+
+
+def test_a_child_started_with_dies_with_us_dies_with_the_test_that_started_it() -> None:
+    """tests/kit.py's ``dies_with_us``: a test SIGKILLed (a mutation run's timeout) takes the commands it
+    started with it, though no ``finally`` of it runs."""
+    code = ("import subprocess, sys, time\nfrom tests.kit import dies_with_us\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], preexec_fn=dies_with_us)\n"
+            "print(child.pid, flush=True)\ntime.sleep(60)\n")
+    test = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert test.stdout is not None
+    child = int(test.stdout.readline())
+    assert alive(child)
+    test.kill()
+    test.wait(timeout=10)
+    assert gone(child)
