@@ -239,9 +239,9 @@ async def say(peer: FakeSwarm, step: int, samples: int, *, rate: float = 1.0, pr
     assert await ProgressTracker(peer, RUN, TARGET, **kw).report(step, samples, rate, previous=previous)
 
 
-async def leave(peer: FakeSwarm) -> None:
-    """``peer`` publishes that it left the run."""
-    assert await ProgressTracker(peer, RUN, TARGET).leave()
+async def leave(peer: FakeSwarm, step: int | None = None) -> None:
+    """``peer`` publishes that it left the run (at ``step``)."""
+    assert await ProgressTracker(peer, RUN, TARGET).leave(step=step)
 
 
 async def reports(peer: FakeSwarm) -> dict[ID, LocalProgress]:
@@ -1087,6 +1087,21 @@ async def test_an_auxiliary_peer_alone_keeps_its_step(autojump_clock: trio.abc.C
             await leave(trainer)
         assert await h.opt.assist() is None
         assert h.opt.local_step == 5 and h.opt.progress is not None and h.opt.progress.step == 5
+
+
+async def test_an_auxiliary_peer_reads_a_run_its_trainers_left_at_the_step_they_left_it(
+        autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """They took the last round without it and left: it is at their last step (`train --auxiliary
+    --max-steps N` ends there; it had waited at the step before until it was killed)."""
+    said = [Said(1, 11, 0), Said(2, 11, 0)]
+
+    async with scripted(monkeypatch, Script(), 3, said=said, averager=AveragerConfig(auxiliary=True),
+                        report_interval=1.0) as h:
+        assert h.opt.local_step == 11
+        for trainer in h.peers[1:]:
+            await leave(trainer, 12)
+        assert await h.opt.assist() is None
+        assert h.opt.local_step == 12
 
 
 async def test_with_delayed_updates_an_auxiliary_peer_helps_the_round_just_begun_with_its_members(

@@ -291,7 +291,9 @@ class CollaborativeOptimizer:
         self.tracker.client, self.tracker.sender = not reachable, not role.reduces
         await self.tracker.report(self.local_step, reported, self._rate, loss=self.loss, previous=self._brought)
         self._reported_samples = reported
-        progress = await self.tracker.fetch(local_step=self.local_step)
+        # an auxiliary peer follows the step and holds none of its own: it reads the run as an observer
+        # does, and a run its trainers left is at the step they left it (its --max-steps is reached)
+        progress = await self.tracker.fetch(local_step=None if self.auxiliary else self.local_step)
         self._read_at = self.clock()
         return progress
 
