@@ -31,7 +31,7 @@
 #              bench/moe_gpu_peer.py, DEDLOC_BENCH_PROFILE), where its time goes on the GPU host
 # Diagnosis (not in the default list; docs/AVERAGING.md, "The training round on the H200"):
 #   diagnose   bench/allreduce_speed.py's 2 peers at 100 MB with the tensors on the host or the GPU, torch's
-#              intra-op threads 1 or one per core: which of the two slows a round
+#              intra-op threads 1 or one per core: which of the two slows a round (on a CPU, the rehearsal: cpu:1 only)
 #   spy-round  py-spy (every thread, then the GIL's holder) on one peer averaging 400 MB of GPU tensors
 #   spy-training  the training bench's sync run, 3 steps: its rounds under cProfile, py-spy on peer 0, and
 #              --probe-memory (a CPU op's cost on pageable and page-locked chunks, during a round and after);
@@ -191,6 +191,7 @@ print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_
         for cfg in cpu:1 cuda:1 cuda:0 cpu:0; do
             dev=${cfg%:*} threads=${cfg#*:}
             [[ $DEVICE == cpu && $dev == cuda ]] && continue
+            [[ $DEVICE == cpu && $threads == 0 ]] && continue  # the rehearsal: one config runs the loop
             step "round-$dev-$threads" 75 "$PY" bench/allreduce_speed.py "${ROUND[@]}" --device "$dev" \
                 --torch-threads "$threads" --json "$WORK/round_${dev}_${threads}.json"
         done ;;

@@ -322,19 +322,20 @@ def test_the_gpu_session_script_runs_its_steps_at_cpu_sizes(tmp_path: Path) -> N
     """bench/gpu_session.sh, the one prepared run of a lent GPU machine, with this interpreter's packages
     and at CPU sizes: each step's command still takes the options the script gives it (a bench's renamed
     option fails here, not in the machine's 15 minutes), each writes what the GPU issue reads, and all of
-    it comes back packed in one file (a device call returns at most 8)."""
+    it comes back packed in one file (a device call returns at most 8). Not the tests steps: on a CPU
+    they run selections of their own (the GPU's name CUDA tests), and the suite runs those tests anyway."""
     import os
     import tarfile
 
     out, work = tmp_path / "out", tmp_path / "work"
-    steps = ("env", "tests", "net-tests", "allreduce", "allreduce-loop", "noise-threads", "moe", "moe-profile", "diagnose")
+    steps = ("env", "allreduce", "allreduce-loop", "noise-threads", "moe", "moe-profile", "diagnose")
     env = dict(os.environ, OUT=str(out), GPU_SESSION_WORK=str(work), PYTHON=sys.executable, GPU_SESSION_DEVICE="cpu",
                GPU_SESSION_INSTALL="0", GPU_SESSION_MOE_SYSTEMS="dedloc")
     result = subprocess.run(["bash", str(ROOT / "bench" / "gpu_session.sh"), *steps],
                             env=env, capture_output=True, text=True, timeout=220)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     summary = (out / "summary.txt").read_text()
-    ran = [*(s for s in steps if s != "diagnose"), "round-cpu-1", "round-cpu-0"]  # diagnose: a step per config
+    ran = [*(s for s in steps if s != "diagnose"), "round-cpu-1"]  # diagnose: a step per config, one on a CPU
     assert all(f"{step} rc=0" in summary for step in ran), summary
     assert sorted(p.name for p in out.iterdir()) == ["session.tgz", "summary.txt"]
     with tarfile.open(out / "session.tgz") as packed:
@@ -361,11 +362,10 @@ def test_the_gpu_session_script_runs_its_steps_at_cpu_sizes(tmp_path: Path) -> N
     nop = json.loads((work / "moe_profiled.json").read_text())["cases"]["16"]["dedloc"]["runs"][0]
     assert nop["failed"] == 0 and nop["module"] == "Identity"  # the profiled run: the nop experts
     assert "ncalls" in (work / "moe-profile.txt").read_text()  # the server's loop was profiled
-    # diagnose: the host-tensor configs only on a CPU, torch's threads as asked (one; torch's own), results checked
-    for threads in (1, 0):
-        case = json.loads((work / f"round_cpu_{threads}.json").read_text())["cases"][0]
-        assert case["dedloc"]["rounds"] == 1 and case["dedloc"]["max_error"] < 1e-4 and case["mb_per_s"] > 0, case
-    assert not list(work.glob("round_cuda_*"))
+    # diagnose: one host-tensor config on a CPU (the loop over configs runs; each is a round's run), checked
+    case = json.loads((work / "round_cpu_1.json").read_text())["cases"][0]
+    assert case["dedloc"]["rounds"] == 1 and case["dedloc"]["max_error"] < 1e-4 and case["mb_per_s"] > 0, case
+    assert [p.name for p in work.glob("round_*.json")] == ["round_cpu_1.json"]
 
 
 @pytest.mark.slow
