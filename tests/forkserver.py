@@ -77,12 +77,20 @@ def parse(data: bytes, fds: list[int]) -> Request:
                    {str(k): str(v) for k, v in dict(body["env"]).items()}, fds[:3], fds[3])
 
 
+def dies_with_us() -> None:
+    """The kernel kills this process when the one that started it dies (``PR_SET_PDEATHSIG``): a
+    forked child of the server, or a test's ``preexec_fn`` for the commands it starts (a test killed
+    outright, as a mutation run's timeout does, runs no ``finally``: its ``dedloc`` children had held
+    the cores and ports of the runs that followed)."""
+    if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+
+
 def become(request: Request) -> None:
     """In the forked child: take the client's namespace, stdio, directory and environment, and die
     with the server."""
+    dies_with_us()
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
     theirs, ours = os.fstat(request.netns), os.stat("/proc/self/ns/net")
     # setns needs CAP_SYS_ADMIN even into the namespace we are in: a user's `make test` has none
     if (theirs.st_dev, theirs.st_ino) != (ours.st_dev, ours.st_ino) and libc.setns(request.netns, _CLONE_NEWNET) != 0:

@@ -173,18 +173,6 @@ async def collect_events(proc: trio.Process, kinds: Sequence[str], into: list[di
     await proc.wait()
 
 
-def dies_with_us() -> None:
-    """A child's ``preexec_fn``: the kernel kills it when the process that started it dies
-    (``PR_SET_PDEATHSIG``, as tests/forkserver.py's children do). A test killed outright (a
-    mutation run's timeout sends SIGKILL: no ``finally`` runs) leaves no ``dedloc`` command behind
-    to hold the cores and ports of the runs that follow."""
-    import ctypes
-    import signal
-
-    if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL) != 0:  # 1: PR_SET_PDEATHSIG
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
-
-
 class ProcessLines:
     """A blocking child's stdout, read by a thread from the start (so nothing is lost to a partial read):
     wait for an event line by polling with a deadline, then take the whole output at the end."""

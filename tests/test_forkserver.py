@@ -158,9 +158,9 @@ def test_without_a_server_the_client_says_so(tmp_path: Path) -> None:
 
 
 def test_a_child_started_with_dies_with_us_dies_with_the_test_that_started_it() -> None:
-    """tests/kit.py's ``dies_with_us``: a test SIGKILLed (a mutation run's timeout) takes the commands it
+    """``dies_with_us`` as a test's ``preexec_fn``: a test SIGKILLed (a mutation run's timeout) takes the commands it
     started with it, though no ``finally`` of it runs."""
-    code = ("import subprocess, sys, time\nfrom tests.kit import dies_with_us\n"
+    code = ("import subprocess, sys, time\nfrom tests.forkserver import dies_with_us\n"
             "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], preexec_fn=dies_with_us)\n"
             "print(child.pid, flush=True)\ntime.sleep(60)\n")
     test = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)

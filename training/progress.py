@@ -226,9 +226,9 @@ def global_progress(reports: Iterable[LocalProgress], target: int, now: float, *
     an empty swarm reads as that step, nothing done (a trainer that joins a run its trainers left
     goes on from its own step, or from an archive ahead of it, never from a step nobody holds).
     Without one we only observe (a backbone; an auxiliary peer, which follows the step and holds
-    none), and an empty swarm reads as the highest step a
-    trainer left it at, or ``seen`` (the step we last read: the last words expire too), whichever
-    is higher: a run every trainer left stays where they left it, not back at step 0.
+    none), and an empty swarm reads as the highest step a trainer left it at, or ``seen`` (the
+    step we last read: the last words expire too), whichever is higher: a run every trainer left
+    stays where they left it, not back at step 0.
     ``archives``: the reports of the archives this peer trusts (an archive among ``reports`` is
     nobody's word).
     """
