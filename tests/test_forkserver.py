@@ -39,6 +39,14 @@ if mode == "die":
     os.kill(os.getpid(), signal.SIGKILL)
 if mode == "raise":
     raise RuntimeError("uncaught")
+if mode == "interrupt":
+    raise KeyboardInterrupt
+if mode == "exit":  # what the interpreter's exit does: join the threads, run atexit, flush, the message
+    import atexit, threading
+    atexit.register(lambda: print("atexit ran"))
+    threading.Thread(target=lambda: (time.sleep(0.2), print("thread joined"))).start()
+    print("buffered", end=" ")
+    sys.exit("exit message")
 '''
 
 
@@ -84,6 +92,16 @@ def test_a_preloaded_module_runs_as_main_as_a_fresh_one_would(forks: Forks, tmp_
 def test_an_uncaught_exception_is_printed_and_exits_1(forks: Forks, here: Path) -> None:
     result = subprocess.run(forks.argv("probe", "raise"), cwd=here, capture_output=True, text=True, timeout=30)
     assert result.returncode == 1 and "RuntimeError: uncaught" in result.stderr
+
+
+def test_the_child_exits_as_the_interpreter_would(forks: Forks, here: Path) -> None:
+    """Without the interpreter's teardown (``run_as_main``): threads joined, then atexit, stdout
+    flushed, a ``sys.exit`` message printed with status 1; an uncaught KeyboardInterrupt a SIGINT death."""
+    result = subprocess.run(forks.argv("probe", "exit"), cwd=here, capture_output=True, text=True, timeout=30)
+    assert (result.returncode, result.stdout, result.stderr) == (1, "buffered thread joined\natexit ran\n",
+                                                                 "exit message\n")
+    result = subprocess.run(forks.argv("probe", "interrupt"), cwd=here, capture_output=True, text=True, timeout=30)
+    assert result.returncode == -signal.SIGINT and result.stderr.rstrip().endswith("KeyboardInterrupt"), result
 
 
 def test_the_child_runs_in_the_callers_network_namespace(forks: Forks, here: Path) -> None:
