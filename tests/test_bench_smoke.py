@@ -9,6 +9,7 @@ from types import ModuleType
 
 import pytest
 
+from tests.forkserver import Forks
 from tests.kit import requires_root_netns
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -256,7 +257,9 @@ def test_relay_soak_bench_serves_its_visitors_and_reads_the_relay(tmp_path: Path
 
 @pytest.mark.slow
 @requires_root_netns
-def test_nat_verdict_bench_times_each_nat_kind(tmp_path: Path) -> None:
+def test_nat_verdict_bench_times_each_nat_kind(tmp_path: Path, forks: Forks) -> None:
+    """bench/nat_verdict.py, one round; its agents and relays (tests/test_nat_matrix.py's) forked from
+    the test's fork server ($DEDLOC_FORKS, which the bench's processes inherit)."""
     figures = run_bench(tmp_path, "nat_verdict.py", "--rounds", "1", timeout=240)
     assert set(figures) == {"SYMMETRIC", "EIM_CHANGING", "EIM_PRESERVING"}
     assert all(row["no_verdict"] == 0 and row["median_s"] is not None for row in figures.values()), figures
