@@ -228,7 +228,7 @@ def test_demo_forms_a_swarm_uses_the_dht_averages_exactly_and_trains(tmp_path: P
         assert "trainer-1" not in result.stdout
         return
     # then three train peers (the same roles) train the example model together: every one of them
-    # averaged in global steps, and the swarm's loss fell by a fifth at least
+    # averaged in global steps, and the swarm's loss fell by a tenth at least
     assert "every one of the 3 peers averaged in them; the swarm's loss fell" in result.stdout
     assert "trainer-1 step" in result.stdout and "PARTIAL" not in result.stdout
     assert "of the 45: ending it (--until-shown)" in result.stdout

@@ -223,7 +223,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
                    help="how long the peers train together (0: no training) (default: %(default)s)")
     p.add_argument("--until-shown", action="store_true",
                    help="end the training as soon as it has shown what it shows (every trainer fetched the data "
-                   "from the swarm and averaged in global steps, the loss fell by a fifth), --train-time at most: "
+                   "from the swarm and averaged in global steps, the loss fell by a tenth), --train-time at most: "
                    "for scripts and tests")
     p.add_argument("--json", action="store_true", help="print the nodes' events as JSON lines")
     p.set_defaults(func="training.cli:cmd_demo")
