@@ -21,6 +21,8 @@ is here once:
 - :func:`start_relay` (trio) and :func:`spawn_relay` (blocking): ``dedloc
   relay`` and its address; :func:`relay_argv` is the one command line.
 - :data:`PYTHON`, :data:`HIVEMIND_PYTHON`, :func:`hivemind_python`.
+- :func:`python_argv`: a worker of this interpreter started from the test suite's fork server, where
+  a smoke test runs the bench (each function here starting a worker applies it).
 
 Peers made inside a bench's own process use ``PeerConfig.loopback()``.
 """
@@ -52,6 +54,28 @@ HIVEMIND_PYTHON = ROOT / ".venv-hivemind" / "bin" / "python"
 TAIL_LINES = 40
 #: py-libp2p's noise on stderr, left out of a failure's quote.
 NOISE = ("Failed to open TCP stream",)
+
+
+#: Set by the test suite's ``forks`` fixture (tests/conftest.py): the socket of a server that imported
+#: torch and the project's packages once and forks a process per request (tests/forkserver.py).
+FORKS_ENV = "DEDLOC_FORKS"
+
+
+def python_argv(argv: Sequence[str | Path]) -> list[str]:
+    """``argv`` as words; where it runs this interpreter on a script or a ``-m`` module and
+    $DEDLOC_FORKS names a fork server, the same command through it (its client starts in ~20 ms)
+    in place of a fresh interpreter (3-4 s of CPU importing torch and py-libp2p).
+
+    Only the test suite sets it, in tests/test_bench_smoke.py: a smoke test checks that a bench runs
+    and writes its figures, and reads none that a process's start could change. A bench run by hand
+    measures fresh interpreters, as a volunteer's processes are."""
+    if not os.environ.get(FORKS_ENV):
+        return [str(a) for a in argv]
+    if str(ROOT) not in sys.path:
+        sys.path.append(str(ROOT))
+    from tests.forkserver import python_argv as forked  # the suite's, where the variable comes from
+
+    return forked(argv)
 
 
 def hivemind_python() -> Path:
@@ -101,7 +125,7 @@ def run_json(argv: Sequence[str | Path], *, timeout: float, what: str, env: Mapp
     Output goes to files, not pipes: hivemind's DHT processes outlive the worker holding what they
     inherited, so a pipe would not end with it."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        process = subprocess.Popen([str(a) for a in argv], cwd=cwd, env=None if env is None else dict(env),
+        process = subprocess.Popen(python_argv(argv), cwd=cwd, env=None if env is None else dict(env),
                                    stdout=out, stderr=err, text=True, start_new_session=True)
         try:
             process.wait(timeout=timeout)
@@ -124,8 +148,8 @@ class Spawned:
     def __init__(self, argv: Sequence[str | Path], *, what: str | None = None, stderr: Any = None,
                  keep_stderr: bool = False, stdin: Any = None, env: Mapping[str, str] | None = None,
                  cwd: Path = ROOT) -> None:
-        self.argv = [str(a) for a in argv]
-        self.what = what or " ".join(self.argv[1:3])
+        self.what = what or " ".join(str(a) for a in list(argv)[1:3])
+        self.argv = python_argv(argv)
         self.log: IO[str] | None = tempfile.TemporaryFile("w+") if keep_stderr else None
         self.process = subprocess.Popen(self.argv, cwd=cwd, env=None if env is None else dict(env), stdin=stdin,
                                         stdout=subprocess.PIPE, stderr=self.log if keep_stderr else stderr,
@@ -252,7 +276,7 @@ async def open_worker(name: str, argv: Sequence[str | Path], *, log: Path | None
     extra: dict[str, Any] = {} if env is None else {"env": dict(env)}
     with contextlib.ExitStack() as files:
         err = None if log is None else files.enter_context(open(log, "ab"))
-        proc = await start([str(a) for a in argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+        proc = await start(python_argv(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                            start_new_session=True, **extra)
     worker = Worker(name, proc)
     try:
@@ -294,8 +318,8 @@ async def start_relay(*, python: Path = PYTHON, listen: Sequence[str] = ("/ip4/1
     """:func:`relay_argv` started (``spawn``: a lab host's, else a local process in its own session) and
     its address (:func:`relay_address` on the first of ``listen``); the caller kills it (:func:`kill_group`)."""
     start = spawn or trio.lowlevel.open_process
-    process = await start(relay_argv(python=python, listen=listen, allow_private=allow_private,
-                                     python_flags=python_flags),
+    process = await start(python_argv(relay_argv(python=python, listen=listen, allow_private=allow_private,
+                                                 python_flags=python_flags)),
                           cwd=str(ROOT), stdout=subprocess.PIPE, stderr=stderr, start_new_session=True)
     buffer = b""
     assert process.stdout is not None

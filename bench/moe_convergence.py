@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from harness import start_relay  # noqa: E402
+from harness import python_argv, start_relay  # noqa: E402
 from p2p.trio_util import read_lines  # noqa: E402
 
 PY = sys.executable
@@ -40,7 +40,7 @@ Spawn = Callable[..., Awaitable[trio.Process]]
 
 
 async def local_spawn(argv: list[str], **kwargs: Any) -> trio.Process:
-    return await trio.lowlevel.open_process(argv, cwd=str(REPO), **kwargs)
+    return await trio.lowlevel.open_process(python_argv(argv), cwd=str(REPO), **kwargs)
 
 
 async def lines_of(process: trio.Process) -> Any:
@@ -112,7 +112,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
             async def on(host: Any) -> Spawn:
                 async def spawn(argv: list[str], **kwargs: Any) -> trio.Process:
-                    return await host.spawn(argv, cwd=str(REPO), **kwargs)
+                    return await host.spawn(python_argv(argv), cwd=str(REPO), **kwargs)
                 return spawn
 
             results["dmoe"] = await dmoe_run(args, await on(experts), await on(trainers), boot, "/ip4/0.0.0.0/tcp/0")

@@ -44,7 +44,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from nat.lab import Host, Lab, netns_unavailable_reason  # noqa: E402
-from harness import json_result, run_json  # noqa: E402
+from harness import json_result, python_argv, run_json  # noqa: E402
 from wan import relay_on  # noqa: E402  (`dedloc relay` on a lab host, on port 4001)
 
 PY = sys.executable
@@ -58,7 +58,7 @@ async def worker(host: Host | None, argv: list[str], timeout: float) -> dict[str
     command = [PY, WORKER, *argv]
     if host is None:
         return await trio.to_thread.run_sync(lambda: run_json(command, timeout=timeout, what="the trainer"))
-    rc, out, err = await host.run(command, timeout=timeout)
+    rc, out, err = await host.run(python_argv(command), timeout=timeout)
     return json_result(out, err, rc, what="the trainer", timeout=timeout)
 
 
@@ -90,11 +90,12 @@ async def dmoe_at(delay_ms: float, args: argparse.Namespace) -> dict[str, Any]:
         for i, pattern in enumerate(("ffn.[0:4].[0:2]", "ffn.[0:4].[2:4]")):
             log = tempfile.TemporaryFile()
             logs.append(log)
-            await experts.spawn([PY, "-m", "training.commands", "serve-experts", "--expert-pattern", pattern,
-                                 "--hidden-dim", "256", "--initial-peers", boot, "--listen", f"/ip4/0.0.0.0/tcp/{4002 + i}",
-                                 "--ephemeral", "--device", "cpu", "--threads", "1", "--no-port-mapping", "--status-interval", "0",
-                                 "--min-batch-size", str(args.min_batch_size), "--max-wait", str(args.max_wait)],
-                                stdout=log, stderr=log, cwd=str(REPO))
+            await experts.spawn(python_argv([
+                PY, "-m", "training.commands", "serve-experts", "--expert-pattern", pattern, "--hidden-dim", "256",
+                "--initial-peers", boot, "--listen", f"/ip4/0.0.0.0/tcp/{4002 + i}", "--ephemeral", "--device", "cpu",
+                "--threads", "1", "--no-port-mapping", "--status-interval", "0",
+                "--min-batch-size", str(args.min_batch_size), "--max-wait", str(args.max_wait)]),
+                stdout=log, stderr=log, cwd=str(REPO))
         wire_cpu, started = lab.wire_cpu_seconds(), trio.current_time()
         try:
             result = await worker(trainer, ["--initial-peers", boot, "--seconds", str(args.seconds), "--concurrency",

@@ -44,7 +44,7 @@ from training.moe.experts import FeedforwardBlock, Identity  # noqa: E402
 from training.moe.grid import ExpertUid  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
-from harness import first_json  # noqa: E402
+from harness import first_json, python_argv  # noqa: E402
 from moe_common import assignment, parser, percentile, search_figures  # noqa: E402
 
 SLACK = 0.25
@@ -202,9 +202,9 @@ async def _kill_after(process: trio.Process, delay: float) -> None:
 async def serve_in_process(kind: str, boot: list[str], args: argparse.Namespace
                            ) -> tuple[trio.Process, tuple[ID, tuple[Multiaddr, ...]]]:
     """This script with ``--serve KIND``: a server peer in its own process, and where it is."""
-    process = await trio.lowlevel.open_process(
+    process = await trio.lowlevel.open_process(python_argv(
         [sys.executable, __file__, "--serve", kind, "--boot", *boot, "--hidden", str(args.hidden), "--expert-cls",
-         args.expert_cls, "--gc", args.gc], stdout=subprocess.PIPE)
+         args.expert_cls, "--gc", args.gc]), stdout=subprocess.PIPE)
     info = await first_json(process, f"the {kind} server")
     return process, (ID.from_base58(info["peer_id"]), tuple(Multiaddr(a) for a in info["addrs"]))
 

@@ -105,7 +105,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.transport.quic.config import QUICTransportConfig
 
-from harness import first_json  # noqa: E402
+from harness import first_json, python_argv  # noqa: E402
 from transfer import PROTOCOL as SINK_PROTOCOL  # noqa: E402
 from transfer import Read, Write, sink, source, tcp_sink  # noqa: E402
 
@@ -208,7 +208,7 @@ async def bench(args: argparse.Namespace) -> tuple[dict[str, float], dict[str, s
     results: dict[str, float] = {}  # MB/s per case; 0.0 where the case failed
     errors: dict[str, str] = {}
     proc = await trio.lowlevel.open_process(
-        [sys.executable, __file__, "--serve", *sys.argv[1:]], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL
+        python_argv([sys.executable, __file__, "--serve", *sys.argv[1:]]), stdout=subprocess.PIPE, stdin=subprocess.DEVNULL
     )
     try:
         info = await first_json(proc, "receiver", SETUP_TIMEOUT)

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from harness import PYTHON, kill_group, start_relay  # noqa: E402
+from harness import PYTHON, kill_group, python_argv, start_relay  # noqa: E402
 
 
 def _rss_mib(process: trio.Process) -> float | None:
@@ -51,8 +51,9 @@ def _rss_mib(process: trio.Process) -> float | None:
 
 
 async def _status(address: str) -> dict[str, Any]:
-    result = await trio.run_process([str(PYTHON), "-m", "training.commands", "status", address, "--json",
-                                     "--timeout", "10"], capture_stdout=True, capture_stderr=True, check=False)
+    result = await trio.run_process(python_argv([PYTHON, "-m", "training.commands", "status", address, "--json",
+                                                 "--timeout", "10"]), capture_stdout=True, capture_stderr=True,
+                                    check=False)
     if result.returncode != 0:
         return {"error": result.stderr.decode(errors="replace")[-300:]}
     status: dict[str, Any] = json.loads(result.stdout)

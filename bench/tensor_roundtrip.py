@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from averaging.tensor_stream import receive_tensor, send_tensor  # noqa: E402
 from p2p import Node, NodeConfig  # noqa: E402
-from harness import first_json  # noqa: E402
+from harness import first_json, python_argv  # noqa: E402
 
 PROTOCOL = "/dedloc/bench/echo-tensor/1.0.0"
 MAX_BYTES = 1 << 30
@@ -100,7 +100,7 @@ async def bench(mib: int, rounds: int) -> dict[str, float]:
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     tensor = torch.randn(mib * 1024 * 1024 // 4)
     proc = await trio.lowlevel.open_process(
-        [sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL
+        python_argv([sys.executable, __file__, "--serve"]), stdout=subprocess.PIPE, stdin=subprocess.DEVNULL
     )
     try:
         info = await first_json(proc, "echo")

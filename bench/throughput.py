@@ -49,7 +49,7 @@ from p2p import Node, NodeConfig  # noqa: E402
 from nat.circuit import RelayClient  # noqa: E402
 from nat.lab import cpu_seconds  # noqa: E402
 from p2p.noise import NoiseCodec, NoiseConfig  # noqa: E402
-from harness import first_json, start_relay  # noqa: E402
+from harness import first_json, python_argv, start_relay  # noqa: E402
 from transfer import PROTOCOL, sink, source, tcp_sink  # noqa: E402
 
 
@@ -143,9 +143,9 @@ async def bench(total_mib: int, streams: int, relayed: bool, noise: NoiseConfig)
         # The relay is a third process: `dedloc relay`, as people run it.
         relay_proc, relay = await start_relay()
         relay_args = ["--relay", relay]
-    proc = await trio.lowlevel.open_process(
+    proc = await trio.lowlevel.open_process(python_argv(
         [sys.executable, __file__, "--serve", "--chunk-kib", str(CHUNK // 1024), *relay_args,
-         *(["--crypto-threads", str(noise.crypto_threads)] if noise.crypto_threads is not None else [])],
+         *(["--crypto-threads", str(noise.crypto_threads)] if noise.crypto_threads is not None else [])]),
         stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
     )
     try:

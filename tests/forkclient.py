@@ -2,6 +2,7 @@
 namespace, directory and environment, forwards the signals it gets, and exits as the child does.
 
     python -S -I tests/forkclient.py SOCKET -m MODULE ARGS...
+    python -S -I tests/forkclient.py SOCKET SCRIPT ARGS...     (``python SCRIPT ARGS``)
 
 Standard library only, and nothing imported that a bare interpreter does not need: it starts in
 ~20 ms where the module's own imports take seconds.
@@ -26,9 +27,14 @@ def fail(message: str) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) < 4 or sys.argv[2] != "-m":
-        fail("usage: forkclient.py SOCKET -m MODULE ARGS...")
-    path, module, argv = sys.argv[1], sys.argv[3], sys.argv[4:]
+    if len(sys.argv) < 3 or (sys.argv[2] == "-m" and len(sys.argv) < 4) or (
+            sys.argv[2] != "-m" and sys.argv[2].startswith("-")):
+        fail("usage: forkclient.py SOCKET -m MODULE ARGS... | forkclient.py SOCKET SCRIPT ARGS...")
+    path = sys.argv[1]
+    if sys.argv[2] == "-m":
+        target, argv = {"module": sys.argv[3]}, sys.argv[4:]
+    else:  # a script's path (the child resolves it from our directory, which it takes)
+        target, argv = {"script": sys.argv[2]}, sys.argv[3:]
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         sock.connect(path)
@@ -63,7 +69,7 @@ def main() -> None:
     for sig in FORWARDED:
         signal.signal(sig, forward)
     netns = os.open("/proc/self/ns/net", os.O_RDONLY)
-    request = {"module": module, "argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}
+    request = {**target, "argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}
     socket.send_fds(sock, [json.dumps(request).encode()], [*stdio, netns])
     os.close(netns)
     started = json.loads(sock.recv(1 << 16) or b"{}")

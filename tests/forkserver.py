@@ -1,4 +1,5 @@
-"""Start ``python -m MODULE ...`` as processes forked from one that imported the modules once.
+"""Start ``python -m MODULE ...`` (or ``python SCRIPT ...``) as processes forked from one that
+imported the modules once.
 
 A dedloc process pays its imports before it does anything: ~1 s of CPU for ``tests.nat_agent``,
 ~1.8 s for ``nat.cli``, ~3.5 s for ``training.commands`` (torch). The namespace labs start 120
@@ -25,6 +26,10 @@ fails at once took 2.0 s of CPU so (1.5 s of it unfreezing, 0.5 s the teardown),
 
     python -m tests.forkserver SOCKET MODULE...   (in the repository root; stdout: "ready" once it listens)
 
+A request names a module (``-m``, run as ``python -m`` runs it: the caller's directory first on
+sys.path) or a script's path (run as ``python SCRIPT`` runs it: the script's directory first on
+sys.path): the bench scripts a smoke test runs start so (bench/harness.py, ``python_argv``).
+
 Differences from a fresh interpreter, none of which the forked modules depend on: the module's
 imports were done before the request (environment variables read at import time are the
 server's); the child is the server's child, so its CPU time counts in the caller's rusage only once
@@ -41,6 +46,7 @@ import gc
 import importlib
 import json
 import os
+import pkgutil
 import runpy
 import selectors
 import signal
@@ -49,6 +55,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -61,7 +68,8 @@ MAX_REQUEST = 1 << 20
 
 @dataclass
 class Request:
-    """What a client asked for: run ``module`` with ``argv`` in its namespace, on its stdio."""
+    """What a client asked for: run ``module`` (or the script at ``script``) with ``argv`` in its
+    namespace, on its stdio."""
 
     module: str
     argv: list[str]
@@ -69,6 +77,7 @@ class Request:
     env: dict[str, str]
     stdio: list[int]
     netns: int
+    script: str | None = None
 
 
 def parse(data: bytes, fds: list[int]) -> Request:
@@ -77,10 +86,13 @@ def parse(data: bytes, fds: list[int]) -> Request:
     if len(fds) != 4:
         raise ValueError(f"a request carries 4 descriptors (stdin, stdout, stderr, netns), not {len(fds)}")
     body = json.loads(data)
-    if not isinstance(body, dict) or not isinstance(body.get("module"), str) or not isinstance(body.get("argv"), list):
-        raise ValueError("a request is {module, argv, cwd, env}")
-    return Request(body["module"], [str(a) for a in body["argv"]], str(body["cwd"]),
-                   {str(k): str(v) for k, v in dict(body["env"]).items()}, fds[:3], fds[3])
+    if not isinstance(body, dict) or not isinstance(body.get("argv"), list) or not (
+            isinstance(body.get("module"), str) or isinstance(body.get("script"), str)):
+        raise ValueError("a request is {module or script, argv, cwd, env}")
+    script = body.get("script")
+    return Request(str(body.get("module") or ""), [str(a) for a in body["argv"]], str(body["cwd"]),
+                   {str(k): str(v) for k, v in dict(body["env"]).items()}, fds[:3], fds[3],
+                   None if script is None else str(script))
 
 
 def dies_with_us() -> None:
@@ -94,8 +106,11 @@ def dies_with_us() -> None:
 
 def become(request: Request) -> None:
     """In the forked child: take the client's namespace, stdio, directory and environment, and die
-    with the server."""
+    with the server. A session of its own, so that the server ends what it started with it: a fresh
+    interpreter would have been in its caller's process group (a bench kills a worker's group), and
+    this child is in the server's unless it leaves."""
     dies_with_us()
+    os.setsid()
     libc = ctypes.CDLL(None, use_errno=True)
     theirs, ours = os.fstat(request.netns), os.stat("/proc/self/ns/net")
     # setns needs CAP_SYS_ADMIN even into the namespace we are in: a user's `make test` has none
@@ -108,8 +123,13 @@ def become(request: Request) -> None:
     os.chdir(request.cwd)
     os.environ.clear()
     os.environ.update(request.env)
-    sys.argv = [request.module, *request.argv]
-    sys.path[0] = request.cwd  # as -m puts it
+    if request.script is None:
+        sys.argv = [request.module, *request.argv]
+        sys.path[0] = request.cwd  # as -m puts it
+    else:  # as the interpreter: __file__ joined to the directory, sys.path[0] the real directory
+        request.script = os.path.join(request.cwd, request.script)
+        sys.argv = [request.script, *request.argv]
+        sys.path[0] = os.path.dirname(os.path.realpath(request.script))
     # stdio as a fresh interpreter opens it on these descriptors (a terminal or PYTHONUNBUFFERED
     # makes stdout line-buffered or unbuffered; stderr is always line-buffered).
     unbuffered = bool(request.env.get("PYTHONUNBUFFERED"))
@@ -162,7 +182,7 @@ class Server:
                         pid = key.data
                         sel.unregister(key.fileobj)
                         if pid in self.children:
-                            os.kill(pid, signal.SIGKILL)
+                            kill_session(pid)
         finally:
             sel.close()
             if os.getpid() == self.pid:
@@ -227,10 +247,7 @@ class Server:
 
     def close(self) -> None:
         for pid in self.children:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_session(pid)
         for pid in list(self.children):
             os.waitpid(pid, 0)
             self.children.pop(pid).close()
@@ -239,6 +256,17 @@ class Server:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+def kill_session(pid: int) -> None:
+    """SIGKILL a child and the processes of its session's group (what it started without a session of
+    their own), as a caller's ``killpg`` would have ended them with a fresh interpreter."""
+    for kill in (os.killpg, os.kill):  # the group, or the child alone before its setsid
+        try:
+            kill(pid, signal.SIGKILL)
+            return
+        except ProcessLookupError:
+            continue
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -253,6 +281,9 @@ ENV = "DEDLOC_FORKS"
 NAT = ("tests.nat_agent", "nat.cli")
 #: What a lab that runs ``dedloc`` commands beside its relay imports.
 COMMANDS = ("nat.cli", "training.commands")
+#: What the benches' workers import: torch and every module of the four packages (``.*``: a package
+#: and all its modules; 163 modules, ~8 s once), and the NAT agent (tests/test_bench_smoke.py).
+BENCH = ("torch", "tests.nat_agent", "p2p.*", "nat.*", "averaging.*", "training.*")
 
 
 def client_argv(path: str, module: str, *args: str) -> list[str]:
@@ -260,12 +291,31 @@ def client_argv(path: str, module: str, *args: str) -> list[str]:
     return [sys.executable, "-S", "-I", str(CLIENT), path, "-m", module, *args]
 
 
+def script_argv(path: str, script: str, *args: str) -> list[str]:
+    """``python script args`` through the fork server listening at ``path``."""
+    return [sys.executable, "-S", "-I", str(CLIENT), path, script, *args]
+
+
 def python_m(module: str, *args: str) -> list[str]:
     """``python -m module args``: through the fork server named by $DEDLOC_FORKS (set by the
     ``forks`` fixture, tests/conftest.py) where there is one, a fresh interpreter where not (a
     bench that borrows a test's helpers)."""
+    return python_argv([sys.executable, "-m", module, *args])
+
+
+def python_argv(argv: Sequence[str | os.PathLike[str]]) -> list[str]:
+    """``argv`` as words; where it runs this interpreter on a script or a ``-m`` module and
+    $DEDLOC_FORKS names a fork server, the same command through it. Other interpreters (hivemind's
+    venv) and other options (``-c``, ``-u``) start as they are."""
+    words = [os.fspath(a) for a in argv]
     path = os.environ.get(ENV)
-    return client_argv(path, module, *args) if path else [sys.executable, "-m", module, *args]
+    if not path or len(words) < 2 or words[0] != sys.executable:
+        return words
+    if words[1] == "-m" and len(words) > 2:
+        return client_argv(path, *words[2:])
+    if not words[1].startswith("-") and words[1].endswith(".py"):
+        return script_argv(path, *words[1:])
+    return words
 
 
 class Forks:
@@ -309,7 +359,7 @@ class Forks:
 def main() -> None:
     path, *preload = sys.argv[1:]
     for name in preload:
-        importlib.import_module(name)
+        preload_module(name)
     gc.collect()
     gc.freeze()
     request = Server(path).serve()
@@ -321,12 +371,25 @@ def main() -> None:
     # The imported objects stay frozen in the child too: unfrozen, the child's first full collection
     # and its exit's traverse every one of them (torch's), writing to each page (a copy of each).
     # Preloaded, the module itself is in sys.modules; `python -m` runs it with only its imports there.
-    sys.modules.pop(request.module, None)
-    os._exit(run_as_main(request.module))
+    if request.script is None:
+        sys.modules.pop(request.module, None)
+    os._exit(run_as_main(request.module, request.script))
 
 
-def run_as_main(module: str) -> int:
-    """Run ``module`` as ``python -m`` does and return its exit status, for ``os._exit``.
+def preload_module(name: str) -> None:
+    """Import ``name``; ``package.*``: the package and every module under it (``__main__`` apart)."""
+    if not name.endswith(".*"):
+        importlib.import_module(name)
+        return
+    package = importlib.import_module(name[:-2])
+    for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+        if not info.name.endswith(".__main__"):
+            importlib.import_module(info.name)
+
+
+def run_as_main(module: str, script: str | None = None) -> int:
+    """Run ``module`` as ``python -m`` does (or the file ``script`` as ``python script`` does) and
+    return its exit status, for ``os._exit``.
 
     The interpreter's own exit would then tear down every module the server imported, each object's
     reference count written (each page copied): ~0.5 s of CPU per child, 0.7 -> 0.2 s for a command
@@ -337,7 +400,10 @@ def run_as_main(module: str) -> int:
     the ``__del__`` of objects still referenced at exit, which Python does not promise to run."""
     interrupted = False
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        if script is None:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
         status = 0
     except SystemExit as e:
         status = exit_status(e.code)

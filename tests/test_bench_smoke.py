@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -9,15 +10,30 @@ from types import ModuleType
 
 import pytest
 
-from tests.forkserver import Forks
+from tests.forkserver import BENCH, ENV as FORKS_ENV, Forks, python_argv, script_argv
 from tests.kit import requires_root_netns
 
 ROOT = Path(__file__).resolve().parent.parent
+#: What the module's fork server imports (tests/conftest.py ``forks``): torch, the four packages, the NAT agent.
+FORKS_PRELOAD = BENCH
+
+
+@pytest.fixture(autouse=True)
+def forked_workers(forks: Forks) -> None:
+    """Every bench here and the workers it starts are forked from the module's server ($DEDLOC_FORKS:
+    bench/harness.py ``python_argv``), not fresh interpreters: ~0.2 s of CPU each, not 3-4 s. A smoke
+    reads no figure a process's start would change; ``tests/bench_help.py`` (each script's own
+    imports) and a process's memory run fresh."""
+
+
+def bench(script: str, *args: str) -> list[str]:
+    """``python bench/SCRIPT ARGS``, forked from the module's server."""
+    return python_argv([sys.executable, str(ROOT / "bench" / script), *args])
 
 
 def test_throughput_bench_prints_ratios():
     result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "throughput.py"), "--mib", "2", "--streams", "2", "--json"],
+        bench("throughput.py", "--mib", "2", "--streams", "2", "--json"),
         capture_output=True, text=True, timeout=180,
     )
     assert result.returncode == 0, result.stderr
@@ -28,7 +44,7 @@ def test_throughput_bench_prints_ratios():
 
 def test_connect_latency_bench_prints_figures():
     result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "connect_latency.py"), "--rounds", "2", "--json"],
+        bench("connect_latency.py", "--rounds", "2", "--json"),
         capture_output=True, text=True, timeout=180,
     )
     assert result.returncode == 0, result.stderr
@@ -38,7 +54,7 @@ def test_connect_latency_bench_prints_figures():
 
 def test_tensor_roundtrip_bench_prints_figures():
     result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "tensor_roundtrip.py"), "--mib", "1", "--rounds", "2", "--json"],
+        bench("tensor_roundtrip.py", "--mib", "1", "--rounds", "2", "--json"),
         capture_output=True, text=True, timeout=180,
     )
     assert result.returncode == 0, result.stderr
@@ -48,7 +64,7 @@ def test_tensor_roundtrip_bench_prints_figures():
 
 def test_quic_bench_reports_a_figure_or_a_failure():
     result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "quic.py"), "--mib", "1", "--streams", "2", "--json"],
+        bench("quic.py", "--mib", "1", "--streams", "2", "--json"),
         capture_output=True, text=True, timeout=180,
     )
     assert result.returncode == 0, result.stderr
@@ -98,8 +114,8 @@ def test_link_trace_reads_rates_per_host(tmp_path: Path) -> None:
 def test_gpu_training_bench_runs_on_a_cpu(tmp_path: Path) -> None:
     """bench/gpu_training.py's three setups with a tiny model on the CPU: the figures the issue reads exist."""
     out = tmp_path / "gpu.json"
-    command = [sys.executable, str(ROOT / "bench" / "gpu_training.py"), "--device", "cpu", "--size", "tiny",
-               "--micro", "8", "--seq", "16", "--target", "32", "--steps", "2", "--dpu-steps", "3", "--json", str(out)]
+    command = bench("gpu_training.py", "--device", "cpu", "--size", "tiny", "--micro", "8", "--seq", "16", "--target",
+                    "32", "--steps", "2", "--dpu-steps", "3", "--json", str(out))
     # No second try: the failures once in a few runs are mended, not retried: a peer that caught up by
     # taking the swarm's state reached its last step with nothing measured (mended in the bench), and a
     # peer whose DHT reads came back with only its own report read a swarm of one and stepped alone,
@@ -123,8 +139,8 @@ def test_moe_bench_writes_the_goals_figures(tmp_path: Path) -> None:
     """bench/moe.py, dedloc's side, small: the figures the issue reads exist, and no call ran past its timeout."""
     out = tmp_path / "moe.json"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "moe.py"), "--systems", "dedloc", "--experts", "16,36", "--servers", "5",
-         "--searches", "3", "--seconds", "1", "--repeats", "1", "--json", str(out)],
+        bench("moe.py", "--systems", "dedloc", "--experts", "16,36", "--servers", "5", "--searches", "3", "--seconds",
+              "1", "--repeats", "1", "--json", str(out)),
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -209,7 +225,7 @@ def load_bench(name: str) -> ModuleType:
 def run_bench(tmp_path: Path, script: str, *args: str, timeout: float) -> dict:  # type: ignore[type-arg]
     """Run bench/<script> with ``args`` and ``--json``; what it wrote (its output in the failure)."""
     out = tmp_path / "figures.json"
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args, "--json", str(out)],
+    result = subprocess.run(bench(script, *args, "--json", str(out)),
                             capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     figures: dict = json.loads(out.read_text())  # type: ignore[type-arg]
@@ -229,8 +245,8 @@ def test_rejoin_bench_times_each_peer_back_after_a_restart(tmp_path: Path) -> No
 @pytest.mark.slow  # ≥ 15 s in CI: handed out early (tests/ci_rules.py longest_first)
 def test_departed_peer_bench_counts_the_relay_s_connects_both_ways() -> None:
     """bench/departed_peer.py at 8 s (17 s of wall time, under a second of CPU: it mostly waits)."""
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / "departed_peer.py"), "--seconds", "8", "--every", "2",
-                             "--json"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(bench("departed_peer.py", "--seconds", "8", "--every", "2", "--json"),
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     for run in ("backoff", "no_backoff"):
@@ -246,9 +262,8 @@ def test_relay_soak_bench_serves_its_visitors_and_reads_the_relay(tmp_path: Path
     stored only at visitors that left can be gone when it is read (9 of 10,000 at 6 at once), which
     is the churn, not the relay."""
     out = tmp_path / "soak.json"
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / "relay_soak.py"), "--visitors", "12", "--every", "6",
-                             "--concurrency", "1", "--dht", "--json", str(out)], capture_output=True, text=True,
-                            timeout=180)
+    result = subprocess.run(bench("relay_soak.py", "--visitors", "12", "--every", "6", "--concurrency", "1", "--dht",
+                                  "--json", str(out)), capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     figures = json.loads(out.read_text())
     assert figures["served"] == 12 and figures["relay_exit_code"] is None, figures
@@ -282,9 +297,9 @@ def test_scale_bench_runs_a_few_hundred_peers_within_a_minute(tmp_path: Path) ->
     scale issue's goals are read from."""
     out = tmp_path / "scale.json"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "scale.py"), "--peers", "150", "--stores", "30", "--gets", "60",
-         "--settle", "60", "--rules", "dedloc,kad-dht-2022", "--moshpit-peers", "125", "--group-size", "5",
-         "--moshpit-rounds", "10", "--survive", "300", "--json", str(out)],
+        bench("scale.py", "--peers", "150", "--stores", "30", "--gets", "60", "--settle", "60", "--rules",
+              "dedloc,kad-dht-2022", "--moshpit-peers", "125", "--group-size", "5", "--moshpit-rounds", "10",
+              "--survive", "300", "--json", str(out)),
         capture_output=True, text=True, timeout=180,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -326,13 +341,21 @@ def test_the_gpu_session_script_runs_its_steps_at_cpu_sizes(tmp_path: Path) -> N
     and at CPU sizes: each step's command still takes the options the script gives it (a bench's renamed
     option fails here, not in the machine's 15 minutes), each writes what the GPU issue reads, and all of
     it comes back packed in one file (a device call returns at most 8). Not the tests steps: on a CPU
-    they run selections of their own (the GPU's name CUDA tests), and the suite runs those tests anyway."""
+    they run selections of their own (the GPU's name CUDA tests), and the suite runs those tests anyway.
+    Its benches and their workers are forked from the module's server (132 s in CI with fresh
+    interpreters, ~60 of it importing torch in each)."""
     import os
     import tarfile
 
     out, work = tmp_path / "out", tmp_path / "work"
     steps = ("env", "allreduce", "allreduce-loop", "noise-threads", "moe", "moe-profile", "diagnose")
-    env = dict(os.environ, OUT=str(out), GPU_SESSION_WORK=str(work), PYTHON=sys.executable, GPU_SESSION_DEVICE="cpu",
+    # its "$PY": a bench script forked from the module's server (the fork client's command less the
+    # script), anything else (-c) this interpreter
+    python, client = tmp_path / "python", shlex.join(script_argv(os.environ[FORKS_ENV], "-")[:-1])
+    python.write_text(f'#!/bin/sh\ncase "$1" in *.py) exec {client} "$@";; esac\n'
+                      f'exec {shlex.quote(sys.executable)} "$@"\n')
+    python.chmod(0o755)
+    env = dict(os.environ, OUT=str(out), GPU_SESSION_WORK=str(work), PYTHON=str(python), GPU_SESSION_DEVICE="cpu",
                GPU_SESSION_INSTALL="0", GPU_SESSION_MOE_SYSTEMS="dedloc")
     result = subprocess.run(["bash", str(ROOT / "bench" / "gpu_session.sh"), *steps],
                             env=env, capture_output=True, text=True, timeout=220)
@@ -415,9 +438,9 @@ def test_moe_gpu_bench_reports_a_side_that_fails_and_keeps_the_other_s_figures(t
     hang of hivemind's side at 1024 rows took the step's whole limit), and the run exits non-zero only
     after writing them."""
     out = tmp_path / "figures.json"
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / "moe_gpu.py"), "--device", "cpu", "--hidden", "64",
-                             "--experts", "2", "--batches", "16", "--clients", "1", "--callers", "1", "--seconds", "1",
-                             "--repeats", "2", "--timeout", "60", "--python-hivemind", "/bin/false", "--json", str(out)],
+    result = subprocess.run(bench("moe_gpu.py", "--device", "cpu", "--hidden", "64", "--experts", "2", "--batches", "16",
+                                  "--clients", "1", "--callers", "1", "--seconds", "1", "--repeats", "2", "--timeout",
+                                  "60", "--python-hivemind", "/bin/false", "--json", str(out)),
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "every attempt failed" in result.stderr, result.stdout[-2000:] + result.stderr
     figures = json.loads(out.read_text())

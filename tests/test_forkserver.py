@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.forkserver import ROOT, Forks
+from tests.forkserver import ROOT, Forks, script_argv
 from tests.kit import alive
 
 pytestmark = pytest.mark.timeout(60)
@@ -27,7 +27,7 @@ mode = sys.argv[1]
 if mode == "show":
     print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "probe": os.environ.get("PROBE"),
                       "stdin": sys.stdin.read(), "interfaces": [n for _, n in socket.if_nameindex()],
-                      "pid": os.getpid(), "name": __name__}))
+                      "pid": os.getpid(), "name": __name__, "path0": sys.path[0], "file": __file__}))
     print("to stderr", file=sys.stderr)
     sys.exit(3)
 if mode == "wait":
@@ -35,6 +35,11 @@ if mode == "wait":
     os.write(1, f"{os.getpid()}\\n".encode())  # not print: a SIGTERM inside its flush made the handler's print reentrant
     for _ in range(3000):  # short sleeps: a signal just before one blocks waits 10 ms at most, not 30 s
         time.sleep(0.01)
+if mode == "spawn":  # a process of its own, in our process group (no session of its own)
+    import subprocess
+    grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    print(os.getpid(), grandchild.pid, flush=True)
+    grandchild.wait()
 if mode == "die":
     os.kill(os.getpid(), signal.SIGKILL)
 if mode == "raise":
@@ -79,6 +84,20 @@ def test_the_child_has_the_callers_stdio_arguments_directory_environment_and_exi
     assert shown["argv"] == ["show", "two words"] and shown["cwd"] == str(here) and shown["probe"] == "set"
     assert shown["stdin"] == "from stdin" and shown["name"] == "__main__"
     assert result.stderr == "to stderr\n"
+
+
+def test_a_script_runs_by_its_path_as_a_fresh_interpreter_runs_it(forks: Forks, here: Path) -> None:
+    """``python SCRIPT``: the script's directory first on sys.path (not the caller's), its file as
+    ``__file__``, run as ``__main__``; and the fresh interpreter agrees on each (the bench scripts
+    a smoke test starts from the server, bench/harness.py)."""
+    elsewhere = here / "elsewhere"
+    elsewhere.mkdir()
+    for argv in (script_argv(forks.path, "../probe.py", "show", "x"), [sys.executable, "../probe.py", "show", "x"]):
+        result = subprocess.run(argv, cwd=elsewhere, input="", capture_output=True, text=True, timeout=30)
+        assert result.returncode == 3, result.stderr
+        shown = json.loads(result.stdout)
+        assert shown["argv"] == ["show", "x"] and shown["cwd"] == str(elsewhere) and shown["name"] == "__main__"
+        assert shown["path0"] == str(here) and os.path.normpath(shown["file"]) == str(here / "probe.py"), shown
 
 
 def test_a_preloaded_module_runs_as_main_as_a_fresh_one_would(forks: Forks, tmp_path: Path) -> None:
@@ -144,6 +163,19 @@ def test_a_caller_killed_takes_its_child_with_it(forks: Forks, here: Path) -> No
     proc.kill()
     proc.wait(timeout=10)
     assert gone(child)
+
+
+def test_a_caller_killed_takes_what_its_child_started_with_it(forks: Forks, here: Path) -> None:
+    """As ``killpg`` on a fresh interpreter's group would: the child's own processes (no session of their
+    own) end with it, as a bench's killed worker takes its helpers (bench/harness.py ``kill_group``)."""
+    proc = subprocess.Popen(forks.argv("probe", "spawn"), cwd=here, stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    assert proc.stdout is not None
+    child, grandchild = map(int, proc.stdout.readline().split())
+    assert alive(child) and alive(grandchild)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    assert gone(child) and gone(grandchild)
 
 
 def test_the_server_closed_takes_its_children_with_it(here: Path) -> None:
