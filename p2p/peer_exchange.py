@@ -141,7 +141,10 @@ class PeerExchange:
         return not manager.enabled or len(self.node.connected_peers()) < manager.low_water
 
     async def _exchange(self) -> tuple[int, int]:
-        """One round: (peers met, peers learnt of that could not be reached)."""
+        """One round: (peers met, peers learnt of that could not be reached). The peers connected
+        already are greeted first: a dial to a peer learnt of can take its whole ``DIAL_TIMEOUT``,
+        and the demo's public peer greeted the swarm 5.5 s late behind one (its mesh formed so)."""
+        await self._greet_new()
         new = unreached = 0
         for peer in self.node.connected_peers():
             if not self.wants_more():
@@ -162,15 +165,20 @@ class PeerExchange:
                 except DedlocError as e:
                     unreached += 1
                     log.debug("could not reach %s learnt from %s: %s", pid, peer, e)
-        if self.greeting is not None:
-            for peer in self.node.connected_peers():
-                if peer not in self._greeted:
-                    self._greeted.add(peer)
-                    try:
-                        await self.greet(peer, self.greeting)
-                    except (RpcError, DedlocError, trio.TooSlowError) as e:
-                        log.debug("greeting %s failed: %s", peer, e)
+        await self._greet_new()  # and those the round met
         return new, unreached
+
+    async def _greet_new(self) -> None:
+        """Greet each connected peer not greeted yet (once: a refusal is not retried)."""
+        if self.greeting is None:
+            return
+        for peer in self.node.connected_peers():
+            if peer not in self._greeted:
+                self._greeted.add(peer)
+                try:
+                    await self.greet(peer, self.greeting)
+                except (RpcError, DedlocError, trio.TooSlowError) as e:
+                    log.debug("greeting %s failed: %s", peer, e)
 
     async def run(self, interval: float) -> None:
         """Exchange peers forever (give it a nursery): every ``interval`` seconds while rounds meet

@@ -404,3 +404,39 @@ async def test_without_a_connection_manager_a_peer_always_wants_more() -> None:
 
 def test_a_negative_count_of_quiet_rounds_waits_one_interval() -> None:
     assert next_wait(2.0, -3) == 2.0
+
+
+async def test_the_peers_connected_are_greeted_before_the_round_dials_one_that_never_answers() -> None:
+    """A dial to a peer learnt of can take its whole timeout (here: a port that takes the connection and
+    says nothing): the peers connected already are greeted first, not after it (the demo's public peer
+    greeted the swarm 5.5 s late behind such a dial)."""
+    async with open_nodes(2) as (greeter, kind), trio.open_nursery() as nursery:
+        greeted = trio.Event()
+
+        async def listen(request: Greeting, ctx) -> Ack:  # type: ignore[no-untyped-def]
+            greeted.set()
+            return Ack()
+
+        kind.rpc.add_unary(GREET_METHOD, Greeting, listen)
+        silent = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]  # the kernel accepts; nobody speaks
+        port = silent.socket.getsockname()[1]
+        await greeter.connect(kind.addrs[0])
+        exchange = PeerExchange(greeter, greeting="hello")
+        mute = random_peer_id()
+
+        async def ask(peer_id: ID, *, timeout: float = 10.0) -> list[tuple[ID, list[Multiaddr]]]:
+            return [(mute, [Multiaddr(f"/ip4/127.0.0.1/tcp/{port}")])]
+
+        exchange.ask = ask  # type: ignore[method-assign]
+        round_done = trio.Event()
+
+        async def one_round() -> None:
+            await exchange._exchange()
+            round_done.set()
+
+        nursery.start_soon(one_round)
+        with trio.fail_after(3):
+            await greeted.wait()
+        assert not round_done.is_set()  # still dialing the silent peer
+        nursery.cancel_scope.cancel()
+        await silent.aclose()
