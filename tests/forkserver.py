@@ -279,11 +279,17 @@ ENV = "DEDLOC_FORKS"
 
 #: What NAT agents and relays import (the ``forks`` fixture's default preload).
 NAT = ("tests.nat_agent", "nat.cli")
-#: What a lab that runs ``dedloc`` commands beside its relay imports.
+#: What a lab that runs light ``dedloc`` commands beside its relay imports (``training.commands``
+#: imports a command's modules only as it runs: the CLI starts at once).
 COMMANDS = ("nat.cli", "training.commands")
-#: What the benches' workers import: torch and every module of the four packages (``.*``: a package
-#: and all its modules; 163 modules, ~8 s once), and the NAT agent (tests/test_bench_smoke.py).
-BENCH = ("torch", "tests.nat_agent", "p2p.*", "nat.*", "averaging.*", "training.*")
+#: What the heavier commands (``average``, ``serve-experts``) import as they run: torch and every module
+#: of the four packages (``.*``: a package and all its modules; 163 modules, ~8 s once, 4 s a child).
+PACKAGES = ("torch", "p2p.*", "nat.*", "averaging.*", "training.*")
+#: And what ``train`` and ``backbone`` import for the example model: transformers' ALBERT and its
+#: tokenizer, 4.8 s of each trainer's start (transformers imports its model classes as they are named).
+TRAINING = (*PACKAGES, "transformers.models.albert.modeling_albert", "transformers.tokenization_utils_fast")
+#: What the benches' workers import: the packages and the NAT agent (tests/test_bench_smoke.py).
+BENCH = (*PACKAGES, "tests.nat_agent")
 
 
 def client_argv(path: str, module: str, *args: str) -> list[str]:

@@ -20,9 +20,12 @@ from p2p import Node, NodeConfig
 from p2p.trio_util import read_lines
 
 from .conftest import open_nodes
+from .forkserver import TRAINING, Forks, python_argv
 from .kit import ProcessLines, requires_root_netns
 
 DEDLOC = [sys.executable, "-m", "training.commands"]  # the entry point's module
+#: What the fork server of a test that asks for ``forks`` imports (tests/forkserver.py).
+FORKS_PRELOAD = TRAINING
 
 
 def run(*args: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess[str]:
@@ -411,16 +414,18 @@ TRAINERS_STEPS = 12
 
 
 @pytest.mark.slow
-def test_two_trainers_and_a_backbone_train_keep_the_curve_and_checkpoint(tmp_path: Path) -> None:
+def test_two_trainers_and_a_backbone_train_keep_the_curve_and_checkpoint(tmp_path: Path, forks: Forks) -> None:
     """`dedloc backbone` as the run's public node, two `dedloc train` peers through it (--json), one
     in mixed precision (--amp), and an auxiliary peer (--auxiliary) that trains nothing and helps
     average: they take global steps together, in groups of three, with the loss falling, and the
-    backbone keeps the curve, every trainer's contributed samples and a checkpoint it could serve."""
+    backbone keeps the curve, every trainer's contributed samples and a checkpoint it could serve.
+    The four are forked from the module's server (``forks``: torch, the packages and the example
+    model imported once, ~8 s of each one's start)."""
     workdir, checkpoints = tmp_path / "example", tmp_path / "checkpoints"
     run_args = ["--run-id", "cli-run", "--target-batch-size", "256", "--workdir", str(workdir), "--report-every", "0.5"]
-    backbone = subprocess.Popen(
+    backbone = subprocess.Popen(python_argv(
         [*DEDLOC, "backbone", "--listen", "/ip4/127.0.0.1/tcp/0", "--allow-private", "--ephemeral", "--json",
-         "--status-interval", "0", "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "4", "--keep-checkpoints", "1", *run_args],
+         "--status-interval", "0", "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "4", "--keep-checkpoints", "1", *run_args]),
         stdout=subprocess.PIPE, text=True)
     stack = contextlib.ExitStack()
     helper: subprocess.Popen[str] | None = None
@@ -434,18 +439,18 @@ def test_two_trainers_and_a_backbone_train_keep_the_curve_and_checkpoint(tmp_pat
                 break
         assert addr is not None
         helper_err_file = stack.enter_context(tempfile.TemporaryFile("w+"))
-        helper = subprocess.Popen(
+        helper = subprocess.Popen(python_argv(
             [*DEDLOC, "train", "--auxiliary", "--initial-peers", addr, "--listen", "/ip4/127.0.0.1/tcp/0",
              "--allow-private", "--ephemeral", "--json", "--status-interval", "0", "--max-steps", str(TRAINERS_STEPS),
-             *run_args],
+             *run_args]),
             stdout=subprocess.PIPE, stderr=helper_err_file, text=True)
         helper_lines = ProcessLines(helper)
         # the helper first, so that it is there from the first step on: its first status says it is in the run
         assert helper_lines.wait_for(lambda e: e.get("event") == "training_status", 60), "the helper never joined"
-        trainers = [subprocess.Popen(
+        trainers = [subprocess.Popen(python_argv(
             [*DEDLOC, "train", "--initial-peers", addr, "--listen", "/ip4/127.0.0.1/tcp/0", "--allow-private",
              "--ephemeral", "--json", "--status-interval", "0", "--max-steps", str(TRAINERS_STEPS), "--data-seed", str(i),
-             *(["--amp"] if i else []), *run_args],
+             *(["--amp"] if i else []), *run_args]),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
         outputs = [t.communicate(timeout=240) for t in trainers]
         # the trainers left at their last step: the helper reads the run there and its --max-steps ends it

@@ -25,11 +25,11 @@ from training.mlm import prepare
 from tests.kit import collect_events
 from nat.lab import Lab, NatKind
 from tests.kit import requires_root_netns
-from tests.forkserver import COMMANDS, python_m
+from tests.forkserver import TRAINING, python_m
 from tests.test_nat_matrix import PUBLIC_NET, ROOT, start_relay
 
 pytestmark = [pytest.mark.slow, requires_root_netns, pytest.mark.timeout(300), pytest.mark.usefixtures("forks")]
-FORKS_PRELOAD = COMMANDS  # the fork server (tests/forkserver.py) imports the relay and the commands once
+FORKS_PRELOAD = TRAINING  # the fork server (tests/forkserver.py) imports the commands and the example model once
 
 STEPS = 12
 
