@@ -3,7 +3,9 @@
 Every peer that wants to average under a run prefix stores a
 :class:`~averaging.group.Member` declaration in the DHT under
 ``<prefix>.matchmaking``, in a subkey only it may write (signed), expiring
-with its matchmaking deadline. Then, until the deadline:
+with its matchmaking deadline, and stores it again while it looks
+(:func:`~averaging.formation.redeclare_after`: a store under load can reach no
+replica, or replicas no later read asks). Then, until the deadline:
 
 1. it reads all live declarations with its own match key (tensor schema and
    round settings); peers that declared something else are never matched;
@@ -51,12 +53,14 @@ from p2p.dht import ValueWithExpiration, owned
 from p2p.errors import ConfigError, DedlocError
 from p2p.hooks import Registration
 from p2p.rpc import CallContext, PeerUnreachableError
+from p2p.trio_util import unwrap_single_group
 from p2p.untrusted import decode_peer_id
 
 from .errors import AllreduceProtocolError, MatchmakingError
 from .formation import (Accept, Action, Admit, AskToJoin, AwaitJoins, Defer, Done, Fail, Fix, Formation,
                         FormationRules, HandOver, JoinAnswer, Joined, JoinOutcome, Phase, Read, Redirect, Redirected,
-                        Refused, Reject, Sleep, Unreachable, answer_admitted, leader_rank)
+                        Refused, Reject, Sleep, Unreachable, answer_admitted, leader_rank,
+                        redeclare_after)
 from .group import Group, Member
 from .proto import averaging_pb2 as pb
 
@@ -163,26 +167,51 @@ class Matchmaker:
         declared = Member(me.peer_id, me.addrs, me.role, me.schema, me.upload, me.download, me.compute,
                           me.accepts_joins, self.clock() + self.config.timeout + 5.0)
         self._declared = (key, declared.expiration)
-        dht = self.peer.dht
-        await dht.store(key, declared.to_wire().SerializeToString(), declared.expiration,
-                        subkey=owned("member", me.peer_id), timeout=min(10.0, self.config.timeout))
+        stored = await self._store(key, declared)
         rules = FormationRules(target, self.config.min_size, self.config.gather_time, self.config.poll_interval,
                                absorb_remainder=expected is None)
         formation = self._formation = Formation(declared, rules, deadline, self._unreachable)
         self._move()  # a join held between two rounds is answered by this formation now
         try:
-            action = formation.start(trio.current_time())
-            while True:
-                action = await self._perform(formation, action)
-                self._move()
-                if isinstance(action, Done):
-                    return action.group
-                if isinstance(action, Fail):
-                    raise MatchmakingError(formation.failure(key, self.config.timeout))
+            with unwrap_single_group():  # a MatchmakingError reaches the caller as itself
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._keep_declared, key, declared, stored)
+                    try:
+                        return await self._form(formation, key)
+                    finally:
+                        nursery.cancel_scope.cancel()
         finally:
             self._formation = None
             self._close_lead(None, None)
             self._move()
+
+    async def _form(self, formation: Formation, key: str) -> Group:
+        action = formation.start(trio.current_time())
+        while True:
+            action = await self._perform(formation, action)
+            self._move()
+            if isinstance(action, Done):
+                return action.group
+            if isinstance(action, Fail):
+                raise MatchmakingError(formation.failure(key, self.config.timeout))
+
+    async def _store(self, key: str, declared: Member) -> bool:
+        """Store our declaration under ``key``: whether some replica took it (:meth:`p2p.dht.DHT.store`)."""
+        return await self.peer.dht.store(key, declared.to_wire().SerializeToString(), declared.expiration,
+                                         subkey=owned("member", declared.peer_id), timeout=min(10.0, self.config.timeout))
+
+    async def _keep_declared(self, key: str, declared: Member, stored: bool) -> None:
+        """Store our declaration again while the formation lasts (:func:`~averaging.formation.redeclare_after`
+        says when and why); cancelled when it ends. A failed store is only logged: the next one may pass."""
+        failed = 0 if stored else 1
+        while True:
+            await trio.sleep(redeclare_after(stored, self.config.poll_interval, failed))
+            took = False
+            try:
+                took = await self._store(key, declared)
+            except (DedlocError, trio.TooSlowError) as e:
+                log.debug("could not store our declaration again: %s", e)
+            stored, failed = stored or took, 0 if took else failed + 1
 
     async def _perform(self, formation: Formation, action: Action) -> Action:
         """Do what the table said; the table's next action."""

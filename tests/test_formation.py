@@ -12,7 +12,7 @@ from multiaddr import Multiaddr
 
 from averaging.formation import (Accept, Admit, AskToJoin, AwaitJoins, Defer, Done, Fail, Fix, Formation,
                                  FormationRules, HandOver, Joined, Phase, Read, Redirect, Redirected, Refused, Reject,
-                                 Sleep, Unreachable, answer_admitted)
+                                 Sleep, Unreachable, answer_admitted, redeclare_after)
 from averaging.group import Group, Member, Role
 
 POLL = 0.5
@@ -391,3 +391,10 @@ def test_the_failure_says_exactly_why_in_each_case() -> None:
     leads = formation(member(2))
     leads.on_declarations([member(2), member(1, Role.SENDER)], 0.0)
     assert leads.failure("run.matchmaking", 30) == f"{prefix} (2 matching peers declared)"
+
+
+def test_a_declaration_is_stored_again_at_the_next_poll_until_a_replica_took_it_then_every_five_seconds() -> None:
+    assert redeclare_after(False, POLL) == 1.0  # no faster than once a second, at a short poll
+    assert redeclare_after(False, 2.0) == 2.0  # the next poll
+    assert [redeclare_after(False, POLL, n) for n in (1, 2, 3, 4, 5)] == [1.0, 2.0, 4.0, 5.0, 5.0]  # backing off
+    assert redeclare_after(True, POLL) == redeclare_after(True, 2.0) == redeclare_after(True, POLL, 3) == 5.0

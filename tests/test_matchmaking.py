@@ -575,6 +575,80 @@ async def test_a_follower_whose_call_ends_before_the_group_is_fixed_is_no_follow
         leading.registration.remove()
 
 
+@pytest.mark.parametrize("took, after", [(False, 1.0), (True, 5.0)])
+async def test_a_declaration_lost_at_first_is_stored_again_while_the_formation_lasts(
+        autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch, took: bool, after: float) -> None:
+    """The first store of the peer every reader would pick as leader is lost: it reached no replica
+    (``took`` False: every reply past the store's timeout), or replicas no later read asks (True: a
+    store while the swarm was loaded keeps those that answered in time, not the key's closest). That
+    peer then leads and waits for joins, the other sees only itself and leads alone: neither group
+    forms before the deadline (16 Moshpit peers in one process beside three CPU hogs failed so, 4 runs
+    of 5). Stored again at the next poll (1 s at least) or after 5 s, it is read and joined."""
+    async with fake_swarms(2) as swarms:
+        hidden = min(swarms, key=lambda s: s.peer_id.to_bytes())  # the leader both would pick
+        real_store = swarms[0].dht.store
+        stores: list[float] = []
+
+        async def store(key: str, value: bytes, expiration: float, subkey: object = None, *,
+                        timeout: float | None = None) -> bool:
+            if value and subkey == owned("member", hidden.peer_id):
+                stores.append(trio.current_time())
+                if len(stores) == 1:
+                    return took  # lost
+            return await real_store(key, value, expiration, subkey, timeout=timeout)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(swarms[0].dht, "store", store)
+        matchmakers = [Matchmaker(s, "run", config(timeout=10.0, target_size=2)) for s in swarms]
+        with serving(*matchmakers):
+            start = trio.current_time()
+            groups = await form_all(matchmakers, [member(s) for s in swarms])
+    assert all(isinstance(g, Group) and g.size == 2 for g in groups), groups
+    assert [round(t - start, 3) for t in stores] == [0.0, after]  # then formed: stored no more
+
+
+async def test_a_peer_looking_alone_stores_its_declaration_every_five_seconds_until_its_deadline(
+        autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a replica took it, "stale" answers (the replicas hold it already: the same record) do not
+    make it a lost store: stored again 5 s later, not at the next poll, and never after the deadline."""
+    async with fake_swarms(1) as (swarm,):
+        real_store = swarm.dht.store
+        stores: list[tuple[float, bool]] = []
+
+        async def store(key: str, value: bytes, expiration: float, subkey: object = None, *,
+                        timeout: float | None = None) -> bool:
+            took = await real_store(key, value, expiration, subkey, timeout=timeout)  # type: ignore[arg-type]
+            stores.append((trio.current_time(), took))
+            return took
+
+        monkeypatch.setattr(swarm.dht, "store", store)
+        start = trio.current_time()
+        with pytest.raises(MatchmakingError):
+            await Matchmaker(swarm, "run", config(timeout=12.0)).form_group(member(swarm))
+        await trio.sleep(10)
+    assert [(round(t - start, 3), took) for t, took in stores] == [(0.0, True), (5.0, False), (10.0, False)]
+
+
+async def test_a_declaration_no_replica_takes_is_tried_again_less_and_less_often(
+        autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every store failing (a loaded swarm): 1, 2, 4, then 5 s apart, not once a second (a store that
+    raised counts as failed too, and ends nothing)."""
+    async with fake_swarms(1) as (swarm,):
+        stores: list[float] = []
+
+        async def store(key: str, value: bytes, expiration: float, subkey: object = None, *,
+                        timeout: float | None = None) -> bool:
+            stores.append(trio.current_time())
+            if len(stores) == 3:
+                raise trio.TooSlowError
+            return False
+
+        monkeypatch.setattr(swarm.dht, "store", store)
+        start = trio.current_time()
+        with pytest.raises(MatchmakingError):
+            await Matchmaker(swarm, "run", config(timeout=20.0)).form_group(member(swarm))
+    assert [round(t - start, 3) for t in stores] == [0.0, 1.0, 3.0, 7.0, 12.0, 17.0]
+
+
 @pytest.mark.parametrize("timeout, store_timeout", [(0.3, 0.3), (30.0, 10.0)])
 async def test_the_declaration_carries_the_member_whole_and_is_stored_within_the_deadline(
         monkeypatch: pytest.MonkeyPatch, timeout: float, store_timeout: float) -> None:

@@ -19,8 +19,8 @@ from averaging.group import Group, Member, Role
 from averaging.matchmaking import MatchmakingConfig, declared_members
 from averaging.moshpit import GridPosition
 from averaging.sim.matchmaking import SCHEMA, MatchmakingSim, Outcome, SimMatchmaker, _outcome, summary
-from p2p.dht.records import DHTKey, ValueWithExpiration
-from p2p.sim.dht import DHTSim, DHTSimConfig, SimPeer
+from p2p.dht.records import DHTKey, DHTRecord, ValueWithExpiration
+from p2p.sim.dht import DHTSim, DHTSimConfig, SimPeer, Stored
 from p2p.sim.network import Kind
 
 from .kit import numbered_peer_id
@@ -152,6 +152,36 @@ def test_a_peer_alone_under_its_key_fails_at_the_deadline_and_its_declaration_st
     assert value is not None and isinstance(value.value, dict)
     [entry] = value.value.values()
     assert entry.value != b"" and entry.expiration == pytest.approx(began_wall + CONFIG.timeout + 5.0, rel=0, abs=1e-6)
+
+
+def test_a_formation_stores_its_declaration_again_as_the_matchmaker_does_until_it_ends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the next poll while no replica took it, every 5 s once one did, a later store that none took
+    too (averaging.formation.redeclare_after); never once the formation ended."""
+    w = world()
+    alone = of_kind(w, Kind.PUBLIC, 1)[0]
+    real_store = w.sim.store
+    stores: list[list[float]] = []  # each store of its declaration: [began, ended]
+
+    def store(peer: SimPeer, record: DHTRecord, finished: Callable[[Stored], None], **kw: bool) -> None:
+        if peer is alone.peer and record.value:
+            lost = len(stores) in (0, 2)  # the first and the third reach no replica
+            stores.append([w.sim.now])
+
+            def done(result: Stored) -> None:
+                stores[-1].append(w.sim.now)
+                finished(Stored(result.seconds, result.lookup_s, [], result.stalled) if lost else result)
+            real_store(peer, record, done, **kw)
+        else:
+            real_store(peer, record, finished, **kw)
+
+    monkeypatch.setattr(w.sim, "store", store)
+    began = w.sim.now
+    run_round(w, {alone.peer.peer_id: "lonely"}, spread=0.0, until=CONFIG.timeout + 10)
+    gaps = [round(b[0] - a[1], 6) for a, b in zip(stores, stores[1:])]
+    assert len(stores) >= 4 and stores[0][0] == began and all(t[0] < began + CONFIG.timeout for t in stores)
+    assert gaps[0] == max(1.0, CONFIG.poll_interval)  # lost: again at the next poll (1 s at least)
+    assert gaps[1:] == [5.0] * (len(stores) - 2)  # then every 5 s, one took it (a later loss too)
 
 
 def test_peers_under_different_keys_never_group_together() -> None:

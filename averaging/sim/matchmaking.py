@@ -5,7 +5,7 @@ Each peer runs the project's :class:`averaging.formation.Formation` (the state t
 on the simulator's clock: the declaration stored under the cell's key, the reads of every
 declaration there (``latest``), the ``avg.join`` calls to a leader and a leader's answers
 (deferred, admitted until the lead closes, redirected), the group fixed, the declaration
-withdrawn. DHT traffic goes through :class:`p2p.sim.dht.DHTSim` (the DHT's own code over the
+stored again while the formation lasts and withdrawn once it ends. DHT traffic goes through :class:`p2p.sim.dht.DHTSim` (the DHT's own code over the
 modelled network); a join is one request and its answer over the same model (through a relay
 for a peer behind a NAT: two legs). What is measured: how long each peer takes to get a group,
 and how many get none by the matchmaking deadline.
@@ -26,12 +26,13 @@ from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
 from p2p.dht.records import DHTKey, DHTRecord, ValueWithExpiration
-from p2p.sim.dht import DHTSim, SimPeer
+from p2p.sim.dht import DHTSim, SimPeer, Stored
 from p2p.sim.network import Kind
 
 from ..formation import (Accept, Action, Admit, AskToJoin, AwaitJoins, Defer, Done, Fail, Fix, Formation,
                          FormationRules, HandOver, JoinAnswer, Joined, JoinOutcome, Phase, Read, Redirect, Redirected,
-                         Refused, Reject, Sleep, Unreachable, answer_admitted)
+                         Refused, Reject, Sleep, Unreachable, answer_admitted,
+                         redeclare_after)
 from ..group import Group, Member, Role
 from ..matchmaking import MatchmakingConfig, declared_members, forget_expired
 from ..moshpit import GridPosition
@@ -87,14 +88,27 @@ class SimMatchmaker:
         rules = FormationRules(cfg.target_size, cfg.min_size, cfg.gather_time, cfg.poll_interval)
         self._done = done
 
-        def stored(_: object) -> None:
-            self.formation = Formation(declared, rules, self.started + cfg.timeout, self.unreachable)
+        def stored(result: Stored) -> None:
+            formation = self.formation = Formation(declared, rules, self.started + cfg.timeout, self.unreachable)
             held, self.held = self.held, []
             for member, reply in held:  # asked between two rounds: this formation answers them
                 self._answer(member, reply, asked_again=False)
-            self._perform(self.formation.start(world.sim.now))
+            self._keep_declared(record, formation, bool(result.holders), 0 if result.holders else 1)
+            self._perform(formation.start(world.sim.now))
 
         world.sim.store(self.peer, record, stored)
+
+    def _keep_declared(self, record: DHTRecord, formation: Formation, stored: bool, failed: int) -> None:
+        """Store the declaration again while ``formation`` lasts, when the Matchmaker would
+        (:func:`averaging.formation.redeclare_after`)."""
+        sim = self.world.sim
+
+        def again() -> None:
+            if self.formation is formation:
+                sim.store(self.peer, record, lambda result: self._keep_declared(
+                    record, formation, stored or bool(result.holders), 0 if result.holders else failed + 1))
+
+        sim.engine.at(redeclare_after(stored, self.world.config.poll_interval, failed), again)
 
     def _perform(self, action: Action) -> None:
         formation, sim = self.formation, self.world.sim
