@@ -23,6 +23,7 @@ def test_settle_collects_start_ups_cycles_then_freezes_what_lives() -> None:
     gone = weakref.ref(a)
     del a, b
     kept = [_Node() for _ in range(10_000)]
+    session = gc.get_freeze_count()  # tests/conftest.py froze what collection built
     try:
         frozen = settle()
         assert gone() is None  # collected before the freeze, not frozen for ever
@@ -37,6 +38,8 @@ def test_settle_collects_start_ups_cycles_then_freezes_what_lives() -> None:
     finally:
         gc.unfreeze()
     assert gc.get_freeze_count() == 0
+    if session:
+        gc.freeze()  # the session's freeze back, for the worker's later tests
 
 
 def test_the_recorder_times_each_collection_by_generation_from_start_to_stop(monkeypatch: pytest.MonkeyPatch) -> None:
