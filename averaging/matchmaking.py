@@ -198,7 +198,8 @@ class Matchmaker:
     async def _store(self, key: str, declared: Member) -> bool:
         """Store our declaration under ``key``: whether some replica took it (:meth:`p2p.dht.DHT.store`)."""
         return await self.peer.dht.store(key, declared.to_wire().SerializeToString(), declared.expiration,
-                                         subkey=owned("member", declared.peer_id), timeout=min(10.0, self.config.timeout))
+                                         subkey=owned("member", declared.peer_id),
+                                         timeout=min(10.0, self.config.timeout))
 
     async def _keep_declared(self, key: str, declared: Member, stored: bool) -> None:
         """Store our declaration again while the formation lasts (:func:`~averaging.formation.redeclare_after`

@@ -2,13 +2,13 @@
 
 Each peer runs the project's :class:`averaging.formation.Formation` (the state table the
 :class:`averaging.matchmaking.Matchmaker` drives) and this module plays the Matchmaker's part
-on the simulator's clock: the declaration stored under the cell's key, the reads of every
-declaration there (``latest``), the ``avg.join`` calls to a leader and a leader's answers
-(deferred, admitted until the lead closes, redirected), the group fixed, the declaration
-stored again while the formation lasts and withdrawn once it ends. DHT traffic goes through :class:`p2p.sim.dht.DHTSim` (the DHT's own code over the
-modelled network); a join is one request and its answer over the same model (through a relay
-for a peer behind a NAT: two legs). What is measured: how long each peer takes to get a group,
-and how many get none by the matchmaking deadline.
+on the simulator's clock: the declaration stored under the cell's key (and again while the
+formation lasts), the reads of every declaration there (``latest``), the ``avg.join`` calls to a
+leader and a leader's answers (deferred, admitted until the lead closes, redirected), the group
+fixed, the declaration withdrawn. DHT traffic goes through :class:`p2p.sim.dht.DHTSim` (the DHT's
+own code over the modelled network); a join is one request and its answer over the same model
+(through a relay for a peer behind a NAT: two legs). What is measured: how long each peer takes to
+get a group, and how many get none by the matchmaking deadline.
 
 Simplifications, each on the side of fewer messages than the real thing: declarations are
 stored with plain subkeys (the simulated peers have no keys to sign ``[owner:...]`` ones), and
