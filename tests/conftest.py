@@ -43,7 +43,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """Freeze what collection built (torch, the packages, every test module: ~300,000 objects), as
     the commands do once their peer is up (:func:`p2p.collector.settle`): the full collections of
     a worker's later tests, whose peers and tensors are in-process, then skip it (test_averaging.py
-    alone: 6.1 -> 2.9 s of its 66 s of CPU in full collections)."""
+    alone: 6.1 -> 2.9-3.1 s of its 66 s of CPU in full collections)."""
     from p2p.collector import settle
 
     settle()
