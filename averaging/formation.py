@@ -242,6 +242,24 @@ def redeclare_after(stored: bool, poll_interval: float, failed: int = 1) -> floa
     return min(REDECLARE_INTERVAL, max(REDECLARE_RETRY_MIN, poll_interval) * 2.0 ** max(0, failed - 1))
 
 
+@dataclass(frozen=True)
+class Declaring:
+    """What :func:`redeclare_after` reads of our declaration's stores while a formation lasts, kept
+    alike by the Matchmaker and the simulator's twin: whether one reached a replica, and how many in a
+    row reached none. The formation's first store is ``Declaring().then(took)``."""
+
+    stored: bool = False
+    failed: int = 0
+
+    def then(self, took: bool) -> Declaring:
+        """After a store that some replica took (``took``) or none did."""
+        return Declaring(self.stored or took, 0 if took else self.failed + 1)
+
+    def wait(self, poll_interval: float) -> float:
+        """Seconds until the next store (:func:`redeclare_after`)."""
+        return redeclare_after(self.stored, poll_interval, self.failed)
+
+
 def leader_rank(member: Member) -> tuple[int, bytes]:
     """Lower leads: peers that reduce and are directly reachable, then the other directly
     reachable ones, then relayed ones; then by peer id.
@@ -497,7 +515,8 @@ def answer_admitted(member: Member, group: Group | None, redirect: ID | None) ->
     return Reject("the group formed without you")
 
 
-__all__ = ["Accept", "Action", "Admit", "AskToJoin", "AwaitJoins", "Defer", "Done", "Fail", "Fix", "Formation",
+__all__ = ["Accept", "Action", "Admit", "AskToJoin", "AwaitJoins", "Declaring", "Defer", "Done", "Fail", "Fix",
+           "Formation",
            "FormationRules", "HandOver", "JoinAnswer", "JoinOutcome", "Joined", "Phase", "Read", "Redirect",
            "Redirected", "Refused", "Reject", "Sleep", "Unreachable", "answer_admitted", "leader_rank",
            "redeclare_after"]

@@ -57,10 +57,9 @@ from p2p.trio_util import unwrap_single_group
 from p2p.untrusted import decode_peer_id
 
 from .errors import AllreduceProtocolError, MatchmakingError
-from .formation import (Accept, Action, Admit, AskToJoin, AwaitJoins, Defer, Done, Fail, Fix, Formation,
-                        FormationRules, HandOver, JoinAnswer, Joined, JoinOutcome, Phase, Read, Redirect, Redirected,
-                        Refused, Reject, Sleep, Unreachable, answer_admitted, leader_rank,
-                        redeclare_after)
+from .formation import (Accept, Action, Admit, AskToJoin, AwaitJoins, Declaring, Defer, Done, Fail, Fix,
+                        Formation, FormationRules, HandOver, JoinAnswer, Joined, JoinOutcome, Phase, Read, Redirect,
+                        Redirected, Refused, Reject, Sleep, Unreachable, answer_admitted, leader_rank)
 from .group import Group, Member
 from .proto import averaging_pb2 as pb
 
@@ -204,15 +203,15 @@ class Matchmaker:
     async def _keep_declared(self, key: str, declared: Member, stored: bool) -> None:
         """Store our declaration again while the formation lasts (:func:`~averaging.formation.redeclare_after`
         says when and why); cancelled when it ends. A failed store is only logged: the next one may pass."""
-        failed = 0 if stored else 1
+        declaring = Declaring().then(stored)
         while True:
-            await trio.sleep(redeclare_after(stored, self.config.poll_interval, failed))
+            await trio.sleep(declaring.wait(self.config.poll_interval))
             took = False
             try:
                 took = await self._store(key, declared)
             except (DedlocError, trio.TooSlowError) as e:
                 log.debug("could not store our declaration again: %s", e)
-            stored, failed = stored or took, 0 if took else failed + 1
+            declaring = declaring.then(took)
 
     async def _perform(self, formation: Formation, action: Action) -> Action:
         """Do what the table said; the table's next action."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
-from averaging.formation import (Accept, Admit, AskToJoin, AwaitJoins, Defer, Done, Fail, Fix, Formation,
+from averaging.formation import (Accept, Admit, AskToJoin, AwaitJoins, Declaring, Defer, Done, Fail, Fix, Formation,
                                  FormationRules, HandOver, Joined, Phase, Read, Redirect, Redirected, Refused, Reject,
                                  Sleep, Unreachable, answer_admitted, redeclare_after)
 from averaging.group import Group, Member, Role
@@ -398,3 +398,10 @@ def test_a_declaration_is_stored_again_at_the_next_poll_until_a_replica_took_it_
     assert redeclare_after(False, 2.0) == 2.0  # the next poll
     assert [redeclare_after(False, POLL, n) for n in (1, 2, 3, 4, 5)] == [1.0, 2.0, 4.0, 5.0, 5.0]  # backing off
     assert redeclare_after(True, POLL) == redeclare_after(True, 2.0) == redeclare_after(True, POLL, 3) == 5.0
+
+
+def test_the_stores_of_a_declaration_are_counted_alike_by_both_shells() -> None:
+    lost, took = Declaring().then(False), Declaring().then(True)
+    assert (lost, took) == (Declaring(False, 1), Declaring(True, 0))
+    assert lost.then(False).then(False) == Declaring(False, 3) and lost.then(False).wait(POLL) == 2.0
+    assert lost.then(True).then(False) == Declaring(True, 1) and took.then(False).wait(POLL) == 5.0  # taken once

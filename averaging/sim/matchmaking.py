@@ -29,10 +29,9 @@ from p2p.dht.records import DHTKey, DHTRecord, ValueWithExpiration
 from p2p.sim.dht import DHTSim, SimPeer, Stored
 from p2p.sim.network import Kind
 
-from ..formation import (Accept, Action, Admit, AskToJoin, AwaitJoins, Defer, Done, Fail, Fix, Formation,
-                         FormationRules, HandOver, JoinAnswer, Joined, JoinOutcome, Phase, Read, Redirect, Redirected,
-                         Refused, Reject, Sleep, Unreachable, answer_admitted,
-                         redeclare_after)
+from ..formation import (Accept, Action, Admit, AskToJoin, AwaitJoins, Declaring, Defer, Done, Fail, Fix,
+                         Formation, FormationRules, HandOver, JoinAnswer, Joined, JoinOutcome, Phase, Read, Redirect,
+                         Redirected, Refused, Reject, Sleep, Unreachable, answer_admitted)
 from ..group import Group, Member, Role
 from ..matchmaking import MatchmakingConfig, declared_members, forget_expired
 from ..moshpit import GridPosition
@@ -93,12 +92,12 @@ class SimMatchmaker:
             held, self.held = self.held, []
             for member, reply in held:  # asked between two rounds: this formation answers them
                 self._answer(member, reply, asked_again=False)
-            self._keep_declared(record, formation, bool(result.holders), 0 if result.holders else 1)
+            self._keep_declared(record, formation, Declaring().then(bool(result.holders)))
             self._perform(formation.start(world.sim.now))
 
         world.sim.store(self.peer, record, stored)
 
-    def _keep_declared(self, record: DHTRecord, formation: Formation, stored: bool, failed: int) -> None:
+    def _keep_declared(self, record: DHTRecord, formation: Formation, declaring: Declaring) -> None:
         """Store the declaration again while ``formation`` lasts, when the Matchmaker would
         (:func:`averaging.formation.redeclare_after`)."""
         sim = self.world.sim
@@ -106,9 +105,9 @@ class SimMatchmaker:
         def again() -> None:
             if self.formation is formation:
                 sim.store(self.peer, record, lambda result: self._keep_declared(
-                    record, formation, stored or bool(result.holders), 0 if result.holders else failed + 1))
+                    record, formation, declaring.then(bool(result.holders))))
 
-        sim.engine.at(redeclare_after(stored, self.world.config.poll_interval, failed), again)
+        sim.engine.at(declaring.wait(self.world.config.poll_interval), again)
 
     def _perform(self, action: Action) -> None:
         formation, sim = self.formation, self.world.sim
