@@ -285,7 +285,7 @@ async def one_run(top: Topology, args: argparse.Namespace, system: str, scenario
 async def training_start(args: argparse.Namespace) -> dict[str, list[float]]:
     """Seconds from a fresh trainer's start to its first global step: --data swarm:NAME, then its disk, taking
     turns --training-repeats times (where the swarm's next global step falls makes each figure noisy)."""
-    from training.mlm import prepare
+    from training.corpus import prepare
 
     dedloc = [sys.executable, "-m", "training.commands"]
     root = WORK / "training"

@@ -57,7 +57,7 @@ NOISE = ("Failed to open TCP stream",)
 
 
 #: Set by the test suite's ``forks`` fixture (tests/conftest.py): the socket of a server that imported
-#: torch and the project's packages once and forks a process per request (tests/forkserver.py).
+#: torch and the project's packages once and forks a process per request (p2p/forkserver.py).
 FORKS_ENV = "DEDLOC_FORKS"
 
 
@@ -73,7 +73,7 @@ def python_argv(argv: Sequence[str | Path]) -> list[str]:
         return [str(a) for a in argv]
     if str(ROOT) not in sys.path:
         sys.path.append(str(ROOT))
-    from tests.forkserver import python_argv as forked  # the suite's, where the variable comes from
+    from tests.forks import python_argv as forked  # the suite's, where the variable comes from
 
     return forked(argv)
 

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from p2p import Node, NodeConfig
-from tests.forkserver import ENV as FORKS_ENV, NAT, Forks
+from p2p.forkserver import Forks
+from tests.forks import ENV as FORKS_ENV, NAT, suite_forks
 
 LOOPBACK4 = "/ip4/127.0.0.1/tcp/0"
 LOOPBACK6 = "/ip6/::1/tcp/0"
@@ -76,12 +77,12 @@ async def node_pair() -> AsyncIterator[tuple[Node, Node]]:
 
 @pytest.fixture(scope="module")
 def forks(request: pytest.FixtureRequest) -> Iterator[Forks]:
-    """A fork server for the module's processes (tests/forkserver.py): ``python_m`` starts them
+    """A fork server for the module's processes (p2p/forkserver.py, tests/forks.py): ``python_m`` starts them
     from it. Preloads the module's ``FORKS_PRELOAD`` (by default what NAT agents and relays import).
 
     Module-scoped, so the children's CPU is counted (as the server's, when it is reaped) in the
     module's last test rather than at the end of the session."""
     preload = getattr(request.module, "FORKS_PRELOAD", NAT)
-    with Forks(*preload) as server, pytest.MonkeyPatch.context() as patch:
+    with suite_forks(*preload) as server, pytest.MonkeyPatch.context() as patch:
         patch.setenv(FORKS_ENV, server.path)
         yield server

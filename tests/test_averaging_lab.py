@@ -20,11 +20,11 @@ import trio
 from tests.kit import collect_events
 from nat.lab import Lab, NatKind, Shape
 from tests.kit import requires_root_netns
-from tests.forkserver import PACKAGES, python_m
+from tests.forks import PACKAGES, python_m
 from tests.test_nat_matrix import PUBLIC_NET, ROOT, start_relay
 
 pytestmark = [pytest.mark.slow, requires_root_netns, pytest.mark.timeout(240), pytest.mark.usefixtures("forks")]
-FORKS_PRELOAD = PACKAGES  # the fork server (tests/forkserver.py) imports the commands' modules and torch once
+FORKS_PRELOAD = PACKAGES  # the fork server (p2p/forkserver.py) imports the commands' modules and torch once
 
 MBIT = 40
 SIZE = 1_000_000  # float32 values: 4 MB

@@ -360,7 +360,7 @@ def test_a_restarted_backbone_takes_up_its_directory_and_a_trainer_joining_an_em
     from training.cli import build
     from training.commands import build_parser
 
-    from .forkserver import dies_with_us
+    from p2p.forkserver import dies_with_us
     from .kit import ProcessLines
 
     dedloc = [sys.executable, "-m", "training.commands"]

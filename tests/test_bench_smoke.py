@@ -10,7 +10,8 @@ from types import ModuleType
 
 import pytest
 
-from tests.forkserver import BENCH, ENV as FORKS_ENV, Forks, python_argv, script_argv
+from p2p.forkserver import Forks, script_argv
+from tests.forks import BENCH, ENV as FORKS_ENV, python_argv
 from tests.kit import requires_root_netns
 
 ROOT = Path(__file__).resolve().parent.parent

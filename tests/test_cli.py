@@ -20,11 +20,13 @@ from p2p import Node, NodeConfig
 from p2p.trio_util import read_lines
 
 from .conftest import open_nodes
-from .forkserver import TRAINING, Forks, python_argv
+from p2p.forkserver import Forks
+
+from .forks import TRAINING, python_argv
 from .kit import ProcessLines, requires_root_netns
 
 DEDLOC = [sys.executable, "-m", "training.commands"]  # the entry point's module
-#: What the fork server of a test that asks for ``forks`` imports (tests/forkserver.py).
+#: What the fork server of a test that asks for ``forks`` imports (p2p/forkserver.py).
 FORKS_PRELOAD = TRAINING
 
 
@@ -216,6 +218,9 @@ def test_demo_forms_a_swarm_uses_the_dht_averages_exactly_and_trains(tmp_path: P
                  "--train-time", "45" if trains else "0", "--until-shown", timeout=240,
                  env={**os.environ, "TMPDIR": str(tmp_path)})
     assert result.returncode == 0, result.stdout + result.stderr
+    # every node forked from the demo's fork server (p2p/forkserver.py), none a fresh interpreter
+    assert "importing the commands' modules once" in result.stdout
+    assert "fresh interpreter" not in result.stdout
     assert "swarm formed: 3 peers and the bootstrap node" in result.stdout
     assert "dht get demo:greeting   → hello, DHT" in result.stdout
     assert "every peer averaged" in result.stdout
@@ -344,6 +349,7 @@ def test_demo_as_root_runs_the_swarm_behind_namespace_nats(tmp_path: Path):
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "network: namespaces" in out and "in network namespaces (peer-1 public" in out
+    assert "importing the commands' modules once" in out and "fresh interpreter" not in out
     assert "swarm formed: 4 peers and the bootstrap node" in out
     assert "dht get demo:greeting   → hello, DHT" in out
     # AutoNAT found the NATs: the symmetric one is reachable only through its relay slot and averages

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.forkserver import Forks
+from p2p.forkserver import Forks
+from tests.forks import suite_forks
 
 ROOT = Path(__file__).resolve().parent.parent
 #: a valid peer id with nothing behind it
@@ -32,7 +33,7 @@ PRELOAD = ("torch", "training.commands", "training.cli", "training.moe.cli", "av
 
 class Dedloc:
     """``dedloc`` command lines, each a process forked from one that imported the commands once
-    (tests/forkserver.py: a process of its own paid ~3.5 s of imports per line, 104 s for the table)."""
+    (p2p/forkserver.py: a process of its own paid ~3.5 s of imports per line, 104 s for the table)."""
 
     def __init__(self, forks: Forks) -> None:
         self.forks = forks
@@ -45,7 +46,7 @@ class Dedloc:
 
 @pytest.fixture(scope="module")
 def dedloc() -> Iterator[Dedloc]:
-    with Forks(*PRELOAD) as forks:
+    with suite_forks(*PRELOAD) as forks:
         yield Dedloc(forks)
 
 

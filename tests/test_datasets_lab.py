@@ -18,11 +18,11 @@ from nat.lab import Lab, NatKind
 from p2p.trio_util import read_lines
 from tests.kit import readme_example, requires_root_netns
 from tests.test_datasets_swarm import corpus
-from tests.forkserver import COMMANDS, python_m
+from tests.forks import COMMANDS, python_m
 from tests.test_nat_matrix import PORT, PUBLIC_NET, ROOT, start_relay
 
 pytestmark = [pytest.mark.slow, requires_root_netns, pytest.mark.timeout(240), pytest.mark.usefixtures("forks")]
-FORKS_PRELOAD = COMMANDS  # the fork server (tests/forkserver.py) imports the relay and the commands once
+FORKS_PRELOAD = COMMANDS  # the fork server (p2p/forkserver.py) imports the relay and the commands once
 
 
 async def test_the_readme_example_fetches_from_a_seeder_behind_another_nat(tmp_path: Path) -> None:

@@ -33,7 +33,7 @@ import trio
 
 from nat.lab import Host, Lab, NatKind
 from tests.kit import requires_root_netns
-from tests.forkserver import python_m
+from tests.forks import python_m
 from tests.test_nat_matrix import PORT, PUBLIC_NET, Agent, start_agent, start_relay
 
 pytestmark = [pytest.mark.slow, requires_root_netns, pytest.mark.timeout(150), pytest.mark.usefixtures("forks")]

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.forkserver import ROOT, Forks, script_argv
+from p2p.forkserver import Forks, ForkServer, ForkServerError, script_argv
+from tests.forks import ROOT, suite_forks
 from tests.kit import alive
 
 pytestmark = pytest.mark.timeout(60)
@@ -57,7 +58,7 @@ if mode == "exit":  # what the interpreter's exit does: join the threads, run at
 
 @pytest.fixture(scope="module")
 def forks() -> Iterator[Forks]:
-    with Forks("json.tool") as server:
+    with suite_forks("json.tool") as server:
         yield server
 
 
@@ -137,7 +138,7 @@ def test_a_caller_in_the_servers_own_namespace_needs_no_privilege(here: Path) ->
     but tests/test_cli_errors.py's table) has none, so the child stays where it is."""
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv(1) to run without CAP_SYS_ADMIN")
-    code = ("import subprocess, sys\nfrom tests.forkserver import Forks\nwith Forks() as f:\n"
+    code = ("import subprocess, sys\nfrom tests.forks import suite_forks\nwith suite_forks() as f:\n"
             f"    sys.exit(subprocess.run(f.argv('probe', 'show'), cwd={str(here)!r}, capture_output=True).returncode)")
     result = subprocess.run(["setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin", sys.executable, "-c", code],
                             cwd=ROOT, capture_output=True, text=True, timeout=30)
@@ -179,7 +180,7 @@ def test_a_caller_killed_takes_what_its_child_started_with_it(forks: Forks, here
 
 
 def test_the_server_closed_takes_its_children_with_it(here: Path) -> None:
-    with Forks() as server:
+    with suite_forks() as server:
         proc = subprocess.Popen(server.argv("probe", "wait"), cwd=here, stdout=subprocess.PIPE, text=True)
         assert proc.stdout is not None
         child = int(proc.stdout.readline())
@@ -190,7 +191,7 @@ def test_the_server_closed_takes_its_children_with_it(here: Path) -> None:
 
 
 def test_the_server_killed_takes_its_children_with_it(here: Path) -> None:
-    with Forks() as server:
+    with suite_forks() as server:
         proc = subprocess.Popen(server.argv("probe", "wait"), cwd=here, stdout=subprocess.PIPE, text=True)
         assert proc.stdout is not None
         child = int(proc.stdout.readline())
@@ -202,7 +203,7 @@ def test_the_server_killed_takes_its_children_with_it(here: Path) -> None:
 
 
 def test_without_a_server_the_client_says_so(tmp_path: Path) -> None:
-    result = subprocess.run(Forks().argv("probe", "show"), cwd=tmp_path, capture_output=True, text=True,
+    result = subprocess.run(suite_forks().argv("probe", "show"), cwd=tmp_path, capture_output=True, text=True,
                             timeout=30)
     assert result.returncode == 70 and "no fork server at" in result.stderr
 
@@ -210,7 +211,7 @@ def test_without_a_server_the_client_says_so(tmp_path: Path) -> None:
 def test_a_child_started_with_dies_with_us_dies_with_the_test_that_started_it() -> None:
     """``dies_with_us`` as a test's ``preexec_fn``: a test SIGKILLed (a mutation run's timeout) takes the commands it
     started with it, though no ``finally`` of it runs."""
-    code = ("import subprocess, sys, time\nfrom tests.forkserver import dies_with_us\n"
+    code = ("import subprocess, sys, time\nfrom p2p.forkserver import dies_with_us\n"
             "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], preexec_fn=dies_with_us)\n"
             "print(child.pid, flush=True)\ntime.sleep(60)\n")
     test = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
@@ -220,3 +221,53 @@ def test_a_child_started_with_dies_with_us_dies_with_the_test_that_started_it() 
     test.kill()
     test.wait(timeout=10)
     assert gone(child)
+
+
+async def test_an_async_owner_waits_for_ready_forks_children_and_its_end_ends_them(here: Path) -> None:
+    """``ForkServer``, ``dedloc demo``'s: ``ready`` returns once the server listens, a child runs as the
+    caller's process, and leaving the block kills what still runs (the server's own session: a Ctrl-C
+    reaches the owner, not the server mid-fork)."""
+    import trio
+
+    async with ForkServer.open(("json.tool",)) as forks:
+        await forks.ready()
+        await forks.ready()  # once said, said: the second returns at once
+        assert os.getsid(forks.process.pid) == forks.process.pid
+        done = await trio.run_process(forks.argv("probe", "show", "x"), cwd=here, stdin=b"in", capture_stdout=True,
+                                      capture_stderr=True, check=False)
+        assert done.returncode == 3 and json.loads(done.stdout)["argv"] == ["show", "x"], done.stderr
+        waiting = await trio.lowlevel.open_process(forks.argv("probe", "wait"), cwd=here, stdout=subprocess.PIPE)
+        assert waiting.stdout is not None
+        child = int((await waiting.stdout.receive_some(64)).split()[0])
+        assert alive(child)
+        server = forks.process
+    assert server.returncode == 0 and gone(child)
+    with trio.fail_after(10):
+        assert await waiting.wait() == 70
+
+
+async def test_an_async_owner_hears_why_the_server_did_not_start() -> None:
+    """A preload that fails ends the server before it listens: ``ready`` raises, naming what it said
+    and its exit; a server that says nothing in its time is refused too."""
+    async with ForkServer.open(("no_such_module_for_the_fork_server",)) as forks:
+        with pytest.raises(ForkServerError, match=r"did not start \(it said '', exit 1\)"):
+            await forks.ready()
+        with pytest.raises(ForkServerError):  # and again, not a hang
+            await forks.ready()
+    async with ForkServer.open(("json.tool",), timeout=0.01) as forks:
+        with pytest.raises(ForkServerError, match=r"it said 'nothing in 0.01 s', still running"):
+            await forks.ready()
+
+
+async def test_the_demo_starts_fresh_interpreters_where_its_fork_server_did_not_start() -> None:
+    """``dedloc demo`` says why and goes on with fresh interpreters; with a server, its nodes' command
+    line is the client's."""
+    from training.demo import ENTRY, _Launcher
+
+    said: list[str] = []
+    async with ForkServer.open(("no_such_module_for_the_fork_server",)) as forks:
+        launcher = _Launcher(forks)
+        assert launcher("relay")[:3] == [sys.executable, "-S", "-I"] and launcher("relay")[-3:] == ["-m", ENTRY, "relay"]
+        await launcher.ready(said.append)
+    assert launcher("relay", "--json") == [sys.executable, "-m", ENTRY, "relay", "--json"]
+    assert len(said) == 1 and said[0].startswith("each node a fresh interpreter: the fork server did not start"), said

@@ -17,11 +17,11 @@ import trio
 
 from nat.lab import Lab, NatKind
 from tests.kit import readme_example, requires_root_netns
-from tests.forkserver import PACKAGES, python_m
+from tests.forks import PACKAGES, python_m
 from tests.test_nat_matrix import PUBLIC_NET, ROOT, start_relay
 
 pytestmark = [pytest.mark.slow, requires_root_netns, pytest.mark.timeout(240), pytest.mark.usefixtures("forks")]
-FORKS_PRELOAD = PACKAGES  # the fork server (tests/forkserver.py) imports the commands' modules and torch once
+FORKS_PRELOAD = PACKAGES  # the fork server (p2p/forkserver.py) imports the commands' modules and torch once
 
 
 def readme_serve_command() -> list[str]:

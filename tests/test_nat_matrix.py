@@ -30,7 +30,7 @@ import trio
 
 from nat.lab import ALL_KINDS, Host, Ipv6, Lab, NatKind
 from p2p.trio_util import read_lines
-from tests.forkserver import python_m
+from tests.forks import python_m
 from tests.kit import requires_root_netns
 
 pytestmark = [pytest.mark.slow, requires_root_netns, pytest.mark.timeout(900), pytest.mark.usefixtures("forks")]

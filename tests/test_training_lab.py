@@ -21,15 +21,15 @@ from typing import Any
 import pytest
 import trio
 
-from training.mlm import prepare
+from training.corpus import prepare
 from tests.kit import collect_events
 from nat.lab import Lab, NatKind
 from tests.kit import requires_root_netns
-from tests.forkserver import TRAINING, python_m
+from tests.forks import TRAINING, python_m
 from tests.test_nat_matrix import PUBLIC_NET, ROOT, start_relay
 
 pytestmark = [pytest.mark.slow, requires_root_netns, pytest.mark.timeout(300), pytest.mark.usefixtures("forks")]
-FORKS_PRELOAD = TRAINING  # the fork server (tests/forkserver.py) imports the commands and the example model once
+FORKS_PRELOAD = TRAINING  # the fork server (p2p/forkserver.py) imports the commands and the example model once
 
 STEPS = 12
 

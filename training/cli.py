@@ -1,4 +1,5 @@
-"""The commands that train: ``train``, ``backbone`` and ``demo`` (the entry point and their options: training/commands.py).
+"""The commands that train: ``train`` and ``backbone`` (the entry point and their options: training/commands.py;
+``demo``'s code is training/demo.py).
 
 This is the highest layer with commands, so the entry point sits here and its
 parser extends the averaging layer's (``average``), which extends the network
@@ -60,7 +61,7 @@ log = logging.getLogger(__name__)
 
 def example_files(args: argparse.Namespace) -> tuple[list[str], Path]:
     """The shards and the tokenizer: the user's, else the example's (generated under --workdir once)."""
-    from .mlm import prepare
+    from .corpus import prepare
 
     workdir = Path(args.workdir)
     tokenizer = Path(args.tokenizer) if args.tokenizer else None
@@ -444,23 +445,6 @@ async def cmd_backbone(args: argparse.Namespace, out: Output) -> int:
         latest = await trio.to_thread.run_sync(latest_checkpoint, Path(args.checkpoint_dir), args.run_id, params)
         return await run_peer(args, out, relay=True, role="backbone",
                               work=lambda peer, dashboard: backbone(peer, args, params, latest, dashboard))
-
-
-# ---------------------------------------------------------------------- dedloc demo
-
-
-async def cmd_demo(args: argparse.Namespace, out: Output) -> int:
-    from .demo import choose_network, run_demo
-
-    try:
-        network, why = choose_network(args.network)
-    except ValueError as exc:
-        print(f"demo: {exc}", file=sys.stderr)
-        return 2
-    if not out.json_mode:
-        print(f"network: {network} ({why})", flush=True)
-    return await run_demo(peers=args.peers, duration=args.duration, train_time=args.train_time, out=out,
-                          network=network, until_shown=args.until_shown)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """The ``dedloc`` entry point: every layer's commands in one parser, each imported only when it runs.
 
-``train``, ``backbone`` and ``demo`` are this layer's (their code: ``training/cli.py``); the parser of each
+``train``, ``backbone`` and ``demo`` are this layer's (their code: ``training/cli.py``, ``training/demo.py``); the parser of each
 layer below adds its own (p2p/commands.py dispatches). ``dedloc --help``, ``id``, ``ping``, ``relay`` and
 the other network commands never import torch.
 """
@@ -226,7 +226,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
                    "from the swarm and averaged in global steps, the loss fell by a tenth), --train-time at most: "
                    "for scripts and tests")
     p.add_argument("--json", action="store_true", help="print the nodes' events as JSON lines")
-    p.set_defaults(func="training.cli:cmd_demo")
+    p.set_defaults(func="training.demo:cmd_demo")
     return parser, sub
 
 

@@ -28,10 +28,17 @@ the backbone takes the run up from its checkpoint, not from step 0 (DeDLOC 3.1:
 the backbone keeps the run while nobody trains). The demo succeeds when the
 swarm took global steps together, its loss fell, and the newcomer took the run
 up where the backbone kept it.
+
+Every node is a process of its own, started as its command line (``python -m training.commands
+...``); where it can, the demo forks each from one process that imported the commands' modules once
+(:class:`p2p.forkserver.ForkServer`: torch, py-libp2p, transformers' ALBERT, ~10 s of CPU), not a fresh
+interpreter that pays them again (~4 s for a peer, ~9 s for a trainer; a dozen processes). Each is still
+its own process, in its own namespace, with its own pipes, signals and exit status.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -49,6 +56,8 @@ from typing import Any, Protocol
 import trio
 
 from nat.lab import Host, Lab, NatKind, netns_unavailable_reason
+from p2p.forkserver import ForkServer, ForkServerError
+from p2p.output import Output
 from p2p.trio_util import read_lines
 
 from .events import bar, count
@@ -79,8 +88,46 @@ class _Member:
         return {peer for peer, n in self.connections.items() if n > 0}
 
 
-def _command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "training.commands", *args]
+#: What the demo's fork server imports: torch and every module of the four packages (``.*``: a package
+#: and all its modules), transformers' ALBERT and its tokenizer (transformers imports its model classes
+#: only as they are named): all that the demo's commands import as they run. ~10 s of CPU, once.
+PRELOAD = ("torch", "p2p.*", "nat.*", "averaging.*", "training.*", "transformers.models.albert.modeling_albert",
+           "transformers.tokenization_utils_fast")
+#: The module every node runs (``dedloc``'s entry point).
+ENTRY = "training.commands"
+
+
+class _Launcher:
+    """The command line of a ``dedloc`` command: through the demo's fork server where it started, a
+    fresh interpreter where not (no server asked, or it failed: the demo says why and goes on)."""
+
+    def __init__(self, forks: ForkServer | None) -> None:
+        self.forks = forks
+
+    async def ready(self, say: _Say) -> None:
+        if self.forks is None:
+            return
+        try:
+            await self.forks.ready()
+        except ForkServerError as e:
+            say(f"each node a fresh interpreter: {e}")
+            self.forks = None
+
+    def __call__(self, *args: str) -> list[str]:
+        if self.forks is None:
+            return [sys.executable, "-m", ENTRY, *args]
+        return self.forks.argv(ENTRY, *args)
+
+
+@asynccontextmanager
+async def _launcher(fork: bool) -> AsyncIterator[_Launcher]:
+    """Start the fork server (it imports while the caller builds the network), where asked and where
+    it can work (Linux: ``prctl``, ``setns``)."""
+    if not fork or sys.platform != "linux":
+        yield _Launcher(None)
+        return
+    async with ForkServer.open(PRELOAD) as forks:
+        yield _Launcher(forks)
 
 
 class _Network(Protocol):
@@ -266,21 +313,41 @@ CHECKPOINT_WAIT = 30.0
 TAKE_UP_TIMEOUT = 40.0
 
 
+async def cmd_demo(args: argparse.Namespace, out: Output) -> int:
+    """``dedloc demo``: its own module, so that the demo's process imports neither torch nor py-libp2p
+    (its nodes do; 4 s of CPU before its first line, otherwise)."""
+    try:
+        network, why = choose_network(args.network)
+    except ValueError as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return 2
+    if not out.json_mode:
+        print(f"network: {network} ({why})", flush=True)
+    return await run_demo(peers=args.peers, duration=args.duration, train_time=args.train_time, out=out,
+                          network=network, until_shown=args.until_shown)
+
+
 async def run_demo(*, peers: int, duration: float, out: Any, train_time: float = 0.0,
-                   network: str = "loopback", until_shown: bool = False) -> int:
+                   network: str = "loopback", until_shown: bool = False, fork: bool = True) -> int:
     """Start a bootstrap node and ``peers`` peers; 0 once they formed a swarm, used the DHT, averaged
     (and trained, with ``train_time``: at most that long with ``until_shown``, which ends the training
-    once the verdict holds). ``network``: "loopback" or "namespaces" (the NAT lab, as root)."""
+    once the verdict holds). ``network``: "loopback" or "namespaces" (the NAT lab, as root). ``fork``:
+    start the nodes from a fork server (:data:`PRELOAD`), not as fresh interpreters."""
     if peers < 2:
         print("demo: need at least two peers (averaging takes two)", file=sys.stderr)
         return 2
-    async with _network(network, peers) as where:
-        return await _run_demo(where, peers=peers, duration=duration, out=out, train_time=train_time,
+    say = _Say(out.json_mode)
+    if fork:
+        say("importing the commands' modules once (torch, py-libp2p, transformers): each node's process is forked "
+            "from that one")
+    async with _launcher(fork) as command, _network(network, peers) as where:
+        await command.ready(say)
+        return await _run_demo(where, command, peers=peers, duration=duration, out=out, train_time=train_time,
                                until_shown=until_shown)
 
 
-async def _run_demo(where: _Network, *, peers: int, duration: float, out: Any, train_time: float,
-                    until_shown: bool) -> int:
+async def _run_demo(where: _Network, command: _Launcher, *, peers: int, duration: float, out: Any,
+                    train_time: float, until_shown: bool) -> int:
     say = _Say(out.json_mode)
     members: dict[str, _Member] = {}
     names: dict[str, str] = {}  # peer id -> name
@@ -395,7 +462,7 @@ async def _run_demo(where: _Network, *, peers: int, duration: float, out: Any, t
                 shown.set()
 
     async def start(nursery: trio.Nursery, name: str, *args: str, index: int = 0) -> _Member:
-        process = await where.spawn(name, _command(*args, "--json", *where.options(name, index), "--ephemeral"))
+        process = await where.spawn(name, command(*args, "--json", *where.options(name, index), "--ephemeral"))
         member = _Member(name, process)
         members[name] = member
         ready = trio.Event()
@@ -418,7 +485,7 @@ async def _run_demo(where: _Network, *, peers: int, duration: float, out: Any, t
                 await member.process.wait()
         workdir = Path(tempfile.mkdtemp(prefix="dedloc-demo-"))
         workdirs.append(workdir)
-        from .mlm import prepare
+        from .corpus import prepare
 
         prepared = await trio.to_thread.run_sync(lambda: prepare(workdir))
         # one peer publishes the corpus; the trainers fetch it from the swarm (through their NATs) as they
@@ -509,7 +576,7 @@ async def _run_demo(where: _Network, *, peers: int, duration: float, out: Any, t
                     await meshed.wait()
                     say(f"swarm formed: {peers} peers and the bootstrap node; the regular peers all connected "
                         "and heard every greeting")
-                    if await _dht_round_trip(say, where, boot_addr):
+                    if await _dht_round_trip(say, where, command, boot_addr):
                         await averaged.wait()
                         say(f"averaging: every peer averaged {ROUNDS_WANTED}+ rounds exactly, each in a group "
                             f"of all {peers} at least once (senders only: {senders})")
@@ -634,12 +701,12 @@ class _Training:
         return False
 
 
-async def _dht_round_trip(say: _Say, where: _Network, boot_addr: str) -> bool:
+async def _dht_round_trip(say: _Say, where: _Network, command: _Launcher, boot_addr: str) -> bool:
     """Store a value with ``dedloc dht store`` and read it back with ``dedloc dht get``, as a user would."""
     boot = ["--initial-peers", boot_addr]
-    rc1, out1, err1 = await where.run_tool(_command("dht", "store", "demo:greeting", "hello, DHT", "--ttl", "60", *boot))
+    rc1, out1, err1 = await where.run_tool(command("dht", "store", "demo:greeting", "hello, DHT", "--ttl", "60", *boot))
     say(f"      dht store demo:greeting → {out1.strip() or err1.strip()}")
-    rc2, out2, err2 = await where.run_tool(_command("dht", "get", "demo:greeting", *boot))
+    rc2, out2, err2 = await where.run_tool(command("dht", "get", "demo:greeting", *boot))
     say(f"      dht get demo:greeting   → {out2.strip() or err2.strip()}")
     return rc1 == 0 and rc2 == 0 and out2.startswith("hello, DHT")
 

@@ -1,8 +1,8 @@
-"""``python -m MODULE ARGS``, run by tests/forkserver.py: this process hands over its stdio, network
+"""``python -m MODULE ARGS``, run by p2p/forkserver.py: this process hands over its stdio, network
 namespace, directory and environment, forwards the signals it gets, and exits as the child does.
 
-    python -S -I tests/forkclient.py SOCKET -m MODULE ARGS...
-    python -S -I tests/forkclient.py SOCKET SCRIPT ARGS...     (``python SCRIPT ARGS``)
+    python -S -I p2p/forkclient.py SOCKET -m MODULE ARGS...
+    python -S -I p2p/forkclient.py SOCKET SCRIPT ARGS...     (``python SCRIPT ARGS``)
 
 Standard library only, and nothing imported that a bare interpreter does not need: it starts in
 ~20 ms where the module's own imports take seconds.
@@ -78,7 +78,7 @@ def main() -> None:
     child = int(started["pid"])
     for number in early:
         forward(number, None)
-    while sock not in select.select([sock, wake_r], [], [])[0]:
+    while sock.fileno() not in select.select([sock.fileno(), wake_r], [], [])[0]:
         os.read(wake_r, 512)
     ended = json.loads(sock.recv(1 << 16) or b"{}")
     if "status" not in ended:

@@ -1,13 +1,13 @@
 """Start ``python -m MODULE ...`` (or ``python SCRIPT ...``) as processes forked from one that
 imported the modules once.
 
-A dedloc process pays its imports before it does anything: ~1 s of CPU for ``tests.nat_agent``,
-~1.8 s for ``nat.cli``, ~3.5 s for ``training.commands`` (torch). The namespace labs start 120
-agents and dozens of relays a run, and tests/test_cli_errors.py 30 command lines; on CI's two cores
-that was minutes of CPU spent importing the same modules. This server imports them once, then
-forks a child per request that runs the module exactly as ``python -m`` does.
+A dedloc process pays its imports before it does anything: ~1.8 s of CPU for ``nat.cli``, ~3.5 s
+with torch, ~9 s for ``dedloc train`` (torch, py-libp2p, transformers' ALBERT and its tokenizer).
+``dedloc demo`` starts a dozen of them, the test suite's namespace labs hundreds; on a two-core
+machine that was minutes of CPU spent importing the same modules. This server imports them once,
+then forks a child per request that runs the module exactly as ``python -m`` does.
 
-A request comes from ``tests/forkclient.py``, a stdlib-only script that starts in ~20 ms. The
+A request comes from ``p2p/forkclient.py``, a stdlib-only script that starts in ~20 ms. The
 client is the process the caller started and sees (``ip netns exec ns python -S -I forkclient.py
 SOCKET -m MODULE ARGS``, or a plain ``subprocess.run``): it hands this server its stdin, stdout,
 stderr and network namespace (file descriptors over the unix socket), its working directory and
@@ -24,7 +24,10 @@ imported objects out of each child's collections, so the pages stay shared; the 
 not by the interpreter's teardown of every module (it writes to every page). A command line that
 fails at once took 2.0 s of CPU so (1.5 s of it unfreezing, 0.5 s the teardown), 0.2 s now.
 
-    python -m tests.forkserver SOCKET MODULE...   (in the repository root; stdout: "ready" once it listens)
+    python -m p2p.forkserver SOCKET MODULE...   (stdout: "ready" once it listens)
+
+Its owners: :class:`Forks` (a blocking ``with``, the test suite's), :class:`ForkServer` (``async
+with``, ``dedloc demo``'s). Linux only (``prctl``, ``setns``, descriptors over a unix socket).
 
 A request names a module (``-m``, run as ``python -m`` runs it: the caller's directory first on
 sys.path) or a script's path (run as ``python SCRIPT`` runs it: the script's directory first on
@@ -55,10 +58,17 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
+
+from .errors import DedlocError
+
+if TYPE_CHECKING:
+    import trio
 
 _CLONE_NEWNET = 0x40000000
 _PR_SET_PDEATHSIG = 1
@@ -269,27 +279,8 @@ def kill_session(pid: int) -> None:
             continue
 
 
-ROOT = Path(__file__).resolve().parent.parent
+#: The client script: started as ``python -S -I forkclient.py`` (stdlib only, ~20 ms), never imported.
 CLIENT = Path(__file__).resolve().parent / "forkclient.py"
-
-
-#: The environment variable that tells :func:`python_m` where a test's fork server listens.
-ENV = "DEDLOC_FORKS"
-
-
-#: What NAT agents and relays import (the ``forks`` fixture's default preload).
-NAT = ("tests.nat_agent", "nat.cli")
-#: What a lab that runs light ``dedloc`` commands beside its relay imports (``training.commands``
-#: imports a command's modules only as it runs: the CLI starts at once).
-COMMANDS = ("nat.cli", "training.commands")
-#: What the heavier commands (``average``, ``serve-experts``) import as they run: torch and every module
-#: of the four packages (``.*``: a package and all its modules; 163 modules, ~8 s once, 4 s a child).
-PACKAGES = ("torch", "p2p.*", "nat.*", "averaging.*", "training.*")
-#: And what ``train`` and ``backbone`` import for the example model: transformers' ALBERT and its
-#: tokenizer, 4.8 s of each trainer's start (transformers imports its model classes as they are named).
-TRAINING = (*PACKAGES, "transformers.models.albert.modeling_albert", "transformers.tokenization_utils_fast")
-#: What the benches' workers import: the packages and the NAT agent (tests/test_bench_smoke.py).
-BENCH = (*PACKAGES, "tests.nat_agent")
 
 
 def client_argv(path: str, module: str, *args: str) -> list[str]:
@@ -302,37 +293,31 @@ def script_argv(path: str, script: str, *args: str) -> list[str]:
     return [sys.executable, "-S", "-I", str(CLIENT), path, script, *args]
 
 
-def python_m(module: str, *args: str) -> list[str]:
-    """``python -m module args``: through the fork server named by $DEDLOC_FORKS (set by the
-    ``forks`` fixture, tests/conftest.py) where there is one, a fresh interpreter where not (a
-    bench that borrows a test's helpers)."""
-    return python_argv([sys.executable, "-m", module, *args])
+def server_argv(path: str, preload: Sequence[str]) -> list[str]:
+    """The server's own command line: it imports ``preload`` (``package.*``: a package and every
+    module under it), listens at ``path``, says "ready" on stdout, and serves until its stdin closes."""
+    return [sys.executable, "-m", "p2p.forkserver", path, *preload]
 
 
-def python_argv(argv: Sequence[str | os.PathLike[str]]) -> list[str]:
-    """``argv`` as words; where it runs this interpreter on a script or a ``-m`` module and
-    $DEDLOC_FORKS names a fork server, the same command through it. Other interpreters (hivemind's
-    venv) and other options (``-c``, ``-u``) start as they are."""
-    words = [os.fspath(a) for a in argv]
-    path = os.environ.get(ENV)
-    if not path or len(words) < 2 or words[0] != sys.executable:
-        return words
-    if words[1] == "-m" and len(words) > 2:
-        return client_argv(path, *words[2:])
-    if not words[1].startswith("-") and words[1].endswith(".py"):
-        return script_argv(path, *words[1:])
-    return words
+class ForkServerError(DedlocError):
+    """The fork server did not start: what it said, how it ended."""
+
+
+def _failed(said: str, status: int | None) -> ForkServerError:
+    ended = "still running" if status is None else f"exit {status}"
+    return ForkServerError(f"the fork server did not start (it said {said.strip()!r}, {ended})")
 
 
 class Forks:
-    """A fork server for a test: ``with Forks("nat.cli") as forks: forks.argv("nat.cli", "relay")``.
+    """A fork server for a blocking caller (the test suite): ``with Forks("nat.cli") as forks:
+    forks.argv("nat.cli", "relay")``. ``argv(module, *args)`` is the command line to start in place of
+    ``python -m module args``. ``cwd``: the server's directory, first on its sys.path (a test's
+    preload names modules of the repository's ``tests``)."""
 
-    ``argv(module, *args)`` is the command line to start in place of ``python -m module args``.
-    """
-
-    def __init__(self, *preload: str, timeout: float = 60) -> None:
+    def __init__(self, *preload: str, timeout: float = 60, cwd: str | os.PathLike[str] | None = None) -> None:
         self.preload = preload
         self.timeout = timeout
+        self.cwd = cwd
         self._dir = tempfile.TemporaryDirectory(prefix="forks-")
         self.path = os.path.join(self._dir.name, "socket")
         self.server: subprocess.Popen[str] | None = None
@@ -341,13 +326,13 @@ class Forks:
         return client_argv(self.path, module, *args)
 
     def __enter__(self) -> Forks:
-        self.server = subprocess.Popen([sys.executable, "-m", "tests.forkserver", self.path, *self.preload], cwd=ROOT,
-                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.server = subprocess.Popen(server_argv(self.path, self.preload), cwd=self.cwd, stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, text=True)
         assert self.server.stdout is not None
         line = self.server.stdout.readline()
         if line != "ready\n":
             self.server.kill()
-            raise RuntimeError(f"the fork server did not start (it said {line!r}, exit {self.server.wait()})")
+            raise _failed(line, self.server.wait())
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
@@ -360,6 +345,71 @@ class Forks:
                 self.server.kill()
                 self.server.wait()
         self._dir.cleanup()
+
+
+class ForkServer:
+    """A fork server owned by a trio task: ``async with ForkServer.open(preload) as forks``, then
+    ``await forks.ready()`` before the first ``forks.argv(...)`` is started. The server imports while
+    the owner does other work (``dedloc demo`` builds its NAT lab meanwhile); leaving the block closes
+    its stdin, and the server kills whatever it forked that still runs.
+
+    The server has a session of its own: a Ctrl-C at the terminal reaches the owner, which ends it
+    in order, not the server in the middle of a fork."""
+
+    def __init__(self, process: trio.Process, path: str, timeout: float) -> None:
+        self.process = process
+        self.path = path
+        self.timeout = timeout
+        self._said: str | None = None
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, preload: Sequence[str], *, timeout: float = 120.0,
+                   close_timeout: float = 10.0) -> AsyncIterator[ForkServer]:
+        """Start the server (``timeout``: how long its imports may take, from here to "ready")."""
+        import trio
+
+        with tempfile.TemporaryDirectory(prefix="forks-") as directory:
+            path = os.path.join(directory, "socket")
+            process = await trio.lowlevel.open_process(server_argv(path, preload), stdin=subprocess.PIPE,
+                                                       stdout=subprocess.PIPE, start_new_session=True)
+            try:
+                yield cls(process, path, timeout)
+            finally:
+                with trio.CancelScope(shield=True):
+                    if process.stdin is not None:
+                        await process.stdin.aclose()
+                    with trio.move_on_after(close_timeout):
+                        await process.wait()
+                    if process.returncode is None:
+                        process.kill()
+                        await process.wait()
+
+    async def ready(self) -> None:
+        """Wait until the server listens; :class:`ForkServerError` where it ended or said something
+        else, or did not say it within the timeout."""
+        import trio
+
+        if self._said is None:
+            assert self.process.stdout is not None
+            said, ended = b"", False
+            with trio.move_on_after(self.timeout):
+                while not said.endswith(b"\n"):
+                    chunk = await self.process.stdout.receive_some(64)
+                    if not chunk:
+                        ended = True
+                        break
+                    said += chunk
+            if ended:  # its status, for the error
+                with trio.move_on_after(5):
+                    await self.process.wait()
+            self._said = said.decode(errors="replace") if said or ended else f"nothing in {self.timeout:g} s"
+        if self._said != "ready\n":
+            raise _failed(self._said, self.process.returncode)
+
+    def argv(self, module: str, *args: str) -> list[str]:
+        """``python -m module args`` as a child of this server."""
+        return client_argv(self.path, module, *args)
 
 
 def main() -> None:
