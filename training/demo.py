@@ -120,12 +120,14 @@ class _Launcher:
 
 
 @asynccontextmanager
-async def _launcher(fork: bool) -> AsyncIterator[_Launcher]:
-    """Start the fork server (it imports while the caller builds the network), where asked and where
-    it can work (Linux: ``prctl``, ``setns``)."""
-    if not fork or sys.platform != "linux":
+async def _launcher(say: _Say) -> AsyncIterator[_Launcher]:
+    """Start the fork server (it imports while the caller builds the network) where it can work
+    (Linux: ``prctl``, ``setns``)."""
+    if sys.platform != "linux":
         yield _Launcher(None)
         return
+    say("importing the commands' modules once (torch, py-libp2p, transformers): each node's process is forked "
+        "from that one")
     async with ForkServer.open(PRELOAD) as forks:
         yield _Launcher(forks)
 
@@ -328,20 +330,15 @@ async def cmd_demo(args: argparse.Namespace, out: Output) -> int:
 
 
 async def run_demo(*, peers: int, duration: float, out: Any, train_time: float = 0.0,
-                   network: str = "loopback", until_shown: bool = False, fork: bool = True) -> int:
+                   network: str = "loopback", until_shown: bool = False) -> int:
     """Start a bootstrap node and ``peers`` peers; 0 once they formed a swarm, used the DHT, averaged
     (and trained, with ``train_time``: at most that long with ``until_shown``, which ends the training
-    once the verdict holds). ``network``: "loopback" or "namespaces" (the NAT lab, as root). ``fork``:
-    start the nodes from a fork server (:data:`PRELOAD`), not as fresh interpreters."""
+    once the verdict holds). ``network``: "loopback" or "namespaces" (the NAT lab, as root)."""
     if peers < 2:
         print("demo: need at least two peers (averaging takes two)", file=sys.stderr)
         return 2
-    say = _Say(out.json_mode)
-    if fork:
-        say("importing the commands' modules once (torch, py-libp2p, transformers): each node's process is forked "
-            "from that one")
-    async with _launcher(fork) as command, _network(network, peers) as where:
-        await command.ready(say)
+    async with _launcher(_Say(out.json_mode)) as command, _network(network, peers) as where:
+        await command.ready(_Say(out.json_mode))
         return await _run_demo(where, command, peers=peers, duration=duration, out=out, train_time=train_time,
                                until_shown=until_shown)
 
