@@ -28,6 +28,8 @@ fails at once took 2.0 s of CPU so (1.5 s of it unfreezing, 0.5 s the teardown),
 
 Its owners: :class:`Forks` (a blocking ``with``, the test suite's), :class:`ForkServer` (``async
 with``, ``dedloc demo``'s). Linux only (``prctl``, ``setns``, descriptors over a unix socket).
+Whoever connects runs a module as the server's user: both owners put the socket in a directory of
+their own that only that user may enter (``tempfile``'s, mode 0700).
 
 A request names a module (``-m``, run as ``python -m`` runs it: the caller's directory first on
 sys.path) or a script's path (run as ``python SCRIPT`` runs it: the script's directory first on

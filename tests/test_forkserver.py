@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -233,6 +234,7 @@ async def test_an_async_owner_waits_for_ready_forks_children_and_its_end_ends_th
         await forks.ready()
         await forks.ready()  # once said, said: the second returns at once
         assert os.getsid(forks.process.pid) == forks.process.pid
+        assert stat.S_IMODE(os.stat(os.path.dirname(forks.path)).st_mode) == 0o700  # its user's alone
         done = await trio.run_process(forks.argv("probe", "show", "x"), cwd=here, stdin=b"in", capture_stdout=True,
                                       capture_stderr=True, check=False)
         assert done.returncode == 3 and json.loads(done.stdout)["argv"] == ["show", "x"], done.stderr
