@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from p2p.forkserver import Forks, client_argv, script_argv
-from training.demo import PRELOAD
+from training.demo import PACKAGES, PRELOAD
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,9 +25,8 @@ NAT = ("tests.nat_agent", "nat.cli")
 #: What a lab that runs light ``dedloc`` commands beside its relay imports (``training.commands``
 #: imports a command's modules only as it runs: the CLI starts at once).
 COMMANDS = ("nat.cli", "training.commands")
-#: What the heavier commands (``average``, ``serve-experts``) import as they run: torch and every module
-#: of the four packages (``.*``: a package and all its modules; 163 modules, ~8 s once, 4 s a child).
-PACKAGES = ("torch", "p2p.*", "nat.*", "averaging.*", "training.*")
+# PACKAGES (imported above): what the heavier commands (``average``, ``serve-experts``) import as they
+# run, torch and every module of the four packages (163 modules, ~8 s once, 4 s a child).
 #: And what ``train`` and ``backbone`` import for the example model: the demo's own preload (the
 #: packages, transformers' ALBERT and its tokenizer: 4.8 s more of each trainer's start).
 TRAINING = PRELOAD

@@ -17,11 +17,10 @@ from libp2p.peer.id import ID
 
 from nat.circuit import RelayClient, RelayError
 from p2p import Node, NodeConfig
+from p2p.forkserver import Forks
 from p2p.trio_util import read_lines
 
 from .conftest import open_nodes
-from p2p.forkserver import Forks
-
 from .forks import TRAINING, python_argv
 from .kit import ProcessLines, requires_root_netns
 

@@ -88,11 +88,13 @@ class _Member:
         return {peer for peer, n in self.connections.items() if n > 0}
 
 
-#: What the demo's fork server imports: torch and every module of the four packages (``.*``: a package
-#: and all its modules), transformers' ALBERT and its tokenizer (transformers imports its model classes
-#: only as they are named): all that the demo's commands import as they run. ~10 s of CPU, once.
-PRELOAD = ("torch", "p2p.*", "nat.*", "averaging.*", "training.*", "transformers.models.albert.modeling_albert",
-           "transformers.tokenization_utils_fast")
+#: torch and every module of the four packages (``.*``: a package and all its modules): what the
+#: commands (``average``, ``serve-experts``) import as they run.
+PACKAGES = ("torch", "p2p.*", "nat.*", "averaging.*", "training.*")
+#: What the demo's fork server imports: the packages, transformers' ALBERT and its tokenizer
+#: (transformers imports its model classes only as they are named): all that the demo's commands
+#: import as they run, ``train`` and ``backbone`` too. ~10 s of CPU, once.
+PRELOAD = (*PACKAGES, "transformers.models.albert.modeling_albert", "transformers.tokenization_utils_fast")
 #: The module every node runs (``dedloc``'s entry point).
 ENTRY = "training.commands"
 
@@ -337,15 +339,15 @@ async def run_demo(*, peers: int, duration: float, out: Any, train_time: float =
     if peers < 2:
         print("demo: need at least two peers (averaging takes two)", file=sys.stderr)
         return 2
-    async with _launcher(_Say(out.json_mode)) as command, _network(network, peers) as where:
-        await command.ready(_Say(out.json_mode))
-        return await _run_demo(where, command, peers=peers, duration=duration, out=out, train_time=train_time,
-                               until_shown=until_shown)
-
-
-async def _run_demo(where: _Network, command: _Launcher, *, peers: int, duration: float, out: Any,
-                    train_time: float, until_shown: bool) -> int:
     say = _Say(out.json_mode)
+    async with _launcher(say) as command, _network(network, peers) as where:
+        await command.ready(say)
+        return await _run_demo(where, command, say, peers=peers, duration=duration, out=out,
+                               train_time=train_time, until_shown=until_shown)
+
+
+async def _run_demo(where: _Network, command: _Launcher, say: _Say, *, peers: int, duration: float, out: Any,
+                    train_time: float, until_shown: bool) -> int:
     members: dict[str, _Member] = {}
     names: dict[str, str] = {}  # peer id -> name
     values: dict[str, float] = {}  # peer id -> the value it averages
